@@ -1,0 +1,54 @@
+"""LoRA fine-tuning of BERT on GLUE SST-2: one script for one process, N replicas, or any launcher.
+
+Every replica runs this same file; it works out its rank from whatever started it
+(utils/distributed.py), trains with the HF Trainer (Accelerate DDP underneath), waits for the
+others, and rank 0 writes the model to OUTPUT_DIR and pushes it to RESULT_MODEL_ID.
+
+Launch it:
+    python main.py                                   # one process (one GPU: 8-bit LoRA)
+    python main.py --dry-run                         # resolved settings + ranks as JSON; imports no torch
+    docker run --gpus 1 ... IMAGE [--flags]          # single-GPU fallback (README "Docker")
+    # managed platform, replicas: 4 (config.yaml): the platform sets RANK, WORLD_SIZE, NODE_RANK,
+    #   MASTER_ADDR, MASTER_PORT on each replica and runs `python main.py`
+    kubectl apply -k k8s/                            # Kubeflow PyTorchJob, Master 1 + Worker 3
+    torchrun --nnodes 1 --nproc-per-node 4 main.py   # several GPUs on one machine
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python main.py   # by hand, as the platform does
+    srun python main.py                              # Slurm: one task per GPU (SLURM_* variables)
+    python main.py --push-only                       # upload an existing OUTPUT_DIR/model again
+
+Exit codes: 0 done (or already done), 2 bad input/settings/credentials (do not restart),
+3 trained but the push failed (run --push-only), 143 preempted (restart resumes), 1 unexpected.
+"""
+
+import json
+import sys
+
+from utils.distributed import detect_env
+from utils.errors import EXIT_UNEXPECTED, JobError
+from utils.settings import load_settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings, args = load_settings(argv)
+        dist = detect_env()
+        if args.dry_run:
+            print(json.dumps({"config": settings.as_dict(), "distributed": dist.as_dict()}, indent=2))
+            return 0
+        from utils.training_utils import publish_only, run  # heavy imports (torch, transformers) only now
+
+        return publish_only(settings, dist) if args.push_only else run(settings, dist)
+    except JobError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # print the traceback: an unexpected error is a bug to report
+        import traceback
+
+        traceback.print_exc()
+        return EXIT_UNEXPECTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""SST-2 (or any sentence/label data set shaped like it): load, check, tokenize once per shared volume.
+
+Both sources, the Hub (`nyu-mll/glue`, `sst2`) and a local folder (DATASET_PATH), go through the same
+checks and the same tokenization after loading. Padding is left to the collator: SST-2 sentences
+average ~13 tokens, so padding to MAX_SEQ_LENGTH would make most of each batch padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import datasets
+from datasets import DatasetDict, load_dataset, load_from_disk
+from datasets.fingerprint import Hasher
+
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "validation")  # GLUE's test split has no labels (-1) and is never used
+FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+TEXT, LABEL = "text", "labels"  # the names after loading; `labels` is what the model's forward takes
+
+
+def _local_files(folder: Path) -> dict[str, str]:
+    files = {}
+    for split in SPLITS:
+        found = sorted(p for p in folder.iterdir() if p.stem == split and p.suffix in FILE_FORMATS)
+        if not found:
+            present = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"DATASET_PATH={folder} has no '{split}' split (it holds {present}); add {split}.csv (or .tsv .json .jsonl .parquet) "
+                "or point DATASET_PATH at a save_to_disk DatasetDict",
+            )
+        files[split] = str(found[0])
+    suffixes = {Path(f).suffix for f in files.values()}
+    if len({FILE_FORMATS[s] for s in suffixes}) > 1:
+        raise JobError(EXIT_BAD_INPUT, f"DATASET_PATH={folder} mixes file formats ({sorted(suffixes)}); use one format for train and validation")
+    return files
+
+
+def load_raw(settings: Settings) -> DatasetDict:
+    """The train and validation splits from DATASET_PATH when set, else from the Hub."""
+    if settings.dataset_path:
+        folder = Path(settings.dataset_path)
+        if not folder.is_dir():
+            raise JobError(EXIT_BAD_INPUT, f"DATASET_PATH={folder} is not a folder; point it at a folder with train/validation files")
+        if (folder / "dataset_dict.json").exists():
+            loaded = load_from_disk(str(folder))
+        else:
+            files = _local_files(folder)
+            fmt = FILE_FORMATS[Path(files["train"]).suffix]
+            kwargs = {"delimiter": "\t"} if files["train"].endswith(".tsv") else {}
+            loaded = load_dataset(fmt, data_files=files, **kwargs)
+    else:
+        try:
+            loaded = load_dataset(settings.dataset_name, settings.dataset_config)
+        except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"cannot load DATASET_NAME={settings.dataset_name} DATASET_CONFIG={settings.dataset_config} from the Hub "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); check the names, or on an offline cluster set DATASET_PATH to a local copy",
+            ) from None
+    if not isinstance(loaded, DatasetDict):
+        raise JobError(EXIT_BAD_INPUT, f"{settings.dataset_path} holds one Dataset, not a DatasetDict with train and validation splits")
+    missing = [split for split in SPLITS if split not in loaded]
+    if missing:
+        raise JobError(EXIT_BAD_INPUT, f"the data set has no {missing} split (it has {sorted(loaded)}); provide train and validation splits")
+    return DatasetDict({split: loaded[split] for split in SPLITS})
+
+
+def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
+    """Keep the text and label columns under fixed names; refuse empty splits and labels outside 0/1."""
+    checked = {}
+    for split, ds in raw.items():
+        for setting, column in (("TEXT_COLUMN", settings.text_column), ("LABEL_COLUMN", settings.label_column)):
+            if column not in ds.column_names:
+                raise JobError(EXIT_BAD_INPUT, f"the {split} split has no column '{column}' (columns: {ds.column_names}); set {setting} to the right one")
+        if len(ds) == 0:
+            raise JobError(EXIT_BAD_INPUT, f"the {split} split is empty; it needs at least one row")
+        labels = set(ds.unique(settings.label_column))
+        if not labels <= {0, 1}:
+            bad = sorted(labels - {0, 1}, key=str)[:5]
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the {split} split has labels {bad} in '{settings.label_column}'; labels must be 0 (negative) or 1 (positive) "
+                "(GLUE's test split, labelled -1, cannot be used for training or validation)",
+            )
+        ds = ds.select_columns([settings.text_column, settings.label_column])
+        checked[split] = ds.rename_columns({settings.text_column: TEXT, settings.label_column: LABEL})
+    return DatasetDict(checked)
+
+
+def cache_key(raw: DatasetDict, tokenizer, max_seq_length: int) -> str:
+    """Tokenized data depends on the tokenizer, the truncation length and the data: key the cache on all three."""
+    return Hasher.hash([Hasher.hash(tokenizer), max_seq_length, [raw[s]._fingerprint for s in SPLITS]])[:16]
+
+
+def tokenize(raw: DatasetDict, tokenizer, max_seq_length: int, cache_dir: Path) -> DatasetDict:
+    """Tokenize once into `cache_dir` (on the shared volume); later calls and other ranks load it."""
+    target = cache_dir / f"tokenized-{cache_key(raw, tokenizer, max_seq_length)}"
+    if (target / "dataset_dict.json").exists():
+        log.info("tokenized data found in %s", target)
+        return load_from_disk(str(target))
+
+    def encode(batch):
+        return tokenizer(batch[TEXT], truncation=True, max_length=max_seq_length)
+
+    tokenized = raw.map(encode, batched=True, remove_columns=[TEXT], desc="tokenizing")
+    # Written beside the target, then renamed: a reader never sees half a cache.
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenized.save_to_disk(str(partial))
+    try:
+        partial.rename(target)
+    except OSError:  # another writer (a second job on the volume) got there first
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("tokenized %s rows into %s", {k: len(v) for k, v in tokenized.items()}, target)
+    return load_from_disk(str(target))
+
+
+def load_sst2(settings: Settings, tokenizer, cache_dir: Path) -> DatasetDict:
+    """Train and validation splits, checked and tokenized (columns input_ids, attention_mask, ..., labels)."""
+    raw = check_and_rename(load_raw(settings), settings)
+    return tokenize(raw, tokenizer, settings.max_seq_length, cache_dir)

@@ -1,0 +1,16 @@
+"""Exit codes the orchestrators act on (DESIGN contract), and the one exception that carries them."""
+
+EXIT_OK = 0
+EXIT_UNEXPECTED = 1
+EXIT_BAD_INPUT = 2  # permanent: restarting will not help, so restartPolicy: ExitCode does not restart it
+EXIT_PUSH_FAILED = 3  # trained and saved; `--push-only` retries the upload
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: orchestrators restart on >= 128
+
+
+class JobError(Exception):
+    """An error with a known exit code and a one-line message that says how to fix it."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message

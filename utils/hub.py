@@ -1,0 +1,159 @@
+"""The Hugging Face Hub: check the token before training, write the model card, push the model folder.
+
+huggingface_hub does not retry `create_repo` or a commit on HTTP 503, so transient failures (5xx,
+429, dropped connections, timeouts) are retried here with exponential backoff and jitter (tenacity),
+bounded in total time. Permanent ones (401, 403, 404, a bad repo id) fail at once. The token is
+passed explicitly and never formatted into a message.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx2
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from huggingface_hub.errors import HfHubHTTPError
+from pydantic import SecretStr
+from tenacity import before_sleep_log, retry, retry_if_exception, stop_after_delay, wait_random_exponential
+
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.settings import Settings
+
+log = logging.getLogger(__name__)
+
+TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+PUSH_RETRY_SECONDS = 600  # total time spent retrying one call: rides out a Hub incident, not an outage
+
+
+def _status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, HfHubHTTPError):
+        return _status(exc) in TRANSIENT_STATUS
+    return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
+
+
+def _retrying(max_seconds: float):
+    return retry(
+        retry=retry_if_exception(is_transient),
+        wait=wait_random_exponential(multiplier=1, max=60),  # 1 s, 2 s, 4 s ... with full jitter, capped at a minute
+        stop=stop_after_delay(max_seconds),
+        before_sleep=before_sleep_log(log, logging.WARNING),
+        reraise=True,
+    )
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line account of a Hub failure that names no secret."""
+    status = _status(exc)
+    if status in (401, 403):
+        return f"the Hub refused HF_TOKEN (HTTP {status}); create a token with write access at https://huggingface.co/settings/tokens and set HF_TOKEN"
+    if status is not None:
+        return f"the Hub answered HTTP {status}"
+    return f"{type(exc).__name__} talking to the Hub"
+
+
+class Hub:
+    def __init__(self, token: SecretStr | None, max_retry_seconds: float = PUSH_RETRY_SECONDS):
+        self._token = token
+        self._api = HfApi(token=token.get_secret_value() if token else False)
+        self._retry = _retrying(max_retry_seconds)
+
+    def check_write_access(self, repo_id: str) -> str:
+        """Fail in seconds, before any GPU time, when the token is missing, wrong or read-only."""
+        if self._token is None:
+            raise JobError(EXIT_BAD_INPUT, f"RESULT_MODEL_ID={repo_id} asks for a push but no token is set; set HF_TOKEN (or HF_TOKEN_PATH), or unset RESULT_MODEL_ID")
+        try:
+            me = self._retry(self._api.whoami)()
+        except Exception as exc:
+            code = EXIT_BAD_INPUT if _status(exc) in (401, 403) else 1
+            raise JobError(code, f"checking HF_TOKEN failed: {describe(exc)}") from None
+        role = me.get("auth", {}).get("accessToken", {}).get("role")
+        if role == "read":
+            raise JobError(EXIT_BAD_INPUT, f"HF_TOKEN of '{me.get('name')}' is read-only; RESULT_MODEL_ID={repo_id} needs a token with write access")
+        log.info("HF_TOKEN belongs to '%s' (%s)", me.get("name"), role or "unknown role")
+        return me.get("name", "")
+
+    def push_folder(self, folder: Path, repo_id: str, private: bool, message: str) -> str:
+        """create_repo (exist_ok) + upload_folder, each retried on transient failures. Returns the commit URL."""
+        self._retry(self._api.create_repo)(repo_id=repo_id, private=private, exist_ok=True)
+        commit = self._retry(self._api.upload_folder)(repo_id=repo_id, folder_path=str(folder), commit_message=message)
+        return str(commit.commit_url if hasattr(commit, "commit_url") else commit)
+
+
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+A LoRA adapter for [{{ base_model }}](https://huggingface.co/{{ base_model }}) fine-tuned for binary
+sentiment classification on {{ dataset_label }}.
+
+| metric | value |
+| --- | --- |
+| validation accuracy | {{ accuracy }} |
+| validation rows | {{ eval_samples }} |
+
+## Use
+
+```python
+from peft import AutoPeftModelForSequenceClassification
+from transformers import AutoTokenizer
+
+model = AutoPeftModelForSequenceClassification.from_pretrained("{{ repo_or_path }}")
+tokenizer = AutoTokenizer.from_pretrained("{{ repo_or_path }}")
+```
+
+## Training
+
+| setting | value |
+| --- | --- |
+{% for key, value in settings.items() -%}
+| {{ key }} | {{ value }} |
+{% endfor %}
+| world size | {{ world_size }} |
+| run name | {{ run_name }} |
+"""
+
+
+def write_model_card(folder: Path, settings: Settings, metrics: dict, world_size: int) -> None:
+    dataset_id = settings.dataset_path and Path(settings.dataset_path).name or settings.dataset_name
+    dataset_label = f"GLUE SST-2 ({settings.dataset_name}, {settings.dataset_config})" if not settings.dataset_path else f"local data set '{dataset_id}'"
+    card_data = ModelCardData(
+        base_model=settings.model_name,
+        library_name="peft",
+        pipeline_tag="text-classification",
+        tags=["lora", "peft", "text-classification", "sentiment-analysis"],
+        datasets=[dataset_id],
+        model_name=settings.run_name,
+        eval_results=[
+            EvalResult(
+                task_type="text-classification",
+                dataset_type=dataset_id,
+                dataset_name=dataset_label,
+                dataset_config=None if settings.dataset_path else settings.dataset_config,
+                dataset_split="validation",
+                metric_type="accuracy",
+                metric_value=round(metrics["eval_accuracy"], 4),
+            )
+        ],
+    )
+    card = ModelCard.from_template(
+        card_data,
+        template_str=CARD_TEMPLATE,
+        model_name=settings.run_name,
+        base_model=settings.model_name,
+        dataset_label=dataset_label,
+        accuracy=f"{metrics['eval_accuracy']:.4f}",
+        eval_samples=metrics["eval_samples"],
+        repo_or_path=settings.result_model_id or "path/to/output/model",
+        settings=settings.training_settings(),
+        world_size=world_size,
+        run_name=settings.run_name,
+    )
+    card.save(folder / "README.md")

@@ -1,0 +1,81 @@
+"""The model: BERT for 2-label classification, wrapped in LoRA, optionally loaded in 8-bit."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.settings import Settings
+
+log = logging.getLogger(__name__)
+
+CLASSIFIER = "classifier"  # BERT's head: kept in full precision and trained alongside the adapters
+
+
+def _load_error(settings: Settings, exc: Exception) -> JobError:
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"cannot load MODEL_NAME={settings.model_name} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+        "give a Hub id or a local folder holding config.json and the weights (on an offline cluster, a folder on the shared volume)",
+    )
+
+
+def load_tokenizer(settings: Settings):
+    try:
+        return AutoTokenizer.from_pretrained(settings.model_name)
+    except (OSError, ValueError) as exc:
+        raise _load_error(settings, exc) from None
+
+
+def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -> PeftModel:
+    """AutoModelForSequenceClassification (2 labels) + LoRA; 8-bit base weights when asked.
+
+    8-bit quantizes every Linear, the classifier head too, and LoRA cannot train an int8 head: the head
+    is skipped by the quantizer (`llm_int8_skip_modules`) and saved in full with the adapter.
+    """
+    kwargs: dict = {"num_labels": 2}
+    if quantize_8bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER])
+        # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
+        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(settings.model_name, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise _load_error(settings, exc) from None
+    if quantize_8bit:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
+
+    lora = LoraConfig(
+        task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
+        r=settings.lora_r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=list(settings.lora_target_modules),
+    )
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:
+        names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LORA_TARGET_MODULES={','.join(settings.lora_target_modules)} not found in {settings.model_name}; "
+            f"its linear layers are named {names}",
+        ) from None
+    trainable, total = model.get_nb_trainable_parameters()
+    log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+    return model
+
+
+def trainable_checksum(model: torch.nn.Module) -> str:
+    """A hash of the trainable weights: identical on every rank when DDP really synchronised them."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        if param.requires_grad:
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,232 @@
+"""Every setting of the job, in one typed model: built-in defaults < environment < command-line flags.
+
+The platform's `config_map` arrives as environment variables, so each setting has an UPPER_SNAKE env
+name and a `--kebab-case` flag. The Hub token is the exception: it is read only from `HF_TOKEN` or
+the file named by `HF_TOKEN_PATH` (as huggingface_hub does), never from a flag, because flags end up
+in `ps`, shell history and job specs.
+
+This module imports nothing heavy (pydantic only): `--help` and `--dry-run` must answer in well
+under a second, before torch or transformers are imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from utils.errors import JobError, EXIT_BAD_INPUT
+
+SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
+# The repo id grammar the Hub enforces: an optional namespace, then a name of letters, digits, -, _, .
+REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+
+
+def default_output_dir() -> str:
+    # On the platform the shared volume is the only place every replica (and a restart) can see.
+    return f"{SHARED_VOLUME}/output" if os.path.isdir(SHARED_VOLUME) else "./output"
+
+
+class Settings(BaseModel):
+    """The job's settings. Each field's description is its `--help` text: why the default is what it is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+
+    # --- what to train on
+    model_name: str = Field(
+        "bert-base-uncased", description="Hub id or local folder of the base model (a folder on the shared volume for air-gapped clusters)"
+    )
+    dataset_name: str = Field("nyu-mll/glue", description="Hub dataset id, used when DATASET_PATH is unset")
+    dataset_config: str = Field("sst2", description="configuration of the Hub dataset")
+    dataset_path: str | None = Field(
+        None,
+        description="local folder that wins over DATASET_NAME: train/validation files (.csv .tsv .json .jsonl .parquet) or a save_to_disk DatasetDict",
+    )
+    text_column: str = Field("sentence", description="column holding the text (GLUE SST-2's name)")
+    label_column: str = Field("label", description="column holding the 0/1 label (GLUE SST-2's name)")
+
+    # --- where results go
+    output_dir: str = Field(
+        default_factory=default_output_dir, description=f"one run per folder; {SHARED_VOLUME}/output when {SHARED_VOLUME} exists, else ./output"
+    )
+    run_name: str | None = Field(None, description="name of the run in logs and the model card; derived from the training settings when unset, so every replica and every restart agree")
+
+    # --- how long and how big
+    num_epochs: float = Field(1.0, gt=0, description="passes over the training split; one pass is enough for LoRA on SST-2")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; when set it wins over NUM_EPOCHS")
+    per_device_batch_size: int = Field(64, ge=1, description="rows per device per step; global batch = this x world size x accumulation")
+    per_device_eval_batch_size: int = Field(256, ge=1, description="evaluation needs no gradients or optimizer state, so it fits a larger batch")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit")
+    learning_rate: float = Field(5e-4, gt=0, lt=1, description="LoRA adapters train well 10x above full fine-tuning rates; 5e-4 is the usual BERT LoRA value")
+    warmup_ratio: float = Field(0.06, ge=0, lt=1, description="fraction of steps with a rising learning rate, as in the RoBERTa/LoRA GLUE recipes")
+
+    # --- LoRA
+    lora_r: int = Field(8, ge=1, description="adapter rank; 8 is the LoRA paper's GLUE setting")
+    lora_alpha: int = Field(16, ge=1, description="adapter scale alpha/r = 2")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="light regularisation of the adapter input")
+    lora_target_modules: tuple[str, ...] = Field(("query", "value"), description="comma-separated module names to adapt; query,value as in the LoRA paper")
+
+    # --- numerics and speed
+    quantization: Literal["auto", "8bit", "none"] = Field(
+        "auto", description="auto: 8bit when the whole job is one CUDA GPU (it halves weight memory), none otherwise"
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: bf16 autocast where the GPU supports it, else fp32")
+    gradient_checkpointing: bool = Field(False, description="saves activation memory that BERT-base LoRA does not need, at ~30% more compute")
+    max_seq_length: int = Field(128, ge=8, le=512, description="truncation length; SST-2 sentences average ~13 tokens and batches are padded only to their longest row")
+    dataloader_num_workers: int = Field(2, ge=0, description="collating runs beside the GPU step instead of before it")
+    torch_compile: bool = Field(False, description="torch.compile the model: faster steps on long runs, a minute of compile first")
+    seed: int = Field(42, ge=0, description="seeds data order, LoRA init and dropout: the same seed gives the same run")
+
+    # --- checkpoints, rendezvous, publishing
+    save_steps: int = Field(100, ge=1, description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB")
+    save_total_limit: int = Field(2, ge=1, description="checkpoints kept; two, so a restart still has one if the newest is incomplete")
+    rendezvous_timeout: int = Field(
+        600, ge=10, description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading and tokenizing while the others wait"
+    )
+    result_model_id: str | None = Field(None, description="Hub repo to push model/ to (needs HF_TOKEN); unset: the model stays on the volume")
+    hub_private: bool = Field(True, description="a new Hub repo is private unless asked otherwise")
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = tuple(name.strip() for name in value.split(",") if name.strip())
+        if not value:
+            raise ValueError("name at least one module, e.g. query,value")
+        return value
+
+    @field_validator("result_model_id")
+    @classmethod
+    def _check_repo_id(cls, value: str | None) -> str | None:
+        if value is not None and (not REPO_ID_PATTERN.match(value) or "--" in value or ".." in value):
+            raise ValueError("must look like 'your-name/model-name' (letters, digits, '-', '_', '.')")
+        return value
+
+    @model_validator(mode="after")
+    def _derive_run_name(self) -> "Settings":
+        if self.run_name is None:
+            object.__setattr__(self, "run_name", derive_run_name(self))
+        return self
+
+    # ---------------------------------------------------------------- views
+    def training_settings(self) -> dict[str, Any]:
+        """The settings that change what is trained: a run folder holding other values is refused."""
+        return {name: value for name, value in self.as_dict().items() if name in TRAINING_SETTINGS}
+
+    def as_dict(self) -> dict[str, Any]:
+        values = self.model_dump(mode="json")
+        values["hf_token"] = "***" if read_token() else None
+        return values
+
+
+# Settings that change the result. The others (where to write, where to push, timeouts, speed knobs
+# that leave the maths alone) may differ between a run and its restart.
+TRAINING_SETTINGS = frozenset(
+    {
+        "model_name", "dataset_name", "dataset_config", "dataset_path", "text_column", "label_column",
+        "num_epochs", "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate",
+        "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "quantization",
+        "precision", "max_seq_length", "seed",
+    }
+)  # fmt: skip
+
+
+def derive_run_name(settings: Settings) -> str:
+    training = {name: getattr(settings, name) for name in sorted(TRAINING_SETTINGS)}
+    digest = hashlib.sha256(json.dumps(training, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    model = Path(settings.model_name.rstrip("/")).name or "model"
+    data = Path(settings.dataset_path.rstrip("/")).name if settings.dataset_path else settings.dataset_config
+    return f"{model}-{data}-lora-r{settings.lora_r}-{digest}"
+
+
+def read_token() -> SecretStr | None:
+    """HF_TOKEN, else the file HF_TOKEN_PATH names: the two places the job accepts a secret from."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    path = os.environ.get("HF_TOKEN_PATH", "").strip()
+    if not token and path:
+        try:
+            token = Path(path).expanduser().read_text().strip()
+        except OSError as exc:
+            raise JobError(EXIT_BAD_INPUT, f"HF_TOKEN_PATH={path} cannot be read ({exc.strerror}); mount the token file there or set HF_TOKEN") from None
+    return SecretStr(token) if token else None
+
+
+# ------------------------------------------------------------------------------- parsing
+FIELDS = Settings.model_fields
+
+
+def env_name(field: str) -> str:
+    return field.upper()
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _help_default(field: str) -> str:
+    info = FIELDS[field]
+    if info.default_factory is not None:
+        return info.default_factory()
+    default = info.default
+    if isinstance(default, tuple):
+        return ",".join(default)
+    if isinstance(default, bool):
+        return str(default).lower()
+    return "unset" if default is None else str(default)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one `error:` line and exit 2, like every other bad input
+        raise JobError(EXIT_BAD_INPUT, f"{message}; see `python main.py --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="main.py",
+        description="LoRA fine-tuning of BERT on GLUE SST-2, on one process or many. Every setting is a flag or an "
+        "environment variable (flags win); the Hub token comes only from HF_TOKEN or HF_TOKEN_PATH.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved settings and distributed environment as JSON, then exit")
+    parser.add_argument("--push-only", action="store_true", help="push an existing OUTPUT_DIR/model to RESULT_MODEL_ID without training")
+    group = parser.add_argument_group("settings (flag / env name; default)")
+    for field, info in FIELDS.items():
+        choices = getattr(info.annotation, "__args__", None) if "Literal" in str(info.annotation) else None
+        metavar = "{" + ",".join(choices) + "}" if choices else "{true,false}" if info.annotation is bool else None
+        group.add_argument(
+            flag_name(field),
+            dest=field,
+            default=None,  # None means "not given": env and defaults then apply
+            metavar=metavar,
+            help=f"[{env_name(field)}; default {_help_default(field)}] {info.description}".replace("%", "%%"),
+        )
+    return parser
+
+
+def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    """Resolve defaults < env < flags and validate; bad values raise JobError with the fix."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    given: dict[str, tuple[str, str]] = {}  # field -> (where it came from, raw value)
+    for field in FIELDS:
+        raw = environ.get(env_name(field), "").strip()
+        if raw:  # an empty variable (a blank config_map entry) means unset
+            given[field] = (env_name(field), raw)
+        if getattr(args, field) is not None:
+            given[field] = (flag_name(field), getattr(args, field))
+    try:
+        settings = Settings(**{field: raw for field, (_, raw) in given.items()})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else ""
+        source, raw = given.get(field, (env_name(field), "<default>"))
+        reason = first["msg"].removeprefix("Value error, ")
+        raise JobError(EXIT_BAD_INPUT, f"{source}={raw!s} is invalid: {reason}; fix {env_name(field)} or {flag_name(field)}") from None
+    read_token()  # an unreadable HF_TOKEN_PATH is bad input now, not after training
+    return settings, args

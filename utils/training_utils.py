@@ -1,0 +1,283 @@
+"""The order of a run: output folder, data, model, Trainer, evaluation, publish.
+
+Every rank runs `run`. The Trainer (Accelerate underneath) owns the loop, DDP, accumulation, mixed
+precision, checkpoints, resume, logging and the progress bar; this module only decides what to build
+and in which order, and where ranks must agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import datasets
+import evaluate
+import numpy as np
+import torch
+import transformers
+from torch.utils.data import SequentialSampler
+from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers.integrations import TensorBoardCallback
+
+from utils import distributed
+from utils.data import load_sst2
+from utils.distributed import DistEnv
+from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
+from utils.hub import Hub, describe, write_model_card
+from utils.model import build_model, load_tokenizer, trainable_checksum
+from utils.outputs import (
+    RunDir,
+    latest_complete_checkpoint,
+    mark_checkpoint_complete,
+    open_run_dir,
+    read_json,
+    replace_dir,
+    write_json,
+    write_run_record,
+)
+from utils.settings import Settings, read_token
+
+log = logging.getLogger("job")
+ACCURACY_MODULE = str(Path(__file__).with_name("accuracy.py"))
+LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
+
+
+# ------------------------------------------------------------------------------- set-up
+def setup_logging(run: RunDir, dist: DistEnv) -> None:
+    """Every rank logs to its own file; only rank 0 talks on the console (warnings from all)."""
+    fmt = logging.Formatter(LOG_FORMAT.format(rank=dist.rank))
+    file_handler = logging.FileHandler(run.rank_log(dist.rank))
+    file_handler.setFormatter(fmt)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(fmt)
+    console.setLevel(logging.INFO if dist.is_main else logging.WARNING)
+    logging.basicConfig(level=logging.INFO, handlers=[file_handler, console], force=True)
+    transformers.utils.logging.disable_default_handler()  # its records go to our handlers instead
+    transformers.utils.logging.enable_propagation()
+    for library in (transformers, datasets):
+        library.utils.logging.set_verbosity(logging.INFO if dist.is_main else logging.WARNING)
+    if not dist.is_main:
+        datasets.disable_progress_bars()
+
+
+def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[bool, str]:
+    """(8-bit?, precision) from QUANTIZATION / PRECISION and the hardware; impossible asks are bad input."""
+    quantize = settings.quantization == "8bit" or (settings.quantization == "auto" and cuda and dist.world_size == 1)
+    precision = settings.precision
+    if precision == "auto":
+        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "fp16" and not cuda:
+        raise JobError(EXIT_BAD_INPUT, "PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
+    if precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+        raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
+    return quantize, precision
+
+
+# ------------------------------------------------------------------------------- the Trainer
+class JobTrainer(Trainer):
+    """The HF Trainer, counting the rows this rank trained on and keeping evaluation in dataset order."""
+
+    samples_seen = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # BERT's forward takes **kwargs, so the Trainer assumes it sums its loss over `num_items_in_batch`
+        # and then scales it by the world size and skips the division by accumulation steps. The
+        # classification loss is a per-batch mean: without this, DDP runs train at world-size x the rate.
+        self.model_accepts_loss_kwargs = False
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.samples_seen += int(inputs["input_ids"].shape[0])
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _get_eval_sampler(self, eval_dataset):
+        # Length grouping speeds up training; for evaluation it would only reorder rows.
+        return SequentialSampler(eval_dataset)
+
+
+class CheckpointMarker(TrainerCallback):
+    """Marks a checkpoint complete once the Trainer has finished writing it (resume skips unmarked ones)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            mark_checkpoint_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+
+def accuracy_metric():
+    metric = evaluate.load(ACCURACY_MODULE)
+
+    def compute(eval_pred):
+        # Score against the labels that come back with the predictions, never the dataset's order.
+        predictions = np.argmax(eval_pred.predictions, axis=-1)
+        references = eval_pred.label_ids
+        return {**metric.compute(predictions=predictions, references=references), "samples": len(references)}
+
+    return compute
+
+
+def build_trainer(settings: Settings, run: RunDir, dist: DistEnv, model, tokenizer, data, precision: str, cuda: bool) -> JobTrainer:
+    tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8  # Ampere and newer: TF32 matmuls for what stays fp32
+    args = TrainingArguments(
+        output_dir=str(run.checkpoints),
+        run_name=settings.run_name,
+        per_device_train_batch_size=settings.per_device_batch_size,
+        per_device_eval_batch_size=settings.per_device_eval_batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        num_train_epochs=settings.num_epochs,
+        max_steps=settings.max_steps or -1,
+        learning_rate=settings.learning_rate,
+        warmup_steps=settings.warmup_ratio,  # below 1 the Trainer reads it as a fraction of all steps
+        optim="adamw_torch_fused",
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        tf32=tf32 or None,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},  # the reentrant variant breaks DDP + LoRA (peft #899)
+        train_sampling_strategy="group_by_length",  # batches of similar length: little padding
+        torch_compile=settings.torch_compile,
+        logging_steps=10,
+        logging_first_step=True,
+        save_strategy="steps",
+        save_steps=settings.save_steps,
+        save_total_limit=settings.save_total_limit,
+        eval_strategy="no",  # one full evaluation at the end; SST-2's 872 rows take seconds
+        report_to="none",  # TensorBoard is added below with its folder under OUTPUT_DIR
+        seed=settings.seed,
+        use_cpu=not cuda,  # without it, CPU ranks would not form a DDP group but each train alone
+        ddp_find_unused_parameters=False,
+        ddp_timeout=settings.rendezvous_timeout,
+        dataloader_num_workers=settings.dataloader_num_workers,
+        dataloader_pin_memory=cuda,
+        disable_tqdm=not dist.is_main,
+        log_level="info" if dist.is_main else "warning",
+        log_level_replica="warning",
+    )
+    callbacks: list[TrainerCallback] = [CheckpointMarker()]
+    if dist.is_main:
+        tensorboard = TensorBoardCallback()
+        tensorboard.logging_dir = str(run.tensorboard / settings.run_name)  # kept when it reopens its writer for the final evaluation
+        callbacks.append(tensorboard)
+    return JobTrainer(
+        model=model,
+        args=args,
+        train_dataset=data["train"],
+        eval_dataset=data["validation"],
+        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cuda else None),  # multiples of 8 for tensor cores
+        processing_class=tokenizer,
+        compute_metrics=accuracy_metric(),
+        callbacks=callbacks,
+    )
+
+
+# ------------------------------------------------------------------------------- publish
+def save_model(run: RunDir, settings: Settings, model, tokenizer, metrics: dict, world_size: int) -> None:
+    """Write model/ (adapter, tokenizer, card) and metrics.json, each whole or not at all."""
+    staged = run.root / ".model.partial"
+    shutil.rmtree(staged, ignore_errors=True)
+    model.save_pretrained(staged)
+    tokenizer.save_pretrained(staged)
+    write_model_card(staged, settings, metrics, world_size)
+    replace_dir(staged, run.model)
+    write_json(run.metrics, metrics)
+    log.info("saved %s and %s", run.model, run.metrics)
+
+
+def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
+    """Push model/ to RESULT_MODEL_ID; exit 3 if it fails after retries (the model stays on the volume)."""
+    repo_id = settings.result_model_id
+    log.info("pushing %s to %s", run.model, repo_id)
+    try:
+        url = hub.push_folder(run.model, repo_id, settings.hub_private, message=f"Upload {settings.run_name}")
+    except Exception as exc:
+        log.error("push to %s failed: %s", repo_id, describe(exc))
+        print(f"error: push to {repo_id} failed ({describe(exc)}); the model is in {run.model}: rerun with --push-only", file=sys.stderr)
+        return EXIT_PUSH_FAILED
+    write_run_record(run, settings, pushed={"repo_id": repo_id, "commit": url})
+    log.info("pushed to %s", url)
+    return EXIT_OK
+
+
+def already_pushed(run: RunDir, settings: Settings) -> bool:
+    record = read_json(run.run_record) or {}
+    return (record.get("pushed") or {}).get("repo_id") == settings.result_model_id
+
+
+# ------------------------------------------------------------------------------- the run
+def run(settings: Settings, dist: DistEnv) -> int:
+    run_dir = open_run_dir(settings)
+    setup_logging(run_dir, dist)
+    log.info("rank %d of %d (local rank %d, node %d) via %s; environment %s", dist.rank, dist.world_size, dist.local_rank,
+             dist.node_rank, dist.source, distributed.masked_environ())  # fmt: skip
+    if run_dir.is_finished():
+        log.info("%s already holds a finished run", run_dir.root)
+        if dist.is_main and settings.result_model_id and not already_pushed(run_dir, settings):
+            return push_model(run_dir, settings, Hub(read_token()))
+        return EXIT_OK
+
+    distributed.export_env(dist)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
+    quantize, precision = resolve_numerics(settings, dist, cuda)
+    log.info("device %s, 8-bit %s, precision %s", device, quantize, precision)
+    distributed.init_process_group(dist, settings.rendezvous_timeout, cuda)
+
+    hub = Hub(read_token())
+
+    def check_and_record():
+        if settings.result_model_id:
+            hub.check_write_access(settings.result_model_id)
+        write_run_record(run_dir, settings)
+
+    distributed.run_on_main(dist, check_and_record)
+
+    tokenizer = load_tokenizer(settings)
+    data = distributed.on_main_then_others(dist, lambda: load_sst2(settings, tokenizer, run_dir.cache))
+    set_seed(settings.seed)  # before the model: LoRA init and dropout are the same on every restart
+    model = distributed.agree(dist, lambda: build_model(settings, quantize, device))
+
+    trainer = build_trainer(settings, run_dir, dist, model, tokenizer, data, precision, cuda)
+    checkpoint = latest_complete_checkpoint(run_dir)
+    if checkpoint:
+        log.info("resuming from %s", checkpoint)
+    train_result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    eval_metrics = trainer.evaluate()
+    metrics = {
+        **train_result.metrics,
+        **eval_metrics,
+        "world_size": dist.world_size,
+        "quantization": "8bit" if quantize else "none",
+        "precision": precision,
+        "run_name": settings.run_name,
+    }
+    log.info("eval accuracy %.4f on %d rows", metrics["eval_accuracy"], metrics["eval_samples"])
+
+    trainer.accelerator.wait_for_everyone()
+    distributed.leave_process_group()  # no rank enters a collective after this: rank 0 may upload for minutes
+    summary = f"rank {dist.rank} processed {trainer.samples_seen} training samples; trainable weights checksum {trainable_checksum(trainer.model)}"
+    code = EXIT_OK
+    if dist.is_main:
+        save_model(run_dir, settings, trainer.model, tokenizer, metrics, dist.world_size)
+        if settings.result_model_id:
+            code = push_model(run_dir, settings, hub)
+        print(f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
+              f"model={run_dir.model}", flush=True)  # fmt: skip
+    log.info(summary)
+    return code
+
+
+def publish_only(settings: Settings, dist: DistEnv) -> int:
+    """--push-only: upload an existing model/ (after a failed push) without training."""
+    if not dist.is_main:
+        return EXIT_OK
+    run_dir = open_run_dir(settings)
+    setup_logging(run_dir, dist)
+    if not settings.result_model_id:
+        raise JobError(EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (the Hub repo to push to)")
+    if not run_dir.is_finished():
+        raise JobError(EXIT_BAD_INPUT, f"{run_dir.model} holds no finished model; run the training first (without --push-only)")
+    hub = Hub(read_token())
+    hub.check_write_access(settings.result_model_id)
+    return push_model(run_dir, settings, hub)
