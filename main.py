@@ -21,10 +21,12 @@ Exit codes: 0 done (or already done), 2 bad input/settings/credentials (do not r
 """
 
 import json
+import logging
 import sys
 
 from utils.distributed import detect_env
 from utils.errors import EXIT_UNEXPECTED, JobError
+from utils.outputs import open_run_dir
 from utils.settings import load_settings
 
 
@@ -35,9 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(json.dumps({"config": settings.as_dict(), "distributed": dist.as_dict()}, indent=2))
             return 0
-        from utils.training_utils import publish_only, run  # heavy imports (torch, transformers) only now
+        run_dir = open_run_dir(settings)  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
 
-        return publish_only(settings, dist) if args.push_only else run(settings, dist)
+        # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        from utils.training_utils import publish_only, run  # torch, transformers, peft: seconds to import
+
+        return publish_only(settings, dist, run_dir) if args.push_only else run(settings, dist, run_dir)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code

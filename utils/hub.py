@@ -47,14 +47,16 @@ def _retrying(max_seconds: float):
     )
 
 
-def describe(exc: BaseException) -> str:
-    """A one-line account of a Hub failure that names no secret."""
+def describe(exc: BaseException, token: SecretStr | None = None) -> str:
+    """A one-line account of a Hub failure, with the token (should any message echo it) masked."""
     status = _status(exc)
     if status in (401, 403):
         return f"the Hub refused HF_TOKEN (HTTP {status}); create a token with write access at https://huggingface.co/settings/tokens and set HF_TOKEN"
-    if status is not None:
-        return f"the Hub answered HTTP {status}"
-    return f"{type(exc).__name__} talking to the Hub"
+    detail = (str(exc).strip().splitlines() or [""])[0][:200]
+    if token is not None and token.get_secret_value():
+        detail = detail.replace(token.get_secret_value(), "***")
+    what = f"the Hub answered HTTP {status}" if status is not None else f"{type(exc).__name__} talking to the Hub"
+    return f"{what}: {detail}" if detail else what
 
 
 class Hub:
@@ -71,12 +73,15 @@ class Hub:
             me = self._retry(self._api.whoami)()
         except Exception as exc:
             code = EXIT_BAD_INPUT if _status(exc) in (401, 403) else 1
-            raise JobError(code, f"checking HF_TOKEN failed: {describe(exc)}") from None
+            raise JobError(code, f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
         role = me.get("auth", {}).get("accessToken", {}).get("role")
         if role == "read":
             raise JobError(EXIT_BAD_INPUT, f"HF_TOKEN of '{me.get('name')}' is read-only; RESULT_MODEL_ID={repo_id} needs a token with write access")
         log.info("HF_TOKEN belongs to '%s' (%s)", me.get("name"), role or "unknown role")
         return me.get("name", "")
+
+    def describe(self, exc: BaseException) -> str:
+        return describe(exc, self._token)
 
     def push_folder(self, folder: Path, repo_id: str, private: bool, message: str) -> str:
         """create_repo (exist_ok) + upload_folder, each retried on transient failures. Returns the commit URL."""

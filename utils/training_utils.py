@@ -26,13 +26,12 @@ from utils import distributed
 from utils.data import load_sst2
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
-from utils.hub import Hub, describe, write_model_card
+from utils.hub import Hub, write_model_card
 from utils.model import build_model, load_tokenizer, trainable_checksum
 from utils.outputs import (
     RunDir,
     latest_complete_checkpoint,
     mark_checkpoint_complete,
-    open_run_dir,
     read_json,
     replace_dir,
     write_json,
@@ -192,8 +191,8 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
     try:
         url = hub.push_folder(run.model, repo_id, settings.hub_private, message=f"Upload {settings.run_name}")
     except Exception as exc:
-        log.error("push to %s failed: %s", repo_id, describe(exc))
-        print(f"error: push to {repo_id} failed ({describe(exc)}); the model is in {run.model}: rerun with --push-only", file=sys.stderr)
+        log.error("push to %s failed: %s", repo_id, hub.describe(exc))
+        print(f"error: push to {repo_id} failed ({hub.describe(exc)}); the model is in {run.model}: rerun with --push-only", file=sys.stderr)
         return EXIT_PUSH_FAILED
     write_run_record(run, settings, pushed={"repo_id": repo_id, "commit": url})
     log.info("pushed to %s", url)
@@ -206,8 +205,7 @@ def already_pushed(run: RunDir, settings: Settings) -> bool:
 
 
 # ------------------------------------------------------------------------------- the run
-def run(settings: Settings, dist: DistEnv) -> int:
-    run_dir = open_run_dir(settings)
+def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     setup_logging(run_dir, dist)
     log.info("rank %d of %d (local rank %d, node %d) via %s; environment %s", dist.rank, dist.world_size, dist.local_rank,
              dist.node_rank, dist.source, distributed.masked_environ())  # fmt: skip
@@ -268,11 +266,10 @@ def run(settings: Settings, dist: DistEnv) -> int:
     return code
 
 
-def publish_only(settings: Settings, dist: DistEnv) -> int:
+def publish_only(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     """--push-only: upload an existing model/ (after a failed push) without training."""
     if not dist.is_main:
         return EXIT_OK
-    run_dir = open_run_dir(settings)
     setup_logging(run_dir, dist)
     if not settings.result_model_id:
         raise JobError(EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (the Hub repo to push to)")

@@ -1,0 +1,139 @@
+"""A local stand-in for the Hugging Face Hub API, enough for whoami, create_repo and upload_folder.
+
+Jobs under test reach it through HF_ENDPOINT. It records every request (never the token itself: only
+whether the right one was sent) and the files each commit carried, and can be told to fail: a route
+answers the queued status codes first (e.g. three 503s), then succeeds.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class HubStub:
+    token: str = "hf_test_token_value_0123456789"
+    role: str = "write"
+    requests: list[tuple[str, str]] = field(default_factory=list)
+    commits: list[dict] = field(default_factory=list)  # {"repo": ..., "files": {path: bytes}}
+    created: list[dict] = field(default_factory=list)
+    failures: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))  # route -> statuses to answer first
+    bad_auth: int = 0
+
+    def fail(self, route: str, *statuses: int) -> None:
+        """Make `route` ('whoami', 'create', 'preupload', 'commit') answer these statuses before succeeding."""
+        self.failures[route].extend(statuses)
+
+    def start(self) -> str:
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def _send(self, status: int, payload=None, headers: dict | None = None):
+                body = json.dumps(payload if payload is not None else {}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _body(self) -> bytes:
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length else b""
+
+            def _authorized(self) -> bool:
+                ok = self.headers.get("Authorization") == f"Bearer {stub.token}"
+                if not ok:
+                    stub.bad_auth += 1
+                return ok
+
+            def _route(self) -> str:
+                path = self.path.split("?")[0]
+                if path == "/api/whoami-v2":
+                    return "whoami"
+                if path == "/api/repos/create":
+                    return "create"
+                if "/preupload/" in path:
+                    return "preupload"
+                if "/commit/" in path:
+                    return "commit"
+                if path == "/api/validate-yaml":
+                    return "validate-yaml"
+                return "other"
+
+            def _maybe_fail(self, route: str) -> bool:
+                queue = stub.failures.get(route)
+                if queue:
+                    status = queue.popleft()
+                    headers = {"Retry-After": "1"} if status == 429 else None
+                    self._send(status, {"error": f"stub failure {status}"}, headers)
+                    return True
+                return False
+
+            def do_HEAD(self):
+                stub.requests.append(("HEAD", self.path))
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self):
+                stub.requests.append(("GET", self.path))
+                route = self._route()
+                if self._maybe_fail(route):
+                    return
+                if route == "whoami":
+                    if not self._authorized():
+                        return self._send(401, {"error": "Invalid credentials in Authorization header"})
+                    return self._send(200, {"name": "tester", "type": "user", "auth": {"accessToken": {"role": stub.role}}})
+                self._send(404, {"error": "not found"})
+
+            def do_POST(self):
+                body = self._body()
+                stub.requests.append(("POST", self.path))
+                route = self._route()
+                if self._maybe_fail(route):
+                    return
+                if route == "validate-yaml":
+                    return self._send(200, {"errors": [], "warnings": []})
+                if not self._authorized():
+                    return self._send(401, {"error": "Invalid credentials in Authorization header"})
+                if route == "create":
+                    payload = json.loads(body)
+                    stub.created.append(payload)
+                    name = f"{payload.get('organization') or 'tester'}/{payload['name']}"
+                    return self._send(200, {"url": f"http://{self.headers['Host']}/{name}", "name": name})
+                if route == "preupload":
+                    files = json.loads(body)["files"]
+                    return self._send(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+                if route == "commit":
+                    repo = self.path.split("/api/models/")[1].split("/commit/")[0]
+                    files = {}
+                    for line in body.decode().splitlines():
+                        item = json.loads(line)
+                        if item["key"] == "file":
+                            files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                    stub.commits.append({"repo": repo, "files": files})
+                    return self._send(200, {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/abc123", "commitOid": "abc123"})
+                self._send(404, {"error": "not found"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def count(self, route_fragment: str) -> int:
+        return sum(1 for _, path in self.requests if route_fragment in path)

@@ -1,0 +1,143 @@
+"""The job end to end, in real processes, on the tiny BERT: one process, two platform replicas, 8-bit, and the Hub push."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port, rank_env, run_main, start_main
+
+CHECKSUM = re.compile(r"rank (\d+) processed (\d+) training samples; trainable weights checksum ([0-9a-f]+)")
+
+
+def last_summary(log: Path) -> tuple[int, int, str]:
+    rank, samples, checksum = CHECKSUM.search(log.read_text().strip().splitlines()[-1]).groups()
+    return int(rank), int(samples), checksum
+
+
+def classify(model_dir: Path, sentences: list[str]) -> list[int]:
+    import torch
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    model = AutoPeftModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        logits = model(**tokenizer(sentences, return_tensors="pt", padding=True)).logits
+    return logits.argmax(-1).tolist()
+
+
+def test_one_process_trains_saves_and_the_model_loads_back(job_env, tmp_path):
+    result = run_main(job_env)
+    assert result.code == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval_accuracy"] > 0.8, metrics  # chance is 0.5 on this balanced synthetic task
+    assert metrics["eval_samples"] == 101 and metrics["world_size"] == 1
+    assert metrics["train_samples_per_second"] > 0 and metrics["train_runtime"] > 0
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= {p.name for p in (out / "model").iterdir()}
+    assert classify(out / "model", ["the film is wonderful and moving", "the script is awful and boring"]) == [1, 0]
+    card = (out / "model" / "README.md").read_text()
+    assert "accuracy" in card and str(round(metrics["eval_accuracy"], 4)) in card
+    record = json.loads((out / "run.json").read_text())
+    assert record["settings"]["lora_r"] == 8 and record["versions"]["transformers"]
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert list((out / "cache").glob("tokenized-*/dataset_dict.json"))
+    assert last_summary(out / "logs" / "rank-0.log")[1] == 2000 * 2  # every training row, every epoch
+    assert "eval_accuracy=" in result.stdout
+
+
+def test_restart_after_success_does_no_second_training(job_env, tmp_path):
+    assert run_main(job_env).code == 0
+    metrics_before = (tmp_path / "out" / "metrics.json").read_text()
+    again = run_main(job_env)
+    assert again.code == 0, again.stderr[-2000:]
+    assert "already holds a finished run" in again.stderr
+    assert (tmp_path / "out" / "metrics.json").read_text() == metrics_before
+
+
+def test_output_dir_with_other_settings_is_refused(job_env):
+    assert run_main(job_env).code == 0
+    other = run_main({**job_env, "LORA_R": "4"})
+    assert other.code == 2
+    assert other.stderr.startswith("error: ") and "lora_r" in other.stderr and "Traceback" not in other.stderr
+
+
+@pytest.mark.slow
+def test_two_platform_replicas_train_one_model_in_sync(job_env, tmp_path):
+    """Two `python main.py` processes with RANK/WORLD_SIZE/NODE_RANK/MASTER_* set by hand, as the platform does."""
+    port = free_port()
+    settings = {k: v for k, v in job_env.items() if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "NUM_EPOCHS", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")}
+    procs = [start_main(rank_env(tmp_path, rank, 2, port, **settings), log=tmp_path / f"stdout-{rank}.txt") for rank in (0, 1)]
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 0], [(tmp_path / f"stdout-{r}.txt").read_text()[-2000:] for r in (0, 1)]
+
+    out = tmp_path / "out"
+    (r0, samples0, sum0), (r1, samples1, sum1) = (last_summary(out / "logs" / f"rank-{r}.log") for r in (0, 1))
+    assert (r0, r1) == (0, 1)
+    assert sum0 == sum1, "trainable weights differ between ranks: gradients were not synchronised"
+    # Each rank sees half the rows per epoch (the sampler pads the last batch to an even split).
+    per_rank_epoch = 2000 // 2
+    assert samples0 == samples1 and per_rank_epoch * 2 <= samples0 <= (per_rank_epoch + 16) * 2
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["eval_samples"] == 101  # odd: no row counted twice
+    assert metrics["eval_accuracy"] > 0.8
+    assert (out / "model" / "adapter_model.safetensors").exists()
+    assert "eval_accuracy=" in (tmp_path / "stdout-0.txt").read_text()
+    assert "eval_accuracy=" not in (tmp_path / "stdout-1.txt").read_text()  # only rank 0 publishes
+
+
+def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_path):
+    result = run_main({**job_env, "QUANTIZATION": "8bit", "NUM_EPOCHS": "1"})
+    assert result.code == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["quantization"] == "8bit"
+    log = (tmp_path / "out" / "logs" / "rank-0.log").read_text()
+    assert "8-bit True" in log
+    assert len(classify(tmp_path / "out" / "model", ["the cast is superb"])) == 1
+
+
+def test_push_sends_adapter_config_tokenizer_and_card(job_env, hub, tmp_path):
+    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora"}
+    result = run_main(env)
+    assert result.code == 0, result.stderr[-3000:]
+    assert len(hub.commits) == 1 and hub.commits[0]["repo"] == "tester/sst2-lora"
+    files = set(hub.commits[0]["files"])
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "README.md"} <= files
+    assert hub.created[0].get("visibility") == "private" or hub.created[0].get("private") is True  # HUB_PRIVATE defaults to true
+    card = hub.commits[0]["files"]["README.md"].decode()
+    assert "base_model:" in card and "accuracy" in card
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert record["pushed"]["repo_id"] == "tester/sst2-lora"
+    # A restart of the finished run pushes nothing again.
+    assert run_main(env).code == 0
+    assert len(hub.commits) == 1
+
+
+@pytest.mark.slow
+def test_two_replicas_push_exactly_once(job_env, hub, tmp_path):
+    port = free_port()
+    settings = {k: v for k, v in job_env.items() if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")}
+    push = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora", "NUM_EPOCHS": "1"}
+    procs = [start_main(rank_env(tmp_path, rank, 2, port, **settings, **push), log=tmp_path / f"stdout-{rank}.txt") for rank in (0, 1)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "stdout-0.txt").read_text()[-2000:]
+    assert len(hub.commits) == 1
+    assert hub.count("/api/whoami-v2") == 1  # only rank 0 checks the token
+
+
+def test_wrong_token_fails_before_training(job_env, hub, tmp_path):
+    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_wrong_token_abcdef", "RESULT_MODEL_ID": "tester/sst2-lora"}
+    result = run_main(env)
+    assert result.code == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "401" in result.stderr
+    assert "Traceback" not in result.stderr and "hf_wrong_token_abcdef" not in result.stderr + result.stdout
+    assert not list((tmp_path / "out" / "checkpoints").glob("checkpoint-*")) and not (tmp_path / "out" / "model").exists()
+    assert hub.commits == []
+
+
+def test_push_without_token_is_bad_input(job_env):
+    result = run_main({**job_env, "RESULT_MODEL_ID": "tester/sst2-lora"})
+    assert result.code == 2 and "HF_TOKEN" in result.stderr and "Traceback" not in result.stderr
