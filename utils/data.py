@@ -55,7 +55,19 @@ def load_raw(settings: Settings) -> DatasetDict:
             files = _local_files(folder)
             fmt = FILE_FORMATS[Path(files["train"]).suffix]
             kwargs = {"delimiter": "\t"} if files["train"].endswith(".tsv") else {}
-            loaded = load_dataset(fmt, data_files=files, **kwargs)
+            try:
+                loaded = load_dataset(fmt, data_files=files, **kwargs)
+            except datasets.exceptions.DatasetGenerationError as exc:
+                cause = exc.__cause__ or exc
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"cannot read the files in DATASET_PATH={folder} ({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); "
+                    "train and validation files need the same columns and a valid format",
+                ) from None
+            except ValueError as exc:
+                if "corresponds to no data" not in str(exc):
+                    raise
+                raise JobError(EXIT_BAD_INPUT, f"a split in DATASET_PATH={folder} is empty ({exc}); each split needs at least one row") from None
     else:
         try:
             loaded = load_dataset(settings.dataset_name, settings.dataset_config)

@@ -1,0 +1,144 @@
+"""Settings precedence, `--help`, `--dry-run` under every launcher's environment, and bad values.
+
+All through the real entry point (`python main.py`), which answers these without importing torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import base_env, run_main
+from utils.settings import FIELDS, env_name, flag_name
+
+
+def dry_run(tmp_path, *args: str, **env: str) -> dict:
+    result = run_main(base_env(tmp_path, **env), "--dry-run", *args)
+    assert result.code == 0, result.stderr
+    return result.json()
+
+
+def test_defaults_env_and_flags_resolve_in_that_order(tmp_path):
+    assert dry_run(tmp_path)["config"]["per_device_batch_size"] == 64
+    assert dry_run(tmp_path, PER_DEVICE_BATCH_SIZE="32")["config"]["per_device_batch_size"] == 32
+    resolved = dry_run(tmp_path, "--per-device-batch-size", "16", PER_DEVICE_BATCH_SIZE="32")["config"]
+    assert resolved["per_device_batch_size"] == 16
+
+
+def test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch(tmp_path):
+    token = "hf_secret_value_that_must_not_leak"
+    env = base_env(tmp_path, HF_TOKEN=token, PYTHONVERBOSE="1")
+    result = run_main(env, "--dry-run")
+    assert result.code == 0
+    payload = result.json()
+    assert set(payload) == {"config", "distributed"}
+    assert set(FIELDS) | {"hf_token"} == set(payload["config"])
+    assert payload["config"]["hf_token"] == "***"
+    assert token not in result.stdout + result.stderr
+    # PYTHONVERBOSE logs every import to stderr: neither torch nor transformers may appear.
+    imported = {line.split()[1] for line in result.stderr.splitlines() if line.startswith("import ")}
+    assert not {"torch", "transformers", "datasets", "peft"} & imported
+    assert dry_run(tmp_path)["config"]["hf_token"] is None
+
+
+def test_token_from_hf_token_path(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("hf_from_file_123\n")
+    assert dry_run(tmp_path, HF_TOKEN_PATH=str(token_file))["config"]["hf_token"] == "***"
+
+
+def test_token_is_never_a_flag(tmp_path):
+    result = run_main(base_env(tmp_path), "--dry-run", "--hf-token", "hf_x")
+    assert result.code == 2 and result.stderr.startswith("error: ") and "hf_x" not in result.stderr.replace("--hf-token hf_x", "")
+
+
+def test_help_lists_every_setting_with_env_name_and_default(tmp_path):
+    result = run_main(base_env(tmp_path), "--help")
+    assert result.code == 0
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    for field in FIELDS:
+        assert flag_name(field) in text and f"[{env_name(field)}; default" in text, field
+    assert "--dry-run" in text and "HF_TOKEN" in text
+
+
+def test_run_name_is_derived_the_same_everywhere_and_changes_with_training_settings(tmp_path):
+    first = dry_run(tmp_path, RANK="0", WORLD_SIZE="2", MASTER_ADDR="h")["config"]["run_name"]
+    again = dry_run(tmp_path, RANK="1", WORLD_SIZE="2", MASTER_ADDR="h", RESULT_MODEL_ID="me/x")["config"]["run_name"]
+    other = dry_run(tmp_path, LORA_R="16")["config"]["run_name"]
+    assert first == again != other
+    assert dry_run(tmp_path, RUN_NAME="mine")["config"]["run_name"] == "mine"
+
+
+def test_output_dir_default_is_local_without_the_shared_volume(tmp_path):
+    assert dry_run(tmp_path)["config"]["output_dir"] == "./output"
+
+
+LAUNCHERS = [
+    # (environment, expected distributed block)
+    ({}, dict(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")),
+    (
+        dict(RANK="3", WORLD_SIZE="4", NODE_RANK="3", MASTER_ADDR="job-0", MASTER_PORT="23456"),
+        dict(rank=3, local_rank=0, world_size=4, node_rank=3, master_addr="job-0", master_port=23456, source="platform"),
+    ),
+    (
+        dict(RANK="2", WORLD_SIZE="4", MASTER_ADDR="sst2-master-0", MASTER_PORT="23456", PET_NODE_RANK="2", PET_NNODES="4", PET_NPROC_PER_NODE="1"),
+        dict(rank=2, local_rank=0, world_size=4, node_rank=2, master_addr="sst2-master-0", master_port=23456, source="pytorchjob"),
+    ),
+    (
+        dict(RANK="5", LOCAL_RANK="1", WORLD_SIZE="8", GROUP_RANK="1", LOCAL_WORLD_SIZE="4", TORCHELASTIC_RUN_ID="x",
+             MASTER_ADDR="10.0.0.1", MASTER_PORT="29400", SLURM_PROCID="1", SLURM_NTASKS="2"),
+        dict(rank=5, local_rank=1, world_size=8, node_rank=1, master_addr="10.0.0.1", master_port=29400, source="torchrun"),
+    ),
+    (
+        dict(SLURM_PROCID="6", SLURM_NTASKS="8", SLURM_LOCALID="2", SLURM_NODEID="1", SLURM_JOB_NODELIST="gpu-[01-04,07]"),
+        dict(rank=6, local_rank=2, world_size=8, node_rank=1, master_addr="gpu-01", master_port=29500, source="slurm"),
+    ),
+    (
+        dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node7,node9"),
+        dict(rank=0, local_rank=0, world_size=2, node_rank=0, master_addr="node7", master_port=29500, source="slurm"),
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("env, expected", LAUNCHERS, ids=[e["source"] + str(i) for i, (_, e) in enumerate(LAUNCHERS)])
+def test_each_launcher_resolves_to_the_right_ranks(tmp_path, env, expected):
+    assert dry_run(tmp_path, **env)["distributed"] == expected
+
+
+def test_four_platform_replicas_resolve_to_ranks_0_to_3(tmp_path):
+    seen = [dry_run(tmp_path, RANK=str(r), WORLD_SIZE="4", NODE_RANK=str(r), MASTER_ADDR="replica-0")["distributed"] for r in range(4)]
+    assert [(d["rank"], d["node_rank"], d["local_rank"], d["master_port"]) for d in seen] == [(r, r, 0, 29500) for r in range(4)]
+
+
+BAD = [
+    (dict(PER_DEVICE_BATCH_SIZE="0"), "PER_DEVICE_BATCH_SIZE"),
+    (dict(PER_DEVICE_BATCH_SIZE="many"), "PER_DEVICE_BATCH_SIZE"),
+    (dict(LEARNING_RATE="-1"), "LEARNING_RATE"),
+    (dict(QUANTIZATION="4bit"), "QUANTIZATION"),
+    (dict(PRECISION="fp8"), "PRECISION"),
+    (dict(HUB_PRIVATE="maybe"), "HUB_PRIVATE"),
+    (dict(MAX_SEQ_LENGTH="100000"), "MAX_SEQ_LENGTH"),
+    (dict(LORA_TARGET_MODULES=" , "), "LORA_TARGET_MODULES"),
+    (dict(RESULT_MODEL_ID="not a repo/id!"), "RESULT_MODEL_ID"),
+    (dict(RANK="x", WORLD_SIZE="2", MASTER_ADDR="h"), "RANK"),
+    (dict(RANK="0", WORLD_SIZE="two", MASTER_ADDR="h"), "WORLD_SIZE"),
+    (dict(RANK="4", WORLD_SIZE="4", MASTER_ADDR="h"), "RANK must be 0..3"),
+    (dict(RANK="0", WORLD_SIZE="0"), "at least 1"),
+    (dict(RANK="1", WORLD_SIZE="2"), "MASTER_ADDR"),
+    (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="99999"), "MASTER_PORT"),
+    (dict(RANK="0", WORLD_SIZE="8", PET_NODE_RANK="0", PET_NPROC_PER_NODE="4", MASTER_ADDR="h"), "torchrun"),
+    (dict(HF_TOKEN_PATH="/nonexistent/token"), "HF_TOKEN_PATH"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("env, names", BAD, ids=[next(iter(e)) + "=" + next(iter(e.values())) for e, _ in BAD])
+def test_bad_values_give_one_error_line_and_exit_2(tmp_path, env, names):
+    result = run_main(base_env(tmp_path, **env), "--dry-run")
+    assert result.code == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], lines
+    assert result.stdout == ""
+
+
+def test_bad_flag_value_names_the_flag(tmp_path):
+    result = run_main(base_env(tmp_path), "--dry-run", "--num-epochs", "zero")
+    assert result.code == 2 and result.stderr.startswith("error: --num-epochs=zero")
