@@ -39,7 +39,7 @@ from utils.outputs import (
 )
 from utils.settings import Settings, read_token
 
-log = logging.getLogger("job")
+log = logging.getLogger(__name__)
 ACCURACY_MODULE = str(Path(__file__).with_name("accuracy.py"))
 LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
 
@@ -53,6 +53,8 @@ def setup_logging(run: RunDir, dist: DistEnv) -> None:
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(fmt)
     console.setLevel(logging.INFO if dist.is_main else logging.WARNING)
+    # The libraries' INFO records (config dumps, file lists) go to the rank log only.
+    console.addFilter(lambda record: record.levelno >= logging.WARNING or record.name.startswith("utils."))
     logging.basicConfig(level=logging.INFO, handlers=[file_handler, console], force=True)
     transformers.utils.logging.disable_default_handler()  # its records go to our handlers instead
     transformers.utils.logging.enable_propagation()
