@@ -142,3 +142,11 @@ def test_bad_values_give_one_error_line_and_exit_2(tmp_path, env, names):
 def test_bad_flag_value_names_the_flag(tmp_path):
     result = run_main(base_env(tmp_path), "--dry-run", "--num-epochs", "zero")
     assert result.code == 2 and result.stderr.startswith("error: --num-epochs=zero")
+
+
+def test_readme_documents_every_setting():
+    from tests.conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    missing = [env_name(field) for field in FIELDS if f"`{env_name(field)}" not in readme]
+    assert not missing, f"README settings table lacks {missing}"
