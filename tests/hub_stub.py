@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 @dataclass
 class HubStub:
     token: str = "hf_test_token_value_0123456789"
-    role: str = "write"
+    role: str = "write"  # or "read", or "fineGrained" with `scopes` on the user's namespace
+    scopes: list[str] = field(default_factory=lambda: ["repo.content.read", "repo.write"])
     requests: list[tuple[str, str]] = field(default_factory=list)
     commits: list[dict] = field(default_factory=list)  # {"repo": ..., "files": {path: bytes}}
     created: list[dict] = field(default_factory=list)
@@ -95,7 +96,10 @@ class HubStub:
                 if route == "whoami":
                     if not self._authorized():
                         return self._send(401, {"error": "Invalid credentials in Authorization header"})
-                    return self._send(200, {"name": "tester", "type": "user", "auth": {"accessToken": {"role": stub.role}}})
+                    access = {"role": stub.role}
+                    if stub.role == "fineGrained":
+                        access["fineGrained"] = {"scoped": [{"entity": {"type": "user", "name": "tester"}, "permissions": stub.scopes}]}
+                    return self._send(200, {"name": "tester", "type": "user", "auth": {"accessToken": access}})
                 self._send(404, {"error": "not found"})
 
             def do_POST(self):

@@ -141,3 +141,12 @@ def test_wrong_token_fails_before_training(job_env, hub, tmp_path):
 def test_push_without_token_is_bad_input(job_env):
     result = run_main({**job_env, "RESULT_MODEL_ID": "tester/sst2-lora"})
     assert result.code == 2 and "HF_TOKEN" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("role, scopes", [("read", []), ("fineGrained", ["repo.content.read"])])
+def test_token_without_write_access_fails_before_training(job_env, hub, tmp_path, role, scopes):
+    hub.role, hub.scopes = role, scopes
+    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora"}
+    result = run_main(env)
+    assert result.code == 2 and "cannot write to RESULT_MODEL_ID=tester/sst2-lora" in result.stderr
+    assert hub.commits == [] and not (tmp_path / "out" / "model").exists()

@@ -59,6 +59,16 @@ def describe(exc: BaseException, token: SecretStr | None = None) -> str:
     return f"{what}: {detail}" if detail else what
 
 
+def _fine_grained_can_write(grants: dict, repo_id: str, me: dict) -> bool:
+    """Whether a fine-grained token's scopes allow writing repo_id (its namespace, or the repo itself)."""
+    namespace = repo_id.split("/")[0] if "/" in repo_id else me.get("name")
+    for scope in grants.get("scoped", []):
+        entity = scope.get("entity", {}).get("name")
+        if entity in (namespace, repo_id) and "repo.write" in scope.get("permissions", []):
+            return True
+    return False
+
+
 class Hub:
     def __init__(self, token: SecretStr | None, max_retry_seconds: float = PUSH_RETRY_SECONDS):
         self._token = token
@@ -74,9 +84,14 @@ class Hub:
         except Exception as exc:
             code = EXIT_BAD_INPUT if _status(exc) in (401, 403) else 1
             raise JobError(code, f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
-        role = me.get("auth", {}).get("accessToken", {}).get("role")
-        if role == "read":
-            raise JobError(EXIT_BAD_INPUT, f"HF_TOKEN of '{me.get('name')}' is read-only; RESULT_MODEL_ID={repo_id} needs a token with write access")
+        access = me.get("auth", {}).get("accessToken", {})
+        role = access.get("role")
+        if role == "read" or (role == "fineGrained" and not _fine_grained_can_write(access.get("fineGrained") or {}, repo_id, me)):
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"HF_TOKEN of '{me.get('name')}' cannot write to RESULT_MODEL_ID={repo_id} ({role} token); "
+                "create a token with write access to that namespace at https://huggingface.co/settings/tokens",
+            )
         log.info("HF_TOKEN belongs to '%s' (%s)", me.get("name"), role or "unknown role")
         return me.get("name", "")
 
