@@ -77,6 +77,12 @@ class Settings(BaseModel):
         "auto", description="auto: 8bit when the whole job is one CUDA GPU (it halves weight memory), none otherwise"
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: bf16 autocast where the GPU supports it, else fp32")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: a whole model per GPU, gradients all-reduced (BERT-base with LoRA fits one GPU many times over: fastest); "
+        "fsdp: weights, gradients and optimizer state sharded per transformer block, for a base model too big for one GPU; "
+        "needs 2+ CUDA GPUs (on the CPU the Trainer would silently train DDP instead, so the job refuses it there)",
+    )
     gradient_checkpointing: bool = Field(False, description="saves activation memory that BERT-base LoRA does not need, at ~30% more compute")
     max_seq_length: int = Field(128, ge=8, le=512, description="truncation length; SST-2 sentences average ~13 tokens and batches are padded only to their longest row")
     dataloader_num_workers: int = Field(2, ge=0, description="collating runs beside the GPU step instead of before it")
@@ -132,7 +138,7 @@ TRAINING_SETTINGS = frozenset(
         "model_name", "dataset_name", "dataset_config", "dataset_path", "text_column", "label_column",
         "num_epochs", "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate",
         "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "quantization",
-        "precision", "max_seq_length", "seed",
+        "precision", "strategy", "max_seq_length", "seed",
     }
 )  # fmt: skip
 
