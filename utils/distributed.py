@@ -88,6 +88,12 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         addr = env.get("MASTER_ADDR")
     elif has("PET_NODE_RANK") or has("PET_NNODES"):
         source = "pytorchjob"
+        if not has("RANK"):  # Kubeflow Trainer v2 sets only torchrun's PET_* variables, never RANK
+            raise JobError(
+                EXIT_BAD_INPUT,
+                "PET_NNODES/PET_NODE_RANK are set but RANK is not: under Kubeflow Trainer v2 (TrainJob) start the container "
+                "with `torchrun main.py`, which turns PET_* into ranks (k8s/trainer-v2/trainjob.yaml)",
+            )
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         nproc = env.get("PET_NPROC_PER_NODE", "1").strip() or "1"
         if nproc != "1":
@@ -133,6 +139,19 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     if not 0 < port < 65536:
         raise JobError(EXIT_BAD_INPUT, f"MASTER_PORT={port} is not a TCP port; use 1..65535 (default {DEFAULT_PORT})")
     return DistEnv(rank, local_rank, world, node_rank, addr, port, source)
+
+
+def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """Training options a launcher put in the environment: `accelerate launch` exports its config file as
+    ACCELERATE_* variables, which the Trainer would follow over the job's own settings (utils/strategy.py
+    refuses the ones that disagree)."""
+    env = os.environ if environ is None else environ
+    flag = lambda name: env.get(name, "").strip().lower() in ("1", "true", "yes")  # noqa: E731
+    return {
+        "fsdp": flag("ACCELERATE_USE_FSDP"),
+        "deepspeed": flag("ACCELERATE_USE_DEEPSPEED"),
+        "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "").strip().lower() or None,
+    }
 
 
 def export_env(dist: DistEnv) -> None:

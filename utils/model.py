@@ -72,10 +72,16 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
 
 
 def trainable_checksum(model: torch.nn.Module) -> str:
-    """A hash of the trainable weights: identical on every rank when DDP really synchronised them."""
+    """A hash of the trainable weights: identical on every rank when DDP (or FSDP) really synchronised them.
+
+    Under FSDP each weight is a sharded DTensor: it is gathered whole first, a collective, so every rank
+    must call this at the same point, before leaving the process group.
+    """
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters()):
         if param.requires_grad:
+            if hasattr(param, "full_tensor"):
+                param = param.full_tensor()
             digest.update(name.encode())
             digest.update(param.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]

@@ -1,0 +1,148 @@
+"""How the model is spread over the ranks: STRATEGY=ddp (the default) or fsdp, and the checks that keep
+a run from ever training with another strategy than the one asked for.
+
+DDP keeps a whole copy of the model on every GPU and all-reduces gradients: BERT-base with LoRA fits one
+GPU many times over, so this is the fastest choice. FSDP (PyTorch FSDP2 through the Trainer/Accelerate)
+shards weights, gradients and optimizer state across the GPUs, one unit per transformer block, for users
+who swap in a base model too big for one GPU.
+
+The trap this module exists for: the Trainer and Accelerate drop FSDP without a word on the CPU, and on a
+single process, and train plain DDP (or nothing distributed) instead. So `check_strategy` refuses, before
+anything is loaded, every combination where FSDP cannot happen, and `StrategyCheck` stops the run at the
+start of training unless the model really is FSDP-wrapped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+from transformers import TrainerCallback
+
+from utils.distributed import DistEnv
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def check_strategy(settings: Settings, dist: DistEnv, cuda: bool, quantize: bool, precision: str, launcher: Mapping[str, object]) -> None:
+    """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked.
+
+    `launcher` holds the training options an `accelerate launch` config exported (distributed.launcher_options).
+    """
+    if launcher.get("deepspeed"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "the accelerate config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true), which this job does not support; "
+            "launch with launchers/accelerate/multi-gpu.yaml and set STRATEGY=fsdp to shard the model",
+        )
+    if launcher.get("fsdp"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the accelerate config asks for FSDP (ACCELERATE_USE_FSDP=true) while STRATEGY={settings.strategy}; the job sets "
+            "FSDP up itself: launch with a MULTI_GPU config (launchers/accelerate/multi-gpu.yaml) and set STRATEGY=fsdp",
+        )
+    mixed = launcher.get("mixed_precision")
+    if mixed and mixed != "no" and mixed != precision:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the accelerate config sets mixed_precision: {mixed} but PRECISION resolves to {precision}; the job's PRECISION "
+            f"decides: set PRECISION={mixed}, or mixed_precision: 'no' in the config",
+        )
+    if settings.strategy != "fsdp":
+        return
+    if not cuda:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "STRATEGY=fsdp needs CUDA GPUs: on the CPU the Trainer and Accelerate drop FSDP without a warning and train "
+            "plain DDP instead; use STRATEGY=ddp here",
+        )
+    if dist.world_size < 2:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "STRATEGY=fsdp shards the model across processes, but this job is one process (world size 1), where the "
+            "Trainer trains without FSDP; use STRATEGY=ddp, or start one process per GPU (torchrun --nproc-per-node N)",
+        )
+    if quantize:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "QUANTIZATION=8bit cannot be combined with STRATEGY=fsdp: FSDP cannot shard bitsandbytes int8 weights; "
+            "use QUANTIZATION=none (or auto) with fsdp",
+        )
+
+
+def wrap_classes(model: torch.nn.Module) -> list[str]:
+    """The transformer block classes FSDP makes its units: the repeated blocks (an nn.ModuleList's items) that the
+    model also declares must stay whole on one device (`_no_split_modules`). BERT: BertLayer.
+
+    Not every `_no_split_modules` class: BERT lists BertEmbeddings too, and Accelerate shards the input
+    embedding as a unit of its own, which fails inside an already sharded BertEmbeddings.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    repeated = {type(block).__name__ for module in base.modules() if isinstance(module, torch.nn.ModuleList) for block in module}
+    declared = set(getattr(base, "_no_split_modules", None) or [])
+    names = sorted(repeated & declared if declared else repeated)
+    if not names:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{type(base).__name__} has no repeated transformer blocks to shard (no nn.ModuleList of {sorted(declared) or 'blocks'}), "
+            "so STRATEGY=fsdp cannot choose its units; use STRATEGY=ddp for this model",
+        )
+    return names
+
+
+def trainer_options(settings: Settings, model: torch.nn.Module) -> dict[str, Any]:
+    """TrainingArguments for the strategy: nothing extra for DDP; FSDP2 wrapping per transformer block for fsdp."""
+    if settings.strategy != "fsdp":
+        return {}
+    return {
+        "fsdp": True,
+        "fsdp_config": {
+            "version": 2,  # per-parameter sharding: LoRA's trainable and the frozen weights can share a unit
+            "transformer_layer_cls_to_wrap": wrap_classes(model),  # BERT: BertLayer
+            "reshard_after_forward": True,  # full sharding (ZeRO-3 like): the point of FSDP is the memory
+            "state_dict_type": "FULL_STATE_DICT",  # checkpoints hold whole tensors: resumable on another GPU count
+            "cpu_ram_efficient_loading": False,  # every rank loads the (small) base model itself
+        },
+    }
+
+
+def count_fsdp_units(model: torch.nn.Module) -> int:
+    """How many modules FSDP wraps (FSDP2's fully_shard, or the older wrapper class)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return sum(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules())
+
+
+class StrategyCheck(TrainerCallback):
+    """At the start of training, after the Trainer prepared the model: stop unless it is wrapped as asked."""
+
+    def __init__(self, strategy: str):
+        self.strategy = strategy
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        units = count_fsdp_units(model)
+        if self.strategy == "fsdp" and not units:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                "STRATEGY=fsdp but the Trainer did not shard the model (it would train plain DDP); "
+                "FSDP needs one process per CUDA GPU and a MULTI_GPU launch",
+            )
+        if self.strategy == "fsdp":
+            log.info("strategy fsdp: the model is sharded by FSDP in %d units (%s + the root)", units, ", ".join(args.fsdp_config.get("transformer_layer_cls_to_wrap", [])))
+        else:
+            log.info("strategy %s: %s", self.strategy, "a whole model on every rank" if not units else f"{units} FSDP units")
+
+
+def full_state_dict(model: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:
+    """FSDP: the whole, unsharded weights for saving, gathered by every rank and held on rank 0 (CPU).
+
+    A collective: call it on every rank before leaving the process group. DDP: None (each rank holds them).
+    """
+    if strategy != "fsdp":
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
