@@ -54,7 +54,8 @@ COPY examples/ examples/
 RUN python -m compileall -q main.py utils scripts
 
 USER 10000:10000
-# Rendezvous port (torch's default; the PyTorchJob's pytorchjob-port): documentation only.
-EXPOSE 29500
+# Rendezvous ports, documentation only: 23456 the PyTorchJob's pytorchjob-port (the operator's default),
+# 29500 torch's default, used by the job when a launcher gives MASTER_ADDR without MASTER_PORT.
+EXPOSE 23456 29500
 ENTRYPOINT ["dumb-init", "--", "python", "/app/main.py"]
 CMD []
