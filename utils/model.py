@@ -38,7 +38,9 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
     8-bit quantizes every Linear, the classifier head too, and LoRA cannot train an int8 head: the head
     is skipped by the quantizer (`llm_int8_skip_modules`) and saved in full with the adapter.
     """
-    kwargs: dict = {"num_labels": 2}
+    # SDPA is what transformers 5 picks for BERT by default; asked for by name so a library change cannot
+    # silently fall back to the eager attention (materialised score matrices, no fused kernels).
+    kwargs: dict = {"num_labels": 2, "attn_implementation": "sdpa"}
     if quantize_8bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER])
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
