@@ -11,16 +11,20 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import datasets
 import evaluate
 import numpy as np
+import psutil  # an Accelerate dependency: the process start time, for the time-to-first-step log line
+import pyarrow.compute
 import torch
 import transformers
 from torch.utils.data import SequentialSampler
 from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.integrations import TensorBoardCallback
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from utils import distributed
 from utils.data import load_sst2
@@ -94,9 +98,30 @@ class JobTrainer(Trainer):
         self.samples_seen += int(inputs["input_ids"].shape[0])
         return super().training_step(model, inputs, num_items_in_batch)
 
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, datasets.Dataset):
+            # The library measures every row in a Python loop (1.7 s for SST-2, on every rank, before the
+            # first step); Arrow has the lengths already. Same lengths, same sampler: the same batches.
+            lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
+            return LengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths=lengths)
+        return super()._get_train_sampler(train_dataset)
+
     def _get_eval_sampler(self, eval_dataset):
         # Length grouping speeds up training; for evaluation it would only reorder rows.
         return SequentialSampler(eval_dataset)
+
+
+class StartupTimer(TrainerCallback):
+    """Logs how long the process took to reach its first training step (imports, data, model, Trainer set-up)."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.first_step:
+            self.seconds = time.time() - psutil.Process().create_time()
+            log.info("first training step %d began %.2f s after process start", state.global_step + 1, self.seconds)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.first_step = state.global_step  # after a resume, the first step is the checkpoint's next one
 
 
 class CheckpointMarker(TrainerCallback):
@@ -119,9 +144,13 @@ def accuracy_metric():
     return compute
 
 
-def build_trainer(settings: Settings, run: RunDir, dist: DistEnv, model, tokenizer, data, precision: str, cuda: bool) -> JobTrainer:
+def build_trainer(
+    settings: Settings, run: RunDir, dist: DistEnv, model, tokenizer, data, precision: str, cuda: bool, *, overrides=None, data_collator=None
+) -> JobTrainer:
+    """The job's Trainer. `overrides` (TrainingArguments values) and `data_collator` exist for benchmarks/, which
+    rebuilds the original configuration from this same Trainer to compare against."""
     tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8  # Ampere and newer: TF32 matmuls for what stays fp32
-    args = TrainingArguments(
+    options = dict(
         output_dir=str(run.checkpoints),
         run_name=settings.run_name,
         per_device_train_batch_size=settings.per_device_batch_size,
@@ -156,7 +185,8 @@ def build_trainer(settings: Settings, run: RunDir, dist: DistEnv, model, tokeniz
         log_level="info" if dist.is_main else "warning",
         log_level_replica="warning",
     )
-    callbacks: list[TrainerCallback] = [CheckpointMarker()]
+    args = TrainingArguments(**{**options, **(overrides or {})})
+    callbacks: list[TrainerCallback] = [CheckpointMarker(), StartupTimer()]
     if dist.is_main:
         tensorboard = TensorBoardCallback()
         tensorboard.logging_dir = str(run.tensorboard / settings.run_name)  # kept when it reopens its writer for the final evaluation
@@ -166,7 +196,7 @@ def build_trainer(settings: Settings, run: RunDir, dist: DistEnv, model, tokeniz
         args=args,
         train_dataset=data["train"],
         eval_dataset=data["validation"],
-        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cuda else None),  # multiples of 8 for tensor cores
+        data_collator=data_collator or DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cuda else None),  # multiples of 8 for tensor cores
         processing_class=tokenizer,
         compute_metrics=accuracy_metric(),
         callbacks=callbacks,
