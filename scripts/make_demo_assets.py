@@ -2,13 +2,17 @@
 
     python scripts/make_demo_assets.py data  examples/sst2-synthetic      # the bundled sample (committed)
     python scripts/make_demo_assets.py model .demo/tiny-bert --data examples/sst2-synthetic
+    python scripts/make_demo_assets.py data  /tmp/sst2-like --profile sst2 --rows 67349     # benchmark data
+    python scripts/make_demo_assets.py model /tmp/bert-base-random --data /tmp/sst2-like --base
 
 The data set has GLUE SST-2's shape (columns sentence, label, idx; labels 0/1) and a similar length
-profile (3 to ~40 words, most around 10), and no real SST-2 row: every sentence is drawn from word
-lists, and its label is the sentiment of the adjective in it, a task a tiny model learns in minutes.
+profile (PROFILES below), and no real SST-2 row: every sentence is drawn from word lists, and its
+label is the sentiment of the adjective in it, a task a tiny model learns in minutes.
 The model is a 2-layer, 64-wide BERT with a word-level vocabulary built from the data, saved with
-`save_pretrained` so `AutoModelForSequenceClassification` and `AutoTokenizer` load it like a Hub model.
-Tests import these functions, so the demo and the tests build the same things.
+`save_pretrained` so `AutoModelForSequenceClassification` and `AutoTokenizer` load it like a Hub model;
+`--base` gives bert-base's dimensions instead (`BertConfig()`: the FLOPs of bert-base-uncased, random
+weights), the stand-in for speed measurements where the Hub cannot be reached.
+Tests and benchmarks/ import these functions, so the demo, the tests and the benchmark build the same things.
 """
 
 from __future__ import annotations
@@ -26,17 +30,27 @@ FILLER = "and the a of to in it with its that for as on but by an this".split()
 NOUNS = "plot actors music camera dialogue pace characters hero villain soundtrack cinematography".split()
 
 
-def synthetic_sentence(rng: random.Random) -> tuple[str, int]:
+# Length profiles: (probability of one more filler word, most words in a sentence). A sentence is a
+# 2-3 word subject, a verb and an adjective, then a geometric number of filler words; with the word-level
+# vocabulary every word is one token, plus [CLS] and [SEP]. Token counts over 67,349 rows (seed 0):
+#   demo: mean 10.7, median 9, p90 17, p99 29, max 42  (short: the demo and the tests run fast)
+#   sst2: mean 13.1, median 11, p90 23, p99 40, max 62  (GLUE SST-2's train split averages about 13
+#         bert-base-uncased tokens with a long tail, mostly short phrases: the benchmark's stand-in)
+PROFILES = {"demo": (0.82, 40), "sst2": (0.875, 60)}
+
+
+def synthetic_sentence(rng: random.Random, profile: str = "demo") -> tuple[str, int]:
+    more, most = PROFILES[profile]
     label = rng.randint(0, 1)
     adjective = rng.choice(POSITIVE if label else NEGATIVE)
     words = [*rng.choice(SUBJECTS).split(), rng.choice(VERBS), adjective]
     # SST-2 is mostly short phrases with a long tail: pad with a geometric number of filler words.
-    while rng.random() < 0.82 and len(words) < 40:
+    while rng.random() < more and len(words) < most:
         words.append(rng.choice(FILLER + NOUNS))
     return " ".join(words), label
 
 
-def write_dataset(folder: Path, train_rows: int = 2000, validation_rows: int = 301, seed: int = 0) -> Path:
+def write_dataset(folder: Path, train_rows: int = 2000, validation_rows: int = 301, seed: int = 0, profile: str = "demo") -> Path:
     """train.csv and validation.csv with GLUE SST-2's columns (validation odd-sized on purpose)."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -45,12 +59,17 @@ def write_dataset(folder: Path, train_rows: int = 2000, validation_rows: int = 3
             writer = csv.writer(handle)
             writer.writerow(["sentence", "label", "idx"])
             for idx in range(rows):
-                writer.writerow([*synthetic_sentence(rng), idx])
+                writer.writerow([*synthetic_sentence(rng, profile), idx])
     return folder
 
 
-def write_tiny_bert(folder: Path, data_folder: Path | None = None, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
-    """A randomly initialised BERT with a word-level vocabulary covering the synthetic data."""
+def write_tiny_bert(folder: Path, data_folder: Path | None = None, layers: int = 2, hidden: int = 64, seed: int = 0, base: bool = False) -> Path:
+    """A randomly initialised BERT with a word-level vocabulary covering the synthetic data.
+
+    `base=True`: `BertConfig()`'s dimensions (768 wide, 12 heads, 3072-wide FFN, a 30522-row embedding
+    table like bert-base-uncased's, of which the small vocabulary uses the first rows) with `layers`
+    layers and `hidden` ignored; 12 layers is bert-base.
+    """
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast, set_seed
 
     words = set(POSITIVE + NEGATIVE + VERBS + FILLER + NOUNS + " ".join(SUBJECTS).split())
@@ -65,15 +84,18 @@ def write_tiny_bert(folder: Path, data_folder: Path | None = None, layers: int =
     tokenizer = BertTokenizerFast(vocab=str(folder / "vocab.txt"), do_lower_case=True)
     tokenizer.save_pretrained(folder)
     set_seed(seed)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        intermediate_size=hidden * 2,
-        max_position_embeddings=512,
-        num_labels=2,
-    )
+    if base:
+        config = BertConfig(num_hidden_layers=layers, num_labels=2)
+    else:
+        config = BertConfig(
+            vocab_size=len(vocab),
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            intermediate_size=hidden * 2,
+            max_position_embeddings=512,
+            num_labels=2,
+        )
     BertForSequenceClassification(config).save_pretrained(folder)
     return folder
 
@@ -83,6 +105,13 @@ if __name__ == "__main__":
     parser.add_argument("what", choices=["data", "model"])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--data", type=Path, help="data folder whose words the tiny model's vocabulary covers")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="demo", help="data: the sentence length profile")
+    parser.add_argument("--rows", type=int, default=2000, help="data: training rows (SST-2 has 67349)")
+    parser.add_argument("--base", action="store_true", help="model: bert-base dimensions (BertConfig()) instead of 2x64")
+    parser.add_argument("--layers", type=int, help="model: encoder layers (default 2, or 12 with --base)")
     args = parser.parse_args()
-    out = write_dataset(args.folder) if args.what == "data" else write_tiny_bert(args.folder, args.data)
+    if args.what == "data":
+        out = write_dataset(args.folder, train_rows=args.rows, validation_rows=872 if args.profile == "sst2" else 301, profile=args.profile)
+    else:
+        out = write_tiny_bert(args.folder, args.data, layers=args.layers or (12 if args.base else 2), base=args.base)
     print(out)
