@@ -1,0 +1,532 @@
+"""Every launcher the job supports, run for real on the CPU: torchrun (one node and two nodes on loopback),
+accelerate launch with the repo's config files, the Slurm batch script (rendered, then run under a stand-in
+`srun`), submitit, and the environments a PyTorchJob with several GPUs per pod and a Kubeflow Trainer v2
+TrainJob give their pods (their manifests' own commands, with torchrun, resolving to the right ranks).
+
+Training runs use the tiny BERT and a few optimizer steps; what is asserted is who each process thought it
+was (its rank log), that the ranks trained one model in sync (equal trainable-weight checksums), and that
+rank 0 wrote the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, base_env, free_port, run_main
+
+LAUNCHERS = REPO / "launchers"
+K8S = REPO / "k8s"
+SCHEMAS = REPO.parent / "shared" / "schemas"  # CI always has ../shared; the CRDs are not copied into the repo
+SUMMARY = re.compile(r"rank (\d+) processed (\d+) training samples; trainable weights checksum ([0-9a-f]+)")
+ORIGIN = re.compile(r"rank (\d+) of (\d+) \(local rank (\d+), node (\d+)\) via (\w+)")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+STEPS = "4"  # optimizer steps: enough to see the ranks stay in sync, little enough for 2 cores
+
+
+def job_settings(job_env: dict[str, str], **extra: str) -> dict[str, str]:
+    env = {**job_env, "MAX_STEPS": STEPS, **extra}
+    env.pop("NUM_EPOCHS", None)
+    return env
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path] | Callable[[], list[Path]], timeout: float = 300) -> list[int]:
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if codes != [0] * len(procs):
+        logs = logs() if callable(logs) else logs
+        pytest.fail(f"exit codes {codes}\n" + "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists()))
+    return codes
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, **kwargs)
+
+
+def rank_report(out: Path, world: int) -> list[dict]:
+    """Per rank: who it was (source, local rank, node) and its final summary, from OUTPUT_DIR/logs/rank-R.log."""
+    reports = []
+    for rank in range(world):
+        text = (out / "logs" / f"rank-{rank}.log").read_text()
+        origin = ORIGIN.search(text).groups()
+        summary = SUMMARY.findall(text)[-1]
+        reports.append(
+            {"rank": int(origin[0]), "world": int(origin[1]), "local_rank": int(origin[2]), "node": int(origin[3]),
+             "source": origin[4], "samples": int(summary[1]), "checksum": summary[2]}
+        )  # fmt: skip
+    return reports
+
+
+def assert_one_model(out: Path, reports: list[dict]) -> None:
+    world = len(reports)
+    assert [r["rank"] for r in reports] == list(range(world)) and {r["world"] for r in reports} == {world}
+    assert len({r["checksum"] for r in reports}) == 1, f"trainable weights differ between ranks: {reports}"
+    assert {r["samples"] for r in reports} == {int(STEPS) * 16}, reports  # every rank did every step on its own batches
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == world and metrics["eval_samples"] == 101
+    assert (out / "model" / "adapter_model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------- torchrun
+@pytest.mark.slow
+def test_torchrun_two_processes_on_one_node(job_env, tmp_path):
+    log = tmp_path / "torchrun.txt"
+    cmd = [*TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-port", str(free_port()), "main.py"]
+    wait_all([start(cmd, job_settings(job_env), log)], [log])
+    reports = rank_report(tmp_path / "out", 2)
+    assert [(r["source"], r["local_rank"], r["node"]) for r in reports] == [("torchrun", 0, 0), ("torchrun", 1, 0)]
+    assert_one_model(tmp_path / "out", reports)
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_on_loopback(job_env, tmp_path):
+    """Two torchrun invocations, as on two machines: --nnodes 2 --node-rank 0/1, node 0 hosting the rendezvous."""
+    port, logs = free_port(), [tmp_path / f"node-{n}.txt" for n in (0, 1)]
+    procs = [
+        start([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "main.py"], job_settings(job_env), logs[node])  # fmt: skip
+        for node in (0, 1)
+    ]
+    wait_all(procs, logs)
+    reports = rank_report(tmp_path / "out", 2)
+    assert [(r["source"], r["local_rank"], r["node"]) for r in reports] == [("torchrun", 0, 0), ("torchrun", 0, 1)]
+    assert_one_model(tmp_path / "out", reports)
+
+
+# ------------------------------------------------------------------------------- accelerate launch
+def test_accelerate_configs_are_plain_ddp_and_leave_precision_to_the_job():
+    for name, machines in (("multi-gpu.yaml", 1), ("multi-node.yaml", 2)):
+        config = yaml.safe_load((LAUNCHERS / "accelerate" / name).read_text())
+        assert config["distributed_type"] == "MULTI_GPU" and config["num_machines"] == machines, name
+        assert config["mixed_precision"] == "no" and config["use_cpu"] is False, name  # PRECISION decides, not the config
+        assert config["num_processes"] % machines == 0, name
+    multi_node = yaml.safe_load((LAUNCHERS / "accelerate" / "multi-node.yaml").read_text())
+    assert {"main_process_ip", "main_process_port", "machine_rank"} <= set(multi_node)
+
+
+@pytest.mark.slow
+def test_accelerate_launch_multi_gpu_config(job_env, tmp_path):
+    log = tmp_path / "accelerate.txt"
+    cmd = [*ACCELERATE, "--config_file", str(LAUNCHERS / "accelerate" / "multi-gpu.yaml"), "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()), "main.py"]  # fmt: skip
+    wait_all([start(cmd, job_settings(job_env, ACCELERATE_USE_CPU="1"), log)], [log])
+    reports = rank_report(tmp_path / "out", 2)
+    assert [(r["local_rank"], r["node"]) for r in reports] == [(0, 0), (1, 0)]
+    assert_one_model(tmp_path / "out", reports)
+
+
+@pytest.mark.slow
+def test_accelerate_launch_multi_node_config_as_two_machines(job_env, tmp_path):
+    port, logs = free_port(), [tmp_path / f"machine-{m}.txt" for m in (0, 1)]
+    procs = [
+        start([*ACCELERATE, "--config_file", str(LAUNCHERS / "accelerate" / "multi-node.yaml"), "--multi_gpu", "--num_processes", "2",
+               "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "main.py"],
+              job_settings(job_env, ACCELERATE_USE_CPU="1"), logs[machine])  # fmt: skip
+        for machine in (0, 1)
+    ]
+    wait_all(procs, logs)
+    reports = rank_report(tmp_path / "out", 2)
+    assert [(r["local_rank"], r["node"]) for r in reports] == [(0, 0), (0, 1)]
+    assert_one_model(tmp_path / "out", reports)
+
+
+# ------------------------------------------------------------------------------- Slurm
+def test_slurm_tasks_of_a_2_node_x_4_gpu_allocation_resolve_to_ranks_0_to_7(tmp_path):
+    """The variables srun gives each of the 8 tasks (no MASTER_*: the job derives the address itself)."""
+    resolved = []
+    for task in range(8):
+        env = base_env(tmp_path, SLURM_PROCID=task, SLURM_NTASKS=8, SLURM_LOCALID=task % 4, SLURM_NODEID=task // 4,
+                       SLURM_NNODES=2, SLURM_NTASKS_PER_NODE=4, SLURM_JOB_ID=731, SLURM_JOB_NODELIST="gpu-node-[07-08]")  # fmt: skip
+        result = run_main(env, "--dry-run")
+        assert result.code == 0, result.stderr
+        resolved.append(result.json()["distributed"])
+    assert [(d["rank"], d["local_rank"], d["node_rank"]) for d in resolved] == [(t, t % 4, t // 4) for t in range(8)]
+    assert {(d["world_size"], d["master_addr"], d["master_port"], d["source"]) for d in resolved} == {(8, "gpu-node-07", 29500, "slurm")}
+
+
+def render_sbatch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LAUNCHERS / "slurm" / "render_sbatch.py"), *args], capture_output=True, text=True, cwd=REPO)
+
+
+def sbatch_lines(script: str) -> dict[str, str]:
+    lines = [line.removeprefix("#SBATCH ").strip() for line in script.splitlines() if line.startswith("#SBATCH ")]
+    return dict(line.lstrip("-").split("=", 1) if "=" in line else (line.lstrip("-"), "") for line in lines)
+
+
+def test_rendered_batch_script_passes_bash_n_and_holds_the_allocation(tmp_path):
+    target = tmp_path / "job.sbatch"
+    result = render_sbatch("--nodes", "2", "--gpus-per-node", "4", "--time", "04:00:00", "--partition", "gpu",
+                           "--set", "NUM_EPOCHS=2", "--set", "RESULT_MODEL_ID=me/sst2-lora", "-o", str(target))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    script = target.read_text()
+    assert subprocess.run(["bash", "-n", str(target)], capture_output=True).returncode == 0
+    assert not re.search(r"@[A-Z_]+@", script)  # every placeholder filled
+    expected = {"nodes": "2", "ntasks-per-node": "4", "gpus-per-node": "4", "time": "04:00:00", "partition": "gpu",
+                "requeue": "", "signal": "B:USR1@180", "open-mode": "append", "job-name": "sst2-lora"}  # fmt: skip
+    assert expected.items() <= sbatch_lines(script).items()
+    assert "--output=" in script and "%x-%j-task%t.out" in script  # one log per task
+    assert "export NUM_EPOCHS=2" in script and "export RESULT_MODEL_ID=me/sst2-lora" in script
+    assert "srun --kill-on-bad-exit=1" in script and "scontrol requeue" in script
+
+    container = render_sbatch("--container", "registry.example.com/sst2-lora:1.0", "--shared-dir", str(tmp_path))
+    assert container.returncode == 0, container.stderr
+    assert f"--container-mounts={tmp_path}:/pvc-home" in container.stdout and "export OUTPUT_DIR=/pvc-home/output" in container.stdout
+    assert "partition" not in sbatch_lines(container.stdout)  # unset: the cluster's default
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "HF_TOKEN=hf_abc"], "secret"),
+        (["--set", "NUM_EPOCHS=many"], "NUM_EPOCHS"),
+        (["--time", "two hours"], "--time"),
+        (["--container", "img"], "--shared-dir"),
+    ],
+)
+def test_render_refuses_bad_input_with_one_error_line(args, message):
+    result = render_sbatch(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and message in result.stderr and "hf_abc" not in result.stderr
+
+
+FAKE_SRUN = """#!/usr/bin/env python3
+# Stands in for Slurm's srun inside a batch job: starts SLURM_NTASKS tasks with the per-task variables,
+# writes each task's output to --output (%x %j %t expanded), forwards SIGTERM, exits with the worst code.
+import os, signal, subprocess, sys
+args = sys.argv[1:]
+pattern = None
+while args and args[0].startswith("--"):
+    option = args.pop(0)
+    if option.startswith("--output="):
+        pattern = option.split("=", 1)[1]
+per_node = int(os.environ["SLURM_NTASKS_PER_NODE"])
+procs = []
+for task in range(int(os.environ["SLURM_NTASKS"])):
+    env = dict(os.environ, SLURM_PROCID=str(task), SLURM_LOCALID=str(task % per_node), SLURM_NODEID=str(task // per_node))
+    out = pattern.replace("%x", os.environ["SLURM_JOB_NAME"]).replace("%j", os.environ["SLURM_JOB_ID"]).replace("%t", str(task))
+    procs.append(subprocess.Popen(args, env=env, stdout=open(out, "a"), stderr=subprocess.STDOUT))
+signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs if p.poll() is None])
+codes = [p.wait() for p in procs]
+sys.exit(max(128 - code if code < 0 else code for code in codes))
+"""
+
+FAKE_SCONTROL = """#!/bin/bash
+# Stands in for scontrol: `show hostnames LIST` prints this machine; `requeue ID` is recorded.
+case "$1" in
+  show) echo localhost ;;
+  requeue) echo "$2" >> "$SCONTROL_LOG" ;;
+esac
+"""
+
+
+def slurm_job(job_env: dict[str, str], tmp_path: Path, **settings: str) -> tuple[Path, dict[str, str]]:
+    """The rendered batch script for 1 node x 2 tasks, and the environment Slurm would run it in."""
+    fake = tmp_path / "fake-slurm"
+    fake.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (fake / name).write_text(text)
+        (fake / name).chmod(0o755)
+    env = job_settings(job_env, **settings)
+    names = dict.fromkeys(("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "MAX_STEPS", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE", *settings))
+    pairs = [f"{name}={env[name]}" for name in names]
+    script = tmp_path / "job.sbatch"
+    result = render_sbatch("--nodes", "1", "--gpus-per-node", "2", "--venv", sys.prefix, "--log-dir", str(tmp_path / "slurm-logs"),
+                           *[arg for pair in pairs for arg in ("--set", pair)], "-o", str(script))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="sst2-lora", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NTASKS="2",
+                 SLURM_NTASKS_PER_NODE="2", SLURM_CPUS_PER_TASK="1", MASTER_PORT=str(free_port()), SCONTROL_LOG=str(tmp_path / "requeued"))  # fmt: skip
+    return script, {**base_env(tmp_path), **slurm, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+
+
+@pytest.mark.slow
+def test_batch_script_runs_the_job_one_task_per_gpu(job_env, tmp_path):
+    script, env = slurm_job(job_env, tmp_path)
+    result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    task_logs = sorted((tmp_path / "slurm-logs").glob("sst2-lora-4242-task*.out"))
+    assert result.returncode == 0, result.stderr + "".join(log.read_text()[-2000:] for log in task_logs)
+    assert [log.name for log in task_logs] == ["sst2-lora-4242-task0.out", "sst2-lora-4242-task1.out"]
+    reports = rank_report(tmp_path / "out", 2)
+    assert [(r["source"], r["local_rank"], r["node"]) for r in reports] == [("slurm", 0, 0), ("slurm", 1, 0)]
+    assert_one_model(tmp_path / "out", reports)
+    assert "eval_accuracy=" in task_logs[0].read_text() and "eval_accuracy=" not in task_logs[1].read_text()
+    assert not (tmp_path / "requeued").exists()
+
+
+@pytest.mark.slow
+def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
+    """Slurm's USR1 (--signal=B:USR1@lead): the tasks get SIGTERM, end >= 128, and the script requeues the job."""
+    script, env = slurm_job(job_env, tmp_path, MAX_STEPS="100000")
+    proc = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / "out" / "logs" / f"rank-{r}.log").exists() for r in (0, 1)):  # both tasks are up
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timed out"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR1)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.stdout.read()
+    assert code >= 128, output
+    assert "checkpointing and requeueing" in output
+    assert (tmp_path / "requeued").read_text().split() == ["4242"]
+
+
+@pytest.mark.slow
+def test_submitit_runs_the_job_with_its_torch_environment(job_env, tmp_path):
+    """launchers/slurm/submit.py on submitit's local cluster: the same submission code, tasks as local processes."""
+    pytest.importorskip("submitit")
+    log = tmp_path / "submit.txt"
+    cmd = [sys.executable, str(LAUNCHERS / "slurm" / "submit.py"), "--cluster", "local", "--tasks-per-node", "2", "--gpus-per-node", "0",
+           "--folder", str(tmp_path / "submitit"), "--wait", "--", "--max-steps", STEPS]  # fmt: skip
+    env = job_settings(job_env)
+    env.pop("MAX_STEPS")  # given as a flag after `--`: flags reach main.py unchanged
+    wait_all([start(cmd, env, log)], lambda: [log, *sorted((tmp_path / "submitit").glob("*_log.*"))])
+    reports = rank_report(tmp_path / "out", 2)
+    # TorchDistributedEnvironment().export() sets torchrun's variables (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, ...).
+    assert [(r["source"], r["local_rank"], r["node"]) for r in reports] == [("torchrun", 0, 0), ("torchrun", 1, 0)]
+    assert_one_model(tmp_path / "out", reports)
+    assert "exit codes [0, 0]" in log.read_text()
+
+
+def test_submitit_refuses_bad_settings_before_submitting(tmp_path):
+    pytest.importorskip("submitit")
+    result = subprocess.run([sys.executable, str(LAUNCHERS / "slurm" / "submit.py"), "--cluster", "local", "--folder", str(tmp_path / "s"),
+                             "--", "--num-epochs", "zero"], env=base_env(tmp_path), capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "--num-epochs" in result.stderr
+    assert not (tmp_path / "s").exists()  # nothing was queued
+
+
+# ------------------------------------------------------------------------------- Kubernetes
+def strict_schema(crd_file: str) -> dict:
+    """The CRD's openAPIV3Schema with unknown fields made errors (the API server would prune them silently)."""
+    path = SCHEMAS / crd_file
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: the CRD schemas live in ../shared/schemas (CI always has them)")
+
+    def close(node):
+        if isinstance(node, dict):
+            if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            for value in node.values():
+                close(value)
+        elif isinstance(node, list):
+            for value in node:
+                close(value)
+
+    crd = yaml.safe_load(path.read_text())
+    schema = copy.deepcopy(next(v for v in crd["spec"]["versions"] if v.get("storage"))["schema"]["openAPIV3Schema"])
+    close(schema)
+    return schema
+
+
+def schema_errors(schema: dict, document: dict) -> list[str]:
+    import jsonschema
+
+    return [f"{'.'.join(map(str, error.path))}: {error.message[:200]}" for error in jsonschema.Draft7Validator(schema).iter_errors(document)]
+
+
+def pod_command(container: dict, main_args: list[str]) -> list[str]:
+    """The container's command as the pod runs it, here: dumb-init (PID 1 in the image) left out, the image's
+    /app/main.py pointing at this checkout, `args:` replaced by `main_args`."""
+    command = list(container["command"])
+    assert command[:2] == ["dumb-init", "--"], "dumb-init forwards SIGTERM to the whole process group"
+    return [part.replace("/app/main.py", str(REPO / "main.py")) for part in command[2:]] + main_args
+
+
+def run_pods(command: list[str], pod_envs: list[dict[str, str]], tmp_path: Path) -> list[list[dict]]:
+    """Start one shell per pod (torchrun inside), concurrently; return each pod's --dry-run answers by local rank."""
+    bin_dir = str(Path(sys.executable).parent)  # torchrun
+    procs = []
+    for pod, env in enumerate(pod_envs):
+        # PET_LOG_DIR + PET_REDIRECTS (torchrun's --log-dir --redirects 1): each process's stdout in its own file.
+        extra = {"PET_LOG_DIR": str(tmp_path / f"pod-{pod}"), "PET_REDIRECTS": "1", "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}"}
+        procs.append(subprocess.Popen(command, env={**env, **extra}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    answers = []
+    for pod, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-3000:]
+        files = sorted((tmp_path / f"pod-{pod}").glob("*/attempt_0/*/stdout.log"), key=lambda path: int(path.parent.name))
+        answers.append([json.loads(path.read_text()) for path in files])
+    return answers
+
+
+def config_maps() -> dict[str, dict[str, str]]:
+    """The ConfigMaps the variants share (k8s/base), by name."""
+    found = {}
+    for path in (K8S / "base").glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "ConfigMap":
+                found[doc["metadata"]["name"]] = doc["data"]
+    return found
+
+
+def container_env(container: dict) -> dict[str, str]:
+    """The variables the kubelet gives the container: envFrom ConfigMaps, then `env` (which wins); values from
+    ConfigMap keys resolved, Secret keys left out (the optional Secret may not exist)."""
+    maps, env = config_maps(), {}
+    for source in container.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]])
+    for var in container.get("env", []):
+        ref = var.get("valueFrom", {}).get("configMapKeyRef")
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif ref and ref["key"] in maps.get(ref["name"], {}):
+            env[var["name"]] = maps[ref["name"]][ref["key"]]
+    return env
+
+
+def load_manifest(path: Path) -> dict:
+    documents = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    assert len(documents) == 1, path
+    return documents[0]
+
+
+def test_pytorchjob_with_several_gpus_per_pod_is_valid_against_the_crd():
+    job = load_manifest(K8S / "multi-gpu-per-pod" / "pytorchjob.yaml")
+    schema = strict_schema("kubeflow.org_pytorchjobs.yaml")
+    assert schema_errors(schema, job) == []
+    broken = copy.deepcopy(job)
+    broken["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["gpus"] = 4
+    assert schema_errors(schema, broken), "an unknown field must be an error"
+
+    from utils.settings import SHARED_VOLUME
+
+    assert job["apiVersion"] == "kubeflow.org/v1" and int(job["spec"]["nprocPerNode"]) > 1
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        assert replica["restartPolicy"] == "ExitCode"  # restarts on preemption (143), not on bad settings (2)
+        pod = replica["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["name"] == "pytorch" and container["ports"][0]["name"] == "pytorchjob-port"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(job["spec"]["nprocPerNode"])  # one process per GPU
+        assert {m["mountPath"] for m in container["volumeMounts"]} >= {SHARED_VOLUME, "/dev/shm", "/tmp"}
+        assert pod["securityContext"]["runAsUser"] == 10000 and container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_path):
+    """The operator's variables for each pod (RANK = pod index, WORLD_SIZE = pods x nprocPerNode, PET_*, MASTER_*),
+    the manifest's own command; torchrun turns them into 8 distinct process ranks."""
+    job = load_manifest(K8S / "multi-gpu-per-pod" / "pytorchjob.yaml")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    pods = specs["Master"]["replicas"] + specs["Worker"]["replicas"]
+    nproc = int(job["spec"]["nprocPerNode"])
+    container = specs["Master"]["template"]["spec"]["containers"][0]
+    port = free_port()  # stands in for the pytorchjob-port
+    pod_envs = [
+        base_env(tmp_path, **container_env(container), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=pod, WORLD_SIZE=pods * nproc, PET_NODE_RANK=pod,
+                 PET_NNODES=pods, PET_NPROC_PER_NODE=job["spec"]["nprocPerNode"], PYTHONUNBUFFERED="0")  # fmt: skip
+        for pod in range(pods)
+    ]
+    answers = run_pods(pod_command(container, ["--dry-run"]), pod_envs, tmp_path)
+    resolved = [(d["rank"], d["local_rank"], d["node_rank"], d["world_size"]) for pod in answers for d in (a["distributed"] for a in pod)]
+    assert resolved == [(p * nproc + l, l, p, pods * nproc) for p in range(pods) for l in range(nproc)]
+    assert {(a["distributed"]["source"], a["distributed"]["master_port"]) for pod in answers for a in pod} == {("torchrun", port)}
+    # Its own run folder, and the shared settings: a folder holds one run (the 4-replica job uses another).
+    shared = config_maps()["sst2-lora-settings"]
+    assert {a["config"]["output_dir"] for pod in answers for a in pod} == {container_env(container)["OUTPUT_DIR"]} != {shared["OUTPUT_DIR"]}
+    assert {a["config"]["model_name"] for pod in answers for a in pod} == {shared["MODEL_NAME"]}
+
+    # The same pod environment without torchrun (the image's default command) is refused, not mis-ranked.
+    refused = run_main(pod_envs[1], "--dry-run")
+    assert refused.code == 2 and "torchrun" in refused.stderr
+
+
+def test_pod_wrapper_turns_sigterm_into_the_restart_code(tmp_path):
+    """torchrun exits 1 whatever stopped its workers; the pod's wrapper reports preemption (SIGTERM) as 143,
+    which restartPolicy: ExitCode restarts."""
+    stub = tmp_path / "main.py"
+    stub.write_text(
+        "import os, pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+        "pathlib.Path(os.environ['READY'] + os.environ['LOCAL_RANK']).touch()\n"
+        "time.sleep(60)\n"
+    )
+    job = load_manifest(K8S / "multi-gpu-per-pod" / "pytorchjob.yaml")
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    command = [part.replace(str(REPO / "main.py"), str(stub)) for part in pod_command(container, [])]
+    env = base_env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), PET_NNODES=1, PET_NODE_RANK=0, PET_NPROC_PER_NODE=2,
+                   READY=str(tmp_path / "ready-"), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+    proc = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)  # what dumb-init does with the kubelet's SIGTERM
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_trainjob_is_valid_against_the_trainer_v2_crd():
+    job = load_manifest(K8S / "trainer-v2" / "trainjob.yaml")
+    schema = strict_schema("trainer.kubeflow.org_trainjobs.yaml")
+    assert schema_errors(schema, job) == []
+    broken = copy.deepcopy(job)
+    broken["spec"]["podTemplateOverrides"] = []  # the older field name: not in this CRD version
+    assert schema_errors(schema, broken), "an unknown field must be an error"
+
+    from utils.settings import SHARED_VOLUME
+
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
+    assert job["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime", "name": "torch-distributed"}
+    trainer = job["spec"]["trainer"]
+    assert trainer["numNodes"] == 4 and trainer["numProcPerNode"] == 1
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 1
+    assert not [e["name"] for e in trainer["env"] if e["name"].startswith("PET_")]  # reserved: Trainer sets them
+    token = next(e for e in trainer["env"] if e["name"] == "HF_TOKEN")
+    assert "secretKeyRef" in token["valueFrom"] and "value" not in token
+    pod = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    node = next(c for c in pod["containers"] if c["name"] == "node")  # the runtime's trainer container
+    assert SHARED_VOLUME in {m["mountPath"] for m in node["volumeMounts"]}
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    assert next(m["name"] for m in node["volumeMounts"] if m["mountPath"] == SHARED_VOLUME) in claims
+    assert pod["securityContext"]["runAsUser"] == 10000 and node["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
+    """What the torch plugin of Trainer v2 gives node i: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK (the Job
+    completion index), PET_MASTER_ADDR (<name>-node-0-0.<name>), PET_MASTER_PORT (29400); no RANK, no MASTER_*."""
+    job = load_manifest(K8S / "trainer-v2" / "trainjob.yaml")
+    trainer = job["spec"]["trainer"]
+    nodes, nproc = trainer["numNodes"], trainer["numProcPerNode"]
+    env = container_env(trainer)
+    port = free_port()  # stands in for 29400 on the node-0 pod
+    pod_envs = [
+        base_env(tmp_path, **env, PET_NNODES=nodes, PET_NPROC_PER_NODE=nproc, PET_NODE_RANK=node, PET_MASTER_ADDR="127.0.0.1",
+                 PET_MASTER_PORT=port)  # fmt: skip
+        for node in range(nodes)
+    ]
+    answers = run_pods(pod_command(trainer, ["--dry-run", *trainer.get("args", [])]), pod_envs, tmp_path)
+    resolved = [(d["rank"], d["local_rank"], d["node_rank"], d["world_size"], d["master_port"]) for pod in answers for d in (a["distributed"] for a in pod)]
+    assert resolved == [(n, 0, n, nodes, port) for n in range(nodes)]
+    configs = [a["config"] for pod in answers for a in pod]
+    assert {c["output_dir"] for c in configs} == {env["OUTPUT_DIR"]}
+    # The shared settings arrive key by key (a TrainJob has no envFrom): every key of the ConfigMap, resolved.
+    shared = config_maps()["sst2-lora-settings"]
+    overridden = {e["name"] for e in trainer["env"] if "value" in e}
+    assert set(shared) - overridden <= {e["name"] for e in trainer["env"]}, "a ConfigMap key the TrainJob does not read"
+    assert {(c["model_name"], c["per_device_batch_size"]) for c in configs} == {(shared["MODEL_NAME"], int(shared["PER_DEVICE_BATCH_SIZE"]))}
+
+    # The image's default command (python main.py, no torchrun) under the same variables: a clear refusal.
+    refused = run_main(pod_envs[0], "--dry-run")
+    assert refused.code == 2 and "torchrun" in refused.stderr
