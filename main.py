@@ -25,18 +25,21 @@ import logging
 import sys
 
 from utils.distributed import detect_env
-from utils.errors import EXIT_UNEXPECTED, JobError
+from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.outputs import open_run_dir
-from utils.settings import load_settings
+from utils.preemption import PREEMPTION
+from utils.settings import check_push_possible, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        PREEMPTION.install()  # before the heavy imports: SIGTERM during them must still end in 143
         settings, args = load_settings(argv)
         dist = detect_env()
         if args.dry_run:
             print(json.dumps({"config": settings.as_dict(), "distributed": dist.as_dict()}, indent=2))
             return 0
+        check_push_possible(settings)
         run_dir = open_run_dir(settings)  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
 
         # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return publish_only(settings, dist, run_dir) if args.push_only else run(settings, dist, run_dir)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
+        return exc.code
+    except Preempted as exc:
+        print(f"preempted: {exc.message}; exit {exc.code} so the orchestrator restarts the job", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
         return 130

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Callable, Mapping, TypeVar
+from typing import Callable, Iterator, Mapping, TypeVar
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 
@@ -182,31 +185,75 @@ def init_process_group(dist: DistEnv, timeout_s: int, cuda: bool) -> None:
     """Create the process group ourselves, so RENDEZVOUS_TIMEOUT holds on gloo too.
 
     `TrainingArguments(ddp_timeout=...)` is ignored on the CPU (gloo keeps its 30-minute default);
-    Accelerate reuses a group that already exists.
+    Accelerate reuses a group that already exists. The timeout then bounds every collective, DDP's
+    gradient all-reduce included: a peer that stops answering fails the others after it.
     """
     if not dist.is_distributed:
         return
     import torch
     import torch.distributed as td
 
-    if td.is_initialized():
-        return
-    if cuda:
-        torch.cuda.set_device(dist.local_rank)
-    try:
-        td.init_process_group(
-            backend="nccl" if cuda else "gloo",
-            init_method="env://",
-            rank=dist.rank,
-            world_size=dist.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-    except Exception as exc:  # the rendezvous store timed out or the address does not resolve
+    global _CONTROL_GROUP
+    timeout = timedelta(seconds=timeout_s)
+    if not td.is_initialized():
+        if cuda:
+            torch.cuda.set_device(dist.local_rank)
+        deadline = time.monotonic() + timeout_s
+        if not dist.is_main:
+            _wait_for_rank0(dist, timeout_s, deadline)
+        try:
+            td.init_process_group(
+                backend="nccl" if cuda else "gloo",
+                init_method="env://",
+                rank=dist.rank,
+                world_size=dist.world_size,
+                timeout=timeout,
+            )
+        except Exception as exc:  # the rendezvous store timed out waiting for the other ranks
+            raise JobError(
+                EXIT_BAD_INPUT if "resolve" in str(exc).lower() else 1,
+                f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {dist.master_addr}:{dist.master_port} "
+                f"within RENDEZVOUS_TIMEOUT={timeout_s}s ({type(exc).__name__}); check that all {dist.world_size} replicas "
+                "started with the same WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0",
+            ) from None
+    # Small control messages (the preemption flag, checkpoint barriers) go over gloo on the CPU: on an
+    # NCCL job they would otherwise sync the GPU stream at every step.
+    _CONTROL_GROUP = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
+
+
+_CONTROL_GROUP = None
+
+
+def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
+    """Wait until rank 0's rendezvous port answers, at most until `deadline`.
+
+    torch's store client retries with a random back-off that can exceed the timeout itself (seen: a
+    15 s timeout failing after 41 s); polling first keeps a missing rank 0 within RENDEZVOUS_TIMEOUT.
+    A host name that does not resolve yet (a pod whose DNS record is not published) is retried too.
+    """
+    resolved = False
+    while True:
+        try:
+            with socket.create_connection((dist.master_addr, dist.master_port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except socket.gaierror:
+            resolved = False
+        except OSError:
+            resolved = True
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    if not resolved:
         raise JobError(
-            EXIT_BAD_INPUT if "resolve" in str(exc).lower() else 1,
-            f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {dist.master_addr}:{dist.master_port} "
-            f"within RENDEZVOUS_TIMEOUT={timeout_s}s ({type(exc).__name__}); check that every replica started and MASTER_ADDR/MASTER_PORT point at rank 0",
-        ) from None
+            EXIT_BAD_INPUT,
+            f"MASTER_ADDR={dist.master_addr} did not resolve to an address within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+            "set MASTER_ADDR to the host name or IP of the rank-0 replica",
+        )
+    raise JobError(
+        1,
+        f"rank {dist.rank} found no rank 0 listening at {dist.master_addr}:{dist.master_port} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+        "check that the rank-0 replica started and that MASTER_ADDR/MASTER_PORT point at it",
+    )
 
 
 def _broadcast(dist: DistEnv, value: object) -> object:
@@ -272,3 +319,64 @@ def leave_process_group() -> None:
 
     if td.is_available() and td.is_initialized():
         td.destroy_process_group()
+
+
+def any_rank(dist: DistEnv, flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank (one all-reduce of a byte): a decision all ranks share."""
+    if not dist.is_distributed:
+        return flag
+    import torch
+    import torch.distributed as td
+
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    td.all_reduce(value, op=td.ReduceOp.MAX, group=_CONTROL_GROUP)
+    return bool(value.item())
+
+
+def barrier(dist: DistEnv) -> None:
+    """Wait until every rank gets here (bounded by RENDEZVOUS_TIMEOUT like every collective)."""
+    if dist.is_distributed:
+        import torch.distributed as td
+
+        td.barrier(group=_CONTROL_GROUP)
+
+
+def decide_on_main(dist: DistEnv, step: Callable[[], T]) -> T:
+    """Run `step` on rank 0 only and give its result to every rank (a JobError on rank 0 stops all)."""
+    result = run_on_main(dist, step)
+    return _broadcast(dist, result) if dist.is_distributed else result
+
+
+GLOO_PREFIX = re.compile(r"^\[[^\]]*\]\s*")  # gloo prefixes its messages with the C++ source location
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A collective that failed because a peer died, stopped answering or was cut off."""
+    try:
+        import torch.distributed as td
+
+        if isinstance(exc, td.DistError):
+            return True
+    except ImportError:  # pragma: no cover - torch is always there when collectives ran
+        pass
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting")
+    )
+
+
+@contextmanager
+def peers_watched(dist: DistEnv, timeout_s: int, resume_hint: Callable[[], str]) -> Iterator[None]:
+    """Turn a collective that failed because of a peer into one clear error line (exit 1), not a traceback."""
+    try:
+        yield
+    except Exception as exc:
+        if not (dist.is_distributed and is_collective_failure(exc)):
+            raise
+        detail = GLOO_PREFIX.sub("", (str(exc).strip().splitlines() or [""])[0]).split(". ")[0][:200]
+        raise JobError(
+            1,
+            f"rank {dist.rank} lost contact with its peers ({detail}): a replica was killed, stopped "
+            f"or cut off, or did not answer within RENDEZVOUS_TIMEOUT={timeout_s}s; restart all {dist.world_size} replicas: "
+            f"{resume_hint()}",
+        ) from None

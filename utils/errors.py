@@ -1,4 +1,4 @@
-"""Exit codes the orchestrators act on (DESIGN contract), and the one exception that carries them."""
+"""Exit codes the orchestrators act on (DESIGN contract), and the exceptions that carry them."""
 
 EXIT_OK = 0
 EXIT_UNEXPECTED = 1
@@ -13,4 +13,18 @@ class JobError(Exception):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
+        self.message = message
+
+
+class Preempted(BaseException):
+    """SIGTERM (preemption, eviction): leave with EXIT_PREEMPTED so the orchestrator restarts the job.
+
+    A BaseException, like KeyboardInterrupt: raised from the signal handler, it must not be swallowed
+    by a library's `except Exception` on its way out.
+    """
+
+    code = EXIT_PREEMPTED
+
+    def __init__(self, message: str):
+        super().__init__(message)
         self.message = message

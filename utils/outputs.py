@@ -51,9 +51,30 @@ class RunDir:
 
 
 def write_json(path: Path, payload: dict) -> None:
+    _write_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    partial.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    with open(partial, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(partial, path)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush a folder's files to the volume before a rename or a marker declares them whole.
+
+    A killed process loses nothing the kernel already has; a node that goes down (a preempted VM) loses
+    what is not yet on disk, and the marker must not outlive the files it vouches for.
+    """
+    for path in [*sorted(p for p in folder.rglob("*") if p.is_file()), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def read_json(path: Path) -> dict | None:
@@ -67,6 +88,7 @@ def replace_dir(staged: Path, final: Path) -> None:
     """Swap a fully written folder into place; a reader sees the old one or the new one, never half."""
     old = final.with_name(f".{final.name}.old")
     shutil.rmtree(old, ignore_errors=True)
+    fsync_tree(staged)
     if final.exists():
         final.rename(old)
     staged.rename(final)
@@ -115,15 +137,40 @@ def write_run_record(run: RunDir, settings: Settings, **extra) -> None:
     write_json(run.run_record, record)
 
 
-def mark_checkpoint_complete(checkpoint: Path) -> None:
-    (checkpoint / COMPLETE_MARKER).write_text("ok\n")
+def mark_checkpoint_complete(checkpoint: Path, world_size: int) -> None:
+    """Declare a checkpoint whole; call it once every rank has written its part (its RNG state)."""
+    fsync_tree(checkpoint)
+    _write_atomic(checkpoint / COMPLETE_MARKER, f"complete; written by {world_size} rank(s)\n")
+
+
+def _checkpoints(run: RunDir) -> list[tuple[int, Path, bool]]:
+    """(step, path, complete) for every checkpoint folder, oldest first."""
+    found = []
+    for path in run.checkpoints.glob("checkpoint-*"):
+        match = CHECKPOINT_RE.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path, (path / COMPLETE_MARKER).is_file()))
+    return sorted(found)
 
 
 def latest_complete_checkpoint(run: RunDir) -> Path | None:
     """The newest checkpoint whose save finished; one cut short by a kill has no marker and is skipped."""
-    found = []
-    for path in run.checkpoints.glob("checkpoint-*"):
-        match = CHECKPOINT_RE.match(path.name)
-        if match and (path / COMPLETE_MARKER).is_file():
-            found.append((int(match.group(1)), path))
-    return max(found)[1] if found else None
+    complete = [path for _, path, done in _checkpoints(run) if done]
+    return complete[-1] if complete else None
+
+
+def discard_incomplete_checkpoints(run: RunDir) -> list[Path]:
+    """Remove checkpoints a kill cut short, so neither resume nor the next save ever mixes in their files."""
+    removed = [path for _, path, done in _checkpoints(run) if not done]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def prune_checkpoints(run: RunDir, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints. Runs after a new one is marked complete, so the
+    newest complete checkpoint is never deleted before a newer one is whole (the Trainer's own rotation
+    deletes before the new one is finished, and by mtime)."""
+    complete = [path for _, path, done in _checkpoints(run) if done]
+    for path in complete[: max(0, len(complete) - keep)]:
+        shutil.rmtree(path, ignore_errors=True)

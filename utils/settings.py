@@ -163,6 +163,22 @@ def read_token() -> SecretStr | None:
     return SecretStr(token) if token else None
 
 
+def check_push_possible(settings: Settings) -> None:
+    """A push that cannot happen (no token, offline mode) is bad input now, before any import, data or GPU time."""
+    if settings.result_model_id and read_token() is None:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"RESULT_MODEL_ID={settings.result_model_id} asks for a push but no token is set; "
+            "set HF_TOKEN (or HF_TOKEN_PATH to a file holding it), or unset RESULT_MODEL_ID to keep the model on the volume",
+        )
+    if settings.result_model_id and os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"RESULT_MODEL_ID={settings.result_model_id} asks for a push but HF_HUB_OFFLINE is set; "
+            "unset HF_HUB_OFFLINE where the Hub is reachable, or unset RESULT_MODEL_ID (push later with --push-only)",
+        )
+
+
 # ------------------------------------------------------------------------------- parsing
 FIELDS = Settings.model_fields
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -29,18 +30,21 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from utils import distributed
 from utils.data import load_sst2
 from utils.distributed import DistEnv
-from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
+from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError, Preempted
 from utils.hub import Hub, write_model_card
 from utils.model import build_model, load_tokenizer, trainable_checksum
 from utils.outputs import (
     RunDir,
+    discard_incomplete_checkpoints,
     latest_complete_checkpoint,
     mark_checkpoint_complete,
+    prune_checkpoints,
     read_json,
     replace_dir,
     write_json,
     write_run_record,
 )
+from utils.preemption import PREEMPTION, stop_on_preemption_callback
 from utils.settings import Settings, read_token
 
 log = logging.getLogger(__name__)
@@ -125,11 +129,17 @@ class StartupTimer(TrainerCallback):
 
 
 class CheckpointMarker(TrainerCallback):
-    """Marks a checkpoint complete once the Trainer has finished writing it (resume skips unmarked ones)."""
+    """Marks a checkpoint complete once every rank has written its part (resume skips unmarked ones),
+    then keeps the newest SAVE_TOTAL_LIMIT complete ones."""
+
+    def __init__(self, run: RunDir, dist: DistEnv, keep: int):
+        self.run, self.dist, self.keep = run, dist, keep
 
     def on_save(self, args, state, control, **kwargs):
+        distributed.barrier(self.dist)  # each rank saves its own RNG state; rank 0 alone cannot tell it is written
         if state.is_world_process_zero:
-            mark_checkpoint_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+            mark_checkpoint_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}", self.dist.world_size)
+            prune_checkpoints(self.run, self.keep)
 
 
 def accuracy_metric():
@@ -172,7 +182,7 @@ def build_trainer(
         logging_first_step=True,
         save_strategy="steps",
         save_steps=settings.save_steps,
-        save_total_limit=settings.save_total_limit,
+        save_total_limit=None,  # CheckpointMarker prunes, counting complete checkpoints only
         eval_strategy="no",  # one full evaluation at the end; SST-2's 872 rows take seconds
         report_to="none",  # TensorBoard is added below with its folder under OUTPUT_DIR
         seed=settings.seed,
@@ -186,7 +196,11 @@ def build_trainer(
         log_level_replica="warning",
     )
     args = TrainingArguments(**{**options, **(overrides or {})})
-    callbacks: list[TrainerCallback] = [CheckpointMarker(), StartupTimer()]
+    callbacks: list[TrainerCallback] = [
+        CheckpointMarker(run, dist, settings.save_total_limit),
+        StartupTimer(),
+        stop_on_preemption_callback(lambda flag: distributed.any_rank(dist, flag)),
+    ]
     if dist.is_main:
         tensorboard = TensorBoardCallback()
         tensorboard.logging_dir = str(run.tensorboard / settings.run_name)  # kept when it reopens its writer for the final evaluation
@@ -237,6 +251,32 @@ def already_pushed(run: RunDir, settings: Settings) -> bool:
 
 
 # ------------------------------------------------------------------------------- the run
+def resume_checkpoint(run: RunDir) -> str | None:
+    """Rank 0: drop checkpoints a kill cut short, then pick the newest complete one (None: start afresh)."""
+    for path in discard_incomplete_checkpoints(run):
+        log.warning("removed %s: its save never completed (the job was killed while writing it)", path.name)
+    latest = latest_complete_checkpoint(run)
+    return str(latest) if latest else None
+
+
+@contextmanager
+def progress_bar_closed_on_error(trainer: Trainer):
+    """Close the progress bar before an error leaves training, so the `error:` line after it starts a line of its own."""
+    try:
+        yield
+    except BaseException:
+        for callback in trainer.callback_handler.callbacks:
+            if getattr(callback, "training_bar", None) is not None:
+                callback.training_bar.close()
+                callback.training_bar = None
+        raise
+
+
+def resume_hint(run: RunDir) -> str:
+    latest = latest_complete_checkpoint(run)
+    return f"the run resumes from {latest.name}" if latest else "no checkpoint is complete yet: the run starts over"
+
+
 def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     setup_logging(run_dir, dist)
     log.info("rank %d of %d (local rank %d, node %d) via %s; environment %s", dist.rank, dist.world_size, dist.local_rank,
@@ -269,22 +309,25 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     model = distributed.agree(dist, lambda: build_model(settings, quantize, device))
 
     trainer = build_trainer(settings, run_dir, dist, model, tokenizer, data, precision, cuda)
-    checkpoint = latest_complete_checkpoint(run_dir)
+    checkpoint = distributed.decide_on_main(dist, lambda: resume_checkpoint(run_dir))
     if checkpoint:
-        log.info("resuming from %s", checkpoint)
-    train_result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    eval_metrics = trainer.evaluate()
-    metrics = {
-        **train_result.metrics,
-        **eval_metrics,
-        "world_size": dist.world_size,
-        "quantization": "8bit" if quantize else "none",
-        "precision": precision,
-        "run_name": settings.run_name,
-    }
-    log.info("eval accuracy %.4f on %d rows", metrics["eval_accuracy"], metrics["eval_samples"])
-
-    trainer.accelerator.wait_for_everyone()
+        log.info("resuming from step %s (%s): the steps before it are not trained again", checkpoint.rsplit("-", 1)[-1], checkpoint)
+    with distributed.peers_watched(dist, settings.rendezvous_timeout, lambda: resume_hint(run_dir)), progress_bar_closed_on_error(trainer):
+        with PREEMPTION.deferred():  # SIGTERM now checkpoints at the next step all ranks agree on
+            train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        if distributed.any_rank(dist, PREEMPTION.requested):
+            raise Preempted(f"SIGTERM during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(run_dir)}")
+        eval_metrics = trainer.evaluate()
+        metrics = {
+            **train_result.metrics,
+            **eval_metrics,
+            "world_size": dist.world_size,
+            "quantization": "8bit" if quantize else "none",
+            "precision": precision,
+            "run_name": settings.run_name,
+        }
+        log.info("eval accuracy %.4f on %d rows", metrics["eval_accuracy"], metrics["eval_samples"])
+        trainer.accelerator.wait_for_everyone()
     distributed.leave_process_group()  # no rank enters a collective after this: rank 0 may upload for minutes
     summary = f"rank {dist.rank} processed {trainer.samples_seen} training samples; trainable weights checksum {trainable_checksum(trainer.model)}"
     code = EXIT_OK
