@@ -59,6 +59,8 @@ def load_raw(settings: Settings) -> DatasetDict:
                 loaded = load_dataset(fmt, data_files=files, **kwargs)
             except datasets.exceptions.DatasetGenerationError as exc:
                 cause = exc.__cause__ or exc
+                if "the first 0 values" in str(cause):  # a header and no rows: every column's type is unknown
+                    raise JobError(EXIT_BAD_INPUT, f"a split in DATASET_PATH={folder} has a header but no rows; each split needs at least one row") from None
                 raise JobError(
                     EXIT_BAD_INPUT,
                     f"cannot read the files in DATASET_PATH={folder} ({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); "

@@ -8,14 +8,17 @@ passed explicitly and never formatted into a message.
 
 from __future__ import annotations
 
+import email.utils
 import logging
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx2
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
-from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from pydantic import SecretStr
-from tenacity import before_sleep_log, retry, retry_if_exception, stop_after_delay, wait_random_exponential
+from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
@@ -23,7 +26,9 @@ from utils.settings import Settings
 log = logging.getLogger(__name__)
 
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
-PUSH_RETRY_SECONDS = 600  # total time spent retrying one call: rides out a Hub incident, not an outage
+# Total time one push (create_repo + upload) or one token check keeps retrying: rides out a Hub incident
+# or a rate limit, not an outage. Only rank 0 is still running then, so no collective can time out.
+PUSH_RETRY_SECONDS = 600
 
 
 def _status(exc: BaseException) -> int | None:
@@ -34,17 +39,46 @@ def _status(exc: BaseException) -> int | None:
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, HfHubHTTPError):
         return _status(exc) in TRANSIENT_STATUS
+    if isinstance(exc, OfflineModeIsEnabled):  # a ConnectionError, but HF_HUB_OFFLINE=1 will not change by waiting
+        return False
     return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
 
 
-def _retrying(max_seconds: float):
-    return retry(
-        retry=retry_if_exception(is_transient),
-        wait=wait_random_exponential(multiplier=1, max=60),  # 1 s, 2 s, 4 s ... with full jitter, capped at a minute
-        stop=stop_after_delay(max_seconds),
-        before_sleep=before_sleep_log(log, logging.WARNING),
-        reraise=True,
-    )
+def retry_after(exc: BaseException) -> float | None:
+    """Seconds the Hub asked us to wait (429/503 `Retry-After`: seconds or an HTTP date), if it did."""
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    value = headers.get("Retry-After") if headers is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        try:
+            return max(0.0, (email.utils.parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds())
+        except (TypeError, ValueError):
+            return None
+
+
+_backoff = wait_random_exponential(multiplier=1, max=60)  # 1 s, 2 s, 4 s ... with full jitter, capped at a minute
+
+
+def _wait(state: RetryCallState) -> float:
+    """Exponential back-off with jitter, but never sooner than the Hub's Retry-After."""
+    asked = retry_after(state.outcome.exception()) if state.outcome and state.outcome.failed else None
+    backoff = _backoff(state)
+    return backoff if asked is None else max(asked, backoff)
+
+
+def _retrying(deadline: float, token: SecretStr | None):
+    def stop(state: RetryCallState) -> bool:  # give up rather than sleep past the deadline
+        return time.monotonic() + (state.upcoming_sleep or 0) >= deadline
+
+    def log_retry(state: RetryCallState) -> None:
+        name = getattr(state.fn, "__name__", "call")
+        log.warning("Hub %s failed (%s); attempt %d, retrying in %.1f s", name, describe(state.outcome.exception(), token),
+                    state.attempt_number, state.upcoming_sleep)  # fmt: skip
+
+    return retry(retry=retry_if_exception(is_transient), wait=_wait, stop=stop, before_sleep=log_retry, reraise=True)
 
 
 def describe(exc: BaseException, token: SecretStr | None = None) -> str:
@@ -73,14 +107,14 @@ class Hub:
     def __init__(self, token: SecretStr | None, max_retry_seconds: float = PUSH_RETRY_SECONDS):
         self._token = token
         self._api = HfApi(token=token.get_secret_value() if token else False)
-        self._retry = _retrying(max_retry_seconds)
+        self._max_retry_seconds = max_retry_seconds
 
     def check_write_access(self, repo_id: str) -> str:
         """Fail in seconds, before any GPU time, when the token is missing, wrong or read-only."""
         if self._token is None:
             raise JobError(EXIT_BAD_INPUT, f"RESULT_MODEL_ID={repo_id} asks for a push but no token is set; set HF_TOKEN (or HF_TOKEN_PATH), or unset RESULT_MODEL_ID")
         try:
-            me = self._retry(self._api.whoami)()
+            me = self._retrying()(self._api.whoami)()
         except Exception as exc:
             code = EXIT_BAD_INPUT if _status(exc) in (401, 403) else 1
             raise JobError(code, f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
@@ -98,10 +132,14 @@ class Hub:
     def describe(self, exc: BaseException) -> str:
         return describe(exc, self._token)
 
+    def _retrying(self):
+        return _retrying(time.monotonic() + self._max_retry_seconds, self._token)
+
     def push_folder(self, folder: Path, repo_id: str, private: bool, message: str) -> str:
         """create_repo (exist_ok) + upload_folder, each retried on transient failures. Returns the commit URL."""
-        self._retry(self._api.create_repo)(repo_id=repo_id, private=private, exist_ok=True)
-        commit = self._retry(self._api.upload_folder)(repo_id=repo_id, folder_path=str(folder), commit_message=message)
+        retrying = self._retrying()  # one deadline for both calls
+        retrying(self._api.create_repo)(repo_id=repo_id, private=private, exist_ok=True)
+        commit = retrying(self._api.upload_folder)(repo_id=repo_id, folder_path=str(folder), commit_message=message)
         return str(commit.commit_url if hasattr(commit, "commit_url") else commit)
 
 
