@@ -46,6 +46,7 @@ from utils.outputs import (
 )
 from utils.preemption import PREEMPTION, stop_on_preemption_callback
 from utils.settings import Settings, read_token
+from utils.strategy import StrategyCheck, check_strategy, full_state_dict, trainer_options
 
 log = logging.getLogger(__name__)
 ACCURACY_MODULE = str(Path(__file__).with_name("accuracy.py"))
@@ -195,8 +196,10 @@ def build_trainer(
         log_level="info" if dist.is_main else "warning",
         log_level_replica="warning",
     )
+    options.update(trainer_options(settings, model))  # STRATEGY=fsdp: FSDP2, one unit per transformer block
     args = TrainingArguments(**{**options, **(overrides or {})})
     callbacks: list[TrainerCallback] = [
+        StrategyCheck(settings.strategy),  # stops the run if the Trainer did not shard as asked
         CheckpointMarker(run, dist, settings.save_total_limit),
         StartupTimer(),
         stop_on_preemption_callback(lambda flag: distributed.any_rank(dist, flag)),
@@ -218,11 +221,14 @@ def build_trainer(
 
 
 # ------------------------------------------------------------------------------- publish
-def save_model(run: RunDir, settings: Settings, model, tokenizer, metrics: dict, world_size: int) -> None:
-    """Write model/ (adapter, tokenizer, card) and metrics.json, each whole or not at all."""
+def save_model(run: RunDir, settings: Settings, model, tokenizer, metrics: dict, world_size: int, state_dict: dict | None = None) -> None:
+    """Write model/ (adapter, tokenizer, card) and metrics.json, each whole or not at all.
+
+    `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's own.
+    """
     staged = run.root / ".model.partial"
     shutil.rmtree(staged, ignore_errors=True)
-    model.save_pretrained(staged)
+    model.save_pretrained(staged, state_dict=state_dict)
     tokenizer.save_pretrained(staged)
     write_model_card(staged, settings, metrics, world_size)
     replace_dir(staged, run.model)
@@ -292,6 +298,7 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
     quantize, precision = resolve_numerics(settings, dist, cuda)
     log.info("device %s, 8-bit %s, precision %s", device, quantize, precision)
+    check_strategy(settings, dist, cuda, quantize, precision, distributed.launcher_options())  # e.g. fsdp on the CPU: exit 2, never DDP
     distributed.init_process_group(dist, settings.rendezvous_timeout, cuda)
 
     hub = Hub(read_token())
@@ -328,11 +335,13 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
         }
         log.info("eval accuracy %.4f on %d rows", metrics["eval_accuracy"], metrics["eval_samples"])
         trainer.accelerator.wait_for_everyone()
+        # Collectives when FSDP shards the weights, so on every rank and before leaving the group.
+        summary = f"rank {dist.rank} processed {trainer.samples_seen} training samples; trainable weights checksum {trainable_checksum(trainer.model)}"
+        state_dict = full_state_dict(trainer.model, settings.strategy)
     distributed.leave_process_group()  # no rank enters a collective after this: rank 0 may upload for minutes
-    summary = f"rank {dist.rank} processed {trainer.samples_seen} training samples; trainable weights checksum {trainable_checksum(trainer.model)}"
     code = EXIT_OK
     if dist.is_main:
-        save_model(run_dir, settings, trainer.model, tokenizer, metrics, dist.world_size)
+        save_model(run_dir, settings, trainer.model, tokenizer, metrics, dist.world_size, state_dict)
         if settings.result_model_id:
             code = push_model(run_dir, settings, hub)
         print(f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
