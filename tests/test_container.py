@@ -1,0 +1,36 @@
+"""The image for real: scripts/container_smoke.sh builds the Dockerfile on a CPU stand-in base (no
+Docker engine or registry here) and runs the job in it as the platform does: the image's non-root
+user, read-only root filesystem, tmpfs /tmp, no network, a host folder as the shared volume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.test_deploy import docker_user, shared_output_dir
+from utils.settings import SHARED_VOLUME
+
+SMOKE = REPO / "scripts" / "container_smoke.sh"
+TOOLS_UNAVAILABLE = 77  # the script's exit code when buildah/podman cannot be installed
+
+
+@pytest.mark.slow
+def test_image_builds_and_trains_read_only_as_its_user(tmp_path):
+    volume = tmp_path / "pvc-home"
+    proc = subprocess.run(["bash", str(SMOKE), str(volume)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    if proc.returncode == TOOLS_UNAVAILABLE:
+        pytest.skip(f"container tools unavailable: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+
+    # The job wrote to the image's default OUTPUT_DIR, which is on the mounted volume.
+    output = volume / Path(shared_output_dir()).relative_to(SHARED_VOLUME)
+    assert (output / "model" / "adapter_config.json").is_file()
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["world_size"] == 1 and metrics["eval_accuracy"] > 0.75, metrics  # the demo data is learnable
+    uid, _ = docker_user()
+    assert (output / "metrics.json").stat().st_uid == uid, "the job must run as the image's user"
+    print(next(line for line in proc.stderr.splitlines() if "timings:" in line))
