@@ -11,9 +11,19 @@ Launch it:
     # managed platform, replicas: 4 (config.yaml): the platform sets RANK, WORLD_SIZE, NODE_RANK,
     #   MASTER_ADDR, MASTER_PORT on each replica and runs `python main.py`
     kubectl apply -k k8s/                            # Kubeflow PyTorchJob, Master 1 + Worker 3
+    kubectl apply -k k8s/multi-gpu-per-pod/          # PyTorchJob, 2 pods x 4 GPUs: torchrun in each pod
+    kubectl apply -k k8s/trainer-v2/                 # Kubeflow Trainer v2 TrainJob (torch-distributed runtime)
     torchrun --nnodes 1 --nproc-per-node 4 main.py   # several GPUs on one machine
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr HOST0 --master-port 29500 main.py
+                                                     # ... and --node-rank 1 on the second machine
+    accelerate launch --config_file launchers/accelerate/multi-gpu.yaml main.py
+    accelerate launch --config_file launchers/accelerate/multi-node.yaml --machine_rank 0 \
+        --main_process_ip HOST0 --main_process_port 29500 main.py      # ... --machine_rank 1 on the second
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python main.py   # by hand, as the platform does
     srun python main.py                              # Slurm: one task per GPU (SLURM_* variables)
+    python launchers/slurm/render_sbatch.py --nodes 2 --gpus-per-node 4 -o job.sbatch && sbatch job.sbatch
+    python launchers/slurm/submit.py --nodes 2 --gpus-per-node 4     # Slurm from Python (submitit)
+    STRATEGY=fsdp torchrun --nproc-per-node 4 main.py                 # FSDP instead of DDP (CUDA GPUs only)
     python main.py --push-only                       # upload an existing OUTPUT_DIR/model again
 
 Exit codes: 0 done (or already done), 2 bad input/settings/credentials (do not restart),
