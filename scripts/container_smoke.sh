@@ -24,6 +24,7 @@ SUITE=bookworm             # its python3 is 3.11, the ABI of the CPU torch wheel
 BASE=localhost/pytorch-cpu-standin:2.13.0
 IMAGE=localhost/sst2-lora:smoke
 JOB_UID=10000              # the Dockerfile's USER; checked against the image below
+CONTAINER=sst2-lora-smoke-$$
 SKIP=77
 
 log() { printf '[container_smoke %s] %s\n' "$(date +%T)" "$*" >&2; }
@@ -127,7 +128,7 @@ build_base() {
 # The platform's conditions: no network (air-gapped), read-only root, a tmpfs /tmp, shm for data
 # loaders, the shared volume at /pvc-home, the image's own user. The ulimits are what runc may set here.
 run_image() {
-    podman run --rm --runtime runc --network none \
+    podman run --runtime runc --network none \
         --read-only --read-only-tmpfs=false --tmpfs /tmp:rw,size=2g --shm-size 512m \
         --ulimit nofile=1024:1024 --ulimit nproc=4096:4096 \
         -v "$HOST_DIR:/pvc-home" \
@@ -162,7 +163,7 @@ main() {
     rm -rf "$HOST_DIR"; mkdir -p "$HOST_DIR"; chown "$JOB_UID:$JOB_UID" "$HOST_DIR"
 
     log "--dry-run in the container (flags pass through the entry point)"
-    run_image "$IMAGE" --dry-run --seed 7 >"$WORK/dry-run.json"
+    run_image --rm "$IMAGE" --dry-run --seed 7 >"$WORK/dry-run.json"
     python3 - "$WORK/dry-run.json" <<'EOF' || die "dry-run in the container resolved the wrong settings"
 import json, sys
 out = json.load(open(sys.argv[1]))
@@ -172,17 +173,30 @@ assert out["distributed"]["source"] == "single", out["distributed"]
 EOF
 
     log "making the offline demo model on the volume (the image's own python and transformers)"
-    run_image --entrypoint python "$IMAGE" scripts/make_demo_assets.py model /pvc-home/tiny-bert \
+    run_image --rm --entrypoint python "$IMAGE" scripts/make_demo_assets.py model /pvc-home/tiny-bert \
         --data examples/sst2-synthetic >/dev/null
 
-    log "training: the offline demo settings (make demo), read-only, uid $JOB_UID, no network"
-    local t_job=$(now)
-    run_image \
-        -e MODEL_NAME=/pvc-home/tiny-bert -e DATASET_PATH=/app/examples/sst2-synthetic \
-        -e PER_DEVICE_BATCH_SIZE=32 -e LEARNING_RATE=3e-3 -e DATALOADER_NUM_WORKERS=0 \
-        "$IMAGE" --num-epochs 3
+    # The offline demo settings (make demo); checkpoints every 20 steps so the preemption below has one.
+    local job_env=(-e MODEL_NAME=/pvc-home/tiny-bert -e DATASET_PATH=/app/examples/sst2-synthetic
+                   -e PER_DEVICE_BATCH_SIZE=32 -e LEARNING_RATE=3e-3 -e DATALOADER_NUM_WORKERS=0 -e SAVE_STEPS=20)
+    local t_job code name=$CONTAINER
+    t_job=$(now)
+    log "preemption: SIGTERM after the first checkpoint (docker stop, pod eviction) must reach the job through PID 1"
+    trap 'podman rm -f "$CONTAINER" >/dev/null 2>&1 || true' EXIT
+    run_image -d --name "$name" "${job_env[@]}" "$IMAGE" --num-epochs 3 >/dev/null
+    for _ in $(seq 600); do
+        compgen -G "$HOST_DIR/output/checkpoints/checkpoint-*" >/dev/null && break
+        [ "$(podman inspect -f '{{.State.Running}}' "$name")" = true ] || break
+        sleep 0.5
+    done
+    podman stop -t 120 "$name" >/dev/null
+    code=$(podman inspect -f '{{.State.ExitCode}}' "$name")
+    [ "$code" = 143 ] || { podman logs "$name" 2>&1 | tail -20 >&2; die "the stopped job exited $code, not 143 (preempted: restart me)"; }
+    podman rm "$name" >/dev/null
+    log "stopped with exit 143; the same command again resumes and finishes (read-only, uid $JOB_UID, no network)"
+    run_image --rm "${job_env[@]}" "$IMAGE" --num-epochs 3
     t_run=$(now)
-    log "job ran in $((t_run - t_job)) s"
+    log "job ran in $((t_run - t_job)) s (preempted run + resumed run)"
 
     metrics=$HOST_DIR/output/metrics.json
     [ -f "$HOST_DIR/output/model/adapter_config.json" ] || die "no model/ in $HOST_DIR/output"
