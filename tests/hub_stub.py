@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,6 +22,8 @@ class HubStub:
     role: str = "write"  # or "read", or "fineGrained" with `scopes` on the user's namespace
     scopes: list[str] = field(default_factory=lambda: ["repo.content.read", "repo.write"])
     requests: list[tuple[str, str]] = field(default_factory=list)
+    attempts: list[tuple[float, str]] = field(default_factory=list)  # (time.monotonic(), route) of every GET/POST
+    retry_after: str = "1"  # the Retry-After header a queued 429 answers with
     commits: list[dict] = field(default_factory=list)  # {"repo": ..., "files": {path: bytes}}
     created: list[dict] = field(default_factory=list)
     failures: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))  # route -> statuses to answer first
@@ -74,10 +77,11 @@ class HubStub:
                 return "other"
 
             def _maybe_fail(self, route: str) -> bool:
+                stub.attempts.append((time.monotonic(), route))
                 queue = stub.failures.get(route)
                 if queue:
                     status = queue.popleft()
-                    headers = {"Retry-After": "1"} if status == 429 else None
+                    headers = {"Retry-After": stub.retry_after} if status == 429 else None
                     self._send(status, {"error": f"stub failure {status}"}, headers)
                     return True
                 return False

@@ -1,0 +1,403 @@
+"""Reliability, in real processes on the tiny BERT: replicas killed, preempted, stopped or missing; Hub
+faults; every bad input; and the token never written anywhere.
+
+Two DDP replicas are two `python main.py` processes with the platform's variables set by hand. An
+uninterrupted two-replica run (module fixture) is the reference every interrupted run must reproduce.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import base_env, free_port, rank_env, run_main, start_main
+from tests.hub_stub import HubStub
+
+CHECKSUM = re.compile(r"rank (\d+) processed (\d+) training samples; trainable weights checksum ([0-9a-f]+)")
+TIMEOUT = 20  # RENDEZVOUS_TIMEOUT in these tests: long enough for a loaded 2-core machine, short enough to wait for
+SAVE_STEPS = 20  # 126 optimizer steps in the run (2 epochs of 1000 rows per rank, batch 16)
+REPO_ID = "tester/sst2-lora"
+
+
+# ------------------------------------------------------------------------------- helpers
+def training_settings(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, str]:
+    settings = dict(MODEL_NAME=tiny_bert, DATASET_PATH=sst2_dir, OUTPUT_DIR=out, NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=16,
+                    LEARNING_RATE="3e-3", SAVE_STEPS=SAVE_STEPS, RENDEZVOUS_TIMEOUT=TIMEOUT)  # fmt: skip
+    return {k: str(v) for k, v in {**settings, **extra}.items()}
+
+
+def push_settings(hub: HubStub) -> dict[str, str]:
+    return {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": REPO_ID}
+
+
+class Replicas:
+    """Two replicas started by hand; every process this test started is killed at the end, whatever happens."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.started, self.streams = tmp, [], []
+
+    def start(self, tag: str, settings: dict[str, str], world: int = 2, ranks=(0, 1)) -> list[subprocess.Popen]:
+        port = free_port()
+        procs = []
+        for rank in ranks:
+            stream = self.tmp / f"{tag}-rank{rank}.txt"
+            procs.append(start_main(rank_env(self.tmp, rank, world, port, **settings), log=stream))
+            self.streams.append(stream)
+        self.started += procs
+        return procs
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def replicas(tmp_path):
+    group = Replicas(tmp_path)
+    yield group
+    group.cleanup()
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
+    return [proc.wait(timeout=timeout) for proc in procs]
+
+
+def wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    """Wait until `path` exists; fail early if a replica exits first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        ended = [proc.returncode for proc in procs if proc.poll() is not None]
+        assert not ended, f"a replica exited ({ended}) before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.05)
+
+
+def summary(log: Path) -> tuple[int, str]:
+    _, samples, checksum = CHECKSUM.search(log.read_text().strip().splitlines()[-1]).groups()
+    return int(samples), checksum
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def log_time(log: Path, fragment: str) -> float:
+    """Epoch seconds of the first rank-log line containing `fragment`."""
+    line = next(line for line in log.read_text().splitlines() if fragment in line)
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def assert_token_absent(token: str, roots: list[Path], hub: HubStub | None = None) -> None:
+    """Every file under `roots` (outputs, checkpoints, TensorBoard events, logs, captured stdout/stderr,
+    HF_HOME) and every file pushed to the Hub, searched as bytes."""
+    needle = token.encode()
+    files = [path for root in roots for path in root.rglob("*") if path.is_file()]
+    names = " ".join(path.name for path in files)
+    for kind in ("events.out.tfevents", "optimizer.pt", "rng_state", "training_args.bin", "rank-0.log", "run.json", "metrics.json", "README.md"):
+        assert kind in names, f"nothing like {kind} was searched"  # the search really covered a run's outputs
+    leaks = [str(path) for path in files if needle in path.read_bytes()]
+    if hub is not None:
+        leaks += [f"hub:{name}" for commit in hub.commits for name, data in commit["files"].items() if needle in data]
+    assert not leaks, f"HF_TOKEN found in {leaks}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_bert, sst2_dir):
+    """An uninterrupted two-replica run with the same settings and seed."""
+    tmp = tmp_path_factory.mktemp("reference")
+    group = Replicas(tmp)
+    try:
+        procs = group.start("run", training_settings(tiny_bert, sst2_dir, tmp / "out"))
+        assert wait_all(procs) == [0, 0], (tmp / "run-rank0.txt").read_text()[-3000:]
+    finally:
+        group.cleanup()
+    metrics = json.loads((tmp / "out" / "metrics.json").read_text())
+    return metrics["eval_accuracy"], summary(tmp / "out" / "logs" / "rank-0.log")[1]
+
+
+# ------------------------------------------------------------------------------- resume after SIGKILL
+@pytest.mark.slow
+def test_replica_killed_mid_training_resumes_from_last_complete_checkpoint(reference, replicas, hub, tmp_path, tiny_bert, sst2_dir):
+    out = tmp_path / "out"
+    settings = {**training_settings(tiny_bert, sst2_dir, out), **push_settings(hub)}
+    # The final push meets a rate limit longer than RENDEZVOUS_TIMEOUT, then three 503s, before the Hub
+    # recovers: rank 1 has long left by then, and no collective may be waiting for rank 0.
+    hub.retry_after = str(TIMEOUT + 2)
+    hub.fail("create", 429, 503, 503, 503)
+
+    procs = replicas.start("killed", settings)
+    wait_for(out / "checkpoints" / "checkpoint-40" / "COMPLETE", procs)
+    procs[1].kill()
+    killed_at = time.monotonic()
+    assert procs[0].wait(timeout=TIMEOUT + 60) == 1
+    assert time.monotonic() - killed_at < TIMEOUT + 30  # the survivor notices, it does not wait for ever
+    stream0 = (tmp_path / "killed-rank0.txt").read_text()
+    [error] = error_lines(stream0)
+    assert "lost contact with its peers" in error and "restart all 2 replicas" in error and "Traceback" not in stream0
+    assert not (out / "model").exists() and hub.commits == []
+
+    # A kill in the middle of a save leaves a checkpoint without its marker, and one of model/ leaves a
+    # staged folder: neither may be loaded or published.
+    torn = out / "checkpoints" / "checkpoint-60"
+    torn.mkdir()
+    (torn / "trainer_state.json").write_text('{"global_step": 60, "trunc')
+    (torn / "optimizer.pt").write_bytes(b"\0" * 10)
+    (out / ".model.partial").mkdir()
+    (out / ".model.partial" / "junk.bin").write_bytes(b"half an adapter")
+
+    procs = replicas.start("restart", settings)
+    assert wait_all(procs) == [0, 0], (tmp_path / "restart-rank0.txt").read_text()[-3000:]
+    log0 = (out / "logs" / "rank-0.log").read_text()
+    assert "resuming from step 40" in log0 and "removed checkpoint-60" in log0
+    assert "resuming from step 40" in (out / "logs" / "rank-1.log").read_text()
+    assert "Fast-forwarding the dataloader past 0 epochs and 40 batches" in log0  # data position restored
+
+    accuracy, checksum = reference
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert abs(metrics["eval_accuracy"] - accuracy) <= 0.02, (metrics["eval_accuracy"], accuracy)
+    # Model, optimizer, scheduler, RNG and data position restored exactly: the same weights bit for bit.
+    assert summary(out / "logs" / "rank-0.log")[1] == summary(out / "logs" / "rank-1.log")[1] == checksum
+    samples_after_resume = summary(out / "logs" / "rank-0.log")[0]
+    assert samples_after_resume == (126 - 40) * 16  # only the steps after the checkpoint were trained again
+
+    # The push rode out the rate limit and the 503s, visibly, and published a whole model/ once.
+    assert log0.count("Hub create_repo failed (the Hub answered HTTP 503") == 3
+    assert log_time(out / "logs" / "rank-0.log", "pushed to") - log_time(out / "logs" / "rank-0.log", "pushing ") > TIMEOUT + 2
+    assert len(hub.commits) == 1 and "junk.bin" not in hub.commits[0]["files"]
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(hub.commits[0]["files"])
+    assert not (out / ".model.partial").exists() and not (out / "model" / "junk.bin").exists()
+    assert_token_absent(hub.token, [tmp_path], hub)
+
+
+# ------------------------------------------------------------------------------- SIGTERM
+@pytest.mark.slow
+def test_sigterm_to_one_replica_checkpoints_and_exits_143_on_every_rank(reference, replicas, tmp_path, tiny_bert, sst2_dir):
+    out = tmp_path / "out"
+    settings = training_settings(tiny_bert, sst2_dir, out, HF_TOKEN="hf_sigterm_secret_4242")
+    procs = replicas.start("preempted", settings)
+    wait_for(out / "checkpoints" / f"checkpoint-{SAVE_STEPS}" / "COMPLETE", procs)
+    procs[1].send_signal(signal.SIGTERM)  # an eviction of one pod: its peer must stop with it
+    assert wait_all(procs, timeout=120) == [143, 143]
+
+    stops = {re.search(r"saving a checkpoint at step (\d+)", (out / "logs" / f"rank-{r}.log").read_text()).group(1) for r in (0, 1)}
+    [step] = stops  # both ranks stopped at the same step
+    assert SAVE_STEPS < int(step) < 126
+    assert (out / "checkpoints" / f"checkpoint-{step}" / "COMPLETE").exists()
+    for rank in (0, 1):
+        stream = (tmp_path / f"preempted-rank{rank}.txt").read_text()
+        assert f"preempted: SIGTERM during training, checkpoint saved; a restart of all 2 replica(s): the run resumes from checkpoint-{step}" in stream
+        assert "Traceback" not in stream and not error_lines(stream)
+    assert not (out / "model").exists() and not (out / "metrics.json").exists()  # nothing half-trained is published
+
+    procs = replicas.start("restart", settings)
+    assert wait_all(procs) == [0, 0], (tmp_path / "restart-rank0.txt").read_text()[-3000:]
+    assert f"resuming from step {step}" in (out / "logs" / "rank-0.log").read_text()
+    accuracy, checksum = reference
+    assert abs(json.loads((out / "metrics.json").read_text())["eval_accuracy"] - accuracy) <= 0.02
+    assert summary(out / "logs" / "rank-1.log")[1] == checksum
+    assert_token_absent("hf_sigterm_secret_4242", [tmp_path])
+
+
+def test_sigterm_before_training_exits_143_at_once(job_env, tmp_path):
+    proc = start_main(job_env, log=tmp_path / "stream.txt")
+    wait_for(tmp_path / "out" / "logs", [proc], timeout=60)  # settings checked, torch and transformers still importing
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert "preempted: SIGTERM received outside training" in (tmp_path / "stream.txt").read_text()
+
+
+# ------------------------------------------------------------------------------- rendezvous faults
+def test_missing_peer_fails_within_rendezvous_timeout(replicas, tmp_path, tiny_bert, sst2_dir):
+    """Rank 0 whose worker never comes, and a worker whose rank 0 never comes (separate jobs)."""
+    alone = [replicas.start(f"alone{rank}", training_settings(tiny_bert, sst2_dir, tmp_path / f"out{rank}", RENDEZVOUS_TIMEOUT=15), ranks=(rank,))[0]
+             for rank in (0, 1)]  # fmt: skip
+    codes = wait_all(alone, timeout=200)
+    ended = time.time()
+    assert codes == [1, 1]
+    for rank in (0, 1):
+        stream = (tmp_path / f"alone{rank}-rank{rank}.txt").read_text()
+        [error] = error_lines(stream)
+        assert "RENDEZVOUS_TIMEOUT=15s" in error and "MASTER_ADDR" in error and "Traceback" not in stream
+        waited = ended - log_time(tmp_path / f"out{rank}" / "logs" / f"rank-{rank}.log", "device cpu")
+        assert waited < 15 + 12, f"rank {rank} gave up {waited:.0f} s after it began waiting for its peer"
+
+
+@pytest.mark.slow
+def test_stopped_peer_fails_within_rendezvous_timeout(replicas, tmp_path, tiny_bert, sst2_dir):
+    out = tmp_path / "out"
+    procs = replicas.start("stopped", training_settings(tiny_bert, sst2_dir, out, RENDEZVOUS_TIMEOUT=15))
+    wait_for(out / "checkpoints" / f"checkpoint-{SAVE_STEPS}" / "COMPLETE", procs)
+    procs[1].send_signal(signal.SIGSTOP)  # alive but silent: no connection is closed, only the timeout can tell
+    stopped_at = time.monotonic()
+    assert procs[0].wait(timeout=120) == 1
+    waited = time.monotonic() - stopped_at
+    assert 15 - 3 <= waited <= 15 + 20, f"rank 0 gave up after {waited:.0f} s; RENDEZVOUS_TIMEOUT=15"
+    stream = (tmp_path / "stopped-rank0.txt").read_text()
+    [error] = error_lines(stream)
+    assert "lost contact with its peers" in error and "RENDEZVOUS_TIMEOUT=15s" in error and "resumes from checkpoint-" in error
+    assert "Traceback" not in stream
+
+
+# ------------------------------------------------------------------------------- Hub faults
+def test_push_refused_with_401_keeps_the_model_and_push_only_publishes_it_once(job_env, hub, tmp_path):
+    env = {**job_env, **push_settings(hub), "NUM_EPOCHS": "1"}
+    hub.fail("create", 401)  # the token was revoked during training
+    result = run_main(env)
+    assert result.code == 3, result.stderr[-3000:]
+    [error] = error_lines(result.stderr)
+    assert "401" in error and "--push-only" in error and "Traceback" not in result.stderr
+    assert hub.count("/api/repos/create") == 1  # a permanent failure is not retried
+    out = tmp_path / "out"
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= {p.name for p in (out / "model").iterdir()}
+    assert "eval_accuracy" in json.loads((out / "metrics.json").read_text()) and hub.commits == []
+
+    again = run_main(env, "--push-only")
+    assert again.code == 0, again.stderr[-3000:]
+    assert len(hub.commits) == 1 and "adapter_model.safetensors" in hub.commits[0]["files"]
+
+    restart = run_main(env)  # the orchestrator restarts the finished job: no training, no second push
+    assert restart.code == 0 and "already holds a finished run" in restart.stderr
+    assert len(hub.commits) == 1 and hub.count("/api/repos/create") == 2
+    assert_token_absent(hub.token, [tmp_path], hub)
+
+
+def test_push_only_without_a_finished_model_is_bad_input(job_env, hub, tmp_path):
+    (tmp_path / "out" / "model").mkdir(parents=True)  # model/ without metrics.json: never a finished run
+    result = run_main({**job_env, **push_settings(hub)}, "--push-only")
+    assert result.code == 2 and len(error_lines(result.stderr)) == 1 and "without --push-only" in result.stderr
+    assert hub.commits == [] and hub.count("/api/repos/create") == 0
+
+
+@pytest.fixture
+def hub_in_process(hub, monkeypatch):
+    """The job's Hub class in this process, pointed at the stand-in."""
+    from huggingface_hub import constants
+    from pydantic import SecretStr
+
+    from utils.hub import Hub
+
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return lambda seconds: Hub(SecretStr(hub.token), max_retry_seconds=seconds)
+
+
+def test_hub_retries_honour_retry_after_and_stop_at_the_bound(hub, hub_in_process, tmp_path):
+    from huggingface_hub.errors import HfHubHTTPError
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+
+    hub.retry_after = "3"
+    hub.fail("create", 429, 503)
+    assert "commit" in hub_in_process(60).push_folder(folder, REPO_ID, True, "upload")
+    creates = [t for t, route in hub.attempts if route == "create"]
+    assert len(creates) == 3 and creates[1] - creates[0] >= 3  # not sooner than the Hub asked
+
+    hub.fail("create", *[503] * 1000)  # an outage: give up within the bound, not after it
+    started = time.monotonic()
+    with pytest.raises(HfHubHTTPError):
+        hub_in_process(4).push_folder(folder, REPO_ID, True, "upload")
+    assert time.monotonic() - started <= 4 + 2
+    assert len([route for _, route in hub.attempts if route == "create"]) > 3 + 1  # it did retry
+
+    hub.failures.clear()
+    hub.fail("create", 403)
+    before = hub.count("/api/repos/create")
+    with pytest.raises(HfHubHTTPError):
+        hub_in_process(60).push_folder(folder, REPO_ID, True, "upload")
+    assert hub.count("/api/repos/create") == before + 1  # permanent: no retry
+
+
+# ------------------------------------------------------------------------------- bad input
+def _data(tmp: Path, train: list[tuple[str, object]] | None, validation: list[tuple[str, object]] | None, header=("sentence", "label")) -> Path:
+    folder = tmp / "bad-data"
+    folder.mkdir()
+    for split, rows in (("train", train), ("validation", validation)):
+        if rows is not None:
+            with open(folder / f"{split}.csv", "w", newline="") as handle:
+                csv.writer(handle).writerows([header, *rows])
+    return folder
+
+
+GOOD_ROWS = [("a wonderful film", 1), ("a dull film", 0)] * 4
+
+
+def _foreign_run(tmp: Path, env: dict) -> dict:
+    from utils.settings import load_settings
+
+    settings, _ = load_settings([], environ=env)
+    out = Path(env["OUTPUT_DIR"])
+    out.mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"training_settings": {**settings.training_settings(), "lora_r": 4}}))
+    return {}
+
+
+def _file_in_the_way(tmp: Path, env: dict) -> dict:
+    (tmp / "a-file").write_text("not a folder")
+    return {"OUTPUT_DIR": str(tmp / "a-file" / "out")}
+
+
+# (id, extra env (None: remove the variable), extra args, setup(tmp, env) -> extra env, what the error line must say)
+BAD_INPUT = [
+    ("wrong-type", {"PER_DEVICE_BATCH_SIZE": "sixteen"}, [], None, "PER_DEVICE_BATCH_SIZE=sixteen is invalid"),
+    ("zero-batch-size", {"PER_DEVICE_BATCH_SIZE": "0"}, [], None, "greater than or equal to 1"),
+    ("negative-batch-size-flag", {}, ["--per-device-batch-size=-4"], None, "--per-device-batch-size=-4 is invalid"),
+    ("unknown-quantization", {"QUANTIZATION": "4bit"}, [], None, "'auto', '8bit' or 'none'"),
+    ("unknown-precision", {"PRECISION": "fp8"}, [], None, "'auto', 'fp32', 'bf16' or 'fp16'"),
+    ("fp16-without-gpu", {"PRECISION": "fp16"}, [], None, "use PRECISION=auto or fp32"),
+    ("non-integer-world-size", {"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "127.0.0.1"}, [], None, "WORLD_SIZE='two' is not an integer"),
+    ("rank-not-below-world-size", {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, [], None, "RANK must be 0..1"),
+    ("negative-rank", {"RANK": "-1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, [], None, "RANK must be 0..1"),
+    ("missing-master-addr", {"RANK": "0", "WORLD_SIZE": "2"}, [], None, "set MASTER_ADDR"),
+    ("bad-master-port", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}, [], None, "use 1..65535"),
+    ("unknown-flag", {}, ["--bogus-flag", "2"], None, "python main.py --help"),
+    ("malformed-repo-id", {"RESULT_MODEL_ID": "not a/repo id!"}, [], None, "your-name/model-name"),
+    ("push-without-token", {"HF_TOKEN": None}, [], None, "set HF_TOKEN"),
+    ("unreadable-token-file", {"HF_TOKEN": None, "HF_TOKEN_PATH": "/nonexistent/token"}, [], None, "mount the token file"),
+    ("push-while-offline", {"HF_HUB_OFFLINE": "1"}, [], None, "unset HF_HUB_OFFLINE"),
+    ("wrong-token", {"HF_TOKEN": "hf_not_the_right_one"}, [], None, "create a token with write access"),
+    ("unwritable-output-dir", {}, [], _file_in_the_way, "set OUTPUT_DIR to a writable folder"),
+    ("output-dir-of-another-run", {}, [], _foreign_run, "use a new OUTPUT_DIR"),
+    ("lora-targets-not-in-model", {"LORA_TARGET_MODULES": "q_proj,v_proj"}, [], None, "its linear layers are named"),
+    ("missing-split", {}, [], lambda tmp, env: {"DATASET_PATH": str(_data(tmp, GOOD_ROWS, None))}, "add validation.csv"),
+    ("empty-dataset", {}, [], lambda tmp, env: {"DATASET_PATH": str(_data(tmp, [], GOOD_ROWS))}, "needs at least one row"),
+    ("labels-outside-0-1", {}, [], lambda tmp, env: {"DATASET_PATH": str(_data(tmp, [*GOOD_ROWS, ("so-so", 2)], GOOD_ROWS))}, "labels must be 0"),
+    ("missing-text-column", {"TEXT_COLUMN": "text"}, [], None, "set TEXT_COLUMN"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[case[0] for case in BAD_INPUT])
+def test_bad_input_gives_one_error_line_exit_2_and_pushes_nothing(case, job_env, hub, tmp_path):
+    _, extra, args, setup, says = case
+    env = {**job_env, **push_settings(hub)}
+    env.update(setup(tmp_path, env) if setup else {})
+    for name, value in extra.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    result = run_main(env, *args, timeout=180)
+    assert result.code == 2, result.stderr[-3000:]
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and says in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert hub.commits == [] and hub.count("/api/repos/create") == 0  # nothing pushed
+    out = Path(env["OUTPUT_DIR"])
+    assert not list(out.glob("checkpoints/checkpoint-*")) and not (out / "model").exists()  # no training step taken
+    logs = list(out.glob("logs/rank-*.log"))
+    assert not any("Running training" in log.read_text() for log in logs)
+    assert hub.token not in result.stderr + result.stdout
