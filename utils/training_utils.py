@@ -181,6 +181,7 @@ def build_trainer(
         torch_compile=settings.torch_compile,
         logging_steps=10,
         logging_first_step=True,
+        logging_nan_inf_filter=False,  # the filter reads every step's loss on the host: one GPU sync per step
         save_strategy="steps",
         save_steps=settings.save_steps,
         save_total_limit=None,  # CheckpointMarker prunes, counting complete checkpoints only
@@ -192,6 +193,7 @@ def build_trainer(
         ddp_timeout=settings.rendezvous_timeout,
         dataloader_num_workers=settings.dataloader_num_workers,
         dataloader_pin_memory=cuda,
+        accelerator_config={"non_blocking": cuda},  # pinned batches copied without waiting for the previous step
         disable_tqdm=not dist.is_main,
         log_level="info" if dist.is_main else "warning",
         log_level_replica="warning",
