@@ -1,0 +1,62 @@
+"""The speed benchmark (benchmarks/train_speed.py) end to end at a small size on the CPU.
+
+It compares the original configuration with the job's defaults, runs the real entry point on one and
+two replicas, and times gloo all-reduces. Timings on a shared CI machine mean nothing, so none is
+asserted: only that every figure is there and that what the arms did is what they claim.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, base_env
+
+
+@pytest.mark.slow
+def test_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert, sst2_dir):
+    out = tmp_path / "results.json"
+    command = [
+        sys.executable, "benchmarks/train_speed.py", "--model", str(tiny_bert), "--data", str(sst2_dir),
+        "--warmup", "2", "--steps", "6", "--original-steps", "2", "--startup-repeats", "1",
+        "--work-dir", str(tmp_path / "work"), "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=base_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+
+    original, defaults = results["arms"]["original"], results["arms"]["defaults"]
+    assert (original["timed_steps"], defaults["timed_steps"]) == (2, 6)
+    # What the original ran: checkpointing, fp32, random order, every row padded to 128 tokens.
+    assert original["gradient_checkpointing"] and original["precision"] == "fp32" and original["sampler"] == "random"
+    assert original["padding_fraction"] == pytest.approx(1 - original["mean_real_tokens_per_row"] / 128, abs=1e-3)
+    # The defaults: no checkpointing, length-grouped batches padded to their longest row, SDPA.
+    assert not defaults["gradient_checkpointing"] and defaults["sampler"] == "group_by_length"
+    assert defaults["attention"] == "sdpa" and defaults["optim"] == "adamw_torch_fused"
+    assert defaults["padding_fraction"] < original["padding_fraction"]
+    for arm in (original, defaults):
+        assert arm["samples_per_s"] > 0 and arm["real_tokens_per_s"] > 0 and arm["peak_memory_mib"] > 0
+        assert 0 < arm["time_to_first_step_s"] < 600 and arm["mfu"] is None  # MFU only on CUDA
+        assert 0 < arm["cpu_share"] and arm["samples_per_cpu_s"] > 0
+    assert results["comparison"]["defaults_vs_original"]["samples_per_s_ratio"] > 0
+    assert results["startup"]["help_s"] > 0 and results["startup"]["dry_run_s"] > 0
+
+    # The real job: two CPU replicas each do half the optimizer steps of one, on half the rows, in sync.
+    job = results["job"]
+    assert job["1"]["optimizer_steps_per_replica"] == 2000 // 64 + 1  # 2000 rows, batch 64
+    assert job["2"]["optimizer_steps_per_replica"] == 16
+    assert job["1"]["ranks"][0]["samples"] == 2000
+    # Half the rows each; Accelerate fills the last batch of each rank up to 64 with rows from the start.
+    assert [r["samples"] for r in job["2"]["ranks"]] == [16 * 64, 16 * 64]
+    assert job["half_steps_each"] is True
+    assert all(r["time_to_first_step_s"] > 0 for r in job["1"]["ranks"] + job["2"]["ranks"])
+
+    scale = results["scale"]
+    assert scale["gradient_bytes_per_step"]["model"] == defaults["trainable_grad_bytes"] == 4 * defaults["trainable_params"]
+    assert scale["gradient_bytes_per_step"]["bert-base"] == 4 * (12 * 2 * 8 * (768 + 768) + 768 * 2 + 2)
+    assert set(scale["gloo_allreduce"]) == {"2", "4"}
+    assert 0 < scale["projected_efficiency_4_replicas"]["h100_target"]["efficiency"] <= 1
+    assert "| original |" in proc.stdout and "| defaults |" in proc.stdout
