@@ -207,24 +207,43 @@ def test_render_refuses_bad_input_with_one_error_line(args, message):
 
 
 FAKE_SRUN = """#!/usr/bin/env python3
-# Stands in for Slurm's srun inside a batch job: starts SLURM_NTASKS tasks with the per-task variables,
-# writes each task's output to --output (%x %j %t expanded), forwards SIGTERM, exits with the worst code.
-import os, signal, subprocess, sys
+# Stands in for Slurm's srun inside a batch job: starts SLURM_NTASKS tasks with the per-task variables and
+# writes each task's output to --output (%x %j %t expanded). Like srun it passes SIGTERM on to the tasks and
+# SIGKILLs what is left KillWait seconds later, ends the other tasks when one fails (--kill-on-bad-exit),
+# and exits with the worst task's code (128 + N for a task killed by signal N).
+import os, signal, subprocess, sys, time
+KILL_WAIT = 10  # Slurm's KillWait (30 s by default)
 args = sys.argv[1:]
-pattern = None
+pattern, kill_on_bad_exit = None, False
 while args and args[0].startswith("--"):
     option = args.pop(0)
     if option.startswith("--output="):
         pattern = option.split("=", 1)[1]
+    elif option.startswith("--kill-on-bad-exit"):
+        kill_on_bad_exit = option != "--kill-on-bad-exit=0"
 per_node = int(os.environ["SLURM_NTASKS_PER_NODE"])
 procs = []
 for task in range(int(os.environ["SLURM_NTASKS"])):
     env = dict(os.environ, SLURM_PROCID=str(task), SLURM_LOCALID=str(task % per_node), SLURM_NODEID=str(task // per_node))
     out = pattern.replace("%x", os.environ["SLURM_JOB_NAME"]).replace("%j", os.environ["SLURM_JOB_ID"]).replace("%t", str(task))
     procs.append(subprocess.Popen(args, env=env, stdout=open(out, "a"), stderr=subprocess.STDOUT))
-signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs if p.poll() is None])
-codes = [p.wait() for p in procs]
-sys.exit(max(128 - code if code < 0 else code for code in codes))
+kill_at = None
+def terminate(*_):
+    global kill_at
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    kill_at = kill_at or time.monotonic() + KILL_WAIT
+signal.signal(signal.SIGTERM, terminate)
+while any(p.poll() is None for p in procs):
+    if kill_on_bad_exit and kill_at is None and any(p.poll() not in (None, 0) for p in procs):
+        terminate()
+    if kill_at is not None and time.monotonic() > kill_at:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    time.sleep(0.2)
+sys.exit(max(128 - p.returncode if p.returncode < 0 else p.returncode for p in procs))
 """
 
 FAKE_SCONTROL = """#!/bin/bash
@@ -275,8 +294,8 @@ def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
     script, env = slurm_job(job_env, tmp_path, MAX_STEPS="100000")
     proc = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / "out" / "logs" / f"rank-{r}.log").exists() for r in (0, 1)):  # both tasks are up
+        deadline, logs = time.monotonic() + 120, [tmp_path / "out" / "logs" / f"rank-{r}.log" for r in (0, 1)]
+        while not all(log.exists() and "trainable parameters" in log.read_text() for log in logs):  # both ranks built the model
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timed out"
             time.sleep(0.5)
         proc.send_signal(signal.SIGUSR1)
