@@ -140,6 +140,7 @@ main() {
     local t0 t_base t_build t_run metrics
     t0=$(now)
     install_tools
+    log "buildah, podman, debootstrap, runc ready in $(($(now) - t0)) s"
     mkdir -p "$WORK"
     exec 9>"$WORK/lock"
     flock 9  # one build at a time per checkout: they share the storage
