@@ -27,7 +27,8 @@ Launch it:
     python main.py --push-only                       # upload an existing OUTPUT_DIR/model again
 
 Exit codes: 0 done (or already done), 2 bad input/settings/credentials (do not restart),
-3 trained but the push failed (run --push-only), 143 preempted (restart resumes), 1 unexpected.
+3 trained but the push failed (run --push-only), 143 preempted or a peer lost mid-training (restart all: it resumes),
+1 unexpected.
 """
 
 import json

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable, Iterator, Mapping, TypeVar
 
-from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobError
 
 DEFAULT_PORT = 29500  # torch's own default, used when only the address is given
 T = TypeVar("T")
@@ -367,7 +367,12 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 @contextmanager
 def peers_watched(dist: DistEnv, timeout_s: int, resume_hint: Callable[[], str]) -> Iterator[None]:
-    """Turn a collective that failed because of a peer into one clear error line (exit 1), not a traceback."""
+    """Turn a collective that failed because of a peer into one clear error line, not a traceback.
+
+    The exit code is 143, as after SIGTERM: the usual cause is a replica preempted or killed (a node
+    lost, an OOM kill), and the cure is the same, restart every replica and resume from the last
+    checkpoint. With exit 1, `restartPolicy: ExitCode` would end the whole job at the first lost node.
+    """
     try:
         yield
     except Exception as exc:
@@ -375,7 +380,7 @@ def peers_watched(dist: DistEnv, timeout_s: int, resume_hint: Callable[[], str])
             raise
         detail = GLOO_PREFIX.sub("", (str(exc).strip().splitlines() or [""])[0]).split(". ")[0][:200]
         raise JobError(
-            1,
+            EXIT_PREEMPTED,
             f"rank {dist.rank} lost contact with its peers ({detail}): a replica was killed, stopped "
             f"or cut off, or did not answer within RENDEZVOUS_TIMEOUT={timeout_s}s; restart all {dist.world_size} replicas: "
             f"{resume_hint()}",
