@@ -216,7 +216,7 @@ def test_sigterm_before_training_exits_143_at_once(job_env, tmp_path):
     wait_for(tmp_path / "out" / "logs", [proc], timeout=60)  # settings checked, torch and transformers still importing
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
-    assert "preempted: SIGTERM received outside training" in (tmp_path / "stream.txt").read_text()
+    assert "preempted: SIGTERM received outside the training loop" in (tmp_path / "stream.txt").read_text()
 
 
 # ------------------------------------------------------------------------------- rendezvous faults

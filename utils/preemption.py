@@ -43,7 +43,7 @@ class Preemption:
     def _on_sigterm(self, signum, frame) -> None:
         self.requested = True
         if not self._deferred:
-            raise Preempted("SIGTERM received outside training; nothing newer than the last checkpoint to save")
+            raise Preempted("SIGTERM received outside the training loop; a restart continues from what is on the volume (checkpoints, model/)")
 
     @contextmanager
     def deferred(self) -> Iterator[None]:
