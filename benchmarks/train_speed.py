@@ -378,7 +378,9 @@ def run_arms(args, model: Path, data: Path) -> dict[str, dict]:
     results = {}
     for name in args.arms:
         out_dir = args.work_dir / "arms" / name
-        shutil.rmtree(out_dir, ignore_errors=True)  # a cold tokenization cache for every arm: the same start-up work
+        # Every arm starts cold, as a fresh replica does: no tokenized data in its OUTPUT_DIR, nothing in
+        # datasets' own cache (which would otherwise hand the next arm the previous arm's tokenization).
+        shutil.rmtree(out_dir, ignore_errors=True)
         out_dir.mkdir(parents=True)
         steps = args.original_steps if name == "original" else args.steps
         cfg = {
@@ -392,7 +394,7 @@ def run_arms(args, model: Path, data: Path) -> dict[str, dict]:
         with open(log, "w") as handle:
             code = subprocess.call(
                 [sys.executable, __file__, "--child-arm", name, "--child-config", json.dumps(cfg), "--child-out", str(report)],
-                env=clean_env(), cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
+                env=clean_env(HF_DATASETS_CACHE=out_dir / "datasets-cache"), cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
             )  # fmt: skip
         if code != 0:
             raise SystemExit(f"arm {name} failed (exit {code}); its log:\n{log.read_text()[-3000:]}")
@@ -414,7 +416,8 @@ def run_job(args, model: Path, data: Path, world: int) -> dict:
     out = args.work_dir / "job" / f"world-{world}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    settings = dict(MODEL_NAME=model, DATASET_PATH=data, OUTPUT_DIR=out / "run", NUM_EPOCHS=1, PER_DEVICE_BATCH_SIZE=args.batch_size)
+    settings = dict(MODEL_NAME=model, DATASET_PATH=data, OUTPUT_DIR=out / "run", NUM_EPOCHS=1, PER_DEVICE_BATCH_SIZE=args.batch_size,
+                    HF_DATASETS_CACHE=out / "datasets-cache")  # cold, as a fresh replica  # fmt: skip
     port = free_port()
     procs = []
     for rank in range(world):
