@@ -85,7 +85,7 @@ MEASUREMENT_OPTIONS = {"save_strategy": "no", "disable_tqdm": True}  # the same 
 # Peak dense bf16 tensor FLOP/s (vendor data sheets), matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = (
     ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989.4e12), ("H200", 989.4e12), ("GH200", 989.4e12),
-    ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12),
+    ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10", 125e12),
 )  # fmt: skip
 
 # Variables that would make main.py think it is one of several replicas, or change its settings.
@@ -561,6 +561,9 @@ def print_table(results: dict) -> None:
             "-" if a["cpu_share"] is None else f"{100 * a['cpu_share']:.0f}%",
         )  # fmt: skip
         print("| " + " | ".join(row) + " |")
+    for name, a in results["arms"].items():
+        if a["epoch_seconds_measured"] is not None:
+            print(f"{name}: one epoch of {a['train_rows']} rows trained in {a['epoch_seconds_measured']} s (first step to last)")
     for key, c in results["comparison"].items():
         if "samples_per_s_ratio" in c:
             per_cpu = f", samples per CPU-second x{c['samples_per_cpu_s_ratio']}" if c.get("samples_per_cpu_s_ratio") else ""
