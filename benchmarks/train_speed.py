@@ -238,7 +238,7 @@ def run_arm(name: str, cfg: dict) -> dict:
         "torch_threads": torch.get_num_threads(),
         "quantization": "8bit" if quantize else "none",
         "precision": precision,
-        "gradient_checkpointing": trainer.args.gradient_checkpointing,
+        "gradient_checkpointing": trainer.args.activation_checkpointing,
         "sampler": trainer.args.train_sampling_strategy,
         "padding": f"max_length {settings.max_seq_length}" if name == "original" else "longest in batch" + (", multiple of 8" if cuda else ""),
         "optim": str(trainer.args.optim.value if hasattr(trainer.args.optim, "value") else trainer.args.optim),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import warnings
 
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
@@ -13,6 +14,8 @@ from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
 
 log = logging.getLogger(__name__)
+# peft 0.21 still asks transformers 5 for `is_gradient_checkpointing`, which warns on every model built.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 CLASSIFIER = "classifier"  # BERT's head: kept in full precision and trained alongside the adapters
 

@@ -175,8 +175,8 @@ def build_trainer(
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         tf32=tf32 or None,
-        gradient_checkpointing=settings.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},  # the reentrant variant breaks DDP + LoRA (peft #899)
+        activation_checkpointing=settings.gradient_checkpointing,  # transformers 5's name for gradient checkpointing
+        activation_checkpointing_kwargs={"use_reentrant": False},  # the reentrant variant breaks DDP + LoRA (peft #899)
         train_sampling_strategy="group_by_length",  # batches of similar length: little padding
         torch_compile=settings.torch_compile,
         logging_steps=10,
