@@ -70,13 +70,10 @@ def stop_on_preemption_callback(any_rank):
     from transformers import TrainerCallback
 
     class StopOnPreemption(TrainerCallback):
-        stopped_at: int | None = None
-
         def on_step_end(self, args, state, control, **kwargs):
             if any_rank(PREEMPTION.requested):
                 log.warning("SIGTERM: saving a checkpoint at step %d and stopping", state.global_step)
                 control.should_save = True
                 control.should_training_stop = True
-                self.stopped_at = state.global_step
 
     return StopOnPreemption()
