@@ -26,9 +26,9 @@ Launch it:
     STRATEGY=fsdp torchrun --nproc-per-node 4 main.py                 # FSDP instead of DDP (CUDA GPUs only)
     python main.py --push-only                       # upload an existing OUTPUT_DIR/model again
 
-Exit codes: 0 done (or already done), 2 bad input/settings/credentials (do not restart),
-3 trained but the push failed (run --push-only), 143 preempted or a peer lost mid-training (restart all: it resumes),
-1 unexpected.
+Exit codes: 0 done (or already done), 2 bad input/settings/credentials or an unreachable Hub (do not restart),
+3 trained but the push failed (run --push-only), 143 preempted or a peer lost (restart all: it resumes),
+130 interrupted with Ctrl-C (checkpointed: run again to resume), 1 unexpected.
 """
 
 import json
@@ -37,20 +37,25 @@ import sys
 
 from utils.distributed import detect_env
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
-from utils.outputs import open_run_dir
+from utils.hub_token import install_masking
+from utils.outputs import check_run_dir, open_run_dir
 from utils.preemption import PREEMPTION
+from utils.recipe import apply_recipe
 from utils.settings import check_push_possible, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         PREEMPTION.install()  # before the heavy imports: SIGTERM during them must still end in 143
+        install_masking()  # first: a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
         settings, args = load_settings(argv)
         dist = detect_env()
-        if args.dry_run:
+        settings = apply_recipe(settings, dist.world_size)  # the learning rate follows the global batch unless LEARNING_RATE is set
+        check_push_possible(settings)
+        if args.dry_run:  # every check above and this one need neither the network nor torch
+            check_run_dir(settings)
             print(json.dumps({"config": settings.as_dict(), "distributed": dist.as_dict()}, indent=2))
             return 0
-        check_push_possible(settings)
         run_dir = open_run_dir(settings)  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
 
         # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
@@ -62,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code
     except Preempted as exc:
-        print(f"preempted: {exc.message}; exit {exc.code} so the orchestrator restarts the job", file=sys.stderr)
+        print(f"preempted: {exc.message}; exit {exc.code} so the orchestrator restarts the job", file=sys.stderr, flush=True)
         return exc.code
     except KeyboardInterrupt:
         return 130

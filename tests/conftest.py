@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -41,6 +45,19 @@ def base_env(tmp: Path, **extra: str) -> dict[str, str]:
         CUDA_VISIBLE_DEVICES="",
     )
     env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+FAKE_TOKEN = "hf_" + "x" * 34  # a Secret's value in the simulated pods; must come back masked
+
+
+def pod_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """What a deployed container sees: `base_env` without the test sandbox's offline switches, which no
+    manifest sets (a push asked for under HF_HUB_OFFLINE is refused, even by --dry-run)."""
+    env = base_env(tmp, **extra)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if name not in extra:
+            env.pop(name)
     return env
 
 
@@ -109,3 +126,95 @@ def hub():
     stub.url = stub.start()
     yield stub
     stub.stop()
+
+
+# ------------------------------------------------------------------------------- multi-replica runs
+CHECKSUM = re.compile(r"rank (\d+) processed (\d+) training samples; trainable weights checksum ([0-9a-f]+)")
+TIMEOUT = 20  # RENDEZVOUS_TIMEOUT in these tests: long enough for a loaded 2-core machine, short enough to wait for
+SAVE_STEPS = 20  # 126 optimizer steps in the run (2 epochs of 1000 rows per rank, batch 16)
+REPO_ID = "tester/sst2-lora"
+
+
+# ------------------------------------------------------------------------------- helpers
+def training_settings(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, str]:
+    settings = dict(MODEL_NAME=tiny_bert, DATASET_PATH=sst2_dir, OUTPUT_DIR=out, NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=16,
+                    LEARNING_RATE="3e-3", SAVE_STEPS=SAVE_STEPS, RENDEZVOUS_TIMEOUT=TIMEOUT)  # fmt: skip
+    return {k: str(v) for k, v in {**settings, **extra}.items()}
+
+
+def push_settings(hub: HubStub) -> dict[str, str]:
+    return {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": REPO_ID}
+
+
+class Replicas:
+    """Two replicas started by hand; every process this test started is killed at the end, whatever happens."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.started, self.streams = tmp, [], []
+
+    def start(self, tag: str, settings: dict[str, str], world: int = 2, ranks=(0, 1)) -> list[subprocess.Popen]:
+        port = free_port()
+        procs = []
+        for rank in ranks:
+            stream = self.tmp / f"{tag}-rank{rank}.txt"
+            procs.append(start_main(rank_env(self.tmp, rank, world, port, **settings), log=stream))
+            self.streams.append(stream)
+        self.started += procs
+        return procs
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def replicas(tmp_path):
+    group = Replicas(tmp_path)
+    yield group
+    group.cleanup()
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
+    return [proc.wait(timeout=timeout) for proc in procs]
+
+
+def wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    """Wait until `path` exists; fail early if a replica exits first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        ended = [proc.returncode for proc in procs if proc.poll() is not None]
+        assert not ended, f"a replica exited ({ended}) before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.05)
+
+
+def summary(log: Path) -> tuple[int, str]:
+    _, samples, checksum = CHECKSUM.search(log.read_text().strip().splitlines()[-1]).groups()
+    return int(samples), checksum
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def log_time(log: Path, fragment: str) -> float:
+    """Epoch seconds of the first log line (rank log or console stream) containing `fragment`."""
+    line = next(line for line in log.read_text().splitlines() if fragment in line)
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def assert_token_absent(token: str, roots: list[Path], hub: HubStub | None = None) -> None:
+    """Every file under `roots` (outputs, checkpoints, TensorBoard events, logs, captured stdout/stderr,
+    HF_HOME) and every file pushed to the Hub, searched as bytes."""
+    needle = token.encode()
+    files = [path for root in roots for path in root.rglob("*") if path.is_file()]
+    names = " ".join(path.name for path in files)
+    for kind in ("events.out.tfevents", "optimizer.pt", "rng_state", "training_args.bin", "rank-0.log", "run.json", "metrics.json", "README.md"):
+        assert kind in names, f"nothing like {kind} was searched"  # the search really covered a run's outputs
+    leaks = [str(path) for path in files if needle in path.read_bytes()]
+    if hub is not None:
+        leaks += [f"hub:{name}" for commit in hub.commits for name, data in commit["files"].items() if needle in data]
+    assert not leaks, f"HF_TOKEN found in {leaks}"

@@ -28,6 +28,12 @@ class HubStub:
     created: list[dict] = field(default_factory=list)
     failures: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))  # route -> statuses to answer first
     bad_auth: int = 0
+    silent: set[str] = field(default_factory=set)  # routes that accept the request and never answer
+    _release: threading.Event = field(default_factory=threading.Event)
+
+    def go_silent(self, *routes: str) -> None:
+        """Make these routes accept requests and never answer (a Hub behind a broken proxy)."""
+        self.silent.update(routes)
 
     def fail(self, route: str, *statuses: int) -> None:
         """Make `route` ('whoami', 'create', 'preupload', 'commit') answer these statuses before succeeding."""
@@ -78,6 +84,9 @@ class HubStub:
 
             def _maybe_fail(self, route: str) -> bool:
                 stub.attempts.append((time.monotonic(), route))
+                if route in stub.silent:
+                    stub._release.wait()  # hold the connection open, answer nothing, until the stub stops
+                    return True
                 queue = stub.failures.get(route)
                 if queue:
                     status = queue.popleft()
@@ -140,6 +149,7 @@ class HubStub:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def stop(self) -> None:
+        self._release.set()
         self.server.shutdown()
         self.server.server_close()
 

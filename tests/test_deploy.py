@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from tests.conftest import REPO, base_env, run_main
+from tests.conftest import FAKE_TOKEN, REPO, base_env, pod_env, run_main
 from utils.distributed import DEFAULT_PORT
 from utils.settings import FIELDS, SHARED_VOLUME, default_output_dir, env_name, load_settings
 
@@ -38,7 +38,6 @@ SETTING_ENV = {env_name(field): field for field in FIELDS}
 # Variables the deployments may set that are not settings: read by torch, NCCL or the HF libraries.
 LIBRARY_ENV = {"HF_TOKEN", "HF_TOKEN_PATH", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM"}
 LIBRARY_ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_")
-FAKE_TOKEN = "hf_" + "x" * 34  # the Secret's value in the simulated pods; must come back masked
 # The Kubeflow operator's names (training-operator v1): the container it reads the port from, the port's name.
 OPERATOR_CONTAINER, OPERATOR_PORT = "pytorch", "pytorchjob-port"
 
@@ -507,18 +506,18 @@ def test_dry_run_in_each_pytorchjob_pod(tmp_path):
     for replica_type, spec in job["spec"]["pytorchReplicaSpecs"].items():
         for index in range(spec["replicas"]):
             container = next(c for c in spec["template"]["spec"]["containers"] if c["name"] == OPERATOR_CONTAINER)
-            pod_env = container_env(container, configmaps) | operator_env(job, replica_type, index)  # the operator's come last
-            result = run_main(base_env(tmp_path, **pod_env), "--dry-run", *container.get("args", []))
+            variables = container_env(container, configmaps) | operator_env(job, replica_type, index)  # the operator's come last
+            result = run_main(pod_env(tmp_path, **variables), "--dry-run", *container.get("args", []))
             assert result.code == 0, f"{replica_type} {index}: {result.stderr}"
             out = result.json()
-            rank = int(pod_env["RANK"])
+            rank = int(variables["RANK"])
             assert out["distributed"] == {
                 "rank": rank, "local_rank": 0, "world_size": 4, "node_rank": rank, "master_addr": f"{job['metadata']['name']}-master-0",
-                "master_port": int(pod_env["MASTER_PORT"]), "source": "pytorchjob",
+                "master_port": int(variables["MASTER_PORT"]), "source": "pytorchjob",
             }, f"{replica_type} {index}"  # fmt: skip
             assert out["config"]["output_dir"] == shared_output_dir()
             assert out["config"]["hf_token"] == "***" and FAKE_TOKEN not in result.stdout + result.stderr
-            assert_settings_arrived(out["config"], pod_env)
+            assert_settings_arrived(out["config"], variables)
             seen.append(out["distributed"]["rank"])
     assert sorted(seen) == [0, 1, 2, 3]
 
@@ -537,7 +536,7 @@ def test_dry_run_on_each_platform_replica(tmp_path):
     world = config_yaml()["replicas"]
     for rank in range(world):
         env = platform_env(rank, world)
-        result = run_main(base_env(tmp_path, **env), "--dry-run")
+        result = run_main(pod_env(tmp_path, **env), "--dry-run")
         assert result.code == 0, result.stderr
         out = result.json()
         assert out["distributed"] == {
@@ -550,7 +549,7 @@ def test_dry_run_on_each_platform_replica(tmp_path):
 
 
 def test_platform_without_rendezvous_address_says_so(tmp_path):
-    result = run_main(base_env(tmp_path, **platform_env(1, config_yaml()["replicas"], with_master=False)), "--dry-run")
+    result = run_main(pod_env(tmp_path, **platform_env(1, config_yaml()["replicas"], with_master=False)), "--dry-run")
     assert result.code == 2
     assert result.stderr.startswith("error:") and "MASTER_ADDR" in result.stderr and "Traceback" not in result.stderr
 
@@ -563,7 +562,7 @@ def test_dry_run_in_the_single_gpu_job(tmp_path):
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     env = container_env(container, configmaps)
-    result = run_main(base_env(tmp_path, **env), "--dry-run", *container.get("args", []))
+    result = run_main(pod_env(tmp_path, **env), "--dry-run", *container.get("args", []))
     assert result.code == 0, result.stderr
     out = result.json()
     assert out["distributed"]["source"] == "single" and out["distributed"]["world_size"] == 1

@@ -125,7 +125,7 @@ def test_two_replicas_push_exactly_once(job_env, hub, tmp_path):
     procs = [start_main(rank_env(tmp_path, rank, 2, port, **settings, **push), log=tmp_path / f"stdout-{rank}.txt") for rank in (0, 1)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "stdout-0.txt").read_text()[-2000:]
     assert len(hub.commits) == 1
-    assert hub.count("/api/whoami-v2") == 1  # only rank 0 checks the token
+    assert hub.count("/api/whoami-v2") == 2  # each rank checks the token before the rendezvous: none waits in a collective on a silent Hub
 
 
 def test_wrong_token_fails_before_training(job_env, hub, tmp_path):

@@ -25,7 +25,7 @@ from typing import Callable
 import pytest
 import yaml
 
-from tests.conftest import REPO, base_env, free_port, run_main
+from tests.conftest import FAKE_TOKEN, REPO, base_env, free_port, pod_env, run_main
 
 LAUNCHERS = REPO / "launchers"
 K8S = REPO / "k8s"
@@ -400,7 +400,7 @@ def config_maps() -> dict[str, dict[str, str]]:
 
 def container_env(container: dict) -> dict[str, str]:
     """The variables the kubelet gives the container: envFrom ConfigMaps, then `env` (which wins); values from
-    ConfigMap keys resolved, Secret keys left out (the optional Secret may not exist)."""
+    ConfigMap keys resolved, Secret keys to a stand-in token (it must come back masked)."""
     maps, env = config_maps(), {}
     for source in container.get("envFrom", []):
         env.update(maps[source["configMapRef"]["name"]])
@@ -410,6 +410,8 @@ def container_env(container: dict) -> dict[str, str]:
             env[var["name"]] = var["value"]
         elif ref and ref["key"] in maps.get(ref["name"], {}):
             env[var["name"]] = maps[ref["name"]][ref["key"]]
+        elif "secretKeyRef" in var.get("valueFrom", {}):
+            env[var["name"]] = FAKE_TOKEN
     return env
 
 
@@ -450,7 +452,7 @@ def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_pa
     container = specs["Master"]["template"]["spec"]["containers"][0]
     port = free_port()  # stands in for the pytorchjob-port
     pod_envs = [
-        base_env(tmp_path, **container_env(container), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=pod, WORLD_SIZE=pods * nproc, PET_NODE_RANK=pod,
+        pod_env(tmp_path, **container_env(container), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=pod, WORLD_SIZE=pods * nproc, PET_NODE_RANK=pod,
                  PET_NNODES=pods, PET_NPROC_PER_NODE=job["spec"]["nprocPerNode"], PYTHONUNBUFFERED="0")  # fmt: skip
         for pod in range(pods)
     ]
@@ -462,6 +464,7 @@ def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_pa
     shared = config_maps()["sst2-lora-settings"]
     assert {a["config"]["output_dir"] for pod in answers for a in pod} == {container_env(container)["OUTPUT_DIR"]} != {shared["OUTPUT_DIR"]}
     assert {a["config"]["model_name"] for pod in answers for a in pod} == {shared["MODEL_NAME"]}
+    assert {a["config"]["hf_token"] for pod in answers for a in pod} == {"***"}
 
     # The same pod environment without torchrun (the image's default command) is refused, not mis-ranked.
     refused = run_main(pod_envs[1], "--dry-run")
@@ -531,7 +534,7 @@ def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
     env = container_env(trainer)
     port = free_port()  # stands in for 29400 on the node-0 pod
     pod_envs = [
-        base_env(tmp_path, **env, PET_NNODES=nodes, PET_NPROC_PER_NODE=nproc, PET_NODE_RANK=node, PET_MASTER_ADDR="127.0.0.1",
+        pod_env(tmp_path, **env, PET_NNODES=nodes, PET_NPROC_PER_NODE=nproc, PET_NODE_RANK=node, PET_MASTER_ADDR="127.0.0.1",
                  PET_MASTER_PORT=port)  # fmt: skip
         for node in range(nodes)
     ]
@@ -539,7 +542,7 @@ def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
     resolved = [(d["rank"], d["local_rank"], d["node_rank"], d["world_size"], d["master_port"]) for pod in answers for d in (a["distributed"] for a in pod)]
     assert resolved == [(n, 0, n, nodes, port) for n in range(nodes)]
     configs = [a["config"] for pod in answers for a in pod]
-    assert {c["output_dir"] for c in configs} == {env["OUTPUT_DIR"]}
+    assert {c["output_dir"] for c in configs} == {env["OUTPUT_DIR"]} and {c["hf_token"] for c in configs} == {"***"}
     # The shared settings arrive key by key (a TrainJob has no envFrom): every key of the ConfigMap, resolved.
     shared = config_maps()["sst2-lora-settings"]
     overridden = {e["name"] for e in trainer["env"] if "value" in e}

@@ -5,6 +5,8 @@ All through the real entry point (`python main.py`), which answers these without
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.conftest import base_env, run_main
@@ -62,7 +64,7 @@ def test_help_lists_every_setting_with_env_name_and_default(tmp_path):
 
 def test_run_name_is_derived_the_same_everywhere_and_changes_with_training_settings(tmp_path):
     first = dry_run(tmp_path, RANK="0", WORLD_SIZE="2", MASTER_ADDR="h")["config"]["run_name"]
-    again = dry_run(tmp_path, RANK="1", WORLD_SIZE="2", MASTER_ADDR="h", RESULT_MODEL_ID="me/x")["config"]["run_name"]
+    again = dry_run(tmp_path, RANK="1", WORLD_SIZE="2", MASTER_ADDR="h", RESULT_MODEL_ID="me/x", HF_TOKEN="hf_dry_run_token_0123", HF_HUB_OFFLINE="0")["config"]["run_name"]
     other = dry_run(tmp_path, LORA_R="16")["config"]["run_name"]
     assert first == again != other
     assert dry_run(tmp_path, RUN_NAME="mine")["config"]["run_name"] == "mine"
@@ -96,7 +98,38 @@ LAUNCHERS = [
         dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node7,node9"),
         dict(rank=0, local_rank=0, world_size=2, node_rank=0, master_addr="node7", master_port=29500, source="slurm"),
     ),
+    # Half a launcher's variables that one process has anyway: still one process.
+    (dict(WORLD_SIZE="1", LOCAL_RANK="0", NODE_RANK="0"), dict(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")),
 ]  # fmt: skip
+
+# Slurm node lists (no scontrol here, so python-hostlist reads them): suffixes, several bracket
+# groups, zero-padding, comma lists inside and outside brackets.
+NODELISTS = [
+    ("node[1-2]-ib", "node1-ib"),
+    ("rack[1-2]-node[01-04]", "rack1-node01"),
+    ("gpu-[007-010]", "gpu-007"),
+    ("gpu-[03,01-02]", "gpu-03"),
+    ("a[2-3]b[5,7]-ib0,c1", "a2b5-ib0"),
+    ("login1,node[01-04]", "login1"),
+    ("10.0.0.[5-6]", "10.0.0.5"),
+]
+
+
+@pytest.mark.parametrize("nodelist, first", NODELISTS, ids=[n for n, _ in NODELISTS])
+def test_slurm_rendezvous_is_the_first_host_of_the_node_list(tmp_path, nodelist, first):
+    env = dict(SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_JOB_NODELIST=nodelist)
+    assert dry_run(tmp_path, **env)["distributed"]["master_addr"] == first
+
+
+def test_slurm_node_list_is_expanded_by_scontrol_where_it_exists(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "from-scontrol-%s\\nsecond\\n" "$3"\n')
+    (fake / "scontrol").chmod(0o755)
+    env = dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="n[1-2]", PATH=f"{fake}:{os.environ['PATH']}")
+    assert dry_run(tmp_path, **env)["distributed"]["master_addr"] == "from-scontrol-n[1-2]"
+    (fake / "scontrol").write_text("#!/bin/sh\nexit 1\n")  # scontrol present but failing (no controller): the parser answers
+    assert dry_run(tmp_path, **env)["distributed"]["master_addr"] == "n1"
 
 
 @pytest.mark.parametrize("env, expected", LAUNCHERS, ids=[e["source"] + str(i) for i, (_, e) in enumerate(LAUNCHERS)])
@@ -127,6 +160,14 @@ BAD = [
     (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="99999"), "MASTER_PORT"),
     (dict(RANK="0", WORLD_SIZE="8", PET_NODE_RANK="0", PET_NPROC_PER_NODE="4", MASTER_ADDR="h"), "torchrun"),
     (dict(HF_TOKEN_PATH="/nonexistent/token"), "HF_TOKEN_PATH"),
+    # Half a launcher's variables: never read as one process that trains alone into the shared folder.
+    (dict(WORLD_SIZE="4"), "RANK is not"),
+    (dict(RANK="2"), "WORLD_SIZE is not"),
+    (dict(RANK="0"), "WORLD_SIZE is not"),
+    (dict(NODE_RANK="3"), "set RANK and WORLD_SIZE"),
+    (dict(LOCAL_RANK="1"), "set RANK and WORLD_SIZE"),
+    (dict(MASTER_ADDR="replica-0", MASTER_PORT="29500"), "MASTER_ADDR=replica-0, MASTER_PORT=29500 are set"),
+    (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="node[1-"), "SLURM_JOB_NODELIST"),
 ]  # fmt: skip
 
 

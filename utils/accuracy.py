@@ -11,6 +11,7 @@ Args:
     references (list of int): true labels.
 Returns:
     accuracy (float): correct / total, in [0, 1].
+    f1 (float): F1 of the positive class (label 1), in [0, 1]; 0 when nothing is predicted or labelled positive.
 """
 
 
@@ -28,4 +29,7 @@ class Accuracy(evaluate.Metric):
         if len(predictions) == 0:
             raise ValueError("no predictions to score")
         correct = sum(int(p == r) for p, r in zip(predictions, references))
-        return {"accuracy": correct / len(predictions)}
+        true_pos = sum(int(p == 1 and r == 1) for p, r in zip(predictions, references))
+        predicted, actual = sum(int(p == 1) for p in predictions), sum(int(r == 1) for r in references)
+        f1 = 2 * true_pos / (predicted + actual) if predicted + actual else 0.0
+        return {"accuracy": correct / len(predictions), "f1": f1}

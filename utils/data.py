@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import datasets
+import pyarrow.compute
 from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
@@ -43,6 +44,18 @@ def _local_files(folder: Path) -> dict[str, str]:
     return files
 
 
+def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
+    """Which file is not UTF-8, and where: the loader's error names neither."""
+    for path in files.values():
+        try:
+            Path(path).read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = Path(path).read_bytes()[: exc.start].count(b"\n") + 1
+            return (f"{path} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} on line {line}); "
+                    "save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8` for a Latin-1 file")  # fmt: skip
+    return f"a file in DATASET_PATH is not valid UTF-8 ({cause.reason}); save the data files as UTF-8"
+
+
 def load_raw(settings: Settings) -> DatasetDict:
     """The train and validation splits from DATASET_PATH when set, else from the Hub."""
     if settings.dataset_path:
@@ -50,7 +63,14 @@ def load_raw(settings: Settings) -> DatasetDict:
         if not folder.is_dir():
             raise JobError(EXIT_BAD_INPUT, f"DATASET_PATH={folder} is not a folder; point it at a folder with train/validation files")
         if (folder / "dataset_dict.json").exists():
-            loaded = load_from_disk(str(folder))
+            try:
+                loaded = load_from_disk(str(folder))
+            except Exception as exc:  # a torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
+                    "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
+                ) from None
         else:
             files = _local_files(folder)
             fmt = FILE_FORMATS[Path(files["train"]).suffix]
@@ -59,6 +79,8 @@ def load_raw(settings: Settings) -> DatasetDict:
                 loaded = load_dataset(fmt, data_files=files, **kwargs)
             except datasets.exceptions.DatasetGenerationError as exc:
                 cause = exc.__cause__ or exc
+                if isinstance(cause, UnicodeDecodeError):
+                    raise JobError(EXIT_BAD_INPUT, _not_utf8(files, cause)) from None
                 if "the first 0 values" in str(cause):  # a header and no rows: every column's type is unknown
                     raise JobError(EXIT_BAD_INPUT, f"a split in DATASET_PATH={folder} has a header but no rows; each split needs at least one row") from None
                 raise JobError(
@@ -96,6 +118,8 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
                 raise JobError(EXIT_BAD_INPUT, f"the {split} split has no column '{column}' (columns: {ds.column_names}); set {setting} to the right one")
         if len(ds) == 0:
             raise JobError(EXIT_BAD_INPUT, f"the {split} split is empty; it needs at least one row")
+        _check_text(ds, split, settings.text_column)
+        ds = _labels_as_integers(ds, split, settings.label_column)
         labels = set(ds.unique(settings.label_column))
         if not labels <= {0, 1}:
             bad = sorted(labels - {0, 1}, key=str)[:5]
@@ -109,6 +133,46 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
     return DatasetDict(checked)
 
 
+def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
+    """Text the tokenizer can take: a string column, and no row without a sentence (it would train on [CLS] [SEP])."""
+    feature = ds.features[column]
+    kind = getattr(feature, "dtype", type(feature).__name__)
+    if kind not in ("string", "large_string", "null"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split's column '{column}' holds {kind} values, not text; set TEXT_COLUMN to the column with the sentences",
+        )
+    values = ds.with_format("arrow")[column]
+    blank = pyarrow.compute.fill_null(pyarrow.compute.equal(pyarrow.compute.utf8_trim_whitespace(values.cast(pyarrow.large_string())), ""), True)
+    count = pyarrow.compute.sum(blank).as_py() or 0
+    if count:
+        first = pyarrow.compute.index(blank, True).as_py()
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split has {count} row(s) with an empty or missing '{column}' (the first is row {first + 1}); "
+            "fill in or remove those rows",
+        )
+
+
+def _labels_as_integers(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
+    """Labels as int64. Booleans and the floats 0.0/1.0 (a csv column with a blank, a pandas export) are
+    the same two classes and are cast; a missing label, a fraction or a word is refused."""
+    kind = getattr(ds.features[column], "dtype", None)
+    values = ds.unique(column)
+    if None in values:
+        missing = ds.with_format("arrow")[column].null_count
+        raise JobError(EXIT_BAD_INPUT, f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it")
+    if kind in ("string", "large_string"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split has text labels {sorted(values)[:5]} in '{column}'; labels must be the numbers 0 (negative) or 1 (positive): "
+            "map them to 0/1 in the file",
+        )
+    if kind == "bool" or (kind in ("float16", "float32", "float64") and set(values) <= {0.0, 1.0}):
+        ds = ds.cast_column(column, datasets.Value("int64"))
+    return ds
+
+
 def cache_key(raw: DatasetDict, tokenizer, max_seq_length: int) -> str:
     """Tokenized data depends on the tokenizer, the truncation length and the data: key the cache on all three."""
     return Hasher.hash([Hasher.hash(tokenizer), max_seq_length, [raw[s]._fingerprint for s in SPLITS]])[:16]
@@ -117,9 +181,11 @@ def cache_key(raw: DatasetDict, tokenizer, max_seq_length: int) -> str:
 def tokenize(raw: DatasetDict, tokenizer, max_seq_length: int, cache_dir: Path) -> DatasetDict:
     """Tokenize once into `cache_dir` (on the shared volume); later calls and other ranks load it."""
     target = cache_dir / f"tokenized-{cache_key(raw, tokenizer, max_seq_length)}"
-    if (target / "dataset_dict.json").exists():
-        log.info("tokenized data found in %s", target)
-        return load_from_disk(str(target))
+    if target.exists():
+        cached = _load_cache(target, raw)
+        if cached is not None:
+            log.info("tokenized data found in %s", target)
+            return cached
 
     def encode(batch):
         return tokenizer(batch[TEXT], truncation=True, max_length=max_seq_length)
@@ -135,6 +201,26 @@ def tokenize(raw: DatasetDict, tokenizer, max_seq_length: int, cache_dir: Path) 
         shutil.rmtree(partial, ignore_errors=True)
     log.info("tokenized %s rows into %s", {k: len(v) for k, v in tokenized.items()}, target)
     return load_from_disk(str(target))
+
+
+def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
+    """The cached tokenized splits, or None after removing a damaged cache (it is then rebuilt).
+
+    A volume that filled up, a node lost mid-write or a hand edit can leave a torn dataset_dict.json or
+    state.json, or a truncated .arrow file. The cache is derived data: rebuild it, never fail the job.
+    """
+    try:
+        cached = load_from_disk(str(target))
+        for split in SPLITS:
+            table = cached[split].with_format("arrow")[:]  # reads every record batch: a truncated file fails here
+            if table.num_rows != len(raw[split]):
+                raise ValueError(f"the {split} split holds {table.num_rows} rows, the data {len(raw[split])}")
+        return cached
+    except Exception as exc:  # FileNotFoundError, JSONDecodeError, ArrowInvalid, KeyError: damaged either way
+        log.warning("tokenized cache %s is damaged (%s: %s); removing it and tokenizing again",
+                    target, type(exc).__name__, str(exc).splitlines()[0][:160] if str(exc) else "")  # fmt: skip
+        shutil.rmtree(target, ignore_errors=True)
+        return None
 
 
 def load_sst2(settings: Settings, tokenizer, cache_dir: Path) -> DatasetDict:

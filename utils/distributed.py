@@ -10,19 +10,24 @@ Launchers, first match wins (so torchrun inside a Slurm task or a PyTorchJob pod
 | slurm      | SLURM_PROCID and SLURM_NTASKS          | SLURM_PROCID/NTASKS/LOCALID/NODEID, first host of the node list |
 | single     | none of the above                      | rank 0 of 1                                             |
 
-The collectives the job needs outside the Trainer (agreeing on an error, the final barrier) live here
-too, so every rank-aware decision sits in one file. torch is imported lazily: `--dry-run` uses
-`detect_env` without it.
+The rendezvous (settings compared across ranks, a heartbeat) and the collectives the job needs outside
+the Trainer (agreeing on an error, the stop flag, the final barrier) live here too. torch is imported
+lazily: `--dry-run` uses `detect_env` without it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import socket
+import subprocess
+import sys
+import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterator, Mapping, TypeVar
 
@@ -67,15 +72,58 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
 
 
 def first_host(nodelist: str) -> str:
-    """First host of a Slurm node list: 'gpu-[01-04,07],cpu1' -> 'gpu-01'."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
+    """First host of a Slurm node list: 'gpu-[01-04,07],cpu1' -> 'gpu-01', 'rack[1-2]-node[01-04]' -> 'rack1-node01'.
+
+    Slurm's own `scontrol show hostnames` where it is installed (it knows every syntax Slurm writes),
+    else python-hostlist, a parser kept by a Slurm site (zero-padding, several bracket groups, suffixes).
+    """
+    nodelist = nodelist.strip()
+    if shutil.which("scontrol"):
+        try:
+            shown = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10, check=False)
+            hosts = shown.stdout.split() if shown.returncode == 0 else []
+            if hosts:
+                return hosts[0]
+        except (OSError, subprocess.SubprocessError):
+            pass  # a broken or hanging scontrol: the parser below reads the same syntax
+    import hostlist  # python-hostlist: pure Python, nothing heavy for --dry-run
+
+    try:
+        hosts = hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist:
+        hosts = []
+    if not hosts:
         raise JobError(EXIT_BAD_INPUT, f"SLURM_JOB_NODELIST={nodelist!r} is not a node list; set MASTER_ADDR to the first node's address")
-    prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return hosts[0]
+
+
+def _refuse_partial_rank_variables(env: Mapping[str, str]) -> None:
+    """No launcher was recognised, yet some rank variables are set: half a launcher's environment.
+
+    Read as one process, each of N replicas would train alone into the same folder. What one process
+    would have anyway (WORLD_SIZE=1, LOCAL_RANK=0, NODE_RANK=0) is accepted.
+    """
+    value = lambda name: env.get(name, "").strip()  # noqa: E731
+    if value("WORLD_SIZE") and value("WORLD_SIZE") != "1" and not value("RANK"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"WORLD_SIZE={value('WORLD_SIZE')} is set but RANK is not; set RANK (0..WORLD_SIZE-1) on every replica, "
+            "or unset WORLD_SIZE to run as one process",
+        )
+    if value("RANK") and not value("WORLD_SIZE"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"RANK={value('RANK')} is set but WORLD_SIZE is not; set WORLD_SIZE (the number of replicas) on every replica, "
+            "or unset RANK to run as one process",
+        )
+    stray = [f"{name}={value(name)}" for name in ("NODE_RANK", "LOCAL_RANK") if value(name) not in ("", "0")]
+    stray += [f"{name}={value(name)}" for name in ("MASTER_ADDR", "MASTER_PORT") if value(name)]
+    if stray:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set but RANK and WORLD_SIZE are not, so this replica would train alone; "
+            "set RANK and WORLD_SIZE as well (or start it with torchrun), or unset them to run as one process",
+        )
 
 
 def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -121,6 +169,7 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         node_rank = _int(env, "SLURM_NODEID", 0)
         addr = env.get("MASTER_ADDR") or (first_host(env["SLURM_JOB_NODELIST"]) if has("SLURM_JOB_NODELIST") else None)
     else:
+        _refuse_partial_rank_variables(env)
         return DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
 
     if world < 1:
@@ -180,48 +229,170 @@ def masked_environ() -> dict[str, str]:
     return {k: ("***" if secret.search(k) and k != "HF_TOKEN_PATH" else os.environ[k]) for k in keys if k in os.environ}
 
 
-# ------------------------------------------------------------------------------- collectives
-def init_process_group(dist: DistEnv, timeout_s: int, cuda: bool) -> None:
-    """Create the process group ourselves, so RENDEZVOUS_TIMEOUT holds on gloo too.
+# ------------------------------------------------------------------------------- rendezvous
+AGREEMENT_KEY = "job/agree/{rank}"
+VERDICT_KEY = "job/verdict"
+BEAT_KEY = "job/beat/{rank}"
+BEAT_SECONDS = 1.0  # each rank bumps its counter in the store this often while it is in the job
+PROBE_SECONDS = 3.0  # a peer whose counter did not move for this long has died or stopped
+WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck in native code is ended
 
-    `TrainingArguments(ddp_timeout=...)` is ignored on the CPU (gloo keeps its 30-minute default);
-    Accelerate reuses a group that already exists. The timeout then bounds every collective, DDP's
-    gradient all-reduce included: a peer that stops answering fails the others after it.
+
+class PeerTimeout(TimeoutError):
+    """A peer did not answer within RENDEZVOUS_TIMEOUT."""
+
+
+@dataclass
+class _Group:
+    """What this process holds of the job's group: the rendezvous store and the heartbeat beside it."""
+
+    store: object
+    beat_store: object
+    control: object = None  # the gloo group for small control messages on NCCL jobs (None: the default group)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+_GROUP: _Group | None = None
+
+
+@contextmanager
+def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
+    """End the process with `code` if the block has not finished after `seconds`.
+
+    torch's store and gloo calls wait in native code, where neither their own timeouts (seen: rank 0
+    waiting 100 s on a 20 s timeout) nor a Python signal handler can always reach them.
+    """
+    done = threading.Event()
+
+    def expire() -> None:
+        if not done.wait(seconds):
+            sys.stderr.write(f"error: {message}\n")
+            sys.stderr.flush()
+            os._exit(code)
+
+    threading.Thread(target=expire, daemon=True, name="watchdog").start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def rendezvous(dist: DistEnv, timeout_s: int, cuda: bool, agreement: dict, on_main: Callable[[], None] | None = None) -> None:
+    """Meet the other ranks, check that they run the same job, and create the process group.
+
+    Every rank posts `agreement` (world size, training settings, run name) in rank 0's TCP store; rank 0
+    compares them all, then runs `on_main` (taking the OUTPUT_DIR lock) and posts one verdict that every
+    rank follows: replicas started with other settings or another world size all stop with exit 2 and
+    the names of what differs, instead of training different models. Everything is bounded by
+    RENDEZVOUS_TIMEOUT on every rank. The process group is then created on the same store, so
+    `TrainingArguments(ddp_timeout=...)`, ignored on gloo, is not needed: the timeout bounds every
+    collective, DDP's gradient all-reduce included.
     """
     if not dist.is_distributed:
+        if on_main is not None:
+            on_main()
         return
     import torch
     import torch.distributed as td
 
-    global _CONTROL_GROUP
+    global _GROUP
     timeout = timedelta(seconds=timeout_s)
-    if not td.is_initialized():
-        if cuda:
-            torch.cuda.set_device(dist.local_rank)
-        deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s
+    where = f"{dist.master_addr}:{dist.master_port}"
+    stuck = (f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {where} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+             f"check that all {dist.world_size} replicas started with the same WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0")  # fmt: skip
+    with watchdog(timeout_s + WATCHDOG_GRACE, stuck, 1):
         if not dist.is_main:
             _wait_for_rank0(dist, timeout_s, deadline)
         try:
-            td.init_process_group(
-                backend="nccl" if cuda else "gloo",
-                init_method="env://",
-                rank=dist.rank,
-                world_size=dist.world_size,
-                timeout=timeout,
-            )
-        except Exception as exc:  # the rendezvous store timed out waiting for the other ranks
-            raise JobError(
-                EXIT_BAD_INPUT if "resolve" in str(exc).lower() else 1,
-                f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {dist.master_addr}:{dist.master_port} "
-                f"within RENDEZVOUS_TIMEOUT={timeout_s}s ({type(exc).__name__}); check that all {dist.world_size} replicas "
-                "started with the same WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0",
-            ) from None
-    # Small control messages (the preemption flag, checkpoint barriers) go over gloo on the CPU: on an
-    # NCCL job they would otherwise sync the GPU stream at every step.
-    _CONTROL_GROUP = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
+            store = td.TCPStore(dist.master_addr, dist.master_port, None, dist.is_main, timeout, wait_for_workers=False)
+            beat_store = td.TCPStore(dist.master_addr, dist.master_port, None, False, timeout)
+        except (td.DistError, RuntimeError) as exc:
+            raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
+        _GROUP = _Group(store, beat_store)
+        mine = json.dumps(agreement, sort_keys=True, default=str)
+        store.set(AGREEMENT_KEY.format(rank=dist.rank), mine)
+        try:
+            if dist.is_main:
+                verdict = _judge(dist, store, agreement, timeout_s, deadline, on_main)
+                store.set(VERDICT_KEY, json.dumps(verdict))
+            else:
+                store.wait([VERDICT_KEY], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                verdict = json.loads(store.get(VERDICT_KEY))
+                theirs = json.loads(store.get(AGREEMENT_KEY.format(rank=0)))
+                if verdict is None and theirs != json.loads(mine):  # a rank rank 0 did not wait for (it counts fewer)
+                    verdict = [EXIT_BAD_INPUT, _mismatch(theirs, {dist.rank: json.loads(mine)})]
+        except (td.DistError, RuntimeError) as exc:
+            if isinstance(exc, JobError):
+                raise
+            raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
+        if verdict is not None:
+            raise JobError(*verdict)
+        if cuda:
+            torch.cuda.set_device(dist.local_rank)
+        td.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=dist.rank, world_size=dist.world_size, timeout=timeout)
+        # Small control messages (the stop flag, checkpoint barriers) go over gloo: on an NCCL job they
+        # would otherwise sync the GPU stream at every step.
+        _GROUP.control = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
+    threading.Thread(target=_beat, args=(_GROUP, dist.rank), daemon=True, name="heartbeat").start()
 
 
-_CONTROL_GROUP = None
+def _judge(dist: DistEnv, store, agreement: dict, timeout_s: int, deadline: float, on_main: Callable[[], None] | None) -> list | None:
+    """Rank 0: every rank's agreement compared with its own, then `on_main`; None when all is well."""
+    import torch.distributed as td
+
+    keys = [AGREEMENT_KEY.format(rank=rank) for rank in range(1, dist.world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except td.DistError:
+        missing = [rank for rank, key in enumerate(keys, start=1) if not store.check([key])]
+        return [1, f"ranks {missing} did not join rank 0 at {dist.master_addr}:{dist.master_port} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+                f"check that all {dist.world_size} replicas started and that MASTER_ADDR/MASTER_PORT point at rank 0"]
+    others = {rank: json.loads(store.get(key)) for rank, key in enumerate(keys, start=1)}
+    mine = json.loads(json.dumps(agreement, sort_keys=True, default=str))  # as the others see it, through JSON
+    differing = {rank: theirs for rank, theirs in others.items() if theirs != mine}
+    if differing:
+        return [EXIT_BAD_INPUT, _mismatch(mine, differing)]
+    if on_main is not None:
+        try:
+            on_main()
+        except JobError as exc:
+            return [exc.code, exc.message]
+    return None
+
+
+def _mismatch(main: dict, others: dict[int, dict]) -> str:
+    """'LEARNING_RATE: 0.0005 on rank 0, 0.9 on rank 1; ...' for the settings that differ."""
+    parts = []
+    for name in sorted({name for theirs in others.values() for name in set(theirs) | set(main) if theirs.get(name) != main.get(name)}):
+        values = [f"{main.get(name)} on rank 0"] + [f"{theirs.get(name)} on rank {rank}" for rank, theirs in others.items() if theirs.get(name) != main.get(name)]
+        parts.append(f"{name.upper()}: {', '.join(values)}")
+    return (f"the replicas were started with different settings ({'; '.join(parts)}); "
+            "give every replica the same settings (one config_map / ConfigMap for all) and start them again")  # fmt: skip
+
+
+def _beat(group: _Group, rank: int) -> None:
+    """Bump this rank's counter in the store until the group is left: how a peer tells alive from lost."""
+    key = BEAT_KEY.format(rank=rank)
+    while not group.stop.wait(BEAT_SECONDS):
+        try:
+            group.beat_store.add(key, 1)
+        except Exception:  # rank 0, which holds the store, is gone: the main thread will find out
+            return
+
+
+def peer_lost(world_size: int, rank: int) -> bool:
+    """Whether a peer died or stopped: its heartbeat did not move for PROBE_SECONDS, or the store is gone."""
+    if _GROUP is None:
+        return False
+    try:
+        keys = [BEAT_KEY.format(rank=r) for r in range(world_size) if r != rank]
+        before = [_GROUP.beat_store.add(key, 0) for key in keys]
+        time.sleep(PROBE_SECONDS)
+        after = [_GROUP.beat_store.add(key, 0) for key in keys]
+    except Exception:
+        return True
+    return any(a == b for a, b in zip(before, after))
 
 
 def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
@@ -256,6 +427,7 @@ def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
     )
 
 
+# ------------------------------------------------------------------------------- collectives
 def _broadcast(dist: DistEnv, value: object) -> object:
     import torch.distributed as td
 
@@ -314,23 +486,35 @@ def agree(dist: DistEnv, step: Callable[[], T]) -> T:
 
 
 def leave_process_group() -> None:
-    """After the final barrier: drop the group locally (no collective), so rank 0 can upload for as long as it needs."""
+    """After the final barrier: stop the heartbeat and drop the group locally (no collective), so rank 0
+    can upload for as long as it needs."""
     import torch.distributed as td
 
+    if _GROUP is not None:
+        _GROUP.stop.set()
     if td.is_available() and td.is_initialized():
         td.destroy_process_group()
 
 
-def any_rank(dist: DistEnv, flag: bool) -> bool:
-    """True on every rank when `flag` is true on any rank (one all-reduce of a byte): a decision all ranks share."""
+def _control_group():
+    return _GROUP.control if _GROUP is not None else None
+
+
+def max_over_ranks(dist: DistEnv, value: int) -> int:
+    """The largest of every rank's `value` (one all-reduce of an int), on every rank: a decision all ranks share."""
     if not dist.is_distributed:
-        return flag
+        return value
     import torch
     import torch.distributed as td
 
-    value = torch.tensor([int(flag)], dtype=torch.int32)
-    td.all_reduce(value, op=td.ReduceOp.MAX, group=_CONTROL_GROUP)
-    return bool(value.item())
+    tensor = torch.tensor([int(value)], dtype=torch.int32)
+    td.all_reduce(tensor, op=td.ReduceOp.MAX, group=_control_group())
+    return int(tensor.item())
+
+
+def any_rank(dist: DistEnv, flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank."""
+    return bool(max_over_ranks(dist, int(flag)))
 
 
 def barrier(dist: DistEnv) -> None:
@@ -338,7 +522,7 @@ def barrier(dist: DistEnv) -> None:
     if dist.is_distributed:
         import torch.distributed as td
 
-        td.barrier(group=_CONTROL_GROUP)
+        td.barrier(group=_control_group())
 
 
 def decide_on_main(dist: DistEnv, step: Callable[[], T]) -> T:
@@ -347,41 +531,46 @@ def decide_on_main(dist: DistEnv, step: Callable[[], T]) -> T:
     return _broadcast(dist, result) if dist.is_distributed else result
 
 
-GLOO_PREFIX = re.compile(r"^\[[^\]]*\]\s*")  # gloo prefixes its messages with the C++ source location
+def is_lost_peer(exc: BaseException, dist: DistEnv) -> bool:
+    """Whether `exc` means a peer died, stopped answering or was cut off, told by type and by evidence.
 
+    torch's DistNetworkError and DistStoreError (the store, held by rank 0, is gone) and timeouts are a
+    lost peer by type. gloo reports a closed connection or a silent peer as a plain RuntimeError, the
+    same type as a real crash, so for those the heartbeat decides: the failure is a lost peer only if a
+    peer's heartbeat stopped. Anything else (a CUDA error, an illegal memory access, a bug) is a crash,
+    exit 1, which `restartPolicy: ExitCode` rightly does not restart for ever.
+    """
+    if not dist.is_distributed:
+        return False
+    import torch
+    import torch.distributed as td
 
-def is_collective_failure(exc: BaseException) -> bool:
-    """A collective that failed because a peer died, stopped answering or was cut off."""
-    try:
-        import torch.distributed as td
-
-        if isinstance(exc, td.DistError):
-            return True
-    except ImportError:  # pragma: no cover - torch is always there when collectives ran
-        pass
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting")
-    )
+    if isinstance(exc, (td.DistNetworkError, td.DistStoreError, PeerTimeout, TimeoutError)):
+        return True
+    if isinstance(exc, (torch.AcceleratorError, torch.OutOfMemoryError)) or not isinstance(exc, RuntimeError):
+        return False
+    return peer_lost(dist.world_size, dist.rank)
 
 
 @contextmanager
 def peers_watched(dist: DistEnv, timeout_s: int, resume_hint: Callable[[], str]) -> Iterator[None]:
-    """Turn a collective that failed because of a peer into one clear error line, not a traceback.
+    """Turn a failure caused by a lost peer, anywhere between rendezvous and the final barrier, into one
+    clear error line and exit 143.
 
-    The exit code is 143, as after SIGTERM: the usual cause is a replica preempted or killed (a node
-    lost, an OOM kill), and the cure is the same, restart every replica and resume from the last
-    checkpoint. With exit 1, `restartPolicy: ExitCode` would end the whole job at the first lost node.
+    143, as after SIGTERM: the usual cause is a replica preempted or killed (a node lost, an OOM kill),
+    and the cure is the same, restart every replica and resume from the last checkpoint. With exit 1,
+    `restartPolicy: ExitCode` would end the whole job at the first lost node.
     """
     try:
         yield
+    except JobError:
+        raise
     except Exception as exc:
-        if not (dist.is_distributed and is_collective_failure(exc)):
+        if not is_lost_peer(exc, dist):
             raise
-        detail = GLOO_PREFIX.sub("", (str(exc).strip().splitlines() or [""])[0]).split(". ")[0][:200]
         raise JobError(
             EXIT_PREEMPTED,
-            f"rank {dist.rank} lost contact with its peers ({detail}): a replica was killed, stopped "
+            f"rank {dist.rank} lost contact with its peers ({type(exc).__name__}): a replica was killed, stopped "
             f"or cut off, or did not answer within RENDEZVOUS_TIMEOUT={timeout_s}s; restart all {dist.world_size} replicas: "
             f"{resume_hint()}",
         ) from None

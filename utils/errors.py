@@ -17,14 +17,13 @@ class JobError(Exception):
 
 
 class Preempted(BaseException):
-    """SIGTERM (preemption, eviction): leave with EXIT_PREEMPTED so the orchestrator restarts the job.
+    """SIGTERM (preemption, eviction) or SIGINT: leave with 128 + the signal so the orchestrator restarts the job.
 
     A BaseException, like KeyboardInterrupt: raised from the signal handler, it must not be swallowed
     by a library's `except Exception` on its way out.
     """
 
-    code = EXIT_PREEMPTED
-
-    def __init__(self, message: str):
+    def __init__(self, message: str, code: int = EXIT_PREEMPTED):
         super().__init__(message)
         self.message = message
+        self.code = code  # 128 + the signal: 143 after SIGTERM, 130 after SIGINT

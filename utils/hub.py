@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx2
-from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, constants
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from pydantic import SecretStr
 from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
@@ -26,9 +27,54 @@ from utils.settings import Settings
 log = logging.getLogger(__name__)
 
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
-# Total time one push (create_repo + upload) or one token check keeps retrying: rides out a Hub incident
-# or a rate limit, not an outage. Only rank 0 is still running then, so no collective can time out.
+# Total time the push (create_repo + upload, retries and the request in flight) may take (PUSH_TIMEOUT
+# by default): rides out a Hub incident or a rate limit, not an outage. Only rank 0 is still running
+# then, so no collective can time out.
 PUSH_RETRY_SECONDS = 600
+TOKEN_CHECK_SECONDS = 120  # the token check before training gives up within this: no GPU time waits on a silent Hub
+CONNECT_SECONDS = 10
+
+
+def use_request_timeout(seconds: float) -> None:
+    """Give every request huggingface_hub makes a connect and read timeout (its own client has none, so
+    a Hub that accepts the connection and never answers would block a call for ever)."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    def client_with_timeout() -> httpx2.Client:
+        client = default_client_factory()
+        client.timeout = httpx2.Timeout(seconds, connect=min(CONNECT_SECONDS, seconds))
+        return client
+
+    set_client_factory(client_with_timeout)
+
+
+class HubDeadline(TimeoutError):
+    """A Hub call (its retries and the request in flight) did not finish within its total deadline."""
+
+
+def within(seconds: float, call, *args, **kwargs):
+    """`call(*args, **kwargs)`, or HubDeadline after `seconds` even if a request is still in flight.
+
+    The call runs in a daemon thread: when the deadline passes the job goes on (to its exit code) and the
+    abandoned request dies with the process.
+    """
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["result"] = call(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name="hub-call")
+    thread.start()
+    thread.join(max(0.0, seconds))
+    if thread.is_alive():
+        raise HubDeadline(f"no answer within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
 
 def _status(exc: BaseException) -> int | None:
@@ -39,6 +85,8 @@ def _status(exc: BaseException) -> int | None:
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, HfHubHTTPError):
         return _status(exc) in TRANSIENT_STATUS
+    if isinstance(exc, HubDeadline):  # the total deadline is spent: nothing left to retry with
+        return False
     if isinstance(exc, OfflineModeIsEnabled):  # a ConnectionError, but HF_HUB_OFFLINE=1 will not change by waiting
         return False
     return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
@@ -104,20 +152,29 @@ def _fine_grained_can_write(grants: dict, repo_id: str, me: dict) -> bool:
 
 
 class Hub:
-    def __init__(self, token: SecretStr | None, max_retry_seconds: float = PUSH_RETRY_SECONDS):
+    def __init__(self, token: SecretStr | None, max_retry_seconds: float = PUSH_RETRY_SECONDS, request_timeout: float | None = None):
+        if request_timeout is not None:
+            use_request_timeout(request_timeout)
         self._token = token
         self._api = HfApi(token=token.get_secret_value() if token else False)
         self._max_retry_seconds = max_retry_seconds
 
     def check_write_access(self, repo_id: str) -> str:
-        """Fail in seconds, before any GPU time, when the token is missing, wrong or read-only."""
+        """Fail before any GPU time, within TOKEN_CHECK_SECONDS, when the token is missing, wrong or
+        read-only, or the Hub does not answer."""
         if self._token is None:
             raise JobError(EXIT_BAD_INPUT, f"RESULT_MODEL_ID={repo_id} asks for a push but no token is set; set HF_TOKEN (or HF_TOKEN_PATH), or unset RESULT_MODEL_ID")
+        seconds = min(TOKEN_CHECK_SECONDS, self._max_retry_seconds)
         try:
-            me = self._retrying()(self._api.whoami)()
+            me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami))
         except Exception as exc:
-            code = EXIT_BAD_INPUT if _status(exc) in (401, 403) else 1
-            raise JobError(code, f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
+            if _status(exc) in (401, 403):
+                raise JobError(EXIT_BAD_INPUT, f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the Hub at {constants.ENDPOINT} could not be reached to check HF_TOKEN within {seconds:.0f} s ({describe(exc, self._token)}); "
+                "check HF_ENDPOINT and the network route to the Hub, or unset RESULT_MODEL_ID to train without pushing (push later with --push-only)",
+            ) from None
         access = me.get("auth", {}).get("accessToken", {})
         role = access.get("role")
         if role == "read" or (role == "fineGrained" and not _fine_grained_can_write(access.get("fineGrained") or {}, repo_id, me)):
@@ -132,15 +189,18 @@ class Hub:
     def describe(self, exc: BaseException) -> str:
         return describe(exc, self._token)
 
-    def _retrying(self):
-        return _retrying(time.monotonic() + self._max_retry_seconds, self._token)
-
     def push_folder(self, folder: Path, repo_id: str, private: bool, message: str) -> str:
-        """create_repo (exist_ok) + upload_folder, each retried on transient failures. Returns the commit URL."""
-        retrying = self._retrying()  # one deadline for both calls
-        retrying(self._api.create_repo)(repo_id=repo_id, private=private, exist_ok=True)
-        commit = retrying(self._api.upload_folder)(repo_id=repo_id, folder_path=str(folder), commit_message=message)
-        return str(commit.commit_url if hasattr(commit, "commit_url") else commit)
+        """create_repo (exist_ok) + upload_folder, each retried on transient failures, all within one total
+        deadline that the request in flight counts towards too. Returns the commit URL."""
+        deadline = time.monotonic() + self._max_retry_seconds
+        retrying = _retrying(deadline, self._token)
+
+        def push() -> str:
+            retrying(self._api.create_repo)(repo_id=repo_id, private=private, exist_ok=True)
+            commit = retrying(self._api.upload_folder)(repo_id=repo_id, folder_path=str(folder), commit_message=message)
+            return str(commit.commit_url if hasattr(commit, "commit_url") else commit)
+
+        return within(self._max_retry_seconds, push)
 
 
 CARD_TEMPLATE = """---

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import stat
 import warnings
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 
 from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.recipe import lora_options
 from utils.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -29,10 +34,77 @@ def _load_error(settings: Settings, exc: Exception) -> JobError:
 
 
 def load_tokenizer(settings: Settings):
+    """The model's tokenizer, after the model folder and its config are checked against the settings."""
+    check_model(settings)
     try:
-        return AutoTokenizer.from_pretrained(settings.model_name)
+        tokenizer = AutoTokenizer.from_pretrained(settings.model_name)
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
+    # A folder without tokenizer files still loads: a tokenizer that knows only its special tokens,
+    # which turns every word into [UNK] and trains without a word of complaint.
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name} has no tokenizer files (its tokenizer knows only {len(tokenizer)} special tokens, so "
+            "every word would be [UNK]); save the base model's tokenizer into it (tokenizer.json or vocab.txt, tokenizer_config.json: "
+            "AutoTokenizer.from_pretrained(base).save_pretrained(folder))",
+        )
+    return tokenizer
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def check_model(settings: Settings) -> None:
+    """Before any training step: weights files that cannot be read, and settings the model cannot take."""
+    folder = Path(settings.model_name)
+    if folder.is_dir():
+        for path in sorted(folder.iterdir()):
+            if path.name.endswith(WEIGHT_SUFFIXES):
+                _check_weights_file(settings, path)
+    try:
+        config = AutoConfig.from_pretrained(settings.model_name)
+    except (OSError, ValueError) as exc:
+        raise _load_error(settings, exc) from None
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and settings.max_seq_length > positions:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MAX_SEQ_LENGTH={settings.max_seq_length} but MODEL_NAME={settings.model_name} has position embeddings for {positions} tokens "
+            f"(max_position_embeddings); set MAX_SEQ_LENGTH to {positions} or less",
+        )
+    hidden = getattr(config, "hidden_size", None)
+    if isinstance(hidden, int) and settings.lora_r > hidden:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LORA_R={settings.lora_r} is above the hidden size {hidden} of MODEL_NAME={settings.model_name}: an adapter of that rank "
+            f"is larger than the layer it adapts; set LORA_R to {hidden} or less (8 or 16 is usual)",
+        )
+
+
+def _check_weights_file(settings: Settings, path: Path) -> None:
+    """A weights file the loader would report as missing ('No such file') or fail on with a traceback."""
+    problem = None
+    if path.is_symlink() and not path.exists():
+        problem = f"is a link to {os.readlink(path)}, which does not exist"
+    elif not path.is_file():
+        problem = "is not a regular file"
+    elif not os.access(path, os.R_OK):
+        problem = f"is not readable by uid {os.getuid()} (mode {stat.filemode(path.stat().st_mode)})"
+    elif path.stat().st_size == 0:
+        problem = "is empty"
+    elif path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass  # the header and the tensor offsets are checked against the file's size
+        except Exception as exc:  # SafetensorError: a truncated, torn or foreign file
+            problem = f"is damaged or truncated ({str(exc).splitlines()[0][:120]})"
+    if problem:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name}: the weights file {path.name} {problem}; copy the model's files there again "
+            "(e.g. `hf download MODEL --local-dir FOLDER`) and make them readable by the job",
+        )
 
 
 def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -> PeftModel:
@@ -45,7 +117,7 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
     # silently fall back to the eager attention (materialised score matrices, no fused kernels).
     kwargs: dict = {"num_labels": 2, "attn_implementation": "sdpa"}
     if quantize_8bit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER])
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])])  # a trained head stays full precision
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     try:
@@ -61,6 +133,7 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
         target_modules=list(settings.lora_target_modules),
+        **lora_options(settings, (name for name, _ in model.named_modules())),  # pooler, rsLoRA/DoRA, init: utils/recipe.py
     )
     try:
         model = get_peft_model(model, lora)

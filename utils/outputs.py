@@ -4,7 +4,7 @@
       model/            adapter + config, tokenizer, README.md model card   (rank 0)
       metrics.json      eval_accuracy, eval_samples, world_size, train_*     (rank 0)
       run.json          resolved settings (secrets masked), package versions, push record (rank 0)
-      checkpoints/      Trainer checkpoints; a COMPLETE marker is written once one is whole
+      checkpoints/      Trainer checkpoints; a COMPLETE manifest (file sizes and hashes, what a resume must keep) once one is whole
       logs/rank-R.log   one per rank
       tensorboard/      training curves
       cache/            tokenized data, keyed by tokenizer, max length and data fingerprint
@@ -15,6 +15,7 @@ the same volume, then renamed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -78,10 +79,25 @@ def fsync_tree(folder: Path) -> None:
 
 
 def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, None when there is no file; a torn or foreign file is bad input with the fix."""
     try:
-        return json.loads(path.read_text())
+        payload = json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise _damaged(path, f"not valid JSON: {str(exc).splitlines()[0][:80]}") from None
+    if not isinstance(payload, dict):
+        raise _damaged(path, f"a JSON {type(payload).__name__}, not an object")
+    return payload
+
+
+def _damaged(path: Path, what: str) -> JobError:
+    # run.json is what tells this run from another one's folder: guessing would risk resuming foreign checkpoints.
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"{path} is damaged ({what}); if this folder holds only this run, delete {path.name} and start again "
+        "(checkpoints and the tokenized cache are kept and reused), otherwise set OUTPUT_DIR to a new folder",
+    )
 
 
 def replace_dir(staged: Path, final: Path) -> None:
@@ -95,9 +111,26 @@ def replace_dir(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_run_dir(settings: Settings) -> RunDir:
+    """Refuse an OUTPUT_DIR whose run.json holds a run with other training settings (reads, writes nothing)."""
+    run = RunDir(Path(settings.output_dir).resolve())
+    record = read_json(run.run_record) if run.root.is_dir() else None
+    if record is not None:
+        theirs, ours = record.get("training_settings", {}), settings.training_settings()
+        changed = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        if changed:
+            detail = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed[:4])
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"OUTPUT_DIR={settings.output_dir} holds a run with other training settings ({detail}); "
+                "use a new OUTPUT_DIR for new settings, or restore the old ones to resume",
+            )
+    return run
+
+
 def open_run_dir(settings: Settings) -> RunDir:
     """Create OUTPUT_DIR's folders and refuse a folder that holds a run with other training settings."""
-    run = RunDir(Path(settings.output_dir).resolve())
+    run = check_run_dir(settings)
     try:
         for folder in (run.root, run.logs, run.checkpoints, run.cache):
             folder.mkdir(parents=True, exist_ok=True)
@@ -110,17 +143,6 @@ def open_run_dir(settings: Settings) -> RunDir:
             f"OUTPUT_DIR={settings.output_dir} is not writable ({exc.strerror}) by uid {os.getuid()}; "
             "mount a writable volume there or set OUTPUT_DIR to a writable folder",
         ) from None
-    record = read_json(run.run_record)
-    if record is not None:
-        theirs, ours = record.get("training_settings", {}), settings.training_settings()
-        changed = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-        if changed:
-            detail = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed[:4])
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"OUTPUT_DIR={settings.output_dir} holds a run with other training settings ({detail}); "
-                "use a new OUTPUT_DIR for new settings, or restore the old ones to resume",
-            )
     return run
 
 
@@ -137,10 +159,48 @@ def write_run_record(run: RunDir, settings: Settings, **extra) -> None:
     write_json(run.run_record, record)
 
 
-def mark_checkpoint_complete(checkpoint: Path, world_size: int) -> None:
-    """Declare a checkpoint whole; call it once every rank has written its part (its RNG state)."""
+def mark_checkpoint_complete(checkpoint: Path, resume_key: dict) -> None:
+    """Declare a checkpoint whole; call it once every rank has written its part (its RNG state).
+
+    The marker is a manifest: every file's size and SHA-256, so a resume can tell a checkpoint damaged
+    after it was marked (a truncated optimizer state, a deleted file), and `resume_key`, what a resume
+    must not change (world size, global batch, the data), so a restart that would continue another run
+    is refused instead of silently skipping or repeating rows.
+    """
     fsync_tree(checkpoint)
-    _write_atomic(checkpoint / COMPLETE_MARKER, f"complete; written by {world_size} rank(s)\n")
+    files = {str(path.relative_to(checkpoint)): {"size": path.stat().st_size, "sha256": _sha256(path)}
+             for path in sorted(checkpoint.rglob("*")) if path.is_file() and path.name != COMPLETE_MARKER}  # fmt: skip
+    _write_atomic(checkpoint / COMPLETE_MARKER, json.dumps({"resume": resume_key, "files": files}, indent=2, sort_keys=True) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_damage(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint marked complete (None: every file is as it was when marked)."""
+    try:
+        manifest = json.loads((checkpoint / COMPLETE_MARKER).read_text())
+        files, _ = manifest["files"], manifest["resume"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its COMPLETE manifest is unreadable"
+    for name, expected in sorted(files.items()):
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{name} has {path.stat().st_size} bytes, {expected['size']} when it was written"
+        if _sha256(path) != expected["sha256"]:
+            return f"{name} changed since it was written (checksum)"
+    return None
+
+
+def checkpoint_resume_key(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / COMPLETE_MARKER).read_text())["resume"]
 
 
 def _checkpoints(run: RunDir) -> list[tuple[int, Path, bool]]:
@@ -157,6 +217,21 @@ def latest_complete_checkpoint(run: RunDir) -> Path | None:
     """The newest checkpoint whose save finished; one cut short by a kill has no marker and is skipped."""
     complete = [path for _, path, done in _checkpoints(run) if done]
     return complete[-1] if complete else None
+
+
+def usable_checkpoints(run: RunDir) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint whose files are intact, and the damaged ones found newer than it
+    (removed: a later save of the same step must not mix with their files)."""
+    damaged = []
+    for _, path, done in reversed(_checkpoints(run)):
+        if not done:
+            continue
+        problem = checkpoint_damage(path)
+        if problem is None:
+            return path, damaged
+        damaged.append((path, problem))
+        shutil.rmtree(path, ignore_errors=True)
+    return None, damaged
 
 
 def discard_incomplete_checkpoints(run: RunDir) -> list[Path]:

@@ -1,4 +1,4 @@
-"""SIGTERM (preemption, pod eviction, `docker stop`): checkpoint, then exit 143 on every rank.
+"""SIGTERM (preemption, pod eviction, `docker stop`) and SIGINT (Ctrl-C): checkpoint, then exit 143 (130) on every rank.
 
 The orchestrator sends SIGTERM to one replica or to all of them, and SIGKILLs after a grace period
 (30 s by default on Kubernetes). What the job does with it depends on where it is:
@@ -21,7 +21,11 @@ PID 1 ignores SIGTERM unless a handler is installed).
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import sys
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -29,29 +33,68 @@ from utils.errors import Preempted
 
 log = logging.getLogger(__name__)
 
+# After a stop signal, the seconds a rank has to leave on its own before it is ended with the same code:
+# a rank waiting in native code (a store or gloo wait, the Rust tokenizer) never runs the Python handler.
+# Outside training there is nothing to save, so little; in training, time for the agreed checkpoint.
+# Both well inside Kubernetes' default 30 s grace period before SIGKILL.
+STOP_GRACE = {False: 3.0, True: 20.0}
+SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)"}
+
 
 class Preemption:
-    """The SIGTERM handler's state: asked to stop, and whether the training loop will act on it itself."""
+    """The stop-signal handler's state: which signal asked to stop, and whether the training loop acts on it."""
 
     def __init__(self) -> None:
-        self.requested = False
+        self.signum = 0  # 0: no stop asked; else SIGTERM (15) or SIGINT (2)
         self._deferred = False
+        self._lock = threading.Lock()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
 
     def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        for signum in SIGNALS:
+            signal.signal(signum, self._on_signal)
+        # Python runs signal handlers only between bytecodes of the main thread. The wake-up socket gets
+        # a byte from the C-level handler at once, and a watcher thread ends the process if the main
+        # thread does not leave within the grace period.
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._wakeup = (reader, writer)
+        threading.Thread(target=self._watch, args=(reader,), daemon=True, name="stop-signal-watcher").start()
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self.requested = True
+    def _on_signal(self, signum, frame) -> None:
+        with self._lock:
+            self.signum = max(self.signum, signum)
         if not self._deferred:
-            raise Preempted("SIGTERM received outside the training loop; a restart continues from what is on the volume (checkpoints, model/)")
+            raise Preempted(
+                f"{SIGNALS[signum]} received outside the training loop; a restart continues from what is on the volume (checkpoints, model/)",
+                code=128 + signum,
+            )
+
+    def _watch(self, reader: socket.socket) -> None:
+        while True:
+            data = reader.recv(16)
+            signums = [b for b in data if b in SIGNALS]
+            if not signums:
+                continue
+            signum = max(signums)
+            grace = STOP_GRACE[self._deferred]
+            threading.Event().wait(grace)
+            # Still here: the main thread is stuck where the handler cannot run. Leave as it would have.
+            sys.stderr.write(f"preempted: {SIGNALS[signum]} and no exit within {grace:.0f} s (waiting in native code); exit {128 + signum}\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
 
     @contextmanager
     def deferred(self) -> Iterator[None]:
-        """While inside, SIGTERM only sets `requested`; the training loop checkpoints and stops."""
+        """While inside, a stop signal only records itself; the training loop checkpoints and stops."""
         self._deferred = True
         try:
             if self.requested:  # signalled before the loop started: stop at the first step boundary
-                log.warning("SIGTERM arrived before training started; stopping after the first step")
+                log.warning("%s arrived before training started; stopping after the first step", SIGNALS[self.signum])
             yield
         finally:
             self._deferred = False
@@ -60,19 +103,21 @@ class Preemption:
 PREEMPTION = Preemption()
 
 
-def stop_on_preemption_callback(any_rank):
-    """A TrainerCallback that saves and stops at the first step where any rank got SIGTERM.
+def stop_on_preemption_callback(max_over_ranks):
+    """A TrainerCallback that saves and stops at the first step where any rank got SIGTERM or SIGINT.
 
-    `any_rank(flag) -> bool` is the all-reduce (utils.distributed.any_rank) that makes every rank take
-    the same decision at the same step. transformers is imported here, not at the top: main.py imports
-    this module before the heavy imports.
+    `max_over_ranks(value) -> int` is the all-reduce (utils.distributed.max_over_ranks) that makes every
+    rank take the same decision at the same step; SIGTERM (15) wins over SIGINT (2). transformers is
+    imported here, not at the top: main.py imports this module before the heavy imports.
     """
     from transformers import TrainerCallback
 
     class StopOnPreemption(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if any_rank(PREEMPTION.requested):
-                log.warning("SIGTERM: saving a checkpoint at step %d and stopping", state.global_step)
+            signum = max_over_ranks(PREEMPTION.signum)
+            if signum:
+                PREEMPTION.signum = max(PREEMPTION.signum, signum)  # a rank stopped by its peer leaves with the peer's code
+                log.warning("%s: saving a checkpoint at step %d and stopping", SIGNALS.get(signum, signum), state.global_step)
                 control.should_save = True
                 control.should_training_stop = True
 

@@ -19,13 +19,17 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from utils.errors import JobError, EXIT_BAD_INPUT
+from utils.hub_token import read_token, refuse_token_in_settings
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
 # The repo id grammar the Hub enforces: an optional namespace, then a name of letters, digits, -, _, .
 REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+# RUN_NAME names a folder under OUTPUT_DIR/tensorboard: no separators, no '..', no hidden names, and
+# short enough for the event files inside it to stay below the 255-byte file-name limit.
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]{0,99}$")
 
 
 def default_output_dir() -> str:
@@ -58,19 +62,36 @@ class Settings(BaseModel):
     run_name: str | None = Field(None, description="name of the run in logs and the model card; derived from the training settings when unset, so every replica and every restart agree")
 
     # --- how long and how big
-    num_epochs: float = Field(1.0, gt=0, description="passes over the training split; one pass is enough for LoRA on SST-2")
-    max_steps: int | None = Field(None, ge=1, description="optimizer steps; when set it wins over NUM_EPOCHS")
+    num_epochs: float = Field(
+        1.0, gt=0, le=1000, allow_inf_nan=False, description="passes over the training split; one pass is enough for LoRA on SST-2 (at most 1000: more is a typo, not a recipe)"
+    )
+    max_steps: int | None = Field(None, ge=1, le=10**8, description="optimizer steps; when set it wins over NUM_EPOCHS (at most 1e8: years of steps)")
     per_device_batch_size: int = Field(64, ge=1, description="rows per device per step; global batch = this x world size x accumulation")
     per_device_eval_batch_size: int = Field(256, ge=1, description="evaluation needs no gradients or optimizer state, so it fits a larger batch")
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit")
-    learning_rate: float = Field(5e-4, gt=0, lt=1, description="LoRA adapters train well 10x above full fine-tuning rates; 5e-4 is the usual BERT LoRA value")
+    learning_rate: float | None = Field(
+        None, gt=0, lt=1, description="unset: BASE_LEARNING_RATE scaled to the global batch by LEARNING_RATE_SCALING (the resolved value "
+        "is what --dry-run, run.json, the logs and the model card show); set: exactly this value on any number of replicas"
+    )
+    base_learning_rate: float = Field(5e-4, gt=0, lt=1, description="the rate at a global batch of 64 (one replica, the defaults), where it was tuned on SST-2 with LoRA+ (docs/quality.md)")
+    learning_rate_scaling: Literal["sqrt", "linear", "none"] = Field(
+        "sqrt", description="how the rate follows the global batch: x sqrt(global batch / 64) keeps 1 to 8 replicas at the same accuracy (docs/quality.md)"
+    )
+    weight_decay: float = Field(0.0, ge=0, lt=1, description="AdamW decoupled weight decay; one epoch of LoRA does not overfit SST-2")
     warmup_ratio: float = Field(0.06, ge=0, lt=1, description="fraction of steps with a rising learning rate, as in the RoBERTa/LoRA GLUE recipes")
 
     # --- LoRA
-    lora_r: int = Field(8, ge=1, description="adapter rank; 8 is the LoRA paper's GLUE setting")
+    lora_r: int = Field(8, ge=1, le=4096, description="adapter rank; 8 is the LoRA paper's GLUE setting (and at most the model's hidden size, checked once its config is read)")
     lora_alpha: int = Field(16, ge=1, description="adapter scale alpha/r = 2")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="light regularisation of the adapter input")
     lora_target_modules: tuple[str, ...] = Field(("query", "value"), description="comma-separated module names to adapt; query,value as in the LoRA paper")
+    train_pooler: bool = Field(
+        True, description="train BERT's pooler with the classifier (both are the head); sentence-embedding checkpoints never trained theirs (docs/quality.md)"
+    )
+    head_learning_rate_ratio: float = Field(1.0, gt=0, le=1000, description="the head (classifier, pooler) trains at this x the learning rate")
+    loraplus_lr_ratio: float = Field(8.0, gt=0, le=1000, description="LoRA+: each adapter's B matrix trains at this x the learning rate (the best option measured on SST-2); 1 is plain LoRA")
+    lora_variant: Literal["lora", "rslora", "dora"] = Field("lora", description="rslora: scale alpha/sqrt(r) instead of alpha/r; dora: weight-decomposed LoRA (slower)")
+    lora_init: Literal["default", "gaussian", "pissa", "olora"] = Field("default", description="adapter initialisation (peft init_lora_weights); default: B=0, A Kaiming-uniform")
 
     # --- numerics and speed
     quantization: Literal["auto", "8bit", "none"] = Field(
@@ -87,7 +108,7 @@ class Settings(BaseModel):
     max_seq_length: int = Field(128, ge=8, le=512, description="truncation length; SST-2 sentences average ~13 tokens and batches are padded only to their longest row")
     dataloader_num_workers: int = Field(2, ge=0, description="collating runs beside the GPU step instead of before it")
     torch_compile: bool = Field(False, description="torch.compile the model: faster steps on long runs, a minute of compile first")
-    seed: int = Field(42, ge=0, description="seeds data order, LoRA init and dropout: the same seed gives the same run")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="seeds data order, LoRA init and dropout: the same seed gives the same run (0..2**32-1, numpy's range)")
 
     # --- checkpoints, rendezvous, publishing
     save_steps: int = Field(100, ge=1, description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB")
@@ -96,6 +117,10 @@ class Settings(BaseModel):
         600, ge=10, description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading and tokenizing while the others wait"
     )
     result_model_id: str | None = Field(None, description="Hub repo to push model/ to (needs HF_TOKEN); unset: the model stays on the volume")
+    hub_timeout: float = Field(30, gt=0, le=600, description="seconds one Hub request may take to connect or to send a byte back; a Hub that accepts and never answers fails here, then is retried")
+    push_timeout: float = Field(
+        600, gt=0, le=86400, description="seconds the push (retries and uploads in flight included) may take before exit 3; the token check before training gets min(120, this)"
+    )
     hub_private: bool = Field(True, description="a new Hub repo is private unless asked otherwise")
 
     @field_validator("lora_target_modules", mode="before")
@@ -107,12 +132,28 @@ class Settings(BaseModel):
             raise ValueError("name at least one module, e.g. query,value")
         return value
 
+    @field_validator("run_name")
+    @classmethod
+    def _check_run_name(cls, value: str | None) -> str | None:
+        if value is not None and (not RUN_NAME_PATTERN.match(value) or ".." in value):
+            raise ValueError("it names a folder under OUTPUT_DIR: use 1-100 letters, digits, '-', '_', '.', '+', '=' (no '/' or '..')")
+        return value
+
     @field_validator("result_model_id")
     @classmethod
     def _check_repo_id(cls, value: str | None) -> str | None:
         if value is not None and (not REPO_ID_PATTERN.match(value) or "--" in value or ".." in value):
             raise ValueError("must look like 'your-name/model-name' (letters, digits, '-', '_', '.')")
         return value
+
+    @model_validator(mode="after")
+    def _label_is_not_the_text(self) -> "Settings":
+        if self.text_column == self.label_column:
+            raise ValueError(
+                f"TEXT_COLUMN and LABEL_COLUMN both name the column '{self.text_column}'; the text and the 0/1 label must be "
+                "two different columns: fix TEXT_COLUMN or LABEL_COLUMN"
+            )
+        return self
 
     @model_validator(mode="after")
     def _derive_run_name(self) -> "Settings":
@@ -139,6 +180,8 @@ TRAINING_SETTINGS = frozenset(
         "num_epochs", "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate",
         "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "quantization",
         "precision", "strategy", "max_seq_length", "seed",
+        "base_learning_rate", "learning_rate_scaling", "weight_decay", "train_pooler", "head_learning_rate_ratio", "loraplus_lr_ratio",
+        "lora_variant", "lora_init",
     }
 )  # fmt: skip
 
@@ -149,18 +192,6 @@ def derive_run_name(settings: Settings) -> str:
     model = Path(settings.model_name.rstrip("/")).name or "model"
     data = Path(settings.dataset_path.rstrip("/")).name if settings.dataset_path else settings.dataset_config
     return f"{model}-{data}-lora-r{settings.lora_r}-{digest}"
-
-
-def read_token() -> SecretStr | None:
-    """HF_TOKEN, else the file HF_TOKEN_PATH names: the two places the job accepts a secret from."""
-    token = os.environ.get("HF_TOKEN", "").strip()
-    path = os.environ.get("HF_TOKEN_PATH", "").strip()
-    if not token and path:
-        try:
-            token = Path(path).expanduser().read_text().strip()
-        except OSError as exc:
-            raise JobError(EXIT_BAD_INPUT, f"HF_TOKEN_PATH={path} cannot be read ({exc.strerror}); mount the token file there or set HF_TOKEN") from None
-    return SecretStr(token) if token else None
 
 
 def check_push_possible(settings: Settings) -> None:
@@ -249,6 +280,8 @@ def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | No
         field = str(first["loc"][0]) if first["loc"] else ""
         source, raw = given.get(field, (env_name(field), "<default>"))
         reason = first["msg"].removeprefix("Value error, ")
+        if field not in FIELDS:  # a check across settings: its message names them and the fix
+            raise JobError(EXIT_BAD_INPUT, reason) from None
         raise JobError(EXIT_BAD_INPUT, f"{source}={raw!s} is invalid: {reason}; fix {env_name(field)} or {flag_name(field)}") from None
-    read_token()  # an unreadable HF_TOKEN_PATH is bad input now, not after training
+    refuse_token_in_settings(settings.model_dump(mode="json"))  # also reads the token: a bad one is refused now
     return settings, args

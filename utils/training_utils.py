@@ -7,19 +7,24 @@ and in which order, and where ranks must agree.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import os
+import logging.handlers
 import shutil
+import signal
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import datasets
 import evaluate
 import numpy as np
 import psutil  # an Accelerate dependency: the process start time, for the time-to-first-step log line
+import pyarrow
 import pyarrow.compute
+import pyarrow.ipc
 import torch
 import transformers
 from torch.utils.data import SequentialSampler
@@ -35,17 +40,22 @@ from utils.hub import Hub, write_model_card
 from utils.model import build_model, load_tokenizer, trainable_checksum
 from utils.outputs import (
     RunDir,
+    checkpoint_resume_key,
     discard_incomplete_checkpoints,
     latest_complete_checkpoint,
     mark_checkpoint_complete,
     prune_checkpoints,
     read_json,
     replace_dir,
+    usable_checkpoints,
     write_json,
     write_run_record,
 )
+from utils.recipe import describe_recipe, optimizer_groups, resolve_learning_rate
 from utils.preemption import PREEMPTION, stop_on_preemption_callback
-from utils.settings import Settings, read_token
+from utils.hub_token import MaskingFilter, masker, read_token
+from utils.run_lock import RunLock
+from utils.settings import Settings
 from utils.strategy import StrategyCheck, check_strategy, full_state_dict, trainer_options
 
 log = logging.getLogger(__name__)
@@ -54,23 +64,39 @@ LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
 
 
 # ------------------------------------------------------------------------------- set-up
-def setup_logging(run: RunDir, dist: DistEnv) -> None:
-    """Every rank logs to its own file; only rank 0 talks on the console (warnings from all)."""
+def setup_logging(dist: DistEnv) -> None:
+    """Only rank 0 talks on the console (warnings from all); the rank log is added once the folder is ours."""
     fmt = logging.Formatter(LOG_FORMAT.format(rank=dist.rank))
-    file_handler = logging.FileHandler(run.rank_log(dist.rank))
-    file_handler.setFormatter(fmt)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(fmt)
     console.setLevel(logging.INFO if dist.is_main else logging.WARNING)
     # The libraries' INFO records (config dumps, file lists) go to the rank log only.
     console.addFilter(lambda record: record.levelno >= logging.WARNING or record.name.startswith("utils."))
-    logging.basicConfig(level=logging.INFO, handlers=[file_handler, console], force=True)
+    console.addFilter(MaskingFilter(masker()))
+    # Records before the rank log exists are held here and written to it first (log_to_file).
+    early = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+    early.addFilter(MaskingFilter(masker()))
+    logging.basicConfig(level=logging.INFO, handlers=[console, early], force=True)
     transformers.utils.logging.disable_default_handler()  # its records go to our handlers instead
     transformers.utils.logging.enable_propagation()
     for library in (transformers, datasets):
         library.utils.logging.set_verbosity(logging.INFO if dist.is_main else logging.WARNING)
     if not dist.is_main:
         datasets.disable_progress_bars()
+
+
+def log_to_file(run: RunDir, dist: DistEnv) -> None:
+    """Every rank also logs to OUTPUT_DIR/logs/rank-R.log: after the rendezvous and the OUTPUT_DIR lock, so a
+    job refused on a folder in use never writes into the logs of the job that holds it."""
+    handler = logging.FileHandler(run.rank_log(dist.rank))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=dist.rank)))
+    handler.addFilter(MaskingFilter(masker()))
+    root = logging.getLogger()
+    for early in [h for h in root.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
+        early.setTarget(handler)
+        early.flush()
+        root.removeHandler(early)
+    root.addHandler(handler)
 
 
 def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[bool, str]:
@@ -98,6 +124,15 @@ class JobTrainer(Trainer):
         # and then scales it by the world size and skips the division by accumulation steps. The
         # classification loss is a per-batch mean: without this, DDP runs train at world-size x the rate.
         self.model_accepts_loss_kwargs = False
+
+    param_groups = None  # a recipe's optimizer groups (utils/recipe.py) when rates differ per group; None: the Trainer's own
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.param_groups is not None:
+            opt_model = self.model if model is None else model
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            self.optimizer = optimizer_cls(self.param_groups(opt_model.named_parameters()), **optimizer_kwargs)
+        return super().create_optimizer(model)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.samples_seen += int(inputs["input_ids"].shape[0])
@@ -133,13 +168,13 @@ class CheckpointMarker(TrainerCallback):
     """Marks a checkpoint complete once every rank has written its part (resume skips unmarked ones),
     then keeps the newest SAVE_TOTAL_LIMIT complete ones."""
 
-    def __init__(self, run: RunDir, dist: DistEnv, keep: int):
-        self.run, self.dist, self.keep = run, dist, keep
+    def __init__(self, run: RunDir, dist: DistEnv, keep: int, resume_key: dict):
+        self.run, self.dist, self.keep, self.resume_key = run, dist, keep, resume_key
 
     def on_save(self, args, state, control, **kwargs):
         distributed.barrier(self.dist)  # each rank saves its own RNG state; rank 0 alone cannot tell it is written
         if state.is_world_process_zero:
-            mark_checkpoint_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}", self.dist.world_size)
+            mark_checkpoint_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key)
             prune_checkpoints(self.run, self.keep)
 
 
@@ -169,7 +204,8 @@ def build_trainer(
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         num_train_epochs=settings.num_epochs,
         max_steps=settings.max_steps or -1,
-        learning_rate=settings.learning_rate,
+        learning_rate=resolve_learning_rate(settings, dist.world_size),  # LEARNING_RATE, else the global-batch rule
+        weight_decay=settings.weight_decay,
         warmup_steps=settings.warmup_ratio,  # below 1 the Trainer reads it as a fraction of all steps
         optim="adamw_torch_fused",
         bf16=precision == "bf16",
@@ -202,15 +238,15 @@ def build_trainer(
     args = TrainingArguments(**{**options, **(overrides or {})})
     callbacks: list[TrainerCallback] = [
         StrategyCheck(settings.strategy),  # stops the run if the Trainer did not shard as asked
-        CheckpointMarker(run, dist, settings.save_total_limit),
+        CheckpointMarker(run, dist, settings.save_total_limit, resume_key(settings, dist, data)),
         StartupTimer(),
-        stop_on_preemption_callback(lambda flag: distributed.any_rank(dist, flag)),
+        stop_on_preemption_callback(lambda signum: distributed.max_over_ranks(dist, signum)),
     ]
     if dist.is_main:
         tensorboard = TensorBoardCallback()
         tensorboard.logging_dir = str(run.tensorboard / settings.run_name)  # kept when it reopens its writer for the final evaluation
         callbacks.append(tensorboard)
-    return JobTrainer(
+    trainer = JobTrainer(
         model=model,
         args=args,
         train_dataset=data["train"],
@@ -220,6 +256,9 @@ def build_trainer(
         compute_metrics=accuracy_metric(),
         callbacks=callbacks,
     )
+    if settings.head_learning_rate_ratio != 1 or settings.loraplus_lr_ratio != 1:
+        trainer.param_groups = partial(optimizer_groups, settings=settings, learning_rate=args.learning_rate, weight_decay=args.weight_decay)
+    return trainer
 
 
 # ------------------------------------------------------------------------------- publish
@@ -259,12 +298,58 @@ def already_pushed(run: RunDir, settings: Settings) -> bool:
 
 
 # ------------------------------------------------------------------------------- the run
-def resume_checkpoint(run: RunDir) -> str | None:
-    """Rank 0: drop checkpoints a kill cut short, then pick the newest complete one (None: start afresh)."""
+def resume_key(settings: Settings, dist: DistEnv, data) -> dict:
+    """What a resume must not change: the Trainer fast-forwards each rank's data loader by the saved step
+    count, so another world size, global batch or data would skip or repeat rows without a word."""
+    return {
+        "world_size": dist.world_size,
+        "global_batch": settings.per_device_batch_size * dist.world_size * settings.gradient_accumulation_steps,
+        "data": {split: content_digest(data[split]) for split in sorted(data)},
+    }
+
+
+def content_digest(dataset: datasets.Dataset) -> str:
+    """A hash of the tokenized rows themselves. The datasets fingerprint of a local file follows its
+    modification time: a volume restored with the same files would look like new data."""
+    digest = hashlib.sha256()
+    table = dataset.with_format("arrow")[:].combine_chunks()  # one chunk: the same rows give the same bytes however they were written
+    sink = pyarrow.BufferOutputStream()
+    with pyarrow.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    digest.update(sink.getvalue())
+    return digest.hexdigest()[:16]
+
+
+def resume_checkpoint(run: RunDir, key: dict) -> str | None:
+    """Rank 0: the checkpoint to resume from (None: start afresh).
+
+    Checkpoints a kill cut short are dropped; one marked complete whose files were damaged since is
+    dropped with a warning, falling back to the previous one; one written by another run shape is
+    refused (exit 2) with the fix.
+    """
     for path in discard_incomplete_checkpoints(run):
         log.warning("removed %s: its save never completed (the job was killed while writing it)", path.name)
-    latest = latest_complete_checkpoint(run)
-    return str(latest) if latest else None
+    latest, damaged = usable_checkpoints(run)
+    for path, problem in damaged:
+        log.warning("removed %s: %s; falling back to %s", path.name, problem, latest.name if latest else "a fresh start")
+    if latest is None:
+        return None
+    theirs = checkpoint_resume_key(latest)
+    if theirs != key:
+        what = []
+        if theirs.get("world_size") != key["world_size"]:
+            what.append(f"{theirs.get('world_size')} replica(s), this start has {key['world_size']}")
+        if theirs.get("global_batch") != key["global_batch"]:
+            what.append(f"global batch {theirs.get('global_batch')}, this start {key['global_batch']}")
+        if theirs.get("data") != key["data"]:
+            what.append("other training or validation data (the files changed since)")
+        fix = f"restart with {theirs.get('world_size')} replica(s)" if theirs.get("world_size") != key["world_size"] else "restore the data and settings of that run"
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{run.checkpoints / latest.name} was written by a run with {'; '.join(what)}; resuming would skip or repeat rows: "
+            f"{fix}, or use a new OUTPUT_DIR to start over",
+        )
+    return str(latest)
 
 
 @contextmanager
@@ -285,14 +370,19 @@ def resume_hint(run: RunDir) -> str:
     return f"the run resumes from {latest.name}" if latest else "no checkpoint is complete yet: the run starts over"
 
 
+def agreement(settings: Settings, dist: DistEnv) -> dict:
+    """What every rank of one job must share, compared at the rendezvous."""
+    return {"world_size": dist.world_size, "run_name": settings.run_name, "output_dir": settings.output_dir, **settings.training_settings()}
+
+
 def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
-    setup_logging(run_dir, dist)
+    setup_logging(dist)
     log.info("rank %d of %d (local rank %d, node %d) via %s; environment %s", dist.rank, dist.world_size, dist.local_rank,
              dist.node_rank, dist.source, distributed.masked_environ())  # fmt: skip
     if run_dir.is_finished():
         log.info("%s already holds a finished run", run_dir.root)
         if dist.is_main and settings.result_model_id and not already_pushed(run_dir, settings):
-            return push_model(run_dir, settings, Hub(read_token()))
+            return push_model(run_dir, settings, Hub(read_token(), settings.push_timeout, settings.hub_timeout))
         return EXIT_OK
 
     distributed.export_env(dist)
@@ -300,32 +390,56 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
     quantize, precision = resolve_numerics(settings, dist, cuda)
     log.info("device %s, 8-bit %s, precision %s", device, quantize, precision)
+    log.info(describe_recipe(settings, dist.world_size))
     check_strategy(settings, dist, cuda, quantize, precision, distributed.launcher_options())  # e.g. fsdp on the CPU: exit 2, never DDP
-    distributed.init_process_group(dist, settings.rendezvous_timeout, cuda)
 
-    hub = Hub(read_token())
+    hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
+    if settings.result_model_id:  # on every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective
+        hub.check_write_access(settings.result_model_id)
+    lock = RunLock(run_dir.root)
+    try:
+        # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
+        distributed.rendezvous(dist, settings.rendezvous_timeout, cuda, agreement(settings, dist), on_main=lock.acquire)
+        log_to_file(run_dir, dist)
+        with distributed.peers_watched(dist, settings.rendezvous_timeout, lambda: resume_hint(run_dir)):
+            trainer, metrics, summary, state_dict = train(settings, dist, run_dir, device, quantize, precision, cuda)
+        distributed.leave_process_group()  # no rank enters a collective after this: rank 0 may upload for minutes
+        code = EXIT_OK
+        if dist.is_main:
+            save_model(run_dir, settings, trainer.model, trainer.processing_class, metrics, dist.world_size, state_dict)
+            if settings.result_model_id:
+                code = push_model(run_dir, settings, hub)
+            print(f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
+                  f"model={run_dir.model}", flush=True)  # fmt: skip
+        log.info(summary)
+        return code
+    finally:
+        lock.release()
 
-    def check_and_record():
-        if settings.result_model_id:
-            hub.check_write_access(settings.result_model_id)
-        write_run_record(run_dir, settings)
 
-    distributed.run_on_main(dist, check_and_record)
-
+def train(settings: Settings, dist: DistEnv, run_dir: RunDir, device, quantize: bool, precision: str, cuda: bool):
+    """Data, model, Trainer, resume, training and evaluation, on every rank; the final barrier included."""
     tokenizer = load_tokenizer(settings)
     data = distributed.on_main_then_others(dist, lambda: load_sst2(settings, tokenizer, run_dir.cache))
     set_seed(settings.seed)  # before the model: LoRA init and dropout are the same on every restart
     model = distributed.agree(dist, lambda: build_model(settings, quantize, device))
 
     trainer = build_trainer(settings, run_dir, dist, model, tokenizer, data, precision, cuda)
-    checkpoint = distributed.decide_on_main(dist, lambda: resume_checkpoint(run_dir))
+    key = resume_key(settings, dist, data)
+    checkpoint = distributed.decide_on_main(dist, lambda: resume_checkpoint(run_dir, key))
+    # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
+    # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
+    distributed.run_on_main(dist, lambda: write_run_record(run_dir, settings))
     if checkpoint:
         log.info("resuming from step %s (%s): the steps before it are not trained again", checkpoint.rsplit("-", 1)[-1], checkpoint)
-    with distributed.peers_watched(dist, settings.rendezvous_timeout, lambda: resume_hint(run_dir)), progress_bar_closed_on_error(trainer):
-        with PREEMPTION.deferred():  # SIGTERM now checkpoints at the next step all ranks agree on
+    with progress_bar_closed_on_error(trainer):
+        with PREEMPTION.deferred():  # a stop signal now checkpoints at the next step all ranks agree on
             train_result = trainer.train(resume_from_checkpoint=checkpoint)
-        if distributed.any_rank(dist, PREEMPTION.requested):
-            raise Preempted(f"SIGTERM during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(run_dir)}")
+        signum = distributed.max_over_ranks(dist, PREEMPTION.signum)
+        if signum:
+            what = "SIGTERM" if signum == signal.SIGTERM else "SIGINT (Ctrl-C)"
+            raise Preempted(f"{what} during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(run_dir)}",
+                            code=128 + signum)  # fmt: skip
         eval_metrics = trainer.evaluate()
         metrics = {
             **train_result.metrics,
@@ -340,27 +454,19 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
         # Collectives when FSDP shards the weights, so on every rank and before leaving the group.
         summary = f"rank {dist.rank} processed {trainer.samples_seen} training samples; trainable weights checksum {trainable_checksum(trainer.model)}"
         state_dict = full_state_dict(trainer.model, settings.strategy)
-    distributed.leave_process_group()  # no rank enters a collective after this: rank 0 may upload for minutes
-    code = EXIT_OK
-    if dist.is_main:
-        save_model(run_dir, settings, trainer.model, tokenizer, metrics, dist.world_size, state_dict)
-        if settings.result_model_id:
-            code = push_model(run_dir, settings, hub)
-        print(f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
-              f"model={run_dir.model}", flush=True)  # fmt: skip
-    log.info(summary)
-    return code
+    return trainer, metrics, summary, state_dict
 
 
 def publish_only(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     """--push-only: upload an existing model/ (after a failed push) without training."""
     if not dist.is_main:
         return EXIT_OK
-    setup_logging(run_dir, dist)
+    setup_logging(dist)
+    log_to_file(run_dir, dist)
     if not settings.result_model_id:
         raise JobError(EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (the Hub repo to push to)")
     if not run_dir.is_finished():
         raise JobError(EXIT_BAD_INPUT, f"{run_dir.model} holds no finished model; run the training first (without --push-only)")
-    hub = Hub(read_token())
+    hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
     hub.check_write_access(settings.result_model_id)
     return push_model(run_dir, settings, hub)

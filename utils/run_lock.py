@@ -1,0 +1,140 @@
+"""One job per OUTPUT_DIR: a lock file with a heartbeat, held by rank 0 for the whole run.
+
+Two jobs on one folder would train side by side, append to the same rank logs and resume from each
+other's checkpoints. The lock is a file, not an OS lock, because the shared volume may be NFS or a
+cloud file system where `flock` is not shared across hosts. Its holder rewrites it every
+BEAT_SECONDS. A second job finds it and decides at once or after watching it briefly:
+
+- held on this host by a process that no longer exists (or a newer process under the same pid, as in
+  a restarted container): stale, taken over at once;
+- otherwise the heartbeat tells: it moves, the holder is alive and the new job is refused (exit 2,
+  naming the holder); it stands still for STALE_SECONDS, the holder was killed, stopped or lost its
+  node, and the lock is taken over. A restart after a kill is therefore never locked out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from utils.errors import EXIT_BAD_INPUT, JobError
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".job.lock"
+BEAT_SECONDS = 2.0
+STALE_SECONDS = 3 * BEAT_SECONDS + 1  # three missed beats: a live holder on a busy machine still beats within this
+
+
+def _process_started(pid: int) -> float | None:
+    try:
+        return round(psutil.Process(pid).create_time(), 2)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
+
+
+class RunLock:
+    def __init__(self, output_dir: Path):
+        self.path = Path(output_dir) / LOCK_NAME
+        self.me = {
+            "job": uuid.uuid4().hex,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "process_started": _process_started(os.getpid()),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "beat": 0,
+        }
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- acquire / release
+    def acquire(self) -> None:
+        """Take the lock, or raise JobError (exit 2) naming the live holder."""
+        while True:
+            if self._create():
+                break
+            holder = self._read()
+            if holder is None:  # torn or just removed: look again
+                time.sleep(0.2)
+                if self._read() is None:
+                    self._take_over("an unreadable lock file")
+                    break
+                continue
+            if holder.get("job") == self.me["job"]:
+                break
+            if self._holder_alive(holder):
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"OUTPUT_DIR={self.path.parent} is in use by another job (host {holder.get('host')}, pid {holder.get('pid')}, "
+                    f"since {holder.get('since')}); wait for it to finish or stop it, or give this job another OUTPUT_DIR",
+                )
+            self._take_over(f"the lock of host {holder.get('host')} pid {holder.get('pid')} (no longer running)")
+            break
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="output-dir-lock")
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        holder = self._read()
+        if holder is not None and holder.get("job") == self.me["job"]:
+            self.path.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- internals
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as handle:
+            json.dump(self.me, handle)
+        return True
+
+    def _write(self) -> None:
+        partial = self.path.with_name(f"{LOCK_NAME}.{self.me['job']}")
+        partial.write_text(json.dumps(self.me))
+        os.replace(partial, self.path)
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _take_over(self, what: str) -> None:
+        log.warning("OUTPUT_DIR lock: took over %s", what)
+        self._write()
+
+    def _holder_alive(self, holder: dict) -> bool:
+        if holder.get("host") == self.me["host"]:
+            pid = holder.get("pid")
+            started = _process_started(pid) if isinstance(pid, int) else None
+            if started is None or started != holder.get("process_started") or pid == os.getpid():
+                return False  # gone, or the pid now belongs to another process (this one, in a restarted container)
+        beat = holder.get("beat")
+        deadline = time.monotonic() + STALE_SECONDS
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = self._read()
+            if now is None:  # released meanwhile
+                return False
+            if now.get("job") != holder.get("job") or now.get("beat") != beat:
+                return True
+        return False
+
+    def _beat(self) -> None:
+        while not self._stop.wait(BEAT_SECONDS):
+            self.me["beat"] += 1
+            try:
+                self._write()
+            except OSError as exc:  # a full or flaky volume must not kill the run; the next beat retries
+                log.warning("could not refresh %s: %s", self.path, exc)
