@@ -58,7 +58,7 @@ def test_replica_killed_mid_training_resumes_from_last_complete_checkpoint(refer
     hub.fail("create", 429, 503, 503, 503)
 
     procs = replicas.start("killed", settings)
-    wait_for(out / "checkpoints" / "checkpoint-40" / "COMPLETE", procs)
+    wait_for(out / "checkpoints" / "checkpoint-80" / "COMPLETE", procs)  # epoch 2 of 2 (63 steps an epoch)
     procs[1].kill()
     killed_at = time.monotonic()
     assert procs[0].wait(timeout=TIMEOUT + 60) == 143  # restartable, like a preemption: a restart resumes
@@ -70,9 +70,9 @@ def test_replica_killed_mid_training_resumes_from_last_complete_checkpoint(refer
 
     # A kill in the middle of a save leaves a checkpoint without its marker, and one of model/ leaves a
     # staged folder: neither may be loaded or published.
-    torn = out / "checkpoints" / "checkpoint-60"
+    torn = out / "checkpoints" / "checkpoint-100"
     torn.mkdir()
-    (torn / "trainer_state.json").write_text('{"global_step": 60, "trunc')
+    (torn / "trainer_state.json").write_text('{"global_step": 100, "trunc')
     (torn / "optimizer.pt").write_bytes(b"\0" * 10)
     (out / ".model.partial").mkdir()
     (out / ".model.partial" / "junk.bin").write_bytes(b"half an adapter")
@@ -80,17 +80,18 @@ def test_replica_killed_mid_training_resumes_from_last_complete_checkpoint(refer
     procs = replicas.start("restart", settings)
     assert wait_all(procs) == [0, 0], (tmp_path / "restart-rank0.txt").read_text()[-3000:]
     log0 = (out / "logs" / "rank-0.log").read_text()
-    assert "resuming from step 40" in log0 and "removed checkpoint-60" in log0
-    assert "resuming from step 40" in (out / "logs" / "rank-1.log").read_text()
-    assert "Fast-forwarding the dataloader past 0 epochs and 40 batches" in log0  # data position restored
+    assert "resuming from step 80" in log0 and "removed checkpoint-100" in log0
+    assert "resuming from step 80" in (out / "logs" / "rank-1.log").read_text()
+    assert "Fast-forwarding the dataloader past 1 epochs and 17 batches" in log0  # data position restored, in epoch 2
 
     accuracy, checksum = reference
     metrics = json.loads((out / "metrics.json").read_text())
     assert abs(metrics["eval_accuracy"] - accuracy) <= 0.02, (metrics["eval_accuracy"], accuracy)
-    # Model, optimizer, scheduler, RNG and data position restored exactly: the same weights bit for bit.
+    # Model, optimizer, scheduler, RNG and data position (the second epoch's order too) restored exactly:
+    # the same weights bit for bit.
     assert summary(out / "logs" / "rank-0.log")[1] == summary(out / "logs" / "rank-1.log")[1] == checksum
     samples_after_resume = summary(out / "logs" / "rank-0.log")[0]
-    assert samples_after_resume == (126 - 40) * 16  # only the steps after the checkpoint were trained again
+    assert samples_after_resume == (126 - 80) * 16  # only the steps after the checkpoint were trained again
 
     # The push rode out the rate limit and the 503s, visibly, and published a whole model/ once.
     assert log0.count("Hub create_repo failed (the Hub answered HTTP 503") == 3

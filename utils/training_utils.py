@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import logging.handlers
+import math
 import shutil
 import signal
 import sys
@@ -144,12 +145,45 @@ class JobTrainer(Trainer):
             # The library measures every row in a Python loop (1.7 s for SST-2, on every rank, before the
             # first step); Arrow has the lengths already. Same lengths, same sampler: the same batches.
             lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
-            return LengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths=lengths)
+            return EpochSeededLengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths, self.args.seed)
         return super()._get_train_sampler(train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
         # Length grouping speeds up training; for evaluation it would only reorder rows.
         return SequentialSampler(eval_dataset)
+
+
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """Length-grouped batches in an order drawn from SEED + epoch, not from the global RNG.
+
+    The library's sampler draws each epoch's order from the global RNG when the epoch begins. A resume
+    restores the RNG only after it has drawn the resumed epoch's order, so a run resumed in its second
+    epoch or later trained other batches than the uninterrupted run (seen: another final checksum).
+    `SamplerEpoch` tells it the epoch about to run (the Trainer's own `set_epoch` misses it in a resumed
+    epoch under DDP, where accelerate's skip wrapper adds a level around it).
+    """
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        super().__init__(batch_size, lengths=lengths)
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed + epoch)
+
+
+class SamplerEpoch(TrainerCallback):
+    """Sets the length-grouped sampler's epoch as the Trainer counts epochs (global step // steps per
+    epoch), before the epoch's order is drawn: the same on every rank, fresh or resumed."""
+
+    def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        batches = getattr(train_dataloader, "batch_sampler", None)
+        while hasattr(batches, "batch_sampler"):  # accelerate's shard and skip wrappers
+            batches = batches.batch_sampler
+        sampler = getattr(batches, "sampler", None)
+        if isinstance(sampler, EpochSeededLengthGroupedSampler):
+            steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
+            sampler.set_epoch(state.global_step // steps_per_epoch)
 
 
 class StartupTimer(TrainerCallback):
@@ -240,6 +274,7 @@ def build_trainer(
         StrategyCheck(settings.strategy),  # stops the run if the Trainer did not shard as asked
         CheckpointMarker(run, dist, settings.save_total_limit, resume_key(settings, dist, data)),
         StartupTimer(),
+        SamplerEpoch(),
         stop_on_preemption_callback(lambda signum: distributed.max_over_ranks(dist, signum)),
     ]
     if dist.is_main:
