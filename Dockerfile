@@ -47,11 +47,11 @@ RUN groupadd --gid 10000 trainer \
     && chown 10000:10000 /pvc-home
 
 # The code stays root-owned and read-only; byte-compiled now because /app is not writable at run time.
-COPY main.py ./
+COPY main.py predict.py ./
 COPY utils/ utils/
 COPY scripts/ scripts/
 COPY examples/ examples/
-RUN python -m compileall -q main.py utils scripts
+RUN python -m compileall -q main.py predict.py utils scripts
 
 USER 10000:10000
 # Rendezvous ports, documentation only: 23456 the PyTorchJob's pytorchjob-port (the operator's default),

@@ -41,7 +41,7 @@ from utils.hub_token import install_masking
 from utils.outputs import check_run_dir, open_run_dir
 from utils.preemption import PREEMPTION
 from utils.recipe import apply_recipe
-from utils.settings import check_push_possible, load_settings
+from utils.settings import check_push_possible, check_trackers, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         dist = detect_env()
         settings = apply_recipe(settings, dist.world_size)  # the learning rate follows the global batch unless LEARNING_RATE is set
         check_push_possible(settings)
+        check_trackers(settings)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings)
             print(json.dumps({"config": settings.as_dict(), "distributed": dist.as_dict()}, indent=2))

@@ -198,7 +198,7 @@ def full_ft_worker(cfg: dict) -> None:
     from utils.data import load_sst2
     from utils.model import load_tokenizer
     from utils.settings import Settings
-    from utils.training_utils import accuracy_metric
+    from utils.training_utils import classification_metrics
 
     out = Path(cfg["out"])
     settings = Settings(model_name=cfg["model"], dataset_path=cfg["data"], seed=cfg["seed"], output_dir=str(out))
@@ -214,7 +214,7 @@ def full_ft_worker(cfg: dict) -> None:
         logging_steps=50, dataloader_num_workers=0 if not cuda else 2, disable_tqdm=True,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["validation"],
-                      data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer, compute_metrics=accuracy_metric())  # fmt: skip
+                      data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer, compute_metrics=classification_metrics())  # fmt: skip
     train = trainer.train().metrics
     scores = trainer.evaluate()
     result = {

@@ -133,6 +133,7 @@ CHECKSUM = re.compile(r"rank (\d+) processed (\d+) training samples; trainable w
 TIMEOUT = 20  # RENDEZVOUS_TIMEOUT in these tests: long enough for a loaded 2-core machine, short enough to wait for
 SAVE_STEPS = 20  # 126 optimizer steps in the run (2 epochs of 1000 rows per rank, batch 16)
 REPO_ID = "tester/sst2-lora"
+BASE_ID = "tester/tiny-bert"  # the Hub id the tests' local tiny model stands for
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -143,7 +144,8 @@ def training_settings(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> di
 
 
 def push_settings(hub: HubStub) -> dict[str, str]:
-    return {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": REPO_ID}
+    # The tiny model is a local folder, which records no Hub id: a push names its base explicitly.
+    return {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": REPO_ID, "BASE_MODEL_ID": BASE_ID}
 
 
 class Replicas:
@@ -198,6 +200,23 @@ def summary(log: Path) -> tuple[int, str]:
 
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def assert_refused_as_bad_input(env: dict[str, str], args: list[str], says: str, hub: HubStub) -> Result:
+    """Run the job with `env` (None values: variables removed) and check the bad-input contract: exit 2, one
+    `error:` line saying `says`, no traceback, no training step, nothing pushed, the token not shown."""
+    env = {name: value for name, value in env.items() if value is not None}
+    result = run_main(env, *args, timeout=180)
+    assert result.code == 2, result.stderr[-3000:]
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and says in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert hub.commits == [] and hub.count("/api/repos/create") == 0  # nothing pushed
+    out = Path(env["OUTPUT_DIR"])
+    assert not list(out.glob("checkpoints/checkpoint-*")) and not (out / "model").exists()  # no training step taken
+    assert not any("Running training" in log.read_text() for log in out.glob("logs/rank-*.log"))
+    assert hub.token not in result.stderr + result.stdout
+    return result
 
 
 def log_time(log: Path, fragment: str) -> float:

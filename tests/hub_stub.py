@@ -1,4 +1,4 @@
-"""A local stand-in for the Hugging Face Hub API, enough for whoami, create_repo and upload_folder.
+"""A local stand-in for the Hugging Face Hub API, enough for whoami, create_repo, the model card's YAML check and a commit.
 
 Jobs under test reach it through HF_ENDPOINT. It records every request (never the token itself: only
 whether the right one was sent) and the files each commit carried, and can be told to fail: a route
@@ -8,6 +8,7 @@ answers the queued status codes first (e.g. three 503s), then succeeds.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import threading
 import time
@@ -26,7 +27,9 @@ class HubStub:
     retry_after: str = "1"  # the Retry-After header a queued 429 answers with
     commits: list[dict] = field(default_factory=list)  # {"repo": ..., "files": {path: bytes}}
     created: list[dict] = field(default_factory=list)
+    validated: list[str] = field(default_factory=list)  # model cards sent to /api/validate-yaml
     failures: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))  # route -> statuses to answer first
+    served: dict[str, dict[str, bytes]] = field(default_factory=dict)  # repo -> {path: content}, for downloads
     bad_auth: int = 0
     silent: set[str] = field(default_factory=set)  # routes that accept the request and never answer
     _release: threading.Event = field(default_factory=threading.Event)
@@ -38,6 +41,18 @@ class HubStub:
     def fail(self, route: str, *statuses: int) -> None:
         """Make `route` ('whoami', 'create', 'preupload', 'commit') answer these statuses before succeeding."""
         self.failures[route].extend(statuses)
+
+    def serve(self, repo: str, folder) -> None:
+        """Serve a folder's files as `repo` (GET/HEAD /{repo}/resolve/{revision}/{path}), e.g. a base model."""
+        self.served[repo] = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    def repo_files(self, repo: str) -> dict[str, bytes] | None:
+        """What a download of `repo` finds: the files served as it, then those its commits carried."""
+        files = dict(self.served.get(repo, {}))
+        for commit in self.commits:
+            if commit["repo"] == repo:
+                files.update(commit["files"])
+        return files if repo in self.served or any(c["repo"] == repo for c in self.commits) else None
 
     def start(self) -> str:
         stub = self
@@ -95,8 +110,33 @@ class HubStub:
                     return True
                 return False
 
+            def _download(self, with_body: bool) -> bool:
+                """/{org}/{name}/resolve/{revision}/{path}: a file of a served or pushed repo, as the Hub answers it."""
+                parts = self.path.split("?")[0].lstrip("/").split("/")
+                if len(parts) < 5 or parts[2] != "resolve":
+                    return False
+                repo, path = "/".join(parts[:2]), "/".join(parts[4:])
+                files = stub.repo_files(repo)
+                content = None if files is None else files.get(path)
+                if content is None:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "RepoNotFound" if files is None else "EntryNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return True
+                self.send_response(200)
+                self.send_header("ETag", f'"{hashlib.sha256(content).hexdigest()}"')
+                self.send_header("X-Repo-Commit", "a" * 40)
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                if with_body:
+                    self.wfile.write(content)
+                return True
+
             def do_HEAD(self):
                 stub.requests.append(("HEAD", self.path))
+                if self._download(with_body=False):
+                    return
                 self.send_response(404)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -105,6 +145,8 @@ class HubStub:
                 stub.requests.append(("GET", self.path))
                 route = self._route()
                 if self._maybe_fail(route):
+                    return
+                if route == "other" and self._download(with_body=True):
                     return
                 if route == "whoami":
                     if not self._authorized():
@@ -122,6 +164,7 @@ class HubStub:
                 if self._maybe_fail(route):
                     return
                 if route == "validate-yaml":
+                    stub.validated.append(json.loads(body)["content"])
                     return self._send(200, {"errors": [], "warnings": []})
                 if not self._authorized():
                     return self._send(401, {"error": "Invalid credentials in Authorization header"})

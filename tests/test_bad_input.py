@@ -17,18 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import base_env, run_main
+from tests.conftest import assert_refused_as_bad_input, base_env, error_lines, push_settings, run_main
 
-REPO_ID = "tester/sst2-lora"
 GOOD_ROWS = [("a wonderful film", 1), ("a dull film", 0)] * 4
-
-
-def error_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("error: ")]
-
-
-def push_settings(hub) -> dict[str, str]:
-    return {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": REPO_ID}
 
 
 def write_csvs(folder: Path, train: list, validation: list, header=("sentence", "label")) -> Path:
@@ -151,20 +142,7 @@ def test_bad_input_gives_one_error_line_exit_2_and_pushes_nothing(case, job_env,
     _, extra, setup, says = case
     env = {**job_env, **push_settings(hub)}
     env.update(setup(tmp_path, env) if setup else {})
-    for name, value in extra.items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
-    result = run_main(env, timeout=180)
-    assert result.code == 2, result.stderr[-3000:]
-    errors = error_lines(result.stderr)
-    assert len(errors) == 1 and says in errors[0], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr + result.stdout
-    assert hub.commits == [] and hub.count("/api/repos/create") == 0  # nothing pushed
-    out = Path(env["OUTPUT_DIR"])
-    assert not list(out.glob("checkpoints/checkpoint-*")) and not (out / "model").exists()  # no training step taken
-    assert not any("Running training" in log.read_text() for log in out.glob("logs/rank-*.log"))
+    assert_refused_as_bad_input({**env, **extra}, [], says, hub)
     assert not list(tmp_path.parent.glob("**/*tfevents*"))  # RUN_NAME=../../x wrote nothing, inside OUTPUT_DIR or out of it
 
 

@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from tests.conftest import FAKE_TOKEN, REPO, base_env, pod_env, run_main
+from tests.conftest import FAKE_TOKEN, REPO, pod_env, run_main
 from utils.distributed import DEFAULT_PORT
 from utils.settings import FIELDS, SHARED_VOLUME, default_output_dir, env_name, load_settings
 

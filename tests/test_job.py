@@ -101,7 +101,7 @@ def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_pat
 
 
 def test_push_sends_adapter_config_tokenizer_and_card(job_env, hub, tmp_path):
-    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora"}
+    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert"}
     result = run_main(env)
     assert result.code == 0, result.stderr[-3000:]
     assert len(hub.commits) == 1 and hub.commits[0]["repo"] == "tester/sst2-lora"
@@ -121,7 +121,7 @@ def test_push_sends_adapter_config_tokenizer_and_card(job_env, hub, tmp_path):
 def test_two_replicas_push_exactly_once(job_env, hub, tmp_path):
     port = free_port()
     settings = {k: v for k, v in job_env.items() if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")}
-    push = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora", "NUM_EPOCHS": "1"}
+    push = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert", "NUM_EPOCHS": "1"}
     procs = [start_main(rank_env(tmp_path, rank, 2, port, **settings, **push), log=tmp_path / f"stdout-{rank}.txt") for rank in (0, 1)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "stdout-0.txt").read_text()[-2000:]
     assert len(hub.commits) == 1
@@ -129,7 +129,7 @@ def test_two_replicas_push_exactly_once(job_env, hub, tmp_path):
 
 
 def test_wrong_token_fails_before_training(job_env, hub, tmp_path):
-    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_wrong_token_abcdef", "RESULT_MODEL_ID": "tester/sst2-lora"}
+    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_wrong_token_abcdef", "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert"}
     result = run_main(env)
     assert result.code == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "401" in result.stderr
@@ -139,14 +139,14 @@ def test_wrong_token_fails_before_training(job_env, hub, tmp_path):
 
 
 def test_push_without_token_is_bad_input(job_env):
-    result = run_main({**job_env, "RESULT_MODEL_ID": "tester/sst2-lora"})
+    result = run_main({**job_env, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert"})
     assert result.code == 2 and "HF_TOKEN" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("role, scopes", [("read", []), ("fineGrained", ["repo.content.read"])])
 def test_token_without_write_access_fails_before_training(job_env, hub, tmp_path, role, scopes):
     hub.role, hub.scopes = role, scopes
-    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora"}
+    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert"}
     result = run_main(env)
     assert result.code == 2 and "cannot write to RESULT_MODEL_ID=tester/sst2-lora" in result.stderr
     assert hub.commits == [] and not (tmp_path / "out" / "model").exists()

@@ -21,6 +21,7 @@ from tests.conftest import (
     SAVE_STEPS,
     TIMEOUT,
     Replicas,
+    assert_refused_as_bad_input,
     assert_token_absent,
     error_lines,
     log_time,
@@ -222,20 +223,20 @@ def hub_in_process(hub, monkeypatch):
 def test_hub_retries_honour_retry_after_and_stop_at_the_bound(hub, hub_in_process, tmp_path):
     from huggingface_hub.errors import HfHubHTTPError
 
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text("{}")
+    config = tmp_path / "adapter_config.json"
+    config.write_text("{}")
+    files = {"adapter_config.json": config}
 
     hub.retry_after = "3"
     hub.fail("create", 429, 503)
-    assert "commit" in hub_in_process(60).push_folder(folder, REPO_ID, True, "upload")
+    assert "commit" in hub_in_process(60).push_files(files, REPO_ID, True, "upload")
     creates = [t for t, route in hub.attempts if route == "create"]
     assert len(creates) == 3 and creates[1] - creates[0] >= 3  # not sooner than the Hub asked
 
     hub.fail("create", *[503] * 1000)  # an outage: give up within the bound, not after it
     started = time.monotonic()
     with pytest.raises(HfHubHTTPError):
-        hub_in_process(4).push_folder(folder, REPO_ID, True, "upload")
+        hub_in_process(4).push_files(files, REPO_ID, True, "upload")
     assert time.monotonic() - started <= 4 + 2
     assert len([route for _, route in hub.attempts if route == "create"]) > 3 + 1  # it did retry
 
@@ -243,7 +244,7 @@ def test_hub_retries_honour_retry_after_and_stop_at_the_bound(hub, hub_in_proces
     hub.fail("create", 403)
     before = hub.count("/api/repos/create")
     with pytest.raises(HfHubHTTPError):
-        hub_in_process(60).push_folder(folder, REPO_ID, True, "upload")
+        hub_in_process(60).push_files(files, REPO_ID, True, "upload")
     assert hub.count("/api/repos/create") == before + 1  # permanent: no retry
 
 
@@ -310,19 +311,4 @@ def test_bad_input_gives_one_error_line_exit_2_and_pushes_nothing(case, job_env,
     _, extra, args, setup, says = case
     env = {**job_env, **push_settings(hub)}
     env.update(setup(tmp_path, env) if setup else {})
-    for name, value in extra.items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
-    result = run_main(env, *args, timeout=180)
-    assert result.code == 2, result.stderr[-3000:]
-    errors = error_lines(result.stderr)
-    assert len(errors) == 1 and says in errors[0], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr + result.stdout
-    assert hub.commits == [] and hub.count("/api/repos/create") == 0  # nothing pushed
-    out = Path(env["OUTPUT_DIR"])
-    assert not list(out.glob("checkpoints/checkpoint-*")) and not (out / "model").exists()  # no training step taken
-    logs = list(out.glob("logs/rank-*.log"))
-    assert not any("Running training" in log.read_text() for log in logs)
-    assert hub.token not in result.stderr + result.stdout
+    assert_refused_as_bad_input({**env, **extra}, args, says, hub)

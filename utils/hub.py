@@ -1,4 +1,4 @@
-"""The Hugging Face Hub: check the token before training, write the model card, push the model folder.
+"""The Hugging Face Hub: check the token before training, push the model's files in one commit.
 
 huggingface_hub does not retry `create_repo` or a commit on HTTP 503, so transient failures (5xx,
 429, dropped connections, timeouts) are retried here with exponential backoff and jitter (tenacity),
@@ -16,13 +16,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx2
-from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, constants
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from pydantic import SecretStr
 from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -189,89 +188,29 @@ class Hub:
     def describe(self, exc: BaseException) -> str:
         return describe(exc, self._token)
 
-    def push_folder(self, folder: Path, repo_id: str, private: bool, message: str) -> str:
-        """create_repo (exist_ok) + upload_folder, each retried on transient failures, all within one total
-        deadline that the request in flight counts towards too. Returns the commit URL."""
+    def push_files(self, files: dict[str, Path], repo_id: str, private: bool, message: str, card: ModelCard | None = None) -> str:
+        """create_repo (exist_ok), the card's metadata checked by the Hub, then every file in one commit
+        (`files`: path in the repo -> local file); each call retried on transient failures, all within one
+        total deadline that the request in flight counts towards too. Returns the commit URL."""
         deadline = time.monotonic() + self._max_retry_seconds
         retrying = _retrying(deadline, self._token)
 
+        def commit() -> str:
+            # Fresh operations for every attempt: create_commit records upload state on them.
+            operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local)) for path, local in sorted(files.items())]
+            info = self._api.create_commit(repo_id=repo_id, operations=operations, commit_message=message)
+            return str(info.commit_url if hasattr(info, "commit_url") else info)
+
         def push() -> str:
             retrying(self._api.create_repo)(repo_id=repo_id, private=private, exist_ok=True)
-            commit = retrying(self._api.upload_folder)(repo_id=repo_id, folder_path=str(folder), commit_message=message)
-            return str(commit.commit_url if hasattr(commit, "commit_url") else commit)
+            if card is not None:
+                retrying(validate_card)(card)
+            return retrying(commit)()
 
         return within(self._max_retry_seconds, push)
 
 
-CARD_TEMPLATE = """---
-{{ card_data }}
----
-
-# {{ model_name }}
-
-A LoRA adapter for [{{ base_model }}](https://huggingface.co/{{ base_model }}) fine-tuned for binary
-sentiment classification on {{ dataset_label }}.
-
-| metric | value |
-| --- | --- |
-| validation accuracy | {{ accuracy }} |
-| validation rows | {{ eval_samples }} |
-
-## Use
-
-```python
-from peft import AutoPeftModelForSequenceClassification
-from transformers import AutoTokenizer
-
-model = AutoPeftModelForSequenceClassification.from_pretrained("{{ repo_or_path }}")
-tokenizer = AutoTokenizer.from_pretrained("{{ repo_or_path }}")
-```
-
-## Training
-
-| setting | value |
-| --- | --- |
-{% for key, value in settings.items() -%}
-| {{ key }} | {{ value }} |
-{% endfor %}
-| world size | {{ world_size }} |
-| run name | {{ run_name }} |
-"""
-
-
-def write_model_card(folder: Path, settings: Settings, metrics: dict, world_size: int) -> None:
-    dataset_id = settings.dataset_path and Path(settings.dataset_path).name or settings.dataset_name
-    dataset_label = f"GLUE SST-2 ({settings.dataset_name}, {settings.dataset_config})" if not settings.dataset_path else f"local data set '{dataset_id}'"
-    card_data = ModelCardData(
-        base_model=settings.model_name,
-        library_name="peft",
-        pipeline_tag="text-classification",
-        tags=["lora", "peft", "text-classification", "sentiment-analysis"],
-        datasets=[dataset_id],
-        model_name=settings.run_name,
-        eval_results=[
-            EvalResult(
-                task_type="text-classification",
-                dataset_type=dataset_id,
-                dataset_name=dataset_label,
-                dataset_config=None if settings.dataset_path else settings.dataset_config,
-                dataset_split="validation",
-                metric_type="accuracy",
-                metric_value=round(metrics["eval_accuracy"], 4),
-            )
-        ],
-    )
-    card = ModelCard.from_template(
-        card_data,
-        template_str=CARD_TEMPLATE,
-        model_name=settings.run_name,
-        base_model=settings.model_name,
-        dataset_label=dataset_label,
-        accuracy=f"{metrics['eval_accuracy']:.4f}",
-        eval_samples=metrics["eval_samples"],
-        repo_or_path=settings.result_model_id or "path/to/output/model",
-        settings=settings.training_settings(),
-        world_size=world_size,
-        run_name=settings.run_name,
-    )
-    card.save(folder / "README.md")
+def validate_card(card: ModelCard) -> None:
+    """The Hub's own check of the card's YAML metadata (POST /api/validate-yaml): a card the Hub would
+    reject is caught before the commit (ValueError, not retried), not shown broken on the model page."""
+    card.validate(repo_type="model")

@@ -107,6 +107,12 @@ def _check_weights_file(settings: Settings, path: Path) -> None:
         )
 
 
+def label_config(settings: Settings) -> dict:
+    """Two labels named by LABEL_NAMES, so a pipeline over the saved model says 'positive', not 'LABEL_1'."""
+    names = dict(enumerate(settings.label_names))
+    return {"num_labels": 2, "id2label": names, "label2id": {name: index for index, name in names.items()}}
+
+
 def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -> PeftModel:
     """AutoModelForSequenceClassification (2 labels) + LoRA; 8-bit base weights when asked.
 
@@ -115,7 +121,7 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
     """
     # SDPA is what transformers 5 picks for BERT by default; asked for by name so a library change cannot
     # silently fall back to the eager attention (materialised score matrices, no fused kernels).
-    kwargs: dict = {"num_labels": 2, "attn_implementation": "sdpa"}
+    kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings)}
     if quantize_8bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])])  # a trained head stays full precision
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
@@ -137,7 +143,7 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
     )
     try:
         model = get_peft_model(model, lora)
-    except ValueError as exc:
+    except ValueError:
         names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
         raise JobError(
             EXIT_BAD_INPUT,
@@ -163,3 +169,18 @@ def trainable_checksum(model: torch.nn.Module) -> str:
             digest.update(name.encode())
             digest.update(param.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
+    """The base with the adapter in `adapter_dir` merged into its weights, saved to `out_dir` (safetensors, tokenizer).
+
+    The base is loaded again in full precision whatever training used: merging into 8-bit weights would
+    round the update away, and servers without peft or bitsandbytes load plain float weights.
+    """
+    try:
+        base = AutoModelForSequenceClassification.from_pretrained(settings.model_name, dtype=torch.float32, **label_config(settings))
+    except (OSError, ValueError) as exc:
+        raise _load_error(settings, exc) from None
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)

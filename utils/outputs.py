@@ -1,8 +1,9 @@
 """The run folder (OUTPUT_DIR): its layout, atomic writes, and whether it belongs to these settings.
 
     OUTPUT_DIR/
-      model/            adapter + config, tokenizer, README.md model card   (rank 0)
-      metrics.json      eval_accuracy, eval_samples, world_size, train_*     (rank 0)
+      model/            adapter + config, tokenizer, id2label.json, training_curves.png, README.md model card   (rank 0)
+      merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
+      metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
       run.json          resolved settings (secrets masked), package versions, push record (rank 0)
       checkpoints/      Trainer checkpoints; a COMPLETE manifest (file sizes and hashes, what a resume must keep) once one is whole
       logs/rank-R.log   one per rank
@@ -37,6 +38,7 @@ class RunDir:
     root: Path
 
     model = property(lambda self: self.root / "model")
+    merged = property(lambda self: self.root / "merged")
     metrics = property(lambda self: self.root / "metrics.json")
     run_record = property(lambda self: self.root / "run.json")
     checkpoints = property(lambda self: self.root / "checkpoints")

@@ -54,6 +54,15 @@ class Settings(BaseModel):
     )
     text_column: str = Field("sentence", description="column holding the text (GLUE SST-2's name)")
     label_column: str = Field("label", description="column holding the 0/1 label (GLUE SST-2's name)")
+    label_names: tuple[str, str] = Field(
+        ("negative", "positive"), description="names of labels 0 and 1 (the model's id2label), so a pipeline answers 'positive', not 'LABEL_1'"
+    )
+    base_model_id: str | None = Field(
+        None,
+        description="Hub id of the base model, written into the adapter config and the model card so the pushed adapter loads anywhere; "
+        "unset: MODEL_NAME when that is a Hub id, else read from a local folder that records it (a Hub cache snapshot); "
+        "a push from a folder that records none needs it",
+    )
 
     # --- where results go
     output_dir: str = Field(
@@ -122,6 +131,18 @@ class Settings(BaseModel):
         600, gt=0, le=86400, description="seconds the push (retries and uploads in flight included) may take before exit 3; the token check before training gets min(120, this)"
     )
     hub_private: bool = Field(True, description="a new Hub repo is private unless asked otherwise")
+    merge_adapter: bool = Field(False, description="also write OUTPUT_DIR/merged: the base with the adapter merged in, full precision, for servers without peft")
+    result_merged_model_id: str | None = Field(None, description="Hub repo to push merged/ to (needs MERGE_ADAPTER=true and HF_TOKEN)")
+
+    # --- evaluation and tracking
+    eval_steps: int | None = Field(
+        None, ge=0, description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end"
+    )
+    report_to: tuple[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"], ...] = Field(
+        ("tensorboard",),
+        description="comma-separated trackers rank 0 reports to: tensorboard (files under OUTPUT_DIR/tensorboard), mlflow, wandb, trackio, or none; "
+        "each reads its own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, ...)",
+    )
 
     @field_validator("lora_target_modules", mode="before")
     @classmethod
@@ -132,6 +153,25 @@ class Settings(BaseModel):
             raise ValueError("name at least one module, e.g. query,value")
         return value
 
+    @field_validator("label_names", "report_to", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        return tuple(name.strip() for name in value.split(",") if name.strip()) if isinstance(value, str) else value
+
+    @field_validator("label_names")
+    @classmethod
+    def _check_label_names(cls, value: tuple[str, str]) -> tuple[str, str]:
+        if value[0] == value[1]:
+            raise ValueError("labels 0 and 1 need two different names, e.g. negative,positive")
+        return value
+
+    @field_validator("report_to")
+    @classmethod
+    def _check_trackers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value or ("none" in value and len(value) > 1):
+            raise ValueError("name trackers (tensorboard,mlflow,...) or none alone")
+        return tuple(dict.fromkeys(value))
+
     @field_validator("run_name")
     @classmethod
     def _check_run_name(cls, value: str | None) -> str | None:
@@ -139,7 +179,7 @@ class Settings(BaseModel):
             raise ValueError("it names a folder under OUTPUT_DIR: use 1-100 letters, digits, '-', '_', '.', '+', '=' (no '/' or '..')")
         return value
 
-    @field_validator("result_model_id")
+    @field_validator("result_model_id", "result_merged_model_id", "base_model_id")
     @classmethod
     def _check_repo_id(cls, value: str | None) -> str | None:
         if value is not None and (not REPO_ID_PATTERN.match(value) or "--" in value or ".." in value):
@@ -152,6 +192,15 @@ class Settings(BaseModel):
             raise ValueError(
                 f"TEXT_COLUMN and LABEL_COLUMN both name the column '{self.text_column}'; the text and the 0/1 label must be "
                 "two different columns: fix TEXT_COLUMN or LABEL_COLUMN"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _merged_push_needs_merge(self) -> "Settings":
+        if self.result_merged_model_id and not self.merge_adapter:
+            raise ValueError(
+                f"RESULT_MERGED_MODEL_ID={self.result_merged_model_id} pushes the merged model, which only MERGE_ADAPTER=true writes: "
+                "set MERGE_ADAPTER=true, or unset RESULT_MERGED_MODEL_ID"
             )
         return self
 
@@ -194,20 +243,64 @@ def derive_run_name(settings: Settings) -> str:
     return f"{model}-{data}-lora-r{settings.lora_r}-{digest}"
 
 
+def resolve_base_model_id(settings: Settings) -> str | None:
+    """The Hub id the base model goes by, so a pushed adapter loads on machines that never saw MODEL_NAME's folder.
+
+    BASE_MODEL_ID when set; MODEL_NAME when it is a Hub id (no local folder of that name); for a local
+    folder, the id it records: a Hub cache snapshot (`.../models--ORG--NAME/snapshots/REV`). A plain
+    folder (`hf download ... --local-dir`, save_pretrained) records none: None. config.json's
+    `_name_or_path` is not trusted: it names what the weights were loaded from before they were saved,
+    which for a fine-tuned checkpoint is another model.
+    """
+    if settings.base_model_id:
+        return settings.base_model_id
+    path = Path(settings.model_name).expanduser()
+    if not path.exists():
+        return settings.model_name if REPO_ID_PATTERN.match(settings.model_name) else None
+    cached = [part for part in Path(os.path.abspath(path)).parts if part.startswith("models--")]  # links not followed: the path is the record
+    return cached[-1].removeprefix("models--").replace("--", "/") if cached else None
+
+
 def check_push_possible(settings: Settings) -> None:
-    """A push that cannot happen (no token, offline mode) is bad input now, before any import, data or GPU time."""
-    if settings.result_model_id and read_token() is None:
+    """A push that cannot happen (no token, offline mode, an adapter nobody could load) is bad input now,
+    before any import, data or GPU time."""
+    pushes = [f"{name}={value}" for name, value in (("RESULT_MODEL_ID", settings.result_model_id), ("RESULT_MERGED_MODEL_ID", settings.result_merged_model_id)) if value]
+    if pushes and read_token() is None:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"RESULT_MODEL_ID={settings.result_model_id} asks for a push but no token is set; "
-            "set HF_TOKEN (or HF_TOKEN_PATH to a file holding it), or unset RESULT_MODEL_ID to keep the model on the volume",
+            f"{' and '.join(pushes)} ask(s) for a push but no token is set; "
+            "set HF_TOKEN (or HF_TOKEN_PATH to a file holding it), or unset them to keep the model on the volume",
         )
-    if settings.result_model_id and os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+    if pushes and os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
         raise JobError(
             EXIT_BAD_INPUT,
-            f"RESULT_MODEL_ID={settings.result_model_id} asks for a push but HF_HUB_OFFLINE is set; "
-            "unset HF_HUB_OFFLINE where the Hub is reachable, or unset RESULT_MODEL_ID (push later with --push-only)",
+            f"{' and '.join(pushes)} ask(s) for a push but HF_HUB_OFFLINE is set; "
+            "unset HF_HUB_OFFLINE where the Hub is reachable, or unset them (push later with --push-only)",
         )
+    if settings.result_model_id and resolve_base_model_id(settings) is None:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name} is a local folder that does not record the base model's Hub id, and an adapter "
+            f"pushed to {settings.result_model_id} would name this path as its base (nobody else could load it); "
+            "set BASE_MODEL_ID to the Hub id these weights came from (e.g. bert-base-uncased)",
+        )
+
+
+TRACKER_PACKAGES = {"mlflow": ("mlflow", "mlflow-skinny"), "wandb": ("wandb", "wandb"), "trackio": ("trackio", "trackio")}  # module, pip name
+
+
+def check_trackers(settings: Settings) -> None:
+    """A tracker whose package is missing is bad input now, not a traceback when the Trainer starts."""
+    import importlib.util
+
+    for name in settings.report_to:
+        module, package = TRACKER_PACKAGES.get(name, (None, None))
+        if module and importlib.util.find_spec(module) is None:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"REPORT_TO={','.join(settings.report_to)} needs the {package} package, which is not installed; "
+                f"pip install {package} (in the image: add it to requirements.txt), or drop {name} from REPORT_TO",
+            )
 
 
 # ------------------------------------------------------------------------------- parsing
@@ -250,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--push-only", action="store_true", help="push an existing OUTPUT_DIR/model to RESULT_MODEL_ID without training")
     group = parser.add_argument_group("settings (flag / env name; default)")
     for field, info in FIELDS.items():
-        choices = getattr(info.annotation, "__args__", None) if "Literal" in str(info.annotation) else None
+        choices = getattr(info.annotation, "__args__", None) if str(info.annotation).startswith("typing.Literal") else None
+        if field == "report_to":  # a comma-separated list of a Literal's values
+            choices = ("tensorboard,mlflow,wandb,trackio,none",)
         metavar = "{" + ",".join(choices) + "}" if choices else "{true,false}" if info.annotation is bool else None
         group.add_argument(
             flag_name(field),

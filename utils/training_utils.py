@@ -37,8 +37,9 @@ from utils import distributed
 from utils.data import load_sst2
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError, Preempted
-from utils.hub import Hub, write_model_card
-from utils.model import build_model, load_tokenizer, trainable_checksum
+from utils.hub import Hub
+from utils.model_card import PLOT_NAME, plot_training_curves, write_label_names, write_model_card
+from utils.model import build_model, load_tokenizer, merge_adapter, trainable_checksum
 from utils.outputs import (
     RunDir,
     checkpoint_resume_key,
@@ -56,11 +57,11 @@ from utils.recipe import describe_recipe, optimizer_groups, resolve_learning_rat
 from utils.preemption import PREEMPTION, stop_on_preemption_callback
 from utils.hub_token import MaskingFilter, masker, read_token
 from utils.run_lock import RunLock
-from utils.settings import Settings
+from utils.settings import Settings, resolve_base_model_id
 from utils.strategy import StrategyCheck, check_strategy, full_state_dict, trainer_options
 
 log = logging.getLogger(__name__)
-ACCURACY_MODULE = str(Path(__file__).with_name("accuracy.py"))
+METRICS_MODULE = str(Path(__file__).with_name("classification_metrics.py"))
 LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
 
 
@@ -212,8 +213,8 @@ class CheckpointMarker(TrainerCallback):
             prune_checkpoints(self.run, self.keep)
 
 
-def accuracy_metric():
-    metric = evaluate.load(ACCURACY_MODULE)
+def classification_metrics():
+    metric = evaluate.load(METRICS_MODULE)
 
     def compute(eval_pred):
         # Score against the labels that come back with the predictions, never the dataset's order.
@@ -224,12 +225,27 @@ def accuracy_metric():
     return compute
 
 
+EVALUATIONS_PER_EPOCH = 4  # a validation curve with a handful of points; SST-2's 872 rows take seconds on a GPU
+
+
+def evaluation_interval(settings: Settings, dist: DistEnv, train_rows: int) -> int:
+    """EVAL_STEPS, or EVALUATIONS_PER_EPOCH evaluations an epoch (over the whole run when MAX_STEPS is
+    shorter than an epoch); 0: no evaluation during training."""
+    if settings.eval_steps is not None:
+        return settings.eval_steps
+    batches = math.ceil(train_rows / (settings.per_device_batch_size * dist.world_size))
+    steps_per_epoch = math.ceil(batches / settings.gradient_accumulation_steps)
+    steps = min(steps_per_epoch, settings.max_steps or steps_per_epoch)
+    return max(1, steps // EVALUATIONS_PER_EPOCH)
+
+
 def build_trainer(
     settings: Settings, run: RunDir, dist: DistEnv, model, tokenizer, data, precision: str, cuda: bool, *, overrides=None, data_collator=None
 ) -> JobTrainer:
     """The job's Trainer. `overrides` (TrainingArguments values) and `data_collator` exist for benchmarks/, which
     rebuilds the original configuration from this same Trainer to compare against."""
     tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8  # Ampere and newer: TF32 matmuls for what stays fp32
+    eval_every = evaluation_interval(settings, dist, len(data["train"]))
     options = dict(
         output_dir=str(run.checkpoints),
         run_name=settings.run_name,
@@ -255,8 +271,11 @@ def build_trainer(
         save_strategy="steps",
         save_steps=settings.save_steps,
         save_total_limit=None,  # CheckpointMarker prunes, counting complete checkpoints only
-        eval_strategy="no",  # one full evaluation at the end; SST-2's 872 rows take seconds
-        report_to="none",  # TensorBoard is added below with its folder under OUTPUT_DIR
+        eval_strategy="steps" if eval_every else "no",  # the validation curve; the full evaluation at the end comes after training
+        eval_steps=eval_every or None,
+        load_best_model_at_end=False,  # no checkpoint chosen on the split whose accuracy is reported
+        # Rank 0 reports; TensorBoard is added below with its folder under OUTPUT_DIR.
+        report_to=[name for name in settings.report_to if name not in ("tensorboard", "none")] if dist.is_main else "none",
         seed=settings.seed,
         use_cpu=not cuda,  # without it, CPU ranks would not form a DDP group but each train alone
         ddp_find_unused_parameters=False,
@@ -277,7 +296,7 @@ def build_trainer(
         SamplerEpoch(),
         stop_on_preemption_callback(lambda signum: distributed.max_over_ranks(dist, signum)),
     ]
-    if dist.is_main:
+    if dist.is_main and "tensorboard" in settings.report_to:
         tensorboard = TensorBoardCallback()
         tensorboard.logging_dir = str(run.tensorboard / settings.run_name)  # kept when it reopens its writer for the final evaluation
         callbacks.append(tensorboard)
@@ -288,7 +307,7 @@ def build_trainer(
         eval_dataset=data["validation"],
         data_collator=data_collator or DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cuda else None),  # multiples of 8 for tensor cores
         processing_class=tokenizer,
-        compute_metrics=accuracy_metric(),
+        compute_metrics=classification_metrics(),
         callbacks=callbacks,
     )
     if settings.head_learning_rate_ratio != 1 or settings.loraplus_lr_ratio != 1:
@@ -297,39 +316,84 @@ def build_trainer(
 
 
 # ------------------------------------------------------------------------------- publish
-def save_model(run: RunDir, settings: Settings, model, tokenizer, metrics: dict, world_size: int, state_dict: dict | None = None) -> None:
-    """Write model/ (adapter, tokenizer, card) and metrics.json, each whole or not at all.
+def save_model(run: RunDir, settings: Settings, trainer: Trainer, metrics: dict, state_dict: dict | None = None) -> None:
+    """Write model/ (adapter, tokenizer, label names, training curves, card) and metrics.json, each whole or not at all.
 
     `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's own.
     """
     staged = run.root / ".model.partial"
     shutil.rmtree(staged, ignore_errors=True)
+    model = trainer.model
+    base_id = resolve_base_model_id(settings)
+    if base_id:  # the adapter names its base by Hub id, not by a path on this volume, so it loads anywhere
+        model.peft_config["default"].base_model_name_or_path = base_id
     model.save_pretrained(staged, state_dict=state_dict)
-    tokenizer.save_pretrained(staged)
-    write_model_card(staged, settings, metrics, world_size)
+    trainer.processing_class.save_pretrained(staged)
+    write_label_names(staged, settings)
+    plot_training_curves(trainer.state.log_history, staged / PLOT_NAME)
+    write_model_card(staged, settings, metrics, settings.result_model_id)
     replace_dir(staged, run.model)
-    write_json(run.metrics, metrics)
+    write_json(run.metrics, metrics)  # last: a finished run is one with metrics.json (RunDir.is_finished)
     log.info("saved %s and %s", run.model, run.metrics)
 
 
+def save_merged(run: RunDir, settings: Settings) -> None:
+    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision, whole or not at all."""
+    staged = run.root / ".merged.partial"
+    shutil.rmtree(staged, ignore_errors=True)
+    merge_adapter(settings, run.model, staged)
+    write_model_card(staged, settings, read_json(run.metrics) or {}, settings.result_merged_model_id, merged=True)
+    replace_dir(staged, run.merged)
+    log.info("saved %s (adapter merged into the base, full precision)", run.merged)
+
+
+def files_to_push(run: RunDir, settings: Settings, merged: bool) -> dict[str, Path]:
+    """What a push sends, path in the repo -> file on the volume: the model folder (adapter or merged
+    weights, tokenizer, card, plot), metrics.json, the masked run.json, and the TensorBoard event files
+    under runs/ (what the Hub reads for its training-metrics tab). The same set on every retry."""
+    folder = run.merged if merged else run.model
+    files = {str(path.relative_to(folder)): path for path in sorted(folder.rglob("*")) if path.is_file()}
+    files |= {"metrics.json": run.metrics, "run.json": run.run_record}
+    events = run.tensorboard / settings.run_name
+    if events.is_dir():
+        files |= {f"runs/{settings.run_name}/{path.relative_to(events)}": path for path in sorted(events.rglob("*")) if path.is_file()}
+    return files
+
+
 def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
-    """Push model/ to RESULT_MODEL_ID; exit 3 if it fails after retries (the model stays on the volume)."""
-    repo_id = settings.result_model_id
-    log.info("pushing %s to %s", run.model, repo_id)
-    try:
-        url = hub.push_folder(run.model, repo_id, settings.hub_private, message=f"Upload {settings.run_name}")
-    except Exception as exc:
-        log.error("push to %s failed: %s", repo_id, hub.describe(exc))
-        print(f"error: push to {repo_id} failed ({hub.describe(exc)}); the model is in {run.model}: rerun with --push-only", file=sys.stderr)
-        return EXIT_PUSH_FAILED
-    write_run_record(run, settings, pushed={"repo_id": repo_id, "commit": url})
-    log.info("pushed to %s", url)
-    return EXIT_OK
+    """Push model/ to RESULT_MODEL_ID (and merged/ to RESULT_MERGED_MODEL_ID) unless already pushed; exit 3
+    if a push fails after retries (the model stays on the volume)."""
+    code = EXIT_OK
+    metrics = read_json(run.metrics) or {}
+    for merged, repo_id in ((False, settings.result_model_id), (True, settings.result_merged_model_id)):
+        if not repo_id or already_pushed(run, repo_id, merged):
+            continue
+        folder = run.merged if merged else run.model
+        # The card again, now naming the repo it is pushed to (after --push-only too).
+        card = write_model_card(folder, settings, metrics, repo_id, merged=merged)
+        log.info("pushing %s to %s", folder, repo_id)
+        try:
+            url = hub.push_files(files_to_push(run, settings, merged), repo_id, settings.hub_private, f"Upload {settings.run_name}", card=card)
+        except Exception as exc:
+            log.error("push to %s failed: %s", repo_id, hub.describe(exc))
+            print(f"error: push to {repo_id} failed ({hub.describe(exc)}); the model is in {folder}: rerun with --push-only", file=sys.stderr)
+            code = EXIT_PUSH_FAILED
+            continue
+        write_run_record(run, settings, **{PUSH_RECORD[merged]: {"repo_id": repo_id, "commit": url}})
+        log.info("pushed to %s", url)
+    return code
 
 
-def already_pushed(run: RunDir, settings: Settings) -> bool:
+PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what was pushed where
+
+
+def already_pushed(run: RunDir, repo_id: str, merged: bool = False) -> bool:
     record = read_json(run.run_record) or {}
-    return (record.get("pushed") or {}).get("repo_id") == settings.result_model_id
+    return (record.get(PUSH_RECORD[merged]) or {}).get("repo_id") == repo_id
+
+
+def pushes_pending(run: RunDir, settings: Settings) -> bool:
+    return any(repo and not already_pushed(run, repo, merged) for merged, repo in ((False, settings.result_model_id), (True, settings.result_merged_model_id)))
 
 
 # ------------------------------------------------------------------------------- the run
@@ -400,6 +464,21 @@ def progress_bar_closed_on_error(trainer: Trainer):
         raise
 
 
+@contextmanager
+def tracker_run(settings: Settings, dist: DistEnv):
+    """One MLflow run for training and the final evaluation. The Trainer's callback ends the run it opened
+    when training ends, and the final evaluation would then log into a second, nameless run; a run that
+    is already open is left to its opener. MLflow reads MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME and
+    MLFLOW_RUN_ID itself."""
+    if not (dist.is_main and "mlflow" in settings.report_to):
+        yield
+        return
+    import mlflow
+
+    with mlflow.start_run(run_name=settings.run_name):
+        yield
+
+
 def resume_hint(run: RunDir) -> str:
     latest = latest_complete_checkpoint(run)
     return f"the run resumes from {latest.name}" if latest else "no checkpoint is complete yet: the run starts over"
@@ -416,9 +495,11 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
              dist.node_rank, dist.source, distributed.masked_environ())  # fmt: skip
     if run_dir.is_finished():
         log.info("%s already holds a finished run", run_dir.root)
-        if dist.is_main and settings.result_model_id and not already_pushed(run_dir, settings):
-            return push_model(run_dir, settings, Hub(read_token(), settings.push_timeout, settings.hub_timeout))
-        return EXIT_OK
+        if not dist.is_main:
+            return EXIT_OK
+        if settings.merge_adapter and not run_dir.merged.is_dir():  # stopped between saving and merging
+            save_merged(run_dir, settings)
+        return push_model(run_dir, settings, Hub(read_token(), settings.push_timeout, settings.hub_timeout))
 
     distributed.export_env(dist)
     cuda = torch.cuda.is_available()
@@ -441,9 +522,10 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
         distributed.leave_process_group()  # no rank enters a collective after this: rank 0 may upload for minutes
         code = EXIT_OK
         if dist.is_main:
-            save_model(run_dir, settings, trainer.model, trainer.processing_class, metrics, dist.world_size, state_dict)
-            if settings.result_model_id:
-                code = push_model(run_dir, settings, hub)
+            save_model(run_dir, settings, trainer, metrics, state_dict)
+            if settings.merge_adapter:
+                save_merged(run_dir, settings)
+            code = push_model(run_dir, settings, hub)
             print(f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
                   f"model={run_dir.model}", flush=True)  # fmt: skip
         log.info(summary)
@@ -467,7 +549,7 @@ def train(settings: Settings, dist: DistEnv, run_dir: RunDir, device, quantize: 
     distributed.run_on_main(dist, lambda: write_run_record(run_dir, settings))
     if checkpoint:
         log.info("resuming from step %s (%s): the steps before it are not trained again", checkpoint.rsplit("-", 1)[-1], checkpoint)
-    with progress_bar_closed_on_error(trainer):
+    with progress_bar_closed_on_error(trainer), tracker_run(settings, dist):
         with PREEMPTION.deferred():  # a stop signal now checkpoints at the next step all ranks agree on
             train_result = trainer.train(resume_from_checkpoint=checkpoint)
         signum = distributed.max_over_ranks(dist, PREEMPTION.signum)
@@ -479,12 +561,16 @@ def train(settings: Settings, dist: DistEnv, run_dir: RunDir, device, quantize: 
         metrics = {
             **train_result.metrics,
             **eval_metrics,
+            # What actually ran, for the card: the resolved rate and numerics, not `auto`.
             "world_size": dist.world_size,
+            "global_batch": key["global_batch"],
+            "learning_rate": trainer.args.learning_rate,
             "quantization": "8bit" if quantize else "none",
             "precision": precision,
             "run_name": settings.run_name,
+            "data": {"train_rows": len(data["train"]), "validation_rows": len(data["validation"]), "fingerprint": key["data"]["train"]},
         }
-        log.info("eval accuracy %.4f on %d rows", metrics["eval_accuracy"], metrics["eval_samples"])
+        log.info("eval accuracy %.4f, F1 %.4f on %d rows", metrics["eval_accuracy"], metrics["eval_f1"], metrics["eval_samples"])
         trainer.accelerator.wait_for_everyone()
         # Collectives when FSDP shards the weights, so on every rank and before leaving the group.
         summary = f"rank {dist.rank} processed {trainer.samples_seen} training samples; trainable weights checksum {trainable_checksum(trainer.model)}"
@@ -498,10 +584,13 @@ def publish_only(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
         return EXIT_OK
     setup_logging(dist)
     log_to_file(run_dir, dist)
-    if not settings.result_model_id:
-        raise JobError(EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (the Hub repo to push to)")
+    if not (settings.result_model_id or settings.result_merged_model_id):
+        raise JobError(EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (or RESULT_MERGED_MODEL_ID): the Hub repo to push to")
     if not run_dir.is_finished():
         raise JobError(EXIT_BAD_INPUT, f"{run_dir.model} holds no finished model; run the training first (without --push-only)")
+    if settings.merge_adapter and not run_dir.merged.is_dir():
+        save_merged(run_dir, settings)
     hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
-    hub.check_write_access(settings.result_model_id)
+    for repo_id in filter(None, (settings.result_model_id, settings.result_merged_model_id)):
+        hub.check_write_access(repo_id)
     return push_model(run_dir, settings, hub)

@@ -1,0 +1,239 @@
+"""The published model, as a user of the Hub repo meets it: one finished run (real process, tiny BERT,
+local Hub stand-in) with an adapter push, a merged export and its push, MLflow tracking, and label names;
+then what was pushed, the card, the labels, the merged weights, MLflow's record and predict.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import BASE_ID, REPO, REPO_ID, assert_token_absent, base_env, error_lines, push_settings, run_main
+from tests.hub_stub import HubStub
+
+MERGED_ID = "tester/sst2-merged"
+LABELS = ("bad", "good")  # not the default: proves the names come from LABEL_NAMES
+SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory, tiny_bert, sst2_dir):
+    """One run that publishes everything; returns (tmp, out, hub, result)."""
+    tmp = tmp_path_factory.mktemp("published")
+    hub = HubStub()
+    hub.url = hub.start()
+    hub.fail("commit", 403, 403)  # both first pushes are refused: exit 3, then --push-only sends the same sets
+    env = base_env(
+        tmp, MODEL_NAME=tiny_bert, DATASET_PATH=sst2_dir, OUTPUT_DIR=tmp / "out", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=16,
+        LEARNING_RATE="3e-3", LABEL_NAMES=",".join(LABELS), MERGE_ADAPTER="true", RESULT_MERGED_MODEL_ID=MERGED_ID,
+        REPORT_TO="tensorboard,mlflow", MLFLOW_TRACKING_URI=f"file:{tmp / 'mlruns'}", MLFLOW_ALLOW_FILE_STORE="true", **push_settings(hub),
+    )  # fmt: skip
+    first = run_main(env)
+    assert first.code == 3, first.stderr[-3000:]
+    assert hub.commits == []
+    result = run_main(env, "--push-only")
+    yield tmp, tmp / "out", hub, first, result
+    hub.stop()
+
+
+def commit(hub: HubStub, repo: str) -> dict[str, bytes]:
+    [files] = [c["files"] for c in hub.commits if c["repo"] == repo]
+    return files
+
+
+def front_matter(card: str) -> dict:
+    return yaml.safe_load(card.split("---")[1])
+
+
+def test_push_sends_the_whole_artifact_in_one_commit_and_a_retry_sends_the_same(published):
+    tmp, out, hub, first, result = published
+    assert result.code == 0, result.stderr[-3000:]
+    files = commit(hub, REPO_ID)
+    run_name = json.loads((out / "run.json").read_text())["run_name"]
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "README.md",
+            "training_curves.png", "id2label.json", "metrics.json", "run.json"} <= set(files)  # fmt: skip
+    events = [path for path in files if path.startswith(f"runs/{run_name}/") and "tfevents" in path]
+    assert events, sorted(files)  # what the Hub's training-metrics tab reads
+    assert files["training_curves.png"].startswith(b"\x89PNG")
+    assert json.loads(files["metrics.json"]) == json.loads((out / "metrics.json").read_text())
+    assert json.loads(files["run.json"])["settings"]["hf_token"] == "***"
+    # The set the refused first push would have sent is the set --push-only sent: the volume's files.
+    assert set(files) == {str(p.relative_to(out / "model")) for p in (out / "model").iterdir()} | {"metrics.json", "run.json", *events}
+    assert_token_absent(hub.token, [out, tmp / "mlruns"], hub)
+
+
+def test_the_adapter_names_its_base_by_hub_id_not_by_the_volume_path(published):
+    tmp, out, hub, *_ = published
+    config = json.loads(commit(hub, REPO_ID)["adapter_config.json"])
+    assert config["base_model_name_or_path"] == BASE_ID  # loads where the training folder never existed
+    assert front_matter(commit(hub, REPO_ID)["README.md"].decode())["base_model"] == BASE_ID
+
+
+def test_card_is_validated_names_the_repo_and_holds_every_metric(published):
+    tmp, out, hub, *_ = published
+    card = commit(hub, REPO_ID)["README.md"].decode()
+    assert card in hub.validated  # checked by the Hub's YAML route before the commit
+    meta = front_matter(card)
+    [result] = meta["model-index"][0]["results"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {m["type"]: m["value"] for m in result["metrics"]} == {name: round(metrics[f"eval_{name}"], 4) for name in ("accuracy", "f1", "precision", "recall")}
+    assert result["dataset"]["type"] == "local" and "datasets" not in meta  # local data is not passed off as GLUE from the Hub
+    assert f'model="{REPO_ID}"' in card and "path/to" not in card  # refreshed at push time with the real repo id
+    assert "![Training loss and validation accuracy](training_curves.png)" in card
+    assert f"local data ({metrics['data']['train_rows']} training and {metrics['data']['validation_rows']} validation rows" in card
+    # What actually ran, not `auto`.
+    assert "| precision | fp32 |" in card and "| quantization | none |" in card and "| learning rate | 0.003 |" in card
+    assert "| global batch | 16 |" in card and "| world size (replicas) | 1 |" in card
+    # Each table renders as one: no blank line between its header and its last row.
+    for header, last in (("| metric (validation split", "| recall |"), ("| setting | value |", "| run name |")):
+        block = card[card.index(header):]
+        assert last in block.split("\n\n")[0], f"the table starting {header!r} is cut before {last!r}"
+
+
+def test_metrics_and_evaluation_during_training_reach_metrics_json_and_tensorboard(published):
+    tmp, out, *_ = published
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {"eval_accuracy", "eval_f1", "eval_precision", "eval_recall", "eval_samples", "world_size"} <= set(metrics)
+    run_name = json.loads((out / "run.json").read_text())["run_name"]
+    events = EventAccumulator(str(out / "tensorboard" / run_name)).Reload()
+    steps = [event.step for event in events.Scalars("eval/accuracy")]
+    # 125 steps an epoch: evaluated every 31 steps during 2 epochs (EVAL_STEPS unset), then once more at the end.
+    assert steps[:8] == [31 * n for n in range(1, 9)] and steps[-1] == 250, steps
+    assert {"eval/f1", "eval/precision", "eval/recall"} <= set(events.Tags()["scalars"])
+
+
+def test_mlflow_holds_the_run_parameters_and_metrics(published, monkeypatch):
+    tmp, out, *_ = published
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store for those who ask
+
+    client = MlflowClient(tracking_uri=f"file:{tmp / 'mlruns'}")
+    runs = [run for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])]
+    run_name = json.loads((out / "run.json").read_text())["run_name"]
+    [run] = runs  # training and the final evaluation in one run
+    assert run.info.run_name == run_name
+    assert float(run.data.params["learning_rate"]) == 0.003 and run.data.params["per_device_train_batch_size"] == "16"
+    final = json.loads((out / "metrics.json").read_text())["eval_accuracy"]
+    assert abs(run.data.metrics["eval_accuracy"] - final) < 1e-6 and "loss" in run.data.metrics
+    assert len(client.get_metric_history(run.info.run_id, "eval_accuracy")) >= 8  # the validation curve
+
+
+def test_merged_model_loads_without_peft_and_predicts_as_the_adapter(published, tiny_bert):
+    tmp, out, hub, *_ = published
+    merged = commit(hub, MERGED_ID)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "metrics.json"} <= set(merged)
+    assert front_matter(merged["README.md"].decode())["library_name"] == "transformers"
+    config = json.loads((out / "merged" / "config.json").read_text())
+    assert config["id2label"] == {"0": "bad", "1": "good"} and "quantization_config" not in config
+    # Plain transformers in a process that cannot import peft.
+    script = ("import sys; sys.modules['peft'] = None\n"
+              "import torch; from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
+              f"m = AutoModelForSequenceClassification.from_pretrained({str(out / 'merged')!r}).eval()\n"
+              f"t = AutoTokenizer.from_pretrained({str(out / 'merged')!r})\n"
+              f"print(m(**t({SENTENCES!r}, return_tensors='pt', padding=True)).logits.softmax(-1)[:, 1].tolist())")  # fmt: skip
+    plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=base_env(tmp), timeout=120)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    merged_scores = json.loads(plain.stdout.strip().splitlines()[-1])
+    adapter = [json.loads(line) for line in predict(tmp, out / "model", "--base-model", str(tiny_bert)).stdout.splitlines()]
+    adapter_scores = [p["score"] if p["label"] == "good" else 1 - p["score"] for p in adapter]
+    assert merged_scores == pytest.approx(adapter_scores, abs=1e-3)
+
+
+def predict(tmp: Path, model: Path | str, *args: str, stdin: str = "\n".join(SENTENCES)) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "predict.py"), str(model), *args], input=stdin, capture_output=True, text=True,
+                          env=base_env(tmp), cwd=tmp, timeout=180)  # fmt: skip
+
+
+def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(published, tmp_path, tiny_bert):
+    tmp, out, *_ = published
+    answers = {}
+    for folder, args in (("model", ["--base-model", str(tiny_bert)]), ("merged", [])):  # the adapter's base is a Hub id the test cannot reach
+        result = predict(tmp, out / folder, *args)
+        assert result.returncode == 0, result.stderr[-2000:]
+        answers[folder] = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [a["text"] for a in answers[folder]] == SENTENCES
+        assert {a["label"] for a in answers[folder]} <= set(LABELS) and all(0.5 <= a["score"] <= 1 for a in answers[folder])
+    assert [a["label"] for a in answers["model"]] == [a["label"] for a in answers["merged"]]
+    # A column of a csv file, and the adapter's base named explicitly.
+    table = tmp_path / "reviews.csv"
+    table.write_text("id,review\n1,a wonderful film\n2,\"a dull, tedious mess\"\n")
+    result = predict(tmp, out / "model", str(table), "--text-column", "review", "--base-model", str(tiny_bert))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [json.loads(line)["text"] for line in result.stdout.splitlines()] == ["a wonderful film", "a dull, tedious mess"]
+
+
+def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(published, tmp_path, tiny_bert):
+    """The adapter from its repo (its base from the base's repo), and the merged model from its own, through the Hub
+    stand-in, with an empty cache: AutoPeftModel as the card says, and predict.py with the labels by name."""
+    tmp, out, hub, *_ = published
+    hub.serve(BASE_ID, tiny_bert)
+    elsewhere = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "empty-cache")}
+    script = ("from peft import AutoPeftModelForSequenceClassification\n"
+              f"m = AutoPeftModelForSequenceClassification.from_pretrained({REPO_ID!r})\n"
+              "print(m.peft_config['default'].base_model_name_or_path)")  # fmt: skip
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=base_env(tmp_path, **elsewhere), cwd=tmp_path, timeout=180)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.strip().splitlines()[-1] == BASE_ID
+    local = [json.loads(line) for line in predict(tmp, out / "merged").stdout.splitlines()]
+    for repo in (REPO_ID, MERGED_ID):
+        result = subprocess.run([sys.executable, str(REPO / "predict.py"), repo], input="\n".join(SENTENCES), capture_output=True, text=True,
+                                env=base_env(tmp_path, **elsewhere), cwd=tmp_path, timeout=180)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        answers = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [a["label"] for a in answers] == [a["label"] for a in local] and {a["label"] for a in answers} <= set(LABELS)
+        assert [a["score"] for a in answers] == pytest.approx([a["score"] for a in local], abs=1e-3)
+    assert hub.count(f"/{BASE_ID}/resolve/") > 0  # the base really came from its Hub repo
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["/nonexistent/model"], "cannot load /nonexistent/model"),
+        (["MODEL", "/nonexistent/file.txt"], "cannot read /nonexistent/file.txt"),
+        (["MODEL", "TABLE", "--text-column", "text"], "has rows without a text column 'text'"),
+        ([], "the following arguments are required: model"),
+    ],
+)
+def test_predict_bad_input_is_one_error_line_and_exit_2(published, tmp_path, args, says):
+    tmp, out, *_ = published
+    table = tmp_path / "t.csv"
+    table.write_text("sentence\nfine\n")
+    args = [str(out / "model") if a == "MODEL" else str(table) if a == "TABLE" else a for a in args]
+    result = subprocess.run([sys.executable, str(REPO / "predict.py"), *args], capture_output=True, text=True, env=base_env(tmp), timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    [error] = error_lines(result.stderr)
+    assert says in error and "Traceback" not in result.stderr
+
+
+def test_a_push_from_a_folder_that_records_no_hub_id_is_refused_before_training(job_env, hub, tmp_path, tiny_bert):
+    env = {**job_env, **push_settings(hub)}
+    env.pop("BASE_MODEL_ID")
+    for args in (["--dry-run"], []):
+        result = run_main(env, *args)
+        assert result.code == 2 and "set BASE_MODEL_ID to the Hub id" in error_lines(result.stderr)[0]
+    assert hub.count("/api/whoami-v2") == 0 and not (tmp_path / "out" / "checkpoints").exists()
+    # A Hub cache snapshot records its id in its path: no BASE_MODEL_ID needed.
+    snapshot = tmp_path / "hub" / "models--tester--tiny-bert" / "snapshots" / "0123abcd"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.symlink_to(tiny_bert, target_is_directory=True)
+    assert run_main({**env, "MODEL_NAME": str(snapshot)}, "--dry-run").code == 0
+
+
+def test_labels_and_trackers_are_checked_as_settings(job_env):
+    same = run_main({**job_env, "LABEL_NAMES": "ok,ok"}, "--dry-run")
+    assert same.code == 2 and "two different names" in error_lines(same.stderr)[0]
+    both = run_main({**job_env, "REPORT_TO": "none,mlflow"}, "--dry-run")
+    assert both.code == 2 and "none alone" in error_lines(both.stderr)[0]
+    merged_push = run_main({**job_env, "RESULT_MERGED_MODEL_ID": MERGED_ID}, "--dry-run")
+    assert merged_push.code == 2 and "set MERGE_ADAPTER=true" in error_lines(merged_push.stderr)[0]
+    dry = run_main({**job_env, "REPORT_TO": "tensorboard, mlflow", "LABEL_NAMES": "bad,good"}, "--dry-run").json()["config"]
+    assert dry["report_to"] == ["tensorboard", "mlflow"] and dry["label_names"] == ["bad", "good"]
+    assert re.fullmatch(r"[a-z0-9-]+-lora-r8-[0-9a-f]{8}", dry["run_name"])

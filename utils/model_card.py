@@ -1,0 +1,186 @@
+"""The model card (README.md), its training-curve plot and the label names: what a user of the pushed model reads.
+
+The card is built with huggingface_hub's `ModelCard` / `ModelCardData`: its metadata carries the base
+model's Hub id and accuracy, F1, precision and recall on the validation split (`model-index`), which the
+Hub shows beside the model. It is written when the model is saved and written again at push time, with
+the real repo id in the usage snippet. Everything it says comes from the files a run leaves on the
+volume (`metrics.json`, the settings), so a `--push-only` after a restart writes the same card.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from utils.settings import Settings, resolve_base_model_id
+
+PLOT_NAME = "training_curves.png"
+LABELS_NAME = "id2label.json"  # the label names beside an adapter (its config.json would be the base model's)
+CARD_METRICS = ("accuracy", "f1", "precision", "recall")
+
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+{{ what }} fine-tuned for binary sentiment classification ({{ labels }}) on {{ data_source }}.
+
+| metric (validation split, {{ eval_samples }} rows) | value |
+| --- | --- |
+{{ metrics_rows }}
+{% if plot %}
+![Training loss and validation accuracy]({{ plot }})
+{% endif %}
+## Use
+
+```python
+{{ usage }}
+```
+
+Or without code: `python predict.py {{ repo_or_path }} sentences.txt` (from the training job's repository)
+prints one JSON line per sentence.
+
+## Training
+
+| setting | value |
+| --- | --- |
+{{ training_rows }}
+"""
+
+
+def write_label_names(folder: Path, settings: Settings) -> None:
+    """id2label.json beside an adapter: the names predict.py and the card's snippet give labels 0 and 1."""
+    (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(settings.label_names)), indent=2) + "\n")
+
+
+def read_label_names(folder: Path) -> dict[int, str] | None:
+    try:
+        return {int(index): name for index, name in json.loads((folder / LABELS_NAME).read_text()).items()}
+    except FileNotFoundError:
+        return None
+
+
+def plot_training_curves(log_history: list[dict], path: Path) -> bool:
+    """Training loss and validation accuracy against the optimizer step, as a PNG; False when nothing was logged."""
+    losses = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
+    accuracies = [(entry["step"], entry["eval_accuracy"]) for entry in log_history if "eval_accuracy" in entry]
+    if not losses and not accuracies:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a training node
+    import matplotlib.pyplot as plt
+
+    fig, loss_axis = plt.subplots(figsize=(7, 3.5), dpi=100)
+    if losses:
+        loss_axis.plot(*zip(*losses), color="tab:blue", label="training loss")
+    loss_axis.set_xlabel("optimizer step")
+    loss_axis.set_ylabel("training loss", color="tab:blue")
+    if accuracies:
+        accuracy_axis = loss_axis.twinx()
+        accuracy_axis.plot(*zip(*accuracies), color="tab:orange", marker="o", label="validation accuracy")
+        accuracy_axis.set_ylabel("validation accuracy", color="tab:orange")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def data_source(settings: Settings, metrics: dict) -> str:
+    """Where the rows came from, as they were: the Hub data set and config, or local data with its counts and fingerprint."""
+    data = metrics.get("data", {})
+    if settings.dataset_path:
+        return (f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, "
+                f"fingerprint {data.get('fingerprint', '?')})")  # fmt: skip
+    return f"[{settings.dataset_name}](https://huggingface.co/datasets/{settings.dataset_name}) ({settings.dataset_config})"
+
+
+def usage_snippet(repo_or_path: str, settings: Settings, merged: bool) -> str:
+    if merged:
+        return (f'from transformers import pipeline\n\nclassifier = pipeline("text-classification", model="{repo_or_path}")\n'
+                'classifier("a gripping, beautifully acted film")  # [{"label": ..., "score": ...}]')  # fmt: skip
+    id2label = dict(enumerate(settings.label_names))
+    label2id = {name: index for index, name in id2label.items()}
+    return (
+        "from transformers import pipeline\n\n"
+        f"# The base model's config knows no label names: pass them (also in {LABELS_NAME} beside the adapter).\n"
+        f'labels = {{"id2label": {id2label}, "label2id": {label2id}}}\n'
+        f'classifier = pipeline("text-classification", model="{repo_or_path}", model_kwargs=labels)\n'
+        'classifier("a gripping, beautifully acted film")  # [{"label": ..., "score": ...}]\n\n'
+        "# or, as a PEFT model:\n"
+        "from peft import AutoPeftModelForSequenceClassification\n"
+        f'model = AutoPeftModelForSequenceClassification.from_pretrained("{repo_or_path}", **labels)'
+    )
+
+
+def build_model_card(settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False, plot: bool = False) -> ModelCard:
+    """The card for model/ (the adapter) or, with `merged`, for merged/ (the base with the adapter merged in).
+
+    `repo_id`: where it is pushed (None: the card names the folder on the volume).
+    """
+    base_id = resolve_base_model_id(settings)
+    hub_data = not settings.dataset_path
+    dataset_type = settings.dataset_name if hub_data else "local"
+    card_data = ModelCardData(
+        base_model=base_id,  # None when unknown: the Hub rejects a path here
+        library_name="transformers" if merged else "peft",
+        pipeline_tag="text-classification",
+        tags=["lora", "text-classification", "sentiment-analysis", *([] if merged else ["peft"])],
+        datasets=[settings.dataset_name] if hub_data else None,
+        model_name=settings.run_name,
+        eval_results=[
+            EvalResult(
+                task_type="text-classification",
+                dataset_type=dataset_type,
+                dataset_name="GLUE SST-2" if hub_data else "local SST-2-shaped data",
+                dataset_config=settings.dataset_config if hub_data else None,
+                dataset_split="validation",
+                metric_type=name,
+                metric_value=round(metrics[f"eval_{name}"], 4),
+            )
+            for name in CARD_METRICS
+            if f"eval_{name}" in metrics
+        ],
+    )
+    base_link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{settings.model_name}`"
+    what = f"{base_link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {base_link},"
+    training = {
+        "base model": base_id or settings.model_name,
+        "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(settings.lora_target_modules)}",
+        "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
+        "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
+        "global batch": metrics.get("global_batch", "?"),
+        "world size (replicas)": metrics.get("world_size", "?"),
+        "precision": metrics.get("precision", "?"),
+        "quantization": metrics.get("quantization", "?"),
+        "max sequence length": settings.max_seq_length,
+        "seed": settings.seed,
+        "train runtime": f"{metrics['train_runtime']:.0f} s" if "train_runtime" in metrics else "?",
+        "run name": settings.run_name,
+    }
+    repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
+    card = ModelCard.from_template(
+        card_data,
+        template_str=CARD_TEMPLATE,
+        model_name=settings.run_name,
+        what=what,
+        labels=" / ".join(settings.label_names),
+        data_source=data_source(settings, metrics),
+        eval_samples=metrics.get("eval_samples", "?"),
+        # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
+        metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in CARD_METRICS if f"eval_{name}" in metrics),
+        plot=PLOT_NAME if plot else None,
+        usage=usage_snippet(repo_or_path, settings, merged),
+        repo_or_path=repo_or_path,
+        training_rows="\n".join(f"| {key} | {value} |" for key, value in training.items()),
+    )
+    return card
+
+
+def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False) -> ModelCard:
+    card = build_model_card(settings, metrics, repo_id, merged=merged, plot=(folder / PLOT_NAME).exists())
+    card.save(folder / "README.md")
+    return card
