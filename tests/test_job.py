@@ -91,13 +91,20 @@ def test_two_platform_replicas_train_one_model_in_sync(job_env, tmp_path):
 
 
 def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_path):
-    result = run_main({**job_env, "QUANTIZATION": "8bit", "NUM_EPOCHS": "1"})
+    result = run_main({**job_env, "QUANTIZATION": "8bit", "NUM_EPOCHS": "1", "MERGE_ADAPTER": "true"})
     assert result.code == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["quantization"] == "8bit"
     log = (tmp_path / "out" / "logs" / "rank-0.log").read_text()
     assert "8-bit True" in log
     assert len(classify(tmp_path / "out" / "model", ["the cast is superb"])) == 1
+    # The merged export of an 8-bit run: the base reloaded in full precision, no trace of the quantizer.
+    from safetensors import safe_open
+
+    merged = tmp_path / "out" / "merged"
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    with safe_open(str(merged / "model.safetensors"), framework="pt") as weights:
+        assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}
 
 
 def test_push_sends_adapter_config_tokenizer_and_card(job_env, hub, tmp_path):
@@ -122,9 +129,11 @@ def test_two_replicas_push_exactly_once(job_env, hub, tmp_path):
     port = free_port()
     settings = {k: v for k, v in job_env.items() if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")}
     push = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert", "NUM_EPOCHS": "1"}
-    procs = [start_main(rank_env(tmp_path, rank, 2, port, **settings, **push), log=tmp_path / f"stdout-{rank}.txt") for rank in (0, 1)]
+    tracking = {"REPORT_TO": "tensorboard,mlflow", "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}", "MLFLOW_ALLOW_FILE_STORE": "true"}
+    procs = [start_main(rank_env(tmp_path, rank, 2, port, **settings, **push, **tracking), log=tmp_path / f"stdout-{rank}.txt") for rank in (0, 1)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "stdout-0.txt").read_text()[-2000:]
     assert len(hub.commits) == 1
+    assert len(list((tmp_path / "mlruns").glob("*/*/meta.yaml"))) == 1  # one MLflow run: rank 0 reports, rank 1 does not
     assert hub.count("/api/whoami-v2") == 2  # each rank checks the token before the rendezvous: none waits in a collective on a silent Hub
 
 
