@@ -240,10 +240,12 @@ def evaluation_interval(settings: Settings, dist: DistEnv, train_rows: int) -> i
 
 
 def build_trainer(
-    settings: Settings, run: RunDir, dist: DistEnv, model, tokenizer, data, precision: str, cuda: bool, *, overrides=None, data_collator=None
+    settings: Settings, run: RunDir, dist: DistEnv, model, tokenizer, data, precision: str, cuda: bool, *, overrides=None, data_collator=None,
+    checkpoint_key: dict | None = None,
 ) -> JobTrainer:
     """The job's Trainer. `overrides` (TrainingArguments values) and `data_collator` exist for benchmarks/, which
-    rebuilds the original configuration from this same Trainer to compare against."""
+    rebuilds the original configuration from this same Trainer to compare against. `checkpoint_key`: the run's
+    `resume_key`, when the caller has it already (it hashes every tokenized row)."""
     tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8  # Ampere and newer: TF32 matmuls for what stays fp32
     eval_every = evaluation_interval(settings, dist, len(data["train"]))
     options = dict(
@@ -291,7 +293,7 @@ def build_trainer(
     args = TrainingArguments(**{**options, **(overrides or {})})
     callbacks: list[TrainerCallback] = [
         StrategyCheck(settings.strategy),  # stops the run if the Trainer did not shard as asked
-        CheckpointMarker(run, dist, settings.save_total_limit, resume_key(settings, dist, data)),
+        CheckpointMarker(run, dist, settings.save_total_limit, checkpoint_key or resume_key(settings, dist, data)),
         StartupTimer(),
         SamplerEpoch(),
         stop_on_preemption_callback(lambda signum: distributed.max_over_ranks(dist, signum)),
@@ -390,10 +392,6 @@ PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what wa
 def already_pushed(run: RunDir, repo_id: str, merged: bool = False) -> bool:
     record = read_json(run.run_record) or {}
     return (record.get(PUSH_RECORD[merged]) or {}).get("repo_id") == repo_id
-
-
-def pushes_pending(run: RunDir, settings: Settings) -> bool:
-    return any(repo and not already_pushed(run, repo, merged) for merged, repo in ((False, settings.result_model_id), (True, settings.result_merged_model_id)))
 
 
 # ------------------------------------------------------------------------------- the run
@@ -541,8 +539,8 @@ def train(settings: Settings, dist: DistEnv, run_dir: RunDir, device, quantize: 
     set_seed(settings.seed)  # before the model: LoRA init and dropout are the same on every restart
     model = distributed.agree(dist, lambda: build_model(settings, quantize, device))
 
-    trainer = build_trainer(settings, run_dir, dist, model, tokenizer, data, precision, cuda)
     key = resume_key(settings, dist, data)
+    trainer = build_trainer(settings, run_dir, dist, model, tokenizer, data, precision, cuda, checkpoint_key=key)
     checkpoint = distributed.decide_on_main(dist, lambda: resume_checkpoint(run_dir, key))
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
