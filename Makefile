@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 DEMO := .demo
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test lint clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest
+
+# Lint and formatting as CI checks them; `$(VENV)/bin/ruff format .` fixes the formatting.
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf $(DEMO) output .pytest_cache

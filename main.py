@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         install_masking()  # first: a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
         settings, args = load_settings(argv)
         dist = detect_env()
-        settings = apply_recipe(settings, dist.world_size)  # the learning rate follows the global batch unless LEARNING_RATE is set
+        settings = apply_recipe(
+            settings, dist.world_size
+        )  # the learning rate follows the global batch unless LEARNING_RATE is set
         check_push_possible(settings)
         check_trackers(settings)
         if args.dry_run:  # every check above and this one need neither the network nor torch
@@ -68,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code
     except Preempted as exc:
-        print(f"preempted: {exc.message}; exit {exc.code} so the orchestrator restarts the job", file=sys.stderr, flush=True)
+        print(
+            f"preempted: {exc.message}; exit {exc.code} so the orchestrator restarts the job",
+            file=sys.stderr,
+            flush=True,
+        )
         return exc.code
     except KeyboardInterrupt:
         return 130

@@ -33,9 +33,21 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = _Parser(prog="predict.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("model", help="adapter folder, merged folder, or Hub repo id of either")
-    parser.add_argument("file", nargs="?", type=Path, help="sentences: one per line, or a .csv/.tsv/.jsonl column; default: standard input")
-    parser.add_argument("--base-model", help="base model (Hub id or folder) for an adapter; default: the one its adapter_config.json names")
-    parser.add_argument("--text-column", default="sentence", help="the column holding the text in a .csv/.tsv/.jsonl file (default: sentence)")
+    parser.add_argument(
+        "file",
+        nargs="?",
+        type=Path,
+        help="sentences: one per line, or a .csv/.tsv/.jsonl column; default: standard input",
+    )
+    parser.add_argument(
+        "--base-model",
+        help="base model (Hub id or folder) for an adapter; default: the one its adapter_config.json names",
+    )
+    parser.add_argument(
+        "--text-column",
+        default="sentence",
+        help="the column holding the text in a .csv/.tsv/.jsonl file (default: sentence)",
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="sentences per forward pass (default: 64)")
     return parser.parse_args(argv)
 
@@ -46,18 +58,26 @@ def read_sentences(file: Path | None, column: str) -> list[str]:
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise JobError(EXIT_BAD_INPUT, f"cannot read {file} ({getattr(exc, 'strerror', None) or exc}); give a UTF-8 text, .csv, .tsv or .jsonl file") from None
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"cannot read {file} ({getattr(exc, 'strerror', None) or exc}); give a UTF-8 text, .csv, .tsv or .jsonl file",
+        ) from None
     if file.suffix in (".csv", ".tsv"):
         rows = list(csv.DictReader(text.splitlines(), delimiter="\t" if file.suffix == ".tsv" else ","))
     elif file.suffix == ".jsonl":
         try:
             rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as exc:
-            raise JobError(EXIT_BAD_INPUT, f"{file} is not JSON lines ({exc.msg} on line {exc.lineno}); give one JSON object per line") from None
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{file} is not JSON lines ({exc.msg} on line {exc.lineno}); give one JSON object per line",
+            ) from None
     else:
         return [line for line in text.splitlines() if line.strip()]
     if rows and not all(isinstance(row, dict) and isinstance(row.get(column), str) for row in rows):
-        raise JobError(EXIT_BAD_INPUT, f"{file} has rows without a text column '{column}'; name the column with --text-column")
+        raise JobError(
+            EXIT_BAD_INPUT, f"{file} has rows without a text column '{column}'; name the column with --text-column"
+        )
     return [row[column] for row in rows]
 
 
@@ -93,7 +113,9 @@ def load_classifier(model: str, base_model: str | None):
             return pipeline("text-classification", model=model, device=device)
         from peft import PeftModel
 
-        labels = {"id2label": id2label, "label2id": {name: index for index, name in id2label.items()}} if id2label else {}
+        labels = (
+            {"id2label": id2label, "label2id": {name: index for index, name in id2label.items()}} if id2label else {}
+        )
         base_id = base_model or adapter["base_model_name_or_path"]
         try:
             base = AutoModelForSequenceClassification.from_pretrained(base_id, **labels)
@@ -103,7 +125,12 @@ def load_classifier(model: str, base_model: str | None):
                 f"cannot load {base_id}, the base model of the adapter {model} ({_first_line(exc)}); "
                 "pass --base-model with its Hub id or a local copy of it",
             ) from None
-        return pipeline("text-classification", model=PeftModel.from_pretrained(base, model), tokenizer=AutoTokenizer.from_pretrained(model), device=device)
+        return pipeline(
+            "text-classification",
+            model=PeftModel.from_pretrained(base, model),
+            tokenizer=AutoTokenizer.from_pretrained(model),
+            device=device,
+        )
     except (OSError, ValueError) as exc:
         raise JobError(
             EXIT_BAD_INPUT,
@@ -123,8 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code
-    for text, prediction in zip(sentences, classifier(sentences, batch_size=args.batch_size, truncation=True)):
-        print(json.dumps({"text": text, "label": prediction["label"], "score": round(float(prediction["score"]), 4)}), flush=True)
+    for text, prediction in zip(
+        sentences, classifier(sentences, batch_size=args.batch_size, truncation=True), strict=True
+    ):
+        print(
+            json.dumps({"text": text, "label": prediction["label"], "score": round(float(prediction["score"]), 4)}),
+            flush=True,
+        )
     return 0
 
 

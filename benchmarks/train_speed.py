@@ -66,34 +66,75 @@ from utils.settings import FIELDS, Settings, env_name  # noqa: E402  (pydantic o
 
 SST2_TRAIN_ROWS = 67_349  # GLUE SST-2's training split: "one epoch" in the figures below
 SST2_VALIDATION_ROWS = 872
-H100_TARGET_EPOCH_S = 20.0  # the issue's target for one epoch on one H100, used to project DDP efficiency without a GPU
+H100_TARGET_EPOCH_S = (
+    20.0  # the issue's target for one epoch on one H100, used to project DDP efficiency without a GPU
+)
 
 # What each arm changes from the job's defaults. Settings first (the job's own knobs), then Trainer
 # options that the job sets and the original did not: those go back to the library's defaults.
 ARMS = {
-    "original": {"gradient_checkpointing": True, "precision": "fp32", "quantization": "none", "dataloader_num_workers": 0},
+    "original": {
+        "gradient_checkpointing": True,
+        "precision": "fp32",
+        "quantization": "none",
+        "dataloader_num_workers": 0,
+    },
     "defaults": {"quantization": "none"},
     "defaults-8bit": {"quantization": "8bit"},
     "compiled": {"quantization": "none", "torch_compile": True},
 }
 ORIGINAL_LIBRARY_DEFAULTS = (
-    "train_sampling_strategy", "optim", "tf32", "dataloader_pin_memory", "dataloader_num_workers", "per_device_eval_batch_size",
-    "logging_nan_inf_filter", "accelerator_config",
-)  # fmt: skip
-MEASUREMENT_OPTIONS = {"save_strategy": "no", "disable_tqdm": True}  # the same for every arm: no checkpoint writes in the timed run
+    "train_sampling_strategy",
+    "optim",
+    "tf32",
+    "dataloader_pin_memory",
+    "dataloader_num_workers",
+    "per_device_eval_batch_size",
+    "logging_nan_inf_filter",
+    "accelerator_config",
+)
+MEASUREMENT_OPTIONS = {
+    "save_strategy": "no",
+    "disable_tqdm": True,
+}  # the same for every arm: no checkpoint writes in the timed run
 
 # Peak dense bf16 tensor FLOP/s (vendor data sheets), matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = (
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989.4e12), ("H200", 989.4e12), ("GH200", 989.4e12),
-    ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10", 125e12),
-)  # fmt: skip
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989.4e12),
+    ("H200", 989.4e12),
+    ("GH200", 989.4e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+)
 
 # Variables that would make main.py think it is one of several replicas, or change its settings.
 LAUNCHER_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "PET_NODE_RANK", "PET_NNODES", "PET_NPROC_PER_NODE", "SLURM_PROCID", "SLURM_NTASKS",
-    "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_NODELIST", "HF_TOKEN", "HF_TOKEN_PATH",
-)  # fmt: skip
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "PET_NODE_RANK",
+    "PET_NNODES",
+    "PET_NPROC_PER_NODE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_JOB_NODELIST",
+    "HF_TOKEN",
+    "HF_TOKEN_PATH",
+)
 
 
 # =============================================================================== child: one arm
@@ -162,7 +203,9 @@ def run_arm(name: str, cfg: dict) -> dict:
         library_default = lambda f: f.default_factory() if f.default is dataclasses.MISSING else f.default  # noqa: E731
         overrides |= {option: library_default(fields[option]) for option in ORIGINAL_LIBRARY_DEFAULTS}
         collator = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=settings.max_seq_length)
-    trainer = build_trainer(settings, run, dist, model, tokenizer, data, precision, cuda, overrides=overrides, data_collator=collator)
+    trainer = build_trainer(
+        settings, run, dist, model, tokenizer, data, precision, cuda, overrides=overrides, data_collator=collator
+    )
 
     # Rows and tokens of every batch, read where the Trainer hands it to the model (loader workers
     # collate in other processes). Per-row real lengths stay on the device until the end: no sync per step.
@@ -192,10 +235,16 @@ def run_arm(name: str, cfg: dict) -> dict:
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            marks.setdefault(-1, time.perf_counter())  # the first step's start: an epoch's training time counts from here
+            marks.setdefault(
+                -1, time.perf_counter()
+            )  # the first step's start: an epoch's training time counts from here
 
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == warmup or state.global_step == state.max_steps or state.global_step == warmup + steps:
+            if (
+                state.global_step == warmup
+                or state.global_step == state.max_steps
+                or state.global_step == warmup + steps
+            ):
                 if cuda:
                     torch.cuda.synchronize()
                 marks[state.global_step] = time.perf_counter()
@@ -240,7 +289,9 @@ def run_arm(name: str, cfg: dict) -> dict:
         "precision": precision,
         "gradient_checkpointing": trainer.args.activation_checkpointing,
         "sampler": trainer.args.train_sampling_strategy,
-        "padding": f"max_length {settings.max_seq_length}" if name == "original" else "longest in batch" + (", multiple of 8" if cuda else ""),
+        "padding": f"max_length {settings.max_seq_length}"
+        if name == "original"
+        else "longest in batch" + (", multiple of 8" if cuda else ""),
         "optim": str(trainer.args.optim.value if hasattr(trainer.args.optim, "value") else trainer.args.optim),
         "tf32": bool(cuda and torch.backends.cuda.matmul.allow_tf32),
         "attention": config._attn_implementation,
@@ -264,7 +315,10 @@ def run_arm(name: str, cfg: dict) -> dict:
         "epoch_seconds_measured": round(marks[end] - marks[-1], 2) if cfg["epoch"] else None,
         "time_to_first_step_s": round(startup.seconds, 2),
         "peak_memory_mib": round(
-            torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1
+            torch.cuda.max_memory_allocated() / 2**20
+            if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            1,
         ),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "process peak RSS",
         "model_tflops_per_s": round(useful / seconds / 1e12, 4),
@@ -310,7 +364,9 @@ def run_allreduce(rank: int, world: int, port: int, sizes: dict[str, int], out: 
     import torch.distributed as td
 
     torch.set_num_threads(1)
-    td.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    td.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     timings = {}
     for name, numel in sizes.items():
         buffer = torch.ones(numel)
@@ -322,7 +378,10 @@ def run_allreduce(rank: int, world: int, port: int, sizes: dict[str, int], out: 
             start = time.perf_counter()
             td.all_reduce(buffer)
             times.append(time.perf_counter() - start)
-        timings[name] = {"ms_median": round(1000 * statistics.median(times), 3), "ms_p90": round(1000 * sorted(times)[44], 3)}
+        timings[name] = {
+            "ms_median": round(1000 * statistics.median(times), 3),
+            "ms_p90": round(1000 * sorted(times)[44], 3),
+        }
     td.destroy_process_group()
     if rank == 0 and out:
         out.write_text(json.dumps(timings))
@@ -368,7 +427,9 @@ def prepare_inputs(args) -> tuple[Path, Path, Path | None, str, str]:
             words = data if args.data == "sst2-like" else None
             shutil.rmtree(model, ignore_errors=True)
             write_tiny_bert(model, words, layers=args.layers, base=True)
-        model_label = f"BertConfig() with {args.layers} layers, random weights" + (" (bert-base)" if args.layers == 12 else "")
+        model_label = f"BertConfig() with {args.layers} layers, random weights" + (
+            " (bert-base)" if args.layers == 12 else ""
+        )
     else:
         model, model_label = Path(args.model).resolve(), str(args.model)
     return model, data, job_data, model_label, data_label
@@ -384,18 +445,40 @@ def run_arms(args, model: Path, data: Path) -> dict[str, dict]:
         out_dir.mkdir(parents=True)
         steps = args.original_steps if name == "original" else args.steps
         cfg = {
-            "model": str(model), "data": str(data), "output_dir": str(out_dir / "run"), "batch_size": args.batch_size,
-            "warmup": args.warmup, "steps": steps, "epoch": args.epoch and name != "original", "epoch_rows": args.epoch_rows,
+            "model": str(model),
+            "data": str(data),
+            "output_dir": str(out_dir / "run"),
+            "batch_size": args.batch_size,
+            "warmup": args.warmup,
+            "steps": steps,
+            "epoch": args.epoch and name != "original",
+            "epoch_rows": args.epoch_rows,
             "peak_tflops": args.peak_tflops,
-        }  # fmt: skip
+        }
         report = out_dir / "result.json"
         log = out_dir / "child.log"
-        print(f"[bench] {name}: {args.warmup} warm-up + {'one epoch' if cfg['epoch'] else steps} timed steps ...", file=sys.stderr, flush=True)
+        print(
+            f"[bench] {name}: {args.warmup} warm-up + {'one epoch' if cfg['epoch'] else steps} timed steps ...",
+            file=sys.stderr,
+            flush=True,
+        )
         with open(log, "w") as handle:
             code = subprocess.call(
-                [sys.executable, __file__, "--child-arm", name, "--child-config", json.dumps(cfg), "--child-out", str(report)],
-                env=clean_env(HF_DATASETS_CACHE=out_dir / "datasets-cache"), cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    __file__,
+                    "--child-arm",
+                    name,
+                    "--child-config",
+                    json.dumps(cfg),
+                    "--child-out",
+                    str(report),
+                ],
+                env=clean_env(HF_DATASETS_CACHE=out_dir / "datasets-cache"),
+                cwd=REPO,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+            )
         if code != 0:
             raise SystemExit(f"arm {name} failed (exit {code}); its log:\n{log.read_text()[-3000:]}")
         results[name] = json.loads(report.read_text())
@@ -416,18 +499,39 @@ def run_job(args, model: Path, data: Path, world: int) -> dict:
     out = args.work_dir / "job" / f"world-{world}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    settings = dict(MODEL_NAME=model, DATASET_PATH=data, OUTPUT_DIR=out / "run", NUM_EPOCHS=1, PER_DEVICE_BATCH_SIZE=args.batch_size,
-                    HF_DATASETS_CACHE=out / "datasets-cache")  # cold, as a fresh replica  # fmt: skip
+    settings = dict(
+        MODEL_NAME=model,
+        DATASET_PATH=data,
+        OUTPUT_DIR=out / "run",
+        NUM_EPOCHS=1,
+        PER_DEVICE_BATCH_SIZE=args.batch_size,
+        HF_DATASETS_CACHE=out / "datasets-cache",
+    )  # cold, as a fresh replica
     port = free_port()
     procs = []
     for rank in range(world):
         if world == 1:
             env = clean_env(**settings)
         else:  # as the platform starts replicas; one thread each so two ranks on two cores do not fight
-            env = clean_env(**settings, RANK=rank, WORLD_SIZE=world, NODE_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                            OMP_NUM_THREADS=1, CUDA_VISIBLE_DEVICES="")  # fmt: skip
+            env = clean_env(
+                **settings,
+                RANK=rank,
+                WORLD_SIZE=world,
+                NODE_RANK=rank,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                OMP_NUM_THREADS=1,
+                CUDA_VISIBLE_DEVICES="",
+            )
         log = open(out / f"stdout-{rank}.txt", "w")
-        procs.append((subprocess.Popen([sys.executable, str(REPO / "main.py")], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(REPO / "main.py")], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+                ),
+                log,
+            )
+        )
     codes = []
     for proc, log in procs:
         codes.append(proc.wait(timeout=args.job_timeout))
@@ -442,7 +546,12 @@ def run_job(args, model: Path, data: Path, world: int) -> dict:
         first = re.search(r"first training step \d+ began ([\d.]+) s after process start", text)
         samples = re.search(r"rank \d+ processed (\d+) training samples; trainable weights checksum ([0-9a-f]+)", text)
         ranks.append(
-            {"rank": rank, "time_to_first_step_s": float(first.group(1)) if first else None, "samples": int(samples.group(1)), "checksum": samples.group(2)}
+            {
+                "rank": rank,
+                "time_to_first_step_s": float(first.group(1)) if first else None,
+                "samples": int(samples.group(1)),
+                "checksum": samples.group(2),
+            }
         )
     steps = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("checkpoint-*"))
     metrics = json.loads((run / "metrics.json").read_text())
@@ -460,8 +569,18 @@ def run_allreduce_all(args, sizes: dict[str, int]) -> dict:
     results = {}
     for world in (2, 4):
         port, out = free_port(), args.work_dir / f"allreduce-{world}.json"
-        cmd = [sys.executable, __file__, "--child-allreduce", json.dumps({"world": world, "port": port, "sizes": sizes})]
-        procs = [subprocess.Popen([*cmd, "--child-rank", str(r), "--child-out", str(out)], cwd=REPO, env=clean_env(OMP_NUM_THREADS=1)) for r in range(world)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child-allreduce",
+            json.dumps({"world": world, "port": port, "sizes": sizes}),
+        ]
+        procs = [
+            subprocess.Popen(
+                [*cmd, "--child-rank", str(r), "--child-out", str(out)], cwd=REPO, env=clean_env(OMP_NUM_THREADS=1)
+            )
+            for r in range(world)
+        ]
         if [p.wait(timeout=300) for p in procs] != [0] * world:
             raise SystemExit(f"gloo all-reduce with {world} processes failed")
         results[str(world)] = json.loads(out.read_text())
@@ -476,7 +595,9 @@ def lora_grad_bytes_bert_base() -> int:
     return 4 * (adapters + 768 * 2 + 2)
 
 
-def summarise(args, arms: dict, startup: dict, jobs: dict | None, allreduce: dict | None, sizes: dict, machine: dict) -> dict:
+def summarise(
+    args, arms: dict, startup: dict, jobs: dict | None, allreduce: dict | None, sizes: dict, machine: dict
+) -> dict:
     comparison = {}
     if "original" in arms and "defaults" in arms:
         o, d = arms["original"], arms["defaults"]
@@ -484,7 +605,9 @@ def summarise(args, arms: dict, startup: dict, jobs: dict | None, allreduce: dic
             "samples_per_s_ratio": round(d["samples_per_s"] / o["samples_per_s"], 2),
             "real_tokens_per_s_ratio": round(d["real_tokens_per_s"] / o["real_tokens_per_s"], 2),
             "peak_memory_ratio": round(d["peak_memory_mib"] / o["peak_memory_mib"], 2),
-            "samples_per_cpu_s_ratio": None if d["cuda"] else round(d["samples_per_cpu_s"] / o["samples_per_cpu_s"], 2),
+            "samples_per_cpu_s_ratio": None
+            if d["cuda"]
+            else round(d["samples_per_cpu_s"] / o["samples_per_cpu_s"], 2),
             "cpu_share": None if d["cuda"] else {"original": o["cpu_share"], "defaults": d["cpu_share"]},
             "cpu_target_ratio": 8.0,
             "meets_cpu_target": None if d["cuda"] else d["samples_per_s"] / o["samples_per_s"] >= 8.0,
@@ -496,7 +619,9 @@ def summarise(args, arms: dict, startup: dict, jobs: dict | None, allreduce: dic
             "defaults_epoch_s": epoch_s,
             "measured": d["epoch_seconds_measured"] is not None,
             "target_s": H100_TARGET_EPOCH_S,
-            "meets_target": epoch_s < H100_TARGET_EPOCH_S if d["layers"] == 12 and args.epoch_rows == SST2_TRAIN_ROWS else None,
+            "meets_target": epoch_s < H100_TARGET_EPOCH_S
+            if d["layers"] == 12 and args.epoch_rows == SST2_TRAIN_ROWS
+            else None,
         }
     if "defaults-8bit" in arms and "defaults" in arms:
         e, d = arms["defaults-8bit"], arms["defaults"]
@@ -524,13 +649,20 @@ def summarise(args, arms: dict, startup: dict, jobs: dict | None, allreduce: dic
             "allreduce_ms_4_replicas_basis": basis,
             # No overlap of the all-reduce with the backward pass assumed (DDP does overlap): a lower bound.
             "projected_efficiency_4_replicas": {
-                "this_device": {"device": reference["device"], "step_ms": step_ms, "allreduce_ms": ar_model,
-                                "efficiency": round(step_ms / (step_ms + ar_model), 4)},
-                "h100_target": {"step_ms": round(target_step_ms, 2), "allreduce_ms": ar_base,
-                                "efficiency": round(target_step_ms / (target_step_ms + ar_base), 4),
-                                "note": f"bert-base at the {H100_TARGET_EPOCH_S:.0f} s/epoch target step time, gloo all-reduce measured here"},
+                "this_device": {
+                    "device": reference["device"],
+                    "step_ms": step_ms,
+                    "allreduce_ms": ar_model,
+                    "efficiency": round(step_ms / (step_ms + ar_model), 4),
+                },
+                "h100_target": {
+                    "step_ms": round(target_step_ms, 2),
+                    "allreduce_ms": ar_base,
+                    "efficiency": round(target_step_ms / (target_step_ms + ar_base), 4),
+                    "note": f"bert-base at the {H100_TARGET_EPOCH_S:.0f} s/epoch target step time, gloo all-reduce measured here",
+                },
             },
-        }  # fmt: skip
+        }
     if jobs:
         one, two = jobs["1"], jobs["2"]
         jobs["half_steps_each"] = (
@@ -539,7 +671,14 @@ def summarise(args, arms: dict, startup: dict, jobs: dict | None, allreduce: dic
             and 2 * two["ranks"][0]["samples"] - one["ranks"][0]["samples"] < 2 * args.batch_size
             and two["ranks"][0]["checksum"] == two["ranks"][1]["checksum"]
         )
-    return {"machine": machine, "arms": arms, "comparison": comparison, "startup": startup, "job": jobs, "scale": scale}
+    return {
+        "machine": machine,
+        "arms": arms,
+        "comparison": comparison,
+        "startup": startup,
+        "job": jobs,
+        "scale": scale,
+    }
 
 
 def fmt(value, spec: str = "") -> str:
@@ -548,25 +687,48 @@ def fmt(value, spec: str = "") -> str:
 
 def print_table(results: dict) -> None:
     m = results["machine"]
-    print(f"\nmachine: {m['device']}; torch {m['torch']}; load average before/after {m['load_before']} / {m['load_after']}")
+    print(
+        f"\nmachine: {m['device']}; torch {m['torch']}; load average before/after {m['load_before']} / {m['load_after']}"
+    )
     print(f"model: {m['model']}; data: {m['data']}\n")
-    head = ("arm", "samples/s", "real tok/s", "padding", "step ms", "peak mem MiB", "first step s", "MFU", "epoch s (proj.)", "CPU share")
+    head = (
+        "arm",
+        "samples/s",
+        "real tok/s",
+        "padding",
+        "step ms",
+        "peak mem MiB",
+        "first step s",
+        "MFU",
+        "epoch s (proj.)",
+        "CPU share",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for name, a in results["arms"].items():
         row = (
-            name, fmt(a["samples_per_s"], ".1f"), fmt(a["real_tokens_per_s"], ".0f"), f"{100 * a['padding_fraction']:.1f}%",
-            fmt(a["step_ms"], ".1f"), fmt(a["peak_memory_mib"], ".0f"), fmt(a["time_to_first_step_s"], ".1f"),
-            "-" if a["mfu"] is None else f"{100 * a['mfu']:.1f}%", fmt(a["epoch_seconds_projected"], ".1f"),
+            name,
+            fmt(a["samples_per_s"], ".1f"),
+            fmt(a["real_tokens_per_s"], ".0f"),
+            f"{100 * a['padding_fraction']:.1f}%",
+            fmt(a["step_ms"], ".1f"),
+            fmt(a["peak_memory_mib"], ".0f"),
+            fmt(a["time_to_first_step_s"], ".1f"),
+            "-" if a["mfu"] is None else f"{100 * a['mfu']:.1f}%",
+            fmt(a["epoch_seconds_projected"], ".1f"),
             "-" if a["cpu_share"] is None else f"{100 * a['cpu_share']:.0f}%",
-        )  # fmt: skip
+        )
         print("| " + " | ".join(row) + " |")
     for name, a in results["arms"].items():
         if a["epoch_seconds_measured"] is not None:
-            print(f"{name}: one epoch of {a['train_rows']} rows trained in {a['epoch_seconds_measured']} s (first step to last)")
+            print(
+                f"{name}: one epoch of {a['train_rows']} rows trained in {a['epoch_seconds_measured']} s (first step to last)"
+            )
     for key, c in results["comparison"].items():
         if "samples_per_s_ratio" in c:
-            per_cpu = f", samples per CPU-second x{c['samples_per_cpu_s_ratio']}" if c.get("samples_per_cpu_s_ratio") else ""
+            per_cpu = (
+                f", samples per CPU-second x{c['samples_per_cpu_s_ratio']}" if c.get("samples_per_cpu_s_ratio") else ""
+            )
             print(f"{key}: samples/s x{c['samples_per_s_ratio']}{per_cpu}, peak memory x{c['peak_memory_ratio']}")
         else:
             print(f"{key}: {c}")
@@ -574,40 +736,73 @@ def print_table(results: dict) -> None:
     print(f"main.py --help {s['help_s']} s, --dry-run {s['dry_run_s']} s (median of {s['repeats']})")
     if results["job"]:
         j = results["job"]
-        print(f"job, 1 replica: {j['1']['optimizer_steps_per_replica']} steps, first step after {j['1']['ranks'][0]['time_to_first_step_s']} s; "
-              f"2 CPU replicas: {j['2']['optimizer_steps_per_replica']} steps each, rows {[r['samples'] for r in j['2']['ranks']]}; "
-              f"half the steps each: {j['half_steps_each']}")  # fmt: skip
+        print(
+            f"job, 1 replica: {j['1']['optimizer_steps_per_replica']} steps, first step after {j['1']['ranks'][0]['time_to_first_step_s']} s; "
+            f"2 CPU replicas: {j['2']['optimizer_steps_per_replica']} steps each, rows {[r['samples'] for r in j['2']['ranks']]}; "
+            f"half the steps each: {j['half_steps_each']}"
+        )
     if results["scale"]:
         sc = results["scale"]
         ar = sc["gloo_allreduce"]
-        print(f"all-reduce per step: {sc['gradient_bytes_per_step']['model']} B (bert-base {sc['gradient_bytes_per_step']['bert-base']} B); "
-              f"gloo here: 2 procs {ar['2']['model']['ms_median']} ms, 4 procs {ar['4']['model']['ms_median']} ms")  # fmt: skip
+        print(
+            f"all-reduce per step: {sc['gradient_bytes_per_step']['model']} B (bert-base {sc['gradient_bytes_per_step']['bert-base']} B); "
+            f"gloo here: 2 procs {ar['2']['model']['ms_median']} ms, 4 procs {ar['4']['model']['ms_median']} ms"
+        )
         print(f"4-replica all-reduce time: {sc['allreduce_ms_4_replicas_basis']}")
         for where, p in sc["projected_efficiency_4_replicas"].items():
-            print(f"projected 4-replica DDP efficiency ({where}): {100 * p['efficiency']:.1f}% (step {p['step_ms']} ms, all-reduce {p['allreduce_ms']} ms)")
+            print(
+                f"projected 4-replica DDP efficiency ({where}): {100 * p['efficiency']:.1f}% (step {p['step_ms']} ms, all-reduce {p['allreduce_ms']} ms)"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="random", help="'random' (BertConfig() dimensions, random weights) or a local model folder")
+    parser.add_argument(
+        "--model", default="random", help="'random' (BertConfig() dimensions, random weights) or a local model folder"
+    )
     parser.add_argument("--layers", type=int, default=12, help="layers of the random model (12 = bert-base)")
-    parser.add_argument("--data", default="sst2-like", help="'sst2-like' (synthetic, SST-2's length profile) or a DATASET_PATH folder")
+    parser.add_argument(
+        "--data", default="sst2-like", help="'sst2-like' (synthetic, SST-2's length profile) or a DATASET_PATH folder"
+    )
     parser.add_argument("--rows", type=int, default=SST2_TRAIN_ROWS, help="training rows of the sst2-like data")
     parser.add_argument("--validation-rows", type=int, default=SST2_VALIDATION_ROWS)
-    parser.add_argument("--batch-size", type=int, default=64, help="per-device batch of every arm (the original's and the job's 64)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (allocator, kernels, loader workers)")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per arm; 50 covers a whole length-grouped megabatch")
-    parser.add_argument("--original-steps", type=int, help="timed steps of the original (default --steps); its batches all have one shape")
-    parser.add_argument("--epoch", action="store_true", help="time one whole epoch of the non-original arms instead of --steps")
-    parser.add_argument("--epoch-rows", type=int, default=SST2_TRAIN_ROWS, help="rows of the epoch the projection is for")
-    parser.add_argument("--arms", help=f"comma-separated, of {', '.join(ARMS)} (default: original,defaults, plus defaults-8bit on CUDA)")
-    parser.add_argument("--skip-job", action="store_true", help="skip the runs of main.py (one replica, two CPU replicas)")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="per-device batch of every arm (the original's and the job's 64)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first (allocator, kernels, loader workers)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=50, help="timed steps per arm; 50 covers a whole length-grouped megabatch"
+    )
+    parser.add_argument(
+        "--original-steps",
+        type=int,
+        help="timed steps of the original (default --steps); its batches all have one shape",
+    )
+    parser.add_argument(
+        "--epoch", action="store_true", help="time one whole epoch of the non-original arms instead of --steps"
+    )
+    parser.add_argument(
+        "--epoch-rows", type=int, default=SST2_TRAIN_ROWS, help="rows of the epoch the projection is for"
+    )
+    parser.add_argument(
+        "--arms",
+        help=f"comma-separated, of {', '.join(ARMS)} (default: original,defaults, plus defaults-8bit on CUDA)",
+    )
+    parser.add_argument(
+        "--skip-job", action="store_true", help="skip the runs of main.py (one replica, two CPU replicas)"
+    )
     parser.add_argument("--job-rows", type=int, default=1024, help="training rows for the main.py runs")
     parser.add_argument("--job-timeout", type=int, default=1800)
     parser.add_argument("--skip-allreduce", action="store_true")
     parser.add_argument("--startup-repeats", type=int, default=5)
-    parser.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s of this GPU when it is not in the built-in table")
-    parser.add_argument("--work-dir", type=Path, default=REPO / "output" / "benchmark", help="models, data and runs (reused)")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="peak bf16 TFLOP/s of this GPU when it is not in the built-in table"
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, default=REPO / "output" / "benchmark", help="models, data and runs (reused)"
+    )
     parser.add_argument("--json", type=Path, help="where to write the results (default WORK_DIR/results.json)")
     parser.add_argument("--child-arm", help=argparse.SUPPRESS)
     parser.add_argument("--child-config", help=argparse.SUPPRESS)
@@ -671,7 +866,10 @@ def cuda_available() -> bool:
     """Whether the arms will see a GPU, without importing torch here (nvidia-smi, or CUDA_VISIBLE_DEVICES="")."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
         return False
-    return shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    return (
+        shutil.which("nvidia-smi") is not None
+        and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    )
 
 
 if __name__ == "__main__":

@@ -22,9 +22,13 @@ import csv
 import random
 from pathlib import Path
 
-POSITIVE = "good great wonderful moving delightful funny charming superb brilliant touching warm clever gorgeous".split()
+POSITIVE = (
+    "good great wonderful moving delightful funny charming superb brilliant touching warm clever gorgeous".split()
+)
 NEGATIVE = "bad awful boring dull tedious clumsy lifeless stupid painful flat messy bland hollow".split()
-SUBJECTS = "the film;this movie;the story;the cast;the script;its director;the ending;every scene;the whole thing".split(";")
+SUBJECTS = (
+    "the film;this movie;the story;the cast;the script;its director;the ending;every scene;the whole thing".split(";")
+)
 VERBS = "is;feels;was;seems;remains;looks".split(";")
 FILLER = "and the a of to in it with its that for as on but by an this".split()
 NOUNS = "plot actors music camera dialogue pace characters hero villain soundtrack cinematography".split()
@@ -50,7 +54,9 @@ def synthetic_sentence(rng: random.Random, profile: str = "demo") -> tuple[str, 
     return " ".join(words), label
 
 
-def write_dataset(folder: Path, train_rows: int = 2000, validation_rows: int = 301, seed: int = 0, profile: str = "demo") -> Path:
+def write_dataset(
+    folder: Path, train_rows: int = 2000, validation_rows: int = 301, seed: int = 0, profile: str = "demo"
+) -> Path:
     """train.csv and validation.csv with GLUE SST-2's columns (validation odd-sized on purpose)."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -63,7 +69,9 @@ def write_dataset(folder: Path, train_rows: int = 2000, validation_rows: int = 3
     return folder
 
 
-def write_tiny_bert(folder: Path, data_folder: Path | None = None, layers: int = 2, hidden: int = 64, seed: int = 0, base: bool = False) -> Path:
+def write_tiny_bert(
+    folder: Path, data_folder: Path | None = None, layers: int = 2, hidden: int = 64, seed: int = 0, base: bool = False
+) -> Path:
     """A randomly initialised BERT with a word-level vocabulary covering the synthetic data.
 
     `base=True`: `BertConfig()`'s dimensions (768 wide, 12 heads, 3072-wide FFN, a 30522-row embedding
@@ -105,13 +113,22 @@ if __name__ == "__main__":
     parser.add_argument("what", choices=["data", "model"])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--data", type=Path, help="data folder whose words the tiny model's vocabulary covers")
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="demo", help="data: the sentence length profile")
+    parser.add_argument(
+        "--profile", choices=sorted(PROFILES), default="demo", help="data: the sentence length profile"
+    )
     parser.add_argument("--rows", type=int, default=2000, help="data: training rows (SST-2 has 67349)")
-    parser.add_argument("--base", action="store_true", help="model: bert-base dimensions (BertConfig()) instead of 2x64")
+    parser.add_argument(
+        "--base", action="store_true", help="model: bert-base dimensions (BertConfig()) instead of 2x64"
+    )
     parser.add_argument("--layers", type=int, help="model: encoder layers (default 2, or 12 with --base)")
     args = parser.parse_args()
     if args.what == "data":
-        out = write_dataset(args.folder, train_rows=args.rows, validation_rows=872 if args.profile == "sst2" else 301, profile=args.profile)
+        out = write_dataset(
+            args.folder,
+            train_rows=args.rows,
+            validation_rows=872 if args.profile == "sst2" else 301,
+            profile=args.profile,
+        )
     else:
         out = write_tiny_bert(args.folder, args.data, layers=args.layers or (12 if args.base else 2), base=args.base)
     print(out)

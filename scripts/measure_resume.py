@@ -48,10 +48,25 @@ def free_port() -> int:
 def start(out: Path, tag: str, settings: dict[str, str]) -> list[subprocess.Popen]:
     port, procs = free_port(), []
     for rank in (0, 1):
-        env = {**os.environ, **settings, "RANK": str(rank), "WORLD_SIZE": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OUTPUT_DIR": str(out), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
+        env = {
+            **os.environ,
+            **settings,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "NODE_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OUTPUT_DIR": str(out),
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+        }
         stream = open(out.parent / f"{out.name}-{tag}-rank{rank}.txt", "w")
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "main.py")], env=env, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(REPO / "main.py")], env=env, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT
+            )
+        )
     return procs
 
 
@@ -77,14 +92,24 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="model folder (default: a tiny BERT built here)")
     parser.add_argument("--data", type=Path, help="data folder (default: 2000 synthetic SST-2-shaped rows)")
     parser.add_argument("--save-steps", type=int, default=20)
-    parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="kill this far into a checkpoint interval")
+    parser.add_argument(
+        "--fractions", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="kill this far into a checkpoint interval"
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="measure-resume-"))
     data = args.data or write_dataset(work / "sst2", train_rows=2000, validation_rows=101)
     model = args.model or write_tiny_bert(work / "tiny-bert", data)
-    settings = {"MODEL_NAME": str(model), "DATASET_PATH": str(data), "NUM_EPOCHS": "2", "PER_DEVICE_BATCH_SIZE": "16",
-                "LEARNING_RATE": "3e-3", "SAVE_STEPS": str(args.save_steps), "DATALOADER_NUM_WORKERS": "0", "HF_HOME": str(work / "hf")}  # fmt: skip
+    settings = {
+        "MODEL_NAME": str(model),
+        "DATASET_PATH": str(data),
+        "NUM_EPOCHS": "2",
+        "PER_DEVICE_BATCH_SIZE": "16",
+        "LEARNING_RATE": "3e-3",
+        "SAVE_STEPS": str(args.save_steps),
+        "DATALOADER_NUM_WORKERS": "0",
+        "HF_HOME": str(work / "hf"),
+    }
 
     began = time.monotonic()
     reference = work / "reference"
@@ -95,8 +120,10 @@ def main() -> None:
     fresh_first_step, fresh_setup = first_step_seconds(reference), model_to_first_step(reference)
     total_steps = int(TOTAL_STEPS.search((reference / "logs" / "rank-0.log").read_text()).group(1).replace(",", ""))
     progress = re.compile(rf"(\d+)/{total_steps} \[")  # the Trainer's progress bar on rank 0's stream
-    print(f"uninterrupted: {fresh_wall:.1f} s wall, first step {fresh_first_step:.1f} s after start ({fresh_setup:.2f} s after the model "
-          f"was built), {total_steps} steps of {step_seconds * 1000:.0f} ms, accuracy {metrics['eval_accuracy']:.4f}")  # fmt: skip
+    print(
+        f"uninterrupted: {fresh_wall:.1f} s wall, first step {fresh_first_step:.1f} s after start ({fresh_setup:.2f} s after the model "
+        f"was built), {total_steps} steps of {step_seconds * 1000:.0f} ms, accuracy {metrics['eval_accuracy']:.4f}"
+    )
 
     for n, fraction in enumerate(args.fractions, start=1):
         out, checkpoint = work / f"killed-{n}", args.save_steps * n
@@ -111,18 +138,22 @@ def main() -> None:
         killed = time.monotonic()
         survivor = procs[0].wait()
         detection = time.monotonic() - killed
-        reached = max(int(done) for done in progress.findall((out.parent / f"{out.name}-killed-rank0.txt").read_text()))
+        reached = max(
+            int(done) for done in progress.findall((out.parent / f"{out.name}-killed-rank0.txt").read_text())
+        )
         restart = start(out, "restart", settings)
         assert [p.wait() for p in restart] == [0, 0], f"the restart failed; see {work}"
         wall = time.monotonic() - began
         resumed_first_step, resumed_setup = first_step_seconds(out), model_to_first_step(out)
         lost = reached - checkpoint
         accuracy = json.loads((out / "metrics.json").read_text())["eval_accuracy"]
-        print(f"kill {n}: rank 1 killed at step ~{reached}, {fraction:.0%} into the interval after checkpoint-{checkpoint}; "
-              f"survivor exit {survivor} after {detection:.1f} s; lost {lost} steps = {lost * step_seconds:.1f} s of training; "
-              f"restart's first step {resumed_first_step:.1f} s after start, {resumed_setup:.2f} s after the model was built "
-              f"(resume overhead {resumed_setup - fresh_setup:+.2f} s); job wall {wall:.1f} s vs {fresh_wall:.1f} s uninterrupted; "
-              f"accuracy {accuracy:.4f}")  # fmt: skip
+        print(
+            f"kill {n}: rank 1 killed at step ~{reached}, {fraction:.0%} into the interval after checkpoint-{checkpoint}; "
+            f"survivor exit {survivor} after {detection:.1f} s; lost {lost} steps = {lost * step_seconds:.1f} s of training; "
+            f"restart's first step {resumed_first_step:.1f} s after start, {resumed_setup:.2f} s after the model was built "
+            f"(resume overhead {resumed_setup - fresh_setup:+.2f} s); job wall {wall:.1f} s vs {fresh_wall:.1f} s uninterrupted; "
+            f"accuracy {accuracy:.4f}"
+        )
     print(f"outputs in {work}")
 
 

@@ -25,10 +25,28 @@ from tests.hub_stub import HubStub  # noqa: E402
 
 # Variables a launcher or the developer's shell may have set; a test starts from none of them.
 LAUNCHER_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "PET_NODE_RANK", "PET_NNODES", "PET_NPROC_PER_NODE", "SLURM_PROCID", "SLURM_NTASKS",
-    "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_NODELIST", "HF_TOKEN", "HF_TOKEN_PATH", "RESULT_MODEL_ID", "OUTPUT_DIR",
-)  # fmt: skip
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "PET_NODE_RANK",
+    "PET_NNODES",
+    "PET_NPROC_PER_NODE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_JOB_NODELIST",
+    "HF_TOKEN",
+    "HF_TOKEN_PATH",
+    "RESULT_MODEL_ID",
+    "OUTPUT_DIR",
+)
 
 
 def base_env(tmp: Path, **extra: str) -> dict[str, str]:
@@ -73,14 +91,23 @@ class Result:
 
 def run_main(env: dict[str, str], *args: str, timeout: float = 300) -> Result:
     """Run `python main.py` as the launcher would, and wait for it."""
-    proc = subprocess.run([sys.executable, str(REPO / "main.py"), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
 def start_main(env: dict[str, str], *args: str, log: Path | None = None) -> subprocess.Popen:
     """Start `python main.py` without waiting (for multi-rank runs); output goes to `log`."""
     out = open(log, "w") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, str(REPO / "main.py"), *args], env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), *args], env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+    )
 
 
 def free_port() -> int:
@@ -91,7 +118,9 @@ def free_port() -> int:
 
 def rank_env(tmp: Path, rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     """The environment the managed platform gives replica `rank` (RANK, WORLD_SIZE, NODE_RANK, MASTER_*)."""
-    return base_env(tmp, RANK=rank, WORLD_SIZE=world, NODE_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+    return base_env(
+        tmp, RANK=rank, WORLD_SIZE=world, NODE_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra
+    )
 
 
 @pytest.fixture(scope="session")
@@ -138,14 +167,28 @@ BASE_ID = "tester/tiny-bert"  # the Hub id the tests' local tiny model stands fo
 
 # ------------------------------------------------------------------------------- helpers
 def training_settings(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, str]:
-    settings = dict(MODEL_NAME=tiny_bert, DATASET_PATH=sst2_dir, OUTPUT_DIR=out, NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=16,
-                    LEARNING_RATE="3e-3", SAVE_STEPS=SAVE_STEPS, RENDEZVOUS_TIMEOUT=TIMEOUT)  # fmt: skip
+    settings = dict(
+        MODEL_NAME=tiny_bert,
+        DATASET_PATH=sst2_dir,
+        OUTPUT_DIR=out,
+        NUM_EPOCHS=2,
+        PER_DEVICE_BATCH_SIZE=16,
+        LEARNING_RATE="3e-3",
+        SAVE_STEPS=SAVE_STEPS,
+        RENDEZVOUS_TIMEOUT=TIMEOUT,
+    )
     return {k: str(v) for k, v in {**settings, **extra}.items()}
 
 
 def push_settings(hub: HubStub) -> dict[str, str]:
     # The tiny model is a local folder, which records no Hub id: a push names its base explicitly.
-    return {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": REPO_ID, "BASE_MODEL_ID": BASE_ID}
+    return {
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_TOKEN": hub.token,
+        "RESULT_MODEL_ID": REPO_ID,
+        "BASE_MODEL_ID": BASE_ID,
+    }
 
 
 class Replicas:
@@ -231,7 +274,16 @@ def assert_token_absent(token: str, roots: list[Path], hub: HubStub | None = Non
     needle = token.encode()
     files = [path for root in roots for path in root.rglob("*") if path.is_file()]
     names = " ".join(path.name for path in files)
-    for kind in ("events.out.tfevents", "optimizer.pt", "rng_state", "training_args.bin", "rank-0.log", "run.json", "metrics.json", "README.md"):
+    for kind in (
+        "events.out.tfevents",
+        "optimizer.pt",
+        "rng_state",
+        "training_args.bin",
+        "rank-0.log",
+        "run.json",
+        "metrics.json",
+        "README.md",
+    ):
         assert kind in names, f"nothing like {kind} was searched"  # the search really covered a run's outputs
     leaks = [str(path) for path in files if needle in path.read_bytes()]
     if hub is not None:

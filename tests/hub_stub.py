@@ -44,7 +44,9 @@ class HubStub:
 
     def serve(self, repo: str, folder) -> None:
         """Serve a folder's files as `repo` (GET/HEAD /{repo}/resolve/{revision}/{path}), e.g. a base model."""
-        self.served[repo] = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        self.served[repo] = {
+            str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+        }
 
     def repo_files(self, repo: str) -> dict[str, bytes] | None:
         """What a download of `repo` finds: the files served as it, then those its commits carried."""
@@ -153,7 +155,9 @@ class HubStub:
                         return self._send(401, {"error": "Invalid credentials in Authorization header"})
                     access = {"role": stub.role}
                     if stub.role == "fineGrained":
-                        access["fineGrained"] = {"scoped": [{"entity": {"type": "user", "name": "tester"}, "permissions": stub.scopes}]}
+                        access["fineGrained"] = {
+                            "scoped": [{"entity": {"type": "user", "name": "tester"}, "permissions": stub.scopes}]
+                        }
                     return self._send(200, {"name": "tester", "type": "user", "auth": {"accessToken": access}})
                 self._send(404, {"error": "not found"})
 
@@ -175,7 +179,14 @@ class HubStub:
                     return self._send(200, {"url": f"http://{self.headers['Host']}/{name}", "name": name})
                 if route == "preupload":
                     files = json.loads(body)["files"]
-                    return self._send(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+                    return self._send(
+                        200,
+                        {
+                            "files": [
+                                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                            ]
+                        },
+                    )
                 if route == "commit":
                     repo = self.path.split("/api/models/")[1].split("/commit/")[0]
                     files = {}
@@ -184,7 +195,10 @@ class HubStub:
                         if item["key"] == "file":
                             files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
                     stub.commits.append({"repo": repo, "files": files})
-                    return self._send(200, {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/abc123", "commitOid": "abc123"})
+                    return self._send(
+                        200,
+                        {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/abc123", "commitOid": "abc123"},
+                    )
                 self._send(404, {"error": "not found"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

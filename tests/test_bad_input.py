@@ -102,28 +102,60 @@ BAD_INPUT = [
     ("num-epochs-inf", {"NUM_EPOCHS": "inf"}, None, "NUM_EPOCHS=inf is invalid: Input should be a finite number"),
     ("num-epochs-absurd", {"NUM_EPOCHS": "1e9"}, None, "less than or equal to 1000"),
     ("max-steps-absurd", {"MAX_STEPS": "1000000000"}, None, "less than or equal to 100000000"),
-    ("lora-r-absurd", {"LORA_R": "100000"}, None, "LORA_R=100000 is invalid: Input should be less than or equal to 4096"),
+    (
+        "lora-r-absurd",
+        {"LORA_R": "100000"},
+        None,
+        "LORA_R=100000 is invalid: Input should be less than or equal to 4096",
+    ),
     ("seed-above-32-bits", {"SEED": str(2**32)}, None, "less than or equal to 4294967295"),
     ("run-name-with-path", {"RUN_NAME": "../../x"}, None, "(no '/' or '..'); fix RUN_NAME"),
     ("run-name-too-long", {"RUN_NAME": "r" * 101}, None, "use 1-100 letters"),
-    ("text-column-is-label-column", {"TEXT_COLUMN": "label"}, None, "must be two different columns: fix TEXT_COLUMN or LABEL_COLUMN"),
+    (
+        "text-column-is-label-column",
+        {"TEXT_COLUMN": "label"},
+        None,
+        "must be two different columns: fix TEXT_COLUMN or LABEL_COLUMN",
+    ),
     ("world-size-without-rank", {"WORLD_SIZE": "4"}, None, "WORLD_SIZE=4 is set but RANK is not; set RANK"),
     ("rank-without-world-size", {"RANK": "1"}, None, "RANK=1 is set but WORLD_SIZE is not; set WORLD_SIZE"),
     ("master-addr-alone", {"MASTER_ADDR": "replica-0", "NODE_RANK": "2"}, None, "set RANK and WORLD_SIZE as well"),
     # the model folder and its config
     ("model-without-tokenizer", {}, model_copy(without_tokenizer), "has no tokenizer files"),
-    ("max-seq-length-above-positions", {"MAX_SEQ_LENGTH": "128"}, model_copy(short_positions), "set MAX_SEQ_LENGTH to 64 or less"),
+    (
+        "max-seq-length-above-positions",
+        {"MAX_SEQ_LENGTH": "128"},
+        model_copy(short_positions),
+        "set MAX_SEQ_LENGTH to 64 or less",
+    ),
     ("lora-r-above-hidden-size", {"LORA_R": "128"}, None, "set LORA_R to 64 or less"),
     ("truncated-weights", {}, model_copy(truncated_weights), "weights file model.safetensors is damaged or truncated"),
     ("empty-weights", {}, model_copy(empty_weights), "weights file model.safetensors is empty"),
-    ("dangling-weights-link", {}, model_copy(dangling_weights), "is a link to /nonexistent/blobs/0123abcd, which does not exist"),
+    (
+        "dangling-weights-link",
+        {},
+        model_copy(dangling_weights),
+        "is a link to /nonexistent/blobs/0123abcd, which does not exist",
+    ),
     pytest.param(
         ("unreadable-weights", {}, model_copy(unreadable_weights), "model.safetensors is not readable by uid"),
-        marks=pytest.mark.skipif(AS_ROOT, reason="root reads a mode-000 file: see test_unreadable_weights_as_another_user"),
+        marks=pytest.mark.skipif(
+            AS_ROOT, reason="root reads a mode-000 file: see test_unreadable_weights_as_another_user"
+        ),
     ),
     # the data
-    ("empty-sentence", {}, data([*GOOD_ROWS, ("", 1), ("   ", 0)]), "has 2 row(s) with an empty or missing 'sentence' (the first is row 9)"),
-    ("numeric-text-column", {}, data([(1, 1), (2, 0)], [(3, 1)]), "column 'sentence' holds int64 values, not text; set TEXT_COLUMN"),
+    (
+        "empty-sentence",
+        {},
+        data([*GOOD_ROWS, ("", 1), ("   ", 0)]),
+        "has 2 row(s) with an empty or missing 'sentence' (the first is row 9)",
+    ),
+    (
+        "numeric-text-column",
+        {},
+        data([(1, 1), (2, 0)], [(3, 1)]),
+        "column 'sentence' holds int64 values, not text; set TEXT_COLUMN",
+    ),
     ("fractional-label", {}, data([*GOOD_ROWS, ("so-so", 0.5)]), "labels must be 0 (negative) or 1 (positive)"),
     ("text-labels", {}, data([("a wonderful film", "positive"), ("a dull film", "negative")]), "map them to 0/1"),
     ("missing-label", {}, data([*GOOD_ROWS, ("a dull film", "")]), "1 row(s) without a label in 'label'"),
@@ -143,10 +175,14 @@ def test_bad_input_gives_one_error_line_exit_2_and_pushes_nothing(case, job_env,
     env = {**job_env, **push_settings(hub)}
     env.update(setup(tmp_path, env) if setup else {})
     assert_refused_as_bad_input({**env, **extra}, [], says, hub)
-    assert not list(tmp_path.parent.glob("**/*tfevents*"))  # RUN_NAME=../../x wrote nothing, inside OUTPUT_DIR or out of it
+    assert not list(
+        tmp_path.parent.glob("**/*tfevents*")
+    )  # RUN_NAME=../../x wrote nothing, inside OUTPUT_DIR or out of it
 
 
-@pytest.mark.skipif(not (AS_ROOT and shutil.which("setpriv")), reason="needs root and setpriv to start the job as another user")
+@pytest.mark.skipif(
+    not (AS_ROOT and shutil.which("setpriv")), reason="needs root and setpriv to start the job as another user"
+)
 def test_unreadable_weights_as_another_user(tiny_bert, sst2_dir, tmp_path_factory):
     """Mode 000 weights, as the platform's uid-10000 jobs meet them; under root the job runs as nobody."""
     import subprocess
@@ -164,11 +200,21 @@ def test_unreadable_weights_as_another_user(tiny_bert, sst2_dir, tmp_path_factor
             path.chmod(0o777 if path.is_dir() else 0o644)
         (tmp / "model" / "model.safetensors").chmod(0)
         env = base_env(tmp, HOME=str(tmp), MODEL_NAME=tmp / "model", DATASET_PATH=tmp / "data", OUTPUT_DIR=tmp / "out")
-        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, str(REPO / "main.py")]
+        as_nobody = [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            str(REPO / "main.py"),
+        ]
         result = subprocess.run(as_nobody, env=env, cwd=tmp, capture_output=True, text=True, timeout=180, check=False)
         assert result.returncode == 2, result.stderr[-3000:]
         [error] = error_lines(result.stderr)
-        assert "the weights file model.safetensors is not readable by uid 65534 (mode ----------)" in error and "make them readable" in error
+        assert (
+            "the weights file model.safetensors is not readable by uid 65534 (mode ----------)" in error
+            and "make them readable" in error
+        )
         assert "Traceback" not in result.stderr and not (tmp / "out" / "model").exists()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -204,14 +250,20 @@ def _tear(name: str):
     return damage
 
 
-DAMAGE = [("truncated-arrow", _truncate_arrow), ("torn-dataset-dict", _tear("dataset_dict.json")), ("torn-state", _tear("state.json"))]
+DAMAGE = [
+    ("truncated-arrow", _truncate_arrow),
+    ("torn-dataset-dict", _tear("dataset_dict.json")),
+    ("torn-state", _tear("state.json")),
+]
 
 
 @pytest.fixture(scope="module")
 def cached_run(tmp_path_factory, tiny_bert, sst2_dir) -> tuple[Path, dict[str, str]]:
     """A finished short run whose OUTPUT_DIR/cache holds the tokenized data."""
     tmp = tmp_path_factory.mktemp("cached")
-    env = base_env(tmp, MODEL_NAME=tiny_bert, DATASET_PATH=sst2_dir, OUTPUT_DIR=tmp / "out", MAX_STEPS=1, PER_DEVICE_BATCH_SIZE=16)
+    env = base_env(
+        tmp, MODEL_NAME=tiny_bert, DATASET_PATH=sst2_dir, OUTPUT_DIR=tmp / "out", MAX_STEPS=1, PER_DEVICE_BATCH_SIZE=16
+    )
     result = run_main(env, timeout=300)
     assert result.code == 0, result.stderr[-3000:]
     return tmp / "out", env

@@ -12,7 +12,9 @@ from utils.errors import JobError
 from utils.model import load_tokenizer
 from utils.settings import Settings
 
-GLUE_FEATURES = Features({"sentence": Value("string"), "label": ClassLabel(names=["negative", "positive"]), "idx": Value("int32")})
+GLUE_FEATURES = Features(
+    {"sentence": Value("string"), "label": ClassLabel(names=["negative", "positive"]), "idx": Value("int32")}
+)
 
 
 def glue_like(rows: int, labelled: bool = True) -> Dataset:
@@ -33,7 +35,9 @@ def settings_for(path, **extra) -> Settings:
 
 def test_glue_shaped_save_to_disk_takes_the_hub_code_path(tmp_path, tokenizer):
     # train/validation/test with GLUE's columns; the test split is unlabelled (-1) and must be ignored.
-    DatasetDict({"train": glue_like(40), "validation": glue_like(9), "test": glue_like(5, labelled=False)}).save_to_disk(tmp_path / "glue")
+    DatasetDict(
+        {"train": glue_like(40), "validation": glue_like(9), "test": glue_like(5, labelled=False)}
+    ).save_to_disk(tmp_path / "glue")
     data = load_sst2(settings_for(tmp_path / "glue"), tokenizer, tmp_path / "cache")
     assert set(data) == {"train", "validation"}
     assert len(data["train"]) == 40 and len(data["validation"]) == 9
@@ -51,13 +55,12 @@ def test_every_local_format_loads_the_same_rows(tmp_path, tokenizer, suffix):
     for split, rows in (("train", 30), ("validation", 7)):
         frame = glue_like(rows).to_pandas()
         path = folder / f"{split}{suffix}"
-        {
-            ".csv": lambda: frame.to_csv(path, index=False),
-            ".tsv": lambda: frame.to_csv(path, index=False, sep="\t"),
-            ".json": lambda: frame.to_json(path, orient="records", lines=True),
-            ".jsonl": lambda: frame.to_json(path, orient="records", lines=True),
-            ".parquet": lambda: frame.to_parquet(path),
-        }[suffix]()
+        if suffix == ".parquet":
+            frame.to_parquet(path)
+        elif suffix in (".json", ".jsonl"):
+            frame.to_json(path, orient="records", lines=True)
+        else:
+            frame.to_csv(path, index=False, sep="\t" if suffix == ".tsv" else ",")
     data = load_sst2(settings_for(folder), tokenizer, tmp_path / "cache")
     assert (len(data["train"]), len(data["validation"])) == (30, 7)
     assert data["train"]["labels"][:4] == [0, 1, 0, 1]
@@ -77,7 +80,9 @@ def test_custom_column_names(tmp_path, tokenizer):
     folder = tmp_path / "custom"
     folder.mkdir()
     for split in ("train", "validation"):
-        pd.DataFrame({"review": ["good", "bad", "great"], "stars": [1, 0, 1]}).to_csv(folder / f"{split}.csv", index=False)
+        pd.DataFrame({"review": ["good", "bad", "great"], "stars": [1, 0, 1]}).to_csv(
+            folder / f"{split}.csv", index=False
+        )
     data = load_sst2(settings_for(folder, text_column="review", label_column="stars"), tokenizer, tmp_path / "cache")
     assert data["train"]["labels"] == [1, 0, 1]
 
@@ -93,7 +98,11 @@ def write_split_files(folder, train: pd.DataFrame, validation: pd.DataFrame | No
 GOOD = pd.DataFrame({"sentence": ["good", "bad"], "label": [1, 0]})
 CASES = {
     "missing validation split": (GOOD, None, "no 'validation' split"),
-    "missing text column": (pd.DataFrame({"text": ["a"], "label": [1]}), pd.DataFrame({"text": ["b"], "label": [0]}), "no column 'sentence'"),
+    "missing text column": (
+        pd.DataFrame({"text": ["a"], "label": [1]}),
+        pd.DataFrame({"text": ["b"], "label": [0]}),
+        "no column 'sentence'",
+    ),
     "splits with other columns": (pd.DataFrame({"text": ["a"], "label": [1]}), GOOD, "need the same columns"),
     "labels outside 0/1": (pd.DataFrame({"sentence": ["a", "b"], "label": [1, 2]}), GOOD, "labels [2]"),
     "unlabelled test rows": (GOOD, pd.DataFrame({"sentence": ["a"], "label": [-1]}), "labels [-1]"),

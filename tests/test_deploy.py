@@ -36,7 +36,15 @@ SCHEMAS = Path(REPO).parent / "shared" / "schemas"  # the CRDs; CI has ../shared
 KUBERNETES_VERSION = "1.30"  # an API version current clusters serve; the manifests use nothing newer
 SETTING_ENV = {env_name(field): field for field in FIELDS}
 # Variables the deployments may set that are not settings: read by torch, NCCL or the HF libraries.
-LIBRARY_ENV = {"HF_TOKEN", "HF_TOKEN_PATH", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM"}
+LIBRARY_ENV = {
+    "HF_TOKEN",
+    "HF_TOKEN_PATH",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "OMP_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+}
 LIBRARY_ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_")
 # The Kubeflow operator's names (training-operator v1): the container it reads the port from, the port's name.
 OPERATOR_CONTAINER, OPERATOR_PORT = "pytorch", "pytorchjob-port"
@@ -180,15 +188,21 @@ def test_dockerfile_base_is_a_pinned_argument_with_the_tested_torch():
     name, _, tag = base.rpartition(":")
     assert name and tag and tag != "latest", f"BASE_IMAGE={base}: pin a tag"
     torch_release = metadata.version("torch").split("+")[0]  # the torch the tests ran with
-    assert tag.startswith(torch_release + "-"), f"BASE_IMAGE={base} is not torch {torch_release}, the release tested here"
+    assert tag.startswith(torch_release + "-"), (
+        f"BASE_IMAGE={base} is not torch {torch_release}, the release tested here"
+    )
 
 
 def test_dockerfile_installs_pinned_requirements_before_the_code():
     steps = dockerfile()
     copy_req = next(n for n, (i, a) in enumerate(steps) if i == "COPY" and a.split()[0] == "requirements.txt")
-    install = next(n for n, (i, a) in enumerate(steps) if i == "RUN" and "requirements.txt" in a and "pip install" in a)
+    install = next(
+        n for n, (i, a) in enumerate(steps) if i == "RUN" and "requirements.txt" in a and "pip install" in a
+    )
     code = [n for n, (i, a) in enumerate(steps) if i == "COPY" and a.split()[0] != "requirements.txt"]
-    assert copy_req < install < min(code), "copy and install requirements.txt before the code, so code edits keep the dependency layer"
+    assert copy_req < install < min(code), (
+        "copy and install requirements.txt before the code, so code edits keep the dependency layer"
+    )
     for line in (REPO / "requirements.txt").read_text().splitlines():
         requirement = line.split("#")[0].strip()
         assert not requirement or "==" in requirement, f"requirements.txt: pin {requirement!r}"
@@ -199,7 +213,9 @@ def test_dockerfile_runs_main_as_a_non_root_user_and_passes_flags():
     uid, gid = docker_user()
     assert uid != 0 and gid != 0
     entrypoint = [json.loads(a) for i, a in dockerfile() if i == "ENTRYPOINT"]
-    assert entrypoint and entrypoint[-1][-1].endswith("main.py"), "exec-form ENTRYPOINT ending in main.py, so `docker run IMAGE --flags` reach it"
+    assert entrypoint and entrypoint[-1][-1].endswith("main.py"), (
+        "exec-form ENTRYPOINT ending in main.py, so `docker run IMAGE --flags` reach it"
+    )
     cmd = [json.loads(a) for i, a in dockerfile() if i == "CMD"]
     assert not cmd or cmd[-1] == [], "CMD must add no flags of its own"
     exposed = {int(p.split("/")[0]) for i, a in dockerfile() if i == "EXPOSE" for p in a.split()}
@@ -220,7 +236,9 @@ def test_dockerfile_output_dir_and_caches_fit_a_read_only_root():
                     continue
                 writable = [m["mountPath"] for m in container.get("volumeMounts", []) if not m.get("readOnly")]
                 for name, value in paths.items():
-                    assert any(under(value, m) for m in writable), f"{path.relative_to(REPO)}: {name}={value} is not on a writable mount {writable}"
+                    assert any(under(value, m) for m in writable), (
+                        f"{path.relative_to(REPO)}: {name}={value} is not on a writable mount {writable}"
+                    )
                 checked += 1
     assert checked, "no read-only-root container found in k8s/"
 
@@ -238,12 +256,28 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
 
 
 def test_dockerignore_keeps_the_code_and_drops_the_rest():
-    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     copied = [a.split()[0] for i, a in dockerfile() if i == "COPY"]
     for source in copied:
-        sample = next((str(p.relative_to(REPO)) for p in (REPO / source).rglob("*.py")), source) if (REPO / source).is_dir() else source
+        sample = (
+            next((str(p.relative_to(REPO)) for p in (REPO / source).rglob("*.py")), source)
+            if (REPO / source).is_dir()
+            else source
+        )
         assert not dockerignored(sample, patterns), f".dockerignore drops {sample}, which the Dockerfile copies"
-    for junk in (".venv/bin/python", ".git/HEAD", ".build/container/storage.conf", "tests/conftest.py", ".demo/output/run.json", "output/metrics.json", "utils/__pycache__/x.pyc"):
+    for junk in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        ".build/container/storage.conf",
+        "tests/conftest.py",
+        ".demo/output/run.json",
+        "output/metrics.json",
+        "utils/__pycache__/x.pyc",
+    ):
         assert dockerignored(junk, patterns), f".dockerignore lets {junk} into the build context"
 
 
@@ -258,7 +292,9 @@ def test_config_yaml_is_the_platform_job_file():
     assert set(config["secrets"]) == {"HF_TOKEN"} and isinstance(config["secrets"]["HF_TOKEN"], str)
     config_map = config["config_map"]
     assert {"RESULT_MODEL_ID", "RUN_NAME"} <= set(config_map)
-    assert all(isinstance(v, str) for v in config_map.values()), "config_map values arrive as environment variables: quote them"
+    assert all(isinstance(v, str) for v in config_map.values()), (
+        "config_map values arrive as environment variables: quote them"
+    )
     assert config_map.get("OUTPUT_DIR", shared_output_dir()) == shared_output_dir()
 
 
@@ -271,7 +307,9 @@ def test_config_yaml_keys_are_all_commented():
 
 
 def test_settings_are_the_same_on_the_platform_and_kubernetes():
-    assert the_configmap()["data"] == config_yaml()["config_map"], "k8s/base/configmap.yaml and config.yaml's config_map must train the same run"
+    assert the_configmap()["data"] == config_yaml()["config_map"], (
+        "k8s/base/configmap.yaml and config.yaml's config_map must train the same run"
+    )
 
 
 def test_env_names_are_settings_or_library_variables():
@@ -285,7 +323,9 @@ def test_env_names_are_settings_or_library_variables():
     for where, names in sources.items():
         for name in names:
             known = name in SETTING_ENV or name in LIBRARY_ENV or name.startswith(LIBRARY_ENV_PREFIXES)
-            assert known, f"{where}: {name} is neither a setting of the job (`python main.py --help`) nor a library variable"
+            assert known, (
+                f"{where}: {name} is neither a setting of the job (`python main.py --help`) nor a library variable"
+            )
     for where, names in sources.items():
         if "config_map" in where or " data" in where:
             assert "HF_TOKEN" not in names, f"{where}: HF_TOKEN is a secret; give it as a secret, not in plain text"
@@ -296,9 +336,13 @@ def test_token_comes_only_from_secrets():
         for env_list in walk(doc, "env"):
             for item in env_list:
                 if isinstance(item, dict) and item.get("name") == "HF_TOKEN":
-                    assert "value" not in item and "secretKeyRef" in item.get("valueFrom", {}), f"{path.relative_to(REPO)}: HF_TOKEN must come from a Secret"
+                    assert "value" not in item and "secretKeyRef" in item.get("valueFrom", {}), (
+                        f"{path.relative_to(REPO)}: HF_TOKEN must come from a Secret"
+                    )
     texts = [CONFIG_YAML.read_text()] + [p.read_text() for p in manifest_files()]
-    assert not any(re.search(r"hf_[A-Za-z0-9]{30,}", text) for text in texts), "a real-looking Hub token is written in a deployment file"
+    assert not any(re.search(r"hf_[A-Za-z0-9]{30,}", text) for text in texts), (
+        "a real-looking Hub token is written in a deployment file"
+    )
 
 
 # ------------------------------------------------------------------------------- k8s manifests
@@ -310,7 +354,9 @@ def test_core_manifests_are_valid_with_kubernetes_validate_strict():
         if is_kustomization(doc):
             continue
         # Custom resources are checked against their CRD below; their metadata is core ObjectMeta.
-        target = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc.get("metadata", {})} if is_custom(doc) else doc
+        target = (
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc.get("metadata", {})} if is_custom(doc) else doc
+        )
         try:
             kubernetes_validate.validate(target, KUBERNETES_VERSION, strict=True)
             checked += 1
@@ -327,7 +373,11 @@ def strict(schema):
     """An openAPIV3Schema with unknown fields made errors, as the API server's pruning would drop them silently."""
     if isinstance(schema, dict):
         schema = {key: strict(value) for key, value in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
         return schema
     if isinstance(schema, list):
@@ -345,14 +395,18 @@ def crd_schemas() -> dict[tuple[str, str], dict]:
                 continue
             for version in crd["spec"]["versions"]:
                 api = f"{crd['spec']['group']}/{version['name']}"
-                found[(api, crd["spec"]["names"]["kind"])] = strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
+                found[(api, crd["spec"]["names"]["kind"])] = strict(
+                    copy.deepcopy(version["schema"]["openAPIV3Schema"])
+                )
     return found
 
 
 def test_custom_resources_match_their_crds():
     """PyTorchJob against kubeflow.org_pytorchjobs.yaml, TrainJob against trainer.kubeflow.org_trainjobs.yaml, ..."""
     if not SCHEMAS.is_dir():
-        pytest.skip(f"CRD schemas not found at {SCHEMAS} (CI has ../shared/schemas); PyTorchJob/TrainJob manifests not validated")
+        pytest.skip(
+            f"CRD schemas not found at {SCHEMAS} (CI has ../shared/schemas); PyTorchJob/TrainJob manifests not validated"
+        )
     import jsonschema
 
     schemas, errors, checked = crd_schemas(), [], 0
@@ -364,7 +418,9 @@ def test_custom_resources_match_their_crds():
             errors.append(f"{path.relative_to(REPO)}: no CRD for {doc['apiVersion']} {doc['kind']} in {SCHEMAS}")
             continue
         for error in jsonschema.Draft7Validator(schema).iter_errors(doc):
-            errors.append(f"{path.relative_to(REPO)} {doc['kind']} at {'/'.join(map(str, error.absolute_path)) or '/'}: {error.message}")
+            errors.append(
+                f"{path.relative_to(REPO)} {doc['kind']} at {'/'.join(map(str, error.absolute_path)) or '/'}: {error.message}"
+            )
         checked += 1
     assert not errors, "\n".join(errors)
     assert checked, "no custom resource (PyTorchJob) found in k8s/"
@@ -389,9 +445,13 @@ def test_kustomizations_resolve():
             target = (folder / entry).resolve()
             assert target.exists(), f"{path.relative_to(REPO)}: resource {entry} does not exist"
             if target.is_dir():
-                assert (target / "kustomization.yaml").is_file(), f"{path.relative_to(REPO)}: folder {entry} has no kustomization.yaml"
+                assert (target / "kustomization.yaml").is_file(), (
+                    f"{path.relative_to(REPO)}: folder {entry} has no kustomization.yaml"
+                )
             else:  # kustomize refuses files outside the kustomization's folder (folders with their own are fine)
-                assert target.is_relative_to(folder.resolve()), f"{path.relative_to(REPO)}: file {entry} lies outside its folder"
+                assert target.is_relative_to(folder.resolve()), (
+                    f"{path.relative_to(REPO)}: file {entry} lies outside its folder"
+                )
 
 
 def test_apply_k_deploys_the_job_its_volume_and_settings_only():
@@ -407,11 +467,17 @@ def test_pytorchjob_shape():
     assert specs["Master"]["replicas"] + specs["Worker"]["replicas"] == config_yaml()["replicas"] == 4
     assert specs["Master"]["replicas"] == 1
     assert specs["Master"]["template"] == specs["Worker"]["template"], "Master and Worker pods must be the same"
-    assert {spec["restartPolicy"] for spec in specs.values()} == {"ExitCode"}, "ExitCode: restart on >= 128 (preemption) only, never on exit 2"
-    assert str(job["spec"].get("nprocPerNode")) == "1", "one process per pod: nprocPerNode \"1\" (the default auto makes main.py refuse)"
+    assert {spec["restartPolicy"] for spec in specs.values()} == {"ExitCode"}, (
+        "ExitCode: restart on >= 128 (preemption) only, never on exit 2"
+    )
+    assert str(job["spec"].get("nprocPerNode")) == "1", (
+        'one process per pod: nprocPerNode "1" (the default auto makes main.py refuse)'
+    )
     policy = job["spec"]["runPolicy"]
     assert {"backoffLimit", "cleanPodPolicy", "ttlSecondsAfterFinished"} <= set(policy)
-    assert policy["cleanPodPolicy"] in ("All", "Running", "None"), "the CRD does not enumerate cleanPodPolicy; the operator does"
+    assert policy["cleanPodPolicy"] in ("All", "Running", "None"), (
+        "the CRD does not enumerate cleanPodPolicy; the operator does"
+    )
     pod = specs["Master"]["template"]["spec"]
     container = next(c for c in pod["containers"] if c["name"] == OPERATOR_CONTAINER)
     assert [p["name"] for p in container["ports"]].count(OPERATOR_PORT) == 1
@@ -431,33 +497,54 @@ def test_pods_agree_with_the_image_and_each_other():
             pods += 1
             context = pod.get("securityContext", {})
             assert context.get("runAsNonRoot") is True, f"{where}: runAsNonRoot"
-            assert (context.get("runAsUser"), context.get("runAsGroup")) == (uid, gid), f"{where}: the Dockerfile's USER is {uid}:{gid}"
+            assert (context.get("runAsUser"), context.get("runAsGroup")) == (uid, gid), (
+                f"{where}: the Dockerfile's USER is {uid}:{gid}"
+            )
             volumes = {v["name"]: v for v in pod.get("volumes", [])}
             for claim in walk(pod, "claimName"):
                 assert ("PersistentVolumeClaim", claim) in defined, f"{where}: no PVC {claim} in k8s/"
             for container in pod["containers"]:
                 sc = container.get("securityContext", {})
-                assert sc.get("readOnlyRootFilesystem") is True and sc.get("allowPrivilegeEscalation") is False, f"{where}: {sc}"
+                assert sc.get("readOnlyRootFilesystem") is True and sc.get("allowPrivilegeEscalation") is False, (
+                    f"{where}: {sc}"
+                )
                 assert sc.get("capabilities", {}).get("drop") == ["ALL"], f"{where}: drop ALL capabilities"
                 mounts = {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
-                assert "persistentVolumeClaim" in mounts.get(SHARED_VOLUME, {}), f"{where}: the PVC must be mounted at {SHARED_VOLUME}"
-                assert mounts.get("/dev/shm", {}).get("emptyDir", {}).get("medium") == "Memory", f"{where}: a memory emptyDir at /dev/shm"
+                assert "persistentVolumeClaim" in mounts.get(SHARED_VOLUME, {}), (
+                    f"{where}: the PVC must be mounted at {SHARED_VOLUME}"
+                )
+                assert mounts.get("/dev/shm", {}).get("emptyDir", {}).get("medium") == "Memory", (
+                    f"{where}: a memory emptyDir at /dev/shm"
+                )
                 for port in container.get("ports", []):
                     if port.get("name") == OPERATOR_PORT:
-                        assert port["containerPort"] in exposed, f"{where}: port {port['containerPort']} is not EXPOSEd by the Dockerfile"
+                        assert port["containerPort"] in exposed, (
+                            f"{where}: port {port['containerPort']} is not EXPOSEd by the Dockerfile"
+                        )
                 for ref in walk(container, "configMapRef"):
                     assert ("ConfigMap", ref["name"]) in defined, f"{where}: no ConfigMap {ref['name']} in k8s/"
                 for ref in walk(container, "secretKeyRef"):
-                    assert ("Secret", ref["name"]) in defined, f"{where}: no Secret {ref['name']} in k8s/ (secret.example.yaml)"
+                    assert ("Secret", ref["name"]) in defined, (
+                        f"{where}: no Secret {ref['name']} in k8s/ (secret.example.yaml)"
+                    )
     assert pods and len(images) == 1, f"every manifest must run the one image built from the Dockerfile: {images}"
 
 
 def test_output_dirs_are_on_the_shared_volume():
     for path, doc in manifests():
-        values = [item.get("value") for env in walk(doc, "env") for item in env if isinstance(item, dict) and item.get("name") == "OUTPUT_DIR"]
-        values += [doc["data"]["OUTPUT_DIR"]] if doc["kind"] == "ConfigMap" and "OUTPUT_DIR" in doc.get("data", {}) else []
+        values = [
+            item.get("value")
+            for env in walk(doc, "env")
+            for item in env
+            if isinstance(item, dict) and item.get("name") == "OUTPUT_DIR"
+        ]
+        values += (
+            [doc["data"]["OUTPUT_DIR"]] if doc["kind"] == "ConfigMap" and "OUTPUT_DIR" in doc.get("data", {}) else []
+        )
         for value in values:
-            assert under(value, SHARED_VOLUME), f"{path.relative_to(REPO)}: OUTPUT_DIR={value} is not on the shared volume {SHARED_VOLUME}"
+            assert under(value, SHARED_VOLUME), (
+                f"{path.relative_to(REPO)}: OUTPUT_DIR={value} is not on the shared volume {SHARED_VOLUME}"
+            )
     assert the_configmap()["data"].get("OUTPUT_DIR", shared_output_dir()) == shared_output_dir()
 
 
@@ -486,9 +573,17 @@ def operator_env(job: dict, replica_type: str, index: int) -> dict[str, str]:
     rank = index + (1 if replica_type == "Worker" else 0)
     addr = f"{job['metadata']['name']}-master-0"
     return {
-        "PYTHONUNBUFFERED": "0", "MASTER_PORT": str(port), "MASTER_ADDR": addr, "PET_MASTER_PORT": str(port), "PET_MASTER_ADDR": addr,
-        "WORLD_SIZE": str(world), "RANK": str(rank), "PET_NPROC_PER_NODE": nproc, "PET_NODE_RANK": str(rank), "PET_NNODES": str(total),
-    }  # fmt: skip
+        "PYTHONUNBUFFERED": "0",
+        "MASTER_PORT": str(port),
+        "MASTER_ADDR": addr,
+        "PET_MASTER_PORT": str(port),
+        "PET_MASTER_ADDR": addr,
+        "WORLD_SIZE": str(world),
+        "RANK": str(rank),
+        "PET_NPROC_PER_NODE": nproc,
+        "PET_NODE_RANK": str(rank),
+        "PET_NNODES": str(total),
+    }
 
 
 def assert_settings_arrived(config: dict, raw: dict[str, str]) -> None:
@@ -496,7 +591,9 @@ def assert_settings_arrived(config: dict, raw: dict[str, str]) -> None:
     for name in raw:
         if name in SETTING_ENV:
             field = SETTING_ENV[name]
-            assert config[field] == expected.model_dump(mode="json")[field], f"{name}={raw[name]!r} arrived as {config[field]!r}"
+            assert config[field] == expected.model_dump(mode="json")[field], (
+                f"{name}={raw[name]!r} arrived as {config[field]!r}"
+            )
 
 
 def test_dry_run_in_each_pytorchjob_pod(tmp_path):
@@ -506,15 +603,22 @@ def test_dry_run_in_each_pytorchjob_pod(tmp_path):
     for replica_type, spec in job["spec"]["pytorchReplicaSpecs"].items():
         for index in range(spec["replicas"]):
             container = next(c for c in spec["template"]["spec"]["containers"] if c["name"] == OPERATOR_CONTAINER)
-            variables = container_env(container, configmaps) | operator_env(job, replica_type, index)  # the operator's come last
+            variables = container_env(container, configmaps) | operator_env(
+                job, replica_type, index
+            )  # the operator's come last
             result = run_main(pod_env(tmp_path, **variables), "--dry-run", *container.get("args", []))
             assert result.code == 0, f"{replica_type} {index}: {result.stderr}"
             out = result.json()
             rank = int(variables["RANK"])
             assert out["distributed"] == {
-                "rank": rank, "local_rank": 0, "world_size": 4, "node_rank": rank, "master_addr": f"{job['metadata']['name']}-master-0",
-                "master_port": int(variables["MASTER_PORT"]), "source": "pytorchjob",
-            }, f"{replica_type} {index}"  # fmt: skip
+                "rank": rank,
+                "local_rank": 0,
+                "world_size": 4,
+                "node_rank": rank,
+                "master_addr": f"{job['metadata']['name']}-master-0",
+                "master_port": int(variables["MASTER_PORT"]),
+                "source": "pytorchjob",
+            }, f"{replica_type} {index}"
             assert out["config"]["output_dir"] == shared_output_dir()
             assert out["config"]["hf_token"] == "***" and FAKE_TOKEN not in result.stdout + result.stderr
             assert_settings_arrived(out["config"], variables)
@@ -540,9 +644,14 @@ def test_dry_run_on_each_platform_replica(tmp_path):
         assert result.code == 0, result.stderr
         out = result.json()
         assert out["distributed"] == {
-            "rank": rank, "local_rank": 0, "world_size": world, "node_rank": rank, "master_addr": "sst2-lora-replica-0",
-            "master_port": DEFAULT_PORT, "source": "platform",
-        }  # fmt: skip
+            "rank": rank,
+            "local_rank": 0,
+            "world_size": world,
+            "node_rank": rank,
+            "master_addr": "sst2-lora-replica-0",
+            "master_port": DEFAULT_PORT,
+            "source": "platform",
+        }
         assert out["config"]["output_dir"] == shared_output_dir()
         assert out["config"]["hf_token"] == "***" and FAKE_TOKEN not in result.stdout + result.stderr
         assert_settings_arrived(out["config"], env)

@@ -82,7 +82,11 @@ def test_a_malformed_token_is_refused_first_and_never_echoed(how, job_env, hub, 
 
 @pytest.mark.parametrize("setting", ["RUN_NAME", "MODEL_NAME", "DATASET_PATH"])
 def test_a_setting_holding_the_token_in_any_form_is_refused_without_showing_it(setting, job_env, tmp_path):
-    forms = {"RUN_NAME": SECRET, "MODEL_NAME": f"/models/{urllib.parse.quote(SECRET + '/x', safe='')}", "DATASET_PATH": f"/data/{SECRET}"}
+    forms = {
+        "RUN_NAME": SECRET,
+        "MODEL_NAME": f"/models/{urllib.parse.quote(SECRET + '/x', safe='')}",
+        "DATASET_PATH": f"/data/{SECRET}",
+    }
     env = {**job_env, "HF_TOKEN": SECRET, setting: forms[setting]}
     for args in ([], ["--dry-run"]):
         result = run_main(env, *args)
@@ -116,11 +120,20 @@ def test_dry_run_refuses_a_push_it_could_not_make(job_env):
 
 
 # ------------------------------------------------------------------------------- 3: a Hub that never answers
-def test_silent_hub_at_the_token_check_fails_both_replicas_with_one_line_and_no_hang(hub, tmp_path, tiny_bert, sst2_dir):
+def test_silent_hub_at_the_token_check_fails_both_replicas_with_one_line_and_no_hang(
+    hub, tmp_path, tiny_bert, sst2_dir
+):
     hub.go_silent("whoami")
-    settings = {**training_settings(tiny_bert, sst2_dir, tmp_path / "out"), **push_settings(hub), "HUB_TIMEOUT": "2", "PUSH_TIMEOUT": "8"}
+    settings = {
+        **training_settings(tiny_bert, sst2_dir, tmp_path / "out"),
+        **push_settings(hub),
+        "HUB_TIMEOUT": "2",
+        "PUSH_TIMEOUT": "8",
+    }
     port = free_port()
-    procs = [start_main(rank_env(tmp_path, rank, 2, port, **settings), log=tmp_path / f"rank{rank}.txt") for rank in (0, 1)]
+    procs = [
+        start_main(rank_env(tmp_path, rank, 2, port, **settings), log=tmp_path / f"rank{rank}.txt") for rank in (0, 1)
+    ]
     started = time.monotonic()
     try:
         codes = wait_all(procs, timeout=120)
@@ -130,7 +143,9 @@ def test_silent_hub_at_the_token_check_fails_both_replicas_with_one_line_and_no_
     assert codes == [2, 2]
     assert time.monotonic() - started < 8 + 40  # the check's bound, plus imports on a loaded machine
     for rank in (0, 1):
-        error = one_error((tmp_path / f"rank{rank}.txt").read_text(), "could not be reached to check HF_TOKEN within 8 s")
+        error = one_error(
+            (tmp_path / f"rank{rank}.txt").read_text(), "could not be reached to check HF_TOKEN within 8 s"
+        )
         assert "HF_ENDPOINT" in error and "unset RESULT_MODEL_ID" in error
     assert not (tmp_path / "out" / "run.json").exists() and hub.commits == []
 
@@ -150,7 +165,9 @@ def test_silent_hub_at_the_push_ends_in_exit_3_within_the_deadline_with_the_mode
     took = log_time(rank_log, "push to") - log_time(rank_log, "pushing ")
     assert took <= 10 + 3, f"the push gave up after {took:.0f} s; PUSH_TIMEOUT=10"
     one_error(log.read_text(), "--push-only")
-    assert (tmp_path / "out" / "model" / "adapter_model.safetensors").exists() and (tmp_path / "out" / "metrics.json").exists()
+    assert (tmp_path / "out" / "model" / "adapter_model.safetensors").exists() and (
+        tmp_path / "out" / "metrics.json"
+    ).exists()
     assert_token_absent(hub.token, [tmp_path], hub)
 
 
@@ -163,7 +180,9 @@ def test_silent_hub_at_the_push_ends_in_exit_3_within_the_deadline_with_the_mode
     ],
     ids=["learning-rate", "world-size"],
 )
-def test_replicas_with_different_settings_all_stop_with_exit_2_naming_them(rank0, rank1, says, replicas, tmp_path, tiny_bert, sst2_dir):
+def test_replicas_with_different_settings_all_stop_with_exit_2_naming_them(
+    rank0, rank1, says, replicas, tmp_path, tiny_bert, sst2_dir
+):
     out = tmp_path / "out"
     port = free_port()
     settings = training_settings(tiny_bert, sst2_dir, out)
@@ -184,7 +203,9 @@ def test_replicas_with_different_settings_all_stop_with_exit_2_naming_them(rank0
 def test_sigterm_while_waiting_in_the_rendezvous_exits_143_within_seconds(tmp_path, tiny_bert, sst2_dir):
     """Rank 0 waits in the store's native wait for a peer that never comes: the Python handler cannot run there."""
     log = tmp_path / "rank0.txt"
-    env = rank_env(tmp_path, 0, 2, free_port(), **training_settings(tiny_bert, sst2_dir, tmp_path / "out", RENDEZVOUS_TIMEOUT=300))
+    env = rank_env(
+        tmp_path, 0, 2, free_port(), **training_settings(tiny_bert, sst2_dir, tmp_path / "out", RENDEZVOUS_TIMEOUT=300)
+    )
     proc = start_main(env, log=log)
     try:
         deadline = time.monotonic() + 120
@@ -224,7 +245,9 @@ def test_sigint_checkpoints_like_sigterm_and_says_so(job_env, tmp_path):
 
 # ------------------------------------------------------------------------------- 8, 13: resume continues the same run
 def complete_steps(out: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*") if (p / "COMPLETE").exists())
+    return sorted(
+        int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*") if (p / "COMPLETE").exists()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +260,9 @@ def one_replica_reference(tmp_path_factory, tiny_bert, sst2_dir):
 
 
 @pytest.mark.slow
-def test_resume_refuses_another_shape_and_other_data_and_survives_damaged_checkpoints(one_replica_reference, replicas, tmp_path, tiny_bert, sst2_dir):
+def test_resume_refuses_another_shape_and_other_data_and_survives_damaged_checkpoints(
+    one_replica_reference, replicas, tmp_path, tiny_bert, sst2_dir
+):
     data = tmp_path / "data"
     shutil.copytree(sst2_dir, data)
     out = tmp_path / "out"
@@ -255,7 +280,10 @@ def test_resume_refuses_another_shape_and_other_data_and_survives_damaged_checkp
     procs = replicas.start("two", settings)
     assert wait_all(procs, timeout=200) == [2, 2]
     for rank in (0, 1):
-        one_error((tmp_path / f"two-rank{rank}.txt").read_text(), "written by a run with 1 replica(s), this start has 2; global batch 16, this start 32; resuming would skip or repeat rows: restart with 1 replica(s)")
+        one_error(
+            (tmp_path / f"two-rank{rank}.txt").read_text(),
+            "written by a run with 1 replica(s), this start has 2; global batch 16, this start 32; resuming would skip or repeat rows: restart with 1 replica(s)",
+        )
 
     # The data changed between kill and restart: refused; the same rows copied again (new mtime): resumed.
     original = (data / "train.csv").read_text()
@@ -273,7 +301,9 @@ def test_resume_refuses_another_shape_and_other_data_and_survives_damaged_checkp
     resumed = run_main(env)
     assert resumed.code == 0, resumed.stderr[-3000:]
     log = (out / "logs" / "rank-0.log").read_text()
-    assert f"removed checkpoint-{newest}: optimizer.pt has 100 bytes" in log and f"resuming from step {previous}" in log
+    assert (
+        f"removed checkpoint-{newest}: optimizer.pt has 100 bytes" in log and f"resuming from step {previous}" in log
+    )
     # Two epochs, killed in the second, resumed from a fallback: bit-identical to the uninterrupted run.
     samples, checksum = summary(out / "logs" / "rank-0.log")
     assert checksum == one_replica_reference[1] and samples == (250 - previous) * 16
@@ -377,7 +407,15 @@ def test_failures_are_classified_by_type_and_heartbeat_not_by_message(what, expe
     script.write_text(CLASSIFY.format(repo=str(REPO)))
     port = free_port()
     env = base_env(tmp_path)
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), what, str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), what, str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     codes = [proc.wait(timeout=90) for proc in procs]
     assert codes == expected, [proc.stdout.read()[-2000:] for proc in procs]

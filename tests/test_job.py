@@ -38,7 +38,9 @@ def test_one_process_trains_saves_and_the_model_loads_back(job_env, tmp_path):
     assert metrics["eval_accuracy"] > 0.8, metrics  # chance is 0.5 on this balanced synthetic task
     assert metrics["eval_samples"] == 101 and metrics["world_size"] == 1
     assert metrics["train_samples_per_second"] > 0 and metrics["train_runtime"] > 0
-    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= {p.name for p in (out / "model").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= {
+        p.name for p in (out / "model").iterdir()
+    }
     assert classify(out / "model", ["the film is wonderful and moving", "the script is awful and boring"]) == [1, 0]
     card = (out / "model" / "README.md").read_text()
     assert "accuracy" in card and str(round(metrics["eval_accuracy"], 4)) in card
@@ -70,8 +72,15 @@ def test_output_dir_with_other_settings_is_refused(job_env):
 def test_two_platform_replicas_train_one_model_in_sync(job_env, tmp_path):
     """Two `python main.py` processes with RANK/WORLD_SIZE/NODE_RANK/MASTER_* set by hand, as the platform does."""
     port = free_port()
-    settings = {k: v for k, v in job_env.items() if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "NUM_EPOCHS", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")}
-    procs = [start_main(rank_env(tmp_path, rank, 2, port, **settings), log=tmp_path / f"stdout-{rank}.txt") for rank in (0, 1)]
+    settings = {
+        k: v
+        for k, v in job_env.items()
+        if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "NUM_EPOCHS", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")
+    }
+    procs = [
+        start_main(rank_env(tmp_path, rank, 2, port, **settings), log=tmp_path / f"stdout-{rank}.txt")
+        for rank in (0, 1)
+    ]
     codes = [p.wait(timeout=300) for p in procs]
     assert codes == [0, 0], [(tmp_path / f"stdout-{r}.txt").read_text()[-2000:] for r in (0, 1)]
 
@@ -108,13 +117,28 @@ def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_pat
 
 
 def test_push_sends_adapter_config_tokenizer_and_card(job_env, hub, tmp_path):
-    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert"}
+    env = {
+        **job_env,
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_TOKEN": hub.token,
+        "RESULT_MODEL_ID": "tester/sst2-lora",
+        "BASE_MODEL_ID": "tester/tiny-bert",
+    }
     result = run_main(env)
     assert result.code == 0, result.stderr[-3000:]
     assert len(hub.commits) == 1 and hub.commits[0]["repo"] == "tester/sst2-lora"
     files = set(hub.commits[0]["files"])
-    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "README.md"} <= files
-    assert hub.created[0].get("visibility") == "private" or hub.created[0].get("private") is True  # HUB_PRIVATE defaults to true
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    } <= files
+    assert (
+        hub.created[0].get("visibility") == "private" or hub.created[0].get("private") is True
+    )  # HUB_PRIVATE defaults to true
     card = hub.commits[0]["files"]["README.md"].decode()
     assert "base_model:" in card and "accuracy" in card
     record = json.loads((tmp_path / "out" / "run.json").read_text())
@@ -127,23 +151,56 @@ def test_push_sends_adapter_config_tokenizer_and_card(job_env, hub, tmp_path):
 @pytest.mark.slow
 def test_two_replicas_push_exactly_once(job_env, hub, tmp_path):
     port = free_port()
-    settings = {k: v for k, v in job_env.items() if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")}
-    push = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert", "NUM_EPOCHS": "1"}
-    tracking = {"REPORT_TO": "tensorboard,mlflow", "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}", "MLFLOW_ALLOW_FILE_STORE": "true"}
-    procs = [start_main(rank_env(tmp_path, rank, 2, port, **settings, **push, **tracking), log=tmp_path / f"stdout-{rank}.txt") for rank in (0, 1)]
+    settings = {
+        k: v
+        for k, v in job_env.items()
+        if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")
+    }
+    push = {
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_TOKEN": hub.token,
+        "RESULT_MODEL_ID": "tester/sst2-lora",
+        "BASE_MODEL_ID": "tester/tiny-bert",
+        "NUM_EPOCHS": "1",
+    }
+    tracking = {
+        "REPORT_TO": "tensorboard,mlflow",
+        "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+    }
+    procs = [
+        start_main(
+            rank_env(tmp_path, rank, 2, port, **settings, **push, **tracking), log=tmp_path / f"stdout-{rank}.txt"
+        )
+        for rank in (0, 1)
+    ]
     assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "stdout-0.txt").read_text()[-2000:]
     assert len(hub.commits) == 1
-    assert len(list((tmp_path / "mlruns").glob("*/*/meta.yaml"))) == 1  # one MLflow run: rank 0 reports, rank 1 does not
-    assert hub.count("/api/whoami-v2") == 2  # each rank checks the token before the rendezvous: none waits in a collective on a silent Hub
+    assert (
+        len(list((tmp_path / "mlruns").glob("*/*/meta.yaml"))) == 1
+    )  # one MLflow run: rank 0 reports, rank 1 does not
+    assert (
+        hub.count("/api/whoami-v2") == 2
+    )  # each rank checks the token before the rendezvous: none waits in a collective on a silent Hub
 
 
 def test_wrong_token_fails_before_training(job_env, hub, tmp_path):
-    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_wrong_token_abcdef", "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert"}
+    env = {
+        **job_env,
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_TOKEN": "hf_wrong_token_abcdef",
+        "RESULT_MODEL_ID": "tester/sst2-lora",
+        "BASE_MODEL_ID": "tester/tiny-bert",
+    }
     result = run_main(env)
     assert result.code == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "401" in result.stderr
     assert "Traceback" not in result.stderr and "hf_wrong_token_abcdef" not in result.stderr + result.stdout
-    assert not list((tmp_path / "out" / "checkpoints").glob("checkpoint-*")) and not (tmp_path / "out" / "model").exists()
+    assert (
+        not list((tmp_path / "out" / "checkpoints").glob("checkpoint-*")) and not (tmp_path / "out" / "model").exists()
+    )
     assert hub.commits == []
 
 
@@ -155,7 +212,14 @@ def test_push_without_token_is_bad_input(job_env):
 @pytest.mark.parametrize("role, scopes", [("read", []), ("fineGrained", ["repo.content.read"])])
 def test_token_without_write_access_fails_before_training(job_env, hub, tmp_path, role, scopes):
     hub.role, hub.scopes = role, scopes
-    env = {**job_env, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert"}
+    env = {
+        **job_env,
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_TOKEN": hub.token,
+        "RESULT_MODEL_ID": "tester/sst2-lora",
+        "BASE_MODEL_ID": "tester/tiny-bert",
+    }
     result = run_main(env)
     assert result.code == 2 and "cannot write to RESULT_MODEL_ID=tester/sst2-lora" in result.stderr
     assert hub.commits == [] and not (tmp_path / "out" / "model").exists()

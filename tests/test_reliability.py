@@ -34,6 +34,7 @@ from tests.conftest import (
     wait_for,
 )
 
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_bert, sst2_dir):
     """An uninterrupted two-replica run with the same settings and seed."""
@@ -50,7 +51,9 @@ def reference(tmp_path_factory, tiny_bert, sst2_dir):
 
 # ------------------------------------------------------------------------------- resume after SIGKILL
 @pytest.mark.slow
-def test_replica_killed_mid_training_resumes_from_last_complete_checkpoint(reference, replicas, hub, tmp_path, tiny_bert, sst2_dir):
+def test_replica_killed_mid_training_resumes_from_last_complete_checkpoint(
+    reference, replicas, hub, tmp_path, tiny_bert, sst2_dir
+):
     out = tmp_path / "out"
     settings = {**training_settings(tiny_bert, sst2_dir, out), **push_settings(hub)}
     # The final push meets a rate limit longer than RENDEZVOUS_TIMEOUT, then three 503s, before the Hub
@@ -96,7 +99,10 @@ def test_replica_killed_mid_training_resumes_from_last_complete_checkpoint(refer
 
     # The push rode out the rate limit and the 503s, visibly, and published a whole model/ once.
     assert log0.count("Hub create_repo failed (the Hub answered HTTP 503") == 3
-    assert log_time(out / "logs" / "rank-0.log", "pushed to") - log_time(out / "logs" / "rank-0.log", "pushing ") > TIMEOUT + 2
+    assert (
+        log_time(out / "logs" / "rank-0.log", "pushed to") - log_time(out / "logs" / "rank-0.log", "pushing ")
+        > TIMEOUT + 2
+    )
     assert len(hub.commits) == 1 and "junk.bin" not in hub.commits[0]["files"]
     assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(hub.commits[0]["files"])
     assert not (out / ".model.partial").exists() and not (out / "model" / "junk.bin").exists()
@@ -105,7 +111,9 @@ def test_replica_killed_mid_training_resumes_from_last_complete_checkpoint(refer
 
 # ------------------------------------------------------------------------------- SIGTERM
 @pytest.mark.slow
-def test_sigterm_to_one_replica_checkpoints_and_exits_143_on_every_rank(reference, replicas, tmp_path, tiny_bert, sst2_dir):
+def test_sigterm_to_one_replica_checkpoints_and_exits_143_on_every_rank(
+    reference, replicas, tmp_path, tiny_bert, sst2_dir
+):
     out = tmp_path / "out"
     settings = training_settings(tiny_bert, sst2_dir, out, HF_TOKEN="hf_sigterm_secret_4242")
     procs = replicas.start("preempted", settings)
@@ -113,13 +121,19 @@ def test_sigterm_to_one_replica_checkpoints_and_exits_143_on_every_rank(referenc
     procs[1].send_signal(signal.SIGTERM)  # an eviction of one pod: its peer must stop with it
     assert wait_all(procs, timeout=120) == [143, 143]
 
-    stops = {re.search(r"saving a checkpoint at step (\d+)", (out / "logs" / f"rank-{r}.log").read_text()).group(1) for r in (0, 1)}
+    stops = {
+        re.search(r"saving a checkpoint at step (\d+)", (out / "logs" / f"rank-{r}.log").read_text()).group(1)
+        for r in (0, 1)
+    }
     [step] = stops  # both ranks stopped at the same step
     assert SAVE_STEPS < int(step) < 126
     assert (out / "checkpoints" / f"checkpoint-{step}" / "COMPLETE").exists()
     for rank in (0, 1):
         stream = (tmp_path / f"preempted-rank{rank}.txt").read_text()
-        assert f"preempted: SIGTERM during training, checkpoint saved; a restart of all 2 replica(s): the run resumes from checkpoint-{step}" in stream
+        assert (
+            f"preempted: SIGTERM during training, checkpoint saved; a restart of all 2 replica(s): the run resumes from checkpoint-{step}"
+            in stream
+        )
         assert "Traceback" not in stream and not error_lines(stream)
     assert not (out / "model").exists() and not (out / "metrics.json").exists()  # nothing half-trained is published
 
@@ -143,8 +157,14 @@ def test_sigterm_before_training_exits_143_at_once(job_env, tmp_path):
 # ------------------------------------------------------------------------------- rendezvous faults
 def test_missing_peer_fails_within_rendezvous_timeout(replicas, tmp_path, tiny_bert, sst2_dir):
     """Rank 0 whose worker never comes, and a worker whose rank 0 never comes (separate jobs)."""
-    alone = [replicas.start(f"alone{rank}", training_settings(tiny_bert, sst2_dir, tmp_path / f"out{rank}", RENDEZVOUS_TIMEOUT=15), ranks=(rank,))[0]
-             for rank in (0, 1)]  # fmt: skip
+    alone = [
+        replicas.start(
+            f"alone{rank}",
+            training_settings(tiny_bert, sst2_dir, tmp_path / f"out{rank}", RENDEZVOUS_TIMEOUT=15),
+            ranks=(rank,),
+        )[0]
+        for rank in (0, 1)
+    ]
     codes = wait_all(alone, timeout=200)
     ended = time.time()
     assert codes == [1, 1]
@@ -173,7 +193,11 @@ def test_stopped_peer_fails_within_rendezvous_timeout(replicas, tmp_path, tiny_b
     assert 15 - 3 <= waited <= 15 + 20, f"rank 0 gave up after {waited:.0f} s; RENDEZVOUS_TIMEOUT=15"
     stream = (tmp_path / "stopped-rank0.txt").read_text()
     [error] = error_lines(stream)
-    assert "lost contact with its peers" in error and "RENDEZVOUS_TIMEOUT=15s" in error and "resumes from checkpoint-" in error
+    assert (
+        "lost contact with its peers" in error
+        and "RENDEZVOUS_TIMEOUT=15s" in error
+        and "resumes from checkpoint-" in error
+    )
     assert "Traceback" not in stream
 
 
@@ -187,7 +211,9 @@ def test_push_refused_with_401_keeps_the_model_and_push_only_publishes_it_once(j
     assert "401" in error and "--push-only" in error and "Traceback" not in result.stderr
     assert hub.count("/api/repos/create") == 1  # a permanent failure is not retried
     out = tmp_path / "out"
-    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= {p.name for p in (out / "model").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= {
+        p.name for p in (out / "model").iterdir()
+    }
     assert "eval_accuracy" in json.loads((out / "metrics.json").read_text()) and hub.commits == []
 
     again = run_main(env, "--push-only")
@@ -249,7 +275,12 @@ def test_hub_retries_honour_retry_after_and_stop_at_the_bound(hub, hub_in_proces
 
 
 # ------------------------------------------------------------------------------- bad input
-def _data(tmp: Path, train: list[tuple[str, object]] | None, validation: list[tuple[str, object]] | None, header=("sentence", "label")) -> Path:
+def _data(
+    tmp: Path,
+    train: list[tuple[str, object]] | None,
+    validation: list[tuple[str, object]] | None,
+    header=("sentence", "label"),
+) -> Path:
     folder = tmp / "bad-data"
     folder.mkdir()
     for split, rows in (("train", train), ("validation", validation)):
@@ -285,23 +316,65 @@ BAD_INPUT = [
     ("unknown-quantization", {"QUANTIZATION": "4bit"}, [], None, "'auto', '8bit' or 'none'"),
     ("unknown-precision", {"PRECISION": "fp8"}, [], None, "'auto', 'fp32', 'bf16' or 'fp16'"),
     ("fp16-without-gpu", {"PRECISION": "fp16"}, [], None, "use PRECISION=auto or fp32"),
-    ("non-integer-world-size", {"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "127.0.0.1"}, [], None, "WORLD_SIZE='two' is not an integer"),
-    ("rank-not-below-world-size", {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, [], None, "RANK must be 0..1"),
+    (
+        "non-integer-world-size",
+        {"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "127.0.0.1"},
+        [],
+        None,
+        "WORLD_SIZE='two' is not an integer",
+    ),
+    (
+        "rank-not-below-world-size",
+        {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+        [],
+        None,
+        "RANK must be 0..1",
+    ),
     ("negative-rank", {"RANK": "-1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, [], None, "RANK must be 0..1"),
     ("missing-master-addr", {"RANK": "0", "WORLD_SIZE": "2"}, [], None, "set MASTER_ADDR"),
-    ("bad-master-port", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}, [], None, "use 1..65535"),
+    (
+        "bad-master-port",
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"},
+        [],
+        None,
+        "use 1..65535",
+    ),
     ("unknown-flag", {}, ["--bogus-flag", "2"], None, "python main.py --help"),
     ("malformed-repo-id", {"RESULT_MODEL_ID": "not a/repo id!"}, [], None, "your-name/model-name"),
     ("push-without-token", {"HF_TOKEN": None}, [], None, "set HF_TOKEN"),
-    ("unreadable-token-file", {"HF_TOKEN": None, "HF_TOKEN_PATH": "/nonexistent/token"}, [], None, "mount the token file"),
+    (
+        "unreadable-token-file",
+        {"HF_TOKEN": None, "HF_TOKEN_PATH": "/nonexistent/token"},
+        [],
+        None,
+        "mount the token file",
+    ),
     ("push-while-offline", {"HF_HUB_OFFLINE": "1"}, [], None, "unset HF_HUB_OFFLINE"),
     ("wrong-token", {"HF_TOKEN": "hf_not_the_right_one"}, [], None, "create a token with write access"),
     ("unwritable-output-dir", {}, [], _file_in_the_way, "set OUTPUT_DIR to a writable folder"),
     ("output-dir-of-another-run", {}, [], _foreign_run, "use a new OUTPUT_DIR"),
     ("lora-targets-not-in-model", {"LORA_TARGET_MODULES": "q_proj,v_proj"}, [], None, "its linear layers are named"),
-    ("missing-split", {}, [], lambda tmp, env: {"DATASET_PATH": str(_data(tmp, GOOD_ROWS, None))}, "add validation.csv"),
-    ("empty-dataset", {}, [], lambda tmp, env: {"DATASET_PATH": str(_data(tmp, [], GOOD_ROWS))}, "needs at least one row"),
-    ("labels-outside-0-1", {}, [], lambda tmp, env: {"DATASET_PATH": str(_data(tmp, [*GOOD_ROWS, ("so-so", 2)], GOOD_ROWS))}, "labels must be 0"),
+    (
+        "missing-split",
+        {},
+        [],
+        lambda tmp, env: {"DATASET_PATH": str(_data(tmp, GOOD_ROWS, None))},
+        "add validation.csv",
+    ),
+    (
+        "empty-dataset",
+        {},
+        [],
+        lambda tmp, env: {"DATASET_PATH": str(_data(tmp, [], GOOD_ROWS))},
+        "needs at least one row",
+    ),
+    (
+        "labels-outside-0-1",
+        {},
+        [],
+        lambda tmp, env: {"DATASET_PATH": str(_data(tmp, [*GOOD_ROWS, ("so-so", 2)], GOOD_ROWS))},
+        "labels must be 0",
+    ),
     ("missing-text-column", {"TEXT_COLUMN": "text"}, [], None, "set TEXT_COLUMN"),
 ]
 

@@ -50,7 +50,11 @@ def test_token_from_hf_token_path(tmp_path):
 
 def test_token_is_never_a_flag(tmp_path):
     result = run_main(base_env(tmp_path), "--dry-run", "--hf-token", "hf_x")
-    assert result.code == 2 and result.stderr.startswith("error: ") and "hf_x" not in result.stderr.replace("--hf-token hf_x", "")
+    assert (
+        result.code == 2
+        and result.stderr.startswith("error: ")
+        and "hf_x" not in result.stderr.replace("--hf-token hf_x", "")
+    )
 
 
 def test_help_lists_every_setting_with_env_name_and_default(tmp_path):
@@ -64,7 +68,15 @@ def test_help_lists_every_setting_with_env_name_and_default(tmp_path):
 
 def test_run_name_is_derived_the_same_everywhere_and_changes_with_training_settings(tmp_path):
     first = dry_run(tmp_path, RANK="0", WORLD_SIZE="2", MASTER_ADDR="h")["config"]["run_name"]
-    again = dry_run(tmp_path, RANK="1", WORLD_SIZE="2", MASTER_ADDR="h", RESULT_MODEL_ID="me/x", HF_TOKEN="hf_dry_run_token_0123", HF_HUB_OFFLINE="0")["config"]["run_name"]
+    again = dry_run(
+        tmp_path,
+        RANK="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="h",
+        RESULT_MODEL_ID="me/x",
+        HF_TOKEN="hf_dry_run_token_0123",
+        HF_HUB_OFFLINE="0",
+    )["config"]["run_name"]
     other = dry_run(tmp_path, LORA_R="16")["config"]["run_name"]
     assert first == again != other
     assert dry_run(tmp_path, RUN_NAME="mine")["config"]["run_name"] == "mine"
@@ -79,28 +91,75 @@ LAUNCHERS = [
     ({}, dict(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")),
     (
         dict(RANK="3", WORLD_SIZE="4", NODE_RANK="3", MASTER_ADDR="job-0", MASTER_PORT="23456"),
-        dict(rank=3, local_rank=0, world_size=4, node_rank=3, master_addr="job-0", master_port=23456, source="platform"),
+        dict(
+            rank=3, local_rank=0, world_size=4, node_rank=3, master_addr="job-0", master_port=23456, source="platform"
+        ),
     ),
     (
-        dict(RANK="2", WORLD_SIZE="4", MASTER_ADDR="sst2-master-0", MASTER_PORT="23456", PET_NODE_RANK="2", PET_NNODES="4", PET_NPROC_PER_NODE="1"),
-        dict(rank=2, local_rank=0, world_size=4, node_rank=2, master_addr="sst2-master-0", master_port=23456, source="pytorchjob"),
+        dict(
+            RANK="2",
+            WORLD_SIZE="4",
+            MASTER_ADDR="sst2-master-0",
+            MASTER_PORT="23456",
+            PET_NODE_RANK="2",
+            PET_NNODES="4",
+            PET_NPROC_PER_NODE="1",
+        ),
+        dict(
+            rank=2,
+            local_rank=0,
+            world_size=4,
+            node_rank=2,
+            master_addr="sst2-master-0",
+            master_port=23456,
+            source="pytorchjob",
+        ),
     ),
     (
-        dict(RANK="5", LOCAL_RANK="1", WORLD_SIZE="8", GROUP_RANK="1", LOCAL_WORLD_SIZE="4", TORCHELASTIC_RUN_ID="x",
-             MASTER_ADDR="10.0.0.1", MASTER_PORT="29400", SLURM_PROCID="1", SLURM_NTASKS="2"),
-        dict(rank=5, local_rank=1, world_size=8, node_rank=1, master_addr="10.0.0.1", master_port=29400, source="torchrun"),
+        dict(
+            RANK="5",
+            LOCAL_RANK="1",
+            WORLD_SIZE="8",
+            GROUP_RANK="1",
+            LOCAL_WORLD_SIZE="4",
+            TORCHELASTIC_RUN_ID="x",
+            MASTER_ADDR="10.0.0.1",
+            MASTER_PORT="29400",
+            SLURM_PROCID="1",
+            SLURM_NTASKS="2",
+        ),
+        dict(
+            rank=5,
+            local_rank=1,
+            world_size=8,
+            node_rank=1,
+            master_addr="10.0.0.1",
+            master_port=29400,
+            source="torchrun",
+        ),
     ),
     (
-        dict(SLURM_PROCID="6", SLURM_NTASKS="8", SLURM_LOCALID="2", SLURM_NODEID="1", SLURM_JOB_NODELIST="gpu-[01-04,07]"),
+        dict(
+            SLURM_PROCID="6",
+            SLURM_NTASKS="8",
+            SLURM_LOCALID="2",
+            SLURM_NODEID="1",
+            SLURM_JOB_NODELIST="gpu-[01-04,07]",
+        ),
         dict(rank=6, local_rank=2, world_size=8, node_rank=1, master_addr="gpu-01", master_port=29500, source="slurm"),
     ),
     (
-        dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node7,node9"),
+        dict(
+            SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node7,node9"
+        ),
         dict(rank=0, local_rank=0, world_size=2, node_rank=0, master_addr="node7", master_port=29500, source="slurm"),
     ),
     # Half a launcher's variables that one process has anyway: still one process.
-    (dict(WORLD_SIZE="1", LOCAL_RANK="0", NODE_RANK="0"), dict(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")),
-]  # fmt: skip
+    (
+        dict(WORLD_SIZE="1", LOCAL_RANK="0", NODE_RANK="0"),
+        dict(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"),
+    ),
+]
 
 # Slurm node lists (no scontrol here, so python-hostlist reads them): suffixes, several bracket
 # groups, zero-padding, comma lists inside and outside brackets.
@@ -124,11 +183,15 @@ def test_slurm_rendezvous_is_the_first_host_of_the_node_list(tmp_path, nodelist,
 def test_slurm_node_list_is_expanded_by_scontrol_where_it_exists(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "from-scontrol-%s\\nsecond\\n" "$3"\n')
+    (fake / "scontrol").write_text(
+        '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "from-scontrol-%s\\nsecond\\n" "$3"\n'
+    )
     (fake / "scontrol").chmod(0o755)
     env = dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="n[1-2]", PATH=f"{fake}:{os.environ['PATH']}")
     assert dry_run(tmp_path, **env)["distributed"]["master_addr"] == "from-scontrol-n[1-2]"
-    (fake / "scontrol").write_text("#!/bin/sh\nexit 1\n")  # scontrol present but failing (no controller): the parser answers
+    (fake / "scontrol").write_text(
+        "#!/bin/sh\nexit 1\n"
+    )  # scontrol present but failing (no controller): the parser answers
     assert dry_run(tmp_path, **env)["distributed"]["master_addr"] == "n1"
 
 
@@ -138,8 +201,13 @@ def test_each_launcher_resolves_to_the_right_ranks(tmp_path, env, expected):
 
 
 def test_four_platform_replicas_resolve_to_ranks_0_to_3(tmp_path):
-    seen = [dry_run(tmp_path, RANK=str(r), WORLD_SIZE="4", NODE_RANK=str(r), MASTER_ADDR="replica-0")["distributed"] for r in range(4)]
-    assert [(d["rank"], d["node_rank"], d["local_rank"], d["master_port"]) for d in seen] == [(r, r, 0, 29500) for r in range(4)]
+    seen = [
+        dry_run(tmp_path, RANK=str(r), WORLD_SIZE="4", NODE_RANK=str(r), MASTER_ADDR="replica-0")["distributed"]
+        for r in range(4)
+    ]
+    assert [(d["rank"], d["node_rank"], d["local_rank"], d["master_port"]) for d in seen] == [
+        (r, r, 0, 29500) for r in range(4)
+    ]
 
 
 BAD = [
@@ -168,7 +236,7 @@ BAD = [
     (dict(LOCAL_RANK="1"), "set RANK and WORLD_SIZE"),
     (dict(MASTER_ADDR="replica-0", MASTER_PORT="29500"), "MASTER_ADDR=replica-0, MASTER_PORT=29500 are set"),
     (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="node[1-"), "SLURM_JOB_NODELIST"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("env, names", BAD, ids=[next(iter(e)) + "=" + next(iter(e.values())) for e, _ in BAD])

@@ -21,11 +21,20 @@ from utils.distributed import DistEnv, launcher_options
 from utils.errors import JobError
 from utils.settings import Settings
 
-TWO = DistEnv(rank=0, local_rank=0, world_size=2, node_rank=0, master_addr="10.0.0.1", master_port=29500, source="torchrun")
+TWO = DistEnv(
+    rank=0, local_rank=0, world_size=2, node_rank=0, master_addr="10.0.0.1", master_port=29500, source="torchrun"
+)
 ONE = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
 
 
-def refusal(settings: Settings, dist: DistEnv = TWO, cuda: bool = True, quantize: bool = False, precision: str = "bf16", **launcher) -> str | None:
+def refusal(
+    settings: Settings,
+    dist: DistEnv = TWO,
+    cuda: bool = True,
+    quantize: bool = False,
+    precision: str = "bf16",
+    **launcher,
+) -> str | None:
     from utils.strategy import check_strategy
 
     options = {"fsdp": False, "deepspeed": False, "mixed_precision": None, **launcher}
@@ -55,7 +64,10 @@ def test_accelerate_config_cannot_change_the_strategy_or_precision_behind_the_se
     assert refusal(Settings(), precision="fp32", mixed_precision="no") is None
     # The variables `accelerate launch` exports for a config file are the ones read.
     assert launcher_options({"ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "BF16"}) == {
-        "fsdp": True, "deepspeed": False, "mixed_precision": "bf16"}  # fmt: skip
+        "fsdp": True,
+        "deepspeed": False,
+        "mixed_precision": "bf16",
+    }
     assert launcher_options({}) == {"fsdp": False, "deepspeed": False, "mixed_precision": None}
 
 
@@ -77,9 +89,15 @@ def test_fsdp_units_are_the_repeated_transformer_blocks(tiny_bert):
 def test_fsdp_on_the_cpu_stops_every_rank_before_training(job_env, tmp_path):
     """Two platform replicas with STRATEGY=fsdp: without the check they would train plain DDP and report success."""
     port = free_port()
-    settings = {k: v for k, v in job_settings(job_env).items() if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "MAX_STEPS")}
+    settings = {
+        k: v
+        for k, v in job_settings(job_env).items()
+        if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "MAX_STEPS")
+    }
     logs = [tmp_path / f"stdout-{rank}.txt" for rank in (0, 1)]
-    procs = [start_main(rank_env(tmp_path, rank, 2, port, STRATEGY="fsdp", **settings), log=logs[rank]) for rank in (0, 1)]
+    procs = [
+        start_main(rank_env(tmp_path, rank, 2, port, STRATEGY="fsdp", **settings), log=logs[rank]) for rank in (0, 1)
+    ]
     assert [proc.wait(timeout=300) for proc in procs] == [2, 2], [log.read_text()[-2000:] for log in logs]
     for log in logs:
         errors = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
@@ -87,7 +105,9 @@ def test_fsdp_on_the_cpu_stops_every_rank_before_training(job_env, tmp_path):
         assert "Traceback" not in log.read_text()
     out = tmp_path / "out"
     assert not (out / "model").exists() and not list((out / "checkpoints").glob("checkpoint-*"))
-    assert "processed" not in "".join(path.read_text() for path in (out / "logs").glob("rank-*.log"))  # nothing trained
+    assert "processed" not in "".join(
+        path.read_text() for path in (out / "logs").glob("rank-*.log")
+    )  # nothing trained
 
 
 @pytest.mark.slow
@@ -99,10 +119,15 @@ def test_accelerate_fsdp_launch_is_refused_not_run_as_ddp(job_env, tmp_path):
     assert proc.wait(timeout=300) != 0
     text = log.read_text()
     # Each rank stops with this line (torchrun may end the second one before it prints, once the first exits 2).
-    assert "error: the accelerate config asks for FSDP" in text and "Traceback (most recent call last)" not in text.split("error:")[0], text[-3000:]
+    assert (
+        "error: the accelerate config asks for FSDP" in text
+        and "Traceback (most recent call last)" not in text.split("error:")[0]
+    ), text[-3000:]
     out = tmp_path / "out"
     assert not (out / "model").exists()
-    assert "processed" not in "".join(path.read_text() for path in (out / "logs").glob("rank-*.log"))  # nothing trained
+    assert "processed" not in "".join(
+        path.read_text() for path in (out / "logs").glob("rank-*.log")
+    )  # nothing trained
 
 
 @pytest.mark.slow
@@ -111,8 +136,19 @@ def test_fsdp_shards_the_lora_model_trains_it_in_sync_and_saves_it_whole(tiny_be
     from peft import AutoPeftModelForSequenceClassification
 
     log = tmp_path / "worker.txt"
-    cmd = [*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), str(REPO / "tests" / "fsdp_worker.py"), str(tiny_bert), str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    cmd = [
+        *TORCHRUN,
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "tests" / "fsdp_worker.py"),
+        str(tiny_bert),
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )
     wait_all([proc], [log], timeout=240)
     reports = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
     for report in reports:
@@ -131,7 +167,9 @@ def test_fsdp_shards_the_lora_model_trains_it_in_sync_and_saves_it_whole(tiny_be
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="FSDP end to end needs 2 CUDA GPUs")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="FSDP end to end needs 2 CUDA GPUs"
+)
 def test_fsdp_job_end_to_end_on_two_gpus(job_env, tmp_path):
     log = tmp_path / "torchrun.txt"
     cmd = [*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), "main.py"]

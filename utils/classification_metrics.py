@@ -24,13 +24,15 @@ class ClassificationMetrics(evaluate.Metric):
             description=_DESCRIPTION,
             citation="",
             inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features({"predictions": datasets.Value("int32"), "references": datasets.Value("int32")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("int32"), "references": datasets.Value("int32")}
+            ),
         )
 
     def _compute(self, predictions, references):
         if len(predictions) == 0:
             raise ValueError("no predictions to score")
-        pairs = list(zip(predictions, references))
+        pairs = list(zip(predictions, references, strict=True))
         correct = sum(int(p == r) for p, r in pairs)
         true_pos = sum(int(p == 1 and r == 1) for p, r in pairs)
         predicted, actual = sum(int(p == 1) for p, _ in pairs), sum(int(r == 1) for _, r in pairs)

@@ -40,7 +40,10 @@ def _local_files(folder: Path) -> dict[str, str]:
         files[split] = str(found[0])
     suffixes = {Path(f).suffix for f in files.values()}
     if len({FILE_FORMATS[s] for s in suffixes}) > 1:
-        raise JobError(EXIT_BAD_INPUT, f"DATASET_PATH={folder} mixes file formats ({sorted(suffixes)}); use one format for train and validation")
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"DATASET_PATH={folder} mixes file formats ({sorted(suffixes)}); use one format for train and validation",
+        )
     return files
 
 
@@ -51,8 +54,10 @@ def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
             Path(path).read_bytes().decode("utf-8")
         except UnicodeDecodeError as exc:
             line = Path(path).read_bytes()[: exc.start].count(b"\n") + 1
-            return (f"{path} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} on line {line}); "
-                    "save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8` for a Latin-1 file")  # fmt: skip
+            return (
+                f"{path} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} on line {line}); "
+                "save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8` for a Latin-1 file"
+            )
     return f"a file in DATASET_PATH is not valid UTF-8 ({cause.reason}); save the data files as UTF-8"
 
 
@@ -61,11 +66,16 @@ def load_raw(settings: Settings) -> DatasetDict:
     if settings.dataset_path:
         folder = Path(settings.dataset_path)
         if not folder.is_dir():
-            raise JobError(EXIT_BAD_INPUT, f"DATASET_PATH={folder} is not a folder; point it at a folder with train/validation files")
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"DATASET_PATH={folder} is not a folder; point it at a folder with train/validation files",
+            )
         if (folder / "dataset_dict.json").exists():
             try:
                 loaded = load_from_disk(str(folder))
-            except Exception as exc:  # a torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild
+            except (
+                Exception
+            ) as exc:  # a torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild
                 raise JobError(
                     EXIT_BAD_INPUT,
                     f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
@@ -82,7 +92,10 @@ def load_raw(settings: Settings) -> DatasetDict:
                 if isinstance(cause, UnicodeDecodeError):
                     raise JobError(EXIT_BAD_INPUT, _not_utf8(files, cause)) from None
                 if "the first 0 values" in str(cause):  # a header and no rows: every column's type is unknown
-                    raise JobError(EXIT_BAD_INPUT, f"a split in DATASET_PATH={folder} has a header but no rows; each split needs at least one row") from None
+                    raise JobError(
+                        EXIT_BAD_INPUT,
+                        f"a split in DATASET_PATH={folder} has a header but no rows; each split needs at least one row",
+                    ) from None
                 raise JobError(
                     EXIT_BAD_INPUT,
                     f"cannot read the files in DATASET_PATH={folder} ({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); "
@@ -91,7 +104,10 @@ def load_raw(settings: Settings) -> DatasetDict:
             except ValueError as exc:
                 if "corresponds to no data" not in str(exc):
                     raise
-                raise JobError(EXIT_BAD_INPUT, f"a split in DATASET_PATH={folder} is empty ({exc}); each split needs at least one row") from None
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"a split in DATASET_PATH={folder} is empty ({exc}); each split needs at least one row",
+                ) from None
     else:
         try:
             loaded = load_dataset(settings.dataset_name, settings.dataset_config)
@@ -102,10 +118,16 @@ def load_raw(settings: Settings) -> DatasetDict:
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); check the names, or on an offline cluster set DATASET_PATH to a local copy",
             ) from None
     if not isinstance(loaded, DatasetDict):
-        raise JobError(EXIT_BAD_INPUT, f"{settings.dataset_path} holds one Dataset, not a DatasetDict with train and validation splits")
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{settings.dataset_path} holds one Dataset, not a DatasetDict with train and validation splits",
+        )
     missing = [split for split in SPLITS if split not in loaded]
     if missing:
-        raise JobError(EXIT_BAD_INPUT, f"the data set has no {missing} split (it has {sorted(loaded)}); provide train and validation splits")
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the data set has no {missing} split (it has {sorted(loaded)}); provide train and validation splits",
+        )
     return DatasetDict({split: loaded[split] for split in SPLITS})
 
 
@@ -115,7 +137,10 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
     for split, ds in raw.items():
         for setting, column in (("TEXT_COLUMN", settings.text_column), ("LABEL_COLUMN", settings.label_column)):
             if column not in ds.column_names:
-                raise JobError(EXIT_BAD_INPUT, f"the {split} split has no column '{column}' (columns: {ds.column_names}); set {setting} to the right one")
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"the {split} split has no column '{column}' (columns: {ds.column_names}); set {setting} to the right one",
+                )
         if len(ds) == 0:
             raise JobError(EXIT_BAD_INPUT, f"the {split} split is empty; it needs at least one row")
         _check_text(ds, split, settings.text_column)
@@ -143,7 +168,9 @@ def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
             f"the {split} split's column '{column}' holds {kind} values, not text; set TEXT_COLUMN to the column with the sentences",
         )
     values = ds.with_format("arrow")[column]
-    blank = pyarrow.compute.fill_null(pyarrow.compute.equal(pyarrow.compute.utf8_trim_whitespace(values.cast(pyarrow.large_string())), ""), True)
+    blank = pyarrow.compute.fill_null(
+        pyarrow.compute.equal(pyarrow.compute.utf8_trim_whitespace(values.cast(pyarrow.large_string())), ""), True
+    )
     count = pyarrow.compute.sum(blank).as_py() or 0
     if count:
         first = pyarrow.compute.index(blank, True).as_py()
@@ -161,7 +188,10 @@ def _labels_as_integers(ds: datasets.Dataset, split: str, column: str) -> datase
     values = ds.unique(column)
     if None in values:
         missing = ds.with_format("arrow")[column].null_count
-        raise JobError(EXIT_BAD_INPUT, f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it")
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it",
+        )
     if kind in ("string", "large_string"):
         raise JobError(
             EXIT_BAD_INPUT,
@@ -217,8 +247,12 @@ def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
                 raise ValueError(f"the {split} split holds {table.num_rows} rows, the data {len(raw[split])}")
         return cached
     except Exception as exc:  # FileNotFoundError, JSONDecodeError, ArrowInvalid, KeyError: damaged either way
-        log.warning("tokenized cache %s is damaged (%s: %s); removing it and tokenizing again",
-                    target, type(exc).__name__, str(exc).splitlines()[0][:160] if str(exc) else "")  # fmt: skip
+        log.warning(
+            "tokenized cache %s is damaged (%s: %s); removing it and tokenizing again",
+            target,
+            type(exc).__name__,
+            str(exc).splitlines()[0][:160] if str(exc) else "",
+        )
         shutil.rmtree(target, ignore_errors=True)
         return None
 

@@ -26,10 +26,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterator, Mapping, TypeVar
+from typing import TypeVar
 
 from utils.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobError
 
@@ -63,7 +64,10 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
     raw = environ.get(name, "").strip()
     if not raw:
         if default is None:
-            raise JobError(EXIT_BAD_INPUT, f"{name} is not set; the launcher must set it (or unset the other rank variables to run as one process)")
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{name} is not set; the launcher must set it (or unset the other rank variables to run as one process)",
+            )
         return default
     try:
         return int(raw)
@@ -80,7 +84,9 @@ def first_host(nodelist: str) -> str:
     nodelist = nodelist.strip()
     if shutil.which("scontrol"):
         try:
-            shown = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10, check=False)
+            shown = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10, check=False
+            )
             hosts = shown.stdout.split() if shown.returncode == 0 else []
             if hosts:
                 return hosts[0]
@@ -93,7 +99,10 @@ def first_host(nodelist: str) -> str:
     except hostlist.BadHostlist:
         hosts = []
     if not hosts:
-        raise JobError(EXIT_BAD_INPUT, f"SLURM_JOB_NODELIST={nodelist!r} is not a node list; set MASTER_ADDR to the first node's address")
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"SLURM_JOB_NODELIST={nodelist!r} is not a node list; set MASTER_ADDR to the first node's address",
+        )
     return hosts[0]
 
 
@@ -170,17 +179,23 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         addr = env.get("MASTER_ADDR") or (first_host(env["SLURM_JOB_NODELIST"]) if has("SLURM_JOB_NODELIST") else None)
     else:
         _refuse_partial_rank_variables(env)
-        return DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
+        return DistEnv(
+            rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"
+        )
 
     if world < 1:
         raise JobError(EXIT_BAD_INPUT, f"world size is {world} ({source}); it must be at least 1")
     if not 0 <= rank < world:
         raise JobError(EXIT_BAD_INPUT, f"WORLD_SIZE={world} but RANK={rank} ({source}); RANK must be 0..{world - 1}")
     if local_rank < 0 or node_rank < 0:
-        raise JobError(EXIT_BAD_INPUT, f"LOCAL_RANK={local_rank} and NODE_RANK={node_rank} ({source}) must not be negative")
+        raise JobError(
+            EXIT_BAD_INPUT, f"LOCAL_RANK={local_rank} and NODE_RANK={node_rank} ({source}) must not be negative"
+        )
     addr = (addr or "").strip() or None
     if world == 1:
-        return DistEnv(rank, local_rank, 1, node_rank, addr, _int(env, "MASTER_PORT", DEFAULT_PORT) if addr else None, source)
+        return DistEnv(
+            rank, local_rank, 1, node_rank, addr, _int(env, "MASTER_PORT", DEFAULT_PORT) if addr else None, source
+        )
     if addr is None:
         raise JobError(
             EXIT_BAD_INPUT,
@@ -208,7 +223,12 @@ def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, obje
 
 def export_env(dist: DistEnv) -> None:
     """Publish the resolved ranks under the names torch, Accelerate and the Trainer read (env://)."""
-    values = {"RANK": dist.rank, "LOCAL_RANK": dist.local_rank, "WORLD_SIZE": dist.world_size, "NODE_RANK": dist.node_rank}
+    values = {
+        "RANK": dist.rank,
+        "LOCAL_RANK": dist.local_rank,
+        "WORLD_SIZE": dist.world_size,
+        "NODE_RANK": dist.node_rank,
+    }
     if dist.master_addr:
         values |= {"MASTER_ADDR": dist.master_addr, "MASTER_PORT": dist.master_port}
     if dist.is_distributed:
@@ -222,11 +242,33 @@ def export_env(dist: DistEnv) -> None:
 
 def masked_environ() -> dict[str, str]:
     """The launcher variables this rank saw, for its log; anything that looks like a secret is masked."""
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID", "PET_NODE_RANK", "PET_NNODES", "PET_NPROC_PER_NODE", "SLURM_PROCID", "SLURM_NTASKS",
-            "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_NODELIST", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_TOKEN", "HF_TOKEN_PATH")  # fmt: skip
+    keys = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "PET_NODE_RANK",
+        "PET_NNODES",
+        "PET_NPROC_PER_NODE",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        "SLURM_NODEID",
+        "SLURM_JOB_NODELIST",
+        "CUDA_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+        "HF_TOKEN",
+        "HF_TOKEN_PATH",
+    )
     secret = re.compile("TOKEN|SECRET|PASSWORD|KEY", re.I)
-    return {k: ("***" if secret.search(k) and k != "HF_TOKEN_PATH" else os.environ[k]) for k in keys if k in os.environ}
+    return {
+        k: ("***" if secret.search(k) and k != "HF_TOKEN_PATH" else os.environ[k]) for k in keys if k in os.environ
+    }
 
 
 # ------------------------------------------------------------------------------- rendezvous
@@ -277,7 +319,9 @@ def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
         done.set()
 
 
-def rendezvous(dist: DistEnv, timeout_s: int, cuda: bool, agreement: dict, on_main: Callable[[], None] | None = None) -> None:
+def rendezvous(
+    dist: DistEnv, timeout_s: int, cuda: bool, agreement: dict, on_main: Callable[[], None] | None = None
+) -> None:
     """Meet the other ranks, check that they run the same job, and create the process group.
 
     Every rank posts `agreement` (world size, training settings, run name) in rank 0's TCP store; rank 0
@@ -299,13 +343,17 @@ def rendezvous(dist: DistEnv, timeout_s: int, cuda: bool, agreement: dict, on_ma
     timeout = timedelta(seconds=timeout_s)
     deadline = time.monotonic() + timeout_s
     where = f"{dist.master_addr}:{dist.master_port}"
-    stuck = (f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {where} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
-             f"check that all {dist.world_size} replicas started with the same WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0")  # fmt: skip
+    stuck = (
+        f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {where} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+        f"check that all {dist.world_size} replicas started with the same WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0"
+    )
     with watchdog(timeout_s + WATCHDOG_GRACE, stuck, 1):
         if not dist.is_main:
             _wait_for_rank0(dist, timeout_s, deadline)
         try:
-            store = td.TCPStore(dist.master_addr, dist.master_port, None, dist.is_main, timeout, wait_for_workers=False)
+            store = td.TCPStore(
+                dist.master_addr, dist.master_port, None, dist.is_main, timeout, wait_for_workers=False
+            )
             beat_store = td.TCPStore(dist.master_addr, dist.master_port, None, False, timeout)
         except (td.DistError, RuntimeError) as exc:
             raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
@@ -330,14 +378,22 @@ def rendezvous(dist: DistEnv, timeout_s: int, cuda: bool, agreement: dict, on_ma
             raise JobError(*verdict)
         if cuda:
             torch.cuda.set_device(dist.local_rank)
-        td.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=dist.rank, world_size=dist.world_size, timeout=timeout)
+        td.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            store=store,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            timeout=timeout,
+        )
         # Small control messages (the stop flag, checkpoint barriers) go over gloo: on an NCCL job they
         # would otherwise sync the GPU stream at every step.
         _GROUP.control = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
     threading.Thread(target=_beat, args=(_GROUP, dist.rank), daemon=True, name="heartbeat").start()
 
 
-def _judge(dist: DistEnv, store, agreement: dict, timeout_s: int, deadline: float, on_main: Callable[[], None] | None) -> list | None:
+def _judge(
+    dist: DistEnv, store, agreement: dict, timeout_s: int, deadline: float, on_main: Callable[[], None] | None
+) -> list | None:
     """Rank 0: every rank's agreement compared with its own, then `on_main`; None when all is well."""
     import torch.distributed as td
 
@@ -346,8 +402,11 @@ def _judge(dist: DistEnv, store, agreement: dict, timeout_s: int, deadline: floa
         store.wait(keys, timedelta(seconds=max(1.0, deadline - time.monotonic())))
     except td.DistError:
         missing = [rank for rank, key in enumerate(keys, start=1) if not store.check([key])]
-        return [1, f"ranks {missing} did not join rank 0 at {dist.master_addr}:{dist.master_port} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
-                f"check that all {dist.world_size} replicas started and that MASTER_ADDR/MASTER_PORT point at rank 0"]
+        return [
+            1,
+            f"ranks {missing} did not join rank 0 at {dist.master_addr}:{dist.master_port} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+            f"check that all {dist.world_size} replicas started and that MASTER_ADDR/MASTER_PORT point at rank 0",
+        ]
     others = {rank: json.loads(store.get(key)) for rank, key in enumerate(keys, start=1)}
     mine = json.loads(json.dumps(agreement, sort_keys=True, default=str))  # as the others see it, through JSON
     differing = {rank: theirs for rank, theirs in others.items() if theirs != mine}
@@ -364,11 +423,19 @@ def _judge(dist: DistEnv, store, agreement: dict, timeout_s: int, deadline: floa
 def _mismatch(main: dict, others: dict[int, dict]) -> str:
     """'LEARNING_RATE: 0.0005 on rank 0, 0.9 on rank 1; ...' for the settings that differ."""
     parts = []
-    for name in sorted({name for theirs in others.values() for name in set(theirs) | set(main) if theirs.get(name) != main.get(name)}):
-        values = [f"{main.get(name)} on rank 0"] + [f"{theirs.get(name)} on rank {rank}" for rank, theirs in others.items() if theirs.get(name) != main.get(name)]
+    for name in sorted(
+        {name for theirs in others.values() for name in set(theirs) | set(main) if theirs.get(name) != main.get(name)}
+    ):
+        values = [f"{main.get(name)} on rank 0"] + [
+            f"{theirs.get(name)} on rank {rank}"
+            for rank, theirs in others.items()
+            if theirs.get(name) != main.get(name)
+        ]
         parts.append(f"{name.upper()}: {', '.join(values)}")
-    return (f"the replicas were started with different settings ({'; '.join(parts)}); "
-            "give every replica the same settings (one config_map / ConfigMap for all) and start them again")  # fmt: skip
+    return (
+        f"the replicas were started with different settings ({'; '.join(parts)}); "
+        "give every replica the same settings (one config_map / ConfigMap for all) and start them again"
+    )
 
 
 def _beat(group: _Group, rank: int) -> None:
@@ -392,7 +459,7 @@ def peer_lost(world_size: int, rank: int) -> bool:
         after = [_GROUP.beat_store.add(key, 0) for key in keys]
     except Exception:
         return True
-    return any(a == b for a, b in zip(before, after))
+    return any(a == b for a, b in zip(before, after, strict=True))
 
 
 def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
@@ -405,7 +472,9 @@ def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
     resolved = False
     while True:
         try:
-            with socket.create_connection((dist.master_addr, dist.master_port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            with socket.create_connection(
+                (dist.master_addr, dist.master_port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
+            ):
                 return
         except socket.gaierror:
             resolved = False

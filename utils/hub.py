@@ -12,7 +12,7 @@ import email.utils
 import logging
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx2
@@ -101,7 +101,7 @@ def retry_after(exc: BaseException) -> float | None:
         return max(0.0, float(value))
     except ValueError:
         try:
-            return max(0.0, (email.utils.parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds())
+            return max(0.0, (email.utils.parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
         except (TypeError, ValueError):
             return None
 
@@ -122,8 +122,13 @@ def _retrying(deadline: float, token: SecretStr | None):
 
     def log_retry(state: RetryCallState) -> None:
         name = getattr(state.fn, "__name__", "call")
-        log.warning("Hub %s failed (%s); attempt %d, retrying in %.1f s", name, describe(state.outcome.exception(), token),
-                    state.attempt_number, state.upcoming_sleep)  # fmt: skip
+        log.warning(
+            "Hub %s failed (%s); attempt %d, retrying in %.1f s",
+            name,
+            describe(state.outcome.exception(), token),
+            state.attempt_number,
+            state.upcoming_sleep,
+        )
 
     return retry(retry=retry_if_exception(is_transient), wait=_wait, stop=stop, before_sleep=log_retry, reraise=True)
 
@@ -151,7 +156,12 @@ def _fine_grained_can_write(grants: dict, repo_id: str, me: dict) -> bool:
 
 
 class Hub:
-    def __init__(self, token: SecretStr | None, max_retry_seconds: float = PUSH_RETRY_SECONDS, request_timeout: float | None = None):
+    def __init__(
+        self,
+        token: SecretStr | None,
+        max_retry_seconds: float = PUSH_RETRY_SECONDS,
+        request_timeout: float | None = None,
+    ):
         if request_timeout is not None:
             use_request_timeout(request_timeout)
         self._token = token
@@ -162,7 +172,10 @@ class Hub:
         """Fail before any GPU time, within TOKEN_CHECK_SECONDS, when the token is missing, wrong or
         read-only, or the Hub does not answer."""
         if self._token is None:
-            raise JobError(EXIT_BAD_INPUT, f"RESULT_MODEL_ID={repo_id} asks for a push but no token is set; set HF_TOKEN (or HF_TOKEN_PATH), or unset RESULT_MODEL_ID")
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"RESULT_MODEL_ID={repo_id} asks for a push but no token is set; set HF_TOKEN (or HF_TOKEN_PATH), or unset RESULT_MODEL_ID",
+            )
         seconds = min(TOKEN_CHECK_SECONDS, self._max_retry_seconds)
         try:
             me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami))
@@ -176,7 +189,9 @@ class Hub:
             ) from None
         access = me.get("auth", {}).get("accessToken", {})
         role = access.get("role")
-        if role == "read" or (role == "fineGrained" and not _fine_grained_can_write(access.get("fineGrained") or {}, repo_id, me)):
+        if role == "read" or (
+            role == "fineGrained" and not _fine_grained_can_write(access.get("fineGrained") or {}, repo_id, me)
+        ):
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"HF_TOKEN of '{me.get('name')}' cannot write to RESULT_MODEL_ID={repo_id} ({role} token); "
@@ -188,7 +203,9 @@ class Hub:
     def describe(self, exc: BaseException) -> str:
         return describe(exc, self._token)
 
-    def push_files(self, files: dict[str, Path], repo_id: str, private: bool, message: str, card: ModelCard | None = None) -> str:
+    def push_files(
+        self, files: dict[str, Path], repo_id: str, private: bool, message: str, card: ModelCard | None = None
+    ) -> str:
         """create_repo (exist_ok), the card's metadata checked by the Hub, then every file in one commit
         (`files`: path in the repo -> local file); each call retried on transient failures, all within one
         total deadline that the request in flight counts towards too. Returns the commit URL."""
@@ -197,7 +214,10 @@ class Hub:
 
         def commit() -> str:
             # Fresh operations for every attempt: create_commit records upload state on them.
-            operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local)) for path, local in sorted(files.items())]
+            operations = [
+                CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local))
+                for path, local in sorted(files.items())
+            ]
             info = self._api.create_commit(repo_id=repo_id, operations=operations, commit_message=message)
             return str(info.commit_url if hasattr(info, "commit_url") else info)
 

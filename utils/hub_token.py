@@ -17,8 +17,9 @@ import os
 import re
 import sys
 import urllib.parse
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, TextIO
 
 from pydantic import SecretStr
 
@@ -44,9 +45,15 @@ def read_token() -> SecretStr | None:
         try:
             token = Path(path).expanduser().read_bytes().decode("utf-8").strip()
         except OSError as exc:
-            raise JobError(EXIT_BAD_INPUT, f"HF_TOKEN_PATH={path} cannot be read ({exc.strerror}); mount the token file there or set HF_TOKEN") from None
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"HF_TOKEN_PATH={path} cannot be read ({exc.strerror}); mount the token file there or set HF_TOKEN",
+            ) from None
         except UnicodeDecodeError:
-            raise JobError(EXIT_BAD_INPUT, f"HF_TOKEN_PATH={path} is not a text file (not UTF-8); it must hold the token alone, on one line") from None
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"HF_TOKEN_PATH={path} is not a text file (not UTF-8); it must hold the token alone, on one line",
+            ) from None
     if not token:
         return None
     if not TOKEN_PATTERN.fullmatch(token):
@@ -56,7 +63,9 @@ def read_token() -> SecretStr | None:
             "it must hold the Hub token alone, on one line: copy it again from https://huggingface.co/settings/tokens",
         )
     if len(token) < MIN_TOKEN_LENGTH:
-        raise JobError(EXIT_BAD_INPUT, f"{source} is {len(token)} characters long, too short for a Hub token; set the whole token")
+        raise JobError(
+            EXIT_BAD_INPUT, f"{source} is {len(token)} characters long, too short for a Hub token; set the whole token"
+        )
     return SecretStr(token)
 
 
@@ -148,4 +157,7 @@ def refuse_token_in_settings(values: dict[str, Any]) -> None:
     if holding:
         names = ", ".join(name.upper() for name in holding)
         verb = "holds" if len(holding) == 1 else "hold"
-        raise JobError(EXIT_BAD_INPUT, f"{names} {verb} the Hub token; the token belongs only in HF_TOKEN or HF_TOKEN_PATH: set {names} to something else")
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{names} {verb} the Hub token; the token belongs only in HF_TOKEN or HF_TOKEN_PATH: set {names} to something else",
+        )

@@ -123,7 +123,9 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
     # silently fall back to the eager attention (materialised score matrices, no fused kernels).
     kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings)}
     if quantize_8bit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])])  # a trained head stays full precision
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
+        )  # a trained head stays full precision
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     try:
@@ -139,12 +141,16 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
         target_modules=list(settings.lora_target_modules),
-        **lora_options(settings, (name for name, _ in model.named_modules())),  # pooler, rsLoRA/DoRA, init: utils/recipe.py
+        **lora_options(
+            settings, (name for name, _ in model.named_modules())
+        ),  # pooler, rsLoRA/DoRA, init: utils/recipe.py
     )
     try:
         model = get_peft_model(model, lora)
     except ValueError:
-        names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+        names = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+        )
         raise JobError(
             EXIT_BAD_INPUT,
             f"LORA_TARGET_MODULES={','.join(settings.lora_target_modules)} not found in {settings.model_name}; "
@@ -178,7 +184,9 @@ def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
     round the update away, and servers without peft or bitsandbytes load plain float weights.
     """
     try:
-        base = AutoModelForSequenceClassification.from_pretrained(settings.model_name, dtype=torch.float32, **label_config(settings))
+        base = AutoModelForSequenceClassification.from_pretrained(
+            settings.model_name, dtype=torch.float32, **label_config(settings)
+        )
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

@@ -76,12 +76,12 @@ def plot_training_curves(log_history: list[dict], path: Path) -> bool:
 
     fig, loss_axis = plt.subplots(figsize=(7, 3.5), dpi=100)
     if losses:
-        loss_axis.plot(*zip(*losses), color="tab:blue", label="training loss")
+        loss_axis.plot(*zip(*losses, strict=True), color="tab:blue", label="training loss")
     loss_axis.set_xlabel("optimizer step")
     loss_axis.set_ylabel("training loss", color="tab:blue")
     if accuracies:
         accuracy_axis = loss_axis.twinx()
-        accuracy_axis.plot(*zip(*accuracies), color="tab:orange", marker="o", label="validation accuracy")
+        accuracy_axis.plot(*zip(*accuracies, strict=True), color="tab:orange", marker="o", label="validation accuracy")
         accuracy_axis.set_ylabel("validation accuracy", color="tab:orange")
     fig.tight_layout()
     fig.savefig(path)
@@ -93,15 +93,19 @@ def data_source(settings: Settings, metrics: dict) -> str:
     """Where the rows came from, as they were: the Hub data set and config, or local data with its counts and fingerprint."""
     data = metrics.get("data", {})
     if settings.dataset_path:
-        return (f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, "
-                f"fingerprint {data.get('fingerprint', '?')})")  # fmt: skip
+        return (
+            f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, "
+            f"fingerprint {data.get('fingerprint', '?')})"
+        )
     return f"[{settings.dataset_name}](https://huggingface.co/datasets/{settings.dataset_name}) ({settings.dataset_config})"
 
 
 def usage_snippet(repo_or_path: str, settings: Settings, merged: bool) -> str:
     if merged:
-        return (f'from transformers import pipeline\n\nclassifier = pipeline("text-classification", model="{repo_or_path}")\n'
-                'classifier("a gripping, beautifully acted film")  # [{"label": ..., "score": ...}]')  # fmt: skip
+        return (
+            f'from transformers import pipeline\n\nclassifier = pipeline("text-classification", model="{repo_or_path}")\n'
+            'classifier("a gripping, beautifully acted film")  # [{"label": ..., "score": ...}]'
+        )
     id2label = dict(enumerate(settings.label_names))
     label2id = {name: index for index, name in id2label.items()}
     return (
@@ -116,7 +120,9 @@ def usage_snippet(repo_or_path: str, settings: Settings, merged: bool) -> str:
     )
 
 
-def build_model_card(settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False, plot: bool = False) -> ModelCard:
+def build_model_card(
+    settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False, plot: bool = False
+) -> ModelCard:
     """The card for model/ (the adapter) or, with `merged`, for merged/ (the base with the adapter merged in).
 
     `repo_id`: where it is pushed (None: the card names the folder on the volume).
@@ -146,7 +152,9 @@ def build_model_card(settings: Settings, metrics: dict, repo_id: str | None, mer
         ],
     )
     base_link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{settings.model_name}`"
-    what = f"{base_link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {base_link},"
+    what = (
+        f"{base_link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {base_link},"
+    )
     training = {
         "base model": base_id or settings.model_name,
         "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(settings.lora_target_modules)}",
@@ -171,7 +179,9 @@ def build_model_card(settings: Settings, metrics: dict, repo_id: str | None, mer
         data_source=data_source(settings, metrics),
         eval_samples=metrics.get("eval_samples", "?"),
         # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
-        metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in CARD_METRICS if f"eval_{name}" in metrics),
+        metrics_rows="\n".join(
+            f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in CARD_METRICS if f"eval_{name}" in metrics
+        ),
         plot=PLOT_NAME if plot else None,
         usage=usage_snippet(repo_or_path, settings, merged),
         repo_or_path=repo_or_path,
@@ -180,7 +190,9 @@ def build_model_card(settings: Settings, metrics: dict, repo_id: str | None, mer
     return card
 
 
-def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False) -> ModelCard:
+def write_model_card(
+    folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False
+) -> ModelCard:
     card = build_model_card(settings, metrics, repo_id, merged=merged, plot=(folder / PLOT_NAME).exists())
     card.save(folder / "README.md")
     return card

@@ -156,7 +156,12 @@ def write_run_record(run: RunDir, settings: Settings, **extra) -> None:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    record.update(run_name=settings.run_name, settings=settings.as_dict(), training_settings=settings.training_settings(), versions=versions)
+    record.update(
+        run_name=settings.run_name,
+        settings=settings.as_dict(),
+        training_settings=settings.training_settings(),
+        versions=versions,
+    )
     record.update(extra)
     write_json(run.run_record, record)
 
@@ -170,9 +175,15 @@ def mark_checkpoint_complete(checkpoint: Path, resume_key: dict) -> None:
     is refused instead of silently skipping or repeating rows.
     """
     fsync_tree(checkpoint)
-    files = {str(path.relative_to(checkpoint)): {"size": path.stat().st_size, "sha256": _sha256(path)}
-             for path in sorted(checkpoint.rglob("*")) if path.is_file() and path.name != COMPLETE_MARKER}  # fmt: skip
-    _write_atomic(checkpoint / COMPLETE_MARKER, json.dumps({"resume": resume_key, "files": files}, indent=2, sort_keys=True) + "\n")
+    files = {
+        str(path.relative_to(checkpoint)): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(checkpoint.rglob("*"))
+        if path.is_file() and path.name != COMPLETE_MARKER
+    }
+    _write_atomic(
+        checkpoint / COMPLETE_MARKER,
+        json.dumps({"resume": resume_key, "files": files}, indent=2, sort_keys=True) + "\n",
+    )
 
 
 def _sha256(path: Path) -> str:

@@ -26,8 +26,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from utils.errors import Preempted
 
@@ -84,7 +84,9 @@ class Preemption:
             grace = STOP_GRACE[self._deferred]
             threading.Event().wait(grace)
             # Still here: the main thread is stuck where the handler cannot run. Leave as it would have.
-            sys.stderr.write(f"preempted: {SIGNALS[signum]} and no exit within {grace:.0f} s (waiting in native code); exit {128 + signum}\n")
+            sys.stderr.write(
+                f"preempted: {SIGNALS[signum]} and no exit within {grace:.0f} s (waiting in native code); exit {128 + signum}\n"
+            )
             sys.stderr.flush()
             os._exit(128 + signum)
 
@@ -116,8 +118,12 @@ def stop_on_preemption_callback(max_over_ranks):
         def on_step_end(self, args, state, control, **kwargs):
             signum = max_over_ranks(PREEMPTION.signum)
             if signum:
-                PREEMPTION.signum = max(PREEMPTION.signum, signum)  # a rank stopped by its peer leaves with the peer's code
-                log.warning("%s: saving a checkpoint at step %d and stopping", SIGNALS.get(signum, signum), state.global_step)
+                PREEMPTION.signum = max(
+                    PREEMPTION.signum, signum
+                )  # a rank stopped by its peer leaves with the peer's code
+                log.warning(
+                    "%s: saving a checkpoint at step %d and stopping", SIGNALS.get(signum, signum), state.global_step
+                )
                 control.should_save = True
                 control.should_training_stop = True
 

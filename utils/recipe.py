@@ -27,7 +27,7 @@ importing torch; `optimizer_groups` imports nothing either and takes the model's
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from utils.settings import Settings
 
@@ -56,17 +56,24 @@ def apply_recipe(settings: Settings, world_size: int) -> Settings:
     return settings.model_copy(update={"learning_rate": resolve_learning_rate(settings, world_size)})
 
 
-def optimizer_groups(named_parameters: Iterable, settings: Settings, learning_rate: float, weight_decay: float) -> list[dict]:
+def optimizer_groups(
+    named_parameters: Iterable, settings: Settings, learning_rate: float, weight_decay: float
+) -> list[dict]:
     """AdamW parameter groups: adapters' A at the rate, B at LORAPLUS_LR_RATIO x, the head at HEAD_LEARNING_RATE_RATIO x.
 
     Biases and LayerNorm weights (1-D tensors) never take weight decay, as in the Trainer's own grouping.
     """
-    rates = {"lora_B": learning_rate * settings.loraplus_lr_ratio, "head": learning_rate * settings.head_learning_rate_ratio}
+    rates = {
+        "lora_B": learning_rate * settings.loraplus_lr_ratio,
+        "head": learning_rate * settings.head_learning_rate_ratio,
+    }
     groups: dict[tuple[str, bool], list] = {}
     for name, param in named_parameters:
         if not param.requires_grad:
             continue
-        kind = "head" if any(f".{m}." in f".{name}" for m in HEAD_MODULES) else "lora_B" if "lora_B" in name else "other"
+        kind = (
+            "head" if any(f".{m}." in f".{name}" for m in HEAD_MODULES) else "lora_B" if "lora_B" in name else "other"
+        )
         groups.setdefault((kind, param.ndim > 1), []).append(param)
     return [
         {"params": params, "lr": rates.get(kind, learning_rate), "weight_decay": weight_decay if decays else 0.0}
@@ -96,5 +103,9 @@ def describe_recipe(settings: Settings, world_size: int) -> str:
         if rate == rule
         else "LEARNING_RATE as set"
     )
-    extras = [f"{label} x{ratio:g}" for label, ratio in (("head", settings.head_learning_rate_ratio), ("LoRA+ B", settings.loraplus_lr_ratio)) if ratio != 1]
+    extras = [
+        f"{label} x{ratio:g}"
+        for label, ratio in (("head", settings.head_learning_rate_ratio), ("LoRA+ B", settings.loraplus_lr_ratio))
+        if ratio != 1
+    ]
     return f"learning rate {rate:g} at global batch {batch} ({origin}){'; ' + ', '.join(extras) if extras else ''}; warm-up {settings.warmup_ratio:g} of the steps"

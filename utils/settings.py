@@ -16,12 +16,13 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from utils.errors import JobError, EXIT_BAD_INPUT
+from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import read_token, refuse_token_in_settings
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
@@ -44,7 +45,8 @@ class Settings(BaseModel):
 
     # --- what to train on
     model_name: str = Field(
-        "bert-base-uncased", description="Hub id or local folder of the base model (a folder on the shared volume for air-gapped clusters)"
+        "bert-base-uncased",
+        description="Hub id or local folder of the base model (a folder on the shared volume for air-gapped clusters)",
     )
     dataset_name: str = Field("nyu-mll/glue", description="Hub dataset id, used when DATASET_PATH is unset")
     dataset_config: str = Field("sst2", description="configuration of the Hub dataset")
@@ -55,7 +57,8 @@ class Settings(BaseModel):
     text_column: str = Field("sentence", description="column holding the text (GLUE SST-2's name)")
     label_column: str = Field("label", description="column holding the 0/1 label (GLUE SST-2's name)")
     label_names: tuple[str, str] = Field(
-        ("negative", "positive"), description="names of labels 0 and 1 (the model's id2label), so a pipeline answers 'positive', not 'LABEL_1'"
+        ("negative", "positive"),
+        description="names of labels 0 and 1 (the model's id2label), so a pipeline answers 'positive', not 'LABEL_1'",
     )
     base_model_id: str | None = Field(
         None,
@@ -66,77 +69,172 @@ class Settings(BaseModel):
 
     # --- where results go
     output_dir: str = Field(
-        default_factory=default_output_dir, description=f"one run per folder; {SHARED_VOLUME}/output when {SHARED_VOLUME} exists, else ./output"
+        default_factory=default_output_dir,
+        description=f"one run per folder; {SHARED_VOLUME}/output when {SHARED_VOLUME} exists, else ./output",
     )
-    run_name: str | None = Field(None, description="name of the run in logs and the model card; derived from the training settings when unset, so every replica and every restart agree")
+    run_name: str | None = Field(
+        None,
+        description="name of the run in logs and the model card; derived from the training settings when unset, so every replica and every restart agree",
+    )
 
     # --- how long and how big
     num_epochs: float = Field(
-        1.0, gt=0, le=1000, allow_inf_nan=False, description="passes over the training split; one pass is enough for LoRA on SST-2 (at most 1000: more is a typo, not a recipe)"
+        1.0,
+        gt=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="passes over the training split; one pass is enough for LoRA on SST-2 (at most 1000: more is a typo, not a recipe)",
     )
-    max_steps: int | None = Field(None, ge=1, le=10**8, description="optimizer steps; when set it wins over NUM_EPOCHS (at most 1e8: years of steps)")
-    per_device_batch_size: int = Field(64, ge=1, description="rows per device per step; global batch = this x world size x accumulation")
-    per_device_eval_batch_size: int = Field(256, ge=1, description="evaluation needs no gradients or optimizer state, so it fits a larger batch")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit")
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        le=10**8,
+        description="optimizer steps; when set it wins over NUM_EPOCHS (at most 1e8: years of steps)",
+    )
+    per_device_batch_size: int = Field(
+        64, ge=1, description="rows per device per step; global batch = this x world size x accumulation"
+    )
+    per_device_eval_batch_size: int = Field(
+        256, ge=1, description="evaluation needs no gradients or optimizer state, so it fits a larger batch"
+    )
+    gradient_accumulation_steps: int = Field(
+        1,
+        ge=1,
+        description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit",
+    )
     learning_rate: float | None = Field(
-        None, gt=0, lt=1, description="unset: BASE_LEARNING_RATE scaled to the global batch by LEARNING_RATE_SCALING (the resolved value "
-        "is what --dry-run, run.json, the logs and the model card show); set: exactly this value on any number of replicas"
+        None,
+        gt=0,
+        lt=1,
+        description="unset: BASE_LEARNING_RATE scaled to the global batch by LEARNING_RATE_SCALING (the resolved value "
+        "is what --dry-run, run.json, the logs and the model card show); set: exactly this value on any number of replicas",
     )
-    base_learning_rate: float = Field(5e-4, gt=0, lt=1, description="the rate at a global batch of 64 (one replica, the defaults), where it was tuned on SST-2 with LoRA+ (docs/quality.md)")
+    base_learning_rate: float = Field(
+        5e-4,
+        gt=0,
+        lt=1,
+        description="the rate at a global batch of 64 (one replica, the defaults), where it was tuned on SST-2 with LoRA+ (docs/quality.md)",
+    )
     learning_rate_scaling: Literal["sqrt", "linear", "none"] = Field(
-        "sqrt", description="how the rate follows the global batch: x sqrt(global batch / 64) keeps 1 to 8 replicas at the same accuracy (docs/quality.md)"
+        "sqrt",
+        description="how the rate follows the global batch: x sqrt(global batch / 64) keeps 1 to 8 replicas at the same accuracy (docs/quality.md)",
     )
-    weight_decay: float = Field(0.0, ge=0, lt=1, description="AdamW decoupled weight decay; one epoch of LoRA does not overfit SST-2")
-    warmup_ratio: float = Field(0.06, ge=0, lt=1, description="fraction of steps with a rising learning rate, as in the RoBERTa/LoRA GLUE recipes")
+    weight_decay: float = Field(
+        0.0, ge=0, lt=1, description="AdamW decoupled weight decay; one epoch of LoRA does not overfit SST-2"
+    )
+    warmup_ratio: float = Field(
+        0.06,
+        ge=0,
+        lt=1,
+        description="fraction of steps with a rising learning rate, as in the RoBERTa/LoRA GLUE recipes",
+    )
 
     # --- LoRA
-    lora_r: int = Field(8, ge=1, le=4096, description="adapter rank; 8 is the LoRA paper's GLUE setting (and at most the model's hidden size, checked once its config is read)")
+    lora_r: int = Field(
+        8,
+        ge=1,
+        le=4096,
+        description="adapter rank; 8 is the LoRA paper's GLUE setting (and at most the model's hidden size, checked once its config is read)",
+    )
     lora_alpha: int = Field(16, ge=1, description="adapter scale alpha/r = 2")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="light regularisation of the adapter input")
-    lora_target_modules: tuple[str, ...] = Field(("query", "value"), description="comma-separated module names to adapt; query,value as in the LoRA paper")
-    train_pooler: bool = Field(
-        True, description="train BERT's pooler with the classifier (both are the head); sentence-embedding checkpoints never trained theirs (docs/quality.md)"
+    lora_target_modules: tuple[str, ...] = Field(
+        ("query", "value"), description="comma-separated module names to adapt; query,value as in the LoRA paper"
     )
-    head_learning_rate_ratio: float = Field(1.0, gt=0, le=1000, description="the head (classifier, pooler) trains at this x the learning rate")
-    loraplus_lr_ratio: float = Field(8.0, gt=0, le=1000, description="LoRA+: each adapter's B matrix trains at this x the learning rate (the best option measured on SST-2); 1 is plain LoRA")
-    lora_variant: Literal["lora", "rslora", "dora"] = Field("lora", description="rslora: scale alpha/sqrt(r) instead of alpha/r; dora: weight-decomposed LoRA (slower)")
-    lora_init: Literal["default", "gaussian", "pissa", "olora"] = Field("default", description="adapter initialisation (peft init_lora_weights); default: B=0, A Kaiming-uniform")
+    train_pooler: bool = Field(
+        True,
+        description="train BERT's pooler with the classifier (both are the head); sentence-embedding checkpoints never trained theirs (docs/quality.md)",
+    )
+    head_learning_rate_ratio: float = Field(
+        1.0, gt=0, le=1000, description="the head (classifier, pooler) trains at this x the learning rate"
+    )
+    loraplus_lr_ratio: float = Field(
+        8.0,
+        gt=0,
+        le=1000,
+        description="LoRA+: each adapter's B matrix trains at this x the learning rate (the best option measured on SST-2); 1 is plain LoRA",
+    )
+    lora_variant: Literal["lora", "rslora", "dora"] = Field(
+        "lora", description="rslora: scale alpha/sqrt(r) instead of alpha/r; dora: weight-decomposed LoRA (slower)"
+    )
+    lora_init: Literal["default", "gaussian", "pissa", "olora"] = Field(
+        "default", description="adapter initialisation (peft init_lora_weights); default: B=0, A Kaiming-uniform"
+    )
 
     # --- numerics and speed
     quantization: Literal["auto", "8bit", "none"] = Field(
         "auto", description="auto: 8bit when the whole job is one CUDA GPU (it halves weight memory), none otherwise"
     )
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: bf16 autocast where the GPU supports it, else fp32")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: bf16 autocast where the GPU supports it, else fp32"
+    )
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="ddp: a whole model per GPU, gradients all-reduced (BERT-base with LoRA fits one GPU many times over: fastest); "
         "fsdp: weights, gradients and optimizer state sharded per transformer block, for a base model too big for one GPU; "
         "needs 2+ CUDA GPUs (on the CPU the Trainer would silently train DDP instead, so the job refuses it there)",
     )
-    gradient_checkpointing: bool = Field(False, description="saves activation memory that BERT-base LoRA does not need, at ~30% more compute")
-    max_seq_length: int = Field(128, ge=8, le=512, description="truncation length; SST-2 sentences average ~13 tokens and batches are padded only to their longest row")
+    gradient_checkpointing: bool = Field(
+        False, description="saves activation memory that BERT-base LoRA does not need, at ~30% more compute"
+    )
+    max_seq_length: int = Field(
+        128,
+        ge=8,
+        le=512,
+        description="truncation length; SST-2 sentences average ~13 tokens and batches are padded only to their longest row",
+    )
     dataloader_num_workers: int = Field(2, ge=0, description="collating runs beside the GPU step instead of before it")
-    torch_compile: bool = Field(False, description="torch.compile the model: faster steps on long runs, a minute of compile first")
-    seed: int = Field(42, ge=0, le=2**32 - 1, description="seeds data order, LoRA init and dropout: the same seed gives the same run (0..2**32-1, numpy's range)")
+    torch_compile: bool = Field(
+        False, description="torch.compile the model: faster steps on long runs, a minute of compile first"
+    )
+    seed: int = Field(
+        42,
+        ge=0,
+        le=2**32 - 1,
+        description="seeds data order, LoRA init and dropout: the same seed gives the same run (0..2**32-1, numpy's range)",
+    )
 
     # --- checkpoints, rendezvous, publishing
-    save_steps: int = Field(100, ge=1, description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB")
-    save_total_limit: int = Field(2, ge=1, description="checkpoints kept; two, so a restart still has one if the newest is incomplete")
-    rendezvous_timeout: int = Field(
-        600, ge=10, description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading and tokenizing while the others wait"
+    save_steps: int = Field(
+        100, ge=1, description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB"
     )
-    result_model_id: str | None = Field(None, description="Hub repo to push model/ to (needs HF_TOKEN); unset: the model stays on the volume")
-    hub_timeout: float = Field(30, gt=0, le=600, description="seconds one Hub request may take to connect or to send a byte back; a Hub that accepts and never answers fails here, then is retried")
+    save_total_limit: int = Field(
+        2, ge=1, description="checkpoints kept; two, so a restart still has one if the newest is incomplete"
+    )
+    rendezvous_timeout: int = Field(
+        600,
+        ge=10,
+        description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading and tokenizing while the others wait",
+    )
+    result_model_id: str | None = Field(
+        None, description="Hub repo to push model/ to (needs HF_TOKEN); unset: the model stays on the volume"
+    )
+    hub_timeout: float = Field(
+        30,
+        gt=0,
+        le=600,
+        description="seconds one Hub request may take to connect or to send a byte back; a Hub that accepts and never answers fails here, then is retried",
+    )
     push_timeout: float = Field(
-        600, gt=0, le=86400, description="seconds the push (retries and uploads in flight included) may take before exit 3; the token check before training gets min(120, this)"
+        600,
+        gt=0,
+        le=86400,
+        description="seconds the push (retries and uploads in flight included) may take before exit 3; the token check before training gets min(120, this)",
     )
     hub_private: bool = Field(True, description="a new Hub repo is private unless asked otherwise")
-    merge_adapter: bool = Field(False, description="also write OUTPUT_DIR/merged: the base with the adapter merged in, full precision, for servers without peft")
-    result_merged_model_id: str | None = Field(None, description="Hub repo to push merged/ to (needs MERGE_ADAPTER=true and HF_TOKEN)")
+    merge_adapter: bool = Field(
+        False,
+        description="also write OUTPUT_DIR/merged: the base with the adapter merged in, full precision, for servers without peft",
+    )
+    result_merged_model_id: str | None = Field(
+        None, description="Hub repo to push merged/ to (needs MERGE_ADAPTER=true and HF_TOKEN)"
+    )
 
     # --- evaluation and tracking
     eval_steps: int | None = Field(
-        None, ge=0, description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end"
+        None,
+        ge=0,
+        description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end",
     )
     report_to: tuple[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"], ...] = Field(
         ("tensorboard",),
@@ -176,7 +274,9 @@ class Settings(BaseModel):
     @classmethod
     def _check_run_name(cls, value: str | None) -> str | None:
         if value is not None and (not RUN_NAME_PATTERN.match(value) or ".." in value):
-            raise ValueError("it names a folder under OUTPUT_DIR: use 1-100 letters, digits, '-', '_', '.', '+', '=' (no '/' or '..')")
+            raise ValueError(
+                "it names a folder under OUTPUT_DIR: use 1-100 letters, digits, '-', '_', '.', '+', '=' (no '/' or '..')"
+            )
         return value
 
     @field_validator("result_model_id", "result_merged_model_id", "base_model_id")
@@ -187,7 +287,7 @@ class Settings(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _label_is_not_the_text(self) -> "Settings":
+    def _label_is_not_the_text(self) -> Settings:
         if self.text_column == self.label_column:
             raise ValueError(
                 f"TEXT_COLUMN and LABEL_COLUMN both name the column '{self.text_column}'; the text and the 0/1 label must be "
@@ -196,7 +296,7 @@ class Settings(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _merged_push_needs_merge(self) -> "Settings":
+    def _merged_push_needs_merge(self) -> Settings:
         if self.result_merged_model_id and not self.merge_adapter:
             raise ValueError(
                 f"RESULT_MERGED_MODEL_ID={self.result_merged_model_id} pushes the merged model, which only MERGE_ADAPTER=true writes: "
@@ -205,7 +305,7 @@ class Settings(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _derive_run_name(self) -> "Settings":
+    def _derive_run_name(self) -> Settings:
         if self.run_name is None:
             object.__setattr__(self, "run_name", derive_run_name(self))
         return self
@@ -225,14 +325,37 @@ class Settings(BaseModel):
 # that leave the maths alone) may differ between a run and its restart.
 TRAINING_SETTINGS = frozenset(
     {
-        "model_name", "dataset_name", "dataset_config", "dataset_path", "text_column", "label_column",
-        "num_epochs", "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "learning_rate",
-        "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "quantization",
-        "precision", "strategy", "max_seq_length", "seed",
-        "base_learning_rate", "learning_rate_scaling", "weight_decay", "train_pooler", "head_learning_rate_ratio", "loraplus_lr_ratio",
-        "lora_variant", "lora_init",
+        "model_name",
+        "dataset_name",
+        "dataset_config",
+        "dataset_path",
+        "text_column",
+        "label_column",
+        "num_epochs",
+        "max_steps",
+        "per_device_batch_size",
+        "gradient_accumulation_steps",
+        "learning_rate",
+        "warmup_ratio",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "quantization",
+        "precision",
+        "strategy",
+        "max_seq_length",
+        "seed",
+        "base_learning_rate",
+        "learning_rate_scaling",
+        "weight_decay",
+        "train_pooler",
+        "head_learning_rate_ratio",
+        "loraplus_lr_ratio",
+        "lora_variant",
+        "lora_init",
     }
-)  # fmt: skip
+)
 
 
 def derive_run_name(settings: Settings) -> str:
@@ -257,14 +380,23 @@ def resolve_base_model_id(settings: Settings) -> str | None:
     path = Path(settings.model_name).expanduser()
     if not path.exists():
         return settings.model_name if REPO_ID_PATTERN.match(settings.model_name) else None
-    cached = [part for part in Path(os.path.abspath(path)).parts if part.startswith("models--")]  # links not followed: the path is the record
+    cached = [
+        part for part in Path(os.path.abspath(path)).parts if part.startswith("models--")
+    ]  # links not followed: the path is the record
     return cached[-1].removeprefix("models--").replace("--", "/") if cached else None
 
 
 def check_push_possible(settings: Settings) -> None:
     """A push that cannot happen (no token, offline mode, an adapter nobody could load) is bad input now,
     before any import, data or GPU time."""
-    pushes = [f"{name}={value}" for name, value in (("RESULT_MODEL_ID", settings.result_model_id), ("RESULT_MERGED_MODEL_ID", settings.result_merged_model_id)) if value]
+    pushes = [
+        f"{name}={value}"
+        for name, value in (
+            ("RESULT_MODEL_ID", settings.result_model_id),
+            ("RESULT_MERGED_MODEL_ID", settings.result_merged_model_id),
+        )
+        if value
+    ]
     if pushes and read_token() is None:
         raise JobError(
             EXIT_BAD_INPUT,
@@ -286,7 +418,11 @@ def check_push_possible(settings: Settings) -> None:
         )
 
 
-TRACKER_PACKAGES = {"mlflow": ("mlflow", "mlflow-skinny"), "wandb": ("wandb", "wandb"), "trackio": ("trackio", "trackio")}  # module, pip name
+TRACKER_PACKAGES = {
+    "mlflow": ("mlflow", "mlflow-skinny"),
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+}  # module, pip name
 
 
 def check_trackers(settings: Settings) -> None:
@@ -339,11 +475,21 @@ def build_parser() -> argparse.ArgumentParser:
         "environment variable (flags win); the Hub token comes only from HF_TOKEN or HF_TOKEN_PATH.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved settings and distributed environment as JSON, then exit")
-    parser.add_argument("--push-only", action="store_true", help="push an existing OUTPUT_DIR/model to RESULT_MODEL_ID without training")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved settings and distributed environment as JSON, then exit",
+    )
+    parser.add_argument(
+        "--push-only",
+        action="store_true",
+        help="push an existing OUTPUT_DIR/model to RESULT_MODEL_ID without training",
+    )
     group = parser.add_argument_group("settings (flag / env name; default)")
     for field, info in FIELDS.items():
-        choices = getattr(info.annotation, "__args__", None) if str(info.annotation).startswith("typing.Literal") else None
+        choices = (
+            getattr(info.annotation, "__args__", None) if str(info.annotation).startswith("typing.Literal") else None
+        )
         if field == "report_to":  # a comma-separated list of a Literal's values
             choices = ("tensorboard,mlflow,wandb,trackio,none",)
         metavar = "{" + ",".join(choices) + "}" if choices else "{true,false}" if info.annotation is bool else None
@@ -357,7 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> tuple[Settings, argparse.Namespace]:
+def load_settings(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[Settings, argparse.Namespace]:
     """Resolve defaults < env < flags and validate; bad values raise JobError with the fix."""
     environ = os.environ if environ is None else environ
     args = build_parser().parse_args(argv)
@@ -377,6 +525,8 @@ def load_settings(argv: list[str] | None = None, environ: Mapping[str, str] | No
         reason = first["msg"].removeprefix("Value error, ")
         if field not in FIELDS:  # a check across settings: its message names them and the fix
             raise JobError(EXIT_BAD_INPUT, reason) from None
-        raise JobError(EXIT_BAD_INPUT, f"{source}={raw!s} is invalid: {reason}; fix {env_name(field)} or {flag_name(field)}") from None
+        raise JobError(
+            EXIT_BAD_INPUT, f"{source}={raw!s} is invalid: {reason}; fix {env_name(field)} or {flag_name(field)}"
+        ) from None
     refuse_token_in_settings(settings.model_dump(mode="json"))  # also reads the token: a bad one is refused now
     return settings, args

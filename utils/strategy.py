@@ -15,7 +15,8 @@ start of training unless the model really is FSDP-wrapped.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -27,7 +28,9 @@ from utils.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def check_strategy(settings: Settings, dist: DistEnv, cuda: bool, quantize: bool, precision: str, launcher: Mapping[str, object]) -> None:
+def check_strategy(
+    settings: Settings, dist: DistEnv, cuda: bool, quantize: bool, precision: str, launcher: Mapping[str, object]
+) -> None:
     """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked.
 
     `launcher` holds the training options an `accelerate launch` config exported (distributed.launcher_options).
@@ -81,7 +84,12 @@ def wrap_classes(model: torch.nn.Module) -> list[str]:
     embedding as a unit of its own, which fails inside an already sharded BertEmbeddings.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    repeated = {type(block).__name__ for module in base.modules() if isinstance(module, torch.nn.ModuleList) for block in module}
+    repeated = {
+        type(block).__name__
+        for module in base.modules()
+        if isinstance(module, torch.nn.ModuleList)
+        for block in module
+    }
     declared = set(getattr(base, "_no_split_modules", None) or [])
     names = sorted(repeated & declared if declared else repeated)
     if not names:
@@ -131,9 +139,15 @@ class StrategyCheck(TrainerCallback):
                 "FSDP needs one process per CUDA GPU and a MULTI_GPU launch",
             )
         if self.strategy == "fsdp":
-            log.info("strategy fsdp: the model is sharded by FSDP in %d units (%s + the root)", units, ", ".join(args.fsdp_config.get("transformer_layer_cls_to_wrap", [])))
+            log.info(
+                "strategy fsdp: the model is sharded by FSDP in %d units (%s + the root)",
+                units,
+                ", ".join(args.fsdp_config.get("transformer_layer_cls_to_wrap", [])),
+            )
         else:
-            log.info("strategy %s: %s", self.strategy, "a whole model on every rank" if not units else f"{units} FSDP units")
+            log.info(
+                "strategy %s: %s", self.strategy, "a whole model on every rank" if not units else f"{units} FSDP units"
+            )
 
 
 def full_state_dict(model: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:

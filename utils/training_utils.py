@@ -38,8 +38,9 @@ from utils.data import load_sst2
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError, Preempted
 from utils.hub import Hub
-from utils.model_card import PLOT_NAME, plot_training_curves, write_label_names, write_model_card
+from utils.hub_token import MaskingFilter, masker, read_token
 from utils.model import build_model, load_tokenizer, merge_adapter, trainable_checksum
+from utils.model_card import PLOT_NAME, plot_training_curves, write_label_names, write_model_card
 from utils.outputs import (
     RunDir,
     checkpoint_resume_key,
@@ -53,9 +54,8 @@ from utils.outputs import (
     write_json,
     write_run_record,
 )
-from utils.recipe import describe_recipe, optimizer_groups, resolve_learning_rate
 from utils.preemption import PREEMPTION, stop_on_preemption_callback
-from utils.hub_token import MaskingFilter, masker, read_token
+from utils.recipe import describe_recipe, optimizer_groups, resolve_learning_rate
 from utils.run_lock import RunLock
 from utils.settings import Settings, resolve_base_model_id
 from utils.strategy import StrategyCheck, check_strategy, full_state_dict, trainer_options
@@ -127,7 +127,9 @@ class JobTrainer(Trainer):
         # classification loss is a per-batch mean: without this, DDP runs train at world-size x the rate.
         self.model_accepts_loss_kwargs = False
 
-    param_groups = None  # a recipe's optimizer groups (utils/recipe.py) when rates differ per group; None: the Trainer's own
+    param_groups = (
+        None  # a recipe's optimizer groups (utils/recipe.py) when rates differ per group; None: the Trainer's own
+    )
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.param_groups is not None:
@@ -146,7 +148,9 @@ class JobTrainer(Trainer):
             # The library measures every row in a Python loop (1.7 s for SST-2, on every rank, before the
             # first step); Arrow has the lengths already. Same lengths, same sampler: the same batches.
             lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
-            return EpochSeededLengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths, self.args.seed)
+            return EpochSeededLengthGroupedSampler(
+                self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths, self.args.seed
+            )
         return super()._get_train_sampler(train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
@@ -240,7 +244,17 @@ def evaluation_interval(settings: Settings, dist: DistEnv, train_rows: int) -> i
 
 
 def build_trainer(
-    settings: Settings, run: RunDir, dist: DistEnv, model, tokenizer, data, precision: str, cuda: bool, *, overrides=None, data_collator=None,
+    settings: Settings,
+    run: RunDir,
+    dist: DistEnv,
+    model,
+    tokenizer,
+    data,
+    precision: str,
+    cuda: bool,
+    *,
+    overrides=None,
+    data_collator=None,
     checkpoint_key: dict | None = None,
 ) -> JobTrainer:
     """The job's Trainer. `overrides` (TrainingArguments values) and `data_collator` exist for benchmarks/, which
@@ -264,7 +278,9 @@ def build_trainer(
         fp16=precision == "fp16",
         tf32=tf32 or None,
         activation_checkpointing=settings.gradient_checkpointing,  # transformers 5's name for gradient checkpointing
-        activation_checkpointing_kwargs={"use_reentrant": False},  # the reentrant variant breaks DDP + LoRA (peft #899)
+        activation_checkpointing_kwargs={
+            "use_reentrant": False
+        },  # the reentrant variant breaks DDP + LoRA (peft #899)
         train_sampling_strategy="group_by_length",  # batches of similar length: little padding
         torch_compile=settings.torch_compile,
         logging_steps=10,
@@ -273,11 +289,15 @@ def build_trainer(
         save_strategy="steps",
         save_steps=settings.save_steps,
         save_total_limit=None,  # CheckpointMarker prunes, counting complete checkpoints only
-        eval_strategy="steps" if eval_every else "no",  # the validation curve; the full evaluation at the end comes after training
+        eval_strategy="steps"
+        if eval_every
+        else "no",  # the validation curve; the full evaluation at the end comes after training
         eval_steps=eval_every or None,
         load_best_model_at_end=False,  # no checkpoint chosen on the split whose accuracy is reported
         # Rank 0 reports; TensorBoard is added below with its folder under OUTPUT_DIR.
-        report_to=[name for name in settings.report_to if name not in ("tensorboard", "none")] if dist.is_main else "none",
+        report_to=[name for name in settings.report_to if name not in ("tensorboard", "none")]
+        if dist.is_main
+        else "none",
         seed=settings.seed,
         use_cpu=not cuda,  # without it, CPU ranks would not form a DDP group but each train alone
         ddp_find_unused_parameters=False,
@@ -300,25 +320,34 @@ def build_trainer(
     ]
     if dist.is_main and "tensorboard" in settings.report_to:
         tensorboard = TensorBoardCallback()
-        tensorboard.logging_dir = str(run.tensorboard / settings.run_name)  # kept when it reopens its writer for the final evaluation
+        tensorboard.logging_dir = str(
+            run.tensorboard / settings.run_name
+        )  # kept when it reopens its writer for the final evaluation
         callbacks.append(tensorboard)
     trainer = JobTrainer(
         model=model,
         args=args,
         train_dataset=data["train"],
         eval_dataset=data["validation"],
-        data_collator=data_collator or DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cuda else None),  # multiples of 8 for tensor cores
+        data_collator=data_collator
+        or DataCollatorWithPadding(
+            tokenizer, pad_to_multiple_of=8 if cuda else None
+        ),  # multiples of 8 for tensor cores
         processing_class=tokenizer,
         compute_metrics=classification_metrics(),
         callbacks=callbacks,
     )
     if settings.head_learning_rate_ratio != 1 or settings.loraplus_lr_ratio != 1:
-        trainer.param_groups = partial(optimizer_groups, settings=settings, learning_rate=args.learning_rate, weight_decay=args.weight_decay)
+        trainer.param_groups = partial(
+            optimizer_groups, settings=settings, learning_rate=args.learning_rate, weight_decay=args.weight_decay
+        )
     return trainer
 
 
 # ------------------------------------------------------------------------------- publish
-def save_model(run: RunDir, settings: Settings, trainer: Trainer, metrics: dict, state_dict: dict | None = None) -> None:
+def save_model(
+    run: RunDir, settings: Settings, trainer: Trainer, metrics: dict, state_dict: dict | None = None
+) -> None:
     """Write model/ (adapter, tokenizer, label names, training curves, card) and metrics.json, each whole or not at all.
 
     `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's own.
@@ -358,7 +387,11 @@ def files_to_push(run: RunDir, settings: Settings, merged: bool) -> dict[str, Pa
     files |= {"metrics.json": run.metrics, "run.json": run.run_record}
     events = run.tensorboard / settings.run_name
     if events.is_dir():
-        files |= {f"runs/{settings.run_name}/{path.relative_to(events)}": path for path in sorted(events.rglob("*")) if path.is_file()}
+        files |= {
+            f"runs/{settings.run_name}/{path.relative_to(events)}": path
+            for path in sorted(events.rglob("*"))
+            if path.is_file()
+        }
     return files
 
 
@@ -375,10 +408,19 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
         card = write_model_card(folder, settings, metrics, repo_id, merged=merged)
         log.info("pushing %s to %s", folder, repo_id)
         try:
-            url = hub.push_files(files_to_push(run, settings, merged), repo_id, settings.hub_private, f"Upload {settings.run_name}", card=card)
+            url = hub.push_files(
+                files_to_push(run, settings, merged),
+                repo_id,
+                settings.hub_private,
+                f"Upload {settings.run_name}",
+                card=card,
+            )
         except Exception as exc:
             log.error("push to %s failed: %s", repo_id, hub.describe(exc))
-            print(f"error: push to {repo_id} failed ({hub.describe(exc)}); the model is in {folder}: rerun with --push-only", file=sys.stderr)
+            print(
+                f"error: push to {repo_id} failed ({hub.describe(exc)}); the model is in {folder}: rerun with --push-only",
+                file=sys.stderr,
+            )
             code = EXIT_PUSH_FAILED
             continue
         write_run_record(run, settings, **{PUSH_RECORD[merged]: {"repo_id": repo_id, "commit": url}})
@@ -409,7 +451,9 @@ def content_digest(dataset: datasets.Dataset) -> str:
     """A hash of the tokenized rows themselves. The datasets fingerprint of a local file follows its
     modification time: a volume restored with the same files would look like new data."""
     digest = hashlib.sha256()
-    table = dataset.with_format("arrow")[:].combine_chunks()  # one chunk: the same rows give the same bytes however they were written
+    table = dataset.with_format("arrow")[
+        :
+    ].combine_chunks()  # one chunk: the same rows give the same bytes however they were written
     sink = pyarrow.BufferOutputStream()
     with pyarrow.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
@@ -428,7 +472,9 @@ def resume_checkpoint(run: RunDir, key: dict) -> str | None:
         log.warning("removed %s: its save never completed (the job was killed while writing it)", path.name)
     latest, damaged = usable_checkpoints(run)
     for path, problem in damaged:
-        log.warning("removed %s: %s; falling back to %s", path.name, problem, latest.name if latest else "a fresh start")
+        log.warning(
+            "removed %s: %s; falling back to %s", path.name, problem, latest.name if latest else "a fresh start"
+        )
     if latest is None:
         return None
     theirs = checkpoint_resume_key(latest)
@@ -440,7 +486,11 @@ def resume_checkpoint(run: RunDir, key: dict) -> str | None:
             what.append(f"global batch {theirs.get('global_batch')}, this start {key['global_batch']}")
         if theirs.get("data") != key["data"]:
             what.append("other training or validation data (the files changed since)")
-        fix = f"restart with {theirs.get('world_size')} replica(s)" if theirs.get("world_size") != key["world_size"] else "restore the data and settings of that run"
+        fix = (
+            f"restart with {theirs.get('world_size')} replica(s)"
+            if theirs.get("world_size") != key["world_size"]
+            else "restore the data and settings of that run"
+        )
         raise JobError(
             EXIT_BAD_INPUT,
             f"{run.checkpoints / latest.name} was written by a run with {'; '.join(what)}; resuming would skip or repeat rows: "
@@ -484,13 +534,25 @@ def resume_hint(run: RunDir) -> str:
 
 def agreement(settings: Settings, dist: DistEnv) -> dict:
     """What every rank of one job must share, compared at the rendezvous."""
-    return {"world_size": dist.world_size, "run_name": settings.run_name, "output_dir": settings.output_dir, **settings.training_settings()}
+    return {
+        "world_size": dist.world_size,
+        "run_name": settings.run_name,
+        "output_dir": settings.output_dir,
+        **settings.training_settings(),
+    }
 
 
 def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     setup_logging(dist)
-    log.info("rank %d of %d (local rank %d, node %d) via %s; environment %s", dist.rank, dist.world_size, dist.local_rank,
-             dist.node_rank, dist.source, distributed.masked_environ())  # fmt: skip
+    log.info(
+        "rank %d of %d (local rank %d, node %d) via %s; environment %s",
+        dist.rank,
+        dist.world_size,
+        dist.local_rank,
+        dist.node_rank,
+        dist.source,
+        distributed.masked_environ(),
+    )
     if run_dir.is_finished():
         log.info("%s already holds a finished run", run_dir.root)
         if not dist.is_main:
@@ -505,15 +567,21 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     quantize, precision = resolve_numerics(settings, dist, cuda)
     log.info("device %s, 8-bit %s, precision %s", device, quantize, precision)
     log.info(describe_recipe(settings, dist.world_size))
-    check_strategy(settings, dist, cuda, quantize, precision, distributed.launcher_options())  # e.g. fsdp on the CPU: exit 2, never DDP
+    check_strategy(
+        settings, dist, cuda, quantize, precision, distributed.launcher_options()
+    )  # e.g. fsdp on the CPU: exit 2, never DDP
 
     hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
-    if settings.result_model_id:  # on every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective
+    if (
+        settings.result_model_id
+    ):  # on every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective
         hub.check_write_access(settings.result_model_id)
     lock = RunLock(run_dir.root)
     try:
         # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
-        distributed.rendezvous(dist, settings.rendezvous_timeout, cuda, agreement(settings, dist), on_main=lock.acquire)
+        distributed.rendezvous(
+            dist, settings.rendezvous_timeout, cuda, agreement(settings, dist), on_main=lock.acquire
+        )
         log_to_file(run_dir, dist)
         with distributed.peers_watched(dist, settings.rendezvous_timeout, lambda: resume_hint(run_dir)):
             trainer, metrics, summary, state_dict = train(settings, dist, run_dir, device, quantize, precision, cuda)
@@ -524,8 +592,11 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
             if settings.merge_adapter:
                 save_merged(run_dir, settings)
             code = push_model(run_dir, settings, hub)
-            print(f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
-                  f"model={run_dir.model}", flush=True)  # fmt: skip
+            print(
+                f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
+                f"model={run_dir.model}",
+                flush=True,
+            )
         log.info(summary)
         return code
     finally:
@@ -546,15 +617,21 @@ def train(settings: Settings, dist: DistEnv, run_dir: RunDir, device, quantize: 
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
     distributed.run_on_main(dist, lambda: write_run_record(run_dir, settings))
     if checkpoint:
-        log.info("resuming from step %s (%s): the steps before it are not trained again", checkpoint.rsplit("-", 1)[-1], checkpoint)
+        log.info(
+            "resuming from step %s (%s): the steps before it are not trained again",
+            checkpoint.rsplit("-", 1)[-1],
+            checkpoint,
+        )
     with progress_bar_closed_on_error(trainer), tracker_run(settings, dist):
         with PREEMPTION.deferred():  # a stop signal now checkpoints at the next step all ranks agree on
             train_result = trainer.train(resume_from_checkpoint=checkpoint)
         signum = distributed.max_over_ranks(dist, PREEMPTION.signum)
         if signum:
             what = "SIGTERM" if signum == signal.SIGTERM else "SIGINT (Ctrl-C)"
-            raise Preempted(f"{what} during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(run_dir)}",
-                            code=128 + signum)  # fmt: skip
+            raise Preempted(
+                f"{what} during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(run_dir)}",
+                code=128 + signum,
+            )
         eval_metrics = trainer.evaluate()
         metrics = {
             **train_result.metrics,
@@ -566,9 +643,18 @@ def train(settings: Settings, dist: DistEnv, run_dir: RunDir, device, quantize: 
             "quantization": "8bit" if quantize else "none",
             "precision": precision,
             "run_name": settings.run_name,
-            "data": {"train_rows": len(data["train"]), "validation_rows": len(data["validation"]), "fingerprint": key["data"]["train"]},
+            "data": {
+                "train_rows": len(data["train"]),
+                "validation_rows": len(data["validation"]),
+                "fingerprint": key["data"]["train"],
+            },
         }
-        log.info("eval accuracy %.4f, F1 %.4f on %d rows", metrics["eval_accuracy"], metrics["eval_f1"], metrics["eval_samples"])
+        log.info(
+            "eval accuracy %.4f, F1 %.4f on %d rows",
+            metrics["eval_accuracy"],
+            metrics["eval_f1"],
+            metrics["eval_samples"],
+        )
         trainer.accelerator.wait_for_everyone()
         # Collectives when FSDP shards the weights, so on every rank and before leaving the group.
         summary = f"rank {dist.rank} processed {trainer.samples_seen} training samples; trainable weights checksum {trainable_checksum(trainer.model)}"
@@ -583,9 +669,13 @@ def publish_only(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
     setup_logging(dist)
     log_to_file(run_dir, dist)
     if not (settings.result_model_id or settings.result_merged_model_id):
-        raise JobError(EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (or RESULT_MERGED_MODEL_ID): the Hub repo to push to")
+        raise JobError(
+            EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (or RESULT_MERGED_MODEL_ID): the Hub repo to push to"
+        )
     if not run_dir.is_finished():
-        raise JobError(EXIT_BAD_INPUT, f"{run_dir.model} holds no finished model; run the training first (without --push-only)")
+        raise JobError(
+            EXIT_BAD_INPUT, f"{run_dir.model} holds no finished model; run the training first (without --push-only)"
+        )
     if settings.merge_adapter and not run_dir.merged.is_dir():
         save_merged(run_dir, settings)
     hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)

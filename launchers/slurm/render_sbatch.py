@@ -41,18 +41,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=1, help="nodes to allocate (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node; one task per GPU (default 4)")
-    parser.add_argument("--cpus-per-task", type=int, default=4, help="cores per task: data loading and tokenizing (default 4)")
-    parser.add_argument("--time", default="02:00:00", help="time limit, Slurm format (default 02:00:00: one epoch of SST-2 takes minutes)")
+    parser.add_argument(
+        "--cpus-per-task", type=int, default=4, help="cores per task: data loading and tokenizing (default 4)"
+    )
+    parser.add_argument(
+        "--time",
+        default="02:00:00",
+        help="time limit, Slurm format (default 02:00:00: one epoch of SST-2 takes minutes)",
+    )
     parser.add_argument("--partition", default=None, help="partition; unset: the cluster's default")
     parser.add_argument("--job-name", default="sst2-lora")
-    parser.add_argument("--signal-lead", type=int, default=180, help="seconds before the time limit to checkpoint and requeue (default 180)")
+    parser.add_argument(
+        "--signal-lead",
+        type=int,
+        default=180,
+        help="seconds before the time limit to checkpoint and requeue (default 180)",
+    )
     runtime = parser.add_mutually_exclusive_group()
-    runtime.add_argument("--venv", default=None, help="virtual environment on the shared filesystem to activate (default: REPO/.venv)")
-    runtime.add_argument("--container", default=None, help="image for pyxis/enroot (srun --container-image); the job runs /app/main.py in it")
-    parser.add_argument("--workdir", default=str(REPO), help="checkout of this repository on the shared filesystem (default: this one)")
-    parser.add_argument("--shared-dir", default=None, help="with --container (required there): host folder every node sees, mounted at /pvc-home (OUTPUT_DIR defaults under it)")
+    runtime.add_argument(
+        "--venv", default=None, help="virtual environment on the shared filesystem to activate (default: REPO/.venv)"
+    )
+    runtime.add_argument(
+        "--container",
+        default=None,
+        help="image for pyxis/enroot (srun --container-image); the job runs /app/main.py in it",
+    )
+    parser.add_argument(
+        "--workdir", default=str(REPO), help="checkout of this repository on the shared filesystem (default: this one)"
+    )
+    parser.add_argument(
+        "--shared-dir",
+        default=None,
+        help="with --container (required there): host folder every node sees, mounted at /pvc-home (OUTPUT_DIR defaults under it)",
+    )
     parser.add_argument("--log-dir", default=None, help="Slurm's own logs, one per task (default: WORKDIR/logs/slurm)")
-    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE", help="a job setting, exported to every task")
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a job setting, exported to every task",
+    )
     parser.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
     return parser.parse_args(argv)
 
@@ -66,10 +96,15 @@ def check_settings(pairs: list[str]) -> dict[str, str]:
         if not sep or not ENV_NAME.match(name):
             raise JobError(2, f"--set {pair!r} is not NAME=VALUE with an UPPER_SNAKE name, e.g. --set NUM_EPOCHS=2")
         if name in SECRETS:
-            raise JobError(2, f"--set {name} would write a secret into the batch script; export {name} in the shell that runs sbatch, or set HF_TOKEN_PATH")
+            raise JobError(
+                2,
+                f"--set {name} would write a secret into the batch script; export {name} in the shell that runs sbatch, or set HF_TOKEN_PATH",
+            )
         values[name] = value
     known = {env_name(field) for field in FIELDS}
-    load_settings([], environ={name: value for name, value in values.items() if name in known})  # raises JobError with the fix
+    load_settings(
+        [], environ={name: value for name, value in values.items() if name in known}
+    )  # raises JobError with the fix
     return values
 
 
@@ -80,9 +115,14 @@ def render(args: argparse.Namespace) -> str:
     if not TIME_LIMIT.match(args.time):
         raise JobError(2, f"--time={args.time} is not a Slurm time limit; use minutes, HH:MM:SS or D-HH:MM:SS")
     if args.shared_dir and not args.container:
-        raise JobError(2, "--shared-dir is for --container (it is mounted at /pvc-home); with --venv set OUTPUT_DIR via --set")
+        raise JobError(
+            2, "--shared-dir is for --container (it is mounted at /pvc-home); with --venv set OUTPUT_DIR via --set"
+        )
     if args.container and not args.shared_dir:
-        raise JobError(2, "--container needs --shared-dir: a folder every node sees, mounted at /pvc-home (checkpoints, model and logs go there)")
+        raise JobError(
+            2,
+            "--container needs --shared-dir: a folder every node sees, mounted at /pvc-home (checkpoints, model and logs go there)",
+        )
     settings = check_settings(args.settings)
     workdir = Path(args.workdir).resolve()
     log_dir = Path(args.log_dir).resolve() if args.log_dir else workdir / "logs" / "slurm"
@@ -106,7 +146,9 @@ def render(args: argparse.Namespace) -> str:
         "GPUS_PER_NODE": str(args.gpus_per_node),
         "CPUS_PER_TASK": str(args.cpus_per_task),
         "TIME": args.time,
-        "PARTITION_LINE": f"#SBATCH --partition={args.partition}" if args.partition else "# (no --partition: the cluster's default partition)",
+        "PARTITION_LINE": f"#SBATCH --partition={args.partition}"
+        if args.partition
+        else "# (no --partition: the cluster's default partition)",
         "SIGNAL_LEAD": str(args.signal_lead),
         "LOG_DIR": shlex.quote(str(log_dir)),
         "WORKDIR": shlex.quote(str(workdir)),

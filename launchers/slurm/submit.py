@@ -50,9 +50,20 @@ class Train(submitit.helpers.Checkpointable):
         return main(self.argv)
 
 
-def submit(argv: list[str], *, folder: str, cluster: str | None = None, nodes: int = 1, gpus_per_node: int = 4,
-           tasks_per_node: int | None = None, cpus_per_task: int = 4, timeout_min: int = 120, partition: str | None = None,
-           job_name: str = "sst2-lora", signal_delay_s: int = 180) -> submitit.Job:  # fmt: skip
+def submit(
+    argv: list[str],
+    *,
+    folder: str,
+    cluster: str | None = None,
+    nodes: int = 1,
+    gpus_per_node: int = 4,
+    tasks_per_node: int | None = None,
+    cpus_per_task: int = 4,
+    timeout_min: int = 120,
+    partition: str | None = None,
+    job_name: str = "sst2-lora",
+    signal_delay_s: int = 180,
+) -> submitit.Job:
     """Queue the job: `tasks_per_node` processes on each node (default: one per GPU)."""
     executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
     parameters = dict(
@@ -75,13 +86,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node (default 4); one task each")
-    parser.add_argument("--tasks-per-node", type=int, default=None, help="processes per node (default: --gpus-per-node; on the CPU: give it)")
+    parser.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=None,
+        help="processes per node (default: --gpus-per-node; on the CPU: give it)",
+    )
     parser.add_argument("--cpus-per-task", type=int, default=4)
     parser.add_argument("--time", type=int, default=120, help="time limit in minutes (default 120)")
     parser.add_argument("--partition", default=None)
     parser.add_argument("--job-name", default="sst2-lora")
-    parser.add_argument("--cluster", default=None, choices=("slurm", "local", "debug"), help="default: Slurm when sbatch is found, else local")
-    parser.add_argument("--folder", default=str(REPO / "logs" / "submitit" / "%j"), help="submitit's logs and pickles (%%j: the job id)")
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        choices=("slurm", "local", "debug"),
+        help="default: Slurm when sbatch is found, else local",
+    )
+    parser.add_argument(
+        "--folder",
+        default=str(REPO / "logs" / "submitit" / "%j"),
+        help="submitit's logs and pickles (%%j: the job id)",
+    )
     parser.add_argument("--wait", action="store_true", help="wait for the job and exit with its exit code")
     args, job_argv = parser.parse_known_args(argv)
     job_argv = [arg for arg in job_argv if arg != "--"]
@@ -93,9 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code
 
-    job = submit(job_argv, folder=args.folder, cluster=args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                 tasks_per_node=args.tasks_per_node, cpus_per_task=args.cpus_per_task, timeout_min=args.time,
-                 partition=args.partition, job_name=args.job_name)  # fmt: skip
+    job = submit(
+        job_argv,
+        folder=args.folder,
+        cluster=args.cluster,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        tasks_per_node=args.tasks_per_node,
+        cpus_per_task=args.cpus_per_task,
+        timeout_min=args.time,
+        partition=args.partition,
+        job_name=args.job_name,
+    )
     print(f"submitted job {job.job_id}; logs in {job.paths.folder}", file=sys.stderr)
     if not args.wait:
         return 0
