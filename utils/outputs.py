@@ -49,6 +49,9 @@ class RunDir:
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"
 
+    def rank_record(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.json"
+
     def is_finished(self) -> bool:
         return self.metrics.is_file() and (self.model / "adapter_config.json").is_file()
 

@@ -194,6 +194,10 @@ class SamplerEpoch(TrainerCallback):
 class StartupTimer(TrainerCallback):
     """Logs how long the process took to reach its first training step (imports, data, model, Trainer set-up)."""
 
+    def __init__(self):
+        self.first_step = 0
+        self.seconds: float | None = None  # stays None when a resume finds no step left to train
+
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.first_step:
             self.seconds = time.time() - psutil.Process().create_time()
@@ -584,7 +588,7 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
         )
         log_to_file(run_dir, dist)
         with distributed.peers_watched(dist, settings.rendezvous_timeout, lambda: resume_hint(run_dir)):
-            trainer, metrics, summary, state_dict = train(settings, dist, run_dir, device, quantize, precision, cuda)
+            trainer, metrics, record, state_dict = train(settings, dist, run_dir, device, quantize, precision, cuda)
         distributed.leave_process_group()  # no rank enters a collective after this: rank 0 may upload for minutes
         code = EXIT_OK
         if dist.is_main:
@@ -597,7 +601,14 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
                 f"model={run_dir.model}",
                 flush=True,
             )
-        log.info(summary)
+        # What tests and benchmarks read (logs/rank-R.json), and the same in words at the end of the rank's log.
+        write_json(run_dir.rank_record(dist.rank), record)
+        log.info(
+            "rank %d processed %d training samples; trainable weights checksum %s",
+            dist.rank,
+            record["samples_trained"],
+            record["trainable_checksum"],
+        )
         return code
     finally:
         lock.release()
@@ -657,9 +668,20 @@ def train(settings: Settings, dist: DistEnv, run_dir: RunDir, device, quantize: 
         )
         trainer.accelerator.wait_for_everyone()
         # Collectives when FSDP shards the weights, so on every rank and before leaving the group.
-        summary = f"rank {dist.rank} processed {trainer.samples_seen} training samples; trainable weights checksum {trainable_checksum(trainer.model)}"
+        timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StartupTimer))
+        record = {
+            "rank": dist.rank,
+            "local_rank": dist.local_rank,
+            "node_rank": dist.node_rank,
+            "world_size": dist.world_size,
+            "source": dist.source,
+            "samples_trained": trainer.samples_seen,
+            "trainable_checksum": trainable_checksum(trainer.model),
+            "first_step": timer.first_step + 1,
+            "seconds_to_first_step": timer.seconds,
+        }
         state_dict = full_state_dict(trainer.model, settings.strategy)
-    return trainer, metrics, summary, state_dict
+    return trainer, metrics, record, state_dict
 
 
 def publish_only(settings: Settings, dist: DistEnv, run_dir: RunDir) -> int:
