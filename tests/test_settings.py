@@ -6,11 +6,15 @@ All through the real entry point (`python main.py`), which answers these without
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
 from tests.conftest import base_env, run_main
-from utils.settings import FIELDS, env_name, flag_name
+from utils.settings import FIELDS, Settings, env_name, flag_name, load_settings
+
+# Every test here is quick (settings parsing and --dry-run, no training): `make check` runs them all.
+pytestmark = pytest.mark.check
 
 
 def dry_run(tmp_path, *args: str, **env: str) -> dict:
@@ -57,13 +61,48 @@ def test_token_is_never_a_flag(tmp_path):
     )
 
 
-def test_help_lists_every_setting_with_env_name_and_default(tmp_path):
-    result = run_main(base_env(tmp_path), "--help")
+def test_help_lists_every_setting_with_env_name_default_and_why(tmp_path):
+    result = run_main(base_env(tmp_path, COLUMNS="1000"), "--help")  # wide: argparse wraps no help text
     assert result.code == 0
-    text = " ".join(result.stdout.split())  # argparse wraps lines
-    for field in FIELDS:
-        assert flag_name(field) in text and f"[{env_name(field)}; default" in text, field
-    assert "--dry-run" in text and "HF_TOKEN" in text
+    text = " ".join(result.stdout.split())
+    assert "--dry-run" in text and "--push-only" in text and "HF_TOKEN" in text
+    text = text[text.index("options:") :]  # past the usage line, which names every flag too
+    for field, info in FIELDS.items():
+        entry = re.search(
+            rf" {flag_name(field)} \S+ (.*?) \(default(?: factory)?: ([^)]*)\) \[env: {env_name(field)}\]", text
+        )
+        assert entry and entry[1] == info.description, field
+    assert "(default: query,value)" in text  # list settings show the comma-separated form to type
+
+
+def test_abbreviated_and_unknown_flags_are_refused(tmp_path):
+    for args in (["--learn", "1e-3"], ["--hf-tok", "x"], ["--num-epochs", "1", "extra"]):
+        result = run_main(base_env(tmp_path), "--dry-run", *args)
+        assert result.code == 2 and result.stderr.startswith("error: unrecognized arguments"), result
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
+
+
+def test_list_settings_are_comma_separated_in_env_and_flags(tmp_path):
+    config = dry_run(tmp_path, "--report-to", "none", LORA_TARGET_MODULES="query, key,value", LABEL_NAMES="bad,good")
+    assert config["config"]["lora_target_modules"] == ["query", "key", "value"]
+    assert config["config"]["label_names"] == ["bad", "good"] and config["config"]["report_to"] == ["none"]
+    flags = dry_run(tmp_path, "--lora-target-modules", "query,key", REPORT_TO="tensorboard,mlflow")["config"]
+    assert flags["lora_target_modules"] == ["query", "key"] and flags["report_to"] == ["tensorboard", "mlflow"]
+
+
+def test_blank_env_is_unset_but_an_empty_flag_is_refused(tmp_path):
+    config = dry_run(tmp_path, RESULT_MODEL_ID="", MAX_STEPS="  ", LEARNING_RATE="")["config"]
+    assert config["result_model_id"] is None and config["max_steps"] is None
+    result = run_main(base_env(tmp_path), "--dry-run", "--result-model-id", "")
+    assert result.code == 2 and result.stderr.startswith("error: --result-model-id= is invalid")
+
+
+def test_settings_in_code_never_read_the_environment(monkeypatch):
+    monkeypatch.setenv("LORA_R", "32")
+    monkeypatch.setenv("SEED", "not a number")
+    assert Settings().lora_r == 8 and Settings(lora_r=4).lora_r == 4
+    settings, args = load_settings(["--push-only", "--seed", "7"], environ={"LORA_R": "16"})
+    assert (settings.lora_r, settings.seed, args.push_only, args.dry_run) == (16, 7, True, False)
 
 
 def test_run_name_is_derived_the_same_everywhere_and_changes_with_training_settings(tmp_path):
@@ -253,9 +292,9 @@ def test_bad_flag_value_names_the_flag(tmp_path):
     assert result.code == 2 and result.stderr.startswith("error: --num-epochs=zero")
 
 
-def test_readme_documents_every_setting():
+def test_settings_doc_documents_every_setting():
     from tests.conftest import REPO
 
-    readme = (REPO / "README.md").read_text()
-    missing = [env_name(field) for field in FIELDS if f"`{env_name(field)}" not in readme]
-    assert not missing, f"README settings table lacks {missing}"
+    table = (REPO / "docs" / "settings.md").read_text()
+    missing = [env_name(field) for field in FIELDS if f"`{env_name(field)}" not in table]
+    assert not missing, f"docs/settings.md's settings table lacks {missing}"

@@ -5,8 +5,12 @@ name and a `--kebab-case` flag. The Hub token is the exception: it is read only 
 the file named by `HF_TOKEN_PATH` (as huggingface_hub does), never from a flag, because flags end up
 in `ps`, shell history and job specs.
 
-This module imports nothing heavy (pydantic only): `--help` and `--dry-run` must answer in well
-under a second, before torch or transformers are imported.
+`Settings` is a pydantic-settings `BaseSettings`: `load_settings` reads the environment and the
+flags through the library's own sources (`EnvSettingsSource`, `CliSettingsSource`), while
+`Settings(**values)` in code and tests takes only the values given, never the caller's environment.
+
+This module imports nothing heavy (pydantic and pydantic-settings only): `--help` and `--dry-run`
+must answer in well under a second, before torch or transformers are imported.
 """
 
 from __future__ import annotations
@@ -16,11 +20,21 @@ import hashlib
 import json
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import read_token, refuse_token_in_settings
@@ -38,10 +52,28 @@ def default_output_dir() -> str:
     return f"{SHARED_VOLUME}/output" if os.path.isdir(SHARED_VOLUME) else "./output"
 
 
-class Settings(BaseModel):
+class Settings(BaseSettings):
     """The job's settings. Each field's description is its `--help` text: why the default is what it is."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        frozen=True,
+        str_strip_whitespace=True,
+        # the comma-separated defaults below become tuples as any given value does
+        validate_default=True,
+        # MODEL_NAME reaches model_name: env names are the field names upper-cased, with no prefix (the
+        # platform's config_map uses the bare names)
+        case_sensitive=False,
+        # Off: an empty flag (`--result-model-id "$UNSET"`) is refused, not read as unset; a blank
+        # environment variable (a blank config_map entry) is unset: _Environment drops it.
+        env_ignore_empty=False,
+        # Read by the CliSettingsSource load_settings builds on its own parser (prog, the refusal of abbreviated
+        # flags and the one-line errors are that parser's).
+        cli_kebab_case=True,
+        cli_show_env_vars=True,
+        # booleans take a value (`--hub-private false`), as their env variables do
+        cli_implicit_flags=False,
+    )
 
     # --- what to train on
     model_name: str = Field(
@@ -56,8 +88,10 @@ class Settings(BaseModel):
     )
     text_column: str = Field("sentence", description="column holding the text (GLUE SST-2's name)")
     label_column: str = Field("label", description="column holding the 0/1 label (GLUE SST-2's name)")
-    label_names: tuple[str, str] = Field(
-        ("negative", "positive"),
+    # NoDecode: these three are comma-separated in env and flags (`query,value`), not JSON lists. Their
+    # defaults are written the same way, so --help shows the format to type; validate_default splits them.
+    label_names: Annotated[tuple[str, str], NoDecode] = Field(
+        "negative,positive",
         description="names of labels 0 and 1 (the model's id2label), so a pipeline answers 'positive', not 'LABEL_1'",
     )
     base_model_id: str | None = Field(
@@ -138,8 +172,8 @@ class Settings(BaseModel):
     )
     lora_alpha: int = Field(16, ge=1, description="adapter scale alpha/r = 2")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="light regularisation of the adapter input")
-    lora_target_modules: tuple[str, ...] = Field(
-        ("query", "value"), description="comma-separated module names to adapt; query,value as in the LoRA paper"
+    lora_target_modules: Annotated[tuple[str, ...], NoDecode] = Field(
+        "query,value", description="comma-separated module names to adapt; query,value as in the LoRA paper"
     )
     train_pooler: bool = Field(
         True,
@@ -236,11 +270,24 @@ class Settings(BaseModel):
         ge=0,
         description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end",
     )
-    report_to: tuple[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"], ...] = Field(
-        ("tensorboard",),
+    report_to: Annotated[tuple[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"], ...], NoDecode] = Field(
+        "tensorboard",
         description="comma-separated trackers rank 0 reports to: tensorboard (files under OUTPUT_DIR/tensorboard), mlflow, wandb, trackio, or none; "
         "each reads its own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, ...)",
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # `Settings(**values)` is exactly those values and the defaults: a test or a benchmark must not pick
+        # up the environment it runs in. load_settings passes the environment and flag sources itself.
+        return (init_settings,)
 
     @field_validator("lora_target_modules", mode="before")
     @classmethod
@@ -444,23 +491,13 @@ FIELDS = Settings.model_fields
 
 
 def env_name(field: str) -> str:
+    # the name the env source matches (case_sensitive=False, no env_prefix), as config_map and --help write it
     return field.upper()
 
 
 def flag_name(field: str) -> str:
+    # the flag CliSettingsSource makes of the field (cli_kebab_case=True)
     return "--" + field.replace("_", "-")
-
-
-def _help_default(field: str) -> str:
-    info = FIELDS[field]
-    if info.default_factory is not None:
-        return info.default_factory()
-    default = info.default
-    if isinstance(default, tuple):
-        return ",".join(default)
-    if isinstance(default, bool):
-        return str(default).lower()
-    return "unset" if default is None else str(default)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -468,12 +505,26 @@ class _Parser(argparse.ArgumentParser):
         raise JobError(EXIT_BAD_INPUT, f"{message}; see `python main.py --help`")
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Environment(EnvSettingsSource):
+    """The environment source over any mapping: os.environ for the job, `--set` values render_sbatch never exports."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self._environ = environ
+        super().__init__(Settings)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # A variable holding only blanks is as unset as an empty one (a blank config_map entry).
+        return {name.lower(): value for name, value in self._environ.items() if value.strip()}
+
+
+def _parser() -> _Parser:
+    # allow_abbrev=False: `--learn 1e-3` is refused, never read as --learning-rate.
     parser = _Parser(
         prog="main.py",
         description="LoRA fine-tuning of BERT on GLUE SST-2, on one process or many. Every setting is a flag or an "
         "environment variable (flags win); the Hub token comes only from HF_TOKEN or HF_TOKEN_PATH.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--dry-run",
@@ -485,46 +536,37 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="push an existing OUTPUT_DIR/model to RESULT_MODEL_ID without training",
     )
-    group = parser.add_argument_group("settings (flag / env name; default)")
-    for field, info in FIELDS.items():
-        choices = (
-            getattr(info.annotation, "__args__", None) if str(info.annotation).startswith("typing.Literal") else None
-        )
-        if field == "report_to":  # a comma-separated list of a Literal's values
-            choices = ("tensorboard,mlflow,wandb,trackio,none",)
-        metavar = "{" + ",".join(choices) + "}" if choices else "{true,false}" if info.annotation is bool else None
-        group.add_argument(
-            flag_name(field),
-            dest=field,
-            default=None,  # None means "not given": env and defaults then apply
-            metavar=metavar,
-            help=f"[{env_name(field)}; default {_help_default(field)}] {info.description}".replace("%", "%%"),
-        )
     return parser
 
 
 def load_settings(
     argv: list[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> tuple[Settings, argparse.Namespace]:
-    """Resolve defaults < env < flags and validate; bad values raise JobError with the fix."""
-    environ = os.environ if environ is None else environ
-    args = build_parser().parse_args(argv)
-    given: dict[str, tuple[str, str]] = {}  # field -> (where it came from, raw value)
-    for field in FIELDS:
-        raw = environ.get(env_name(field), "").strip()
-        if raw:  # an empty variable (a blank config_map entry) means unset
-            given[field] = (env_name(field), raw)
-        if getattr(args, field) is not None:
-            given[field] = (flag_name(field), getattr(args, field))
+    """Resolve defaults < env < flags and validate; bad values raise JobError with the fix.
+
+    Returns the settings and the parsed command line (its `dry_run` and `push_only`)."""
+    env = _Environment(os.environ if environ is None else environ)
+    parser = _parser()
+    flags = CliSettingsSource(Settings, root_parser=parser, _env_settings_source=env)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        settings = Settings(**{field: raw for field, (_, raw) in given.items()})
+        flags(parsed_args=args)
+        settings = Settings(_build_sources=((flags, env), {}))  # the first source wins
+    except SettingsError as exc:
+        raise JobError(EXIT_BAD_INPUT, f"{exc}; see `python main.py --help`") from None
     except ValidationError as exc:
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else ""
-        source, raw = given.get(field, (env_name(field), "<default>"))
         reason = first["msg"].removeprefix("Value error, ")
         if field not in FIELDS:  # a check across settings: its message names them and the fix
             raise JobError(EXIT_BAD_INPUT, reason) from None
+        # Name the flag or variable the bad value came from, as it was typed.
+        given_flags, given_env = flags(), env()
+        source, raw = (
+            (flag_name(field), given_flags[field])
+            if field in given_flags
+            else (env_name(field), given_env.get(field, "<default>"))
+        )
         raise JobError(
             EXIT_BAD_INPUT, f"{source}={raw!s} is invalid: {reason}; fix {env_name(field)} or {flag_name(field)}"
         ) from None
