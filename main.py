@@ -7,7 +7,7 @@ others, and rank 0 writes the model to OUTPUT_DIR and pushes it to RESULT_MODEL_
 Launch it:
     python main.py                                   # one process (one GPU: 8-bit LoRA)
     python main.py --dry-run                         # resolved settings + ranks as JSON; imports no torch
-    docker run --gpus 1 ... IMAGE [--flags]          # single-GPU fallback (README "Docker")
+    docker run --gpus 1 ... IMAGE [--flags]          # single-GPU fallback (docs/deploying.md)
     # managed platform, replicas: 4 (config.yaml): the platform sets RANK, WORLD_SIZE, NODE_RANK,
     #   MASTER_ADDR, MASTER_PORT on each replica and runs `python main.py`
     kubectl apply -k k8s/                            # Kubeflow PyTorchJob, Master 1 + Worker 3
@@ -39,20 +39,20 @@ from utils.distributed import detect_env
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
 from utils.outputs import check_run_dir, open_run_dir
-from utils.preemption import PREEMPTION
+from utils.preemption import Preemption
 from utils.recipe import apply_recipe
 from utils.settings import check_push_possible, check_trackers, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        PREEMPTION.install()  # before the heavy imports: SIGTERM during them must still end in 143
-        install_masking()  # first: a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
+        preemption = Preemption()
+        preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
+        masker = install_masking()  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
         settings, args = load_settings(argv)
         dist = detect_env()
-        settings = apply_recipe(
-            settings, dist.world_size
-        )  # the learning rate follows the global batch unless LEARNING_RATE is set
+        # The learning rate follows the global batch unless LEARNING_RATE is set.
+        settings = apply_recipe(settings, dist.world_size)
         check_push_possible(settings)
         check_trackers(settings)
         if args.dry_run:  # every check above and this one need neither the network nor torch
@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
 
         # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-        from utils.training_utils import publish_only, run  # torch, transformers, peft: seconds to import
+        from utils.run import publish_only, run  # torch, transformers, peft: seconds to import
 
-        return publish_only(settings, dist, run_dir) if args.push_only else run(settings, dist, run_dir)
+        if args.push_only:
+            return publish_only(settings, dist, run_dir, masker=masker)
+        return run(settings, dist, run_dir, preemption=preemption, masker=masker)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code

@@ -28,7 +28,8 @@ from transformers import TrainingArguments  # noqa: E402
 from utils.errors import JobError  # noqa: E402
 from utils.model import build_model, trainable_checksum  # noqa: E402
 from utils.settings import Settings  # noqa: E402
-from utils.strategy import StrategyCheck, count_fsdp_units, full_state_dict, trainer_options  # noqa: E402
+from utils.strategy import count_fsdp_units, full_state_dict, trainer_options  # noqa: E402
+from utils.trainer import StrategyCheck  # noqa: E402
 
 
 def main(model_dir: str, results: Path) -> None:
@@ -85,7 +86,7 @@ def main(model_dir: str, results: Path) -> None:
         "state_keys": len(state),
     }
     if rank == 0:
-        model.save_pretrained(results / "adapter", state_dict=state)  # what utils/training_utils.save_model does
+        model.save_pretrained(results / "adapter", state_dict=state)  # what utils/hub.save_model does
         lora = {name: tensor for name, tensor in state.items() if "lora_" in name}
         report["lora_b_trained"] = all(float(t.abs().sum()) > 0 for name, t in lora.items() if "lora_B" in name)
         report["gathered_lora"] = {name: tensor.tolist() for name, tensor in lora.items()}

@@ -1,4 +1,8 @@
-"""The Hugging Face Hub: check the token before training, push the model's files in one commit.
+"""The model's way out: model/ (and merged/) saved on the volume, and the Hub client that checks the token and pushes them.
+
+Saving: rank 0 writes model/ (adapter, tokenizer, label names, training curves, card) and metrics.json,
+and with MERGE_ADAPTER merged/, each whole or not at all; `push_model` sends each to its repo once,
+recording the push in run.json so a restart or `--push-only` never pushes the same model twice.
 
 huggingface_hub does not retry `create_repo` or a commit on HTTP 503, so transient failures (5xx,
 429, dropped connections, timeouts) are retried here with exponential backoff and jitter (tenacity),
@@ -10,10 +14,13 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import shutil
+import sys
 import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx2
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants
@@ -21,7 +28,13 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from pydantic import SecretStr
 from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
 
-from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
+from utils.model_card import PLOT_NAME, plot_training_curves, write_label_names, write_model_card
+from utils.outputs import RunDir, read_json, replace_dir, write_json, write_run_record
+from utils.settings import Settings, resolve_base_model_id
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -234,3 +247,99 @@ def validate_card(card: ModelCard) -> None:
     """The Hub's own check of the card's YAML metadata (POST /api/validate-yaml): a card the Hub would
     reject is caught before the commit (ValueError, not retried), not shown broken on the model page."""
     card.validate(repo_type="model")
+
+
+# ------------------------------------------------------------------------------- saving
+def save_model(
+    run: RunDir, settings: Settings, trainer: Trainer, metrics: dict, state_dict: dict | None = None
+) -> None:
+    """Write model/ (adapter, tokenizer, label names, training curves, card) and metrics.json, each whole or not at all.
+
+    `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's own.
+    """
+    staged = run.root / ".model.partial"
+    shutil.rmtree(staged, ignore_errors=True)
+    model = trainer.model
+    base_id = resolve_base_model_id(settings)
+    if base_id:  # the adapter names its base by Hub id, not by a path on this volume, so it loads anywhere
+        model.peft_config["default"].base_model_name_or_path = base_id
+    model.save_pretrained(staged, state_dict=state_dict)
+    trainer.processing_class.save_pretrained(staged)
+    write_label_names(staged, settings)
+    plot_training_curves(trainer.state.log_history, staged / PLOT_NAME)
+    write_model_card(staged, settings, metrics, settings.result_model_id)
+    replace_dir(staged, run.model)
+    write_json(run.metrics, metrics)  # last: a finished run is one with metrics.json (RunDir.is_finished)
+    log.info("saved %s and %s", run.model, run.metrics)
+
+
+def save_merged(run: RunDir, settings: Settings) -> None:
+    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision, whole or not at all."""
+    # peft and transformers take seconds to import; the Hub client alone needs neither.
+    from utils.model import merge_adapter
+
+    staged = run.root / ".merged.partial"
+    shutil.rmtree(staged, ignore_errors=True)
+    merge_adapter(settings, run.model, staged)
+    write_model_card(staged, settings, read_json(run.metrics) or {}, settings.result_merged_model_id, merged=True)
+    replace_dir(staged, run.merged)
+    log.info("saved %s (adapter merged into the base, full precision)", run.merged)
+
+
+# ------------------------------------------------------------------------------- pushing
+PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what was pushed where
+
+
+def files_to_push(run: RunDir, settings: Settings, merged: bool) -> dict[str, Path]:
+    """What a push sends, path in the repo -> file on the volume: the model folder (adapter or merged
+    weights, tokenizer, card, plot), metrics.json, the masked run.json, and the TensorBoard event files
+    under runs/ (what the Hub reads for its training-metrics tab). The same set on every retry."""
+    folder = run.merged if merged else run.model
+    files = {str(path.relative_to(folder)): path for path in sorted(folder.rglob("*")) if path.is_file()}
+    files |= {"metrics.json": run.metrics, "run.json": run.run_record}
+    events = run.tensorboard / settings.run_name
+    if events.is_dir():
+        files |= {
+            f"runs/{settings.run_name}/{path.relative_to(events)}": path
+            for path in sorted(events.rglob("*"))
+            if path.is_file()
+        }
+    return files
+
+
+def already_pushed(run: RunDir, repo_id: str, merged: bool = False) -> bool:
+    record = read_json(run.run_record) or {}
+    return (record.get(PUSH_RECORD[merged]) or {}).get("repo_id") == repo_id
+
+
+def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
+    """Push model/ to RESULT_MODEL_ID (and merged/ to RESULT_MERGED_MODEL_ID) unless already pushed; exit 3
+    if a push fails after retries (the model stays on the volume)."""
+    code = EXIT_OK
+    metrics = read_json(run.metrics) or {}
+    for merged, repo_id in ((False, settings.result_model_id), (True, settings.result_merged_model_id)):
+        if not repo_id or already_pushed(run, repo_id, merged):
+            continue
+        folder = run.merged if merged else run.model
+        # The card again, now naming the repo it is pushed to (after --push-only too).
+        card = write_model_card(folder, settings, metrics, repo_id, merged=merged)
+        log.info("pushing %s to %s", folder, repo_id)
+        try:
+            url = hub.push_files(
+                files_to_push(run, settings, merged),
+                repo_id,
+                settings.hub_private,
+                f"Upload {settings.run_name}",
+                card=card,
+            )
+        except Exception as exc:
+            log.error("push to %s failed: %s", repo_id, hub.describe(exc))
+            print(
+                f"error: push to {repo_id} failed ({hub.describe(exc)}); the model is in {folder}: rerun with --push-only",
+                file=sys.stderr,
+            )
+            code = EXIT_PUSH_FAILED
+            continue
+        write_run_record(run, settings, **{PUSH_RECORD[merged]: {"repo_id": repo_id, "commit": url}})
+        log.info("pushed to %s", url)
+    return code

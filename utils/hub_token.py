@@ -131,22 +131,17 @@ class MaskingFilter(logging.Filter):
         return True
 
 
-_MASKER = Masker(None)
-
-
 def install_masking() -> Masker:
-    """Mask the token on stdout and stderr of this process from now on (reads and checks the token)."""
-    global _MASKER
-    _MASKER = Masker(read_token())
+    """Mask the token on stdout and stderr of this process from now on (reads and checks the token).
+
+    Returns the Masker, for the log handlers the run adds later (the rank logs are files, not stderr).
+    """
+    masker = Masker(read_token())
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if not isinstance(stream, MaskedStream):
-            setattr(sys, name, MaskedStream(stream, _MASKER))
-    return _MASKER
-
-
-def masker() -> Masker:
-    return _MASKER
+            setattr(sys, name, MaskedStream(stream, masker))
+    return masker
 
 
 def refuse_token_in_settings(values: dict[str, Any]) -> None:

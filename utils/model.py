@@ -123,9 +123,10 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
     # silently fall back to the eager attention (materialised score matrices, no fused kernels).
     kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings)}
     if quantize_8bit:
+        # A trained head stays full precision.
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
-        )  # a trained head stays full precision
+        )
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     try:
@@ -141,9 +142,8 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
         target_modules=list(settings.lora_target_modules),
-        **lora_options(
-            settings, (name for name, _ in model.named_modules())
-        ),  # pooler, rsLoRA/DoRA, init: utils/recipe.py
+        # Pooler, rsLoRA/DoRA, init: utils/recipe.py.
+        **lora_options(settings, (name for name, _ in model.named_modules())),
     )
     try:
         model = get_peft_model(model, lora)

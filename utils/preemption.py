@@ -14,8 +14,9 @@ transformers' `enable_jit_checkpoint` was not used: it decides per rank (one sig
 while its peers wait in the next all-reduce), waits 3 s before acting, and returns from `train()` as
 if training had finished, so the run would go on to publish a half-trained model.
 
-This module imports nothing heavy: main.py installs the handler before torch is imported (a container's
-PID 1 ignores SIGTERM unless a handler is installed).
+This module imports nothing heavy: main.py creates one `Preemption` per run and installs its handler
+before torch is imported (a container's PID 1 ignores SIGTERM unless a handler is installed), then hands
+it to the run, whose Trainer callback (utils/trainer.py StopOnPreemption) reads and settles the request.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)"}
 
 
 class Preemption:
-    """The stop-signal handler's state: which signal asked to stop, and whether the training loop acts on it."""
+    """The stop-signal handler's state: which signal asked to stop, and whether the training loop acts on it.
+
+    One per process, created by main.py and passed down; `install` makes it the handler of SIGTERM and SIGINT.
+    """
 
     def __init__(self) -> None:
         self.signum = 0  # 0: no stop asked; else SIGTERM (15) or SIGINT (2)
@@ -90,6 +94,13 @@ class Preemption:
             sys.stderr.flush()
             os._exit(128 + signum)
 
+    def follow(self, signum: int) -> None:
+        """Take the stop all ranks agreed on as this rank's own: a rank stopped by its peer leaves with the peer's code.
+
+        No lock: the handler takes it on this same (main) thread, and would wait for ever for a lock held here.
+        """
+        self.signum = max(self.signum, signum)
+
     @contextmanager
     def deferred(self) -> Iterator[None]:
         """While inside, a stop signal only records itself; the training loop checkpoints and stops."""
@@ -100,31 +111,3 @@ class Preemption:
             yield
         finally:
             self._deferred = False
-
-
-PREEMPTION = Preemption()
-
-
-def stop_on_preemption_callback(max_over_ranks):
-    """A TrainerCallback that saves and stops at the first step where any rank got SIGTERM or SIGINT.
-
-    `max_over_ranks(value) -> int` is the all-reduce (utils.distributed.max_over_ranks) that makes every
-    rank take the same decision at the same step; SIGTERM (15) wins over SIGINT (2). transformers is
-    imported here, not at the top: main.py imports this module before the heavy imports.
-    """
-    from transformers import TrainerCallback
-
-    class StopOnPreemption(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            signum = max_over_ranks(PREEMPTION.signum)
-            if signum:
-                PREEMPTION.signum = max(
-                    PREEMPTION.signum, signum
-                )  # a rank stopped by its peer leaves with the peer's code
-                log.warning(
-                    "%s: saving a checkpoint at step %d and stopping", SIGNALS.get(signum, signum), state.global_step
-                )
-                control.should_save = True
-                control.should_training_stop = True
-
-    return StopOnPreemption()

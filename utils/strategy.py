@@ -8,24 +8,21 @@ who swap in a base model too big for one GPU.
 
 The trap this module exists for: the Trainer and Accelerate drop FSDP without a word on the CPU, and on a
 single process, and train plain DDP (or nothing distributed) instead. So `check_strategy` refuses, before
-anything is loaded, every combination where FSDP cannot happen, and `StrategyCheck` stops the run at the
-start of training unless the model really is FSDP-wrapped.
+anything is loaded, every combination where FSDP cannot happen, and the Trainer's `StrategyCheck` callback
+(utils/trainer.py) stops the run at the start of training unless the model really is FSDP-wrapped
+(`count_fsdp_units`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
-
-log = logging.getLogger(__name__)
 
 
 def check_strategy(
@@ -33,7 +30,7 @@ def check_strategy(
 ) -> None:
     """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked.
 
-    `launcher` holds the training options an `accelerate launch` config exported (distributed.launcher_options).
+    `launcher` holds the training options an `accelerate launch` config exported (utils/distributed.py launcher_options).
     """
     if launcher.get("deepspeed"):
         raise JobError(
@@ -122,32 +119,6 @@ def count_fsdp_units(model: torch.nn.Module) -> int:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     return sum(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules())
-
-
-class StrategyCheck(TrainerCallback):
-    """At the start of training, after the Trainer prepared the model: stop unless it is wrapped as asked."""
-
-    def __init__(self, strategy: str):
-        self.strategy = strategy
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        units = count_fsdp_units(model)
-        if self.strategy == "fsdp" and not units:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                "STRATEGY=fsdp but the Trainer did not shard the model (it would train plain DDP); "
-                "FSDP needs one process per CUDA GPU and a MULTI_GPU launch",
-            )
-        if self.strategy == "fsdp":
-            log.info(
-                "strategy fsdp: the model is sharded by FSDP in %d units (%s + the root)",
-                units,
-                ", ".join(args.fsdp_config.get("transformer_layer_cls_to_wrap", [])),
-            )
-        else:
-            log.info(
-                "strategy %s: %s", self.strategy, "a whole model on every rank" if not units else f"{units} FSDP units"
-            )
 
 
 def full_state_dict(model: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:

@@ -1,0 +1,382 @@
+"""The job's process group: the rendezvous that creates it, and the collectives the job runs outside the Trainer.
+
+`rendezvous` meets the other ranks, compares their settings and returns a `Collectives`: what this process
+holds of the group (the rendezvous store, the heartbeat beside it, the gloo group for control messages)
+and the collectives over it (agreeing on an error, the stop flag, checkpoint barriers, telling a lost
+peer from a crash). It lives from the rendezvous to `leave`, after the final barrier; a single process
+gets one with no group, whose collectives just run the step. Only utils/run.py's imports reach this
+module, after main.py has checked the settings, so torch is imported at the top.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as td
+
+from utils.distributed import DistEnv
+from utils.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobError
+
+T = TypeVar("T")
+
+AGREEMENT_KEY = "job/agree/{rank}"
+VERDICT_KEY = "job/verdict"
+READ_KEY = "job/verdict-read"  # how many ranks have read the verdict
+VERDICT_READ_SECONDS = 5.0  # rank 0, holding the store, stays this long at most for its peers to read a refusal
+BEAT_KEY = "job/beat/{rank}"
+BEAT_SECONDS = 1.0  # each rank bumps its counter in the store this often while it is in the job
+PROBE_SECONDS = 3.0  # a peer whose counter did not move for this long has died or stopped
+WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck in native code is ended
+
+
+class Collectives:
+    """This process's share of the job's process group, and the collectives the job runs over it.
+
+    Created by `rendezvous` (a single process: `Collectives(dist, timeout_s)`, with no group), ended by
+    `leave`. Every collective is bounded by RENDEZVOUS_TIMEOUT (`timeout_s`), DDP's all-reduce included.
+    """
+
+    def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None):
+        self.dist = dist
+        self.timeout_s = timeout_s
+        self._beat_store = beat_store  # a client of rank 0's store, for the heartbeat (None: no group)
+        self._control = control  # the gloo group for small control messages on NCCL jobs (None: the default group)
+        self._stop = threading.Event()
+        if beat_store is not None:
+            threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
+
+    # ---------------------------------------------------------------- lifetime
+    def _beat(self) -> None:
+        """Bump this rank's counter in the store until the group is left: how a peer tells alive from lost."""
+        key = BEAT_KEY.format(rank=self.dist.rank)
+        while not self._stop.wait(BEAT_SECONDS):
+            try:
+                self._beat_store.add(key, 1)
+            except Exception:  # rank 0, which holds the store, is gone: the main thread will find out
+                return
+
+    def leave(self) -> None:
+        """After the final barrier: stop the heartbeat and drop the group locally (no collective), so rank 0
+        can upload for as long as it needs."""
+        self._stop.set()
+        if td.is_available() and td.is_initialized():
+            td.destroy_process_group()
+
+    # ---------------------------------------------------------------- collectives
+    def _broadcast(self, value: object) -> object:
+        box = [value]
+        td.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def run_on_main(self, step: Callable[[], T]) -> T | None:
+        """Run `step` on rank 0 only; the other ranks wait for its outcome.
+
+        When rank 0 fails with a JobError every rank stops with the same exit code and message at once,
+        instead of waiting in a barrier until the timeout. Returns `step`'s result on rank 0, None elsewhere.
+        """
+        if not self.dist.is_distributed:
+            return step()
+        outcome: tuple[int, str] | None = None
+        result = None
+        if self.dist.is_main:
+            try:
+                result = step()
+            except JobError as exc:
+                outcome = (exc.code, exc.message)
+            except BaseException as exc:
+                self._broadcast((1, f"rank 0 failed: {type(exc).__name__}"))
+                raise
+        outcome = self._broadcast(outcome)
+        if outcome is not None:
+            raise JobError(*outcome)
+        return result
+
+    def on_main_then_others(self, step: Callable[[], T]) -> T:
+        """Run `step` on rank 0 first (it downloads and tokenizes into the shared cache), then on the others."""
+        result = self.run_on_main(step)
+        return result if self.dist.is_main else step()
+
+    def decide_on_main(self, step: Callable[[], T]) -> T:
+        """Run `step` on rank 0 only and give its result to every rank (a JobError on rank 0 stops all)."""
+        result = self.run_on_main(step)
+        return self._broadcast(result) if self.dist.is_distributed else result
+
+    def agree(self, step: Callable[[], T]) -> T:
+        """Run `step` on every rank; if any rank fails with a JobError, all stop with the first one's code."""
+        if not self.dist.is_distributed:
+            return step()
+        outcome, result = None, None
+        try:
+            result = step()
+        except JobError as exc:
+            outcome = (exc.code, exc.message)
+        outcomes: list = [None] * self.dist.world_size
+        td.all_gather_object(outcomes, outcome)
+        failed = [o for o in outcomes if o is not None]
+        if failed:
+            raise JobError(*failed[0])
+        return result
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest of every rank's `value` (one all-reduce of an int), on every rank: a decision all ranks share."""
+        if not self.dist.is_distributed:
+            return value
+        tensor = torch.tensor([int(value)], dtype=torch.int32)
+        td.all_reduce(tensor, op=td.ReduceOp.MAX, group=self._control)
+        return int(tensor.item())
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (bounded by RENDEZVOUS_TIMEOUT like every collective)."""
+        if self.dist.is_distributed:
+            td.barrier(group=self._control)
+
+    # ---------------------------------------------------------------- lost peers
+    def peer_lost(self) -> bool:
+        """Whether a peer died or stopped: its heartbeat did not move for PROBE_SECONDS, or the store is gone."""
+        if self._beat_store is None:
+            return False
+        try:
+            keys = [BEAT_KEY.format(rank=r) for r in range(self.dist.world_size) if r != self.dist.rank]
+            before = [self._beat_store.add(key, 0) for key in keys]
+            time.sleep(PROBE_SECONDS)
+            after = [self._beat_store.add(key, 0) for key in keys]
+        except Exception:
+            return True
+        return any(a == b for a, b in zip(before, after, strict=True))
+
+    def is_lost_peer(self, exc: BaseException) -> bool:
+        """Whether `exc` means a peer died, stopped answering or was cut off, told by type and by evidence.
+
+        torch's DistNetworkError and DistStoreError (the store, held by rank 0, is gone) and timeouts are a
+        lost peer by type. gloo reports a closed connection or a silent peer as a plain RuntimeError, the
+        same type as a real crash, so for those the heartbeat decides: the failure is a lost peer only if a
+        peer's heartbeat stopped. Anything else (a CUDA error, an illegal memory access, a bug) is a crash,
+        exit 1, which `restartPolicy: ExitCode` rightly does not restart for ever.
+        """
+        if not self.dist.is_distributed:
+            return False
+        if isinstance(exc, (td.DistNetworkError, td.DistStoreError, TimeoutError)):
+            return True
+        if isinstance(exc, (torch.AcceleratorError, torch.OutOfMemoryError)) or not isinstance(exc, RuntimeError):
+            return False
+        return self.peer_lost()
+
+    @contextmanager
+    def peers_watched(self, resume_hint: Callable[[], str]) -> Iterator[None]:
+        """Turn a failure caused by a lost peer, anywhere between rendezvous and the final barrier, into one
+        clear error line and exit 143.
+
+        143, as after SIGTERM: the usual cause is a replica preempted or killed (a node lost, an OOM kill),
+        and the cure is the same, restart every replica and resume from the last checkpoint. With exit 1,
+        `restartPolicy: ExitCode` would end the whole job at the first lost node.
+        """
+        try:
+            yield
+        except JobError:
+            raise
+        except Exception as exc:
+            if not self.is_lost_peer(exc):
+                raise
+            dist = self.dist
+            raise JobError(
+                EXIT_PREEMPTED,
+                f"rank {dist.rank} lost contact with its peers ({type(exc).__name__}): a replica was killed, stopped "
+                f"or cut off, or did not answer within RENDEZVOUS_TIMEOUT={self.timeout_s}s; restart all {dist.world_size} replicas: "
+                f"{resume_hint()}",
+            ) from None
+
+
+# ------------------------------------------------------------------------------- rendezvous
+@contextmanager
+def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
+    """End the process with `code` if the block has not finished after `seconds`.
+
+    torch's store and gloo calls wait in native code, where neither their own timeouts (seen: rank 0
+    waiting 100 s on a 20 s timeout) nor a Python signal handler can always reach them.
+    """
+    done = threading.Event()
+
+    def expire() -> None:
+        if not done.wait(seconds):
+            sys.stderr.write(f"error: {message}\n")
+            sys.stderr.flush()
+            os._exit(code)
+
+    threading.Thread(target=expire, daemon=True, name="watchdog").start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def rendezvous(
+    dist: DistEnv, timeout_s: int, cuda: bool, agreement: dict, on_main: Callable[[], None] | None = None
+) -> Collectives:
+    """Meet the other ranks, check that they run the same job, and create the process group.
+
+    Every rank posts `agreement` (world size, training settings, run name) in rank 0's TCP store; rank 0
+    compares them all, then runs `on_main` (taking the OUTPUT_DIR lock) and posts one verdict that every
+    rank follows: replicas started with other settings or another world size all stop with exit 2 and
+    the names of what differs, instead of training different models. Everything is bounded by
+    RENDEZVOUS_TIMEOUT on every rank. The process group is then created on the same store, so
+    `TrainingArguments(ddp_timeout=...)`, ignored on gloo, is not needed: the timeout bounds every
+    collective, DDP's gradient all-reduce included.
+    """
+    if not dist.is_distributed:
+        if on_main is not None:
+            on_main()
+        return Collectives(dist, timeout_s)
+    timeout = timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    where = f"{dist.master_addr}:{dist.master_port}"
+    stuck = (
+        f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {where} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+        f"check that all {dist.world_size} replicas started with the same WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0"
+    )
+    with watchdog(timeout_s + WATCHDOG_GRACE, stuck, 1):
+        if not dist.is_main:
+            _wait_for_rank0(dist, timeout_s, deadline)
+        try:
+            store = td.TCPStore(
+                dist.master_addr, dist.master_port, None, dist.is_main, timeout, wait_for_workers=False
+            )
+            beat_store = td.TCPStore(dist.master_addr, dist.master_port, None, False, timeout)
+        except (td.DistError, RuntimeError) as exc:
+            raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
+        mine = json.dumps(agreement, sort_keys=True, default=str)
+        store.set(AGREEMENT_KEY.format(rank=dist.rank), mine)
+        try:
+            if dist.is_main:
+                verdict = _judge(dist, store, agreement, timeout_s, deadline, on_main)
+                store.set(VERDICT_KEY, json.dumps(verdict))
+                if verdict is not None:
+                    _wait_until_read(dist, store)
+            else:
+                store.wait([VERDICT_KEY], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                verdict = json.loads(store.get(VERDICT_KEY))
+                theirs = json.loads(store.get(AGREEMENT_KEY.format(rank=0)))
+                store.add(READ_KEY, 1)
+                # A rank that rank 0 did not wait for (it counts fewer ranks) compares for itself.
+                if verdict is None and theirs != json.loads(mine):
+                    verdict = [EXIT_BAD_INPUT, _mismatch(theirs, {dist.rank: json.loads(mine)})]
+        except (td.DistError, RuntimeError) as exc:
+            if isinstance(exc, JobError):
+                raise
+            raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
+        if verdict is not None:
+            raise JobError(*verdict)
+        if cuda:
+            torch.cuda.set_device(dist.local_rank)
+        td.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            store=store,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            timeout=timeout,
+        )
+        # Small control messages (the stop flag, checkpoint barriers) go over gloo: on an NCCL job they
+        # would otherwise sync the GPU stream at every step.
+        control = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
+    return Collectives(dist, timeout_s, beat_store, control)
+
+
+def _judge(
+    dist: DistEnv, store, agreement: dict, timeout_s: int, deadline: float, on_main: Callable[[], None] | None
+) -> list | None:
+    """Rank 0: every rank's agreement compared with its own, then `on_main`; None when all is well."""
+    keys = [AGREEMENT_KEY.format(rank=rank) for rank in range(1, dist.world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except td.DistError:
+        missing = [rank for rank, key in enumerate(keys, start=1) if not store.check([key])]
+        return [
+            1,
+            f"ranks {missing} did not join rank 0 at {dist.master_addr}:{dist.master_port} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+            f"check that all {dist.world_size} replicas started and that MASTER_ADDR/MASTER_PORT point at rank 0",
+        ]
+    others = {rank: json.loads(store.get(key)) for rank, key in enumerate(keys, start=1)}
+    # As the others see it, through JSON.
+    mine = json.loads(json.dumps(agreement, sort_keys=True, default=str))
+    differing = {rank: theirs for rank, theirs in others.items() if theirs != mine}
+    if differing:
+        return [EXIT_BAD_INPUT, _mismatch(mine, differing)]
+    if on_main is not None:
+        try:
+            on_main()
+        except JobError as exc:
+            return [exc.code, exc.message]
+    return None
+
+
+def _wait_until_read(dist: DistEnv, store) -> None:
+    """Rank 0, before it leaves with a refusal: the store lives in this process, so wait (briefly) until every
+    rank that joined has read the verdict, or they would fail on a closed store instead of the reason."""
+    joined = sum(store.check([AGREEMENT_KEY.format(rank=rank)]) for rank in range(1, dist.world_size))
+    deadline = time.monotonic() + VERDICT_READ_SECONDS
+    try:
+        while store.add(READ_KEY, 0) < joined and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (td.DistError, RuntimeError):
+        pass  # a peer gone meanwhile: nothing left to wait for
+
+
+def _mismatch(main: dict, others: dict[int, dict]) -> str:
+    """'LEARNING_RATE: 0.0005 on rank 0, 0.9 on rank 1; ...' for the settings that differ."""
+    parts = []
+    for name in sorted(
+        {name for theirs in others.values() for name in set(theirs) | set(main) if theirs.get(name) != main.get(name)}
+    ):
+        values = [f"{main.get(name)} on rank 0"] + [
+            f"{theirs.get(name)} on rank {rank}"
+            for rank, theirs in others.items()
+            if theirs.get(name) != main.get(name)
+        ]
+        parts.append(f"{name.upper()}: {', '.join(values)}")
+    return (
+        f"the replicas were started with different settings ({'; '.join(parts)}); "
+        "give every replica the same settings (one config_map / ConfigMap for all) and start them again"
+    )
+
+
+def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
+    """Wait until rank 0's rendezvous port answers, at most until `deadline`.
+
+    torch's store client retries with a random back-off that can exceed the timeout itself (seen: a
+    15 s timeout failing after 41 s); polling first keeps a missing rank 0 within RENDEZVOUS_TIMEOUT.
+    A host name that does not resolve yet (a pod whose DNS record is not published) is retried too.
+    """
+    resolved = False
+    while True:
+        try:
+            with socket.create_connection(
+                (dist.master_addr, dist.master_port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
+            ):
+                return
+        except socket.gaierror:
+            resolved = False
+        except OSError:
+            resolved = True
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    if not resolved:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MASTER_ADDR={dist.master_addr} did not resolve to an address within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+            "set MASTER_ADDR to the host name or IP of the rank-0 replica",
+        )
+    raise JobError(
+        1,
+        f"rank {dist.rank} found no rank 0 listening at {dist.master_addr}:{dist.master_port} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
+        "check that the rank-0 replica started and that MASTER_ADDR/MASTER_PORT point at it",
+    )

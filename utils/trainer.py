@@ -1,0 +1,402 @@
+"""The Trainer the job uses: its TrainingArguments, the HF Trainer subclass, its callbacks and its metrics.
+
+The Trainer (Accelerate underneath) owns the loop, DDP, accumulation, mixed precision, checkpoints,
+resume, logging and the progress bar. What this module adds: the arguments the settings resolve to,
+length-grouped batches in an order a resume reproduces, evaluation in dataset order, the rows each rank
+trained on, and callbacks that mark checkpoints complete, stop every rank together on a stop signal,
+check the strategy really applied, and time the first step. `build_trainer` puts them together; the
+order of a run around it is utils/run.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import datasets
+import evaluate
+import numpy as np
+import psutil  # an Accelerate dependency: the process start time, for the time-to-first-step log line
+import pyarrow
+import pyarrow.compute
+import pyarrow.ipc
+import torch
+from torch.utils.data import SequentialSampler
+from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
+from transformers.integrations import TensorBoardCallback
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from utils.collectives import Collectives
+from utils.distributed import DistEnv
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints
+from utils.preemption import SIGNALS, Preemption
+from utils.recipe import optimizer_groups, resolve_learning_rate
+from utils.settings import Settings
+from utils.strategy import count_fsdp_units, trainer_options
+
+log = logging.getLogger(__name__)
+METRICS_MODULE = str(Path(__file__).with_name("classification_metrics.py"))
+# A validation curve with a handful of points; SST-2's 872 rows take seconds on a GPU.
+EVALUATIONS_PER_EPOCH = 4
+
+
+# ------------------------------------------------------------------------------- the Trainer
+class JobTrainer(Trainer):
+    """The HF Trainer, counting the rows this rank trained on and keeping evaluation in dataset order.
+
+    Two private methods are overridden, `_get_train_sampler` and `_get_eval_sampler`, because the public
+    route does not give what the job needs (transformers 5.23, checked by tests/test_library_contract.py):
+
+    - training: `train_sampling_strategy="group_by_length"` with a precomputed `length` column
+      (`length_column_name`) is the public way, but `_get_dataloader` drops the columns the model's
+      forward does not take before it builds the sampler, so the column never reaches it and the library
+      measures every row in a Python loop again (1.7 s for SST-2, on every rank, before the first step).
+      And the library's sampler draws each epoch's order from the global RNG, which a resume restores
+      only after the resumed epoch's order is drawn: a run resumed in epoch 2 or later trained other
+      batches than the uninterrupted run (seen: another final checksum). The override returns the
+      library's sampler fed Arrow's lengths, its order drawn from SEED + epoch
+      (EpochSeededLengthGroupedSampler, told the epoch by SamplerEpoch).
+    - evaluation: the same strategy makes the eval sampler length-grouped too (rows reordered); there is
+      no public switch for evaluation alone, so the override keeps it sequential.
+    """
+
+    def __init__(self, *args, param_groups=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        # BERT's forward takes **kwargs, so the Trainer assumes it sums its loss over `num_items_in_batch`
+        # and then scales it by the world size and skips the division by accumulation steps. The
+        # classification loss is a per-batch mean: without this, DDP runs train at world-size x the rate.
+        self.model_accepts_loss_kwargs = False
+        # A recipe's optimizer groups (utils/recipe.py) when rates differ per group; None: the Trainer's own.
+        self.param_groups = param_groups
+        # Rows this process trained on (logs/rank-R.json); after a resume, only the rows trained since.
+        self.samples_seen = 0
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.param_groups is not None:
+            opt_model = self.model if model is None else model
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            self.optimizer = optimizer_cls(self.param_groups(opt_model.named_parameters()), **optimizer_kwargs)
+        return super().create_optimizer(model)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # The only public place that sees each batch: callbacks get the step, not the rows (a step count
+        # times the batch size would be wrong for the last, shorter batch of an epoch).
+        self.samples_seen += int(inputs["input_ids"].shape[0])
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, datasets.Dataset):
+            # Arrow has the lengths already: the same lengths as the library's loop, so the same batches.
+            lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
+            return EpochSeededLengthGroupedSampler(
+                self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths, self.args.seed
+            )
+        return super()._get_train_sampler(train_dataset)
+
+    def _get_eval_sampler(self, eval_dataset):
+        # Length grouping speeds up training; for evaluation it would only reorder rows.
+        return SequentialSampler(eval_dataset)
+
+
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """Length-grouped batches in an order drawn from SEED + epoch, not from the global RNG.
+
+    The library's sampler draws each epoch's order from the global RNG when the epoch begins. A resume
+    restores the RNG only after it has drawn the resumed epoch's order, so a run resumed in its second
+    epoch or later trained other batches than the uninterrupted run (seen: another final checksum).
+    `SamplerEpoch` tells it the epoch about to run (the Trainer's own `set_epoch` misses it in a resumed
+    epoch under DDP, where accelerate's skip wrapper adds a level around it).
+    """
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        super().__init__(batch_size, lengths=lengths)
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed + epoch)
+
+
+def epoch_sampler(train_dataloader) -> EpochSeededLengthGroupedSampler | None:
+    """The job's sampler inside a prepared training loader (through accelerate's shard and skip wrappers)."""
+    batches = getattr(train_dataloader, "batch_sampler", None)
+    while hasattr(batches, "batch_sampler"):
+        batches = batches.batch_sampler
+    sampler = getattr(batches, "sampler", None)
+    return sampler if isinstance(sampler, EpochSeededLengthGroupedSampler) else None
+
+
+# ------------------------------------------------------------------------------- callbacks
+class SamplerEpoch(TrainerCallback):
+    """Sets the length-grouped sampler's epoch as the Trainer counts epochs (global step // steps per
+    epoch), before the epoch's order is drawn: the same on every rank, fresh or resumed."""
+
+    def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        sampler = epoch_sampler(train_dataloader)
+        if sampler is not None:
+            steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
+            sampler.set_epoch(state.global_step // steps_per_epoch)
+
+
+class StartupTimer(TrainerCallback):
+    """Logs how long the process took to reach its first training step (imports, data, model, Trainer set-up)."""
+
+    def __init__(self):
+        self.first_step = 0
+        # Stays None when a resume finds no step left to train.
+        self.seconds: float | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.first_step:
+            self.seconds = time.time() - psutil.Process().create_time()
+            log.info("first training step %d began %.2f s after process start", state.global_step + 1, self.seconds)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # After a resume, the first step is the checkpoint's next one.
+        self.first_step = state.global_step
+
+
+class CheckpointMarker(TrainerCallback):
+    """Marks a checkpoint complete once every rank has written its part (resume skips unmarked ones),
+    then keeps the newest SAVE_TOTAL_LIMIT complete ones."""
+
+    def __init__(self, run: RunDir, collectives: Collectives, keep: int, resume_key: dict):
+        self.run, self.collectives, self.keep, self.resume_key = run, collectives, keep, resume_key
+
+    def on_save(self, args, state, control, **kwargs):
+        # Each rank saves its own RNG state; rank 0 alone cannot tell it is written.
+        self.collectives.barrier()
+        if state.is_world_process_zero:
+            mark_checkpoint_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key)
+            prune_checkpoints(self.run, self.keep)
+
+
+class StopOnPreemption(TrainerCallback):
+    """Saves and stops at the first step where any rank got SIGTERM or SIGINT (utils/preemption.py).
+
+    One all-reduce of the signal number at every step end makes every rank take the same decision at the
+    same step; SIGTERM (15) wins over SIGINT (2). It goes over the gloo control group: no GPU sync.
+    """
+
+    def __init__(self, preemption: Preemption, collectives: Collectives):
+        self.preemption, self.collectives = preemption, collectives
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signum = self.collectives.max_over_ranks(self.preemption.signum)
+        if signum:
+            self.preemption.follow(signum)
+            log.warning(
+                "%s: saving a checkpoint at step %d and stopping", SIGNALS.get(signum, signum), state.global_step
+            )
+            control.should_save = True
+            control.should_training_stop = True
+
+
+class StrategyCheck(TrainerCallback):
+    """At the start of training, after the Trainer prepared the model: stop unless it is wrapped as asked
+    (the Trainer and Accelerate drop FSDP without a word where it cannot run: utils/strategy.py)."""
+
+    def __init__(self, strategy: str):
+        self.strategy = strategy
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        units = count_fsdp_units(model)
+        if self.strategy == "fsdp" and not units:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                "STRATEGY=fsdp but the Trainer did not shard the model (it would train plain DDP); "
+                "FSDP needs one process per CUDA GPU and a MULTI_GPU launch",
+            )
+        if self.strategy == "fsdp":
+            log.info(
+                "strategy fsdp: the model is sharded by FSDP in %d units (%s + the root)",
+                units,
+                ", ".join(args.fsdp_config.get("transformer_layer_cls_to_wrap", [])),
+            )
+        else:
+            log.info(
+                "strategy %s: %s", self.strategy, "a whole model on every rank" if not units else f"{units} FSDP units"
+            )
+
+
+# ------------------------------------------------------------------------------- metrics
+def classification_metrics():
+    """compute_metrics for the Trainer: accuracy, F1, precision, recall (the offline metric module) and the row count."""
+    metric = evaluate.load(METRICS_MODULE)
+
+    def compute(eval_pred):
+        # Score against the labels that come back with the predictions, never the dataset's order.
+        predictions = np.argmax(eval_pred.predictions, axis=-1)
+        references = eval_pred.label_ids
+        return {**metric.compute(predictions=predictions, references=references), "samples": len(references)}
+
+    return compute
+
+
+def evaluation_interval(settings: Settings, dist: DistEnv, train_rows: int) -> int:
+    """EVAL_STEPS, or EVALUATIONS_PER_EPOCH evaluations an epoch (over the whole run when MAX_STEPS is
+    shorter than an epoch); 0: no evaluation during training."""
+    if settings.eval_steps is not None:
+        return settings.eval_steps
+    batches = math.ceil(train_rows / (settings.per_device_batch_size * dist.world_size))
+    steps_per_epoch = math.ceil(batches / settings.gradient_accumulation_steps)
+    steps = min(steps_per_epoch, settings.max_steps or steps_per_epoch)
+    return max(1, steps // EVALUATIONS_PER_EPOCH)
+
+
+# ------------------------------------------------------------------------------- what a resume keeps
+def resume_key(settings: Settings, dist: DistEnv, data) -> dict:
+    """What a resume must not change, recorded in every complete checkpoint: the Trainer fast-forwards each
+    rank's data loader by the saved step count, so another world size, global batch or data would skip or
+    repeat rows without a word."""
+    return {
+        "world_size": dist.world_size,
+        "global_batch": settings.per_device_batch_size * dist.world_size * settings.gradient_accumulation_steps,
+        "data": {split: content_digest(data[split]) for split in sorted(data)},
+    }
+
+
+def content_digest(dataset: datasets.Dataset) -> str:
+    """A hash of the tokenized rows themselves. The datasets fingerprint of a local file follows its
+    modification time: a volume restored with the same files would look like new data."""
+    digest = hashlib.sha256()
+    # One chunk: the same rows give the same bytes however they were written.
+    table = dataset.with_format("arrow")[:].combine_chunks()
+    sink = pyarrow.BufferOutputStream()
+    with pyarrow.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    digest.update(sink.getvalue())
+    return digest.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------- building it
+def training_arguments(
+    settings: Settings, run: RunDir, dist: DistEnv, model, precision: str, cuda: bool, train_rows: int
+) -> TrainingArguments:
+    """The TrainingArguments the settings resolve to, on this rank and this hardware."""
+    # Ampere and newer: TF32 matmuls for what stays fp32.
+    tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8
+    eval_every = evaluation_interval(settings, dist, train_rows)
+    # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
+    trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
+    options = dict(
+        output_dir=str(run.checkpoints),
+        run_name=settings.run_name,
+        per_device_train_batch_size=settings.per_device_batch_size,
+        per_device_eval_batch_size=settings.per_device_eval_batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        num_train_epochs=settings.num_epochs,
+        max_steps=settings.max_steps or -1,
+        # LEARNING_RATE, else the global-batch rule.
+        learning_rate=resolve_learning_rate(settings, dist.world_size),
+        weight_decay=settings.weight_decay,
+        # Below 1 the Trainer reads it as a fraction of all steps.
+        warmup_steps=settings.warmup_ratio,
+        optim="adamw_torch_fused",
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        tf32=tf32 or None,
+        # transformers 5's name for gradient checkpointing; the reentrant variant breaks DDP + LoRA (peft #899).
+        activation_checkpointing=settings.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        # Batches of similar length: little padding (JobTrainer keeps their order reproducible).
+        train_sampling_strategy="group_by_length",
+        torch_compile=settings.torch_compile,
+        logging_steps=10,
+        logging_first_step=True,
+        # The filter reads every step's loss on the host: one GPU sync per step.
+        logging_nan_inf_filter=False,
+        save_strategy="steps",
+        save_steps=settings.save_steps,
+        # CheckpointMarker prunes, counting complete checkpoints only.
+        save_total_limit=None,
+        # The validation curve; the full evaluation at the end comes after training.
+        eval_strategy="steps" if eval_every else "no",
+        eval_steps=eval_every or None,
+        # No checkpoint chosen on the split whose accuracy is reported.
+        load_best_model_at_end=False,
+        report_to=trackers if dist.is_main else "none",
+        seed=settings.seed,
+        # Without it, CPU ranks would not form a DDP group but each train alone.
+        use_cpu=not cuda,
+        ddp_find_unused_parameters=False,
+        ddp_timeout=settings.rendezvous_timeout,
+        dataloader_num_workers=settings.dataloader_num_workers,
+        dataloader_pin_memory=cuda,
+        # Pinned batches copied without waiting for the previous step.
+        accelerator_config={"non_blocking": cuda},
+        disable_tqdm=not dist.is_main,
+        log_level="info" if dist.is_main else "warning",
+        log_level_replica="warning",
+    )
+    # STRATEGY=fsdp: FSDP2, one unit per transformer block.
+    options.update(trainer_options(settings, model))
+    return TrainingArguments(**options)
+
+
+def build_trainer(
+    settings: Settings,
+    run: RunDir,
+    dist: DistEnv,
+    model,
+    tokenizer,
+    data,
+    precision: str,
+    cuda: bool,
+    *,
+    checkpoint_key: dict | None = None,
+    collectives: Collectives | None = None,
+    preemption: Preemption | None = None,
+) -> JobTrainer:
+    """The job's Trainer over `data` ("train" and "validation").
+
+    `checkpoint_key`: the run's `resume_key`, when the caller has it already (it hashes every tokenized row).
+    `collectives`: the process group from the rendezvous; a single process may leave it out.
+    `preemption`: the installed stop-signal handler; left out, no signal stops training at a step boundary.
+    """
+    if collectives is None:
+        if dist.is_distributed:
+            raise ValueError(
+                "build_trainer needs the Collectives from utils.collectives.rendezvous in a distributed job"
+            )
+        collectives = Collectives(dist, settings.rendezvous_timeout)
+    args = training_arguments(settings, run, dist, model, precision, cuda, len(data["train"]))
+    callbacks: list[TrainerCallback] = [
+        # Stops the run if the Trainer did not shard as asked.
+        StrategyCheck(settings.strategy),
+        CheckpointMarker(
+            run, collectives, settings.save_total_limit, checkpoint_key or resume_key(settings, dist, data)
+        ),
+        StartupTimer(),
+        SamplerEpoch(),
+    ]
+    if preemption is not None:
+        callbacks.append(StopOnPreemption(preemption, collectives))
+    if dist.is_main and "tensorboard" in settings.report_to:
+        tensorboard = TensorBoardCallback()
+        # Kept when it reopens its writer for the final evaluation.
+        tensorboard.logging_dir = str(run.tensorboard / settings.run_name)
+        callbacks.append(tensorboard)
+    param_groups = None
+    if settings.head_learning_rate_ratio != 1 or settings.loraplus_lr_ratio != 1:
+        param_groups = partial(
+            optimizer_groups, settings=settings, learning_rate=args.learning_rate, weight_decay=args.weight_decay
+        )
+    return JobTrainer(
+        model=model,
+        args=args,
+        train_dataset=data["train"],
+        eval_dataset=data["validation"],
+        # Multiples of 8 for tensor cores.
+        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cuda else None),
+        processing_class=tokenizer,
+        compute_metrics=classification_metrics(),
+        callbacks=callbacks,
+        param_groups=param_groups,
+    )
