@@ -1,24 +1,34 @@
-"""Shared fixtures: a tiny BERT and small SST-2-shaped data built here, a runner for the real entry
-point in real processes, free ports, and the local Hub stand-in. Everything is offline and CPU-only."""
+"""Shared fixtures and helpers: a tiny BERT and small SST-2-shaped data built here, runners for the real entry
+point and the launchers in real processes, what each rank reports (logs/rank-R.json), free ports, the local Hub
+stand-in, and the deployment readers (Dockerfile, k8s manifests, CRD schemas) the deploy and launcher tests share.
+Everything is offline and CPU-only. Test modules import helpers from here, never from each other."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
-import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+K8S = REPO / "k8s"
+DOCKERFILE = REPO / "Dockerfile"
+SCHEMAS = REPO.parent / "shared" / "schemas"  # the CRDs; CI always has ../shared, they are not copied into the repo
 
 from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
 from tests.hub_stub import HubStub  # noqa: E402
@@ -158,7 +168,6 @@ def hub():
 
 
 # ------------------------------------------------------------------------------- multi-replica runs
-CHECKSUM = re.compile(r"rank (\d+) processed (\d+) training samples; trainable weights checksum ([0-9a-f]+)")
 TIMEOUT = 20  # RENDEZVOUS_TIMEOUT in these tests: long enough for a loaded 2-core machine, short enough to wait for
 SAVE_STEPS = 20  # 126 optimizer steps in the run (2 epochs of 1000 rows per rank, batch 16)
 REPO_ID = "tester/sst2-lora"
@@ -222,8 +231,27 @@ def replicas(tmp_path):
     group.cleanup()
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float = 300) -> list[int]:
-    return [proc.wait(timeout=timeout) for proc in procs]
+def wait_all(
+    procs: list[subprocess.Popen],
+    logs: list[Path] | Callable[[], list[Path]] | None = None,
+    timeout: float = 300,
+) -> list[int]:
+    """Wait for every process and return the exit codes; any still running at the end is killed. With `logs`
+    (the paths, or a function listing them once the processes are over): fail unless every code is 0, showing
+    the tail of each log."""
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if logs is not None and codes != [0] * len(procs):
+        logs = logs() if callable(logs) else logs
+        pytest.fail(
+            f"exit codes {codes}\n"
+            + "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
+        )
+    return codes
 
 
 def wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
@@ -236,9 +264,19 @@ def wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 300) ->
         time.sleep(0.05)
 
 
-def summary(log: Path) -> tuple[int, str]:
-    _, samples, checksum = CHECKSUM.search(log.read_text().strip().splitlines()[-1]).groups()
-    return int(samples), checksum
+def rank_record(out: Path, rank: int) -> dict:
+    """What rank `rank` of the run in `out` wrote at its end (OUTPUT_DIR/logs/rank-R.json): rank, local_rank,
+    node_rank, world_size, source, samples_trained, trainable_checksum, first_step, seconds_to_first_step."""
+    path = out / "logs" / f"rank-{rank}.json"
+    assert path.is_file(), f"{path} is missing: rank {rank} did not finish a run in {out}"
+    return json.loads(path.read_text())
+
+
+def complete_steps(out: Path) -> list[int]:
+    """The steps of the checkpoints in `out` marked complete (a resume may use them), oldest first."""
+    return sorted(
+        int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*") if (p / "COMPLETE").exists()
+    )
 
 
 def error_lines(text: str) -> list[str]:
@@ -289,3 +327,176 @@ def assert_token_absent(token: str, roots: list[Path], hub: HubStub | None = Non
     if hub is not None:
         leaks += [f"hub:{name}" for commit in hub.commits for name, data in commit["files"].items() if needle in data]
     assert not leaks, f"HF_TOKEN found in {leaks}"
+
+
+# ------------------------------------------------------------------------------- launchers
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+STEPS = "4"  # optimizer steps of a launcher run: enough to see the ranks stay in sync, little enough for 2 cores
+
+
+def job_settings(job_env: dict[str, str], **extra: str) -> dict[str, str]:
+    """`job_env` cut to STEPS optimizer steps (MAX_STEPS instead of epochs), plus `extra`."""
+    env = {**job_env, "MAX_STEPS": STEPS, **extra}
+    env.pop("NUM_EPOCHS", None)
+    return env
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path, **kwargs) -> subprocess.Popen:
+    """Start a launcher command (torchrun, accelerate launch, a batch script) in the repo; output goes to `log`."""
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, **kwargs)
+
+
+def rank_report(out: Path, world: int) -> list[dict]:
+    """Per rank, from its logs/rank-R.json: who it was (rank, world, local rank, node, launcher) and what it trained."""
+    return [
+        {
+            "rank": record["rank"],
+            "world": record["world_size"],
+            "local_rank": record["local_rank"],
+            "node": record["node_rank"],
+            "source": record["source"],
+            "samples": record["samples_trained"],
+            "checksum": record["trainable_checksum"],
+        }
+        for record in (rank_record(out, rank) for rank in range(world))
+    ]
+
+
+# ------------------------------------------------------------------------------- the image (Dockerfile)
+@cache
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined and comments dropped."""
+    lines, current = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        current += " " + stripped.removesuffix("\\").strip() if current else stripped.removesuffix("\\").strip()
+        if not stripped.endswith("\\"):
+            lines.append(current)
+            current = ""
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def docker_env() -> dict[str, str]:
+    """The image's ENV."""
+    env = {}
+    for instruction, args in dockerfile():
+        if instruction == "ENV":
+            env.update(dict(item.split("=", 1) for item in shlex.split(args)))
+    return env
+
+
+def docker_user() -> tuple[int, int]:
+    """The image's USER as (uid, gid)."""
+    users = [args for instruction, args in dockerfile() if instruction == "USER"]
+    assert users, "the Dockerfile sets no USER: the job would run as root"
+    uid, _, gid = users[-1].partition(":")
+    assert uid.isdigit() and gid.isdigit(), f"USER {users[-1]}: give a numeric uid:gid, so runAsNonRoot can verify it"
+    return int(uid), int(gid)
+
+
+def shared_output_dir() -> str:
+    """OUTPUT_DIR's default where the shared volume is mounted, as the code computes it."""
+    from utils.settings import SHARED_VOLUME, default_output_dir
+
+    real_isdir = os.path.isdir
+    with mock.patch("os.path.isdir", lambda path: path == SHARED_VOLUME or real_isdir(path)):
+        return default_output_dir()
+
+
+# ------------------------------------------------------------------------------- Kubernetes manifests and CRDs
+def yaml_docs(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def load_manifest(path: Path) -> dict:
+    """A manifest file holding one document."""
+    documents = yaml_docs(path)
+    assert len(documents) == 1, path
+    return documents[0]
+
+
+def kustomize(folder: Path) -> list[dict]:
+    """What `kubectl apply -k folder` creates: the resources of its kustomization, folders recursively."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    out = []
+    for entry in kustomization.get("resources", []):
+        target = (folder / entry).resolve()
+        out += kustomize(target) if target.is_dir() else yaml_docs(target)
+    return out
+
+
+def config_maps(docs: list[dict]) -> dict[str, dict[str, str]]:
+    """The ConfigMaps among `docs`: name -> data."""
+    return {doc["metadata"]["name"]: doc.get("data", {}) for doc in docs if doc.get("kind") == "ConfigMap"}
+
+
+def container_env(container: dict, configmaps: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The variables the kubelet gives a container: the image's ENV < envFrom ConfigMaps < `env` (which wins);
+    ConfigMap keys resolved from `configmaps` (name -> data), Secret keys to FAKE_TOKEN (it must come back masked)."""
+    env = docker_env()
+    for source in container.get("envFrom", []):
+        env.update(configmaps[source["configMapRef"]["name"]])
+    for var in container.get("env", []):
+        value_from = var.get("valueFrom", {})
+        ref = value_from.get("configMapKeyRef")
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif ref and ref["key"] in configmaps.get(ref["name"], {}):
+            env[var["name"]] = configmaps[ref["name"]][ref["key"]]
+        elif "secretKeyRef" in value_from:
+            env[var["name"]] = FAKE_TOKEN
+    return env
+
+
+def strict(schema):
+    """An openAPIV3Schema with unknown fields made errors, as the API server's pruning would drop them silently."""
+    if isinstance(schema, dict):
+        schema = {key: strict(value) for key, value in schema.items()}
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    return schema
+
+
+@cache
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> strict schema, for every CRD in ../shared/schemas."""
+    found = {}
+    for path in sorted(SCHEMAS.glob("*.yaml")):
+        for crd in yaml_docs(path):
+            if crd.get("kind") != "CustomResourceDefinition":
+                continue
+            for version in crd["spec"]["versions"]:
+                api = f"{crd['spec']['group']}/{version['name']}"
+                found[(api, crd["spec"]["names"]["kind"])] = strict(
+                    copy.deepcopy(version["schema"]["openAPIV3Schema"])
+                )
+    return found
+
+
+def crd_schema(api_version: str, kind: str) -> dict:
+    """The strict schema of one custom resource; the test is skipped where ../shared/schemas is absent."""
+    if not SCHEMAS.is_dir():
+        pytest.skip(f"CRD schemas not found at {SCHEMAS} (CI always has ../shared/schemas)")
+    schemas = crd_schemas()
+    assert (api_version, kind) in schemas, f"no CRD for {api_version} {kind} in {SCHEMAS}"
+    return schemas[(api_version, kind)]
+
+
+def schema_errors(schema: dict, document: dict) -> list[str]:
+    """Every way `document` breaks `schema`, as `path: message` (a message that quotes a whole object, cut short)."""
+    import jsonschema
+
+    return [
+        f"{'/'.join(map(str, error.absolute_path)) or '/'}: {error.message[:300]}"
+        for error in jsonschema.Draft7Validator(schema).iter_errors(document)
+    ]

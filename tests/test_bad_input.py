@@ -97,8 +97,8 @@ def torn_run_record(tmp: Path, env: dict) -> dict:
 AS_ROOT = os.geteuid() == 0
 
 # (id, extra env (None: remove the variable), setup(tmp, env) -> extra env, what the error line must say)
-BAD_INPUT = [
-    # settings: refused before torch is imported
+# Settings: refused before torch is imported, a second each, so `make check` runs them.
+BAD_SETTINGS = [
     ("num-epochs-inf", {"NUM_EPOCHS": "inf"}, None, "NUM_EPOCHS=inf is invalid: Input should be a finite number"),
     ("num-epochs-absurd", {"NUM_EPOCHS": "1e9"}, None, "less than or equal to 1000"),
     ("max-steps-absurd", {"MAX_STEPS": "1000000000"}, None, "less than or equal to 100000000"),
@@ -120,6 +120,9 @@ BAD_INPUT = [
     ("world-size-without-rank", {"WORLD_SIZE": "4"}, None, "WORLD_SIZE=4 is set but RANK is not; set RANK"),
     ("rank-without-world-size", {"RANK": "1"}, None, "RANK=1 is set but WORLD_SIZE is not; set WORLD_SIZE"),
     ("master-addr-alone", {"MASTER_ADDR": "replica-0", "NODE_RANK": "2"}, None, "set RANK and WORLD_SIZE as well"),
+]
+# The model and the data: refused after the imports, before any training step.
+BAD_MODEL_AND_DATA = [
     # the model folder and its config
     ("model-without-tokenizer", {}, model_copy(without_tokenizer), "has no tokenizer files"),
     (
@@ -163,6 +166,7 @@ BAD_INPUT = [
     ("torn-saved-dataset", {}, torn_saved_dataset, "holds a damaged save_to_disk DatasetDict (JSONDecodeError"),
     ("torn-run-json", {}, torn_run_record, "run.json is damaged (not valid JSON"),
 ]
+BAD_INPUT = [pytest.param(case, marks=pytest.mark.check) for case in BAD_SETTINGS] + BAD_MODEL_AND_DATA
 
 
 def _case_id(case) -> str:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.test_deploy import docker_user, shared_output_dir
+from tests.conftest import REPO, docker_user, shared_output_dir
 from utils.settings import SHARED_VOLUME
 
 SMOKE = REPO / "scripts" / "container_smoke.sh"

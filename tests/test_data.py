@@ -12,6 +12,8 @@ from utils.errors import JobError
 from utils.model import load_tokenizer
 from utils.settings import Settings
 
+pytestmark = pytest.mark.check  # in-process and seconds each: part of `make check`
+
 GLUE_FEATURES = Features(
     {"sentence": Value("string"), "label": ClassLabel(names=["negative", "positive"]), "idx": Value("int32")}
 )

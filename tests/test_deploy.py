@@ -13,26 +13,38 @@ import copy
 import fnmatch
 import json
 import re
-import shlex
 import shutil
 import subprocess
 import sys
-from functools import cache
 from importlib import metadata
 from pathlib import Path, PurePosixPath
-from unittest import mock
 
 import pytest
 import yaml
 
-from tests.conftest import FAKE_TOKEN, REPO, pod_env, run_main
+from tests.conftest import (
+    DOCKERFILE,
+    FAKE_TOKEN,
+    K8S,
+    REPO,
+    SCHEMAS,
+    config_maps,
+    container_env,
+    crd_schemas,
+    docker_env,
+    docker_user,
+    dockerfile,
+    kustomize,
+    pod_env,
+    run_main,
+    schema_errors,
+    shared_output_dir,
+    yaml_docs,
+)
 from utils.distributed import DEFAULT_PORT
-from utils.settings import FIELDS, SHARED_VOLUME, default_output_dir, env_name, load_settings
+from utils.settings import FIELDS, SHARED_VOLUME, env_name, load_settings
 
-K8S = REPO / "k8s"
 CONFIG_YAML = REPO / "config.yaml"
-DOCKERFILE = REPO / "Dockerfile"
-SCHEMAS = Path(REPO).parent / "shared" / "schemas"  # the CRDs; CI has ../shared, never copied into the repo
 KUBERNETES_VERSION = "1.30"  # an API version current clusters serve; the manifests use nothing newer
 SETTING_ENV = {env_name(field): field for field in FIELDS}
 # Variables the deployments may set that are not settings: read by torch, NCCL or the HF libraries.
@@ -50,53 +62,11 @@ LIBRARY_ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_")
 OPERATOR_CONTAINER, OPERATOR_PORT = "pytorch", "pytorchjob-port"
 
 
-def shared_output_dir() -> str:
-    """OUTPUT_DIR's default where the shared volume is mounted, as the code computes it."""
-    real_isdir = __import__("os").path.isdir
-    with mock.patch("os.path.isdir", lambda path: path == SHARED_VOLUME or real_isdir(path)):
-        return default_output_dir()
-
-
 def under(path: str, folder: str) -> bool:
     return PurePosixPath(path).is_relative_to(PurePosixPath(folder))
 
 
 # ------------------------------------------------------------------------------- loading
-@cache
-def dockerfile() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) in order, continuation lines joined and comments dropped."""
-    lines, current = [], ""
-    for raw in DOCKERFILE.read_text().splitlines():
-        stripped = raw.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        current += " " + stripped.removesuffix("\\").strip() if current else stripped.removesuffix("\\").strip()
-        if not stripped.endswith("\\"):
-            lines.append(current)
-            current = ""
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
-
-
-def docker_env() -> dict[str, str]:
-    env = {}
-    for instruction, args in dockerfile():
-        if instruction == "ENV":
-            env.update(dict(item.split("=", 1) for item in shlex.split(args)))
-    return env
-
-
-def docker_user() -> tuple[int, int]:
-    users = [args for instruction, args in dockerfile() if instruction == "USER"]
-    assert users, "the Dockerfile sets no USER: the job would run as root"
-    uid, _, gid = users[-1].partition(":")
-    assert uid.isdigit() and gid.isdigit(), f"USER {users[-1]}: give a numeric uid:gid, so runAsNonRoot can verify it"
-    return int(uid), int(gid)
-
-
-def yaml_docs(path: Path) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
 def manifest_files() -> list[Path]:
     return sorted(p for p in K8S.rglob("*") if p.suffix in (".yaml", ".yml"))
 
@@ -117,16 +87,6 @@ def is_custom(doc: dict) -> bool:
 
 def config_yaml() -> dict:
     return yaml.safe_load(CONFIG_YAML.read_text())
-
-
-def kustomize(folder: Path) -> list[dict]:
-    """What `kubectl apply -k folder` creates: the resources of its kustomization, folders recursively."""
-    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    out = []
-    for entry in kustomization.get("resources", []):
-        target = (folder / entry).resolve()
-        out += kustomize(target) if target.is_dir() else yaml_docs(target)
-    return out
 
 
 def walk(node, key: str):
@@ -369,46 +329,12 @@ def test_core_manifests_are_valid_with_kubernetes_validate_strict():
     assert checked
 
 
-def strict(schema):
-    """An openAPIV3Schema with unknown fields made errors, as the API server's pruning would drop them silently."""
-    if isinstance(schema, dict):
-        schema = {key: strict(value) for key, value in schema.items()}
-        if (
-            "properties" in schema
-            and "additionalProperties" not in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields")
-        ):
-            schema["additionalProperties"] = False
-        return schema
-    if isinstance(schema, list):
-        return [strict(item) for item in schema]
-    return schema
-
-
-@cache
-def crd_schemas() -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) -> strict schema, for every CRD in ../shared/schemas."""
-    found = {}
-    for path in sorted(SCHEMAS.glob("*.yaml")):
-        for crd in yaml_docs(path):
-            if crd.get("kind") != "CustomResourceDefinition":
-                continue
-            for version in crd["spec"]["versions"]:
-                api = f"{crd['spec']['group']}/{version['name']}"
-                found[(api, crd["spec"]["names"]["kind"])] = strict(
-                    copy.deepcopy(version["schema"]["openAPIV3Schema"])
-                )
-    return found
-
-
 def test_custom_resources_match_their_crds():
     """PyTorchJob against kubeflow.org_pytorchjobs.yaml, TrainJob against trainer.kubeflow.org_trainjobs.yaml, ..."""
     if not SCHEMAS.is_dir():
         pytest.skip(
             f"CRD schemas not found at {SCHEMAS} (CI has ../shared/schemas); PyTorchJob/TrainJob manifests not validated"
         )
-    import jsonschema
-
     schemas, errors, checked = crd_schemas(), [], 0
     for path, doc in manifests():
         if not is_custom(doc) or is_kustomization(doc):
@@ -417,10 +343,7 @@ def test_custom_resources_match_their_crds():
         if schema is None:
             errors.append(f"{path.relative_to(REPO)}: no CRD for {doc['apiVersion']} {doc['kind']} in {SCHEMAS}")
             continue
-        for error in jsonschema.Draft7Validator(schema).iter_errors(doc):
-            errors.append(
-                f"{path.relative_to(REPO)} {doc['kind']} at {'/'.join(map(str, error.absolute_path)) or '/'}: {error.message}"
-            )
+        errors += [f"{path.relative_to(REPO)} {doc['kind']} at {error}" for error in schema_errors(schema, doc)]
         checked += 1
     assert not errors, "\n".join(errors)
     assert checked, "no custom resource (PyTorchJob) found in k8s/"
@@ -430,12 +353,10 @@ def test_crd_check_catches_an_unknown_field():
     """The strict CRD schema really rejects a misspelt field (the API server would drop it silently)."""
     if not SCHEMAS.is_dir():
         pytest.skip(f"CRD schemas not found at {SCHEMAS}")
-    import jsonschema
-
     job = copy.deepcopy(the_pytorchjob())
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartpolicy"] = "ExitCode"
-    errors = list(jsonschema.Draft7Validator(crd_schemas()[(job["apiVersion"], job["kind"])]).iter_errors(job))
-    assert any("restartpolicy" in e.message for e in errors), errors
+    errors = schema_errors(crd_schemas()[(job["apiVersion"], job["kind"])], job)
+    assert any("restartpolicy" in error for error in errors), errors
 
 
 def test_kustomizations_resolve():
@@ -549,19 +470,6 @@ def test_output_dirs_are_on_the_shared_volume():
 
 
 # ------------------------------------------------------------------------------- --dry-run per replica
-def container_env(container: dict, configmaps: dict[str, dict]) -> dict[str, str]:
-    """What Kubernetes gives the container: the image's ENV < envFrom < env (Secrets resolved to a fake token)."""
-    env = dict(docker_env())
-    for source in container.get("envFrom", []):
-        env.update(configmaps[source["configMapRef"]["name"]]["data"])
-    for item in container.get("env", []):
-        if "value" in item:
-            env[item["name"]] = item["value"]
-        elif "secretKeyRef" in item.get("valueFrom", {}):
-            env[item["name"]] = FAKE_TOKEN
-    return env
-
-
 def operator_env(job: dict, replica_type: str, index: int) -> dict[str, str]:
     """The variables Kubeflow's training-operator (v1, setPodEnv) appends to each pod's containers."""
     specs = job["spec"]["pytorchReplicaSpecs"]
@@ -598,7 +506,7 @@ def assert_settings_arrived(config: dict, raw: dict[str, str]) -> None:
 
 def test_dry_run_in_each_pytorchjob_pod(tmp_path):
     job = the_pytorchjob()
-    configmaps = {doc["metadata"]["name"]: doc for doc in kustomize(K8S) if doc["kind"] == "ConfigMap"}
+    configmaps = config_maps(kustomize(K8S))
     seen = []
     for replica_type, spec in job["spec"]["pytorchReplicaSpecs"].items():
         for index in range(spec["replicas"]):
@@ -665,7 +573,7 @@ def test_platform_without_rendezvous_address_says_so(tmp_path):
 
 def test_dry_run_in_the_single_gpu_job(tmp_path):
     docs = kustomize(K8S / "single-gpu")
-    configmaps = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "ConfigMap"}
+    configmaps = config_maps(docs)
     job = next(doc for doc in docs if doc["kind"] == "Job")
     assert job["spec"].get("parallelism", 1) == 1 and job["spec"].get("completions", 1) == 1
     container = job["spec"]["template"]["spec"]["containers"][0]

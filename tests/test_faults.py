@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from pathlib import Path
 
 import pytest
 
@@ -24,13 +23,15 @@ from tests.conftest import (
     TIMEOUT,
     assert_token_absent,
     base_env,
+    complete_steps,
     error_lines,
     free_port,
+    log_time,
     push_settings,
     rank_env,
+    rank_record,
     run_main,
     start_main,
-    summary,
     training_settings,
     wait_all,
     wait_for,
@@ -160,8 +161,6 @@ def test_silent_hub_at_the_push_ends_in_exit_3_within_the_deadline_with_the_mode
     finally:
         proc.kill()
     rank_log = tmp_path / "out" / "logs" / "rank-0.log"
-    from tests.conftest import log_time
-
     took = log_time(rank_log, "push to") - log_time(rank_log, "pushing ")
     assert took <= 10 + 3, f"the push gave up after {took:.0f} s; PUSH_TIMEOUT=10"
     one_error(log.read_text(), "--push-only")
@@ -241,22 +240,17 @@ def test_sigint_checkpoints_like_sigterm_and_says_so(job_env, tmp_path):
     again = run_main(env)
     assert again.code == 0, again.stderr[-3000:]
     assert f"resuming from step {steps[-1]}" in (out / "logs" / "rank-0.log").read_text()
+    assert rank_record(out, 0)["first_step"] == steps[-1] + 1
 
 
 # ------------------------------------------------------------------------------- 8, 13: resume continues the same run
-def complete_steps(out: Path) -> list[int]:
-    return sorted(
-        int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*") if (p / "COMPLETE").exists()
-    )
-
-
 @pytest.fixture(scope="module")
 def one_replica_reference(tmp_path_factory, tiny_bert, sst2_dir):
     """An uninterrupted one-process run of 2 epochs (125 steps each)."""
     tmp = tmp_path_factory.mktemp("one-replica")
     result = run_main(base_env(tmp, **training_settings(tiny_bert, sst2_dir, tmp / "out")))
     assert result.code == 0, result.stderr[-3000:]
-    return summary(tmp / "out" / "logs" / "rank-0.log")
+    return rank_record(tmp / "out", 0)
 
 
 @pytest.mark.slow
@@ -305,8 +299,9 @@ def test_resume_refuses_another_shape_and_other_data_and_survives_damaged_checkp
         f"removed checkpoint-{newest}: optimizer.pt has 100 bytes" in log and f"resuming from step {previous}" in log
     )
     # Two epochs, killed in the second, resumed from a fallback: bit-identical to the uninterrupted run.
-    samples, checksum = summary(out / "logs" / "rank-0.log")
-    assert checksum == one_replica_reference[1] and samples == (250 - previous) * 16
+    record = rank_record(out, 0)
+    assert record["trainable_checksum"] == one_replica_reference["trainable_checksum"]
+    assert record["first_step"] == previous + 1 and record["samples_trained"] == (250 - previous) * 16
 
 
 @pytest.mark.slow
@@ -328,6 +323,7 @@ def test_a_missing_checkpoint_file_falls_back_to_a_fresh_start_not_a_traceback(j
     log = (out / "logs" / "rank-0.log").read_text()
     assert f"removed checkpoint-{steps[0]}: optimizer.pt is missing; falling back to a fresh start" in log
     assert "resuming from" not in log.split("falling back")[-1]
+    assert rank_record(out, 0)["first_step"] == 1  # trained from the start, not from a checkpoint
 
 
 # ------------------------------------------------------------------------------- 9, 10: one job per OUTPUT_DIR
@@ -376,14 +372,15 @@ def test_a_peer_lost_before_training_is_143_on_the_survivor(replicas, tmp_path, 
 CLASSIFY = r"""
 import os, sys
 sys.path.insert(0, {repo!r})
-from utils.distributed import DistEnv, rendezvous, peers_watched
+from utils.collectives import rendezvous
+from utils.distributed import DistEnv
 from utils.errors import JobError
 rank, what = int(sys.argv[1]), sys.argv[2]
 dist = DistEnv(rank, 0, 2, rank, "127.0.0.1", int(sys.argv[3]), "platform")
-rendezvous(dist, 20, False, {{"same": 1}})
+group = rendezvous(dist, 20, False, {{"same": 1}})
 import torch, torch.distributed as td
 try:
-    with peers_watched(dist, 20, lambda: "resumes"):
+    with group.peers_watched(lambda: "resumes"):
         if rank == 1 and what == "crash":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")  # local, not a peer
         if rank == 1 and what == "die":

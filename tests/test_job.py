@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, rank_env, run_main, start_main
-
-CHECKSUM = re.compile(r"rank (\d+) processed (\d+) training samples; trainable weights checksum ([0-9a-f]+)")
-
-
-def last_summary(log: Path) -> tuple[int, int, str]:
-    rank, samples, checksum = CHECKSUM.search(log.read_text().strip().splitlines()[-1]).groups()
-    return int(rank), int(samples), checksum
+from tests.conftest import free_port, rank_env, rank_record, run_main, start_main
 
 
 def classify(model_dir: Path, sentences: list[str]) -> list[int]:
@@ -30,6 +22,7 @@ def classify(model_dir: Path, sentences: list[str]) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
+@pytest.mark.check
 def test_one_process_trains_saves_and_the_model_loads_back(job_env, tmp_path):
     result = run_main(job_env)
     assert result.code == 0, result.stderr[-3000:]
@@ -48,7 +41,7 @@ def test_one_process_trains_saves_and_the_model_loads_back(job_env, tmp_path):
     assert record["settings"]["lora_r"] == 8 and record["versions"]["transformers"]
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert list((out / "cache").glob("tokenized-*/dataset_dict.json"))
-    assert last_summary(out / "logs" / "rank-0.log")[1] == 2000 * 2  # every training row, every epoch
+    assert rank_record(out, 0)["samples_trained"] == 2000 * 2  # every training row, every epoch
     assert "eval_accuracy=" in result.stdout
 
 
@@ -85,7 +78,10 @@ def test_two_platform_replicas_train_one_model_in_sync(job_env, tmp_path):
     assert codes == [0, 0], [(tmp_path / f"stdout-{r}.txt").read_text()[-2000:] for r in (0, 1)]
 
     out = tmp_path / "out"
-    (r0, samples0, sum0), (r1, samples1, sum1) = (last_summary(out / "logs" / f"rank-{r}.log") for r in (0, 1))
+    (r0, samples0, sum0), (r1, samples1, sum1) = (
+        (record["rank"], record["samples_trained"], record["trainable_checksum"])
+        for record in (rank_record(out, rank) for rank in (0, 1))
+    )
     assert (r0, r1) == (0, 1)
     assert sum0 == sum1, "trainable weights differ between ranks: gradients were not synchronised"
     # Each rank sees half the rows per epoch (the sampler pads the last batch to an even split).

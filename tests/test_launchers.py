@@ -18,71 +18,34 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import FAKE_TOKEN, REPO, base_env, free_port, pod_env, run_main
+from tests.conftest import (
+    ACCELERATE,
+    K8S,
+    REPO,
+    STEPS,
+    TORCHRUN,
+    base_env,
+    config_maps,
+    container_env,
+    crd_schema,
+    free_port,
+    job_settings,
+    kustomize,
+    load_manifest,
+    pod_env,
+    rank_report,
+    run_main,
+    schema_errors,
+    start,
+    wait_all,
+)
 
 LAUNCHERS = REPO / "launchers"
-K8S = REPO / "k8s"
-SCHEMAS = REPO.parent / "shared" / "schemas"  # CI always has ../shared; the CRDs are not copied into the repo
-SUMMARY = re.compile(r"rank (\d+) processed (\d+) training samples; trainable weights checksum ([0-9a-f]+)")
-ORIGIN = re.compile(r"rank (\d+) of (\d+) \(local rank (\d+), node (\d+)\) via (\w+)")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
-STEPS = "4"  # optimizer steps: enough to see the ranks stay in sync, little enough for 2 cores
-
-
-def job_settings(job_env: dict[str, str], **extra: str) -> dict[str, str]:
-    env = {**job_env, "MAX_STEPS": STEPS, **extra}
-    env.pop("NUM_EPOCHS", None)
-    return env
-
-
-def wait_all(
-    procs: list[subprocess.Popen], logs: list[Path] | Callable[[], list[Path]], timeout: float = 300
-) -> list[int]:
-    try:
-        codes = [proc.wait(timeout=timeout) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    if codes != [0] * len(procs):
-        logs = logs() if callable(logs) else logs
-        pytest.fail(
-            f"exit codes {codes}\n"
-            + "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
-        )
-    return codes
-
-
-def start(cmd: list[str], env: dict[str, str], log: Path, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, **kwargs)
-
-
-def rank_report(out: Path, world: int) -> list[dict]:
-    """Per rank: who it was (source, local rank, node) and its final summary, from OUTPUT_DIR/logs/rank-R.log."""
-    reports = []
-    for rank in range(world):
-        text = (out / "logs" / f"rank-{rank}.log").read_text()
-        origin = ORIGIN.search(text).groups()
-        summary = SUMMARY.findall(text)[-1]
-        reports.append(
-            {
-                "rank": int(origin[0]),
-                "world": int(origin[1]),
-                "local_rank": int(origin[2]),
-                "node": int(origin[3]),
-                "source": origin[4],
-                "samples": int(summary[1]),
-                "checksum": summary[2],
-            }
-        )
-    return reports
 
 
 def assert_one_model(out: Path, reports: list[dict]) -> None:
@@ -490,48 +453,17 @@ def test_submitit_refuses_bad_settings_before_submitting(tmp_path):
 
 
 # ------------------------------------------------------------------------------- Kubernetes
-def strict_schema(crd_file: str) -> dict:
-    """The CRD's openAPIV3Schema with unknown fields made errors (the API server would prune them silently)."""
-    path = SCHEMAS / crd_file
-    if not path.is_file():
-        pytest.skip(f"{path} is absent: the CRD schemas live in ../shared/schemas (CI always has them)")
-
-    def close(node):
-        if isinstance(node, dict):
-            if (
-                node.get("type") == "object"
-                and "properties" in node
-                and "additionalProperties" not in node
-                and not node.get("x-kubernetes-preserve-unknown-fields")
-            ):
-                node["additionalProperties"] = False
-            for value in node.values():
-                close(value)
-        elif isinstance(node, list):
-            for value in node:
-                close(value)
-
-    crd = yaml.safe_load(path.read_text())
-    schema = copy.deepcopy(next(v for v in crd["spec"]["versions"] if v.get("storage"))["schema"]["openAPIV3Schema"])
-    close(schema)
-    return schema
-
-
-def schema_errors(schema: dict, document: dict) -> list[str]:
-    import jsonschema
-
-    return [
-        f"{'.'.join(map(str, error.path))}: {error.message[:200]}"
-        for error in jsonschema.Draft7Validator(schema).iter_errors(document)
-    ]
-
-
 def pod_command(container: dict, main_args: list[str]) -> list[str]:
     """The container's command as the pod runs it, here: dumb-init (PID 1 in the image) left out, the image's
     /app/main.py pointing at this checkout, `args:` replaced by `main_args`."""
     command = list(container["command"])
     assert command[:2] == ["dumb-init", "--"], "dumb-init forwards SIGTERM to the whole process group"
     return [part.replace("/app/main.py", str(REPO / "main.py")) for part in command[2:]] + main_args
+
+
+def shared_config_maps() -> dict[str, dict[str, str]]:
+    """The ConfigMaps the variants share (k8s/base), name -> data."""
+    return config_maps(kustomize(K8S / "base"))
 
 
 def run_pods(command: list[str], pod_envs: list[dict[str, str]], tmp_path: Path) -> list[list[dict]]:
@@ -566,42 +498,9 @@ def run_pods(command: list[str], pod_envs: list[dict[str, str]], tmp_path: Path)
     return answers
 
 
-def config_maps() -> dict[str, dict[str, str]]:
-    """The ConfigMaps the variants share (k8s/base), by name."""
-    found = {}
-    for path in (K8S / "base").glob("*.yaml"):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc.get("kind") == "ConfigMap":
-                found[doc["metadata"]["name"]] = doc["data"]
-    return found
-
-
-def container_env(container: dict) -> dict[str, str]:
-    """The variables the kubelet gives the container: envFrom ConfigMaps, then `env` (which wins); values from
-    ConfigMap keys resolved, Secret keys to a stand-in token (it must come back masked)."""
-    maps, env = config_maps(), {}
-    for source in container.get("envFrom", []):
-        env.update(maps[source["configMapRef"]["name"]])
-    for var in container.get("env", []):
-        ref = var.get("valueFrom", {}).get("configMapKeyRef")
-        if "value" in var:
-            env[var["name"]] = var["value"]
-        elif ref and ref["key"] in maps.get(ref["name"], {}):
-            env[var["name"]] = maps[ref["name"]][ref["key"]]
-        elif "secretKeyRef" in var.get("valueFrom", {}):
-            env[var["name"]] = FAKE_TOKEN
-    return env
-
-
-def load_manifest(path: Path) -> dict:
-    documents = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-    assert len(documents) == 1, path
-    return documents[0]
-
-
 def test_pytorchjob_with_several_gpus_per_pod_is_valid_against_the_crd():
     job = load_manifest(K8S / "multi-gpu-per-pod" / "pytorchjob.yaml")
-    schema = strict_schema("kubeflow.org_pytorchjobs.yaml")
+    schema = crd_schema(job["apiVersion"], job["kind"])
     assert schema_errors(schema, job) == []
     broken = copy.deepcopy(job)
     broken["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["gpus"] = 4
@@ -633,20 +532,18 @@ def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_pa
     pods = specs["Master"]["replicas"] + specs["Worker"]["replicas"]
     nproc = int(job["spec"]["nprocPerNode"])
     container = specs["Master"]["template"]["spec"]["containers"][0]
+    shared = shared_config_maps()
     port = free_port()  # stands in for the pytorchjob-port
+    operator = dict(  # what the operator adds to each pod's variables, over the image's and the manifest's
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        WORLD_SIZE=pods * nproc,
+        PET_NNODES=pods,
+        PET_NPROC_PER_NODE=job["spec"]["nprocPerNode"],
+        PYTHONUNBUFFERED="0",
+    )
     pod_envs = [
-        pod_env(
-            tmp_path,
-            **container_env(container),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            RANK=pod,
-            WORLD_SIZE=pods * nproc,
-            PET_NODE_RANK=pod,
-            PET_NNODES=pods,
-            PET_NPROC_PER_NODE=job["spec"]["nprocPerNode"],
-            PYTHONUNBUFFERED="0",
-        )
+        pod_env(tmp_path, **(container_env(container, shared) | operator | {"RANK": pod, "PET_NODE_RANK": pod}))
         for pod in range(pods)
     ]
     answers = run_pods(pod_command(container, ["--dry-run"]), pod_envs, tmp_path)
@@ -660,13 +557,13 @@ def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_pa
         ("torchrun", port)
     }
     # Its own run folder, and the shared settings: a folder holds one run (the 4-replica job uses another).
-    shared = config_maps()["sst2-lora-settings"]
+    settings = shared["sst2-lora-settings"]
     assert (
         {a["config"]["output_dir"] for pod in answers for a in pod}
-        == {container_env(container)["OUTPUT_DIR"]}
-        != {shared["OUTPUT_DIR"]}
+        == {container_env(container, shared)["OUTPUT_DIR"]}
+        != {settings["OUTPUT_DIR"]}
     )
-    assert {a["config"]["model_name"] for pod in answers for a in pod} == {shared["MODEL_NAME"]}
+    assert {a["config"]["model_name"] for pod in answers for a in pod} == {settings["MODEL_NAME"]}
     assert {a["config"]["hf_token"] for pod in answers for a in pod} == {"***"}
 
     # The same pod environment without torchrun (the image's default command) is refused, not mis-ranked.
@@ -714,7 +611,7 @@ def test_pod_wrapper_turns_sigterm_into_the_restart_code(tmp_path):
 
 def test_trainjob_is_valid_against_the_trainer_v2_crd():
     job = load_manifest(K8S / "trainer-v2" / "trainjob.yaml")
-    schema = strict_schema("trainer.kubeflow.org_trainjobs.yaml")
+    schema = crd_schema(job["apiVersion"], job["kind"])
     assert schema_errors(schema, job) == []
     broken = copy.deepcopy(job)
     broken["spec"]["podTemplateOverrides"] = []  # the older field name: not in this CRD version
@@ -752,7 +649,7 @@ def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
     job = load_manifest(K8S / "trainer-v2" / "trainjob.yaml")
     trainer = job["spec"]["trainer"]
     nodes, nproc = trainer["numNodes"], trainer["numProcPerNode"]
-    env = container_env(trainer)
+    env = container_env(trainer, shared_config_maps())
     port = free_port()  # stands in for 29400 on the node-0 pod
     pod_envs = [
         pod_env(
@@ -776,7 +673,7 @@ def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
     configs = [a["config"] for pod in answers for a in pod]
     assert {c["output_dir"] for c in configs} == {env["OUTPUT_DIR"]} and {c["hf_token"] for c in configs} == {"***"}
     # The shared settings arrive key by key (a TrainJob has no envFrom): every key of the ConfigMap, resolved.
-    shared = config_maps()["sst2-lora-settings"]
+    shared = shared_config_maps()["sst2-lora-settings"]
     overridden = {e["name"] for e in trainer["env"] if "value" in e}
     assert set(shared) - overridden <= {e["name"] for e in trainer["env"]}, (
         "a ConfigMap key the TrainJob does not read"

@@ -66,7 +66,13 @@ def test_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert, sst2_dir):
     assert job["1"]["ranks"][0]["samples"] == 2000
     # Half the rows each; Accelerate fills the last batch of each rank up to 64 with rows from the start.
     assert [r["samples"] for r in job["2"]["ranks"]] == [16 * 64, 16 * 64]
-    assert job["half_steps_each"] is True
+    assert job["two_replicas_vs_one"] == {
+        "optimizer_steps_ratio": round(16 / 32, 3),
+        "samples_per_replica_ratio": [0.512, 0.512],
+    }
+    assert job["2"]["ranks"][0]["checksum"] == job["2"]["ranks"][1]["checksum"]
+    assert job["2"]["same_weights_on_all_ranks"] is True
+    assert all(r["first_step"] == 1 for r in job["1"]["ranks"] + job["2"]["ranks"])
     assert all(r["time_to_first_step_s"] > 0 for r in job["1"]["ranks"] + job["2"]["ranks"])
 
     scale = results["scale"]

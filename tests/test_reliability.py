@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 import signal
 import time
 from pathlib import Path
@@ -23,12 +22,13 @@ from tests.conftest import (
     Replicas,
     assert_refused_as_bad_input,
     assert_token_absent,
+    complete_steps,
     error_lines,
     log_time,
     push_settings,
+    rank_record,
     run_main,
     start_main,
-    summary,
     training_settings,
     wait_all,
     wait_for,
@@ -46,7 +46,7 @@ def reference(tmp_path_factory, tiny_bert, sst2_dir):
     finally:
         group.cleanup()
     metrics = json.loads((tmp / "out" / "metrics.json").read_text())
-    return metrics["eval_accuracy"], summary(tmp / "out" / "logs" / "rank-0.log")[1]
+    return metrics["eval_accuracy"], rank_record(tmp / "out", 0)["trainable_checksum"]
 
 
 # ------------------------------------------------------------------------------- resume after SIGKILL
@@ -93,9 +93,11 @@ def test_replica_killed_mid_training_resumes_from_last_complete_checkpoint(
     assert abs(metrics["eval_accuracy"] - accuracy) <= 0.02, (metrics["eval_accuracy"], accuracy)
     # Model, optimizer, scheduler, RNG and data position (the second epoch's order too) restored exactly:
     # the same weights bit for bit.
-    assert summary(out / "logs" / "rank-0.log")[1] == summary(out / "logs" / "rank-1.log")[1] == checksum
-    samples_after_resume = summary(out / "logs" / "rank-0.log")[0]
-    assert samples_after_resume == (126 - 80) * 16  # only the steps after the checkpoint were trained again
+    records = [rank_record(out, rank) for rank in (0, 1)]
+    assert [r["trainable_checksum"] for r in records] == [checksum, checksum]
+    assert [r["first_step"] for r in records] == [81, 81]  # both ranks began where the checkpoint ended
+    # only the steps after the checkpoint were trained again
+    assert [r["samples_trained"] for r in records] == [(126 - 80) * 16] * 2
 
     # The push rode out the rate limit and the 503s, visibly, and published a whole model/ once.
     assert log0.count("Hub create_repo failed (the Hub answered HTTP 503") == 3
@@ -121,13 +123,14 @@ def test_sigterm_to_one_replica_checkpoints_and_exits_143_on_every_rank(
     procs[1].send_signal(signal.SIGTERM)  # an eviction of one pod: its peer must stop with it
     assert wait_all(procs, timeout=120) == [143, 143]
 
-    stops = {
-        re.search(r"saving a checkpoint at step (\d+)", (out / "logs" / f"rank-{r}.log").read_text()).group(1)
-        for r in (0, 1)
+    # The checkpoint of the stop: the newest complete one, past the last interval's, with both ranks' RNG states
+    # (each rank writes its own): both ranks stopped at the same step and saved there.
+    step = complete_steps(out)[-1]
+    assert SAVE_STEPS < step < 126
+    assert {p.name for p in (out / "checkpoints" / f"checkpoint-{step}").glob("rng_state_*.pth")} == {
+        "rng_state_0.pth",
+        "rng_state_1.pth",
     }
-    [step] = stops  # both ranks stopped at the same step
-    assert SAVE_STEPS < int(step) < 126
-    assert (out / "checkpoints" / f"checkpoint-{step}" / "COMPLETE").exists()
     for rank in (0, 1):
         stream = (tmp_path / f"preempted-rank{rank}.txt").read_text()
         assert (
@@ -140,9 +143,10 @@ def test_sigterm_to_one_replica_checkpoints_and_exits_143_on_every_rank(
     procs = replicas.start("restart", settings)
     assert wait_all(procs) == [0, 0], (tmp_path / "restart-rank0.txt").read_text()[-3000:]
     assert f"resuming from step {step}" in (out / "logs" / "rank-0.log").read_text()
+    assert [rank_record(out, rank)["first_step"] for rank in (0, 1)] == [step + 1] * 2
     accuracy, checksum = reference
     assert abs(json.loads((out / "metrics.json").read_text())["eval_accuracy"] - accuracy) <= 0.02
-    assert summary(out / "logs" / "rank-1.log")[1] == checksum
+    assert rank_record(out, 1)["trainable_checksum"] == checksum
     assert_token_absent("hf_sigterm_secret_4242", [tmp_path])
 
 

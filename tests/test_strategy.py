@@ -15,8 +15,18 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, rank_env, start_main
-from tests.test_launchers import ACCELERATE, TORCHRUN, job_settings, rank_report, start, wait_all
+from tests.conftest import (
+    ACCELERATE,
+    REPO,
+    TORCHRUN,
+    free_port,
+    job_settings,
+    rank_env,
+    rank_report,
+    start,
+    start_main,
+    wait_all,
+)
 from utils.distributed import DistEnv, launcher_options
 from utils.errors import JobError
 from utils.settings import Settings

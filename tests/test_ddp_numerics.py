@@ -1,0 +1,184 @@
+"""DDP against one process, number for number: the same seed, data and learning rate, one `main.py` at batch 2B
+against two `main.py` replicas at batch B each, give the same loss curve and the same trained adapter.
+
+As torchtune's recipe tests compare logged losses: a rate scaled by the world size, or gradients summed
+instead of averaged, passes every "the ranks agree" check (both ranks are wrong the same way) and fails this.
+
+Batches are comparable by construction: every sentence tokenises to the same length, so the length-grouped
+sampler keeps its seeded permutation as is, and Accelerate gives rank r the batches r, r+2, ... of it; global
+step k then sees the same 2B rows in both runs. The test checks rather than trusts this: one token length over
+the data, step 1's training loss (taken before any update, so it depends on the rows alone) equal in both runs,
+and an evaluation after every step, where a step on other rows would show. Dropout is off (LoRA's and the
+model's), so nothing random is drawn during training.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
+from tests.conftest import Replicas, base_env, rank_record, run_main, wait_all
+
+BATCH = 4  # B: rows per replica per step; the one process takes 2B
+EPOCHS, STEPS_PER_EPOCH = 2, 8  # 16 optimizer steps; the second epoch draws a new order from SEED + 1
+TRAIN_ROWS, VALIDATION_ROWS = 2 * BATCH * STEPS_PER_EPOCH, 32  # no partial batch, no padded evaluation batch
+WORDS = 8  # every sentence: a subject, a verb, an adjective, filler: [CLS] + 8 word tokens + [SEP]
+RATE = "3e-3"  # explicit in both runs; a tiny random model needs a high rate, and a x2 error shows within steps
+# Measured on 2 CPU cores (fp32, gloo): losses within 9e-8 relative, adapter weights within 3.4e-7 absolute
+# (values up to 0.17). The tolerances sit a few times above that; a rate x2 moves step 2's eval loss by 1e-2
+# (relative) and the weights by up to 0.3.
+LOSS_RTOL = 1e-6
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
+
+
+def write_fixed_length_data(folder: Path, seed: int = 1) -> Path:
+    """Sentences of exactly WORDS words from the tiny model's vocabulary, labelled by their adjective."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True)
+    for split, rows in (("train", TRAIN_ROWS), ("validation", VALIDATION_ROWS)):
+        with open(folder / f"{split}.csv", "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["sentence", "label"])
+            for _ in range(rows):
+                label = rng.randint(0, 1)
+                words = ["the", rng.choice(NOUNS), rng.choice(VERBS), rng.choice(POSITIVE if label else NEGATIVE)]
+                words += [rng.choice(FILLER + NOUNS) for _ in range(WORDS - len(words))]
+                writer.writerow([" ".join(words), label])
+    return folder
+
+
+def without_dropout(tiny_bert: Path, folder: Path) -> Path:
+    """The tiny BERT with every dropout of its config at 0 (the weights are the same file)."""
+    shutil.copytree(tiny_bert, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_dropout": 0.0}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def token_lengths(model: Path, data: Path) -> set[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lengths = set()
+    for split in ("train", "validation"):
+        with open(data / f"{split}.csv") as handle:
+            sentences = [row["sentence"] for row in csv.DictReader(handle)]
+        encoded = tokenizer(sentences)["input_ids"]
+        lengths |= {len(ids) for ids in encoded}
+        unknown = [s for s, ids in zip(sentences, encoded, strict=True) if tokenizer.unk_token_id in ids]
+        assert not unknown, f"words outside the tiny vocabulary: {unknown[:3]}"
+    return lengths
+
+
+def loss_curve(out: Path) -> dict[str, dict[int, float]]:
+    """The Trainer's log_history as the final checkpoint saved it: eval loss after every step (EVAL_STEPS=1) and
+    the training loss where the Trainer logged it (step 1, then every 10 steps: no setting logs every step)."""
+    checkpoint = out / "checkpoints" / f"checkpoint-{EPOCHS * STEPS_PER_EPOCH}"
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    return {
+        key: {entry["step"]: entry[key] for entry in history if key in entry}
+        for key in ("eval_loss", "loss", "learning_rate")
+    }
+
+
+def adapter_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model" / "adapter_model.safetensors")
+
+
+def first_divergence(one: dict[int, float], two: dict[int, float], rtol: float) -> str | None:
+    """Where two curves (step -> value) first differ by more than `rtol` (relative), in words; None if nowhere."""
+    assert one.keys() == two.keys(), f"logged at different steps: {sorted(one)} vs {sorted(two)}"
+    for step in sorted(one):
+        a, b = one[step], two[step]
+        if abs(a - b) > rtol * max(abs(a), abs(b)):
+            later = ", ".join(f"{s}: {one[s]:.6g} vs {two[s]:.6g}" for s in sorted(one) if s > step)
+            return (
+                f"first differs at step {step}: {a:.8g} (1 process) vs {b:.8g} (2 replicas), "
+                f"relative difference {abs(a - b) / max(abs(a), abs(b)):.2e} > {rtol:g}"
+                + (
+                    " (before any update: other rows, other initial weights or another loss scale)"
+                    if step == 1
+                    else ""
+                )
+                + (f"; later: {later}" if later else "")
+            )
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.check
+def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
+    import torch
+
+    model = without_dropout(tiny_bert, tmp_path / "tiny-bert-no-dropout")
+    data = write_fixed_length_data(tmp_path / "data")
+    assert len(token_lengths(model, data)) == 1, "every sentence must tokenise to one length, or batches regroup"
+    settings = dict(
+        MODEL_NAME=model,
+        DATASET_PATH=data,
+        NUM_EPOCHS=EPOCHS,
+        LEARNING_RATE=RATE,
+        LORA_DROPOUT=0,
+        EVAL_STEPS=1,
+        PER_DEVICE_EVAL_BATCH_SIZE=VALIDATION_ROWS // 2,
+        REPORT_TO="none",
+        RENDEZVOUS_TIMEOUT=120,
+    )
+    one_out, two_out = tmp_path / "one", tmp_path / "two"
+
+    group = Replicas(tmp_path)
+    try:
+        procs = group.start(
+            "ddp", {k: str(v) for k, v in {**settings, "OUTPUT_DIR": two_out, "PER_DEVICE_BATCH_SIZE": BATCH}.items()}
+        )
+        single = run_main(base_env(tmp_path, **settings, OUTPUT_DIR=one_out, PER_DEVICE_BATCH_SIZE=2 * BATCH))
+        codes = wait_all(procs)
+    finally:
+        group.cleanup()
+    assert single.code == 0, single.stderr[-3000:]
+    assert codes == [0, 0], [(tmp_path / f"ddp-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
+
+    # The same rows, in the same steps: every step of both runs trained 2B rows, split evenly between the ranks.
+    records = [rank_record(two_out, rank) for rank in (0, 1)]
+    one_record = rank_record(one_out, 0)
+    assert [r["world_size"] for r in records] == [2, 2] and one_record["world_size"] == 1
+    assert [r["samples_trained"] for r in records] == [EPOCHS * TRAIN_ROWS // 2] * 2
+    assert one_record["samples_trained"] == EPOCHS * TRAIN_ROWS
+    one, two = loss_curve(one_out), loss_curve(two_out)
+    assert sorted(one["eval_loss"]) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1)), "an eval loss after every step"
+
+    problems = []
+    for run, name in ((one_out, "1 process"), (two_out, "2 replicas")):
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert metrics["global_batch"] == 2 * BATCH, metrics
+        if metrics["learning_rate"] != float(RATE):
+            problems.append(f"metrics.json: {name} trained at learning rate {metrics['learning_rate']:g}, not {RATE}")
+    for key, rtol in (("learning_rate", 0), ("loss", LOSS_RTOL), ("eval_loss", LOSS_RTOL)):
+        if where := first_divergence(one[key], two[key], rtol):
+            problems.append(f"{key} {where}")
+    weights_one, weights_two = adapter_weights(one_out), adapter_weights(two_out)
+    assert weights_one.keys() == weights_two.keys()
+    differ = {
+        name: ((weights_one[name] - weights_two[name]).abs().max().item(), weights_one[name].abs().max().item())
+        for name in sorted(weights_one)
+        if not torch.allclose(weights_one[name], weights_two[name], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+    }
+    if differ:
+        worst = max(differ, key=lambda name: differ[name][0])
+        problems.append(
+            f"weights: {len(differ)} of {len(weights_one)} adapter tensors differ beyond rtol {WEIGHT_RTOL:g}, "
+            f"atol {WEIGHT_ATOL:g}; the most, {worst}, by up to {differ[worst][0]:.3g} "
+            f"(its 1-process values reach {differ[worst][1]:.3g})"
+        )
+    assert not problems, "two replicas at batch B did not train what one process at batch 2B trains:\n" + "\n".join(
+        problems
+    )
