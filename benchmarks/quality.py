@@ -272,7 +272,7 @@ def full_ft_worker(cfg: dict) -> None:
     from utils.data import load_sst2
     from utils.model import load_tokenizer
     from utils.settings import Settings
-    from utils.training_utils import classification_metrics
+    from utils.trainer import classification_metrics
 
     out = Path(cfg["out"])
     settings = Settings(model_name=cfg["model"], dataset_path=cfg["data"], seed=cfg["seed"], output_dir=str(out))

@@ -5,7 +5,9 @@
 
 It runs an uninterrupted two-replica job, then for each kill point starts the same job, SIGKILLs rank 1
 a fraction of a checkpoint interval after a checkpoint is complete (the platform killing a replica),
-restarts both replicas, and reads the rank-0 log and stream:
+restarts both replicas, and reads what the job writes: `logs/rank-0.json` (the step training began at, seconds
+from process start to it), the Trainer's `trainer_state.json` (the run's total steps), the rank-0 log (when
+the model was built) and rank 0's progress bar (the step reached when the peer was killed: no file has it):
 
 - lost work: optimizer steps trained after the last complete checkpoint, which the restart trains again
   (at most SAVE_STEPS - 1, SAVE_STEPS / 2 on average for a kill at a random moment), and their time;
@@ -33,10 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
+import psutil  # noqa: E402  (an Accelerate dependency: when a process started)
 
-FIRST_STEP = re.compile(r"first training step (\d+) began ([\d.]+) s after process start")
-TOTAL_STEPS = re.compile(r"Total optimization steps = ([\d,]+)")
+from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
 
 
 def free_port() -> int:
@@ -45,7 +46,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(out: Path, tag: str, settings: dict[str, str]) -> list[subprocess.Popen]:
+def start(out: Path, tag: str, settings: dict[str, str]) -> tuple[list[subprocess.Popen], float]:
+    """Both replicas of the job on `out`, and when rank 0's process started (epoch seconds)."""
     port, procs = free_port(), []
     for rank in (0, 1):
         env = {
@@ -67,24 +69,31 @@ def start(out: Path, tag: str, settings: dict[str, str]) -> list[subprocess.Pope
                 [sys.executable, str(REPO / "main.py")], env=env, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT
             )
         )
-    return procs
+    return procs, psutil.Process(procs[0].pid).create_time()
 
 
-def first_step_seconds(out: Path) -> float:
-    return float(FIRST_STEP.findall((out / "logs" / "rank-0.log").read_text())[-1][1])
+def rank_record(out: Path) -> dict:
+    """Rank 0's record of the last run of this folder: first_step, seconds_to_first_step, samples, checksum."""
+    return json.loads((out / "logs" / "rank-0.json").read_text())
+
+
+def total_steps(out: Path) -> int:
+    """The run's optimizer steps, from the Trainer's state in its newest checkpoint."""
+    newest = max((out / "checkpoints").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    return json.loads((newest / "trainer_state.json").read_text())["max_steps"]
 
 
 def stamp(line: str) -> float:
     return time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
 
 
-def model_to_first_step(out: Path) -> float:
-    """Seconds from the model being built to the first training step, in the last run of this folder's rank-0
-    log: the Trainer's set-up, plus, on a resume, loading the checkpoint and fast-forwarding the data."""
+def model_to_first_step(out: Path, started: float) -> float:
+    """Seconds from the model being built to the first training step in the last run of this folder, whose
+    rank 0 started at `started`: the Trainer's set-up, plus, on a resume, loading the checkpoint and
+    fast-forwarding the data. Only the rank-0 log says when the model was built."""
     lines = (out / "logs" / "rank-0.log").read_text().splitlines()
-    built = [i for i, line in enumerate(lines) if "trainable parameters:" in line][-1]
-    first = next(line for line in lines[built:] if "first training step" in line)
-    return stamp(first) - stamp(lines[built])
+    built = stamp([line for line in lines if "trainable parameters:" in line][-1])
+    return started + rank_record(out)["seconds_to_first_step"] - built
 
 
 def main() -> None:
@@ -113,22 +122,24 @@ def main() -> None:
 
     began = time.monotonic()
     reference = work / "reference"
-    assert [p.wait() for p in start(reference, "run", settings)] == [0, 0], f"the uninterrupted run failed; see {work}"
+    procs, started = start(reference, "run", settings)
+    assert [p.wait() for p in procs] == [0, 0], f"the uninterrupted run failed; see {work}"
     fresh_wall = time.monotonic() - began
     metrics = json.loads((reference / "metrics.json").read_text())
     step_seconds = 1 / metrics["train_steps_per_second"]
-    fresh_first_step, fresh_setup = first_step_seconds(reference), model_to_first_step(reference)
-    total_steps = int(TOTAL_STEPS.search((reference / "logs" / "rank-0.log").read_text()).group(1).replace(",", ""))
-    progress = re.compile(rf"(\d+)/{total_steps} \[")  # the Trainer's progress bar on rank 0's stream
+    fresh_first_step = rank_record(reference)["seconds_to_first_step"]
+    fresh_setup = model_to_first_step(reference, started)
+    steps = total_steps(reference)
+    progress = re.compile(rf"(\d+)/{steps} \[")  # the Trainer's progress bar on rank 0's stream
     print(
         f"uninterrupted: {fresh_wall:.1f} s wall, first step {fresh_first_step:.1f} s after start ({fresh_setup:.2f} s after the model "
-        f"was built), {total_steps} steps of {step_seconds * 1000:.0f} ms, accuracy {metrics['eval_accuracy']:.4f}"
+        f"was built), {steps} steps of {step_seconds * 1000:.0f} ms, accuracy {metrics['eval_accuracy']:.4f}"
     )
 
     for n, fraction in enumerate(args.fractions, start=1):
         out, checkpoint = work / f"killed-{n}", args.save_steps * n
         began = time.monotonic()
-        procs = start(out, "killed", settings)
+        procs, _ = start(out, "killed", settings)
         marker = out / "checkpoints" / f"checkpoint-{checkpoint}" / "COMPLETE"
         while not marker.exists():
             assert all(p.poll() is None for p in procs), f"a replica ended before checkpoint-{checkpoint}; see {work}"
@@ -141,16 +152,18 @@ def main() -> None:
         reached = max(
             int(done) for done in progress.findall((out.parent / f"{out.name}-killed-rank0.txt").read_text())
         )
-        restart = start(out, "restart", settings)
+        restart, started = start(out, "restart", settings)
         assert [p.wait() for p in restart] == [0, 0], f"the restart failed; see {work}"
         wall = time.monotonic() - began
-        resumed_first_step, resumed_setup = first_step_seconds(out), model_to_first_step(out)
+        resumed = rank_record(out)
+        resumed_first_step, resumed_setup = resumed["seconds_to_first_step"], model_to_first_step(out, started)
         lost = reached - checkpoint
         accuracy = json.loads((out / "metrics.json").read_text())["eval_accuracy"]
         print(
             f"kill {n}: rank 1 killed at step ~{reached}, {fraction:.0%} into the interval after checkpoint-{checkpoint}; "
             f"survivor exit {survivor} after {detection:.1f} s; lost {lost} steps = {lost * step_seconds:.1f} s of training; "
-            f"restart's first step {resumed_first_step:.1f} s after start, {resumed_setup:.2f} s after the model was built "
+            f"restart's first step (step {resumed['first_step']}) {resumed_first_step:.1f} s after start, "
+            f"{resumed_setup:.2f} s after the model was built "
             f"(resume overhead {resumed_setup - fresh_setup:+.2f} s); job wall {wall:.1f} s vs {fresh_wall:.1f} s uninterrupted; "
             f"accuracy {accuracy:.4f}"
         )
