@@ -78,8 +78,8 @@ def token_lengths(model: Path, data: Path) -> set[int]:
 
 
 def loss_curve(out: Path) -> dict[str, dict[int, float]]:
-    """The Trainer's log_history as the final checkpoint saved it: eval loss after every step (EVAL_STEPS=1) and
-    the training loss where the Trainer logged it (step 1, then every 10 steps: no setting logs every step)."""
+    """The Trainer's log_history as the final checkpoint saved it: the training loss (LOGGING_STEPS=1), the rate
+    and the eval loss (EVAL_STEPS=1) after every step."""
     checkpoint = out / "checkpoints" / f"checkpoint-{EPOCHS * STEPS_PER_EPOCH}"
     history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
     return {
@@ -129,6 +129,7 @@ def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
         LEARNING_RATE=RATE,
         LORA_DROPOUT=0,
         EVAL_STEPS=1,
+        LOGGING_STEPS=1,
         PER_DEVICE_EVAL_BATCH_SIZE=VALIDATION_ROWS // 2,
         REPORT_TO="none",
         RENDEZVOUS_TIMEOUT=120,
@@ -154,7 +155,8 @@ def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
     assert [r["samples_trained"] for r in records] == [EPOCHS * TRAIN_ROWS // 2] * 2
     assert one_record["samples_trained"] == EPOCHS * TRAIN_ROWS
     one, two = loss_curve(one_out), loss_curve(two_out)
-    assert sorted(one["eval_loss"]) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1)), "an eval loss after every step"
+    every_step = list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    assert sorted(one["loss"]) == sorted(one["eval_loss"]) == every_step, "a training and an eval loss every step"
 
     problems = []
     for run, name in ((one_out, "1 process"), (two_out, "2 replicas")):

@@ -270,6 +270,11 @@ class Settings(BaseSettings):
         ge=0,
         description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end",
     )
+    logging_steps: int = Field(
+        10,
+        ge=1,
+        description="optimizer steps between training-loss records (console, TensorBoard, trackers, log_history)",
+    )
     report_to: Annotated[tuple[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"], ...], NoDecode] = Field(
         "tensorboard",
         description="comma-separated trackers rank 0 reports to: tensorboard (files under OUTPUT_DIR/tensorboard), mlflow, wandb, trackio, or none; "

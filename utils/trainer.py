@@ -308,7 +308,7 @@ def training_arguments(
         # Batches of similar length: little padding (JobTrainer keeps their order reproducible).
         train_sampling_strategy="group_by_length",
         torch_compile=settings.torch_compile,
-        logging_steps=10,
+        logging_steps=settings.logging_steps,
         logging_first_step=True,
         # The filter reads every step's loss on the host: one GPU sync per step.
         logging_nan_inf_filter=False,
