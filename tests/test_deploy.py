@@ -494,7 +494,9 @@ def operator_env(job: dict, replica_type: str, index: int) -> dict[str, str]:
     }
 
 
-def assert_settings_arrived(config: dict, raw: dict[str, str]) -> None:
+def assert_settings_arrived(config: dict, raw: dict[str, str], world_size: int) -> None:
+    from utils.recipe import scaled_learning_rate
+
     expected, _ = load_settings([], environ=raw)
     for name in raw:
         if name in SETTING_ENV:
@@ -502,6 +504,10 @@ def assert_settings_arrived(config: dict, raw: dict[str, str]) -> None:
             assert config[field] == expected.model_dump(mode="json")[field], (
                 f"{name}={raw[name]!r} arrived as {config[field]!r}"
             )
+    # A deployment that pinned LEARNING_RATE would train 4 replicas at the one-replica rate (docs/quality.md).
+    assert config["learning_rate"] == scaled_learning_rate(expected, world_size), (
+        f"the deployed rate {config['learning_rate']} is not the one the global batch of {world_size} replica(s) gets"
+    )
 
 
 def test_dry_run_in_each_pytorchjob_pod(tmp_path):
@@ -529,7 +535,7 @@ def test_dry_run_in_each_pytorchjob_pod(tmp_path):
             }, f"{replica_type} {index}"
             assert out["config"]["output_dir"] == shared_output_dir()
             assert out["config"]["hf_token"] == "***" and FAKE_TOKEN not in result.stdout + result.stderr
-            assert_settings_arrived(out["config"], variables)
+            assert_settings_arrived(out["config"], variables, out["distributed"]["world_size"])
             seen.append(out["distributed"]["rank"])
     assert sorted(seen) == [0, 1, 2, 3]
 
@@ -562,7 +568,7 @@ def test_dry_run_on_each_platform_replica(tmp_path):
         }
         assert out["config"]["output_dir"] == shared_output_dir()
         assert out["config"]["hf_token"] == "***" and FAKE_TOKEN not in result.stdout + result.stderr
-        assert_settings_arrived(out["config"], env)
+        assert_settings_arrived(out["config"], env, world)
 
 
 def test_platform_without_rendezvous_address_says_so(tmp_path):
