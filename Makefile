@@ -17,7 +17,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 venv: $(VENV)/.installed
 
 # The whole job offline on 2 CPU cores: a tiny BERT built here, the bundled synthetic SST-2-shaped sample.
-# A tiny randomly initialised model needs a higher learning rate than the real default (5e-4).
+# A tiny randomly initialised model needs a higher learning rate than the real default (1e-3).
 demo: venv
 	$(PY) scripts/make_demo_assets.py model $(DEMO)/tiny-bert --data examples/sst2-synthetic
 	rm -rf $(DEMO)/output

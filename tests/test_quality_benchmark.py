@@ -62,8 +62,8 @@ def test_quality_benchmark_runs_job_and_reference(tmp_path, tiny_bert, sst2_dir)
         assert arm["train_samples_per_second"] > 0 and arm["wall_s"] > 0
     one, two = arms["job-x1-seed7"], arms["job-x2-seed7"]
     assert (one["global_batch"], two["global_batch"]) == (16, 32)
-    # The job's learning rate follows the global batch: sqrt(2) times higher on 2 replicas, read back from run.json.
-    assert abs(two["learning_rate"] / one["learning_rate"] - 2**0.5) < 1e-3
+    # The job's learning rate follows the global batch: 2 ** 0.25 times higher on 2 replicas, read back from run.json.
+    assert abs(two["learning_rate"] / one["learning_rate"] - 2**0.25) < 1e-3
     assert arms["full-ft-seed7"]["learning_rate"] == 5e-5 and arms["full-ft-seed7"]["global_batch"] == 32
     assert {s["arm"] for s in report["summary"]} == {"job x1", "job x2", "full-ft"}
 

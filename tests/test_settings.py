@@ -298,3 +298,21 @@ def test_settings_doc_documents_every_setting():
     table = (REPO / "docs" / "settings.md").read_text()
     missing = [env_name(field) for field in FIELDS if f"`{env_name(field)}" not in table]
     assert not missing, f"docs/settings.md's settings table lacks {missing}"
+
+
+@pytest.mark.parametrize(
+    ("world_size", "extra", "rate"),
+    [
+        (1, {}, 1e-3),  # the reference: global batch 64
+        (2, {}, 0.00118921),  # 1e-3 x 2 ** 0.25
+        (4, {}, 0.00141421),  # the config.yaml deployment: global batch 256
+        (8, {}, 0.00168179),
+        (2, {"GRADIENT_ACCUMULATION_STEPS": "2"}, 0.00141421),  # accumulation counts in the global batch
+        (2, {"PER_DEVICE_BATCH_SIZE": "32"}, 1e-3),
+        (4, {"LEARNING_RATE": "5e-4"}, 5e-4),  # set by the user: exactly that, on any number of replicas
+        (4, {"LEARNING_RATE_SCALING": "sqrt"}, 2e-3),
+    ],
+)
+def test_dry_run_shows_the_rate_the_global_batch_gets(tmp_path, world_size, extra, rate):
+    launcher = dict(RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1") if world_size > 1 else {}
+    assert dry_run(tmp_path, **launcher, **extra)["config"]["learning_rate"] == rate
