@@ -10,32 +10,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from utils.distributed import LAUNCHER_VARIABLES
 from utils.settings import FIELDS, env_name
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Variables that would make a child think it is one of several replicas, or change the job's settings.
-LAUNCHER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "PET_NODE_RANK",
-    "PET_NNODES",
-    "PET_NPROC_PER_NODE",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_JOB_NODELIST",
-    "HF_TOKEN",
-    "HF_TOKEN_PATH",
-)
+LAUNCHER_VARS = (*LAUNCHER_VARIABLES, "HF_TOKEN", "HF_TOKEN_PATH")
 
 
 def clean_env(**extra) -> dict[str, str]:

@@ -32,31 +32,10 @@ SCHEMAS = REPO.parent / "shared" / "schemas"  # the CRDs; CI always has ../share
 
 from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
 from tests.hub_stub import HubStub  # noqa: E402
+from utils.distributed import LAUNCHER_VARIABLES  # noqa: E402
 
 # Variables a launcher or the developer's shell may have set; a test starts from none of them.
-LAUNCHER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "PET_NODE_RANK",
-    "PET_NNODES",
-    "PET_NPROC_PER_NODE",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_JOB_NODELIST",
-    "HF_TOKEN",
-    "HF_TOKEN_PATH",
-    "RESULT_MODEL_ID",
-    "OUTPUT_DIR",
-)
+LAUNCHER_VARS = (*LAUNCHER_VARIABLES, "HF_TOKEN", "HF_TOKEN_PATH", "RESULT_MODEL_ID", "OUTPUT_DIR")
 
 
 def base_env(tmp: Path, **extra: str) -> dict[str, str]:

@@ -179,9 +179,8 @@ def test_bad_input_gives_one_error_line_exit_2_and_pushes_nothing(case, job_env,
     env = {**job_env, **push_settings(hub)}
     env.update(setup(tmp_path, env) if setup else {})
     assert_refused_as_bad_input({**env, **extra}, [], says, hub)
-    assert not list(
-        tmp_path.parent.glob("**/*tfevents*")
-    )  # RUN_NAME=../../x wrote nothing, inside OUTPUT_DIR or out of it
+    # RUN_NAME=../../x wrote nothing, inside OUTPUT_DIR or out of it
+    assert not list(tmp_path.parent.glob("**/*tfevents*"))
 
 
 @pytest.mark.skipif(

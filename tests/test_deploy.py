@@ -517,9 +517,8 @@ def test_dry_run_in_each_pytorchjob_pod(tmp_path):
     for replica_type, spec in job["spec"]["pytorchReplicaSpecs"].items():
         for index in range(spec["replicas"]):
             container = next(c for c in spec["template"]["spec"]["containers"] if c["name"] == OPERATOR_CONTAINER)
-            variables = container_env(container, configmaps) | operator_env(
-                job, replica_type, index
-            )  # the operator's come last
+            # the operator's come last
+            variables = container_env(container, configmaps) | operator_env(job, replica_type, index)
             result = run_main(pod_env(tmp_path, **variables), "--dry-run", *container.get("args", []))
             assert result.code == 0, f"{replica_type} {index}: {result.stderr}"
             out = result.json()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, rank_env, rank_record, run_main, start_main
+from tests.conftest import free_port, push_settings, rank_env, rank_record, run_main, start_main
 
 
 def classify(model_dir: Path, sentences: list[str]) -> list[int]:
@@ -113,14 +113,7 @@ def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_pat
 
 
 def test_push_sends_adapter_config_tokenizer_and_card(job_env, hub, tmp_path):
-    env = {
-        **job_env,
-        "HF_ENDPOINT": hub.url,
-        "HF_HUB_OFFLINE": "0",
-        "HF_TOKEN": hub.token,
-        "RESULT_MODEL_ID": "tester/sst2-lora",
-        "BASE_MODEL_ID": "tester/tiny-bert",
-    }
+    env = {**job_env, **push_settings(hub)}
     result = run_main(env)
     assert result.code == 0, result.stderr[-3000:]
     assert len(hub.commits) == 1 and hub.commits[0]["repo"] == "tester/sst2-lora"
@@ -132,9 +125,8 @@ def test_push_sends_adapter_config_tokenizer_and_card(job_env, hub, tmp_path):
         "tokenizer_config.json",
         "README.md",
     } <= files
-    assert (
-        hub.created[0].get("visibility") == "private" or hub.created[0].get("private") is True
-    )  # HUB_PRIVATE defaults to true
+    # HUB_PRIVATE defaults to true
+    assert hub.created[0].get("visibility") == "private" or hub.created[0].get("private") is True
     card = hub.commits[0]["files"]["README.md"].decode()
     assert "base_model:" in card and "accuracy" in card
     record = json.loads((tmp_path / "out" / "run.json").read_text())
@@ -152,14 +144,7 @@ def test_two_replicas_push_exactly_once(job_env, hub, tmp_path):
         for k, v in job_env.items()
         if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")
     }
-    push = {
-        "HF_ENDPOINT": hub.url,
-        "HF_HUB_OFFLINE": "0",
-        "HF_TOKEN": hub.token,
-        "RESULT_MODEL_ID": "tester/sst2-lora",
-        "BASE_MODEL_ID": "tester/tiny-bert",
-        "NUM_EPOCHS": "1",
-    }
+    push = {**push_settings(hub), "NUM_EPOCHS": "1"}
     tracking = {
         "REPORT_TO": "tensorboard,mlflow",
         "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
@@ -173,23 +158,14 @@ def test_two_replicas_push_exactly_once(job_env, hub, tmp_path):
     ]
     assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "stdout-0.txt").read_text()[-2000:]
     assert len(hub.commits) == 1
-    assert (
-        len(list((tmp_path / "mlruns").glob("*/*/meta.yaml"))) == 1
-    )  # one MLflow run: rank 0 reports, rank 1 does not
-    assert (
-        hub.count("/api/whoami-v2") == 2
-    )  # each rank checks the token before the rendezvous: none waits in a collective on a silent Hub
+    # one MLflow run: rank 0 reports, rank 1 does not
+    assert len(list((tmp_path / "mlruns").glob("*/*/meta.yaml"))) == 1
+    # each rank checks the token before the rendezvous: none waits in a collective on a silent Hub
+    assert hub.count("/api/whoami-v2") == 2
 
 
 def test_wrong_token_fails_before_training(job_env, hub, tmp_path):
-    env = {
-        **job_env,
-        "HF_ENDPOINT": hub.url,
-        "HF_HUB_OFFLINE": "0",
-        "HF_TOKEN": "hf_wrong_token_abcdef",
-        "RESULT_MODEL_ID": "tester/sst2-lora",
-        "BASE_MODEL_ID": "tester/tiny-bert",
-    }
+    env = {**job_env, **push_settings(hub), "HF_TOKEN": "hf_wrong_token_abcdef"}
     result = run_main(env)
     assert result.code == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "401" in result.stderr
@@ -208,14 +184,7 @@ def test_push_without_token_is_bad_input(job_env):
 @pytest.mark.parametrize("role, scopes", [("read", []), ("fineGrained", ["repo.content.read"])])
 def test_token_without_write_access_fails_before_training(job_env, hub, tmp_path, role, scopes):
     hub.role, hub.scopes = role, scopes
-    env = {
-        **job_env,
-        "HF_ENDPOINT": hub.url,
-        "HF_HUB_OFFLINE": "0",
-        "HF_TOKEN": hub.token,
-        "RESULT_MODEL_ID": "tester/sst2-lora",
-        "BASE_MODEL_ID": "tester/tiny-bert",
-    }
+    env = {**job_env, **push_settings(hub)}
     result = run_main(env)
     assert result.code == 2 and "cannot write to RESULT_MODEL_ID=tester/sst2-lora" in result.stderr
     assert hub.commits == [] and not (tmp_path / "out" / "model").exists()

@@ -52,9 +52,8 @@ def assert_one_model(out: Path, reports: list[dict]) -> None:
     world = len(reports)
     assert [r["rank"] for r in reports] == list(range(world)) and {r["world"] for r in reports} == {world}
     assert len({r["checksum"] for r in reports}) == 1, f"trainable weights differ between ranks: {reports}"
-    assert {r["samples"] for r in reports} == {int(STEPS) * 16}, (
-        reports
-    )  # every rank did every step on its own batches
+    # every rank did every step on its own batches
+    assert {r["samples"] for r in reports} == {int(STEPS) * 16}, reports
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == world and metrics["eval_samples"] == 101
     assert (out / "model" / "adapter_model.safetensors").is_file()
@@ -107,9 +106,8 @@ def test_accelerate_configs_are_plain_ddp_and_leave_precision_to_the_job():
     for name, machines in (("multi-gpu.yaml", 1), ("multi-node.yaml", 2)):
         config = yaml.safe_load((LAUNCHERS / "accelerate" / name).read_text())
         assert config["distributed_type"] == "MULTI_GPU" and config["num_machines"] == machines, name
-        assert config["mixed_precision"] == "no" and config["use_cpu"] is False, (
-            name
-        )  # PRECISION decides, not the config
+        # PRECISION decides, not the config
+        assert config["mixed_precision"] == "no" and config["use_cpu"] is False, name
         assert config["num_processes"] % machines == 0, name
     multi_node = yaml.safe_load((LAUNCHERS / "accelerate" / "multi-node.yaml").read_text())
     assert {"main_process_ip", "main_process_port", "machine_rank"} <= set(multi_node)
@@ -514,9 +512,8 @@ def test_pytorchjob_with_several_gpus_per_pod_is_valid_against_the_crd():
         pod = replica["template"]["spec"]
         container = pod["containers"][0]
         assert container["name"] == "pytorch" and container["ports"][0]["name"] == "pytorchjob-port"
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(
-            job["spec"]["nprocPerNode"]
-        )  # one process per GPU
+        # one process per GPU
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(job["spec"]["nprocPerNode"])
         assert {m["mountPath"] for m in container["volumeMounts"]} >= {SHARED_VOLUME, "/dev/shm", "/tmp"}
         assert (
             pod["securityContext"]["runAsUser"] == 10000

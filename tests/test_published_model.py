@@ -108,9 +108,8 @@ def test_card_is_validated_names_the_repo_and_holds_every_metric(published):
     assert {m["type"]: m["value"] for m in result["metrics"]} == {
         name: round(metrics[f"eval_{name}"], 4) for name in ("accuracy", "f1", "precision", "recall")
     }
-    assert (
-        result["dataset"]["type"] == "local" and "datasets" not in meta
-    )  # local data is not passed off as GLUE from the Hub
+    # local data is not passed off as GLUE from the Hub
+    assert result["dataset"]["type"] == "local" and "datasets" not in meta
     assert f'model="{REPO_ID}"' in card and "path/to" not in card  # refreshed at push time with the real repo id
     assert "![Training loss and validation accuracy](training_curves.png)" in card
     assert (

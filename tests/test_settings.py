@@ -228,9 +228,8 @@ def test_slurm_node_list_is_expanded_by_scontrol_where_it_exists(tmp_path):
     (fake / "scontrol").chmod(0o755)
     env = dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="n[1-2]", PATH=f"{fake}:{os.environ['PATH']}")
     assert dry_run(tmp_path, **env)["distributed"]["master_addr"] == "from-scontrol-n[1-2]"
-    (fake / "scontrol").write_text(
-        "#!/bin/sh\nexit 1\n"
-    )  # scontrol present but failing (no controller): the parser answers
+    # scontrol present but failing (no controller): the parser answers
+    (fake / "scontrol").write_text("#!/bin/sh\nexit 1\n")
     assert dry_run(tmp_path, **env)["distributed"]["master_addr"] == "n1"
 
 

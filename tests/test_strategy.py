@@ -115,9 +115,8 @@ def test_fsdp_on_the_cpu_stops_every_rank_before_training(job_env, tmp_path):
         assert "Traceback" not in log.read_text()
     out = tmp_path / "out"
     assert not (out / "model").exists() and not list((out / "checkpoints").glob("checkpoint-*"))
-    assert "processed" not in "".join(
-        path.read_text() for path in (out / "logs").glob("rank-*.log")
-    )  # nothing trained
+    # nothing trained
+    assert "processed" not in "".join(path.read_text() for path in (out / "logs").glob("rank-*.log"))
 
 
 @pytest.mark.slow
@@ -135,9 +134,8 @@ def test_accelerate_fsdp_launch_is_refused_not_run_as_ddp(job_env, tmp_path):
     ), text[-3000:]
     out = tmp_path / "out"
     assert not (out / "model").exists()
-    assert "processed" not in "".join(
-        path.read_text() for path in (out / "logs").glob("rank-*.log")
-    )  # nothing trained
+    # nothing trained
+    assert "processed" not in "".join(path.read_text() for path in (out / "logs").glob("rank-*.log"))
 
 
 @pytest.mark.slow

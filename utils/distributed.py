@@ -27,6 +27,26 @@ from dataclasses import asdict, dataclass
 from utils.errors import EXIT_BAD_INPUT, JobError
 
 DEFAULT_PORT = 29500  # torch's own default, used when only the address is given
+# Every variable a launcher uses to tell a process who it is (platform, torchrun, Kubeflow, Slurm).
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "PET_NODE_RANK",
+    "PET_NNODES",
+    "PET_NPROC_PER_NODE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_JOB_NODELIST",
+)
 
 
 @dataclass(frozen=True)
@@ -233,29 +253,7 @@ def export_env(dist: DistEnv) -> None:
 
 def masked_environ() -> dict[str, str]:
     """The launcher variables this rank saw, for its log; anything that looks like a secret is masked."""
-    keys = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "NODE_RANK",
-        "GROUP_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RUN_ID",
-        "PET_NODE_RANK",
-        "PET_NNODES",
-        "PET_NPROC_PER_NODE",
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "SLURM_LOCALID",
-        "SLURM_NODEID",
-        "SLURM_JOB_NODELIST",
-        "CUDA_VISIBLE_DEVICES",
-        "OMP_NUM_THREADS",
-        "HF_TOKEN",
-        "HF_TOKEN_PATH",
-    )
+    keys = (*LAUNCHER_VARIABLES, "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_TOKEN", "HF_TOKEN_PATH")
     secret = re.compile("TOKEN|SECRET|PASSWORD|KEY", re.I)
     return {
         k: ("***" if secret.search(k) and k != "HF_TOKEN_PATH" else os.environ[k]) for k in keys if k in os.environ

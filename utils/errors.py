@@ -4,9 +4,8 @@ EXIT_OK = 0
 EXIT_UNEXPECTED = 1
 EXIT_BAD_INPUT = 2  # permanent: restarting will not help, so restartPolicy: ExitCode does not restart it
 EXIT_PUSH_FAILED = 3  # trained and saved; `--push-only` retries the upload
-EXIT_PREEMPTED = (
-    143  # 128 + SIGTERM, also for a peer lost mid-training: orchestrators restart on >= 128, and the run resumes
-)
+# 128 + SIGTERM, also for a peer lost mid-training: orchestrators restart on >= 128, and the run resumes.
+EXIT_PREEMPTED = 143
 
 
 class JobError(Exception):

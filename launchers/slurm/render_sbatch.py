@@ -102,9 +102,8 @@ def check_settings(pairs: list[str]) -> dict[str, str]:
             )
         values[name] = value
     known = {env_name(field) for field in FIELDS}
-    load_settings(
-        [], environ={name: value for name, value in values.items() if name in known}
-    )  # raises JobError with the fix
+    # raises JobError with the fix
+    load_settings([], environ={name: value for name, value in values.items() if name in known})
     return values
 
 
