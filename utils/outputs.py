@@ -264,4 +264,7 @@ def prune_checkpoints(run: RunDir, keep: int) -> None:
     deletes before the new one is finished, and by mtime)."""
     complete = [path for _, path, done in _checkpoints(run) if done]
     for path in complete[: max(0, len(complete) - keep)]:
+        # The marker goes first: a kill in the middle of the deletion leaves an unmarked checkpoint, which
+        # the next start discards quietly, never a marked one with files missing.
+        (path / COMPLETE_MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
