@@ -165,9 +165,8 @@ def run_job(name: str, replicas: int, settings: dict[str, str], work: Path, thre
     for rank in range(replicas):
         env = base_env(per_process)
         env.update(settings, OUTPUT_DIR=str(out / "run"), REPORT_TO="none")
-        if (
-            gpus < replicas
-        ):  # CPU processes (or fewer GPUs than replicas): loader workers would only compete for the cores
+        # CPU processes (or fewer GPUs than replicas): loader workers would only compete for the cores
+        if gpus < replicas:
             env.setdefault("DATALOADER_NUM_WORKERS", "0")
             env["CUDA_VISIBLE_DEVICES"] = ""
         if replicas > 1:
@@ -208,7 +207,7 @@ def run_job(name: str, replicas: int, settings: dict[str, str], work: Path, thre
         "train_samples_per_second": metrics["train_samples_per_second"],
         "train_runtime_s": metrics["train_runtime"],
         "wall_s": round(wall, 1),
-        "global_batch": int(config["per_device_batch_size"]) * replicas * int(config["gradient_accumulation_steps"]),
+        "global_batch": metrics["global_batch"],
         "learning_rate": config["learning_rate"],
         "steps": metrics.get("train_steps") or None,
         "settings": {

@@ -127,15 +127,7 @@ def tiny_bert(tmp_path_factory, sst2_dir) -> Path:
 @pytest.fixture
 def job_env(tmp_path, tiny_bert, sst2_dir):
     """Settings for a fast, learnable one-process run on the tiny model; tests override what they need."""
-    return base_env(
-        tmp_path,
-        MODEL_NAME=tiny_bert,
-        DATASET_PATH=sst2_dir,
-        OUTPUT_DIR=tmp_path / "out",
-        NUM_EPOCHS=2,
-        PER_DEVICE_BATCH_SIZE=16,
-        LEARNING_RATE="3e-3",  # a tiny randomly initialised model needs a higher rate than bert-base
-    )
+    return base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out"))
 
 
 @pytest.fixture
@@ -154,18 +146,24 @@ BASE_ID = "tester/tiny-bert"  # the Hub id the tests' local tiny model stands fo
 
 
 # ------------------------------------------------------------------------------- helpers
-def training_settings(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, str]:
+def tiny_run_settings(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, str]:
+    """A fast, learnable run of the tiny model on the small data set (2 epochs, batch 16), plus `extra`."""
     settings = dict(
         MODEL_NAME=tiny_bert,
         DATASET_PATH=sst2_dir,
         OUTPUT_DIR=out,
         NUM_EPOCHS=2,
         PER_DEVICE_BATCH_SIZE=16,
-        LEARNING_RATE="3e-3",
-        SAVE_STEPS=SAVE_STEPS,
-        RENDEZVOUS_TIMEOUT=TIMEOUT,
+        LEARNING_RATE="3e-3",  # a tiny randomly initialised model needs a higher rate than bert-base
     )
     return {k: str(v) for k, v in {**settings, **extra}.items()}
+
+
+def training_settings(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, str]:
+    """The tiny run as the multi-replica fault tests start it: checkpoints every SAVE_STEPS, a short rendezvous."""
+    return tiny_run_settings(
+        tiny_bert, sst2_dir, out, **{"SAVE_STEPS": SAVE_STEPS, "RENDEZVOUS_TIMEOUT": TIMEOUT, **extra}
+    )
 
 
 def push_settings(hub: HubStub) -> dict[str, str]:

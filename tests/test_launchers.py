@@ -378,9 +378,8 @@ def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
     )
     try:
         deadline, logs = time.monotonic() + 120, [tmp_path / "out" / "logs" / f"rank-{r}.log" for r in (0, 1)]
-        while not all(
-            log.exists() and "trainable parameters" in log.read_text() for log in logs
-        ):  # both ranks built the model
+        # until both ranks built the model
+        while not all(log.exists() and "trainable parameters" in log.read_text() for log in logs):
             assert proc.poll() is None and time.monotonic() < deadline, (
                 proc.stdout.read() if proc.poll() is not None else "timed out"
             )

@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import BASE_ID, REPO, REPO_ID, assert_token_absent, base_env, error_lines, push_settings, run_main
+from tests.conftest import (
+    BASE_ID,
+    REPO,
+    REPO_ID,
+    assert_token_absent,
+    base_env,
+    error_lines,
+    push_settings,
+    run_main,
+    tiny_run_settings,
+)
 from tests.hub_stub import HubStub
 
 MERGED_ID = "tester/sst2-merged"
@@ -30,12 +40,7 @@ def published(tmp_path_factory, tiny_bert, sst2_dir):
     hub.fail("commit", 403, 403)  # both first pushes are refused: exit 3, then --push-only sends the same sets
     env = base_env(
         tmp,
-        MODEL_NAME=tiny_bert,
-        DATASET_PATH=sst2_dir,
-        OUTPUT_DIR=tmp / "out",
-        NUM_EPOCHS=2,
-        PER_DEVICE_BATCH_SIZE=16,
-        LEARNING_RATE="3e-3",
+        **tiny_run_settings(tiny_bert, sst2_dir, tmp / "out"),
         LABEL_NAMES=",".join(LABELS),
         MERGE_ADAPTER="true",
         RESULT_MERGED_MODEL_ID=MERGED_ID,
@@ -202,10 +207,8 @@ def predict(
 def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(published, tmp_path, tiny_bert):
     tmp, out, *_ = published
     answers = {}
-    for folder, args in (
-        ("model", ["--base-model", str(tiny_bert)]),
-        ("merged", []),
-    ):  # the adapter's base is a Hub id the test cannot reach
+    # the adapter's base is a Hub id the test cannot reach: the local folder stands in for it
+    for folder, args in (("model", ["--base-model", str(tiny_bert)]), ("merged", [])):
         result = predict(tmp, out / folder, *args)
         assert result.returncode == 0, result.stderr[-2000:]
         answers[folder] = [json.loads(line) for line in result.stdout.splitlines()]

@@ -326,8 +326,9 @@ def train(
             metrics["eval_samples"],
         )
         trainer.accelerator.wait_for_everyone()
-        # Collectives when FSDP shards the weights, so on every rank and before leaving the group.
         timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StartupTimer))
+        # The checksum and the full state dict are collectives when FSDP shards the weights: on every rank,
+        # and before leaving the group.
         record = {
             "rank": dist.rank,
             "local_rank": dist.local_rank,
