@@ -223,6 +223,7 @@ def run_job(name: str, replicas: int, settings: dict[str, str], work: Path, thre
                 "loraplus_lr_ratio",
                 "lora_variant",
                 "lora_init",
+                "model_dropout",
                 "lora_r",
                 "lora_alpha",
                 "lora_dropout",

@@ -19,17 +19,13 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from utils.distributed import DistEnv
-from utils.model import build_model, load_tokenizer
-from utils.outputs import RunDir
-from utils.settings import Settings
-from utils.trainer import EpochSeededLengthGroupedSampler, build_trainer, epoch_sampler
+from tests.conftest import job_trainer
+from utils.trainer import EpochSeededLengthGroupedSampler, epoch_sampler
 
 SEED = 42
 BATCH = 8
 ROWS = 96  # 12 batches an epoch
 FIRST_ID = 5  # after BERT's special tokens
-SINGLE = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
 
 
 def row_ids(index: int, length: int) -> list[int]:
@@ -65,25 +61,15 @@ def dataset() -> datasets.Dataset:
 @pytest.fixture
 def trainer(tmp_path, tiny_bert):
     """The job's own Trainer (build_trainer) on the tiny model, two epochs, nothing saved or evaluated on the way."""
-    settings = Settings(
-        model_name=str(tiny_bert),
-        output_dir=str(tmp_path / "out"),
+    data = {"train": dataset(), "validation": dataset()}
+    return job_trainer(
+        tmp_path / "out",
+        tiny_bert,
+        data,
         per_device_batch_size=BATCH,
         per_device_eval_batch_size=BATCH,
         num_epochs=2,
         seed=SEED,
-        save_steps=10_000,
-        eval_steps=10_000,
-        report_to=("none",),
-        dataloader_num_workers=0,
-    )
-    run = RunDir(tmp_path / "out")
-    run.checkpoints.mkdir(parents=True)
-    torch.manual_seed(SEED)
-    model = build_model(settings, False, torch.device("cpu"))
-    data = {"train": dataset(), "validation": dataset()}
-    return build_trainer(
-        settings, run, SINGLE, model, load_tokenizer(settings), data, "fp32", False, checkpoint_key={}
     )
 
 

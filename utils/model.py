@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.recipe import lora_options
+from utils.recipe import DROPOUT_ATTRIBUTES, dropout_options, lora_options
 from utils.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,25 @@ def label_config(settings: Settings) -> dict:
     return {"num_labels": 2, "id2label": names, "label2id": {name: index for index, name in names.items()}}
 
 
+def _base_dropout(settings: Settings) -> dict:
+    """from_pretrained keyword arguments for MODEL_DROPOUT (none when unset), read against the model's config."""
+    if settings.model_dropout is None:
+        return {}
+    try:
+        config = AutoConfig.from_pretrained(settings.model_name)
+    except (OSError, ValueError) as exc:
+        raise _load_error(settings, exc) from None
+    dropout = dropout_options(settings, config)
+    if not dropout:
+        log.warning(
+            "MODEL_DROPOUT=%g: the config of %s has none of %s; its dropout is left as it is",
+            settings.model_dropout,
+            settings.model_name,
+            ", ".join(DROPOUT_ATTRIBUTES),
+        )
+    return dropout
+
+
 def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -> PeftModel:
     """AutoModelForSequenceClassification (2 labels) + LoRA; 8-bit base weights when asked.
 
@@ -122,10 +141,12 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
     # SDPA is what transformers 5 picks for BERT by default; asked for by name so a library change cannot
     # silently fall back to the eager attention (materialised score matrices, no fused kernels).
     kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings)}
+    kwargs.update(_base_dropout(settings))
     if quantize_8bit:
         # A trained head stays full precision.
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
+            load_in_8bit=True,
+            llm_int8_skip_modules=[CLASSIFIER, "pre_classifier", *(["pooler.dense"] if settings.train_pooler else [])],
         )
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}

@@ -35,7 +35,10 @@ from collections.abc import Iterable
 from utils.settings import Settings
 
 REFERENCE_GLOBAL_BATCH = 64  # one replica with PER_DEVICE_BATCH_SIZE=64: where BASE_LEARNING_RATE was measured
-HEAD_MODULES = ("classifier", "pooler")  # the task head BERT's classifier reads, trained in full
+# The task head, trained in full: BERT's classifier and the pooler it reads, DistilBERT's pre_classifier.
+HEAD_MODULES = ("classifier", "pre_classifier", "pooler")
+# Where model configs keep their dropout: BERT, RoBERTa and DeBERTa use the first two, DistilBERT the last two.
+DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout")
 
 
 def global_batch(settings: Settings, world_size: int) -> int:
@@ -92,14 +95,29 @@ def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
     options: dict = {"use_rslora": settings.lora_variant == "rslora", "use_dora": settings.lora_variant == "dora"}
     if settings.lora_init != "default":
         options["init_lora_weights"] = settings.lora_init
+    # peft adds the classifier itself for SEQ_CLS, matching by suffix, so DistilBERT's pre_classifier trains too.
     # Models whose classifier reads no pooler (RoBERTa, DistilBERT) have none to train: nothing to add then.
     if settings.train_pooler and any(name.rsplit(".", 1)[-1] == "pooler" for name in module_names):
-        options["modules_to_save"] = ["pooler"]  # peft adds the classifier itself for SEQ_CLS
+        options["modules_to_save"] = ["pooler"]
     return options
 
 
+def dropout_options(settings: Settings, config) -> dict:
+    """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none when it is unset.
+
+    One epoch of LoRA underfits SST-2 rather than overfits it (docs/quality.md): the base model's own dropout,
+    made for pre-training and full fine-tuning, then only slows what the adapter learns. The adapter keeps
+    its own LORA_DROPOUT. `config`: the model's PretrainedConfig.
+    """
+    if settings.model_dropout is None:
+        return {}
+    return {
+        name: settings.model_dropout for name in DROPOUT_ATTRIBUTES if isinstance(getattr(config, name, None), float)
+    }
+
+
 def describe_recipe(settings: Settings, world_size: int) -> str:
-    """One log line: the rate used, where it came from, and the head / LoRA+ multipliers when they apply."""
+    """One log line: the rate used, where it came from, the head / LoRA+ multipliers and the base model's dropout when set."""
     rate = resolve_learning_rate(settings, world_size)
     batch = global_batch(settings, world_size)
     rule = scaled_learning_rate(settings, world_size)
@@ -113,4 +131,6 @@ def describe_recipe(settings: Settings, world_size: int) -> str:
         for label, ratio in (("head", settings.head_learning_rate_ratio), ("LoRA+ B", settings.loraplus_lr_ratio))
         if ratio != 1
     ]
+    if settings.model_dropout is not None:
+        extras.append(f"base-model dropout {settings.model_dropout:g}")
     return f"learning rate {rate:g} at global batch {batch} ({origin}){'; ' + ', '.join(extras) if extras else ''}; warm-up {settings.warmup_ratio:g} of the steps"

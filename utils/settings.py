@@ -194,6 +194,13 @@ class Settings(BaseSettings):
     lora_init: Literal["default", "gaussian", "pissa", "olora"] = Field(
         "default", description="adapter initialisation (peft init_lora_weights); default: B=0, A Kaiming-uniform"
     )
+    model_dropout: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="dropout inside the frozen base model (BERT's hidden_dropout_prob and attention_probs_dropout_prob, "
+        "which its classifier dropout follows); unset keeps the checkpoint's (0.1 for BERT)",
+    )
 
     # --- numerics and speed
     quantization: Literal["auto", "8bit", "none"] = Field(
@@ -406,6 +413,7 @@ TRAINING_SETTINGS = frozenset(
         "loraplus_lr_ratio",
         "lora_variant",
         "lora_init",
+        "model_dropout",
     }
 )
 

@@ -1,0 +1,126 @@
+"""The recipe's options do what their settings say (utils/recipe.py): the head trained in full beside the
+adapters (TRAIN_POOLER, DistilBERT's pre_classifier), the rates of the optimizer the job's Trainer really builds
+(LoRA+, HEAD_LEARNING_RATE_RATIO, no decay on biases), and the base model's dropout (MODEL_DROPOUT)."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+from tests.conftest import base_env, job_trainer, run_main, tiny_run_settings
+from utils.model import build_model
+from utils.settings import Settings
+
+RATE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def pooler_runs(tmp_path_factory, tiny_bert, sst2_dir):
+    """One epoch with the pooler trained (the default) and one with TRAIN_POOLER=false, as real processes."""
+    outs = {}
+    for name, extra in (("trained", {}), ("frozen", {"TRAIN_POOLER": "false"})):
+        tmp = tmp_path_factory.mktemp(name)
+        result = run_main(base_env(tmp, **tiny_run_settings(tiny_bert, sst2_dir, tmp / "out", NUM_EPOCHS=1, **extra)))
+        assert result.code == 0, result.stderr[-3000:]
+        outs[name] = tmp / "out"
+    return outs
+
+
+def adapter_weights(out) -> dict[str, torch.Tensor]:
+    return load_file(out / "model" / "adapter_model.safetensors")
+
+
+def test_the_pooler_trains_with_the_classifier_and_is_published_with_the_adapter(pooler_runs, tiny_bert):
+    base = load_file(tiny_bert / "model.safetensors")
+    trained = {k: v for k, v in adapter_weights(pooler_runs["trained"]).items() if "pooler" in k}
+    assert trained, "TRAIN_POOLER=true (the default) published no pooler weights beside the adapter"
+    weight = next(v for k, v in trained.items() if k.endswith("pooler.dense.weight"))
+    assert not torch.equal(weight, base["bert.pooler.dense.weight"]), (
+        "the published pooler is the base's: it never trained"
+    )
+    config = json.loads((pooler_runs["trained"] / "model" / "adapter_config.json").read_text())
+    assert "pooler" in config["modules_to_save"]
+
+
+def test_train_pooler_false_leaves_the_pooler_to_the_base(pooler_runs):
+    weights = adapter_weights(pooler_runs["frozen"])
+    assert not [k for k in weights if "pooler" in k]
+    assert [k for k in weights if "classifier" in k], "the classifier must be published whatever TRAIN_POOLER says"
+    record = json.loads((pooler_runs["frozen"] / "run.json").read_text())
+    assert record["settings"]["train_pooler"] is False
+
+
+def test_the_optimizer_trains_each_group_at_its_rate(tmp_path, tiny_bert):
+    rows = datasets.Dataset.from_list(
+        [{"input_ids": [2, 5 + i % 7, 3], "attention_mask": [1, 1, 1], "labels": i % 2} for i in range(16)]
+    )
+    trainer = job_trainer(
+        tmp_path / "out",
+        tiny_bert,
+        {"train": rows, "validation": rows},
+        learning_rate=RATE,
+        loraplus_lr_ratio=8,
+        head_learning_rate_ratio=3,
+        weight_decay=0.01,
+    )
+    optimizer = trainer.create_optimizer()
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    trainable = [(name, p) for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert len(group_of) == len(trainable), "the optimizer holds other weights than the trainable ones"
+    kinds = set()
+    for name, param in trainable:
+        if "lora_B" in name:
+            kind, rate = "B", 8 * RATE
+        elif "classifier" in name or "pooler" in name:
+            kind, rate = "head", 3 * RATE
+        else:
+            kind, rate = "A", RATE
+        kinds.add(kind)
+        group = group_of[id(param)]
+        assert group["lr"] == pytest.approx(rate), f"{name} trains at {group['lr']:g}, not {rate:g}"
+        assert group["weight_decay"] == (0.01 if param.ndim > 1 else 0.0), (
+            f"{name}: weight decay {group['weight_decay']}"
+        )
+    assert kinds == {"A", "B", "head"}
+
+
+def dropouts(model: torch.nn.Module) -> dict[str, float]:
+    """p of every Dropout module: the base model's and the adapters' (lora_dropout)."""
+    return {name: module.p for name, module in model.named_modules() if isinstance(module, torch.nn.Dropout)}
+
+
+def test_model_dropout_sets_the_base_models_dropout_and_leaves_the_adapters(tiny_bert):
+    kept = build_model(Settings(model_name=str(tiny_bert)), False, torch.device("cpu"))
+    assert {p for name, p in dropouts(kept).items() if "lora_dropout" not in name} == {0.1}  # the checkpoint's
+
+    model = build_model(Settings(model_name=str(tiny_bert), model_dropout=0.0), False, torch.device("cpu"))
+    base = {name: p for name, p in dropouts(model).items() if "lora_dropout" not in name}
+    adapters = {name: p for name, p in dropouts(model).items() if "lora_dropout" in name}
+    assert base and set(base.values()) == {0.0}, base
+    assert adapters and set(adapters.values()) == {0.05}, "LORA_DROPOUT is the adapter's and stays as set"
+    config = model.get_base_model().config
+    assert (config.hidden_dropout_prob, config.attention_probs_dropout_prob) == (0.0, 0.0)  # SDPA reads the config
+
+
+@pytest.fixture(scope="module")
+def tiny_distilbert(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("distilbert")
+    config = DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64, num_labels=2)
+    DistilBertForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
+def test_distilbert_trains_its_pre_classifier_and_takes_model_dropout_by_its_own_names(tiny_distilbert):
+    settings = Settings(model_name=str(tiny_distilbert), lora_target_modules="q_lin,v_lin", model_dropout=0.0)
+    model = build_model(settings, False, torch.device("cpu"))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert [n for n in trainable if "pre_classifier" in n], (
+        "pre_classifier is as new as the classifier; frozen it stays random"
+    )
+    config = model.get_base_model().config
+    assert (config.dropout, config.attention_dropout) == (0.0, 0.0)
