@@ -124,6 +124,10 @@ def test_card_is_validated_names_the_repo_and_holds_every_metric(published):
     # What actually ran, not `auto`.
     assert "| precision | fp32 |" in card and "| quantization | none |" in card and "| learning rate | 0.003 |" in card
     assert "| global batch | 16 |" in card and "| world size (replicas) | 1 |" in card
+    assert (
+        "| recipe | warm-up 0.06 of the steps, LoRA+ (B at x8 the rate), pooler trained with the classifier, base-model dropout 0 |"
+        in card
+    )
     # Each table renders as one: no blank line between its header and its last row.
     for header, last in (("| metric (validation split", "| recall |"), ("| setting | value |", "| run name |")):
         block = card[card.index(header) :]

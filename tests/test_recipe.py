@@ -95,10 +95,10 @@ def dropouts(model: torch.nn.Module) -> dict[str, float]:
 
 
 def test_model_dropout_sets_the_base_models_dropout_and_leaves_the_adapters(tiny_bert):
-    kept = build_model(Settings(model_name=str(tiny_bert)), False, torch.device("cpu"))
+    kept = build_model(Settings(model_name=str(tiny_bert), model_dropout="checkpoint"), False, torch.device("cpu"))
     assert {p for name, p in dropouts(kept).items() if "lora_dropout" not in name} == {0.1}  # the checkpoint's
 
-    model = build_model(Settings(model_name=str(tiny_bert), model_dropout=0.0), False, torch.device("cpu"))
+    model = build_model(Settings(model_name=str(tiny_bert)), False, torch.device("cpu"))  # the default: 0
     base = {name: p for name, p in dropouts(model).items() if "lora_dropout" not in name}
     adapters = {name: p for name, p in dropouts(model).items() if "lora_dropout" in name}
     assert base and set(base.values()) == {0.0}, base
@@ -124,3 +124,16 @@ def test_distilbert_trains_its_pre_classifier_and_takes_model_dropout_by_its_own
     )
     config = model.get_base_model().config
     assert (config.dropout, config.attention_dropout) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "value, shown", [(None, 0.0), ("checkpoint", "checkpoint"), ("0.1", 0.1), ("1.5", None), ("none", None)]
+)
+def test_model_dropout_values_in_the_dry_run(job_env, value, shown):
+    env = {**job_env, **({"MODEL_DROPOUT": value} if value is not None else {})}
+    result = run_main(env, "--dry-run")
+    if shown is None:
+        assert result.code == 2 and "MODEL_DROPOUT" in result.stderr, result.stderr[-2000:]
+    else:
+        assert result.code == 0, result.stderr[-2000:]
+        assert json.loads(result.stdout)["config"]["model_dropout"] == shown

@@ -114,8 +114,8 @@ def label_config(settings: Settings) -> dict:
 
 
 def _base_dropout(settings: Settings) -> dict:
-    """from_pretrained keyword arguments for MODEL_DROPOUT (none when unset), read against the model's config."""
-    if settings.model_dropout is None:
+    """from_pretrained keyword arguments for MODEL_DROPOUT (none for `checkpoint`), read against the model's config."""
+    if settings.model_dropout == "checkpoint":
         return {}
     try:
         config = AutoConfig.from_pretrained(settings.model_name)

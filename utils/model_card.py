@@ -14,6 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from utils.recipe import recipe_summary
 from utils.settings import Settings, resolve_base_model_id
 
 PLOT_NAME = "training_curves.png"
@@ -158,6 +159,7 @@ def build_model_card(
     training = {
         "base model": base_id or settings.model_name,
         "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(settings.lora_target_modules)}",
+        "recipe": recipe_summary(settings),
         "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
         "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
         "global batch": metrics.get("global_batch", "?"),

@@ -103,13 +103,13 @@ def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
 
 
 def dropout_options(settings: Settings, config) -> dict:
-    """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none when it is unset.
+    """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none for `checkpoint`.
 
     One epoch of LoRA underfits SST-2 rather than overfits it (docs/quality.md): the base model's own dropout,
     made for pre-training and full fine-tuning, then only slows what the adapter learns. The adapter keeps
     its own LORA_DROPOUT. `config`: the model's PretrainedConfig.
     """
-    if settings.model_dropout is None:
+    if settings.model_dropout == "checkpoint":
         return {}
     return {
         name: settings.model_dropout for name in DROPOUT_ATTRIBUTES if isinstance(getattr(config, name, None), float)
@@ -131,6 +131,26 @@ def describe_recipe(settings: Settings, world_size: int) -> str:
         for label, ratio in (("head", settings.head_learning_rate_ratio), ("LoRA+ B", settings.loraplus_lr_ratio))
         if ratio != 1
     ]
-    if settings.model_dropout is not None:
+    if settings.model_dropout != "checkpoint":
         extras.append(f"base-model dropout {settings.model_dropout:g}")
     return f"learning rate {rate:g} at global batch {batch} ({origin}){'; ' + ', '.join(extras) if extras else ''}; warm-up {settings.warmup_ratio:g} of the steps"
+
+
+def recipe_summary(settings: Settings) -> str:
+    """The options around the adapter that shaped the model, for its card: what a reader needs to train it again."""
+    parts = [f"warm-up {settings.warmup_ratio:g} of the steps"]
+    if settings.loraplus_lr_ratio != 1:
+        parts.append(f"LoRA+ (B at x{settings.loraplus_lr_ratio:g} the rate)")
+    if settings.head_learning_rate_ratio != 1:
+        parts.append(f"head at x{settings.head_learning_rate_ratio:g} the rate")
+    if settings.train_pooler:
+        parts.append("pooler trained with the classifier")
+    if settings.lora_variant != "lora":
+        parts.append(settings.lora_variant)
+    if settings.lora_init != "default":
+        parts.append(f"{settings.lora_init} initialisation")
+    if settings.weight_decay:
+        parts.append(f"weight decay {settings.weight_decay:g}")
+    if settings.model_dropout != "checkpoint":
+        parts.append(f"base-model dropout {settings.model_dropout:g}")
+    return ", ".join(parts)

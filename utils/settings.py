@@ -194,12 +194,11 @@ class Settings(BaseSettings):
     lora_init: Literal["default", "gaussian", "pissa", "olora"] = Field(
         "default", description="adapter initialisation (peft init_lora_weights); default: B=0, A Kaiming-uniform"
     )
-    model_dropout: float | None = Field(
-        None,
-        ge=0,
-        lt=1,
+    model_dropout: Annotated[float, Field(ge=0, lt=1)] | Literal["checkpoint"] = Field(
+        0.0,
         description="dropout inside the frozen base model (BERT's hidden_dropout_prob and attention_probs_dropout_prob, "
-        "which its classifier dropout follows); unset keeps the checkpoint's (0.1 for BERT)",
+        "which its classifier dropout follows); 0 trained +0.9 points on SST-2 in one epoch (docs/quality.md); "
+        "checkpoint: keep the checkpoint's (0.1 for BERT)",
     )
 
     # --- numerics and speed
