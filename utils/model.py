@@ -145,8 +145,7 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
     if quantize_8bit:
         # A trained head stays full precision.
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_8bit=True,
-            llm_int8_skip_modules=[CLASSIFIER, "pre_classifier", *(["pooler.dense"] if settings.train_pooler else [])],
+            load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
         )
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
