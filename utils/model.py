@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.recipe import DROPOUT_ATTRIBUTES, dropout_options, lora_options
+from utils.recipe import lora_options
 from utils.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 CLASSIFIER = "classifier"  # BERT's head: kept in full precision and trained alongside the adapters
+# Where model configs keep their dropout: BERT, RoBERTa and DeBERTa use the first two, DistilBERT the last two.
+DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout")
 
 
 def _load_error(settings: Settings, exc: Exception) -> JobError:
@@ -114,14 +116,21 @@ def label_config(settings: Settings) -> dict:
 
 
 def _base_dropout(settings: Settings) -> dict:
-    """from_pretrained keyword arguments for MODEL_DROPOUT (none for `checkpoint`), read against the model's config."""
+    """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none for `checkpoint`.
+
+    One epoch of LoRA underfits SST-2 rather than overfits it (docs/quality.md): the base model's own dropout,
+    made for pre-training and full fine-tuning, then only slows what the adapter learns. The adapter keeps
+    its own LORA_DROPOUT.
+    """
     if settings.model_dropout == "checkpoint":
         return {}
     try:
         config = AutoConfig.from_pretrained(settings.model_name)
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
-    dropout = dropout_options(settings, config)
+    dropout = {
+        name: settings.model_dropout for name in DROPOUT_ATTRIBUTES if isinstance(getattr(config, name, None), float)
+    }
     if not dropout:
         log.warning(
             "MODEL_DROPOUT=%g: the config of %s has none of %s; its dropout is left as it is",

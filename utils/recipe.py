@@ -37,8 +37,6 @@ from utils.settings import Settings
 REFERENCE_GLOBAL_BATCH = 64  # one replica with PER_DEVICE_BATCH_SIZE=64: where BASE_LEARNING_RATE was measured
 # The task head, trained in full: BERT's classifier and the pooler it reads, DistilBERT's pre_classifier.
 HEAD_MODULES = ("classifier", "pre_classifier", "pooler")
-# Where model configs keep their dropout: BERT, RoBERTa and DeBERTa use the first two, DistilBERT the last two.
-DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout")
 
 
 def global_batch(settings: Settings, world_size: int) -> int:
@@ -102,22 +100,8 @@ def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
     return options
 
 
-def dropout_options(settings: Settings, config) -> dict:
-    """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none for `checkpoint`.
-
-    One epoch of LoRA underfits SST-2 rather than overfits it (docs/quality.md): the base model's own dropout,
-    made for pre-training and full fine-tuning, then only slows what the adapter learns. The adapter keeps
-    its own LORA_DROPOUT. `config`: the model's PretrainedConfig.
-    """
-    if settings.model_dropout == "checkpoint":
-        return {}
-    return {
-        name: settings.model_dropout for name in DROPOUT_ATTRIBUTES if isinstance(getattr(config, name, None), float)
-    }
-
-
 def describe_recipe(settings: Settings, world_size: int) -> str:
-    """One log line: the rate used, where it came from, the head / LoRA+ multipliers and the base model's dropout when set."""
+    """One log line: the rate used, where it came from, and the options around the adapter (recipe_summary)."""
     rate = resolve_learning_rate(settings, world_size)
     batch = global_batch(settings, world_size)
     rule = scaled_learning_rate(settings, world_size)
@@ -126,18 +110,11 @@ def describe_recipe(settings: Settings, world_size: int) -> str:
         if rate == rule
         else "LEARNING_RATE as set"
     )
-    extras = [
-        f"{label} x{ratio:g}"
-        for label, ratio in (("head", settings.head_learning_rate_ratio), ("LoRA+ B", settings.loraplus_lr_ratio))
-        if ratio != 1
-    ]
-    if settings.model_dropout != "checkpoint":
-        extras.append(f"base-model dropout {settings.model_dropout:g}")
-    return f"learning rate {rate:g} at global batch {batch} ({origin}){'; ' + ', '.join(extras) if extras else ''}; warm-up {settings.warmup_ratio:g} of the steps"
+    return f"learning rate {rate:g} at global batch {batch} ({origin}); {recipe_summary(settings)}"
 
 
 def recipe_summary(settings: Settings) -> str:
-    """The options around the adapter that shaped the model, for its card: what a reader needs to train it again."""
+    """The options around the adapter that shaped the model, for its card and the rank log: what it takes to train it again."""
     parts = [f"warm-up {settings.warmup_ratio:g} of the steps"]
     if settings.loraplus_lr_ratio != 1:
         parts.append(f"LoRA+ (B at x{settings.loraplus_lr_ratio:g} the rate)")
