@@ -51,6 +51,9 @@ def load_tokenizer(settings: Settings):
             "every word would be [UNK]); save the base model's tokenizer into it (tokenizer.json or vocab.txt, tokenizer_config.json: "
             "AutoTokenizer.from_pretrained(base).save_pretrained(folder))",
         )
+    # Saved with model/ and merged/ (tokenizer_config.json): whoever loads the model truncates where training
+    # did, never past its position embeddings; many folders record no length (1e30), which truncates nothing.
+    tokenizer.model_max_length = settings.max_seq_length
     return tokenizer
 
 

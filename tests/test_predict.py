@@ -1,0 +1,186 @@
+"""predict.py as a user runs it: one finished tiny run (real main.py process, adapter and merged export), then
+the real predict.py process on no input, bytes that are not text, a sentence longer than the model takes, and
+every `python predict.py` command the README, docs/, predict.py's own help and the model card show."""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, base_env, error_lines, run_main, tiny_run_settings
+
+MAX_SEQ_LENGTH = 48  # not the default 128 nor the tiny model's 512 positions: proves the run's own length is recorded
+LABELS = {"negative", "positive"}
+SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
+REVIEWS = ["a wonderful film", "a dull, tedious mess"]
+HUB_REPO = "your-name/bert-sst2-lora"  # the docs' example repo id, served by the local Hub stand-in
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_bert, sst2_dir) -> Path:
+    """OUTPUT_DIR of one finished run with model/ and merged/ (no push: the adapter names its base by its folder)."""
+    tmp = tmp_path_factory.mktemp("predict")
+    settings = tiny_run_settings(
+        tiny_bert,
+        sst2_dir,
+        tmp / "out",
+        MAX_STEPS=20,  # predict.py's cases need a finished run, not a good one
+        MAX_SEQ_LENGTH=MAX_SEQ_LENGTH,
+        MERGE_ADAPTER="true",
+        REPORT_TO="none",
+    )
+    result = run_main(base_env(tmp, **settings))
+    assert result.code == 0, result.stderr[-3000:]
+    return tmp / "out"
+
+
+def predict(cwd: Path, *args: str, stdin: bytes = b"", **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "predict.py"), *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        env=base_env(cwd, **env),
+        cwd=cwd,
+        timeout=180,
+    )
+
+
+def answers(result: subprocess.CompletedProcess) -> list[dict]:
+    """The JSON lines on stdout, each checked to be one prediction: {"text", "label", "score"} and nothing else."""
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    for line in lines:
+        assert set(line) == {"text", "label", "score"} and line["label"] in LABELS and 0.5 <= line["score"] <= 1, line
+    return lines
+
+
+def test_the_model_folders_record_the_length_the_run_trained_with(trained):
+    for folder in ("model", "merged"):
+        config = json.loads((trained / folder / "tokenizer_config.json").read_text())
+        assert config["model_max_length"] == MAX_SEQ_LENGTH, folder
+
+
+@pytest.mark.parametrize(
+    "source, content",
+    [("file", b""), ("stdin", b""), ("file", b"\n  \n\t\n"), ("stdin", b"\n\r\n   \n")],
+    ids=["empty file", "empty stdin", "blank lines in a file", "blank lines on stdin"],
+)
+def test_no_sentences_print_nothing_and_exit_0(trained, tmp_path, source, content):
+    (tmp_path / "sentences.txt").write_bytes(content)
+    args = ["sentences.txt"] if source == "file" else []
+    result = predict(tmp_path, trained / "merged", *args, stdin=content)
+    assert answers(result) == [] and result.stdout == b""
+    assert "Traceback" not in result.stderr.decode() and not error_lines(result.stderr.decode())
+
+
+@pytest.mark.parametrize(
+    "source, content, says",
+    [
+        ("stdin", b"\xff" + random.Random(0).randbytes(4096), "standard input is not UTF-8 text"),
+        ("file", b"\x89PNG\r\n\x1a\n" + random.Random(1).randbytes(4096), "sentences.txt is not UTF-8 text"),
+        ("file", "a wonderful film\n".encode("utf-16-le"), "sentences.txt holds NUL bytes"),
+    ],
+    ids=["random bytes on stdin", "a binary file", "UTF-16 without a byte-order mark"],
+)
+def test_bytes_that_are_not_text_are_one_error_line_and_exit_2(trained, tmp_path, source, content, says):
+    (tmp_path / "sentences.txt").write_bytes(content)
+    args = ["sentences.txt"] if source == "file" else []
+    result = predict(tmp_path, trained / "merged", *args, stdin=content)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2 and result.stdout == b"", stderr[-3000:]
+    [error] = error_lines(stderr)
+    assert says in error and "give sentences as UTF-8 text" in error and "Traceback" not in stderr
+
+
+def test_a_sentence_longer_than_the_model_takes_is_truncated(trained, tmp_path):
+    words = " ".join(SENTENCES).split()
+    long = " ".join(words[i % len(words)] for i in range(5000))  # 5,000 words: ten times the 512 positions
+    (tmp_path / "long.txt").write_text(f"{long}\n{SENTENCES[0]}\n")
+    # A folder from before the length was recorded (tokenizer_config.json without it): the model's positions cap it.
+    unrecorded = tmp_path / "unrecorded"
+    shutil.copytree(trained / "merged", unrecorded)
+    config = json.loads((unrecorded / "tokenizer_config.json").read_text())
+    del config["model_max_length"]
+    (unrecorded / "tokenizer_config.json").write_text(json.dumps(config))
+    for folder in (trained / "model", trained / "merged", unrecorded):
+        result = predict(tmp_path, folder, "long.txt")
+        assert [line["text"] for line in answers(result)] == [long, SENTENCES[0]], folder
+        assert "Traceback" not in result.stderr.decode()
+
+
+def documented_commands() -> list[str]:
+    """Every `python predict.py ...` command in README.md, docs/*.md and predict.py's docstring (its --help),
+    without its trailing comment."""
+    texts = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    docstring = ast.get_docstring(ast.parse((REPO / "predict.py").read_text()))
+    commands = []
+    for text in [path.read_text() for path in texts] + [docstring]:
+        for line in text.splitlines():
+            spans = re.findall(r"`([^`]*python predict\.py[^`]*)`", line) or (
+                [line] if "python predict.py" in line else []
+            )
+            commands += [re.split(r"\s+#\s", span)[0].strip() for span in spans if not span.lstrip().startswith("#")]
+    return list(dict.fromkeys(commands))
+
+
+DOCUMENTED = documented_commands()
+
+
+def test_the_docs_show_predict_commands():
+    # The README's three: a local adapter, a csv column with the base named, a Hub repo on standard input.
+    assert len([c for c in DOCUMENTED if "OUTPUT_DIR" in c or HUB_REPO in c]) >= 3, DOCUMENTED
+
+
+def run_as_written(command: str, cwd: Path, out: Path, base: Path, hub) -> subprocess.CompletedProcess:
+    """`command` in bash, as a user would paste it, in a folder holding sentences.txt, reviews.csv and
+    sentences.jsonl. Offline, the placeholders become local paths: OUTPUT_DIR the finished run, the base
+    model's Hub id (or a copy of it on the volume) the tiny model folder. A Hub repo id cannot be reached
+    from here: the local Hub stand-in serves the run's adapter under HUB_REPO, so that form runs as written too."""
+    (cwd / "sentences.txt").write_text("\n".join(SENTENCES) + "\n")
+    (cwd / "sentences.jsonl").write_text("".join(json.dumps({"sentence": s, "label": 1}) + "\n" for s in SENTENCES))
+    (cwd / "reviews.csv").write_text('id,review\n1,a wonderful film\n2,"a dull, tedious mess"\n')
+    hub.serve(HUB_REPO, out / "model")
+    command = command.replace("OUTPUT_DIR", str(out)).replace("/pvc-home/models/bert-base-uncased", str(base))
+    command = re.sub(r"(?<![\w/.-])bert-base-uncased(?![\w/.-])", str(base), command)
+    command = command.replace(
+        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
+    )
+    return subprocess.run(
+        ["bash", "-c", command],
+        capture_output=True,
+        env=base_env(cwd, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0"),
+        cwd=cwd,
+        timeout=180,
+    )
+
+
+def expected_texts(command: str) -> list[str]:
+    if "reviews.csv" in command:
+        return REVIEWS
+    if "sentences." in command:
+        return SENTENCES
+    echoed = re.match(r"echo\s+(\"[^\"]*\"|'[^']*'|\S+)", command)
+    assert echoed, f"no input file or echo in {command!r}: give the test its input"
+    return shlex.split(echoed.group(1))
+
+
+@pytest.mark.parametrize("command", DOCUMENTED)
+def test_each_documented_predict_command_runs_as_written(trained, tiny_bert, tmp_path, hub, command):
+    result = run_as_written(command, tmp_path, trained, tiny_bert, hub)
+    assert [line["text"] for line in answers(result)] == expected_texts(command), command
+
+
+def test_the_model_cards_predict_command_runs_as_written(trained, tiny_bert, tmp_path, hub):
+    for folder in ("model", "merged"):
+        [command] = re.findall(r"`(python predict\.py [^`]*)`", (trained / folder / "README.md").read_text())
+        result = run_as_written(command, tmp_path, trained, tiny_bert, hub)
+        assert [line["text"] for line in answers(result)] == SENTENCES, command
