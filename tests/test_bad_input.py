@@ -160,7 +160,12 @@ BAD_MODEL_AND_DATA = [
         "column 'sentence' holds int64 values, not text; set TEXT_COLUMN",
     ),
     ("fractional-label", {}, data([*GOOD_ROWS, ("so-so", 0.5)]), "labels must be 0 (negative) or 1 (positive)"),
-    ("text-labels", {}, data([("a wonderful film", "positive"), ("a dull film", "negative")]), "map them to 0/1"),
+    (
+        "text-labels",
+        {},
+        data([("a wonderful film", "good"), ("a dull film", "bad")]),
+        "text labels ['bad', 'good'] in 'label' that are not LABEL_NAMES ['negative', 'positive']",
+    ),
     ("missing-label", {}, data([*GOOD_ROWS, ("a dull film", "")]), "1 row(s) without a label in 'label'"),
     ("data-not-utf8", {}, not_utf8, "train.csv is not valid UTF-8 (byte 0xe9 on line 3); save it as UTF-8"),
     ("torn-saved-dataset", {}, torn_saved_dataset, "holds a damaged save_to_disk DatasetDict (JSONDecodeError"),

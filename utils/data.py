@@ -7,16 +7,20 @@ average ~13 tokens, so padding to MAX_SEQ_LENGTH would make most of each batch p
 
 from __future__ import annotations
 
+import csv
+import json
 import logging
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import datasets
+import pyarrow
 import pyarrow.compute
 from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
-from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -24,6 +28,13 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "validation")  # GLUE's test split has no labels (-1) and is never used
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 TEXT, LABEL = "text", "labels"  # the names after loading; `labels` is what the model's forward takes
+# Text is text: only a truly empty cell is missing (pandas would read the sentences `NA`, `null`, `None` and
+# `nan` as missing). SST-2's TSV is unquoted text: read with quoting on, a `"` opening a sentence swallows
+# the rows up to the next quote.
+CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
+QUOTING = {".csv": csv.QUOTE_MINIMAL, ".tsv": csv.QUOTE_NONE}
+DELIMITER = {".csv": ",", ".tsv": "\t"}
+JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 
 
 def _local_files(folder: Path) -> dict[str, str]:
@@ -36,6 +47,12 @@ def _local_files(folder: Path) -> dict[str, str]:
                 EXIT_BAD_INPUT,
                 f"DATASET_PATH={folder} has no '{split}' split (it holds {present}); add {split}.csv (or .tsv .json .jsonl .parquet) "
                 "or point DATASET_PATH at a save_to_disk DatasetDict",
+            )
+        if len(found) > 1:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"DATASET_PATH={folder} has {len(found)} files for the '{split}' split ({', '.join(p.name for p in found)}); "
+                "which one to train on is ambiguous: keep one and move the others out of the folder",
             )
         files[split] = str(found[0])
     suffixes = {Path(f).suffix for f in files.values()}
@@ -61,6 +78,72 @@ def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
     return f"a file in DATASET_PATH is not valid UTF-8 ({cause.reason}); save the data files as UTF-8"
 
 
+def _count_records(path: Path, suffix: str, files: dict[str, str]) -> int:
+    """The rows of a csv/tsv file, read as the loader reads it, checked so that no row is lost or made up.
+
+    Refused: a header naming a column twice (the loader would rename one `label.1` and train on the other
+    without a word), and a record running over several lines: a `"` opening a sentence makes the reader
+    swallow every row up to the next quote into it.
+    """
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            reader = csv.reader(handle, delimiter=DELIMITER[suffix], quoting=QUOTING[suffix])
+            header = next(reader, None)
+            if header is None:
+                return 0  # an empty file: the loader's own refusal says so
+            repeated = [(name, times) for name, times in Counter(header).items() if times > 1]
+            if repeated:
+                name, times = repeated[0]
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"{path} names the column '{name}' {times} times in its header ({suffix[1:]}: {header}); "
+                    "which one holds the data is ambiguous: rename or remove the extra column",
+                )
+            records, end = 0, reader.line_num
+            for record in reader:
+                start, end = end + 1, reader.line_num
+                if end > start and record:
+                    raise JobError(
+                        EXIT_BAD_INPUT,
+                        f"{path} line {start}: a quoted field runs over lines {start}-{end}, merging {end - start + 1} lines "
+                        'into one row (a stray " at the start of a sentence swallows the rows up to the next quote); '
+                        'close the quote, double a quote inside a quoted field (""), or save the data as .tsv, which is read without quoting',
+                    )
+                records += bool(record)  # a blank line is no row, to the loader either
+            return records
+    except UnicodeDecodeError as exc:
+        raise JobError(EXIT_BAD_INPUT, _not_utf8(files, exc)) from None
+
+
+def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) -> None:
+    """A JSON label column must hold one type: `1`, `"1"` and `true` in one file mean different things, and
+    the loader keeps such a column as raw JSON (reading `"1"` back as `1`), so the types are read from the file."""
+    for split, ds in loaded.items():
+        if split in files and column in ds.column_names and isinstance(ds.features[column], datasets.Json):
+            seen = {}
+            for value in _json_values(Path(files[split]), column):
+                seen.setdefault(JSON_TYPES.get(type(value), type(value).__name__), json.dumps(value))
+            kinds = ", ".join(f"{kind} ({example})" for kind, example in seen.items())
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{files[split]} mixes label types in '{column}': {kinds}; write every label the same way: "
+                "the numbers 0/1, true/false, or the LABEL_NAMES names as strings",
+            )
+
+
+def _json_values(path: Path, column: str):
+    """The non-null values of `column` in a JSON Lines file or a JSON array of objects."""
+    text = path.read_text(encoding="utf-8-sig")
+    rows = (
+        json.loads(text)
+        if text.lstrip().startswith("[")
+        else (json.loads(line) for line in text.splitlines() if line.strip())
+    )
+    for row in rows:
+        if isinstance(row, dict) and row.get(column) is not None:
+            yield row[column]
+
+
 def load_raw(settings: Settings) -> DatasetDict:
     """The train and validation splits from DATASET_PATH when set, else from the Hub."""
     if settings.dataset_path:
@@ -83,8 +166,12 @@ def load_raw(settings: Settings) -> DatasetDict:
                 ) from None
         else:
             files = _local_files(folder)
-            fmt = FILE_FORMATS[Path(files["train"]).suffix]
-            kwargs = {"delimiter": "\t"} if files["train"].endswith(".tsv") else {}
+            suffix = Path(files["train"]).suffix
+            fmt = FILE_FORMATS[suffix]
+            kwargs, records = {}, {}
+            if fmt == "csv":
+                kwargs = {**CSV_OPTIONS, "delimiter": DELIMITER[suffix], "quoting": QUOTING[suffix]}
+                records = {split: _count_records(Path(path), suffix, files) for split, path in files.items()}
             try:
                 loaded = load_dataset(fmt, data_files=files, **kwargs)
             except datasets.exceptions.DatasetGenerationError as exc:
@@ -108,6 +195,15 @@ def load_raw(settings: Settings) -> DatasetDict:
                     EXIT_BAD_INPUT,
                     f"a split in DATASET_PATH={folder} is empty ({exc}); each split needs at least one row",
                 ) from None
+            for split, count in records.items():
+                if isinstance(loaded, DatasetDict) and split in loaded and len(loaded[split]) != count:
+                    raise JobError(
+                        EXIT_BAD_INPUT,
+                        f"{files[split]} holds {count} records, one per line, but was read as {len(loaded[split])} rows; "
+                        "check its quoting (a field that opens with a quote must close it, and a quote inside a quoted field is doubled)",
+                    )
+            if fmt == "json":
+                _check_json_labels(loaded, files, settings.label_column)
     else:
         try:
             loaded = load_dataset(settings.dataset_name, settings.dataset_config)
@@ -144,7 +240,7 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
         if len(ds) == 0:
             raise JobError(EXIT_BAD_INPUT, f"the {split} split is empty; it needs at least one row")
         _check_text(ds, split, settings.text_column)
-        ds = _labels_as_integers(ds, split, settings.label_column)
+        ds = _labels_as_ids(ds, split, settings.label_column, settings.label_names)
         labels = set(ds.unique(settings.label_column))
         if not labels <= {0, 1}:
             bad = sorted(labels - {0, 1}, key=str)[:5]
@@ -181,26 +277,88 @@ def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
         )
 
 
-def _labels_as_integers(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
-    """Labels as int64. Booleans and the floats 0.0/1.0 (a csv column with a blank, a pandas export) are
-    the same two classes and are cast; a missing label, a fraction or a word is refused."""
-    kind = getattr(ds.features[column], "dtype", None)
-    values = ds.unique(column)
-    if None in values:
-        missing = ds.with_format("arrow")[column].null_count
+def _labels_as_ids(ds: datasets.Dataset, split: str, column: str, label_names: tuple[str, str]) -> datasets.Dataset:
+    """Labels as the ids LABEL_NAMES gives them. Where the data names its labels (a ClassLabel, or words that
+    are the LABEL_NAMES), they are mapped by name: a ClassLabel `['positive', 'negative']` trained as it stands
+    would teach the model the opposite of what the card says. Booleans and the floats 0.0/1.0 (a csv column
+    with a blank, a pandas export) are the same two classes and are cast; a missing label, a fraction, a
+    word that is not a label name, a name it cannot map or a mix of JSON types is refused."""
+    feature = ds.features[column]
+    if isinstance(feature, datasets.Json):
+        kinds = sorted({JSON_TYPES.get(type(v), type(v).__name__) for v in ds[column] if v is not None})
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split mixes label types in '{column}' ({', '.join(kinds)}); write every label the same way, as 0/1",
+        )
+    missing = ds.with_format("arrow")[column].null_count
+    if missing:
         raise JobError(
             EXIT_BAD_INPUT,
             f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it",
         )
+    if isinstance(feature, datasets.ClassLabel):
+        return _class_label_by_name(ds, split, column, feature, label_names)
+    kind = getattr(feature, "dtype", None)
+    values = ds.unique(column)
     if kind in ("string", "large_string"):
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"the {split} split has text labels {sorted(values)[:5]} in '{column}'; labels must be the numbers 0 (negative) or 1 (positive): "
-            "map them to 0/1 in the file",
-        )
+        return _text_labels_by_name(ds, split, column, values, label_names)
     if kind == "bool" or (kind in ("float16", "float32", "float64") and set(values) <= {0.0, 1.0}):
         ds = ds.cast_column(column, datasets.Value("int64"))
     return ds
+
+
+def _name_key(name: str) -> str:
+    return name.strip().casefold()  # `Positive` and ` positive` name the same label
+
+
+def _replace_labels(ds: datasets.Dataset, column: str, new_for_old: list[int], old_ids, feature) -> datasets.Dataset:
+    """The column with each old id replaced by `new_for_old[id]`, in memory: a map would write its cache
+    beside the data, in the user's folder."""
+    ids = pyarrow.compute.take(pyarrow.array(new_for_old, pyarrow.int64()), old_ids)
+    return ds.remove_columns(column).add_column(column, ids.combine_chunks(), feature=feature)
+
+
+def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLabel, label_names: tuple[str, str]):
+    names = feature.names
+    if names == [str(i) for i in range(len(names))]:
+        return ds  # ClassLabel(num_classes=2): unnamed, the ids are the data
+    theirs, ours = [_name_key(n) for n in names], [_name_key(n) for n in label_names]
+    if sorted(theirs) != sorted(ours):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split's '{column}' is a ClassLabel named {names}, and LABEL_NAMES is {list(label_names)}: "
+            f"the names do not match, so which label is which cannot be told; set LABEL_NAMES={','.join(names)} "
+            f"if those are the two classes (id 0 first), or relabel the data as {list(label_names)}",
+        )
+    if theirs == ours:
+        return ds
+    if not set(ds.unique(column)) <= {0, 1}:
+        return ds  # -1 (no label) or out of range: the label check refuses it with the values
+    old_ids = ds.with_format("arrow")[column]
+    new_for_old = [ours.index(name) for name in theirs]
+    log.info(
+        "the %s split's labels are a ClassLabel named %s; remapped by name to LABEL_NAMES %s (%s)",
+        split,
+        names,
+        list(label_names),
+        ", ".join(f"{names[old]}: {old} -> {new}" for old, new in enumerate(new_for_old)),
+    )
+    return _replace_labels(ds, column, new_for_old, old_ids, datasets.ClassLabel(names=list(label_names)))
+
+
+def _text_labels_by_name(ds, split: str, column: str, values: list[str], label_names: tuple[str, str]):
+    ours = [_name_key(n) for n in label_names]
+    unknown = sorted(v for v in values if _name_key(v) not in ours)
+    if unknown:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split has text labels {unknown[:5]} in '{column}' that are not LABEL_NAMES {list(label_names)}; "
+            "labels must be 0/1 or those names: set LABEL_NAMES to the data's two names (label 0 first), or relabel the data",
+        )
+    seen = sorted(values)
+    log.info("the %s split's labels are words; mapped by name to LABEL_NAMES %s", split, list(label_names))
+    old_ids = pyarrow.compute.index_in(ds.with_format("arrow")[column], value_set=pyarrow.array(seen))
+    return _replace_labels(ds, column, [ours.index(_name_key(v)) for v in seen], old_ids, datasets.Value("int64"))
 
 
 def cache_key(raw: DatasetDict, tokenizer, max_seq_length: int) -> str:
@@ -223,12 +381,28 @@ def tokenize(raw: DatasetDict, tokenizer, max_seq_length: int, cache_dir: Path) 
     tokenized = raw.map(encode, batched=True, remove_columns=[TEXT], desc="tokenizing")
     # Written beside the target, then renamed: a reader never sees half a cache.
     partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    tokenized.save_to_disk(str(partial))
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        tokenized.save_to_disk(str(partial))
+    except Exception as exc:
+        # The cache is derived data and never stops the job: a full or read-only volume, or a cache folder the
+        # job cannot write, costs only the next start's tokenization. Training goes on from the rows in memory.
+        if not isinstance(exc, OSError) and volume_state(exc, cache_dir) is None:
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        log.warning(
+            "could not write the tokenized cache to %s (%s); training goes on from the tokenized data in memory, "
+            "and the next start tokenizes again",
+            cache_dir,
+            getattr(exc, "strerror", None) or type(exc).__name__,
+        )
+        return tokenized
     try:
         partial.rename(target)
     except OSError:  # another writer (a second job on the volume) got there first
         shutil.rmtree(partial, ignore_errors=True)
+        if not target.exists():
+            return tokenized
     log.info("tokenized %s rows into %s", {k: len(v) for k, v in tokenized.items()}, target)
     return load_from_disk(str(target))
 
