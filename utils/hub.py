@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import email.utils
 import logging
-import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import httpx2
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants
@@ -30,7 +31,7 @@ from tenacity import RetryCallState, retry, retry_if_exception, wait_random_expo
 
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
 from utils.model_card import PLOT_NAME, plot_training_curves, write_label_names, write_model_card
-from utils.outputs import RunDir, read_json, replace_dir, write_json, write_run_record
+from utils.outputs import RunDir, replace_dir, write_run_record
 from utils.settings import Settings, resolve_base_model_id
 
 if TYPE_CHECKING:
@@ -217,21 +218,32 @@ class Hub:
         return describe(exc, self._token)
 
     def push_files(
-        self, files: dict[str, Path], repo_id: str, private: bool, message: str, card: ModelCard | None = None
+        self,
+        files: dict[str, Path],
+        repo_id: str,
+        private: bool,
+        message: str,
+        card: ModelCard | None = None,
+        open_file: Callable[[Path], BinaryIO] | None = None,
     ) -> str:
         """create_repo (exist_ok), the card's metadata checked by the Hub, then every file in one commit
-        (`files`: path in the repo -> local file); each call retried on transient failures, all within one
-        total deadline that the request in flight counts towards too. Returns the commit URL."""
+        (`files`: path in the repo -> local file, read through `open_file` when given); each call retried on
+        transient failures, all within one total deadline that the request in flight counts towards too.
+        Returns the commit URL."""
         deadline = time.monotonic() + self._max_retry_seconds
         retrying = _retrying(deadline, self._token)
 
         def commit() -> str:
             # Fresh operations for every attempt: create_commit records upload state on them.
-            operations = [
-                CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local))
-                for path, local in sorted(files.items())
-            ]
-            info = self._api.create_commit(repo_id=repo_id, operations=operations, commit_message=message)
+            with ExitStack() as opened:
+                operations = [
+                    CommitOperationAdd(
+                        path_in_repo=path,
+                        path_or_fileobj=opened.enter_context(open_file(local)) if open_file else str(local),
+                    )
+                    for path, local in sorted(files.items())
+                ]
+                info = self._api.create_commit(repo_id=repo_id, operations=operations, commit_message=message)
             return str(info.commit_url if hasattr(info, "commit_url") else info)
 
         def push() -> str:
@@ -257,8 +269,7 @@ def save_model(
 
     `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's own.
     """
-    staged = run.root / ".model.partial"
-    shutil.rmtree(staged, ignore_errors=True)
+    staged = run.make_dir(run.root / ".model.partial", fresh=True)
     model = trainer.model
     base_id = resolve_base_model_id(settings)
     if base_id:  # the adapter names its base by Hub id, not by a path on this volume, so it loads anywhere
@@ -268,8 +279,10 @@ def save_model(
     write_label_names(staged, settings)
     plot_training_curves(trainer.state.log_history, staged / PLOT_NAME)
     write_model_card(staged, settings, metrics, settings.result_model_id)
+    files = run.files_in(staged)  # what a push of model/ may send: only what was just written here
     replace_dir(staged, run.model)
-    write_json(run.metrics, metrics)  # last: a finished run is one with metrics.json (RunDir.is_finished)
+    run.record_written("model", [f"{run.model.name}/{name}" for name in files], replace=True)
+    run.write_json(run.metrics, metrics)  # last: a finished run is one with metrics.json (RunDir.is_finished)
     log.info("saved %s and %s", run.model, run.metrics)
 
 
@@ -278,11 +291,12 @@ def save_merged(run: RunDir, settings: Settings) -> None:
     # peft and transformers take seconds to import; the Hub client alone needs neither.
     from utils.model import merge_adapter
 
-    staged = run.root / ".merged.partial"
-    shutil.rmtree(staged, ignore_errors=True)
+    staged = run.make_dir(run.root / ".merged.partial", fresh=True)
     merge_adapter(settings, run.model, staged)
-    write_model_card(staged, settings, read_json(run.metrics) or {}, settings.result_merged_model_id, merged=True)
+    write_model_card(staged, settings, run.read_json(run.metrics) or {}, settings.result_merged_model_id, merged=True)
+    files = run.files_in(staged)
     replace_dir(staged, run.merged)
+    run.record_written("merged", [f"{run.merged.name}/{name}" for name in files], replace=True)
     log.info("saved %s (adapter merged into the base, full precision)", run.merged)
 
 
@@ -291,24 +305,28 @@ PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what wa
 
 
 def files_to_push(run: RunDir, settings: Settings, merged: bool) -> dict[str, Path]:
-    """What a push sends, path in the repo -> file on the volume: the model folder (adapter or merged
-    weights, tokenizer, card, plot), metrics.json, the masked run.json, and the TensorBoard event files
-    under runs/ (what the Hub reads for its training-metrics tab). The same set on every retry."""
+    """What a push sends, path in the repo -> file on the volume: the model folder's files as the job wrote
+    them (adapter or merged weights, tokenizer, card, plot), metrics.json, the masked run.json, and the
+    TensorBoard event files of this run under runs/ (what the Hub reads for its training-metrics tab). The
+    files the job recorded as it wrote them, never a walk of the folders (a walk would take whatever a
+    neighbour planted there); the same set on every retry."""
     folder = run.merged if merged else run.model
-    files = {str(path.relative_to(folder)): path for path in sorted(folder.rglob("*")) if path.is_file()}
+    recorded = run.written(folder.name)
+    if recorded is None:  # a model saved before the job recorded its files: the folder as written, links refused
+        recorded = [folder / name for name in run.files_in(folder)]
+    files = {str(path.relative_to(folder)): path for path in recorded}
     files |= {"metrics.json": run.metrics, "run.json": run.run_record}
     events = run.tensorboard / settings.run_name
-    if events.is_dir():
-        files |= {
-            f"runs/{settings.run_name}/{path.relative_to(events)}": path
-            for path in sorted(events.rglob("*"))
-            if path.is_file()
-        }
+    files |= {
+        f"runs/{settings.run_name}/{path.relative_to(events)}": path
+        for path in run.written("tensorboard") or []
+        if path.parent == events
+    }
     return files
 
 
 def already_pushed(run: RunDir, repo_id: str, merged: bool = False) -> bool:
-    record = read_json(run.run_record) or {}
+    record = run.read_json(run.run_record) or {}
     return (record.get(PUSH_RECORD[merged]) or {}).get("repo_id") == repo_id
 
 
@@ -316,22 +334,31 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
     """Push model/ to RESULT_MODEL_ID (and merged/ to RESULT_MERGED_MODEL_ID) unless already pushed; exit 3
     if a push fails after retries (the model stays on the volume)."""
     code = EXIT_OK
-    metrics = read_json(run.metrics) or {}
+    metrics = run.read_json(run.metrics) or {}
     for merged, repo_id in ((False, settings.result_model_id), (True, settings.result_merged_model_id)):
         if not repo_id or already_pushed(run, repo_id, merged):
             continue
         folder = run.merged if merged else run.model
+        files = files_to_push(run, settings, merged)
+        # Each file must still be the job's own: one planted since it was written (a link, or a hard link to
+        # a file elsewhere) is refused before the card is written or anything is sent.
+        for path in files.values():
+            run.check_owned(path)
         # The card again, now naming the repo it is pushed to (after --push-only too).
         card = write_model_card(folder, settings, metrics, repo_id, merged=merged)
         log.info("pushing %s to %s", folder, repo_id)
         try:
             url = hub.push_files(
-                files_to_push(run, settings, merged),
+                files,
                 repo_id,
                 settings.hub_private,
                 f"Upload {settings.run_name}",
                 card=card,
+                # Read through descriptors opened without following a link: what was checked is what is sent.
+                open_file=lambda path: run.open(path, "rb"),
             )
+        except JobError:  # a file planted since the check above: refused, not a failed push to retry
+            raise
         except Exception as exc:
             log.error("push to %s failed: %s", repo_id, hub.describe(exc))
             print(

@@ -12,18 +12,33 @@
 
 Files other ranks or a restart read appear whole or not at all: written beside their final name on
 the same volume, then renamed.
+
+The job writes only regular files it created, inside OUTPUT_DIR, and publishes only those. The folder is on
+a shared volume and RUN_NAME is predictable (--dry-run prints it), so a neighbour could plant a symbolic
+link (logs/ -> elsewhere, tensorboard/RUN/x -> a folder holding a token) or a hard link to a file outside
+(metrics.json): followed, the job would append its log to that file, overwrite it, or push it to the Hub.
+So every file the job opens here is reached from OUTPUT_DIR one folder at a time without following a
+link, and must be a regular file with no other hard link; what is planted is refused (exit 2) with the
+path and the fix. `check_planted` refuses what is there before the run; the write itself refuses what is
+planted during it. What a push sends is the list of files the job recorded as it wrote them
+(`record_written`), never a walk of the folders.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
+import stat
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import IO
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
@@ -55,40 +70,209 @@ class RunDir:
     def is_finished(self) -> bool:
         return self.metrics.is_file() and (self.model / "adapter_config.json").is_file()
 
+    # ---------------------------------------------------------------- writing only what is ours
+    def open(self, path: Path, mode: str = "r") -> IO:
+        """`path` (under the root) opened for reading ("r", "rb"), appending ("a"), writing ("w", "wb") or
+        creating ("x"), its folders created as needed; a link on the way or a file with other hard links is
+        refused (JobError, exit 2) before a byte is read or written."""
+        flags = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "w": os.O_WRONLY | os.O_CREAT}
+        flags["x"] = flags["w"] | os.O_EXCL
+        # O_NONBLOCK: a FIFO planted under the name must not block the open; regular files ignore it.
+        base = flags[mode.rstrip("b")] | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        folder = self._open_folder(path.parent, create=mode.rstrip("b") != "r")
+        try:
+            fd = os.open(path.name, base, 0o644, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise planted(path) from None
+            raise
+        finally:
+            os.close(folder)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+            os.close(fd)
+            raise planted(path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        if mode.rstrip("b") == "w":
+            os.ftruncate(fd, 0)  # only now: truncating first would have emptied another link's file
+        text = {} if "b" in mode else {"encoding": "utf-8"}
+        return os.fdopen(fd, mode.replace("x", "w"), **text)
 
-def write_json(path: Path, payload: dict) -> None:
-    _write_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    def write_text(self, path: Path, text: str) -> None:
+        """Write `path` whole or not at all: beside its final name, then renamed over it."""
+        folder = self._open_folder(path.parent, create=True)
+        partial = f".{path.name}.partial-{os.getpid()}"
+        try:
+            try:
+                os.unlink(partial, dir_fd=folder)
+            except FileNotFoundError:
+                pass
+            fd = os.open(
+                partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder
+            )
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                present = os.stat(path.name, dir_fd=folder, follow_symlinks=False)
+            except FileNotFoundError:
+                present = None
+            if present is not None and (not stat.S_ISREG(present.st_mode) or present.st_nlink > 1):
+                os.unlink(partial, dir_fd=folder)
+                raise planted(path)
+            os.replace(partial, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        finally:
+            os.close(folder)
+
+    def write_json(self, path: Path, payload: dict) -> None:
+        self.write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+    def read_json(self, path: Path) -> dict | None:
+        """The JSON object in `path`, None when there is no file; a torn or foreign file is bad input with the fix."""
+        try:
+            with self.open(path, "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            return None
+        return _parse_json(path, data)
+
+    def make_dir(self, path: Path, fresh: bool = False) -> Path:
+        """`path` as a real folder of the job's (with `fresh`, emptied first); a link at its name or on the way
+        is refused, except at a `fresh` folder's own name, which is set aside: the job discards that folder anyway."""
+        if fresh:
+            try:
+                if stat.S_ISDIR(os.lstat(path).st_mode):
+                    shutil.rmtree(path)  # removes links inside it, never what they point to
+                else:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
+        os.close(self._open_folder(path, create=True))
+        return path
+
+    def files_in(self, folder: Path) -> list[str]:
+        """The files in a folder the job just filled, relative to it, for `record_written`; a link or a file
+        with other hard links in it is refused."""
+        names = []
+        for current, folders, files in os.walk(folder):  # never descends into a linked folder
+            for name in [*folders, *files]:
+                path = Path(current) / name
+                info = os.lstat(path)
+                if stat.S_ISLNK(info.st_mode) or (not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
+                    raise planted(path)
+                if stat.S_ISREG(info.st_mode):
+                    names.append(str(path.relative_to(folder)))
+        return sorted(names)
+
+    def record_written(self, what: str, paths: list[str], replace: bool = False) -> None:
+        """Add files the job wrote (relative to the root) to what a push may send (run.json `written`)."""
+        record = self.read_json(self.run_record) or {}
+        written = record.setdefault("written", {})
+        written[what] = sorted(set(paths) | (set() if replace else set(written.get(what, []))))
+        self.write_json(self.run_record, record)
+
+    def written(self, what: str) -> list[Path] | None:
+        """The files recorded by `record_written` under `what`; None when nothing was recorded."""
+        names = ((self.read_json(self.run_record) or {}).get("written") or {}).get(what)
+        return None if names is None else [self.root / name for name in names]
+
+    def check_owned(self, path: Path) -> None:
+        """Refuse `path` unless it is a regular file with no other hard link, reached without a link."""
+        self.open(path).close()
+
+    def check_planted(self) -> None:
+        """Refuse a folder holding a symbolic link or a file with other hard links anywhere under the root
+        (before the run: nothing is read or written through them)."""
+        if not self.root.is_dir():
+            return
+        for current, folders, files in os.walk(self.root):
+            for name in sorted([*folders, *files]):
+                path = Path(current) / name
+                info = os.lstat(path)
+                if stat.S_ISLNK(info.st_mode) or (not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
+                    raise planted(path)
+
+    def _open_folder(self, folder: Path, create: bool) -> int:
+        """A descriptor of `folder` (the root or below it), reached one name at a time without following a link."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            reached = self.root
+            for name in folder.relative_to(self.root).parts:
+                reached = reached / name
+                if create:
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise planted(reached) from None
+                    raise
+                os.close(fd)
+                fd = child
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    with open(partial, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
+def planted(path: Path) -> JobError:
+    """Bad input naming what was found at `path` and the fix: the job neither follows nor removes it."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        info = None
+    kept = "what it points to is kept"
+    if info is None:
+        what = "was replaced while the job used it"
+    elif stat.S_ISLNK(info.st_mode):
+        what = f"is a symbolic link (to {os.readlink(path)})"
+    elif stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+        what = f"is a file with {info.st_nlink - 1} other hard link(s)"
+        kept = "the other names keep the content"
+    elif stat.S_ISDIR(info.st_mode):
+        what = "is a folder where the job writes a file"
+        kept = "it holds no file of this job's"
+    elif stat.S_ISREG(info.st_mode):
+        what = "is a file where the job keeps a folder"
+    else:
+        what = "is not a regular file"
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"{path} {what}; the job writes and publishes only files it created itself, never through a link: "
+        f"remove it (rm {'-r ' if info and stat.S_ISDIR(info.st_mode) else ''}{shlex.quote(str(path))}; {kept}) "
+        "and start again",
+    )
 
 
 def fsync_tree(folder: Path) -> None:
     """Flush a folder's files to the volume before a rename or a marker declares them whole.
 
     A killed process loses nothing the kernel already has; a node that goes down (a preempted VM) loses
-    what is not yet on disk, and the marker must not outlive the files it vouches for.
+    what is not yet on disk, and the marker must not outlive the files it vouches for. Links are not
+    followed (a planted one is refused where it would be read or published).
     """
-    for path in [*sorted(p for p in folder.rglob("*") if p.is_file()), folder]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    for current, _, files in os.walk(folder):
+        for path in [*(Path(current) / name for name in sorted(files)), Path(current)]:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENXIO):
+                    continue
+                raise
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode) or stat.S_ISDIR(os.fstat(fd).st_mode):
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
-def read_json(path: Path) -> dict | None:
-    """The JSON object in `path`, None when there is no file; a torn or foreign file is bad input with the fix."""
+def _parse_json(path: Path, data: bytes) -> dict:
     try:
-        payload = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
+        payload = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise _damaged(path, f"not valid JSON: {str(exc).splitlines()[0][:80]}") from None
     if not isinstance(payload, dict):
@@ -119,7 +303,8 @@ def replace_dir(staged: Path, final: Path) -> None:
 def check_run_dir(settings: Settings) -> RunDir:
     """Refuse an OUTPUT_DIR whose run.json holds a run with other training settings (reads, writes nothing)."""
     run = RunDir(Path(settings.output_dir).resolve())
-    record = read_json(run.run_record) if run.root.is_dir() else None
+    run.check_planted()
+    record = run.read_json(run.run_record) if run.root.is_dir() else None
     if record is not None:
         theirs, ours = record.get("training_settings", {}), settings.training_settings()
         changed = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
@@ -137,10 +322,11 @@ def open_run_dir(settings: Settings) -> RunDir:
     """Create OUTPUT_DIR's folders and refuse a folder that holds a run with other training settings."""
     run = check_run_dir(settings)
     try:
-        for folder in (run.root, run.logs, run.checkpoints, run.cache):
-            folder.mkdir(parents=True, exist_ok=True)
+        run.root.mkdir(parents=True, exist_ok=True)  # OUTPUT_DIR itself, and the folders above it, are the user's
+        for folder in (run.logs, run.checkpoints, run.cache):
+            run.make_dir(folder)
         probe = run.logs / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
+        run.open(probe, "x").close()
         probe.unlink()
     except OSError as exc:
         raise JobError(
@@ -152,7 +338,7 @@ def open_run_dir(settings: Settings) -> RunDir:
 
 
 def write_run_record(run: RunDir, settings: Settings, **extra) -> None:
-    record = read_json(run.run_record) or {}
+    record = run.read_json(run.run_record) or {}
     versions = {}
     for name in PACKAGES:
         try:
@@ -166,10 +352,10 @@ def write_run_record(run: RunDir, settings: Settings, **extra) -> None:
         versions=versions,
     )
     record.update(extra)
-    write_json(run.run_record, record)
+    run.write_json(run.run_record, record)
 
 
-def mark_checkpoint_complete(checkpoint: Path, resume_key: dict) -> None:
+def mark_checkpoint_complete(run: RunDir, checkpoint: Path, resume_key: dict) -> None:
     """Declare a checkpoint whole; call it once every rank has written its part (its RNG state).
 
     The marker is a manifest: every file's size and SHA-256, so a resume can tell a checkpoint damaged
@@ -183,7 +369,7 @@ def mark_checkpoint_complete(checkpoint: Path, resume_key: dict) -> None:
         for path in sorted(checkpoint.rglob("*"))
         if path.is_file() and path.name != COMPLETE_MARKER
     }
-    _write_atomic(
+    run.write_text(
         checkpoint / COMPLETE_MARKER,
         json.dumps({"resume": resume_key, "files": files}, indent=2, sort_keys=True) + "\n",
     )

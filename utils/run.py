@@ -13,6 +13,7 @@ import logging.handlers
 import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import datasets
 import torch
@@ -32,7 +33,6 @@ from utils.outputs import (
     discard_incomplete_checkpoints,
     latest_complete_checkpoint,
     usable_checkpoints,
-    write_json,
     write_run_record,
 )
 from utils.preemption import Preemption
@@ -72,7 +72,7 @@ def setup_logging(dist: DistEnv, masker: Masker) -> None:
 def log_to_file(run: RunDir, dist: DistEnv, masker: Masker) -> None:
     """Every rank also logs to OUTPUT_DIR/logs/rank-R.log: after the rendezvous and the OUTPUT_DIR lock, so a
     job refused on a folder in use never writes into the logs of the job that holds it."""
-    handler = logging.FileHandler(run.rank_log(dist.rank))
+    handler = RankLogHandler(run, run.rank_log(dist.rank))
     handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=dist.rank)))
     handler.addFilter(MaskingFilter(masker))
     root = logging.getLogger()
@@ -81,6 +81,18 @@ def log_to_file(run: RunDir, dist: DistEnv, masker: Masker) -> None:
         early.flush()
         root.removeHandler(early)
     root.addHandler(handler)
+
+
+class RankLogHandler(logging.FileHandler):
+    """A FileHandler that opens its file through RunDir.open: a planted link at logs/ or logs/rank-R.log (or
+    a hard link to a file elsewhere) is refused, never appended to."""
+
+    def __init__(self, run: RunDir, path):
+        self.run = run
+        super().__init__(path, encoding="utf-8")
+
+    def _open(self):
+        return self.run.open(Path(self.baseFilename), "a")
 
 
 def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[bool, str]:
@@ -214,7 +226,7 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preem
     # On every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective.
     if settings.result_model_id:
         hub.check_write_access(settings.result_model_id)
-    lock = RunLock(run_dir.root)
+    lock = RunLock(run_dir)
     try:
         # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
         group = rendezvous(dist, settings.rendezvous_timeout, cuda, agreement(settings, dist), on_main=lock.acquire)
@@ -237,7 +249,7 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preem
                 flush=True,
             )
         # What tests and benchmarks read (logs/rank-R.json), and the same in words at the end of the rank's log.
-        write_json(run_dir.rank_record(dist.rank), record)
+        run_dir.write_json(run_dir.rank_record(dist.rank), record)
         log.info(
             "rank %d processed %d training samples; trainable weights checksum %s",
             dist.rank,

@@ -21,11 +21,11 @@ import socket
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import psutil
 
 from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.outputs import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,10 @@ def _process_started(pid: int) -> float | None:
 
 
 class RunLock:
-    def __init__(self, output_dir: Path):
-        self.path = Path(output_dir) / LOCK_NAME
+    def __init__(self, run: RunDir):
+        # Opened through the run folder: a link planted at the lock's name is refused, never written through.
+        self.run = run
+        self.path = run.root / LOCK_NAME
         self.me = {
             "job": uuid.uuid4().hex,
             "host": socket.gethostname(),
@@ -92,21 +94,20 @@ class RunLock:
     # ---------------------------------------------------------------- internals
     def _create(self) -> bool:
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            handle = self.run.open(self.path, "x")
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as handle:
+        with handle:
             json.dump(self.me, handle)
         return True
 
     def _write(self) -> None:
-        partial = self.path.with_name(f"{LOCK_NAME}.{self.me['job']}")
-        partial.write_text(json.dumps(self.me))
-        os.replace(partial, self.path)
+        self.run.write_text(self.path, json.dumps(self.me))
 
     def _read(self) -> dict | None:
         try:
-            return json.loads(self.path.read_text())
+            with self.run.open(self.path) as handle:
+                return json.loads(handle.read())
         except (OSError, ValueError):
             return None
 
@@ -136,5 +137,5 @@ class RunLock:
             self.me["beat"] += 1
             try:
                 self._write()
-            except OSError as exc:  # a full or flaky volume must not kill the run; the next beat retries
+            except (OSError, JobError) as exc:  # a full or flaky volume (or a planted link) must not kill the run
                 log.warning("could not refresh %s: %s", self.path, exc)

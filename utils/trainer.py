@@ -14,6 +14,7 @@ import hashlib
 import logging
 import math
 import time
+import uuid
 from functools import partial
 from pathlib import Path
 
@@ -173,8 +174,44 @@ class CheckpointMarker(TrainerCallback):
         # Each rank saves its own RNG state; rank 0 alone cannot tell it is written.
         self.collectives.barrier()
         if state.is_world_process_zero:
-            mark_checkpoint_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key)
+            mark_checkpoint_complete(
+                self.run, Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key
+            )
             prune_checkpoints(self.run, self.keep)
+
+
+class CheckpointFolder(TrainerCallback):
+    """Makes the folder of a checkpoint about to be saved a real folder of the job's before the Trainer writes
+    into it: the Trainer would follow a link planted at checkpoints/checkpoint-N, a name anyone can predict.
+    Runs after every callback that may ask for a save; a link there is refused on every rank alike."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            self.run.make_dir(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+
+class RecordedTensorBoard(TensorBoardCallback):
+    """The Trainer's TensorBoard callback writing into a folder of the job's own, and recording the event file
+    each of its writers creates (RunDir.record_written): a push sends those files, never whatever else is in
+    the folder. It reopens a writer for the final evaluation: a second event file, recorded too."""
+
+    def __init__(self, run: RunDir, folder: Path):
+        super().__init__()
+        self.run = run
+        self.logging_dir = str(folder)
+
+    def _init_summary_writer(self, args):
+        folder = self.run.make_dir(Path(self.logging_dir))
+        # A name no one can guess ahead, so no link can be waiting under it.
+        suffix = f".{uuid.uuid4().hex}"
+        self.tb_writer = self._SummaryWriter(log_dir=str(folder), filename_suffix=suffix)
+        events = [path for path in folder.iterdir() if path.name.endswith(suffix)]
+        for path in events:
+            self.run.check_owned(path)
+        self.run.record_written("tensorboard", [str(path.relative_to(self.run.root)) for path in events])
 
 
 class StopOnPreemption(TrainerCallback):
@@ -378,11 +415,9 @@ def build_trainer(
     ]
     if preemption is not None:
         callbacks.append(StopOnPreemption(preemption, collectives))
+    callbacks.append(CheckpointFolder(run))  # after StopOnPreemption, which may ask for a save
     if dist.is_main and "tensorboard" in settings.report_to:
-        tensorboard = TensorBoardCallback()
-        # Kept when it reopens its writer for the final evaluation.
-        tensorboard.logging_dir = str(run.tensorboard / settings.run_name)
-        callbacks.append(tensorboard)
+        callbacks.append(RecordedTensorBoard(run, run.tensorboard / settings.run_name))
     param_groups = None
     if settings.head_learning_rate_ratio != 1 or settings.loraplus_lr_ratio != 1:
         param_groups = partial(

@@ -1,0 +1,159 @@
+"""What the job writes and publishes is only what it created itself, inside OUTPUT_DIR.
+
+A neighbour on the shared volume runs `main.py --dry-run` to learn the run name, then plants links in the
+run folder: a symbolic link in tensorboard/RUN/ to a folder holding a token or to an SSH key, a link at
+logs/rank-0.log or at logs/, a hard link at metrics.json or run.json to a file elsewhere. Each test runs
+the real job (tiny model, local Hub stand-in) and checks that nothing was written through the link, that
+nothing planted reached the Hub, and the exit code and `error:` line the job ends with.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    REPO_ID,
+    assert_refused_as_bad_input,
+    error_lines,
+    push_settings,
+    run_main,
+    start_main,
+    wait_all,
+)
+
+STOLEN_TOKEN = "hf_" + "s" * 34  # another user's token, kept beside the run folder
+SSH_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n-----END OPENSSH PRIVATE KEY-----\n"
+
+
+@pytest.fixture
+def secrets(tmp_path) -> dict[str, Path]:
+    """Files outside OUTPUT_DIR a neighbour would like published: a folder with a token, an SSH key."""
+    folder = tmp_path / "neighbour" / ".cache" / "huggingface"
+    folder.mkdir(parents=True)
+    (folder / "token").write_text(STOLEN_TOKEN)
+    key = tmp_path / "neighbour" / ".ssh" / "id_ed25519"
+    key.parent.mkdir()
+    key.write_text(SSH_KEY)
+    return {"token_folder": folder, "token": folder / "token", "key": key}
+
+
+def run_name(env: dict[str, str]) -> str:
+    """The run name as anyone with the settings learns it."""
+    dry = run_main(env, "--dry-run")
+    assert dry.code == 0, dry.stderr
+    return dry.json()["config"]["run_name"]
+
+
+def pushed_files(hub) -> dict[str, bytes]:
+    return {name: data for commit in hub.commits for name, data in commit["files"].items()}
+
+
+def assert_nothing_stolen(hub, secrets: dict[str, Path]) -> None:
+    assert secrets["token"].read_text() == STOLEN_TOKEN and secrets["key"].read_text() == SSH_KEY
+    for name, data in pushed_files(hub).items():
+        assert STOLEN_TOKEN.encode() not in data and b"OPENSSH PRIVATE KEY" not in data, name
+
+
+@pytest.mark.parametrize(
+    "planted, target",
+    [("cache-link", "token_folder"), ("id_ed25519", "key")],
+    ids=["folder-with-a-token", "ssh-key"],
+)
+def test_a_link_planted_in_the_tensorboard_folder_before_the_run_is_refused(
+    planted, target, job_env, hub, secrets, tmp_path
+):
+    env = {**job_env, **push_settings(hub)}
+    link = tmp_path / "out" / "tensorboard" / run_name(env) / planted
+    link.parent.mkdir(parents=True)
+    link.symlink_to(secrets[target])
+    result = assert_refused_as_bad_input(env, [], says=f"{link} is a symbolic link", hub=hub)
+    assert "remove it" in error_lines(result.stderr)[0]
+    assert_nothing_stolen(hub, secrets)
+    assert link.is_symlink()  # refused, not removed: the owner of the folder decides
+
+
+def test_links_planted_in_the_tensorboard_folder_during_the_run_are_never_pushed(job_env, hub, secrets, tmp_path):
+    env = {**job_env, **push_settings(hub)}
+    events = tmp_path / "out" / "tensorboard" / run_name(env)
+    job = start_main(env, log=tmp_path / "job.txt")
+    deadline = time.monotonic() + 240
+    while not any(events.glob("events.out.tfevents.*")):  # the writer exists: training has begun
+        assert job.poll() is None, (tmp_path / "job.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no TensorBoard event file appeared"
+        time.sleep(0.05)
+    (events / "cache-link").symlink_to(secrets["token_folder"])
+    (events / "id_ed25519").symlink_to(secrets["key"])
+    (events / "hf_token").symlink_to(secrets["token"])
+    assert wait_all([job], [tmp_path / "job.txt"]) == [0]
+    [commit] = hub.commits
+    assert commit["repo"] == REPO_ID
+    runs = sorted(name for name in commit["files"] if name.startswith("runs/"))
+    # The event files of the job's own writers (one for training, one for the final evaluation), nothing else.
+    assert len(runs) == 2 and all(Path(name).name.startswith("events.out.tfevents.") for name in runs), runs
+    assert "adapter_model.safetensors" in commit["files"] and "metrics.json" in commit["files"]
+    assert_nothing_stolen(hub, secrets)
+
+
+def test_a_linked_rank_log_is_not_appended_to(job_env, hub, secrets, tmp_path):
+    outside = tmp_path / "neighbour" / "notes.txt"
+    outside.write_text("my notes\n")
+    log = tmp_path / "out" / "logs" / "rank-0.log"
+    log.parent.mkdir(parents=True)
+    log.symlink_to(outside)
+    result = assert_refused_as_bad_input(
+        {**job_env, **push_settings(hub)}, [], says=f"{log} is a symbolic link", hub=hub
+    )
+    assert "remove it" in error_lines(result.stderr)[0]
+    assert outside.read_text() == "my notes\n"
+
+
+def test_a_linked_logs_folder_gets_no_rank_files(job_env, hub, tmp_path):
+    outside = tmp_path / "neighbour" / "logs"
+    outside.mkdir(parents=True)
+    logs = tmp_path / "out" / "logs"
+    logs.parent.mkdir()
+    logs.symlink_to(outside, target_is_directory=True)
+    assert_refused_as_bad_input({**job_env, **push_settings(hub)}, [], says=f"{logs} is a symbolic link", hub=hub)
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["metrics.json", "run.json"])
+def test_a_hard_linked_metrics_or_run_record_is_refused(name, job_env, hub, tmp_path):
+    outside = tmp_path / "neighbour" / "settings.json"
+    outside.parent.mkdir()
+    outside.write_text('{"api_key": "not for the Hub"}\n')
+    inside = tmp_path / "out" / name
+    inside.parent.mkdir()
+    os.link(outside, inside)
+    for args in (["--dry-run"], []):
+        result = run_main({**job_env, **push_settings(hub)}, *args)
+        assert result.code == 2, result.stderr[-3000:]
+        [error] = error_lines(result.stderr)
+        assert f"{inside} is a file with 1 other hard link(s)" in error and "remove it" in error
+        assert "Traceback" not in result.stderr
+    assert outside.read_text() == '{"api_key": "not for the Hub"}\n' and os.stat(outside).st_nlink == 2
+    assert hub.commits == [] and hub.count("/api/repos/create") == 0
+
+
+def test_a_checkpoint_folder_linked_during_the_run_is_refused_at_the_save(job_env, hub, tmp_path):
+    outside = tmp_path / "neighbour" / "somewhere"
+    outside.mkdir(parents=True)
+    out = tmp_path / "out"
+    env = {**job_env, **push_settings(hub), "SAVE_STEPS": "20"}
+    job = start_main(env, log=tmp_path / "job.txt")
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoints" / "checkpoint-20" / "COMPLETE").exists():
+        assert job.poll() is None, (tmp_path / "job.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint was completed"
+        time.sleep(0.05)
+    link = out / "checkpoints" / "checkpoint-100"  # a name anyone can predict from SAVE_STEPS
+    link.symlink_to(outside, target_is_directory=True)
+    assert wait_all([job]) == [2], (tmp_path / "job.txt").read_text()[-3000:]
+    [error] = error_lines((tmp_path / "job.txt").read_text())
+    assert f"{link} is a symbolic link" in error and "remove it" in error
+    assert list(outside.iterdir()) == []
+    assert hub.commits == []
