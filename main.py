@@ -38,13 +38,14 @@ import sys
 from utils.distributed import detect_env
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
-from utils.outputs import check_run_dir, open_run_dir
+from utils.outputs import check_run_dir, open_run_dir, volume_fault
 from utils.preemption import Preemption
 from utils.recipe import apply_recipe
 from utils.settings import check_push_possible, check_trackers, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
+    run_dir = None
     try:
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
@@ -80,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
-    except Exception:  # print the traceback: an unexpected error is a bug to report
+    except Exception as exc:
+        # A full or read-only OUTPUT_DIR outside a checkpoint save (the final model, run.json): one line, exit 2.
+        fault = volume_fault(run_dir, exc, "writing to it") if run_dir is not None else None
+        if fault is not None:
+            print(f"error: {fault.message}", file=sys.stderr)
+            return fault.code
+        # Print the traceback: an unexpected error is a bug to report.
         import traceback
 
         traceback.print_exc()

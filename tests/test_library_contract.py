@@ -1,10 +1,11 @@
 """What the job relies on inside transformers' Trainer, beyond its public API, checked on the installed version.
 
-JobTrainer (utils/trainer.py) overrides two private methods, `_get_train_sampler` and `_get_eval_sampler`:
+JobTrainer (utils/trainer.py) overrides three private methods. `_get_train_sampler` and `_get_eval_sampler`:
 the public route (`train_sampling_strategy="group_by_length"` with a `length` column) measures every row
 again, draws each epoch's order from the global RNG (a resume in epoch 2 or later trains other batches)
-and reorders evaluation. A library upgrade can rename those methods, stop calling them, or change what the
-loaders do around them; the job would then train other batches or evaluate reordered rows without a
+and reorders evaluation. `_save_checkpoint`: a save a full volume cut short must end every rank alike.
+A library upgrade can rename those methods, stop calling them, or change what the loaders do around them;
+the job would then train other batches, evaluate reordered rows or fail as a traceback without a
 word. These tests fail first and say which.
 """
 
@@ -77,6 +78,7 @@ def test_the_overridden_private_methods_keep_their_names_and_signatures():
     for name, parameters in (
         ("_get_train_sampler", ["self", "train_dataset"]),
         ("_get_eval_sampler", ["self", "eval_dataset"]),
+        ("_save_checkpoint", ["self", "model", "trial"]),
     ):
         method = getattr(Trainer, name, None)
         assert method is not None, f"Trainer.{name} is gone: JobTrainer's override is never called (utils/trainer.py)"

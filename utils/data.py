@@ -20,7 +20,7 @@ import pyarrow.compute
 from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
-from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -378,15 +378,33 @@ def tokenize(raw: DatasetDict, tokenizer, max_seq_length: int, cache_dir: Path) 
     def encode(batch):
         return tokenizer(batch[TEXT], truncation=True, max_length=max_seq_length)
 
-    tokenized = raw.map(encode, batched=True, remove_columns=[TEXT], desc="tokenizing")
+    # In memory: by default datasets writes the map's cache beside the data, and for a save_to_disk
+    # DATASET_PATH that is the user's folder, perhaps read-only. What is kept is saved under cache_dir below.
+    tokenized = raw.map(encode, batched=True, remove_columns=[TEXT], desc="tokenizing", keep_in_memory=True)
     # Written beside the target, then renamed: a reader never sees half a cache.
     partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    tokenized.save_to_disk(str(partial))
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        tokenized.save_to_disk(str(partial))
+    except Exception as exc:
+        # The cache is derived data and never stops the job: a full or read-only volume, or a cache folder the
+        # job cannot write, costs only the next start's tokenization. Training goes on from the rows in memory.
+        if not isinstance(exc, OSError) and volume_state(exc, cache_dir) is None:
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        log.warning(
+            "could not write the tokenized cache to %s (%s); training goes on from the tokenized data in memory, "
+            "and the next start tokenizes again",
+            cache_dir,
+            getattr(exc, "strerror", None) or type(exc).__name__,
+        )
+        return tokenized
     try:
         partial.rename(target)
     except OSError:  # another writer (a second job on the volume) got there first
         shutil.rmtree(partial, ignore_errors=True)
+        if not target.exists():
+            return tokenized
     log.info("tokenized %s rows into %s", {k: len(v) for k, v in tokenized.items()}, target)
     return load_from_disk(str(target))
 

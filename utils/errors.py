@@ -1,4 +1,11 @@
-"""Exit codes the orchestrators act on (DESIGN contract), and the exceptions that carry them."""
+"""Exit codes the orchestrators act on (DESIGN contract), the exceptions that carry them, and the environment
+faults that map onto them (a full or read-only OUTPUT_DIR volume)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
 
 EXIT_OK = 0
 EXIT_UNEXPECTED = 1
@@ -28,3 +35,82 @@ class Preempted(BaseException):
         super().__init__(message)
         self.message = message
         self.code = code  # 128 + the signal: 143 after SIGTERM, 130 after SIGINT
+
+
+# A full, over-quota or read-only volume will not heal by itself: a restart would fail the same way (or, with
+# `restartPolicy: ExitCode`, loop). Exit 2, like bad input: someone frees space or repairs the volume, then
+# starts the job again, and it resumes from the last complete checkpoint.
+EXIT_VOLUME = EXIT_BAD_INPUT
+VOLUME_ERRNOS = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "read-only"}
+# Free space below this, right after a failed write, means the write filled the volume (a partial file is
+# left taking the rest): torch.save and safetensors report ENOSPC as a RuntimeError or their own error type.
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def volume_state(exc: BaseException, folder: str | os.PathLike | None = None) -> str | None:
+    """Whether `exc` came from OUTPUT_DIR's volume filling up or turning read-only: "full", "read-only" or None.
+
+    Told by the errno anywhere in the exception's chain, or, for libraries that hide it (torch.save raises
+    `RuntimeError: ... file write failed`), by the volume itself right after the failure: mounted read-only,
+    or no space left. Never by the words of a message.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in VOLUME_ERRNOS:
+            return VOLUME_ERRNOS[cause.errno]
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    if folder is None:
+        return None
+    try:
+        volume = os.statvfs(folder)
+    except OSError:
+        return None
+    if volume.f_flag & os.ST_RDONLY:
+        return "read-only"
+    if volume.f_bavail * volume.f_frsize < NEARLY_FULL_BYTES:
+        return "full"
+    return None
+
+
+def volume_error(state: str, folder: str | os.PathLike, doing: str, resume: str) -> JobError:
+    """The one `error:` line (exit 2) for a volume that is `state` ("full" or "read-only"): what, where, the fix,
+    and what a restart will do (`resume`)."""
+    if state == "full":
+        what, fix = (
+            "is full (no space left on its volume)",
+            "free space there (e.g. remove other runs' folders) or give the job a larger "
+            "volume (shared_volume size in config.yaml, the PVC's storage in k8s/)",
+        )
+    else:
+        what, fix = (
+            "turned read-only (its volume was remounted read-only, usually after a file-system error: see the "
+            "node's kernel log)",
+            "repair the volume or mount it read-write again",
+        )
+    return JobError(
+        EXIT_VOLUME,
+        f"OUTPUT_DIR={folder} {what} while {doing}; {fix}, then start the job again: {resume} "
+        f"(exit {EXIT_VOLUME}: a restart before that fails the same way)",
+    )
+
+
+def quiet_volume_faults_in_threads() -> None:
+    """Let a background writer thread die of a full or read-only volume without printing a traceback.
+
+    TensorBoard's event writer runs in a thread that re-raises its write error (threading prints it) and hands it
+    to the training thread at the next flush, where the job reports it once. Any other exception in any thread
+    is printed as before.
+    """
+    default = threading.excepthook
+    if getattr(default, "quiet_volume_faults", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and args.exc_value.errno in VOLUME_ERRNOS:
+            return
+        default(args)
+
+    hook.quiet_volume_faults = True
+    threading.excepthook = hook

@@ -40,7 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO
 
-from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.errors import EXIT_BAD_INPUT, JobError, volume_error, volume_state
 from utils.settings import Settings
 
 PACKAGES = ("torch", "transformers", "datasets", "accelerate", "peft", "bitsandbytes", "evaluate", "huggingface-hub")
@@ -454,3 +454,21 @@ def prune_checkpoints(run: RunDir, keep: int) -> None:
         # the next start discards quietly, never a marked one with files missing.
         (path / COMPLETE_MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def volume_fault(run: RunDir, exc: BaseException, doing: str) -> JobError | None:
+    """The one-line error (exit 2) when `exc` means OUTPUT_DIR's volume is full or turned read-only, naming the
+    checkpoint a restart resumes from once the volume is fixed; None for any other failure."""
+    state = volume_state(exc, run.root)
+    if state is None:
+        return None
+    try:
+        latest = latest_complete_checkpoint(run)
+    except OSError:
+        latest = None
+    resume = (
+        f"it resumes from {latest.name}, the last complete checkpoint (kept intact; one cut short is discarded)"
+        if latest
+        else "no checkpoint is complete yet, so the run starts over"
+    )
+    return volume_error(state, run.root, doing, resume)

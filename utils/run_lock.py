@@ -89,7 +89,12 @@ class RunLock:
             self._thread.join(timeout=5)
         holder = self._read()
         if holder is not None and holder.get("job") == self.me["job"]:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as exc:
+                # Called on the way out, often of a failure: a volume that turned read-only must not replace the
+                # real error with its own. A lock left behind is stale once this process is gone.
+                log.warning("could not remove %s (%s); the next start takes it over", self.path, exc.strerror)
 
     # ---------------------------------------------------------------- internals
     def _create(self) -> bool:

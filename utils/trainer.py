@@ -15,6 +15,8 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from utils.collectives import Collectives
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints
+from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
 from utils.preemption import SIGNALS, Preemption
 from utils.recipe import optimizer_groups, resolve_learning_rate
 from utils.settings import Settings
@@ -50,8 +52,9 @@ EVALUATIONS_PER_EPOCH = 4
 class JobTrainer(Trainer):
     """The HF Trainer, counting the rows this rank trained on and keeping evaluation in dataset order.
 
-    Two private methods are overridden, `_get_train_sampler` and `_get_eval_sampler`, because the public
-    route does not give what the job needs (transformers 5.23, checked by tests/test_library_contract.py):
+    Three private methods are overridden, `_get_train_sampler`, `_get_eval_sampler` and `_save_checkpoint`,
+    because the public route does not give what the job needs (transformers 5.23, checked by
+    tests/test_library_contract.py):
 
     - training: `train_sampling_strategy="group_by_length"` with a precomputed `length` column
       (`length_column_name`) is the public way, but `_get_dataloader` drops the columns the model's
@@ -64,6 +67,9 @@ class JobTrainer(Trainer):
       (EpochSeededLengthGroupedSampler, told the epoch by SamplerEpoch).
     - evaluation: the same strategy makes the eval sampler length-grouped too (rows reordered); there is
       no public switch for evaluation alone, so the override keeps it sequential.
+    - checkpoints: a save that fails (a full or read-only volume) raises out of the Trainer on the rank that
+      hit it, before any callback runs; the override lets every rank agree on the outcome first
+      (CheckpointMarker.save_agreed).
     """
 
     def __init__(self, *args, param_groups=None, **kwargs):
@@ -89,6 +95,17 @@ class JobTrainer(Trainer):
         # times the batch size would be wrong for the last, shorter batch of an epoch).
         self.samples_seen += int(inputs["input_ids"].shape[0])
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _save_checkpoint(self, model, trial):
+        # The one place every rank's checkpoint write passes through (model, optimizer, RNG state, trainer
+        # state); a callback runs only after it succeeded. A full or read-only volume ends every rank alike.
+        marker = next((c for c in self.callback_handler.callbacks if isinstance(c, CheckpointMarker)), None)
+        if marker is None:
+            return super()._save_checkpoint(model, trial)
+        marker.save_agreed(
+            lambda: super(JobTrainer, self)._save_checkpoint(model, trial),
+            f"saving checkpoint-{self.state.global_step}",
+        )
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = self.train_dataset if train_dataset is None else train_dataset
@@ -173,11 +190,46 @@ class CheckpointMarker(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         # Each rank saves its own RNG state; rank 0 alone cannot tell it is written.
         self.collectives.barrier()
-        if state.is_world_process_zero:
-            mark_checkpoint_complete(
-                self.run, Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key
-            )
-            prune_checkpoints(self.run, self.keep)
+
+        def mark() -> None:
+            with self.volume_checked(f"marking checkpoint-{state.global_step} complete"):
+                mark_checkpoint_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key)
+                prune_checkpoints(self.run, self.keep)
+
+        self.collectives.run_on_main(mark)
+
+    def save_agreed(self, save: Callable[[], None], doing: str) -> None:
+        """Run `save`, a part of a checkpoint's save on this rank, then agree with every rank on how it went.
+
+        A full or read-only volume fails the save on one rank or on all: every rank then stops with the same
+        `error:` line and exit 2, instead of a traceback on one and a lost peer (143, restarted into the same
+        full volume) on the others. The checkpoint cut short has no COMPLETE marker; the next start discards it.
+        """
+        failure = None
+        try:
+            with self.volume_checked(doing):
+                save()
+        except JobError as exc:
+            failure = exc
+
+        def outcome() -> None:
+            if failure is not None:
+                raise failure
+
+        self.collectives.agree(outcome)
+
+    @contextmanager
+    def volume_checked(self, doing: str) -> Iterator[None]:
+        """A failure because OUTPUT_DIR's volume is full or read-only becomes its one-line JobError (exit 2)."""
+        try:
+            yield
+        except JobError:
+            raise
+        except Exception as exc:
+            fault = volume_fault(self.run, exc, doing)
+            if fault is None:
+                raise
+            raise fault from None
 
 
 class CheckpointFolder(TrainerCallback):
@@ -404,12 +456,13 @@ def build_trainer(
             )
         collectives = Collectives(dist, settings.rendezvous_timeout)
     args = training_arguments(settings, run, dist, model, precision, cuda, len(data["train"]))
+    marker = CheckpointMarker(
+        run, collectives, settings.save_total_limit, checkpoint_key or resume_key(settings, dist, data)
+    )
     callbacks: list[TrainerCallback] = [
         # Stops the run if the Trainer did not shard as asked.
         StrategyCheck(settings.strategy),
-        CheckpointMarker(
-            run, collectives, settings.save_total_limit, checkpoint_key or resume_key(settings, dist, data)
-        ),
+        marker,
         StartupTimer(),
         SamplerEpoch(),
     ]
