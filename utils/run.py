@@ -94,6 +94,15 @@ class RankLogHandler(logging.FileHandler):
     def _open(self):
         return self.run.open(Path(self.baseFilename), "a")
 
+    def handleError(self, record):
+        # A full or read-only volume fails every record: one warning on the console, not a traceback per line
+        # burying the `error:` line the failure ends with. The console keeps getting the records.
+        if not getattr(self, "failed", False):
+            self.failed = True
+            logging.getLogger(__name__).warning(
+                "cannot write %s (%s); log records go to the console only", self.baseFilename, sys.exc_info()[1]
+            )
+
 
 def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[bool, str]:
     """(8-bit?, precision) from QUANTIZATION / PRECISION and the hardware; impossible asks are bad input."""

@@ -35,7 +35,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from utils.collectives import Collectives
 from utils.distributed import DistEnv
-from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_threads, volume_state
 from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
 from utils.preemption import SIGNALS, Preemption
 from utils.recipe import optimizer_groups, resolve_learning_rate
@@ -237,12 +237,14 @@ class CheckpointFolder(TrainerCallback):
     into it: the Trainer would follow a link planted at checkpoints/checkpoint-N, a name anyone can predict.
     Runs after every callback that may ask for a save; a link there is refused on every rank alike."""
 
-    def __init__(self, run: RunDir):
-        self.run = run
+    def __init__(self, run: RunDir, marker: CheckpointMarker):
+        self.run, self.marker = run, marker
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save:
-            self.run.make_dir(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            # The first write of a save: a volume full or read-only by now stops every rank alike.
+            self.marker.save_agreed(lambda: self.run.make_dir(folder), f"creating {folder.name}")
 
 
 class RecordedTensorBoard(TensorBoardCallback):
@@ -254,6 +256,33 @@ class RecordedTensorBoard(TensorBoardCallback):
         super().__init__()
         self.run = run
         self.logging_dir = str(folder)
+        # Set once the volume is full or read-only: the curves stop, training goes on to its next checkpoint
+        # save, which every rank agrees on and which ends the job with the one error line.
+        self.volume_failed = False
+        quiet_volume_faults_in_threads()  # the event writer's thread dies of it without a traceback
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._unless_volume_failed(super().on_train_begin, args, state, control, **kwargs)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._unless_volume_failed(super().on_log, args, state, control, logs=logs, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._unless_volume_failed(super().on_train_end, args, state, control, **kwargs)
+
+    def _unless_volume_failed(self, event, *args, **kwargs) -> None:
+        if self.volume_failed:
+            return
+        try:
+            event(*args, **kwargs)
+        except JobError:
+            raise
+        except Exception as exc:
+            state = volume_state(exc, self.run.root)
+            if state is None:
+                raise
+            self.volume_failed = True
+            log.warning("TensorBoard stopped writing to %s: the volume is %s (%s)", self.logging_dir, state, exc)
 
     def _init_summary_writer(self, args):
         folder = self.run.make_dir(Path(self.logging_dir))
@@ -468,7 +497,7 @@ def build_trainer(
     ]
     if preemption is not None:
         callbacks.append(StopOnPreemption(preemption, collectives))
-    callbacks.append(CheckpointFolder(run))  # after StopOnPreemption, which may ask for a save
+    callbacks.append(CheckpointFolder(run, marker))  # after StopOnPreemption, which may ask for a save
     if dist.is_main and "tensorboard" in settings.report_to:
         callbacks.append(RecordedTensorBoard(run, run.tensorboard / settings.run_name))
     param_groups = None

@@ -1,0 +1,178 @@
+"""OUTPUT_DIR's volume failing under a running job: full (ENOSPC) during a checkpoint save or while the
+tokenized cache is written, and turning read-only mid-run. Real volumes mounted for the test (a tmpfs of a
+few MiB, an ext4 image), real processes; each ends as one `error:` line with exit 2 on every rank, no
+traceback, and the checkpoints that were complete before the fault intact (or, for the cache, a warning
+and a finished run).
+
+A read-only remount (`mount -o remount,ro`) of a volume the job writes to is refused by the kernel (EBUSY:
+the job holds its rank log open for writing), so the fault is made the way volumes really turn read-only
+under a job: ext4 mounted `errors=remount-ro` meets a file-system error (its `trigger_fs_error` switch).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    TIMEOUT,
+    base_env,
+    complete_steps,
+    error_lines,
+    run_main,
+    start_main,
+    tiny_run_settings,
+)
+from utils.outputs import checkpoint_damage
+
+SAVE_EVERY = 5  # optimizer steps between checkpoints: a fault meets a save within a second
+LONG_RUN = 100_000  # MAX_STEPS far beyond the test: the fault, not the end of training, stops the job
+
+
+def mount(*args: str) -> None:
+    """`mount ARGS`, or skip the test where this machine does not let it mount (not root, no such file system)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a test volume needs root and mount(8)")
+    done = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a test volume is not permitted here: mount {' '.join(args)}: {done.stderr.strip()}")
+
+
+def unmount(target: Path) -> None:
+    subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def fill(volume: Path) -> None:
+    """Write to `volume` until it is full."""
+    with open(volume / "filler", "wb") as handle:
+        try:
+            while True:
+                handle.write(b"\0" * (1 << 20))
+                handle.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+def long_run(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, str]:
+    settings = tiny_run_settings(tiny_bert, sst2_dir, out, MAX_STEPS=LONG_RUN, SAVE_STEPS=SAVE_EVERY, **extra)
+    settings.pop("NUM_EPOCHS")
+    return settings
+
+
+def wait_for_complete_checkpoint(out: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not complete_steps(out):
+        assert all(proc.poll() is None for proc in procs), "the job ended before its first checkpoint"
+        assert time.monotonic() < deadline, f"no complete checkpoint in {out} after {timeout} s"
+        time.sleep(0.1)
+
+
+def assert_one_error_line(text: str, *says: str) -> str:
+    errors = error_lines(text)
+    assert len(errors) == 1, text[-4000:]
+    assert all(part in errors[0] for part in says), errors[0]
+    assert "Traceback" not in text, text[-4000:]
+    return errors[0]
+
+
+def assert_intact(out: Path, steps: list[int]) -> None:
+    """Every checkpoint complete before the fault is still complete, each file as it was when marked."""
+    assert steps and set(steps) <= set(complete_steps(out)), (steps, complete_steps(out))
+    for step in steps:
+        assert checkpoint_damage(out / "checkpoints" / f"checkpoint-{step}") is None
+
+
+def test_a_volume_full_during_a_checkpoint_save_ends_every_rank_with_one_line_exit_2(
+    tmp_path, tiny_bert, sst2_dir, replicas
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    mount("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(out))
+    try:
+        settings = long_run(tiny_bert, sst2_dir, out, RENDEZVOUS_TIMEOUT=TIMEOUT)
+        procs = replicas.start("full", settings)
+        wait_for_complete_checkpoint(out, procs)
+        before = complete_steps(out)
+        fill(out)
+        codes = [proc.wait(timeout=120) for proc in procs]
+        assert codes == [2, 2], [stream.read_text()[-3000:] for stream in replicas.streams]
+        named = set()
+        for stream in replicas.streams:
+            line = assert_one_error_line(stream.read_text(), f"OUTPUT_DIR={out} is full", "free space there")
+            named.add(int(re.search(r"it resumes from checkpoint-(\d+)", line).group(1)))
+        # Every rank names the same checkpoint to resume from: the newest complete one.
+        [step] = named
+        assert step == max(complete_steps(out)) >= max(before)
+        assert_intact(out, before)
+        # The save cut short carries no COMPLETE marker: the next start discards it.
+        later = [
+            p
+            for p in (out / "checkpoints").glob("checkpoint-*")
+            if int(p.name.split("-")[1]) > max(complete_steps(out))
+        ]
+        assert all(not (p / "COMPLETE").exists() for p in later)
+    finally:
+        replicas.cleanup()
+        unmount(out)
+
+
+def test_a_volume_turning_read_only_mid_run_is_one_line_exit_2(tmp_path, tiny_bert, sst2_dir):
+    for tool in ("mkfs.ext4", "losetup"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"an ext4 test volume needs {tool}")
+    image, out = tmp_path / "volume.ext4", tmp_path / "out"
+    with open(image, "wb") as handle:
+        handle.truncate(64 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    out.mkdir()
+    mount("-o", "loop,errors=remount-ro", str(image), str(out))
+    job = None
+    try:
+        device = Path(
+            subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(out)], capture_output=True, text=True).stdout.strip()
+        )
+        trigger = Path("/sys/fs/ext4") / device.name / "trigger_fs_error"
+        if not trigger.exists():
+            pytest.skip(f"{trigger} is missing: this kernel cannot make an ext4 volume fail on request")
+        stream = tmp_path / "job.txt"
+        job = start_main(base_env(tmp_path, **long_run(tiny_bert, sst2_dir, out)), log=stream)
+        wait_for_complete_checkpoint(out, [job])
+        before = complete_steps(out)
+        trigger.write_text("test: the volume fails\n")  # ext4 logs an error and remounts itself read-only
+        assert job.wait(timeout=120) == 2, stream.read_text()[-3000:]
+        text = stream.read_text()
+        assert_one_error_line(text, f"OUTPUT_DIR={out} turned read-only", "repair the volume or mount it read-write")
+        # The lock could not be removed on the way out: a warning, never a traceback over the real error.
+        assert "could not remove" in text and (out / ".job.lock").exists()
+        assert_intact(out, before)
+    finally:
+        if job is not None and job.poll() is None:
+            job.kill()
+            job.wait()
+        unmount(out)
+
+
+def test_a_full_cache_volume_costs_only_the_cache(tmp_path, job_env):
+    """The tokenized cache is derived data: a full volume under cache/ is one warning, and the run finishes."""
+    out = Path(job_env["OUTPUT_DIR"])
+    cache = out / "cache"
+    cache.mkdir(parents=True)
+    mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(cache))
+    try:
+        result = run_main({**job_env, "NUM_EPOCHS": "1"})
+        assert result.code == 0, result.stderr[-3000:]
+        assert error_lines(result.stderr) == [] and "Traceback" not in result.stderr
+        warnings = [line for line in result.stderr.splitlines() if "could not write the tokenized cache" in line]
+        assert len(warnings) == 1 and "No space left on device" in warnings[0], result.stderr[-3000:]
+        assert (out / "metrics.json").is_file() and (out / "model" / "adapter_config.json").is_file()
+        assert not list(cache.glob("tokenized-*"))  # nothing half-written left behind
+    finally:
+        unmount(cache)
