@@ -275,7 +275,10 @@ def test_labels_are_mapped_by_the_names_the_data_gives(case, job_env, tmp_path):
     """The same sentences with the same meaning, once named in another order (or as words), once as 0/1
     in LABEL_NAMES' order: the job trains on identical data, so both runs end identical."""
     named, plain, logged = NAMED_LABELS[case]
-    mapped = short_run(job_env, named(tmp_path / "named"), tmp_path / "out-named")
+    data = named(tmp_path / "named")
+    given = sorted(data.rglob("*"))
+    mapped = short_run(job_env, data, tmp_path / "out-named")
+    assert sorted(data.rglob("*")) == given  # nothing written into the user's data folder
     reference = short_run(job_env, plain(tmp_path / "plain"), tmp_path / "out-plain")
     assert logged in mapped["console"]
     assert mapped["metrics"]["data"] == reference["metrics"]["data"]  # the rows, tokens and labels trained
