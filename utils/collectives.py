@@ -25,7 +25,7 @@ import torch
 import torch.distributed as td
 
 from utils.distributed import DistEnv
-from utils.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobError
+from utils.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_UNEXPECTED, JobError, Preempted
 
 T = TypeVar("T")
 
@@ -37,6 +37,10 @@ BEAT_KEY = "job/beat/{rank}"
 BEAT_SECONDS = 1.0  # each rank bumps its counter in the store this often while it is in the job
 PROBE_SECONDS = 3.0  # a peer whose counter did not move for this long has died or stopped
 WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck in native code is ended
+SAVED_KEY = "job/model-saved"  # rank 0's outcome of writing model/: [exit code, message], [0, ""] when saved
+SAVED_READ_KEY = "job/model-saved-read"  # how many ranks have read it
+SAVED_POLL_SECONDS = 0.5  # how often the other ranks look for it
+SAVED_READ_SECONDS = 5.0  # rank 0, holding the store, stays this long at most for its peers to read it
 
 
 class Collectives:
@@ -46,10 +50,13 @@ class Collectives:
     `leave`. Every collective is bounded by RENDEZVOUS_TIMEOUT (`timeout_s`), DDP's all-reduce included.
     """
 
-    def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None):
+    def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None, store=None):
         self.dist = dist
         self.timeout_s = timeout_s
         self._beat_store = beat_store  # a client of rank 0's store, for the heartbeat (None: no group)
+        # Rank 0 serves the store from this object: without it, `leave` would take the store down with the
+        # group, and the other ranks could not learn that model/ is saved.
+        self._store = store
         self._control = control  # the gloo group for small control messages on NCCL jobs (None: the default group)
         self._stop = threading.Event()
         if beat_store is not None:
@@ -71,6 +78,98 @@ class Collectives:
         self._stop.set()
         if td.is_available() and td.is_initialized():
             td.destroy_process_group()
+
+    # ---------------------------------------------------------------- after the final barrier
+    @contextmanager
+    def saving_model(self) -> Iterator[None]:
+        """Rank 0, after `leave`: how writing model/ inside the block ended goes to the ranks in `wait_for_model`
+        (saved, or the exit code and message they stop with too). Not a collective: a rank that is gone is
+        not waited for beyond SAVED_READ_SECONDS. The store is then dropped, so a replica restarted meanwhile
+        finds no stale rendezvous here."""
+        outcome = (EXIT_UNEXPECTED, "rank 0 failed while writing model/")
+        try:
+            yield
+            outcome = (0, "")
+        except (JobError, Preempted) as exc:
+            outcome = (exc.code, exc.message)
+            raise
+        finally:
+            self._post_saved(outcome)
+
+    def _post_saved(self, outcome: tuple[int, str]) -> None:
+        if self._beat_store is None:
+            return
+        try:
+            self._beat_store.set(SAVED_KEY, json.dumps(outcome))
+            deadline = time.monotonic() + SAVED_READ_SECONDS
+            while self._beat_store.add(SAVED_READ_KEY, 0) < self.dist.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except (td.DistError, RuntimeError):
+            pass  # the store is this process's own: only a peer gone meanwhile ends up here
+        self._beat_store = self._store = None
+
+    def wait_for_model(self, saved: Callable[[], bool], resume_hint: Callable[[], str]) -> None:
+        """A rank other than 0, after `leave`: return once rank 0 has written model/, so that no rank exits 0
+        on a run whose model may never be saved.
+
+        Rank 0 saved it: return. Rank 0 failed: stop with its exit code and message. Rank 0 lost (its store
+        gone, or silent for RENDEZVOUS_TIMEOUT) before `saved()` (model/ complete on the shared volume): exit
+        143, so `restartPolicy: ExitCode` restarts this replica with rank 0's and the run resumes from its
+        final checkpoint. Exit 0 here would leave a restarted rank 0 alone, waiting for a peer that never comes.
+        Polls the store and the volume, never a collective: rank 0 may be slow.
+        """
+        if self._beat_store is None:
+            return
+        dist = self.dist
+
+        def lost(why: str) -> str:
+            return (
+                f"rank {dist.rank} lost rank 0 after training, before model/ was saved ({why}); "
+                f"restart all {dist.world_size} replicas: {resume_hint()}"
+            )
+
+        deadline = time.monotonic() + self.timeout_s
+        with watchdog(
+            self.timeout_s + WATCHDOG_GRACE,
+            lost(f"no answer within RENDEZVOUS_TIMEOUT={self.timeout_s}s"),
+            EXIT_PREEMPTED,
+        ):
+            while True:
+                # A closed port tells a dead rank 0 before the store client does, and without the client's
+                # C++ stack dump on stderr.
+                if not self._rank0_listening():
+                    if saved():
+                        return
+                    raise JobError(EXIT_PREEMPTED, lost(f"nothing listens at {dist.master_addr}:{dist.master_port}"))
+                try:
+                    if self._beat_store.check([SAVED_KEY]):
+                        code, message = json.loads(self._beat_store.get(SAVED_KEY))
+                        self._beat_store.add(SAVED_READ_KEY, 1)
+                        break
+                except (td.DistError, RuntimeError) as exc:
+                    if saved():  # rank 0 saved and left before this rank looked
+                        return
+                    raise JobError(EXIT_PREEMPTED, lost(type(exc).__name__)) from None
+                if time.monotonic() >= deadline:
+                    if saved():
+                        return
+                    raise JobError(
+                        EXIT_PREEMPTED, lost(f"model/ not saved within RENDEZVOUS_TIMEOUT={self.timeout_s}s")
+                    )
+                time.sleep(SAVED_POLL_SECONDS)
+        if code:
+            raise JobError(code, message)
+
+    def _rank0_listening(self) -> bool:
+        """False only when rank 0's store port refuses connections (its process is gone); a slow or unclear
+        answer is left to the store's own timeout."""
+        try:
+            with socket.create_connection((self.dist.master_addr, self.dist.master_port), timeout=5):
+                return True
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True
 
     # ---------------------------------------------------------------- collectives
     def _broadcast(self, value: object) -> object:
@@ -287,7 +386,7 @@ def rendezvous(
         # Small control messages (the stop flag, checkpoint barriers) go over gloo: on an NCCL job they
         # would otherwise sync the GPU stream at every step.
         control = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
-    return Collectives(dist, timeout_s, beat_store, control)
+    return Collectives(dist, timeout_s, beat_store, control, store)
 
 
 def _judge(

@@ -248,7 +248,9 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preem
         group.leave()
         code = EXIT_OK
         if dist.is_main:
-            save_model(run_dir, settings, trainer, metrics, state_dict)
+            with group.saving_model():
+                save_model(run_dir, settings, trainer, metrics, state_dict)
+            # From here a restart of rank 0 alone finishes the run from the volume (merge, push).
             if settings.merge_adapter:
                 save_merged(run_dir, settings)
             code = push_model(run_dir, settings, hub)
@@ -257,6 +259,10 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preem
                 f"model={run_dir.model}",
                 flush=True,
             )
+        else:
+            # Not exit 0 before model/ is saved: `restartPolicy: ExitCode` would then restart a lost rank 0 alone.
+            log.info("waiting for rank 0 to save %s", run_dir.model)
+            group.wait_for_model(run_dir.is_finished, lambda: resume_hint(run_dir))
         # What tests and benchmarks read (logs/rank-R.json), and the same in words at the end of the rank's log.
         run_dir.write_json(run_dir.rank_record(dist.rank), record)
         log.info(
