@@ -1,20 +1,25 @@
-"""The Hub token: read from HF_TOKEN or HF_TOKEN_PATH, checked, and masked in everything the job prints or logs.
+"""The Hub token and the other secrets the job is given: read, checked, and masked in everything it prints or logs.
 
 The token is never formatted into a message on purpose, but libraries do it for us: an exception about
 a header shows the token `repr`-escaped, a URL shows it percent-encoded, a setting (RUN_NAME) can hold
 it by mistake. So the job refuses a token that could not be a header value (control characters, a
 second line) before anything uses it, refuses settings that contain it, and masks every form of it in
-stdout, stderr and the rank logs.
+stdout, stderr and the rank logs. Credentials inside URLs the job is given (`HF_ENDPOINT=http://user:pass@host`,
+a tracking URI, a proxy) are masked the same way: the Hub client names its endpoint in its errors, MLflow
+prints links to its runs, HTTP clients name their proxy. Any `scheme://user:password@` or `?token=` in
+printed text is masked too, wherever its URL came from.
 
 Imports nothing heavy: main.py installs the masking before torch is imported.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import re
+import stat
 import sys
 import urllib.parse
 from collections.abc import Iterable
@@ -30,6 +35,26 @@ MASK = "***"
 # a second line of the token file) cannot go in an HTTP header and would only ever be echoed back.
 TOKEN_PATTERN = re.compile(r"[\x21-\x7e]+")
 MIN_TOKEN_LENGTH = 8  # Hub tokens are 37 characters; a shorter value is a mistake, and masking it would garble output
+MAX_TOKEN_FILE_BYTES = 4096  # a token file holds one line; more is the wrong file (and /dev/zero never ends)
+
+# Variables holding URLs that libraries print back (the Hub client its endpoint in errors, MLflow links to its
+# runs, HTTP clients their proxy): the credentials inside them are secrets.
+URL_VARIABLES = (
+    "HF_ENDPOINT",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_REGISTRY_URI",
+    "WANDB_BASE_URL",
+    *(f"{name}_PROXY" for name in ("HTTP", "HTTPS", "ALL")),
+    *(f"{name}_proxy" for name in ("http", "https", "all")),
+)
+# Variables that are secrets as a whole, read by the trackers themselves.
+SECRET_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY")
+# A shorter password is masked only where it sits in a URL: masking a short word everywhere would garble output.
+MIN_SECRET_LENGTH = 6
+# Query parameters that carry a credential (?token=, &api_key=, &sig= of a signed URL ...).
+SECRET_PARAMETER = r"[\w.-]*(?:token|key|secret|password|passwd|pwd|sig|signature|credential|auth)[\w.-]*"
+URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?:(?P<user>[^\s/?#@:]*):)?[^\s/?#]*@")
+URL_SECRET_QUERY = re.compile(rf"(?P<name>[?&;]{SECRET_PARAMETER}=)[^&;#\s\"'<>]+", re.IGNORECASE)
 
 
 def read_token() -> SecretStr | None:
@@ -43,7 +68,7 @@ def read_token() -> SecretStr | None:
     if not token and path:
         source = f"the file HF_TOKEN_PATH={path}"
         try:
-            token = Path(path).expanduser().read_bytes().decode("utf-8").strip()
+            token = _read_token_file(Path(path).expanduser()).decode("utf-8").strip()
         except OSError as exc:
             raise JobError(
                 EXIT_BAD_INPUT,
@@ -69,6 +94,35 @@ def read_token() -> SecretStr | None:
     return SecretStr(token)
 
 
+def _read_token_file(path: Path) -> bytes:
+    """The token file's bytes. Opened without blocking and refused unless it is a regular file: a FIFO would
+    block the job for ever waiting for a writer, a device like /dev/zero would never end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = (
+                "a FIFO (named pipe)"
+                if stat.S_ISFIFO(mode)
+                else "a directory"
+                if stat.S_ISDIR(mode)
+                else "not a regular file"
+            )
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"HF_TOKEN_PATH={path} is {kind}; it must name a regular file holding the Hub token "
+                "(a mounted Secret's key is one): point HF_TOKEN_PATH at that file or set HF_TOKEN",
+            )
+        data = handle.read(MAX_TOKEN_FILE_BYTES + 1)
+    if len(data) > MAX_TOKEN_FILE_BYTES:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"HF_TOKEN_PATH={path} holds more than {MAX_TOKEN_FILE_BYTES} bytes, not one token; "
+            "it must hold the Hub token alone, on one line: point HF_TOKEN_PATH at the token file",
+        )
+    return data
+
+
 def token_forms(token: str) -> list[str]:
     """Every way the token can appear in text: raw, repr/JSON-escaped, percent-encoded (longest first)."""
     forms = {
@@ -81,28 +135,84 @@ def token_forms(token: str) -> list[str]:
     return sorted((form for form in forms if form), key=len, reverse=True)
 
 
-class Masker:
-    """Replaces every form of the token with ***; a no-op when no token is set."""
+def url_secrets(environ: dict[str, str] | None = None) -> list[str]:
+    """The credentials inside the URLs of URL_VARIABLES (a password, a user name standing alone as a token, a
+    secret query parameter, and the Basic-auth header a client makes of user:password), and the values of
+    SECRET_VARIABLES: what else the job must never print."""
+    environ = os.environ if environ is None else environ
+    secrets = [environ[name].strip() for name in SECRET_VARIABLES if environ.get(name, "").strip()]
+    for name in URL_VARIABLES:
+        value = environ.get(name, "").strip()
+        if not value:
+            continue
+        try:
+            parts = urllib.parse.urlsplit(value if "://" in value else f"//{value}")
+        except ValueError:  # not a URL the clients could use either; the generic patterns still apply
+            continue
+        user, password = parts.username, parts.password
+        if password:
+            plain_user, plain_password = urllib.parse.unquote(user or ""), urllib.parse.unquote(password)
+            secrets += [password, plain_password]
+            secrets.append(base64.b64encode(f"{plain_user}:{plain_password}".encode()).decode())
+        elif user:  # https://TOKEN@host: the user name is the credential
+            secrets += [user, urllib.parse.unquote(user)]
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=False)
+        secrets += [v for k, v in query if re.fullmatch(SECRET_PARAMETER, k, re.IGNORECASE)]
+    return [secret for secret in secrets if len(secret) >= MIN_SECRET_LENGTH]
 
-    def __init__(self, token: SecretStr | None):
+
+def mask_urls(text: str) -> str:
+    """`scheme://user:***@host` and `?token=***` for credentials inside any URL in `text`."""
+    text = URL_USERINFO.sub(lambda m: f"{m['scheme']}{m['user'] + ':' if m['user'] else ''}{MASK}@", text)
+    return URL_SECRET_QUERY.sub(lambda m: f"{m['name']}{MASK}", text)
+
+
+class Masker:
+    """Replaces every form of the token (and of `secrets`) with ***, and credentials inside any URL."""
+
+    def __init__(self, token: SecretStr | None, secrets: Iterable[str] = ()):
         forms = token_forms(token.get_secret_value()) if token is not None else []
         self._pattern = re.compile("|".join(re.escape(form) for form in forms)) if forms else None
+        others = sorted({form for secret in secrets for form in token_forms(secret)}, key=len, reverse=True)
+        self._others = re.compile("|".join(re.escape(form) for form in others)) if others else None
 
     def __call__(self, text: str) -> str:
-        return self._pattern.sub(MASK, text) if self._pattern is not None and text else text
+        if not text:
+            return text
+        if self._pattern is not None:
+            text = self._pattern.sub(MASK, text)
+        if "://" in text or "=" in text:
+            text = mask_urls(text)
+        return self._others.sub(MASK, text) if self._others is not None else text
 
     def holds_secret(self, text: str) -> bool:
+        """Whether `text` holds the token (the other secrets are only masked)."""
         return self._pattern is not None and bool(self._pattern.search(text))
 
 
+# Lines orchestrators and people look for: each starts a line of its own, even right after a progress bar.
+OWN_LINE_PREFIXES = ("error: ", "preempted: ")
+
+
 class MaskedStream:
-    """A text stream that masks the token in everything written to it (tracebacks, warnings, progress bars)."""
+    """A text stream that masks secrets in everything written to it (tracebacks, warnings, progress bars).
+
+    It also keeps `error:` lines whole: a progress bar leaves the cursor at the end of its line (it redraws
+    with a carriage return), and an error printed then would be glued to the bar, so it gets a newline first.
+    """
 
     def __init__(self, stream: TextIO, masker: Masker):
         self._stream, self._mask = stream, masker
+        self._mid_line = False  # the last character written was not a line end
 
     def write(self, text: str) -> int:
-        self._stream.write(self._mask(text))
+        if not text:
+            return 0
+        masked = self._mask(text)
+        if self._mid_line and masked.startswith(OWN_LINE_PREFIXES):
+            masked = "\n" + masked
+        self._stream.write(masked)
+        self._mid_line = masked[-1] not in "\n\r"
         return len(text)
 
     def writelines(self, lines: Iterable[str]) -> None:
@@ -132,11 +242,12 @@ class MaskingFilter(logging.Filter):
 
 
 def install_masking() -> Masker:
-    """Mask the token on stdout and stderr of this process from now on (reads and checks the token).
+    """Mask the token and the credentials in URLs on stdout and stderr of this process from now on (reads and
+    checks the token).
 
     Returns the Masker, for the log handlers the run adds later (the rank logs are files, not stderr).
     """
-    masker = Masker(read_token())
+    masker = Masker(read_token(), url_secrets())
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if not isinstance(stream, MaskedStream):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import pickle
 import stat
 import warnings
 from pathlib import Path
@@ -12,7 +14,14 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PretrainedConfig,
+)
+from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.recipe import lora_options
@@ -25,6 +34,9 @@ warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprec
 CLASSIFIER = "classifier"  # BERT's head: kept in full precision and trained alongside the adapters
 # Where model configs keep their dropout: BERT, RoBERTa and DeBERTa use the first two, DistilBERT the last two.
 DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout")
+# Every load of a model, tokenizer or config: no code from a model folder or repo runs, and transformers never
+# stops to ask on stdin whether it may (it does when this is left unset).
+NO_REMOTE_CODE = {"trust_remote_code": False}
 
 
 def _load_error(settings: Settings, exc: Exception) -> JobError:
@@ -39,7 +51,7 @@ def load_tokenizer(settings: Settings):
     """The model's tokenizer, after the model folder and its config are checked against the settings."""
     check_model(settings)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(settings.model_name)
+        tokenizer = AutoTokenizer.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
     # A folder without tokenizer files still loads: a tokenizer that knows only its special tokens,
@@ -61,14 +73,15 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def check_model(settings: Settings) -> None:
-    """Before any training step: weights files that cannot be read, and settings the model cannot take."""
+    """Before any training step: custom code, weights files that cannot be read, and settings the model cannot take."""
+    refuse_custom_code(settings)
     folder = Path(settings.model_name)
     if folder.is_dir():
         for path in sorted(folder.iterdir()):
             if path.name.endswith(WEIGHT_SUFFIXES):
                 _check_weights_file(settings, path)
     try:
-        config = AutoConfig.from_pretrained(settings.model_name)
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
     positions = getattr(config, "max_position_embeddings", None)
@@ -84,6 +97,35 @@ def check_model(settings: Settings) -> None:
             EXIT_BAD_INPUT,
             f"LORA_R={settings.lora_r} is above the hidden size {hidden} of MODEL_NAME={settings.model_name}: an adapter of that rank "
             f"is larger than the layer it adapts; set LORA_R to {hidden} or less (8 or 16 is usual)",
+        )
+
+
+def refuse_custom_code(settings: Settings) -> None:
+    """A model whose config.json or tokenizer_config.json maps its classes to Python files of its own (`auto_map`)
+    is refused before anything of it is imported: the job runs only the code it ships with.
+
+    Both files are read as JSON, which runs nothing. Loading with trust_remote_code=False would still take
+    such a model when transformers knows its model_type, silently with transformers' own classes instead
+    of the ones the folder asks for.
+    """
+    try:
+        config, _ = PretrainedConfig.get_config_dict(settings.model_name)
+        tokenizer_config = get_tokenizer_config(settings.model_name)
+    except (OSError, ValueError) as exc:
+        raise _load_error(settings, exc) from None
+    found = {
+        name: data["auto_map"]
+        for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config))
+        if data.get("auto_map")
+    }
+    if found:
+        names = " and ".join(found)
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name} needs custom code: auto_map in {names} names Python files of its own "
+            f"({json.dumps(list(found.values()))[:160]}), and the job never runs code from a model; use a model that "
+            f"transformers supports itself (e.g. bert-base-uncased), or delete auto_map from {names} if the model_type "
+            "is one transformers knows",
         )
 
 
@@ -104,12 +146,44 @@ def _check_weights_file(settings: Settings, path: Path) -> None:
                 pass  # the header and the tensor offsets are checked against the file's size
         except Exception as exc:  # SafetensorError: a truncated, torn or foreign file
             problem = f"is damaged or truncated ({str(exc).splitlines()[0][:120]})"
+    elif path.name.startswith("pytorch_model") and path.suffix == ".bin":  # what transformers unpickles as weights
+        _check_pickled_weights(settings, path)
     if problem:
         raise JobError(
             EXIT_BAD_INPUT,
             f"MODEL_NAME={settings.model_name}: the weights file {path.name} {problem}; copy the model's files there again "
             "(e.g. `hf download MODEL --local-dir FOLDER`) and make them readable by the job",
         )
+
+
+def _check_pickled_weights(settings: Settings, path: Path) -> None:
+    """A pickled weights file loads only through torch's weights-only unpickler, as transformers loads it; one it
+    refuses (a pickle that would call a function, e.g. os.system, while it loads) or cannot read is bad input,
+    found here instead of as a traceback from inside from_pretrained. Loaded onto the meta device: no tensor
+    data is read."""
+    try:
+        torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise _unsafe_weights(settings, path.name, exc) from None
+    except Exception as exc:  # RuntimeError from torch's zip reader, EOFError ...: a truncated or foreign file
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name}: the weights file {path.name} is damaged or not a PyTorch weights file "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}); copy the model's files there again "
+            "(e.g. `hf download MODEL --local-dir FOLDER`), preferably its model.safetensors from a trusted source",
+        ) from None
+
+
+def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) -> JobError:
+    """A pickle torch's weights-only loader refused: it asks to run code (the line naming what it would call)."""
+    lines = str(exc).splitlines()
+    what = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"MODEL_NAME={settings.model_name}: the weights file {name} is a pickle that would run code when loaded "
+        f"({what.strip()[:160]}), which the job refuses; use safetensors weights (model.safetensors) of the model "
+        "from a trusted source",
+    )
 
 
 def label_config(settings: Settings) -> dict:
@@ -128,7 +202,7 @@ def _base_dropout(settings: Settings) -> dict:
     if settings.model_dropout == "checkpoint":
         return {}
     try:
-        config = AutoConfig.from_pretrained(settings.model_name)
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
     dropout = {
@@ -152,7 +226,7 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
     """
     # SDPA is what transformers 5 picks for BERT by default; asked for by name so a library change cannot
     # silently fall back to the eager attention (materialised score matrices, no fused kernels).
-    kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings)}
+    kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings), **NO_REMOTE_CODE}
     kwargs.update(_base_dropout(settings))
     if quantize_8bit:
         # A trained head stays full precision.
@@ -163,6 +237,8 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     try:
         model = AutoModelForSequenceClassification.from_pretrained(settings.model_name, **kwargs)
+    except pickle.UnpicklingError as exc:  # a Hub repo's pytorch_model.bin, downloaded only now
+        raise _unsafe_weights(settings, "pytorch_model.bin", exc) from None
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
     if quantize_8bit:
@@ -217,10 +293,10 @@ def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
     """
     try:
         base = AutoModelForSequenceClassification.from_pretrained(
-            settings.model_name, dtype=torch.float32, **label_config(settings)
+            settings.model_name, dtype=torch.float32, **label_config(settings), **NO_REMOTE_CODE
         )
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
-    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE).save_pretrained(out_dir)

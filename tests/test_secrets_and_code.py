@@ -1,0 +1,219 @@
+"""What the job never prints and never runs: credentials inside the URLs it is given (the Hub endpoint, a
+tracking server, a proxy), code shipped in a model folder, and weights that would run code when unpickled.
+Real processes on the tiny model; each asserts the exit code, the one `error:` line, and that nothing was
+printed, written or run that should not have been."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    REPO,
+    assert_refused_as_bad_input,
+    assert_token_absent,
+    error_lines,
+    free_port,
+    push_settings,
+    run_main,
+)
+
+PASSWORD = "s3cret-pass-0123"  # alice's password in every URL below
+PROXY_PASSWORD = "pr0xy-pass-4567"
+
+
+def assert_secrets_absent(root: Path, *texts: str) -> None:
+    """Neither password appears in `texts` (what the job printed) or in any file under `root`, raw or as the
+    Basic-auth header a client makes of it."""
+    needles = [PASSWORD, PROXY_PASSWORD, base64.b64encode(f"alice:{PASSWORD}".encode()).decode()]
+    for needle in needles:
+        assert not any(needle in text for text in texts), f"{needle} printed"
+        leaks = [str(path) for path in root.rglob("*") if path.is_file() and needle.encode() in path.read_bytes()]
+        assert not leaks, f"{needle} found in {leaks}"
+
+
+# ------------------------------------------------------------------------------- credentials in URLs
+def test_credentials_in_an_unreachable_hub_endpoint_are_masked_in_the_error(job_env, hub, tmp_path):
+    port = free_port()  # nothing listens there
+    env = {
+        **job_env,
+        **push_settings(hub),
+        "HF_ENDPOINT": f"http://alice:{PASSWORD}@127.0.0.1:{port}",
+        "PUSH_TIMEOUT": "5",  # the token check gives up within min(120 s, this)
+    }
+    result = assert_refused_as_bad_input(env, [], "could not be reached", hub)
+    [error] = error_lines(result.stderr)
+    assert f"http://alice:***@127.0.0.1:{port}" in error  # the user still sees which endpoint failed
+    assert_secrets_absent(tmp_path, result.stdout, result.stderr)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real MLflow tracking server (sqlite backend, artifacts on disk, both under tmp_path); its URL."""
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            *(str(Path(sys.executable).parent / "mlflow"), "server"),
+            *("--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"),
+            *("--default-artifact-root", str(tmp_path / "mlflow-artifacts")),
+            *("--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
+        ],
+        stdout=open(tmp_path / "mlflow-server.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its workers end with it
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            assert server.poll() is None, (tmp_path / "mlflow-server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not answer within 240 s"
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def test_credentials_in_the_tracking_uri_and_the_proxy_never_reach_output_or_the_tracker(
+    job_env, mlflow_server, tmp_path
+):
+    tracking = mlflow_server.replace("http://", f"http://alice:{PASSWORD}@")
+    env = {
+        **job_env,
+        "MAX_STEPS": "4",
+        "SAVE_STEPS": "2",
+        "REPORT_TO": "tensorboard,mlflow",
+        "MLFLOW_TRACKING_URI": tracking,
+        "HTTPS_PROXY": f"http://bob:{PROXY_PASSWORD}@127.0.0.1:9",  # nothing here goes out over https
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
+    env.pop("NUM_EPOCHS")
+    result = run_main(env, timeout=600)
+    assert result.code == 0, result.stderr[-3000:]
+    # MLflow prints a link to the run, the tracking URI included: the proof this run had a URL to mask.
+    assert f"{mlflow_server.replace('http://', 'http://alice:***@')}/#/experiments/" in result.stdout
+    (tmp_path / "stdout.txt").write_text(result.stdout)
+    (tmp_path / "stderr.txt").write_text(result.stderr)
+    for secret in (PASSWORD, PROXY_PASSWORD):
+        # Outputs, checkpoints, logs, the card, run.json, TensorBoard, HF_HOME, and the tracking server's store.
+        assert_token_absent(secret, [tmp_path])
+    assert_secrets_absent(tmp_path)
+
+
+# ------------------------------------------------------------------------------- code in a model folder
+CUSTOM_CODE = """import pathlib
+pathlib.Path({marker!r}).write_text("custom code ran")
+from transformers import BertConfig, BertForSequenceClassification
+class CustomConfig(BertConfig):
+    model_type = "custom-bert"
+class CustomModel(BertForSequenceClassification):
+    config_class = CustomConfig
+"""
+
+
+def custom_code_model(tiny_bert: Path, folder: Path, marker: Path) -> Path:
+    """The tiny model with an auto_map to a module of its own that writes `marker` when imported."""
+    shutil.copytree(tiny_bert, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "custom-bert"  # not one transformers knows: only the folder's code could load it
+    config["auto_map"] = {
+        "AutoConfig": "custom_bert.CustomConfig",
+        "AutoModelForSequenceClassification": "custom_bert.CustomModel",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom_bert.py").write_text(CUSTOM_CODE.format(marker=str(marker)))
+    return folder
+
+
+def test_a_model_folder_with_custom_code_is_refused_without_running_it_or_asking(job_env, tiny_bert, tmp_path):
+    marker = tmp_path / "custom-code-ran"
+    model = custom_code_model(tiny_bert, tmp_path / "custom-model", marker)
+    # "y" on stdin is what made transformers run the folder's code when it was asked whether it might.
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), "--model-name", str(model)],
+        env=job_env,
+        cwd=REPO,
+        input="y\n",
+        capture_output=True,
+        text=True,
+        timeout=180,  # a prompt waiting for an answer would fail here
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [error] = error_lines(proc.stderr)
+    assert str(model) in error and "auto_map" in error and "custom code" in error, error
+    assert "Traceback" not in proc.stderr and "[y/N]" not in proc.stdout + proc.stderr
+    assert not marker.exists()
+    assert not list(Path(job_env["HF_HOME"]).glob("modules/transformers_modules/*/**/custom_bert.py"))
+    assert not (Path(job_env["OUTPUT_DIR"]) / "run.json").exists()
+
+    # predict.py, given the same folder as a merged model, does not run it either.
+    (tmp_path / "sentences.txt").write_text("a superb film\n")
+    predict = subprocess.run(
+        [sys.executable, str(REPO / "predict.py"), str(model), str(tmp_path / "sentences.txt")],
+        env=job_env,
+        cwd=REPO,
+        input="y\n",
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert predict.returncode == 2, predict.stderr[-3000:]
+    assert len(error_lines(predict.stderr)) == 1 and "Traceback" not in predict.stderr
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------- weights that are not weights
+def pickled_weights(tiny_bert: Path, folder: Path, marker: Path, how: str) -> Path:
+    """The tiny model with its weights as pytorch_model.bin instead of model.safetensors: a pickle that calls
+    os.system when unpickled without torch's weights-only guard, or real weights cut in half."""
+    import torch
+    from safetensors.torch import load_file
+
+    shutil.copytree(tiny_bert, folder)
+    (folder / "model.safetensors").unlink()
+    weights = folder / "pytorch_model.bin"
+    if how == "malicious":
+
+        class Payload:
+            def __reduce__(self):
+                return os.system, (f"touch {marker}",)
+
+        torch.save({"bert.embeddings.word_embeddings.weight": Payload()}, weights)
+    else:
+        torch.save(load_file(tiny_bert / "model.safetensors"), weights)
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    return folder
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("malicious", "the weights file pytorch_model.bin is a pickle that would run code when loaded"),
+        ("truncated", "the weights file pytorch_model.bin is damaged"),
+    ],
+)
+def test_pickled_weights_that_would_run_code_or_are_damaged_are_refused_in_one_line(
+    how, says, job_env, hub, tiny_bert, tmp_path
+):
+    marker = tmp_path / "payload-ran"
+    model = pickled_weights(tiny_bert, tmp_path / "model", marker, how)
+    result = assert_refused_as_bad_input({**job_env, "MODEL_NAME": str(model)}, [], says, hub)
+    [error] = error_lines(result.stderr)
+    assert "safetensors" in error and str(model) in error
+    assert not marker.exists()
