@@ -1,14 +1,17 @@
 """The job at its edges, in real processes: malformed tokens, a Hub that never answers, replicas that
 disagree, resumes that would continue another run, two jobs on one folder, damaged checkpoints, stop
-signals in native code, and peers lost outside training. Each asserts the exit code, the one `error:`
+signals in native code, peers lost outside training, a token path that is no file, a rendezvous port
+already taken, and a lost peer's error after a progress bar. Each asserts the exit code, the one `error:`
 line, what was or was not written, and that the token appears nowhere.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +19,7 @@ import urllib.parse
 
 import pytest
 
+from scripts.make_demo_assets import write_dataset
 from tests.conftest import (
     REPO,
     REPO_ID,
@@ -416,3 +420,55 @@ def test_failures_are_classified_by_type_and_heartbeat_not_by_message(what, expe
     ]
     codes = [proc.wait(timeout=90) for proc in procs]
     assert codes == expected, [proc.stdout.read()[-2000:] for proc in procs]
+
+
+# ------------------------------------------------------------------------------- a token path that is no file
+def test_a_token_path_naming_a_fifo_is_refused_at_once_not_read_for_ever(job_env, tmp_path):
+    fifo = tmp_path / "token-pipe"
+    os.mkfifo(fifo)  # no writer ever comes: reading it would block the job for good
+    result = run_main({**job_env, "HF_TOKEN_PATH": str(fifo)}, timeout=60)
+    assert result.code == 2, result.stderr[-3000:]
+    error = one_error(result, f"HF_TOKEN_PATH={fifo} is a FIFO")
+    assert "regular file" in error and "HF_TOKEN" in error
+
+
+# ------------------------------------------------------------------------------- the rendezvous port already taken
+def test_master_port_taken_on_rank_0s_host_is_bad_input_naming_the_port(tmp_path, tiny_bert, sst2_dir):
+    with socket.socket() as holder:  # another process listening on MASTER_PORT
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = rank_env(tmp_path, 0, 2, port, **training_settings(tiny_bert, sst2_dir, tmp_path / "out"))
+        result = run_main(env, timeout=180)
+    assert result.code == 2, result.stderr[-3000:]
+    error = one_error(result, f"MASTER_PORT={port}")
+    assert f"127.0.0.1:{port}" in error and "Address already in use" in error and "free port" in error, error
+    assert "RENDEZVOUS_TIMEOUT" not in error  # it waited for nobody: no timeout to claim
+
+
+# ------------------------------------------------------------------------------- an error line after a progress bar
+@pytest.mark.slow
+def test_a_lost_peer_error_during_the_evaluation_bar_starts_its_own_line(replicas, tmp_path, tiny_bert):
+    # A validation split long enough that the final evaluation's progress bar is on screen when the peer goes.
+    data = write_dataset(tmp_path / "data", train_rows=400, validation_rows=30000)
+    out = tmp_path / "out"
+    settings = training_settings(tiny_bert, data, out, MAX_STEPS=2, EVAL_STEPS=1000, SAVE_STEPS=1000)
+    settings.pop("NUM_EPOCHS")
+    procs = replicas.start("bar", settings)
+    stream, log = tmp_path / "bar-rank0.txt", out / "logs" / "rank-0.log"
+    deadline = time.monotonic() + 300
+    while True:  # the last evaluation (trainer.evaluate, after training) has begun and its bar is being drawn
+        assert procs[0].poll() is None and procs[1].poll() is None, stream.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the final evaluation did not start within 300 s"
+        evaluating = log.exists() and log.read_text().count("Running Evaluation") >= 2
+        if evaluating and "%|" in stream.read_text().rsplit("\n", 1)[-1]:
+            break
+        time.sleep(0.05)
+    procs[1].kill()
+    assert procs[0].wait(timeout=TIMEOUT + 60) == 143
+    lines = stream.read_text().splitlines()
+    glued = [line for line in lines if "error:" in line and not line.startswith("error: ")]
+    assert not glued, glued
+    [index] = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    assert "lost contact with its peers" in lines[index]
+    assert "%|" in lines[index - 1]  # the bar was on the line the error would have been glued to

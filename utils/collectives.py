@@ -349,6 +349,11 @@ def rendezvous(
             store = td.TCPStore(
                 dist.master_addr, dist.master_port, None, dist.is_main, timeout, wait_for_workers=False
             )
+        except (td.DistError, RuntimeError) as exc:
+            if dist.is_main:
+                _refuse_port_taken(dist)
+            raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
+        try:
             beat_store = td.TCPStore(dist.master_addr, dist.master_port, None, False, timeout)
         except (td.DistError, RuntimeError) as exc:
             raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
@@ -445,6 +450,23 @@ def _mismatch(main: dict, others: dict[int, dict]) -> str:
         f"the replicas were started with different settings ({'; '.join(parts)}); "
         "give every replica the same settings (one config_map / ConfigMap for all) and start them again"
     )
+
+
+def _refuse_port_taken(dist: DistEnv) -> None:
+    """Rank 0 could not open the rendezvous store: when MASTER_PORT cannot be listened on here (another process
+    holds it, or it needs privileges), say so, exit 2. Told by binding the port and reading the errno, not by
+    the store's message; a port that is free again leaves the failure to the caller."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: a port in TIME_WAIT is free
+        try:
+            probe.bind(("", dist.master_port))
+        except OSError as exc:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"rank 0 cannot listen on MASTER_PORT={dist.master_port} on its host ({dist.master_addr}:{dist.master_port}: "
+                f"{exc.strerror or exc}); another process holds that port (an earlier run still ending, another job): "
+                "set MASTER_PORT to a free port, the same on every replica",
+            ) from None
 
 
 def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
