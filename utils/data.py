@@ -173,7 +173,7 @@ def load_raw(settings: Settings) -> DatasetDict:
                 kwargs = {**CSV_OPTIONS, "delimiter": DELIMITER[suffix], "quoting": QUOTING[suffix]}
                 records = {split: _count_records(Path(path), suffix, files) for split, path in files.items()}
             try:
-                loaded = load_dataset(fmt, data_files=files, **kwargs)
+                loaded = load_dataset(fmt, data_files=files, trust_remote_code=False, **kwargs)
             except datasets.exceptions.DatasetGenerationError as exc:
                 cause = exc.__cause__ or exc
                 if isinstance(cause, UnicodeDecodeError):
@@ -206,7 +206,9 @@ def load_raw(settings: Settings) -> DatasetDict:
                 _check_json_labels(loaded, files, settings.label_column)
     else:
         try:
-            loaded = load_dataset(settings.dataset_name, settings.dataset_config)
+            # No loading script from the Hub runs (datasets 4 and later run none at all; said here so a
+            # version that still could never asks or does).
+            loaded = load_dataset(settings.dataset_name, settings.dataset_config, trust_remote_code=False)
         except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
             raise JobError(
                 EXIT_BAD_INPUT,
