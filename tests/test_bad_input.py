@@ -120,6 +120,12 @@ BAD_SETTINGS = [
     ("world-size-without-rank", {"WORLD_SIZE": "4"}, None, "WORLD_SIZE=4 is set but RANK is not; set RANK"),
     ("rank-without-world-size", {"RANK": "1"}, None, "RANK=1 is set but WORLD_SIZE is not; set WORLD_SIZE"),
     ("master-addr-alone", {"MASTER_ADDR": "replica-0", "NODE_RANK": "2"}, None, "set RANK and WORLD_SIZE as well"),
+    (
+        "scaled-learning-rate-out-of-bounds",
+        {"LEARNING_RATE": None, "LEARNING_RATE_SCALING": "linear", "PER_DEVICE_BATCH_SIZE": "100000000"},
+        None,
+        "LEARNING_RATE_SCALING=linear resolves the learning rate to 1562.5 at global batch 100000000",
+    ),
 ]
 # The model and the data: refused after the imports, before any training step.
 BAD_MODEL_AND_DATA = [
@@ -132,6 +138,13 @@ BAD_MODEL_AND_DATA = [
         "set MAX_SEQ_LENGTH to 64 or less",
     ),
     ("lora-r-above-hidden-size", {"LORA_R": "128"}, None, "set LORA_R to 64 or less"),
+    ("lora-target-typo", {"LORA_TARGET_MODULES": "query,vlaue"}, None, "'vlaue' matches no module (closest: value)"),
+    (
+        "lora-target-head-only",
+        {"LORA_TARGET_MODULES": "query,classifier"},
+        None,
+        "'classifier' matches only modules that take no adapter",
+    ),
     ("truncated-weights", {}, model_copy(truncated_weights), "weights file model.safetensors is damaged or truncated"),
     ("empty-weights", {}, model_copy(empty_weights), "weights file model.safetensors is empty"),
     (
@@ -170,6 +183,14 @@ BAD_MODEL_AND_DATA = [
     ("data-not-utf8", {}, not_utf8, "train.csv is not valid UTF-8 (byte 0xe9 on line 3); save it as UTF-8"),
     ("torn-saved-dataset", {}, torn_saved_dataset, "holds a damaged save_to_disk DatasetDict (JSONDecodeError"),
     ("torn-run-json", {}, torn_run_record, "run.json is damaged (not valid JSON"),
+    # the data and the settings together
+    (
+        "global-batch-above-train-split",
+        {"PER_DEVICE_BATCH_SIZE": "100000000"},
+        None,
+        "the global batch is 100000000 rows (PER_DEVICE_BATCH_SIZE=100000000 x 1 replica(s) x GRADIENT_ACCUMULATION_STEPS=1) "
+        "but the training split has only 2000",
+    ),
 ]
 BAD_INPUT = [pytest.param(case, marks=pytest.mark.check) for case in BAD_SETTINGS] + BAD_MODEL_AND_DATA
 
@@ -183,9 +204,11 @@ def test_bad_input_gives_one_error_line_exit_2_and_pushes_nothing(case, job_env,
     _, extra, setup, says = case
     env = {**job_env, **push_settings(hub)}
     env.update(setup(tmp_path, env) if setup else {})
+    # Event files other tests of the session wrote are theirs: only new ones count.
+    before = set(tmp_path.parent.glob("**/*tfevents*"))
     assert_refused_as_bad_input({**env, **extra}, [], says, hub)
     # RUN_NAME=../../x wrote nothing, inside OUTPUT_DIR or out of it
-    assert not list(tmp_path.parent.glob("**/*tfevents*"))
+    assert set(tmp_path.parent.glob("**/*tfevents*")) == before
 
 
 @pytest.mark.skipif(

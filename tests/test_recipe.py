@@ -1,10 +1,13 @@
 """The recipe's options do what their settings say (utils/recipe.py): the head trained in full beside the
 adapters (TRAIN_POOLER, DistilBERT's pre_classifier), the rates of the optimizer the job's Trainer really builds
-(LoRA+, HEAD_LEARNING_RATE_RATIO, no decay on biases), and the base model's dropout (MODEL_DROPOUT)."""
+(LoRA+, HEAD_LEARNING_RATE_RATIO, no decay on biases), and the base model's dropout (MODEL_DROPOUT). And what the
+job derives is held to the checks a value typed in gets, so no run ends with nothing trained: the rate the batch
+rule resolves, the warm-up of a one-step run, a global batch larger than the data."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -12,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from tests.conftest import base_env, job_trainer, run_main, tiny_run_settings
+from tests.conftest import base_env, error_lines, job_trainer, run_main, tiny_run_settings, wait_all
 from utils.model import build_model
 from utils.settings import Settings
 
@@ -137,3 +140,90 @@ def test_model_dropout_values_in_the_dry_run(job_env, value, shown):
     else:
         assert result.code == 0, result.stderr[-2000:]
         assert json.loads(result.stdout)["config"]["model_dropout"] == shown
+
+
+# ------------------------------------------------------------------------------- values the job derives
+@pytest.mark.parametrize(
+    "launch, batch, says",
+    [
+        (
+            {},
+            100_000_000,
+            "resolves the learning rate to 1562.5 at global batch 100000000 (PER_DEVICE_BATCH_SIZE=100000000 x 1 replica(s)",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            16_384,
+            "resolves the learning rate to 1.024 at global batch 65536 (PER_DEVICE_BATCH_SIZE=16384 x 4 replica(s)",
+        ),
+    ],
+    ids=["one-replica", "four-replicas"],
+)
+def test_a_rate_the_batch_rule_resolves_is_checked_like_one_typed_in(job_env, launch, batch, says):
+    """LEARNING_RATE_SCALING=linear at a huge global batch resolved to a rate LEARNING_RATE itself refuses, and
+    trained a diverged model with exit 0. --dry-run resolves the rate too, so it refuses it as the run would."""
+    env = {k: v for k, v in job_env.items() if k != "LEARNING_RATE"}
+    env.update(launch, LEARNING_RATE_SCALING="linear", PER_DEVICE_BATCH_SIZE=str(batch))
+    for args in (["--dry-run"], []):
+        result = run_main(env, *args)
+        assert result.code == 2, result.stderr[-3000:]
+        [error] = error_lines(result.stderr)
+        assert error.startswith("error: LEARNING_RATE_SCALING=linear " + says), error
+        assert "input should be less than 1" in error and "set LEARNING_RATE to the rate to train at" in error
+        assert "LEARNING_RATE_SCALING=fourth-root gives" in error and "Traceback" not in result.stderr
+        assert not (Path(env["OUTPUT_DIR"]) / "run.json").exists()
+
+    # The same bound as a rate typed in, which is refused by the settings themselves.
+    typed = run_main({**env, "LEARNING_RATE": "1.5", "LEARNING_RATE_SCALING": "none"}, "--dry-run")
+    assert typed.code == 2 and "LEARNING_RATE=1.5 is invalid: Input should be less than 1" in typed.stderr
+    # The default rule at the same batch stays in bounds: the run is not refused for its batch alone.
+    gentle = run_main({**env, "LEARNING_RATE_SCALING": "fourth-root"}, "--dry-run")
+    assert gentle.code == 0, gentle.stderr[-2000:]
+    assert 0 < json.loads(gentle.stdout)["config"]["learning_rate"] < 1
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [{"MAX_STEPS": "1"}, {"NUM_EPOCHS": "1", "PER_DEVICE_BATCH_SIZE": "2000"}],
+    ids=["max-steps-1", "one-step-an-epoch"],
+)
+def test_a_one_step_run_trains_the_adapters_and_the_head(tmp_path, tiny_bert, sst2_dir, steps):
+    """6% warm-up of one step rounded up to the whole run, whose only step ran at rate 0: every lora_B stayed 0
+    and the head kept the base's weights, exit 0. The warm-up now always leaves a step at the full rate.
+    The second case is also the largest global batch accepted: the whole training split (2000 rows)."""
+    settings = tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", REPORT_TO="none", **steps)
+    if "MAX_STEPS" in steps:
+        settings.pop("NUM_EPOCHS")
+    result = run_main(base_env(tmp_path, **settings))
+    assert result.code == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    assert json.loads((out / "metrics.json").read_text())["global_batch"] <= 2000
+    weights = adapter_weights(out)
+    lora_b = {name: tensor for name, tensor in weights.items() if "lora_B" in name}
+    assert lora_b and all(tensor.abs().max() > 0 for tensor in lora_b.values()), {
+        name: float(tensor.abs().max()) for name, tensor in lora_b.items()
+    }
+    base = load_file(tiny_bert / "model.safetensors")
+    [head] = [tensor for name, tensor in weights.items() if name.endswith("classifier.weight")]
+    assert not torch.equal(head, base["classifier.weight"]), "the head kept the base model's weights: it never trained"
+
+
+def test_a_global_batch_larger_than_the_training_split_stops_every_replica(tmp_path, tiny_bert, sst2_dir, replicas):
+    """2 replicas x 1001 rows a step > the 2000 training rows: both ranks take the same decision from the same
+    data, each says why and the fix, and exits 2 before any training step (no peer left waiting)."""
+    settings = tiny_run_settings(
+        tiny_bert, sst2_dir, tmp_path / "out", PER_DEVICE_BATCH_SIZE=1001, RENDEZVOUS_TIMEOUT=60, REPORT_TO="none"
+    )
+    procs = replicas.start("batch", settings)
+    assert wait_all(procs, timeout=240) == [2, 2]
+    for stream in replicas.streams:
+        text = stream.read_text()
+        [error] = error_lines(text)
+        assert (
+            "the global batch is 2002 rows (PER_DEVICE_BATCH_SIZE=1001 x 2 replica(s) x GRADIENT_ACCUMULATION_STEPS=1) "
+            "but the training split has only 2000"
+            in error
+            and "set PER_DEVICE_BATCH_SIZE to 1000 or less" in error
+        ), error
+        assert "Traceback" not in text
+    assert not list((tmp_path / "out").glob("checkpoints/checkpoint-*")) and not (tmp_path / "out" / "model").exists()

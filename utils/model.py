@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
@@ -253,20 +254,53 @@ def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -
         # Pooler, rsLoRA/DoRA, init: utils/recipe.py.
         **lora_options(settings, (name for name, _ in model.named_modules())),
     )
+    modules = dict(model.named_modules())
+    check_target_modules(settings, modules, adapted=None)
     try:
         model = get_peft_model(model, lora)
-    except ValueError:
-        names = sorted(
-            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-        )
+    except ValueError as exc:  # names that match modules LoRA cannot adapt (a LayerNorm, say)
         raise JobError(
             EXIT_BAD_INPUT,
-            f"LORA_TARGET_MODULES={','.join(settings.lora_target_modules)} not found in {settings.model_name}; "
-            f"its linear layers are named {names}",
+            f"LORA_TARGET_MODULES={','.join(settings.lora_target_modules)}: peft cannot adapt them in {settings.model_name} "
+            f"({str(exc).splitlines()[0][:200]}); name linear layers: {', '.join(linear_layer_names(modules))}",
         ) from None
+    # peft passes over a name that matches nothing when another one matches, and skips modules it trains in
+    # full (the head): every name must have given at least one adapter.
+    check_target_modules(settings, modules, adapted=model.targeted_module_names)
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
     return model
+
+
+def linear_layer_names(modules: dict[str, torch.nn.Module]) -> list[str]:
+    """The last part of the name of every linear layer: what LORA_TARGET_MODULES names (query, value, dense, ...)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, torch.nn.Linear)})
+
+
+def _matches(target: str, names) -> bool:
+    # peft's rule for a list of names: the module's whole name, or its end after a dot.
+    return any(name == target or name.endswith(f".{target}") for name in names)
+
+
+def check_target_modules(settings: Settings, modules: dict[str, torch.nn.Module], adapted: list[str] | None) -> None:
+    """Every name in LORA_TARGET_MODULES must match a module of the model (`adapted` None), or an adapted one.
+
+    A typo (`query,vlaue`) would otherwise train `query` alone, exit 0, and record `vlaue` in adapter_config.json.
+    """
+    linear = linear_layer_names(modules)
+    problems = []
+    for target in settings.lora_target_modules:
+        if not _matches(target, modules):
+            close = difflib.get_close_matches(target.rsplit(".", 1)[-1], linear, n=3, cutoff=0.5)
+            problems.append(f"'{target}' matches no module" + (f" (closest: {', '.join(close)})" if close else ""))
+        elif adapted is not None and not _matches(target, adapted):
+            problems.append(f"'{target}' matches only modules that take no adapter (the head, trained in full)")
+    if problems:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LORA_TARGET_MODULES={','.join(settings.lora_target_modules)}: {'; '.join(problems)} in MODEL_NAME={settings.model_name}, "
+            f"whose linear layers are named {', '.join(linear)}; fix LORA_TARGET_MODULES (the default is query,value)",
+        )
 
 
 def trainable_checksum(model: torch.nn.Module) -> str:

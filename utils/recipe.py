@@ -14,9 +14,11 @@ larger was measured, one epoch of real SST-2 on 4 replicas: the square-root rule
 overshoots (88.45%), the fourth root takes it to 1.41e-3 (88.95% and 89.13% over two seeds, against
 89.71% for one replica). LoRA+ already trains the B matrices at 8x the rate, which is likely why the
 gentler rule wins. `sqrt`, `linear` and `none` are there to compare against. Warm-up is WARMUP_RATIO of
-the steps, so it follows the step count by itself.
+the steps, so it follows the step count by itself, but never all of them (`warmup_steps`).
 
-A LEARNING_RATE set by the user is used exactly as given, on any number of replicas.
+A LEARNING_RATE set by the user is used exactly as given, on any number of replicas. A rate the rule
+resolves passes LEARNING_RATE's own bounds: `linear` at a global batch of 1e8 would otherwise train at
+1562.5, a rate the same setting typed by hand is refused at.
 
 The head (the classifier and, with TRAIN_POOLER, the pooler) may train at HEAD_LEARNING_RATE_RATIO x
 the rate, and LoRA+ trains each adapter's B matrix at LORAPLUS_LR_RATIO x the rate (Hayou et al. 2024;
@@ -31,7 +33,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Annotated
 
+from pydantic import TypeAdapter, ValidationError
+
+from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
 
 REFERENCE_GLOBAL_BATCH = 64  # one replica with PER_DEVICE_BATCH_SIZE=64: where BASE_LEARNING_RATE was measured
@@ -53,8 +59,75 @@ def scaled_learning_rate(settings: Settings, world_size: int) -> float:
 
 
 def resolve_learning_rate(settings: Settings, world_size: int) -> float:
-    """The rate this job trains at: LEARNING_RATE exactly when the user set it, else the scaling rule."""
-    return settings.learning_rate if settings.learning_rate is not None else scaled_learning_rate(settings, world_size)
+    """The rate this job trains at: LEARNING_RATE exactly when the user set it, else the scaling rule's rate,
+    checked against LEARNING_RATE's bounds (a JobError naming the rule, the batch and the fix)."""
+    if settings.learning_rate is not None:
+        return settings.learning_rate
+    rate = scaled_learning_rate(settings, world_size)
+    refusal = _learning_rate_refusal(rate)
+    if refusal:
+        others = {
+            rule: scaled_learning_rate(settings.model_copy(update={"learning_rate_scaling": rule}), world_size)
+            for rule in ("fourth-root", "none")
+            if rule != settings.learning_rate_scaling
+        }
+        rules = ", ".join(
+            f"LEARNING_RATE_SCALING={rule} gives {value:g}"
+            for rule, value in others.items()
+            if not _learning_rate_refusal(value)
+        )
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LEARNING_RATE_SCALING={settings.learning_rate_scaling} resolves the learning rate to {rate:g} at global batch "
+            f"{global_batch(settings, world_size)} ({_batch_terms(settings, world_size)}; BASE_LEARNING_RATE "
+            f"{settings.base_learning_rate:g} at batch {REFERENCE_GLOBAL_BATCH}), which LEARNING_RATE's own check refuses "
+            f"({refusal}); set LEARNING_RATE to the rate to train at, or another rule ({rules})",
+        )
+    return rate
+
+
+def _learning_rate_refusal(rate: float) -> str | None:
+    """Why LEARNING_RATE would refuse `rate` (None: it takes it). The bounds are the field's own, so a rate
+    the rule resolves and a rate typed by hand can never be held to different ones."""
+    try:
+        TypeAdapter(Annotated[(float, *Settings.model_fields["learning_rate"].metadata)]).validate_python(rate)
+    except ValidationError as exc:
+        return exc.errors()[0]["msg"].lower()
+    return None
+
+
+def _batch_terms(settings: Settings, world_size: int) -> str:
+    """Where the global batch comes from, in the settings' own names."""
+    return (
+        f"PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} x {world_size} replica(s) "
+        f"x GRADIENT_ACCUMULATION_STEPS={settings.gradient_accumulation_steps}"
+    )
+
+
+def check_global_batch(settings: Settings, world_size: int, train_rows: int) -> None:
+    """Refuse a global batch larger than the training split: one optimizer step would want more rows than exist.
+
+    Each rank calls it with the same data, so every rank reaches the same decision without a collective."""
+    batch = global_batch(settings, world_size)
+    if batch <= train_rows:
+        return
+    fitting = train_rows // (world_size * settings.gradient_accumulation_steps)
+    if fitting >= 1:
+        fix = f"set PER_DEVICE_BATCH_SIZE to {fitting} or less, lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas, or train on more data"
+    else:
+        fix = "lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas (even 1 row per device is too many), or train on more data"
+    raise JobError(
+        EXIT_BAD_INPUT,
+        f"the global batch is {batch} rows ({_batch_terms(settings, world_size)}) but the training split "
+        f"has only {train_rows}: a step would take more rows than there are; {fix}",
+    )
+
+
+def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
+    """Warm-up steps for a run of `total_steps`: WARMUP_RATIO of them rounded up, as the Trainer counts them,
+    but never all of them. A linear warm-up trains its first step at rate 0, so a 1-step run (MAX_STEPS=1,
+    or one step an epoch) whose only step is warm-up would change no weight at all."""
+    return max(0, min(math.ceil(total_steps * warmup_ratio), total_steps - 1))
 
 
 def apply_recipe(settings: Settings, world_size: int) -> Settings:

@@ -36,7 +36,7 @@ from utils.outputs import (
     write_run_record,
 )
 from utils.preemption import Preemption
-from utils.recipe import describe_recipe
+from utils.recipe import check_global_batch, describe_recipe
 from utils.run_lock import RunLock
 from utils.settings import Settings
 from utils.strategy import check_strategy, full_state_dict
@@ -290,6 +290,8 @@ def train(
     dist = group.dist
     tokenizer = load_tokenizer(settings)
     data = group.on_main_then_others(lambda: load_sst2(settings, tokenizer, run_dir.cache))
+    # Every rank holds the same rows, so every rank takes the same decision here.
+    check_global_batch(settings, dist.world_size, len(data["train"]))
     # Before the model: LoRA init and dropout are the same on every restart.
     set_seed(settings.seed)
     model = group.agree(lambda: build_model(settings, quantize, device))

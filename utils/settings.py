@@ -160,7 +160,8 @@ class Settings(BaseSettings):
         0.06,
         ge=0,
         lt=1,
-        description="fraction of steps with a rising learning rate, as in the RoBERTa/LoRA GLUE recipes",
+        description="fraction of steps with a rising learning rate, as in the RoBERTa/LoRA GLUE recipes; never all of them "
+        "(a warm-up step starts at rate 0): at least one step trains at the full rate",
     )
 
     # --- LoRA
@@ -173,7 +174,9 @@ class Settings(BaseSettings):
     lora_alpha: int = Field(16, ge=1, description="adapter scale alpha/r = 2")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="light regularisation of the adapter input")
     lora_target_modules: Annotated[tuple[str, ...], NoDecode] = Field(
-        "query,value", description="comma-separated module names to adapt; query,value as in the LoRA paper"
+        "query,value",
+        description="comma-separated module names to adapt; query,value as in the LoRA paper; each must adapt at least one "
+        "layer of the model (checked when it is built: a typo is refused with the closest names)",
     )
     train_pooler: bool = Field(
         True,

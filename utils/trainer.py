@@ -38,7 +38,7 @@ from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_threads, volume_state
 from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
 from utils.preemption import SIGNALS, Preemption
-from utils.recipe import optimizer_groups, resolve_learning_rate
+from utils.recipe import optimizer_groups, resolve_learning_rate, warmup_steps
 from utils.settings import Settings
 from utils.strategy import count_fsdp_units, trainer_options
 
@@ -394,6 +394,20 @@ def content_digest(dataset: datasets.Dataset) -> str:
 
 
 # ------------------------------------------------------------------------------- building it
+class JobTrainingArguments(TrainingArguments):
+    """TrainingArguments whose warm-up leaves at least one step at a non-zero rate (utils/recipe.warmup_steps).
+
+    The Trainer rounds WARMUP_RATIO x steps up, and a linear warm-up starts at rate 0: with MAX_STEPS=1 the
+    only step was warm-up, so no weight moved and the run still exited 0. `get_warmup_steps` is where the
+    Trainer's scheduler asks, with the step count it really runs.
+    """
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        if self.warmup_steps >= 1:  # a step count, not a fraction
+            return super().get_warmup_steps(num_training_steps)
+        return warmup_steps(self.warmup_steps, num_training_steps)
+
+
 def training_arguments(
     settings: Settings, run: RunDir, dist: DistEnv, model, precision: str, cuda: bool, train_rows: int
 ) -> TrainingArguments:
@@ -414,7 +428,7 @@ def training_arguments(
         # LEARNING_RATE, else the global-batch rule.
         learning_rate=resolve_learning_rate(settings, dist.world_size),
         weight_decay=settings.weight_decay,
-        # Below 1 the Trainer reads it as a fraction of all steps.
+        # Below 1 the Trainer reads it as a fraction of all steps (never all of them: JobTrainingArguments).
         warmup_steps=settings.warmup_ratio,
         optim="adamw_torch_fused",
         bf16=precision == "bf16",
@@ -455,7 +469,7 @@ def training_arguments(
     )
     # STRATEGY=fsdp: FSDP2, one unit per transformer block.
     options.update(trainer_options(settings, model))
-    return TrainingArguments(**options)
+    return JobTrainingArguments(**options)
 
 
 def build_trainer(
