@@ -38,7 +38,7 @@ from utils.outputs import (
 from utils.preemption import Preemption
 from utils.recipe import check_global_batch, describe_recipe
 from utils.run_lock import RunLock
-from utils.settings import Settings
+from utils.settings import Settings, check_tracker_uri
 from utils.strategy import check_strategy, full_state_dict
 from utils.trainer import StartupTimer, build_trainer, resume_key
 
@@ -235,6 +235,8 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preem
     # On every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective.
     if settings.result_model_id:
         hub.check_write_access(settings.result_model_id)
+    # Likewise a tracker that refuses its URI: exit 2 now, not a traceback after data and model are loaded.
+    check_tracker_uri(settings)
     lock = RunLock(run_dir)
     try:
         # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.

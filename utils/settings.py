@@ -20,7 +20,11 @@ import hashlib
 import json
 import os
 import re
+import socket
 import sys
+import threading
+import urllib.parse
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -37,7 +41,7 @@ from pydantic_settings import (
 )
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.hub_token import read_token, refuse_token_in_settings
+from utils.hub_token import mask_urls, read_token, refuse_token_in_settings
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
 # The repo id grammar the Hub enforces: an optional namespace, then a name of letters, digits, -, _, .
@@ -499,6 +503,80 @@ def check_trackers(settings: Settings) -> None:
                 f"REPORT_TO={','.join(settings.report_to)} needs the {package} package, which is not installed; "
                 f"pip install {package} (in the image: add it to requirements.txt), or drop {name} from REPORT_TO",
             )
+
+
+# MLflow's client retries a silent server for minutes (7 retries, exponential back-off): the check gives up sooner.
+TRACKER_CHECK_SECONDS = 30
+
+
+def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECONDS) -> None:
+    """REPORT_TO=mlflow: MLflow accepts MLFLOW_TRACKING_URI and its store answers, within `timeout_s`, like the
+    Hub token before data and model load. Otherwise MLflow refuses it at the Trainer's first log call, after
+    loading, as a traceback (or retries a dead server for minutes). Read-only, so every rank may run it: a
+    server is asked for one experiment; a database store (sqlite, postgresql, ...) is only checked to be one
+    this MLflow can open, since opening it creates and migrates it."""
+    if "mlflow" not in settings.report_to:
+        return
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()  # MLFLOW_TRACKING_URI, or MLflow's own default
+    shown = (
+        f"MLFLOW_TRACKING_URI={mask_urls(uri)}" if os.environ.get("MLFLOW_TRACKING_URI") else f"MLflow's default {uri}"
+    )
+    fix = (
+        "set MLFLOW_TRACKING_URI to a running MLflow tracking server (e.g. http://mlflow.example:5000; "
+        "a database store like sqlite:///PATH needs the full mlflow package), or drop mlflow from REPORT_TO"
+    )
+
+    def refused(why: str) -> JobError:
+        return JobError(EXIT_BAD_INPUT, mask_urls(f"REPORT_TO=mlflow but {why}; {fix}"))
+
+    def cause(exc: BaseException) -> str:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        first = first if len(first) <= 300 else first[:300] + " ..."
+        return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+    parts = urllib.parse.urlsplit(uri)
+    scheme = parts.scheme.split("+")[0]
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores
+
+        stores.get_store_builder(uri)
+    except ImportError:  # MLflow moved its registry: the probe below still asks the store itself
+        pass
+    except Exception:  # UnsupportedModelRegistryStoreURIException: no store registered for the scheme
+        known = ", ".join(sorted(name for name in stores._registry if name))
+        raise refused(
+            f"MLflow has no tracking store for {shown} (scheme '{parts.scheme}'; it knows {known})"
+        ) from None
+    if scheme in ("sqlite", "postgresql", "mysql", "mssql"):
+        return
+    if scheme in ("http", "https"):
+        if not parts.hostname:
+            raise refused(f"{shown} names no host")
+        proxied = urllib.request.getproxies().get(scheme) and not urllib.request.proxy_bypass(parts.hostname)
+        if not proxied:  # a refused connection answers at once; MLflow's client would retry it for minutes
+            try:
+                port = parts.port or (443 if scheme == "https" else 80)
+                socket.create_connection((parts.hostname, port), timeout=min(10.0, timeout_s)).close()
+            except (OSError, ValueError) as exc:
+                raise refused(f"no tracking server answers at {shown} ({cause(exc)})") from None
+    outcome: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+            outcome.append(None)
+        except BaseException as exc:  # reported by the waiting thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=probe, daemon=True, name="tracker-check")
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        raise refused(f"the tracking server at {shown} did not answer within {timeout_s:g} s")
+    if outcome[0] is not None:
+        raise refused(f"MLflow refuses {shown} ({cause(outcome[0])})")
 
 
 # ------------------------------------------------------------------------------- parsing

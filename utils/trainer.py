@@ -193,7 +193,9 @@ class CheckpointMarker(TrainerCallback):
 
         def mark() -> None:
             with self.volume_checked(f"marking checkpoint-{state.global_step} complete"):
-                mark_checkpoint_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key)
+                mark_checkpoint_complete(
+                    self.run, Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key
+                )
                 prune_checkpoints(self.run, self.keep)
 
         self.collectives.run_on_main(mark)

@@ -1,0 +1,156 @@
+"""MLflow as users run it: a real tracking server (`mlflow server`, sqlite backend, a free port) that a
+two-replica job reports to, then what the server holds, read back with MlflowClient; and a tracking URI
+MLflow refuses, stopped before data and model load like a bad Hub token. MLflow 3 deprecates the file
+store, so it is not the tested path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    FAKE_TOKEN,
+    TIMEOUT,
+    assert_refused_as_bad_input,
+    free_port,
+    tiny_run_settings,
+    wait_all,
+)
+
+URL_SECRET = "s3cret-in-url"  # a password inside MLFLOW_TRACKING_URI: it authenticates, and is shown nowhere
+SERVER_START_SECONDS = 120  # the first start creates and migrates the sqlite database
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` on 127.0.0.1 and a free port, sqlite backend; its URL. Killed at the end, with its workers."""
+    tmp = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    log = tmp / "server.log"
+    server = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("mlflow")),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{tmp / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(tmp / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,  # its own process group: the server's workers end with it
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while True:
+            assert server.poll() is None, f"mlflow server exited {server.returncode}:\n{log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (
+                f"mlflow server not up in {SERVER_START_SECONDS} s:\n{log.read_text()[-3000:]}"
+            )
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def test_two_replicas_report_one_run_to_a_real_tracking_server_and_no_secret(
+    mlflow_server, tmp_path, tiny_bert, sst2_dir, replicas
+):
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "out"
+    tracking = {
+        "REPORT_TO": "tensorboard,mlflow",
+        "MLFLOW_TRACKING_URI": mlflow_server.replace("http://", f"http://alice:{URL_SECRET}@"),
+        "MLFLOW_EXPERIMENT_NAME": "sst2-lora",
+        "HF_TOKEN": FAKE_TOKEN,  # not used without a push, and still never to reach the tracker
+        "RENDEZVOUS_TIMEOUT": str(TIMEOUT),
+    }
+    settings = tiny_run_settings(tiny_bert, sst2_dir, out, NUM_EPOCHS=1, **tracking)
+    procs = replicas.start("mlflow", settings)
+    wait_all(procs, replicas.streams)
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("sst2-lora")
+    assert experiment is not None, [e.name for e in client.search_experiments()]
+    runs = client.search_runs([experiment.experiment_id])
+    run_name = json.loads((out / "run.json").read_text())["run_name"]
+    # One run: rank 0 reports, rank 1 does not; training and the final evaluation in the same run.
+    [run] = runs
+    assert run.info.run_name == run_name and run.info.status == "FINISHED"
+    final = json.loads((out / "metrics.json").read_text())
+    assert run.data.metrics["eval_accuracy"] == pytest.approx(final["eval_accuracy"], abs=1e-6)
+    assert "loss" in run.data.metrics and len(client.get_metric_history(run.info.run_id, "loss")) >= 2
+    assert len(client.get_metric_history(run.info.run_id, "eval_accuracy")) >= 4  # the validation curve
+    assert float(run.data.params["learning_rate"]) == 0.003 and run.data.params["per_device_train_batch_size"] == "16"
+    recorded = json.dumps({"params": run.data.params, "tags": run.data.tags, "metrics": run.data.metrics})
+    for secret in (FAKE_TOKEN, URL_SECRET):
+        assert secret not in recorded
+        for stream in replicas.streams:
+            assert secret not in stream.read_text()
+
+
+@pytest.mark.parametrize(
+    "uri, says",
+    [
+        (
+            "htp://mlflow.example:5000",
+            "MLflow has no tracking store for MLFLOW_TRACKING_URI=htp://mlflow.example:5000",
+        ),
+        ("http://", "names no host"),
+        (
+            f"http://alice:{URL_SECRET}@127.0.0.1:{{port}}",
+            "no tracking server answers at MLFLOW_TRACKING_URI=http://alice:***@",
+        ),
+    ],
+    ids=["unsupported-scheme", "no-host", "nothing-listening"],
+)
+def test_a_tracking_uri_mlflow_refuses_stops_the_job_before_loading(job_env, hub, uri, says):
+    env = {**job_env, "REPORT_TO": "mlflow", "MLFLOW_TRACKING_URI": uri.format(port=free_port())}
+    result = assert_refused_as_bad_input(env, [], says, hub)
+    assert "set MLFLOW_TRACKING_URI to a running MLflow tracking server" in result.stderr
+    assert URL_SECRET not in result.stderr + result.stdout
+    # Refused before the data was loaded: nothing was tokenized into the run folder.
+    assert not list((Path(env["OUTPUT_DIR"]) / "cache").glob("tokenized-*"))
+
+
+def test_a_tracking_server_that_never_answers_is_given_up_on(job_env, hub):
+    """A server that accepts the connection and never answers: MLflow's client would wait and retry for minutes."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        env = {
+            **job_env,
+            "REPORT_TO": "mlflow",
+            "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{silent.getsockname()[1]}",
+        }
+        assert_refused_as_bad_input(env, [], "did not answer within 30 s", hub)
