@@ -35,6 +35,7 @@ import json
 import logging
 import sys
 
+from utils.batching import plan_batches
 from utils.distributed import detect_env
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         check_trackers(settings)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings)
-            print(json.dumps({"config": settings.as_dict(), "distributed": dist.as_dict()}, indent=2))
+            batch = plan_batches(settings, dist.world_size).as_dict()  # GLOBAL_BATCH_SIZE split over this world size
+            print(json.dumps({"config": settings.as_dict(), "distributed": dist.as_dict(), "batch": batch}, indent=2))
             return 0
         run_dir = open_run_dir(settings)  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
 

@@ -163,7 +163,7 @@ def build_model_card(
         "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
         "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
         "global batch": metrics.get("global_batch", "?"),
-        "world size (replicas)": metrics.get("world_size", "?"),
+        "world size (replicas)": replica_counts(metrics),
         "precision": metrics.get("precision", "?"),
         "quantization": metrics.get("quantization", "?"),
         "max sequence length": settings.max_seq_length,
@@ -198,3 +198,14 @@ def write_model_card(
     card = build_model_card(settings, metrics, repo_id, merged=merged, plot=(folder / PLOT_NAME).exists())
     card.save(folder / "README.md")
     return card
+
+
+def replica_counts(metrics: dict) -> str:
+    """The replica count, or for a run resumed on another count (GLOBAL_BATCH_SIZE) which count trained which
+    steps: "steps 1-120 on 4, 121-263 on 2"."""
+    segments = metrics.get("segments") or []
+    if len({segment["world_size"] for segment in segments}) < 2:
+        return str(metrics.get("world_size", "?"))
+    return "steps " + ", ".join(
+        f"{segment['steps'][0]}-{segment['steps'][1]} on {segment['world_size']}" for segment in segments
+    )

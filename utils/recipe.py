@@ -37,6 +37,7 @@ from typing import Annotated
 
 from pydantic import TypeAdapter, ValidationError
 
+from utils.batching import plan_batches
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
 
@@ -46,7 +47,8 @@ HEAD_MODULES = ("classifier", "pre_classifier", "pooler")
 
 
 def global_batch(settings: Settings, world_size: int) -> int:
-    return settings.per_device_batch_size * world_size * settings.gradient_accumulation_steps
+    """GLOBAL_BATCH_SIZE, or PER_DEVICE_BATCH_SIZE x world size x accumulation (utils/batching.py)."""
+    return plan_batches(settings, world_size).global_batch
 
 
 def scaled_learning_rate(settings: Settings, world_size: int) -> float:
@@ -98,6 +100,8 @@ def _learning_rate_refusal(rate: float) -> str | None:
 
 def _batch_terms(settings: Settings, world_size: int) -> str:
     """Where the global batch comes from, in the settings' own names."""
+    if plan_batches(settings, world_size).fixed:
+        return f"GLOBAL_BATCH_SIZE={settings.global_batch_size}"
     return (
         f"PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} x {world_size} replica(s) "
         f"x GRADIENT_ACCUMULATION_STEPS={settings.gradient_accumulation_steps}"
@@ -108,17 +112,19 @@ def check_global_batch(settings: Settings, world_size: int, train_rows: int) -> 
     """Refuse a global batch larger than the training split: one optimizer step would want more rows than exist.
 
     Each rank calls it with the same data, so every rank reaches the same decision without a collective."""
-    batch = global_batch(settings, world_size)
-    if batch <= train_rows:
+    plan = plan_batches(settings, world_size)
+    if plan.global_batch <= train_rows:
         return
     fitting = train_rows // (world_size * settings.gradient_accumulation_steps)
-    if fitting >= 1:
+    if plan.fixed:
+        fix = f"set GLOBAL_BATCH_SIZE to {train_rows} or less, or train on more data"
+    elif fitting >= 1:
         fix = f"set PER_DEVICE_BATCH_SIZE to {fitting} or less, lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas, or train on more data"
     else:
         fix = "lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas (even 1 row per device is too many), or train on more data"
     raise JobError(
         EXIT_BAD_INPUT,
-        f"the global batch is {batch} rows ({_batch_terms(settings, world_size)}) but the training split "
+        f"the global batch is {plan.global_batch} rows ({_batch_terms(settings, world_size)}) but the training split "
         f"has only {train_rows}: a step would take more rows than there are; {fix}",
     )
 

@@ -145,17 +145,31 @@ def resume_checkpoint(run: RunDir, key: dict) -> str | None:
     if latest is None:
         return None
     theirs = checkpoint_resume_key(latest)
-    if theirs != key:
+    # GLOBAL_BATCH_SIZE: one global order of the rows, so any replica count continues where the last one stopped.
+    elastic = key.get("elastic") and theirs.get("elastic")
+    if elastic and theirs.get("world_size") != key["world_size"]:
+        log.info(
+            "resuming a run checkpointed on %s replica(s) on %d: global batch %s on both",
+            theirs.get("world_size"),
+            key["world_size"],
+            key["global_batch"],
+        )
+    if (
+        theirs.get("global_batch") != key["global_batch"]
+        or theirs.get("data") != key["data"]
+        or (not elastic and theirs.get("world_size") != key["world_size"])
+    ):
         what = []
-        if theirs.get("world_size") != key["world_size"]:
+        if theirs.get("world_size") != key["world_size"] and not elastic:
             what.append(f"{theirs.get('world_size')} replica(s), this start has {key['world_size']}")
         if theirs.get("global_batch") != key["global_batch"]:
             what.append(f"global batch {theirs.get('global_batch')}, this start {key['global_batch']}")
         if theirs.get("data") != key["data"]:
             what.append("other training or validation data (the files changed since)")
         fix = (
-            f"restart with {theirs.get('world_size')} replica(s)"
-            if theirs.get("world_size") != key["world_size"]
+            f"restart with {theirs.get('world_size')} replica(s) (or, for a new run, set GLOBAL_BATCH_SIZE: "
+            "then the replica count may change between restarts)"
+            if theirs.get("world_size") != key["world_size"] and not elastic
             else "restore the data and settings of that run"
         )
         raise JobError(
@@ -164,6 +178,23 @@ def resume_checkpoint(run: RunDir, key: dict) -> str | None:
             f"{fix}, or use a new OUTPUT_DIR to start over",
         )
     return str(latest)
+
+
+def run_segments(checkpoint: str | None, world_size: int) -> list[dict]:
+    """Rank 0: the stretches of the run so far, each a first step and a replica count, with this start's last."""
+    earlier = checkpoint_resume_key(Path(checkpoint)).get("segments", []) if checkpoint else []
+    first = int(checkpoint.rsplit("-", 1)[-1]) + 1 if checkpoint else 1
+    return [*earlier, {"first_step": first, "world_size": world_size}]
+
+
+def close_segments(segments: list[dict], last_step: int) -> list[dict]:
+    """Each stretch with its last step: [{"steps": [1, 120], "world_size": 4}, {"steps": [121, 263], ...}]."""
+    ends = [segment["first_step"] - 1 for segment in segments[1:]] + [last_step]
+    return [
+        {"steps": [segment["first_step"], end], "world_size": segment["world_size"]}
+        for segment, end in zip(segments, ends, strict=True)
+        if end >= segment["first_step"]
+    ]
 
 
 def resume_hint(run: RunDir) -> str:
@@ -299,6 +330,9 @@ def train(
     model = group.agree(lambda: build_model(settings, quantize, device))
 
     key = resume_key(settings, dist, data)
+    checkpoint = group.decide_on_main(lambda: resume_checkpoint(run_dir, key))
+    # The replica counts the run trained on, carried from checkpoint to checkpoint (metrics.json, the card).
+    key["segments"] = group.decide_on_main(lambda: run_segments(checkpoint, dist.world_size))
     trainer = build_trainer(
         settings,
         run_dir,
@@ -312,10 +346,11 @@ def train(
         collectives=group,
         preemption=preemption,
     )
-    checkpoint = group.decide_on_main(lambda: resume_checkpoint(run_dir, key))
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
-    group.run_on_main(lambda: write_run_record(run_dir, settings))
+    group.run_on_main(
+        lambda: write_run_record(run_dir, settings, global_batch=key["global_batch"], segments=key["segments"])
+    )
     if checkpoint:
         log.info(
             "resuming from step %s (%s): the steps before it are not trained again",
@@ -340,6 +375,7 @@ def train(
             # What actually ran, for the card: the resolved rate and numerics, not `auto`.
             "world_size": dist.world_size,
             "global_batch": key["global_batch"],
+            "segments": close_segments(key["segments"], trainer.state.global_step),
             "learning_rate": trainer.args.learning_rate,
             "quantization": "8bit" if quantize else "none",
             "precision": precision,

@@ -140,6 +140,14 @@ class Settings(BaseSettings):
         ge=1,
         description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit",
     )
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=10**6,
+        description="unset: the global batch follows the replica count; set: rows per optimizer step on any replica "
+        "count (micro-batch and accumulation derived, PER_DEVICE_BATCH_SIZE their cap), so a restart may come back "
+        "on any count that divides it",
+    )
     learning_rate: float | None = Field(
         None,
         gt=0,
@@ -361,6 +369,15 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _one_way_to_size_the_batch(self) -> Settings:
+        if self.global_batch_size is not None and self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"GLOBAL_BATCH_SIZE={self.global_batch_size} derives the accumulation from the replica count, so "
+                f"GRADIENT_ACCUMULATION_STEPS={self.gradient_accumulation_steps} cannot also be set: unset one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _merged_push_needs_merge(self) -> Settings:
         if self.result_merged_model_id and not self.merge_adapter:
             raise ValueError(
@@ -400,6 +417,7 @@ TRAINING_SETTINGS = frozenset(
         "max_steps",
         "per_device_batch_size",
         "gradient_accumulation_steps",
+        "global_batch_size",
         "learning_rate",
         "warmup_ratio",
         "lora_r",

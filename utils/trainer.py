@@ -31,8 +31,9 @@ import torch
 from torch.utils.data import SequentialSampler
 from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
 from transformers.integrations import TensorBoardCallback
-from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
 
+from utils.batching import plan_batches
 from utils.collectives import Collectives
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_threads, volume_state
@@ -72,7 +73,7 @@ class JobTrainer(Trainer):
       (CheckpointMarker.save_agreed).
     """
 
-    def __init__(self, *args, param_groups=None, **kwargs):
+    def __init__(self, *args, param_groups=None, global_batch: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         # BERT's forward takes **kwargs, so the Trainer assumes it sums its loss over `num_items_in_batch`
         # and then scales it by the world size and skips the division by accumulation steps. The
@@ -82,6 +83,8 @@ class JobTrainer(Trainer):
         self.param_groups = param_groups
         # Rows this process trained on (logs/rank-R.json); after a resume, only the rows trained since.
         self.samples_seen = 0
+        # GLOBAL_BATCH_SIZE: one order of the rows for every replica count (GlobalOrderSampler).
+        self.global_batch = global_batch
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.param_groups is not None:
@@ -112,6 +115,8 @@ class JobTrainer(Trainer):
         if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, datasets.Dataset):
             # Arrow has the lengths already: the same lengths as the library's loop, so the same batches.
             lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
+            if self.global_batch:
+                return GlobalOrderSampler(self.global_batch, lengths, self.args.seed)
             return EpochSeededLengthGroupedSampler(
                 self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths, self.args.seed
             )
@@ -139,6 +144,31 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
 
     def set_epoch(self, epoch: int) -> None:
         self.generator = torch.Generator().manual_seed(self.seed + epoch)
+
+
+class GlobalOrderSampler(EpochSeededLengthGroupedSampler):
+    """GLOBAL_BATCH_SIZE: the rows of every global batch drawn from SEED + epoch, the data and the global
+    batch alone, never from the replica count.
+
+    Accelerate hands the micro-batches of this order to the ranks in turn (rank r takes micro-batches r,
+    r + world size, ...), and one optimizer step consumes world size x accumulation micro-batches: exactly
+    one global batch, whatever the count. So the same rows make up step k on 1, 2 or 4 replicas, and a
+    resume on another count (the Trainer skips step x accumulation micro-batches on each rank) starts at
+    the same row. An epoch trains floor(rows / global batch) whole global batches: the rows left over
+    (fewer than one global batch) are drawn at random each epoch and wait for the next one, so every step
+    averages the same number of rows and no row is trained twice in an epoch.
+    """
+
+    def __len__(self) -> int:
+        return len(self.lengths) // self.batch_size * self.batch_size
+
+    def __iter__(self):
+        kept = torch.randperm(len(self.lengths), generator=self.generator)[: len(self)].tolist()
+        # Length-grouped within the kept rows (little padding); the grouping is by global batch, not by micro-batch.
+        grouped = get_length_grouped_indices(
+            [self.lengths[i] for i in kept], self.batch_size, generator=self.generator
+        )
+        return iter([kept[i] for i in grouped])
 
 
 def epoch_sampler(train_dataloader) -> EpochSeededLengthGroupedSampler | None:
@@ -364,8 +394,11 @@ def evaluation_interval(settings: Settings, dist: DistEnv, train_rows: int) -> i
     shorter than an epoch); 0: no evaluation during training."""
     if settings.eval_steps is not None:
         return settings.eval_steps
-    batches = math.ceil(train_rows / (settings.per_device_batch_size * dist.world_size))
-    steps_per_epoch = math.ceil(batches / settings.gradient_accumulation_steps)
+    plan = plan_batches(settings, dist.world_size)
+    if plan.fixed:  # whole global batches only (GlobalOrderSampler)
+        steps_per_epoch = max(train_rows // plan.global_batch, 1)
+    else:
+        steps_per_epoch = math.ceil(math.ceil(train_rows / (plan.micro_batch * dist.world_size)) / plan.accumulation)
     steps = min(steps_per_epoch, settings.max_steps or steps_per_epoch)
     return max(1, steps // EVALUATIONS_PER_EPOCH)
 
@@ -373,11 +406,14 @@ def evaluation_interval(settings: Settings, dist: DistEnv, train_rows: int) -> i
 # ------------------------------------------------------------------------------- what a resume keeps
 def resume_key(settings: Settings, dist: DistEnv, data) -> dict:
     """What a resume must not change, recorded in every complete checkpoint: the Trainer fast-forwards each
-    rank's data loader by the saved step count, so another world size, global batch or data would skip or
-    repeat rows without a word."""
+    rank's data loader by the saved step count, so another global batch or data would skip or repeat rows
+    without a word. The world size too, unless GLOBAL_BATCH_SIZE fixes one global order of the rows
+    (`elastic`): then any count that divides the global batch resumes at the same row."""
+    plan = plan_batches(settings, dist.world_size)
     return {
         "world_size": dist.world_size,
-        "global_batch": settings.per_device_batch_size * dist.world_size * settings.gradient_accumulation_steps,
+        "elastic": plan.fixed,
+        "global_batch": plan.global_batch,
         "data": {split: content_digest(data[split]) for split in sorted(data)},
     }
 
@@ -417,14 +453,15 @@ def training_arguments(
     # Ampere and newer: TF32 matmuls for what stays fp32.
     tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8
     eval_every = evaluation_interval(settings, dist, train_rows)
+    plan = plan_batches(settings, dist.world_size)
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
     options = dict(
         output_dir=str(run.checkpoints),
         run_name=settings.run_name,
-        per_device_train_batch_size=settings.per_device_batch_size,
+        per_device_train_batch_size=plan.micro_batch,
         per_device_eval_batch_size=settings.per_device_eval_batch_size,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        gradient_accumulation_steps=plan.accumulation,
         num_train_epochs=settings.num_epochs,
         max_steps=settings.max_steps or -1,
         # LEARNING_RATE, else the global-batch rule.
@@ -532,4 +569,5 @@ def build_trainer(
         compute_metrics=classification_metrics(),
         callbacks=callbacks,
         param_groups=param_groups,
+        global_batch=plan_batches(settings, dist.world_size).global_batch if settings.global_batch_size else None,
     )

@@ -1,0 +1,317 @@
+"""GLOBAL_BATCH_SIZE: the replica count is a deployment detail. 1, 2 and 4 replicas at one global batch train
+the same model, and a run checkpointed on 2 replicas continues on 1 or on 4.
+
+Unlike tests/test_ddp_numerics.py, the sentences here have many lengths and the training split is not a
+multiple of the global batch: the one global order (utils/trainer.py GlobalOrderSampler) must make step k's
+rows the same on every count by itself, and leave the same remainder out of each epoch. Dropout is off, so
+nothing random is drawn during training (each rank draws its own dropout masks).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
+from tests.conftest import (
+    REPO,
+    Replicas,
+    base_env,
+    config_maps,
+    container_env,
+    error_lines,
+    free_port,
+    kustomize,
+    pod_env,
+    push_settings,
+    rank_env,
+    run_main,
+    start_main,
+    wait_all,
+    wait_for,
+)
+from tests.test_ddp_numerics import LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, adapter_weights, first_divergence
+
+GLOBAL_BATCH, MICRO = 16, 4  # 1 replica: 4 micro-batches a step, 2: 2, 4: 1
+EPOCHS, STEPS_PER_EPOCH = 2, 4
+LEFT_OVER = 5  # rows past the last whole global batch of an epoch: drawn anew each epoch, never trained twice
+TRAIN_ROWS, VALIDATION_ROWS = GLOBAL_BATCH * STEPS_PER_EPOCH + LEFT_OVER, 32
+STEPS = EPOCHS * STEPS_PER_EPOCH
+
+
+def write_mixed_length_data(folder: Path, seed: int = 3) -> Path:
+    """Sentences of 4 to 14 words from the tiny model's vocabulary, labelled by their adjective."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True)
+    for split, rows in (("train", TRAIN_ROWS), ("validation", VALIDATION_ROWS)):
+        with open(folder / f"{split}.csv", "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["sentence", "label"])
+            for _ in range(rows):
+                label = rng.randint(0, 1)
+                words = ["the", rng.choice(NOUNS), rng.choice(VERBS), rng.choice(POSITIVE if label else NEGATIVE)]
+                words += [rng.choice(FILLER + NOUNS) for _ in range(rng.randint(0, 10))]
+                writer.writerow([" ".join(words), label])
+    return folder
+
+
+def settings(tiny_bert: Path, data: Path, out: Path, **extra) -> dict[str, str]:
+    values = dict(
+        MODEL_NAME=tiny_bert,
+        DATASET_PATH=data,
+        OUTPUT_DIR=out,
+        NUM_EPOCHS=EPOCHS,
+        GLOBAL_BATCH_SIZE=GLOBAL_BATCH,
+        PER_DEVICE_BATCH_SIZE=MICRO,
+        LEARNING_RATE="3e-3",
+        LORA_DROPOUT=0,
+        MODEL_DROPOUT=0,
+        LOGGING_STEPS=1,
+        EVAL_STEPS=1,
+        PER_DEVICE_EVAL_BATCH_SIZE=8,
+        SAVE_STEPS=2,
+        SAVE_TOTAL_LIMIT=10,
+        REPORT_TO="none",
+        RENDEZVOUS_TIMEOUT=120,
+    )
+    return {k: str(v) for k, v in {**values, **extra}.items()}
+
+
+def start_replicas(tmp: Path, world: int, env: dict[str, str], tag: str, group: Replicas):
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        log = tmp / f"{tag}-rank{rank}.txt"
+        procs.append(start_main(rank_env(tmp, rank, world, port, **env), log=log))
+        group.streams.append(log)
+    group.started += procs
+    return procs, [tmp / f"{tag}-rank{rank}.txt" for rank in range(world)]
+
+
+def curves(out: Path) -> dict[str, dict[int, float]]:
+    history = json.loads((out / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    return {
+        key: {entry["step"]: entry[key] for entry in history["log_history"] if key in entry}
+        for key in ("loss", "eval_loss", "learning_rate")
+    }
+
+
+def samples_trained(out: Path) -> int:
+    return sum(json.loads(p.read_text())["samples_trained"] for p in (out / "logs").glob("rank-*.json"))
+
+
+def differences(reference: Path, other: Path, name: str) -> list[str]:
+    import torch
+
+    problems = []
+    one, two = curves(reference), curves(other)
+    for key, rtol in (("learning_rate", 0), ("loss", LOSS_RTOL), ("eval_loss", LOSS_RTOL)):
+        if where := first_divergence(one[key], two[key], rtol):
+            problems.append(f"{name}: {key} {where}")
+    weights_one, weights_two = adapter_weights(reference), adapter_weights(other)
+    far = [
+        key
+        for key in weights_one
+        if not torch.allclose(weights_one[key], weights_two[key], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+    ]
+    if far:
+        problems.append(f"{name}: {len(far)} adapter tensors differ, e.g. {far[0]}")
+    return problems
+
+
+@pytest.mark.slow
+def test_one_global_batch_trains_the_same_model_on_1_2_and_4_replicas(tmp_path, tiny_bert):
+    data = write_mixed_length_data(tmp_path / "data")
+    group = Replicas(tmp_path)
+    outs = {world: tmp_path / f"out-{world}" for world in (1, 2, 4)}
+    try:
+        for world, out in outs.items():  # one after another: 4 ranks on 2 cores is enough at once
+            procs, logs = start_replicas(tmp_path, world, settings(tiny_bert, data, out), f"w{world}", group)
+            wait_all(procs, logs)
+    finally:
+        group.cleanup()
+
+    problems = []
+    for world, out in outs.items():
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["world_size"] == world and metrics["global_batch"] == GLOBAL_BATCH, metrics
+        # Whole global batches only: each epoch leaves LEFT_OVER rows out, and no row is trained twice.
+        assert samples_trained(out) == EPOCHS * GLOBAL_BATCH * STEPS_PER_EPOCH, world
+        assert sorted(curves(out)["loss"]) == list(range(1, STEPS + 1)), "a training loss every step"
+        if world != 1:
+            problems += differences(outs[1], out, f"{world} replicas against 1")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("new_world", [1, 4])
+def test_a_two_replica_run_continues_on_another_count(tmp_path, tiny_bert, new_world):
+    """Killed after its first complete checkpoint on 2 replicas, restarted on `new_world`: it resumes there,
+    trains every remaining row once, and its curve after the restart is the uninterrupted run's."""
+    data = write_mixed_length_data(tmp_path / "data")
+    reference, out = tmp_path / "reference", tmp_path / "resumed"
+    group = Replicas(tmp_path)
+    try:
+        procs, logs = start_replicas(tmp_path, 2, settings(tiny_bert, data, reference), "ref", group)
+        wait_all(procs, logs)
+        procs, logs = start_replicas(tmp_path, 2, settings(tiny_bert, data, out), "first", group)
+        wait_for(out / "checkpoints" / "checkpoint-2" / "COMPLETE", procs)
+        for proc in procs:
+            proc.kill()
+        wait_all(procs)
+        # The kill may land after a later checkpoint: resume from whichever is the newest complete one.
+        procs, logs = start_replicas(tmp_path, new_world, settings(tiny_bert, data, out), "again", group)
+        wait_all(procs, logs)
+    finally:
+        group.cleanup()
+
+    log = (tmp_path / "again-rank0.txt").read_text()
+    assert "resuming a run checkpointed on 2 replica(s)" in log, log[-3000:]
+    resumed_at = int(log.split("resuming from step ", 1)[1].split()[0])
+    records = [json.loads(p.read_text()) for p in (out / "logs").glob("rank-*.json")]
+    assert {r["world_size"] for r in records} == {new_world}
+    # Only the rows after the checkpoint, each once (the steps before it are not trained again).
+    assert sum(r["samples_trained"] for r in records) == (STEPS - resumed_at) * GLOBAL_BATCH
+    problems = differences(reference, out, f"resumed on {new_world}")
+    assert not problems, "\n".join(problems)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == new_world and metrics["global_batch"] == GLOBAL_BATCH
+    # Which replica count trained which steps: in metrics.json, run.json and the model card.
+    assert metrics["segments"] == [
+        {"steps": [1, resumed_at], "world_size": 2},
+        {"steps": [resumed_at + 1, STEPS], "world_size": new_world},
+    ]
+    record = json.loads((out / "run.json").read_text())
+    assert record["global_batch"] == GLOBAL_BATCH and [s["world_size"] for s in record["segments"]] == [2, new_world]
+    card = (out / "model" / "README.md").read_text()
+    assert f"steps 1-{resumed_at} on 2, {resumed_at + 1}-{STEPS} on {new_world}" in card
+
+
+def test_a_count_that_cannot_share_the_global_batch_is_refused(tmp_path):
+    env = rank_env(tmp_path, 0, 3, free_port(), GLOBAL_BATCH_SIZE=GLOBAL_BATCH)
+    result = run_main(env, "--dry-run")
+    assert result.code == 2, result.stderr
+    assert result.stderr.startswith("error: GLOBAL_BATCH_SIZE=16 cannot be shared by 3 replicas"), result.stderr
+    assert "1, 2, 4, 8, 16" in result.stderr
+    plan = run_main(base_env(tmp_path, GLOBAL_BATCH_SIZE=GLOBAL_BATCH, PER_DEVICE_BATCH_SIZE=3), "--dry-run")
+    assert plan.json()["batch"] == {
+        "global_batch": 16,
+        "micro_batch": 2,  # the largest share of 16 rows that fits 3 and leaves every micro-batch full
+        "accumulation": 8,
+        "world_size": 1,
+        "fixed": True,
+    }
+
+
+def wait_until_listening(port: int, procs: list[subprocess.Popen], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert all(proc.poll() is None for proc in procs), "a torchrun agent exited before the rendezvous"
+            assert time.monotonic() < deadline, f"nothing listens on the rendezvous port {port} after {timeout} s"
+            time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert, hub):
+    """`torchrun --nnodes 1:2` with the c10d rendezvous, two agents ("nodes") on this machine. The second agent
+    is killed with its worker after the first checkpoint, as a lost node would be: the first agent's worker
+    sees its peer gone (exit 143), the agent re-forms the group on the one node left, and the job resumes
+    there at the same global batch, finishes and publishes one model."""
+    data = write_mixed_length_data(tmp_path / "data")
+    out = tmp_path / "out"
+    env = base_env(
+        tmp_path,
+        **settings(tiny_bert, data, out, NUM_EPOCHS=40, SAVE_STEPS=4, EVAL_STEPS=40, RENDEZVOUS_TIMEOUT=60),
+        **push_settings(hub),
+    )
+    port = free_port()
+    torchrun = [str(Path(sys.executable).with_name("torchrun"))]
+    command = [
+        *torchrun,
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=elastic-test",
+        "--rdzv-conf=last_call_timeout=30,join_timeout=120",
+        "--max-restarts=3",
+        "--monitor-interval=1",
+        "main.py",
+    ]
+    logs = [tmp_path / f"agent-{n}.txt" for n in (0, 1)]
+    agents = []
+    try:
+        for log in logs:
+            agents.append(
+                subprocess.Popen(
+                    command,
+                    env=env,
+                    cwd=REPO,
+                    stdout=open(log, "w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            # The first agent hosts the rendezvous store (the one that binds the port does): the second is the
+            # node that is lost, and it joins only once the store listens.
+            wait_until_listening(port, agents)
+        # 160 steps of the tiny model: the kill lands well before the end.
+        wait_for(out / "checkpoints" / "checkpoint-4" / "COMPLETE", agents, timeout=600)
+        os.killpg(agents[1].pid, signal.SIGKILL)  # the node and its worker, at once
+        agents[1].wait()
+        assert agents[0].wait(timeout=600) == 0, logs[0].read_text()[-4000:]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 1 and metrics["global_batch"] == GLOBAL_BATCH, metrics
+    assert "resuming a run checkpointed on 2 replica(s) on 1" in logs[0].read_text()
+    [first, then] = metrics["segments"]
+    assert first["world_size"] == 2 and then["world_size"] == 1 and then["steps"][1] == 40 * STEPS_PER_EPOCH
+    assert len([c for c in hub.commits if c["repo"] == push_settings(hub)["RESULT_MODEL_ID"]]) == 1
+    assert (out / "model" / "adapter_model.safetensors").is_file()
+
+
+def test_the_elastic_pytorchjob_trains_one_global_batch_on_every_count_it_allows(tmp_path):
+    """What a pod of k8s/elastic resolves (torchrun's variables over the manifest's environment): the same
+    global batch and rate on every pod count from minReplicas to maxReplicas that divides it, and a
+    refusal naming the counts that work for one that does not."""
+    docs = kustomize(REPO / "k8s" / "elastic")
+    [job] = [doc for doc in docs if doc["kind"] == "PyTorchJob"]
+    policy = job["spec"]["elasticPolicy"]
+    assert policy["rdzvBackend"] == "c10d" and set(job["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
+    [container] = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    env = container_env(container, config_maps(docs))
+    resolved = {}
+    for world in range(policy["minReplicas"], policy["maxReplicas"] + 1):
+        torchrun = dict(
+            RANK=0, LOCAL_RANK=0, WORLD_SIZE=world, LOCAL_WORLD_SIZE=1, TORCHELASTIC_RUN_ID="job", GROUP_RANK=0
+        )
+        result = run_main(
+            pod_env(tmp_path, **env, **torchrun, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500), "--dry-run"
+        )
+        if int(env["GLOBAL_BATCH_SIZE"]) % world:
+            assert result.code == 2 and "cannot be shared by 3 replicas" in error_lines(result.stderr)[0]
+            continue
+        assert result.code == 0, result.stderr
+        payload = result.json()
+        resolved[world] = (payload["batch"]["global_batch"], payload["config"]["learning_rate"])
+        assert payload["batch"]["micro_batch"] * payload["batch"]["accumulation"] * world == resolved[world][0]
+    assert sorted(resolved) == [2, 4] and len(set(resolved.values())) == 1, resolved
