@@ -303,13 +303,18 @@ def check_target_modules(settings: Settings, modules: dict[str, torch.nn.Module]
         )
 
 
-def trainable_checksum(model: torch.nn.Module) -> str:
+def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> str:
     """A hash of the trainable weights: identical on every rank when DDP (or FSDP) really synchronised them.
 
     Under FSDP each weight is a sharded DTensor: it is gathered whole first, a collective, so every rank
     must call this at the same point, before leaving the process group.
     """
     digest = hashlib.sha256()
+    if weights is not None:  # the trainable weights gathered already (DeepSpeed: utils/strategy.full_state_dict)
+        for name, tensor in sorted(weights.items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().numpy().tobytes())
+        return digest.hexdigest()[:16]
     for name, param in sorted(model.named_parameters()):
         if param.requires_grad:
             if hasattr(param, "full_tensor"):

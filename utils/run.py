@@ -17,6 +17,7 @@ from pathlib import Path
 
 import datasets
 import torch
+import torch.distributed as td
 import transformers
 from transformers import Trainer, set_seed
 
@@ -106,7 +107,10 @@ class RankLogHandler(logging.FileHandler):
 
 def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[bool, str]:
     """(8-bit?, precision) from QUANTIZATION / PRECISION and the hardware; impossible asks are bad input."""
-    quantize = settings.quantization == "8bit" or (settings.quantization == "auto" and cuda and dist.world_size == 1)
+    # auto: no 8-bit under DeepSpeed, which casts and shards the weights (an explicit 8bit is refused there).
+    quantize = settings.quantization == "8bit" or (
+        settings.quantization == "auto" and cuda and dist.world_size == 1 and settings.strategy != "deepspeed"
+    )
     precision = settings.precision
     if precision == "auto":
         precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
@@ -115,6 +119,17 @@ def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[boo
     if precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
         raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
     return quantize, precision
+
+
+def join_deepspeed(dist: DistEnv) -> None:
+    """DeepSpeed's communication set up on the process group the rendezvous created (it reuses an initialised
+    group): before the model is built, so anything DeepSpeed does on the way (ZeRO-3's zero.Init included)
+    sees the whole world, not a world of one."""
+    if not td.is_initialized():  # one process (ZeRO-Offload on one GPU): the Trainer sets DeepSpeed up alone
+        return
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=td.get_backend(), auto_mpi_discovery=False)
 
 
 def agreement(settings: Settings, dist: DistEnv) -> dict:
@@ -273,6 +288,8 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preem
         # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
         group = rendezvous(dist, settings.rendezvous_timeout, cuda, agreement(settings, dist), on_main=lock.acquire)
         log_to_file(run_dir, dist, masker)
+        if settings.strategy == "deepspeed":
+            join_deepspeed(dist)
         with group.peers_watched(lambda: resume_hint(run_dir)):
             trainer, metrics, record, state_dict = train(
                 settings, group, run_dir, device, quantize, precision, cuda, preemption
@@ -396,6 +413,7 @@ def train(
         timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StartupTimer))
         # The checksum and the full state dict are collectives when FSDP shards the weights: on every rank,
         # and before leaving the group.
+        state_dict = full_state_dict(trainer.model, settings.strategy)
         record = {
             "rank": dist.rank,
             "local_rank": dist.local_rank,
@@ -403,11 +421,13 @@ def train(
             "world_size": dist.world_size,
             "source": dist.source,
             "samples_trained": trainer.samples_seen,
-            "trainable_checksum": trainable_checksum(trainer.model),
+            # DeepSpeed: the gathered fp32 weights (under ZeRO-3 the module's own are empty shards)
+            "trainable_checksum": trainable_checksum(
+                trainer.model, state_dict if settings.strategy == "deepspeed" else None
+            ),
             "first_step": timer.first_step + 1,
             "seconds_to_first_step": timer.seconds,
         }
-        state_dict = full_state_dict(trainer.model, settings.strategy)
     return trainer, metrics, record, state_dict
 
 

@@ -218,16 +218,36 @@ class Settings(BaseSettings):
 
     # --- numerics and speed
     quantization: Literal["auto", "8bit", "none"] = Field(
-        "auto", description="auto: 8bit when the whole job is one CUDA GPU (it halves weight memory), none otherwise"
+        "auto",
+        description="auto: 8bit when the whole job is one CUDA GPU (it halves weight memory) and STRATEGY is not deepspeed, none otherwise",
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast where the GPU supports it, else fp32"
     )
-    strategy: Literal["ddp", "fsdp"] = Field(
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
         "ddp",
         description="ddp: a whole model per GPU, gradients all-reduced (BERT-base with LoRA fits one GPU many times over: fastest); "
         "fsdp: weights, gradients and optimizer state sharded per transformer block, for a base model too big for one GPU; "
-        "needs 2+ CUDA GPUs (on the CPU the Trainer would silently train DDP instead, so the job refuses it there)",
+        "needs 2+ CUDA GPUs (on the CPU the Trainer would silently train DDP instead, so the job refuses it there); "
+        "deepspeed: DeepSpeed ZeRO (ZERO_STAGE, ZERO_OFFLOAD, or DEEPSPEED_CONFIG), on GPUs or the CPU",
+    )
+    zero_stage: int = Field(
+        2,
+        ge=1,
+        le=3,
+        description="STRATEGY=deepspeed: ZeRO stage; 1 shards optimizer state, 2 also gradients (as fast as DDP, "
+        "less memory: the default), 3 also the weights (a base model too big for one GPU)",
+    )
+    zero_offload: Literal["none", "optimizer", "optimizer+parameters"] = Field(
+        "none",
+        description="STRATEGY=deepspeed: keep optimizer state (and, at ZERO_STAGE=3 only, the weights) in host memory "
+        "and step on the CPU (DeepSpeedCPUAdam): a larger base model on a smaller GPU, slower steps",
+    )
+    deepspeed_config: str | None = Field(
+        None,
+        description="STRATEGY=deepspeed: path of your own ds_config.json; it wins over ZERO_STAGE and ZERO_OFFLOAD; "
+        "what the job's settings own (batch sizes, accumulation, learning rate, schedule, clipping, precision) must be "
+        "'auto' or agree with them",
     )
     gradient_checkpointing: bool = Field(
         False, description="saves activation memory that BERT-base LoRA does not need, at ~30% more compute"
@@ -378,6 +398,26 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _deepspeed_settings_need_deepspeed(self) -> Settings:
+        if self.zero_offload == "optimizer+parameters" and self.zero_stage != 3 and self.deepspeed_config is None:
+            raise ValueError(
+                f"ZERO_OFFLOAD=optimizer+parameters offloads the weights, which only ZeRO stage 3 shards "
+                f"(ZERO_STAGE={self.zero_stage}); set ZERO_STAGE=3, or ZERO_OFFLOAD=optimizer"
+            )
+        if self.strategy == "deepspeed" and self.quantization == "8bit":
+            raise ValueError(
+                "QUANTIZATION=8bit cannot be combined with STRATEGY=deepspeed: DeepSpeed casts and shards the weights, "
+                "which bitsandbytes int8 weights do not survive; use QUANTIZATION=none (or auto: none under deepspeed), "
+                "or STRATEGY=ddp on one GPU for 8-bit"
+            )
+        if self.deepspeed_config is not None and self.strategy != "deepspeed":
+            raise ValueError(
+                f"DEEPSPEED_CONFIG={self.deepspeed_config} is a DeepSpeed config but STRATEGY={self.strategy}; "
+                "set STRATEGY=deepspeed, or unset DEEPSPEED_CONFIG"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _merged_push_needs_merge(self) -> Settings:
         if self.result_merged_model_id and not self.merge_adapter:
             raise ValueError(
@@ -395,7 +435,7 @@ class Settings(BaseSettings):
     # ---------------------------------------------------------------- views
     def training_settings(self) -> dict[str, Any]:
         """The settings that change what is trained: a run folder holding other values is refused."""
-        return {name: value for name, value in self.as_dict().items() if name in TRAINING_SETTINGS}
+        return {name: value for name, value in self.as_dict().items() if name in training_setting_names(self)}
 
     def as_dict(self) -> dict[str, Any]:
         values = self.model_dump(mode="json")
@@ -427,6 +467,10 @@ TRAINING_SETTINGS = frozenset(
         "quantization",
         "precision",
         "strategy",
+        # the ZeRO stage and the offload decide what a checkpoint holds (which shards, where the optimizer steps)
+        "zero_stage",
+        "zero_offload",
+        "deepspeed_config",
         "max_seq_length",
         "seed",
         "base_learning_rate",
@@ -442,8 +486,17 @@ TRAINING_SETTINGS = frozenset(
 )
 
 
+DEEPSPEED_SETTINGS = frozenset({"zero_stage", "zero_offload", "deepspeed_config"})
+
+
+def training_setting_names(settings: Settings) -> frozenset[str]:
+    """TRAINING_SETTINGS, less the DeepSpeed ones unless STRATEGY=deepspeed: they change nothing else, and a
+    DDP or FSDP run keeps the run name and the run folder it had before they existed."""
+    return TRAINING_SETTINGS if settings.strategy == "deepspeed" else TRAINING_SETTINGS - DEEPSPEED_SETTINGS
+
+
 def derive_run_name(settings: Settings) -> str:
-    training = {name: getattr(settings, name) for name in sorted(TRAINING_SETTINGS)}
+    training = {name: getattr(settings, name) for name in sorted(training_setting_names(settings))}
     digest = hashlib.sha256(json.dumps(training, sort_keys=True, default=str).encode()).hexdigest()[:8]
     model = Path(settings.model_name.rstrip("/")).name or "model"
     data = Path(settings.dataset_path.rstrip("/")).name if settings.dataset_path else settings.dataset_config

@@ -1,10 +1,14 @@
-"""How the model is spread over the ranks: STRATEGY=ddp (the default) or fsdp, and the checks that keep
+"""How the model is spread over the ranks: STRATEGY=ddp (the default), fsdp or deepspeed, and the checks that keep
 a run from ever training with another strategy than the one asked for.
 
 DDP keeps a whole copy of the model on every GPU and all-reduces gradients: BERT-base with LoRA fits one
 GPU many times over, so this is the fastest choice. FSDP (PyTorch FSDP2 through the Trainer/Accelerate)
 shards weights, gradients and optimizer state across the GPUs, one unit per transformer block, for users
 who swap in a base model too big for one GPU.
+
+DeepSpeed ZeRO (stages 1-3, optionally offloading to host memory) is the sharded strategy that also runs on
+the CPU (its CPU accelerator over gloo), so it is tested end to end there; its config is
+utils/deepspeed_config.py's.
 
 The trap this module exists for: the Trainer and Accelerate drop FSDP without a word on the CPU, and on a
 single process, and train plain DDP (or nothing distributed) instead. So `check_strategy` refuses, before
@@ -15,11 +19,13 @@ anything is loaded, every combination where FSDP cannot happen, and the Trainer'
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from utils.deepspeed_config import check_launcher, run_config
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
@@ -32,12 +38,8 @@ def check_strategy(
 
     `launcher` holds the training options an `accelerate launch` config exported (utils/distributed.py launcher_options).
     """
-    if launcher.get("deepspeed"):
-        raise JobError(
-            EXIT_BAD_INPUT,
-            "the accelerate config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true), which this job does not support; "
-            "launch with launchers/accelerate/multi-gpu.yaml and set STRATEGY=fsdp to shard the model",
-        )
+    # An accelerate config asking for DeepSpeed has become STRATEGY=deepspeed already (deepspeed_config.adopt_launcher).
+    check_launcher(settings, launcher)
     if launcher.get("fsdp"):
         raise JobError(
             EXIT_BAD_INPUT,
@@ -51,6 +53,8 @@ def check_strategy(
             f"the accelerate config sets mixed_precision: {mixed} but PRECISION resolves to {precision}; the job's PRECISION "
             f"decides: set PRECISION={mixed}, or mixed_precision: 'no' in the config",
         )
+    if settings.strategy == "deepspeed":
+        check_deepspeed(settings, dist, cuda, quantize, precision, launcher)
     if settings.strategy != "fsdp":
         return
     if not cuda:
@@ -71,6 +75,18 @@ def check_strategy(
             "QUANTIZATION=8bit cannot be combined with STRATEGY=fsdp: FSDP cannot shard bitsandbytes int8 weights; "
             "use QUANTIZATION=none (or auto) with fsdp",
         )
+
+
+def check_deepspeed(
+    settings: Settings, dist: DistEnv, cuda: bool, quantize: bool, precision: str, launcher: Mapping[str, object]
+) -> None:
+    """STRATEGY=deepspeed: what would drop DeepSpeed silently or cannot run under it; the config checked with the
+    precision now resolved (utils/deepspeed_config.py)."""
+    if quantize:  # Settings refuses QUANTIZATION=8bit with deepspeed, and auto resolves to none there
+        raise JobError(
+            EXIT_BAD_INPUT, "QUANTIZATION=8bit cannot be combined with STRATEGY=deepspeed; use QUANTIZATION=none"
+        )
+    run_config(settings, dist.world_size, precision)
 
 
 def wrap_classes(model: torch.nn.Module) -> list[str]:
@@ -98,8 +114,13 @@ def wrap_classes(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def trainer_options(settings: Settings, model: torch.nn.Module) -> dict[str, Any]:
-    """TrainingArguments for the strategy: nothing extra for DDP; FSDP2 wrapping per transformer block for fsdp."""
+def trainer_options(
+    settings: Settings, model: torch.nn.Module, world_size: int = 1, precision: str | None = None
+) -> dict[str, Any]:
+    """TrainingArguments for the strategy: nothing extra for DDP; FSDP2 wrapping per transformer block for fsdp;
+    the DeepSpeed config for deepspeed (the Trainer fills in its "auto" values and calls deepspeed.initialize)."""
+    if settings.strategy == "deepspeed":
+        return {"deepspeed": run_config(settings, world_size, precision)}
     if settings.strategy != "fsdp":
         return {}
     return {
@@ -121,11 +142,36 @@ def count_fsdp_units(model: torch.nn.Module) -> int:
     return sum(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules())
 
 
+def is_deepspeed_engine(model: torch.nn.Module) -> bool:
+    """Whether the Trainer really wrapped the model in a DeepSpeed engine (it and Accelerate drop DeepSpeed
+    without a word under ACCELERATE_USE_CPU)."""
+    if "deepspeed" not in sys.modules:
+        return False
+    from deepspeed import DeepSpeedEngine
+
+    return isinstance(model, DeepSpeedEngine)
+
+
 def full_state_dict(model: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:
     """FSDP: the whole, unsharded weights for saving, gathered by every rank and held on rank 0 (CPU).
+    DeepSpeed: the trainable weights (what the adapter holds) in fp32, whole, on every rank: the optimizer's
+    fp32 copy, gathered from the ZeRO-3 shards (the module's own copy is bf16 under PRECISION=bf16, and empty
+    under ZeRO-3 outside a forward pass). A weight that comes back empty is a bug, never a saved adapter.
 
     A collective: call it on every rank before leaving the process group. DDP: None (each rank holds them).
     """
+    if strategy == "deepspeed":
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        weights = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                full = safe_get_full_fp32_param(param)
+                weights[name] = (param if full is None else full).detach().float().cpu().clone()
+        empty = sorted(name for name, tensor in weights.items() if tensor.numel() == 0)
+        if empty:
+            raise RuntimeError(f"DeepSpeed returned {len(empty)} trainable weight(s) empty, e.g. {empty[0]}")
+        return weights
     if strategy != "fsdp":
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

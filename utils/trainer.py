@@ -35,6 +35,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_group
 
 from utils.batching import plan_batches
 from utils.collectives import Collectives
+from utils.deepspeed_config import offloads, zero_stage
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_threads, volume_state
 from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
@@ -91,7 +92,27 @@ class JobTrainer(Trainer):
             opt_model = self.model if model is None else model
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
             self.optimizer = optimizer_cls(self.param_groups(opt_model.named_parameters()), **optimizer_kwargs)
-        return super().create_optimizer(model)
+        optimizer = super().create_optimizer(model)
+        if self.args.deepspeed and offloads(self.args.hf_deepspeed_config.config)[0]:
+            # ZeRO-Offload steps on the CPU, where DeepSpeed takes its own CPU Adam only (a C++ op compiled once
+            # with g++, no nvcc); the same groups and AdamW hyperparameters as the torch optimizer it replaces.
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            groups = [
+                {key: value for key, value in group.items() if key in ("params", "lr", "weight_decay", "betas", "eps")}
+                for group in optimizer.param_groups
+            ]
+            defaults = optimizer.defaults
+            self.optimizer = DeepSpeedCPUAdam(
+                groups,
+                lr=defaults["lr"],
+                betas=defaults["betas"],
+                eps=defaults["eps"],
+                weight_decay=defaults["weight_decay"],
+                adamw_mode=True,
+            )
+            optimizer = self.optimizer
+        return optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # The only public place that sees each batch: callbacks get the step, not the rows (a step count
@@ -356,6 +377,23 @@ class StrategyCheck(TrainerCallback):
         self.strategy = strategy
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.strategy == "deepspeed":
+            from accelerate.state import AcceleratorState
+            from accelerate.utils import DistributedType
+
+            if AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"STRATEGY=deepspeed but Accelerate set the run up as {AcceleratorState().distributed_type.value} "
+                    "(it would train without DeepSpeed); launch without --cpu / ACCELERATE_USE_CPU",
+                )
+            config = args.hf_deepspeed_config.config
+            log.info(
+                "strategy deepspeed: ZeRO stage %d, optimizer state offloaded %s, weights offloaded %s",
+                zero_stage(config),
+                *offloads(config),
+            )
+            return
         units = count_fsdp_units(model)
         if self.strategy == "fsdp" and not units:
             raise JobError(
@@ -507,7 +545,8 @@ def training_arguments(
         log_level_replica="warning",
     )
     # STRATEGY=fsdp: FSDP2, one unit per transformer block.
-    options.update(trainer_options(settings, model))
+    # STRATEGY=deepspeed: the DeepSpeed config ("auto" where these arguments decide).
+    options.update(trainer_options(settings, model, dist.world_size, precision))
     return JobTrainingArguments(**options)
 
 

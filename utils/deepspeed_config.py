@@ -1,0 +1,297 @@
+"""STRATEGY=deepspeed: the DeepSpeed config a run uses, built from the settings or read from DEEPSPEED_CONFIG,
+and checked against the settings before anything is loaded.
+
+What the job's settings own is written "auto" in the config the job builds, and the Trainer fills it in from
+its TrainingArguments: the micro-batch, the accumulation, the global batch (utils/batching.py), the
+learning rate and schedule (utils/recipe.py), the clipping, the precision. A user's ds_config.json may leave
+them "auto", leave them out, or pin them to the value the settings resolve to; a value that disagrees is
+refused (exit 2) naming the field and both values, so no run trains with other numbers than the ones its
+run.json, logs and model card show.
+
+The job's config has no "optimizer" and no "scheduler" block: the Trainer then builds its own AdamW, with the
+recipe's parameter groups (LoRA+, the head's rate), and its own warm-up schedule, and hands them to DeepSpeed
+(which the Trainer allows with "zero_allow_untested_optimizer"). On a GPU that is torch's AdamW: nothing to
+compile at run time, so the CUDA runtime image needs no nvcc (DeepSpeed's FusedAdam would). With
+ZERO_OFFLOAD the optimizer steps on the CPU: DeepSpeedCPUAdam (utils/trainer.py), a C++ op DeepSpeed compiles
+once into TORCH_EXTENSIONS_DIR with g++ (no nvcc).
+
+No torch import here: `--dry-run` shows the config the run will use in well under a second.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from utils.batching import plan_batches
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.recipe import resolve_learning_rate
+from utils.settings import Settings
+
+DEEPSPEED_PIN = "deepspeed==0.19.8"  # requirements.txt's pin, named in the fix when it is missing
+# The Trainer's max_grad_norm default, which the job keeps (utils/trainer.py sets no other).
+GRADIENT_CLIPPING = 1.0
+OFFLOADS = {  # ZERO_OFFLOAD -> (optimizer state on the CPU, weights on the CPU)
+    "none": (False, False),
+    "optimizer": (True, False),
+    "optimizer+parameters": (True, True),
+}
+
+
+def build_config(settings: Settings) -> dict[str, Any]:
+    """The config the job builds from ZERO_STAGE and ZERO_OFFLOAD; "auto" where the Trainer fills in the settings."""
+    offload_optimizer, offload_parameters = OFFLOADS[settings.zero_offload]
+    zero: dict[str, Any] = {"stage": settings.zero_stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if settings.zero_stage == 3:
+        # The adapter is gathered from the shards by the job itself (utils/strategy.full_state_dict), trainable
+        # weights only; gathering the whole 16-bit model at every checkpoint would cost the memory ZeRO-3 saves.
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000_000,  # the Trainer logs the loss; DeepSpeed's own step lines would repeat it
+        "wall_clock_breakdown": False,
+    }
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """DEEPSPEED_CONFIG read and parsed; a missing, unreadable or non-JSON file is bad input."""
+    fix = "set DEEPSPEED_CONFIG to a readable ds_config.json, or unset it to let ZERO_STAGE and ZERO_OFFLOAD build one"
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JobError(
+            EXIT_BAD_INPUT, f"DEEPSPEED_CONFIG={path} cannot be read ({exc.strerror or exc}); {fix}"
+        ) from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"DEEPSPEED_CONFIG={path} is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); {fix}",
+        ) from None
+    if not isinstance(config, dict):
+        raise JobError(
+            EXIT_BAD_INPUT, f"DEEPSPEED_CONFIG={path} holds a JSON {type(config).__name__}, not an object; {fix}"
+        )
+    return config
+
+
+def _get(config: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def owned_values(settings: Settings, world_size: int, precision: str | None) -> dict[str, Any]:
+    """Config field -> the value the job's settings resolve to (precision None: not resolved yet, PRECISION=auto
+    before the hardware is known)."""
+    plan = plan_batches(settings, world_size)
+    rate = resolve_learning_rate(settings, world_size)
+    owned: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.accumulation,
+        "train_batch_size": plan.global_batch,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "optimizer.params.lr": rate,
+        "optimizer.params.weight_decay": settings.weight_decay,
+        "scheduler.params.warmup_max_lr": rate,
+    }
+    if precision is None and settings.precision != "auto":
+        precision = settings.precision
+    if precision is not None:
+        owned["bf16.enabled"] = precision == "bf16"
+        owned["fp16.enabled"] = precision == "fp16"
+    return owned
+
+
+SETTING_OF = {  # what to change on the job's side, per owned field
+    "train_micro_batch_size_per_gpu": "PER_DEVICE_BATCH_SIZE (or GLOBAL_BATCH_SIZE)",
+    "gradient_accumulation_steps": "GRADIENT_ACCUMULATION_STEPS (or GLOBAL_BATCH_SIZE)",
+    "train_batch_size": "GLOBAL_BATCH_SIZE",
+    "gradient_clipping": "nothing: the job clips at 1.0",
+    "optimizer.params.lr": "LEARNING_RATE",
+    "optimizer.params.weight_decay": "WEIGHT_DECAY",
+    "scheduler.params.warmup_max_lr": "LEARNING_RATE",
+    "bf16.enabled": "PRECISION",
+    "fp16.enabled": "PRECISION",
+}
+
+
+def check_config(config: Mapping[str, Any], settings: Settings, world_size: int, precision: str | None) -> None:
+    """Refuse a user's config that pins a value the settings resolve otherwise, or that cannot apply."""
+    where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
+    for field, ours in owned_values(settings, world_size, precision).items():
+        theirs = _get(config, field)
+        if theirs is None or theirs == "auto":
+            continue
+        if isinstance(ours, bool):
+            same = theirs is ours
+        else:  # a rate written out in the file with fewer digits than the recipe resolves it to is another rate
+            number = isinstance(theirs, (int, float)) and not isinstance(theirs, bool)
+            same = number and math.isclose(theirs, ours, rel_tol=1e-9)
+        if not same:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{where} pins {field}: {json.dumps(theirs)} but the job's settings resolve it to {json.dumps(ours)}; "
+                f'write "auto" for {field} in the file (the job fills it in), or change {SETTING_OF[field]}',
+            )
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if stage not in (1, 2, 3):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{where} sets zero_optimization.stage: {json.dumps(stage)}; STRATEGY=deepspeed trains with ZeRO stage 1, 2 "
+            'or 3: set "zero_optimization": {"stage": 2} (or 1, 3), or use STRATEGY=ddp for plain data parallelism',
+        )
+    param_device = _get(config, "zero_optimization.offload_param.device")
+    if param_device not in (None, "none") and stage != 3:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{where} offloads the weights (zero_optimization.offload_param.device: {param_device}) at stage {stage}, "
+            "but only ZeRO stage 3 shards and offloads weights; set zero_optimization.stage to 3, or drop offload_param",
+        )
+    if "optimizer" in config and (settings.loraplus_lr_ratio != 1 or settings.head_learning_rate_ratio != 1):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{where} has an optimizer block, which replaces the job's AdamW and with it the recipe's per-group rates "
+            f"(LORAPLUS_LR_RATIO={settings.loraplus_lr_ratio:g}, HEAD_LEARNING_RATE_RATIO={settings.head_learning_rate_ratio:g}); "
+            "drop the optimizer block (the job's AdamW runs under DeepSpeed), or set both ratios to 1",
+        )
+
+
+def check_installed() -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"STRATEGY=deepspeed needs the deepspeed package, which is not installed; pip install {DEEPSPEED_PIN} "
+            "(DS_BUILD_OPS=0: its ops compile on first use), or use STRATEGY=ddp",
+        )
+
+
+def run_config(settings: Settings, world_size: int, precision: str | None = None) -> dict[str, Any]:
+    """The DeepSpeed config the run hands the Trainer (its "auto" values left for the Trainer), checked."""
+    check_installed()
+    if settings.deepspeed_config is None:
+        return build_config(settings)
+    config = load_config(settings.deepspeed_config)
+    check_config(config, settings, world_size, precision)
+    return config
+
+
+def zero_stage(config: Mapping[str, Any]) -> int:
+    return int(_get(config, "zero_optimization.stage") or 0)
+
+
+def offloads(config: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(optimizer state on the host, weights on the host) in `config`."""
+    return (
+        _get(config, "zero_optimization.offload_optimizer.device") not in (None, "none"),
+        _get(config, "zero_optimization.offload_param.device") not in (None, "none"),
+    )
+
+
+def describe_strategy(settings: Settings, world_size: int) -> dict[str, Any]:
+    """--dry-run's view: the strategy, and for deepspeed the config with what the settings resolve filled in
+    (precision stays "auto" until the hardware is known; the schedule's step counts until the data is)."""
+    if settings.strategy != "deepspeed":
+        return {"strategy": settings.strategy}
+    config = copy.deepcopy(run_config(settings, world_size))
+    for field, value in owned_values(settings, world_size, None).items():
+        parent, _, leaf = field.rpartition(".")
+        holder = _get(config, parent) if parent else config
+        if isinstance(holder, dict) and holder.get(leaf) == "auto":
+            holder[leaf] = value
+    return {"strategy": "deepspeed", "deepspeed": config}
+
+
+# ------------------------------------------------------------------------------- accelerate launch
+def check_launcher(settings: Settings, launcher: Mapping[str, object]) -> None:
+    """What makes Accelerate drop or mix DeepSpeed without a word: refused (exit 2) before anything loads."""
+    if settings.strategy != "deepspeed":
+        return
+    if launcher.get("fsdp"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "the accelerate config asks for FSDP (ACCELERATE_USE_FSDP=true) while STRATEGY=deepspeed; one run shards "
+            "one way: launch with a MULTI_GPU or DeepSpeed accelerate config for DeepSpeed, or set STRATEGY=fsdp",
+        )
+    if launcher.get("cpu"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "ACCELERATE_USE_CPU=true (accelerate launch --cpu, use_cpu: true) makes Accelerate drop DeepSpeed without "
+            "a warning and train plain DDP; launch without --cpu (use_cpu: false): on a machine without CUDA the job "
+            "runs DeepSpeed on the CPU by itself",
+        )
+
+
+def adopt_launcher(settings: Settings, launcher: Mapping[str, object]) -> Settings:
+    """`accelerate launch` with a DeepSpeed config: its choices become STRATEGY=deepspeed, ZERO_STAGE, ZERO_OFFLOAD
+    and DEEPSPEED_CONFIG where those are not set; one set to something else is refused (exit 2), so the job's
+    settings and the launcher's never disagree silently. The Trainer then gets the job's config alone
+    (utils/distributed.export_env drops the launcher's DeepSpeed variables)."""
+    if not launcher.get("deepspeed"):
+        check_launcher(settings, launcher)
+        return settings
+    wanted: dict[str, Any] = {"strategy": "deepspeed"}
+    if launcher.get("deepspeed_config_file"):
+        wanted["deepspeed_config"] = str(launcher["deepspeed_config_file"])
+    else:
+        if launcher.get("zero_stage") is not None:
+            wanted["zero_stage"] = launcher["zero_stage"]
+        devices = (launcher.get("offload_optimizer_device"), launcher.get("offload_param_device"))
+        if "nvme" in devices:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                "the accelerate config offloads to NVMe, which ZERO_OFFLOAD does not set up; write the offload into a "
+                "ds_config.json and pass it as DEEPSPEED_CONFIG (deepspeed_config_file in the accelerate config)",
+            )
+        on_cpu = tuple(device == "cpu" for device in devices)
+        if on_cpu == (False, True):
+            raise JobError(
+                EXIT_BAD_INPUT,
+                "the accelerate config offloads the weights but not the optimizer state; set "
+                "offload_optimizer_device: cpu too (ZERO_OFFLOAD=optimizer+parameters), or offload_param_device: none",
+            )
+        wanted["zero_offload"] = {
+            (False, False): "none",
+            (True, False): "optimizer",
+            (True, True): "optimizer+parameters",
+        }[on_cpu]
+    explicit = settings.model_fields_set
+    for name, value in wanted.items():
+        if name in explicit and getattr(settings, name) != value:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the accelerate config asks for DeepSpeed with {name} {value} but {name.upper()}={getattr(settings, name)}; "
+                f"the two must agree: set {name.upper()}={value}, unset it, or launch with another accelerate config",
+            )
+    values = settings.model_dump()
+    if "run_name" not in explicit:
+        values.pop("run_name")  # derived again from the settings that now train
+    try:
+        adopted = Settings(**{**values, **wanted})
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise JobError(EXIT_BAD_INPUT, f"the accelerate config's DeepSpeed options: {reason}") from None
+    check_launcher(adopted, launcher)
+    return adopted
