@@ -9,7 +9,7 @@ import math
 import os
 
 SST2_TRAIN_ROWS = 67_349  # GLUE SST-2's training split: "one epoch" in the figures
-# One epoch on one H100 in 20 s (the issue's aim): the step time the 4-replica projection assumes where no GPU was
+# One epoch on one H100 in 20 s (the performance target in docs/performance.md): the step time the 4-replica projection assumes where no GPU was
 # measured, so that the all-reduce measured here can be set against a GPU's step.
 H100_REFERENCE_EPOCH_S = 20.0
 

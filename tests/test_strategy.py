@@ -1,6 +1,6 @@
 """STRATEGY=ddp|fsdp: FSDP never turns into DDP unannounced, and the FSDP path really shards the LoRA model.
 
-The Trainer and Accelerate drop FSDP on the CPU without a word (DESIGN.md, library traps), so on this
+The Trainer and Accelerate drop FSDP on the CPU without a word (seen with transformers 5.23, accelerate 1.15), so on this
 machine the job must refuse STRATEGY=fsdp (exit 2 on every rank, nothing trained). The FSDP machinery itself
 is checked on the CPU with the preparation Accelerate runs on GPUs (tests/fsdp_worker.py), and end to end on
 CUDA GPUs where there are two.
@@ -73,12 +73,28 @@ def test_accelerate_config_cannot_change_the_strategy_or_precision_behind_the_se
     assert refusal(Settings(), precision="bf16", mixed_precision="bf16") is None
     assert refusal(Settings(), precision="fp32", mixed_precision="no") is None
     # The variables `accelerate launch` exports for a config file are the ones read.
-    assert launcher_options({"ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "BF16"}) == {
-        "fsdp": True,
-        "deepspeed": False,
-        "mixed_precision": "bf16",
+    read = launcher_options({"ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "BF16"})
+    assert read.items() >= {"fsdp": True, "deepspeed": False, "mixed_precision": "bf16", "zero_stage": None}.items()
+    nothing = launcher_options({})
+    assert not any(nothing.values()), nothing
+    # What `accelerate launch --config_file launchers/accelerate/deepspeed-zero3.yaml` exports.
+    exported = {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
     }
-    assert launcher_options({}) == {"fsdp": False, "deepspeed": False, "mixed_precision": None}
+    assert (
+        launcher_options(exported).items()
+        >= {
+            "fsdp": False,
+            "deepspeed": True,
+            "mixed_precision": None,
+            "zero_stage": 3,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "cpu",
+        }.items()
+    )
 
 
 def test_fsdp_units_are_the_repeated_transformer_blocks(tiny_bert):

@@ -1,4 +1,4 @@
-"""Exit codes the orchestrators act on (DESIGN contract), the exceptions that carry them, and the environment
+"""Exit codes the orchestrators act on (docs/reliability.md), the exceptions that carry them, and the environment
 faults that map onto them (a full or read-only OUTPUT_DIR volume)."""
 
 from __future__ import annotations

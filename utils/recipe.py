@@ -6,14 +6,13 @@ same settings train the same model on 1, 2, 4 or 8 replicas:
     learning_rate = BASE_LEARNING_RATE x (global batch / 64) ** 0.25     (LEARNING_RATE_SCALING=fourth-root)
 
 64 is the reference batch, the global batch of one replica with the defaults, where BASE_LEARNING_RATE
-(1e-3) was tuned (docs/quality.md). Four replicas take a quarter of the steps, each averaging four times
-the rows: Adam's update size does not grow with the batch, so without a larger rate the run moves the
-weights a quarter as far (the issue measured 82.1% instead of 85.8% on SST-2 at one rate). How much
-larger was measured, one epoch of real SST-2 on 4 replicas: the square-root rule (Malladi et al. 2022,
-"On the SDEs and scaling rules for adaptive gradient algorithms"; `sqrt`) takes 1e-3 to 2e-3 and
-overshoots (88.45%), the fourth root takes it to 1.41e-3 (88.95% and 89.13% over two seeds, against
-89.71% for one replica). LoRA+ already trains the B matrices at 8x the rate, which is likely why the
-gentler rule wins. `sqrt`, `linear` and `none` are there to compare against. Warm-up is WARMUP_RATIO of
+(1e-3) was tuned. Four replicas take a quarter of the steps, each averaging four times the rows: Adam's
+update size does not grow with the batch, so without a larger rate the run moves the weights a quarter as
+far. How much larger was measured on real SST-2 on 4 replicas (docs/quality.md has the figures): the
+square-root rule (Malladi et al. 2022, "On the SDEs and scaling rules for adaptive gradient algorithms";
+`sqrt`) overshoots, the fourth root comes within a point of one replica. LoRA+ already trains the B
+matrices at 8x the rate, which is likely why the gentler rule wins. `sqrt`, `linear` and `none` are there
+to compare against. Warm-up is WARMUP_RATIO of
 the steps, so it follows the step count by itself, but never all of them (`warmup_steps`).
 
 A LEARNING_RATE set by the user is used exactly as given, on any number of replicas. A rate the rule
