@@ -212,7 +212,7 @@ class Settings(BaseSettings):
     model_dropout: Annotated[float, Field(ge=0, lt=1)] | Literal["checkpoint"] = Field(
         0.0,
         description="dropout inside the frozen base model (BERT's hidden_dropout_prob and attention_probs_dropout_prob, "
-        "which its classifier dropout follows); 0 trained 1.0-1.3 points more on SST-2 in one epoch (docs/quality.md); "
+        "which its classifier dropout follows); 0 trained better on SST-2 in one epoch (figures: docs/quality.md); "
         "checkpoint: keep the checkpoint's (0.1 for BERT)",
     )
 
