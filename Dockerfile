@@ -27,6 +27,7 @@ ENV PYTHONUNBUFFERED=1 \
     TRITON_CACHE_DIR=/tmp/triton \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     MPLCONFIGDIR=/tmp/matplotlib \
+    TORCH_EXTENSIONS_DIR=/tmp/torch_extensions \
     OUTPUT_DIR=/pvc-home/output
 
 WORKDIR /app
@@ -34,9 +35,22 @@ WORKDIR /app
 # Dependencies in their own layer, before the code: editing the code does not reinstall them. The
 # constraint keeps the base image's torch (a dependency's looser pin must not pull another build).
 # dumb-init is PID 1: it forwards SIGTERM (preemption) to the job, which python as PID 1 would ignore.
+#
+# DeepSpeed (STRATEGY=deepspeed) installs with DS_BUILD_OPS=0: no op is compiled into the image, and none
+# needs nvcc at run time, which this CUDA *runtime* base does not have. On GPUs the optimizer is torch's
+# AdamW, built by the Trainer and handed to DeepSpeed (the job's DeepSpeed config has no "optimizer"
+# block, so DeepSpeed's FusedAdam, a CUDA op, is never used), and ZeRO 1-3 communicate over NCCL: nothing
+# is compiled. Two CPU ops are, once, on first use, with g++ and ninja (ninja comes with deepspeed):
+# DeepSpeedCPUAdam for ZERO_OFFLOAD (the optimizer steps on the CPU) and, on a CPU-only machine, the
+# shared-memory collectives. They land in TORCH_EXTENSIONS_DIR under /tmp, writable with a read-only root.
 COPY requirements.txt ./
-RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-pin.txt \
-    && python -m pip install --no-cache-dir --constraint /tmp/torch-pin.txt --requirement requirements.txt dumb-init==1.2.5.post1 \
+# g++ unpinned: the base's own distribution release decides it (Ubuntu in the CUDA base, Debian in CI's stand-in).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-pin.txt \
+    && DS_BUILD_OPS=0 python -m pip install --no-cache-dir --constraint /tmp/torch-pin.txt --requirement requirements.txt dumb-init==1.2.5.post1 \
     && rm /tmp/torch-pin.txt
 
 # uid/gid 10000: the platform runs jobs as this user; the manifests' securityContext says the same.

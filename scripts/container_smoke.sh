@@ -7,7 +7,8 @@
 # No Docker engine and no registry are needed (none is reachable in CI): Debian's buildah/podman build
 # and run the image, and the CUDA PyTorch base is replaced through BASE_IMAGE by a CPU stand-in made
 # here: a debootstrapped Debian with python and the CPU torch wheel pip finds on this machine.
-# Exit codes: 0 built, trained and left model/ + metrics.json in HOST_DIR/output; 77 the container
+# Exit codes: 0 built, trained (1 process: preempted, resumed; DeepSpeed ZeRO-2 on 2 ranks) and left
+# model/ + metrics.json in HOST_DIR/output and HOST_DIR/output-zero2; 77 the container
 # tools could not be installed (callers skip); anything else is a failure.
 #
 # Knobs: CONTAINER_WORK (storage and scratch, default .build/container), REBUILD_BASE=1 (remake the
@@ -204,7 +205,23 @@ EOF
     [ -f "$metrics" ] || die "no metrics.json in $HOST_DIR/output"
     [ "$(stat -c %u "$metrics")" = "$JOB_UID" ] || die "metrics.json is owned by uid $(stat -c %u "$metrics"), not $JOB_UID"
     log "metrics: $(tr -d '\n ' <"$metrics")"
-    log "timings: base $((t_base - t0)) s, image build $((t_build - t_base)) s, job run $((t_run - t_job)) s, total $((t_run - t0)) s"
+
+    # DeepSpeed ZeRO-2 on 2 ranks (torchrun in the container, as in a pod with 2 GPUs): the image's own g++
+    # and ninja compile DeepSpeed's CPU collectives once into TORCH_EXTENSIONS_DIR, which must be under the
+    # tmpfs /tmp with the root read-only. Its own run folder: a folder holds one run and one strategy.
+    local t_ds zero=$HOST_DIR/output-zero2
+    t_ds=$(now)
+    log "STRATEGY=deepspeed ZERO_STAGE=2 on 2 ranks (torchrun), read-only root, extension cache under /tmp"
+    run_image --rm "${job_env[@]}" -e OMP_NUM_THREADS=1 -e STRATEGY=deepspeed -e ZERO_STAGE=2 \
+        -e OUTPUT_DIR=/pvc-home/output-zero2 -e MAX_STEPS=8 -e SAVE_STEPS=4 \
+        --entrypoint dumb-init "$IMAGE" -- torchrun --nnodes 1 --nproc-per-node 2 --master-port 29500 /app/main.py \
+        || die "the ZeRO-2 run failed in the container"
+    [ -f "$zero/model/adapter_model.safetensors" ] || die "no model/ in $zero"
+    python3 -c 'import json, sys; m = json.load(open(sys.argv[1])); assert m["world_size"] == 2, m' "$zero/metrics.json" \
+        || die "the ZeRO-2 run did not train on 2 ranks"
+    grep -q '"strategy": "deepspeed"' "$zero/run.json" || die "$zero/run.json does not record STRATEGY=deepspeed"
+    log "ZeRO-2 metrics: $(tr -d '\n ' <"$zero/metrics.json")"
+    log "timings: base $((t_base - t0)) s, image build $((t_build - t_base)) s, job run $((t_run - t_job)) s, ZeRO-2 $(($(now) - t_ds)) s, total $(($(now) - t0)) s"
 }
 
 main "$@"

@@ -1,6 +1,7 @@
 """The image for real: scripts/container_smoke.sh builds the Dockerfile on a CPU stand-in base (no
 Docker engine or registry here) and runs the job in it as the platform does: the image's non-root
-user, read-only root filesystem, tmpfs /tmp, no network, a host folder as the shared volume."""
+user, read-only root filesystem, tmpfs /tmp, no network, a host folder as the shared volume; then DeepSpeed
+ZeRO-2 on 2 ranks in the same image."""
 
 from __future__ import annotations
 
@@ -32,4 +33,8 @@ def test_image_builds_and_trains_read_only_as_its_user(tmp_path):
     assert metrics["world_size"] == 1 and metrics["eval_accuracy"] > 0.75, metrics  # the demo data is learnable
     uid, _ = docker_user()
     assert (output / "metrics.json").stat().st_uid == uid, "the job must run as the image's user"
+    # DeepSpeed ZeRO-2 on 2 ranks in the same image, its CPU op compiled under the read-only root's /tmp.
+    zero2 = volume / "output-zero2"
+    assert (zero2 / "model" / "adapter_model.safetensors").is_file()
+    assert json.loads((zero2 / "metrics.json").read_text())["world_size"] == 2
     print(next(line for line in proc.stderr.splitlines() if "timings:" in line))
