@@ -131,6 +131,21 @@ def zero3_run(tmp_path_factory, tiny_bert, fixed_data) -> Path:
     return train_two(tmp, "zero3", settings)
 
 
+def without_deepspeed(tmp_path: Path, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """A Python where deepspeed is not installed: the venv's packages less deepspeed, seen through a folder of
+    links (python -S keeps the venv's own site-packages off the path). The interpreter's argv prefix and env."""
+    import site
+
+    packages = Path(next(p for p in site.getsitepackages() if p.endswith("site-packages")))
+    shadow = tmp_path / "site-packages"
+    if not shadow.exists():
+        shadow.mkdir()
+        for entry in packages.iterdir():
+            if not entry.name.lower().startswith("deepspeed"):
+                (shadow / entry.name).symlink_to(entry)
+    return [sys.executable, "-S"], {**env, "PYTHONPATH": f"{REPO}{os.pathsep}{shadow}"}
+
+
 # ------------------------------------------------------------------------------- the same numbers as DDP
 @pytest.mark.slow
 @pytest.mark.parametrize("arm", list(ARMS))
@@ -187,13 +202,8 @@ def test_the_zero3_adapter_loads_with_peft_without_deepspeed_and_predicts_like_d
     sentences.write_text("the film was wonderful and moving\nthe plot was dull and boring\n")
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "import sys\n"
-        "class NoDeepSpeed:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'deepspeed' or name.startswith('deepspeed.'):\n"
-        "            raise ImportError('deepspeed is not installed here')\n"
-        "sys.meta_path.insert(0, NoDeepSpeed())\n"
-        "import json, torch\n"
+        "import importlib.util, json, sys, torch\n"
+        "assert importlib.util.find_spec('deepspeed') is None, 'deepspeed is installed here'\n"
         "from peft import PeftModel\n"
         "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
         "base, sentences = sys.argv[1], open(sys.argv[2]).read().split(chr(10))[:-1]\n"
@@ -204,12 +214,13 @@ def test_the_zero3_adapter_loads_with_peft_without_deepspeed_and_predicts_like_d
         "    model = PeftModel.from_pretrained(model, adapter).eval()\n"
         "    with torch.no_grad():\n"
         "        out[adapter] = model(**tokenizer(sentences, return_tensors='pt', padding=True)).logits.tolist()\n"
-        "assert not any(name.split('.')[0] == 'deepspeed' for name in sys.modules)\n"
         "print(json.dumps(out))\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    python, env = without_deepspeed(
+        tmp_path, {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    )
     result = subprocess.run(
-        [sys.executable, str(probe), str(tiny_bert), str(sentences), str(zero3_run / "model"), str(ddp_run / "model")],
+        [*python, str(probe), str(tiny_bert), str(sentences), str(zero3_run / "model"), str(ddp_run / "model")],
         env=env,
         capture_output=True,
         text=True,
@@ -454,3 +465,13 @@ def test_an_accelerate_deepspeed_config_becomes_strategy_deepspeed(tmp_path, job
     assert shown["strategy"] == "deepspeed"
     assert (shown["config"]["zero_stage"], shown["config"]["zero_offload"]) == (3, "optimizer")
     assert shown["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_deepspeed_not_installed_is_refused_with_the_install_line(tmp_path, job_env):
+    python, env = without_deepspeed(tmp_path, {**job_env, "STRATEGY": "deepspeed"})
+    result = subprocess.run(
+        [*python, str(REPO / "main.py"), "--dry-run"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    [error] = error_lines(result.stderr)
+    assert "pip install deepspeed==0.19.8" in error and "Traceback" not in result.stderr

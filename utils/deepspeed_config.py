@@ -128,7 +128,6 @@ SETTING_OF = {  # what to change on the job's side, per owned field
     "train_micro_batch_size_per_gpu": "PER_DEVICE_BATCH_SIZE (or GLOBAL_BATCH_SIZE)",
     "gradient_accumulation_steps": "GRADIENT_ACCUMULATION_STEPS (or GLOBAL_BATCH_SIZE)",
     "train_batch_size": "GLOBAL_BATCH_SIZE",
-    "gradient_clipping": "nothing: the job clips at 1.0",
     "optimizer.params.lr": "LEARNING_RATE",
     "optimizer.params.weight_decay": "WEIGHT_DECAY",
     "scheduler.params.warmup_max_lr": "LEARNING_RATE",
@@ -153,7 +152,12 @@ def check_config(config: Mapping[str, Any], settings: Settings, world_size: int,
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"{where} pins {field}: {json.dumps(theirs)} but the job's settings resolve it to {json.dumps(ours)}; "
-                f'write "auto" for {field} in the file (the job fills it in), or change {SETTING_OF[field]}',
+                f'write "auto" for {field} in the file (the job fills it in)'
+                + (
+                    f", or change {SETTING_OF[field]}"
+                    if field in SETTING_OF
+                    else f" or {json.dumps(ours)}: the job's own value"
+                ),
             )
     zero = config.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
