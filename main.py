@@ -36,7 +36,8 @@ import logging
 import sys
 
 from utils.batching import plan_batches
-from utils.distributed import detect_env
+from utils.deepspeed_config import adopt_launcher, describe_strategy
+from utils.distributed import detect_env, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
 from utils.outputs import check_run_dir, open_run_dir, volume_fault
@@ -55,12 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         dist = detect_env()
         # The learning rate follows the global batch unless LEARNING_RATE is set.
         settings = apply_recipe(settings, dist.world_size)
+        # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too).
+        settings = adopt_launcher(settings, launcher_options())
         check_push_possible(settings)
         check_trackers(settings)
+        strategy = describe_strategy(settings, dist.world_size)  # DeepSpeed: its config, read and checked
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings)
             batch = plan_batches(settings, dist.world_size).as_dict()  # GLOBAL_BATCH_SIZE split over this world size
-            print(json.dumps({"config": settings.as_dict(), "distributed": dist.as_dict(), "batch": batch}, indent=2))
+            shown = {"config": settings.as_dict(), "distributed": dist.as_dict(), "batch": batch, **strategy}
+            print(json.dumps(shown, indent=2))
             return 0
         run_dir = open_run_dir(settings)  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
 

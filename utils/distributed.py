@@ -225,15 +225,48 @@ def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, obje
     refuses the ones that disagree)."""
     env = os.environ if environ is None else environ
     flag = lambda name: env.get(name, "").strip().lower() in ("1", "true", "yes")  # noqa: E731
+    value = lambda name: env.get(name, "").strip().lower() or None  # noqa: E731
+    stage = value("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     return {
         "fsdp": flag("ACCELERATE_USE_FSDP"),
         "deepspeed": flag("ACCELERATE_USE_DEEPSPEED"),
-        "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "").strip().lower() or None,
+        "mixed_precision": value("ACCELERATE_MIXED_PRECISION"),
+        # A DEEPSPEED config's deepspeed_config section (launchers/accelerate/deepspeed-zero*.yaml): the
+        # stage and offload devices it asks for, to be compared with ZERO_STAGE and ZERO_OFFLOAD.
+        "zero_stage": int(stage) if stage and stage.isdigit() else stage,
+        "offload_optimizer_device": value("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+        "offload_param_device": value("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
+        # deepspeed_config_file: a path, so not lower-cased (DEEPSPEED_CONFIG's stand-in)
+        "deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "").strip() or None,
+        # accelerate launch --cpu: Accelerate then drops DeepSpeed without a word (utils/strategy.py refuses it)
+        "cpu": flag("ACCELERATE_USE_CPU"),
     }
 
 
+# An accelerate config's DeepSpeed choices, as `accelerate launch` exports them. Once the job has adopted them
+# into its settings (utils/deepspeed_config.adopt_launcher) they are dropped: the Trainer's DeepSpeed plugin
+# would read them again, and refuses them beside the config the job hands it ("When using
+# `deepspeed_config_file`, the following accelerate config variables will be ignored").
+ACCELERATE_DEEPSPEED_VARIABLES = (
+    "ACCELERATE_CONFIG_DS_FIELDS",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "ACCELERATE_GRADIENT_CLIPPING",
+)
+
+
 def export_env(dist: DistEnv) -> None:
-    """Publish the resolved ranks under the names torch, Accelerate and the Trainer read (env://)."""
+    """Publish the resolved ranks under the names torch, Accelerate and the Trainer read (env://), and drop the
+    accelerate config's DeepSpeed choices the settings have taken over (ACCELERATE_DEEPSPEED_VARIABLES)."""
+    for name in ACCELERATE_DEEPSPEED_VARIABLES:
+        os.environ.pop(name, None)
     values = {
         "RANK": dist.rank,
         "LOCAL_RANK": dist.local_rank,
