@@ -268,10 +268,10 @@ def long_zero3(tiny_bert: Path, sst2_dir: Path, out: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path, tiny_bert, sst2_dir):
+    (tmp_path / "reference").mkdir()
     reference = train_two(
         tmp_path / "reference", "reference", long_zero3(tiny_bert, sst2_dir, tmp_path / "reference" / "out")
     )
-    (tmp_path / "reference").mkdir(exist_ok=True)
     out = tmp_path / "out"
     settings = long_zero3(tiny_bert, sst2_dir, out)
     group = Replicas(tmp_path)
