@@ -24,6 +24,10 @@ Launch it:
     python launchers/slurm/render_sbatch.py --nodes 2 --gpus-per-node 4 -o job.sbatch && sbatch job.sbatch
     python launchers/slurm/submit.py --nodes 2 --gpus-per-node 4     # Slurm from Python (submitit)
     STRATEGY=fsdp torchrun --nproc-per-node 4 main.py                 # FSDP instead of DDP (CUDA GPUs only)
+    STRATEGY=deepspeed ZERO_STAGE=2 torchrun --nproc-per-node 4 main.py   # DeepSpeed ZeRO (docs/launchers.md)
+    STRATEGY=deepspeed ZERO_STAGE=3 deepspeed --num_gpus 4 main.py        # the same under the deepspeed launcher
+    accelerate launch --config_file launchers/accelerate/deepspeed-zero3.yaml main.py   # ZeRO-3 from accelerate
+    STRATEGY=deepspeed ZERO_OFFLOAD=optimizer python main.py          # one GPU, optimizer state in host memory
     python main.py --push-only                       # upload an existing OUTPUT_DIR/model again
 
 Exit codes: 0 done (or already done), 2 bad input/settings/credentials or an unreachable Hub (do not restart),
@@ -37,7 +41,7 @@ import sys
 
 from utils.batching import plan_batches
 from utils.deepspeed_config import adopt_launcher, describe_strategy
-from utils.distributed import detect_env, launcher_options
+from utils.distributed import detect_env, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
 from utils.outputs import check_run_dir, open_run_dir, volume_fault
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
         masker = install_masking()  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
-        settings, args = load_settings(argv)
+        settings, args = load_settings(launcher_argv(argv))  # less the `deepspeed` launcher's --local_rank
         dist = detect_env()
         # The learning rate follows the global batch unless LEARNING_RATE is set.
         settings = apply_recipe(settings, dist.world_size)

@@ -1,6 +1,7 @@
 """Every launcher the job supports, run for real on the CPU: torchrun (one node and two nodes on loopback),
 accelerate launch with the repo's config files, the Slurm batch script (rendered, then run under a stand-in
-`srun`), submitit, and the environments a PyTorchJob with several GPUs per pod and a Kubeflow Trainer v2
+`srun`), submitit, the `deepspeed` launcher and accelerate's DeepSpeed config files (STRATEGY=deepspeed), and the
+environments a PyTorchJob with several GPUs per pod and a Kubeflow Trainer v2
 TrainJob give their pods (their manifests' own commands, with torchrun, resolving to the right ranks).
 
 Training runs use the tiny BERT and a few optimizer steps; what is asserted is who each process thought it
@@ -162,6 +163,148 @@ def test_accelerate_launch_multi_node_config_as_two_machines(job_env, tmp_path):
     reports = rank_report(tmp_path / "out", 2)
     assert [(r["local_rank"], r["node"]) for r in reports] == [(0, 0), (0, 1)]
     assert_one_model(tmp_path / "out", reports)
+
+
+# ------------------------------------------------------------------------------- DeepSpeed
+DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]  # the `deepspeed` command
+DEEPSPEED_CONFIGS = {
+    2: LAUNCHERS / "accelerate" / "deepspeed-zero2.yaml",
+    3: LAUNCHERS / "accelerate" / "deepspeed-zero3.yaml",
+}
+
+
+def dry_run_answers(output: str) -> list[dict]:
+    """Every `--dry-run` JSON document in a launcher's combined output, in rank order."""
+    decoder, answers = json.JSONDecoder(), []
+    for match in re.finditer(r"^\{$", output, re.M):
+        answers.append(decoder.raw_decode(output, match.start())[0])
+    return sorted(answers, key=lambda answer: answer["distributed"]["rank"])
+
+
+def test_accelerate_deepspeed_configs_give_the_stage_and_leave_batch_and_precision_to_the_job():
+    for stage, path in DEEPSPEED_CONFIGS.items():
+        config = yaml.safe_load(path.read_text())
+        assert config["distributed_type"] == "DEEPSPEED" and config["use_cpu"] is False, path.name
+        assert config["deepspeed_config"]["zero_stage"] == stage, path.name
+        # With any of these in the file, Accelerate would set it over the job's own DeepSpeed config (and its
+        # DeepSpeedPlugin refuses a config file next to them); the job's settings own them.
+        owned = {"mixed_precision", "gradient_accumulation_steps", "gradient_clipping", "deepspeed_config_file"}
+        assert not owned & (set(config) | set(config["deepspeed_config"])), path.name
+
+
+def accelerate_dry_run(tmp_path: Path, config: Path, **settings) -> tuple[int, list[dict], list[str]]:
+    """`accelerate launch --config_file CONFIG --num_processes 2 main.py --dry-run`: its exit code, each rank's
+    answer, and each rank's stderr."""
+    logs = tmp_path / "logs"
+    cmd = [
+        *ACCELERATE,
+        "--config_file",
+        str(config),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "--log_dir",  # with --tee 3: each process's stdout and stderr also in its own files, never interleaved
+        str(logs),
+        "--tee",
+        "3",
+        "main.py",
+        "--dry-run",
+    ]
+    env = base_env(tmp_path, OUTPUT_DIR=tmp_path / "out", **settings)
+    result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    stdout, stderr = (
+        [log.read_text() for log in sorted(logs.glob(f"*/attempt_0/*/{name}"))]
+        for name in ("stdout.log", "stderr.log")
+    )
+    assert len(stderr) == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.returncode, dry_run_answers("".join(stdout)), stderr
+
+
+@pytest.mark.parametrize("stage", sorted(DEEPSPEED_CONFIGS))
+def test_accelerate_launch_with_a_deepspeed_config_resolves_the_strategy_and_ranks(tmp_path, stage):
+    """The config file as accelerate exports it (ACCELERATE_USE_DEEPSPEED, the stage) becomes STRATEGY=deepspeed and
+    ZERO_STAGE without either being set; the ranks are torchrun's (accelerate starts DeepSpeed runs with it)."""
+    pytest.importorskip("deepspeed")  # accelerate's DeepSpeed launcher imports it
+    code, answers, stderr = accelerate_dry_run(tmp_path, DEEPSPEED_CONFIGS[stage])
+    assert code == 0, stderr
+    assert [(a["distributed"]["rank"], a["distributed"]["local_rank"]) for a in answers] == [(0, 0), (1, 1)]
+    assert {(a["distributed"]["source"], a["distributed"]["world_size"]) for a in answers} == {("torchrun", 2)}
+    assert {(a["config"]["strategy"], a["config"]["zero_stage"], a["config"]["zero_offload"]) for a in answers} == {
+        ("deepspeed", stage, "none")
+    }
+
+    # A ZERO_STAGE that says otherwise: refused on every rank, naming both, before anything loads.
+    other = 1 if stage != 1 else 2
+    code, answers, stderr = accelerate_dry_run(tmp_path / "other", DEEPSPEED_CONFIGS[stage], ZERO_STAGE=other)
+    assert code != 0 and not answers  # accelerate turns the ranks' exit 2 into its own failure
+    for rank_stderr in stderr:
+        errors = [line for line in rank_stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and f"ZERO_STAGE={other}" in errors[0] and f"zero_stage {stage}" in errors[0], (
+            rank_stderr
+        )
+
+
+def test_deepspeed_launcher_processes_resolve_to_their_ranks_and_nodes(tmp_path):
+    """`deepspeed --num_gpus 2 main.py` for real (its CPU accelerator here): each process gets RANK, LOCAL_RANK,
+    WORLD_SIZE, CROSS_RANK (its node), MASTER_* and a `--local_rank=N` argument the job takes off."""
+    pytest.importorskip("deepspeed")
+    port, logs = free_port(), tmp_path / "rank-logs"
+    cmd = [*DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), "--enable_each_rank_log", str(logs)]
+    env = base_env(tmp_path, STRATEGY="deepspeed", ZERO_STAGE="3", OUTPUT_DIR=tmp_path / "out")
+    result = subprocess.run(
+        [*cmd, "main.py", "--dry-run"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "--local_rank=1" in result.stdout + result.stderr  # the launcher did append it
+    answers = dry_run_answers("".join(log.read_text() for log in sorted(logs.glob("*_rank*.log"))))
+    assert [
+        (a["distributed"]["rank"], a["distributed"]["local_rank"], a["distributed"]["node_rank"]) for a in answers
+    ] == [
+        (0, 0, 0),
+        (1, 1, 0),
+    ]
+    assert {
+        (a["distributed"]["source"], a["distributed"]["master_addr"], a["distributed"]["master_port"]) for a in answers
+    } == {("deepspeed", "127.0.0.1", port)}
+    assert {(a["config"]["strategy"], a["config"]["zero_stage"]) for a in answers} == {("deepspeed", 3)}
+
+
+def test_deepspeed_launcher_on_two_nodes_resolves_node_ranks(tmp_path):
+    """What deepspeed/launcher/launch.py gives process p of node n on 2 nodes x 2 GPUs (pdsh starts one launch.py
+    per node): its node comes from CROSS_RANK, not from the rank as for the platform's one-GPU replicas."""
+    resolved = []
+    for rank in range(4):
+        node, local = divmod(rank, 2)
+        env = base_env(
+            tmp_path,
+            RANK=rank,
+            LOCAL_RANK=local,
+            WORLD_SIZE=4,
+            CROSS_RANK=node,
+            CROSS_SIZE=2,
+            LOCAL_SIZE=2,
+            MASTER_ADDR="worker-0",
+            MASTER_PORT=29500,
+            STRATEGY="deepspeed",
+        )
+        result = run_main(env, f"--local_rank={local}", "--dry-run")
+        assert result.code == 0, result.stderr
+        resolved.append(result.json()["distributed"])
+    assert [(d["rank"], d["local_rank"], d["node_rank"]) for d in resolved] == [
+        (0, 0, 0),
+        (1, 1, 0),
+        (2, 0, 1),
+        (3, 1, 1),
+    ]
+    assert {(d["source"], d["world_size"], d["master_addr"]) for d in resolved} == {("deepspeed", 4, "worker-0")}
+    # A --local_rank that is not the launcher's (it disagrees with LOCAL_RANK) was typed: refused as any unknown flag.
+    refused = run_main(
+        base_env(tmp_path, RANK=1, LOCAL_RANK=1, WORLD_SIZE=2, CROSS_RANK=0, CROSS_SIZE=1, MASTER_ADDR="h"),
+        "--local_rank=0",
+        "--dry-run",
+    )
+    assert refused.code == 2 and refused.stderr.startswith("error: ") and "--local_rank=0" in refused.stderr
 
 
 # ------------------------------------------------------------------------------- Slurm

@@ -5,12 +5,14 @@ Launchers, first match wins (so torchrun inside a Slurm task or a PyTorchJob pod
 | source     | recognised by                          | gives                                                   |
 | ---------- | -------------------------------------- | ------------------------------------------------------- |
 | torchrun   | TORCHELASTIC_RUN_ID or LOCAL_WORLD_SIZE | RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, MASTER_*      |
+| deepspeed  | CROSS_RANK and CROSS_SIZE              | RANK, LOCAL_RANK, WORLD_SIZE, CROSS_RANK (node), MASTER_* |
 | pytorchjob | PET_NODE_RANK or PET_NNODES            | RANK = pod index, WORLD_SIZE, MASTER_* (no NODE_RANK)   |
 | platform   | RANK and WORLD_SIZE                    | RANK, WORLD_SIZE, NODE_RANK, LOCAL_RANK (0: 1 GPU each) |
 | slurm      | SLURM_PROCID and SLURM_NTASKS          | SLURM_PROCID/NTASKS/LOCALID/NODEID, first host of the node list |
 | single     | none of the above                      | rank 0 of 1                                             |
 
-It also publishes the resolved ranks under the names torch and Accelerate read (`export_env`). It imports
+The `deepspeed` launcher also appends `--local_rank=N` to the command line; `launcher_argv` takes it off
+(it repeats LOCAL_RANK). It also publishes the resolved ranks under the names torch and Accelerate read (`export_env`). It imports
 no torch: `--dry-run` uses `detect_env` and must stay fast. The process group and the collectives over
 it are utils/collectives.py's.
 """
@@ -21,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
@@ -38,6 +41,9 @@ LAUNCHER_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "LOCAL_SIZE",
     "PET_NODE_RANK",
     "PET_NNODES",
     "PET_NPROC_PER_NODE",
@@ -157,6 +163,14 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_rank = _int(env, "LOCAL_RANK")
         node_rank = _int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0))
         addr = env.get("MASTER_ADDR")
+    elif has("CROSS_RANK") and has("CROSS_SIZE"):
+        # The `deepspeed` launcher (deepspeed/launcher/launch.py): its RANK is the process rank, and the node
+        # is CROSS_RANK, not NODE_RANK, which it never sets (read as the platform, node would be the rank).
+        source = "deepspeed"
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK")
+        node_rank = _int(env, "CROSS_RANK")
+        addr = env.get("MASTER_ADDR")
     elif has("PET_NODE_RANK") or has("PET_NNODES"):
         source = "pytorchjob"
         if not has("RANK"):  # Kubeflow Trainer v2 sets only torchrun's PET_* variables, never RANK
@@ -219,6 +233,17 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(rank, local_rank, world, node_rank, addr, port, source)
 
 
+def launcher_argv(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The command line without the `--local_rank=N` the `deepspeed` launcher appends (it sets LOCAL_RANK=N
+    as well), so `deepspeed --num_gpus N main.py` runs as written. One that disagrees with LOCAL_RANK, or
+    comes without it, stays and is refused as an unknown flag: it was typed, not added by a launcher."""
+    env = os.environ if environ is None else environ
+    args = sys.argv[1:] if argv is None else list(argv)
+    local_rank = env.get("LOCAL_RANK", "").strip()
+    added = {f"--local_rank={local_rank}", f"--local-rank={local_rank}"} if local_rank else set()
+    return [arg for arg in args if arg not in added]
+
+
 def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     """Training options a launcher put in the environment: `accelerate launch` exports its config file as
     ACCELERATE_* variables, which the Trainer would follow over the job's own settings (utils/strategy.py
@@ -262,9 +287,10 @@ ACCELERATE_DEEPSPEED_VARIABLES = (
 )
 
 
-def export_env(dist: DistEnv) -> None:
+def export_env(dist: DistEnv, deepspeed: bool = False) -> None:
     """Publish the resolved ranks under the names torch, Accelerate and the Trainer read (env://), and drop the
-    accelerate config's DeepSpeed choices the settings have taken over (ACCELERATE_DEEPSPEED_VARIABLES)."""
+    accelerate config's DeepSpeed choices the settings have taken over (ACCELERATE_DEEPSPEED_VARIABLES).
+    `deepspeed`: STRATEGY=deepspeed, whose engine asserts LOCAL_RANK is set even on one process."""
     for name in ACCELERATE_DEEPSPEED_VARIABLES:
         os.environ.pop(name, None)
     values = {
@@ -282,6 +308,8 @@ def export_env(dist: DistEnv) -> None:
         for name in values:
             if not os.environ.get(name, "").strip():
                 os.environ.pop(name, None)
+        if deepspeed:
+            os.environ["LOCAL_RANK"] = "0"
 
 
 def masked_environ() -> dict[str, str]:
