@@ -68,7 +68,9 @@ def test_fsdp_runs_only_where_it_can_shard():
 def test_accelerate_config_cannot_change_the_strategy_or_precision_behind_the_settings():
     assert "STRATEGY=fsdp" in refusal(Settings(), fsdp=True)  # an FSDP accelerate config with STRATEGY=ddp
     assert "ACCELERATE_USE_FSDP" in refusal(Settings(strategy="fsdp"), fsdp=True)  # the job configures FSDP itself
-    assert "DeepSpeed" in refusal(Settings(), deepspeed=True)
+    # An accelerate DeepSpeed config has become STRATEGY=deepspeed before this check (deepspeed_config.adopt_launcher).
+    assert refusal(Settings(strategy="deepspeed"), deepspeed=True) is None
+    assert "one run shards one way" in refusal(Settings(strategy="deepspeed"), fsdp=True)
     assert "PRECISION" in refusal(Settings(), precision="fp32", mixed_precision="bf16")
     assert refusal(Settings(), precision="bf16", mixed_precision="bf16") is None
     assert refusal(Settings(), precision="fp32", mixed_precision="no") is None
