@@ -25,10 +25,14 @@ import pytest
 from tests.conftest import (
     REPO,
     Replicas,
+    base_env,
     complete_steps,
     error_lines,
+    free_port,
+    rank_env,
     rank_record,
     run_main,
+    start_main,
     training_settings,
     wait_all,
     wait_for,
@@ -475,3 +479,64 @@ def test_deepspeed_not_installed_is_refused_with_the_install_line(tmp_path, job_
     assert result.returncode == 2, result.stderr[-2000:]
     [error] = error_lines(result.stderr)
     assert "pip install deepspeed==0.19.8" in error and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_one_process_with_zero_offload_trains_and_exports_a_merged_model(tmp_path, tiny_bert, fixed_data):
+    """ZeRO-Offload on one process is a real use (a larger base model on one GPU): no launcher, no peers."""
+    settings = comparison_settings(
+        tiny_bert,
+        fixed_data,
+        tmp_path / "out",
+        STRATEGY="deepspeed",
+        ZERO_OFFLOAD="optimizer",
+        MAX_STEPS=2,
+        MERGE_ADAPTER="true",
+    )
+    result = run_main(base_env(tmp_path, **settings), timeout=900)
+    assert result.code == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    assert (
+        "strategy deepspeed: ZeRO stage 2, optimizer state offloaded True" in (out / "logs" / "rank-0.log").read_text()
+    )
+    assert rank_record(out, 0)["world_size"] == 1
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("the film was wonderful\n")
+    predicted = subprocess.run(
+        [sys.executable, str(REPO / "predict.py"), str(out / "merged"), str(sentences)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert predicted.returncode == 0 and predicted.stdout.strip(), predicted.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_replicas_with_another_zero_stage_are_refused_at_the_rendezvous(tmp_path, tiny_bert, fixed_data):
+    port = free_port()
+    procs = [
+        start_main(
+            rank_env(
+                tmp_path,
+                rank,
+                2,
+                port,
+                **comparison_settings(
+                    tiny_bert,
+                    fixed_data,
+                    tmp_path / "out",
+                    STRATEGY="deepspeed",
+                    ZERO_STAGE=stage,
+                    RENDEZVOUS_TIMEOUT=120,
+                ),
+            ),
+            log=tmp_path / f"rank{rank}.txt",
+        )
+        for rank, stage in ((0, 2), (1, 3))
+    ]
+    assert wait_all(procs, timeout=300) == [2, 2]
+    for rank in (0, 1):
+        [error] = error_lines((tmp_path / f"rank{rank}.txt").read_text())
+        assert "ZERO_STAGE: 2 on rank 0, 3 on rank 1" in error, error

@@ -121,12 +121,14 @@ def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[boo
     return quantize, precision
 
 
-def join_deepspeed(dist: DistEnv) -> None:
+def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
     """DeepSpeed's communication set up on the process group the rendezvous created (it reuses an initialised
     group): before the model is built, so anything DeepSpeed does on the way (ZeRO-3's zero.Init included)
     sees the whole world, not a world of one."""
-    if not td.is_initialized():  # one process (ZeRO-Offload on one GPU): the Trainer sets DeepSpeed up alone
-        return
+    if not td.is_initialized():
+        # One process (ZeRO-Offload on one GPU): a world of one, in memory. Without a group DeepSpeed looks for the
+        # launcher variables, then for MPI (mpi4py), and fails.
+        td.init_process_group("nccl" if cuda else "gloo", store=td.HashStore(), rank=0, world_size=1)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=td.get_backend(), auto_mpi_discovery=False)
@@ -268,7 +270,7 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preem
             save_merged(run_dir, settings)
         return push_model(run_dir, settings, Hub(read_token(), settings.push_timeout, settings.hub_timeout))
 
-    export_env(dist)
+    export_env(dist, deepspeed=settings.strategy == "deepspeed")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
     quantize, precision = resolve_numerics(settings, dist, cuda)
@@ -289,7 +291,7 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preem
         group = rendezvous(dist, settings.rendezvous_timeout, cuda, agreement(settings, dist), on_main=lock.acquire)
         log_to_file(run_dir, dist, masker)
         if settings.strategy == "deepspeed":
-            join_deepspeed(dist)
+            join_deepspeed(dist, cuda)
         with group.peers_watched(lambda: resume_hint(run_dir)):
             trainer, metrics, record, state_dict = train(
                 settings, group, run_dir, device, quantize, precision, cuda, preemption
