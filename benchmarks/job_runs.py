@@ -8,9 +8,11 @@ its trainable weights, time to its first step), the Trainer's `trainer_state.jso
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from benchmarks.processes import REPO, clean_env, free_port, time_command
@@ -25,9 +27,33 @@ def time_startup(repeats: int) -> dict:
     }
 
 
-def run_job(work_dir: Path, model: Path, data: Path, world: int, batch_size: int, timeout: int) -> dict:
-    """One epoch of main.py: one process on this machine's device, or `world` CPU replicas."""
-    out = work_dir / "job" / f"world-{world}"
+def wait_measured(proc: subprocess.Popen, timeout: float) -> tuple[int, int]:
+    """Wait for `proc` and return (exit code, its peak resident memory in bytes: ru_maxrss from wait4)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss * 1024  # Linux reports KiB
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        time.sleep(0.2)
+
+
+def run_job(
+    work_dir: Path,
+    model: Path,
+    data: Path,
+    world: int,
+    batch_size: int,
+    timeout: int,
+    name: str | None = None,
+    **extra,
+) -> dict:
+    """One epoch of main.py: one process on this machine's device, or `world` CPU replicas; `extra` settings
+    (a strategy, MAX_STEPS) on top, the run kept under job/`name`."""
+    out = work_dir / "job" / (name or f"world-{world}")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     # Cold, as a fresh replica: its own datasets cache.
@@ -38,6 +64,7 @@ def run_job(work_dir: Path, model: Path, data: Path, world: int, batch_size: int
         NUM_EPOCHS=1,
         PER_DEVICE_BATCH_SIZE=batch_size,
         HF_DATASETS_CACHE=out / "datasets-cache",
+        **extra,
     )
     port = free_port()
     procs = []
@@ -60,14 +87,19 @@ def run_job(work_dir: Path, model: Path, data: Path, world: int, batch_size: int
             [sys.executable, str(REPO / "main.py")], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
         )
         procs.append((proc, log))
-    codes = []
+    codes, peaks = [], []
     for proc, log in procs:
-        codes.append(proc.wait(timeout=timeout))
+        code, peak = wait_measured(proc, timeout)
+        codes.append(code)
+        peaks.append(peak)
         log.close()
     if codes != [0] * world:
         tails = [(out / f"stdout-{r}.txt").read_text()[-2000:] for r in range(world)]
         raise SystemExit(f"main.py with {world} replica(s) failed: exit codes {codes}\n" + "\n---\n".join(tails))
-    return read_job(out / "run", world)
+    job = read_job(out / "run", world)
+    for rank, peak in zip(job["ranks"], peaks, strict=True):
+        rank["peak_rss_bytes"] = peak  # the whole process: model, optimizer state, DeepSpeed's buffers
+    return job
 
 
 def read_job(run: Path, world: int) -> dict:
@@ -95,6 +127,7 @@ def read_job(run: Path, world: int) -> dict:
         # A fact, not a verdict: DDP keeps the replicas' trainable weights identical.
         "same_weights_on_all_ranks": len({r["checksum"] for r in ranks}) == 1,
         "train_runtime_s": metrics["train_runtime"],
+        "train_samples_per_second": metrics.get("train_samples_per_second"),
         "eval_accuracy": metrics["eval_accuracy"],
     }
 
