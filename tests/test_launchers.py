@@ -824,3 +824,30 @@ def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
     # The image's default command (python main.py, no torchrun) under the same variables: a clear refusal.
     refused = run_main(pod_envs[0], "--dry-run")
     assert refused.code == 2 and "torchrun" in refused.stderr
+
+
+def test_deepspeed_pytorchjob_pods_resolve_to_ranks_under_zero3(tmp_path):
+    """k8s/deepspeed/: the operator's variables for each of its pods and the manifest's env over the shared
+    ConfigMap give every pod its rank, STRATEGY=deepspeed at ZeRO-3 and the variant's own run folder."""
+    job = load_manifest(K8S / "deepspeed" / "pytorchjob.yaml")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    shared = shared_config_maps()
+    pods = [(0, specs["Master"])] + [(1 + i, specs["Worker"]) for i in range(specs["Worker"]["replicas"])]
+    world = len(pods)
+    resolved = []
+    for rank, spec in pods:
+        container = spec["template"]["spec"]["containers"][0]
+        operator = dict(MASTER_ADDR="sst2-lora-deepspeed-master-0", MASTER_PORT=23456, RANK=rank, WORLD_SIZE=world)
+        operator |= dict(PET_NODE_RANK=rank, PET_NNODES=world, PET_NPROC_PER_NODE=job["spec"]["nprocPerNode"])
+        result = run_main(pod_env(tmp_path, **(container_env(container, shared) | operator)), "--dry-run")
+        assert result.code == 0, result.stderr
+        resolved.append(result.json())
+    assert [(a["distributed"]["rank"], a["distributed"]["source"]) for a in resolved] == [
+        (rank, "pytorchjob") for rank in range(world)
+    ]
+    configs = {(a["config"]["strategy"], a["config"]["zero_stage"], a["config"]["output_dir"]) for a in resolved}
+    assert (
+        configs == {("deepspeed", 3, "/pvc-home/output-deepspeed")}
+        and shared["sst2-lora-settings"]["OUTPUT_DIR"] != "/pvc-home/output-deepspeed"
+    )
+    assert {a["deepspeed"]["zero_optimization"]["stage"] for a in resolved} == {3}
