@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,49 @@ def test_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert, sst2_dir):
     assert set(scale["gloo_allreduce"]) == {"2", "4"}
     assert 0 < scale["projected_efficiency_4_replicas"]["h100_target"]["efficiency"] <= 1
     assert "| original |" in proc.stdout and "| defaults |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_strategy_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert):
+    """benchmarks/strategies.py: DDP and ZeRO-2 on 2 CPU replicas each, a few steps; figures present, ratios
+    against DDP, every rank measured. What is asserted is what the arms did, not how fast."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "results.json"
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.strategies",
+        "--model",
+        str(tiny_bert),
+        "--steps",
+        "3",
+        "--rows",
+        "256",
+        "--arms",
+        "ddp",
+        "zero2",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
+    ]
+    # The compiled DeepSpeed ops tests/test_deepspeed.py keeps inside the venv: compiled once per venv.
+    env = base_env(tmp_path, TORCH_EXTENSIONS_DIR=Path(sys.prefix) / "torch-extensions")
+    proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+
+    assert list(results["arms"]) == ["ddp", "zero2"] and results["world_size"] == 2
+    ddp, zero2 = results["arms"]["ddp"], results["arms"]["zero2"]
+    assert (ddp["samples_per_s_vs_ddp"], ddp["peak_rss_vs_ddp"]) == (1.0, 1.0)
+    for arm in (ddp, zero2):
+        assert arm["samples_per_s"] > 0 and len(arm["peak_rss_mib_per_rank"]) == 2
+        assert all(peak > 0 for peak in arm["peak_rss_mib_per_rank"]) and arm["same_weights_on_all_ranks"]
+    assert zero2["samples_per_s_vs_ddp"] > 0 and zero2["peak_rss_vs_ddp"] > 0
+    # Each arm trained what it says: 3 optimizer steps of 16 rows on each of 2 ranks, under its strategy.
+    for name, strategy in (("ddp", "ddp"), ("zero2", "deepspeed")):
+        run = results["runs"][name]
+        assert run["optimizer_steps_per_replica"] == 3 and [r["samples"] for r in run["ranks"]] == [48, 48]
+        recorded = json.loads((tmp_path / "work" / "job" / name / "run" / "run.json").read_text())
+        assert f'"strategy": "{strategy}"' in json.dumps(recorded), name
+    assert "| ddp |" in proc.stdout and "| zero2 |" in proc.stdout
