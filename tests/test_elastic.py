@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import random
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
@@ -27,6 +26,7 @@ from tests.conftest import (
     REPO,
     Replicas,
     base_env,
+    complete_steps,
     config_maps,
     container_env,
     error_lines,
@@ -47,6 +47,7 @@ EPOCHS, STEPS_PER_EPOCH = 2, 4
 LEFT_OVER = 5  # rows past the last whole global batch of an epoch: drawn anew each epoch, never trained twice
 TRAIN_ROWS, VALIDATION_ROWS = GLOBAL_BATCH * STEPS_PER_EPOCH + LEFT_OVER, 32
 STEPS = EPOCHS * STEPS_PER_EPOCH
+EPOCHS_ELASTIC = 500  # the elastic torchrun run: long enough to lose a node mid-run
 
 
 def write_mixed_length_data(folder: Path, seed: int = 3) -> Path:
@@ -213,6 +214,17 @@ def test_a_count_that_cannot_share_the_global_batch_is_refused(tmp_path):
     }
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun agent and its workers (torchrun starts them in sessions of their own)."""
+    try:
+        root = psutil.Process(proc.pid)
+        for process in [*root.children(recursive=True), root]:
+            process.kill()
+    except psutil.NoSuchProcess:
+        pass
+    proc.wait()
+
+
 def wait_until_listening(port: int, procs: list[subprocess.Popen], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -235,7 +247,17 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
     out = tmp_path / "out"
     env = base_env(
         tmp_path,
-        **settings(tiny_bert, data, out, NUM_EPOCHS=40, SAVE_STEPS=4, EVAL_STEPS=40, RENDEZVOUS_TIMEOUT=60),
+        **settings(
+            tiny_bert,
+            data,
+            out,
+            NUM_EPOCHS=EPOCHS_ELASTIC,
+            SAVE_STEPS=50,
+            SAVE_TOTAL_LIMIT=2,
+            EVAL_STEPS=500,
+            LOGGING_STEPS=50,
+            RENDEZVOUS_TIMEOUT=60,
+        ),
         **push_settings(hub),
     )
     port = free_port()
@@ -269,22 +291,26 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
             # The first agent hosts the rendezvous store (the one that binds the port does): the second is the
             # node that is lost, and it joins only once the store listens.
             wait_until_listening(port, agents)
-        # 160 steps of the tiny model: the kill lands well before the end.
-        wait_for(out / "checkpoints" / "checkpoint-4" / "COMPLETE", agents, timeout=600)
-        os.killpg(agents[1].pid, signal.SIGKILL)  # the node and its worker, at once
+        # The tiny model trains ~25 steps/s: 2,000 steps leave the kill well before the end.
+        deadline = time.monotonic() + 600
+        while not complete_steps(out):
+            assert all(agent.poll() is None for agent in agents), "an agent exited before the first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 600 s"
+            time.sleep(0.05)
+        kill_tree(agents[1])  # the node and its worker, at once
         agents[1].wait()
         assert agents[0].wait(timeout=600) == 0, logs[0].read_text()[-4000:]
     finally:
         for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
+            kill_tree(agent)
 
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 1 and metrics["global_batch"] == GLOBAL_BATCH, metrics
     assert "resuming a run checkpointed on 2 replica(s) on 1" in logs[0].read_text()
     [first, then] = metrics["segments"]
-    assert first["world_size"] == 2 and then["world_size"] == 1 and then["steps"][1] == 40 * STEPS_PER_EPOCH
+    assert (
+        first["world_size"] == 2 and then["world_size"] == 1 and then["steps"][1] == EPOCHS_ELASTIC * STEPS_PER_EPOCH
+    )
     assert len([c for c in hub.commits if c["repo"] == push_settings(hub)["RESULT_MODEL_ID"]]) == 1
     assert (out / "model" / "adapter_model.safetensors").is_file()
 
