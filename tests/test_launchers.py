@@ -270,6 +270,47 @@ def test_deepspeed_launcher_processes_resolve_to_their_ranks_and_nodes(tmp_path)
     assert {(a["config"]["strategy"], a["config"]["zero_stage"]) for a in answers} == {("deepspeed", 3)}
 
 
+# DeepSpeed's CPU ops, compiled once per venv (tests/test_deepspeed.py keeps them there too).
+EXTENSIONS = Path(sys.prefix) / "torch-extensions"
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_the_zero2_config_trains_under_deepspeed(job_env, tmp_path):
+    """The ZeRO-2 config file for real, no STRATEGY set: both ranks train one model under DeepSpeed (the job stops
+    at the first step unless the Trainer really built a DeepSpeed engine), and run.json records it."""
+    pytest.importorskip("deepspeed")
+    log = tmp_path / "accelerate.txt"
+    cmd = [
+        *ACCELERATE,
+        "--config_file",
+        str(DEEPSPEED_CONFIGS[2]),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "main.py",
+    ]
+    wait_all([start(cmd, job_settings(job_env, TORCH_EXTENSIONS_DIR=str(EXTENSIONS)), log)], [log])
+    reports = rank_report(tmp_path / "out", 2)
+    assert [(r["source"], r["local_rank"]) for r in reports] == [("torchrun", 0), ("torchrun", 1)]
+    assert_one_model(tmp_path / "out", reports)
+    settings = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert '"strategy": "deepspeed"' in json.dumps(settings) and '"zero_stage": 2' in json.dumps(settings)
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_trains_zero3(job_env, tmp_path):
+    """`deepspeed --num_gpus 2 main.py` for real with STRATEGY=deepspeed ZERO_STAGE=3: one model, two ranks."""
+    pytest.importorskip("deepspeed")
+    log = tmp_path / "deepspeed.txt"
+    cmd = [*DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "main.py"]
+    env = job_settings(job_env, STRATEGY="deepspeed", ZERO_STAGE="3", TORCH_EXTENSIONS_DIR=str(EXTENSIONS))
+    wait_all([start(cmd, env, log)], [log])
+    reports = rank_report(tmp_path / "out", 2)
+    assert [(r["source"], r["local_rank"], r["node"]) for r in reports] == [("deepspeed", 0, 0), ("deepspeed", 1, 0)]
+    assert_one_model(tmp_path / "out", reports)
+
+
 def test_deepspeed_launcher_on_two_nodes_resolves_node_ranks(tmp_path):
     """What deepspeed/launcher/launch.py gives process p of node n on 2 nodes x 2 GPUs (pdsh starts one launch.py
     per node): its node comes from CROSS_RANK, not from the rank as for the platform's one-GPU replicas."""
