@@ -357,7 +357,7 @@ BAD_INPUT = [
     ("wrong-token", {"HF_TOKEN": "hf_not_the_right_one"}, [], None, "create a token with write access"),
     ("unwritable-output-dir", {}, [], _file_in_the_way, "set OUTPUT_DIR to a writable folder"),
     ("output-dir-of-another-run", {}, [], _foreign_run, "use a new OUTPUT_DIR"),
-    ("lora-targets-not-in-model", {"LORA_TARGET_MODULES": "q_proj,v_proj"}, [], None, "its linear layers are named"),
+    ("lora-targets-not-in-model", {"LORA_TARGET_MODULES": "q_proj,v_proj"}, [], None, "linear layers are named"),
     (
         "missing-split",
         {},
