@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -540,3 +541,27 @@ def test_replicas_with_another_zero_stage_are_refused_at_the_rendezvous(tmp_path
     for rank in (0, 1):
         [error] = error_lines((tmp_path / f"rank{rank}.txt").read_text())
         assert "ZERO_STAGE: 2 on rank 0, 3 on rank 1" in error, error
+
+
+@pytest.mark.slow
+def test_a_deepspeed_run_does_not_resume_on_another_replica_count(tmp_path, tiny_bert, fixed_data):
+    """GLOBAL_BATCH_SIZE lets a DDP run come back on another count; a DeepSpeed checkpoint holds each rank's
+    partition of the optimizer state, so the same restart is refused with the count that works. The run is
+    cut after its training by taking its final outputs away: what a restart then finds is its checkpoints."""
+    out = tmp_path / "out"
+    settings = comparison_settings(
+        tiny_bert,
+        fixed_data,
+        out,
+        STRATEGY="deepspeed",
+        ZERO_STAGE=2,
+        GLOBAL_BATCH_SIZE=2 * BATCH,
+        PER_DEVICE_BATCH_SIZE=BATCH,
+    )
+    train_two(tmp_path, "zero2", settings)
+    shutil.rmtree(out / "model")
+    (out / "metrics.json").unlink()
+    alone = run_main(base_env(tmp_path, **settings))
+    assert alone.code == 2, alone.stderr[-3000:]
+    [error] = error_lines(alone.stderr)
+    assert "2 replica(s), this start has 1" in error and "DeepSpeed partitions the optimizer state by rank" in error

@@ -183,12 +183,19 @@ def resume_checkpoint(run: RunDir, key: dict) -> str | None:
             what.append(f"global batch {theirs.get('global_batch')}, this start {key['global_batch']}")
         if theirs.get("data") != key["data"]:
             what.append("other training or validation data (the files changed since)")
-        fix = (
-            f"restart with {theirs.get('world_size')} replica(s) (or, for a new run, set GLOBAL_BATCH_SIZE: "
-            "then the replica count may change between restarts)"
-            if theirs.get("world_size") != key["world_size"] and not elastic
-            else "restore the data and settings of that run"
-        )
+        if theirs.get("world_size") == key["world_size"] or elastic:
+            fix = "restore the data and settings of that run"
+        elif theirs.get("optimizer_per_rank"):
+            fix = (
+                f"restart with {theirs.get('world_size')} replica(s): DeepSpeed partitions the optimizer state by "
+                "rank, and this job does not convert a checkpoint to another count (for elastic runs use "
+                "STRATEGY=ddp with GLOBAL_BATCH_SIZE)"
+            )
+        else:
+            fix = (
+                f"restart with {theirs.get('world_size')} replica(s) (or, for a new run, set GLOBAL_BATCH_SIZE: "
+                "then the replica count may change between restarts)"
+            )
         raise JobError(
             EXIT_BAD_INPUT,
             f"{run.checkpoints / latest.name} was written by a run with {'; '.join(what)}; resuming would skip or repeat rows: "

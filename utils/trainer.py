@@ -446,11 +446,14 @@ def resume_key(settings: Settings, dist: DistEnv, data) -> dict:
     """What a resume must not change, recorded in every complete checkpoint: the Trainer fast-forwards each
     rank's data loader by the saved step count, so another global batch or data would skip or repeat rows
     without a word. The world size too, unless GLOBAL_BATCH_SIZE fixes one global order of the rows
-    (`elastic`): then any count that divides the global batch resumes at the same row."""
+    (`elastic`): then any count that divides the global batch resumes at the same row. Not under DeepSpeed,
+    whose checkpoints hold each rank's partition of the optimizer state (`optimizer_per_rank`)."""
     plan = plan_batches(settings, dist.world_size)
+    per_rank = settings.strategy == "deepspeed"
     return {
         "world_size": dist.world_size,
-        "elastic": plan.fixed,
+        "elastic": plan.fixed and not per_rank,
+        "optimizer_per_rank": per_rank,
         "global_batch": plan.global_batch,
         "data": {split: content_digest(data[split]) for split in sorted(data)},
     }
