@@ -40,7 +40,8 @@ WORKDIR /app
 # needs nvcc at run time, which this CUDA *runtime* base does not have. On GPUs the optimizer is torch's
 # AdamW, built by the Trainer and handed to DeepSpeed (the job's DeepSpeed config has no "optimizer"
 # block, so DeepSpeed's FusedAdam, a CUDA op, is never used), and ZeRO 1-3 communicate over NCCL: nothing
-# is compiled. Two CPU ops are, once, on first use, with g++ and ninja (ninja comes with deepspeed):
+# is compiled. Two CPU ops are, once, on first use, with g++ and ninja (ninja comes with deepspeed) against
+# the base python's own C headers (Python.h; the base's python ships them):
 # DeepSpeedCPUAdam for ZERO_OFFLOAD (the optimizer steps on the CPU) and, on a CPU-only machine, the
 # shared-memory collectives. They land in TORCH_EXTENSIONS_DIR under /tmp, writable with a read-only root.
 COPY requirements.txt ./

@@ -22,7 +22,9 @@ HOST_DIR=${1:-$WORK/pvc-home}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SUITE=bookworm             # its python3 is 3.11, the ABI of the CPU torch wheel
-BASE=localhost/pytorch-cpu-standin:2.13.0
+# -headers: python's C headers, as the real base's conda python has them (DeepSpeed compiles its CPU ops
+# against them); a stand-in stored without them is not reused.
+BASE=localhost/pytorch-cpu-standin:2.13.0-headers
 IMAGE=localhost/sst2-lora:smoke
 JOB_UID=10000              # the Dockerfile's USER; checked against the image below
 CONTAINER=sst2-lora-smoke-$$
@@ -104,8 +106,8 @@ build_base() {
         >"$WORK/pip-download.log" 2>&1 || { tail -20 "$WORK/pip-download.log" >&2; die "pip download $TORCH_SPEC failed"; }
     ls "$ctx"/wheels/torch-*+cpu-*.whl >/dev/null 2>&1 || die "pip found no CPU build for $TORCH_SPEC: $(ls "$ctx/wheels")"
 
-    log "debootstrap $SUITE (minbase + python3) from $DEBIAN_MIRROR"
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    log "debootstrap $SUITE (minbase + python3 and its headers) from $DEBIAN_MIRROR"
+    debootstrap --variant=minbase --include=python3,python3-venv,python3-dev,ca-certificates \
         "$SUITE" "$rootfs" "$DEBIAN_MIRROR" >"$WORK/debootstrap.log" 2>&1 \
         || { tail -20 "$WORK/debootstrap.log" >&2; die "debootstrap failed (log: $WORK/debootstrap.log)"; }
 
