@@ -36,18 +36,22 @@ LOSS_RTOL = 1e-6
 WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
 
 
-def write_fixed_length_data(folder: Path, seed: int = 1) -> Path:
-    """Sentences of exactly WORDS words from the tiny model's vocabulary, labelled by their adjective."""
+def write_fixed_length_data(
+    folder: Path, seed: int = 1, counts: tuple[int, int] = (TRAIN_ROWS, VALIDATION_ROWS), extra_words=None
+) -> Path:
+    """Sentences of exactly WORDS words from the tiny model's vocabulary, labelled by their adjective; with
+    `extra_words` (rng -> a count), that many filler words instead, for sentences of many lengths."""
     rng = random.Random(seed)
     folder.mkdir(parents=True)
-    for split, rows in (("train", TRAIN_ROWS), ("validation", VALIDATION_ROWS)):
+    for split, rows in zip(("train", "validation"), counts, strict=True):
         with open(folder / f"{split}.csv", "w", newline="") as handle:
             writer = csv.writer(handle)
             writer.writerow(["sentence", "label"])
             for _ in range(rows):
                 label = rng.randint(0, 1)
                 words = ["the", rng.choice(NOUNS), rng.choice(VERBS), rng.choice(POSITIVE if label else NEGATIVE)]
-                words += [rng.choice(FILLER + NOUNS) for _ in range(WORDS - len(words))]
+                fill = extra_words(rng) if extra_words else WORDS - len(words)
+                words += [rng.choice(FILLER + NOUNS) for _ in range(fill)]
                 writer.writerow([" ".join(words), label])
     return folder
 

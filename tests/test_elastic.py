@@ -9,9 +9,7 @@ nothing random is drawn during training (each rank draws its own dropout masks).
 
 from __future__ import annotations
 
-import csv
 import json
-import random
 import socket
 import subprocess
 import sys
@@ -21,7 +19,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
 from tests.conftest import (
     REPO,
     Replicas,
@@ -40,7 +37,14 @@ from tests.conftest import (
     wait_all,
     wait_for,
 )
-from tests.test_ddp_numerics import LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, adapter_weights, first_divergence
+from tests.test_ddp_numerics import (
+    LOSS_RTOL,
+    WEIGHT_ATOL,
+    WEIGHT_RTOL,
+    adapter_weights,
+    first_divergence,
+    write_fixed_length_data,
+)
 
 GLOBAL_BATCH, MICRO = 16, 4  # 1 replica: 4 micro-batches a step, 2: 2, 4: 1
 EPOCHS, STEPS_PER_EPOCH = 2, 4
@@ -50,20 +54,11 @@ STEPS = EPOCHS * STEPS_PER_EPOCH
 EPOCHS_ELASTIC = 500  # the elastic torchrun run: long enough to lose a node mid-run
 
 
-def write_mixed_length_data(folder: Path, seed: int = 3) -> Path:
+def write_mixed_length_data(folder: Path) -> Path:
     """Sentences of 4 to 14 words from the tiny model's vocabulary, labelled by their adjective."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True)
-    for split, rows in (("train", TRAIN_ROWS), ("validation", VALIDATION_ROWS)):
-        with open(folder / f"{split}.csv", "w", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(["sentence", "label"])
-            for _ in range(rows):
-                label = rng.randint(0, 1)
-                words = ["the", rng.choice(NOUNS), rng.choice(VERBS), rng.choice(POSITIVE if label else NEGATIVE)]
-                words += [rng.choice(FILLER + NOUNS) for _ in range(rng.randint(0, 10))]
-                writer.writerow([" ".join(words), label])
-    return folder
+    return write_fixed_length_data(
+        folder, seed=3, counts=(TRAIN_ROWS, VALIDATION_ROWS), extra_words=lambda rng: rng.randint(0, 10)
+    )
 
 
 def settings(tiny_bert: Path, data: Path, out: Path, **extra) -> dict[str, str]:
