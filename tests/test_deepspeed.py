@@ -30,6 +30,7 @@ from tests.conftest import (
     complete_steps,
     error_lines,
     free_port,
+    push_settings,
     rank_env,
     rank_record,
     run_main,
@@ -272,13 +273,13 @@ def long_zero3(tiny_bert: Path, sst2_dir: Path, out: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path, tiny_bert, sst2_dir):
+def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path, tiny_bert, sst2_dir, hub):
     (tmp_path / "reference").mkdir()
     reference = train_two(
         tmp_path / "reference", "reference", long_zero3(tiny_bert, sst2_dir, tmp_path / "reference" / "out")
     )
     out = tmp_path / "out"
-    settings = long_zero3(tiny_bert, sst2_dir, out)
+    settings = {**long_zero3(tiny_bert, sst2_dir, out), **push_settings(hub)}
     group = Replicas(tmp_path)
     try:
         procs = group.start("killed", settings)
@@ -309,6 +310,9 @@ def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tm
     ours, uninterrupted = curves(out), curves(reference)
     resumed_losses = {step: loss for step, loss in ours["loss"].items() if step > resumed_from}
     assert resumed_losses == {step: uninterrupted["loss"][step] for step in resumed_losses}
+    # One push, by rank 0, of the whole adapter gathered from the ZeRO-3 shards.
+    [commit] = hub.commits
+    assert commit["files"]["adapter_model.safetensors"] == (out / "model" / "adapter_model.safetensors").read_bytes()
 
 
 @pytest.mark.slow
