@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 
 EXIT_OK = 0
 EXIT_UNEXPECTED = 1
@@ -45,6 +46,7 @@ VOLUME_ERRNOS = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "read-
 # Free space below this, right after a failed write, means the write filled the volume (a partial file is
 # left taking the rest): torch.save and safetensors report ENOSPC as a RuntimeError or their own error type.
 NEARLY_FULL_BYTES = 1 << 20
+IO_ERROR_LOOKS = 30  # 3 s: how long an EIO waits to see the volume turn read-only
 
 
 def volume_state(exc: BaseException, folder: str | os.PathLike | None = None) -> str | None:
@@ -56,21 +58,28 @@ def volume_state(exc: BaseException, folder: str | os.PathLike | None = None) ->
     """
     seen: set[int] = set()
     cause: BaseException | None = exc
+    io_error = False
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         if isinstance(cause, OSError) and cause.errno in VOLUME_ERRNOS:
             return VOLUME_ERRNOS[cause.errno]
+        io_error = io_error or (isinstance(cause, OSError) and cause.errno == errno.EIO)
         cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
     if folder is None:
         return None
-    try:
-        volume = os.statvfs(folder)
-    except OSError:
-        return None
-    if volume.f_flag & os.ST_RDONLY:
-        return "read-only"
-    if volume.f_bavail * volume.f_frsize < NEARLY_FULL_BYTES:
-        return "full"
+    # A file system that fails (ext4 errors=remount-ro) answers the write in flight with EIO and turns
+    # read-only as it handles the error: look again for a moment before calling it something else.
+    for _ in range(IO_ERROR_LOOKS if io_error else 1):
+        try:
+            volume = os.statvfs(folder)
+        except OSError:
+            return None
+        if volume.f_flag & os.ST_RDONLY:
+            return "read-only"
+        if volume.f_bavail * volume.f_frsize < NEARLY_FULL_BYTES:
+            return "full"
+        if io_error:
+            time.sleep(0.1)
     return None
 
 
