@@ -238,11 +238,11 @@ def test_accelerate_launch_with_a_deepspeed_config_resolves_the_strategy_and_ran
     other = 1 if stage != 1 else 2
     code, answers, stderr = accelerate_dry_run(tmp_path / "other", DEEPSPEED_CONFIGS[stage], ZERO_STAGE=other)
     assert code != 0 and not answers  # accelerate turns the ranks' exit 2 into its own failure
-    for rank_stderr in stderr:
-        errors = [line for line in rank_stderr.splitlines() if line.startswith("error: ")]
-        assert len(errors) == 1 and f"ZERO_STAGE={other}" in errors[0] and f"zero_stage {stage}" in errors[0], (
-            rank_stderr
-        )
+    # torchrun stops the other rank once one has failed, sometimes before it has printed its own line.
+    refusals = [[line for line in text.splitlines() if line.startswith("error: ")] for text in stderr]
+    assert any(refusals), stderr
+    for errors in filter(None, refusals):
+        assert len(errors) == 1 and f"ZERO_STAGE={other}" in errors[0] and f"zero_stage {stage}" in errors[0], errors
 
 
 def test_deepspeed_launcher_processes_resolve_to_their_ranks_and_nodes(tmp_path):
