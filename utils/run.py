@@ -204,11 +204,13 @@ def resume_checkpoint(run: RunDir, key: dict) -> str | None:
     return str(latest)
 
 
-def run_segments(checkpoint: str | None, world_size: int) -> list[dict]:
-    """Rank 0: the stretches of the run so far, each a first step and a replica count, with this start's last."""
+def resume_point(run: RunDir, key: dict, world_size: int) -> tuple[str | None, list[dict]]:
+    """Rank 0: the checkpoint to resume from (`resume_checkpoint`), and the stretches of the run so far, each a
+    first step and a replica count, this start's last; they travel from checkpoint to checkpoint in its key."""
+    checkpoint = resume_checkpoint(run, key)
     earlier = checkpoint_resume_key(Path(checkpoint)).get("segments", []) if checkpoint else []
     first = int(checkpoint.rsplit("-", 1)[-1]) + 1 if checkpoint else 1
-    return [*earlier, {"first_step": first, "world_size": world_size}]
+    return checkpoint, [*earlier, {"first_step": first, "world_size": world_size}]
 
 
 def close_segments(segments: list[dict], last_step: int) -> list[dict]:
@@ -356,9 +358,8 @@ def train(
     model = group.agree(lambda: build_model(settings, quantize, device))
 
     key = resume_key(settings, dist, data)
-    checkpoint = group.decide_on_main(lambda: resume_checkpoint(run_dir, key))
-    # The replica counts the run trained on, carried from checkpoint to checkpoint (metrics.json, the card).
-    key["segments"] = group.decide_on_main(lambda: run_segments(checkpoint, dist.world_size))
+    # The replica counts the run trained on go to metrics.json and the card.
+    checkpoint, key["segments"] = group.decide_on_main(lambda: resume_point(run_dir, key, dist.world_size))
     trainer = build_trainer(
         settings,
         run_dir,
