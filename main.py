@@ -35,19 +35,37 @@ Exit codes: 0 done (or already done), 2 bad input/settings/credentials or an unr
 130 interrupted with Ctrl-C (checkpointed: run again to resume), 1 unexpected.
 """
 
+import argparse
 import json
 import logging
 import sys
 
 from utils.batching import plan_batches
 from utils.deepspeed_config import adopt_launcher, describe_strategy
-from utils.distributed import detect_env, launcher_argv, launcher_options
+from utils.distributed import DistEnv, detect_env, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
 from utils.outputs import check_run_dir, open_run_dir, volume_fault
 from utils.preemption import Preemption
 from utils.recipe import apply_recipe
-from utils.settings import check_push_possible, check_trackers, load_settings
+from utils.settings import Settings, check_push_possible, check_trackers, load_settings
+
+
+def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, dict]:
+    """Everything decided before torch is imported, on every rank alike: the settings (defaults < env < flags),
+    who this process is, the learning rate for its global batch, the strategy; every check that needs neither
+    torch nor the network. Bad input raises JobError (exit 2) with the fix. Returns (settings, dist, the parsed
+    command line, the strategy as --dry-run shows it)."""
+    settings, args = load_settings(launcher_argv(argv))  # less the `deepspeed` launcher's --local_rank
+    dist = detect_env()
+    # The learning rate follows the global batch unless LEARNING_RATE is set.
+    settings = apply_recipe(settings, dist.world_size)
+    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too).
+    settings = adopt_launcher(settings, launcher_options())
+    check_push_possible(settings)
+    check_trackers(settings)
+    strategy = describe_strategy(settings, dist.world_size)  # DeepSpeed: its config, read and checked
+    return settings, dist, args, strategy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,15 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
         masker = install_masking()  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
-        settings, args = load_settings(launcher_argv(argv))  # less the `deepspeed` launcher's --local_rank
-        dist = detect_env()
-        # The learning rate follows the global batch unless LEARNING_RATE is set.
-        settings = apply_recipe(settings, dist.world_size)
-        # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too).
-        settings = adopt_launcher(settings, launcher_options())
-        check_push_possible(settings)
-        check_trackers(settings)
-        strategy = describe_strategy(settings, dist.world_size)  # DeepSpeed: its config, read and checked
+        settings, dist, args, strategy = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings)
             batch = plan_batches(settings, dist.world_size).as_dict()  # GLOBAL_BATCH_SIZE split over this world size
