@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -41,7 +42,7 @@ from tests.conftest import (
     yaml_docs,
 )
 from utils.distributed import DEFAULT_PORT
-from utils.settings import FIELDS, SHARED_VOLUME, env_name, load_settings
+from utils.settings import FIELDS, SHARED_VOLUME, env_name
 
 CONFIG_YAML = REPO / "config.yaml"
 KUBERNETES_VERSION = "1.30"  # an API version current clusters serve; the manifests use nothing newer
@@ -241,34 +242,145 @@ def test_dockerignore_keeps_the_code_and_drops_the_rest():
 
 
 # ------------------------------------------------------------------------------- config.yaml
-def test_config_yaml_is_the_platform_job_file():
+# The managed platform's job file, as the platform reads it: unknown keys are dropped without a word, and
+# config_map and secrets values become environment variables (a YAML `true` or `1e-4` left unquoted would
+# reach the job as the platform prints it, not as written).
+PLATFORM_JOB_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["resources", "replicas", "config_map"],
+    "properties": {
+        "resources": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "gpu": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["accelerator_count", "accelerator"],
+                    "properties": {
+                        "accelerator_count": {"type": "integer", "minimum": 1},
+                        "accelerator": {"type": "string"},
+                    },
+                },
+                "memory": {"type": "number", "exclusiveMinimum": 0},
+                "cpu": {"type": "number", "exclusiveMinimum": 0},
+            },
+        },
+        "replicas": {"type": "integer", "minimum": 1},
+        "config_map": {"type": "object", "additionalProperties": {"type": "string"}},
+        "secrets": {"type": "object", "additionalProperties": {"type": "string"}},
+        "shared_volume": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"size": {"type": "number", "exclusiveMinimum": 0}},
+        },
+    },
+}
+
+
+def test_config_yaml_is_a_platform_job_file():
+    errors = schema_errors(PLATFORM_JOB_SCHEMA, config_yaml())
+    assert not errors, "config.yaml (config_map values are strings: quote them):\n" + "\n".join(errors)
+
+
+def platform_env(rank: int, world: int, with_master: bool = True) -> dict[str, str]:
+    """A replica on the managed platform: the image's ENV, config_map, secrets, and the platform's rank variables."""
     config = config_yaml()
-    assert set(config) <= {"resources", "replicas", "config_map", "secrets", "shared_volume"}, set(config)
-    assert config["resources"]["gpu"] == {"accelerator_count": 1, "accelerator": "H100"}
-    assert (config["resources"]["memory"], config["resources"]["cpu"]) == (128, 4)
-    assert config["replicas"] == 4
-    assert config["shared_volume"] == {"size": 10}
-    assert set(config["secrets"]) == {"HF_TOKEN"} and isinstance(config["secrets"]["HF_TOKEN"], str)
-    config_map = config["config_map"]
-    assert {"RESULT_MODEL_ID", "RUN_NAME"} <= set(config_map)
-    assert all(isinstance(v, str) for v in config_map.values()), (
-        "config_map values arrive as environment variables: quote them"
+    env = dict(docker_env()) | config["config_map"] | {name: FAKE_TOKEN for name in config["secrets"]}
+    env |= {"RANK": str(rank), "WORLD_SIZE": str(world), "NODE_RANK": str(rank)}
+    if with_master:
+        env |= {"MASTER_ADDR": "sst2-lora-replica-0", "MASTER_PORT": str(DEFAULT_PORT)}
+    return env
+
+
+def configured(monkeypatch, env: dict[str, str]):
+    """What main.py resolves before torch (main.configure) in a process whose environment is exactly `env`."""
+    from main import configure
+
+    for name in list(os.environ):
+        if name not in env:
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return configure([])
+
+
+def arrived(raw: str, value) -> bool:
+    """Whether a resolved setting is the value its variable held (numbers compared as numbers, lists comma-joined)."""
+    if isinstance(value, bool):
+        return raw.strip().lower() in (("true", "1", "yes", "on") if value else ("false", "0", "no", "off"))
+    if isinstance(value, (int, float)):
+        return float(raw) == value
+    if isinstance(value, (list, tuple)):
+        return [part.strip() for part in raw.split(",")] == [str(item) for item in value]
+    return raw == str(value)
+
+
+def test_every_platform_replica_resolves_one_run_from_config_yaml(tmp_path, monkeypatch):
+    """Each replica of config.yaml, given what the platform gives it (the image's ENV, config_map, secrets, its rank
+    variables): its own rank in one world of `replicas`, the settings config_map wrote, the same on every replica,
+    the shared run folder, a push it can make, and the learning rate of the global batch the replicas train."""
+    from utils.batching import plan_batches
+
+    config, world = config_yaml(), config_yaml()["replicas"]
+    resolved = []
+    for rank in range(world):
+        env = pod_env(tmp_path, **platform_env(rank, world))
+        settings, dist, _, _ = configured(monkeypatch, env)
+        assert dist.as_dict() == {
+            "rank": rank,
+            "local_rank": 0,
+            "world_size": world,
+            "node_rank": rank,
+            "master_addr": env["MASTER_ADDR"],
+            "master_port": int(env["MASTER_PORT"]),
+            "source": "platform",
+        }
+        shown = settings.as_dict()
+        for name, raw in config["config_map"].items():
+            if name in SETTING_ENV:
+                assert arrived(raw, shown[SETTING_ENV[name]]), (
+                    f"config_map {name}={raw!r} arrived as {shown[SETTING_ENV[name]]!r}"
+                )
+        assert shown["output_dir"] == shared_output_dir()
+        assert shown["hf_token"] == "***" and shown["result_model_id"]  # configure refuses a push it cannot make
+        resolved.append(shown)
+    assert all(shown == resolved[0] for shown in resolved), "the replicas resolved different settings"
+
+    # The rate follows the global batch, not the replica count: one process training the same global batch
+    # resolves the same rate, and one process at its own batch another (unless config_map pinned LEARNING_RATE).
+    single = {
+        name: value
+        for name, value in env.items()
+        if name not in ("RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    single_rate = configured(monkeypatch, single)[0].learning_rate
+    same_batch = single | {"GLOBAL_BATCH_SIZE": str(plan_batches(settings, world).global_batch)}
+    assert configured(monkeypatch, same_batch)[0].learning_rate == settings.learning_rate
+    assert world == 1 or settings.learning_rate != single_rate, (
+        f"{world} replicas train at the one-replica rate {single_rate}: LEARNING_RATE is pinned in config_map"
     )
-    assert config_map.get("OUTPUT_DIR", shared_output_dir()) == shared_output_dir()
 
 
-def test_config_yaml_keys_are_all_commented():
-    lines = CONFIG_YAML.read_text().splitlines()
-    for n, line in enumerate(lines):
-        if re.match(r"^\s*[A-Za-z_]+:", line):
-            before = lines[n - 1].strip() if n else ""
-            assert "#" in line or before.startswith("#"), f"config.yaml line {n + 1} has no comment: {line.strip()}"
-
-
-def test_settings_are_the_same_on_the_platform_and_kubernetes():
-    assert the_configmap()["data"] == config_yaml()["config_map"], (
-        "k8s/base/configmap.yaml and config.yaml's config_map must train the same run"
+def test_the_platform_and_kubernetes_train_the_same_run(tmp_path, monkeypatch):
+    """A replica of config.yaml and the pod of the same rank of `kubectl apply -k k8s/` resolve the same world and
+    every setting alike (the training, the run folder, the Hub repo): the two deployments are one job."""
+    job = the_pytorchjob()
+    configmaps = config_maps(kustomize(K8S))
+    container = next(
+        c
+        for c in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+        if c["name"] == OPERATOR_CONTAINER
     )
+    pod = container_env(container, configmaps) | operator_env(job, "Worker", 0)
+    replica = platform_env(int(pod["RANK"]), config_yaml()["replicas"])
+    platform, platform_dist, _, _ = configured(monkeypatch, pod_env(tmp_path, **replica))
+    kubernetes, kubernetes_dist, _, _ = configured(monkeypatch, pod_env(tmp_path, **pod))
+    assert (platform_dist.rank, platform_dist.world_size) == (kubernetes_dist.rank, kubernetes_dist.world_size)
+    ours, theirs = platform.as_dict(), kubernetes.as_dict()
+    differ = {name: (value, theirs[name]) for name, value in ours.items() if value != theirs[name]}
+    assert not differ, f"config.yaml and k8s/ resolve different settings (platform, kubernetes): {differ}"
 
 
 def test_env_names_are_settings_or_library_variables():
@@ -378,7 +490,6 @@ def test_apply_k_deploys_the_job_its_volume_and_settings_only():
 def test_pytorchjob_shape():
     job = the_pytorchjob()
     specs = job["spec"]["pytorchReplicaSpecs"]
-    assert specs["Master"]["replicas"] + specs["Worker"]["replicas"] == config_yaml()["replicas"] == 4
     assert specs["Master"]["replicas"] == 1
     assert specs["Master"]["template"] == specs["Worker"]["template"], "Master and Worker pods must be the same"
     assert {spec["restartPolicy"] for spec in specs.values()} == {"ExitCode"}, (
@@ -487,25 +598,18 @@ def operator_env(job: dict, replica_type: str, index: int) -> dict[str, str]:
     }
 
 
-def assert_settings_arrived(config: dict, raw: dict[str, str], world_size: int) -> None:
-    from utils.recipe import scaled_learning_rate
-
-    expected, _ = load_settings([], environ=raw)
-    for name in raw:
+def assert_settings_arrived(config: dict, raw: dict[str, str]) -> None:
+    for name, value in raw.items():
         if name in SETTING_ENV:
-            field = SETTING_ENV[name]
-            assert config[field] == expected.model_dump(mode="json")[field], (
-                f"{name}={raw[name]!r} arrived as {config[field]!r}"
+            assert arrived(value, config[SETTING_ENV[name]]), (
+                f"{name}={value!r} arrived as {config[SETTING_ENV[name]]!r}"
             )
-    # A deployment that pinned LEARNING_RATE would train 4 replicas at the one-replica rate (docs/quality.md).
-    assert config["learning_rate"] == scaled_learning_rate(expected, world_size), (
-        f"the deployed rate {config['learning_rate']} is not the one the global batch of {world_size} replica(s) gets"
-    )
 
 
 def test_dry_run_in_each_pytorchjob_pod(tmp_path):
     job = the_pytorchjob()
     configmaps = config_maps(kustomize(K8S))
+    pods = sum(spec["replicas"] for spec in job["spec"]["pytorchReplicaSpecs"].values())
     seen = []
     for replica_type, spec in job["spec"]["pytorchReplicaSpecs"].items():
         for index in range(spec["replicas"]):
@@ -519,7 +623,7 @@ def test_dry_run_in_each_pytorchjob_pod(tmp_path):
             assert out["distributed"] == {
                 "rank": rank,
                 "local_rank": 0,
-                "world_size": 4,
+                "world_size": pods,
                 "node_rank": rank,
                 "master_addr": f"{job['metadata']['name']}-master-0",
                 "master_port": int(variables["MASTER_PORT"]),
@@ -527,40 +631,31 @@ def test_dry_run_in_each_pytorchjob_pod(tmp_path):
             }, f"{replica_type} {index}"
             assert out["config"]["output_dir"] == shared_output_dir()
             assert out["config"]["hf_token"] == "***" and FAKE_TOKEN not in result.stdout + result.stderr
-            assert_settings_arrived(out["config"], variables, out["distributed"]["world_size"])
+            assert_settings_arrived(out["config"], variables)
             seen.append(out["distributed"]["rank"])
-    assert sorted(seen) == [0, 1, 2, 3]
+    assert sorted(seen) == list(range(pods))
 
 
-def platform_env(rank: int, world: int, with_master: bool = True) -> dict[str, str]:
-    """A replica on the managed platform: the image's ENV, config_map, secrets, and the platform's rank variables."""
-    config = config_yaml()
-    env = dict(docker_env()) | config["config_map"] | {name: FAKE_TOKEN for name in config["secrets"]}
-    env |= {"RANK": str(rank), "WORLD_SIZE": str(world), "NODE_RANK": str(rank)}
-    if with_master:
-        env |= {"MASTER_ADDR": "sst2-lora-replica-0", "MASTER_PORT": str(DEFAULT_PORT)}
-    return env
-
-
-def test_dry_run_on_each_platform_replica(tmp_path):
+def test_dry_run_on_a_platform_replica(tmp_path):
+    """main.py itself on a worker replica (every replica's resolution: above, in this process): the JSON it prints,
+    the token masked in everything it writes."""
     world = config_yaml()["replicas"]
-    for rank in range(world):
-        env = platform_env(rank, world)
-        result = run_main(pod_env(tmp_path, **env), "--dry-run")
-        assert result.code == 0, result.stderr
-        out = result.json()
-        assert out["distributed"] == {
-            "rank": rank,
-            "local_rank": 0,
-            "world_size": world,
-            "node_rank": rank,
-            "master_addr": "sst2-lora-replica-0",
-            "master_port": DEFAULT_PORT,
-            "source": "platform",
-        }
-        assert out["config"]["output_dir"] == shared_output_dir()
-        assert out["config"]["hf_token"] == "***" and FAKE_TOKEN not in result.stdout + result.stderr
-        assert_settings_arrived(out["config"], env, world)
+    env = platform_env(world - 1, world)
+    result = run_main(pod_env(tmp_path, **env), "--dry-run")
+    assert result.code == 0, result.stderr
+    out = result.json()
+    assert out["distributed"] == {
+        "rank": world - 1,
+        "local_rank": 0,
+        "world_size": world,
+        "node_rank": world - 1,
+        "master_addr": "sst2-lora-replica-0",
+        "master_port": DEFAULT_PORT,
+        "source": "platform",
+    }
+    assert out["config"]["output_dir"] == shared_output_dir()
+    assert out["config"]["hf_token"] == "***" and FAKE_TOKEN not in result.stdout + result.stderr
+    assert_settings_arrived(out["config"], env)
 
 
 def test_platform_without_rendezvous_address_says_so(tmp_path):
