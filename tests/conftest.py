@@ -114,6 +114,19 @@ def rank_env(tmp: Path, rank: int, world: int, port: int, **extra: str) -> dict[
     )
 
 
+def configured(monkeypatch, env: dict[str, str], argv: list[str] | None = None):
+    """What main.py resolves before torch (`main.configure`: settings, ranks, learning rate, strategy) in a process
+    whose environment is exactly `env`; bad input raises JobError."""
+    from main import configure
+
+    for name in list(os.environ):
+        if name not in env:
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    return configure(list(argv or []))
+
+
 @pytest.fixture(scope="session")
 def sst2_dir(tmp_path_factory) -> Path:
     """A small learnable SST-2-shaped csv data set (odd-sized validation split)."""
