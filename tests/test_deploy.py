@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ from tests.conftest import (
     REPO,
     SCHEMAS,
     config_maps,
+    configured,
     container_env,
     crd_schemas,
     docker_env,
@@ -292,18 +292,6 @@ def platform_env(rank: int, world: int, with_master: bool = True) -> dict[str, s
     if with_master:
         env |= {"MASTER_ADDR": "sst2-lora-replica-0", "MASTER_PORT": str(DEFAULT_PORT)}
     return env
-
-
-def configured(monkeypatch, env: dict[str, str]):
-    """What main.py resolves before torch (main.configure) in a process whose environment is exactly `env`."""
-    from main import configure
-
-    for name in list(os.environ):
-        if name not in env:
-            monkeypatch.delenv(name)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return configure([])
 
 
 def arrived(raw: str, value) -> bool:
