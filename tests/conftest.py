@@ -226,6 +226,54 @@ def push_settings(hub: HubStub) -> dict[str, str]:
     }
 
 
+MERGED_ID = "tester/sst2-merged"
+LABELS = ("bad", "good")  # not the default: proves the names come from LABEL_NAMES
+MAX_SEQ_LENGTH = 48  # not the default 128 nor the tiny model's 512 positions: proves the run's own length is recorded
+
+
+@dataclass
+class FinishedRun:
+    """A finished run's folder and what reached the Hub; read it only (copy `out` to change anything)."""
+
+    tmp: Path  # HF_HOME and the captured streams live here too
+    out: Path  # OUTPUT_DIR
+    hub: HubStub
+    env: dict[str, str]  # the settings it ran with (OUTPUT_DIR and HF_ENDPOINT point at the shared run)
+    first: Result  # the run itself: trained, the push refused (exit 3)
+    push_only: Result  # `--push-only`: the same files sent again, accepted
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, tiny_bert, sst2_dir) -> FinishedRun:
+    """One tiny run every test that only reads a finished run shares: one process, 2 epochs, TensorBoard,
+    label names, a merged export, both models pushed to the local Hub stand-in. The Hub refuses its first
+    pushes (403), so the run ends in exit 3 and `--push-only` publishes what the volume holds, the way a
+    user recovers: what reached the Hub is what a retry sends."""
+    tmp = tmp_path_factory.mktemp("finished-run")
+    hub = HubStub()
+    hub.url = hub.start()
+    hub.fail("commit", 403, 403)  # the adapter's and the merged model's first commits
+    env = base_env(
+        tmp,
+        **tiny_run_settings(tiny_bert, sst2_dir, tmp / "out"),
+        LABEL_NAMES=",".join(LABELS),
+        MAX_SEQ_LENGTH=MAX_SEQ_LENGTH,
+        MERGE_ADAPTER="true",
+        RESULT_MERGED_MODEL_ID=MERGED_ID,
+        **push_settings(hub),
+    )
+    first = run_main(env)
+    assert first.code == 3, first.stderr[-3000:]
+    assert hub.commits == []
+    push_only = run_main(env, "--push-only")
+    assert push_only.code == 0, push_only.stderr[-3000:]
+    for name, result in (("first", first), ("push-only", push_only)):
+        (tmp / f"{name}.stdout").write_text(result.stdout)
+        (tmp / f"{name}.stderr").write_text(result.stderr)
+    yield FinishedRun(tmp, tmp / "out", hub, env, first, push_only)
+    hub.stop()
+
+
 class Replicas:
     """Two replicas started by hand; every process this test started is killed at the end, whatever happens."""
 
@@ -353,6 +401,56 @@ def assert_token_absent(token: str, roots: list[Path], hub: HubStub | None = Non
     if hub is not None:
         leaks += [f"hub:{name}" for commit in hub.commits for name, data in commit["files"].items() if needle in data]
     assert not leaks, f"HF_TOKEN found in {leaks}"
+
+
+# ------------------------------------------------------------------------------- small data sets
+def write_files(folder: Path, files: dict[str, str]) -> Path:
+    """`files` (name -> text) written into a new `folder`."""
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def film_rows(rows: int) -> list[tuple[str, int]]:
+    """`rows` sentences of the tiny BERT's vocabulary, labelled 0 (a dull film) and 1 (a wonderful film) in turn."""
+    return [(("a wonderful film" if i % 2 else "a dull film") + " x" * (i % 5), i % 2) for i in range(rows)]
+
+
+def delimited(rows, sep: str = ",", header: str = "sentence,label") -> str:
+    """A csv (or, with sep="\\t", tsv) of (sentence, label) rows, written as a user would, unquoted."""
+    return "\n".join([header.replace(",", sep), *(f"{text}{sep}{label}" for text, label in rows)]) + "\n"
+
+
+SPLIT_SIZES = (("train", 8), ("validation", 4))
+
+
+def saved_dataset(folder: Path, names: list[str], label_of=lambda label: label) -> Path:
+    """A save_to_disk DatasetDict of `film_rows` (SPLIT_SIZES) whose label column is a ClassLabel named `names`;
+    `label_of` turns the 0 (negative) / 1 (positive) of each row into the id the data stores."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    features = Features({"sentence": Value("string"), "label": ClassLabel(names=names)})
+    splits = {
+        split: Dataset.from_dict(
+            {"sentence": [text for text, _ in film_rows(n)], "label": [label_of(y) for _, y in film_rows(n)]},
+            features=features,
+        )
+        for split, n in SPLIT_SIZES
+    }
+    DatasetDict(splits).save_to_disk(folder)
+    return folder
+
+
+# Line 3 opens a quote, line 6 closes one: read as quoted csv, lines 3-6 would be one row, without a word.
+STRAY_QUOTE = [
+    ("a good film", 1),
+    ('"a dull start', 0),
+    ("more of it", 1),
+    ("not much", 0),
+    ('he said "fine" twice', 1),
+    ("the end", 1),
+]
 
 
 # ------------------------------------------------------------------------------- launchers
