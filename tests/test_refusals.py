@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from main import configure
 from tests.conftest import (
     BASE_ID,
     FAKE_TOKEN,
@@ -29,6 +28,7 @@ from tests.conftest import (
     STRAY_QUOTE,
     assert_refused_as_bad_input,
     base_env,
+    configured,
     delimited,
     error_lines,
     film_rows,
@@ -637,12 +637,12 @@ REFUSALS = [
 ]
 
 
-def first_refusal(argv: list[str]) -> tuple[str, JobError]:
-    """The checks of a start, in the order main.py and the run meet them, up to the first training step; the
-    layer that refused and its error (the test fails if none does)."""
+def first_refusal(monkeypatch, env: dict[str, str], argv: list[str]) -> tuple[str, JobError]:
+    """The checks of a start in a process whose environment is `env`, in the order main.py and the run meet them,
+    up to the first training step; the layer that refused and its error (the test fails if none does)."""
     layer = "settings"
     try:
-        settings, dist, _, _ = configure(argv)
+        settings, dist, _, _ = configured(monkeypatch, env, argv)
         layer = "output"
         run_dir = open_run_dir(settings)
         layer = "model"
@@ -662,38 +662,26 @@ def files_under(folder: Path) -> dict[str, int]:
 
 
 @pytest.fixture
-def job_environ(monkeypatch, tmp_path, tiny_bert, sst2_dir):
-    """Sets this process's environment to a job's (launcher, HF and settings variables of the shell cleared): the
-    tiny run asking for a push, plus `changes` (None removes a variable); returns it."""
-
-    def apply(changes: dict) -> dict[str, str]:
-        env = base_env(
-            tmp_path,
-            **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out"),
-            HF_HUB_OFFLINE="0",
-            HF_TOKEN=FAKE_TOKEN,
-            RESULT_MODEL_ID=REPO_ID,
-            BASE_MODEL_ID=BASE_ID,
-        )
-        env = {name: value for name, value in {**env, **changes}.items() if value is not None}
-        for name in list(os.environ):
-            if name not in env:
-                monkeypatch.delenv(name)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        return env
-
-    return apply
+def push_env(tmp_path, tiny_bert, sst2_dir) -> dict[str, str]:
+    """A job's environment (no launcher or HF variable of the shell): the tiny run, asking for a push."""
+    return base_env(
+        tmp_path,
+        **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out"),
+        HF_HUB_OFFLINE="0",
+        HF_TOKEN=FAKE_TOKEN,
+        RESULT_MODEL_ID=REPO_ID,
+        BASE_MODEL_ID=BASE_ID,
+    )
 
 
 @pytest.mark.check
 @pytest.mark.parametrize("refusal", REFUSALS)
-def test_refused_by_its_layer_with_the_fix(refusal: Refusal, job_environ, tmp_path):
-    env = job_environ({})
-    env = job_environ({**(refusal.setup(tmp_path, env) if refusal.setup else {}), **refusal.env})
+def test_refused_by_its_layer_with_the_fix(refusal: Refusal, push_env, monkeypatch, tmp_path):
+    env = {**push_env, **(refusal.setup(tmp_path, push_env) if refusal.setup else {}), **refusal.env}
+    env = {name: value for name, value in env.items() if value is not None}
     before, data = files_under(tmp_path), Path(env["DATASET_PATH"])
     given = files_under(data)
-    layer, error = first_refusal(list(refusal.argv))
+    layer, error = first_refusal(monkeypatch, env, list(refusal.argv))
     assert (layer, error.code) == (refusal.layer, EXIT_BAD_INPUT), error.message
     missing = [fragment for fragment in refusal.says if fragment not in error.message]
     assert not missing, f"{missing} not in: {error.message}"
