@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.conftest import (
     ACCELERATE,
@@ -32,6 +31,7 @@ from tests.conftest import (
     TORCHRUN,
     base_env,
     config_maps,
+    configured,
     container_env,
     crd_schema,
     free_port,
@@ -103,15 +103,75 @@ def test_torchrun_two_nodes_on_loopback(job_env, tmp_path):
 
 
 # ------------------------------------------------------------------------------- accelerate launch
-def test_accelerate_configs_are_plain_ddp_and_leave_precision_to_the_job():
-    for name, machines in (("multi-gpu.yaml", 1), ("multi-node.yaml", 2)):
-        config = yaml.safe_load((LAUNCHERS / "accelerate" / name).read_text())
-        assert config["distributed_type"] == "MULTI_GPU" and config["num_machines"] == machines, name
-        # PRECISION decides, not the config
-        assert config["mixed_precision"] == "no" and config["use_cpu"] is False, name
-        assert config["num_processes"] % machines == 0, name
-    multi_node = yaml.safe_load((LAUNCHERS / "accelerate" / "multi-node.yaml").read_text())
-    assert {"main_process_ip", "main_process_port", "machine_rank"} <= set(multi_node)
+# What a process started by `accelerate launch` with one of the repo's configs is given: a stand-in for main.py
+# writes its environment (the launcher's variables included), and main.configure resolves it here.
+REPORT_ENV = """import json, os, pathlib, sys
+pathlib.Path(sys.argv[1], f"env-{os.environ['RANK']}.json").write_text(json.dumps(dict(os.environ)))
+"""
+
+
+def launched_environments(tmp_path: Path, config: Path, *args: str, machines: int = 1) -> list[dict[str, str]]:
+    """Each process's environment under `accelerate launch --config_file CONFIG --num_processes 2 ARGS`, started
+    `machines` times as machine 0, 1, ... on loopback; in rank order."""
+    script, out = tmp_path / "report_env.py", tmp_path / "environments"
+    script.write_text(REPORT_ENV)
+    out.mkdir()
+    port, procs = free_port(), []
+    for machine in range(machines):
+        machine_args = ["--machine_rank", str(machine), "--main_process_ip", "127.0.0.1"] if machines > 1 else []
+        cmd = [*ACCELERATE, "--config_file", str(config), "--num_processes", "2", "--main_process_port", str(port)]
+        procs.append(
+            subprocess.Popen(
+                [*cmd, *machine_args, *args, str(script), str(out)],
+                # RUN_NAME given, as every deployment gives it: a derived name differs with where STRATEGY came from
+                env=base_env(tmp_path, OUTPUT_DIR=tmp_path / "out", RUN_NAME="accelerate-config"),
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-3000:]
+    return [json.loads((out / f"env-{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize(
+    "name, machines, same_as",
+    [
+        ("multi-gpu.yaml", 1, {}),
+        ("multi-node.yaml", 2, {}),
+        ("deepspeed-zero2.yaml", 1, {"STRATEGY": "deepspeed", "ZERO_STAGE": "2"}),
+        ("deepspeed-zero3.yaml", 1, {"STRATEGY": "deepspeed", "ZERO_STAGE": "3"}),
+    ],
+)
+def test_an_accelerate_config_launches_and_leaves_training_to_the_job(name, machines, same_as, tmp_path, monkeypatch):
+    """Each config of launchers/accelerate/, launched for real: its processes get their ranks (a machine each for
+    the multi-node one) and resolve the settings they would without the config (for a DeepSpeed config: with
+    STRATEGY and ZERO_STAGE set instead), and every PRECISION the job can resolve is accepted beside it: the job's
+    settings own precision and batches, not the config."""
+    if same_as:
+        pytest.importorskip("deepspeed")  # accelerate's DeepSpeed launcher imports it
+    from utils.distributed import launcher_options
+    from utils.strategy import check_strategy
+
+    environments = launched_environments(tmp_path, LAUNCHERS / "accelerate" / name, machines=machines)
+    for rank, env in enumerate(environments):
+        # without what the config exported (ACCELERATE_*), the settings it stands for set instead
+        plain = {k: v for k, v in env.items() if not k.startswith("ACCELERATE_")} | same_as
+        alone = configured(monkeypatch, plain)[0].as_dict()
+        settings, dist, _, _ = configured(monkeypatch, env)
+        node, local = (rank, 0) if machines > 1 else (0, rank)
+        assert (dist.rank, dist.local_rank, dist.node_rank, dist.world_size) == (rank, local, node, 2)
+        assert (dist.source, dist.master_addr) == ("torchrun", "127.0.0.1")
+        differ = {k: (v, alone[k]) for k, v in settings.as_dict().items() if alone[k] != v}
+        assert not differ, f"under {name} the job resolves (launched, {same_as or 'no config'}): {differ}"
+        assert not launcher_options()["cpu"], f"{name}: Accelerate would train on the CPU beside the GPUs"
+        for precision in ("fp32", "bf16", "fp16"):  # check_strategy raises JobError on a launcher that disagrees
+            check_strategy(
+                settings, dist, cuda=False, quantize=False, precision=precision, launcher=launcher_options()
+            )
 
 
 @pytest.mark.slow
@@ -179,17 +239,6 @@ def dry_run_answers(output: str) -> list[dict]:
     for match in re.finditer(r"^\{$", output, re.M):
         answers.append(decoder.raw_decode(output, match.start())[0])
     return sorted(answers, key=lambda answer: answer["distributed"]["rank"])
-
-
-def test_accelerate_deepspeed_configs_give_the_stage_and_leave_batch_and_precision_to_the_job():
-    for stage, path in DEEPSPEED_CONFIGS.items():
-        config = yaml.safe_load(path.read_text())
-        assert config["distributed_type"] == "DEEPSPEED" and config["use_cpu"] is False, path.name
-        assert config["deepspeed_config"]["zero_stage"] == stage, path.name
-        # With any of these in the file, Accelerate would set it over the job's own DeepSpeed config (and its
-        # DeepSpeedPlugin refuses a config file next to them); the job's settings own them.
-        owned = {"mixed_precision", "gradient_accumulation_steps", "gradient_clipping", "deepspeed_config_file"}
-        assert not owned & (set(config) | set(config["deepspeed_config"])), path.name
 
 
 def accelerate_dry_run(tmp_path: Path, config: Path, **settings) -> tuple[int, list[dict], list[str]]:
@@ -687,21 +736,13 @@ def test_pytorchjob_with_several_gpus_per_pod_is_valid_against_the_crd():
     broken["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["gpus"] = 4
     assert schema_errors(schema, broken), "an unknown field must be an error"
 
-    from utils.settings import SHARED_VOLUME
-
-    assert job["apiVersion"] == "kubeflow.org/v1" and int(job["spec"]["nprocPerNode"]) > 1
+    # What the operator relies on (the pod security and volumes every manifest shares: tests/test_deploy.py).
     for replica in job["spec"]["pytorchReplicaSpecs"].values():
         assert replica["restartPolicy"] == "ExitCode"  # restarts on preemption (143), not on bad settings (2)
-        pod = replica["template"]["spec"]
-        container = pod["containers"][0]
+        container = replica["template"]["spec"]["containers"][0]
         assert container["name"] == "pytorch" and container["ports"][0]["name"] == "pytorchjob-port"
         # one process per GPU
         assert container["resources"]["limits"]["nvidia.com/gpu"] == int(job["spec"]["nprocPerNode"])
-        assert {m["mountPath"] for m in container["volumeMounts"]} >= {SHARED_VOLUME, "/dev/shm", "/tmp"}
-        assert (
-            pod["securityContext"]["runAsUser"] == 10000
-            and container["securityContext"]["readOnlyRootFilesystem"] is True
-        )
 
 
 def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_path):
@@ -711,6 +752,7 @@ def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_pa
     specs = job["spec"]["pytorchReplicaSpecs"]
     pods = specs["Master"]["replicas"] + specs["Worker"]["replicas"]
     nproc = int(job["spec"]["nprocPerNode"])
+    assert nproc > 1, "k8s/multi-gpu-per-pod/ is the variant with several processes (GPUs) per pod"
     container = specs["Master"]["template"]["spec"]["containers"][0]
     shared = shared_config_maps()
     port = free_port()  # stands in for the pytorchjob-port
@@ -797,36 +839,22 @@ def test_trainjob_is_valid_against_the_trainer_v2_crd():
     broken["spec"]["podTemplateOverrides"] = []  # the older field name: not in this CRD version
     assert schema_errors(schema, broken), "an unknown field must be an error"
 
-    from utils.settings import SHARED_VOLUME
-
-    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
-    assert job["spec"]["runtimeRef"] == {
-        "apiGroup": "trainer.kubeflow.org",
-        "kind": "ClusterTrainingRuntime",
-        "name": "torch-distributed",
-    }
+    # What the runtime relies on (the pod security, volumes and the token's Secret every manifest shares:
+    # tests/test_deploy.py).
     trainer = job["spec"]["trainer"]
-    assert trainer["numNodes"] == 4 and trainer["numProcPerNode"] == 1
-    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 1
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == trainer["numProcPerNode"]  # one process per GPU
     assert not [e["name"] for e in trainer["env"] if e["name"].startswith("PET_")]  # reserved: Trainer sets them
-    token = next(e for e in trainer["env"] if e["name"] == "HF_TOKEN")
-    assert "secretKeyRef" in token["valueFrom"] and "value" not in token
-    pod = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][
-        "spec"
-    ]["template"]["spec"]
-    node = next(c for c in pod["containers"] if c["name"] == "node")  # the runtime's trainer container
-    assert SHARED_VOLUME in {m["mountPath"] for m in node["volumeMounts"]}
-    claims = {
-        v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v
-    }
-    assert next(m["name"] for m in node["volumeMounts"] if m["mountPath"] == SHARED_VOLUME) in claims
-    assert pod["securityContext"]["runAsUser"] == 10000 and node["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
     """What the torch plugin of Trainer v2 gives node i: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK (the Job
     completion index), PET_MASTER_ADDR (<name>-node-0-0.<name>), PET_MASTER_PORT (29400); no RANK, no MASTER_*."""
     job = load_manifest(K8S / "trainer-v2" / "trainjob.yaml")
+    assert job["spec"]["runtimeRef"] == {  # the runtime whose variables this gives each node
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+        "name": "torch-distributed",
+    }
     trainer = job["spec"]["trainer"]
     nodes, nproc = trainer["numNodes"], trainer["numProcPerNode"]
     env = container_env(trainer, shared_config_maps())
