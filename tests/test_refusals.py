@@ -5,7 +5,8 @@ ranks, recipe, strategy: what main() calls before torch), `open_run_dir` (OUTPUT
 `load_sst2` and `check_global_batch` (the data, as the run loads it), `build_model`. Each case must be refused by
 the layer it names, not earlier for another reason, with exit code 2 and a message that says what is wrong and
 how to fix it. Then one refused start of the real `python main.py` per layer (settings, OUTPUT_DIR, numerics,
-model, data, Hub): exit 2, one `error:` line, no traceback, nothing trained or pushed, the token not shown.
+model, data, Hub): exit 2, one `error:` line, no traceback, nothing trained or pushed, the token not shown; and
+the weights file only another user cannot read, refused to the job started as that user.
 """
 
 from __future__ import annotations
@@ -471,7 +472,7 @@ REFUSALS = [
         "model",
         ["model.safetensors is not readable by uid", "make them readable"],
         setup=model_copy(unreadable_weights),
-        # tests/test_bad_input.py runs the job as another user instead
+        # test_unreadable_weights_as_another_user runs the job as another user instead
         marks=pytest.mark.skipif(AS_ROOT, reason="root reads a mode-000 file"),
     ),
     # the data: folders and splits
@@ -745,8 +746,9 @@ STARTS = [
 
 @pytest.mark.parametrize("extra, args, setup, says", STARTS)
 def test_refused_start_gives_one_error_line_exit_2_and_pushes_nothing(
-    extra, args, setup, says, job_env, hub, tmp_path
+    extra, args, setup, says, job_env, hub, tmp_path, request
 ):
+    before_torch = request.node.callspec.id in ("settings", "output-dir")
     env = {**job_env, **push_settings(hub)}
     env.update(setup(tmp_path, env) if setup else {})
     # Event files other tests of the session wrote are theirs: only new ones count.
@@ -755,4 +757,46 @@ def test_refused_start_gives_one_error_line_exit_2_and_pushes_nothing(
     [error] = error_lines(result.stderr)
     assert all(fragment in error for fragment in says), error
     assert result.stdout == ""
+    if before_torch:  # refused before logging is set up: the line is all the console shows (no usage text)
+        assert result.stderr.splitlines() == [error]
     assert set(tmp_path.parent.glob("**/*tfevents*")) == before
+
+
+@pytest.mark.skipif(
+    not (AS_ROOT and shutil.which("setpriv")), reason="needs root and setpriv to start the job as another user"
+)
+def test_unreadable_weights_as_another_user(tiny_bert, sst2_dir, tmp_path_factory):
+    """Mode 000 weights, as the platform's uid-10000 jobs meet them; under root the job runs as nobody."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.conftest import REPO
+
+    tmp = Path(tempfile.mkdtemp(prefix="unreadable-"))  # /tmp itself: pytest's own folders are closed to other users
+    try:
+        tmp.chmod(0o777)
+        shutil.copytree(tiny_bert, tmp / "model")
+        shutil.copytree(sst2_dir, tmp / "data")
+        for path in [tmp, *tmp.rglob("*")]:
+            path.chmod(0o777 if path.is_dir() else 0o644)
+        (tmp / "model" / "model.safetensors").chmod(0)
+        env = base_env(tmp, HOME=str(tmp), MODEL_NAME=tmp / "model", DATASET_PATH=tmp / "data", OUTPUT_DIR=tmp / "out")
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable]
+        # A checkout under a private folder (mode 700, as `mktemp -d` makes) cannot be run by another user at all.
+        probe = [*nobody, "-c", f"import transformers; open({str(REPO / 'main.py')!r}).close()"]
+        if subprocess.run(probe, env=env, cwd=tmp, capture_output=True, timeout=120, check=False).returncode:
+            pytest.skip(
+                f"uid 65534 cannot read this checkout ({REPO}) or its packages: make its folders world-readable"
+            )
+        as_nobody = [*nobody, str(REPO / "main.py")]
+        result = subprocess.run(as_nobody, env=env, cwd=tmp, capture_output=True, text=True, timeout=180, check=False)
+        assert result.returncode == 2, result.stderr[-3000:]
+        [error] = error_lines(result.stderr)
+        assert (
+            "the weights file model.safetensors is not readable by uid 65534 (mode ----------)" in error
+            and "make them readable" in error
+        )
+        assert "Traceback" not in result.stderr and not (tmp / "out" / "model").exists()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
