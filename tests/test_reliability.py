@@ -1,5 +1,5 @@
 """Reliability, in real processes on the tiny BERT: replicas killed, preempted, stopped or missing; Hub
-faults; every bad input; and the token never written anywhere.
+faults; and the token never written anywhere. Bad input is tests/test_refusals.py's.
 
 Two DDP replicas are two `python main.py` processes with the platform's variables set by hand. An
 uninterrupted two-replica run (module fixture) is the reference every interrupted run must reproduce.
@@ -7,11 +7,9 @@ uninterrupted two-replica run (module fixture) is the reference every interrupte
 
 from __future__ import annotations
 
-import csv
 import json
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +18,6 @@ from tests.conftest import (
     SAVE_STEPS,
     TIMEOUT,
     Replicas,
-    assert_refused_as_bad_input,
     assert_token_absent,
     complete_steps,
     error_lines,
@@ -276,116 +273,3 @@ def test_hub_retries_honour_retry_after_and_stop_at_the_bound(hub, hub_in_proces
     with pytest.raises(HfHubHTTPError):
         hub_in_process(60).push_files(files, REPO_ID, True, "upload")
     assert hub.count("/api/repos/create") == before + 1  # permanent: no retry
-
-
-# ------------------------------------------------------------------------------- bad input
-def _data(
-    tmp: Path,
-    train: list[tuple[str, object]] | None,
-    validation: list[tuple[str, object]] | None,
-    header=("sentence", "label"),
-) -> Path:
-    folder = tmp / "bad-data"
-    folder.mkdir()
-    for split, rows in (("train", train), ("validation", validation)):
-        if rows is not None:
-            with open(folder / f"{split}.csv", "w", newline="") as handle:
-                csv.writer(handle).writerows([header, *rows])
-    return folder
-
-
-GOOD_ROWS = [("a wonderful film", 1), ("a dull film", 0)] * 4
-
-
-def _foreign_run(tmp: Path, env: dict) -> dict:
-    from utils.settings import load_settings
-
-    settings, _ = load_settings([], environ=env)
-    out = Path(env["OUTPUT_DIR"])
-    out.mkdir(parents=True)
-    (out / "run.json").write_text(json.dumps({"training_settings": {**settings.training_settings(), "lora_r": 4}}))
-    return {}
-
-
-def _file_in_the_way(tmp: Path, env: dict) -> dict:
-    (tmp / "a-file").write_text("not a folder")
-    return {"OUTPUT_DIR": str(tmp / "a-file" / "out")}
-
-
-# (id, extra env (None: remove the variable), extra args, setup(tmp, env) -> extra env, what the error line must say)
-BAD_INPUT = [
-    ("wrong-type", {"PER_DEVICE_BATCH_SIZE": "sixteen"}, [], None, "PER_DEVICE_BATCH_SIZE=sixteen is invalid"),
-    ("zero-batch-size", {"PER_DEVICE_BATCH_SIZE": "0"}, [], None, "greater than or equal to 1"),
-    ("negative-batch-size-flag", {}, ["--per-device-batch-size=-4"], None, "--per-device-batch-size=-4 is invalid"),
-    ("unknown-quantization", {"QUANTIZATION": "4bit"}, [], None, "'auto', '8bit' or 'none'"),
-    ("unknown-precision", {"PRECISION": "fp8"}, [], None, "'auto', 'fp32', 'bf16' or 'fp16'"),
-    ("fp16-without-gpu", {"PRECISION": "fp16"}, [], None, "use PRECISION=auto or fp32"),
-    (
-        "non-integer-world-size",
-        {"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "127.0.0.1"},
-        [],
-        None,
-        "WORLD_SIZE='two' is not an integer",
-    ),
-    (
-        "rank-not-below-world-size",
-        {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
-        [],
-        None,
-        "RANK must be 0..1",
-    ),
-    ("negative-rank", {"RANK": "-1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, [], None, "RANK must be 0..1"),
-    ("missing-master-addr", {"RANK": "0", "WORLD_SIZE": "2"}, [], None, "set MASTER_ADDR"),
-    (
-        "bad-master-port",
-        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"},
-        [],
-        None,
-        "use 1..65535",
-    ),
-    ("unknown-flag", {}, ["--bogus-flag", "2"], None, "python main.py --help"),
-    ("malformed-repo-id", {"RESULT_MODEL_ID": "not a/repo id!"}, [], None, "your-name/model-name"),
-    ("push-without-token", {"HF_TOKEN": None}, [], None, "set HF_TOKEN"),
-    (
-        "unreadable-token-file",
-        {"HF_TOKEN": None, "HF_TOKEN_PATH": "/nonexistent/token"},
-        [],
-        None,
-        "mount the token file",
-    ),
-    ("push-while-offline", {"HF_HUB_OFFLINE": "1"}, [], None, "unset HF_HUB_OFFLINE"),
-    ("wrong-token", {"HF_TOKEN": "hf_not_the_right_one"}, [], None, "create a token with write access"),
-    ("unwritable-output-dir", {}, [], _file_in_the_way, "set OUTPUT_DIR to a writable folder"),
-    ("output-dir-of-another-run", {}, [], _foreign_run, "use a new OUTPUT_DIR"),
-    ("lora-targets-not-in-model", {"LORA_TARGET_MODULES": "q_proj,v_proj"}, [], None, "linear layers are named"),
-    (
-        "missing-split",
-        {},
-        [],
-        lambda tmp, env: {"DATASET_PATH": str(_data(tmp, GOOD_ROWS, None))},
-        "add validation.csv",
-    ),
-    (
-        "empty-dataset",
-        {},
-        [],
-        lambda tmp, env: {"DATASET_PATH": str(_data(tmp, [], GOOD_ROWS))},
-        "needs at least one row",
-    ),
-    (
-        "labels-outside-0-1",
-        {},
-        [],
-        lambda tmp, env: {"DATASET_PATH": str(_data(tmp, [*GOOD_ROWS, ("so-so", 2)], GOOD_ROWS))},
-        "labels must be 0",
-    ),
-    ("missing-text-column", {"TEXT_COLUMN": "text"}, [], None, "set TEXT_COLUMN"),
-]
-
-
-@pytest.mark.parametrize("case", BAD_INPUT, ids=[case[0] for case in BAD_INPUT])
-def test_bad_input_gives_one_error_line_exit_2_and_pushes_nothing(case, job_env, hub, tmp_path):
-    _, extra, args, setup, says = case
-    env = {**job_env, **push_settings(hub)}
-    env.update(setup(tmp_path, env) if setup else {})
-    assert_refused_as_bad_input({**env, **extra}, args, says, hub)
