@@ -1,16 +1,18 @@
-"""Settings precedence, `--help`, and `--dry-run` under every launcher's environment (bad values: tests/test_refusals.py).
+"""Settings precedence, `--help`, and what `--dry-run` shows under every launcher's environment.
 
-All through the real entry point (`python main.py`), which answers these without importing torch.
+What main.py resolves before torch (`main.configure`, what `--dry-run` prints) is checked in this process;
+`--help` and one `--dry-run` run the real entry point. Bad values are tests/test_refusals.py's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import pytest
 
-from tests.conftest import base_env, run_main
+from tests.conftest import base_env, configured, run_main
 from utils.settings import FIELDS, Settings, env_name, flag_name, load_settings
 
 # Every test here is quick (settings parsing and --dry-run, no training): `make check` runs them all.
@@ -18,9 +20,13 @@ pytestmark = pytest.mark.check
 
 
 def dry_run(tmp_path, *args: str, **env: str) -> dict:
-    result = run_main(base_env(tmp_path, **env), "--dry-run", *args)
-    assert result.code == 0, result.stderr
-    return result.json()
+    """The settings and ranks `python main.py --dry-run` prints, as main.configure resolves them for it, in this
+    process with the job's environment `env` (test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch
+    checks that the real process prints the same)."""
+    with pytest.MonkeyPatch.context() as patch:
+        settings, dist, _, _ = configured(patch, base_env(tmp_path, **env), ["--dry-run", *args])
+        shown = {"config": settings.as_dict(), "distributed": dist.as_dict()}  # reads the token: inside `env`
+    return json.loads(json.dumps(shown))
 
 
 def test_defaults_env_and_flags_resolve_in_that_order(tmp_path):
@@ -44,6 +50,8 @@ def test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch(tmp_pa
     # PYTHONVERBOSE logs every import to stderr: neither torch nor transformers may appear.
     imported = {line.split()[1] for line in result.stderr.splitlines() if line.startswith("import ")}
     assert not {"torch", "transformers", "datasets", "peft"} & imported
+    assert payload["config"] == dry_run(tmp_path, HF_TOKEN=token)["config"]  # what the tests below resolve
+    assert payload["distributed"] == dry_run(tmp_path, HF_TOKEN=token)["distributed"]
     assert dry_run(tmp_path)["config"]["hf_token"] is None
 
 
