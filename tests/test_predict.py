@@ -1,5 +1,5 @@
-"""predict.py as a user runs it: one finished tiny run (real main.py process, adapter and merged export), then
-the real predict.py process on no input, bytes that are not text, a sentence longer than the model takes, and
+"""predict.py as a user runs it: the suite's one finished tiny run (`finished_run` in tests/conftest.py: a real
+main.py process, adapter and merged export, pushed to the local Hub stand-in), then the real predict.py process on no input, bytes that are not text, a sentence longer than the model takes, and
 every `python predict.py` command the README, docs/, predict.py's own help and the model card show."""
 
 from __future__ import annotations
@@ -16,31 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, base_env, error_lines, run_main, tiny_run_settings
+from tests.conftest import BASE_ID, LABELS, MAX_SEQ_LENGTH, MERGED_ID, REPO, REPO_ID, base_env, error_lines
 
-MAX_SEQ_LENGTH = 48  # not the default 128 nor the tiny model's 512 positions: proves the run's own length is recorded
-LABELS = {"negative", "positive"}
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
 REVIEWS = ["a wonderful film", "a dull, tedious mess"]
 HUB_REPO = "your-name/bert-sst2-lora"  # the docs' example repo id, served by the local Hub stand-in
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_bert, sst2_dir) -> Path:
-    """OUTPUT_DIR of one finished run with model/ and merged/ (no push: the adapter names its base by its folder)."""
-    tmp = tmp_path_factory.mktemp("predict")
-    settings = tiny_run_settings(
-        tiny_bert,
-        sst2_dir,
-        tmp / "out",
-        MAX_STEPS=20,  # predict.py's cases need a finished run, not a good one
-        MAX_SEQ_LENGTH=MAX_SEQ_LENGTH,
-        MERGE_ADAPTER="true",
-        REPORT_TO="none",
-    )
-    result = run_main(base_env(tmp, **settings))
-    assert result.code == 0, result.stderr[-3000:]
-    return tmp / "out"
+@pytest.fixture
+def trained(finished_run) -> Path:
+    """OUTPUT_DIR of the shared finished run, with model/ and merged/ (read only). It was pushed, so the adapter
+    names its base by Hub id (BASE_ID): offline, predict.py is given the local base with --base-model."""
+    return finished_run.out
 
 
 def predict(cwd: Path, *args: str, stdin: bytes = b"", **env: str) -> subprocess.CompletedProcess:
@@ -101,7 +88,7 @@ def test_bytes_that_are_not_text_are_one_error_line_and_exit_2(trained, tmp_path
     assert says in error and "give sentences as UTF-8 text" in error and "Traceback" not in stderr
 
 
-def test_a_sentence_longer_than_the_model_takes_is_truncated(trained, tmp_path):
+def test_a_sentence_longer_than_the_model_takes_is_truncated(trained, tiny_bert, tmp_path):
     words = " ".join(SENTENCES).split()
     long = " ".join(words[i % len(words)] for i in range(5000))  # 5,000 words: ten times the 512 positions
     (tmp_path / "long.txt").write_text(f"{long}\n{SENTENCES[0]}\n")
@@ -111,8 +98,8 @@ def test_a_sentence_longer_than_the_model_takes_is_truncated(trained, tmp_path):
     config = json.loads((unrecorded / "tokenizer_config.json").read_text())
     del config["model_max_length"]
     (unrecorded / "tokenizer_config.json").write_text(json.dumps(config))
-    for folder in (trained / "model", trained / "merged", unrecorded):
-        result = predict(tmp_path, folder, "long.txt")
+    for folder, base in ((trained / "model", ["--base-model", tiny_bert]), (trained / "merged", []), (unrecorded, [])):
+        result = predict(tmp_path, folder, "long.txt", *base)
         assert [line["text"] for line in answers(result)] == [long, SENTENCES[0]], folder
         assert "Traceback" not in result.stderr.decode()
 
@@ -149,6 +136,9 @@ def run_as_written(command: str, cwd: Path, out: Path, base: Path, hub) -> subpr
     (cwd / "sentences.jsonl").write_text("".join(json.dumps({"sentence": s, "label": 1}) + "\n" for s in SENTENCES))
     (cwd / "reviews.csv").write_text('id,review\n1,a wonderful film\n2,"a dull, tedious mess"\n')
     hub.serve(HUB_REPO, out / "model")
+    hub.serve(BASE_ID, base)  # the base the adapter names, as the Hub serves it
+    hub.serve(REPO_ID, out / "model")  # the repos the run pushed, which its model cards name
+    hub.serve(MERGED_ID, out / "merged")
     command = command.replace("OUTPUT_DIR", str(out)).replace("/pvc-home/models/bert-base-uncased", str(base))
     command = re.sub(r"(?<![\w/.-])bert-base-uncased(?![\w/.-])", str(base), command)
     command = command.replace(

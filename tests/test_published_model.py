@@ -1,6 +1,7 @@
-"""The published model, as a user of the Hub repo meets it: one finished run (real process, tiny BERT,
-local Hub stand-in) with an adapter push, a merged export and its push, and label names; then what was pushed, the card,
-the labels, the merged weights and predict.py (MLflow: tests/test_tracking.py, against a real server)."""
+"""The published model, as a user of the Hub repo meets it: the suite's one finished run (`finished_run` in
+tests/conftest.py: real process, tiny BERT, local Hub stand-in, an adapter push, a merged export and its push,
+label names, the first pushes refused and sent again by --push-only); then what was pushed, the card, the
+labels, the merged weights and predict.py (MLflow: tests/test_tracking.py, against a real server)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import yaml
 
 from tests.conftest import (
     BASE_ID,
+    LABELS,
+    MERGED_ID,
     REPO,
     REPO_ID,
     assert_token_absent,
@@ -22,36 +25,10 @@ from tests.conftest import (
     error_lines,
     push_settings,
     run_main,
-    tiny_run_settings,
 )
 from tests.hub_stub import HubStub
 
-MERGED_ID = "tester/sst2-merged"
-LABELS = ("bad", "good")  # not the default: proves the names come from LABEL_NAMES
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
-
-
-@pytest.fixture(scope="module")
-def published(tmp_path_factory, tiny_bert, sst2_dir):
-    """One run that publishes everything; returns (tmp, out, hub, result)."""
-    tmp = tmp_path_factory.mktemp("published")
-    hub = HubStub()
-    hub.url = hub.start()
-    hub.fail("commit", 403, 403)  # both first pushes are refused: exit 3, then --push-only sends the same sets
-    env = base_env(
-        tmp,
-        **tiny_run_settings(tiny_bert, sst2_dir, tmp / "out"),
-        LABEL_NAMES=",".join(LABELS),
-        MERGE_ADAPTER="true",
-        RESULT_MERGED_MODEL_ID=MERGED_ID,
-        **push_settings(hub),
-    )
-    first = run_main(env)
-    assert first.code == 3, first.stderr[-3000:]
-    assert hub.commits == []
-    result = run_main(env, "--push-only")
-    yield tmp, tmp / "out", hub, first, result
-    hub.stop()
 
 
 def commit(hub: HubStub, repo: str) -> dict[str, bytes]:
@@ -63,9 +40,13 @@ def front_matter(card: str) -> dict:
     return yaml.safe_load(card.split("---")[1])
 
 
-def test_push_sends_the_whole_artifact_in_one_commit_and_a_retry_sends_the_same(published):
-    tmp, out, hub, first, result = published
-    assert result.code == 0, result.stderr[-3000:]
+def test_push_sends_the_whole_artifact_in_one_commit_and_a_retry_sends_the_same(finished_run):
+    tmp, out, hub = finished_run.tmp, finished_run.out, finished_run.hub
+    # The refused pushes ended the run in exit 3 and committed nothing; --push-only then sent one commit a repo.
+    assert finished_run.first.code == 3 and "--push-only" in error_lines(finished_run.first.stderr)[0]
+    assert sorted(c["repo"] for c in hub.commits) == sorted([REPO_ID, MERGED_ID])
+    assert hub.created[0].get("visibility") == "private" or hub.created[0].get("private") is True  # HUB_PRIVATE
+    assert json.loads((out / "run.json").read_text())["pushed"]["repo_id"] == REPO_ID
     files = commit(hub, REPO_ID)
     run_name = json.loads((out / "run.json").read_text())["run_name"]
     assert {
@@ -90,18 +71,19 @@ def test_push_sends_the_whole_artifact_in_one_commit_and_a_retry_sends_the_same(
         "run.json",
         *events,
     }
-    assert_token_absent(hub.token, [out, tmp / "mlruns"], hub)
+    # Outputs, checkpoints, logs, HF_HOME and both runs' captured stdout and stderr, and every pushed file.
+    assert_token_absent(hub.token, [tmp], hub)
 
 
-def test_the_adapter_names_its_base_by_hub_id_not_by_the_volume_path(published):
-    tmp, out, hub, *_ = published
+def test_the_adapter_names_its_base_by_hub_id_not_by_the_volume_path(finished_run):
+    hub = finished_run.hub
     config = json.loads(commit(hub, REPO_ID)["adapter_config.json"])
     assert config["base_model_name_or_path"] == BASE_ID  # loads where the training folder never existed
     assert front_matter(commit(hub, REPO_ID)["README.md"].decode())["base_model"] == BASE_ID
 
 
-def test_card_is_validated_names_the_repo_and_holds_every_metric(published):
-    tmp, out, hub, *_ = published
+def test_card_is_validated_names_the_repo_and_holds_every_metric(finished_run):
+    out, hub = finished_run.out, finished_run.hub
     card = commit(hub, REPO_ID)["README.md"].decode()
     assert card in hub.validated  # checked by the Hub's YAML route before the commit
     meta = front_matter(card)
@@ -131,8 +113,8 @@ def test_card_is_validated_names_the_repo_and_holds_every_metric(published):
         assert last in block.split("\n\n")[0], f"the table starting {header!r} is cut before {last!r}"
 
 
-def test_metrics_and_evaluation_during_training_reach_metrics_json_and_tensorboard(published):
-    tmp, out, *_ = published
+def test_metrics_and_evaluation_during_training_reach_metrics_json_and_tensorboard(finished_run):
+    out = finished_run.out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     metrics = json.loads((out / "metrics.json").read_text())
@@ -145,8 +127,8 @@ def test_metrics_and_evaluation_during_training_reach_metrics_json_and_tensorboa
     assert {"eval/f1", "eval/precision", "eval/recall"} <= set(events.Tags()["scalars"])
 
 
-def test_merged_model_loads_without_peft_and_predicts_as_the_adapter(published, tiny_bert):
-    tmp, out, hub, *_ = published
+def test_merged_model_loads_without_peft_and_predicts_as_the_adapter(finished_run, tiny_bert, tmp_path):
+    out, hub = finished_run.out, finished_run.hub
     merged = commit(hub, MERGED_ID)
     assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "metrics.json"} <= set(merged)
     assert front_matter(merged["README.md"].decode())["library_name"] == "transformers"
@@ -161,12 +143,13 @@ def test_merged_model_loads_without_peft_and_predicts_as_the_adapter(published, 
         f"print(m(**t({SENTENCES!r}, return_tensors='pt', padding=True)).logits.softmax(-1)[:, 1].tolist())"
     )
     plain = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=base_env(tmp), timeout=120
+        [sys.executable, "-c", script], capture_output=True, text=True, env=base_env(tmp_path), timeout=120
     )
     assert plain.returncode == 0, plain.stderr[-2000:]
     merged_scores = json.loads(plain.stdout.strip().splitlines()[-1])
     adapter = [
-        json.loads(line) for line in predict(tmp, out / "model", "--base-model", str(tiny_bert)).stdout.splitlines()
+        json.loads(line)
+        for line in predict(tmp_path, out / "model", "--base-model", str(tiny_bert)).stdout.splitlines()
     ]
     adapter_scores = [p["score"] if p["label"] == "good" else 1 - p["score"] for p in adapter]
     assert merged_scores == pytest.approx(adapter_scores, abs=1e-3)
@@ -186,12 +169,12 @@ def predict(
     )
 
 
-def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(published, tmp_path, tiny_bert):
-    tmp, out, *_ = published
+def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(finished_run, tmp_path, tiny_bert):
+    out = finished_run.out
     answers = {}
     # the adapter's base is a Hub id the test cannot reach: the local folder stands in for it
     for folder, args in (("model", ["--base-model", str(tiny_bert)]), ("merged", [])):
-        result = predict(tmp, out / folder, *args)
+        result = predict(tmp_path, out / folder, *args)
         assert result.returncode == 0, result.stderr[-2000:]
         answers[folder] = [json.loads(line) for line in result.stdout.splitlines()]
         assert [a["text"] for a in answers[folder]] == SENTENCES
@@ -202,7 +185,7 @@ def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(published,
     # A column of a csv file, and the adapter's base named explicitly.
     table = tmp_path / "reviews.csv"
     table.write_text('id,review\n1,a wonderful film\n2,"a dull, tedious mess"\n')
-    result = predict(tmp, out / "model", str(table), "--text-column", "review", "--base-model", str(tiny_bert))
+    result = predict(tmp_path, out / "model", str(table), "--text-column", "review", "--base-model", str(tiny_bert))
     assert result.returncode == 0, result.stderr[-2000:]
     assert [json.loads(line)["text"] for line in result.stdout.splitlines()] == [
         "a wonderful film",
@@ -210,11 +193,14 @@ def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(published,
     ]
 
 
-def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(published, tmp_path, tiny_bert):
-    """The adapter from its repo (its base from the base's repo), and the merged model from its own, through the Hub
-    stand-in, with an empty cache: AutoPeftModel as the card says, and predict.py with the labels by name."""
-    tmp, out, hub, *_ = published
+def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(finished_run, hub, tmp_path, tiny_bert):
+    """The adapter from its repo (its base from the base's repo), and the merged model from its own, through a Hub
+    stand-in serving exactly what was pushed, with an empty cache: AutoPeftModel as the card says, and predict.py
+    with the labels by name."""
+    out = finished_run.out
     hub.serve(BASE_ID, tiny_bert)
+    for repo in (REPO_ID, MERGED_ID):
+        hub.served[repo] = commit(finished_run.hub, repo)
     elsewhere = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "empty-cache")}
     script = (
         "from peft import AutoPeftModelForSequenceClassification\n"
@@ -231,7 +217,7 @@ def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(published,
     )
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert loaded.stdout.strip().splitlines()[-1] == BASE_ID
-    local = [json.loads(line) for line in predict(tmp, out / "merged").stdout.splitlines()]
+    local = [json.loads(line) for line in predict(tmp_path, out / "merged").stdout.splitlines()]
     for repo in (REPO_ID, MERGED_ID):
         result = subprocess.run(
             [sys.executable, str(REPO / "predict.py"), repo],
@@ -260,8 +246,8 @@ def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(published,
         ([], "the following arguments are required: model"),
     ],
 )
-def test_predict_bad_input_is_one_error_line_and_exit_2(published, tmp_path, args, says):
-    tmp, out, *_ = published
+def test_predict_bad_input_is_one_error_line_and_exit_2(finished_run, tmp_path, args, says):
+    out = finished_run.out
     table = tmp_path / "t.csv"
     table.write_text("sentence\nfine\n")
     args = [str(out / "model") if a == "MODEL" else str(table) if a == "TABLE" else a for a in args]
@@ -269,7 +255,7 @@ def test_predict_bad_input_is_one_error_line_and_exit_2(published, tmp_path, arg
         [sys.executable, str(REPO / "predict.py"), *args],
         capture_output=True,
         text=True,
-        env=base_env(tmp),
+        env=base_env(tmp_path),
         timeout=120,
     )
     assert result.returncode == 2 and result.stdout == ""
