@@ -1,12 +1,24 @@
-"""What the job relies on inside transformers' Trainer, beyond its public API, checked on the installed version.
+"""What the job relies on inside its libraries, beyond their public API, checked on the installed versions.
 
-JobTrainer (utils/trainer.py) overrides three private methods. `_get_train_sampler` and `_get_eval_sampler`:
-the public route (`train_sampling_strategy="group_by_length"` with a `length` column) measures every row
-again, draws each epoch's order from the global RNG (a resume in epoch 2 or later trains other batches)
-and reorders evaluation. `_save_checkpoint`: a save a full volume cut short must end every rank alike.
-A library upgrade can rename those methods, stop calling them, or change what the loaders do around them;
-the job would then train other batches, evaluate reordered rows or fail as a traceback without a
-word. These tests fail first and say which.
+Each test names the library and its version when it fails, and what in the job stops working.
+
+transformers' Trainer: JobTrainer (utils/trainer.py) overrides three private methods. `_get_train_sampler` and
+`_get_eval_sampler`: the public route (`train_sampling_strategy="group_by_length"` with a `length` column)
+measures every row again, draws each epoch's order from the global RNG (a resume in epoch 2 or later trains
+other batches) and reorders evaluation. `_save_checkpoint`: a save a full volume cut short must end every rank
+alike. A library upgrade can rename those methods, stop calling them, or change what the loaders do around
+them; the job would then train other batches, evaluate reordered rows or fail as a traceback without a word.
+The progress callback's `training_bar` is closed by the job before an error line (utils/run.py), and
+`_no_split_modules` names the blocks FSDP shards (utils/strategy.py); `_attn_implementation` is how the
+benchmarks read the attention the model runs.
+
+pydantic-settings: load_settings (utils/settings.py) reads any mapping as the environment by overriding
+`EnvSettingsSource._load_env_vars`, builds Settings from its own sources with `Settings(_build_sources=...)`,
+and hands `CliSettingsSource` its environment source (`_env_settings_source`) for `--help`.
+
+huggingface_hub: every Hub request gets a timeout through a client made by `utils._http.default_client_factory`
+(utils/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/data.py). MLflow:
+REPORT_TO=mlflow is checked against `_tracking_store_registry` (utils/settings.py).
 """
 
 from __future__ import annotations
@@ -130,3 +142,185 @@ def test_each_epoch_trains_the_batches_drawn_from_seed_plus_epoch(trainer):
     assert trained[ROWS:] == expected[1], "epoch 2 did not train the order drawn from SEED + 1"
     assert expected[0] != expected[1]
     assert trainer.samples_seen == 2 * ROWS
+
+
+# ------------------------------------------------------------------------------- transformers, beyond the Trainer
+def test_the_progress_bar_the_job_closes_is_the_trainers_training_bar(trainer):
+    import transformers
+
+    trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
+    callbacks = trainer.callback_handler.callbacks
+    bars = [cb.training_bar for cb in callbacks if getattr(cb, "training_bar", None) is not None]
+    assert len(bars) == 1 and callable(getattr(bars[0], "close", None)), (
+        f"transformers {transformers.__version__}: no callback of the Trainer holds its progress bar as `training_bar` "
+        "after on_train_begin; utils/run.py closes it before an error line, which would now share the bar's line"
+    )
+    bars[0].close()
+
+
+def test_bert_declares_its_block_as_not_to_be_split(tiny_bert):
+    import transformers
+    from transformers import AutoModelForSequenceClassification
+
+    from utils.strategy import wrap_classes
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
+    declared = getattr(model, "_no_split_modules", None) or []
+    assert "BertLayer" in declared, (
+        f"transformers {transformers.__version__}: {type(model).__name__}._no_split_modules is {declared!r}, without "
+        "BertLayer; utils/strategy.py wrap_classes picks FSDP's units from it (falling back to every repeated block)"
+    )
+    assert wrap_classes(model) == ["BertLayer"]
+
+
+def test_the_attention_asked_for_is_the_one_the_model_runs(tiny_bert):
+    import transformers
+
+    from utils.model import build_model
+    from utils.settings import Settings
+
+    model = build_model(Settings(model_name=str(tiny_bert)), False, torch.device("cpu"))
+    attention = getattr(model.get_base_model().config, "_attn_implementation", None)
+    assert attention == "sdpa", (
+        f"transformers {transformers.__version__}: the model built with attn_implementation='sdpa' reports "
+        f"config._attn_implementation={attention!r}; utils/model.py asks for SDPA by name and benchmarks/arms.py "
+        "reads it there"
+    )
+
+
+# ------------------------------------------------------------------------------- pydantic-settings
+def test_the_environment_source_reads_what_load_env_vars_returns(monkeypatch):
+    """load_settings(environ=...) and blank config_map entries rest on this: the source reads the variables
+    through `_load_env_vars` only, and matches them to fields by lower-cased name."""
+    import pydantic_settings
+    from pydantic_settings import EnvSettingsSource
+
+    from utils.settings import _Environment
+
+    where = f"pydantic-settings {pydantic_settings.__version__}"
+    hook = getattr(EnvSettingsSource, "_load_env_vars", None)
+    assert hook is not None and list(inspect.signature(hook).parameters) == ["self"], (
+        f"{where}: EnvSettingsSource._load_env_vars is gone or takes other arguments; utils/settings.py _Environment "
+        "overrides it to read a mapping instead of os.environ"
+    )
+    monkeypatch.setenv("NUM_EPOCHS", "7")
+    monkeypatch.setenv("LORA_R", "4")
+    read = _Environment({"NUM_EPOCHS": "3", "SEED": "   "})()
+    assert read == {"num_epochs": "3"}, (
+        f"{where}: an environment source over {{NUM_EPOCHS: 3, SEED: blank}} with NUM_EPOCHS=7 LORA_R=4 in os.environ "
+        f"read {read}; utils/settings.py relies on it reading the mapping alone"
+    )
+
+
+def test_settings_are_built_from_exactly_the_sources_given(monkeypatch):
+    """load_settings builds Settings(_build_sources=((flags, env), {})): those sources, the first winning, not
+    settings_customise_sources (which gives code and tests the init values only) and not os.environ."""
+    import pydantic_settings
+    from pydantic_settings import BaseSettings
+
+    from utils.settings import Settings, _Environment
+
+    where = f"pydantic-settings {pydantic_settings.__version__}"
+    assert "_build_sources" in inspect.signature(BaseSettings.__init__).parameters, (
+        f"{where}: BaseSettings no longer takes _build_sources; utils/settings.py load_settings builds Settings from "
+        "its own flag and environment sources with it"
+    )
+    monkeypatch.setenv("LORA_R", "4")
+    first, second = _Environment({"NUM_EPOCHS": "2"}), _Environment({"NUM_EPOCHS": "5", "SEED": "7"})
+    built = Settings(_build_sources=((first, second), {}))
+    assert (built.num_epochs, built.seed, built.lora_r) == (2, 7, Settings().lora_r), (
+        f"{where}: Settings(_build_sources=((NUM_EPOCHS=2), (NUM_EPOCHS=5, SEED=7))) with LORA_R=4 in os.environ built "
+        f"num_epochs={built.num_epochs} seed={built.seed} lora_r={built.lora_r}; flags must win over the environment "
+        "and nothing else be read"
+    )
+
+
+def test_the_flag_source_takes_the_environment_source_and_reports_the_flags_given():
+    """`--help` shows each setting's variable beside its flag through `_env_settings_source`; a refusal names
+    the flag a bad value came from through what the source returns after parsing."""
+    import pydantic_settings
+    from pydantic_settings import CliSettingsSource
+
+    from utils.settings import Settings, _Environment, _parser
+
+    where = f"pydantic-settings {pydantic_settings.__version__}"
+    assert "_env_settings_source" in inspect.signature(CliSettingsSource.__init__).parameters, (
+        f"{where}: CliSettingsSource no longer takes _env_settings_source; utils/settings.py load_settings passes "
+        "its environment source so --help names the variables"
+    )
+    parser = _parser()
+    flags = CliSettingsSource(Settings, root_parser=parser, _env_settings_source=_Environment({}))
+    flags(parsed_args=parser.parse_args(["--num-epochs", "3"]))
+    assert flags() == {"num_epochs": "3"}, f"{where}: the flag source reports {flags()} for --num-epochs 3"
+    assert "NUM_EPOCHS" in parser.format_help(), f"{where}: --help no longer shows the variables (NUM_EPOCHS)"
+
+
+# ------------------------------------------------------------------------------- huggingface_hub
+def test_hub_requests_get_the_timeout_through_the_default_client_factory():
+    import huggingface_hub
+    from huggingface_hub import get_session, set_client_factory
+
+    from utils.hub import use_request_timeout
+
+    where = f"huggingface_hub {huggingface_hub.__version__}"
+    try:
+        from huggingface_hub.utils._http import default_client_factory
+    except ImportError:
+        pytest.fail(f"{where}: utils._http.default_client_factory moved; utils/hub.py builds its client with it")
+    hooks = default_client_factory().event_hooks
+    try:
+        use_request_timeout(7.0)
+        session = get_session()
+        assert (session.timeout.read, session.timeout.connect) == (7.0, 7.0), (
+            f"{where}: after use_request_timeout(7) the Hub client's timeout is {session.timeout}; a silent Hub would "
+            "block the token check and the push for ever"
+        )
+        assert session.event_hooks == hooks, f"{where}: the client lost the library's own request hooks"
+    finally:
+        set_client_factory(default_client_factory)
+
+
+# ------------------------------------------------------------------------------- datasets
+def test_a_splits_fingerprint_follows_its_data(tmp_path):
+    """The tokenized cache on the shared volume is keyed on `_fingerprint`: the same files give the same key on
+    every replica and restart, other rows another."""
+    from tests.conftest import delimited, film_rows, write_files
+    from utils.data import load_raw
+    from utils.settings import Settings
+
+    where = f"datasets {datasets.__version__}"
+    folder = write_files(
+        tmp_path / "data", {"train.csv": delimited(film_rows(8)), "validation.csv": delimited(film_rows(4))}
+    )
+    settings = Settings(dataset_path=str(folder))
+    first, again = load_raw(settings), load_raw(settings)
+    prints = [getattr(first["train"], "_fingerprint", None), getattr(again["train"], "_fingerprint", None)]
+    assert isinstance(prints[0], str) and prints[0] == prints[1], (
+        f"{where}: the same csv read twice has fingerprints {prints}; utils/data.py cache_key would tokenize again "
+        "on every start (or fail)"
+    )
+    (folder / "train.csv").write_text(delimited(film_rows(9)))
+    assert load_raw(settings)["train"]._fingerprint != prints[0], (
+        f"{where}: other rows in train.csv kept the fingerprint; the tokenized cache of the old rows would be reused"
+    )
+
+
+# ------------------------------------------------------------------------------- MLflow
+def test_mlflow_tells_a_tracking_uri_it_has_no_store_for():
+    import mlflow
+
+    where = f"mlflow {mlflow.__version__}"
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores
+    except ImportError:
+        pytest.fail(
+            f"{where}: _tracking_store_registry moved; utils/settings.py check_trackers then asks the server alone, "
+            "and an unknown scheme is no longer refused by name"
+        )
+    assert callable(stores.get_store_builder("http://tracking.example:5000")), f"{where}: no store builder for http"
+    with pytest.raises(Exception) as refused:
+        stores.get_store_builder("nosuch://tracking")
+    assert {"http", "https", "sqlite"} <= set(getattr(stores, "_registry", {})), (
+        f"{where}: the registry's `_registry` no longer maps schemes ({type(refused.value).__name__} for nosuch://); "
+        "utils/settings.py lists the known ones in its refusal"
+    )
