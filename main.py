@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
 
         # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-        from utils.run import publish_only, run  # torch, transformers, peft: seconds to import
+        from utils.job import Job  # torch, transformers, peft: seconds to import
+        from utils.run import publish_only, run
 
-        if args.push_only:
-            return publish_only(settings, dist, run_dir, masker=masker)
-        return run(settings, dist, run_dir, preemption=preemption, masker=masker)
+        job = Job.start(settings, dist, run_dir, preemption=preemption, masker=masker)  # device and numerics
+        return publish_only(job) if args.push_only else run(job)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code

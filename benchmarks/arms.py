@@ -100,24 +100,21 @@ def arm_settings(name: str, cfg: dict) -> Settings:
 
 def build_job_arm(settings: Settings, cuda: bool):
     """(Trainer, 8-bit?, precision): the job's own Trainer, built as utils/run.py builds it on one process."""
-    import torch
     from transformers import set_seed
 
     from utils.data import load_sst2
     from utils.distributed import detect_env
+    from utils.job import Job
     from utils.model import build_model, load_tokenizer
     from utils.outputs import open_run_dir
-    from utils.run import resolve_numerics
     from utils.trainer import build_trainer
 
-    dist = detect_env({})  # one process
-    run = open_run_dir(settings)
-    quantize, precision = resolve_numerics(settings, dist, cuda)
+    job = Job.start(settings, detect_env({}), open_run_dir(settings))  # one process; it reads `cuda` from torch too
     tokenizer = load_tokenizer(settings)
-    data = load_sst2(settings, tokenizer, run.cache)
+    data = load_sst2(settings, tokenizer, job.out.cache)
     set_seed(settings.seed)
-    model = build_model(settings, quantize, torch.device("cuda", 0) if cuda else torch.device("cpu"))
-    return build_trainer(settings, run, dist, model, tokenizer, data, precision, cuda), quantize, precision
+    model = build_model(settings, job.quantize, job.device)
+    return build_trainer(job, model, tokenizer, data), job.quantize, job.precision
 
 
 def build_original(settings: Settings, cuda: bool):

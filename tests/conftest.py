@@ -187,6 +187,7 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     import torch
 
     from utils.distributed import DistEnv
+    from utils.job import Job
     from utils.model import build_model, load_tokenizer
     from utils.outputs import RunDir
     from utils.settings import Settings
@@ -208,11 +209,10 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     single = DistEnv(
         rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"
     )
+    job = Job.start(settings, single, run)
     torch.manual_seed(settings.seed)
-    model = build_model(settings, False, torch.device("cpu"))
-    return build_trainer(
-        settings, run, single, model, load_tokenizer(settings), data, "fp32", False, checkpoint_key={}
-    )
+    model = build_model(settings, job.quantize, job.device)
+    return build_trainer(job, model, load_tokenizer(settings), data, key={})
 
 
 def push_settings(hub: HubStub) -> dict[str, str]:

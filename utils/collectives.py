@@ -200,23 +200,43 @@ class Collectives:
             raise JobError(*outcome)
         return result
 
-    def on_main_then_others(self, step: Callable[[], T]) -> T:
-        """Run `step` on rank 0 first (it downloads and tokenizes into the shared cache), then on the others."""
-        result = self.run_on_main(step)
-        return result if self.dist.is_main else step()
+    @contextmanager
+    def main_first(self) -> Iterator[None]:
+        """The block runs on rank 0 first (it downloads and tokenizes into the shared cache), then on the others;
+        a JobError on rank 0 stops every rank with its code and message (the others never run the block)."""
+        if not self.dist.is_distributed:
+            yield
+            return
+        if self.dist.is_main:
+            try:
+                yield
+            except JobError as exc:
+                self._broadcast((exc.code, exc.message))
+                raise
+            except BaseException as exc:
+                self._broadcast((1, f"rank 0 failed: {type(exc).__name__}"))
+                raise
+            self._broadcast(None)
+        else:
+            outcome = self._broadcast(None)
+            if outcome is not None:
+                raise JobError(*outcome)
+            yield
 
     def decide_on_main(self, step: Callable[[], T]) -> T:
         """Run `step` on rank 0 only and give its result to every rank (a JobError on rank 0 stops all)."""
         result = self.run_on_main(step)
         return self._broadcast(result) if self.dist.is_distributed else result
 
-    def agree(self, step: Callable[[], T]) -> T:
-        """Run `step` on every rank; if any rank fails with a JobError, all stop with the first one's code."""
+    @contextmanager
+    def agreed(self) -> Iterator[None]:
+        """The block runs on every rank; if it fails with a JobError on any rank, all stop with the first one's."""
         if not self.dist.is_distributed:
-            return step()
-        outcome, result = None, None
+            yield
+            return
+        outcome = None
         try:
-            result = step()
+            yield
         except JobError as exc:
             outcome = (exc.code, exc.message)
         outcomes: list = [None] * self.dist.world_size
@@ -224,7 +244,6 @@ class Collectives:
         failed = [o for o in outcomes if o is not None]
         if failed:
             raise JobError(*failed[0])
-        return result
 
     def max_over_ranks(self, value: int) -> int:
         """The largest of every rank's `value` (one all-reduce of an int), on every rank: a decision all ranks share."""

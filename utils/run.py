@@ -1,8 +1,15 @@
-"""The order of a run: set-up, checks, rendezvous, data, model, Trainer, resume, training, evaluation, publish.
+"""The order of a run, on every rank: join the job, set up, train, publish.
 
-Every rank runs `run` (or `publish_only` for --push-only). It decides what to build and in which order,
-and where the ranks must agree; the Trainer it builds is utils/trainer.py's, the collectives it runs are
-utils/collectives.py's, and saving and pushing the model are utils/hub.py's. It branches on `dist.is_main`
+    run(job)
+      join(job, hub, lock)      checks that need no peer (strategy, Hub access, tracker), the rendezvous (the
+                                same settings on every rank, the OUTPUT_DIR lock), the rank log -> Collectives
+      set_up(job, group)        tokenizer, data, model, the checkpoint to resume, the Trainer, run.json -> Ready
+      train(job, group, ready)  training (a stop signal checkpoints), evaluation, the final barrier -> Trained
+      publish(job, group, hub, trained)  rank 0 saves model/ and pushes it, the others wait for it -> exit code
+
+`job` (utils/job.py) is what the rank knows from the start; each phase takes it and what the phase before
+returned. `publish_only` is --push-only. The Trainer is utils/trainer.py's, the collectives
+utils/collectives.py's, saving and pushing the model utils/hub.py's. It branches on `job.dist.is_main`
 (rank 0 writes and pushes) but reads no launcher variable itself.
 """
 
@@ -13,10 +20,10 @@ import logging.handlers
 import signal
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import torch
 import torch.distributed as td
 import transformers
 from transformers import Trainer, set_seed
@@ -26,7 +33,8 @@ from utils.data import load_sst2
 from utils.distributed import DistEnv, export_env, launcher_options, masked_environ
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, JobError, Preempted
 from utils.hub import Hub, push_model, save_merged, save_model
-from utils.hub_token import Masker, MaskingFilter, read_token
+from utils.hub_token import MaskingFilter, read_token
+from utils.job import Job
 from utils.model import build_model, load_tokenizer, trainable_checksum
 from utils.outputs import (
     RunDir,
@@ -36,20 +44,20 @@ from utils.outputs import (
     usable_checkpoints,
     write_run_record,
 )
-from utils.preemption import Preemption
 from utils.recipe import check_global_batch, describe_recipe
 from utils.run_lock import RunLock
-from utils.settings import Settings, check_tracker_uri
+from utils.settings import check_tracker_uri
 from utils.strategy import check_strategy, full_state_dict
-from utils.trainer import StartupTimer, build_trainer, resume_key
+from utils.trainer import JobTrainer, build_trainer, resume_key
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
 
 
 # ------------------------------------------------------------------------------- set-up
-def setup_logging(dist: DistEnv, masker: Masker) -> None:
+def setup_logging(job: Job) -> None:
     """Only rank 0 talks on the console (warnings from all); the rank log is added once the folder is ours."""
+    dist, masker = job.dist, job.masker
     fmt = logging.Formatter(LOG_FORMAT.format(rank=dist.rank))
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(fmt)
@@ -70,12 +78,12 @@ def setup_logging(dist: DistEnv, masker: Masker) -> None:
         datasets.disable_progress_bars()
 
 
-def log_to_file(run: RunDir, dist: DistEnv, masker: Masker) -> None:
+def log_to_file(job: Job) -> None:
     """Every rank also logs to OUTPUT_DIR/logs/rank-R.log: after the rendezvous and the OUTPUT_DIR lock, so a
     job refused on a folder in use never writes into the logs of the job that holds it."""
-    handler = RankLogHandler(run, run.rank_log(dist.rank))
-    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=dist.rank)))
-    handler.addFilter(MaskingFilter(masker))
+    handler = RankLogHandler(job.out, job.out.rank_log(job.dist.rank))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=job.dist.rank)))
+    handler.addFilter(MaskingFilter(job.masker))
     root = logging.getLogger()
     for early in [h for h in root.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
         early.setTarget(handler)
@@ -105,22 +113,6 @@ class RankLogHandler(logging.FileHandler):
             )
 
 
-def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[bool, str]:
-    """(8-bit?, precision) from QUANTIZATION / PRECISION and the hardware; impossible asks are bad input."""
-    # auto: no 8-bit under DeepSpeed, which casts and shards the weights (an explicit 8bit is refused there).
-    quantize = settings.quantization == "8bit" or (
-        settings.quantization == "auto" and cuda and dist.world_size == 1 and settings.strategy != "deepspeed"
-    )
-    precision = settings.precision
-    if precision == "auto":
-        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if precision == "fp16" and not cuda:
-        raise JobError(EXIT_BAD_INPUT, "PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
-    if precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
-        raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
-    return quantize, precision
-
-
 def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
     """DeepSpeed's communication set up on the process group the rendezvous created (it reuses an initialised
     group): before the model is built, so anything DeepSpeed does on the way (ZeRO-3's zero.Init included)
@@ -134,13 +126,13 @@ def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
     deepspeed.init_distributed(dist_backend=td.get_backend(), auto_mpi_discovery=False)
 
 
-def agreement(settings: Settings, dist: DistEnv) -> dict:
+def agreement(job: Job) -> dict:
     """What every rank of one job must share, compared at the rendezvous."""
     return {
-        "world_size": dist.world_size,
-        "run_name": settings.run_name,
-        "output_dir": settings.output_dir,
-        **settings.training_settings(),
+        "world_size": job.dist.world_size,
+        "run_name": job.settings.run_name,
+        "output_dir": job.settings.output_dir,
+        **job.settings.training_settings(),
     }
 
 
@@ -242,25 +234,46 @@ def progress_bar_closed_on_error(trainer: Trainer):
 
 
 @contextmanager
-def tracker_run(settings: Settings, dist: DistEnv):
+def tracker_run(job: Job):
     """One MLflow run for training and the final evaluation. The Trainer's callback ends the run it opened
     when training ends, and the final evaluation would then log into a second, nameless run; a run that
     is already open is left to its opener. MLflow reads MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME and
     MLFLOW_RUN_ID itself."""
-    if not (dist.is_main and "mlflow" in settings.report_to):
+    if not (job.dist.is_main and "mlflow" in job.settings.report_to):
         yield
         return
     import mlflow
 
-    with mlflow.start_run(run_name=settings.run_name):
+    with mlflow.start_run(run_name=job.settings.run_name):
         yield
 
 
 # ------------------------------------------------------------------------------- the run
-def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preemption, masker: Masker) -> int:
-    """Train, save and push, on every rank; the exit code. `preemption`: the installed stop-signal handler;
-    `masker`: the token masking installed on stdout and stderr, for the log handlers too."""
-    setup_logging(dist, masker)
+@dataclass(frozen=True)
+class Ready:
+    """What `set_up` built: the Trainer over the tokenized data, and where training starts."""
+
+    trainer: JobTrainer
+    checkpoint: str | None  # the checkpoint to resume from; None: from step 1
+    key: dict  # resume_key, with the run's segments so far: recorded in every checkpoint
+    train_rows: int
+    validation_rows: int
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What `train` returns to `publish`."""
+
+    trainer: JobTrainer
+    metrics: dict  # metrics.json: training, evaluation, and what actually ran
+    record: dict  # logs/rank-R.json: this rank's samples, trainable-weight checksum, time to first step
+    state_dict: dict  # the full trainable state (gathered under FSDP / DeepSpeed)
+
+
+def run(job: Job) -> int:
+    """Train, save and push, on every rank; the exit code."""
+    dist = job.dist
+    setup_logging(job)
     log.info(
         "rank %d of %d (local rank %d, node %d) via %s; environment %s",
         dist.rank,
@@ -270,113 +283,65 @@ def run(settings: Settings, dist: DistEnv, run_dir: RunDir, *, preemption: Preem
         dist.source,
         masked_environ(),
     )
-    if run_dir.is_finished():
-        log.info("%s already holds a finished run", run_dir.root)
-        if not dist.is_main:
-            return EXIT_OK
-        # Stopped between saving and merging.
-        if settings.merge_adapter and not run_dir.merged.is_dir():
-            save_merged(run_dir, settings)
-        return push_model(run_dir, settings, Hub(read_token(), settings.push_timeout, settings.hub_timeout))
+    if job.out.is_finished():
+        log.info("%s already holds a finished run", job.out.root)
+        return publish_finished(job)
+    hub = Hub(read_token(), job.settings.push_timeout, job.settings.hub_timeout)
+    lock = RunLock(job.out)
+    try:
+        group = join(job, hub, lock)
+        with group.peers_watched(lambda: resume_hint(job.out)):
+            ready = set_up(job, group)
+            trained = train(job, group, ready)
+        # No rank enters a collective after this: rank 0 may upload for minutes.
+        group.leave()
+        return publish(job, group, hub, trained)
+    finally:
+        lock.release()
 
-    export_env(dist, deepspeed=settings.strategy == "deepspeed")
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
-    quantize, precision = resolve_numerics(settings, dist, cuda)
-    log.info("device %s, 8-bit %s, precision %s", device, quantize, precision)
+
+def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
+    """The checks that need no peer, then the rendezvous: the process group, with the OUTPUT_DIR lock on rank 0."""
+    settings, dist = job.settings, job.dist
+    export_env(dist, deepspeed=job.strategy == "deepspeed")
+    log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.precision)
     log.info(describe_recipe(settings, dist.world_size))
     # E.g. fsdp on the CPU: exit 2, never DDP.
-    check_strategy(settings, dist, cuda, quantize, precision, launcher_options())
-
-    hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
+    check_strategy(settings, dist, job.cuda, job.quantize, job.precision, launcher_options())
     # On every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective.
     if settings.result_model_id:
         hub.check_write_access(settings.result_model_id)
     # Likewise a tracker that refuses its URI: exit 2 now, not a traceback after data and model are loaded.
     check_tracker_uri(settings)
-    lock = RunLock(run_dir)
-    try:
-        # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
-        group = rendezvous(dist, settings.rendezvous_timeout, cuda, agreement(settings, dist), on_main=lock.acquire)
-        log_to_file(run_dir, dist, masker)
-        if settings.strategy == "deepspeed":
-            join_deepspeed(dist, cuda)
-        with group.peers_watched(lambda: resume_hint(run_dir)):
-            trainer, metrics, record, state_dict = train(
-                settings, group, run_dir, device, quantize, precision, cuda, preemption
-            )
-        # No rank enters a collective after this: rank 0 may upload for minutes.
-        group.leave()
-        code = EXIT_OK
-        if dist.is_main:
-            with group.saving_model():
-                save_model(run_dir, settings, trainer, metrics, state_dict)
-            # From here a restart of rank 0 alone finishes the run from the volume (merge, push).
-            if settings.merge_adapter:
-                save_merged(run_dir, settings)
-            code = push_model(run_dir, settings, hub)
-            print(
-                f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
-                f"model={run_dir.model}",
-                flush=True,
-            )
-        else:
-            # Not exit 0 before model/ is saved: `restartPolicy: ExitCode` would then restart a lost rank 0 alone.
-            log.info("waiting for rank 0 to save %s", run_dir.model)
-            group.wait_for_model(run_dir.is_finished, lambda: resume_hint(run_dir))
-        # What tests and benchmarks read (logs/rank-R.json), and the same in words at the end of the rank's log.
-        run_dir.write_json(run_dir.rank_record(dist.rank), record)
-        log.info(
-            "rank %d processed %d training samples; trainable weights checksum %s",
-            dist.rank,
-            record["samples_trained"],
-            record["trainable_checksum"],
-        )
-        return code
-    finally:
-        lock.release()
+    # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
+    group = rendezvous(dist, settings.rendezvous_timeout, job.cuda, agreement(job), on_main=lock.acquire)
+    log_to_file(job)
+    if job.strategy == "deepspeed":
+        join_deepspeed(dist, job.cuda)
+    return group
 
 
-def train(
-    settings: Settings,
-    group: Collectives,
-    run_dir: RunDir,
-    device,
-    quantize: bool,
-    precision: str,
-    cuda: bool,
-    preemption: Preemption,
-):
-    """Data, model, Trainer, resume, training and evaluation, on every rank; the final barrier included."""
-    dist = group.dist
+def set_up(job: Job, group: Collectives) -> Ready:
+    """Tokenizer, data, model, the checkpoint to resume from and the Trainer, on every rank; run.json on rank 0."""
+    settings, dist = job.settings, job.dist
     tokenizer = load_tokenizer(settings)
-    data = group.on_main_then_others(lambda: load_sst2(settings, tokenizer, run_dir.cache))
+    with group.main_first():  # rank 0 downloads and tokenizes into the shared cache, the others reuse it
+        data = load_sst2(settings, tokenizer, job.out.cache)
     # Every rank holds the same rows, so every rank takes the same decision here.
     check_global_batch(settings, dist.world_size, len(data["train"]))
     # Before the model: LoRA init and dropout are the same on every restart.
     set_seed(settings.seed)
-    model = group.agree(lambda: build_model(settings, quantize, device))
+    with group.agreed():  # a model refused on one rank stops all with its message
+        model = build_model(settings, job.quantize, job.device)
 
-    key = resume_key(settings, dist, data)
+    key = resume_key(job, data)
     # The replica counts the run trained on go to metrics.json and the card.
-    checkpoint, key["segments"] = group.decide_on_main(lambda: resume_point(run_dir, key, dist.world_size))
-    trainer = build_trainer(
-        settings,
-        run_dir,
-        dist,
-        model,
-        tokenizer,
-        data,
-        precision,
-        cuda,
-        checkpoint_key=key,
-        collectives=group,
-        preemption=preemption,
-    )
+    checkpoint, key["segments"] = group.decide_on_main(lambda: resume_point(job.out, key, dist.world_size))
+    trainer = build_trainer(job, model, tokenizer, data, key=key, group=group)
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
     group.run_on_main(
-        lambda: write_run_record(run_dir, settings, global_batch=key["global_batch"], segments=key["segments"])
+        lambda: write_run_record(job.out, settings, global_batch=key["global_batch"], segments=key["segments"])
     )
     if checkpoint:
         log.info(
@@ -384,15 +349,21 @@ def train(
             checkpoint.rsplit("-", 1)[-1],
             checkpoint,
         )
-    with progress_bar_closed_on_error(trainer), tracker_run(settings, dist):
+    return Ready(trainer, checkpoint, key, len(data["train"]), len(data["validation"]))
+
+
+def train(job: Job, group: Collectives, ready: Ready) -> Trained:
+    """Training and evaluation, on every rank; the final barrier included."""
+    settings, dist, trainer = job.settings, job.dist, ready.trainer
+    with progress_bar_closed_on_error(trainer), tracker_run(job):
         # A stop signal now checkpoints at the next step all ranks agree on.
-        with preemption.deferred():
-            train_result = trainer.train(resume_from_checkpoint=checkpoint)
-        signum = group.max_over_ranks(preemption.signum)
+        with job.preemption.deferred():
+            train_result = trainer.train(resume_from_checkpoint=ready.checkpoint)
+        signum = group.max_over_ranks(job.preemption.signum)
         if signum:
             what = "SIGTERM" if signum == signal.SIGTERM else "SIGINT (Ctrl-C)"
             raise Preempted(
-                f"{what} during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(run_dir)}",
+                f"{what} during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(job.out)}",
                 code=128 + signum,
             )
         eval_metrics = trainer.evaluate()
@@ -401,16 +372,16 @@ def train(
             **eval_metrics,
             # What actually ran, for the card: the resolved rate and numerics, not `auto`.
             "world_size": dist.world_size,
-            "global_batch": key["global_batch"],
-            "segments": close_segments(key["segments"], trainer.state.global_step),
+            "global_batch": job.batch.global_batch,
+            "segments": close_segments(ready.key["segments"], trainer.state.global_step),
             "learning_rate": trainer.args.learning_rate,
-            "quantization": "8bit" if quantize else "none",
-            "precision": precision,
+            "quantization": "8bit" if job.quantize else "none",
+            "precision": job.precision,
             "run_name": settings.run_name,
             "data": {
-                "train_rows": len(data["train"]),
-                "validation_rows": len(data["validation"]),
-                "fingerprint": key["data"]["train"],
+                "train_rows": ready.train_rows,
+                "validation_rows": ready.validation_rows,
+                "fingerprint": ready.key["data"]["train"],
             },
         }
         log.info(
@@ -420,10 +391,9 @@ def train(
             metrics["eval_samples"],
         )
         trainer.accelerator.wait_for_everyone()
-        timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StartupTimer))
         # The checksum and the full state dict are collectives when FSDP shards the weights: on every rank,
         # and before leaving the group.
-        state_dict = full_state_dict(trainer.model, settings.strategy)
+        state_dict = full_state_dict(trainer.model, job.strategy)
         record = {
             "rank": dist.rank,
             "local_rank": dist.local_rank,
@@ -433,31 +403,75 @@ def train(
             "samples_trained": trainer.samples_seen,
             # DeepSpeed: the gathered fp32 weights (under ZeRO-3 the module's own are empty shards)
             "trainable_checksum": trainable_checksum(
-                trainer.model, state_dict if settings.strategy == "deepspeed" else None
+                trainer.model, state_dict if job.strategy == "deepspeed" else None
             ),
-            "first_step": timer.first_step + 1,
-            "seconds_to_first_step": timer.seconds,
+            "first_step": trainer.startup.first_step + 1,
+            "seconds_to_first_step": trainer.startup.seconds,
         }
-    return trainer, metrics, record, state_dict
+    return Trained(trainer, metrics, record, state_dict)
 
 
-def publish_only(settings: Settings, dist: DistEnv, run_dir: RunDir, *, masker: Masker) -> int:
-    """--push-only: upload an existing model/ (after a failed push) without training."""
-    if not dist.is_main:
+def publish(job: Job, group: Collectives, hub: Hub, trained: Trained) -> int:
+    """Rank 0 saves model/ (and merged/) and pushes it; the others wait until model/ is saved. The exit code."""
+    settings, dist, out = job.settings, job.dist, job.out
+    code = EXIT_OK
+    if dist.is_main:
+        with group.saving_model():
+            save_model(out, settings, trained.trainer, trained.metrics, trained.state_dict)
+        # From here a restart of rank 0 alone finishes the run from the volume (merge, push).
+        if settings.merge_adapter:
+            save_merged(out, settings)
+        code = push_model(out, settings, hub)
+        metrics = trained.metrics
+        print(
+            f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
+            f"model={out.model}",
+            flush=True,
+        )
+    else:
+        # Not exit 0 before model/ is saved: `restartPolicy: ExitCode` would then restart a lost rank 0 alone.
+        log.info("waiting for rank 0 to save %s", out.model)
+        group.wait_for_model(out.is_finished, lambda: resume_hint(out))
+    # What tests and benchmarks read (logs/rank-R.json), and the same in words at the end of the rank's log.
+    record = trained.record
+    out.write_json(out.rank_record(dist.rank), record)
+    log.info(
+        "rank %d processed %d training samples; trainable weights checksum %s",
+        dist.rank,
+        record["samples_trained"],
+        record["trainable_checksum"],
+    )
+    return code
+
+
+def publish_finished(job: Job) -> int:
+    """A restart that finds model/ saved: rank 0 finishes what was left (the merge, the push), the others are done."""
+    if not job.dist.is_main:
         return EXIT_OK
-    setup_logging(dist, masker)
-    log_to_file(run_dir, dist, masker)
+    # Stopped between saving and merging.
+    if job.settings.merge_adapter and not job.out.merged.is_dir():
+        save_merged(job.out, job.settings)
+    return push_model(job.out, job.settings, Hub(read_token(), job.settings.push_timeout, job.settings.hub_timeout))
+
+
+def publish_only(job: Job) -> int:
+    """--push-only: upload an existing model/ (after a failed push) without training."""
+    settings, out = job.settings, job.out
+    if not job.dist.is_main:
+        return EXIT_OK
+    setup_logging(job)
+    log_to_file(job)
     if not (settings.result_model_id or settings.result_merged_model_id):
         raise JobError(
             EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (or RESULT_MERGED_MODEL_ID): the Hub repo to push to"
         )
-    if not run_dir.is_finished():
+    if not out.is_finished():
         raise JobError(
-            EXIT_BAD_INPUT, f"{run_dir.model} holds no finished model; run the training first (without --push-only)"
+            EXIT_BAD_INPUT, f"{out.model} holds no finished model; run the training first (without --push-only)"
         )
-    if settings.merge_adapter and not run_dir.merged.is_dir():
-        save_merged(run_dir, settings)
+    if settings.merge_adapter and not out.merged.is_dir():
+        save_merged(out, settings)
     hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
     for repo_id in filter(None, (settings.result_model_id, settings.result_merged_model_id)):
         hub.check_write_access(repo_id)
-    return push_model(run_dir, settings, hub)
+    return push_model(out, settings, hub)

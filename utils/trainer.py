@@ -33,15 +33,13 @@ from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, Trai
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
 
-from utils.batching import plan_batches
 from utils.collectives import Collectives
 from utils.deepspeed_config import offloads, zero_stage
-from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_threads, volume_state
+from utils.job import Job
 from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
 from utils.preemption import SIGNALS, Preemption
 from utils.recipe import optimizer_groups, resolve_learning_rate, warmup_steps
-from utils.settings import Settings
 from utils.strategy import count_fsdp_units, trainer_options
 
 log = logging.getLogger(__name__)
@@ -74,7 +72,7 @@ class JobTrainer(Trainer):
       (CheckpointMarker.save_agreed).
     """
 
-    def __init__(self, *args, param_groups=None, global_batch: int | None = None, **kwargs):
+    def __init__(self, *args, param_groups=None, global_batch: int | None = None, startup: StartupTimer, **kwargs):
         super().__init__(*args, **kwargs)
         # BERT's forward takes **kwargs, so the Trainer assumes it sums its loss over `num_items_in_batch`
         # and then scales it by the world size and skips the division by accumulation steps. The
@@ -86,6 +84,8 @@ class JobTrainer(Trainer):
         self.samples_seen = 0
         # GLOBAL_BATCH_SIZE: one order of the rows for every replica count (GlobalOrderSampler).
         self.global_batch = global_batch
+        # When this process reached its first step (logs/rank-R.json); one of the callbacks.
+        self.startup = startup
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.param_groups is not None:
@@ -258,18 +258,8 @@ class CheckpointMarker(TrainerCallback):
         `error:` line and exit 2, instead of a traceback on one and a lost peer (143, restarted into the same
         full volume) on the others. The checkpoint cut short has no COMPLETE marker; the next start discards it.
         """
-        failure = None
-        try:
-            with self.volume_checked(doing):
-                save()
-        except JobError as exc:
-            failure = exc
-
-        def outcome() -> None:
-            if failure is not None:
-                raise failure
-
-        self.collectives.agree(outcome)
+        with self.collectives.agreed(), self.volume_checked(doing):
+            save()
 
     @contextmanager
     def volume_checked(self, doing: str) -> Iterator[None]:
@@ -427,31 +417,31 @@ def classification_metrics():
     return compute
 
 
-def evaluation_interval(settings: Settings, dist: DistEnv, train_rows: int) -> int:
+def evaluation_interval(job: Job, train_rows: int) -> int:
     """EVAL_STEPS, or EVALUATIONS_PER_EPOCH evaluations an epoch (over the whole run when MAX_STEPS is
     shorter than an epoch); 0: no evaluation during training."""
+    settings, plan = job.settings, job.batch
     if settings.eval_steps is not None:
         return settings.eval_steps
-    plan = plan_batches(settings, dist.world_size)
     if plan.fixed:  # whole global batches only (GlobalOrderSampler)
         steps_per_epoch = max(train_rows // plan.global_batch, 1)
     else:
-        steps_per_epoch = math.ceil(math.ceil(train_rows / (plan.micro_batch * dist.world_size)) / plan.accumulation)
+        steps_per_epoch = math.ceil(math.ceil(train_rows / (plan.micro_batch * plan.world_size)) / plan.accumulation)
     steps = min(steps_per_epoch, settings.max_steps or steps_per_epoch)
     return max(1, steps // EVALUATIONS_PER_EPOCH)
 
 
 # ------------------------------------------------------------------------------- what a resume keeps
-def resume_key(settings: Settings, dist: DistEnv, data) -> dict:
+def resume_key(job: Job, data) -> dict:
     """What a resume must not change, recorded in every complete checkpoint: the Trainer fast-forwards each
     rank's data loader by the saved step count, so another global batch or data would skip or repeat rows
     without a word. The world size too, unless GLOBAL_BATCH_SIZE fixes one global order of the rows
     (`elastic`): then any count that divides the global batch resumes at the same row. Not under DeepSpeed,
     whose checkpoints hold each rank's partition of the optimizer state (`optimizer_per_rank`)."""
-    plan = plan_batches(settings, dist.world_size)
-    per_rank = settings.strategy == "deepspeed"
+    plan = job.batch
+    per_rank = job.strategy == "deepspeed"
     return {
-        "world_size": dist.world_size,
+        "world_size": plan.world_size,
         "elastic": plan.fixed and not per_rank,
         "optimizer_per_rank": per_rank,
         "global_batch": plan.global_batch,
@@ -487,18 +477,16 @@ class JobTrainingArguments(TrainingArguments):
         return warmup_steps(self.warmup_steps, num_training_steps)
 
 
-def training_arguments(
-    settings: Settings, run: RunDir, dist: DistEnv, model, precision: str, cuda: bool, train_rows: int
-) -> TrainingArguments:
+def training_arguments(job: Job, model, train_rows: int) -> TrainingArguments:
     """The TrainingArguments the settings resolve to, on this rank and this hardware."""
+    settings, dist, cuda, precision, plan = job.settings, job.dist, job.cuda, job.precision, job.batch
     # Ampere and newer: TF32 matmuls for what stays fp32.
     tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8
-    eval_every = evaluation_interval(settings, dist, train_rows)
-    plan = plan_batches(settings, dist.world_size)
+    eval_every = evaluation_interval(job, train_rows)
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
     options = dict(
-        output_dir=str(run.checkpoints),
+        output_dir=str(job.out.checkpoints),
         run_name=settings.run_name,
         per_device_train_batch_size=plan.micro_batch,
         per_device_eval_batch_size=settings.per_device_eval_batch_size,
@@ -554,47 +542,35 @@ def training_arguments(
 
 
 def build_trainer(
-    settings: Settings,
-    run: RunDir,
-    dist: DistEnv,
-    model,
-    tokenizer,
-    data,
-    precision: str,
-    cuda: bool,
-    *,
-    checkpoint_key: dict | None = None,
-    collectives: Collectives | None = None,
-    preemption: Preemption | None = None,
+    job: Job, model, tokenizer, data, *, key: dict | None = None, group: Collectives | None = None
 ) -> JobTrainer:
-    """The job's Trainer over `data` ("train" and "validation").
+    """The job's Trainer over `data` ("train" and "validation"), its callbacks given what they act on.
 
-    `checkpoint_key`: the run's `resume_key`, when the caller has it already (it hashes every tokenized row).
-    `collectives`: the process group from the rendezvous; a single process may leave it out.
-    `preemption`: the installed stop-signal handler; left out, no signal stops training at a step boundary.
+    `key`: the run's `resume_key`, when the caller has it already (it hashes every tokenized row).
+    `group`: the process group from the rendezvous; a single process may leave it out.
     """
-    if collectives is None:
+    settings, dist, out = job.settings, job.dist, job.out
+    if group is None:
         if dist.is_distributed:
             raise ValueError(
                 "build_trainer needs the Collectives from utils.collectives.rendezvous in a distributed job"
             )
-        collectives = Collectives(dist, settings.rendezvous_timeout)
-    args = training_arguments(settings, run, dist, model, precision, cuda, len(data["train"]))
-    marker = CheckpointMarker(
-        run, collectives, settings.save_total_limit, checkpoint_key or resume_key(settings, dist, data)
-    )
+        group = Collectives(dist, settings.rendezvous_timeout)
+    args = training_arguments(job, model, len(data["train"]))
+    marker = CheckpointMarker(out, group, settings.save_total_limit, key or resume_key(job, data))
+    startup = StartupTimer()
     callbacks: list[TrainerCallback] = [
         # Stops the run if the Trainer did not shard as asked.
-        StrategyCheck(settings.strategy),
+        StrategyCheck(job.strategy),
         marker,
-        StartupTimer(),
+        startup,
         SamplerEpoch(),
     ]
-    if preemption is not None:
-        callbacks.append(StopOnPreemption(preemption, collectives))
-    callbacks.append(CheckpointFolder(run, marker))  # after StopOnPreemption, which may ask for a save
+    if job.preemption is not None:
+        callbacks.append(StopOnPreemption(job.preemption, group))
+    callbacks.append(CheckpointFolder(out, marker))  # after StopOnPreemption, which may ask for a save
     if dist.is_main and "tensorboard" in settings.report_to:
-        callbacks.append(RecordedTensorBoard(run, run.tensorboard / settings.run_name))
+        callbacks.append(RecordedTensorBoard(out, out.tensorboard / settings.run_name))
     param_groups = None
     if settings.head_learning_rate_ratio != 1 or settings.loraplus_lr_ratio != 1:
         param_groups = partial(
@@ -606,10 +582,11 @@ def build_trainer(
         train_dataset=data["train"],
         eval_dataset=data["validation"],
         # Multiples of 8 for tensor cores.
-        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if cuda else None),
+        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if job.cuda else None),
         processing_class=tokenizer,
         compute_metrics=classification_metrics(),
         callbacks=callbacks,
         param_groups=param_groups,
-        global_batch=plan_batches(settings, dist.world_size).global_batch if settings.global_batch_size else None,
+        global_batch=job.batch.global_batch if job.batch.fixed else None,
+        startup=startup,
     )
