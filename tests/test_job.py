@@ -1,21 +1,27 @@
-"""The job end to end, in real processes, on the tiny BERT: one process, two platform replicas, 8-bit, and the Hub push."""
+"""The job end to end, in real processes, on the tiny BERT: one process (the suite's shared finished run, and
+restarts of a copy of it), two platform replicas, 8-bit, and the Hub push's checks before training."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, push_settings, rank_env, rank_record, run_main, start_main
+from tests.conftest import REPO_ID, free_port, job_settings, push_settings, rank_env, rank_record, run_main, start_main
 
 
-def classify(model_dir: Path, sentences: list[str]) -> list[int]:
+def classify(model_dir: Path, sentences: list[str], base: Path | None = None) -> list[int]:
+    """The adapter in `model_dir` on its base (or on `base`, a local copy of the base its config names by Hub id)."""
     import torch
-    from peft import AutoPeftModelForSequenceClassification
-    from transformers import AutoTokenizer
+    from peft import AutoPeftModelForSequenceClassification, PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    model = AutoPeftModelForSequenceClassification.from_pretrained(model_dir).eval()
+    if base is None:
+        model = AutoPeftModelForSequenceClassification.from_pretrained(model_dir).eval()
+    else:
+        model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base), model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with torch.no_grad():
         logits = model(**tokenizer(sentences, return_tensors="pt", padding=True)).logits
@@ -23,10 +29,8 @@ def classify(model_dir: Path, sentences: list[str]) -> list[int]:
 
 
 @pytest.mark.check
-def test_one_process_trains_saves_and_the_model_loads_back(job_env, tmp_path):
-    result = run_main(job_env)
-    assert result.code == 0, result.stderr[-3000:]
-    out = tmp_path / "out"
+def test_one_process_trains_saves_and_the_model_loads_back(finished_run, tiny_bert):
+    out = finished_run.out
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["eval_accuracy"] > 0.8, metrics  # chance is 0.5 on this balanced synthetic task
     assert metrics["eval_samples"] == 101 and metrics["world_size"] == 1
@@ -34,7 +38,9 @@ def test_one_process_trains_saves_and_the_model_loads_back(job_env, tmp_path):
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= {
         p.name for p in (out / "model").iterdir()
     }
-    assert classify(out / "model", ["the film is wonderful and moving", "the script is awful and boring"]) == [1, 0]
+    # The run was pushed, so its adapter names its base by Hub id: offline, the local base stands in.
+    sentences = ["the film is wonderful and moving", "the script is awful and boring"]
+    assert classify(out / "model", sentences, base=tiny_bert) == [1, 0]
     card = (out / "model" / "README.md").read_text()
     assert "accuracy" in card and str(round(metrics["eval_accuracy"], 4)) in card
     record = json.loads((out / "run.json").read_text())
@@ -42,27 +48,39 @@ def test_one_process_trains_saves_and_the_model_loads_back(job_env, tmp_path):
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert list((out / "cache").glob("tokenized-*/dataset_dict.json"))
     assert rank_record(out, 0)["samples_trained"] == 2000 * 2  # every training row, every epoch
-    assert "eval_accuracy=" in result.stdout
+    assert "eval_accuracy=" in finished_run.first.stdout
 
 
-def test_restart_after_success_does_no_second_training(job_env, tmp_path):
-    assert run_main(job_env).code == 0
+def restart_env(finished_run, tmp_path, hub, **extra: str) -> dict[str, str]:
+    """The finished run's settings on a copy of its folder, pushing to `hub` (a fresh stand-in, same token)."""
+    shutil.copytree(finished_run.out, tmp_path / "out", symlinks=True)
+    return {
+        **finished_run.env,
+        **push_settings(hub),
+        "HF_HOME": str(tmp_path / "hf-home"),
+        "OUTPUT_DIR": str(tmp_path / "out"),
+        **extra,
+    }
+
+
+def test_restart_after_success_does_no_second_training_and_no_second_push(finished_run, hub, tmp_path):
+    env = restart_env(finished_run, tmp_path, hub)
     metrics_before = (tmp_path / "out" / "metrics.json").read_text()
-    again = run_main(job_env)
+    again = run_main(env)
     assert again.code == 0, again.stderr[-2000:]
     assert "already holds a finished run" in again.stderr
     assert (tmp_path / "out" / "metrics.json").read_text() == metrics_before
+    assert hub.commits == []  # both models were pushed by the finished run: nothing is sent again
 
 
-def test_output_dir_with_other_settings_is_refused(job_env):
-    assert run_main(job_env).code == 0
-    other = run_main({**job_env, "LORA_R": "4"})
+def test_output_dir_with_other_settings_is_refused(finished_run, hub, tmp_path):
+    other = run_main(restart_env(finished_run, tmp_path, hub, LORA_R="4"))
     assert other.code == 2
     assert other.stderr.startswith("error: ") and "lora_r" in other.stderr and "Traceback" not in other.stderr
 
 
 @pytest.mark.slow
-def test_two_platform_replicas_train_one_model_in_sync(job_env, tmp_path):
+def test_two_platform_replicas_train_one_model_in_sync_and_push_it_once(job_env, hub, tmp_path):
     """Two `python main.py` processes with RANK/WORLD_SIZE/NODE_RANK/MASTER_* set by hand, as the platform does."""
     port = free_port()
     settings = {
@@ -71,7 +89,9 @@ def test_two_platform_replicas_train_one_model_in_sync(job_env, tmp_path):
         if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "NUM_EPOCHS", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")
     }
     procs = [
-        start_main(rank_env(tmp_path, rank, 2, port, **settings), log=tmp_path / f"stdout-{rank}.txt")
+        start_main(
+            rank_env(tmp_path, rank, 2, port, **settings, **push_settings(hub)), log=tmp_path / f"stdout-{rank}.txt"
+        )
         for rank in (0, 1)
     ]
     codes = [p.wait(timeout=300) for p in procs]
@@ -93,10 +113,15 @@ def test_two_platform_replicas_train_one_model_in_sync(job_env, tmp_path):
     assert (out / "model" / "adapter_model.safetensors").exists()
     assert "eval_accuracy=" in (tmp_path / "stdout-0.txt").read_text()
     assert "eval_accuracy=" not in (tmp_path / "stdout-1.txt").read_text()  # only rank 0 publishes
+    assert len(hub.commits) == 1 and hub.commits[0]["repo"] == REPO_ID  # pushed once, by rank 0
+    # each rank checks the token before the rendezvous: none waits in a collective on a silent Hub
+    assert hub.count("/api/whoami-v2") == 2
 
 
 def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_path):
-    result = run_main({**job_env, "QUANTIZATION": "8bit", "NUM_EPOCHS": "1", "MERGE_ADAPTER": "true"})
+    result = run_main(
+        job_settings(job_env, QUANTIZATION="8bit", MERGE_ADAPTER="true")
+    )  # a few steps: the path, not a good model
     assert result.code == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["quantization"] == "8bit"
@@ -110,49 +135,6 @@ def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_pat
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
     with safe_open(str(merged / "model.safetensors"), framework="pt") as weights:
         assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}
-
-
-def test_push_sends_adapter_config_tokenizer_and_card(job_env, hub, tmp_path):
-    env = {**job_env, **push_settings(hub)}
-    result = run_main(env)
-    assert result.code == 0, result.stderr[-3000:]
-    assert len(hub.commits) == 1 and hub.commits[0]["repo"] == "tester/sst2-lora"
-    files = set(hub.commits[0]["files"])
-    assert {
-        "adapter_model.safetensors",
-        "adapter_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "README.md",
-    } <= files
-    # HUB_PRIVATE defaults to true
-    assert hub.created[0].get("visibility") == "private" or hub.created[0].get("private") is True
-    card = hub.commits[0]["files"]["README.md"].decode()
-    assert "base_model:" in card and "accuracy" in card
-    record = json.loads((tmp_path / "out" / "run.json").read_text())
-    assert record["pushed"]["repo_id"] == "tester/sst2-lora"
-    # A restart of the finished run pushes nothing again.
-    assert run_main(env).code == 0
-    assert len(hub.commits) == 1
-
-
-@pytest.mark.slow
-def test_two_replicas_push_exactly_once(job_env, hub, tmp_path):
-    port = free_port()
-    settings = {
-        k: v
-        for k, v in job_env.items()
-        if k in ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE")
-    }
-    push = {**push_settings(hub), "NUM_EPOCHS": "1"}
-    procs = [
-        start_main(rank_env(tmp_path, rank, 2, port, **settings, **push), log=tmp_path / f"stdout-{rank}.txt")
-        for rank in (0, 1)
-    ]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "stdout-0.txt").read_text()[-2000:]
-    assert len(hub.commits) == 1
-    # each rank checks the token before the rendezvous: none waits in a collective on a silent Hub
-    assert hub.count("/api/whoami-v2") == 2
 
 
 def test_wrong_token_fails_before_training(job_env, hub, tmp_path):
