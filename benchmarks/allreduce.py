@@ -18,12 +18,19 @@ from utils.settings import Settings
 WARMUP_CALLS, TIMED_CALLS = 10, 50
 
 
+def lora_grad_bytes(settings: Settings, layers: int = 12, hidden: int = 768) -> int:
+    """fp32 gradient bytes of the job's LoRA on a BERT of `layers` x `hidden` (bert-base by default), counted without
+    loading it (this process imports no torch): per targeted attention projection (hidden -> hidden) per layer, A
+    (r x hidden) and B (hidden x r), and DoRA's magnitude (hidden); the 2-label classifier (hidden x 2 + 2); and
+    the pooler (hidden x hidden + hidden) where TRAIN_POOLER trains it."""
+    per_module = settings.lora_r * (hidden + hidden) + (hidden if settings.lora_variant == "dora" else 0)
+    adapters = layers * len(settings.lora_target_modules) * per_module
+    head = hidden * 2 + 2 + (hidden * hidden + hidden if settings.train_pooler else 0)
+    return 4 * (adapters + head)
+
+
 def lora_grad_bytes_bert_base() -> int:
-    """fp32 gradient bytes of the job's LoRA on bert-base: adapters A (r x 768) and B (768 x r) per targeted
-    module per layer, plus the 2-label classifier head (768 x 2 + 2)."""
-    defaults = Settings()
-    adapters = 12 * len(defaults.lora_target_modules) * defaults.lora_r * (768 + 768)
-    return 4 * (adapters + 768 * 2 + 2)
+    return lora_grad_bytes(Settings())
 
 
 def time_allreduce(rank: int, world: int, port: int, sizes: dict[str, int], out: Path) -> None:
