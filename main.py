@@ -58,10 +58,11 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     command line, the strategy as --dry-run shows it)."""
     settings, args = load_settings(launcher_argv(argv))  # less the `deepspeed` launcher's --local_rank
     dist = detect_env()
+    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too). Before the
+    # recipe: adopting re-derives RUN_NAME, which must not see the resolved rate (STRATEGY set by hand does not).
+    settings = adopt_launcher(settings, launcher_options())
     # The learning rate follows the global batch unless LEARNING_RATE is set.
     settings = apply_recipe(settings, dist.world_size)
-    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too).
-    settings = adopt_launcher(settings, launcher_options())
     check_push_possible(settings)
     check_trackers(settings)
     strategy = describe_strategy(settings, dist.world_size)  # DeepSpeed: its config, read and checked

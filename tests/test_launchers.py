@@ -123,8 +123,8 @@ def launched_environments(tmp_path: Path, config: Path, *args: str, machines: in
         procs.append(
             subprocess.Popen(
                 [*cmd, *machine_args, *args, str(script), str(out)],
-                # RUN_NAME given, as every deployment gives it: a derived name differs with where STRATEGY came from
-                env=base_env(tmp_path, OUTPUT_DIR=tmp_path / "out", RUN_NAME="accelerate-config"),
+                # RUN_NAME left to be derived: the same name whether STRATEGY came from the config or by hand
+                env=base_env(tmp_path, OUTPUT_DIR=tmp_path / "out"),
                 cwd=REPO,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
