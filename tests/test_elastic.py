@@ -10,6 +10,7 @@ nothing random is drawn during training (each rank draws its own dropout masks).
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -51,7 +52,7 @@ EPOCHS, STEPS_PER_EPOCH = 2, 4
 LEFT_OVER = 5  # rows past the last whole global batch of an epoch: drawn anew each epoch, never trained twice
 TRAIN_ROWS, VALIDATION_ROWS = GLOBAL_BATCH * STEPS_PER_EPOCH + LEFT_OVER, 32
 STEPS = EPOCHS * STEPS_PER_EPOCH
-EPOCHS_ELASTIC = 500  # the elastic torchrun run: long enough to lose a node mid-run
+EPOCHS_ELASTIC = 10  # the elastic torchrun run: 40 steps, a node lost after the first checkpoint (step 5)
 
 
 def write_mixed_length_data(folder: Path) -> Path:
@@ -125,18 +126,46 @@ def differences(reference: Path, other: Path, name: str) -> list[str]:
     return problems
 
 
-@pytest.mark.slow
-def test_one_global_batch_trains_the_same_model_on_1_2_and_4_replicas(tmp_path, tiny_bert):
-    data = write_mixed_length_data(tmp_path / "data")
-    group = Replicas(tmp_path)
-    outs = {world: tmp_path / f"out-{world}" for world in (1, 2, 4)}
+@pytest.fixture(scope="module")
+def mixed_data(tmp_path_factory) -> Path:
+    return write_mixed_length_data(tmp_path_factory.mktemp("elastic") / "data")
+
+
+@pytest.fixture(scope="module")
+def one_run_on_each_count(tmp_path_factory, tiny_bert, mixed_data) -> dict[int, Path]:
+    """OUTPUT_DIR of the same run, uninterrupted, on 1, 2 and 4 replicas (read only)."""
+    tmp = tmp_path_factory.mktemp("one-global-batch")
+    group = Replicas(tmp)
+    outs = {world: tmp / f"out-{world}" for world in (1, 2, 4)}
     try:
         for world, out in outs.items():  # one after another: 4 ranks on 2 cores is enough at once
-            procs, logs = start_replicas(tmp_path, world, settings(tiny_bert, data, out), f"w{world}", group)
+            procs, logs = start_replicas(tmp, world, settings(tiny_bert, mixed_data, out), f"w{world}", group)
             wait_all(procs, logs)
     finally:
         group.cleanup()
+    return outs
 
+
+@pytest.fixture(scope="module")
+def checkpointed_on_two(tmp_path_factory, tiny_bert, mixed_data) -> Path:
+    """OUTPUT_DIR of the run on 2 replicas, killed after its first complete checkpoint (read only: copy it)."""
+    tmp = tmp_path_factory.mktemp("checkpointed-on-two")
+    out = tmp / "out"
+    group = Replicas(tmp)
+    try:
+        procs, _ = start_replicas(tmp, 2, settings(tiny_bert, mixed_data, out), "first", group)
+        wait_for(out / "checkpoints" / "checkpoint-2" / "COMPLETE", procs)
+        for proc in procs:
+            proc.kill()
+        wait_all(procs)
+    finally:
+        group.cleanup()
+    return out
+
+
+@pytest.mark.slow
+def test_one_global_batch_trains_the_same_model_on_1_2_and_4_replicas(one_run_on_each_count):
+    outs = one_run_on_each_count
     problems = []
     for world, out in outs.items():
         metrics = json.loads((out / "metrics.json").read_text())
@@ -151,22 +180,17 @@ def test_one_global_batch_trains_the_same_model_on_1_2_and_4_replicas(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("new_world", [1, 4])
-def test_a_two_replica_run_continues_on_another_count(tmp_path, tiny_bert, new_world):
+def test_a_two_replica_run_continues_on_another_count(
+    tmp_path, tiny_bert, mixed_data, one_run_on_each_count, checkpointed_on_two, new_world
+):
     """Killed after its first complete checkpoint on 2 replicas, restarted on `new_world`: it resumes there,
     trains every remaining row once, and its curve after the restart is the uninterrupted run's."""
-    data = write_mixed_length_data(tmp_path / "data")
-    reference, out = tmp_path / "reference", tmp_path / "resumed"
+    reference, out = one_run_on_each_count[2], tmp_path / "resumed"
+    shutil.copytree(checkpointed_on_two, out, symlinks=True)
     group = Replicas(tmp_path)
     try:
-        procs, logs = start_replicas(tmp_path, 2, settings(tiny_bert, data, reference), "ref", group)
-        wait_all(procs, logs)
-        procs, logs = start_replicas(tmp_path, 2, settings(tiny_bert, data, out), "first", group)
-        wait_for(out / "checkpoints" / "checkpoint-2" / "COMPLETE", procs)
-        for proc in procs:
-            proc.kill()
-        wait_all(procs)
-        # The kill may land after a later checkpoint: resume from whichever is the newest complete one.
-        procs, logs = start_replicas(tmp_path, new_world, settings(tiny_bert, data, out), "again", group)
+        # The kill may have landed after a later checkpoint: resume from whichever is the newest complete one.
+        procs, logs = start_replicas(tmp_path, new_world, settings(tiny_bert, mixed_data, out), "again", group)
         wait_all(procs, logs)
     finally:
         group.cleanup()
@@ -247,10 +271,10 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
             data,
             out,
             NUM_EPOCHS=EPOCHS_ELASTIC,
-            SAVE_STEPS=50,
+            SAVE_STEPS=5,
             SAVE_TOTAL_LIMIT=2,
-            EVAL_STEPS=500,
-            LOGGING_STEPS=50,
+            EVAL_STEPS=1000,  # the final evaluation only
+            LOGGING_STEPS=10,
             RENDEZVOUS_TIMEOUT=60,
         ),
         **push_settings(hub),
@@ -286,7 +310,7 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
             # The first agent hosts the rendezvous store (the one that binds the port does): the second is the
             # node that is lost, and it joins only once the store listens.
             wait_until_listening(port, agents)
-        # The tiny model trains ~25 steps/s: 2,000 steps leave the kill well before the end.
+        # The kill lands within 50 ms of the first checkpoint (step 5), 35 steps before the end.
         deadline = time.monotonic() + 600
         while not complete_steps(out):
             assert all(agent.poll() is None for agent in agents), "an agent exited before the first checkpoint"
