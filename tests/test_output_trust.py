@@ -19,6 +19,8 @@ from tests.conftest import (
     REPO_ID,
     assert_refused_as_bad_input,
     error_lines,
+    job_settings,
+    log_time,
     push_settings,
     run_main,
     start_main,
@@ -77,7 +79,7 @@ def test_a_link_planted_in_the_tensorboard_folder_before_the_run_is_refused(
 
 
 def test_links_planted_in_the_tensorboard_folder_during_the_run_are_never_pushed(job_env, hub, secrets, tmp_path):
-    env = {**job_env, **push_settings(hub)}
+    env = job_settings(job_env, **push_settings(hub), MAX_STEPS="20")
     events = tmp_path / "out" / "tensorboard" / run_name(env)
     job = start_main(env, log=tmp_path / "job.txt")
     deadline = time.monotonic() + 240
@@ -88,7 +90,9 @@ def test_links_planted_in_the_tensorboard_folder_during_the_run_are_never_pushed
     (events / "cache-link").symlink_to(secrets["token_folder"])
     (events / "id_ed25519").symlink_to(secrets["key"])
     (events / "hf_token").symlink_to(secrets["token"])
+    planted = time.time()
     assert wait_all([job], [tmp_path / "job.txt"]) == [0]
+    assert log_time(tmp_path / "out" / "logs" / "rank-0.log", "pushing ") > planted  # the links were there to find
     [commit] = hub.commits
     assert commit["repo"] == REPO_ID
     runs = sorted(name for name in commit["files"] if name.startswith("runs/"))
@@ -143,14 +147,14 @@ def test_a_checkpoint_folder_linked_during_the_run_is_refused_at_the_save(job_en
     outside = tmp_path / "neighbour" / "somewhere"
     outside.mkdir(parents=True)
     out = tmp_path / "out"
-    env = {**job_env, **push_settings(hub), "SAVE_STEPS": "20"}
+    env = {**job_env, **push_settings(hub), "SAVE_STEPS": "5"}
     job = start_main(env, log=tmp_path / "job.txt")
     deadline = time.monotonic() + 240
-    while not (out / "checkpoints" / "checkpoint-20" / "COMPLETE").exists():
+    while not (out / "checkpoints" / "checkpoint-5" / "COMPLETE").exists():
         assert job.poll() is None, (tmp_path / "job.txt").read_text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint was completed"
         time.sleep(0.05)
-    link = out / "checkpoints" / "checkpoint-100"  # a name anyone can predict from SAVE_STEPS
+    link = out / "checkpoints" / "checkpoint-25"  # a name anyone can predict from SAVE_STEPS
     link.symlink_to(outside, target_is_directory=True)
     assert wait_all([job]) == [2], (tmp_path / "job.txt").read_text()[-3000:]
     [error] = error_lines((tmp_path / "job.txt").read_text())

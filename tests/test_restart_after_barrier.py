@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.make_demo_assets import write_dataset
 from tests.conftest import (
     REPO_ID,
     Replicas,
@@ -28,10 +29,17 @@ from tests.conftest import (
     wait_all,
 )
 
-# One epoch: 63 optimizer steps (1000 rows per rank, batch 16), checkpoints every SAVE_STEPS (20) and the final
-# one the Trainer saves at step 63. (A MAX_STEPS that ends mid-epoch is not used here: transformers 5.23,
-# resumed from the checkpoint of the last step, trains one step more than asked.)
-STEPS = 63
+# One epoch of a small data set: 10 optimizer steps (160 rows per rank, batch 16), and the checkpoint the Trainer
+# saves at the last step. (A MAX_STEPS that ends mid-epoch is not used here: transformers 5.23, resumed from the
+# checkpoint of the last step, trains one step more than asked.)
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    return write_dataset(
+        tmp_path_factory.mktemp("restart-data") / "sst2", train_rows=2 * 16 * STEPS, validation_rows=101
+    )
 
 
 def container_code(proc: subprocess.Popen) -> int:
@@ -63,9 +71,11 @@ def finish_by_policy(replicas: Replicas, settings: dict, codes: dict[int, int], 
 
 
 @pytest.mark.slow
-def test_rank0_killed_while_writing_model_is_finished_by_restarting_both(replicas, hub, tmp_path, tiny_bert, sst2_dir):
+def test_rank0_killed_while_writing_model_is_finished_by_restarting_both(
+    replicas, hub, tmp_path, tiny_bert, small_data
+):
     out = tmp_path / "out"
-    settings = {**training_settings(tiny_bert, sst2_dir, out, NUM_EPOCHS=1), **push_settings(hub)}
+    settings = {**training_settings(tiny_bert, small_data, out, NUM_EPOCHS=1), **push_settings(hub)}
     procs = replicas.start("first", settings)
     # Rank 0 has passed the final barrier and is writing model/: kill it there, as the kernel's OOM killer
     # or a lost node would.
@@ -100,9 +110,11 @@ def test_rank0_killed_while_writing_model_is_finished_by_restarting_both(replica
 
 
 @pytest.mark.slow
-def test_rank0_killed_during_the_push_is_finished_by_restarting_it_alone(replicas, hub, tmp_path, tiny_bert, sst2_dir):
+def test_rank0_killed_during_the_push_is_finished_by_restarting_it_alone(
+    replicas, hub, tmp_path, tiny_bert, small_data
+):
     out = tmp_path / "out"
-    settings = {**training_settings(tiny_bert, sst2_dir, out, NUM_EPOCHS=1), **push_settings(hub)}
+    settings = {**training_settings(tiny_bert, small_data, out, NUM_EPOCHS=1), **push_settings(hub)}
     hub.retry_after = "120"  # the push waits out a rate limit: rank 0 is killed in the middle of it
     hub.fail("create", 429)
     procs = replicas.start("first", settings)
@@ -125,10 +137,10 @@ def test_rank0_killed_during_the_push_is_finished_by_restarting_it_alone(replica
 
 @pytest.mark.slow
 def test_rank1_killed_while_waiting_for_the_model_is_finished_by_restarting_it_alone(
-    replicas, hub, tmp_path, tiny_bert, sst2_dir
+    replicas, hub, tmp_path, tiny_bert, small_data
 ):
     out = tmp_path / "out"
-    settings = {**training_settings(tiny_bert, sst2_dir, out, NUM_EPOCHS=1), **push_settings(hub)}
+    settings = {**training_settings(tiny_bert, small_data, out, NUM_EPOCHS=1), **push_settings(hub)}
     port = free_port()  # a restarted pod comes back at the same MASTER_PORT
     procs = [
         start_main(rank_env(tmp_path, rank, 2, port, **settings), log=tmp_path / f"first-rank{rank}.txt")

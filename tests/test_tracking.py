@@ -93,7 +93,9 @@ def test_two_replicas_report_one_run_to_a_real_tracking_server_and_no_secret(
         "HF_TOKEN": FAKE_TOKEN,  # not used without a push, and still never to reach the tracker
         "RENDEZVOUS_TIMEOUT": str(TIMEOUT),
     }
-    settings = tiny_run_settings(tiny_bert, sst2_dir, out, NUM_EPOCHS=1, **tracking)
+    # 8 steps, a loss and an evaluation every 2: a training and a validation curve of 4 points each.
+    settings = tiny_run_settings(tiny_bert, sst2_dir, out, MAX_STEPS=8, LOGGING_STEPS=2, EVAL_STEPS=2, **tracking)
+    settings.pop("NUM_EPOCHS")
     procs = replicas.start("mlflow", settings)
     wait_all(procs, replicas.streams)
 
