@@ -76,8 +76,7 @@ class Collectives:
         """After the final barrier: stop the heartbeat and drop the group locally (no collective), so rank 0
         can upload for as long as it needs."""
         self._stop.set()
-        if td.is_available() and td.is_initialized():
-            td.destroy_process_group()
+        drop_process_group()
 
     # ---------------------------------------------------------------- after the final barrier
     @contextmanager
@@ -315,6 +314,12 @@ class Collectives:
 
 
 # ------------------------------------------------------------------------------- rendezvous
+def drop_process_group() -> None:
+    """Destroy this process's default process group, if it has one: local, no collective."""
+    if td.is_available() and td.is_initialized():
+        td.destroy_process_group()
+
+
 @contextmanager
 def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
     """End the process with `code` if the block has not finished after `seconds`.

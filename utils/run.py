@@ -28,7 +28,7 @@ import torch.distributed as td
 import transformers
 from transformers import Trainer, set_seed
 
-from utils.collectives import Collectives, rendezvous
+from utils.collectives import Collectives, drop_process_group, rendezvous
 from utils.data import load_sst2
 from utils.distributed import DistEnv, export_env, launcher_options, masked_environ
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, JobError, Preempted
@@ -297,6 +297,10 @@ def run(job: Job) -> int:
         group.leave()
         return publish(job, group, hub, trained)
     finally:
+        # On the way out with an error, too: a process group still alive when the interpreter shuts down can
+        # abort the exit in gloo's threads (SIGABRT, "terminate called without an active exception") instead
+        # of the exit code the error chose.
+        drop_process_group()
         lock.release()
 
 
