@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.conftest import (
+    REPO,
     REPO_ID,
     SAVE_STEPS,
     TIMEOUT,
@@ -200,6 +203,75 @@ def test_stopped_peer_fails_within_rendezvous_timeout(replicas, tmp_path, tiny_b
         and "resumes from checkpoint-" in error
     )
     assert "Traceback" not in stream
+
+
+# A rank that is not rank 0, its heartbeat to rank 0's store in flight when rank 0 stops answering, ends with an
+# error. Its heartbeat thread must be out of the store's C++ call before the interpreter shuts down, or the
+# exit is SIGABRT ("terminate called without an active exception") instead of the code the error chose.
+HEARTBEAT_RANK1 = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as td
+from utils.collectives import BEAT_CALL_SECONDS, Collectives
+from utils.distributed import DistEnv
+port = int(sys.argv[1])
+store = lambda seconds: td.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=seconds))
+dist = DistEnv(rank=1, local_rank=0, world_size=2, node_rank=1, master_addr="127.0.0.1", master_port=port, source="env")
+group = Collectives(dist, 60, beat_store=store(60), pulse=store(BEAT_CALL_SECONDS))
+
+
+class SlowTeardown:  # keeps the interpreter shutting down for 3 s: any beat still waiting wakes up inside it
+    def __del__(self, sleep=time.sleep):  # module globals may be gone by then
+        sleep(3)
+
+
+teardown = SlowTeardown()
+print("beating", flush=True)
+sys.stdin.readline()  # rank 0 is stopped now, and a beat waits on it
+group.leave()
+sys.exit(2)
+"""
+STORE_RANK0 = """
+import time
+from datetime import timedelta
+import torch.distributed as td
+store = td.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_error_exit_while_a_heartbeat_waits_on_a_silent_rank0_keeps_its_exit_code():
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    rank0 = subprocess.Popen([sys.executable, "-c", STORE_RANK0], stdout=subprocess.PIPE, text=True, env=env)
+    rank1 = None
+    try:
+        port = rank0.stdout.readline().strip()
+        rank1 = subprocess.Popen(
+            [sys.executable, "-c", HEARTBEAT_RANK1, port],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert rank1.stdout.readline().strip() == "beating", rank1.stderr.read()
+        time.sleep(1.5)  # a beat or two reach rank 0
+        rank0.send_signal(signal.SIGSTOP)
+        time.sleep(1.5)  # the next beat is now waiting on the silent store
+        rank1.stdin.write("exit\n")
+        rank1.stdin.close()
+        time.sleep(1)  # rank 1 is on its way out; now rank 0 dies, and a beat still waiting fails
+        rank0.kill()
+        stderr = rank1.stderr.read()
+        rank1.wait(timeout=60)
+        assert rank1.returncode == 2, stderr[-2000:]
+        assert "terminate called" not in stderr
+    finally:
+        for proc in (rank0, rank1):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
 
 # ------------------------------------------------------------------------------- Hub faults

@@ -35,6 +35,7 @@ READ_KEY = "job/verdict-read"  # how many ranks have read the verdict
 VERDICT_READ_SECONDS = 5.0  # rank 0, holding the store, stays this long at most for its peers to read a refusal
 BEAT_KEY = "job/beat/{rank}"
 BEAT_SECONDS = 1.0  # each rank bumps its counter in the store this often while it is in the job
+BEAT_CALL_SECONDS = 5.0  # the most one beat waits on a store that does not answer (rank 0 stopped)
 PROBE_SECONDS = 3.0  # a peer whose counter did not move for this long has died or stopped
 WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck in native code is ended
 SAVED_KEY = "job/model-saved"  # rank 0's outcome of writing model/: [exit code, message], [0, ""] when saved
@@ -50,17 +51,20 @@ class Collectives:
     `leave`. Every collective is bounded by RENDEZVOUS_TIMEOUT (`timeout_s`), DDP's all-reduce included.
     """
 
-    def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None, store=None):
+    def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None, store=None, pulse=None):
         self.dist = dist
         self.timeout_s = timeout_s
-        self._beat_store = beat_store  # a client of rank 0's store, for the heartbeat (None: no group)
+        self._beat_store = beat_store  # a client of rank 0's store: peers' heartbeats, model/ saved (None: no group)
+        self._pulse = pulse  # another, with a BEAT_CALL_SECONDS timeout: this rank's own heartbeat
         # Rank 0 serves the store from this object: without it, `leave` would take the store down with the
         # group, and the other ranks could not learn that model/ is saved.
         self._store = store
         self._control = control  # the gloo group for small control messages on NCCL jobs (None: the default group)
         self._stop = threading.Event()
-        if beat_store is not None:
-            threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
+        self._beater = None
+        if pulse is not None:
+            self._beater = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
+            self._beater.start()
 
     # ---------------------------------------------------------------- lifetime
     def _beat(self) -> None:
@@ -68,15 +72,24 @@ class Collectives:
         key = BEAT_KEY.format(rank=self.dist.rank)
         while not self._stop.wait(BEAT_SECONDS):
             try:
-                self._beat_store.add(key, 1)
-            except Exception:  # rank 0, which holds the store, is gone: the main thread will find out
-                return
+                self._pulse.add(key, 1)
+            except Exception:  # rank 0, which holds the store, is gone or silent: the main thread finds out
+                continue  # and a store that is only slow is beaten again at the next beat
 
     def leave(self) -> None:
         """After the final barrier: stop the heartbeat and drop the group locally (no collective), so rank 0
-        can upload for as long as it needs."""
-        self._stop.set()
+        can upload for as long as it needs. Also on the way out with an error: see `_stop_beating`."""
+        self._stop_beating()
         drop_process_group()
+
+    def _stop_beating(self) -> None:
+        """Stop the heartbeat and wait for it. A daemon thread still inside a store call when the interpreter
+        shuts down is ended in the middle of C++ code, which aborts the exit (SIGABRT, "terminate called
+        without an active exception") instead of exiting with the code the job chose. A store that answers
+        does so in milliseconds; one that does not (its rank stopped) gives up within BEAT_CALL_SECONDS."""
+        self._stop.set()
+        if self._beater is not None:
+            self._beater.join(timeout=BEAT_CALL_SECONDS + BEAT_SECONDS)
 
     # ---------------------------------------------------------------- after the final barrier
     @contextmanager
@@ -379,6 +392,7 @@ def rendezvous(
             raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
         try:
             beat_store = td.TCPStore(dist.master_addr, dist.master_port, None, False, timeout)
+            pulse = td.TCPStore(dist.master_addr, dist.master_port, None, False, timedelta(seconds=BEAT_CALL_SECONDS))
         except (td.DistError, RuntimeError) as exc:
             raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
         mine = json.dumps(agreement, sort_keys=True, default=str)
@@ -415,7 +429,7 @@ def rendezvous(
         # Small control messages (the stop flag, checkpoint barriers) go over gloo: on an NCCL job they
         # would otherwise sync the GPU stream at every step.
         control = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
-    return Collectives(dist, timeout_s, beat_store, control, store)
+    return Collectives(dist, timeout_s, beat_store, control, store, pulse)
 
 
 def _judge(

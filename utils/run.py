@@ -28,7 +28,7 @@ import torch.distributed as td
 import transformers
 from transformers import Trainer, set_seed
 
-from utils.collectives import Collectives, drop_process_group, rendezvous
+from utils.collectives import Collectives, rendezvous
 from utils.data import load_sst2
 from utils.distributed import DistEnv, export_env, launcher_options, masked_environ
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, JobError, Preempted
@@ -288,6 +288,7 @@ def run(job: Job) -> int:
         return publish_finished(job)
     hub = Hub(read_token(), job.settings.push_timeout, job.settings.hub_timeout)
     lock = RunLock(job.out)
+    group = None
     try:
         group = join(job, hub, lock)
         with group.peers_watched(lambda: resume_hint(job.out)):
@@ -297,10 +298,10 @@ def run(job: Job) -> int:
         group.leave()
         return publish(job, group, hub, trained)
     finally:
-        # On the way out with an error, too: a process group still alive when the interpreter shuts down can
-        # abort the exit in gloo's threads (SIGABRT, "terminate called without an active exception") instead
-        # of the exit code the error chose.
-        drop_process_group()
+        # On the way out with an error too: a heartbeat or a process group still running when the interpreter
+        # shuts down can turn the exit code the error chose into SIGABRT.
+        if group is not None:
+            group.leave()
         lock.release()
 
 
