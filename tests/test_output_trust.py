@@ -161,3 +161,22 @@ def test_a_checkpoint_folder_linked_during_the_run_is_refused_at_the_save(job_en
     assert f"{link} is a symbolic link" in error and "remove it" in error
     assert list(outside.iterdir()) == []
     assert hub.commits == []
+
+
+def test_a_file_removed_while_the_folder_is_checked_is_not_an_error(tmp_path, monkeypatch):
+    """Every rank checks OUTPUT_DIR for planted links while rank 0's write probe (logs/.write-test-PID) comes
+    and goes: a name listed and gone before its lstat is nothing planted. (Seen in CI: rank 1 exited 1 with a
+    FileNotFoundError traceback, and rank 0 waited out RENDEZVOUS_TIMEOUT for it.)"""
+    from utils.errors import JobError
+    from utils.outputs import RunDir
+
+    run = RunDir(tmp_path / "out")
+    run.logs.mkdir(parents=True)
+    (run.logs / "rank-0.log").write_text("")
+    listing = [(top, folders, [*files, ".write-test-12345"]) for top, folders, files in os.walk(run.root)]
+    with monkeypatch.context() as patch:
+        patch.setattr("utils.outputs.os.walk", lambda root: iter(listing))  # the probe, listed, then removed
+        run.check_planted()
+    os.symlink(tmp_path, run.logs / "planted")  # and a link that is there is still refused
+    with pytest.raises(JobError, match="planted"):
+        run.check_planted()

@@ -189,7 +189,10 @@ class RunDir:
         for current, folders, files in os.walk(self.root):
             for name in sorted([*folders, *files]):
                 path = Path(current) / name
-                info = os.lstat(path)
+                try:
+                    info = os.lstat(path)
+                except FileNotFoundError:
+                    continue  # gone since the listing: another rank's write probe in logs/; nothing to refuse
                 if stat.S_ISLNK(info.st_mode) or (not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
                     raise planted(path)
 
