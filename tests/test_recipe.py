@@ -58,7 +58,16 @@ def test_train_pooler_false_leaves_the_pooler_to_the_base(pooler_runs):
     assert record["settings"]["train_pooler"] is False
 
 
-def test_the_optimizer_trains_each_group_at_its_rate(tmp_path, tiny_bert):
+@pytest.mark.parametrize(
+    ("batch", "b_ratio"),
+    [
+        ({"loraplus_lr_ratio": 8}, 8),
+        # Unset, the ratio follows the global batch: 4 at 256, the 4-replica deployment's batch.
+        ({"global_batch_size": 256}, 4),
+    ],
+    ids=["set", "following-the-batch"],
+)
+def test_the_optimizer_trains_each_group_at_its_rate(tmp_path, tiny_bert, batch, b_ratio):
     rows = datasets.Dataset.from_list(
         [{"input_ids": [2, 5 + i % 7, 3], "attention_mask": [1, 1, 1], "labels": i % 2} for i in range(16)]
     )
@@ -67,9 +76,9 @@ def test_the_optimizer_trains_each_group_at_its_rate(tmp_path, tiny_bert):
         tiny_bert,
         {"train": rows, "validation": rows},
         learning_rate=RATE,
-        loraplus_lr_ratio=8,
         head_learning_rate_ratio=3,
         weight_decay=0.01,
+        **batch,
     )
     optimizer = trainer.create_optimizer()
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
@@ -78,7 +87,7 @@ def test_the_optimizer_trains_each_group_at_its_rate(tmp_path, tiny_bert):
     kinds = set()
     for name, param in trainable:
         if "lora_B" in name:
-            kind, rate = "B", 8 * RATE
+            kind, rate = "B", b_ratio * RATE
         elif "classifier" in name or "pooler" in name:
             kind, rate = "head", 3 * RATE
         else:

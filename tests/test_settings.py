@@ -249,18 +249,22 @@ def test_settings_doc_documents_every_setting():
 
 
 @pytest.mark.parametrize(
-    ("world_size", "extra", "rate"),
+    ("world_size", "extra", "rate", "loraplus"),
     [
-        (1, {}, 1e-3),  # the reference: global batch 64
-        (2, {}, 0.00118921),  # 1e-3 x 2 ** 0.25
-        (4, {}, 0.00141421),  # the config.yaml deployment: global batch 256
-        (8, {}, 0.00168179),
-        (2, {"GRADIENT_ACCUMULATION_STEPS": "2"}, 0.00141421),  # accumulation counts in the global batch
-        (2, {"PER_DEVICE_BATCH_SIZE": "32"}, 1e-3),
-        (4, {"LEARNING_RATE": "5e-4"}, 5e-4),  # set by the user: exactly that, on any number of replicas
-        (4, {"LEARNING_RATE_SCALING": "sqrt"}, 2e-3),
+        (1, {}, 1e-3, 8),  # the reference: global batch 64
+        (2, {}, 0.00118921, 5.65685),  # 1e-3 x 2 ** 0.25; 8 / 2 ** 0.5
+        (4, {}, 0.00141421, 4),  # the config.yaml deployment: global batch 256
+        (8, {}, 0.00168179, 2.82843),
+        (2, {"GRADIENT_ACCUMULATION_STEPS": "2"}, 0.00141421, 4),  # accumulation counts in the global batch
+        (2, {"PER_DEVICE_BATCH_SIZE": "32"}, 1e-3, 8),
+        (1, {"PER_DEVICE_BATCH_SIZE": "16"}, 0.000707107, 8),  # below the reference batch LoRA+ stays at 8
+        (1, {"GLOBAL_BATCH_SIZE": "8192"}, 0.00336359, 1),  # and never falls below plain LoRA
+        (4, {"LEARNING_RATE": "5e-4"}, 5e-4, 4),  # set by the user: exactly that, on any number of replicas
+        (4, {"LORAPLUS_LR_RATIO": "8"}, 0.00141421, 8),
+        (4, {"LEARNING_RATE_SCALING": "sqrt"}, 2e-3, 4),
     ],
 )
-def test_dry_run_shows_the_rate_the_global_batch_gets(tmp_path, world_size, extra, rate):
+def test_dry_run_shows_the_rates_the_global_batch_gets(tmp_path, world_size, extra, rate, loraplus):
     launcher = dict(RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1") if world_size > 1 else {}
-    assert dry_run(tmp_path, **launcher, **extra)["config"]["learning_rate"] == rate
+    config = dry_run(tmp_path, **launcher, **extra)["config"]
+    assert (config["learning_rate"], config["loraplus_lr_ratio"]) == (rate, loraplus)

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from utils.batching import plan_batches
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.recipe import resolve_learning_rate
+from utils.recipe import resolve_learning_rate, resolve_loraplus_ratio
 from utils.settings import Settings
 
 DEEPSPEED_PIN = "deepspeed==0.19.8"  # requirements.txt's pin, named in the fix when it is missing
@@ -174,11 +174,12 @@ def check_config(config: Mapping[str, Any], settings: Settings, world_size: int,
             f"{where} offloads the weights (zero_optimization.offload_param.device: {param_device}) at stage {stage}, "
             "but only ZeRO stage 3 shards and offloads weights; set zero_optimization.stage to 3, or drop offload_param",
         )
-    if "optimizer" in config and (settings.loraplus_lr_ratio != 1 or settings.head_learning_rate_ratio != 1):
+    loraplus_ratio = resolve_loraplus_ratio(settings, world_size)
+    if "optimizer" in config and (loraplus_ratio != 1 or settings.head_learning_rate_ratio != 1):
         raise JobError(
             EXIT_BAD_INPUT,
             f"{where} has an optimizer block, which replaces the job's AdamW and with it the recipe's per-group rates "
-            f"(LORAPLUS_LR_RATIO={settings.loraplus_lr_ratio:g}, HEAD_LEARNING_RATE_RATIO={settings.head_learning_rate_ratio:g}); "
+            f"(LORAPLUS_LR_RATIO={loraplus_ratio:g}, HEAD_LEARNING_RATE_RATIO={settings.head_learning_rate_ratio:g}); "
             "drop the optimizer block (the job's AdamW runs under DeepSpeed), or set both ratios to 1",
         )
 

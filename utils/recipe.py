@@ -22,7 +22,13 @@ resolves passes LEARNING_RATE's own bounds: `linear` at a global batch of 1e8 wo
 The head (the classifier and, with TRAIN_POOLER, the pooler) may train at HEAD_LEARNING_RATE_RATIO x
 the rate, and LoRA+ trains each adapter's B matrix at LORAPLUS_LR_RATIO x the rate (Hayou et al. 2024;
 peft's create_loraplus_optimizer puts the head's weights at 1x and its biases at the B rate, which is
-why the groups are made here).
+why the groups are made here). Unset, the LoRA+ ratio follows the global batch too, the other way:
+
+    loraplus_lr_ratio = 8 x min(1, (64 / global batch) ** 0.5), never below 1
+
+At the larger batch the fourth-root rule raises A's rate, and B at 8x that rate was what held 4
+replicas below one on whole sentences; B at 4x (the rule's value at 256) brought them level
+(docs/quality.md). Below the reference batch the ratio stays at the 8 it was measured at.
 
 The rule is plain arithmetic (no torch) because `--dry-run` must show the resolved rate without
 importing torch; `optimizer_groups` imports nothing either and takes the model's named parameters.
@@ -41,6 +47,7 @@ from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
 
 REFERENCE_GLOBAL_BATCH = 64  # one replica with PER_DEVICE_BATCH_SIZE=64: where BASE_LEARNING_RATE was measured
+REFERENCE_LORAPLUS_RATIO = 8.0  # the LoRA+ ratio measured best at the reference batch (docs/quality.md)
 # The task head, trained in full: BERT's classifier and the pooler it reads, DistilBERT's pre_classifier.
 HEAD_MODULES = ("classifier", "pre_classifier", "pooler")
 
@@ -85,6 +92,15 @@ def resolve_learning_rate(settings: Settings, world_size: int) -> float:
             f"({refusal}); set LEARNING_RATE to the rate to train at, or another rule ({rules})",
         )
     return rate
+
+
+def resolve_loraplus_ratio(settings: Settings, world_size: int) -> float:
+    """The LoRA+ ratio this job trains at: LORAPLUS_LR_RATIO exactly when the user set it, else 8 at the
+    reference batch or below, falling as the square root of the global batch above it, never below 1."""
+    if settings.loraplus_lr_ratio is not None:
+        return settings.loraplus_lr_ratio
+    shrink = min(1.0, (REFERENCE_GLOBAL_BATCH / global_batch(settings, world_size)) ** 0.5)
+    return max(1.0, float(f"{REFERENCE_LORAPLUS_RATIO * shrink:.6g}"))
 
 
 def _learning_rate_refusal(rate: float) -> str | None:
@@ -136,19 +152,25 @@ def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
 
 
 def apply_recipe(settings: Settings, world_size: int) -> Settings:
-    """The settings with LEARNING_RATE resolved, so --dry-run, run.json, the logs and the model card show the rate used."""
-    return settings.model_copy(update={"learning_rate": resolve_learning_rate(settings, world_size)})
+    """The settings with LEARNING_RATE and LORAPLUS_LR_RATIO resolved, so --dry-run, run.json, the logs and the
+    model card show the values used."""
+    return settings.model_copy(
+        update={
+            "learning_rate": resolve_learning_rate(settings, world_size),
+            "loraplus_lr_ratio": resolve_loraplus_ratio(settings, world_size),
+        }
+    )
 
 
 def optimizer_groups(
-    named_parameters: Iterable, settings: Settings, learning_rate: float, weight_decay: float
+    named_parameters: Iterable, settings: Settings, learning_rate: float, loraplus_ratio: float, weight_decay: float
 ) -> list[dict]:
-    """AdamW parameter groups: adapters' A at the rate, B at LORAPLUS_LR_RATIO x, the head at HEAD_LEARNING_RATE_RATIO x.
+    """AdamW parameter groups: adapters' A at the rate, B at `loraplus_ratio` x, the head at HEAD_LEARNING_RATE_RATIO x.
 
     Biases and LayerNorm weights (1-D tensors) never take weight decay, as in the Trainer's own grouping.
     """
     rates = {
-        "lora_B": learning_rate * settings.loraplus_lr_ratio,
+        "lora_B": learning_rate * loraplus_ratio,
         "head": learning_rate * settings.head_learning_rate_ratio,
     }
     groups: dict[tuple[str, bool], list] = {}
@@ -180,6 +202,7 @@ def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
 
 def describe_recipe(settings: Settings, world_size: int) -> str:
     """One log line: the rate used, where it came from, and the options around the adapter (recipe_summary)."""
+    settings = settings.model_copy(update={"loraplus_lr_ratio": resolve_loraplus_ratio(settings, world_size)})
     rate = resolve_learning_rate(settings, world_size)
     batch = global_batch(settings, world_size)
     rule = scaled_learning_rate(settings, world_size)
@@ -192,9 +215,10 @@ def describe_recipe(settings: Settings, world_size: int) -> str:
 
 
 def recipe_summary(settings: Settings) -> str:
-    """The options around the adapter that shaped the model, for its card and the rank log: what it takes to train it again."""
+    """The options around the adapter that shaped the model, for its card and the rank log: what it takes to train it
+    again. `settings` as apply_recipe resolved them (the LoRA+ ratio used, not the rule)."""
     parts = [f"warm-up {settings.warmup_ratio:g} of the steps"]
-    if settings.loraplus_lr_ratio != 1:
+    if settings.loraplus_lr_ratio not in (None, 1):
         parts.append(f"LoRA+ (B at x{settings.loraplus_lr_ratio:g} the rate)")
     if settings.head_learning_rate_ratio != 1:
         parts.append(f"head at x{settings.head_learning_rate_ratio:g} the rate")

@@ -197,11 +197,13 @@ class Settings(BaseSettings):
     head_learning_rate_ratio: float = Field(
         1.0, gt=0, le=1000, description="the head (classifier, pooler) trains at this x the learning rate"
     )
-    loraplus_lr_ratio: float = Field(
-        8.0,
+    loraplus_lr_ratio: float | None = Field(
+        None,
         gt=0,
         le=1000,
-        description="LoRA+: each adapter's B matrix trains at this x the learning rate (the best option measured on SST-2); 1 is plain LoRA",
+        description="LoRA+: each adapter's B matrix trains at this x the learning rate; 1 is plain LoRA. Unset: 8 at a global "
+        "batch of 64 or less, 8 x (64 / global batch) ** 0.5 above it, never below 1 (4 at 256: 4 replicas level with one, "
+        "docs/quality.md); the resolved value is what --dry-run, run.json and the model card show",
     )
     lora_variant: Literal["lora", "rslora", "dora"] = Field(
         "lora", description="rslora: scale alpha/sqrt(r) instead of alpha/r; dora: weight-decomposed LoRA (slower)"

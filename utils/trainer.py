@@ -39,7 +39,7 @@ from utils.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_thread
 from utils.job import Job
 from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
 from utils.preemption import SIGNALS, Preemption
-from utils.recipe import optimizer_groups, resolve_learning_rate, warmup_steps
+from utils.recipe import optimizer_groups, resolve_learning_rate, resolve_loraplus_ratio, warmup_steps
 from utils.strategy import count_fsdp_units, trainer_options
 
 log = logging.getLogger(__name__)
@@ -572,9 +572,14 @@ def build_trainer(
     if dist.is_main and "tensorboard" in settings.report_to:
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / settings.run_name))
     param_groups = None
-    if settings.head_learning_rate_ratio != 1 or settings.loraplus_lr_ratio != 1:
+    loraplus_ratio = resolve_loraplus_ratio(settings, dist.world_size)
+    if settings.head_learning_rate_ratio != 1 or loraplus_ratio != 1:
         param_groups = partial(
-            optimizer_groups, settings=settings, learning_rate=args.learning_rate, weight_decay=args.weight_decay
+            optimizer_groups,
+            settings=settings,
+            learning_rate=args.learning_rate,
+            loraplus_ratio=loraplus_ratio,
+            weight_decay=args.weight_decay,
         )
     return JobTrainer(
         model=model,
