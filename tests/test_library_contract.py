@@ -19,11 +19,16 @@ and hands `CliSettingsSource` its environment source (`_env_settings_source`) fo
 huggingface_hub: every Hub request gets a timeout through a client made by `utils._http.default_client_factory`
 (utils/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/data.py). MLflow:
 REPORT_TO=mlflow is checked against `_tracking_store_registry` (utils/settings.py).
+
+Python's warnings: a library announces such a change with a DeprecationWarning or FutureWarning first;
+the last test checks that one attributed to the job's code fails the job processes the tests start.
 """
 
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 
 import datasets
 import pytest
@@ -32,7 +37,7 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from tests.conftest import job_trainer
+from tests.conftest import base_env, job_trainer
 from utils.trainer import EpochSeededLengthGroupedSampler, epoch_sampler
 
 SEED = 42
@@ -324,3 +329,28 @@ def test_mlflow_tells_a_tracking_uri_it_has_no_store_for():
         f"{where}: the registry's `_registry` no longer maps schemes ({type(refused.value).__name__} for nosuch://); "
         "utils/settings.py lists the known ones in its refusal"
     )
+
+
+@pytest.mark.parametrize("category", ["DeprecationWarning", "FutureWarning"])
+def test_a_deprecation_in_the_jobs_code_fails_the_job_processes_the_tests_start(tmp_path, category):
+    """pytest.ini makes a deprecation attributed to this repo's code an error in the test process; the job
+    processes (base_env) get the same rule, so an API the job calls going away fails the test that runs it,
+    while one inside a library stays the library's to fix."""
+    warn = "import warnings; warnings.warn_explicit('going away', {category}, 'x.py', 1, module={module!r}); print('went on')"
+    env = base_env(tmp_path)
+    ours = subprocess.run(
+        [sys.executable, "-c", warn.format(category=category, module="utils.trainer")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ours.returncode == 1 and f"{category}: going away" in ours.stderr, ours.stderr
+    theirs = subprocess.run(
+        [sys.executable, "-c", warn.format(category=category, module="transformers.trainer")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert theirs.returncode == 0 and theirs.stdout.strip() == "went on", theirs.stderr
