@@ -336,19 +336,21 @@ def test_every_platform_replica_resolves_one_run_from_config_yaml(tmp_path, monk
         resolved.append(shown)
     assert all(shown == resolved[0] for shown in resolved), "the replicas resolved different settings"
 
-    # The rate follows the global batch, not the replica count: one process training the same global batch
-    # resolves the same rate, and one process at its own batch another (unless config_map pinned LEARNING_RATE).
+    # The rate and the LoRA+ ratio follow the global batch, not the replica count: one process training the same
+    # global batch resolves the same values, and one process at its own batch others (unless config_map pins them).
     single = {
         name: value
         for name, value in env.items()
         if name not in ("RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
-    single_rate = configured(monkeypatch, single)[0].learning_rate
+    alone = configured(monkeypatch, single)[0]
     same_batch = single | {"GLOBAL_BATCH_SIZE": str(plan_batches(settings, world).global_batch)}
-    assert configured(monkeypatch, same_batch)[0].learning_rate == settings.learning_rate
-    assert world == 1 or settings.learning_rate != single_rate, (
-        f"{world} replicas train at the one-replica rate {single_rate}: LEARNING_RATE is pinned in config_map"
-    )
+    as_one = configured(monkeypatch, same_batch)[0]
+    for name in ("learning_rate", "loraplus_lr_ratio"):
+        assert getattr(as_one, name) == getattr(settings, name)
+        assert world == 1 or getattr(settings, name) != getattr(alone, name), (
+            f"{world} replicas train at the one-replica {name} {getattr(alone, name)}: {name.upper()} is pinned in config_map"
+        )
 
 
 def test_the_platform_and_kubernetes_train_the_same_run(tmp_path, monkeypatch):
