@@ -42,7 +42,7 @@ from utils.data import load_sst2
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.model import build_model, load_tokenizer
 from utils.outputs import open_run_dir
-from utils.recipe import check_global_batch
+from utils.recipe import apply_recipe, check_global_batch
 from utils.settings import load_settings
 
 AS_ROOT = os.geteuid() == 0
@@ -128,8 +128,8 @@ def unreadable_weights(folder: Path) -> None:
 
 
 def foreign_run(tmp: Path, env: dict) -> dict:
-    """OUTPUT_DIR holds the record of a run with LORA_R=4."""
-    settings, _ = load_settings([], environ=env)
+    """OUTPUT_DIR holds the record of a run with LORA_R=4 (its settings resolved as a one-process job resolves them)."""
+    settings = apply_recipe(load_settings([], environ=env)[0], 1)
     out = Path(env["OUTPUT_DIR"])
     out.mkdir(parents=True)
     (out / "run.json").write_text(json.dumps({"training_settings": {**settings.training_settings(), "lora_r": 4}}))
