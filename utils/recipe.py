@@ -202,8 +202,8 @@ def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
 
 def describe_recipe(settings: Settings, world_size: int) -> str:
     """One log line: the rate used, where it came from, and the options around the adapter (recipe_summary)."""
-    settings = settings.model_copy(update={"loraplus_lr_ratio": resolve_loraplus_ratio(settings, world_size)})
-    rate = resolve_learning_rate(settings, world_size)
+    settings = apply_recipe(settings, world_size)  # the values used (resolving twice changes nothing)
+    rate = settings.learning_rate
     batch = global_batch(settings, world_size)
     rule = scaled_learning_rate(settings, world_size)
     origin = (
