@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 DEMO := .demo
 
-.PHONY: venv demo test check lint clean
+.PHONY: venv ops demo test check lint clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,12 +25,17 @@ demo: venv
 	  NUM_EPOCHS=3 PER_DEVICE_BATCH_SIZE=32 LEARNING_RATE=3e-3 DATALOADER_NUM_WORKERS=0 $(PY) main.py
 	@echo "model, metrics and logs: $(DEMO)/output"; cat $(DEMO)/output/metrics.json
 
+# DeepSpeed's CPU ops, compiled once per venv (a couple of minutes the first time, seconds after): the tests'
+# DeepSpeed runs load them from $(VENV)/torch-extensions instead of each suite paying the compile inside a test.
+ops: venv
+	$(PY) scripts/build_deepspeed_ops.py
+
 # The whole suite, as CI runs it. Two workers, each taking a whole file at a time (its module fixtures, such
 # as one finished run read by many tests, are built once): on 2 cores the serial suite kept one core busy
 # about half the time, its tests waiting on training processes, rendezvous timeouts and the image build.
 TEST_WORKERS ?= 2
-test: venv
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+test: ops
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The edit-test loop, under 3 minutes on 2 CPU cores: settings and --dry-run, the data path, bad settings,
 # one one-process training run and the DDP-against-one-process numerics (tests marked `check`).

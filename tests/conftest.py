@@ -136,6 +136,31 @@ def configured(monkeypatch, env: dict[str, str], argv: list[str] | None = None):
     return configure(list(argv or []))
 
 
+# ------------------------------------------------------------------------------- the order files run in
+# `make test` hands whole files to its workers in collection order (`--no-loadscope-reorder`): the longest go
+# first, so that no worker is left alone with one at the end. xdist's own order, most tests first, started the
+# image build (one test, minutes) last. The rest follow in their usual order; `--durations` shows what is long.
+LONGEST_FIRST = (
+    "test_container.py",  # mostly downloads and the image build: it overlaps the others' training well
+    "test_deepspeed.py",
+    "test_faults.py",
+    "test_launchers.py",
+    "test_reliability.py",
+    "test_elastic.py",
+    "test_performance.py",
+    "test_tracking.py",
+    "test_predict.py",
+    "test_secrets_and_code.py",
+    "test_published_model.py",
+    "test_restart_after_barrier.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: tests keep their order
+
+
 @pytest.fixture(scope="session")
 def sst2_dir(tmp_path_factory) -> Path:
     """A small learnable SST-2-shaped csv data set (odd-sized validation split)."""
