@@ -6,7 +6,8 @@ ranks, recipe, strategy: what main() calls before torch), `open_run_dir` (OUTPUT
 the layer it names, not earlier for another reason, with exit code 2 and a message that says what is wrong and
 how to fix it. Then one refused start of the real `python main.py` per layer (settings, OUTPUT_DIR, numerics,
 model, data, Hub): exit 2, one `error:` line, no traceback, nothing trained or pushed, the token not shown; and
-the weights file only another user cannot read, refused to the job started as that user.
+mode-000 weights, refused to a job that cannot read them (as root, started without the capabilities that read
+any file).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import csv
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,7 @@ import torch
 from tests.conftest import (
     BASE_ID,
     FAKE_TOKEN,
+    REPO,
     REPO_ID,
     STRAY_QUOTE,
     assert_refused_as_bad_input,
@@ -45,7 +49,6 @@ from utils.outputs import open_run_dir
 from utils.recipe import apply_recipe, check_global_batch
 from utils.settings import load_settings
 
-AS_ROOT = os.geteuid() == 0
 GOOD_ROWS = [("a wonderful film", 1), ("a dull film", 0)] * 4
 GOOD_CSV = delimited(film_rows(8))
 
@@ -121,10 +124,6 @@ def empty_weights(folder: Path) -> None:
 def dangling_weights(folder: Path) -> None:
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors").symlink_to("/nonexistent/blobs/0123abcd")  # a Hub cache snapshot without its blob
-
-
-def unreadable_weights(folder: Path) -> None:
-    (folder / "model.safetensors").chmod(0)
 
 
 def foreign_run(tmp: Path, env: dict) -> dict:
@@ -467,14 +466,6 @@ REFUSALS = [
         ["is a link to /nonexistent/blobs/0123abcd, which does not exist", "copy the model's files there again"],
         setup=model_copy(dangling_weights),
     ),
-    case(
-        "weights-unreadable",
-        "model",
-        ["model.safetensors is not readable by uid", "make them readable"],
-        setup=model_copy(unreadable_weights),
-        # test_unreadable_weights_as_another_user runs the job as another user instead
-        marks=pytest.mark.skipif(AS_ROOT, reason="root reads a mode-000 file"),
-    ),
     # the data: folders and splits
     case(
         "dataset-folder-missing",
@@ -762,41 +753,30 @@ def test_refused_start_gives_one_error_line_exit_2_and_pushes_nothing(
     assert set(tmp_path.parent.glob("**/*tfevents*")) == before
 
 
-@pytest.mark.skipif(
-    not (AS_ROOT and shutil.which("setpriv")), reason="needs root and setpriv to start the job as another user"
-)
-def test_unreadable_weights_as_another_user(tiny_bert, sst2_dir, tmp_path_factory):
-    """Mode 000 weights, as the platform's uid-10000 jobs meet them; under root the job runs as nobody."""
-    import subprocess
-    import sys
-    import tempfile
+# Root reads a mode-000 file through two capabilities; a job started without them meets the file's mode as the
+# platform's uid-10000 jobs do. Dropped from the bounding set before exec, they are gone from the job's process.
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2
+WITHOUT_FILE_CAPABILITIES = f"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for capability in ({CAP_DAC_OVERRIDE}, {CAP_DAC_READ_SEARCH}):
+    if libc.prctl({PR_CAPBSET_DROP}, capability, 0, 0, 0) != 0:
+        sys.exit(f"cannot drop capability {{capability}}: {{os.strerror(ctypes.get_errno())}}")
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
 
-    from tests.conftest import REPO
 
-    tmp = Path(tempfile.mkdtemp(prefix="unreadable-"))  # /tmp itself: pytest's own folders are closed to other users
-    try:
-        tmp.chmod(0o777)
-        shutil.copytree(tiny_bert, tmp / "model")
-        shutil.copytree(sst2_dir, tmp / "data")
-        for path in [tmp, *tmp.rglob("*")]:
-            path.chmod(0o777 if path.is_dir() else 0o644)
-        (tmp / "model" / "model.safetensors").chmod(0)
-        env = base_env(tmp, HOME=str(tmp), MODEL_NAME=tmp / "model", DATASET_PATH=tmp / "data", OUTPUT_DIR=tmp / "out")
-        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable]
-        # A checkout under a private folder (mode 700, as `mktemp -d` makes) cannot be run by another user at all.
-        probe = [*nobody, "-c", f"import transformers; open({str(REPO / 'main.py')!r}).close()"]
-        if subprocess.run(probe, env=env, cwd=tmp, capture_output=True, timeout=120, check=False).returncode:
-            pytest.skip(
-                f"uid 65534 cannot read this checkout ({REPO}) or its packages: make its folders world-readable"
-            )
-        as_nobody = [*nobody, str(REPO / "main.py")]
-        result = subprocess.run(as_nobody, env=env, cwd=tmp, capture_output=True, text=True, timeout=180, check=False)
-        assert result.returncode == 2, result.stderr[-3000:]
-        [error] = error_lines(result.stderr)
-        assert (
-            "the weights file model.safetensors is not readable by uid 65534 (mode ----------)" in error
-            and "make them readable" in error
-        )
-        assert "Traceback" not in result.stderr and not (tmp / "out" / "model").exists()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def test_unreadable_weights_are_refused_naming_the_uid(tiny_bert, sst2_dir, tmp_path):
+    """Mode-000 weights, through main.py: one error line naming the file, its mode and the job's uid."""
+    shutil.copytree(tiny_bert, tmp_path / "model")
+    (tmp_path / "model" / "model.safetensors").chmod(0)
+    env = base_env(tmp_path, **tiny_run_settings(tmp_path / "model", sst2_dir, tmp_path / "out"))
+    command = [sys.executable, str(REPO / "main.py")]
+    if os.geteuid() == 0:
+        command = [sys.executable, "-c", WITHOUT_FILE_CAPABILITIES, *command[1:]]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    [error] = error_lines(result.stderr)
+    assert f"the weights file model.safetensors is not readable by uid {os.getuid()} (mode ----------)" in error
+    assert "make them readable" in error and "Traceback" not in result.stderr
+    assert not (tmp_path / "out" / "model").exists()
