@@ -17,6 +17,8 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from tests.conftest import (
     start_main,
     tiny_run_settings,
 )
+from utils.errors import volume_state
 from utils.outputs import checkpoint_damage
 
 SAVE_EVERY = 5  # optimizer steps between checkpoints: a fault meets a save within a second
@@ -124,7 +127,9 @@ def test_a_volume_full_during_a_checkpoint_save_ends_every_rank_with_one_line_ex
         unmount(out)
 
 
-def test_a_volume_turning_read_only_mid_run_is_one_line_exit_2(tmp_path, tiny_bert, sst2_dir):
+@contextmanager
+def failing_ext4(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """An ext4 volume mounted `errors=remount-ro` at tmp_path/out, and the switch that makes it fail."""
     for tool in ("mkfs.ext4", "losetup"):
         if shutil.which(tool) is None:
             pytest.skip(f"an ext4 test volume needs {tool}")
@@ -135,7 +140,6 @@ def test_a_volume_turning_read_only_mid_run_is_one_line_exit_2(tmp_path, tiny_be
     assert made.returncode == 0, made.stderr
     out.mkdir()
     mount("-o", "loop,errors=remount-ro", str(image), str(out))
-    job = None
     try:
         device = Path(
             subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(out)], capture_output=True, text=True).stdout.strip()
@@ -143,22 +147,45 @@ def test_a_volume_turning_read_only_mid_run_is_one_line_exit_2(tmp_path, tiny_be
         trigger = Path("/sys/fs/ext4") / device.name / "trigger_fs_error"
         if not trigger.exists():
             pytest.skip(f"{trigger} is missing: this kernel cannot make an ext4 volume fail on request")
-        stream = tmp_path / "job.txt"
-        job = start_main(base_env(tmp_path, **long_run(tiny_bert, sst2_dir, out)), log=stream)
-        wait_for_complete_checkpoint(out, [job])
-        before = complete_steps(out)
-        trigger.write_text("test: the volume fails\n")  # ext4 logs an error and remounts itself read-only
-        assert job.wait(timeout=120) == 2, stream.read_text()[-3000:]
-        text = stream.read_text()
-        assert_one_error_line(text, f"OUTPUT_DIR={out} turned read-only", "repair the volume or mount it read-write")
-        # The lock could not be removed on the way out: a warning, never a traceback over the real error.
-        assert "could not remove" in text and (out / ".job.lock").exists()
-        assert_intact(out, before)
+        yield out, trigger
     finally:
-        if job is not None and job.poll() is None:
-            job.kill()
-            job.wait()
         unmount(out)
+
+
+def test_a_volume_turning_read_only_mid_run_is_one_line_exit_2(tmp_path, tiny_bert, sst2_dir):
+    job = None
+    with failing_ext4(tmp_path) as (out, trigger):
+        try:
+            stream = tmp_path / "job.txt"
+            job = start_main(base_env(tmp_path, **long_run(tiny_bert, sst2_dir, out)), log=stream)
+            wait_for_complete_checkpoint(out, [job])
+            before = complete_steps(out)
+            trigger.write_text("test: the volume fails\n")  # ext4 logs an error and remounts itself read-only
+            assert job.wait(timeout=120) == 2, stream.read_text()[-3000:]
+            text = stream.read_text()
+            assert_one_error_line(
+                text, f"OUTPUT_DIR={out} turned read-only", "repair the volume or mount it read-write"
+            )
+            # The lock could not be removed on the way out: a warning, never a traceback over the real error.
+            assert "could not remove" in text and (out / ".job.lock").exists()
+            assert_intact(out, before)
+        finally:
+            if job is not None and job.poll() is None:
+                job.kill()
+                job.wait()
+
+
+def test_an_io_error_on_a_failed_volume_is_told_read_only_whatever_statvfs_says(tmp_path):
+    """The write in flight when ext4 fails gets EIO, not EROFS; the job then asks the volume. Since Linux 6.9 a
+    failed ext4 refuses writes but statvfs does not flag it read-only: what the volume refuses decides."""
+    with failing_ext4(tmp_path) as (out, trigger):
+        assert (
+            volume_state(OSError(errno.EIO, "Input/output error"), out) is None
+        )  # healthy: an EIO is not a volume state
+        trigger.write_text("test: the volume fails\n")
+        assert volume_state(OSError(errno.EIO, "Input/output error"), out) == "read-only"
+        assert volume_state(RuntimeError("file write failed"), out) == "read-only"  # torch.save hides the errno
+        assert sorted(path.name for path in out.iterdir()) == ["lost+found"]  # the probe left nothing
 
 
 def test_a_full_cache_volume_costs_only_the_cache(tmp_path, job_env):

@@ -53,8 +53,8 @@ def volume_state(exc: BaseException, folder: str | os.PathLike | None = None) ->
     """Whether `exc` came from OUTPUT_DIR's volume filling up or turning read-only: "full", "read-only" or None.
 
     Told by the errno anywhere in the exception's chain, or, for libraries that hide it (torch.save raises
-    `RuntimeError: ... file write failed`), by the volume itself right after the failure: mounted read-only,
-    or no space left. Never by the words of a message.
+    `RuntimeError: ... file write failed`), by the volume itself right after the failure: a file it will not
+    create, mounted read-only, or no space left. Never by the words of a message.
     """
     seen: set[int] = set()
     cause: BaseException | None = exc
@@ -74,12 +74,29 @@ def volume_state(exc: BaseException, folder: str | os.PathLike | None = None) ->
             volume = os.statvfs(folder)
         except OSError:
             return None
-        if volume.f_flag & os.ST_RDONLY:
+        refused = _refuses_new_files(folder)
+        if volume.f_flag & os.ST_RDONLY or refused == "read-only":
             return "read-only"
-        if volume.f_bavail * volume.f_frsize < NEARLY_FULL_BYTES:
+        if refused == "full" or volume.f_bavail * volume.f_frsize < NEARLY_FULL_BYTES:
             return "full"
         if io_error:
             time.sleep(0.1)
+    return None
+
+
+def _refuses_new_files(folder: str | os.PathLike) -> str | None:
+    """What creating an empty file in `folder` meets now: "read-only", "full", or None. Since Linux 6.9 an ext4
+    volume that failed (errors=remount-ro) refuses every write with EROFS but no longer tells statvfs it is
+    read-only (its mount options say `emergency_ro`)."""
+    probe = os.path.join(folder, f".volume-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        return VOLUME_ERRNOS.get(exc.errno)
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
     return None
 
 
