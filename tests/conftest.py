@@ -141,7 +141,7 @@ def configured(monkeypatch, env: dict[str, str], argv: list[str] | None = None):
 # first, so that no worker is left alone with one at the end. xdist's own order, most tests first, started the
 # image build (one test, minutes) last. The rest follow in their usual order; `--durations` shows what is long.
 LONGEST_FIRST = (
-    "test_container.py",  # mostly downloads and the image build: it overlaps the others' training well
+    "test_container.py",  # one test of minutes (the image build): handed out last, it ran alone at the end
     "test_deepspeed.py",
     "test_faults.py",
     "test_launchers.py",
