@@ -179,9 +179,8 @@ def test_an_io_error_on_a_failed_volume_is_told_read_only_whatever_statvfs_says(
     """The write in flight when ext4 fails gets EIO, not EROFS; the job then asks the volume. Since Linux 6.9 a
     failed ext4 refuses writes but statvfs does not flag it read-only: what the volume refuses decides."""
     with failing_ext4(tmp_path) as (out, trigger):
-        assert (
-            volume_state(OSError(errno.EIO, "Input/output error"), out) is None
-        )  # healthy: an EIO is not a volume state
+        # Healthy, the volume takes new files: an EIO alone is not a volume state.
+        assert volume_state(OSError(errno.EIO, "Input/output error"), out) is None
         trigger.write_text("test: the volume fails\n")
         assert volume_state(OSError(errno.EIO, "Input/output error"), out) == "read-only"
         assert volume_state(RuntimeError("file write failed"), out) == "read-only"  # torch.save hides the errno
