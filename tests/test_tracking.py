@@ -1,13 +1,15 @@
 """MLflow as users run it: a real tracking server (`mlflow server`, sqlite backend, a free port) that a
 two-replica job reports to, then what the server holds, read back with MlflowClient; and a tracking URI
-MLflow refuses, stopped before data and model load like a bad Hub token. MLflow 3 deprecates the file
-store, so it is not the tested path."""
+MLflow refuses, stopped before data and model load like a bad Hub token: once end to end, and every way of
+refusing in this process, against the check main.py runs (a silent server given 2 s, not the job's 30).
+MLflow 3 deprecates the file store, so it is not the tested path."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -119,6 +121,31 @@ def test_two_replicas_report_one_run_to_a_real_tracking_server_and_no_secret(
             assert secret not in stream.read_text()
 
 
+def test_a_tracking_uri_mlflow_refuses_stops_the_job_before_loading(job_env, hub):
+    """End to end: the job process is refused with one masked `error:` line before any data is tokenized."""
+    uri = f"http://alice:{URL_SECRET}@127.0.0.1:{free_port()}"  # nothing listens there
+    env = {**job_env, "REPORT_TO": "mlflow", "MLFLOW_TRACKING_URI": uri}
+    result = assert_refused_as_bad_input(
+        env, [], "no tracking server answers at MLFLOW_TRACKING_URI=http://alice:***@", hub
+    )
+    assert "set MLFLOW_TRACKING_URI to a running MLflow tracking server" in result.stderr
+    assert URL_SECRET not in result.stderr + result.stdout
+    # Refused before the data was loaded: nothing was tokenized into the run folder.
+    assert not list((Path(env["OUTPUT_DIR"]) / "cache").glob("tokenized-*"))
+
+
+@pytest.fixture
+def silent_server():
+    """A server that accepts connections and never answers: MLflow's client would wait and retry for minutes."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        yield f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+
+TRACKER_CHECK_TEST_SECONDS = 2  # the bound the check is given here; the job's own is TRACKER_CHECK_SECONDS
+
+
 @pytest.mark.parametrize(
     "uri, says",
     [
@@ -131,28 +158,22 @@ def test_two_replicas_report_one_run_to_a_real_tracking_server_and_no_secret(
             f"http://alice:{URL_SECRET}@127.0.0.1:{{port}}",
             "no tracking server answers at MLFLOW_TRACKING_URI=http://alice:***@",
         ),
+        ("{silent}", f"did not answer within {TRACKER_CHECK_TEST_SECONDS} s"),
     ],
-    ids=["unsupported-scheme", "no-host", "nothing-listening"],
+    ids=["unsupported-scheme", "no-host", "nothing-listening", "never-answers"],
 )
-def test_a_tracking_uri_mlflow_refuses_stops_the_job_before_loading(job_env, hub, uri, says):
-    env = {**job_env, "REPORT_TO": "mlflow", "MLFLOW_TRACKING_URI": uri.format(port=free_port())}
-    result = assert_refused_as_bad_input(env, [], says, hub)
-    assert "set MLFLOW_TRACKING_URI to a running MLflow tracking server" in result.stderr
-    assert URL_SECRET not in result.stderr + result.stdout
-    # Refused before the data was loaded: nothing was tokenized into the run folder.
-    assert not list((Path(env["OUTPUT_DIR"]) / "cache").glob("tokenized-*"))
+def test_tracking_uris_mlflow_cannot_use_are_bad_input_with_the_fix(monkeypatch, silent_server, uri, says):
+    """The check main.py runs before loading (`check_tracker_uri`), in this process: one case per way MLflow
+    refuses a URI, each a JobError with exit 2, the fix, and the password in the URI masked."""
+    from utils.errors import EXIT_BAD_INPUT, JobError
+    from utils.settings import Settings, check_tracker_uri
 
-
-def test_a_tracking_server_that_never_answers_is_given_up_on(job_env, hub):
-    """A server that accepts the connection and never answers: MLflow's client would wait and retry for minutes."""
-    import socket
-
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        env = {
-            **job_env,
-            "REPORT_TO": "mlflow",
-            "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{silent.getsockname()[1]}",
-        }
-        assert_refused_as_bad_input(env, [], "did not answer within 30 s", hub)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri.format(port=free_port(), silent=silent_server))
+    started = time.monotonic()
+    with pytest.raises(JobError) as refused:
+        check_tracker_uri(Settings(report_to=("mlflow",)), timeout_s=TRACKER_CHECK_TEST_SECONDS)
+    assert time.monotonic() - started < TRACKER_CHECK_TEST_SECONDS + 5  # given up on, not retried for minutes
+    assert refused.value.code == EXIT_BAD_INPUT
+    assert says in refused.value.message, refused.value.message
+    assert "set MLFLOW_TRACKING_URI to a running MLflow tracking server" in refused.value.message
+    assert URL_SECRET not in refused.value.message
