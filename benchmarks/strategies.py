@@ -15,7 +15,8 @@ matters is GPU memory per rank, which this does not measure.
 
 A warm-up run (1 step of ZeRO-2 with offload) comes first: DeepSpeed compiles its CPU ops (the
 shared-memory collectives, the CPU Adam) once into TORCH_EXTENSIONS_DIR, and that compile must not
-count against the first DeepSpeed arm. Writes JSON (--json) and prints a Markdown table.
+count against the first DeepSpeed arm (`--no-warmup` where `make ops` compiled them into TORCH_EXTENSIONS_DIR
+already). Writes JSON (--json) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=REPO / ".build" / "bench-strategies")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--json", type=Path, help="where to write the results (default WORK_DIR/results.json)")
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the warm-up run: DeepSpeed's CPU ops are already compiled in TORCH_EXTENSIONS_DIR (`make ops`)",
+    )
     return parser.parse_args(argv)
 
 
@@ -113,7 +119,7 @@ def main() -> None:
     # The compiled ops are kept with the benchmark's work folder unless a cache is named already.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(args.work_dir / "torch_extensions"))
     model, data, model_label = inputs(args)
-    if any(name != "ddp" for name in args.arms):
+    if any(name != "ddp" for name in args.arms) and not args.no_warmup:
         run_arm(args, model, data, "zero2-offload", 1)  # the warm-up: compiles DeepSpeed's CPU ops once
     arms = {name: run_arm(args, model, data, name, args.steps) for name in args.arms}
     results = {
