@@ -187,6 +187,20 @@ def hub():
     stub.stop()
 
 
+@pytest.fixture
+def hub_in_process(hub, monkeypatch):
+    """The job's Hub class (utils/hub.Hub) in this process, pointed at the stand-in: `hub_in_process(seconds,
+    token=None)` gives one that retries for up to `seconds` with `token` (default: the stand-in's own)."""
+    from huggingface_hub import constants
+    from pydantic import SecretStr
+
+    from utils.hub import Hub
+
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # read from HF_ENDPOINT when huggingface_hub is imported
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return lambda seconds, token=None: Hub(SecretStr(token or hub.token), max_retry_seconds=seconds)
+
+
 # ------------------------------------------------------------------------------- multi-replica runs
 TIMEOUT = 20  # RENDEZVOUS_TIMEOUT in these tests: long enough for a loaded 2-core machine, short enough to wait for
 SAVE_STEPS = 20  # 126 optimizer steps in the run (2 epochs of 1000 rows per rank, batch 16)

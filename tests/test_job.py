@@ -137,27 +137,31 @@ def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_pat
         assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}
 
 
-def test_wrong_token_fails_before_training(job_env, hub, tmp_path):
-    env = {**job_env, **push_settings(hub), "HF_TOKEN": "hf_wrong_token_abcdef"}
-    result = run_main(env)
-    assert result.code == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "401" in result.stderr
-    assert "Traceback" not in result.stderr and "hf_wrong_token_abcdef" not in result.stderr + result.stdout
-    assert (
-        not list((tmp_path / "out" / "checkpoints").glob("checkpoint-*")) and not (tmp_path / "out" / "model").exists()
-    )
-    assert hub.commits == []
-
-
 def test_push_without_token_is_bad_input(job_env):
     result = run_main({**job_env, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert"})
     assert result.code == 2 and "HF_TOKEN" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("role, scopes", [("read", []), ("fineGrained", ["repo.content.read"])])
-def test_token_without_write_access_fails_before_training(job_env, hub, tmp_path, role, scopes):
-    hub.role, hub.scopes = role, scopes
-    env = {**job_env, **push_settings(hub)}
-    result = run_main(env)
-    assert result.code == 2 and "cannot write to RESULT_MODEL_ID=tester/sst2-lora" in result.stderr
-    assert hub.commits == [] and not (tmp_path / "out" / "model").exists()
+WRONG_TOKEN = "hf_wrong_token_abcdef"
+
+
+@pytest.mark.parametrize(
+    "token, role, scopes, says",
+    [
+        (WRONG_TOKEN, "write", None, "401"),
+        (None, "read", None, "cannot write to RESULT_MODEL_ID=tester/sst2-lora"),
+        (None, "fineGrained", ["repo.content.read"], "cannot write to RESULT_MODEL_ID=tester/sst2-lora"),
+    ],
+    ids=["wrong", "read", "fine-grained-read"],
+)
+def test_a_token_that_cannot_push_is_bad_input(hub, hub_in_process, token, role, scopes, says):
+    """The Hub check the job runs before loading anything (`Hub.check_write_access`), in this process; a
+    refused start through main.py (nothing trained, nothing pushed) is tests/test_refusals.py's `hub` case."""
+    from utils.errors import EXIT_BAD_INPUT, JobError
+
+    hub.role, hub.scopes = role, scopes if scopes is not None else hub.scopes
+    with pytest.raises(JobError) as refused:
+        hub_in_process(60, token).check_write_access(REPO_ID)
+    assert refused.value.code == EXIT_BAD_INPUT and says in refused.value.message, refused.value.message
+    assert "\n" not in refused.value.message and WRONG_TOKEN not in refused.value.message
+    assert hub.commits == [] and hub.count("/api/repos/create") == 0
