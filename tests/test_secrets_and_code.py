@@ -208,12 +208,19 @@ def pickled_weights(tiny_bert: Path, folder: Path, marker: Path, how: str) -> Pa
         ("truncated", "the weights file pytorch_model.bin is damaged"),
     ],
 )
-def test_pickled_weights_that_would_run_code_or_are_damaged_are_refused_in_one_line(
-    how, says, job_env, hub, tiny_bert, tmp_path
-):
+def test_pickled_weights_that_would_run_code_or_are_damaged_are_refused_in_one_line(how, says, tiny_bert, tmp_path):
+    """The model check the job runs before training (`check_model`, first thing in load_tokenizer), in this process (a payload that ran would
+    leave its marker here too); a refused start through main.py at the model layer is tests/test_refusals.py's
+    `model` case."""
+    from utils.errors import EXIT_BAD_INPUT, JobError
+    from utils.model import check_model
+    from utils.settings import Settings
+
     marker = tmp_path / "payload-ran"
     model = pickled_weights(tiny_bert, tmp_path / "model", marker, how)
-    result = assert_refused_as_bad_input({**job_env, "MODEL_NAME": str(model)}, [], says, hub)
-    [error] = error_lines(result.stderr)
-    assert "safetensors" in error and str(model) in error
+    with pytest.raises(JobError) as refused:
+        check_model(Settings(model_name=str(model)))
+    error = refused.value.message
+    assert refused.value.code == EXIT_BAD_INPUT and "\n" not in error
+    assert says in error and "safetensors" in error and str(model) in error, error
     assert not marker.exists()
