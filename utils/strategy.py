@@ -19,7 +19,6 @@ anything is loaded, every combination where FSDP cannot happen, and the Trainer'
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -140,16 +139,6 @@ def count_fsdp_units(model: torch.nn.Module) -> int:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     return sum(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules())
-
-
-def is_deepspeed_engine(model: torch.nn.Module) -> bool:
-    """Whether the Trainer really wrapped the model in a DeepSpeed engine (it and Accelerate drop DeepSpeed
-    without a word under ACCELERATE_USE_CPU)."""
-    if "deepspeed" not in sys.modules:
-        return False
-    from deepspeed import DeepSpeedEngine
-
-    return isinstance(model, DeepSpeedEngine)
 
 
 def full_state_dict(model: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:
