@@ -320,19 +320,6 @@ def test_push_only_without_a_finished_model_is_bad_input(job_env, hub, tmp_path)
     assert hub.commits == [] and hub.count("/api/repos/create") == 0
 
 
-@pytest.fixture
-def hub_in_process(hub, monkeypatch):
-    """The job's Hub class in this process, pointed at the stand-in."""
-    from huggingface_hub import constants
-    from pydantic import SecretStr
-
-    from utils.hub import Hub
-
-    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    return lambda seconds: Hub(SecretStr(hub.token), max_retry_seconds=seconds)
-
-
 def test_hub_retries_honour_retry_after_and_stop_at_the_bound(hub, hub_in_process, tmp_path):
     from huggingface_hub.errors import HfHubHTTPError
 
