@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -131,36 +132,74 @@ def mixed_data(tmp_path_factory) -> Path:
     return write_mixed_length_data(tmp_path_factory.mktemp("elastic") / "data")
 
 
+def replica_processes(procs: list[subprocess.Popen]) -> list[psutil.Process]:
+    roots = [psutil.Process(proc.pid) for proc in procs]
+    return [*roots, *(child for root in roots for child in root.children(recursive=True))]
+
+
+def freeze(procs: list[subprocess.Popen]) -> None:
+    """SIGSTOP every replica (and any child) and wait until each is stopped: from then on nothing of theirs
+    reaches the disk, so their OUTPUT_DIR holds exactly what a SIGKILL at this instant would leave."""
+    stopped = replica_processes(procs)
+    for process in stopped:
+        process.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not all(process.status() == psutil.STATUS_STOPPED for process in stopped):
+        assert time.monotonic() < deadline, "a replica did not stop within 30 s of SIGSTOP"
+        time.sleep(0.01)
+
+
+def thaw(procs: list[subprocess.Popen]) -> None:
+    for process in replica_processes(procs):
+        process.send_signal(signal.SIGCONT)
+
+
+@dataclass
+class Runs:
+    uninterrupted: dict[int, Path]  # world size -> OUTPUT_DIR of the whole run on that many replicas
+    checkpointed_on_two: Path  # OUTPUT_DIR as the 2-replica run left it once its first checkpoint was complete
+
+
 @pytest.fixture(scope="module")
-def one_run_on_each_count(tmp_path_factory, tiny_bert, mixed_data) -> dict[int, Path]:
-    """OUTPUT_DIR of the same run, uninterrupted, on 1, 2 and 4 replicas (read only)."""
+def runs(tmp_path_factory, tiny_bert, mixed_data) -> Runs:
+    """The same run, uninterrupted, on 1, 2 and 4 replicas, and the 2-replica run's OUTPUT_DIR as a kill after its
+    first complete checkpoint leaves it (read only: copy it).
+
+    That copy is taken from the uninterrupted 2-replica run itself, both replicas stopped (SIGSTOP) while it is
+    made: a stopped process writes nothing more, so the copy is byte for byte what SIGKILL at that instant would
+    have left (checkpoints, a partial later one, the lock of a process about to be gone, the rank logs), and a
+    second 2-replica start, only to be killed there, is not needed. Its checkpoint is also exactly the state the
+    uninterrupted reference went on from."""
     tmp = tmp_path_factory.mktemp("one-global-batch")
     group = Replicas(tmp)
     outs = {world: tmp / f"out-{world}" for world in (1, 2, 4)}
+    checkpointed = tmp / "checkpointed-on-two"
     try:
         for world, out in outs.items():  # one after another: 4 ranks on 2 cores is enough at once
             procs, logs = start_replicas(tmp, world, settings(tiny_bert, mixed_data, out), f"w{world}", group)
+            if world == 2:
+                wait_for(out / "checkpoints" / "checkpoint-2" / "COMPLETE", procs)
+                freeze(procs)
+                try:
+                    shutil.copytree(out, checkpointed, symlinks=True)
+                finally:
+                    thaw(procs)
             wait_all(procs, logs)
     finally:
-        group.cleanup()
-    return outs
+        group.cleanup()  # SIGCONT before SIGKILL: a replica left stopped is ended too
+    return Runs(outs, checkpointed)
 
 
 @pytest.fixture(scope="module")
-def checkpointed_on_two(tmp_path_factory, tiny_bert, mixed_data) -> Path:
+def one_run_on_each_count(runs) -> dict[int, Path]:
+    """OUTPUT_DIR of the same run, uninterrupted, on 1, 2 and 4 replicas (read only)."""
+    return runs.uninterrupted
+
+
+@pytest.fixture(scope="module")
+def checkpointed_on_two(runs) -> Path:
     """OUTPUT_DIR of the run on 2 replicas, killed after its first complete checkpoint (read only: copy it)."""
-    tmp = tmp_path_factory.mktemp("checkpointed-on-two")
-    out = tmp / "out"
-    group = Replicas(tmp)
-    try:
-        procs, _ = start_replicas(tmp, 2, settings(tiny_bert, mixed_data, out), "first", group)
-        wait_for(out / "checkpoints" / "checkpoint-2" / "COMPLETE", procs)
-        for proc in procs:
-            proc.kill()
-        wait_all(procs)
-    finally:
-        group.cleanup()
-    return out
+    return runs.checkpointed_on_two
 
 
 @pytest.mark.slow
@@ -189,7 +228,7 @@ def test_a_two_replica_run_continues_on_another_count(
     shutil.copytree(checkpointed_on_two, out, symlinks=True)
     group = Replicas(tmp_path)
     try:
-        # The kill may have landed after a later checkpoint: resume from whichever is the newest complete one.
+        # The copy may have been taken after a later checkpoint: resume from whichever is the newest complete one.
         procs, logs = start_replicas(tmp_path, new_world, settings(tiny_bert, mixed_data, out), "again", group)
         wait_all(procs, logs)
     finally:
@@ -244,18 +283,6 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def wait_until_listening(port: int, procs: list[subprocess.Popen], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert all(proc.poll() is None for proc in procs), "a torchrun agent exited before the rendezvous"
-            assert time.monotonic() < deadline, f"nothing listens on the rendezvous port {port} after {timeout} s"
-            time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert, hub):
     """`torchrun --nnodes 1:2` with the c10d rendezvous, two agents ("nodes") on this machine. The second agent
@@ -281,25 +308,33 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
     )
     port = free_port()
     torchrun = [str(Path(sys.executable).with_name("torchrun"))]
-    command = [
-        *torchrun,
-        "--nnodes=1:2",
-        "--nproc-per-node=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=elastic-test",
-        "--rdzv-conf=last_call_timeout=30,join_timeout=120",
-        "--max-restarts=3",
-        "--monitor-interval=1",
-        "main.py",
-    ]
+
+    def agent(is_host: bool) -> list[str]:
+        # is_host: the first agent hosts the rendezvous store, the second (the node that is lost) only connects
+        # to it, as an agent on another machine would; so both start at once and meet within seconds.
+        # last_call_timeout: how long a round that has fewer than 2 nodes waits for more. The first round ends
+        # as soon as the second agent joins (its imports take seconds even on a loaded machine: 15 s leaves room);
+        # the one after the loss waits all of it for a node that never comes.
+        return [
+            *torchrun,
+            "--nnodes=1:2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=elastic-test",
+            f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=15,join_timeout=120",
+            "--max-restarts=3",
+            "--monitor-interval=1",
+            "main.py",
+        ]
+
     logs = [tmp_path / f"agent-{n}.txt" for n in (0, 1)]
     agents = []
     try:
-        for log in logs:
+        for log, is_host in zip(logs, (True, False), strict=True):
             agents.append(
                 subprocess.Popen(
-                    command,
+                    agent(is_host),
                     env=env,
                     cwd=REPO,
                     stdout=open(log, "w"),
@@ -307,9 +342,6 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
                     start_new_session=True,
                 )
             )
-            # The first agent hosts the rendezvous store (the one that binds the port does): the second is the
-            # node that is lost, and it joins only once the store listens.
-            wait_until_listening(port, agents)
         # The kill lands within 50 ms of the first checkpoint (step 5), 35 steps before the end.
         deadline = time.monotonic() + 600
         while not complete_steps(out):
