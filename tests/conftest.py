@@ -161,6 +161,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: tests keep their order
 
 
+# The files that read the suite's one finished run (`finished_run`: session-scoped, so trained once per worker that
+# asks for it) go to the same worker, one after the other: the run is trained once, not once on each worker.
+FINISHED_RUN_READERS = ("test_predict.py", "test_published_model.py", "test_job.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileSharingTheFinishedRun(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "tests/finished_run readers" if Path(path).name in FINISHED_RUN_READERS else path
+
+    return LoadFileSharingTheFinishedRun(config, log)
+
+
 @pytest.fixture(scope="session")
 def sst2_dir(tmp_path_factory) -> Path:
     """A small learnable SST-2-shaped csv data set (odd-sized validation split)."""
