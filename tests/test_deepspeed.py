@@ -1,8 +1,9 @@
 """STRATEGY=deepspeed on the CPU, end to end: two `main.py` replicas under ZeRO stages 1, 2 and 3 and ZeRO-2 with the
 optimizer offloaded train what DDP trains (the same loss at every step, the same adapter within a tolerance);
-a ZeRO-3 run killed after a checkpoint resumes to the uninterrupted run's weights; SIGTERM ends both ranks
-with 143; the published adapter is whole and loads with peft where deepspeed is not installed; and every
-DeepSpeed setting that cannot apply is refused with exit 2 before anything loads.
+a ZeRO-3 run stopped with SIGTERM (both ranks checkpoint and exit 143) and, restarted, killed after a
+checkpoint, resumes to the uninterrupted run's weights; the published adapter is whole and loads with peft
+where deepspeed is not installed; and every DeepSpeed setting that cannot apply is refused with exit 2 before
+anything loads.
 
 The comparison runs take tests/test_ddp_numerics.py's set-up: every sentence the same token length, dropout
 off, so both strategies see the same rows at every step and draw nothing at random while training. DeepSpeed
@@ -28,6 +29,7 @@ from tests.conftest import (
     Replicas,
     base_env,
     complete_steps,
+    configured,
     error_lines,
     free_port,
     push_settings,
@@ -35,7 +37,6 @@ from tests.conftest import (
     rank_record,
     run_main,
     start_main,
-    training_settings,
     wait_all,
     wait_for,
 )
@@ -56,6 +57,9 @@ EXTENSIONS = Path(sys.prefix) / "torch-extensions"
 BATCH = 4  # rows per replica per step: 8 steps an epoch of the fixed-length data
 STEPS = TRAIN_ROWS // (2 * BATCH)
 SAVE_EVERY = 4
+# The ZeRO-3 run checkpoints twice as often: its 8 steps then leave room for a stop and, after the restart, a
+# kill, each after a checkpoint and before the end, so the fault test's runs can take it as their reference.
+ZERO3_SAVE_EVERY = 2
 # Measured on 2 CPU cores (fp32, gloo), 8 steps, against DDP: see LOSS_RTOL's note below the table in
 # docs/reliability.md. The tolerances sit a few times above what was measured; a rate x2 moves step 2's loss
 # by ~1e-2 (relative) and the weights by up to 0.3.
@@ -130,11 +134,18 @@ def ddp_run(tmp_path_factory, tiny_bert, fixed_data) -> Path:
     return train_two(tmp, "ddp", comparison_settings(tiny_bert, fixed_data, tmp / "out"))
 
 
+def zero3_settings(tiny_bert: Path, data: Path, out: Path) -> dict[str, str]:
+    """The ZeRO-3 comparison run, checkpointing every ZERO3_SAVE_EVERY steps: a checkpoint writes the state and
+    changes none of it, so the numbers are those of a run that checkpoints less often."""
+    return comparison_settings(tiny_bert, data, out, STRATEGY="deepspeed", ZERO_STAGE=3, SAVE_STEPS=ZERO3_SAVE_EVERY)
+
+
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, tiny_bert, fixed_data) -> Path:
+    """Uninterrupted ZeRO-3: an arm of the comparison with DDP, the adapter peft loads, and the weights the
+    stopped and killed run must come back to."""
     tmp = tmp_path_factory.mktemp("zero3")
-    settings = comparison_settings(tiny_bert, fixed_data, tmp / "out", STRATEGY="deepspeed", ZERO_STAGE=3)
-    return train_two(tmp, "zero3", settings)
+    return train_two(tmp, "zero3", zero3_settings(tiny_bert, fixed_data, tmp / "out"))
 
 
 def without_deepspeed(tmp_path: Path, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -257,33 +268,40 @@ def test_the_zero3_adapter_loads_with_peft_without_deepspeed_and_predicts_like_d
     assert len([line for line in predicted.stdout.splitlines() if line.strip()]) >= 2, predicted.stdout
 
 
-# ------------------------------------------------------------------------------- kill, resume, SIGTERM
-def long_zero3(tiny_bert: Path, sst2_dir: Path, out: Path) -> dict[str, str]:
-    """The fault tests' run (126 steps, a checkpoint every 20) under ZeRO-3."""
-    return training_settings(
-        tiny_bert,
-        sst2_dir,
-        out,
-        STRATEGY="deepspeed",
-        ZERO_STAGE=3,
-        RENDEZVOUS_TIMEOUT=120,
-        TORCH_EXTENSIONS_DIR=EXTENSIONS,
-        REPORT_TO="none",
-    )
-
-
+# ------------------------------------------------------------------------------- SIGTERM, kill, resume
 @pytest.mark.slow
-def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path, tiny_bert, sst2_dir, hub):
-    (tmp_path / "reference").mkdir()
-    reference = train_two(
-        tmp_path / "reference", "reference", long_zero3(tiny_bert, sst2_dir, tmp_path / "reference" / "out")
-    )
+def test_zero3_stopped_then_killed_after_checkpoints_resumes_to_the_uninterrupted_weights(
+    tmp_path, tiny_bert, fixed_data, zero3_run, hub
+):
+    """One ZeRO-3 run ended both ways an orchestrator ends a replica, each after a checkpoint: SIGTERM to one
+    rank (both save the checkpoint of the stop and exit 143), then, in the restart, SIGKILL (no checkpoint of
+    its own; its peer notices and exits 143). The second restart finishes it bit for bit as `zero3_run`, which
+    trained the same settings without a break."""
     out = tmp_path / "out"
-    settings = {**long_zero3(tiny_bert, sst2_dir, out), **push_settings(hub)}
+    settings = {**zero3_settings(tiny_bert, fixed_data, out), **push_settings(hub)}
     group = Replicas(tmp_path)
     try:
+        procs = group.start("preempted", settings)
+        wait_for(out / "checkpoints" / f"checkpoint-{ZERO3_SAVE_EVERY}" / "COMPLETE", procs, timeout=900)
+        procs[1].send_signal(signal.SIGTERM)
+        assert wait_all(procs, timeout=300) == [143, 143], (tmp_path / "preempted-rank0.txt").read_text()[-3000:]
+        stopped_at = complete_steps(out)[-1]
+        assert ZERO3_SAVE_EVERY < stopped_at < STEPS  # the checkpoint of the stop, both ranks' shards in it
+        shards = {
+            p.name for p in (out / "checkpoints" / f"checkpoint-{stopped_at}" / f"global_step{stopped_at}").iterdir()
+        }
+        assert {name for name in shards if "optim_states" in name} == {
+            f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)
+        }, shards
+        for rank in (0, 1):
+            text = (tmp_path / f"preempted-rank{rank}.txt").read_text()
+            assert "preempted: SIGTERM during training, checkpoint saved" in text and "Traceback" not in text
+
+        # The restart goes on from the checkpoint of the stop; its rank 1 is killed once the next one is complete.
+        later = (stopped_at // ZERO3_SAVE_EVERY + 1) * ZERO3_SAVE_EVERY
+        assert later < STEPS, f"stopped at step {stopped_at}: no checkpoint before the end to kill the restart after"
         procs = group.start("killed", settings)
-        wait_for(out / "checkpoints" / "checkpoint-20" / "COMPLETE", procs, timeout=900)
+        wait_for(out / "checkpoints" / f"checkpoint-{later}" / "COMPLETE", procs, timeout=900)
         procs[1].kill()  # SIGKILL: no checkpoint of its own, its peer must notice
         codes = wait_all(procs, timeout=300)
         assert codes == [143, -signal.SIGKILL], (tmp_path / "killed-rank0.txt").read_text()[-3000:]
@@ -291,23 +309,24 @@ def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tm
         assert "lost contact with its peers" in error and "restart all 2 replicas" in error
         assert not (out / "model").exists()
         resumed_from = complete_steps(out)[-1]
-        assert resumed_from < 126
+        assert later <= resumed_from < STEPS
 
         procs = group.start("restart", settings)
         wait_all(procs, [tmp_path / f"restart-rank{rank}.txt" for rank in (0, 1)], timeout=900)
     finally:
         group.cleanup()
-    assert f"resuming from step {resumed_from}" in (out / "logs" / "rank-0.log").read_text()
+    log = (out / "logs" / "rank-0.log").read_text()  # every start of the run appends to it
+    assert f"resuming from step {stopped_at}" in log and f"resuming from step {resumed_from}" in log
     records = [rank_record(out, rank) for rank in (0, 1)]
     assert [r["first_step"] for r in records] == [resumed_from + 1] * 2
 
     # Bit for bit: the fp32 weights, the optimizer state (each rank's shard), the scheduler, the RNG and the
-    # data position all come back from the ZeRO-3 checkpoint exactly (docs/reliability.md).
-    theirs = rank_record(reference, 0)["trainable_checksum"]
+    # data position all come back from the ZeRO-3 checkpoints exactly (docs/reliability.md), twice over.
+    theirs = rank_record(zero3_run, 0)["trainable_checksum"]
     assert [r["trainable_checksum"] for r in records] == [theirs, theirs]
-    weights, reference_weights = adapter_weights(out), adapter_weights(reference)
+    weights, reference_weights = adapter_weights(out), adapter_weights(zero3_run)
     assert all(weights[name].equal(reference_weights[name]) for name in weights)
-    ours, uninterrupted = curves(out), curves(reference)
+    ours, uninterrupted = curves(out), curves(zero3_run)
     resumed_losses = {step: loss for step, loss in ours["loss"].items() if step > resumed_from}
     assert resumed_losses == {step: uninterrupted["loss"][step] for step in resumed_losses}
     # One push, by rank 0, of the whole adapter gathered from the ZeRO-3 shards.
@@ -315,32 +334,28 @@ def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tm
     assert commit["files"]["adapter_model.safetensors"] == (out / "model" / "adapter_model.safetensors").read_bytes()
 
 
-@pytest.mark.slow
-def test_sigterm_under_deepspeed_checkpoints_and_exits_143_on_both_ranks(tmp_path, tiny_bert, sst2_dir):
-    out = tmp_path / "out"
-    group = Replicas(tmp_path)
-    try:
-        procs = group.start("preempted", long_zero3(tiny_bert, sst2_dir, out))
-        wait_for(out / "checkpoints" / "checkpoint-20" / "COMPLETE", procs, timeout=900)
-        procs[1].send_signal(signal.SIGTERM)
-        assert wait_all(procs, timeout=300) == [143, 143], (tmp_path / "preempted-rank0.txt").read_text()[-3000:]
-    finally:
-        group.cleanup()
-    step = complete_steps(out)[-1]
-    assert 20 < step < 126  # the checkpoint of the stop, both ranks' shards in it
-    shards = {p.name for p in (out / "checkpoints" / f"checkpoint-{step}" / f"global_step{step}").iterdir()}
-    assert {name for name in shards if "optim_states" in name} == {
-        f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)
-    }, shards
-    for rank in (0, 1):
-        text = (tmp_path / f"preempted-rank{rank}.txt").read_text()
-        assert "preempted: SIGTERM during training, checkpoint saved" in text and "Traceback" not in text
-
-
 # ------------------------------------------------------------------------------- refusals
 def dry_run(tmp_path: Path, job_env: dict[str, str], **extra: str):
     env = {**job_env, **{k: str(v) for k, v in extra.items()}}
     return run_main({k: v for k, v in env.items() if v is not None}, "--dry-run", timeout=60)
+
+
+def configured_dry_run(monkeypatch, job_env: dict[str, str], **extra: str):
+    """What `main.py --dry-run` resolves (main.configure), in this process: (settings, dist, args, strategy)."""
+    return configured(monkeypatch, {**job_env, **{k: str(v) for k, v in extra.items()}}, ["--dry-run"])
+
+
+def refused_in_process(monkeypatch, capsys, job_env: dict[str, str], **extra: str) -> str:
+    """main.configure, which `main.py --dry-run` runs before anything else, in this process: the bad-input
+    error (exit 2) main.py prints as its one `error:` line, nothing printed on the way. Its message."""
+    from utils.errors import JobError
+
+    with pytest.raises(JobError) as refused:
+        configured_dry_run(monkeypatch, job_env, **extra)
+    message = refused.value.message
+    assert refused.value.code == 2, message
+    assert "\n" not in message and capsys.readouterr().out == "", message  # one line, and nothing on stdout
+    return message
 
 
 def ds_file(tmp_path: Path, config: object, name: str = "ds_config.json") -> Path:
@@ -396,8 +411,16 @@ REFUSED = {  # id -> (settings, what the error line says)
 }
 
 
+# One refusal from each place that refuses (the settings, the accelerate config, reading the file, checking it)
+# runs as `main.py --dry-run`, for what the process prints and its exit code; the rest go through
+# main.configure in this process, the same function the process runs first.
+END_TO_END = {"8bit", "accelerate-fsdp", "not-json", "pinned-rate"}
+
+
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_deepspeed_settings_that_cannot_apply_are_refused_before_anything_loads(case, tmp_path, job_env):
+def test_deepspeed_settings_that_cannot_apply_are_refused_before_anything_loads(
+    case, tmp_path, job_env, monkeypatch, capsys
+):
     files = {
         "file": ds_file(tmp_path, ZERO2),
         "missing": tmp_path / "nowhere.json",
@@ -418,6 +441,9 @@ def test_deepspeed_settings_that_cannot_apply_are_refused_before_anything_loads(
     settings, says = REFUSED[case]
     settings = {name: value.format(**files) for name, value in settings.items()}
     # LoRA+ off for the optimizer-block case: the rate is what is refused there, not the block itself.
+    if case not in END_TO_END:
+        assert says in refused_in_process(monkeypatch, capsys, job_env, LORAPLUS_LR_RATIO="1", **settings)
+        return
     result = dry_run(tmp_path, job_env, LORAPLUS_LR_RATIO="1", **settings)
     assert result.code == 2, (result.stdout[-2000:], result.stderr[-2000:])
     errors = error_lines(result.stderr)
@@ -425,15 +451,18 @@ def test_deepspeed_settings_that_cannot_apply_are_refused_before_anything_loads(
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
-def test_an_optimizer_block_that_would_drop_the_recipes_rates_is_refused(tmp_path, job_env):
+def test_an_optimizer_block_that_would_drop_the_recipes_rates_is_refused(tmp_path, job_env, monkeypatch, capsys):
     config = ds_file(tmp_path, {**ZERO2, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
-    result = dry_run(tmp_path, job_env, STRATEGY="deepspeed", DEEPSPEED_CONFIG=config)
-    assert result.code == 2 and "LORAPLUS_LR_RATIO=8" in error_lines(result.stderr)[0], result.stderr[-2000:]
+    refused = refused_in_process(monkeypatch, capsys, job_env, STRATEGY="deepspeed", DEEPSPEED_CONFIG=config)
+    assert "LORAPLUS_LR_RATIO=8" in refused, refused
     # With the recipe's per-group rates off, the same file applies.
-    assert dry_run(tmp_path, job_env, STRATEGY="deepspeed", DEEPSPEED_CONFIG=config, LORAPLUS_LR_RATIO="1").code == 0
+    *_, strategy = configured_dry_run(
+        monkeypatch, job_env, STRATEGY="deepspeed", DEEPSPEED_CONFIG=config, LORAPLUS_LR_RATIO="1"
+    )
+    assert strategy["deepspeed"]["optimizer"]["type"] == "AdamW"
 
 
-def test_dry_run_shows_the_deepspeed_config_the_run_uses(tmp_path, job_env):
+def test_dry_run_shows_the_deepspeed_config_the_run_uses(tmp_path, job_env, monkeypatch):
     shown = dry_run(
         tmp_path, job_env, STRATEGY="deepspeed", ZERO_STAGE="3", ZERO_OFFLOAD="optimizer+parameters"
     ).json()
@@ -452,27 +481,35 @@ def test_dry_run_shows_the_deepspeed_config_the_run_uses(tmp_path, job_env):
     assert config["gradient_clipping"] == 1.0 and config["bf16"] == {"enabled": "auto"}
     assert "optimizer" not in config  # the job's AdamW, with its per-group rates
 
+    # What --dry-run prints under "strategy" and "deepspeed" is main.configure's strategy, which the cases
+    # below read in this process.
+    *_, strategy = configured_dry_run(
+        monkeypatch, job_env, STRATEGY="deepspeed", ZERO_STAGE="3", ZERO_OFFLOAD="optimizer+parameters"
+    )
+    assert strategy == {"strategy": shown["strategy"], "deepspeed": config}
+
     # A user's file: its own values kept, "auto" filled in, the stage the file's.
     path = ds_file(tmp_path, {"zero_optimization": {"stage": 1}, "train_batch_size": "auto", "gradient_clipping": 1.0})
-    shown = dry_run(tmp_path, job_env, STRATEGY="deepspeed", ZERO_STAGE="3", DEEPSPEED_CONFIG=path).json()
+    *_, shown = configured_dry_run(monkeypatch, job_env, STRATEGY="deepspeed", ZERO_STAGE="3", DEEPSPEED_CONFIG=path)
     assert shown["deepspeed"] == {"zero_optimization": {"stage": 1}, "train_batch_size": 16, "gradient_clipping": 1.0}
 
     # DDP shows no DeepSpeed config, and the same run name as before DeepSpeed settings existed.
-    plain = dry_run(tmp_path, job_env).json()
+    *_, plain = configured_dry_run(monkeypatch, job_env)
     assert plain["strategy"] == "ddp" and "deepspeed" not in plain
 
 
-def test_an_accelerate_deepspeed_config_becomes_strategy_deepspeed(tmp_path, job_env):
-    shown = dry_run(
-        tmp_path,
+def test_an_accelerate_deepspeed_config_becomes_strategy_deepspeed(job_env, monkeypatch):
+    settings, _, _, shown = configured_dry_run(
+        monkeypatch,
         job_env,
         ACCELERATE_USE_DEEPSPEED="true",
         ACCELERATE_DEEPSPEED_ZERO_STAGE="3",
         ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE="cpu",
         ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE="none",
-    ).json()
+    )
     assert shown["strategy"] == "deepspeed"
-    assert (shown["config"]["zero_stage"], shown["config"]["zero_offload"]) == (3, "optimizer")
+    config = settings.as_dict()  # --dry-run's "config"
+    assert (config["zero_stage"], config["zero_offload"]) == (3, "optimizer")
     assert shown["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
@@ -551,7 +588,8 @@ def test_replicas_with_another_zero_stage_are_refused_at_the_rendezvous(tmp_path
 def test_a_deepspeed_run_does_not_resume_on_another_replica_count(tmp_path, tiny_bert, fixed_data):
     """GLOBAL_BATCH_SIZE lets a DDP run come back on another count; a DeepSpeed checkpoint holds each rank's
     partition of the optimizer state, so the same restart is refused with the count that works. The run is
-    cut after its training by taking its final outputs away: what a restart then finds is its checkpoints."""
+    cut after its training by taking its final outputs away: what a restart then finds is its checkpoint (one:
+    the refusal needs no more steps)."""
     out = tmp_path / "out"
     settings = comparison_settings(
         tiny_bert,
@@ -561,6 +599,7 @@ def test_a_deepspeed_run_does_not_resume_on_another_replica_count(tmp_path, tiny
         ZERO_STAGE=2,
         GLOBAL_BATCH_SIZE=2 * BATCH,
         PER_DEVICE_BATCH_SIZE=BATCH,
+        MAX_STEPS=SAVE_EVERY,
     )
     train_two(tmp_path, "zero2", settings)
     shutil.rmtree(out / "model")
