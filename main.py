@@ -41,7 +41,7 @@ import logging
 import sys
 
 from utils.batching import plan_batches
-from utils.deepspeed_config import adopt_launcher, describe_strategy, keep_out_unless_used
+from utils.deepspeed_config import adopt_launcher, describe_strategy
 from utils.distributed import DistEnv, detect_env, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
@@ -86,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
         # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-        keep_out_unless_used(settings)  # DeepSpeed is imported only by a run that uses it
-        from utils.job import Job  # torch, transformers, peft: seconds to import
-        from utils.run import publish_only, run
+        from utils.job import Job  # torch: a second to import
 
         job = Job.start(settings, dist, run_dir, preemption=preemption, masker=masker)  # device and numerics
+        job.leave_unused_libraries_out()  # DeepSpeed and bitsandbytes only for a run that uses them
+        from utils.run import publish_only, run  # transformers, peft: seconds to import
+
         return publish_only(job) if args.push_only else run(job)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

@@ -20,6 +20,9 @@ huggingface_hub: every Hub request gets a timeout through a client made by `util
 (utils/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/data.py). MLflow:
 REPORT_TO=mlflow is checked against `_tracking_store_registry` (utils/settings.py).
 
+accelerate, transformers and peft: a run that does not use DeepSpeed or 8-bit weights leaves those libraries out
+by setting them to None in sys.modules (utils/job.py), which the three must take for "not installed".
+
 Python's warnings: a library announces such a change with a DeprecationWarning or FutureWarning first;
 the last test checks that one attributed to the job's code fails the job processes the tests start.
 """
@@ -27,6 +30,7 @@ the last test checks that one attributed to the job's code fails the job process
 from __future__ import annotations
 
 import inspect
+import json
 import subprocess
 import sys
 
@@ -329,6 +333,49 @@ def test_mlflow_tells_a_tracking_uri_it_has_no_store_for():
         f"{where}: the registry's `_registry` no longer maps schemes ({type(refused.value).__name__} for nosuch://); "
         "utils/settings.py lists the known ones in its refusal"
     )
+
+
+# ------------------------------------------------------------------------------- libraries a run leaves out
+LEFT_OUT = """
+import json, sys
+for name in ("deepspeed", "bitsandbytes"):
+    sys.modules[name] = None  # what Job.leave_unused_libraries_out does before transformers is imported
+import accelerate.utils, peft, peft.import_utils, transformers.utils
+from transformers import Trainer
+from accelerate.utils.other import extract_model_from_parallel
+import torch
+extract_model_from_parallel(torch.nn.Linear(1, 1))  # where Accelerate imports DeepSpeed when it finds it
+print(json.dumps({
+    "accelerate deepspeed": bool(accelerate.utils.is_deepspeed_available()),
+    "accelerate bitsandbytes": bool(accelerate.utils.is_bnb_available()),
+    "transformers bitsandbytes": bool(transformers.utils.is_bitsandbytes_available()),
+    "peft bitsandbytes": bool(peft.import_utils.is_bnb_available()),
+    "loaded": [name for name in ("deepspeed", "bitsandbytes") if sys.modules.get(name) is not None],
+}))
+"""
+
+
+def test_a_library_left_out_of_sys_modules_counts_as_not_installed(tmp_path):
+    """A run under DDP or FSDP leaves DeepSpeed out, one without 8-bit weights bitsandbytes (utils/job.py), by
+    setting them to None in sys.modules. Accelerate, transformers and peft must then take them for not installed
+    and import neither; should one import a library directly instead of asking, every such run fails at start."""
+    import accelerate
+    import peft
+    import transformers
+
+    where = f"accelerate {accelerate.__version__}, transformers {transformers.__version__}, peft {peft.__version__}"
+    result = subprocess.run(
+        [sys.executable, "-c", LEFT_OUT], env=base_env(tmp_path), capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, f"{where}: importing the stack without them fails:\n{result.stderr[-3000:]}"
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen == {
+        "accelerate deepspeed": False,
+        "accelerate bitsandbytes": False,
+        "transformers bitsandbytes": False,
+        "peft bitsandbytes": False,
+        "loaded": [],
+    }, f"{where}: a library left out is seen as installed or loaded anyway: {seen}"
 
 
 @pytest.mark.parametrize("category", ["DeprecationWarning", "FutureWarning"])

@@ -24,7 +24,6 @@ import copy
 import importlib.util
 import json
 import math
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -183,16 +182,6 @@ def check_config(config: Mapping[str, Any], settings: Settings, world_size: int,
             f"(LORAPLUS_LR_RATIO={loraplus_ratio:g}, HEAD_LEARNING_RATE_RATIO={settings.head_learning_rate_ratio:g}); "
             "drop the optimizer block (the job's AdamW runs under DeepSpeed), or set both ratios to 1",
         )
-
-
-def keep_out_unless_used(settings: Settings) -> None:
-    """A run under another strategy never imports DeepSpeed. Where it is installed, Accelerate imports it in every
-    run (to recognise its engine when unwrapping a model), and MLflow with it: about a second of every start, and
-    DeepSpeed's accelerator notices in the log of a run that does not use it. None in sys.modules is Python's
-    "not installed": `import deepspeed` fails and `importlib.util.find_spec` reports it missing, which is how
-    Accelerate and transformers ask. Called before torch is imported."""
-    if settings.strategy != "deepspeed":
-        sys.modules.setdefault("deepspeed", None)
 
 
 def check_installed() -> None:
