@@ -61,6 +61,21 @@ PEAK_BF16_FLOPS = (
 )
 
 
+def tf32_matmuls() -> bool:
+    """Whether fp32 matmuls run as TF32. The Trainer sets it with torch's newer API (`fp32_precision`); reading the
+    legacy `allow_tf32` after that raises in torch 2.11 and later."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:  # set through both APIs: torch refuses to say
+        return precision == "tf32"
+
+
 def training_flops(config, lengths_sum: float, lengths_sq_sum: float) -> float:
     """Model FLOPs of LoRA training steps over sequences of the given lengths (sum l, sum l^2).
 
@@ -259,7 +274,7 @@ def run_arm(name: str, cfg: dict) -> dict:
         if name == "original"
         else "longest in batch" + (", multiple of 8" if cuda else ""),
         "optim": str(getattr(optim, "value", optim)),
-        "tf32": bool(cuda and torch.backends.cuda.matmul.allow_tf32),
+        "tf32": cuda and tf32_matmuls(),
         "attention": config._attn_implementation,
         "dataloader_num_workers": trainer.args.dataloader_num_workers,
         "torch_compile": trainer.args.torch_compile,
