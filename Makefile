@@ -7,11 +7,16 @@ DEMO := .demo
 
 .PHONY: venv ops demo test check lint clean
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+# The MLflow tracking server the tests report to lives in a venv of its own inside $(VENV): the job's venv holds
+# the image's client (mlflow-skinny) alone, so the job processes the tests start import what the image's do (the
+# full mlflow brings scipy and scikit-learn, which transformers and evaluate then import at every start).
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-mlflow-server.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt  # deepspeed: no op built at install
+	$(PYTHON) -m venv $(VENV)/mlflow-server
+	$(VENV)/mlflow-server/bin/python -m pip install --quiet -r requirements-mlflow-server.txt
 	touch $@
 
 venv: $(VENV)/.installed

@@ -29,17 +29,20 @@ from tests.conftest import (
 
 URL_SECRET = "s3cret-in-url"  # a password inside MLFLOW_TRACKING_URI: it authenticates, and is shown nowhere
 SERVER_START_SECONDS = 120  # the first start creates and migrates the sqlite database
+# The full mlflow, in a venv of its own (the Makefile makes it); the job's venv has the image's client alone.
+MLFLOW_SERVER = Path(sys.prefix) / "mlflow-server" / "bin" / "mlflow"
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """`mlflow server` on 127.0.0.1 and a free port, sqlite backend; its URL. Killed at the end, with its workers."""
+    assert MLFLOW_SERVER.exists(), f"no {MLFLOW_SERVER}: `make venv` installs the server there"
     tmp = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     log = tmp / "server.log"
     server = subprocess.Popen(
         [
-            str(Path(sys.executable).with_name("mlflow")),
+            str(MLFLOW_SERVER),
             "server",
             "--backend-store-uri",
             f"sqlite:///{tmp / 'mlflow.db'}",
