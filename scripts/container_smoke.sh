@@ -11,13 +11,18 @@
 # model/ + metrics.json in HOST_DIR/output and HOST_DIR/output-zero2; 77 the container
 # tools could not be installed (callers skip); anything else is a failure.
 #
-# Knobs: CONTAINER_WORK (storage and scratch, default .build/container), REBUILD_BASE=1 (remake the
+# The stand-in base and the image's layers are kept between runs, in CONTAINER_WORK, outside the checkout:
+# a later run, from this checkout or a new clone, rebuilds only what changed since (the requirements layer is
+# reused while requirements.txt and the lines above it in the Dockerfile are the same), as a Docker build cache
+# would. A first run on a machine builds everything.
+#
+# Knobs: CONTAINER_WORK (storage and scratch, default ~/.cache/sst2-lora-container), REBUILD_BASE=1 (remake the
 # stand-in even when one is stored), TORCH_SPEC (default torch==2.13.0, the base image's release),
 # DEBIAN_MIRROR, STORAGE_DRIVER (overlay when the kernel allows it, else vfs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-WORK=${CONTAINER_WORK:-$REPO/.build/container}
+WORK=${CONTAINER_WORK:-${XDG_CACHE_HOME:-$HOME/.cache}/sst2-lora-container}
 HOST_DIR=${1:-$WORK/pvc-home}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -154,8 +159,10 @@ main() {
     log "stand-in base ready in $((t_base - t0)) s"
 
     log "building the Dockerfile with BASE_IMAGE=$BASE"
-    buildah bud --quiet --isolation chroot --pull=never --build-arg "BASE_IMAGE=$BASE" \
+    # --layers: each step's result is stored and reused while its instruction and inputs are unchanged.
+    buildah bud --quiet --layers --isolation chroot --pull=never --build-arg "BASE_IMAGE=$BASE" \
         --file Dockerfile --tag "$IMAGE" "$REPO" >/dev/null
+    podman image prune --force >/dev/null  # the previous build's image, now untagged: the storage does not grow
     t_build=$(now)
     log "job image built in $((t_build - t_base)) s"
 
