@@ -132,6 +132,11 @@ def adapter_files(model: str) -> tuple[dict | None, dict[int, str] | None]:
 
 def load_classifier(model: str, base_model: str | None):
     """A text-classification pipeline over the adapter (on its base) or the merged model."""
+    from utils.job import leave_out
+
+    # The adapter goes on a full-precision base and a merged model holds no quantizer: neither DeepSpeed nor
+    # bitsandbytes has a part in serving, and left out they cost nothing at start (a third of its CPU).
+    leave_out("deepspeed", "bitsandbytes")
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 

@@ -64,15 +64,21 @@ class Job:
         return self.settings.strategy
 
     def leave_unused_libraries_out(self) -> None:
-        """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights. Installed, each is imported
-        by the stack whether the run uses it or not: Accelerate imports DeepSpeed (and MLflow behind it) to
-        recognise its engine, peft imports bitsandbytes, which compiles wrappers with torch.compile as it loads.
-        About 2 s of CPU at every start, and their notices in the log. None in sys.modules is Python's "not
-        installed": an import fails, `importlib.util.find_spec` says it is missing, which is how Accelerate,
-        transformers and peft ask. Called before transformers is imported."""
-        for name, used in (("deepspeed", self.strategy == "deepspeed"), ("bitsandbytes", self.quantize)):
-            if not used:
-                sys.modules.setdefault(name, None)
+        """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights (`leave_out`). Called before
+        transformers is imported."""
+        unused = {"deepspeed": self.strategy != "deepspeed", "bitsandbytes": not self.quantize}
+        leave_out(*(name for name, left_out in unused.items() if left_out))
+
+
+def leave_out(*libraries: str) -> None:
+    """Make installed libraries this process will not use look not installed. Installed, each is imported by the
+    stack whether it is used or not: Accelerate imports DeepSpeed (and MLflow behind it) to recognise its engine,
+    peft imports bitsandbytes, which compiles wrappers with torch.compile as it loads: about 2 s of CPU at every
+    start, and their notices in the log. None in sys.modules is Python's "not installed": an import fails,
+    `importlib.util.find_spec` says it is missing, which is how Accelerate, transformers and peft ask
+    (tests/test_library_contract.py holds them to it). Before transformers is imported."""
+    for name in libraries:
+        sys.modules.setdefault(name, None)
 
 
 def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[bool, str]:
