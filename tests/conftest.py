@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -102,6 +103,22 @@ def run_main(env: dict[str, str], *args: str, timeout: float = 300) -> Result:
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+def run_predict(
+    env: dict[str, str], *args: str | Path, stdin: str = "", cwd: Path = REPO, timeout: float = 180
+) -> Result:
+    """Run `python predict.py` as a user would (sentences on standard input), and wait for it."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "predict.py"), *map(str, args)],
+        input=stdin,
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
 def start_main(env: dict[str, str], *args: str, log: Path | None = None) -> subprocess.Popen:
     """Start `python main.py` without waiting (for multi-rank runs); output goes to `log`."""
     out = open(log, "w") if log else subprocess.DEVNULL
@@ -161,9 +178,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: tests keep their order
 
 
-# The files that read the suite's one finished run (`finished_run`: session-scoped, so trained once per worker that
-# asks for it) go to the same worker, one after the other: the run is trained once, not once on each worker.
-FINISHED_RUN_READERS = ("test_predict.py", "test_published_model.py", "test_job.py")
+# Files that share a session fixture go to the same worker, one after the other, so it is built once, not once on
+# each worker that asks: the suite's one finished run (`finished_run`), the MLflow tracking server (`mlflow_server`).
+SHARING = {
+    **dict.fromkeys(("test_predict.py", "test_published_model.py", "test_job.py"), "finished_run readers"),
+    **dict.fromkeys(("test_tracking.py", "test_secrets_and_code.py"), "mlflow_server users"),
+}
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -171,12 +191,12 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class LoadFileSharingTheFinishedRun(LoadFileScheduling):
+    class LoadFileSharingFixtures(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return "tests/finished_run readers" if Path(path).name in FINISHED_RUN_READERS else path
+            return f"tests/{SHARING[Path(path).name]}" if Path(path).name in SHARING else path
 
-    return LoadFileSharingTheFinishedRun(config, log)
+    return LoadFileSharingFixtures(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -217,6 +237,62 @@ def hub_in_process(hub, monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # read from HF_ENDPOINT when huggingface_hub is imported
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     return lambda seconds, token=None: Hub(SecretStr(token or hub.token), max_retry_seconds=seconds)
+
+
+# The full mlflow, in a venv of its own (the Makefile makes it): the job's venv has the image's client alone.
+MLFLOW_SERVER = Path(sys.prefix) / "mlflow-server" / "bin" / "mlflow"
+MLFLOW_START_SECONDS = 120  # the first start creates and migrates the sqlite database
+
+
+@dataclass
+class TrackingServer:
+    url: str  # http://127.0.0.1:PORT, no credentials
+    store: Path  # its sqlite database and artifacts: what reached the tracker is in files here
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> TrackingServer:
+    """`mlflow server` as users run it (sqlite backend, a free port), one per worker that asks; killed at the end
+    with its workers. Tests that share it report to experiments of their own."""
+    assert MLFLOW_SERVER.exists(), f"no {MLFLOW_SERVER}: `make venv` installs the server there"
+    store = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    log = store / "server.log"
+    server = subprocess.Popen(
+        [
+            *(str(MLFLOW_SERVER), "server"),
+            *("--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}"),
+            *("--default-artifact-root", str(store / "artifacts")),
+            *("--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,  # its own process group: the server's workers end with it
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + MLFLOW_START_SECONDS
+        while True:
+            assert server.poll() is None, f"mlflow server exited {server.returncode}:\n{log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (
+                f"mlflow server not up in {MLFLOW_START_SECONDS} s:\n{log.read_text()[-3000:]}"
+            )
+            time.sleep(0.5)
+        yield TrackingServer(url, store)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 # ------------------------------------------------------------------------------- multi-replica runs

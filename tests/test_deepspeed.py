@@ -36,6 +36,7 @@ from tests.conftest import (
     rank_env,
     rank_record,
     run_main,
+    run_predict,
     start_main,
     wait_all,
     wait_for,
@@ -249,22 +250,8 @@ def test_the_zero3_adapter_loads_with_peft_without_deepspeed_and_predicts_like_d
     for row_ours, row_theirs in zip(ours, theirs, strict=True):
         assert max(abs(a - b) for a, b in zip(row_ours, row_theirs, strict=True)) < 1e-4, (ours, theirs)
 
-    predicted = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "predict.py"),
-            str(zero3_run / "model"),
-            "--base-model",
-            str(tiny_bert),
-            str(sentences),
-        ],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    predicted = run_predict(env, zero3_run / "model", "--base-model", tiny_bert, sentences, timeout=300)
+    assert predicted.code == 0, predicted.stderr[-3000:]
     assert len([line for line in predicted.stdout.splitlines() if line.strip()]) >= 2, predicted.stdout
 
 

@@ -6,14 +6,12 @@ torch sees a GPU and are skipped elsewhere (the CPU suite covers the 8-bit path 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, REPO_ID, base_env, push_settings, run_main, tiny_run_settings
+from tests.conftest import REPO_ID, base_env, push_settings, run_main, run_predict, tiny_run_settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,18 +28,11 @@ def gpu_env(tmp: Path, tiny_bert: Path, sst2_dir: Path, **extra: str) -> dict[st
     return env
 
 
-def predict(model: Path, *args: str, env: dict[str, str]) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "predict.py"), str(model), *args],
-        input="\n".join(SENTENCES) + "\n",
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
+def labels(model: Path, *args: str, env: dict[str, str]) -> list[str]:
+    """predict.py's labels for SENTENCES, served from the GPU the environment shows."""
+    result = run_predict(env, model, *args, stdin="\n".join(SENTENCES) + "\n")
+    assert result.code == 0, result.stderr[-3000:]
+    return [json.loads(line)["label"] for line in result.stdout.splitlines()]
 
 
 def test_one_gpu_trains_8bit_weights_in_bf16_by_default_and_publishes_a_model_that_serves(
@@ -62,9 +53,8 @@ def test_one_gpu_trains_8bit_weights_in_bf16_by_default_and_publishes_a_model_th
     assert "quantization_config" not in json.loads((out / "merged" / "config.json").read_text())
     # Served from the GPU: the adapter on the local base (its config names the base by Hub id), and the merged
     # model alone, give the same labels.
-    adapter = predict(out / "model", "--base-model", str(tiny_bert), env=env)
-    merged = predict(out / "merged", env=env)
-    assert [r["label"] for r in adapter] == [r["label"] for r in merged] == ["positive", "negative"], (adapter, merged)
+    adapter, merged = labels(out / "model", "--base-model", str(tiny_bert), env=env), labels(out / "merged", env=env)
+    assert adapter == merged == ["positive", "negative"], (adapter, merged)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

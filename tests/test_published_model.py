@@ -18,13 +18,14 @@ from tests.conftest import (
     BASE_ID,
     LABELS,
     MERGED_ID,
-    REPO,
     REPO_ID,
+    Result,
     assert_token_absent,
     base_env,
     error_lines,
     push_settings,
     run_main,
+    run_predict,
 )
 from tests.hub_stub import HubStub
 
@@ -155,18 +156,8 @@ def test_merged_model_loads_without_peft_and_predicts_as_the_adapter(finished_ru
     assert merged_scores == pytest.approx(adapter_scores, abs=1e-3)
 
 
-def predict(
-    tmp: Path, model: Path | str, *args: str, stdin: str = "\n".join(SENTENCES)
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "predict.py"), str(model), *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        env=base_env(tmp),
-        cwd=tmp,
-        timeout=180,
-    )
+def predict(tmp: Path, model: Path | str, *args: str, stdin: str = "\n".join(SENTENCES), **env: str) -> Result:
+    return run_predict(base_env(tmp, **env), model, *args, stdin=stdin, cwd=tmp)
 
 
 def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(finished_run, tmp_path, tiny_bert):
@@ -175,7 +166,7 @@ def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(finished_r
     # the adapter's base is a Hub id the test cannot reach: the local folder stands in for it
     for folder, args in (("model", ["--base-model", str(tiny_bert)]), ("merged", [])):
         result = predict(tmp_path, out / folder, *args)
-        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.code == 0, result.stderr[-2000:]
         answers[folder] = [json.loads(line) for line in result.stdout.splitlines()]
         assert [a["text"] for a in answers[folder]] == SENTENCES
         assert {a["label"] for a in answers[folder]} <= set(LABELS) and all(
@@ -186,7 +177,7 @@ def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(finished_r
     table = tmp_path / "reviews.csv"
     table.write_text('id,review\n1,a wonderful film\n2,"a dull, tedious mess"\n')
     result = predict(tmp_path, out / "model", str(table), "--text-column", "review", "--base-model", str(tiny_bert))
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.code == 0, result.stderr[-2000:]
     assert [json.loads(line)["text"] for line in result.stdout.splitlines()] == [
         "a wonderful film",
         "a dull, tedious mess",
@@ -219,16 +210,8 @@ def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(finished_r
     assert loaded.stdout.strip().splitlines()[-1] == BASE_ID
     local = [json.loads(line) for line in predict(tmp_path, out / "merged").stdout.splitlines()]
     for repo in (REPO_ID, MERGED_ID):
-        result = subprocess.run(
-            [sys.executable, str(REPO / "predict.py"), repo],
-            input="\n".join(SENTENCES),
-            capture_output=True,
-            text=True,
-            env=base_env(tmp_path, **elsewhere),
-            cwd=tmp_path,
-            timeout=180,
-        )
-        assert result.returncode == 0, result.stderr[-2000:]
+        result = predict(tmp_path, repo, **elsewhere)
+        assert result.code == 0, result.stderr[-2000:]
         answers = [json.loads(line) for line in result.stdout.splitlines()]
         assert [a["label"] for a in answers] == [a["label"] for a in local] and {a["label"] for a in answers} <= set(
             LABELS
@@ -251,14 +234,8 @@ def test_predict_bad_input_is_one_error_line_and_exit_2(finished_run, tmp_path, 
     table = tmp_path / "t.csv"
     table.write_text("sentence\nfine\n")
     args = [str(out / "model") if a == "MODEL" else str(table) if a == "TABLE" else a for a in args]
-    result = subprocess.run(
-        [sys.executable, str(REPO / "predict.py"), *args],
-        capture_output=True,
-        text=True,
-        env=base_env(tmp_path),
-        timeout=120,
-    )
-    assert result.returncode == 2 and result.stdout == ""
+    result = run_predict(base_env(tmp_path), *args, cwd=tmp_path)
+    assert result.code == 2 and result.stdout == ""
     [error] = error_lines(result.stderr)
     assert says in error and "Traceback" not in result.stderr
 

@@ -9,11 +9,8 @@ import base64
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -57,48 +54,17 @@ def test_credentials_in_an_unreachable_hub_endpoint_are_masked_in_the_error(job_
     assert_secrets_absent(tmp_path, result.stdout, result.stderr)
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    """A real MLflow tracking server (sqlite backend, artifacts on disk, both under tmp_path); its URL."""
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            *(str(Path(sys.executable).parent / "mlflow"), "server"),
-            *("--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"),
-            *("--default-artifact-root", str(tmp_path / "mlflow-artifacts")),
-            *("--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
-        ],
-        stdout=open(tmp_path / "mlflow-server.log", "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its workers end with it
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            assert server.poll() is None, (tmp_path / "mlflow-server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow server did not answer within 240 s"
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
-
-
 def test_credentials_in_the_tracking_uri_and_the_proxy_never_reach_output_or_the_tracker(
     job_env, mlflow_server, tmp_path
 ):
-    tracking = mlflow_server.replace("http://", f"http://alice:{PASSWORD}@")
+    tracking = mlflow_server.url.replace("http://", f"http://alice:{PASSWORD}@")
     env = {
         **job_env,
         "MAX_STEPS": "4",
         "SAVE_STEPS": "2",
         "REPORT_TO": "tensorboard,mlflow",
         "MLFLOW_TRACKING_URI": tracking,
+        "MLFLOW_EXPERIMENT_NAME": "secrets",  # the server is shared with tests/test_tracking.py
         "HTTPS_PROXY": f"http://bob:{PROXY_PASSWORD}@127.0.0.1:9",  # nothing here goes out over https
         "NO_PROXY": "127.0.0.1,localhost",
     }
@@ -106,13 +72,14 @@ def test_credentials_in_the_tracking_uri_and_the_proxy_never_reach_output_or_the
     result = run_main(env, timeout=600)
     assert result.code == 0, result.stderr[-3000:]
     # MLflow prints a link to the run, the tracking URI included: the proof this run had a URL to mask.
-    assert f"{mlflow_server.replace('http://', 'http://alice:***@')}/#/experiments/" in result.stdout
+    assert f"{mlflow_server.url.replace('http://', 'http://alice:***@')}/#/experiments/" in result.stdout
     (tmp_path / "stdout.txt").write_text(result.stdout)
     (tmp_path / "stderr.txt").write_text(result.stderr)
     for secret in (PASSWORD, PROXY_PASSWORD):
         # Outputs, checkpoints, logs, the card, run.json, TensorBoard, HF_HOME, and the tracking server's store.
-        assert_token_absent(secret, [tmp_path])
-    assert_secrets_absent(tmp_path)
+        assert_token_absent(secret, [tmp_path, mlflow_server.store])
+    for root in (tmp_path, mlflow_server.store):
+        assert_secrets_absent(root)
 
 
 # ------------------------------------------------------------------------------- code in a model folder

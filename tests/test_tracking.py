@@ -7,13 +7,8 @@ MLflow 3 deprecates the file store, so it is not the tested path."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,61 +23,6 @@ from tests.conftest import (
 )
 
 URL_SECRET = "s3cret-in-url"  # a password inside MLFLOW_TRACKING_URI: it authenticates, and is shown nowhere
-SERVER_START_SECONDS = 120  # the first start creates and migrates the sqlite database
-# The full mlflow, in a venv of its own (the Makefile makes it); the job's venv has the image's client alone.
-MLFLOW_SERVER = Path(sys.prefix) / "mlflow-server" / "bin" / "mlflow"
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """`mlflow server` on 127.0.0.1 and a free port, sqlite backend; its URL. Killed at the end, with its workers."""
-    assert MLFLOW_SERVER.exists(), f"no {MLFLOW_SERVER}: `make venv` installs the server there"
-    tmp = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    log = tmp / "server.log"
-    server = subprocess.Popen(
-        [
-            str(MLFLOW_SERVER),
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{tmp / 'mlflow.db'}",
-            "--default-artifact-root",
-            str(tmp / "artifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,  # its own process group: the server's workers end with it
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_SECONDS
-        while True:
-            assert server.poll() is None, f"mlflow server exited {server.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (
-                f"mlflow server not up in {SERVER_START_SECONDS} s:\n{log.read_text()[-3000:]}"
-            )
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
 
 
 def test_two_replicas_report_one_run_to_a_real_tracking_server_and_no_secret(
@@ -93,7 +33,7 @@ def test_two_replicas_report_one_run_to_a_real_tracking_server_and_no_secret(
     out = tmp_path / "out"
     tracking = {
         "REPORT_TO": "tensorboard,mlflow",
-        "MLFLOW_TRACKING_URI": mlflow_server.replace("http://", f"http://alice:{URL_SECRET}@"),
+        "MLFLOW_TRACKING_URI": mlflow_server.url.replace("http://", f"http://alice:{URL_SECRET}@"),
         "MLFLOW_EXPERIMENT_NAME": "sst2-lora",
         "HF_TOKEN": FAKE_TOKEN,  # not used without a push, and still never to reach the tracker
         "RENDEZVOUS_TIMEOUT": str(TIMEOUT),
@@ -104,7 +44,7 @@ def test_two_replicas_report_one_run_to_a_real_tracking_server_and_no_secret(
     procs = replicas.start("mlflow", settings)
     wait_all(procs, replicas.streams)
 
-    client = MlflowClient(tracking_uri=mlflow_server)
+    client = MlflowClient(tracking_uri=mlflow_server.url)
     experiment = client.get_experiment_by_name("sst2-lora")
     assert experiment is not None, [e.name for e in client.search_experiments()]
     runs = client.search_runs([experiment.experiment_id])
