@@ -267,7 +267,8 @@ def mlflow_server(tmp_path_factory) -> TrackingServer:
         ],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        # No job runner: its queue consumers (MLflow's own background jobs) take seconds of CPU and serve no run.
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         start_new_session=True,  # its own process group: the server's workers end with it
     )
     url = f"http://127.0.0.1:{port}"
