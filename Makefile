@@ -42,7 +42,7 @@ TEST_WORKERS ?= 2
 test: ops
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# The edit-test loop, under 3 minutes on 2 CPU cores: settings and --dry-run, the data path, bad settings,
+# The edit-test loop, under a minute on 2 CPU cores: settings and --dry-run, the data path, bad settings,
 # one one-process training run and the DDP-against-one-process numerics (tests marked `check`).
 check: venv
 	$(PY) -m pytest -m check
