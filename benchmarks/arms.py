@@ -169,6 +169,7 @@ def build_original(settings: Settings, cuda: bool):
 
 def run_arm(name: str, cfg: dict) -> dict:
     """Build the arm, train warm-up + timed steps, measure. Runs in a child process."""
+    import gc
     import logging
     import resource
 
@@ -186,6 +187,7 @@ def run_arm(name: str, cfg: dict) -> dict:
     cuda = torch.cuda.is_available()
     build = build_original if name == "original" else build_job_arm
     trainer, quantize, precision = build(settings, cuda)
+    gc.freeze()  # as main.py does once its imports are done: collections walk the steps' own objects only
     trainer.remove_callback(ProgressCallback)
 
     # (rows, padded length, real length of each row) of every training batch, in order. The lengths stay on
