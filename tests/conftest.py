@@ -1,7 +1,7 @@
 """Shared fixtures and helpers: a tiny BERT and small SST-2-shaped data built here, runners for the real entry
-point and the launchers in real processes, what each rank reports (logs/rank-R.json), free ports, the local Hub
-stand-in, and the deployment readers (Dockerfile, k8s manifests, CRD schemas) the deploy and launcher tests share.
-Everything is offline and CPU-only. Test modules import helpers from here; the one exception is the numerics
+point, predict.py and the launchers in real processes, what each rank reports (logs/rank-R.json), free ports, the
+local Hub stand-in, an MLflow tracking server, and the deployment readers (Dockerfile, k8s manifests, CRD schemas)
+the deploy and launcher tests share. Everything is offline and runs on the CPU (tests/test_gpu.py aside). Test modules import helpers from here; the one exception is the numerics
 kit of tests/test_ddp_numerics.py (data of known token lengths, loss curves, tolerances), which the elastic and
 DeepSpeed comparisons reuse so that every strategy is held to the same yardstick."""
 
