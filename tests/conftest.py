@@ -90,25 +90,12 @@ class Result:
         return json.loads(self.stdout)
 
 
-def run_main(env: dict[str, str], *args: str, timeout: float = 300) -> Result:
-    """Run `python main.py` as the launcher would, and wait for it."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return Result(proc.returncode, proc.stdout, proc.stderr)
-
-
-def run_predict(
-    env: dict[str, str], *args: str | Path, stdin: str = "", cwd: Path = REPO, timeout: float = 180
+def run_script(
+    script: str, env: dict[str, str], *args: str | Path, stdin: str | None = None, cwd: Path = REPO, timeout: float
 ) -> Result:
-    """Run `python predict.py` as a user would (sentences on standard input), and wait for it."""
+    """Run one of the repo's entry points (`python main.py`, `python predict.py`) in a process, and wait for it."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "predict.py"), *map(str, args)],
+        [sys.executable, str(REPO / script), *map(str, args)],
         input=stdin,
         env=env,
         cwd=cwd,
@@ -117,6 +104,18 @@ def run_predict(
         timeout=timeout,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_main(env: dict[str, str], *args: str, timeout: float = 300) -> Result:
+    """Run `python main.py` as the launcher would, and wait for it."""
+    return run_script("main.py", env, *args, timeout=timeout)
+
+
+def run_predict(
+    env: dict[str, str], *args: str | Path, stdin: str = "", cwd: Path = REPO, timeout: float = 180
+) -> Result:
+    """Run `python predict.py` as a user would (sentences on standard input), and wait for it."""
+    return run_script("predict.py", env, *args, stdin=stdin, cwd=cwd, timeout=timeout)
 
 
 def start_main(env: dict[str, str], *args: str, log: Path | None = None) -> subprocess.Popen:
