@@ -50,6 +50,7 @@ from utils.outputs import check_run_dir, open_run_dir, volume_fault
 from utils.preemption import Preemption
 from utils.recipe import apply_recipe
 from utils.settings import Settings, check_push_possible, check_trackers, load_settings
+from utils.tasks import describe_task
 
 
 def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, dict]:
@@ -80,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings)
             batch = plan_batches(settings, dist.world_size).as_dict()  # GLOBAL_BATCH_SIZE split over this world size
-            shown = {"config": settings.as_dict(), "distributed": dist.as_dict(), "batch": batch, **strategy}
+            shown = {
+                "config": settings.as_dict(),
+                "distributed": dist.as_dict(),
+                "batch": batch,
+                "task": describe_task(settings),  # columns, labels, problem type, metrics
+                **strategy,
+            }
             print(json.dumps(shown, indent=2))
             return 0
         run_dir = open_run_dir(settings)  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
