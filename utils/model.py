@@ -213,6 +213,17 @@ def label_config(settings: Settings, labels: tuple[str, ...] | list[str] | None 
     }
 
 
+def head_resized(settings: Settings, num_labels: int) -> dict:
+    """from_pretrained's leave to start a new classifier head when the base model's has another size (a
+    2-label checkpoint under a 3-class task): the head is trained from scratch either way. Only then: a
+    mismatch anywhere else stays an error."""
+    try:
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+    except (OSError, ValueError):
+        return {}  # from_pretrained says what is wrong with the model
+    return {"ignore_mismatched_sizes": True} if config.num_labels != num_labels else {}
+
+
 def _base_dropout(settings: Settings) -> dict:
     """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none for `checkpoint`.
 
@@ -251,6 +262,7 @@ def build_model(
     # silently fall back to the eager attention (materialised score matrices, no fused kernels).
     kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings, labels), **NO_REMOTE_CODE}
     kwargs.update(_base_dropout(settings))
+    kwargs.update(head_resized(settings, kwargs["num_labels"]))
     if quantize_8bit:
         # A trained head stays full precision.
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -355,9 +367,14 @@ def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
     # The labels the run trained with, as saved beside the adapter (None for a model saved before they were).
     saved = read_label_names(adapter_dir)
     labels = [saved[index] for index in sorted(saved)] if saved else None
+    config = label_config(settings, labels)
     try:
         base = AutoModelForSequenceClassification.from_pretrained(
-            settings.model_name, dtype=torch.float32, **label_config(settings, labels), **NO_REMOTE_CODE
+            settings.model_name,
+            dtype=torch.float32,
+            **config,
+            **head_resized(settings, config["num_labels"]),
+            **NO_REMOTE_CODE,
         )
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
