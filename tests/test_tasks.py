@@ -320,7 +320,9 @@ def test_bad_task_data_is_refused_with_the_fix(case, tmp_path, tiny_bert):
             import pyarrow.parquet
 
             data.mkdir(exist_ok=True)
-            table = pyarrow.table({column: list(values) for column, values in zip(header, zip(*rows), strict=True)})
+            table = pyarrow.table(
+                {column: list(values) for column, values in zip(header, zip(*rows, strict=True), strict=True)}
+            )
             pyarrow.parquet.write_table(table, data / name)
             continue
         write_csv(data / name, header, rows)
