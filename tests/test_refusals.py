@@ -568,7 +568,8 @@ REFUSALS = [
     case(
         "labels-outside-0-1",
         "data",
-        ["labels [2]", "labels must be 0 (negative) or 1 (positive)"],
+        ["labels [2]", "labels must be ids 0 (negative), 1 (positive)", "name every class in LABEL_NAMES"],
+        {"LABEL_NAMES": "negative,positive"},
         setup=csv_data([*GOOD_ROWS, ("so-so", 2)]),
     ),
     case(
@@ -580,7 +581,8 @@ REFUSALS = [
     case(
         "label-fractional",
         "data",
-        ["labels [0.5]", "labels must be 0 (negative) or 1 (positive)"],
+        ["labels [0.5]", "that are fractions, not class ids", "set PROBLEM_TYPE=regression"],
+        {"PROBLEM_TYPE": "classification"},
         setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
     ),
     case(
@@ -594,8 +596,9 @@ REFUSALS = [
         "data",
         [
             "text labels ['bad', 'good'] in 'label' that are not LABEL_NAMES ['negative', 'positive']",
-            "set LABEL_NAMES",
+            "add them to LABEL_NAMES",
         ],
+        {"LABEL_NAMES": "negative,positive"},
         setup=csv_data([("a wonderful film", "good"), ("a dull film", "bad")]),
     ),
     case(
@@ -605,6 +608,7 @@ REFUSALS = [
             "a ClassLabel named ['bad', 'good'], and LABEL_NAMES is ['negative', 'positive']",
             "set LABEL_NAMES=bad,good",
         ],
+        {"LABEL_NAMES": "negative,positive"},
         setup=files_data(lambda f: saved_dataset(f, ["bad", "good"])),
     ),
     case(

@@ -42,7 +42,13 @@ def test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch(tmp_pa
     result = run_main(env, "--dry-run")
     assert result.code == 0
     payload = result.json()
-    assert set(payload) == {"config", "distributed", "batch", "strategy"}  # "deepspeed" too under STRATEGY=deepspeed
+    assert set(payload) == {
+        "config",
+        "distributed",
+        "batch",
+        "task",
+        "strategy",
+    }  # "deepspeed" too under STRATEGY=deepspeed
     assert payload["strategy"] == payload["config"]["strategy"]
     assert set(FIELDS) | {"hf_token"} == set(payload["config"])
     assert payload["config"]["hf_token"] == "***"
