@@ -339,7 +339,7 @@ def test_bad_task_data_is_refused_with_the_fix(case, tmp_path, tiny_bert):
         ({"DATASET_CONFIG": "mnli_matched"}, ["DATASET_CONFIG=mnli_matched of nyu-mll/glue cannot be trained"]),
         ({"TASK": "mnli", "DATASET_CONFIG": "qnli"}, ["TASK=mnli trains DATASET_CONFIG=mnli, not qnli"]),
         ({"TEXT_COLUMN": "a,b,c"}, ["TEXT_COLUMN=a,b,c is invalid", "two separated by a comma"]),
-        ({"LABEL_NAMES": '["a","a"]'}, ["each label needs its own name"]),
+        ({"LABEL_NAMES": '["a","a"]'}, ["labels need two different names"]),
     ],
 )
 def test_a_task_the_job_cannot_train_is_refused_at_dry_run(env, says, tmp_path):

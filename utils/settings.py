@@ -390,7 +390,9 @@ class Settings(BaseSettings):
             raise ValueError("name at least two labels, label 0 first, e.g. negative,positive")
         repeated = sorted({name for name in value if value.count(name) > 1})
         if repeated:
-            raise ValueError(f"each label needs its own name ({repeated[0]!r} names two labels)")
+            raise ValueError(
+                f"labels need two different names, e.g. negative,positive ({repeated[0]!r} names more than one)"
+            )
         return value
 
     @field_validator("text_column")
