@@ -60,7 +60,8 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     settings, args = load_settings(launcher_argv(argv))  # less the `deepspeed` launcher's --local_rank
     dist = detect_env()
     # An elastic launcher's range: a count the global batch cannot serve would end the job after a loss.
-    check_elastic_range(settings, *(elastic_range() or (None, "")))
+    if elastic := elastic_range():
+        check_elastic_range(settings, *elastic)
     # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too). Before the
     # recipe: adopting re-derives RUN_NAME, which must not see the resolved rate (STRATEGY set by hand does not).
     settings = adopt_launcher(settings, launcher_options())

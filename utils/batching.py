@@ -49,7 +49,8 @@ def replica_counts(global_batch: int) -> list[int]:
 def largest_micro_batch(share: int, cap: int) -> int:
     """The largest micro-batch of at most `cap` rows that divides a replica's `share`: every micro-batch is
     full, so each optimizer step averages exactly the same rows with the same weights on any count."""
-    return max(size for size in range(1, min(share, cap) + 1) if share % size == 0)
+    divisors = (d for small in range(1, math.isqrt(share) + 1) if share % small == 0 for d in (small, share // small))
+    return max(d for d in divisors if d <= cap)
 
 
 def splits_well(global_batch: int, world_sizes: list[int], cap: int) -> bool:
@@ -68,14 +69,22 @@ def nearby_global_batches(global_batch: int, world_sizes: list[int], cap: int) -
     """The nearest global batch below and above `global_batch` that every count in `world_sizes` shares in
     well-filled micro-batches (`splits_well`): what to suggest instead of one that is not."""
     step = math.lcm(*world_sizes)
+    if step > 4 * global_batch:
+        return [step]  # the smallest batch every count shares is far from the one asked for: no search around it
     found = []
     for direction in (-1, 1):
         candidate = (global_batch // step + (direction > 0)) * step
-        while 0 < candidate <= 64 * global_batch and not splits_well(candidate, world_sizes, cap):
+        for _ in range(100):  # a suggestion, not a search: far from the value asked for it helps no one
+            if candidate <= 0 or splits_well(candidate, world_sizes, cap):
+                break
             candidate += direction * step
-        if 0 < candidate <= 64 * global_batch and candidate != global_batch:
+        if candidate > 0 and candidate != global_batch and splits_well(candidate, world_sizes, cap):
             found.append(candidate)
-    return found
+    return found or [step]
+
+
+def suggested(sizes: list[int]) -> str:
+    return " or ".join(map(str, sizes))
 
 
 def plan_batches(settings: Settings, world_size: int) -> BatchPlan:
@@ -116,15 +125,15 @@ def micro_batch_warning(settings: Settings, plan: BatchPlan) -> str | None:
         f"GLOBAL_BATCH_SIZE={plan.global_batch} on {plan.world_size} replica(s) is {share} rows a replica, which only "
         f"micro-batches of {plan.micro_batch} divide under PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} "
         f"({plan.accumulation} forward passes a step); the model is the same but the run is slower: "
-        f"GLOBAL_BATCH_SIZE={' or '.join(map(str, better))} would keep micro-batches of at least half PER_DEVICE_BATCH_SIZE"
+        f"GLOBAL_BATCH_SIZE={suggested(better)} would keep micro-batches of at least half PER_DEVICE_BATCH_SIZE"
     )
 
 
-def check_elastic_range(settings: Settings, counts: range | None, variable: str) -> None:
+def check_elastic_range(settings: Settings, counts: range, variable: str) -> None:
     """Refuse (exit 2) an elastic range of replica counts (`variable` as the launcher set it) the global batch
     cannot follow: one of them reached after a loss would be refused on every restart, and the job would end
-    there instead of going on. `counts`: None or a single count, nothing to check."""
-    if counts is None or len(counts) < 2:
+    there instead of going on."""
+    if len(counts) < 2:
         return
     cap = settings.per_device_batch_size
     if settings.global_batch_size is None:
@@ -133,7 +142,7 @@ def check_elastic_range(settings: Settings, counts: range | None, variable: str)
             EXIT_BAD_INPUT,
             f"{variable} lets the job go on with {counts[0]} to {counts[-1]} replicas, but without GLOBAL_BATCH_SIZE the "
             f"global batch follows the replica count, so a restart on another count after a loss is refused; "
-            f"set GLOBAL_BATCH_SIZE to a multiple of every count, e.g. {' or '.join(map(str, sizes))}",
+            f"set GLOBAL_BATCH_SIZE to a multiple of every count, e.g. {suggested(sizes)}",
         )
     total = settings.global_batch_size
     refused = [world for world in counts if total % world]
@@ -143,7 +152,7 @@ def check_elastic_range(settings: Settings, counts: range | None, variable: str)
             EXIT_BAD_INPUT,
             f"GLOBAL_BATCH_SIZE={total} cannot be shared by {', '.join(map(str, refused))} replica(s), a count {variable} "
             "lets the job go on with after a loss (every restart there would be refused); set GLOBAL_BATCH_SIZE to a "
-            f"multiple of every count from {counts[0]} to {counts[-1]}, e.g. {' or '.join(map(str, sizes))}, or narrow the range",
+            f"multiple of every count from {counts[0]} to {counts[-1]}, e.g. {suggested(sizes)}, or narrow the range",
         )
 
 
