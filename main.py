@@ -70,12 +70,26 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     return settings, dist, args, strategy
 
 
+def asks_for_help(argv: list[str] | None) -> bool:
+    """Whether the command line asks for --help, which always answers, whatever else is wrong."""
+    args = sys.argv[1:] if argv is None else argv
+    args = args[: args.index("--")] if "--" in args else args
+    return any(arg in ("-h", "--help") for arg in args)
+
+
 def main(argv: list[str] | None = None) -> int:
     run_dir = None
     try:
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
-        masker = install_masking()  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
+        try:
+            masker = (
+                install_masking()
+            )  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
+        except JobError:
+            if not asks_for_help(argv):
+                raise
+            masker = None  # --help prints the help and exits while the settings are read, with the value masked
         settings, dist, args, strategy = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings)
