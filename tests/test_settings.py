@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 
-from tests.conftest import base_env, configured, run_main
+from tests.conftest import base_env, configured, error_lines, free_port, rank_env, run_main, start_main
+from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import FIELDS, Settings, env_name, flag_name, load_settings
 
 # Every test here is quick (settings parsing and --dry-run, no training): `make check` runs them all.
@@ -268,3 +270,135 @@ def test_dry_run_shows_the_rates_the_global_batch_gets(tmp_path, world_size, ext
     launcher = dict(RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1") if world_size > 1 else {}
     config = dry_run(tmp_path, **launcher, **extra)["config"]
     assert (config["learning_rate"], config["loraplus_lr_ratio"]) == (rate, loraplus)
+
+
+# ------------------------------------------------------------------------------- every setting's range
+# One value just past each setting's range: refused at --dry-run (exit 2), one line naming the setting and its
+# range, so nothing --dry-run accepts can overflow later (a thread wait, a timedelta, numpy's seed, a batch).
+PATH = "p" * 4097
+OVER_THE_BOUND = {
+    "config_file": (PATH, "at most 4096 characters"),
+    "model_name": (PATH, "at most 4096 characters"),
+    "dataset_name": ("d" * 256, "at most 255 characters"),
+    "dataset_config": ("c" * 256, "at most 255 characters"),
+    "dataset_path": (PATH, "at most 4096 characters"),
+    "text_column": ("t" * 256, "at most 255 characters"),
+    "label_column": ("l" * 256, "at most 255 characters"),
+    "base_model_id": ("me/" + "b" * 97, "must look like"),
+    "output_dir": (PATH, "at most 4096 characters"),
+    "run_name": ("r" * 101, "use 1-100 letters"),
+    "num_epochs": ("1001", "(range: above 0 to 1000)"),
+    "max_steps": ("100000001", "(range: 1 to 100000000)"),
+    "per_device_batch_size": ("65537", "(range: 1 to 65536)"),
+    "per_device_eval_batch_size": ("100000000000000000000000", "(range: 1 to 65536)"),
+    "gradient_accumulation_steps": ("65537", "(range: 1 to 65536)"),
+    "global_batch_size": ("1000001", "(range: 1 to 1000000)"),
+    "learning_rate": ("1", "(range: above 0 to below 1)"),
+    "base_learning_rate": ("1", "(range: above 0 to below 1)"),
+    "weight_decay": ("1", "(range: 0 to below 1)"),
+    "warmup_ratio": ("1", "(range: 0 to below 1)"),
+    "lora_r": ("4097", "(range: 1 to 4096)"),
+    "lora_alpha": ("65537", "(range: 1 to 65536)"),
+    "lora_dropout": ("1", "(range: 0 to below 1)"),
+    "lora_target_modules": (",".join(["query"] * 257), "at most 256 items"),
+    "head_learning_rate_ratio": ("1001", "(range: above 0 to 1000)"),
+    "loraplus_lr_ratio": ("1001", "(range: above 0 to 1000)"),
+    "model_dropout": ("1", "less than 1"),
+    "zero_stage": ("4", "(range: 1 to 3)"),
+    "deepspeed_config": (PATH, "at most 4096 characters"),
+    "max_seq_length": ("513", "(range: 8 to 512)"),
+    "dataloader_num_workers": ("257", "(range: 0 to 256)"),
+    "seed": (str(2**32), "(range: 0 to 4294967295)"),
+    "save_steps": ("1000000001", "(range: 1 to 1000000000)"),
+    "save_total_limit": ("1001", "(range: 1 to 1000)"),
+    "rendezvous_timeout": ("100000000000", "(range: 10 to 86400)"),
+    "result_model_id": ("me/" + "m" * 97, "must look like"),
+    "hub_timeout": ("601", "(range: above 0 to 600)"),
+    "push_timeout": ("86401", "(range: above 0 to 86400)"),
+    "result_merged_model_id": ("me/" + "m" * 97, "must look like"),
+    "eval_steps": ("1000000001", "(range: 0 to 1000000000)"),
+    "logging_steps": ("1000000001", "(range: 1 to 1000000000)"),
+}
+# Bounded by their type: a choice among names, a boolean (anything else is refused as it is typed), and
+# LABEL_NAMES, whose count and names its own check holds.
+BOUNDED_BY_TYPE = {
+    *("learning_rate_scaling", "train_pooler", "lora_variant", "lora_init", "quantization", "precision", "strategy"),
+    *("zero_offload", "gradient_checkpointing", "torch_compile", "hub_private", "merge_adapter", "report_to"),
+    "label_names",
+}
+# Values the settings derive, each from factors inside their own ranges.
+DERIVED_OVER_THE_BOUND = [
+    pytest.param(
+        {"PER_DEVICE_BATCH_SIZE": "65536", "GRADIENT_ACCUMULATION_STEPS": "16"},
+        "the global batch is 1048576 rows (PER_DEVICE_BATCH_SIZE=65536 x 1 replica(s) x GRADIENT_ACCUMULATION_STEPS=16), "
+        "above the 1000000",
+        id="global-batch",
+    ),
+    pytest.param(
+        {"PER_DEVICE_BATCH_SIZE": "65536", "RANK": "0", "WORLD_SIZE": "16", "MASTER_ADDR": "h"},
+        "the global batch is 1048576 rows (PER_DEVICE_BATCH_SIZE=65536 x 16 replica(s)",
+        id="global-batch-of-replicas",
+    ),
+    pytest.param(
+        {"LEARNING_RATE_SCALING": "linear", "GLOBAL_BATCH_SIZE": "65536"},
+        "LEARNING_RATE_SCALING=linear resolves the learning rate to 1.024",
+        id="learning-rate",
+    ),
+]
+
+
+def test_every_setting_has_a_range():
+    assert set(OVER_THE_BOUND) | BOUNDED_BY_TYPE == set(FIELDS), "give the new setting a bound and a row here"
+
+
+@pytest.mark.parametrize("field", sorted(OVER_THE_BOUND))
+def test_a_value_past_a_settings_range_is_refused_at_dry_run(tmp_path, field):
+    value, says = OVER_THE_BOUND[field]
+    with pytest.raises(JobError) as refused:
+        dry_run(tmp_path, **{env_name(field): value})
+    message = refused.value.message
+    assert refused.value.code == EXIT_BAD_INPUT and "\n" not in message
+    assert message.startswith(f"{env_name(field)}=") and says in message, message
+    assert f"fix {env_name(field)} or {flag_name(field)}" in message
+
+
+@pytest.mark.parametrize("env, says", DERIVED_OVER_THE_BOUND)
+def test_a_derived_value_past_its_range_is_refused_at_dry_run(tmp_path, env, says):
+    with pytest.raises(JobError) as refused:
+        dry_run(tmp_path, **env)
+    assert refused.value.code == EXIT_BAD_INPUT and says in refused.value.message, refused.value.message
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"PER_DEVICE_EVAL_BATCH_SIZE": "100000000000000000000000"}, {"RENDEZVOUS_TIMEOUT": "1e23"}, {"SEED": "-1"}],
+    ids=["eval-batch", "timeout-float", "seed"],
+)
+def test_dry_run_process_refuses_an_unbounded_value_in_one_line(tmp_path, env):
+    result = run_main(base_env(tmp_path, **env), "--dry-run")
+    assert result.code == 2 and result.stdout == "", result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: {next(iter(env))}=") and "Traceback" not in result.stderr
+
+
+def test_two_ranks_with_a_huge_rendezvous_timeout_are_refused_at_once(tmp_path):
+    """RENDEZVOUS_TIMEOUT=1e11 overflowed the watchdog thread's wait: the thread died and the 2-rank job hung
+    until killed, then again after each restart. Both ranks now refuse it before they meet."""
+    port, out = free_port(), tmp_path / "out"
+    ranks = [
+        start_main(
+            rank_env(tmp_path, rank, 2, port, OUTPUT_DIR=str(out), RENDEZVOUS_TIMEOUT="100000000000"),
+            log=tmp_path / f"rank-{rank}.out",
+        )
+        for rank in range(2)
+    ]
+    started = time.monotonic()
+    codes = [rank.wait(timeout=120) for rank in ranks]
+    assert codes == [2, 2] and time.monotonic() - started < 60
+    for rank in range(2):
+        output = (tmp_path / f"rank-{rank}.out").read_text()
+        assert error_lines(output) == [
+            "error: RENDEZVOUS_TIMEOUT=100000000000 is invalid: Input should be less than or equal to 86400 "
+            "(range: 10 to 86400); fix RENDEZVOUS_TIMEOUT or --rendezvous-timeout"
+        ], output
+    assert not out.exists()  # refused before the run folder

@@ -57,7 +57,8 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]{0,99}$")
 # --dry-run accepts can overflow later (a thread wait, a timedelta, numpy's seed, an allocation).
 PATH_MAX = 4096  # Linux's PATH_MAX
 NAME_MAX = 255  # a column, module or Hub name
-MAX_STEPS = 10**8  # optimizer steps, and the step intervals: years of steps
+MAX_STEPS = 10**8  # optimizer steps: years of steps
+MAX_INTERVAL = 10**9  # steps between checkpoints, evaluations, log records: above MAX_STEPS, so "never" can be said
 MAX_DEVICE_BATCH = 65536  # rows per device per step (and micro-batches per step): far above any memory
 MAX_GLOBAL_BATCH = 10**6  # rows per optimizer step, however they are made up
 MAX_WAIT_SECONDS = 86400  # a day: the longest any wait of the job may be set to
@@ -327,7 +328,7 @@ class Settings(BaseSettings):
     save_steps: int = Field(
         100,
         ge=1,
-        le=MAX_STEPS,
+        le=MAX_INTERVAL,
         description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB",
     )
     save_total_limit: int = Field(
@@ -371,13 +372,13 @@ class Settings(BaseSettings):
     eval_steps: int | None = Field(
         None,
         ge=0,
-        le=MAX_STEPS,
+        le=MAX_INTERVAL,
         description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end",
     )
     logging_steps: int = Field(
         10,
         ge=1,
-        le=MAX_STEPS,
+        le=MAX_INTERVAL,
         description="optimizer steps between training-loss records (console, TensorBoard, trackers, log_history)",
     )
     report_to: Annotated[tuple[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"], ...], NoDecode] = Field(
@@ -784,9 +785,13 @@ def read_recipe(path: str) -> dict[str, Any]:
     """The settings a recipe file (`--config`, CONFIG_FILE) holds, by field name. A file is the user's own, so
     anything in it that is not a setting is refused (exit 2, with the closest name), unlike the environment."""
 
-    def refused(why: str) -> JobError:
-        return JobError(EXIT_BAD_INPUT, f"CONFIG_FILE={path} {why}")
+    shown = path if len(path) <= 200 else f"{path[:200]}..."
 
+    def refused(why: str) -> JobError:
+        return JobError(EXIT_BAD_INPUT, f"CONFIG_FILE={shown} {why}")
+
+    if len(path) > PATH_MAX:
+        raise refused(f"is invalid: a path has at most {PATH_MAX} characters; fix CONFIG_FILE or --config-file")
     import yaml  # only when a recipe is given
 
     try:
@@ -905,7 +910,8 @@ def warn_misspelled_variables(environ: Mapping[str, str]) -> None:
 
 
 def describe_range(field: str) -> str:
-    """` (range: LOW to HIGH)` for a setting with numeric bounds (docs/settings.md lists them all), else ''."""
+    """` (range: LOW to HIGH)` of a setting with numeric bounds (docs/settings.md lists every range; pydantic's own
+    message already names a text's or a list's longest length), else ''."""
     bounds = {}
     for item in FIELDS[field].metadata:
         for name in ("ge", "gt", "le", "lt"):
@@ -964,6 +970,9 @@ def load_settings(
             ) from None
         else:
             source, raw = env_name(field), "<default>"
+        raw = (
+            str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
+        )  # a 5000-character path is not repeated whole
         raise JobError(
             EXIT_BAD_INPUT,
             f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
