@@ -402,3 +402,101 @@ def test_two_ranks_with_a_huge_rendezvous_timeout_are_refused_at_once(tmp_path):
             "(range: 10 to 86400); fix RENDEZVOUS_TIMEOUT or --rendezvous-timeout"
         ], output
     assert not out.exists()  # refused before the run folder
+
+
+# ------------------------------------------------------------------------------- a recipe file
+def test_recipe_file_sits_between_the_defaults_and_the_environment(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lora_r: 4\nLORA_ALPHA: 8\nseed: 7\nlora_target_modules: [query, key]\nhub_private: no\n")
+    config = dry_run(tmp_path, "--config", str(recipe))["config"]
+    assert (config["lora_r"], config["lora_alpha"], config["seed"]) == (4, 8, 7)
+    assert config["lora_target_modules"] == ["query", "key"] and config["hub_private"] is False
+    assert config["config_file"] == str(recipe)  # what --dry-run and run.json record
+    assert config["run_name"] != dry_run(tmp_path)["config"]["run_name"]  # the recipe's values name the run
+    # the environment wins over the file, a flag over both; CONFIG_FILE is the same as --config
+    config = dry_run(tmp_path, "--seed", "9", CONFIG_FILE=str(recipe), SEED="8", LORA_R="16")["config"]
+    assert (config["lora_r"], config["seed"], config["lora_alpha"], config["config_file"]) == (16, 9, 8, str(recipe))
+    other = tmp_path / "other.yaml"
+    other.write_text("lora_r: 2\n")
+    config = dry_run(tmp_path, "--config", str(other), CONFIG_FILE=str(recipe))["config"]
+    assert (config["lora_r"], config["config_file"]) == (2, str(other))  # a flag's file over the environment's
+
+
+def test_the_sst2_recipe_is_the_defaults(tmp_path):
+    from tests.conftest import REPO
+
+    recipe = dry_run(tmp_path, "--config", str(REPO / "recipes" / "sst2.yaml"))["config"]
+    assert {**recipe, "config_file": None} == dry_run(tmp_path)["config"]
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("lora_rank: 4\n", "holds lora_rank, which is not a setting (did you mean lora_r?)"),
+        ("hf_token: hf_abcdefghijklmnop\n", "holds hf_token: a secret does not belong in a recipe"),
+        ("HF_TOKEN_PATH: /run/secrets/token\n", "set HF_TOKEN, or HF_TOKEN_PATH to a mounted file"),
+        ("config_file: other.yaml\n", "names another recipe"),
+        ("lora_r: 4\nLORA_R: 8\n", "sets lora_r twice"),
+        ("- lora_r\n- 4\n", "holds a YAML list, not a mapping of settings"),
+        ("lora_r: [4\n", "is not valid YAML at line 2"),
+        ("lora_r: 100000\n", "lora_r: 100000 in CONFIG_FILE="),
+        (b"lora_r: \xe9\n", "is not a text file (not UTF-8)"),
+        (None, "does not exist; point --config or CONFIG_FILE at a YAML file"),
+        ("folder", "cannot be read (Is a directory)"),
+    ],
+    ids=["unknown", "token", "token-path", "nested", "twice", "list", "yaml", "value", "binary", "missing", "folder"],
+)
+def test_a_bad_recipe_is_refused_in_one_line(tmp_path, text, says):
+    recipe = tmp_path / "recipe.yaml"
+    if text == "folder":
+        recipe.mkdir()
+    elif isinstance(text, bytes):
+        recipe.write_bytes(text)
+    elif text is not None:
+        recipe.write_text(text)
+    with pytest.raises(JobError) as refused:
+        dry_run(tmp_path, "--config", str(recipe))
+    message = refused.value.message
+    assert refused.value.code == EXIT_BAD_INPUT and says in message and "\n" not in message, message
+    assert "hf_abcdefghijklmnop" not in message
+
+
+def test_a_bad_recipe_is_one_error_line_from_the_process(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("learnig_rate: 1e-4\n")
+    result = run_main(base_env(tmp_path, CONFIG_FILE=str(recipe)), "--dry-run")
+    assert result.code == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: CONFIG_FILE={recipe} holds learnig_rate, which is not a setting (did you mean learning_rate?); "
+        "fix the name, or remove it (`python main.py --help` lists the settings)"
+    ]
+
+
+# ------------------------------------------------------------------------------- misspelled variables, --help
+def test_a_misspelled_variable_is_warned_about_not_refused(tmp_path, capsys):
+    config = dry_run(tmp_path, LEARNIG_RATE="1e-4", LORA_RANK="4", ZERO_STAGES="3", LORA_R="16")["config"]
+    assert config["learning_rate"] == 1e-3 and config["lora_r"] == 16  # ignored, as before
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert [line.split()[1] for line in warnings] == ["LEARNIG_RATE", "LORA_RANK", "ZERO_STAGES"]
+    assert "did you mean LEARNING_RATE?" in warnings[0] and "did you mean LORA_R?" in warnings[1]
+    assert "did you mean ZERO_STAGE?" in warnings[2]
+
+
+@pytest.mark.parametrize("env", [{}, *(launcher for launcher, _ in LAUNCHERS)], ids=lambda env: env.get("RANK", "-"))
+def test_a_clean_environment_under_any_launcher_warns_about_nothing(tmp_path, env, capsys):
+    torchrun = dict(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="3", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    platform = dict(PET_MASTER_ADDR="m", PET_MASTER_PORT="23456", MAX_JOBS="2", HF_HUB_ENABLE_HF_TRANSFER="1")
+    shell = dict(OMP_NUM_THREADS="1", NCCL_DEBUG="INFO", CUDA_DEVICE_MAX_CONNECTIONS="1", HOSTNAME="pod-0")
+    dry_run(tmp_path, **env, **torchrun, **platform, **shell, HF_TOKEN_PATH="", CONFIG_FILE="")
+    assert "warning: " not in capsys.readouterr().err  # this machine's own environment (base_env) included
+
+
+def test_help_answers_whatever_hf_token_holds_and_never_shows_it(tmp_path):
+    for token in ("bad", "hf_half_a_token\nsecond_line_value"):
+        result = run_main(base_env(tmp_path, HF_TOKEN=token, LEARNIG_RATE="1"), "--help")
+        assert result.code == 0 and "usage: main.py" in result.stdout and result.stderr == "", result.stderr
+        assert not any(line and line in result.stdout for line in token.splitlines() if len(line) > 5)
+    refused = run_main(base_env(tmp_path, HF_TOKEN="bad"), "--dry-run")
+    assert refused.code == 2 and error_lines(refused.stderr) == [
+        "error: HF_TOKEN is 3 characters long, too short for a Hub token; set the whole token"
+    ]

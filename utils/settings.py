@@ -766,7 +766,7 @@ def _parser() -> _Parser:
         dest="config_file",  # the same setting as --config-file and CONFIG_FILE
         metavar="FILE",
         default=argparse.SUPPRESS,
-        help="a recipe: a YAML file of settings by their names (as --dry-run shows them); the same as --config-file",
+        help="a recipe: a YAML file of settings by their names (as --dry-run shows them); sets CONFIG_FILE",
     )
     parser.add_argument(
         "--push-only",
