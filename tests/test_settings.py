@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import base_env, configured, error_lines, free_port, rank_env, run_main, start_main
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.settings import FIELDS, Settings, env_name, flag_name, load_settings
+from utils.settings import FIELDS, Settings, describe_range, env_name, flag_name, load_settings
 
 # Every test here is quick (settings parsing and --dry-run, no training): `make check` runs them all.
 pytestmark = pytest.mark.check
@@ -500,3 +500,12 @@ def test_help_answers_whatever_hf_token_holds_and_never_shows_it(tmp_path):
     assert refused.code == 2 and error_lines(refused.stderr) == [
         "error: HF_TOKEN is 3 characters long, too short for a Hub token; set the whole token"
     ]
+
+
+def test_settings_doc_states_every_range_the_code_holds():
+    from tests.conftest import REPO
+
+    doc = (REPO / "docs" / "settings.md").read_text()
+    ranges = {env_name(f): describe_range(f).removeprefix(" (range: ").removesuffix(")") for f in FIELDS}
+    missing = [f"{name}: {shown}" for name, shown in ranges.items() if shown and f"| `{name}` | {shown} |" not in doc]
+    assert not missing, f"docs/settings.md's ranges table lacks or misstates {missing}"
