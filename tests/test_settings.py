@@ -509,3 +509,15 @@ def test_settings_doc_states_every_range_the_code_holds():
     ranges = {env_name(f): describe_range(f).removeprefix(" (range: ").removesuffix(")") for f in FIELDS}
     missing = [f"{name}: {shown}" for name, shown in ranges.items() if shown and f"| `{name}` | {shown} |" not in doc]
     assert not missing, f"docs/settings.md's ranges table lacks or misstates {missing}"
+
+
+def test_the_shipped_config_maps_warn_about_nothing(tmp_path, capsys):
+    import yaml
+
+    from tests.conftest import REPO
+
+    platform = yaml.safe_load((REPO / "config.yaml").read_text())["config_map"]
+    kubernetes = yaml.safe_load((REPO / "k8s" / "base" / "configmap.yaml").read_text())["data"]
+    for config_map in (platform, kubernetes):
+        dry_run(tmp_path, **{**config_map, "OUTPUT_DIR": str(tmp_path / "out"), "RESULT_MODEL_ID": ""})
+        assert "warning: " not in capsys.readouterr().err

@@ -1,12 +1,16 @@
-"""Every setting of the job, in one typed model: built-in defaults < environment < command-line flags.
+"""Every setting of the job, in one typed model: built-in defaults < recipe file < environment < command-line flags.
 
 The platform's `config_map` arrives as environment variables, so each setting has an UPPER_SNAKE env
 name and a `--kebab-case` flag. The Hub token is the exception: it is read only from `HF_TOKEN` or
 the file named by `HF_TOKEN_PATH` (as huggingface_hub does), never from a flag, because flags end up
 in `ps`, shell history and job specs.
 
-`Settings` is a pydantic-settings `BaseSettings`: `load_settings` reads the environment and the
-flags through the library's own sources (`EnvSettingsSource`, `CliSettingsSource`), while
+A recipe (`--config FILE.yaml` or CONFIG_FILE) holds settings by their field names; unlike the environment,
+which holds other programs' variables too, anything else in it is refused. Every setting has a finite range
+(the constants below), so nothing `--dry-run` accepts can overflow later.
+
+`Settings` is a pydantic-settings `BaseSettings`: `load_settings` reads the recipe, the environment and the
+flags through the library's own sources (`InitSettingsSource`, `EnvSettingsSource`, `CliSettingsSource`), while
 `Settings(**values)` in code and tests takes only the values given, never the caller's environment.
 
 This module imports nothing heavy (pydantic and pydantic-settings only): `--help` and `--dry-run`
