@@ -443,13 +443,19 @@ def test_the_sst2_recipe_is_the_defaults(tmp_path):
         (b"lora_r: \xe9\n", "is not a text file (not UTF-8)"),
         (None, "does not exist; point --config or CONFIG_FILE at a YAML file"),
         ("folder", "cannot be read (Is a directory)"),
+        ("fifo", "is not a regular file"),  # at once: a named pipe is never read
     ],
-    ids=["unknown", "token", "token-path", "nested", "twice", "list", "yaml", "value", "binary", "missing", "folder"],
+    ids=[
+        *("unknown", "token", "token-path", "nested", "twice", "list", "yaml", "value", "binary", "missing", "folder"),
+        "fifo",
+    ],
 )
 def test_a_bad_recipe_is_refused_in_one_line(tmp_path, text, says):
     recipe = tmp_path / "recipe.yaml"
     if text == "folder":
         recipe.mkdir()
+    elif text == "fifo":
+        os.mkfifo(recipe)
     elif isinstance(text, bytes):
         recipe.write_bytes(text)
     elif text is not None:
