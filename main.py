@@ -87,9 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
         try:
-            masker = (
-                install_masking()
-            )  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
+            # A malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr.
+            masker = install_masking()
         except JobError:
             if not asks_for_help(argv):
                 raise
