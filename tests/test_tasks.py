@@ -340,6 +340,9 @@ def test_bad_task_data_is_refused_with_the_fix(case, tmp_path, tiny_bert):
         ({"TASK": "mnli", "DATASET_CONFIG": "qnli"}, ["TASK=mnli trains DATASET_CONFIG=mnli, not qnli"]),
         ({"TEXT_COLUMN": "a,b,c"}, ["TEXT_COLUMN=a,b,c is invalid", "two separated by a comma"]),
         ({"LABEL_NAMES": '["a","a"]'}, ["labels need two different names"]),
+        ({"LABEL_NAMES": ",".join(f"c{i}" for i in range(10_001))}, ["name at most 10000 labels"]),
+        ({"LABEL_NAMES": "a," + "b" * 256}, ["each at most 255 characters"]),
+        ({"TASK": "t" * 256}, ["TASK=ttt", "the job trains the GLUE tasks"]),
     ],
 )
 def test_a_task_the_job_cannot_train_is_refused_at_dry_run(env, says, tmp_path):
