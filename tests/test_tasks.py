@@ -22,8 +22,8 @@ from tests.conftest import Replicas, base_env, error_lines, rank_record, run_mai
 
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
 MNLI_NAMES = ("entailment", "neutral", "contradiction")
-# The hypothesis word that decides an MNLI-shaped row's class.
-MARKERS = {"entailment": POSITIVE, "neutral": NOUNS, "contradiction": NEGATIVE}
+# The hypothesis word that decides an MNLI-shaped row's class: three per class, learned within a short run.
+MARKERS = {"entailment": POSITIVE[:3], "neutral": NOUNS[:3], "contradiction": NEGATIVE[:3]}
 
 
 def write_csv(path: Path, header: list[str], rows) -> None:
@@ -93,9 +93,8 @@ def task_env(tmp: Path, tiny_bert: Path, data: Path, **extra) -> dict[str, str]:
         DATASET_PATH=str(data),
         OUTPUT_DIR=str(tmp / "out"),
         LEARNING_RATE=RATE,
-        PER_DEVICE_BATCH_SIZE="16",
         REPORT_TO="none",
-        **{k: str(v) for k, v in extra.items()},
+        **{k: str(v) for k, v in {"PER_DEVICE_BATCH_SIZE": 16, **extra}.items()},
     )
 
 
@@ -108,8 +107,8 @@ def trained(tmp: Path, env: dict[str, str]) -> tuple[dict, object]:
 @pytest.fixture(scope="module")
 def mnli_run(tmp_path_factory, tiny_bert):
     tmp = tmp_path_factory.mktemp("mnli")
-    data = write_mnli(tmp / "data")
-    return tmp, *trained(tmp, task_env(tmp, tiny_bert, data, TASK="mnli", NUM_EPOCHS=3))
+    data = write_mnli(tmp / "data", train=320, validation=60)
+    return tmp, *trained(tmp, task_env(tmp, tiny_bert, data, TASK="mnli", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8))
 
 
 @pytest.fixture(scope="module")
@@ -117,18 +116,20 @@ def stsb_run(tmp_path_factory, tiny_bert):
     tmp = tmp_path_factory.mktemp("stsb")
     rng = random.Random(4)
     header = ["sentence1", "sentence2", "label"]
-    write_csv(tmp / "data" / "train.csv", header, stsb_rows(rng, 480))
-    write_csv(tmp / "data" / "validation.csv", header, stsb_rows(rng, 100))
-    return tmp, *trained(tmp, task_env(tmp, tiny_bert, tmp / "data", TASK="stsb", NUM_EPOCHS=3))
+    write_csv(tmp / "data" / "train.csv", header, stsb_rows(rng, 320))
+    write_csv(tmp / "data" / "validation.csv", header, stsb_rows(rng, 60))
+    return tmp, *trained(tmp, task_env(tmp, tiny_bert, tmp / "data", TASK="stsb", NUM_EPOCHS=2))
 
 
 @pytest.fixture(scope="module")
 def cola_run(tmp_path_factory, tiny_bert):
     tmp = tmp_path_factory.mktemp("cola")
     rng = random.Random(5)
-    write_csv(tmp / "data" / "train.csv", ["sentence", "label"], cola_rows(rng, 480))
-    write_csv(tmp / "data" / "validation.csv", ["sentence", "label"], cola_rows(rng, 100))
-    return tmp, *trained(tmp, task_env(tmp, tiny_bert, tmp / "data", TASK="cola", NUM_EPOCHS=3))
+    write_csv(tmp / "data" / "train.csv", ["sentence", "label"], cola_rows(rng, 320))
+    write_csv(tmp / "data" / "validation.csv", ["sentence", "label"], cola_rows(rng, 60))
+    return tmp, *trained(
+        tmp, task_env(tmp, tiny_bert, tmp / "data", TASK="cola", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8)
+    )
 
 
 def model_config(out: Path) -> dict:
@@ -138,7 +139,7 @@ def model_config(out: Path) -> dict:
 def test_mnli_shaped_pairs_learn_three_classes_on_both_validation_splits(mnli_run):
     tmp, metrics, result = mnli_run
     for split in ("matched", "mismatched"):
-        assert metrics[f"eval_{split}_accuracy"] > 0.6, metrics  # chance is 1/3
+        assert metrics[f"eval_{split}_accuracy"] > 0.8, metrics  # chance is 1/3
         assert f"eval_{split}_f1" in metrics and f"eval_{split}_matthews_correlation" in metrics
     assert metrics["labels"] == list(MNLI_NAMES) and metrics["problem_type"] == "classification"
     assert model_config(tmp / "out") == {str(i): name for i, name in enumerate(MNLI_NAMES)}
@@ -204,7 +205,7 @@ def test_three_class_pairs_on_two_replicas_equal_one_process(tmp_path, tiny_bert
         LEARNING_RATE=RATE,
         LORA_DROPOUT=0,
         MODEL_DROPOUT=0,
-        EVAL_STEPS=2,
+        EVAL_STEPS=4,
         LOGGING_STEPS=1,
         PER_DEVICE_EVAL_BATCH_SIZE=8,
         REPORT_TO="none",
@@ -342,7 +343,7 @@ def test_bad_task_data_is_refused_with_the_fix(case, tmp_path, tiny_bert):
         ({"LABEL_NAMES": '["a","a"]'}, ["labels need two different names"]),
         ({"LABEL_NAMES": ",".join(f"c{i}" for i in range(10_001))}, ["name at most 10000 labels"]),
         ({"LABEL_NAMES": "a," + "b" * 256}, ["each at most 255 characters"]),
-        ({"TASK": "t" * 256}, ["TASK=ttt", "the job trains the GLUE tasks"]),
+        ({"TASK": "t" * 256}, ["TASK=ttt", "at most 255 characters"]),
     ],
 )
 def test_a_task_the_job_cannot_train_is_refused_at_dry_run(env, says, tmp_path):
