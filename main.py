@@ -42,7 +42,7 @@ import logging
 import sys
 
 from utils.batching import plan_batches
-from utils.deepspeed_config import adopt_launcher, describe_strategy
+from utils.deepspeed_config import adopt_deepspeed, describe_strategy
 from utils.distributed import DistEnv, detect_env, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
@@ -59,9 +59,10 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     command line, the strategy as --dry-run shows it)."""
     settings, args = load_settings(launcher_argv(argv))  # less the `deepspeed` launcher's --local_rank
     dist = detect_env()
-    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too). Before the
-    # recipe: adopting re-derives RUN_NAME, which must not see the resolved rate (STRATEGY set by hand does not).
-    settings = adopt_launcher(settings, launcher_options())
+    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too), and
+    # DEEPSPEED_CONFIG's stage and offload become ZERO_STAGE and ZERO_OFFLOAD. Before the recipe: adopting
+    # re-derives RUN_NAME, which must not see the resolved rate (STRATEGY set by hand does not).
+    settings = adopt_deepspeed(settings, launcher_options())
     # The learning rate follows the global batch unless LEARNING_RATE is set.
     settings = apply_recipe(settings, dist.world_size)
     check_push_possible(settings)
