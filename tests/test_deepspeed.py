@@ -717,3 +717,80 @@ def test_a_deepspeed_run_does_not_resume_on_another_replica_count(tmp_path, tiny
     assert alone.code == 2, alone.stderr[-3000:]
     [error] = error_lines(alone.stderr)
     assert "2 replica(s), this start has 1" in error and "DeepSpeed partitions the optimizer state by rank" in error
+
+
+def test_what_transformers_compares_with_its_arguments_is_compared_at_dry_run(tmp_path):
+    """Every field transformers' DeepSpeed integration checks against TrainingArguments (a mismatch there is a
+    ValueError after the model has loaded) is one the job compares first, with the Trainer's own defaults for
+    those the job keeps; the schedulers' parameters are the ones DeepSpeed's classes take."""
+    import inspect
+    import re
+
+    from deepspeed.runtime import lr_schedules
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from utils import deepspeed_config
+    from utils.settings import Settings
+
+    source = inspect.getsource(HfTrainerDeepSpeedConfig.trainer_config_process) + inspect.getsource(
+        HfTrainerDeepSpeedConfig.trainer_config_finalize
+    )
+    compared = set(re.findall(r'self\.fill_match\(\s*"([^"]+)"', source))
+    assert "scheduler.params.warmup_num_steps" in compared, source  # the pattern still finds them
+    owned = deepspeed_config.owned_values(Settings(max_steps=10), 1, "fp32")
+    assert compared <= set(owned), f"compared by transformers, not by the job: {sorted(compared - set(owned))}"
+
+    defaults = TrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+    assert [defaults.adam_beta1, defaults.adam_beta2] == deepspeed_config.ADAM_BETAS
+    assert (defaults.adam_epsilon, defaults.max_grad_norm) == (
+        deepspeed_config.ADAM_EPSILON,
+        deepspeed_config.GRADIENT_CLIPPING,
+    )
+    for kind, (taken, filled) in deepspeed_config.SCHEDULERS.items():
+        parameters = set(inspect.signature(getattr(lr_schedules, kind)).parameters) - {"self", "optimizer"}
+        assert parameters == taken, (kind, parameters ^ taken)
+        assert set(filled) <= taken
+
+
+@pytest.mark.slow
+def test_a_config_with_only_a_stage_trains_records_its_stage_and_a_changed_one_is_refused_on_resume(
+    tmp_path, tiny_bert, fixed_data
+):
+    """A file that sets only the ZeRO stage (the rest the job's) trains; run.json and the checkpoints record the
+    stage it set; the file edited to another stage afterwards is refused at the restart (exit 2, before anything
+    loads), and a checkpoint whose recorded stage differs from the start's is refused by the resume itself."""
+    config = ds_file(tmp_path, {"zero_optimization": {"stage": 1}})
+    out = tmp_path / "out"
+    settings = comparison_settings(
+        tiny_bert, fixed_data, out, STRATEGY="deepspeed", DEEPSPEED_CONFIG=config, MAX_STEPS=2, SAVE_STEPS=1
+    )
+    result = run_main(base_env(tmp_path, **settings), timeout=900)
+    assert result.code == 0, result.stderr[-3000:]
+    assert (
+        "strategy deepspeed: ZeRO stage 1, optimizer state offloaded False"
+        in (out / "logs" / "rank-0.log").read_text()
+    )
+    record = json.loads((out / "run.json").read_text())
+    assert (record["training_settings"]["zero_stage"], record["training_settings"]["zero_offload"]) == (1, "none")
+    from utils.outputs import RunDir, checkpoint_resume_key
+
+    checkpoint = out / "checkpoints" / f"checkpoint-{max(complete_steps(out))}"
+    key = checkpoint_resume_key(checkpoint)
+    assert key["zero"] == {"stage": 1, "offload": "none"}
+
+    ds_file(tmp_path, {"zero_optimization": {"stage": 3}})
+    restart = run_main(base_env(tmp_path, **settings), timeout=120)
+    assert restart.code == 2, restart.stderr[-3000:]
+    [error] = error_lines(restart.stderr)
+    assert "zero_stage: 1 -> 3" in error and "use a new OUTPUT_DIR" in error, error
+    assert "Traceback" not in restart.stderr
+
+    from utils.errors import JobError
+    from utils.run import resume_checkpoint
+
+    with pytest.raises(JobError) as refused:
+        resume_checkpoint(RunDir(out), {**key, "zero": {"stage": 3, "offload": "none"}})
+    assert refused.value.code == 2
+    assert "written under ZeRO stage 1 (offload none), this start sets stage 3" in refused.value.message
+    assert resume_checkpoint(RunDir(out), key) == str(checkpoint)  # the same stage resumes
