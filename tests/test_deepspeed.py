@@ -413,6 +413,11 @@ REFUSED = {  # id -> (settings, what the error line says)
         {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{total}", "MAX_STEPS": "10"},
         "pins scheduler.params.total_num_steps: 500 but the job's settings resolve it to 10",
     ),
+    # transformers compares with !=, so a rate a rounding away is refused here rather than there.
+    "pinned-rate-a-rounding-away": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{near_rate}"},
+        "pins optimizer.params.lr: 0.0030000001 but the job's settings resolve it to 0.003",
+    ),
     "pinned-betas": (
         {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{betas}"},
         "pins optimizer.params.betas: [0.9, 0.95] but the job's settings resolve it to [0.9, 0.999]",
@@ -494,6 +499,9 @@ def test_deepspeed_settings_that_cannot_apply_are_refused_before_anything_loads(
         ),
         "betas": ds_file(
             tmp_path, {**ZERO2, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}}, "b.json"
+        ),
+        "near_rate": ds_file(
+            tmp_path, {**ZERO2, "optimizer": {"type": "AdamW", "params": {"lr": 0.0030000001}}}, "near_rate.json"
         ),
         "eps": ds_file(tmp_path, {**ZERO2, "optimizer": {"type": "AdamW", "params": {"eps": 1e-6}}}, "eps.json"),
         "one_cycle": ds_file(tmp_path, {**ZERO2, "scheduler": {"type": "OneCycle", "params": {}}}, "one_cycle.json"),

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -266,9 +265,10 @@ def check_config(config: Mapping[str, Any], settings: Settings, world_size: int,
 
 
 def _same_number(theirs: Any, ours: float) -> bool:
-    # a rate written out in the file with fewer digits than the recipe resolves it to is another rate
+    # Equal as transformers compares them (!=): a rate written out with fewer digits than the recipe resolves it
+    # to is another rate, and would fail its check once the model has loaded.
     number = isinstance(theirs, (int, float)) and not isinstance(theirs, bool)
-    return number and math.isclose(theirs, ours, rel_tol=1e-9)
+    return number and theirs == ours
 
 
 def _auto_paths(config: Mapping[str, Any], prefix: str = "") -> list[str]:
