@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, SUBJECTS, VERBS
-from tests.conftest import Replicas, base_env, error_lines, rank_record, run_main, wait_all
+from tests.conftest import Replicas, base_env, error_lines, rank_record, run_main, run_predict, wait_all
 
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
 MNLI_NAMES = ("entailment", "neutral", "contradiction")
@@ -398,3 +398,43 @@ def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
         checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(pairs), "TEXT_COLUMN": "premise"})
     assert "another text column 'hypothesis' that no setting names" in caplog.text
     assert "set TEXT_COLUMN=premise,hypothesis" in caplog.text
+
+
+# ------------------------------------------------------------------------------- predict.py
+def predictions(tmp: Path, *args, stdin: str = "") -> list[dict]:
+    result = run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp)
+    assert result.code == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_predict_labels_mnli_shaped_pairs(mnli_run):
+    tmp = mnli_run[0]
+    rows = list(mnli_rows(random.Random(11), 30))
+    pairs = tmp / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"premise": p, "hypothesis": h}) + "\n" for p, h, _ in rows))
+    predicted = predictions(tmp, pairs, "--text-column", "premise,hypothesis")
+    assert [(p["text"], p["text_pair"]) for p in predicted] == [(p, h) for p, h, _ in rows]
+    assert {p["label"] for p in predicted} <= set(MNLI_NAMES)
+    right = sum(p["label"] == MNLI_NAMES[label] for p, (_, _, label) in zip(predicted, rows, strict=True))
+    assert right / len(rows) > 0.8, predicted
+
+
+def test_predict_scores_stsb_shaped_pairs(stsb_run):
+    import numpy as np
+
+    tmp = stsb_run[0]
+    rows = list(stsb_rows(random.Random(12), 40))
+    pairs = tmp / "pairs.tsv"
+    pairs.write_text("sentence1\tsentence2\n" + "".join(f"{a}\t{b}\n" for a, b, _ in rows))
+    predicted = predictions(tmp, pairs, "--text-column", "sentence1,sentence2")
+    assert all(set(p) == {"text", "text_pair", "score"} for p in predicted), predicted[:2]  # a score, no label
+    scores = np.array([p["score"] for p in predicted])
+    assert np.corrcoef(scores, [score for _, _, score in rows])[0, 1] > 0.5, scores
+
+
+def test_predict_labels_cola_shaped_sentences(cola_run):
+    tmp = cola_run[0]
+    rows = list(cola_rows(random.Random(13), 10))
+    predicted = predictions(tmp, stdin="".join(f"{sentence}\n" for sentence, _ in rows))
+    assert [p["text"] for p in predicted] == [sentence for sentence, _ in rows]
+    assert {p["label"] for p in predicted} <= {"unacceptable", "acceptable"}
