@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -389,17 +390,25 @@ def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
     (STS-B's 0-5 scores), else classification (a float column of 0.0/1.0 is a csv export of two classes)."""
     column = settings.label_column
     feature = train.features[column]
-    fractions = _is_float(feature) and any(v != int(v) for v in train.unique(column) if v == v)
-    nan = _is_float(feature) and any(v != v for v in train.unique(column))
+    values = train.unique(column) if _is_float(feature) else []
+    fractions = [v for v in values if math.isfinite(v) and not float(v).is_integer()]
+    not_finite = [v for v in values if not math.isfinite(v)]
     if settings.problem_type == REGRESSION:
         return REGRESSION
-    if settings.problem_type == "auto" and (fractions or nan):
+    if settings.problem_type == "auto" and (fractions or not_finite):
         log.info(
-            "the label column '%s' holds fractions: regression (one score, MSE); PROBLEM_TYPE says otherwise", column
+            "the label column '%s' holds fractions: trained as a regression (one score, MSE); "
+            "PROBLEM_TYPE=classification trains classes",
+            column,
         )
         return REGRESSION
+    if not_finite:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the train split has labels {not_finite[:3]} in '{column}', which are no class ids; fill in or remove those rows",
+        )
     if fractions:
-        sample = sorted(v for v in train.unique(column) if v == v and v != int(v))[:3]
+        sample = sorted(fractions)[:3]
         fix = (
             f"TASK={settings.task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
             if settings.task
@@ -482,6 +491,13 @@ def _labels_as_ids(
             ds = _cast_label(ds, column, datasets.Value("int64"))
         elif kind in ("string", "large_string"):
             ds = _text_labels_by_name(ds, split, column, values, label_names)
+        elif _is_float(feature) and any(not (math.isfinite(v) and float(v).is_integer()) for v in values):
+            odd = sorted(v for v in values if not (math.isfinite(v) and float(v).is_integer()))[:3]
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the {split} split has labels {odd} in '{column}' that are fractions, not class ids; "
+                "set PROBLEM_TYPE=regression to train scores, or give class ids or names",
+            )
         elif kind == "bool" or _is_float(feature):
             ds = _cast_label(ds, column, datasets.Value("int64"))
     ids = set(ds.unique(column))
