@@ -93,15 +93,13 @@ def sweep(args: argparse.Namespace) -> int:
             return 0
         submitted = subprocess.run(["sbatch", str(path)], check=False)
         return submitted.returncode
-    from utils.sweep_katib import render_experiment, write_experiment
+    from utils.sweep_katib import experiment_yaml, render_experiment, write_experiment
 
     if args.output:
         write_experiment(spec, len(trials), args.output)
         print(f"wrote {args.output}; create it with: kubectl apply -f {args.output}", file=sys.stderr)
     else:
-        import yaml
-
-        sys.stdout.write(yaml.safe_dump(render_experiment(spec, len(trials)), sort_keys=False, width=120))
+        sys.stdout.write(experiment_yaml(render_experiment(spec, len(trials))))
     return 0
 
 

@@ -266,6 +266,8 @@ def read_spec(path: Path) -> Spec:
     spec.backend = str(raw.get("backend", "local"))
     if spec.backend not in BACKENDS:
         raise refused(f"backend={spec.backend!r}; use one of {', '.join(BACKENDS)}")
+    if spec.backend != "katib":  # a folder here (katib's is a path in the pods)
+        spec.output_dir = spec.output_dir.resolve()
     push = raw.get("push", False)
     if push is True:
         push = os.environ.get("RESULT_MODEL_ID", "")

@@ -16,6 +16,7 @@ eval_accuracy only, so the objective is `accuracy`; another metric is refused wi
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import yaml
@@ -110,13 +111,31 @@ def render_experiment(spec: Spec, trial_count: int) -> dict:
     }
 
 
+class QuotingDumper(yaml.SafeDumper):
+    """Quotes every string a YAML 1.2 reader (kubectl's) would take for a number: PyYAML, a YAML 1.1 writer,
+    leaves `1e-05` bare, which the API server would read as a float where Katib's API wants a string."""
+
+
+NUMBER = re.compile(r"^[-+]?(\.\d+|\d+(\.\d*)?)([eE][-+]?\d+)?$")
+QuotingDumper.add_representer(
+    str,
+    lambda dumper, value: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", value, style="'" if NUMBER.match(value) else None
+    ),
+)
+
+
+def experiment_yaml(experiment: dict) -> str:
+    return yaml.dump(experiment, Dumper=QuotingDumper, sort_keys=False, width=120)
+
+
 def write_experiment(spec: Spec, trial_count: int, path: Path) -> dict:
     experiment = render_experiment(spec, trial_count)
     header = (
-        f"# Katib Experiment for the sweep {spec.path.name}, rendered by `python sweep.py {spec.path.name}`.\n"
-        "# Apply beside the job's ConfigMap, PVC and Secret (`kubectl apply -k k8s/` without the PyTorchJob):\n"
-        f"#   kubectl apply -f {path.name}\n"
+        f"# Katib Experiment of the sweep {spec.path.name}, rendered by `python sweep.py SPEC -o FILE` (docs/sweeps.md).\n"
+        "# Its trials use the job's ConfigMap and PVC (`kubectl apply -k k8s/base`) and the hf-token Secret;\n"
+        "# create it with `kubectl apply -f FILE`.\n"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(experiment, sort_keys=False, width=120))
+    path.write_text(header + experiment_yaml(experiment))
     return experiment

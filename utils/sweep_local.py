@@ -76,8 +76,7 @@ def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, fl
     with open(folder / TRIAL_LOG, "a") as log:
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "main.py")],
-            env=trial_environment(spec, trial, gpu),
-            cwd=REPO,
+            env=trial_environment(spec, trial, gpu),  # in this folder, as a user's main.py: relative paths hold
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,
