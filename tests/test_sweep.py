@@ -40,9 +40,9 @@ KATIB_API = SCHEMAS / "katib.v1beta1.swagger.json"
 FINAL_LINE = re.compile(r"^eval_accuracy=\S+ .*model=", re.M)
 
 
-def write_spec(folder: Path, name: str, **spec) -> Path:
+def write_spec(folder: Path, stem: str, **spec) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.yaml"
+    path = folder / f"{stem}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
