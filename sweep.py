@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,10 @@ def sweep(args: argparse.Namespace) -> int:
             print(f"wrote {path} ({len(trials)} trials); submit it with: sbatch {path}", file=sys.stderr)
             print(f"then, when the array is done: python sweep.py {args.spec} --summarize", file=sys.stderr)
             return 0
+        if not shutil.which("sbatch"):
+            raise JobError(
+                EXIT_BAD_INPUT, f"--submit: no sbatch here; run it on a Slurm login node, or `sbatch {path}` there"
+            )
         submitted = subprocess.run(["sbatch", str(path)], check=False)
         return submitted.returncode
     from utils.sweep_katib import experiment_yaml, render_experiment, write_experiment

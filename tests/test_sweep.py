@@ -179,6 +179,18 @@ def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep, capsy
     assert (grid_sweep.out / "summary.png").is_file() and "| 1 | trial-" in result.stdout
 
 
+def test_a_changed_spec_is_refused_on_an_existing_study(grid_sweep, tmp_path, capsys):
+    """trial-001 of another grid is other settings: resuming would mix two sweeps in one study and table."""
+    spec = yaml.safe_load(grid_sweep.spec.read_text())
+    spec["grid"]["learning_rate"] = [1.0e-3, 3.0e-2]
+    result = sweep_in_process(capsys, write_spec(tmp_path, "changed", **spec))
+    assert result.code == 2
+    (line,) = error_lines(result.stderr)
+    assert "study.db holds another sweep" in line and "give this spec a new output_dir" in line
+    assert "sweep: start" not in result.stdout
+    assert study_states(grid_sweep.out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
+
+
 def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep_data):
     """SIGKILL once trial-000 is complete and trial-001 has started; the rerun keeps trial-000 as it is, reruns
     trial-001 in its folder, and records trial-002 (a module name the model lacks: main.py exits 2) as failed

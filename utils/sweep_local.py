@@ -55,9 +55,14 @@ def pass_stop_signal(signum, frame) -> None:
         proc.send_signal(signum)
 
 
+# Looked up now: between fork and exec (preexec_fn) the child runs only this call, taking no lock a thread held.
+PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
 def die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if PRCTL is not None:
+        PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def trial_environment(spec: Spec, trial: Trial, gpu: str | None) -> dict[str, str]:
@@ -125,6 +130,16 @@ def run_local(spec: Spec, trials: list[Trial]) -> int:
         direction=spec.direction,
         sampler=optuna.samplers.RandomSampler(seed=spec.seed),
     )
+    spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
+    planned = {t.name: t.params for t in trials}
+    for old in study.get_trials(deepcopy=False):
+        name = old.user_attrs.get("trial")
+        if old.distributions and (old.distributions != spaces or old.params != planned.get(name)):
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{spec.output_dir / 'study.db'} holds another sweep ({name} ran {old.params}); "
+                "give this spec a new output_dir, or restore the spec the study was made with",
+            )
     for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         print(
             f"sweep: {stale.user_attrs.get('trial')} was left running by a stopped sweep; running it again", flush=True
@@ -137,7 +152,6 @@ def run_local(spec: Spec, trials: list[Trial]) -> int:
             f"sweep: {len(done)} trial(s) already complete in {spec.output_dir / 'study.db'}, {len(todo)} to run",
             flush=True,
         )
-    spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
     ask_lock = threading.Lock()
     slots: queue.Queue = queue.Queue()
     for slot in gpus[: spec.parallel] or [None] * spec.parallel:
