@@ -273,6 +273,7 @@ REFUSALS = [
     ({"settings": {"result_model_id": "me/x"}}, ["set by the sweep", "use push: true"]),
     ({"output_dir": None}, ["output_dir is missing"]),
     ({"backend": "ray"}, ["backend='ray'", "local, slurm, katib"]),
+    ({"config": "no-such-recipe.yaml"}, ["CONFIG_FILE=no-such-recipe.yaml does not exist"]),
 ]
 
 
