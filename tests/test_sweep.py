@@ -188,6 +188,11 @@ def test_a_changed_spec_is_refused_on_an_existing_study(grid_sweep, tmp_path, ca
     (line,) = error_lines(result.stderr)
     assert "study.db holds another sweep" in line and "give this spec a new output_dir" in line
     assert "sweep: start" not in result.stdout
+    spec = yaml.safe_load(grid_sweep.spec.read_text())
+    spec["settings"]["MAX_STEPS"] = "4"
+    result = sweep_in_process(capsys, write_spec(tmp_path, "longer", **spec))
+    assert result.code == 2
+    assert "study.db holds a sweep with other fixed settings" in error_lines(result.stderr)[0]
     assert study_states(grid_sweep.out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
 
 

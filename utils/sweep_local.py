@@ -124,13 +124,24 @@ def run_local(spec: Spec, trials: list[Trial]) -> int:
             EXIT_BAD_INPUT, f"parallel={spec.parallel} but {len(gpus)} GPU(s) here; set parallel: {len(gpus)}"
         )
     study = optuna.create_study(
-        study_name=spec.name,
+        study_name="sweep",  # one study per output_dir, whatever the spec's file is called
         storage=f"sqlite:///{spec.output_dir / 'study.db'}",
         load_if_exists=True,
         direction=spec.direction,
         sampler=optuna.samplers.RandomSampler(seed=spec.seed),
     )
     spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
+    # A finished trial is kept only if it ran what the spec asks of it now: the same fixed settings, the same values.
+    fixed = {**spec.settings, "CONFIG_FILE": spec.config or ""}
+    if not study.trials:
+        study.set_user_attr("fixed_settings", fixed)
+    if study.user_attrs.get("fixed_settings") != fixed:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{spec.output_dir / 'study.db'} holds a sweep with other fixed settings "
+            f"({study.user_attrs.get('fixed_settings')}); give this spec a new output_dir, "
+            "or restore the settings the study was made with",
+        )
     planned = {t.name: t.params for t in trials}
     for old in study.get_trials(deepcopy=False):
         name = old.user_attrs.get("trial")
