@@ -111,7 +111,12 @@ def sweep(args: argparse.Namespace) -> int:
 def run_one_trial(spec, trial) -> int:
     """One trial in this process's care; SIGTERM (Slurm's time limit) is passed on, so the job checkpoints."""
     from utils.sweep_local import pass_stop_signal, run_trial
+    from utils.sweep_summary import collect_rows
 
+    (row,) = collect_rows(spec, [trial])
+    if row.status == "complete":  # an array run again: what finished stays as it is
+        print(f"sweep: {trial.name} is already complete, {spec.metric}={row.value:.4f}; not run again", flush=True)
+        return 0
     signal.signal(signal.SIGTERM, pass_stop_signal)
     print(f"sweep: start {trial.name}", flush=True)
     code, value = run_trial(spec, trial)

@@ -177,6 +177,12 @@ def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep, capsy
     assert result.code == 0, result.stderr
     assert (grid_sweep.out / "summary.csv").read_text() == before
     assert (grid_sweep.out / "summary.png").is_file() and "| 1 | trial-" in result.stdout
+    # an array task run again for a finished trial leaves it as it is
+    log = grid_sweep.out / "trial-001" / "trial.log"
+    kept = log.read_text()
+    again = sweep_in_process(capsys, grid_sweep.spec, "--run-trial", "1")
+    assert again.code == 0 and "sweep: trial-001 is already complete" in again.stdout
+    assert log.read_text() == kept
 
 
 def test_a_changed_spec_is_refused_on_an_existing_study(grid_sweep, tmp_path, capsys):
