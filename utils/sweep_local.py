@@ -112,11 +112,18 @@ def hold_sweep_lock(out: Path):
 
 
 def run_local(spec: Spec, trials: list[Trial]) -> int:
+    lock = hold_sweep_lock(spec.output_dir)
+    try:
+        return run_study(spec, trials)
+    finally:
+        lock.close()
+
+
+def run_study(spec: Spec, trials: list[Trial]) -> int:
     import optuna
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    lock = hold_sweep_lock(spec.output_dir)
     signal.signal(signal.SIGTERM, pass_stop_signal)
     gpus = visible_gpus(dict(os.environ))
     if gpus and spec.parallel > len(gpus):
@@ -193,5 +200,4 @@ def run_local(spec: Spec, trials: list[Trial]) -> int:
 
     with ThreadPoolExecutor(max_workers=spec.parallel) as pool:
         list(pool.map(run_one, todo))
-    lock.close()
     return 0
