@@ -20,6 +20,7 @@ from utils.settings import Settings, resolve_base_model_id
 PLOT_NAME = "training_curves.png"
 LABELS_NAME = "id2label.json"  # the label names beside an adapter (its config.json would be the base model's)
 CARD_METRICS = ("accuracy", "f1", "precision", "recall", "matthews_correlation", "pearson", "spearman", "mse")
+CURVE_METRICS = ("eval_accuracy", "eval_matched_accuracy", "eval_pearson")  # the validation curve, the first logged
 REGRESSION_LABEL = "score"  # the one output of a regression model (utils/model.label_config)
 
 CARD_TEMPLATE = """---
@@ -76,9 +77,13 @@ def read_label_names(folder: Path) -> dict[int, str] | None:
 
 
 def plot_training_curves(log_history: list[dict], path: Path) -> bool:
-    """Training loss and validation accuracy against the optimizer step, as a PNG; False when nothing was logged."""
+    """Training loss and validation accuracy (MNLI: on the matched split; a regression: Pearson) against the
+    optimizer step, as a PNG; False when nothing was logged."""
     losses = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
-    accuracies = [(entry["step"], entry["eval_accuracy"]) for entry in log_history if "eval_accuracy" in entry]
+    logged = {key for entry in log_history for key in entry}
+    curve = next((key for key in CURVE_METRICS if key in logged), "eval_accuracy")
+    what = "validation " + curve.removeprefix("eval_").replace("_", " ")
+    accuracies = [(entry["step"], entry[curve]) for entry in log_history if curve in entry]
     if not losses and not accuracies:
         return False
     import matplotlib
@@ -93,8 +98,8 @@ def plot_training_curves(log_history: list[dict], path: Path) -> bool:
     loss_axis.set_ylabel("training loss", color="tab:blue")
     if accuracies:
         accuracy_axis = loss_axis.twinx()
-        accuracy_axis.plot(*zip(*accuracies, strict=True), color="tab:orange", marker="o", label="validation accuracy")
-        accuracy_axis.set_ylabel("validation accuracy", color="tab:orange")
+        accuracy_axis.plot(*zip(*accuracies, strict=True), color="tab:orange", marker="o", label=what)
+        accuracy_axis.set_ylabel(what, color="tab:orange")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
