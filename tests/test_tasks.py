@@ -438,3 +438,22 @@ def test_predict_labels_cola_shaped_sentences(cola_run):
     predicted = predictions(tmp, stdin="".join(f"{sentence}\n" for sentence, _ in rows))
     assert [p["text"] for p in predicted] == [sentence for sentence, _ in rows]
     assert {p["label"] for p in predicted} <= {"unacceptable", "acceptable"}
+
+
+def test_the_tokenized_cache_is_keyed_on_the_text_columns(tmp_path, tiny_bert):
+    """Premise alone and premise with hypothesis are other token rows: neither may load the other's cache."""
+    from transformers import AutoTokenizer
+
+    from utils.data import tokenize
+
+    pairs = write_mnli(tmp_path / "pairs", train=12, validation=6, splits=("validation",))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
+    lengths = {}
+    for columns in ("premise", "premise,hypothesis"):
+        raw = checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(pairs), "TEXT_COLUMN": columns})
+        data = tokenize(raw, tokenizer, 48, tmp_path / "cache", tuple(columns.split(",")))
+        lengths[columns] = [len(ids) for ids in data["train"]["input_ids"]]
+    assert len(list((tmp_path / "cache").glob("tokenized-*"))) == 2
+    assert all(
+        pair == single + 5 for single, pair in zip(lengths["premise"], lengths["premise,hypothesis"], strict=True)
+    )
