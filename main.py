@@ -78,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         masker = install_masking()  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
         settings, dist, args, strategy = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
-            check_run_dir(settings)
+            check_run_dir(settings, push_only=args.push_only)
             batch = plan_batches(settings, dist.world_size).as_dict()  # GLOBAL_BATCH_SIZE split over this world size
             shown = {"config": settings.as_dict(), "distributed": dist.as_dict(), "batch": batch, **strategy}
             print(json.dumps(shown, indent=2))
             return 0
-        run_dir = open_run_dir(settings)  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
+        # Unwritable or foreign OUTPUT_DIR: refused before the heavy imports.
+        run_dir = open_run_dir(settings, push_only=args.push_only)
 
         # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
