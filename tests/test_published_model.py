@@ -305,7 +305,9 @@ def test_a_finished_run_publishes_the_label_names_it_was_trained_with(finished_r
     assert json.loads((out / "merged" / "config.json").read_text())["id2label"] == recorded
     adapter = commit(hub, AGAIN_ID)
     assert json.loads(adapter["id2label.json"]) == recorded
-    assert f"'id2label': {{0: '{LABELS[0]}', 1: '{LABELS[1]}'}}" in adapter["README.md"].decode()
+    assert (
+        f""""id2label": {{0: '{LABELS[0]}', 1: '{LABELS[1]}'}}""" in adapter["README.md"].decode()
+    )  # the usage snippet
     assert json.loads(commit(hub, MERGED_AGAIN_ID)["config.json"])["id2label"] == recorded
 
 

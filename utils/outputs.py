@@ -1,6 +1,7 @@
-"""The run folder (OUTPUT_DIR): its layout, atomic writes, and whether it belongs to these settings.
+"""The run folder (OUTPUT_DIR): its layout, atomic writes, and whether it is the job's and belongs to these settings.
 
     OUTPUT_DIR/
+      .run-folder       the job's mark on a folder it claimed: it works only in its own (RUN_MARKER)
       model/            adapter + config, tokenizer, id2label.json, training_curves.png, README.md model card   (rank 0)
       merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
       metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
@@ -30,6 +31,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -42,6 +44,8 @@ from typing import IO
 
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_error, volume_state
 from utils.settings import REPO_ID_PATTERN, Settings, resolve_base_model_id
+
+log = logging.getLogger(__name__)
 
 PACKAGES = ("torch", "transformers", "datasets", "accelerate", "peft", "bitsandbytes", "evaluate", "huggingface-hub")
 COMPLETE_MARKER = "COMPLETE"
@@ -455,6 +459,11 @@ def published_settings(run: RunDir, settings: Settings) -> Settings:
         update["base_model_id"] = base
     trained_name = (run.read_json(run.metrics) or {}).get("run_name")
     if trained_name and trained_name != settings.run_name:
+        log.warning(
+            "RUN_NAME=%s ignored: the finished run is published as %s, its recorded name",
+            settings.run_name,
+            trained_name,
+        )
         update["run_name"] = trained_name
     return settings.model_copy(update=update) if update else settings
 
