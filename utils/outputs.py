@@ -399,8 +399,8 @@ def check_finished_run(run: RunDir, settings: Settings, record: dict, data: bool
         raise JobError(
             EXIT_BAD_INPUT,
             f"LABEL_NAMES={','.join(settings.label_names)} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: "
-            f"its model was trained with {','.join(recorded)} (label 0 first, {run.model / LABELS_FILE}); unset LABEL_NAMES "
-            "to publish the names it was trained with, or use a new OUTPUT_DIR to train with these",
+            f"its model was trained with {','.join(recorded)} (label 0 first, {run.model / LABELS_FILE}); unset LABEL_NAMES (or "
+            "label_names in the --config file) to publish the names it was trained with, or use a new OUTPUT_DIR to train with these",
         )
     trained_base = recorded_hub_base(run)
     if trained_base and settings.base_model_id and settings.base_model_id != trained_base:
