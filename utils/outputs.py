@@ -42,6 +42,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO
 
+from utils.batching import replica_count_change
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_error, volume_state
 from utils.settings import REPO_ID_PATTERN, Settings, resolve_base_model_id
 
@@ -315,19 +316,31 @@ def replace_dir(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_run_dir(settings: Settings, push_only: bool = False) -> RunDir:
+def check_run_dir(settings: Settings, world_size: int | None = None, push_only: bool = False) -> RunDir:
     """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds a run with other
     training settings; a finished run also with other label names, base model or data (`check_finished_run`;
-    `push_only` publishes what the volume holds and does not read the data). Reads, writes nothing."""
+    `push_only` publishes what the volume holds and does not read the data). Reads, writes nothing.
+    `world_size`: this start's replica count, named first when the change of count is what changed them."""
     run = RunDir(Path(settings.output_dir).resolve())
     refuse_foreign(run, settings)  # first: a link in someone else's folder is theirs, not a link planted in ours
     run.check_planted()
     record = run.read_json(run.run_record) if run.root.is_dir() else None
     if record is not None:
         theirs, ours = record.get("training_settings", {}), settings.training_settings()
-        changed = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        # Only what trains this run now: a value recorded that is no training setting here (PER_DEVICE_BATCH_SIZE
+        # under GLOBAL_BATCH_SIZE, a memory cap) may change.
+        changed = sorted(k for k in ours if theirs.get(k) != ours.get(k))
         if changed:
             detail = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed[:4])
+            count = replica_count_change(record, settings, world_size) if world_size else None
+            if count:
+                trained_on = record["segments"][-1]["world_size"]
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"OUTPUT_DIR={settings.output_dir}: {count}, and the learning rate follows the global batch "
+                    f"({detail}); restart with {trained_on} replica(s) to resume, or for a new run set GLOBAL_BATCH_SIZE "
+                    "in a new OUTPUT_DIR (then the replica count may change between restarts)",
+                )
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"OUTPUT_DIR={settings.output_dir} holds a run with other training settings ({detail}); "
@@ -484,9 +497,9 @@ def data_files_digest(settings: Settings) -> dict[str, str] | None:
     return {str(path.relative_to(folder)): _sha256(path) for path in sorted(paths)}
 
 
-def open_run_dir(settings: Settings, push_only: bool = False) -> RunDir:
+def open_run_dir(settings: Settings, world_size: int | None = None, push_only: bool = False) -> RunDir:
     """Create OUTPUT_DIR's folders, claimed as this job's, after refusing one `check_run_dir` refuses."""
-    run = check_run_dir(settings, push_only=push_only)
+    run = check_run_dir(settings, world_size, push_only=push_only)
     try:
         run.root.mkdir(parents=True, exist_ok=True)  # OUTPUT_DIR itself, and the folders above it, are the user's
         claim_run_dir(run)
