@@ -43,7 +43,7 @@ import logging
 import sys
 
 from utils.batching import check_elastic_range, micro_batch_warning, plan_batches
-from utils.deepspeed_config import adopt_launcher, describe_strategy
+from utils.deepspeed_config import adopt_deepspeed, describe_strategy
 from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
@@ -63,9 +63,10 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     # An elastic launcher's range: a count the global batch cannot serve would end the job after a loss.
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
-    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too). Before the
-    # recipe: adopting re-derives RUN_NAME, which must not see the resolved rate (STRATEGY set by hand does not).
-    settings = adopt_launcher(settings, launcher_options())
+    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too), and
+    # DEEPSPEED_CONFIG's stage and offload become ZERO_STAGE and ZERO_OFFLOAD. Before the recipe: adopting
+    # re-derives RUN_NAME, which must not see the resolved rate (STRATEGY set by hand does not).
+    settings = adopt_deepspeed(settings, launcher_options())
     # The learning rate follows the global batch unless LEARNING_RATE is set.
     settings = apply_recipe(settings, dist.world_size)
     check_push_possible(settings)

@@ -395,13 +395,75 @@ REFUSED = {  # id -> (settings, what the error line says)
         {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{param2}"},
         "only ZeRO stage 3 shards and offloads weights",
     ),
+    "file-offloads-parameters-alone": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{param_alone}"},
+        "offloads the weights (zero_optimization.offload_param) but not the optimizer state",
+    ),
+    # What transformers compares with its TrainingArguments only once the model has loaded: the step counts
+    # (trainer_config_finalize), and the optimizer's betas and epsilon.
+    "pinned-warmup-without-max-steps": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{warmup}"},
+        "pins scheduler.params.warmup_num_steps: 100, but without MAX_STEPS the run's step count follows",
+    ),
+    "pinned-warmup-against-max-steps": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{warmup}", "MAX_STEPS": "10"},
+        'pins scheduler.params.warmup_num_steps: 100 but the job\'s settings resolve it to 1; write "auto"',
+    ),
+    "pinned-total-steps-against-max-steps": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{total}", "MAX_STEPS": "10"},
+        "pins scheduler.params.total_num_steps: 500 but the job's settings resolve it to 10",
+    ),
+    # transformers compares with !=, so a rate a rounding away is refused here rather than there.
+    "pinned-rate-a-rounding-away": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{near_rate}"},
+        "pins optimizer.params.lr: 0.0030000001 but the job's settings resolve it to 0.003",
+    ),
+    "pinned-betas": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{betas}"},
+        "pins optimizer.params.betas: [0.9, 0.95] but the job's settings resolve it to [0.9, 0.999]",
+    ),
+    "pinned-eps": ({"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{eps}"}, "pins optimizer.params.eps: 1e-06"),
+    "scheduler-with-its-own-rates": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{one_cycle}"},
+        'scheduler.type: "OneCycle", which does not warm up to the job\'s learning rate',
+    ),
+    "scheduler-parameter-it-does-not-take": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{cosine_max_lr}"},
+        "gives the WarmupCosineLR scheduler scheduler.params.warmup_max_lr, which it does not take",
+    ),
+    "auto-nobody-fills": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{auto_stage3}"},
+        'sets zero_optimization.stage3_max_live_parameters: "auto", which neither the job nor the Trainer fills in',
+    ),
+    "precision-not-an-object": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{bf16_bool}"},
+        'sets bf16 to true, where DeepSpeed reads an object; write "bf16": {...}',
+    ),
+    # ZERO_STAGE and ZERO_OFFLOAD beside a file that sets otherwise: refused, not overridden.
+    "zero-stage-against-file": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{file}", "ZERO_STAGE": "3"},
+        "ZERO_STAGE=3 but DEEPSPEED_CONFIG={file} sets ZeRO stage 2 (zero_optimization.stage); the file decides",
+    ),
+    "zero-offload-against-file": (
+        {"STRATEGY": "deepspeed", "DEEPSPEED_CONFIG": "{file}", "ZERO_OFFLOAD": "optimizer"},
+        "ZERO_OFFLOAD=optimizer but DEEPSPEED_CONFIG={file} sets offload none",
+    ),
+    "accelerate-stage-against-file": (
+        {
+            "ACCELERATE_USE_DEEPSPEED": "true",
+            "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+            "STRATEGY": "deepspeed",
+            "DEEPSPEED_CONFIG": "{file}",
+        },
+        "the accelerate config asks for ZERO_STAGE=3 but DEEPSPEED_CONFIG={file} sets ZeRO stage 2",
+    ),
 }
 
 
 # One refusal from each place that refuses (the settings, the accelerate config, reading the file, checking it)
 # runs as `main.py --dry-run`, for what the process prints and its exit code; the rest go through
 # main.configure in this process, the same function the process runs first.
-END_TO_END = {"8bit", "accelerate-fsdp", "not-json", "pinned-rate"}
+END_TO_END = {"8bit", "accelerate-fsdp", "not-json", "pinned-rate", "pinned-warmup-without-max-steps"}
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -424,9 +486,38 @@ def test_deepspeed_settings_that_cannot_apply_are_refused_before_anything_loads(
         "param2": ds_file(
             tmp_path, {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "param2.json"
         ),
+        "param_alone": ds_file(
+            tmp_path, {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "param_alone.json"
+        ),
+        "warmup": ds_file(
+            tmp_path, {**ZERO2, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}, "warmup.json"
+        ),
+        "total": ds_file(
+            tmp_path,
+            {**ZERO2, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500}}},
+            "total.json",
+        ),
+        "betas": ds_file(
+            tmp_path, {**ZERO2, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}}, "b.json"
+        ),
+        "near_rate": ds_file(
+            tmp_path, {**ZERO2, "optimizer": {"type": "AdamW", "params": {"lr": 0.0030000001}}}, "near_rate.json"
+        ),
+        "eps": ds_file(tmp_path, {**ZERO2, "optimizer": {"type": "AdamW", "params": {"eps": 1e-6}}}, "eps.json"),
+        "one_cycle": ds_file(tmp_path, {**ZERO2, "scheduler": {"type": "OneCycle", "params": {}}}, "one_cycle.json"),
+        "cosine_max_lr": ds_file(
+            tmp_path,
+            {**ZERO2, "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_max_lr": "auto"}}},
+            "cosine.json",
+        ),
+        "auto_stage3": ds_file(
+            tmp_path, {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}}, "auto3.json"
+        ),
+        "bf16_bool": ds_file(tmp_path, {**ZERO2, "bf16": True}, "bf16_bool.json"),
     }
     settings, says = REFUSED[case]
     settings = {name: value.format(**files) for name, value in settings.items()}
+    says = says.replace("{file}", str(files["file"]))  # the error names the file
     # LoRA+ off for the optimizer-block case: the rate is what is refused there, not the block itself.
     if case not in END_TO_END:
         assert says in refused_in_process(monkeypatch, capsys, job_env, LORAPLUS_LR_RATIO="1", **settings)
@@ -475,10 +566,49 @@ def test_dry_run_shows_the_deepspeed_config_the_run_uses(tmp_path, job_env, monk
     )
     assert strategy == {"strategy": shown["strategy"], "deepspeed": config}
 
-    # A user's file: its own values kept, "auto" filled in, the stage the file's.
+    # A user's file: its own values kept, what it leaves out of the job's completed, "auto" filled in, the stage
+    # and offload the file's, and ZERO_STAGE and ZERO_OFFLOAD saying so (run.json records them).
     path = ds_file(tmp_path, {"zero_optimization": {"stage": 1}, "train_batch_size": "auto", "gradient_clipping": 1.0})
-    *_, shown = configured_dry_run(monkeypatch, job_env, STRATEGY="deepspeed", ZERO_STAGE="3", DEEPSPEED_CONFIG=path)
-    assert shown["deepspeed"] == {"zero_optimization": {"stage": 1}, "train_batch_size": 16, "gradient_clipping": 1.0}
+    settings, _, _, shown = configured_dry_run(monkeypatch, job_env, STRATEGY="deepspeed", DEEPSPEED_CONFIG=path)
+    assert shown["deepspeed"] == {
+        "zero_optimization": {"stage": 1},
+        "train_batch_size": 16,
+        "gradient_clipping": 1.0,
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+    }
+    assert (settings.zero_stage, settings.zero_offload) == (1, "none")
+    assert settings.training_settings()["zero_stage"] == 1
+    # A scheduler and an optimizer block: what the Trainer fills in from the run completed, the step counts
+    # left "auto" until the data set's size is known, and ZERO_STAGE/ZERO_OFFLOAD agreeing with the file accepted.
+    path = ds_file(
+        tmp_path,
+        {
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "optimizer": {"type": "AdamW", "params": {}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_type": "linear"}},
+        },
+        "scheduled.json",
+    )
+    settings, _, _, shown = configured_dry_run(
+        monkeypatch,
+        job_env,
+        STRATEGY="deepspeed",
+        DEEPSPEED_CONFIG=path,
+        ZERO_STAGE="3",
+        ZERO_OFFLOAD="optimizer",
+        LORAPLUS_LR_RATIO="1",
+    )
+    assert shown["deepspeed"]["optimizer"]["params"] == {"lr": 0.003, "weight_decay": settings.weight_decay}
+    assert shown["deepspeed"]["scheduler"]["params"] == {
+        "warmup_type": "linear",
+        "warmup_max_lr": 0.003,
+        "warmup_num_steps": "auto",
+        "total_num_steps": "auto",
+    }
+    assert (settings.zero_stage, settings.zero_offload) == (3, "optimizer")
 
     # DDP shows no DeepSpeed config, and the same run name as before DeepSpeed settings existed.
     *_, plain = configured_dry_run(monkeypatch, job_env)
@@ -595,3 +725,80 @@ def test_a_deepspeed_run_does_not_resume_on_another_replica_count(tmp_path, tiny
     assert alone.code == 2, alone.stderr[-3000:]
     [error] = error_lines(alone.stderr)
     assert "2 replica(s), this start has 1" in error and "DeepSpeed partitions the optimizer state by rank" in error
+
+
+def test_what_transformers_compares_with_its_arguments_is_compared_at_dry_run(tmp_path):
+    """Every field transformers' DeepSpeed integration checks against TrainingArguments (a mismatch there is a
+    ValueError after the model has loaded) is one the job compares first, with the Trainer's own defaults for
+    those the job keeps; the schedulers' parameters are the ones DeepSpeed's classes take."""
+    import inspect
+    import re
+
+    from deepspeed.runtime import lr_schedules
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from utils import deepspeed_config
+    from utils.settings import Settings
+
+    source = inspect.getsource(HfTrainerDeepSpeedConfig.trainer_config_process) + inspect.getsource(
+        HfTrainerDeepSpeedConfig.trainer_config_finalize
+    )
+    compared = set(re.findall(r'self\.fill_match\(\s*"([^"]+)"', source))
+    assert "scheduler.params.warmup_num_steps" in compared, source  # the pattern still finds them
+    owned = deepspeed_config.owned_values(Settings(max_steps=10), 1, "fp32")
+    assert compared <= set(owned), f"compared by transformers, not by the job: {sorted(compared - set(owned))}"
+
+    defaults = TrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+    assert [defaults.adam_beta1, defaults.adam_beta2] == deepspeed_config.ADAM_BETAS
+    assert (defaults.adam_epsilon, defaults.max_grad_norm) == (
+        deepspeed_config.ADAM_EPSILON,
+        deepspeed_config.GRADIENT_CLIPPING,
+    )
+    for kind, (taken, filled) in deepspeed_config.SCHEDULERS.items():
+        parameters = set(inspect.signature(getattr(lr_schedules, kind)).parameters) - {"self", "optimizer"}
+        assert parameters == taken, (kind, parameters ^ taken)
+        assert set(filled) <= taken
+
+
+@pytest.mark.slow
+def test_a_config_with_only_a_stage_trains_records_its_stage_and_a_changed_one_is_refused_on_resume(
+    tmp_path, tiny_bert, fixed_data
+):
+    """A file that sets only the ZeRO stage (the rest the job's) trains; run.json and the checkpoints record the
+    stage it set; the file edited to another stage afterwards is refused at the restart (exit 2, before anything
+    loads), and a checkpoint whose recorded stage differs from the start's is refused by the resume itself."""
+    config = ds_file(tmp_path, {"zero_optimization": {"stage": 1}})
+    out = tmp_path / "out"
+    settings = comparison_settings(
+        tiny_bert, fixed_data, out, STRATEGY="deepspeed", DEEPSPEED_CONFIG=config, MAX_STEPS=2, SAVE_STEPS=1
+    )
+    result = run_main(base_env(tmp_path, **settings), timeout=900)
+    assert result.code == 0, result.stderr[-3000:]
+    assert (
+        "strategy deepspeed: ZeRO stage 1, optimizer state offloaded False"
+        in (out / "logs" / "rank-0.log").read_text()
+    )
+    record = json.loads((out / "run.json").read_text())
+    assert (record["training_settings"]["zero_stage"], record["training_settings"]["zero_offload"]) == (1, "none")
+    from utils.outputs import RunDir, checkpoint_resume_key
+
+    checkpoint = out / "checkpoints" / f"checkpoint-{max(complete_steps(out))}"
+    key = checkpoint_resume_key(checkpoint)
+    assert key["zero"] == {"stage": 1, "offload": "none"}
+
+    ds_file(tmp_path, {"zero_optimization": {"stage": 3}})
+    restart = run_main(base_env(tmp_path, **settings), timeout=120)
+    assert restart.code == 2, restart.stderr[-3000:]
+    [error] = error_lines(restart.stderr)
+    assert "zero_stage: 1 -> 3" in error and "use a new OUTPUT_DIR" in error, error
+    assert "Traceback" not in restart.stderr
+
+    from utils.errors import JobError
+    from utils.run import resume_checkpoint
+
+    with pytest.raises(JobError) as refused:
+        resume_checkpoint(RunDir(out), {**key, "zero": {"stage": 3, "offload": "none"}})
+    assert refused.value.code == 2
+    assert "written under ZeRO stage 1 (offload none), this start sets stage 3" in refused.value.message
+    assert resume_checkpoint(RunDir(out), key) == str(checkpoint)  # the same stage resumes

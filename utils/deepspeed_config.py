@@ -4,9 +4,16 @@ and checked against the settings before anything is loaded.
 What the job's settings own is written "auto" in the config the job builds, and the Trainer fills it in from
 its TrainingArguments: the micro-batch, the accumulation, the global batch (utils/batching.py), the
 learning rate and schedule (utils/recipe.py), the clipping, the precision. A user's ds_config.json may leave
-them "auto", leave them out, or pin them to the value the settings resolve to; a value that disagrees is
-refused (exit 2) naming the field and both values, so no run trains with other numbers than the ones its
-run.json, logs and model card show.
+them "auto", leave them out (the job writes "auto" for them: DeepSpeed's own defaults would train other
+numbers, or fail its batch assertion), or pin them to the value the settings resolve to; a value that
+disagrees is refused (exit 2) naming the field and both values, so no run trains with other numbers than the
+ones its run.json, logs and model card show. Every field transformers compares with its TrainingArguments
+(HfTrainerDeepSpeedConfig.trainer_config_process / _finalize) is compared here first, at --dry-run, and so is
+every "auto" that nothing would fill in: none of them fails after the model has loaded.
+
+The ZeRO stage and offload a user's file sets become ZERO_STAGE and ZERO_OFFLOAD (`adopt_deepspeed`), so
+run.json and the checkpoints record what trains and a resume compares it like any training setting; a
+ZERO_STAGE or ZERO_OFFLOAD set to something else beside the file is refused.
 
 The job's config has no "optimizer" and no "scheduler" block: the Trainer then builds its own AdamW, with the
 recipe's parameter groups (LoRA+, the head's rate), and its own warm-up schedule, and hands them to DeepSpeed
@@ -23,7 +30,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,12 +38,69 @@ from pydantic import ValidationError
 
 from utils.batching import plan_batches
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.recipe import resolve_learning_rate, resolve_loraplus_ratio
+from utils.recipe import resolve_learning_rate, resolve_loraplus_ratio, warmup_steps
 from utils.settings import Settings
 
 DEEPSPEED_PIN = "deepspeed==0.19.8"  # requirements.txt's pin, named in the fix when it is missing
-# The Trainer's max_grad_norm default, which the job keeps (utils/trainer.py sets no other).
-GRADIENT_CLIPPING = 1.0
+# The Trainer's defaults for these, which the job keeps (utils/trainer.py sets no other).
+GRADIENT_CLIPPING = 1.0  # max_grad_norm
+ADAM_BETAS = [0.9, 0.999]  # adam_beta1, adam_beta2
+ADAM_EPSILON = 1e-8
+# The DeepSpeed schedulers that warm up from the job's rate (the others, OneCycle and LRRangeTest, set rates of
+# their own) -> the parameters each takes (DeepSpeed passes the file's params to it as keywords) and, of those,
+# the ones transformers fills in from the run: left out, DeepSpeed's defaults (a 0.001 rate, 1,000 warm-up
+# steps) would train instead.
+SCHEDULERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "WarmupLR": (
+        frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"}),
+        ("warmup_max_lr", "warmup_num_steps"),
+    ),
+    "WarmupDecayLR": (
+        frozenset(
+            {
+                "total_num_steps",
+                "warmup_min_lr",
+                "warmup_max_lr",
+                "warmup_num_steps",
+                "warmup_type",
+                "last_batch_iteration",
+            }
+        ),
+        ("warmup_max_lr", "warmup_num_steps", "total_num_steps"),
+    ),
+    "WarmupCosineLR": (
+        frozenset(
+            {
+                "total_num_steps",
+                "warmup_min_ratio",
+                "warmup_num_steps",
+                "cos_min_ratio",
+                "warmup_type",
+                "last_batch_iteration",
+            }
+        ),
+        ("warmup_num_steps", "total_num_steps"),
+    ),
+}
+# "auto" values someone fills in: the Trainer (the owned fields, and these) or Accelerate (the bucket sizes, from
+# the model's hidden size). Any other "auto" would reach DeepSpeed as a string.
+FILLED_ELSEWHERE = frozenset(
+    {
+        "scheduler.params.warmup_min_lr",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+    }
+)
+# What the job writes "auto" for when a user's file leaves it out: the Trainer then fills it in from the settings.
+COMPLETED = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "gradient_clipping",
+    "bf16.enabled",
+    "fp16.enabled",
+)
 OFFLOADS = {  # ZERO_OFFLOAD -> (optimizer state on the CPU, weights on the CPU)
     "none": (False, False),
     "optimizer": (True, False),
@@ -113,9 +176,15 @@ def owned_values(settings: Settings, world_size: int, precision: str | None) -> 
         "train_batch_size": plan.global_batch,
         "gradient_clipping": GRADIENT_CLIPPING,
         "optimizer.params.lr": rate,
+        "optimizer.params.betas": ADAM_BETAS,
+        "optimizer.params.eps": ADAM_EPSILON,
         "optimizer.params.weight_decay": settings.weight_decay,
         "scheduler.params.warmup_max_lr": rate,
     }
+    if settings.max_steps:  # else the step counts follow the data set's size, known once it is loaded
+        owned["scheduler.params.total_num_steps"] = settings.max_steps
+        # As the Trainer counts them (utils/trainer.JobTrainingArguments), and at least 1 (its DeepSpeed integration)
+        owned["scheduler.params.warmup_num_steps"] = max(1, warmup_steps(settings.warmup_ratio, settings.max_steps))
     if precision is None and settings.precision != "auto":
         precision = settings.precision
     if precision is not None:
@@ -131,6 +200,8 @@ SETTING_OF = {  # what to change on the job's side, per owned field
     "optimizer.params.lr": "LEARNING_RATE",
     "optimizer.params.weight_decay": "WEIGHT_DECAY",
     "scheduler.params.warmup_max_lr": "LEARNING_RATE",
+    "scheduler.params.total_num_steps": "MAX_STEPS",
+    "scheduler.params.warmup_num_steps": "WARMUP_RATIO (or MAX_STEPS)",
     "bf16.enabled": "PRECISION",
     "fp16.enabled": "PRECISION",
 }
@@ -139,15 +210,30 @@ SETTING_OF = {  # what to change on the job's side, per owned field
 def check_config(config: Mapping[str, Any], settings: Settings, world_size: int, precision: str | None) -> None:
     """Refuse a user's config that pins a value the settings resolve otherwise, or that cannot apply."""
     where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
-    for field, ours in owned_values(settings, world_size, precision).items():
+    owned = owned_values(settings, world_size, precision)
+    for field in ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"):
+        theirs = _get(config, field)
+        if field not in owned and theirs not in (None, "auto"):
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{where} pins {field}: {json.dumps(theirs)}, but without MAX_STEPS the run's step count follows the "
+                f'data set\'s size, known only once it is loaded; write "auto" for {field} in the file (the job '
+                "fills it in), or set MAX_STEPS",
+            )
+    for field, ours in owned.items():
         theirs = _get(config, field)
         if theirs is None or theirs == "auto":
             continue
         if isinstance(ours, bool):
             same = theirs is ours
-        else:  # a rate written out in the file with fewer digits than the recipe resolves it to is another rate
-            number = isinstance(theirs, (int, float)) and not isinstance(theirs, bool)
-            same = number and math.isclose(theirs, ours, rel_tol=1e-9)
+        elif isinstance(ours, list):
+            same = (
+                isinstance(theirs, list)
+                and len(theirs) == len(ours)
+                and all(_same_number(a, b) for a, b in zip(theirs, ours, strict=True))
+            )
+        else:
+            same = _same_number(theirs, ours)
         if not same:
             raise JobError(
                 EXIT_BAD_INPUT,
@@ -159,9 +245,48 @@ def check_config(config: Mapping[str, Any], settings: Settings, world_size: int,
                     else f" or {json.dumps(ours)}: the job's own value"
                 ),
             )
+    check_zero(config, where)
+    check_scheduler(config, where)
+    for path in _auto_paths(config):
+        if path not in owned and path not in SETTING_OF and path not in FILLED_ELSEWHERE:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f'{where} sets {path}: "auto", which neither the job nor the Trainer fills in (DeepSpeed would read '
+                f'the word "auto" as its value); write a value for {path}, or drop it for DeepSpeed\'s default',
+            )
+    loraplus_ratio = resolve_loraplus_ratio(settings, world_size)
+    if "optimizer" in config and (loraplus_ratio != 1 or settings.head_learning_rate_ratio != 1):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{where} has an optimizer block, which replaces the job's AdamW and with it the recipe's per-group rates "
+            f"(LORAPLUS_LR_RATIO={loraplus_ratio:g}, HEAD_LEARNING_RATE_RATIO={settings.head_learning_rate_ratio:g}); "
+            "drop the optimizer block (the job's AdamW runs under DeepSpeed), or set both ratios to 1",
+        )
+
+
+def _same_number(theirs: Any, ours: float) -> bool:
+    # Equal as transformers compares them (!=): a rate written out with fewer digits than the recipe resolves it
+    # to is another rate, and would fail its check once the model has loaded.
+    number = isinstance(theirs, (int, float)) and not isinstance(theirs, bool)
+    return number and theirs == ours
+
+
+def _auto_paths(config: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted path of every "auto" value in `config`."""
+    paths = []
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            paths += _auto_paths(value, f"{prefix}{key}.")
+        elif value == "auto":
+            paths.append(f"{prefix}{key}")
+    return paths
+
+
+def check_zero(config: Mapping[str, Any], where: str) -> None:
+    """The ZeRO stage and offload a file sets: ones STRATEGY=deepspeed trains with and ZERO_OFFLOAD can record."""
     zero = config.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
-    if stage not in (1, 2, 3):
+    if stage not in (1, 2, 3) or isinstance(stage, bool):
         raise JobError(
             EXIT_BAD_INPUT,
             f"{where} sets zero_optimization.stage: {json.dumps(stage)}; STRATEGY=deepspeed trains with ZeRO stage 1, 2 "
@@ -174,14 +299,70 @@ def check_config(config: Mapping[str, Any], settings: Settings, world_size: int,
             f"{where} offloads the weights (zero_optimization.offload_param.device: {param_device}) at stage {stage}, "
             "but only ZeRO stage 3 shards and offloads weights; set zero_optimization.stage to 3, or drop offload_param",
         )
-    loraplus_ratio = resolve_loraplus_ratio(settings, world_size)
-    if "optimizer" in config and (loraplus_ratio != 1 or settings.head_learning_rate_ratio != 1):
+    if offloads(config) == (False, True):
         raise JobError(
             EXIT_BAD_INPUT,
-            f"{where} has an optimizer block, which replaces the job's AdamW and with it the recipe's per-group rates "
-            f"(LORAPLUS_LR_RATIO={loraplus_ratio:g}, HEAD_LEARNING_RATE_RATIO={settings.head_learning_rate_ratio:g}); "
-            "drop the optimizer block (the job's AdamW runs under DeepSpeed), or set both ratios to 1",
+            f"{where} offloads the weights (zero_optimization.offload_param) but not the optimizer state; offload "
+            "both (add offload_optimizer with the same device: ZERO_OFFLOAD=optimizer+parameters), or drop offload_param",
         )
+
+
+def check_scheduler(config: Mapping[str, Any], where: str) -> None:
+    """A scheduler block DeepSpeed can build with the job's rate and step counts."""
+    if "scheduler" not in config:
+        return
+    kind = _get(config, "scheduler.type")
+    if kind not in SCHEDULERS:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{where} sets scheduler.type: {json.dumps(kind)}, which does not warm up to the job's learning rate; drop "
+            f"the scheduler block (the job's linear warm-up by WARMUP_RATIO and decay), or use one of {', '.join(SCHEDULERS)}",
+        )
+    params = _get(config, "scheduler.params") or {}
+    if not isinstance(params, Mapping):
+        raise JobError(EXIT_BAD_INPUT, f"{where} sets scheduler.params to a {type(params).__name__}; write an object")
+    taken, _ = SCHEDULERS[kind]
+    unknown = sorted(set(params) - taken)
+    if unknown:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{where} gives the {kind} scheduler scheduler.params.{unknown[0]}, which it does not take; drop it (it takes "
+            f"{', '.join(sorted(taken))})",
+        )
+
+
+def complete_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A user's config with "auto" written for what the job owns and the file leaves out, so the Trainer fills
+    it in from the settings (DeepSpeed's own defaults would fail its batch assertion, clip nothing, or warm up
+    to another rate)."""
+    for block in ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16"):
+        if block in config and not isinstance(config[block], Mapping):
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{where} sets {block} to {json.dumps(config[block])}, where DeepSpeed reads an object; write "
+                f'"{block}": {{...}}' + (' ({"enabled": "auto"} for the job\'s PRECISION)' if "16" in block else ""),
+            )
+    if "bfloat16" in config:  # DeepSpeed's older name, which transformers does not check against PRECISION
+        raise JobError(
+            EXIT_BAD_INPUT, f'{where} sets "bfloat16"; rename it to "bf16" ({{"enabled": "auto"}} follows PRECISION)'
+        )
+    completed = copy.deepcopy(dict(config))
+    fields = list(COMPLETED)
+    if "optimizer" in completed:
+        fields += ["optimizer.params.lr", "optimizer.params.weight_decay"]
+    kind = _get(completed, "scheduler.type")
+    if kind in SCHEDULERS:
+        fields += [f"scheduler.params.{name}" for name in SCHEDULERS[kind][1]]
+    for field in fields:
+        *parents, leaf = field.split(".")
+        holder = completed
+        for part in parents:
+            holder = holder.setdefault(part, {})
+            if not isinstance(holder, dict):
+                break
+        else:
+            holder.setdefault(leaf, "auto")
+    return completed
 
 
 def check_installed() -> None:
@@ -198,7 +379,8 @@ def run_config(settings: Settings, world_size: int, precision: str | None = None
     check_installed()
     if settings.deepspeed_config is None:
         return build_config(settings)
-    config = load_config(settings.deepspeed_config)
+    where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
+    config = complete_config(load_config(settings.deepspeed_config), where)
     check_config(config, settings, world_size, precision)
     return config
 
@@ -300,3 +482,54 @@ def adopt_launcher(settings: Settings, launcher: Mapping[str, object]) -> Settin
         raise JobError(EXIT_BAD_INPUT, f"the accelerate config's DeepSpeed options: {reason}") from None
     check_launcher(adopted, launcher)
     return adopted
+
+
+# ------------------------------------------------------------------------------- what a config sets
+def offload_setting(config: Mapping[str, Any]) -> str:
+    """The ZERO_OFFLOAD value that sets what `config` offloads (check_zero refuses the weights alone)."""
+    return {(False, False): "none", (True, False): "optimizer", (True, True): "optimizer+parameters"}[offloads(config)]
+
+
+def adopt_config(settings: Settings, chosen: Mapping[str, str]) -> Settings:
+    """DEEPSPEED_CONFIG's ZeRO stage and offload become ZERO_STAGE and ZERO_OFFLOAD: run.json, the run name, the
+    checkpoints' resume key and the rendezvous then carry what trains, not the defaults, and a file edited between
+    a run and its restart is refused like any other changed training setting. `chosen`: setting -> who set it
+    beside the file ("" for the environment or a flag, else the accelerate config); one that disagrees with the
+    file is refused (exit 2) naming both values."""
+    if settings.strategy != "deepspeed" or settings.deepspeed_config is None:
+        return settings
+    where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
+    config = load_config(settings.deepspeed_config)
+    check_zero(config, where)
+    stage, offload = zero_stage(config), offload_setting(config)
+    for name, value, what in (
+        ("zero_stage", stage, "ZeRO stage {} (zero_optimization.stage)"),
+        ("zero_offload", offload, "offload {} (zero_optimization.offload_optimizer and offload_param)"),
+    ):
+        ours = getattr(settings, name)
+        if name in chosen and ours != value:
+            variable = name.upper()
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{chosen[name]}{variable}={ours} but {where} sets {what.format(value)}; the file decides what "
+                f"trains: unset {variable} (or set it to {value}), or change the file",
+            )
+    if (settings.zero_stage, settings.zero_offload) == (stage, offload):
+        return settings
+    values = settings.model_dump()
+    if "run_name" not in settings.model_fields_set:
+        values.pop("run_name")  # derived again from the settings that now train
+    return Settings(**{**values, "zero_stage": stage, "zero_offload": offload})
+
+
+def adopt_deepspeed(settings: Settings, launcher: Mapping[str, object]) -> Settings:
+    """The settings with an accelerate DeepSpeed config's choices (`adopt_launcher`), then DEEPSPEED_CONFIG's
+    stage and offload (`adopt_config`), each refused where it contradicts a setting given beside it."""
+    chosen = {name: "" for name in ("zero_stage", "zero_offload") if name in settings.model_fields_set}
+    if launcher.get("deepspeed") and not launcher.get("deepspeed_config_file"):
+        by_launcher = "the accelerate config asks for "
+        if launcher.get("zero_stage") is not None:
+            chosen.setdefault("zero_stage", by_launcher)
+        if launcher.get("offload_optimizer_device") or launcher.get("offload_param_device"):
+            chosen.setdefault("zero_offload", by_launcher)
+    return adopt_config(adopt_launcher(settings, launcher), chosen)

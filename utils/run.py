@@ -157,6 +157,14 @@ def resume_checkpoint(run: RunDir, key: dict) -> str | None:
     if latest is None:
         return None
     theirs = checkpoint_resume_key(latest)
+    if "zero" in theirs and theirs["zero"] != key.get("zero"):
+        was, now = ({**{"stage": None, "offload": None}, **(zero or {})} for zero in (theirs["zero"], key.get("zero")))
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{run.checkpoints / latest.name} was written under ZeRO stage {was['stage']} (offload {was['offload']}), "
+            f"this start sets stage {now['stage']} (offload {now['offload']}), whose shards it cannot load: restore that "
+            "run's DeepSpeed config (DEEPSPEED_CONFIG's file, ZERO_STAGE, ZERO_OFFLOAD), or use a new OUTPUT_DIR to start over",
+        )
     # GLOBAL_BATCH_SIZE: one global order of the rows, so any replica count continues where the last one stopped.
     elastic = key.get("elastic") and theirs.get("elastic")
     if elastic and theirs.get("world_size") != key["world_size"]:

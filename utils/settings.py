@@ -302,9 +302,9 @@ class Settings(BaseSettings):
         None,
         min_length=1,
         max_length=PATH_MAX,
-        description="STRATEGY=deepspeed: path of your own ds_config.json; it wins over ZERO_STAGE and ZERO_OFFLOAD; "
-        "what the job's settings own (batch sizes, accumulation, learning rate, schedule, clipping, precision) must be "
-        "'auto' or agree with them",
+        description="STRATEGY=deepspeed: path of your own ds_config.json; its stage and offload become ZERO_STAGE and "
+        "ZERO_OFFLOAD (either set to another value beside it is refused); what the job's settings own (batch sizes, "
+        "accumulation, learning rate, schedule, clipping, precision) must be 'auto', absent or agree with them",
     )
     gradient_checkpointing: bool = Field(
         False, description="saves activation memory that BERT-base LoRA does not need, at ~30% more compute"

@@ -486,13 +486,16 @@ def resume_key(job: Job, data) -> dict:
     whose checkpoints hold each rank's partition of the optimizer state (`optimizer_per_rank`)."""
     plan = job.batch
     per_rank = job.strategy == "deepspeed"
-    return {
+    key = {
         "world_size": plan.world_size,
         "elastic": plan.fixed and not per_rank,
         "optimizer_per_rank": per_rank,
         "global_batch": plan.global_batch,
         "data": {split: content_digest(data[split]) for split in sorted(data)},
     }
+    if per_rank:  # what the checkpoint's shards are: another stage or offload cannot load them
+        key["zero"] = {"stage": job.settings.zero_stage, "offload": job.settings.zero_offload}
+    return key
 
 
 def content_digest(dataset: datasets.Dataset) -> str:

@@ -1,0 +1,145 @@
+"""Sweep the job's settings: every trial an ordinary run of main.py in OUTPUT_DIR/<trial>, on the engine named
+by the spec's `backend` (docs/sweeps.md).
+
+    python sweep.py SPEC.yaml                 # local: run the trials here (a killed sweep resumes); summary at the end
+    python sweep.py SPEC.yaml --dry-run       # the trials and their settings, as JSON; nothing runs
+    python sweep.py SPEC.yaml                 # slurm: write OUTPUT_DIR/sweep.sbatch (one job array); --submit submits it
+    python sweep.py SPEC.yaml --run-trial 3   # one trial by index (what each array task runs)
+    python sweep.py SPEC.yaml --summarize     # summary.csv/md/png from the trial folders
+    python sweep.py SPEC.yaml -o exp.yaml     # katib: write the Experiment (default: standard output)
+
+A spec that is wrong in any way (an unknown setting or value, an empty grid, an unknown metric, a bad range)
+is refused before any trial starts: one `error:` line saying the fix, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.sweep import check_trials, plan_trials, read_spec
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise JobError(EXIT_BAD_INPUT, f"{message}; see `python sweep.py --help`")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("spec", type=Path, help="the sweep spec (YAML); examples/sweeps/ has some")
+    parser.add_argument("--dry-run", action="store_true", help="print the trials as JSON and exit")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--run-trial", type=int, metavar="I", help="run trial I alone (a Slurm array task)")
+    what.add_argument("--summarize", action="store_true", help="write the summary from the trial folders")
+    what.add_argument("--submit", action="store_true", help="slurm: submit the rendered array with sbatch")
+    parser.add_argument("-o", "--output", type=Path, help="slurm/katib: where to write the script or Experiment")
+    return parser.parse_args(argv)
+
+
+def sweep(args: argparse.Namespace) -> int:
+    spec = read_spec(args.spec)
+    trials = plan_trials(spec)
+    check_trials(spec, trials)
+
+    if args.run_trial is not None:
+        if not 0 <= args.run_trial < len(trials):
+            raise JobError(EXIT_BAD_INPUT, f"--run-trial {args.run_trial}: the sweep has trials 0..{len(trials) - 1}")
+        trial = trials[args.run_trial]
+        if args.dry_run:
+            print(
+                json.dumps({"trial": trial.name, "params": trial.params, "settings": spec.trial_env(trial)}, indent=2)
+            )
+            return 0
+        return run_one_trial(spec, trial)
+    if args.dry_run:
+        rows = [{"trial": t.name, "params": t.params, "settings": spec.trial_env(t)} for t in trials]
+        print(
+            json.dumps(
+                {"backend": spec.backend, "metric": spec.metric, "direction": spec.direction, "trials": rows}, indent=2
+            )
+        )
+        return 0
+    if args.summarize:
+        return summarize(spec, trials)
+    if args.submit and spec.backend != "slurm":
+        raise JobError(EXIT_BAD_INPUT, f"--submit is for backend: slurm; this spec's backend is {spec.backend}")
+
+    if spec.backend == "local":
+        from utils.sweep_local import run_local
+
+        print(
+            f"sweep: {len(trials)} trial(s) of {spec.path.name} in {spec.output_dir}, {spec.parallel} at a time",
+            flush=True,
+        )
+        code = run_local(spec, trials)
+        return summarize(spec, trials) or code
+    if spec.backend == "slurm":
+        from utils.sweep_slurm import render_array
+
+        script = render_array(spec, len(trials))
+        path = args.output or spec.output_dir / "sweep.sbatch"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(script)
+        path.chmod(0o755)
+        if not args.submit:
+            print(f"wrote {path} ({len(trials)} trials); submit it with: sbatch {path}", file=sys.stderr)
+            print(f"then, when the array is done: python sweep.py {args.spec} --summarize", file=sys.stderr)
+            return 0
+        if not shutil.which("sbatch"):
+            raise JobError(
+                EXIT_BAD_INPUT, f"--submit: no sbatch here; run it on a Slurm login node, or `sbatch {path}` there"
+            )
+        submitted = subprocess.run(["sbatch", str(path)], check=False)
+        return submitted.returncode
+    from utils.sweep_katib import experiment_yaml, render_experiment, write_experiment
+
+    if args.output:
+        write_experiment(spec, len(trials), args.output)
+        print(f"wrote {args.output}; create it with: kubectl apply -f {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(experiment_yaml(render_experiment(spec, len(trials))))
+    return 0
+
+
+def run_one_trial(spec, trial) -> int:
+    """One trial in this process's care; SIGTERM (Slurm's time limit) is passed on, so the job checkpoints."""
+    from utils.sweep_local import pass_stop_signal, run_trial
+    from utils.sweep_summary import collect_rows
+
+    (row,) = collect_rows(spec, [trial])
+    if row.status == "complete":  # an array run again: what finished stays as it is
+        print(f"sweep: {trial.name} is already complete, {spec.metric}={row.value:.4f}; not run again", flush=True)
+        return 0
+    signal.signal(signal.SIGTERM, pass_stop_signal)
+    print(f"sweep: start {trial.name}", flush=True)
+    code, value = run_trial(spec, trial)
+    outcome = f"complete, {spec.metric}={value:.4f}" if code == 0 and value is not None else f"failed (exit {code})"
+    print(f"sweep: end {trial.name}: {outcome}", flush=True)
+    return code
+
+
+def summarize(spec, trials) -> int:
+    from utils.sweep_summary import write_summary
+
+    print(write_summary(spec, trials), flush=True)
+    print(f"sweep: wrote {spec.output_dir / 'summary.csv'}, summary.md and summary.png", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return sweep(parse_args(argv))
+    except JobError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return exc.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

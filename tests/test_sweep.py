@@ -1,0 +1,515 @@
+"""sweep.py: a spec's trials run as ordinary runs of main.py (real processes, the tiny model, a few steps each),
+the summary built from the trial folders, a killed sweep resumed without rerunning a finished trial, a failed
+trial recorded while the others go on, refusals before any trial starts, and the Slurm array and the Katib
+Experiment rendered and validated (the Experiment against Katib's API definitions, its trial against the
+PyTorchJob CRD)."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts.make_demo_assets import write_dataset
+from tests.conftest import (
+    K8S,
+    REPO,
+    SCHEMAS,
+    Result,
+    base_env,
+    crd_schema,
+    error_lines,
+    load_manifest,
+    schema_errors,
+    strict,
+)
+
+SWEEP = REPO / "sweep.py"
+KATIB_API = SCHEMAS / "katib.v1beta1.swagger.json"
+FINAL_LINE = re.compile(r"^eval_accuracy=\S+ .*model=", re.M)
+
+
+def write_spec(folder: Path, stem: str, **spec) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{stem}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def run_sweep(env: dict[str, str], *args: str | Path, timeout: float = 600) -> Result:
+    proc = subprocess.run(
+        [sys.executable, str(SWEEP), *map(str, args)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def sweep_in_process(capsys, *args: str | Path) -> Result:
+    """sweep.py's main() here: what is refused or rendered before any trial runs (no process start per case)."""
+    from sweep import main
+
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return Result(code, out.out, out.err)
+
+
+def study_states(db: Path) -> list[tuple[str, str]]:
+    """(trial name, state) of each Optuna trial in the study, read while the sweep may be writing it."""
+    if not db.exists():
+        return []
+    with sqlite3.connect(db, timeout=10) as conn:
+        try:
+            rows = conn.execute(
+                "SELECT a.value_json, t.state FROM trials t JOIN trial_user_attributes a "
+                "ON a.trial_id = t.trial_id AND a.key = 'trial' ORDER BY t.number"
+            ).fetchall()
+        except sqlite3.OperationalError:  # the tables are not created yet
+            return []
+    return [(json.loads(name), state) for name, state in rows]
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def sweep_data(tmp_path_factory, tiny_bert) -> dict[str, str]:
+    """The tiny model's fixed settings over a small data set: a trial is a few optimizer steps."""
+    data = write_dataset(tmp_path_factory.mktemp("sweep-data") / "small", train_rows=160, validation_rows=40)
+    return {"MODEL_NAME": str(tiny_bert), "DATASET_PATH": str(data), "MAX_STEPS": "3", "PER_DEVICE_BATCH_SIZE": "16"}
+
+
+@dataclass
+class GridSweep:
+    out: Path
+    spec: Path
+    result: Result
+
+
+@pytest.fixture(scope="module")
+def grid_sweep(tmp_path_factory, sweep_data) -> GridSweep:
+    """A 2x2 grid (learning_rate x lora_r) run locally, ranked by the evaluation loss. RESULT_MODEL_ID is set in
+    the sweep's environment: a trial that inherited it would be refused (a push under HF_HUB_OFFLINE)."""
+    tmp = tmp_path_factory.mktemp("grid-sweep")
+    out = tmp / "sweep"
+    spec = write_spec(
+        tmp,
+        "grid",
+        settings=sweep_data,
+        grid={"learning_rate": [1.0e-3, 1.0e-2], "LORA_R": [4, 8]},
+        metric="eval_loss",
+        output_dir=str(out),
+    )
+    result = run_sweep(base_env(tmp, RESULT_MODEL_ID="tester/never-pushed"), spec)
+    return GridSweep(out, spec, result)
+
+
+# ------------------------------------------------------------------------------- local backend
+def test_grid_sweep_runs_each_trial_as_the_job_and_summarizes(grid_sweep):
+    out, result = grid_sweep.out, grid_sweep.result
+    assert result.code == 0, result.stderr[-3000:]
+    names = [f"trial-00{i}" for i in range(4)]
+    assert [
+        line.split()[2].rstrip(":") for line in result.stdout.splitlines() if line.startswith("sweep: start")
+    ] == names
+    assert len(re.findall(r"^sweep: end trial-00\d: complete, loss=", result.stdout, re.M)) == 4
+
+    rows = read_csv(out / "summary.csv")
+    assert [r["trial"] for r in rows] == names
+    assert list(rows[0]) == ["trial", "learning_rate", "lora_r", "status", "loss"]
+    assert [(r["learning_rate"], r["lora_r"]) for r in rows] == [
+        ("0.001", "4"),
+        ("0.001", "8"),
+        ("0.01", "4"),
+        ("0.01", "8"),
+    ]
+    for row in rows:
+        folder = out / row["trial"]
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert row["status"] == "complete"
+        assert float(row["loss"]) == metrics["eval_loss"]
+        # an ordinary run of the job with the trial's settings, in its own folder; nothing pushed
+        record = json.loads((folder / "trial.json").read_text())
+        assert record["settings"]["OUTPUT_DIR"] == str(folder)
+        assert record["settings"]["LEARNING_RATE"] == row["learning_rate"]
+        assert record["settings"]["LORA_R"] == row["lora_r"]
+        assert "RESULT_MODEL_ID" not in record["settings"]
+        run = json.loads((folder / "run.json").read_text())
+        assert run["settings"]["lora_r"] == int(row["lora_r"])
+        assert run["settings"]["learning_rate"] == float(row["learning_rate"])
+        assert not run["settings"].get("result_model_id")
+        assert FINAL_LINE.search((folder / "trial.log").read_text())
+
+    # the table ranks by the metric (lower loss first here), then names the best trial's settings
+    md = (out / "summary.md").read_text()
+    table = [line for line in md.splitlines() if re.match(r"^\| \d ", line)]
+    losses = [float(line.split("|")[-2]) for line in table]
+    assert len(table) == 4 and losses == sorted(losses)
+    best = min(rows, key=lambda r: float(r["loss"]))
+    assert table[0].split("|")[2].strip() == best["trial"]
+    assert f"Best: {best['trial']}" in md and f"OUTPUT_DIR={out / best['trial']}" in md
+    assert md in result.stdout  # the answer is printed too
+    assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [state for _, state in study_states(out / "study.db")] == ["COMPLETE"] * 4
+
+
+def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep, capsys):
+    before = (grid_sweep.out / "summary.csv").read_text()
+    for name in ("summary.csv", "summary.md", "summary.png"):
+        (grid_sweep.out / name).unlink()
+    result = sweep_in_process(capsys, grid_sweep.spec, "--summarize")
+    assert result.code == 0, result.stderr
+    assert (grid_sweep.out / "summary.csv").read_text() == before
+    assert (grid_sweep.out / "summary.png").is_file() and "| 1 | trial-" in result.stdout
+    # an array task run again for a finished trial leaves it as it is
+    log = grid_sweep.out / "trial-001" / "trial.log"
+    kept = log.read_text()
+    again = sweep_in_process(capsys, grid_sweep.spec, "--run-trial", "1")
+    assert again.code == 0 and "sweep: trial-001 is already complete" in again.stdout
+    assert log.read_text() == kept
+
+
+def test_a_changed_spec_is_refused_on_an_existing_study(grid_sweep, tmp_path, capsys):
+    """trial-001 of another grid is other settings: resuming would mix two sweeps in one study and table."""
+    spec = yaml.safe_load(grid_sweep.spec.read_text())
+    spec["grid"]["learning_rate"] = [1.0e-3, 3.0e-2]
+    result = sweep_in_process(capsys, write_spec(tmp_path, "changed", **spec))
+    assert result.code == 2
+    (line,) = error_lines(result.stderr)
+    assert "study.db holds another sweep" in line and "give this spec a new output_dir" in line
+    assert "sweep: start" not in result.stdout
+    spec = yaml.safe_load(grid_sweep.spec.read_text())
+    spec["settings"]["MAX_STEPS"] = "4"
+    result = sweep_in_process(capsys, write_spec(tmp_path, "longer", **spec))
+    assert result.code == 2
+    assert "study.db holds a sweep with other fixed settings" in error_lines(result.stderr)[0]
+    assert study_states(grid_sweep.out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
+
+
+def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep_data):
+    """SIGKILL once trial-000 is complete and trial-001 has started; the rerun keeps trial-000 as it is, reruns
+    trial-001 in its folder, and records trial-002 (a module name the model lacks: main.py exits 2) as failed
+    while trial-003 still runs."""
+    out = tmp_path / "sweep"
+    spec = write_spec(
+        tmp_path,
+        "resume",
+        settings=sweep_data,
+        grid={"lora_target_modules": ["query,value", "value", "query,vlaue", "query"]},
+        output_dir=str(out),
+    )
+    env = base_env(tmp_path)
+    log = tmp_path / "first.log"
+    with open(log, "w") as first_log:
+        first = subprocess.Popen(
+            [sys.executable, str(SWEEP), str(spec)], env=env, cwd=REPO, stdout=first_log, stderr=subprocess.STDOUT
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while study_states(out / "study.db") != [("trial-000", "COMPLETE"), ("trial-001", "RUNNING")]:
+                assert first.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, study_states(out / "study.db")
+                time.sleep(0.2)
+        finally:
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+    finished = out / "trial-000"
+    kept = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (finished / "metrics.json", finished / "trial.log")}
+
+    second = run_sweep(env, spec)
+    assert second.code == 0, second.stderr[-3000:]
+    assert "sweep: trial-001 was left running by a stopped sweep; running it again" in second.stdout
+    assert "1 trial(s) already complete" in second.stdout
+    assert "sweep: start trial-000" not in second.stdout
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in kept} == kept  # trial-000 untouched
+
+    states = study_states(out / "study.db")
+    assert [s for n, s in states if n == "trial-000"] == ["COMPLETE"]
+    assert [s for n, s in states if n == "trial-001"] == ["FAIL", "COMPLETE"]  # the killed run, then the rerun
+    assert [s for n, s in states if n == "trial-002"] == ["FAIL"]
+    rows = {r["trial"]: r for r in read_csv(out / "summary.csv")}
+    assert {name: r["status"] for name, r in rows.items()} == {
+        "trial-000": "complete",
+        "trial-001": "complete",
+        "trial-002": "failed",
+        "trial-003": "complete",
+    }
+    assert rows["trial-002"]["accuracy"] == ""
+    assert re.search(r"^sweep: end trial-002: failed \(exit 2; see .*trial-002/trial\.log\)$", second.stdout, re.M)
+    failed_log = (out / "trial-002" / "trial.log").read_text()
+    assert "error: " in failed_log and "'vlaue' matches no module" in failed_log
+    assert json.loads((out / "trial-002" / "trial.json").read_text())["exit_code"] == 2
+    # trial-001 ran in the same folder twice: its log holds the killed run's start and the rerun's end
+    rerun_log = (out / "trial-001" / "trial.log").read_text()
+    assert len(FINAL_LINE.findall(rerun_log)) == 1 and json.loads((out / "trial-001" / "metrics.json").read_text())
+    table = [line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| ")]
+    assert "trial-002" in table[-1] and "failed" in table[-1]  # unranked trials after the ranked ones
+
+
+# ------------------------------------------------------------------------------- refusals
+REFUSALS = [
+    ({"settings": {"learning_rat": 1}}, ["learning_rat is not a setting of the job", "did you mean learning_rate"]),
+    ({"grid": {"lora_r": [0, 8]}}, ["trial-000 (LORA_R=0)", "LORA_R=0 is invalid", "fix LORA_R"]),
+    ({"grid": {"learning_rate": []}}, ["grid.learning_rate: an empty grid", "give a list"]),
+    ({"grid": {}}, ["grid: an empty grid"]),
+    ({"metric": "acuracy"}, ["metric='acuracy' is not a metric the job writes", "did you mean accuracy"]),
+    ({"direction": "up"}, ["direction='up'", "use maximize or minimize"]),
+    (
+        {"grid": None, "random": {"learning_rate": {"low": 1e-3, "high": 1e-4}}, "trials": 2},
+        ["random.learning_rate: low=0.001 is not below high=0.0001"],
+    ),
+    (
+        {"grid": None, "random": {"learning_rate": {"low": 0, "high": 1e-3, "log": True}}, "trials": 2},
+        ["a log range needs low > 0"],
+    ),
+    ({"grid": None, "random": {"lora_r": [4, 8]}}, ["random search needs trials: N"]),
+    ({"random": {"seed": [1, 2]}, "trials": 2}, ["grid and random in one spec"]),
+    ({"settings": {"OUTPUT_DIR": "/tmp/x"}}, ["OUTPUT_DIR is set by the sweep", "use output_dir"]),
+    ({"settings": {"result_model_id": "me/x"}}, ["set by the sweep", "use push: true"]),
+    ({"output_dir": None}, ["output_dir is missing"]),
+    ({"backend": "ray"}, ["backend='ray'", "local, slurm, katib"]),
+    ({"config": "no-such-recipe.yaml"}, ["CONFIG_FILE=no-such-recipe.yaml does not exist"]),
+]
+
+
+@pytest.mark.parametrize(("change", "says"), REFUSALS, ids=[says[0][:40] for _, says in REFUSALS])
+def test_bad_spec_is_refused_before_any_trial_starts(change, says, tmp_path, capsys, sweep_data):
+    out = tmp_path / "sweep"
+    spec = {"settings": dict(sweep_data), "grid": {"lora_r": [4, 8]}, "output_dir": str(out)}
+    for key, value in change.items():
+        if key == "settings":
+            spec["settings"].update(value)
+        elif value is None:
+            spec.pop(key)
+        else:
+            spec[key] = value
+    result = sweep_in_process(capsys, write_spec(tmp_path, "bad", **spec))
+    assert result.code == 2
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for fragment in says:
+        assert fragment in lines[0]
+    assert not out.exists()  # before anything was run or written
+
+
+def test_random_search_draws_the_same_trials_in_range(tmp_path, capsys, sweep_data):
+    spec = write_spec(
+        tmp_path,
+        "random",
+        settings=sweep_data,
+        random={
+            "learning_rate": {"low": "1e-5", "high": 1.0e-2, "log": True},
+            "lora_r": [4, 8],
+            "seed": {"low": 1, "high": 99},
+        },
+        trials=6,
+        output_dir=str(tmp_path / "sweep"),
+    )
+    first = sweep_in_process(capsys, spec, "--dry-run")
+    again = sweep_in_process(capsys, spec, "--dry-run")
+    assert first.code == 0, first.stderr
+    assert first.stdout == again.stdout  # seeded: a rerun plans the same trials
+    trials = first.json()["trials"]
+    assert [t["trial"] for t in trials] == [f"trial-00{i}" for i in range(6)]
+    for t in trials:
+        assert 1e-5 <= t["params"]["learning_rate"] <= 1e-2 and t["params"]["lora_r"] in (4, 8)
+        assert isinstance(t["params"]["seed"], int) and 1 <= t["params"]["seed"] <= 99
+        assert t["settings"]["LEARNING_RATE"] == str(t["params"]["learning_rate"])
+    assert len({t["params"]["learning_rate"] for t in trials}) == 6
+
+
+# ------------------------------------------------------------------------------- slurm backend
+def test_slurm_backend_renders_one_array_whose_indexes_are_the_trials(tmp_path, capsys, sweep_data):
+    out = tmp_path / "sweep"
+    spec = write_spec(
+        tmp_path,
+        "array",
+        settings=sweep_data,
+        grid={"learning_rate": [1.0e-4, 1.0e-3, 1.0e-2], "lora_r": [4, 8]},
+        parallel=2,
+        backend="slurm",
+        slurm={"time": "00:30:00", "partition": "gpu", "gpus": 1},
+        output_dir=str(out),
+    )
+    result = sweep_in_process(capsys, spec)
+    assert result.code == 0, result.stderr
+    script = (out / "sweep.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", str(out / "sweep.sbatch")], capture_output=True).returncode == 0
+    assert not re.search(r"@[A-Z_]+@", script)
+    directives = re.findall(r"^#SBATCH (\S+)$", script, re.M)
+    for expected in ("--array=0-5%2", "--gpus-per-task=1", "--time=00:30:00", "--partition=gpu", "--requeue"):
+        assert expected in directives
+    assert f'python sweep.py {spec} --run-trial "$SLURM_ARRAY_TASK_ID" &' in script
+    assert f"cd {REPO}" in script
+    planned = sweep_in_process(capsys, spec, "--dry-run").json()["trials"]
+    for index, trial in enumerate(planned):
+        task = sweep_in_process(capsys, spec, "--run-trial", str(index), "--dry-run").json()
+        assert task == trial
+        assert task["settings"]["OUTPUT_DIR"] == str(out / f"trial-00{index}")
+    assert [t["params"] for t in planned[:2]] == [
+        {"learning_rate": 1e-4, "lora_r": 4},
+        {"learning_rate": 1e-4, "lora_r": 8},
+    ]
+    beyond = sweep_in_process(capsys, spec, "--run-trial", "6")
+    assert beyond.code == 2 and "the sweep has trials 0..5" in beyond.stderr
+
+
+# ------------------------------------------------------------------------------- katib backend
+def katib_schema() -> dict:
+    """Katib's Experiment as its API defines it (the CRD itself accepts anything), unknown fields made errors;
+    the Kubernetes types it embeds (ObjectMeta, the trial's unstructured job) left open: checked on their own."""
+    text = KATIB_API.read_text()
+    definitions = json.loads(text)["definitions"]
+    for name in set(re.findall(r'"#/definitions/([^"]+)"', text)) | set(definitions):
+        if not name.startswith("v1beta1."):
+            definitions[name] = {}
+    return strict({**definitions["v1beta1.Experiment"], "definitions": definitions})
+
+
+def check_katib_enums(experiment: dict) -> list[str]:
+    # the values Katib's Go types accept (pkg/apis/controller/...); the OpenAPI definitions only say `string`
+    spec, errors = experiment["spec"], []
+    if spec["objective"]["type"] not in ("minimize", "maximize"):
+        errors.append(f"objective.type {spec['objective']['type']}")
+    for p in spec["parameters"]:
+        if p["parameterType"] not in ("double", "int", "discrete", "categorical"):
+            errors.append(f"{p['name']}: parameterType {p['parameterType']}")
+        if p["feasibleSpace"].get("distribution", "uniform") not in ("uniform", "logUniform", "normal", "logNormal"):
+            errors.append(f"{p['name']}: distribution {p['feasibleSpace']['distribution']}")
+    if spec["metricsCollectorSpec"]["collector"]["kind"] not in (
+        "StdOut",
+        "File",
+        "TensorFlowEvent",
+        "PrometheusMetric",
+        "Custom",
+        "Push",
+    ):
+        errors.append("collector kind")
+    return errors
+
+
+def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys, grid_sweep):
+    spec = write_spec(
+        tmp_path,
+        "katib",
+        name="sst2-sweep",
+        settings={"num_epochs": 2},
+        random={
+            "learning_rate": {"low": 1.0e-5, "high": 1.0e-3, "log": True},
+            "lora_r": [8, 16],
+            "max_steps": {"low": 10, "high": 50},
+        },
+        trials=6,
+        parallel=3,
+        backend="katib",
+        push="me/bert-sst2",
+        output_dir="/pvc-home/sweeps/sst2",
+    )
+    result = sweep_in_process(capsys, spec, "-o", tmp_path / "experiment.yaml")
+    assert result.code == 0, result.stderr
+    experiment = load_manifest(tmp_path / "experiment.yaml")
+    assert schema_errors(katib_schema(), experiment) == []
+    assert check_katib_enums(experiment) == []
+    body = experiment["spec"]
+    assert body["algorithm"] == {
+        "algorithmName": "random",
+        "algorithmSettings": [{"name": "random_state", "value": "0"}],
+    }
+    assert (body["maxTrialCount"], body["parallelTrialCount"]) == (6, 3)
+    assert body["objective"] == {"type": "maximize", "objectiveMetricName": "eval_accuracy"}
+    assert body["parameters"] == [
+        {
+            "name": "learning_rate",
+            "parameterType": "double",
+            "feasibleSpace": {"min": "1e-05", "max": "0.001", "distribution": "logUniform"},
+        },
+        {"name": "lora_r", "parameterType": "categorical", "feasibleSpace": {"list": ["8", "16"]}},
+        {"name": "max_steps", "parameterType": "int", "feasibleSpace": {"min": "10", "max": "50"}},
+    ]
+    # the metric comes from the line a real trial printed: the collector's pattern reads it as metrics.json has it
+    trial = grid_sweep.out / "trial-000"
+    final = FINAL_LINE.search((trial / "trial.log").read_text()).group(0)
+    (pattern,) = body["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
+    found = dict((name, value) for name, value in re.findall(pattern, final))
+    assert float(found["eval_accuracy"]) == pytest.approx(
+        json.loads((trial / "metrics.json").read_text())["eval_accuracy"], abs=1e-4
+    )
+
+    # the trial is the deployed PyTorchJob: valid against its CRD, the same pods but for the settings and command
+    job = body["trialTemplate"]["trialSpec"]
+    assert schema_errors(crd_schema(job["apiVersion"], job["kind"]), job) == []
+    deployed = load_manifest(K8S / "pytorchjob.yaml")
+    for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
+        pod = copy.deepcopy(replica)
+        (container,) = pod["template"]["spec"]["containers"]
+        env = {var["name"]: var.get("value") for var in container.pop("env")}
+        assert container.pop("command") == ["python", "/app/main.py"]
+        original = copy.deepcopy(deployed["spec"]["pytorchReplicaSpecs"][role])
+        original["template"]["spec"]["containers"][0].pop("env")
+        assert pod == original
+        assert env == {
+            "HF_TOKEN": None,  # still from the Secret
+            "NUM_EPOCHS": "2",
+            "LEARNING_RATE": "${trialParameters.learning_rate}",
+            "LORA_R": "${trialParameters.lora_r}",
+            "MAX_STEPS": "${trialParameters.max_steps}",
+            "OUTPUT_DIR": "/pvc-home/sweeps/sst2/${trialSpec.Name}",
+            "RUN_NAME": "${trialSpec.Name}",
+            "RESULT_MODEL_ID": "me/bert-sst2-${trialSpec.Name}",
+        }
+    assert body["trialTemplate"]["primaryPodLabels"] == {"training.kubeflow.org/job-role": "master"}
+    referenced = {m.group(1) for m in re.finditer(r"\$\{trialParameters\.(\w+)\}", json.dumps(job))}
+    assert (
+        referenced
+        == {p["name"] for p in body["trialTemplate"]["trialParameters"]}
+        == {p["name"] for p in body["parameters"]}
+    )
+
+
+def test_katib_schema_check_catches_an_unknown_field(tmp_path):
+    experiment = load_manifest(K8S / "katib" / "experiment.yaml")
+    experiment["spec"]["objective"]["objectiveMetric"] = "eval_accuracy"
+    experiment["spec"]["parameters"][0]["feasibleSpace"]["min"] = 1e-5
+    errors = schema_errors(katib_schema(), experiment)
+    assert any("objectiveMetric" in e for e in errors) and any("1e-05 is not of type 'string'" in e for e in errors), (
+        errors
+    )
+
+
+def test_committed_katib_experiment_is_the_example_spec_rendered(tmp_path, capsys):
+    result = sweep_in_process(capsys, REPO / "examples" / "sweeps" / "sst2-katib.yaml", "-o", tmp_path / "exp.yaml")
+    assert result.code == 0, result.stderr
+    assert (tmp_path / "exp.yaml").read_text() == (K8S / "katib" / "experiment.yaml").read_text()
+    committed = load_manifest(K8S / "katib" / "experiment.yaml")
+    assert schema_errors(katib_schema(), committed) == [] and check_katib_enums(committed) == []
+    # a grid spec: Katib's grid over the same lists
+    grid = write_spec(tmp_path, "grid", grid={"lora_r": [4, 8]}, backend="katib", output_dir="/pvc-home/s")
+    rendered = yaml.safe_load(sweep_in_process(capsys, grid).stdout)
+    assert rendered["spec"]["algorithm"] == {"algorithmName": "grid"}
+    assert rendered["spec"]["maxTrialCount"] == 2
+
+
+def test_katib_refuses_a_metric_its_collector_cannot_read(tmp_path, capsys):
+    spec = write_spec(tmp_path, "f1", grid={"lora_r": [4, 8]}, metric="f1", backend="katib", output_dir="/pvc-home/s")
+    result = sweep_in_process(capsys, spec)
+    assert result.code == 2
+    assert error_lines(result.stderr) == [
+        "error: metric=f1: Katib reads the objective from the job's last stdout line, which reports eval_accuracy "
+        "only; use metric: accuracy for backend: katib, or the local or slurm backend"
+    ]

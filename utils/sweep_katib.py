@@ -1,0 +1,141 @@
+"""The katib backend: a Katib Experiment (kubeflow.org/v1beta1) whose trial is the job's own PyTorchJob.
+
+The trial template is k8s/pytorchjob.yaml as deployed (same image, ConfigMap, Secret, volumes, replicas), with
+the trial's settings added to each container's `env` (which wins over the ConfigMap): the swept ones as
+`${trialParameters.NAME}`, the spec's fixed ones as written, OUTPUT_DIR=<output_dir>/<trial name> and
+RUN_NAME=<trial name>, and RESULT_MODEL_ID blank (the job reads a blank variable as unset) unless the spec
+pushes. Katib picks the values itself: `grid` -> algorithm grid, `random` -> random (random_state = seed).
+
+Metrics come from the trial's standard output (Katib's StdOut collector on the master pod): rank 0's last line
+is `eval_accuracy=0.9967 train_samples_per_second=... model=...`, which the metricsFormat below reads as
+name/value pairs. Katib wraps the container's command to capture it, so the template names the image's
+command (`python /app/main.py`) where the deployed manifest leaves it to the ENTRYPOINT. That line carries
+eval_accuracy only, so the objective is `accuracy`; another metric is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import yaml
+
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.settings import env_name
+from utils.sweep import Range, Spec, setting_value
+
+REPO = Path(__file__).resolve().parents[1]
+PYTORCHJOB = REPO / "k8s" / "pytorchjob.yaml"
+STDOUT_METRICS = ("accuracy",)  # what the job's final stdout line reports
+# name=value pairs of the final line; the name group keeps the eval_ prefix the job writes
+METRICS_FORMAT = r"(eval_\w+)=([-+]?\d*\.?\d+(?:[eE][-+]?\d+)?)"
+IMAGE_COMMAND = [
+    "python",
+    "/app/main.py",
+]  # the Dockerfile's ENTRYPOINT, less dumb-init (Katib's wrapper is PID 1's child)
+
+
+def katib_parameters(spec: Spec) -> list[dict]:
+    parameters = []
+    for name, space in {**spec.grid, **spec.random}.items():
+        if isinstance(space, Range):
+            feasible = {"min": str(space.low), "max": str(space.high)}
+            if space.log:
+                feasible["distribution"] = "logUniform"
+            parameters.append(
+                {"name": name, "parameterType": "int" if space.is_int else "double", "feasibleSpace": feasible}
+            )
+        else:
+            values = [setting_value(v) for v in space]
+            parameters.append({"name": name, "parameterType": "categorical", "feasibleSpace": {"list": values}})
+    return parameters
+
+
+def trial_job(spec: Spec) -> dict:
+    job = yaml.safe_load(PYTORCHJOB.read_text())
+    job = copy.deepcopy(job)
+    job["metadata"] = {"labels": job["metadata"].get("labels", {})}  # Katib names each trial's job after the trial
+    env = {name: value for name, value in spec.settings.items() if name != "RESULT_MODEL_ID"}
+    if spec.config:
+        env["CONFIG_FILE"] = spec.config
+    env.update({env_name(name): f"${{trialParameters.{name}}}" for name in spec.swept})
+    env["OUTPUT_DIR"] = f"{spec.output_dir}/${{trialSpec.Name}}"
+    env.setdefault("RUN_NAME", "${trialSpec.Name}")
+    env["RESULT_MODEL_ID"] = f"{spec.push}-${{trialSpec.Name}}" if spec.push else ""
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        for container in replica["template"]["spec"]["containers"]:
+            container["command"] = IMAGE_COMMAND
+            kept = [var for var in container.get("env", []) if var["name"] not in env]
+            container["env"] = kept + [{"name": name, "value": value} for name, value in env.items()]
+    return job
+
+
+def render_experiment(spec: Spec, trial_count: int) -> dict:
+    if spec.metric not in STDOUT_METRICS:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"metric={spec.metric}: Katib reads the objective from the job's last stdout line, which reports "
+            f"eval_accuracy only; use metric: accuracy for backend: katib, or the local or slurm backend",
+        )
+    algorithm = {"algorithmName": "grid" if spec.grid else "random"}
+    if spec.random:
+        algorithm["algorithmSettings"] = [{"name": "random_state", "value": str(spec.seed)}]
+    return {
+        "apiVersion": "kubeflow.org/v1beta1",
+        "kind": "Experiment",
+        "metadata": {"name": spec.name, "labels": {"app.kubernetes.io/name": "sst2-lora"}},
+        "spec": {
+            "objective": {"type": spec.direction, "objectiveMetricName": f"eval_{spec.metric}"},
+            "algorithm": algorithm,
+            "parallelTrialCount": spec.parallel,
+            "maxTrialCount": trial_count,
+            "maxFailedTrialCount": trial_count,  # a failed trial is recorded and the others go on
+            "parameters": katib_parameters(spec),
+            "metricsCollectorSpec": {
+                "collector": {"kind": "StdOut"},
+                "source": {"filter": {"metricsFormat": [METRICS_FORMAT]}},
+            },
+            "trialTemplate": {
+                "primaryContainerName": "pytorch",
+                "primaryPodLabels": {"training.kubeflow.org/job-role": "master"},  # rank 0 prints the metric
+                "successCondition": 'status.conditions.#(type=="Succeeded")#|#(status=="True")#',
+                "failureCondition": 'status.conditions.#(type=="Failed")#|#(status=="True")#',
+                "trialParameters": [
+                    {"name": name, "reference": name, "description": f"{env_name(name)} of the job"}
+                    for name in spec.swept
+                ],
+                "trialSpec": trial_job(spec),
+            },
+        },
+    }
+
+
+class QuotingDumper(yaml.SafeDumper):
+    """Quotes every string a YAML 1.2 reader (kubectl's) would take for a number: PyYAML, a YAML 1.1 writer,
+    leaves `1e-05` bare, which the API server would read as a float where Katib's API wants a string."""
+
+
+NUMBER = re.compile(r"^[-+]?(\.\d+|\d+(\.\d*)?)([eE][-+]?\d+)?$")
+QuotingDumper.add_representer(
+    str,
+    lambda dumper, value: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", value, style="'" if NUMBER.match(value) else None
+    ),
+)
+
+
+def experiment_yaml(experiment: dict) -> str:
+    return yaml.dump(experiment, Dumper=QuotingDumper, sort_keys=False, width=120)
+
+
+def write_experiment(spec: Spec, trial_count: int, path: Path) -> dict:
+    experiment = render_experiment(spec, trial_count)
+    header = (
+        f"# Katib Experiment of the sweep {spec.path.name}, rendered by `python sweep.py SPEC -o FILE` (docs/sweeps.md).\n"
+        "# Its trials use the job's ConfigMap and PVC (`kubectl apply -k k8s/base`) and the hf-token Secret;\n"
+        "# create it with `kubectl apply -f FILE`.\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + experiment_yaml(experiment))
+    return experiment

@@ -1,0 +1,203 @@
+"""The local backend: the sweep's trials on this machine, `parallel` at a time, each `python main.py` in a process.
+
+The study lives in OUTPUT_DIR/study.db (Optuna, SQLite), one Optuna trial per run of a planned trial, named by
+its `trial` user attribute. So a sweep run again after a kill resumes: a trial that is COMPLETE there is never
+run again; one left RUNNING by the kill is marked FAIL and run again in the same folder, where the job resumes
+from its last checkpoint; every other planned trial runs. The planned settings are enqueued into the study
+(`enqueue_trial`), so the sampler never picks: the order and the values are those of `plan_trials`.
+
+On GPUs each trial gets one (CUDA_VISIBLE_DEVICES), so `parallel` is at most the number of GPUs there.
+A trial's process dies with the sweep (PR_SET_PDEATHSIG), so a killed sweep leaves no trial training
+on behind it, holding the folder the rerun needs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.sweep import Spec, Trial, describe, distributions, metric_value
+from utils.sweep_summary import record_trial
+
+REPO = Path(__file__).resolve().parents[1]
+TRIAL_LOG = "trial.log"  # the job's stdout and stderr, appended to by every run of the trial
+
+
+def visible_gpus(environ: dict[str, str]) -> list[str]:
+    """The GPUs trials may take: CUDA_VISIBLE_DEVICES as set, else what nvidia-smi lists; none on a CPU machine."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [g for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    if not shutil.which("nvidia-smi"):
+        return []
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
+    return [str(i) for i, line in enumerate(listed.splitlines()) if line.startswith("GPU ")]
+
+
+LIVE: set[subprocess.Popen] = set()  # the trials running now
+
+
+def pass_stop_signal(signum, frame) -> None:
+    """SIGTERM to the sweep (a scheduler's stop, Slurm's time limit) goes on to each trial: it checkpoints
+    and exits 143, and the next run of the sweep resumes it."""
+    for proc in list(LIVE):
+        proc.send_signal(signum)
+
+
+# Looked up now: between fork and exec (preexec_fn) the child runs only this call, taking no lock a thread held.
+PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    if PRCTL is not None:
+        PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def trial_environment(spec: Spec, trial: Trial, gpu: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RESULT_MODEL_ID", None)  # trials push only when the spec says so (spec.push sets it per trial)
+    env.update(spec.trial_env(trial))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    return env
+
+
+def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, float | None]:
+    """One run of the job for `trial`, in its folder; its exit code and metric."""
+    folder = spec.output_dir / trial.name
+    record_trial(folder, spec, trial, status="running", exit_code=None)
+    with open(folder / TRIAL_LOG, "a") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "main.py")],
+            env=trial_environment(spec, trial, gpu),  # in this folder, as a user's main.py: relative paths hold
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+        LIVE.add(proc)
+        try:
+            code = proc.wait()
+        finally:
+            LIVE.discard(proc)
+    metrics_path = folder / "metrics.json"
+    value = metric_value(json.loads(metrics_path.read_text()), spec.metric) if metrics_path.exists() else None
+    failed = code != 0 or value is None
+    record_trial(folder, spec, trial, status="failed" if failed else "complete", exit_code=code)
+    return code, value
+
+
+def hold_sweep_lock(out: Path):
+    """One sweep per output_dir: a second would rerun the first one's RUNNING trials beside it."""
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / ".sweep.lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise JobError(
+            EXIT_BAD_INPUT, f"another sweep is running in {out}; wait for it, or give this one another output_dir"
+        ) from None
+    return handle
+
+
+def run_local(spec: Spec, trials: list[Trial]) -> int:
+    lock = hold_sweep_lock(spec.output_dir)
+    try:
+        return run_study(spec, trials)
+    finally:
+        lock.close()
+
+
+def run_study(spec: Spec, trials: list[Trial]) -> int:
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    signal.signal(signal.SIGTERM, pass_stop_signal)
+    gpus = visible_gpus(dict(os.environ))
+    if gpus and spec.parallel > len(gpus):
+        raise JobError(
+            EXIT_BAD_INPUT, f"parallel={spec.parallel} but {len(gpus)} GPU(s) here; set parallel: {len(gpus)}"
+        )
+    study = optuna.create_study(
+        study_name="sweep",  # one study per output_dir, whatever the spec's file is called
+        storage=f"sqlite:///{spec.output_dir / 'study.db'}",
+        load_if_exists=True,
+        direction=spec.direction,
+        sampler=optuna.samplers.RandomSampler(seed=spec.seed),
+    )
+    spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
+    # A finished trial is kept only if it ran what the spec asks of it now: the same fixed settings, the same values.
+    fixed = {**spec.settings, "CONFIG_FILE": spec.config or ""}
+    if not study.trials:
+        study.set_user_attr("fixed_settings", fixed)
+    if study.user_attrs.get("fixed_settings") != fixed:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{spec.output_dir / 'study.db'} holds a sweep with other fixed settings "
+            f"({study.user_attrs.get('fixed_settings')}); give this spec a new output_dir, "
+            "or restore the settings the study was made with",
+        )
+    planned = {t.name: t.params for t in trials}
+    for old in study.get_trials(deepcopy=False):
+        name = old.user_attrs.get("trial")
+        if old.distributions and (old.distributions != spaces or old.params != planned.get(name)):
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{spec.output_dir / 'study.db'} holds another sweep ({name} ran {old.params}); "
+                "give this spec a new output_dir, or restore the spec the study was made with",
+            )
+    for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        print(
+            f"sweep: {stale.user_attrs.get('trial')} was left running by a stopped sweep; running it again", flush=True
+        )
+        study.tell(stale.number, state=TrialState.FAIL)
+    done = {t.user_attrs.get("trial") for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))}
+    todo = [t for t in trials if t.name not in done]
+    if done:
+        print(
+            f"sweep: {len(done)} trial(s) already complete in {spec.output_dir / 'study.db'}, {len(todo)} to run",
+            flush=True,
+        )
+    ask_lock = threading.Lock()
+    slots: queue.Queue = queue.Queue()
+    for slot in gpus[: spec.parallel] or [None] * spec.parallel:
+        slots.put(slot)
+
+    def run_one(trial: Trial) -> None:
+        gpu = slots.get()
+        try:
+            with ask_lock:
+                study.enqueue_trial(trial.params, user_attrs={"trial": trial.name})
+                asked = study.ask(spaces)
+            where = f" on GPU {gpu}" if gpu is not None else ""
+            print(f"sweep: start {trial.name}{where}: {describe(trial)}", flush=True)
+            started = time.monotonic()
+            code, value = run_trial(spec, trial, gpu)
+            took = time.monotonic() - started
+            with ask_lock:
+                if code == 0 and value is not None:
+                    study.tell(asked, value)
+                    print(f"sweep: end {trial.name}: complete, {spec.metric}={value:.4f} ({took:.0f} s)", flush=True)
+                else:
+                    study.tell(asked, state=TrialState.FAIL)
+                    why = f"exit {code}" if code else f"no {spec.metric} in metrics.json"
+                    log = spec.output_dir / trial.name / "trial.log"
+                    print(f"sweep: end {trial.name}: failed ({why}; see {log})", flush=True)
+        finally:
+            slots.put(gpu)
+
+    with ThreadPoolExecutor(max_workers=spec.parallel) as pool:
+        list(pool.map(run_one, todo))
+    return 0

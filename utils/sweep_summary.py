@@ -1,0 +1,153 @@
+"""A sweep's answer, built from its trial folders alone (so every backend gets the same one):
+OUTPUT_DIR/summary.csv (a row per trial), summary.md (the table sorted by the metric, the best trial's
+settings) and summary.png (the metric against each swept setting).
+
+A trial folder holds `trial.json` (written by the sweep before the trial starts: its settings) and, once the
+job finished, the job's own `metrics.json`. The status is `complete` (metrics.json holds the metric),
+`failed` (the sweep recorded a non-zero exit, or a finished job without the metric), `pending` (never started)
+or `running` (started, no outcome yet: still running, or killed; the next run of the sweep reruns it).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils.sweep import Spec, Trial, metric_value, setting_value
+
+TRIAL_RECORD = "trial.json"
+
+
+@dataclass
+class Row:
+    trial: Trial
+    status: str
+    value: float | None
+    exit_code: int | None = None
+
+
+def record_trial(folder: Path, spec: Spec, trial: Trial, **fields) -> None:
+    """Write (or update) the trial's record in its folder: settings, then its outcome."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / TRIAL_RECORD
+    record = json.loads(path.read_text()) if path.exists() else {}
+    record.update(
+        trial=trial.name,
+        index=trial.index,
+        params=trial.params,
+        settings=spec.trial_env(trial, folder.parent),
+        **fields,
+    )
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def collect_rows(spec: Spec, trials: list[Trial]) -> list[Row]:
+    rows = []
+    for trial in trials:
+        folder = spec.output_dir / trial.name
+        record_path, metrics_path = folder / TRIAL_RECORD, folder / "metrics.json"
+        record = json.loads(record_path.read_text()) if record_path.exists() else {}
+        value = metric_value(json.loads(metrics_path.read_text()), spec.metric) if metrics_path.exists() else None
+        if value is not None:
+            status = "complete"
+        elif record.get("status") == "failed" or metrics_path.exists():
+            status = "failed"
+        else:
+            status = "running" if record else "pending"
+        rows.append(Row(trial, status, value, record.get("exit_code")))
+    return rows
+
+
+def ranked(spec: Spec, rows: list[Row]) -> list[Row]:
+    """Completed trials best first, then the others in trial order."""
+    sign = -1 if spec.direction == "maximize" else 1
+    done = sorted((r for r in rows if r.value is not None), key=lambda r: (sign * r.value, r.trial.index))
+    return done + [r for r in rows if r.value is None]
+
+
+def write_summary(spec: Spec, trials: list[Trial]) -> str:
+    """Write summary.csv, summary.md and summary.png under the sweep's output_dir; return the markdown."""
+    rows = collect_rows(spec, trials)
+    out = spec.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "summary.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["trial", *spec.swept, "status", spec.metric])
+        for row in rows:
+            value = "" if row.value is None else repr(row.value)
+            writer.writerow(
+                [row.trial.name, *(setting_value(row.trial.params[k]) for k in spec.swept), row.status, value]
+            )
+    markdown = summary_markdown(spec, ranked(spec, rows))
+    (out / "summary.md").write_text(markdown)
+    plot_summary(spec, rows, out / "summary.png")
+    return markdown
+
+
+def summary_markdown(spec: Spec, rows: list[Row]) -> str:
+    head = ["rank", "trial", *spec.swept, "status", spec.metric]
+    lines = [
+        f"# Sweep {spec.name}: {spec.metric} ({spec.direction})",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + " --- |" * len(head),
+    ]
+    for rank, row in enumerate(rows, 1):
+        value = "" if row.value is None else f"{row.value:.4f}"
+        cells = [str(rank) if row.value is not None else "-", row.trial.name]
+        cells += [setting_value(row.trial.params[k]) for k in spec.swept]
+        lines.append("| " + " | ".join([*cells, row.status, value]) + " |")
+    counts = {s: sum(r.status == s for r in rows) for s in ("complete", "failed", "running", "pending")}
+    lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items() if n), ""]
+    best = rows[0] if rows and rows[0].value is not None else None
+    if best:
+        lines += [
+            f"Best: {best.trial.name}, {spec.metric} = {best.value:.4f}, in {spec.output_dir / best.trial.name}, with",
+            "",
+            "```",
+            *(f"{k}={v}" for k, v in sorted(spec.trial_env(best.trial).items())),
+            "```",
+            "",
+        ]
+    else:
+        lines += ["No trial has finished with the metric yet.", ""]
+    return "\n".join(lines)
+
+
+def plot_summary(spec: Spec, rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = spec.swept
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
+    done = [r for r in rows if r.value is not None]
+    for ax, name in zip(axes[0], names, strict=True):
+        xs = [r.trial.params[name] for r in done]
+        numeric = all(isinstance(x, int | float) and not isinstance(x, bool) for x in xs)
+        if not numeric:  # categorical values: one position each, in the spec's order
+            order = list(dict.fromkeys(setting_value(r.trial.params[name]) for r in rows))
+            xs = [order.index(setting_value(x)) for x in xs]
+            ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
+        ax.scatter(xs, [r.value for r in done])
+        if numeric and xs and (spec.is_log(name) or log_spaced(xs)):
+            ax.set_xscale("log")
+        ax.set_xlabel(name)
+        ax.set_ylabel(spec.metric)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{spec.name}: {len(done)} of {len(rows)} trials complete")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def log_spaced(xs: list[float]) -> bool:
+    # a grid of rates (1e-4, 1e-3, 1e-2) reads on a log axis; a grid of ranks (4, 8) need not
+    positive = [x for x in xs if x > 0]
+    return len(positive) == len(xs) and max(positive) / min(positive) >= 100 and not math.isclose(min(xs), max(xs))
