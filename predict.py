@@ -23,11 +23,14 @@ import csv
 import gc
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.model_card import LABELS_NAME, read_label_names
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,7 +69,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--text-column",
-        default="sentence",
         help="the column holding the text in a .csv/.tsv/.json/.jsonl file (default: sentence)",
     )
     parser.add_argument(
@@ -87,9 +89,19 @@ JSON_SUFFIXES = (".json", ".jsonl")
 FORMATS = "a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file"
 
 
-def read_sentences(file: Path | None, column: str) -> list[str]:
+def read_sentences(file: Path | None, column: str | None) -> list[str]:
     """The sentences of `file` (standard input when None), in order: one per non-blank line of text, or the
-    `column` of each record of a .csv, .tsv, .json (a JSON array or JSON lines, as training takes) or .jsonl file."""
+    `column` (default: sentence) of each record of a .csv, .tsv, .json (a JSON array or JSON lines, as training
+    takes) or .jsonl file."""
+    suffix = file.suffix.lower() if file else ""
+    if column is not None and suffix not in (*DELIMITED, *JSON_SUFFIXES):
+        # A column of a file read one sentence a line: a .csv saved as .txt, whose header would be answered too.
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"--text-column {column} names a column, and {file or 'standard input'} is read one sentence a line; "
+            "give a .csv, .tsv, .json or .jsonl file as FILE (its suffix says its format), or drop --text-column",
+        )
+    column = column or "sentence"
     if file is None:
         if sys.stdin is None:  # started with standard input closed: nothing to classify
             return []
@@ -101,7 +113,6 @@ def read_sentences(file: Path | None, column: str) -> list[str]:
     except OSError as exc:
         raise JobError(EXIT_BAD_INPUT, f"cannot read {file} ({exc.strerror or exc}); give {FORMATS}") from None
     text = decode_text(data, str(file))
-    suffix = file.suffix.lower()
     if suffix in DELIMITED:
         return read_delimited(text, file, column, *DELIMITED[suffix])
     if suffix in JSON_SUFFIXES:
@@ -247,6 +258,11 @@ def load_classifier(model: str, base_model: str | None):
     safe = {"trust_remote_code": False}
     try:
         adapter, id2label = adapter_files(model)
+        if adapter is None and base_model:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"--base-model is for an adapter, and {model} is a merged model, which holds its base; drop --base-model",
+            )
         if adapter is None:  # a merged model: its config.json names the labels
             classifier = pipeline("text-classification", model=model, device=device, **safe)
         else:
@@ -267,7 +283,7 @@ def load_classifier(model: str, base_model: str | None):
                     "pass --base-model with its Hub id or a local copy of it",
                 ) from None
             trained_on = adapter["base_model_name_or_path"]
-            check_adapter_fits(model, base, base_id, trained_on)
+            check_adapter_fits(model, adapter, base, base_id, trained_on)
             try:
                 adapted = PeftModel.from_pretrained(base, model)
             except RuntimeError as exc:  # a shape the check above cannot see (a .bin adapter, a new layer kind)
@@ -291,9 +307,11 @@ def load_classifier(model: str, base_model: str | None):
     return classifier
 
 
-def check_adapter_fits(model: str, base, base_id: str, trained_on: str) -> None:
-    """Refuse a base the adapter was not trained on, before peft loads it (a traceback listing every tensor):
-    each tensor of adapter_model.safetensors is checked against the base's weight it adapts or replaces."""
+def check_adapter_fits(model: str, adapter: dict, base, base_id: str, trained_on: str) -> None:
+    """Refuse a base the adapter was not trained on, before peft loads it: each tensor of
+    adapter_model.safetensors is checked against the base's weight it adapts or replaces (another width is a
+    traceback listing every tensor), and each layer the adapter's targets name in the base must have its
+    weights (a deeper base loads with a warning and answers with layers the training never adapted)."""
     weights = adapter_weights_file(model)
     if weights is None:
         return
@@ -301,6 +319,7 @@ def check_adapter_fits(model: str, base, base_id: str, trained_on: str) -> None:
 
     shapes = {name: tuple(param.shape) for name, param in base.named_parameters()}
     hidden = base.config.hidden_size
+    adapted = set()
     with safe_open(weights, framework="pt") as tensors:
         for key in tensors.keys():
             name = key.removeprefix("base_model.model.")
@@ -321,6 +340,8 @@ def check_adapter_fits(model: str, base, base_id: str, trained_on: str) -> None:
                     f"the adapter {model} holds weights for {module if kind.startswith('lora_') else name}, which the base "
                     f"{base_id} lacks: it was trained on {trained_on}; pass --base-model with {trained_on} or a local copy of it",
                 )
+            if kind in ("lora_A", "lora_B"):
+                adapted.add(module)
             wrong = [(ours, theirs) for ours, theirs in pairs if ours != theirs]
             if wrong:
                 widths = [ours for ours, theirs in wrong if theirs == hidden]
@@ -334,6 +355,21 @@ def check_adapter_fits(model: str, base, base_id: str, trained_on: str) -> None:
                     f"the adapter {model} was trained on the base {trained_on} {size}; "
                     f"pass --base-model with {trained_on} or a local copy of it",
                 )
+
+    targets = adapter.get("target_modules")
+    if isinstance(targets, list) and not adapter.get("layers_to_transform") and not adapter.get("exclude_modules"):
+        # peft's rule for a list: a module whose name is a target or ends in `.target`
+        targeted = [
+            name for name, _ in base.named_modules() if any(name == t or name.endswith(f".{t}") for t in targets)
+        ]
+        unadapted = [name for name in targeted if name not in adapted]
+        if adapted and unadapted:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the adapter {model} holds no weights for {unadapted[0]} of the base {base_id} "
+                f"({len(unadapted)} of the {len(targeted)} modules its target_modules name there): it was trained on {trained_on}, a smaller "
+                f"base; pass --base-model with {trained_on} or a local copy of it",
+            )
 
 
 def adapter_weights_file(model: str) -> str | None:
@@ -372,13 +408,21 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code
     if not sentences:  # the pipeline fails on an empty batch; no sentences, no lines
         return 0
-    for text, prediction in zip(
-        sentences, classifier(sentences, batch_size=args.batch_size, truncation=True), strict=True
-    ):
-        print(
-            json.dumps({"text": text, "label": prediction["label"], "score": round(float(prediction["score"]), 4)}),
-            flush=True,
-        )
+    try:
+        for text, prediction in zip(
+            sentences, classifier(sentences, batch_size=args.batch_size, truncation=True), strict=True
+        ):
+            print(
+                json.dumps(
+                    {"text": text, "label": prediction["label"], "score": round(float(prediction["score"]), 4)}
+                ),
+                flush=True,
+            )
+    except BrokenPipeError:
+        # The reader stopped reading (`| head`): end as a Unix tool does on SIGPIPE, without a traceback, and
+        # with stdout on /dev/null so that the interpreter's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     return 0
 
 

@@ -274,6 +274,7 @@ BAD_FILES = {
     "short-row.tsv": "label\tsentence\n1\ta wonderful film\n0\n",
     "no-text.json": '[{"sentence": "a wonderful film"}, {"sentence": 3}]',
     "not-json.jsonl": '{"sentence": "a wonderful film"}\n{"sentence": \n',
+    "reviews.txt": "review,label\na wonderful film,1\n",
 }
 
 
@@ -295,6 +296,12 @@ BAD_FILES = {
         (["short-row.tsv"], "short-row.tsv line 3 has 1 field(s) and no 'sentence' (column 2)"),
         (["no-text.json"], "no-text.json item 2 has no text in 'sentence' ('sentence' is 3)"),
         (["not-json.jsonl"], "not-json.jsonl line 2 is not JSON"),
+        (
+            ["reviews.txt", "--text-column", "review"],
+            "--text-column review names a column, and reviews.txt is read one",
+        ),
+        (["--text-column", "review"], "--text-column review names a column, and standard input is read one sentence"),
+        (["reviews.txt", "--base-model", "tiny-bert"], "--base-model is for an adapter, and "),
     ],
     ids=[
         "batch size 0",
@@ -309,6 +316,9 @@ BAD_FILES = {
         "a row short of the column",
         "a JSON item without text",
         "a line that is not JSON",
+        "a column of a text file",
+        "a column of standard input",
+        "a base for a merged model",
     ],
 )
 def test_each_bad_argument_is_one_error_line_and_exit_2(trained, tmp_path, args, says):
@@ -319,17 +329,57 @@ def test_each_bad_argument_is_one_error_line_and_exit_2(trained, tmp_path, args,
     assert says in error and "Traceback" not in result.stderr, error
 
 
-def test_a_base_of_another_width_than_the_adapters_is_one_error_line(trained, tiny_bert, sst2_dir, tmp_path):
-    narrow = write_tiny_bert(tmp_path / "narrow-bert", sst2_dir, hidden=32)
+@pytest.mark.parametrize(
+    "shape, says",
+    [
+        (
+            {"hidden": 32},
+            "was trained on the base {trained_on} of hidden size 64, and the base {base} has hidden size 32",
+        ),
+        (
+            {"layers": 3},
+            "holds no weights for bert.encoder.layer.2.attention.self.query of the base {base} (2 of the 6 modules "
+            "its target_modules name there): it was trained on {trained_on}, a smaller base",
+        ),
+        ({"layers": 1}, "holds weights for bert.encoder.layer.1.attention.self.query, which the base {base} lacks"),
+    ],
+    ids=["narrower", "deeper", "shallower"],
+)
+def test_a_base_of_another_shape_than_the_adapters_is_one_error_line(
+    trained, tiny_bert, sst2_dir, tmp_path, shape, says
+):
+    """The adapter (trained on the 64-wide, 2-layer tiny BERT) on another base: one line naming the base it was
+    trained on and the fix, instead of peft's traceback (narrower) or answers from layers never adapted (deeper)."""
+    other = write_tiny_bert(tmp_path / "other-bert", sst2_dir, **shape)
     (tmp_path / "sentences.txt").write_text("a wonderful film\n")
-    result = run_predict(base_env(tmp_path), trained / "model", "sentences.txt", "--base-model", narrow, cwd=tmp_path)
+    result = run_predict(base_env(tmp_path), trained / "model", "sentences.txt", "--base-model", other, cwd=tmp_path)
     assert result.code == 2 and result.stdout == "", result.stderr[-3000:]
     [error] = error_lines(result.stderr)
-    assert error == (
-        f"error: the adapter {trained / 'model'} was trained on the base {BASE_ID} of hidden size 64, and the base "
-        f"{narrow} has hidden size 32; pass --base-model with {BASE_ID} or a local copy of it"
-    )
+    assert error.startswith(f"error: the adapter {trained / 'model'} ")
+    assert says.format(trained_on=BASE_ID, base=other) in error, error
+    assert error.endswith(f"pass --base-model with {BASE_ID} or a local copy of it"), error
     assert "Traceback" not in result.stderr
-    assert predicted_texts(tmp_path, trained / "model", "sentences.txt", "--base-model", tiny_bert) == [
-        "a wonderful film"
-    ]
+
+
+def test_the_adapter_on_its_own_base_answers(trained, tiny_bert, tmp_path):
+    (tmp_path / "sentences.txt").write_text("a wonderful film\n")
+    args = ("sentences.txt", "--base-model", tiny_bert)
+    assert predicted_texts(tmp_path, trained / "model", *args) == ["a wonderful film"]
+
+
+def test_a_reader_that_stops_reading_ends_it_without_a_traceback(trained, tmp_path):
+    """`predict.py ... | head -1`: the answers left (more than a pipe holds) find no reader; exit 141 as a Unix tool
+    ended by SIGPIPE, and nothing on stderr but the libraries' progress."""
+    (tmp_path / "sentences.txt").write_text("".join(f"a wonderful film {i}\n" for i in range(3000)))
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "predict.py"), str(trained / "merged"), "sentences.txt"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=base_env(tmp_path),
+        cwd=tmp_path,
+    )
+    first = json.loads(proc.stdout.readline())
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=180) == 141, stderr[-3000:]
+    assert first["text"] == "a wonderful film 0" and "Traceback" not in stderr and not error_lines(stderr), stderr
