@@ -66,6 +66,7 @@ COPY main.py predict.py ./
 COPY utils/ utils/
 COPY scripts/ scripts/
 COPY examples/ examples/
+COPY recipes/ recipes/
 RUN python -m compileall -q main.py predict.py utils scripts
 
 USER 10000:10000

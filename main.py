@@ -7,6 +7,7 @@ others, and rank 0 writes the model to OUTPUT_DIR and pushes it to RESULT_MODEL_
 Launch it:
     python main.py                                   # one process (one GPU: 8-bit LoRA)
     python main.py --dry-run                         # resolved settings + ranks as JSON; imports no torch
+    python main.py --config recipes/sst2.yaml        # settings from a recipe file (the environment and flags win)
     docker run --gpus 1 ... IMAGE [--flags]          # single-GPU fallback (docs/deploying.md)
     # managed platform, replicas: 4 (config.yaml): the platform sets RANK, WORLD_SIZE, NODE_RANK,
     #   MASTER_ADDR, MASTER_PORT on each replica and runs `python main.py`
@@ -53,7 +54,7 @@ from utils.settings import Settings, check_push_possible, check_trackers, load_s
 
 
 def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, dict]:
-    """Everything decided before torch is imported, on every rank alike: the settings (defaults < env < flags),
+    """Everything decided before torch is imported, on every rank alike: the settings (defaults < recipe file < env < flags),
     who this process is, the learning rate for its global batch, the strategy; every check that needs neither
     torch nor the network. Bad input raises JobError (exit 2) with the fix. Returns (settings, dist, the parsed
     command line, the strategy as --dry-run shows it)."""
@@ -70,12 +71,26 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     return settings, dist, args, strategy
 
 
+def asks_for_help(argv: list[str] | None) -> bool:
+    """Whether the command line asks for --help, which always answers, whatever else is wrong."""
+    args = sys.argv[1:] if argv is None else argv
+    args = args[: args.index("--")] if "--" in args else args
+    return any(arg in ("-h", "--help") for arg in args)
+
+
 def main(argv: list[str] | None = None) -> int:
     run_dir = None
     try:
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
-        masker = install_masking()  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
+        try:
+            masker = (
+                install_masking()
+            )  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
+        except JobError:
+            if not asks_for_help(argv):
+                raise
+            masker = None  # --help prints the help and exits while the settings are read, with the value masked
         settings, dist, args, strategy = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings)

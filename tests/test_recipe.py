@@ -157,8 +157,8 @@ def test_model_dropout_values_in_the_dry_run(job_env, value, shown):
     [
         (
             {},
-            100_000_000,
-            "resolves the learning rate to 1562.5 at global batch 100000000 (PER_DEVICE_BATCH_SIZE=100000000 x 1 replica(s)",
+            65_536,  # PER_DEVICE_BATCH_SIZE's bound
+            "resolves the learning rate to 1.024 at global batch 65536 (PER_DEVICE_BATCH_SIZE=65536 x 1 replica(s)",
         ),
         (
             {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},

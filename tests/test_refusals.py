@@ -265,10 +265,15 @@ REFUSALS = [
         "scaled-learning-rate-out-of-bounds",
         "settings",
         [
-            "LEARNING_RATE_SCALING=linear resolves the learning rate to 1562.5 at global batch 100000000",
+            "LEARNING_RATE_SCALING=linear resolves the learning rate to 15.36 at global batch 983040",
             "set LEARNING_RATE to the rate to train at, or another rule",
         ],
-        {"LEARNING_RATE": None, "LEARNING_RATE_SCALING": "linear", "PER_DEVICE_BATCH_SIZE": "100000000"},
+        {
+            "LEARNING_RATE": None,
+            "LEARNING_RATE_SCALING": "linear",
+            "PER_DEVICE_BATCH_SIZE": "65536",
+            "GRADIENT_ACCUMULATION_STEPS": "15",
+        },
     ),
     # settings: the command line
     case(
@@ -621,10 +626,10 @@ REFUSALS = [
         "global-batch-above-train-split",
         "data",
         [
-            "the global batch is 100000000 rows (PER_DEVICE_BATCH_SIZE=100000000 x 1 replica(s) x GRADIENT_ACCUMULATION_STEPS=1) but the training split has only 2000",
+            "the global batch is 65536 rows (PER_DEVICE_BATCH_SIZE=65536 x 1 replica(s) x GRADIENT_ACCUMULATION_STEPS=1) but the training split has only 2000",
             "set PER_DEVICE_BATCH_SIZE to 2000 or less",
         ],
-        {"PER_DEVICE_BATCH_SIZE": "100000000"},
+        {"PER_DEVICE_BATCH_SIZE": "65536"},
     ),
 ]
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 
-from tests.conftest import base_env, configured, run_main
-from utils.settings import FIELDS, Settings, env_name, flag_name, load_settings
+from tests.conftest import base_env, configured, error_lines, free_port, rank_env, run_main, start_main
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.settings import FIELDS, Settings, describe_range, env_name, flag_name, load_settings
 
 # Every test here is quick (settings parsing and --dry-run, no training): `make check` runs them all.
 pytestmark = pytest.mark.check
@@ -268,3 +270,260 @@ def test_dry_run_shows_the_rates_the_global_batch_gets(tmp_path, world_size, ext
     launcher = dict(RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1") if world_size > 1 else {}
     config = dry_run(tmp_path, **launcher, **extra)["config"]
     assert (config["learning_rate"], config["loraplus_lr_ratio"]) == (rate, loraplus)
+
+
+# ------------------------------------------------------------------------------- every setting's range
+# One value just past each setting's range: refused at --dry-run (exit 2), one line naming the setting and its
+# range, so nothing --dry-run accepts can overflow later (a thread wait, a timedelta, numpy's seed, a batch).
+PATH = "p" * 4097
+OVER_THE_BOUND = {
+    "config_file": (PATH, "at most 4096 characters"),
+    "model_name": (PATH, "at most 4096 characters"),
+    "dataset_name": ("d" * 256, "at most 255 characters"),
+    "dataset_config": ("c" * 256, "at most 255 characters"),
+    "dataset_path": (PATH, "at most 4096 characters"),
+    "text_column": ("t" * 256, "at most 255 characters"),
+    "label_column": ("l" * 256, "at most 255 characters"),
+    "base_model_id": ("me/" + "b" * 97, "must look like"),
+    "output_dir": (PATH, "at most 4096 characters"),
+    "run_name": ("r" * 101, "use 1-100 letters"),
+    "num_epochs": ("1001", "(range: above 0 to 1000)"),
+    "max_steps": ("100000001", "(range: 1 to 100000000)"),
+    "per_device_batch_size": ("65537", "(range: 1 to 65536)"),
+    "per_device_eval_batch_size": ("100000000000000000000000", "(range: 1 to 65536)"),
+    "gradient_accumulation_steps": ("65537", "(range: 1 to 65536)"),
+    "global_batch_size": ("1000001", "(range: 1 to 1000000)"),
+    "learning_rate": ("1", "(range: above 0 to below 1)"),
+    "base_learning_rate": ("1", "(range: above 0 to below 1)"),
+    "weight_decay": ("1", "(range: 0 to below 1)"),
+    "warmup_ratio": ("1", "(range: 0 to below 1)"),
+    "lora_r": ("4097", "(range: 1 to 4096)"),
+    "lora_alpha": ("65537", "(range: 1 to 65536)"),
+    "lora_dropout": ("1", "(range: 0 to below 1)"),
+    "lora_target_modules": (",".join(["query"] * 257), "at most 256 items"),
+    "head_learning_rate_ratio": ("1001", "(range: above 0 to 1000)"),
+    "loraplus_lr_ratio": ("1001", "(range: above 0 to 1000)"),
+    "model_dropout": ("1", "less than 1"),
+    "zero_stage": ("4", "(range: 1 to 3)"),
+    "deepspeed_config": (PATH, "at most 4096 characters"),
+    "max_seq_length": ("513", "(range: 8 to 512)"),
+    "dataloader_num_workers": ("257", "(range: 0 to 256)"),
+    "seed": (str(2**32), "(range: 0 to 4294967295)"),
+    "save_steps": ("1000000001", "(range: 1 to 1000000000)"),
+    "save_total_limit": ("1001", "(range: 1 to 1000)"),
+    "rendezvous_timeout": ("100000000000", "(range: 10 to 86400)"),
+    "result_model_id": ("me/" + "m" * 97, "must look like"),
+    "hub_timeout": ("601", "(range: above 0 to 600)"),
+    "push_timeout": ("86401", "(range: above 0 to 86400)"),
+    "result_merged_model_id": ("me/" + "m" * 97, "must look like"),
+    "eval_steps": ("1000000001", "(range: 0 to 1000000000)"),
+    "logging_steps": ("1000000001", "(range: 1 to 1000000000)"),
+}
+# Bounded by their type: a choice among names, a boolean (anything else is refused as it is typed), and
+# LABEL_NAMES, whose count and names its own check holds.
+BOUNDED_BY_TYPE = {
+    *("learning_rate_scaling", "train_pooler", "lora_variant", "lora_init", "quantization", "precision", "strategy"),
+    *("zero_offload", "gradient_checkpointing", "torch_compile", "hub_private", "merge_adapter", "report_to"),
+    "label_names",
+}
+# Values the settings derive, each from factors inside their own ranges.
+DERIVED_OVER_THE_BOUND = [
+    pytest.param(
+        {"PER_DEVICE_BATCH_SIZE": "65536", "GRADIENT_ACCUMULATION_STEPS": "16"},
+        "the global batch is 1048576 rows (PER_DEVICE_BATCH_SIZE=65536 x 1 replica(s) x GRADIENT_ACCUMULATION_STEPS=16), "
+        "above the 1000000",
+        id="global-batch",
+    ),
+    pytest.param(
+        {"PER_DEVICE_BATCH_SIZE": "65536", "RANK": "0", "WORLD_SIZE": "16", "MASTER_ADDR": "h"},
+        "the global batch is 1048576 rows (PER_DEVICE_BATCH_SIZE=65536 x 16 replica(s)",
+        id="global-batch-of-replicas",
+    ),
+    pytest.param(
+        {"LEARNING_RATE_SCALING": "linear", "GLOBAL_BATCH_SIZE": "65536"},
+        "LEARNING_RATE_SCALING=linear resolves the learning rate to 1.024",
+        id="learning-rate",
+    ),
+]
+
+
+def test_every_setting_has_a_range():
+    assert set(OVER_THE_BOUND) | BOUNDED_BY_TYPE == set(FIELDS), "give the new setting a bound and a row here"
+
+
+@pytest.mark.parametrize("field", sorted(OVER_THE_BOUND))
+def test_a_value_past_a_settings_range_is_refused_at_dry_run(tmp_path, field):
+    value, says = OVER_THE_BOUND[field]
+    with pytest.raises(JobError) as refused:
+        dry_run(tmp_path, **{env_name(field): value})
+    message = refused.value.message
+    assert refused.value.code == EXIT_BAD_INPUT and "\n" not in message
+    assert message.startswith(f"{env_name(field)}=") and says in message, message
+    assert f"fix {env_name(field)} or {flag_name(field)}" in message
+
+
+@pytest.mark.parametrize("env, says", DERIVED_OVER_THE_BOUND)
+def test_a_derived_value_past_its_range_is_refused_at_dry_run(tmp_path, env, says):
+    with pytest.raises(JobError) as refused:
+        dry_run(tmp_path, **env)
+    assert refused.value.code == EXIT_BAD_INPUT and says in refused.value.message, refused.value.message
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"PER_DEVICE_EVAL_BATCH_SIZE": "100000000000000000000000"}, {"RENDEZVOUS_TIMEOUT": "1e23"}, {"SEED": "-1"}],
+    ids=["eval-batch", "timeout-float", "seed"],
+)
+def test_dry_run_process_refuses_an_unbounded_value_in_one_line(tmp_path, env):
+    result = run_main(base_env(tmp_path, **env), "--dry-run")
+    assert result.code == 2 and result.stdout == "", result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: {next(iter(env))}=") and "Traceback" not in result.stderr
+
+
+def test_two_ranks_with_a_huge_rendezvous_timeout_are_refused_at_once(tmp_path):
+    """RENDEZVOUS_TIMEOUT=1e11 overflowed the watchdog thread's wait: the thread died and the 2-rank job hung
+    until killed, then again after each restart. Both ranks now refuse it before they meet."""
+    port, out = free_port(), tmp_path / "out"
+    ranks = [
+        start_main(
+            rank_env(tmp_path, rank, 2, port, OUTPUT_DIR=str(out), RENDEZVOUS_TIMEOUT="100000000000"),
+            log=tmp_path / f"rank-{rank}.out",
+        )
+        for rank in range(2)
+    ]
+    started = time.monotonic()
+    codes = [rank.wait(timeout=120) for rank in ranks]
+    assert codes == [2, 2] and time.monotonic() - started < 60
+    for rank in range(2):
+        output = (tmp_path / f"rank-{rank}.out").read_text()
+        assert error_lines(output) == [
+            "error: RENDEZVOUS_TIMEOUT=100000000000 is invalid: Input should be less than or equal to 86400 "
+            "(range: 10 to 86400); fix RENDEZVOUS_TIMEOUT or --rendezvous-timeout"
+        ], output
+    assert not out.exists()  # refused before the run folder
+
+
+# ------------------------------------------------------------------------------- a recipe file
+def test_recipe_file_sits_between_the_defaults_and_the_environment(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lora_r: 4\nLORA_ALPHA: 8\nseed: 7\nlora_target_modules: [query, key]\nhub_private: no\n")
+    config = dry_run(tmp_path, "--config", str(recipe))["config"]
+    assert (config["lora_r"], config["lora_alpha"], config["seed"]) == (4, 8, 7)
+    assert config["lora_target_modules"] == ["query", "key"] and config["hub_private"] is False
+    assert config["config_file"] == str(recipe)  # what --dry-run and run.json record
+    assert config["run_name"] != dry_run(tmp_path)["config"]["run_name"]  # the recipe's values name the run
+    # the environment wins over the file, a flag over both; CONFIG_FILE is the same as --config
+    config = dry_run(tmp_path, "--seed", "9", CONFIG_FILE=str(recipe), SEED="8", LORA_R="16")["config"]
+    assert (config["lora_r"], config["seed"], config["lora_alpha"], config["config_file"]) == (16, 9, 8, str(recipe))
+    other = tmp_path / "other.yaml"
+    other.write_text("lora_r: 2\n")
+    config = dry_run(tmp_path, "--config", str(other), CONFIG_FILE=str(recipe))["config"]
+    assert (config["lora_r"], config["config_file"]) == (2, str(other))  # a flag's file over the environment's
+
+
+def test_the_sst2_recipe_is_the_defaults(tmp_path):
+    from tests.conftest import REPO
+
+    recipe = dry_run(tmp_path, "--config", str(REPO / "recipes" / "sst2.yaml"))["config"]
+    assert {**recipe, "config_file": None} == dry_run(tmp_path)["config"]
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("lora_rank: 4\n", "holds lora_rank, which is not a setting (did you mean lora_r?)"),
+        ("hf_token: hf_abcdefghijklmnop\n", "holds hf_token: a secret does not belong in a recipe"),
+        ("HF_TOKEN_PATH: /run/secrets/token\n", "set HF_TOKEN, or HF_TOKEN_PATH to a mounted file"),
+        ("config_file: other.yaml\n", "names another recipe"),
+        ("lora_r: 4\nLORA_R: 8\n", "sets lora_r twice"),
+        ("- lora_r\n- 4\n", "holds a YAML list, not a mapping of settings"),
+        ("lora_r: [4\n", "is not valid YAML at line 2"),
+        ("lora_r: 100000\n", "lora_r: 100000 in CONFIG_FILE="),
+        (b"lora_r: \xe9\n", "is not a text file (not UTF-8)"),
+        (None, "does not exist; point --config or CONFIG_FILE at a YAML file"),
+        ("folder", "cannot be read (Is a directory)"),
+        ("fifo", "is not a regular file"),  # at once: a named pipe is never read
+    ],
+    ids=[
+        *("unknown", "token", "token-path", "nested", "twice", "list", "yaml", "value", "binary", "missing", "folder"),
+        "fifo",
+    ],
+)
+def test_a_bad_recipe_is_refused_in_one_line(tmp_path, text, says):
+    recipe = tmp_path / "recipe.yaml"
+    if text == "folder":
+        recipe.mkdir()
+    elif text == "fifo":
+        os.mkfifo(recipe)
+    elif isinstance(text, bytes):
+        recipe.write_bytes(text)
+    elif text is not None:
+        recipe.write_text(text)
+    with pytest.raises(JobError) as refused:
+        dry_run(tmp_path, "--config", str(recipe))
+    message = refused.value.message
+    assert refused.value.code == EXIT_BAD_INPUT and says in message and "\n" not in message, message
+    assert "hf_abcdefghijklmnop" not in message
+
+
+def test_a_bad_recipe_is_one_error_line_from_the_process(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("learnig_rate: 1e-4\n")
+    result = run_main(base_env(tmp_path, CONFIG_FILE=str(recipe)), "--dry-run")
+    assert result.code == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: CONFIG_FILE={recipe} holds learnig_rate, which is not a setting (did you mean learning_rate?); "
+        "fix the name, or remove it (`python main.py --help` lists the settings)"
+    ]
+
+
+# ------------------------------------------------------------------------------- misspelled variables, --help
+def test_a_misspelled_variable_is_warned_about_not_refused(tmp_path, capsys):
+    config = dry_run(tmp_path, LEARNIG_RATE="1e-4", LORA_RANK="4", ZERO_STAGES="3", LORA_R="16")["config"]
+    assert config["learning_rate"] == 1e-3 and config["lora_r"] == 16  # ignored, as before
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert [line.split()[1] for line in warnings] == ["LEARNIG_RATE", "LORA_RANK", "ZERO_STAGES"]
+    assert "did you mean LEARNING_RATE?" in warnings[0] and "did you mean LORA_R?" in warnings[1]
+    assert "did you mean ZERO_STAGE?" in warnings[2]
+
+
+@pytest.mark.parametrize("env", [{}, *(launcher for launcher, _ in LAUNCHERS)], ids=lambda env: env.get("RANK", "-"))
+def test_a_clean_environment_under_any_launcher_warns_about_nothing(tmp_path, env, capsys):
+    torchrun = dict(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="3", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    platform = dict(PET_MASTER_ADDR="m", PET_MASTER_PORT="23456", MAX_JOBS="2", HF_HUB_ENABLE_HF_TRANSFER="1")
+    shell = dict(OMP_NUM_THREADS="1", NCCL_DEBUG="INFO", CUDA_DEVICE_MAX_CONNECTIONS="1", HOSTNAME="pod-0")
+    dry_run(tmp_path, **env, **torchrun, **platform, **shell, HF_TOKEN_PATH="", CONFIG_FILE="")
+    assert "warning: " not in capsys.readouterr().err  # this machine's own environment (base_env) included
+
+
+def test_help_answers_whatever_hf_token_holds_and_never_shows_it(tmp_path):
+    for token in ("bad", "hf_half_a_token\nsecond_line_value"):
+        result = run_main(base_env(tmp_path, HF_TOKEN=token, LEARNIG_RATE="1"), "--help")
+        assert result.code == 0 and "usage: main.py" in result.stdout and result.stderr == "", result.stderr
+        assert not any(line and line in result.stdout for line in token.splitlines() if len(line) > 5)
+    refused = run_main(base_env(tmp_path, HF_TOKEN="bad"), "--dry-run")
+    assert refused.code == 2 and error_lines(refused.stderr) == [
+        "error: HF_TOKEN is 3 characters long, too short for a Hub token; set the whole token"
+    ]
+
+
+def test_settings_doc_states_every_range_the_code_holds():
+    from tests.conftest import REPO
+
+    doc = (REPO / "docs" / "settings.md").read_text()
+    ranges = {env_name(f): describe_range(f).removeprefix(" (range: ").removesuffix(")") for f in FIELDS}
+    missing = [f"{name}: {shown}" for name, shown in ranges.items() if shown and f"| `{name}` | {shown} |" not in doc]
+    assert not missing, f"docs/settings.md's ranges table lacks or misstates {missing}"
+
+
+def test_the_shipped_config_maps_warn_about_nothing(tmp_path, capsys):
+    import yaml
+
+    from tests.conftest import REPO
+
+    platform = yaml.safe_load((REPO / "config.yaml").read_text())["config_map"]
+    kubernetes = yaml.safe_load((REPO / "k8s" / "base" / "configmap.yaml").read_text())["data"]
+    for config_map in (platform, kubernetes):
+        dry_run(tmp_path, **{**config_map, "OUTPUT_DIR": str(tmp_path / "out"), "RESULT_MODEL_ID": ""})
+        assert "warning: " not in capsys.readouterr().err

@@ -247,12 +247,26 @@ def install_masking() -> Masker:
 
     Returns the Masker, for the log handlers the run adds later (the rank logs are files, not stderr).
     """
-    masker = Masker(read_token(), url_secrets())
+    try:
+        token = read_token()
+    except JobError:
+        # A malformed token is refused, but --help still answers: until then whatever HF_TOKEN holds is masked.
+        raw = os.environ.get("HF_TOKEN", "").strip()
+        _mask_streams(
+            Masker(None, [*(line.strip() for line in raw.splitlines() if line.strip()), raw, *url_secrets()])
+        )
+        raise
+    masker = Masker(token, url_secrets())
+    _mask_streams(masker)
+    return masker
+
+
+def _mask_streams(masker: Masker) -> None:
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
-        if not isinstance(stream, MaskedStream):
-            setattr(sys, name, MaskedStream(stream, masker))
-    return masker
+        if isinstance(stream, MaskedStream):
+            stream = stream._stream  # the masker replaced, not stacked
+        setattr(sys, name, MaskedStream(stream, masker))
 
 
 def refuse_token_in_settings(values: dict[str, Any]) -> None:

@@ -44,7 +44,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from utils.batching import plan_batches
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.settings import Settings
+from utils.settings import MAX_GLOBAL_BATCH, Settings
 
 REFERENCE_GLOBAL_BATCH = 64  # one replica with PER_DEVICE_BATCH_SIZE=64: where BASE_LEARNING_RATE was measured
 REFERENCE_LORAPLUS_RATIO = 8.0  # the LoRA+ ratio measured best at the reference batch (docs/quality.md)
@@ -151,9 +151,23 @@ def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
     return max(0, min(math.ceil(total_steps * warmup_ratio), total_steps - 1))
 
 
+def check_global_batch_bound(settings: Settings, world_size: int) -> None:
+    """Refuse a global batch the settings make above GLOBAL_BATCH_SIZE's own bound: each factor has its range, but
+    their product (x the replica count) would reach sizes no data set and no sampler index is made for."""
+    batch = global_batch(settings, world_size)
+    if batch > MAX_GLOBAL_BATCH:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the global batch is {batch} rows ({_batch_terms(settings, world_size)}), above the {MAX_GLOBAL_BATCH} a "
+            f"global batch may be (GLOBAL_BATCH_SIZE's range, 1 to {MAX_GLOBAL_BATCH}); lower PER_DEVICE_BATCH_SIZE or "
+            "GRADIENT_ACCUMULATION_STEPS, or set GLOBAL_BATCH_SIZE",
+        )
+
+
 def apply_recipe(settings: Settings, world_size: int) -> Settings:
     """The settings with LEARNING_RATE and LORAPLUS_LR_RATIO resolved, so --dry-run, run.json, the logs and the
-    model card show the values used."""
+    model card show the values used; a global batch out of range is refused first."""
+    check_global_batch_bound(settings, world_size)
     return settings.model_copy(
         update={
             "learning_rate": resolve_learning_rate(settings, world_size),

@@ -1,12 +1,16 @@
-"""Every setting of the job, in one typed model: built-in defaults < environment < command-line flags.
+"""Every setting of the job, in one typed model: built-in defaults < recipe file < environment < command-line flags.
 
 The platform's `config_map` arrives as environment variables, so each setting has an UPPER_SNAKE env
 name and a `--kebab-case` flag. The Hub token is the exception: it is read only from `HF_TOKEN` or
 the file named by `HF_TOKEN_PATH` (as huggingface_hub does), never from a flag, because flags end up
 in `ps`, shell history and job specs.
 
-`Settings` is a pydantic-settings `BaseSettings`: `load_settings` reads the environment and the
-flags through the library's own sources (`EnvSettingsSource`, `CliSettingsSource`), while
+A recipe (`--config FILE.yaml` or CONFIG_FILE) holds settings by their field names; unlike the environment,
+which holds other programs' variables too, anything else in it is refused. Every setting has a finite range
+(the constants below), so nothing `--dry-run` accepts can overflow later.
+
+`Settings` is a pydantic-settings `BaseSettings`: `load_settings` reads the recipe, the environment and the
+flags through the library's own sources (`InitSettingsSource`, `EnvSettingsSource`, `CliSettingsSource`), while
 `Settings(**values)` in code and tests takes only the values given, never the caller's environment.
 
 This module imports nothing heavy (pydantic and pydantic-settings only): `--help` and `--dry-run`
@@ -16,11 +20,13 @@ must answer in well under a second, before torch or transformers are imported.
 from __future__ import annotations
 
 import argparse
+import difflib
 import hashlib
 import json
 import os
 import re
 import socket
+import stat
 import sys
 import threading
 import urllib.parse
@@ -34,6 +40,7 @@ from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
     EnvSettingsSource,
+    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -49,6 +56,17 @@ REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9]
 # RUN_NAME names a folder under OUTPUT_DIR/tensorboard: no separators, no '..', no hidden names, and
 # short enough for the event files inside it to stay below the 255-byte file-name limit.
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]{0,99}$")
+
+# The ranges of the settings (docs/settings.md): generous, never below a real use, but finite, so that nothing
+# --dry-run accepts can overflow later (a thread wait, a timedelta, numpy's seed, an allocation).
+PATH_MAX = 4096  # Linux's PATH_MAX
+NAME_MAX = 255  # a column, module or Hub name
+MAX_STEPS = 10**8  # optimizer steps: years of steps
+MAX_INTERVAL = 10**9  # steps between checkpoints, evaluations, log records: above MAX_STEPS, so "never" can be said
+MAX_DEVICE_BATCH = 65536  # rows per device per step (and micro-batches per step): far above any memory
+MAX_GLOBAL_BATCH = 10**6  # rows per optimizer step, however they are made up
+MAX_WAIT_SECONDS = 86400  # a day: the longest any wait of the job may be set to
+MAX_TARGET_MODULES = 256
 
 
 def default_output_dir() -> str:
@@ -79,19 +97,43 @@ class Settings(BaseSettings):
         cli_implicit_flags=False,
     )
 
+    # --- where the settings come from
+    config_file: str | None = Field(
+        None,
+        min_length=1,
+        max_length=PATH_MAX,
+        description="a recipe: a YAML file of settings by their names (lower_snake_case, as --dry-run shows them), "
+        "e.g. recipes/sst2.yaml; the environment and flags win over it (also --config)",
+    )
+
     # --- what to train on
     model_name: str = Field(
         "bert-base-uncased",
+        min_length=1,
+        max_length=PATH_MAX,
         description="Hub id or local folder of the base model (a folder on the shared volume for air-gapped clusters)",
     )
-    dataset_name: str = Field("nyu-mll/glue", description="Hub dataset id, used when DATASET_PATH is unset")
-    dataset_config: str = Field("sst2", description="configuration of the Hub dataset")
+    dataset_name: str = Field(
+        "nyu-mll/glue",
+        min_length=1,
+        max_length=NAME_MAX,
+        description="Hub dataset id, used when DATASET_PATH is unset",
+    )
+    dataset_config: str = Field(
+        "sst2", min_length=1, max_length=NAME_MAX, description="configuration of the Hub dataset"
+    )
     dataset_path: str | None = Field(
         None,
+        min_length=1,
+        max_length=PATH_MAX,
         description="local folder that wins over DATASET_NAME: train/validation files (.csv .tsv .json .jsonl .parquet) or a save_to_disk DatasetDict",
     )
-    text_column: str = Field("sentence", description="column holding the text (GLUE SST-2's name)")
-    label_column: str = Field("label", description="column holding the 0/1 label (GLUE SST-2's name)")
+    text_column: str = Field(
+        "sentence", min_length=1, max_length=NAME_MAX, description="column holding the text (GLUE SST-2's name)"
+    )
+    label_column: str = Field(
+        "label", min_length=1, max_length=NAME_MAX, description="column holding the 0/1 label (GLUE SST-2's name)"
+    )
     # NoDecode: these three are comma-separated in env and flags (`query,value`), not JSON lists. Their
     # defaults are written the same way, so --help shows the format to type; validate_default splits them.
     label_names: Annotated[tuple[str, str], NoDecode] = Field(
@@ -108,6 +150,8 @@ class Settings(BaseSettings):
     # --- where results go
     output_dir: str = Field(
         default_factory=default_output_dir,
+        min_length=1,
+        max_length=PATH_MAX,
         description=f"one run per folder; {SHARED_VOLUME}/output when {SHARED_VOLUME} exists, else ./output",
     )
     run_name: str | None = Field(
@@ -126,24 +170,32 @@ class Settings(BaseSettings):
     max_steps: int | None = Field(
         None,
         ge=1,
-        le=10**8,
+        le=MAX_STEPS,
         description="optimizer steps; when set it wins over NUM_EPOCHS (at most 1e8: years of steps)",
     )
     per_device_batch_size: int = Field(
-        64, ge=1, description="rows per device per step; global batch = this x world size x accumulation"
+        64,
+        ge=1,
+        le=MAX_DEVICE_BATCH,
+        description=f"rows per device per step; global batch = this x world size x accumulation (at most {MAX_DEVICE_BATCH})",
     )
     per_device_eval_batch_size: int = Field(
-        256, ge=1, description="evaluation needs no gradients or optimizer state, so it fits a larger batch"
+        256,
+        ge=1,
+        le=MAX_DEVICE_BATCH,
+        description=f"evaluation needs no gradients or optimizer state, so it fits a larger batch (at most {MAX_DEVICE_BATCH})",
     )
     gradient_accumulation_steps: int = Field(
         1,
         ge=1,
-        description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit",
+        le=MAX_DEVICE_BATCH,
+        description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit "
+        f"(at most {MAX_DEVICE_BATCH}; the global batch it makes at most {MAX_GLOBAL_BATCH})",
     )
     global_batch_size: int | None = Field(
         None,
         ge=1,
-        le=10**6,
+        le=MAX_GLOBAL_BATCH,
         description="unset: the global batch follows the replica count; set: rows per optimizer step on any replica "
         "count (micro-batch and accumulation derived, PER_DEVICE_BATCH_SIZE their cap), so a restart may come back "
         "on any count that divides it",
@@ -183,10 +235,11 @@ class Settings(BaseSettings):
         le=4096,
         description="adapter rank; 8 is the LoRA paper's GLUE setting (and at most the model's hidden size, checked once its config is read)",
     )
-    lora_alpha: int = Field(16, ge=1, description="adapter scale alpha/r = 2")
+    lora_alpha: int = Field(16, ge=1, le=65536, description="adapter scale alpha/r = 2 (at most 65536)")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="light regularisation of the adapter input")
-    lora_target_modules: Annotated[tuple[str, ...], NoDecode] = Field(
+    lora_target_modules: Annotated[tuple[Annotated[str, Field(max_length=NAME_MAX)], ...], NoDecode] = Field(
         "query,value",
+        max_length=MAX_TARGET_MODULES,
         description="comma-separated module names to adapt; query,value as in the LoRA paper; each must adapt at least one "
         "layer of the model (checked when it is built: a typo is refused with the closest names)",
     )
@@ -247,6 +300,8 @@ class Settings(BaseSettings):
     )
     deepspeed_config: str | None = Field(
         None,
+        min_length=1,
+        max_length=PATH_MAX,
         description="STRATEGY=deepspeed: path of your own ds_config.json; it wins over ZERO_STAGE and ZERO_OFFLOAD; "
         "what the job's settings own (batch sizes, accumulation, learning rate, schedule, clipping, precision) must be "
         "'auto' or agree with them",
@@ -260,7 +315,9 @@ class Settings(BaseSettings):
         le=512,
         description="truncation length; SST-2 sentences average ~13 tokens and batches are padded only to their longest row",
     )
-    dataloader_num_workers: int = Field(2, ge=0, description="collating runs beside the GPU step instead of before it")
+    dataloader_num_workers: int = Field(
+        2, ge=0, le=256, description="collating runs beside the GPU step instead of before it (at most 256 processes)"
+    )
     torch_compile: bool = Field(
         False, description="torch.compile the model: faster steps on long runs, a minute of compile first"
     )
@@ -273,15 +330,23 @@ class Settings(BaseSettings):
 
     # --- checkpoints, rendezvous, publishing
     save_steps: int = Field(
-        100, ge=1, description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB"
+        100,
+        ge=1,
+        le=MAX_INTERVAL,
+        description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB",
     )
     save_total_limit: int = Field(
-        2, ge=1, description="checkpoints kept; two, so a restart still has one if the newest is incomplete"
+        2,
+        ge=1,
+        le=1000,
+        description="checkpoints kept; two, so a restart still has one if the newest is incomplete (at most 1000)",
     )
     rendezvous_timeout: int = Field(
         600,
         ge=10,
-        description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading and tokenizing while the others wait",
+        le=MAX_WAIT_SECONDS,
+        description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading and "
+        f"tokenizing while the others wait (10 to {MAX_WAIT_SECONDS}: a day)",
     )
     result_model_id: str | None = Field(
         None, description="Hub repo to push model/ to (needs HF_TOKEN); unset: the model stays on the volume"
@@ -295,7 +360,7 @@ class Settings(BaseSettings):
     push_timeout: float = Field(
         600,
         gt=0,
-        le=86400,
+        le=MAX_WAIT_SECONDS,
         description="seconds the push (retries and uploads in flight included) may take before exit 3; the token check before training gets min(120, this)",
     )
     hub_private: bool = Field(True, description="a new Hub repo is private unless asked otherwise")
@@ -311,11 +376,13 @@ class Settings(BaseSettings):
     eval_steps: int | None = Field(
         None,
         ge=0,
+        le=MAX_INTERVAL,
         description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end",
     )
     logging_steps: int = Field(
         10,
         ge=1,
+        le=MAX_INTERVAL,
         description="optimizer steps between training-loss records (console, TensorBoard, trackers, log_history)",
     )
     report_to: Annotated[tuple[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"], ...], NoDecode] = Field(
@@ -687,8 +754,9 @@ def _parser() -> _Parser:
     # allow_abbrev=False: `--learn 1e-3` is refused, never read as --learning-rate.
     parser = _Parser(
         prog="main.py",
-        description="LoRA fine-tuning of BERT on GLUE SST-2, on one process or many. Every setting is a flag or an "
-        "environment variable (flags win); the Hub token comes only from HF_TOKEN or HF_TOKEN_PATH.",
+        description="LoRA fine-tuning of BERT on GLUE SST-2, on one process or many. Every setting is a flag, an "
+        "environment variable or a key of a recipe file (--config; flags win over the environment, the environment "
+        "over the file); the Hub token comes only from HF_TOKEN or HF_TOKEN_PATH.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
@@ -698,6 +766,13 @@ def _parser() -> _Parser:
         help="print the resolved settings and distributed environment as JSON, then exit",
     )
     parser.add_argument(
+        "--config",
+        dest="config_file",  # the same setting as --config-file and CONFIG_FILE
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="a recipe: a YAML file of settings by their names (as --dry-run shows them); sets CONFIG_FILE",
+    )
+    parser.add_argument(
         "--push-only",
         action="store_true",
         help="push an existing OUTPUT_DIR/model to RESULT_MODEL_ID without training",
@@ -705,19 +780,179 @@ def _parser() -> _Parser:
     return parser
 
 
+# ------------------------------------------------------------------------------- a recipe file
+RECIPE_MAX_BYTES = 1 << 20  # a recipe is a page of settings; more is the wrong file (and /dev/zero never ends)
+SECRET_SETTINGS = ("hf_token", "hf_token_path")
+
+
+def read_recipe(path: str) -> dict[str, Any]:
+    """The settings a recipe file (`--config`, CONFIG_FILE) holds, by field name. A file is the user's own, so
+    anything in it that is not a setting is refused (exit 2, with the closest name), unlike the environment."""
+
+    shown = path if len(path) <= 200 else f"{path[:200]}..."
+
+    def refused(why: str) -> JobError:
+        return JobError(EXIT_BAD_INPUT, f"CONFIG_FILE={shown} {why}")
+
+    if len(path) > PATH_MAX:
+        raise refused(f"is invalid: a path has at most {PATH_MAX} characters; fix CONFIG_FILE or --config-file")
+    import yaml  # only when a recipe is given
+
+    try:
+        # Non-blocking and regular files only: a FIFO would wait for a writer for ever.
+        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as handle:
+            if not _is_regular(fd):
+                raise refused("is not a regular file; point --config or CONFIG_FILE at a YAML file of settings")
+            raw = handle.read(RECIPE_MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise refused(
+            "does not exist; point --config or CONFIG_FILE at a YAML file of settings (e.g. recipes/sst2.yaml)"
+        ) from None
+    except OSError as exc:
+        raise refused(
+            f"cannot be read ({exc.strerror}); make it readable, or point --config at another file"
+        ) from None
+    if len(raw) > RECIPE_MAX_BYTES:
+        raise refused(
+            f"holds more than {RECIPE_MAX_BYTES} bytes, not a recipe; point --config at a YAML file of settings"
+        )
+    try:
+        values = yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise refused("is not a text file (not UTF-8); a recipe is YAML, one `name: value` a line") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise refused(f"is not valid YAML{where} ({problem}); write one `name: value` a line") from None
+    if values is None:  # empty, or comments only
+        return {}
+    if not isinstance(values, dict):
+        raise refused(
+            f"holds a YAML {type(values).__name__}, not a mapping of settings; write one `name: value` a line"
+        )
+    recipe: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.lower() if isinstance(key, str) and key.isupper() else key  # LORA_R as the environment writes it
+        if name in SECRET_SETTINGS:
+            raise refused(
+                f"holds {key}: a secret does not belong in a recipe (it ends up in job specs and repositories); "
+                "remove it and set HF_TOKEN, or HF_TOKEN_PATH to a mounted file holding the token"
+            )
+        if name == "config_file":
+            raise refused(f"names another recipe ({key}); put the settings in this file instead")
+        if not isinstance(name, str) or name not in FIELDS:
+            close = difflib.get_close_matches(str(name).lower(), list(FIELDS), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise refused(
+                f"holds {key!s}, which is not a setting{hint}; fix the name, or remove it (`python main.py --help` "
+                "lists the settings)"
+            )
+        if name in recipe:
+            raise refused(f"sets {name} twice ({key} and {name}); keep one")
+        recipe[name] = value
+    return recipe
+
+
+def _is_regular(fd: int) -> bool:
+    return stat.S_ISREG(os.fstat(fd).st_mode)
+
+
+# ------------------------------------------------------------------------------- misspelled variables
+# What launchers, schedulers, the platform, the libraries and a shell set: never taken for a misspelled setting.
+FOREIGN_PREFIXES = (
+    *("PET_", "SLURM", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "MPI_", "I_MPI_", "KUBERNETES_", "TORCH"),
+    *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "DATASETS_", "ACCELERATE_", "DS_", "BNB_", "TRITON_"),
+    *("NCCL_", "GLOO_", "FI_", "UCX_", "CUDA", "CUDNN_", "CUBLAS", "NVIDIA_", "NV_", "ROCR_", "HIP_", "HSA_", "XLA_"),
+    *("OMP_", "MKL_", "KMP_", "OPENBLAS_", "PYTHON", "PIP_", "UV_", "VIRTUAL_ENV", "CONDA", "LD_", "LC_", "XDG_"),
+    *("MLFLOW_", "WANDB_", "TRACKIO_", "TENSORBOARD", "SSH_", "GIT_", "OTEL_", "AWS_", "GOOGLE_", "AZURE_", "DOCKER"),
+)
+FOREIGN_NAMES = frozenset(
+    {
+        *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+        *("ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAX_JOBS", "HF_TOKEN"),
+        *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TERM", "LANG", "TZ", "TMPDIR"),
+        *("COLUMNS", "LINES", "SHLVL", "MAIL", "EDITOR", "PAGER", "DISPLAY", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"),
+        *("ALL_PROXY", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"),
+    }
+)
+# The shape of the job's own names: a variable starting like these is meant for the job.
+JOB_PREFIXES = (
+    *("LORA_", "LORAPLUS_", "ZERO_", "GRADIENT_", "LEARNING_", "WARMUP_", "RENDEZVOUS_", "RESULT_", "PUSH_"),
+    *("MERGE_", "DATALOADER_", "PER_DEVICE_", "GLOBAL_BATCH", "BASE_LEARNING", "HEAD_LEARNING", "NUM_EPOCH"),
+)
+SPELLING_CUTOFF = 0.8  # difflib's ratio: LEARNIG_RATE -> LEARNING_RATE 0.96, LORA_RANK -> LORA_R 0.8
+
+
+def find_misspelled_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(variable, the setting it probably means) for each set variable that is no setting but has the job's
+    names' shape or a close spelling of one. The environment holds other programs' variables too (the
+    platform's config_map, the user's shell), so these are warned about, not refused."""
+    settings = [env_name(field) for field in FIELDS]
+    found = []
+    for name, value in environ.items():
+        if not value.strip() or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name) or name.lower() in FIELDS:
+            continue
+        if name in FOREIGN_NAMES or name.startswith(FOREIGN_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, settings, n=1, cutoff=SPELLING_CUTOFF)
+        if not close and name.startswith(JOB_PREFIXES):
+            close = difflib.get_close_matches(name, settings, n=1, cutoff=0)
+        if close:
+            found.append((name, close[0]))
+    return sorted(found)
+
+
+def warn_misspelled_variables(environ: Mapping[str, str]) -> None:
+    for name, setting in find_misspelled_variables(environ):
+        print(
+            f"warning: {name} is set but is no setting of this job, so it is ignored; did you mean {setting}? "
+            f"(rename it, or unset it: `python main.py --help` lists the settings)",
+            file=sys.stderr,
+        )
+
+
+def describe_range(field: str) -> str:
+    """` (range: LOW to HIGH)` of a setting with numeric bounds (docs/settings.md lists every range; pydantic's own
+    message already names a text's or a list's longest length), else ''."""
+    bounds = {}
+    for item in FIELDS[field].metadata:
+        for name in ("ge", "gt", "le", "lt"):
+            if getattr(item, name, None) is not None:
+                bounds[name] = getattr(item, name)
+    if not bounds:
+        return ""
+    shown = {name: str(value) if isinstance(value, int) else f"{value:g}" for name, value in bounds.items()}
+    low = shown["ge"] if "ge" in shown else f"above {shown['gt']}" if "gt" in shown else "any"
+    high = shown["le"] if "le" in shown else f"below {shown['lt']}" if "lt" in shown else "any"
+    return f" (range: {low} to {high})"
+
+
 def load_settings(
     argv: list[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> tuple[Settings, argparse.Namespace]:
-    """Resolve defaults < env < flags and validate; bad values raise JobError with the fix.
+    """Resolve defaults < recipe file < env < flags and validate; bad values raise JobError with the fix.
 
     Returns the settings and the parsed command line (its `dry_run` and `push_only`)."""
-    env = _Environment(os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    env = _Environment(environ)
     parser = _parser()
     flags = CliSettingsSource(Settings, root_parser=parser, _env_settings_source=env)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)  # --help ends here
+    warn_misspelled_variables(environ)
+    recipe: dict[str, Any] = {}
+    path = None
     try:
         flags(parsed_args=args)
-        settings = Settings(_build_sources=((flags, env), {}))  # the first source wins
+        given_flags, given_env = flags(), env()
+        path = given_flags.get("config_file") or given_env.get("config_file")
+        path = path.strip() if isinstance(path, str) and path.strip() else None
+        recipe = read_recipe(path) if path else {}
+        # The path the file was read from wins over every source (a flag over CONFIG_FILE): what --dry-run records.
+        chosen = InitSettingsSource(Settings, init_kwargs={"config_file": path} if path else {})
+        from_file = InitSettingsSource(Settings, init_kwargs=recipe)
+        settings = Settings(_build_sources=((chosen, flags, env, from_file), {}))  # the first source wins
     except SettingsError as exc:
         raise JobError(EXIT_BAD_INPUT, f"{exc}; see `python main.py --help`") from None
     except ValidationError as exc:
@@ -726,15 +961,25 @@ def load_settings(
         reason = first["msg"].removeprefix("Value error, ")
         if field not in FIELDS:  # a check across settings: its message names them and the fix
             raise JobError(EXIT_BAD_INPUT, reason) from None
-        # Name the flag or variable the bad value came from, as it was typed.
-        given_flags, given_env = flags(), env()
-        source, raw = (
-            (flag_name(field), given_flags[field])
-            if field in given_flags
-            else (env_name(field), given_env.get(field, "<default>"))
-        )
+        # Name the flag, variable or recipe key the bad value came from, as it was typed.
+        if field in given_flags:
+            source, raw = flag_name(field), given_flags[field]
+        elif field in given_env:
+            source, raw = env_name(field), given_env[field]
+        elif field in recipe:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{field}: {recipe[field]!s} in CONFIG_FILE={path} is invalid: {reason}{describe_range(field)}; fix {field} in {path} "
+                f"(or set {env_name(field)} or {flag_name(field)}, which win over the file)",
+            ) from None
+        else:
+            source, raw = env_name(field), "<default>"
+        raw = (
+            str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
+        )  # a 5000-character path is not repeated whole
         raise JobError(
-            EXIT_BAD_INPUT, f"{source}={raw!s} is invalid: {reason}; fix {env_name(field)} or {flag_name(field)}"
+            EXIT_BAD_INPUT,
+            f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
         ) from None
     refuse_token_in_settings(settings.model_dump(mode="json"))  # also reads the token: a bad one is refused now
     return settings, args
