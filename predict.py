@@ -312,8 +312,8 @@ def check_adapter_fits(model: str, adapter: dict, base, base_id: str, trained_on
     adapter_model.safetensors is checked against the base's weight it adapts or replaces (another width is a
     traceback listing every tensor), and each layer the adapter's targets name in the base must have its
     weights (a deeper base loads with a warning and answers with layers the training never adapted)."""
-    weights = adapter_weights_file(model)
-    if weights is None:
+    weights = None if adapter.get("fan_in_fan_out") else adapter_weights_file(model)
+    if weights is None:  # no safetensors file, or (out, in) stored transposed: peft's own load checks it
         return
     from safetensors import safe_open
 
