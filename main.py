@@ -42,9 +42,9 @@ import json
 import logging
 import sys
 
-from utils.batching import plan_batches
+from utils.batching import check_elastic_range, micro_batch_warning, plan_batches
 from utils.deepspeed_config import adopt_launcher, describe_strategy
-from utils.distributed import DistEnv, detect_env, launcher_argv, launcher_options
+from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
 from utils.outputs import check_run_dir, open_run_dir, volume_fault
@@ -60,6 +60,9 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     command line, the strategy as --dry-run shows it)."""
     settings, args = load_settings(launcher_argv(argv))  # less the `deepspeed` launcher's --local_rank
     dist = detect_env()
+    # An elastic launcher's range: a count the global batch cannot serve would end the job after a loss.
+    if elastic := elastic_range():
+        check_elastic_range(settings, *elastic)
     # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too). Before the
     # recipe: adopting re-derives RUN_NAME, which must not see the resolved rate (STRATEGY set by hand does not).
     settings = adopt_launcher(settings, launcher_options())
@@ -84,21 +87,24 @@ def main(argv: list[str] | None = None) -> int:
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
         try:
-            masker = (
-                install_masking()
-            )  # a malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr
+            # A malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr.
+            masker = install_masking()
         except JobError:
             if not asks_for_help(argv):
                 raise
             masker = None  # --help prints the help and exits while the settings are read, with the value masked
         settings, dist, args, strategy = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
-            check_run_dir(settings)
-            batch = plan_batches(settings, dist.world_size).as_dict()  # GLOBAL_BATCH_SIZE split over this world size
-            shown = {"config": settings.as_dict(), "distributed": dist.as_dict(), "batch": batch, **strategy}
+            check_run_dir(settings, dist.world_size)
+            plan = plan_batches(settings, dist.world_size)  # GLOBAL_BATCH_SIZE split over this world size
+            if warning := micro_batch_warning(settings, plan):
+                print(f"warning: {warning}", file=sys.stderr)
+            shown = {"config": settings.as_dict(), "distributed": dist.as_dict(), "batch": plan.as_dict(), **strategy}
             print(json.dumps(shown, indent=2))
             return 0
-        run_dir = open_run_dir(settings)  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
+        run_dir = open_run_dir(
+            settings, dist.world_size
+        )  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
 
         # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

@@ -221,3 +221,91 @@ def test_damaged_tokenized_cache_is_rebuilt_with_a_warning(damage, tmp_path, tok
     assert (cache / "dataset_dict.json").is_file()  # rebuilt under the same key: the next run loads it
     caplog.clear()
     assert identical(load_sst2(settings, tokenizer, cache_dir), first) and "is damaged" not in caplog.text
+
+
+def long_review(words: int) -> str:
+    return " ".join(["wonderful"] * words)
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("suffix", [".csv", ".tsv"])
+def test_a_field_over_the_csv_modules_128_kib_limit_is_read_and_truncated(tmp_path, tokenizer, suffix):
+    """A long review (200 KiB in one cell): the row count used the csv module, which stops at 128 KiB a field."""
+    sep = "\t" if suffix == ".tsv" else ","
+    rows = [(long_review(20_000), 1), *film_rows(3)]
+    folder = write_files(
+        tmp_path / "data",
+        {f"train{suffix}": delimited(rows, sep), f"validation{suffix}": delimited(film_rows(4), sep)},
+    )
+    assert (folder / f"train{suffix}").stat().st_size > 200_000
+    data = load_sst2(settings_for(folder), tokenizer, tmp_path / "cache")
+    assert data["train"]["labels"] == [label for _, label in rows]
+    assert len(data["train"]["input_ids"][0]) == 16  # truncated to MAX_SEQ_LENGTH
+
+
+EXTRA_COLUMNS = {
+    # each split's own unused columns, other in each file: loaded together, validation was cast to train's columns
+    ".csv": lambda folder: write_files(
+        folder,
+        {
+            "train.csv": "sentence,label,idx\n" + "".join(f"{t},{y},{i}\n" for i, (t, y) in enumerate(film_rows(8))),
+            "validation.csv": "sentence,label,source\n" + "".join(f"{t},{y},web\n" for t, y in film_rows(4)),
+        },
+    ),
+    ".jsonl": lambda folder: write_files(
+        folder,
+        {
+            "train.jsonl": "".join(f'{{"sentence": "{t}", "label": {y}}}\n' for t, y in film_rows(8)),
+            "validation.jsonl": "".join(
+                f'{{"sentence": "{t}", "label": {y}, "extra": [1]}}\n' for t, y in film_rows(4)
+            ),
+        },
+    ),
+    ".parquet": lambda folder: (
+        folder.mkdir()
+        or pd.DataFrame({"sentence": [t for t, _ in film_rows(8)], "label": [y for _, y in film_rows(8)]}).to_parquet(
+            folder / "train.parquet"
+        )
+        or pd.DataFrame(
+            {
+                "sentence": [t for t, _ in film_rows(4)],
+                "label": [y for _, y in film_rows(4)],
+                "meta": [{"source": "web", "score": i} for i in range(4)],  # a nested column
+            }
+        ).to_parquet(folder / "validation.parquet")
+        or folder
+    ),
+}
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("suffix", EXTRA_COLUMNS)
+def test_columns_the_job_does_not_use_are_ignored_in_either_split(tmp_path, tokenizer, suffix):
+    folder = EXTRA_COLUMNS[suffix](tmp_path / "data")
+    data = load_sst2(settings_for(folder), tokenizer, tmp_path / "cache")
+    reference = load_sst2(
+        settings_for(
+            write_files(
+                tmp_path / "plain",
+                {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES},
+            )
+        ),
+        tokenizer,
+        tmp_path / "cache-plain",
+    )
+    assert identical(data, reference)
+
+
+@pytest.mark.check
+def test_a_byte_order_mark_and_crlf_line_ends_read_as_plain_utf8(tmp_path, tokenizer):
+    """What Excel and Windows editors save: `\\ufeff` before the header, `\\r\\n` after every line."""
+    saved = {
+        f"{split}.csv": ("\ufeff" + delimited(film_rows(n)).replace("\n", "\r\n")).encode() for split, n in SPLIT_SIZES
+    }
+    folder = tmp_path / "windows"
+    folder.mkdir()
+    for name, content in saved.items():
+        (folder / name).write_bytes(content)
+    plain = write_files(tmp_path / "plain", {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES})
+    data = load_sst2(settings_for(folder), tokenizer, tmp_path / "cache")
+    assert identical(data, load_sst2(settings_for(plain), tokenizer, tmp_path / "cache-plain"))

@@ -218,18 +218,23 @@ def test_one_global_batch_trains_the_same_model_on_1_2_and_4_replicas(one_run_on
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("new_world", [1, 4])
+@pytest.mark.parametrize(
+    "new_world, cap", [(1, MICRO), (4, MICRO), (1, 2)], ids=["on-1", "on-4", "on-1-under-a-lower-cap"]
+)
 def test_a_two_replica_run_continues_on_another_count(
-    tmp_path, tiny_bert, mixed_data, one_run_on_each_count, checkpointed_on_two, new_world
+    tmp_path, tiny_bert, mixed_data, one_run_on_each_count, checkpointed_on_two, new_world, cap
 ):
     """Killed after its first complete checkpoint on 2 replicas, restarted on `new_world`: it resumes there,
-    trains every remaining row once, and its curve after the restart is the uninterrupted run's."""
+    trains every remaining row once, and its curve after the restart is the uninterrupted run's. Under
+    GLOBAL_BATCH_SIZE, PER_DEVICE_BATCH_SIZE only caps the micro-batch: a restart may lower it (as after an
+    out-of-memory) and each step still averages the same rows (1 replica at cap 2: 8 micro-batches of 2)."""
     reference, out = one_run_on_each_count[2], tmp_path / "resumed"
     shutil.copytree(checkpointed_on_two, out, symlinks=True)
     group = Replicas(tmp_path)
     try:
         # The copy may have been taken after a later checkpoint: resume from whichever is the newest complete one.
-        procs, logs = start_replicas(tmp_path, new_world, settings(tiny_bert, mixed_data, out), "again", group)
+        env = settings(tiny_bert, mixed_data, out, PER_DEVICE_BATCH_SIZE=cap)
+        procs, logs = start_replicas(tmp_path, new_world, env, "again", group)
         wait_all(procs, logs)
     finally:
         group.cleanup()
@@ -252,6 +257,10 @@ def test_a_two_replica_run_continues_on_another_count(
     ]
     record = json.loads((out / "run.json").read_text())
     assert record["global_batch"] == GLOBAL_BATCH and [s["world_size"] for s in record["segments"]] == [2, new_world]
+    assert (
+        record["settings"]["per_device_batch_size"] == cap
+        and "per_device_batch_size" not in record["training_settings"]
+    )
     card = (out / "model" / "README.md").read_text()
     assert f"steps 1-{resumed_at} on 2, {resumed_at + 1}-{STEPS} on {new_world}" in card
 
@@ -263,6 +272,7 @@ def test_a_count_that_cannot_share_the_global_batch_is_refused(tmp_path):
     assert result.stderr.startswith("error: GLOBAL_BATCH_SIZE=16 cannot be shared by 3 replicas"), result.stderr
     assert "1, 2, 4, 8, 16" in result.stderr
     plan = run_main(base_env(tmp_path, GLOBAL_BATCH_SIZE=GLOBAL_BATCH, PER_DEVICE_BATCH_SIZE=3), "--dry-run")
+    assert "warning:" not in plan.stderr, plan.stderr  # micro-batches of 2 under a cap of 3: no row to spare
     assert plan.json()["batch"] == {
         "global_batch": 16,
         "micro_batch": 2,  # the largest share of 16 rows that fits 3 and leaves every micro-batch full
@@ -270,6 +280,43 @@ def test_a_count_that_cannot_share_the_global_batch_is_refused(tmp_path):
         "world_size": 1,
         "fixed": True,
     }
+
+
+def test_a_global_batch_that_splits_into_tiny_micro_batches_is_warned_about(tmp_path, tiny_bert, mixed_data):
+    """997 rows (a prime) on one replica under a cap of 64: 997 micro-batches of 1 a step, the same model many
+    times slower. Warned at --dry-run and in the run's log, with the nearby global batches that split well."""
+    plan = run_main(base_env(tmp_path, GLOBAL_BATCH_SIZE=997, PER_DEVICE_BATCH_SIZE=64), "--dry-run")
+    assert plan.code == 0, plan.stderr
+    assert plan.json()["batch"]["micro_batch"] == 1
+    [warning] = [line for line in plan.stderr.splitlines() if line.startswith("warning:")]
+    assert "GLOBAL_BATCH_SIZE=997 on 1 replica(s)" in warning and "micro-batches of 1" in warning, warning
+    assert "GLOBAL_BATCH_SIZE=992 or 999" in warning, warning  # 992 = 16 x 62, 999 = 27 x 37
+    # A real run says it in its log too (13 rows, a prime, under a cap of 8: micro-batches of 1).
+    out = tmp_path / "out"
+    env = base_env(tmp_path, **settings(tiny_bert, mixed_data, out, GLOBAL_BATCH_SIZE=13, PER_DEVICE_BATCH_SIZE=8))
+    run = run_main({**env, "MAX_STEPS": "1", "EVAL_STEPS": "1000", "SAVE_STEPS": "1000"})
+    assert run.code == 0, run.stderr[-3000:]
+    assert "GLOBAL_BATCH_SIZE=13 on 1 replica(s) is 13 rows a replica" in run.stderr, run.stderr[-3000:]
+    assert json.loads((out / "metrics.json").read_text())["global_batch"] == 13
+
+
+def test_a_restart_on_another_count_without_a_global_batch_names_the_count(tmp_path, tiny_bert, mixed_data):
+    """Without GLOBAL_BATCH_SIZE the global batch, and so the learning rate the recipe resolves, follows the replica
+    count: a restart on another count is refused naming the count and the fix, not "other training settings"."""
+    out = tmp_path / "out"
+    env = settings(tiny_bert, mixed_data, out, GLOBAL_BATCH_SIZE="", LEARNING_RATE="", MAX_STEPS=1, EVAL_STEPS=1000)
+    first = run_main(base_env(tmp_path, **env))
+    assert first.code == 0, first.stderr[-3000:]
+    again = run_main(rank_env(tmp_path, 0, 2, free_port(), **env), "--dry-run")
+    assert again.code == 2, again.stderr
+    [line] = error_lines(again.stderr)
+    assert line.startswith(
+        f"error: OUTPUT_DIR={out}: its run was trained on 1 replica(s) at global batch {MICRO} and this start has 2 "
+        f"(global batch {2 * MICRO}"
+    ), line
+    assert (
+        "learning_rate" in line and "restart with 1 replica(s) to resume" in line and "set GLOBAL_BATCH_SIZE" in line
+    )
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -367,28 +414,50 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
 
 
 def test_the_elastic_pytorchjob_trains_one_global_batch_on_every_count_it_allows(tmp_path):
-    """What a pod of k8s/elastic resolves (torchrun's variables over the manifest's environment): the same
-    global batch and rate on every pod count from minReplicas to maxReplicas that divides it, and a
-    refusal naming the counts that work for one that does not."""
+    """What a pod of k8s/elastic resolves (torchrun's variables over the manifest's environment, with the
+    PET_NNODES=MIN:MAX the operator derives from its elasticPolicy): the same global batch and rate on every pod
+    count from minReplicas to maxReplicas, each in full micro-batches; and the same pod with a global batch one
+    count in the range cannot share is refused at once, on a count that could, naming the one that cannot."""
     docs = kustomize(REPO / "k8s" / "elastic")
     [job] = [doc for doc in docs if doc["kind"] == "PyTorchJob"]
     policy = job["spec"]["elasticPolicy"]
     assert policy["rdzvBackend"] == "c10d" and set(job["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
     [container] = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
-    env = container_env(container, config_maps(docs))
-    resolved = {}
-    for world in range(policy["minReplicas"], policy["maxReplicas"] + 1):
+    low, high = policy["minReplicas"], policy["maxReplicas"]
+    env = container_env(container, config_maps(docs)) | {
+        "PET_NNODES": f"{low}:{high}",
+        "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
+    }
+
+    def dry_run(world: int, **extra):
         torchrun = dict(
             RANK=0, LOCAL_RANK=0, WORLD_SIZE=world, LOCAL_WORLD_SIZE=1, TORCHELASTIC_RUN_ID="job", GROUP_RANK=0
         )
-        result = run_main(
-            pod_env(tmp_path, **env, **torchrun, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500), "--dry-run"
+        return run_main(
+            pod_env(tmp_path, **{**env, **extra}, **torchrun, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500), "--dry-run"
         )
-        if int(env["GLOBAL_BATCH_SIZE"]) % world:
-            assert result.code == 2 and "cannot be shared by 3 replicas" in error_lines(result.stderr)[0]
-            continue
+
+    resolved = {}
+    for world in range(low, high + 1):
+        result = dry_run(world)
         assert result.code == 0, result.stderr
+        assert "warning:" not in result.stderr, result.stderr
         payload = result.json()
-        resolved[world] = (payload["batch"]["global_batch"], payload["config"]["learning_rate"])
-        assert payload["batch"]["micro_batch"] * payload["batch"]["accumulation"] * world == resolved[world][0]
-    assert sorted(resolved) == [2, 4] and len(set(resolved.values())) == 1, resolved
+        batch = payload["batch"]
+        resolved[world] = (batch["global_batch"], payload["config"]["learning_rate"])
+        assert batch["micro_batch"] * batch["accumulation"] * world == batch["global_batch"], batch
+        assert batch["micro_batch"] <= int(env["PER_DEVICE_BATCH_SIZE"])
+    assert sorted(resolved) == list(range(low, high + 1)) and len(set(resolved.values())) == 1, resolved
+    assert resolved[low][0] == int(env["GLOBAL_BATCH_SIZE"])
+
+    # 256 (what the manifest held before): 3 pods, one loss from 4, cannot share it. Refused on 4 pods already.
+    refused = dry_run(high, GLOBAL_BATCH_SIZE="256")
+    assert refused.code == 2, refused.stderr
+    [line] = error_lines(refused.stderr)
+    assert line.startswith(
+        f"error: GLOBAL_BATCH_SIZE=256 cannot be shared by 3 replica(s), a count PET_NNODES={low}:{high}"
+    )
+    assert "e.g. 252 or 264" in line, line
+    # Without GLOBAL_BATCH_SIZE the global batch follows the count: a restart after a loss could never resume.
+    unset = dry_run(high, GLOBAL_BATCH_SIZE="")
+    assert unset.code == 2 and "without GLOBAL_BATCH_SIZE the global batch follows the replica count" in unset.stderr

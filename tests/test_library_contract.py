@@ -100,6 +100,23 @@ def test_the_overridden_private_methods_keep_their_names_and_signatures():
         ("_get_train_sampler", ["self", "train_dataset"]),
         ("_get_eval_sampler", ["self", "eval_dataset"]),
         ("_save_checkpoint", ["self", "model", "trial"]),
+        (
+            "_run_epoch",
+            [
+                "self",
+                "model",
+                "epoch",
+                "train_dataloader",
+                "steps_in_epoch",
+                "num_update_steps_per_epoch",
+                "trial",
+                "ignore_keys_for_eval",
+                "start_time",
+                "resume_from_checkpoint",
+                "epochs_trained",
+                "steps_trained_in_current_epoch",
+            ],
+        ),
     ):
         method = getattr(Trainer, name, None)
         assert method is not None, f"Trainer.{name} is gone: JobTrainer's override is never called (utils/trainer.py)"

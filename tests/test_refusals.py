@@ -85,6 +85,7 @@ def torn_saved_dataset(tmp: Path, env: dict) -> dict:
     return {"DATASET_PATH": str(folder)}
 
 
+JSONL_GOOD = "".join(json.dumps({"sentence": text, "label": label}) + "\n" for text, label in film_rows(4))
 JSONL_MIX = "".join(
     json.dumps({"sentence": f"film {i}", "label": label}) + "\n" for i, label in enumerate([1, "1", True])
 )
@@ -488,13 +489,31 @@ REFUSALS = [
     case(
         "split-empty-validation",
         "data",
-        ["is empty", "each split needs at least one row"],
+        ["validation.csv has a header but no rows", "each split needs at least one row"],
         setup=csv_data(GOOD_ROWS, []),
+    ),
+    case(
+        "split-file-of-0-bytes",
+        "data",
+        ["train.jsonl is empty (0 bytes)", "each split needs at least one row"],
+        setup=files_data(lambda f: write_files(f, {"train.jsonl": "", "validation.jsonl": JSONL_GOOD})),
+    ),
+    case(
+        "split-file-is-a-folder",
+        "data",
+        ["train.csv is a folder", "write its rows to train.csv as a file, or move it out of DATASET_PATH"],
+        setup=files_data(lambda f: (write_files(f, {"validation.csv": GOOD_CSV}) / "train.csv").mkdir() or f),
+    ),
+    case(
+        "split-file-not-parquet",
+        "data",
+        ["cannot read", "train.parquet as parquet (ArrowInvalid", "write it again as parquet"],
+        setup=files_data(lambda f: write_files(f, {"train.parquet": "sentence,label\n", "validation.parquet": "x"})),
     ),
     case(
         "splits-with-other-columns",
         "data",
-        ["cannot read the files in DATASET_PATH", "need the same columns"],
+        ["the train split has no column 'sentence' (columns: ['text', 'label'])", "set TEXT_COLUMN"],
         setup=files_data(lambda f: write_files(f, {"train.csv": "text,label\na,1\n", "validation.csv": GOOD_CSV})),
     ),
     case(

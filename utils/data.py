@@ -54,7 +54,20 @@ def _local_files(folder: Path) -> dict[str, str]:
                 f"DATASET_PATH={folder} has {len(found)} files for the '{split}' split ({', '.join(p.name for p in found)}); "
                 "which one to train on is ambiguous: keep one and move the others out of the folder",
             )
-        files[split] = str(found[0])
+        path = found[0]
+        if not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file (a broken link, a pipe?)"
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{path} is {kind}; the '{split}' split must be one data file: write its rows to {path.name} "
+                "as a file, or move it out of DATASET_PATH",
+            )
+        if path.stat().st_size == 0:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{path} is empty (0 bytes); each split needs at least one row (and a header, for csv/tsv)",
+            )
+        files[split] = str(path)
     suffixes = {Path(f).suffix for f in files.values()}
     if len({FILE_FORMATS[s] for s in suffixes}) > 1:
         raise JobError(
@@ -85,6 +98,9 @@ def _count_records(path: Path, suffix: str, files: dict[str, str]) -> int:
     without a word), and a record running over several lines: a `"` opening a sentence makes the reader
     swallow every row up to the next quote into it.
     """
+    # The csv module refuses a field over 128 KiB (a long review, a document); the loader reads it whole, and
+    # the tokenizer truncates it to MAX_SEQ_LENGTH.
+    limit = csv.field_size_limit(2**31 - 1)
     try:
         with path.open(encoding="utf-8-sig", newline="") as handle:
             reader = csv.reader(handle, delimiter=DELIMITER[suffix], quoting=QUOTING[suffix])
@@ -113,6 +129,8 @@ def _count_records(path: Path, suffix: str, files: dict[str, str]) -> int:
             return records
     except UnicodeDecodeError as exc:
         raise JobError(EXIT_BAD_INPUT, _not_utf8(files, exc)) from None
+    finally:
+        csv.field_size_limit(limit)
 
 
 def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) -> None:
@@ -144,6 +162,55 @@ def _json_values(path: Path, column: str):
             yield row[column]
 
 
+def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> datasets.Dataset:
+    """One split's file, read as the loader reads it; a file it cannot read is refused naming it."""
+    fmt, kwargs, records = FILE_FORMATS[suffix], {}, None
+    if fmt == "csv":
+        kwargs = {**CSV_OPTIONS, "delimiter": DELIMITER[suffix], "quoting": QUOTING[suffix]}
+        records = _count_records(path, suffix, files)
+    try:
+        loaded = load_dataset(fmt, data_files={split: str(path)}, split=split, trust_remote_code=False, **kwargs)
+    except datasets.exceptions.DatasetGenerationError as exc:
+        cause = exc.__cause__ or exc
+        if isinstance(cause, UnicodeDecodeError):
+            raise JobError(EXIT_BAD_INPUT, _not_utf8(files, cause)) from None
+        if "the first 0 values" in str(cause):  # a header and no rows: every column's type is unknown
+            raise JobError(
+                EXIT_BAD_INPUT, f"{path} has a header but no rows; each split needs at least one row"
+            ) from None
+        raise _unreadable(path, fmt, cause) from None
+    except (pyarrow.ArrowException, StopIteration) as exc:  # a file that is no parquet / JSON at all
+        raise _unreadable(path, fmt, exc) from None
+    except ValueError as exc:
+        if "corresponds to no data" not in str(exc):
+            raise
+        what = "has a header but no rows" if fmt == "csv" else "holds no rows"
+        raise JobError(EXIT_BAD_INPUT, f"{path} {what}; each split needs at least one row") from None
+    if records is not None and len(loaded) != records:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{path} holds {records} records, one per line, but was read as {len(loaded)} rows; "
+            "check its quoting (a field that opens with a quote must close it, and a quote inside a quoted field is doubled)",
+        )
+    return loaded
+
+
+FORMAT_HINTS = {
+    "csv": "a header line, then one row per line",
+    "json": "one JSON object per line (.jsonl) or a JSON array of objects",
+    "parquet": "e.g. with pandas' DataFrame.to_parquet",
+}
+
+
+def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
+    what = str(cause).splitlines()[0][:160] if str(cause) else ""
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"cannot read {path} as {path.suffix[1:]} ({type(cause).__name__}: {what}); write it again as "
+        f"{path.suffix[1:]}: {FORMAT_HINTS[fmt]}",
+    )
+
+
 def load_raw(settings: Settings) -> DatasetDict:
     """The train and validation splits from DATASET_PATH when set, else from the Hub."""
     if settings.dataset_path:
@@ -167,42 +234,12 @@ def load_raw(settings: Settings) -> DatasetDict:
         else:
             files = _local_files(folder)
             suffix = Path(files["train"]).suffix
-            fmt = FILE_FORMATS[suffix]
-            kwargs, records = {}, {}
-            if fmt == "csv":
-                kwargs = {**CSV_OPTIONS, "delimiter": DELIMITER[suffix], "quoting": QUOTING[suffix]}
-                records = {split: _count_records(Path(path), suffix, files) for split, path in files.items()}
-            try:
-                loaded = load_dataset(fmt, data_files=files, trust_remote_code=False, **kwargs)
-            except datasets.exceptions.DatasetGenerationError as exc:
-                cause = exc.__cause__ or exc
-                if isinstance(cause, UnicodeDecodeError):
-                    raise JobError(EXIT_BAD_INPUT, _not_utf8(files, cause)) from None
-                if "the first 0 values" in str(cause):  # a header and no rows: every column's type is unknown
-                    raise JobError(
-                        EXIT_BAD_INPUT,
-                        f"a split in DATASET_PATH={folder} has a header but no rows; each split needs at least one row",
-                    ) from None
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"cannot read the files in DATASET_PATH={folder} ({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); "
-                    "train and validation files need the same columns and a valid format",
-                ) from None
-            except ValueError as exc:
-                if "corresponds to no data" not in str(exc):
-                    raise
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"a split in DATASET_PATH={folder} is empty ({exc}); each split needs at least one row",
-                ) from None
-            for split, count in records.items():
-                if isinstance(loaded, DatasetDict) and split in loaded and len(loaded[split]) != count:
-                    raise JobError(
-                        EXIT_BAD_INPUT,
-                        f"{files[split]} holds {count} records, one per line, but was read as {len(loaded[split])} rows; "
-                        "check its quoting (a field that opens with a quote must close it, and a quote inside a quoted field is doubled)",
-                    )
-            if fmt == "json":
+            # One split at a time: loaded together, the validation file was cast to the train file's columns, and
+            # an extra column (unused either way) failed with a CastError naming neither file nor column.
+            loaded = DatasetDict(
+                {split: _load_file(Path(path), split, suffix, files) for split, path in files.items()}
+            )
+            if FILE_FORMATS[suffix] == "json":
                 _check_json_labels(loaded, files, settings.label_column)
     else:
         try:

@@ -233,6 +233,21 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(rank, local_rank, world, node_rank, addr, port, source)
 
 
+def elastic_range(environ: Mapping[str, str] | None = None) -> tuple[range, str] | None:
+    """The replica counts an elastic launcher may restart the job on, and the variable that says so: a
+    PyTorchJob's elasticPolicy gives every pod PET_NNODES=MIN:MAX (torchrun reads it, and its workers inherit
+    it), each node running PET_NPROC_PER_NODE (or torchrun's LOCAL_WORLD_SIZE) processes. None: no range."""
+    env = os.environ if environ is None else environ
+    nodes = env.get("PET_NNODES", "").strip()
+    bounds = re.fullmatch(r"(\d+):(\d+)", nodes)
+    per_node = env.get("PET_NPROC_PER_NODE", "").strip() or env.get("LOCAL_WORLD_SIZE", "").strip() or "1"
+    if not bounds or not per_node.isdigit():
+        return None  # a fixed count, or a value torchrun itself refuses
+    low, high, step = int(bounds[1]), int(bounds[2]), int(per_node)
+    named = f"PET_NNODES={nodes}" + (f" x {step} processes a node" if step != 1 else "")
+    return range(low * step, high * step + 1, step), named
+
+
 def launcher_argv(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> list[str]:
     """The command line without the `--local_rank=N` the `deepspeed` launcher appends (it sets LOCAL_RANK=N
     as well), so `deepspeed --num_gpus N main.py` runs as written. One that disagrees with LOCAL_RANK, or

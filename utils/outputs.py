@@ -40,6 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO
 
+from utils.batching import replica_count_change
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_error, volume_state
 from utils.settings import Settings
 
@@ -303,16 +304,28 @@ def replace_dir(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_run_dir(settings: Settings) -> RunDir:
-    """Refuse an OUTPUT_DIR whose run.json holds a run with other training settings (reads, writes nothing)."""
+def check_run_dir(settings: Settings, world_size: int | None = None) -> RunDir:
+    """Refuse an OUTPUT_DIR whose run.json holds a run with other training settings (reads, writes nothing).
+    `world_size`: this start's replica count, named first when the change of count is what changed them."""
     run = RunDir(Path(settings.output_dir).resolve())
     run.check_planted()
     record = run.read_json(run.run_record) if run.root.is_dir() else None
     if record is not None:
         theirs, ours = record.get("training_settings", {}), settings.training_settings()
-        changed = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        # Only what trains this run now: a value recorded that is no training setting here (PER_DEVICE_BATCH_SIZE
+        # under GLOBAL_BATCH_SIZE, a memory cap) may change.
+        changed = sorted(k for k in ours if theirs.get(k) != ours.get(k))
         if changed:
             detail = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed[:4])
+            count = replica_count_change(record, settings, world_size) if world_size else None
+            if count:
+                trained_on = record["segments"][-1]["world_size"]
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"OUTPUT_DIR={settings.output_dir}: {count}, and the learning rate follows the global batch "
+                    f"({detail}); restart with {trained_on} replica(s) to resume, or for a new run set GLOBAL_BATCH_SIZE "
+                    "in a new OUTPUT_DIR (then the replica count may change between restarts)",
+                )
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"OUTPUT_DIR={settings.output_dir} holds a run with other training settings ({detail}); "
@@ -321,9 +334,9 @@ def check_run_dir(settings: Settings) -> RunDir:
     return run
 
 
-def open_run_dir(settings: Settings) -> RunDir:
+def open_run_dir(settings: Settings, world_size: int | None = None) -> RunDir:
     """Create OUTPUT_DIR's folders and refuse a folder that holds a run with other training settings."""
-    run = check_run_dir(settings)
+    run = check_run_dir(settings, world_size)
     try:
         run.root.mkdir(parents=True, exist_ok=True)  # OUTPUT_DIR itself, and the folders above it, are the user's
         for folder in (run.logs, run.checkpoints, run.cache):

@@ -28,6 +28,7 @@ import torch.distributed as td
 import transformers
 from transformers import Trainer, set_seed
 
+from utils.batching import micro_batch_warning
 from utils.collectives import Collectives, rendezvous
 from utils.data import load_sst2
 from utils.distributed import DistEnv, export_env, launcher_options, masked_environ
@@ -311,6 +312,8 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     export_env(dist, deepspeed=job.strategy == "deepspeed")
     log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.precision)
     log.info(describe_recipe(settings, dist.world_size))
+    if warning := micro_batch_warning(settings, job.batch):
+        log.warning(warning)
     # E.g. fsdp on the CPU: exit 2, never DDP.
     check_strategy(settings, dist, job.cuda, job.quantize, job.precision, launcher_options())
     # On every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective.

@@ -560,8 +560,11 @@ DEEPSPEED_SETTINGS = frozenset({"zero_stage", "zero_offload", "deepspeed_config"
 
 def training_setting_names(settings: Settings) -> frozenset[str]:
     """TRAINING_SETTINGS, less the DeepSpeed ones unless STRATEGY=deepspeed: they change nothing else, and a
-    DDP or FSDP run keeps the run name and the run folder it had before they existed."""
-    return TRAINING_SETTINGS if settings.strategy == "deepspeed" else TRAINING_SETTINGS - DEEPSPEED_SETTINGS
+    DDP or FSDP run keeps the run name and the run folder it had before they existed. Under GLOBAL_BATCH_SIZE,
+    less PER_DEVICE_BATCH_SIZE too: there it only caps the micro-batch (utils/batching.py), and each step averages
+    the same rows whatever it is, as on another replica count."""
+    names = TRAINING_SETTINGS if settings.strategy == "deepspeed" else TRAINING_SETTINGS - DEEPSPEED_SETTINGS
+    return names - {"per_device_batch_size"} if settings.global_batch_size is not None else names
 
 
 def derive_run_name(settings: Settings) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -52,7 +53,8 @@ EVALUATIONS_PER_EPOCH = 4
 class JobTrainer(Trainer):
     """The HF Trainer, counting the rows this rank trained on and keeping evaluation in dataset order.
 
-    Three private methods are overridden, `_get_train_sampler`, `_get_eval_sampler` and `_save_checkpoint`,
+    Four private methods are overridden, `_get_train_sampler`, `_get_eval_sampler`, `_save_checkpoint` and
+    `_run_epoch`,
     because the public route does not give what the job needs (transformers 5.23, checked by
     tests/test_library_contract.py):
 
@@ -70,6 +72,9 @@ class JobTrainer(Trainer):
     - checkpoints: a save that fails (a full or read-only volume) raises out of the Trainer on the rank that
       hit it, before any callback runs; the override lets every rank agree on the outcome first
       (CheckpointMarker.save_agreed).
+    - resume at the last step: a checkpoint of step MAX_STEPS (a run stopped in its final evaluation or before
+      model/ was saved) resumed inside an epoch, and the library trains one step before it checks for the
+      end: the restart trained a step past MAX_STEPS. The override runs no epoch once the last step is trained.
     """
 
     def __init__(self, *args, param_groups=None, global_batch: int | None = None, startup: StartupTimer, **kwargs):
@@ -120,6 +125,12 @@ class JobTrainer(Trainer):
         self.samples_seen += int(inputs["input_ids"].shape[0])
         return super().training_step(model, inputs, num_items_in_batch)
 
+    def evaluate(self, *args, **kwargs):
+        # Iterating a DataLoader draws its base seed from the global RNG: every evaluation during training shifted
+        # the dropout masks of every later step, so EVAL_STEPS (free to change on a restart) changed the model.
+        with rng_preserved(self.args.device):
+            return super().evaluate(*args, **kwargs)
+
     def _save_checkpoint(self, model, trial):
         # The one place every rank's checkpoint write passes through (model, optimizer, RNG state, trainer
         # state); a callback runs only after it succeeded. A full or read-only volume ends every rank alike.
@@ -130,6 +141,12 @@ class JobTrainer(Trainer):
             lambda: super(JobTrainer, self)._save_checkpoint(model, trial),
             f"saving checkpoint-{self.state.global_step}",
         )
+
+    def _run_epoch(self, *args, **kwargs):
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = self.train_dataset if train_dataset is None else train_dataset
@@ -146,6 +163,21 @@ class JobTrainer(Trainer):
     def _get_eval_sampler(self, eval_dataset):
         # Length grouping speeds up training; for evaluation it would only reorder rows.
         return SequentialSampler(eval_dataset)
+
+
+@contextmanager
+def rng_preserved(device: torch.device) -> Iterator[None]:
+    """Python's, numpy's and torch's global RNG states (the CPU's and `device`'s) as they were before the block."""
+    python, legacy = random.getstate(), np.random.get_state()
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(legacy)
 
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
@@ -211,6 +243,18 @@ class SamplerEpoch(TrainerCallback):
         if sampler is not None:
             steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             sampler.set_epoch(state.global_step // steps_per_epoch)
+
+
+class SaveBeforeFinalEvaluation(TrainerCallback):
+    """At the last step the Trainer evaluated, then saved: an evaluation that failed there (a huge
+    PER_DEVICE_EVAL_BATCH_SIZE, out of memory) lost every step since the last checkpoint. The last step is now
+    saved (and marked complete) without that evaluation; the job's final evaluation after training, on the
+    same split, gives the curve its last point, and a restart after a failure in it resumes at the last step
+    and only evaluates."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_evaluate = False
 
 
 class StartupTimer(TrainerCallback):
@@ -357,6 +401,8 @@ class StopOnPreemption(TrainerCallback):
             )
             control.should_save = True
             control.should_training_stop = True
+            # The grace period goes to the checkpoint: the Trainer would evaluate first on an evaluation step.
+            control.should_evaluate = False
 
 
 class StrategyCheck(TrainerCallback):
@@ -565,6 +611,7 @@ def build_trainer(
         marker,
         startup,
         SamplerEpoch(),
+        SaveBeforeFinalEvaluation(),
     ]
     if job.preemption is not None:
         callbacks.append(StopOnPreemption(job.preemption, group))
