@@ -130,6 +130,8 @@ def split_lines(text: str) -> list[str]:
 def read_delimited(text: str, file: Path, column: str, delimiter: str, quoting: int) -> list[str]:
     """`column` of each record, one record a line; a quoted field running over lines is refused, as training
     refuses it (a stray `"` would merge the rows up to the next quote into one answer)."""
+    # The csv module refuses a field over 128 KiB (a long review); training reads it whole, and it is truncated.
+    csv.field_size_limit(2**31 - 1)
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
     header = next(reader, None)
     if header is None:

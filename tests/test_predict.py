@@ -258,6 +258,12 @@ def test_a_data_file_gives_the_sentences_training_reads_from_it(trained, tmp_pat
     assert predicted_texts(tmp_path, trained / "merged", name) == trained_on
 
 
+def test_a_field_longer_than_the_csv_modules_limit_is_one_sentence(trained, tmp_path):
+    long = " ".join(["a wonderful film"] * 20_000)  # 340 KB: the csv module's default limit is 128 KiB
+    (tmp_path / "long.tsv").write_text(delimited([(long, 1), ("the end", 0)], sep="\t"))
+    assert predicted_texts(tmp_path, trained / "merged", "long.tsv") == [long, "the end"]
+
+
 def test_a_json_file_of_lines_and_a_jsonl_array_are_read_as_training_reads_them(trained, tmp_path):
     lines = tmp_path / "lines.json"
     lines.write_text('{"sentence": "a wonderful film"}\n\n{"sentence": "a dull\\u2028mess", "label": 0}\n')
