@@ -228,7 +228,7 @@ def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(finished_r
     [
         (["/nonexistent/model"], "cannot load /nonexistent/model"),
         (["MODEL", "/nonexistent/file.txt"], "cannot read /nonexistent/file.txt"),
-        (["MODEL", "TABLE", "--text-column", "text"], "has rows without a text column 'text'"),
+        (["MODEL", "TABLE", "--text-column", "text"], "t.csv has no column 'text' (its header: ['sentence'])"),
         ([], "the following arguments are required: model"),
     ],
 )
