@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             masker = None  # --help prints the help and exits while the settings are read, with the value masked
         settings, dist, args, strategy = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
-            check_run_dir(settings, dist.world_size)
+            check_run_dir(settings, dist.world_size, push_only=args.push_only)
             plan = plan_batches(settings, dist.world_size)  # GLOBAL_BATCH_SIZE split over this world size
             if warning := micro_batch_warning(settings, plan):
                 print(f"warning: {warning}", file=sys.stderr)
@@ -110,9 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(json.dumps(shown, indent=2))
             return 0
-        run_dir = open_run_dir(
-            settings, dist.world_size
-        )  # unwritable or foreign OUTPUT_DIR: refused before the heavy imports
+        # Unwritable or foreign OUTPUT_DIR: refused before the heavy imports.
+        run_dir = open_run_dir(settings, dist.world_size, push_only=args.push_only)
 
         # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

@@ -6,12 +6,14 @@
     python predict.py OUTPUT_DIR/model --base-model bert-base-uncased sentences.jsonl
 
 MODEL is an adapter folder (adapter_config.json), a merged folder (config.json and weights) or a Hub repo
-id of either. Sentences come one per line from FILE or standard input, or from a column of a .csv, .tsv
-or .jsonl file, in UTF-8. Each prints as one JSON line: {"text": ..., "label": "positive", "score": 0.97};
-no sentences, no lines. A sentence longer than the model takes is cut to the length recorded with the
-model (MAX_SEQ_LENGTH of the run that trained it), else to the model's position embeddings. Options may
-come before or after MODEL and FILE. Batches run on the GPU when there is one. Bad input (no such model
-or file, a missing column, bytes that are not text) is one `error:` line and exit 2, as in main.py.
+id of either. Sentences come from FILE or standard input, in UTF-8: one per line (split on newlines only;
+blank lines skipped), or the --text-column of each record of a .csv, .tsv (unquoted, as training reads it),
+.json or .jsonl file (a JSON array or one object per line), the suffix in any case. Each prints as one JSON
+line, in input order: {"text": ..., "label": "positive", "score": 0.97}; no sentences, no lines. A sentence
+longer than the model takes is cut to the length recorded with the model (MAX_SEQ_LENGTH of the run that
+trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
+Batches run on the GPU when there is one. Bad input (no such model or file, a missing column, bytes that
+are not text, a base model of another size than the adapter's) is one `error:` line and exit 2, as in main.py.
 """
 
 from __future__ import annotations
@@ -19,18 +21,37 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import io
 import json
+import os
 import sys
 from pathlib import Path
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.model_card import LABELS_NAME, read_label_names
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one `error:` line and exit 2, as in main.py
         print(f"error: {message}; see `python predict.py --help`", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+
+
+# A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.
+MAX_BATCH_SIZE = 1024
+
+
+def batch_size(value: str) -> int:
+    """--batch-size as argparse checks it: a whole number from 1 to MAX_BATCH_SIZE, else one `error:` line."""
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a whole number; give 1 to {MAX_BATCH_SIZE}") from None
+    if not 1 <= size <= MAX_BATCH_SIZE:
+        raise argparse.ArgumentTypeError(f"{size} is out of range; give 1 to {MAX_BATCH_SIZE}")
+    return size
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "file",
         nargs="?",
         type=Path,
-        help="sentences: one per line, or a .csv/.tsv/.jsonl column; default: standard input",
+        help="sentences: one per line, or a .csv/.tsv/.json/.jsonl column; default: standard input",
     )
     parser.add_argument(
         "--base-model",
@@ -48,47 +69,136 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--text-column",
-        default="sentence",
-        help="the column holding the text in a .csv/.tsv/.jsonl file (default: sentence)",
+        help="the column holding the text in a .csv/.tsv/.json/.jsonl file (default: sentence)",
     )
-    parser.add_argument("--batch-size", type=int, default=64, help="sentences per forward pass (default: 64)")
+    parser.add_argument(
+        "--batch-size",
+        type=batch_size,
+        default=64,
+        help=f"sentences per forward pass, 1 to {MAX_BATCH_SIZE} (default: 64)",
+    )
     # Intermixed: `predict.py MODEL --base-model X FILE` (the README's order) reads FILE as FILE.
     return parser.parse_intermixed_args(argv)
 
 
-def read_sentences(file: Path | None, column: str) -> list[str]:
+# Formats by suffix, whatever its case, read as training reads DATASET_PATH (utils/data.py: the same dialects;
+# tests/test_predict.py checks both read a file alike). SST-2's .tsv is unquoted text: read with quoting on, a
+# sentence that opens with `"` would swallow the rows up to the next quote. Any other suffix is one sentence a line.
+DELIMITED = {".csv": (",", csv.QUOTE_MINIMAL), ".tsv": ("\t", csv.QUOTE_NONE)}
+JSON_SUFFIXES = (".json", ".jsonl")
+FORMATS = "a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file"
+
+
+def read_sentences(file: Path | None, column: str | None) -> list[str]:
+    """The sentences of `file` (standard input when None), in order: one per non-blank line of text, or the
+    `column` (default: sentence) of each record of a .csv, .tsv, .json (a JSON array or JSON lines, as training
+    takes) or .jsonl file."""
+    suffix = file.suffix.lower() if file else ""
+    if column is not None and suffix not in (*DELIMITED, *JSON_SUFFIXES):
+        # A column of a file read one sentence a line: a .csv saved as .txt, whose header would be answered too.
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"--text-column {column} names a column, and {file or 'standard input'} is read one sentence a line; "
+            "give a .csv, .tsv, .json or .jsonl file as FILE (its suffix says its format), or drop --text-column",
+        )
+    column = column or "sentence"
     if file is None:
         if sys.stdin is None:  # started with standard input closed: nothing to classify
             return []
         if sys.stdin.isatty():
             print("reading sentences from standard input, one per line (Ctrl-D ends)", file=sys.stderr)
-        text = decode_text(sys.stdin.buffer.read(), "standard input")
-        return [line for line in text.splitlines() if line.strip()]
+        return split_lines(decode_text(sys.stdin.buffer.read(), "standard input"))
     try:
         data = file.read_bytes()
     except OSError as exc:
+        raise JobError(EXIT_BAD_INPUT, f"cannot read {file} ({exc.strerror or exc}); give {FORMATS}") from None
+    text = decode_text(data, str(file))
+    if suffix in DELIMITED:
+        return read_delimited(text, file, column, *DELIMITED[suffix])
+    if suffix in JSON_SUFFIXES:
+        return read_json_records(text, file, column)
+    return split_lines(text)
+
+
+def split_lines(text: str) -> list[str]:
+    """The non-blank lines, split on `\n` and `\r\n` only: `str.splitlines` also splits on form feed, NEL,
+    U+2028 and other characters a sentence may hold, and would answer one line several times."""
+    lines = (line.removesuffix("\r") for line in text.split("\n"))
+    return [line for line in lines if line.strip()]
+
+
+def read_delimited(text: str, file: Path, column: str, delimiter: str, quoting: int) -> list[str]:
+    """`column` of each record, one record a line; a quoted field running over lines is refused, as training
+    refuses it (a stray `"` would merge the rows up to the next quote into one answer)."""
+    # The csv module refuses a field over 128 KiB (a long review); training reads it whole, and it is truncated.
+    csv.field_size_limit(2**31 - 1)
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
+    header = next(reader, None)
+    if header is None:
+        return []
+    if column not in header:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"cannot read {file} ({exc.strerror or exc}); give a UTF-8 text, .csv, .tsv or .jsonl file",
-        ) from None
-    text = decode_text(data, str(file))
-    if file.suffix in (".csv", ".tsv"):
-        rows = list(csv.DictReader(text.splitlines(), delimiter="\t" if file.suffix == ".tsv" else ","))
-    elif file.suffix == ".jsonl":
+            f"{file} has no column '{column}' (its header: {header}); name the text column with --text-column",
+        )
+    index, sentences, end = header.index(column), [], reader.line_num
+    for record in reader:
+        start, end = end + 1, reader.line_num
+        if not record:
+            continue  # a blank line is no record, to training either
+        if end > start:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{file} line {start}: a quoted field runs over lines {start}-{end}, merging them into one record; "
+                'close the quote, double a quote inside a quoted field (""), or save the file as .tsv, which is read without quoting',
+            )
+        if index >= len(record):
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{file} line {start} has {len(record)} field(s) and no '{column}' (column {index + 1}); "
+                "give every line a value in each column of the header",
+            )
+        sentences.append(record[index])
+    return sentences
+
+
+def read_json_records(text: str, file: Path, column: str) -> list[str]:
+    """`column` of each object of a JSON array, or of each line of JSON lines: training's loader takes either
+    under both suffixes. A string in an array is itself a sentence (training reads it as the column `text`)."""
+    if text.lstrip().startswith("["):
         try:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            records = json.loads(text)
         except json.JSONDecodeError as exc:
             raise JobError(
                 EXIT_BAD_INPUT,
-                f"{file} is not JSON lines ({exc.msg} on line {exc.lineno}); give one JSON object per line",
+                f"{file} is not a JSON array ({exc.msg} on line {exc.lineno}); give a JSON array of objects, or one JSON object per line",
             ) from None
+        places = [f"item {number}" for number in range(1, len(records) + 1)]
     else:
-        return [line for line in text.splitlines() if line.strip()]
-    if rows and not all(isinstance(row, dict) and isinstance(row.get(column), str) for row in rows):
-        raise JobError(
-            EXIT_BAD_INPUT, f"{file} has rows without a text column '{column}'; name the column with --text-column"
-        )
-    return [row[column] for row in rows]
+        records, places = [], []
+        for number, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"{file} line {number} is not JSON ({exc.msg}); give one JSON object per line, or a JSON array of objects",
+                ) from None
+            places.append(f"line {number}")
+    sentences = []
+    for place, record in zip(places, records, strict=True):
+        text_value = record.get(column) if isinstance(record, dict) else record
+        if not isinstance(text_value, str):
+            found = f"'{column}' is {json.dumps(text_value)[:60]}" if isinstance(record, dict) else "it is no object"
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{file} {place} has no text in '{column}' ({found}); give each object a '{column}' string, "
+                "or name the text column with --text-column",
+            )
+        sentences.append(text_value)
+    return sentences
 
 
 def decode_text(data: bytes, source: str) -> str:
@@ -100,7 +210,7 @@ def decode_text(data: bytes, source: str) -> str:
         raise JobError(
             EXIT_BAD_INPUT,
             f"{source} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-            "give sentences as UTF-8 text, one per line, or a UTF-8 .csv, .tsv or .jsonl file",
+            "give sentences as UTF-8 text, one per line, or a UTF-8 .csv, .tsv, .json or .jsonl file",
         ) from None
     if "\x00" in text:  # UTF-16 text, or binary data that happens to decode
         raise JobError(
@@ -150,6 +260,11 @@ def load_classifier(model: str, base_model: str | None):
     safe = {"trust_remote_code": False}
     try:
         adapter, id2label = adapter_files(model)
+        if adapter is None and base_model:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"--base-model is for an adapter, and {model} is a merged model, which holds its base; drop --base-model",
+            )
         if adapter is None:  # a merged model: its config.json names the labels
             classifier = pipeline("text-classification", model=model, device=device, **safe)
         else:
@@ -169,9 +284,19 @@ def load_classifier(model: str, base_model: str | None):
                     f"cannot load {base_id}, the base model of the adapter {model} ({_first_line(exc)}); "
                     "pass --base-model with its Hub id or a local copy of it",
                 ) from None
+            trained_on = adapter["base_model_name_or_path"]
+            check_adapter_fits(model, adapter, base, base_id, trained_on)
+            try:
+                adapted = PeftModel.from_pretrained(base, model)
+            except RuntimeError as exc:  # a shape the check above cannot see (a .bin adapter, a new layer kind)
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"the adapter {model} does not fit the base {base_id} ({_first_line(exc)}); "
+                    f"pass --base-model with the base it was trained on, {trained_on}, or a local copy of it",
+                ) from None
             classifier = pipeline(
                 "text-classification",
-                model=PeftModel.from_pretrained(base, model),
+                model=adapted,
                 tokenizer=AutoTokenizer.from_pretrained(model, **safe),
                 device=device,
             )
@@ -182,6 +307,85 @@ def load_classifier(model: str, base_model: str | None):
         ) from None
     cap_length(classifier.tokenizer, classifier.model.config)
     return classifier
+
+
+def check_adapter_fits(model: str, adapter: dict, base, base_id: str, trained_on: str) -> None:
+    """Refuse a base the adapter was not trained on, before peft loads it: each tensor of
+    adapter_model.safetensors is checked against the base's weight it adapts or replaces (another width is a
+    traceback listing every tensor), and each layer the adapter's targets name in the base must have its
+    weights (a deeper base loads with a warning and answers with layers the training never adapted)."""
+    weights = None if adapter.get("fan_in_fan_out") else adapter_weights_file(model)
+    if weights is None:  # no safetensors file, or (out, in) stored transposed: peft's own load checks it
+        return
+    from safetensors import safe_open
+
+    shapes = {name: tuple(param.shape) for name, param in base.named_parameters()}
+    hidden = base.config.hidden_size
+    adapted = set()
+    with safe_open(weights, framework="pt") as tensors:
+        for key in tensors.keys():
+            name = key.removeprefix("base_model.model.")
+            shape = tuple(tensors.get_slice(key).get_shape())
+            module, _, kind = name.rpartition(".")[0].rpartition(".")
+            if kind in ("lora_A", "lora_B"):  # (r, in) and (out, r) of the base's (out, in) weight
+                target = shapes.get(f"{module}.weight")
+                pairs = [(shape[1], target[1])] if kind == "lora_A" and target else []
+                pairs += [(shape[0], target[0])] if kind == "lora_B" and target else []
+            elif "lora_" in name:
+                continue  # a variant's extra (DoRA's magnitude): its layer's A and B are checked
+            else:  # a module trained in full (the classifier head, the pooler): the base's own shape
+                target = shapes.get(name)
+                pairs = list(zip(shape, target, strict=False)) if target and len(shape) == len(target) else []
+            if target is None:
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"the adapter {model} holds weights for {module if kind.startswith('lora_') else name}, which the base "
+                    f"{base_id} lacks: it was trained on {trained_on}; pass --base-model with {trained_on} or a local copy of it",
+                )
+            if kind in ("lora_A", "lora_B"):
+                adapted.add(module)
+            wrong = [(ours, theirs) for ours, theirs in pairs if ours != theirs]
+            if wrong:
+                widths = [ours for ours, theirs in wrong if theirs == hidden]
+                size = (
+                    f"of hidden size {widths[0]}, and the base {base_id} has hidden size {hidden}"
+                    if widths
+                    else (f"({key} is {list(shape)}), and {base_id} does not match it")
+                )
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"the adapter {model} was trained on the base {trained_on} {size}; "
+                    f"pass --base-model with {trained_on} or a local copy of it",
+                )
+
+    targets = adapter.get("target_modules")
+    if isinstance(targets, list) and not adapter.get("layers_to_transform") and not adapter.get("exclude_modules"):
+        # peft's rule for a list: a module whose name is a target or ends in `.target`
+        targeted = [
+            name for name, _ in base.named_modules() if any(name == t or name.endswith(f".{t}") for t in targets)
+        ]
+        unadapted = [name for name in targeted if name not in adapted]
+        if adapted and unadapted:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the adapter {model} holds no weights for {unadapted[0]} of the base {base_id} "
+                f"({len(unadapted)} of the {len(targeted)} modules its target_modules name there): it was trained on {trained_on}, a smaller "
+                f"base; pass --base-model with {trained_on} or a local copy of it",
+            )
+
+
+def adapter_weights_file(model: str) -> str | None:
+    """The adapter's safetensors file (a local folder's, or the Hub's, downloaded once into the cache)."""
+    local = Path(model) / "adapter_model.safetensors"
+    if Path(model).is_dir():
+        return str(local) if local.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return hf_hub_download(model, local.name)
+    except EntryNotFoundError:
+        return None
 
 
 def cap_length(tokenizer, config) -> None:
@@ -206,13 +410,21 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code
     if not sentences:  # the pipeline fails on an empty batch; no sentences, no lines
         return 0
-    for text, prediction in zip(
-        sentences, classifier(sentences, batch_size=args.batch_size, truncation=True), strict=True
-    ):
-        print(
-            json.dumps({"text": text, "label": prediction["label"], "score": round(float(prediction["score"]), 4)}),
-            flush=True,
-        )
+    try:
+        for text, prediction in zip(
+            sentences, classifier(sentences, batch_size=args.batch_size, truncation=True), strict=True
+        ):
+            print(
+                json.dumps(
+                    {"text": text, "label": prediction["label"], "score": round(float(prediction["score"]), 4)}
+                ),
+                flush=True,
+            )
+    except BrokenPipeError:
+        # The reader stopped reading (`| head`): end as a Unix tool does on SIGPIPE, without a traceback, and
+        # with stdout on /dev/null so that the interpreter's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     return 0
 
 

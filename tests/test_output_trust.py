@@ -26,6 +26,7 @@ from tests.conftest import (
     start_main,
     wait_all,
 )
+from utils.outputs import RUN_MARKER
 
 STOLEN_TOKEN = "hf_" + "s" * 34  # another user's token, kept beside the run folder
 SSH_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n-----END OPENSSH PRIVATE KEY-----\n"
@@ -41,6 +42,14 @@ def secrets(tmp_path) -> dict[str, Path]:
     key.parent.mkdir()
     key.write_text(SSH_KEY)
     return {"token_folder": folder, "token": folder / "token", "key": key}
+
+
+def run_folder(out: Path) -> Path:
+    """OUTPUT_DIR as a start of the job killed before its first record leaves it (its marker): the neighbour
+    plants into a folder of the job's, not one of its own (which the job refuses as not a run folder)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_MARKER).write_text("")
+    return out
 
 
 def run_name(env: dict[str, str]) -> str:
@@ -69,7 +78,7 @@ def test_a_link_planted_in_the_tensorboard_folder_before_the_run_is_refused(
     planted, target, job_env, hub, secrets, tmp_path
 ):
     env = {**job_env, **push_settings(hub)}
-    link = tmp_path / "out" / "tensorboard" / run_name(env) / planted
+    link = run_folder(tmp_path / "out") / "tensorboard" / run_name(env) / planted
     link.parent.mkdir(parents=True)
     link.symlink_to(secrets[target])
     result = assert_refused_as_bad_input(env, [], says=f"{link} is a symbolic link", hub=hub)
@@ -105,7 +114,7 @@ def test_links_planted_in_the_tensorboard_folder_during_the_run_are_never_pushed
 def test_a_linked_rank_log_is_not_appended_to(job_env, hub, secrets, tmp_path):
     outside = tmp_path / "neighbour" / "notes.txt"
     outside.write_text("my notes\n")
-    log = tmp_path / "out" / "logs" / "rank-0.log"
+    log = run_folder(tmp_path / "out") / "logs" / "rank-0.log"
     log.parent.mkdir(parents=True)
     log.symlink_to(outside)
     result = assert_refused_as_bad_input(
@@ -118,8 +127,7 @@ def test_a_linked_rank_log_is_not_appended_to(job_env, hub, secrets, tmp_path):
 def test_a_linked_logs_folder_gets_no_rank_files(job_env, hub, tmp_path):
     outside = tmp_path / "neighbour" / "logs"
     outside.mkdir(parents=True)
-    logs = tmp_path / "out" / "logs"
-    logs.parent.mkdir()
+    logs = run_folder(tmp_path / "out") / "logs"
     logs.symlink_to(outside, target_is_directory=True)
     assert_refused_as_bad_input({**job_env, **push_settings(hub)}, [], says=f"{logs} is a symbolic link", hub=hub)
     assert list(outside.iterdir()) == []
@@ -130,8 +138,7 @@ def test_a_hard_linked_metrics_or_run_record_is_refused(name, job_env, hub, tmp_
     outside = tmp_path / "neighbour" / "settings.json"
     outside.parent.mkdir()
     outside.write_text('{"api_key": "not for the Hub"}\n')
-    inside = tmp_path / "out" / name
-    inside.parent.mkdir()
+    inside = run_folder(tmp_path / "out") / name
     os.link(outside, inside)
     for args in (["--dry-run"], []):
         result = run_main({**job_env, **push_settings(hub)}, *args)
@@ -180,3 +187,79 @@ def test_a_file_removed_while_the_folder_is_checked_is_not_an_error(tmp_path, mo
     os.symlink(tmp_path, run.logs / "planted")  # and a link that is there is still refused
     with pytest.raises(JobError, match="planted"):
         run.check_planted()
+
+
+# ------------------------------------------------------------------------------- a folder that is not a run of the job
+def someones_folder(out: Path) -> dict[str, bytes]:
+    """A folder another tool filled: a Trainer checkpoint with no COMPLETE manifest, a model/ with its weights;
+    its files and their bytes."""
+    checkpoint = out / "checkpoints" / "checkpoint-500"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "optimizer.pt").write_bytes(b"their optimizer state")
+    (out / "model").mkdir()
+    (out / "model" / "model.safetensors").write_bytes(b"their weights")
+    return contents(out)
+
+
+def contents(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_folder_that_is_no_run_of_the_job_is_refused_and_left_untouched(job_env, hub, tmp_path):
+    out = tmp_path / "out"
+    before = someones_folder(out)
+    for args in (["--dry-run"], [], ["--push-only"]):
+        result = run_main({**job_env, **push_settings(hub)}, *args)
+        assert result.code == 2, result.stderr[-3000:]
+        [error] = error_lines(result.stderr)
+        assert f"OUTPUT_DIR={out} is not empty and is not a run folder of this job" in error, error
+        assert "checkpoints, model" in error and "use an empty or new folder" in error
+        assert "Traceback" not in result.stderr
+    assert contents(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoints", "model"]
+    assert hub.commits == [] and hub.count("/api/repos/create") == 0
+
+
+def test_links_in_a_folder_that_is_no_run_of_the_job_get_the_not_a_run_folder_refusal(job_env, hub, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    (out / "data").symlink_to(tmp_path, target_is_directory=True)  # the user's own links, not planted ones
+    result = assert_refused_as_bad_input({**job_env, **push_settings(hub)}, [], says="is not a run folder", hub=hub)
+    assert "remove it" not in result.stderr and "use an empty or new folder" in result.stderr
+    assert (out / "data").is_symlink() and sorted(p.name for p in out.iterdir()) == ["data", "notes.txt"]
+
+
+def test_what_counts_as_a_run_folder_of_the_job(tmp_path):
+    """New, empty (but for a file system's lost+found), marked by the job, holding run.json, or the empty
+    skeleton of a start killed before its marker existed: a run folder. Anything else is someone else's."""
+    from utils.outputs import RunDir, is_run_folder
+
+    def folder(name: str, files: dict[str, str] | None = None, folders: tuple[str, ...] = ()) -> RunDir:
+        root = tmp_path / name
+        root.mkdir()
+        for sub in folders:
+            (root / sub).mkdir(parents=True)
+        for path, text in (files or {}).items():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(text)
+        return RunDir(root)
+
+    ours = [
+        RunDir(tmp_path / "new"),
+        folder("empty", folders=("lost+found",)),
+        folder("marked", {RUN_MARKER: "", "checkpoints/checkpoint-5/model.safetensors": "x"}),
+        folder("recorded", {"run.json": "{}", "model/README.md": "x"}),
+        folder("killed-early", {".job.lock": "{}"}, folders=("logs", "checkpoints", "cache")),
+    ]
+    theirs = [
+        folder("notes", {"notes.txt": "x"}),
+        folder("their-checkpoint", {"checkpoints/checkpoint-500/optimizer.pt": "x"}),
+        folder("their-logs", {"logs/train.log": "x"}, folders=("cache",)),
+        folder("their-model", {"model/model.safetensors": "x"}),
+    ]
+    (tmp_path / "link-marker").mkdir()
+    (tmp_path / "link-marker" / RUN_MARKER).symlink_to(tmp_path / "marked" / RUN_MARKER)
+    (tmp_path / "link-marker" / "x").write_text("x")
+    theirs.append(RunDir(tmp_path / "link-marker"))
+    assert [run.root.name for run in ours if not is_run_folder(run)] == []
+    assert [run.root.name for run in theirs if is_run_folder(run)] == []

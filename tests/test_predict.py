@@ -5,6 +5,7 @@ every `python predict.py` command the README, docs/, predict.py's own help and t
 from __future__ import annotations
 
 import ast
+import csv
 import json
 import random
 import re
@@ -16,7 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BASE_ID, LABELS, MAX_SEQ_LENGTH, MERGED_ID, REPO, REPO_ID, base_env, error_lines
+from scripts.make_demo_assets import write_tiny_bert
+from tests.conftest import (
+    BASE_ID,
+    LABELS,
+    MAX_SEQ_LENGTH,
+    MERGED_ID,
+    REPO,
+    REPO_ID,
+    STRAY_QUOTE,
+    base_env,
+    delimited,
+    error_lines,
+    run_predict,
+    write_files,
+)
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
 REVIEWS = ["a wonderful film", "a dull, tedious mess"]
@@ -174,3 +189,203 @@ def test_the_model_cards_predict_command_runs_as_written(trained, tiny_bert, tmp
         [command] = re.findall(r"`(python predict\.py [^`]*)`", (trained / folder / "README.md").read_text())
         result = run_as_written(command, tmp_path, trained, tiny_bert, hub)
         assert [line["text"] for line in answers(result)] == SENTENCES, command
+
+
+# ------------------------------------------------------------------------------- input read as training reads it
+# Sentences holding what `str.splitlines` splits on (form feed, vertical tab, NEL, U+2028, the file separators)
+# and what quoted reading merges (a sentence opening with `"`): one answer each, in order.
+ODD_LINES = [
+    "a\x0cwonderful film",
+    "the cast\u2028is superb",
+    "a dull\x85tedious mess",
+    "the film\x0bis flat\x1cand\x1dlong\x1e",
+    "the end\u2029of it",
+]
+ROWS = [*STRAY_QUOTE, *((text, index % 2) for index, text in enumerate(ODD_LINES))]
+
+
+def predicted_texts(tmp_path: Path, folder: Path, *args: str | Path, stdin: str = "") -> list[str]:
+    result = run_predict(base_env(tmp_path), folder, *args, stdin=stdin, cwd=tmp_path)
+    assert result.code == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert all(set(line) == {"text", "label", "score"} and line["label"] in LABELS for line in lines), lines
+    return [line["text"] for line in lines]
+
+
+@pytest.mark.parametrize("source", ["file", "stdin"])
+def test_each_line_is_one_answer_split_on_newlines_only(trained, tmp_path, source):
+    lines = [text for text, _ in ROWS]
+    text = "\r\n".join(lines[:3]) + "\n\n  \n" + "\n".join(lines[3:]) + "\n"  # CRLF, LF and blank lines
+    (tmp_path / "sentences.txt").write_bytes(text.encode())
+    args = ["sentences.txt"] if source == "file" else []
+    assert predicted_texts(tmp_path, trained / "merged", *args, stdin=text) == lines
+
+
+def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
+    """`rows` (sentence, label) as a user writes them in `path`'s format: tsv unquoted, csv by csv.writer,
+    .json a JSON array and .jsonl one object a line (non-ASCII characters as they are, not escaped)."""
+    suffix = path.suffix.lower()
+    if suffix == ".tsv":
+        path.write_text(delimited(rows, sep="\t"), newline="")
+    elif suffix == ".csv":
+        with path.open("w", newline="") as handle:
+            csv.writer(handle).writerows([("sentence", "label"), *rows])
+    else:
+        objects = [{"sentence": text, "label": label} for text, label in rows]
+        lines = [json.dumps(objects, ensure_ascii=False)] if suffix == ".json" else objects
+        path.write_text(
+            "".join((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n" for line in lines)
+        )
+    return path
+
+
+@pytest.mark.parametrize("name", ["VALIDATION.TSV", "Validation.Csv", "validation.JSON", "validation.JsonL"])
+def test_a_data_file_gives_the_sentences_training_reads_from_it(trained, tmp_path, name):
+    """The same file through training's reader (utils/data.py, as DATASET_PATH) and through predict.py: the same
+    sentences, in the same order, whatever the case of the suffix."""
+    from utils.data import load_raw
+    from utils.settings import Settings
+
+    suffix = Path(name).suffix.lower()
+    rows = [row for row in ROWS if suffix == ".tsv" or not row[0].startswith('"')]  # a csv quotes its own
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "validation"):
+        write_rows(data / f"{split}{suffix}", rows)
+    trained_on = load_raw(Settings(dataset_path=str(data)))["validation"]["sentence"]
+    shutil.copy(data / f"validation{suffix}", tmp_path / name)
+    assert trained_on == [text for text, _ in rows]
+    assert predicted_texts(tmp_path, trained / "merged", name) == trained_on
+
+
+def test_a_field_longer_than_the_csv_modules_limit_is_one_sentence(trained, tmp_path):
+    long = " ".join(["a wonderful film"] * 20_000)  # 340 KB: the csv module's default limit is 128 KiB
+    (tmp_path / "long.tsv").write_text(delimited([(long, 1), ("the end", 0)], sep="\t"))
+    assert predicted_texts(tmp_path, trained / "merged", "long.tsv") == [long, "the end"]
+
+
+def test_a_json_file_of_lines_and_a_jsonl_array_are_read_as_training_reads_them(trained, tmp_path):
+    lines = tmp_path / "lines.json"
+    lines.write_text('{"sentence": "a wonderful film"}\n\n{"sentence": "a dull\\u2028mess", "label": 0}\n')
+    (tmp_path / "array.jsonl").write_text(json.dumps([{"sentence": "a wonderful film"}, "the cast is superb"]))
+    assert predicted_texts(tmp_path, trained / "merged", lines) == ["a wonderful film", "a dull\u2028mess"]
+    assert predicted_texts(tmp_path, trained / "merged", "array.jsonl") == ["a wonderful film", "the cast is superb"]
+
+
+# ------------------------------------------------------------------------------- bad arguments
+BAD_FILES = {
+    "no-column.csv": "text,label\na wonderful film,1\n",
+    "header-only.csv": "sentence,label\n",
+    "open-quote.csv": 'sentence,label\n"a dull film,0\nthe end,1\n',
+    "short-row.tsv": "label\tsentence\n1\ta wonderful film\n0\n",
+    "no-text.json": '[{"sentence": "a wonderful film"}, {"sentence": 3}]',
+    "not-json.jsonl": '{"sentence": "a wonderful film"}\n{"sentence": \n',
+    "reviews.txt": "review,label\na wonderful film,1\n",
+}
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--batch-size", "0"], "argument --batch-size: 0 is out of range; give 1 to 1024"),
+        (["--batch-size", "-8"], "argument --batch-size: -8 is out of range; give 1 to 1024"),
+        (["--batch-size", "1000000000000"], "argument --batch-size: 1000000000000 is out of range; give 1 to 1024"),
+        (["--batch-size", "8.5"], "argument --batch-size: '8.5' is not a whole number; give 1 to 1024"),
+        (["missing.txt"], "cannot read missing.txt (No such file or directory); give a UTF-8 text file"),
+        (["."], "cannot read . (Is a directory); give a UTF-8 text file"),
+        (
+            ["no-column.csv"],
+            "no-column.csv has no column 'sentence' (its header: ['text', 'label']); name the text column with --text-column",
+        ),
+        (["header-only.csv", "--text-column", "review"], "header-only.csv has no column 'review'"),
+        (["open-quote.csv"], "open-quote.csv line 2: a quoted field runs over lines 2-3"),
+        (["short-row.tsv"], "short-row.tsv line 3 has 1 field(s) and no 'sentence' (column 2)"),
+        (["no-text.json"], "no-text.json item 2 has no text in 'sentence' ('sentence' is 3)"),
+        (["not-json.jsonl"], "not-json.jsonl line 2 is not JSON"),
+        (
+            ["reviews.txt", "--text-column", "review"],
+            "--text-column review names a column, and reviews.txt is read one",
+        ),
+        (["--text-column", "review"], "--text-column review names a column, and standard input is read one sentence"),
+        (["reviews.txt", "--base-model", "tiny-bert"], "--base-model is for an adapter, and "),
+    ],
+    ids=[
+        "batch size 0",
+        "negative batch size",
+        "huge batch size",
+        "fractional batch size",
+        "missing file",
+        "a folder as FILE",
+        "no such column",
+        "no such column, no rows",
+        "a quote open over lines",
+        "a row short of the column",
+        "a JSON item without text",
+        "a line that is not JSON",
+        "a column of a text file",
+        "a column of standard input",
+        "a base for a merged model",
+    ],
+)
+def test_each_bad_argument_is_one_error_line_and_exit_2(trained, tmp_path, args, says):
+    write_files(tmp_path / "in", BAD_FILES)
+    result = run_predict(base_env(tmp_path), trained / "merged", *args, cwd=tmp_path / "in")
+    assert result.code == 2 and result.stdout == "", result.stderr[-3000:]
+    [error] = error_lines(result.stderr)
+    assert says in error and "Traceback" not in result.stderr, error
+
+
+@pytest.mark.parametrize(
+    "shape, says",
+    [
+        (
+            {"hidden": 32},
+            "was trained on the base {trained_on} of hidden size 64, and the base {base} has hidden size 32",
+        ),
+        (
+            {"layers": 3},
+            "holds no weights for bert.encoder.layer.2.attention.self.query of the base {base} (2 of the 6 modules "
+            "its target_modules name there): it was trained on {trained_on}, a smaller base",
+        ),
+        ({"layers": 1}, "holds weights for bert.encoder.layer.1.attention.self.query, which the base {base} lacks"),
+    ],
+    ids=["narrower", "deeper", "shallower"],
+)
+def test_a_base_of_another_shape_than_the_adapters_is_one_error_line(
+    trained, tiny_bert, sst2_dir, tmp_path, shape, says
+):
+    """The adapter (trained on the 64-wide, 2-layer tiny BERT) on another base: one line naming the base it was
+    trained on and the fix, instead of peft's traceback (narrower) or answers from layers never adapted (deeper)."""
+    other = write_tiny_bert(tmp_path / "other-bert", sst2_dir, **shape)
+    (tmp_path / "sentences.txt").write_text("a wonderful film\n")
+    result = run_predict(base_env(tmp_path), trained / "model", "sentences.txt", "--base-model", other, cwd=tmp_path)
+    assert result.code == 2 and result.stdout == "", result.stderr[-3000:]
+    [error] = error_lines(result.stderr)
+    assert error.startswith(f"error: the adapter {trained / 'model'} ")
+    assert says.format(trained_on=BASE_ID, base=other) in error, error
+    assert error.endswith(f"pass --base-model with {BASE_ID} or a local copy of it"), error
+    assert "Traceback" not in result.stderr
+
+
+def test_the_adapter_on_its_own_base_answers(trained, tiny_bert, tmp_path):
+    (tmp_path / "sentences.txt").write_text("a wonderful film\n")
+    args = ("sentences.txt", "--base-model", tiny_bert)
+    assert predicted_texts(tmp_path, trained / "model", *args) == ["a wonderful film"]
+
+
+def test_a_reader_that_stops_reading_ends_it_without_a_traceback(trained, tmp_path):
+    """`predict.py ... | head -1`: the answers left (more than a pipe holds) find no reader; exit 141 as a Unix tool
+    ended by SIGPIPE, and nothing on stderr but the libraries' progress."""
+    (tmp_path / "sentences.txt").write_text("".join(f"a wonderful film {i}\n" for i in range(3000)))
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "predict.py"), str(trained / "merged"), "sentences.txt"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=base_env(tmp_path),
+        cwd=tmp_path,
+    )
+    first = json.loads(proc.stdout.readline())
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=180) == 141, stderr[-3000:]
+    assert first["text"] == "a wonderful film 0" and "Traceback" not in stderr and not error_lines(stderr), stderr

@@ -5,8 +5,11 @@ labels, the merged weights and predict.py (MLflow: tests/test_tracking.py, again
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -229,7 +232,7 @@ def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(finished_r
     [
         (["/nonexistent/model"], "cannot load /nonexistent/model"),
         (["MODEL", "/nonexistent/file.txt"], "cannot read /nonexistent/file.txt"),
-        (["MODEL", "TABLE", "--text-column", "text"], "has rows without a text column 'text'"),
+        (["MODEL", "TABLE", "--text-column", "text"], "t.csv has no column 'text' (its header: ['sentence'])"),
         ([], "the following arguments are required: model"),
     ],
 )
@@ -270,3 +273,107 @@ def test_labels_and_trackers_are_checked_as_settings(job_env):
     ]
     assert dry["report_to"] == ["tensorboard", "mlflow"] and dry["label_names"] == ["bad", "good"]
     assert re.fullmatch(r"[a-z0-9-]+-lora-r8-[0-9a-f]{8}", dry["run_name"])
+
+
+# ------------------------------------------------------------------------------- a finished run publishes its own records
+AGAIN_ID, MERGED_AGAIN_ID = "tester/sst2-lora-again", "tester/sst2-merged-again"
+
+
+def test_a_finished_run_publishes_the_label_names_it_was_trained_with(finished_run, hub, tmp_path):
+    """LABEL_NAMES is no training setting: on a finished run, names that contradict model/id2label.json are
+    refused (--dry-run, a restart, --push-only), and without them merged/, the card and the push carry the
+    recorded ones."""
+    out = tmp_path / "out"
+    shutil.copytree(finished_run.out, out, symlinks=True)
+    shutil.rmtree(out / "merged")  # as a run stopped before the merge: the restart writes it
+    env = {
+        **finished_run.env,
+        **push_settings(hub),
+        "OUTPUT_DIR": str(out),
+        "RESULT_MODEL_ID": AGAIN_ID,
+        "RESULT_MERGED_MODEL_ID": MERGED_AGAIN_ID,
+    }
+    flipped = ",".join(reversed(LABELS))
+    for args in (["--dry-run"], [], ["--push-only"]):
+        result = run_main(env, *args, "--merge-adapter", "true", "--label-names", flipped)
+        assert result.code == 2, result.stderr[-3000:]
+        [error] = error_lines(result.stderr)
+        assert f"LABEL_NAMES={flipped} contradicts the finished run" in error, error
+        assert f"trained with {','.join(LABELS)}" in error and "unset LABEL_NAMES" in error
+    assert not (out / "merged").exists() and hub.commits == []
+
+    env.pop("LABEL_NAMES")  # the default names now: the recorded ones are published
+    pushed = run_main(env, "--push-only")
+    assert pushed.code == 0, pushed.stderr[-3000:]
+    recorded = {"0": LABELS[0], "1": LABELS[1]}
+    assert json.loads((out / "merged" / "config.json").read_text())["id2label"] == recorded
+    adapter = commit(hub, AGAIN_ID)
+    assert json.loads(adapter["id2label.json"]) == recorded
+    assert (
+        f""""id2label": {{0: '{LABELS[0]}', 1: '{LABELS[1]}'}}""" in adapter["README.md"].decode()
+    )  # the usage snippet
+    assert json.loads(commit(hub, MERGED_AGAIN_ID)["config.json"])["id2label"] == recorded
+
+
+@pytest.fixture
+def unpushed_run(job_env, tmp_path, sst2_dir) -> dict[str, str]:
+    """A short run trained from the local tiny model with no push and no BASE_MODEL_ID (the air-gapped flow), on
+    its own copy of the data; its environment."""
+    data = shutil.copytree(sst2_dir, tmp_path / "data")
+    env = {**job_env, "DATASET_PATH": str(data), "MAX_STEPS": "2"}
+    env.pop("NUM_EPOCHS")
+    first = run_main(env)
+    assert first.code == 0, first.stderr[-3000:]
+    return env
+
+
+def test_push_only_with_base_model_id_pushes_an_adapter_that_names_the_base_the_card_names(
+    unpushed_run, hub, tmp_path, tiny_bert
+):
+    """Trained from a local folder, the adapter on the volume names that folder (predict.py on the cluster loads
+    it); --push-only and a restart that pushes the finished run send an adapter_config.json naming BASE_MODEL_ID,
+    the base the card names, so the pushed adapter loads off the cluster."""
+    out = tmp_path / "out"
+    on_volume = json.loads((out / "model" / "adapter_config.json").read_text())
+    assert on_volume["base_model_name_or_path"] == str(tiny_bert)
+    for args, repo in ((["--push-only"], REPO_ID), ([], AGAIN_ID)):
+        result = run_main({**unpushed_run, **push_settings(hub), "RESULT_MODEL_ID": repo}, *args)
+        assert result.code == 0, result.stderr[-3000:]
+        files = commit(hub, repo)
+        assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == BASE_ID
+        assert front_matter(files["README.md"].decode())["base_model"] == BASE_ID
+        assert json.loads(files["adapter_config.json"]) == {**on_volume, "base_model_name_or_path": BASE_ID}
+    assert json.loads((out / "model" / "adapter_config.json").read_text()) == on_volume  # the cluster's copy kept
+    # A base the adapter records by Hub id is the truth: another BASE_MODEL_ID is refused, not pushed over it.
+    recorded = tmp_path / "recorded"
+    shutil.copytree(out, recorded, symlinks=True)
+    config = recorded / "model" / "adapter_config.json"
+    config.write_text(json.dumps({**on_volume, "base_model_name_or_path": BASE_ID}))
+    other = run_main(
+        {**unpushed_run, **push_settings(hub), "OUTPUT_DIR": str(recorded), "BASE_MODEL_ID": "tester/other-bert"},
+        "--push-only",
+    )
+    assert other.code == 2 and f"its adapter names {BASE_ID} as its base" in error_lines(other.stderr)[0]
+    assert len(hub.commits) == 2
+
+
+def test_a_finished_run_is_finished_only_for_the_data_it_was_trained_on(unpushed_run, hub, tmp_path):
+    """Labels changed in the training file since the run finished: a rerun (and --dry-run) is refused with the
+    fix instead of answering 'already holds a finished run'; --push-only still publishes what the volume holds."""
+    train = Path(unpushed_run["DATASET_PATH"]) / "train.csv"
+    original = train.read_bytes()
+    rows = list(csv.reader(io.StringIO(original.decode())))
+    rows[1][rows[0].index("label")] = str(1 - int(rows[1][rows[0].index("label")]))  # one row's label flipped
+    with train.open("w", newline="") as handle:
+        csv.writer(handle).writerows(rows)
+    for args in (["--dry-run"], []):
+        result = run_main(unpushed_run, *args)
+        assert result.code == 2, result.stderr[-3000:]
+        [error] = error_lines(result.stderr)
+        assert "holds a run finished on other data: train.csv in DATASET_PATH=" in error, error
+        assert "restore the data it was trained on, or set OUTPUT_DIR to a new folder" in error
+    pushed = run_main({**unpushed_run, **push_settings(hub)}, "--push-only")
+    assert pushed.code == 0, pushed.stderr[-3000:]
+    train.write_bytes(original)  # restored as it was
+    again = run_main(unpushed_run)
+    assert again.code == 0 and "already holds a finished run" in again.stderr

@@ -155,6 +155,14 @@ def torn_run_record(tmp: Path, env: dict) -> dict:
     return {}
 
 
+def another_tools_folder(tmp: Path, env: dict) -> dict:
+    """OUTPUT_DIR holds no run of the job: a checkpoint and a model/ another tool wrote."""
+    out = Path(env["OUTPUT_DIR"])
+    write_files(out / "checkpoints" / "checkpoint-500", {"optimizer.pt": "their state"})
+    write_files(out / "model", {"model.safetensors": "their weights"})
+    return {}
+
+
 def file_in_the_way(tmp: Path, env: dict) -> dict:
     (tmp / "a-file").write_text("not a folder")
     return {"OUTPUT_DIR": str(tmp / "a-file" / "out")}
@@ -452,6 +460,15 @@ REFUSALS = [
         setup=foreign_run,
     ),
     case("run-json-torn", "output", ["run.json is damaged (not valid JSON", "delete run.json"], setup=torn_run_record),
+    case(
+        "output-dir-of-another-tool",
+        "output",
+        [
+            "is not empty and is not a run folder of this job (it holds checkpoints, model",
+            "use an empty or new folder",
+        ],
+        setup=another_tools_folder,
+    ),
     # the model folder and its config
     case(
         "model-without-tokenizer",

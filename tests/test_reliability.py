@@ -33,6 +33,7 @@ from tests.conftest import (
     wait_all,
     wait_for,
 )
+from utils.outputs import RUN_MARKER
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +316,7 @@ def test_push_refused_with_401_keeps_the_model_and_push_only_publishes_it_once(j
 
 def test_push_only_without_a_finished_model_is_bad_input(job_env, hub, tmp_path):
     (tmp_path / "out" / "model").mkdir(parents=True)  # model/ without metrics.json: never a finished run
+    (tmp_path / "out" / RUN_MARKER).write_text("")  # of a run of the job's (another folder is refused as not one)
     result = run_main({**job_env, **push_settings(hub)}, "--push-only")
     assert result.code == 2 and len(error_lines(result.stderr)) == 1 and "without --push-only" in result.stderr
     assert hub.commits == [] and hub.count("/api/repos/create") == 0

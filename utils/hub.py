@@ -13,6 +13,8 @@ passed explicitly and never formatted into a message.
 from __future__ import annotations
 
 import email.utils
+import io
+import json
 import logging
 import sys
 import threading
@@ -325,6 +327,25 @@ def files_to_push(run: RunDir, settings: Settings, merged: bool) -> dict[str, Pa
     return files
 
 
+def adapter_config_for_hub(run: RunDir, settings: Settings) -> dict[Path, bytes]:
+    """model/adapter_config.json as pushed, when it must differ from the volume's copy: trained from a local
+    folder, the adapter names that folder as its base, which loads on the cluster (predict.py on model/) but
+    nowhere else. The pushed copy names the Hub id the card names (BASE_MODEL_ID, or the id MODEL_NAME's
+    folder records), so what the Hub serves loads off the cluster; the volume's copy is kept."""
+    path = run.model / "adapter_config.json"
+    config = run.read_json(path) or {}
+    base = resolve_base_model_id(settings)
+    if not base or config.get("base_model_name_or_path") in (None, base):
+        return {}
+    log.info(
+        "the pushed adapter_config.json names its base %s, as the card does (%s keeps %s, for use on this cluster)",
+        base,
+        path,
+        config["base_model_name_or_path"],
+    )
+    return {path: (json.dumps({**config, "base_model_name_or_path": base}, indent=2, sort_keys=True) + "\n").encode()}
+
+
 def already_pushed(run: RunDir, repo_id: str, merged: bool = False) -> bool:
     record = run.read_json(run.run_record) or {}
     return (record.get(PUSH_RECORD[merged]) or {}).get("repo_id") == repo_id
@@ -346,6 +367,7 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
             run.check_owned(path)
         # The card again, now naming the repo it is pushed to (after --push-only too).
         card = write_model_card(folder, settings, metrics, repo_id, merged=merged)
+        sent = {} if merged else adapter_config_for_hub(run, settings)
         log.info("pushing %s to %s", folder, repo_id)
         try:
             url = hub.push_files(
@@ -355,7 +377,7 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
                 f"Upload {settings.run_name}",
                 card=card,
                 # Read through descriptors opened without following a link: what was checked is what is sent.
-                open_file=lambda path: run.open(path, "rb"),
+                open_file=lambda path, sent=sent: io.BytesIO(sent[path]) if path in sent else run.open(path, "rb"),
             )
         except JobError:  # a file planted since the check above: refused, not a failed push to retry
             raise

@@ -1,6 +1,7 @@
-"""The run folder (OUTPUT_DIR): its layout, atomic writes, and whether it belongs to these settings.
+"""The run folder (OUTPUT_DIR): its layout, atomic writes, and whether it is the job's and belongs to these settings.
 
     OUTPUT_DIR/
+      .run-folder       the job's mark on a folder it claimed: it works only in its own (RUN_MARKER)
       model/            adapter + config, tokenizer, id2label.json, training_curves.png, README.md model card   (rank 0)
       merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
       metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
@@ -30,6 +31,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -42,10 +44,20 @@ from typing import IO
 
 from utils.batching import replica_count_change
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_error, volume_state
-from utils.settings import Settings
+from utils.settings import REPO_ID_PATTERN, Settings, resolve_base_model_id
+
+log = logging.getLogger(__name__)
 
 PACKAGES = ("torch", "transformers", "datasets", "accelerate", "peft", "bitsandbytes", "evaluate", "huggingface-hub")
 COMPLETE_MARKER = "COMPLETE"
+# Written first into a folder the job claims: the job deletes and replaces files in its run folder (unfinished
+# checkpoints, model/), so it works only in a folder it created or found empty.
+RUN_MARKER = ".run-folder"
+# What the job makes before its first record, all empty: the skeleton of a run killed that early before RUN_MARKER.
+SKELETON = frozenset({"logs", "checkpoints", "cache", ".job.lock"})
+# A fresh file system's own folder at the root of a volume mounted as OUTPUT_DIR.
+NOT_CONTENT = frozenset({"lost+found"})
+LABELS_FILE = "id2label.json"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -304,10 +316,13 @@ def replace_dir(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_run_dir(settings: Settings, world_size: int | None = None) -> RunDir:
-    """Refuse an OUTPUT_DIR whose run.json holds a run with other training settings (reads, writes nothing).
+def check_run_dir(settings: Settings, world_size: int | None = None, push_only: bool = False) -> RunDir:
+    """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds a run with other
+    training settings; a finished run also with other label names, base model or data (`check_finished_run`;
+    `push_only` publishes what the volume holds and does not read the data). Reads, writes nothing.
     `world_size`: this start's replica count, named first when the change of count is what changed them."""
     run = RunDir(Path(settings.output_dir).resolve())
+    refuse_foreign(run, settings)  # first: a link in someone else's folder is theirs, not a link planted in ours
     run.check_planted()
     record = run.read_json(run.run_record) if run.root.is_dir() else None
     if record is not None:
@@ -331,14 +346,163 @@ def check_run_dir(settings: Settings, world_size: int | None = None) -> RunDir:
                 f"OUTPUT_DIR={settings.output_dir} holds a run with other training settings ({detail}); "
                 "use a new OUTPUT_DIR for new settings, or restore the old ones to resume",
             )
+    if run.root.is_dir() and run.is_finished():
+        check_finished_run(run, settings, record or {}, data=not push_only)
     return run
 
 
-def open_run_dir(settings: Settings, world_size: int | None = None) -> RunDir:
-    """Create OUTPUT_DIR's folders and refuse a folder that holds a run with other training settings."""
-    run = check_run_dir(settings, world_size)
+def is_run_folder(run: RunDir) -> bool:
+    """Whether OUTPUT_DIR is new, empty, or a run folder of this job: its RUN_MARKER or run.json (runs from before
+    the marker), or the empty skeleton a start killed before either leaves. Links are not followed."""
+    try:
+        names = {entry.name for entry in os.scandir(run.root)} - NOT_CONTENT
+    except (FileNotFoundError, NotADirectoryError):  # open_run_dir creates it, or says why it cannot
+        return True
+    if not names or any(_is_regular(run.root / name) for name in (RUN_MARKER, run.run_record.name)):
+        return True
+    return names <= SKELETON and all(_is_empty_folder(run.root / name) for name in names - {".job.lock"})
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_empty_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and not os.listdir(path)
+    except OSError:
+        return False
+
+
+def refuse_foreign(run: RunDir, settings: Settings) -> None:
+    """A non-empty OUTPUT_DIR that is not a run of this job is refused, untouched: resuming, the job would delete
+    a checkpoint it did not write as one cut short, and replace a model/ folder it did not save."""
+    if is_run_folder(run):
+        return
+    names = sorted(set(os.listdir(run.root)) - NOT_CONTENT)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise JobError(
+        EXIT_BAD_INPUT,
+        f"OUTPUT_DIR={settings.output_dir} is not empty and is not a run folder of this job (it holds {shown}, and no "
+        f"{RUN_MARKER} or run.json); the job deletes and replaces files in its run folder, so it leaves this one "
+        "untouched: use an empty or new folder",
+    )
+
+
+def claim_run_dir(run: RunDir) -> None:
+    """Mark OUTPUT_DIR as this job's, before anything else is written into it (another rank checking the folder
+    meanwhile sees it empty or marked, never half-made)."""
+    try:
+        with run.open(run.root / RUN_MARKER, "x") as handle:
+            handle.write("A run folder of the LoRA fine-tuning job (main.py): it deletes and replaces files here.\n")
+    except FileExistsError:
+        pass
+
+
+# ------------------------------------------------------------------------------- a finished run's own records
+def check_finished_run(run: RunDir, settings: Settings, record: dict, data: bool = True) -> None:
+    """What a finished run publishes comes from its own records (model/id2label.json, adapter_config.json,
+    run.json): a setting given now that contradicts them is refused with the recorded value and the fix, and
+    with `data`, training files changed since the run trained (it is finished only for the data it trained on)."""
+    recorded = recorded_label_names(run)
+    if recorded and "label_names" in settings.model_fields_set and tuple(settings.label_names) != recorded:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LABEL_NAMES={','.join(settings.label_names)} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: "
+            f"its model was trained with {','.join(recorded)} (label 0 first, {run.model / LABELS_FILE}); unset LABEL_NAMES (or "
+            "label_names in the --config file) to publish the names it was trained with, or use a new OUTPUT_DIR to train with these",
+        )
+    trained_base = recorded_hub_base(run)
+    if trained_base and settings.base_model_id and settings.base_model_id != trained_base:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"BASE_MODEL_ID={settings.base_model_id} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: its "
+            f"adapter names {trained_base} as its base ({run.model / 'adapter_config.json'}); unset BASE_MODEL_ID, or "
+            "use a new OUTPUT_DIR to train on that base",
+        )
+    trained_on = record.get("data_files")
+    if data and trained_on is not None:
+        now = data_files_digest(settings)
+        changed = sorted(
+            name for name in set(trained_on) | set(now or {}) if trained_on.get(name) != (now or {}).get(name)
+        )
+        if changed:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"OUTPUT_DIR={settings.output_dir} holds a run finished on other data: {', '.join(changed[:4])} in "
+                f"DATASET_PATH={settings.dataset_path} changed since it trained (added, removed or edited); restore the "
+                "data it was trained on, or set OUTPUT_DIR to a new folder to train on the new data",
+            )
+
+
+def recorded_label_names(run: RunDir) -> tuple[str, str] | None:
+    """The label names the finished run's model was trained with (model/id2label.json)."""
+    names = run.read_json(run.model / LABELS_FILE)
+    if not names:
+        return None
+    return tuple(name for _, name in sorted((int(index), name) for index, name in names.items()))
+
+
+def recorded_base(run: RunDir) -> str | None:
+    """What model/adapter_config.json names as the base: a Hub id, or the local folder it was trained from."""
+    return (run.read_json(run.model / "adapter_config.json") or {}).get("base_model_name_or_path")
+
+
+def recorded_hub_base(run: RunDir) -> str | None:
+    """The base's Hub id when the adapter records one (None: it records a local folder, or nothing)."""
+    base = recorded_base(run)
+    if not base or not REPO_ID_PATTERN.match(base) or Path(base).expanduser().exists():
+        return None
+    return base
+
+
+def published_settings(run: RunDir, settings: Settings) -> Settings:
+    """The settings a finished run's card, merged/ and push are written with: the label names, the base's Hub id
+    and the run name as the run recorded them (`check_finished_run` has refused a setting that contradicts them).
+    A base the adapter records as a local folder goes by BASE_MODEL_ID (or MODEL_NAME's recorded Hub id) now."""
+    update = {}
+    labels = recorded_label_names(run)
+    if labels and labels != tuple(settings.label_names):
+        update["label_names"] = labels
+    base = recorded_hub_base(run) or resolve_base_model_id(settings)
+    if base != settings.base_model_id:
+        update["base_model_id"] = base
+    trained_name = (run.read_json(run.metrics) or {}).get("run_name")
+    if trained_name and trained_name != settings.run_name:
+        log.warning(
+            "RUN_NAME=%s ignored: the finished run is published as %s, its recorded name",
+            settings.run_name,
+            trained_name,
+        )
+        update["run_name"] = trained_name
+    return settings.model_copy(update=update) if update else settings
+
+
+def data_files_digest(settings: Settings) -> dict[str, str] | None:
+    """SHA-256 of each file a local DATASET_PATH is read from (the split files, or every file of a save_to_disk
+    folder), by its path in the folder; None for a Hub data set, which DATASET_NAME and DATASET_CONFIG name. A
+    cheap check of the files, where a resume compares the tokenized rows."""
+    if not settings.dataset_path:
+        return None
+    folder = Path(settings.dataset_path)
+    if not folder.is_dir():
+        return {}
+    if (folder / "dataset_dict.json").exists():
+        paths = [path for path in folder.rglob("*") if path.is_file()]
+    else:
+        paths = [path for path in folder.iterdir() if path.is_file() and path.stem in ("train", "validation")]
+    return {str(path.relative_to(folder)): _sha256(path) for path in sorted(paths)}
+
+
+def open_run_dir(settings: Settings, world_size: int | None = None, push_only: bool = False) -> RunDir:
+    """Create OUTPUT_DIR's folders, claimed as this job's, after refusing one `check_run_dir` refuses."""
+    run = check_run_dir(settings, world_size, push_only=push_only)
     try:
         run.root.mkdir(parents=True, exist_ok=True)  # OUTPUT_DIR itself, and the folders above it, are the user's
+        claim_run_dir(run)
         for folder in (run.logs, run.checkpoints, run.cache):
             run.make_dir(folder)
         probe = run.logs / f".write-test-{os.getpid()}"

@@ -40,8 +40,10 @@ from utils.model import build_model, load_tokenizer, trainable_checksum
 from utils.outputs import (
     RunDir,
     checkpoint_resume_key,
+    data_files_digest,
     discard_incomplete_checkpoints,
     latest_complete_checkpoint,
+    published_settings,
     usable_checkpoints,
     write_run_record,
 )
@@ -360,7 +362,14 @@ def set_up(job: Job, group: Collectives) -> Ready:
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
     group.run_on_main(
-        lambda: write_run_record(job.out, settings, global_batch=key["global_batch"], segments=key["segments"])
+        lambda: write_run_record(
+            job.out,
+            settings,
+            global_batch=key["global_batch"],
+            segments=key["segments"],
+            # The files trained on: a rerun of the finished run with other data is refused (check_finished_run).
+            data_files=data_files_digest(settings),
+        )
     )
     if checkpoint:
         log.info(
@@ -466,10 +475,12 @@ def publish_finished(job: Job) -> int:
     """A restart that finds model/ saved: rank 0 finishes what was left (the merge, the push), the others are done."""
     if not job.dist.is_main:
         return EXIT_OK
+    # Label names, base and run name as the run recorded them, whatever this start's settings say.
+    settings = published_settings(job.out, job.settings)
     # Stopped between saving and merging.
-    if job.settings.merge_adapter and not job.out.merged.is_dir():
-        save_merged(job.out, job.settings)
-    return push_model(job.out, job.settings, Hub(read_token(), job.settings.push_timeout, job.settings.hub_timeout))
+    if settings.merge_adapter and not job.out.merged.is_dir():
+        save_merged(job.out, settings)
+    return push_model(job.out, settings, Hub(read_token(), settings.push_timeout, settings.hub_timeout))
 
 
 def publish_only(job: Job) -> int:
@@ -487,6 +498,8 @@ def publish_only(job: Job) -> int:
         raise JobError(
             EXIT_BAD_INPUT, f"{out.model} holds no finished model; run the training first (without --push-only)"
         )
+    # What is published follows what was trained: label names, base and run name from the run's own records.
+    settings = published_settings(out, settings)
     if settings.merge_adapter and not out.merged.is_dir():
         save_merged(out, settings)
     hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)

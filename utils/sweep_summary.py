@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from utils.outputs import RunDir, claim_run_dir
 from utils.sweep import Spec, Trial, metric_value, setting_value
 
 TRIAL_RECORD = "trial.json"
@@ -32,6 +33,9 @@ class Row:
 def record_trial(folder: Path, spec: Spec, trial: Trial, **fields) -> None:
     """Write (or update) the trial's record in its folder: settings, then its outcome."""
     folder.mkdir(parents=True, exist_ok=True)
+    # The trial's folder is its run's OUTPUT_DIR: marked as the job's before the sweep's own files go in, or
+    # main.py would refuse it as someone else's folder.
+    claim_run_dir(RunDir(folder.resolve()))
     path = folder / TRIAL_RECORD
     record = json.loads(path.read_text()) if path.exists() else {}
     record.update(
