@@ -13,12 +13,15 @@ import csv
 import json
 import math
 import random
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, SUBJECTS, VERBS
-from tests.conftest import Replicas, base_env, error_lines, rank_record, run_main, run_predict, wait_all
+from tests.conftest import REPO, Replicas, base_env, error_lines, rank_record, run_main, run_predict, wait_all
 
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
 MNLI_NAMES = ("entailment", "neutral", "contradiction")
@@ -319,12 +322,27 @@ def predictions(tmp: Path, *args, stdin: str = "") -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
+def readme_predictions(tmp: Path, columns: str) -> list[dict]:
+    """The README's `predict.py` command for these columns, run as written in `tmp` (OUTPUT_DIR: the run's)."""
+    [command] = [
+        line.split(" #")[0].strip()
+        for line in (REPO / "README.md").read_text().splitlines()
+        if line.startswith("python predict.py") and f"--text-column {columns}" in line
+    ]
+    command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
+        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
 def test_predict_labels_mnli_shaped_pairs(mnli_run):
     tmp = mnli_run[0]
     rows = list(mnli_rows(random.Random(11), 30))
     pairs = tmp / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"premise": p, "hypothesis": h}) + "\n" for p, h, _ in rows))
-    predicted = predictions(tmp, pairs, "--text-column", "premise,hypothesis")
+    predicted = readme_predictions(tmp, "premise,hypothesis")
     assert [(p["text"], p["text_pair"]) for p in predicted] == [(p, h) for p, h, _ in rows]
     assert {p["label"] for p in predicted} <= set(MNLI_NAMES)
     right = sum(p["label"] == MNLI_NAMES[label] for p, (_, _, label) in zip(predicted, rows, strict=True))
@@ -338,7 +356,7 @@ def test_predict_scores_stsb_shaped_pairs(stsb_run):
     rows = list(stsb_rows(random.Random(12), 40))
     pairs = tmp / "pairs.tsv"
     pairs.write_text("sentence1\tsentence2\n" + "".join(f"{a}\t{b}\n" for a, b, _ in rows))
-    predicted = predictions(tmp, pairs, "--text-column", "sentence1,sentence2")
+    predicted = readme_predictions(tmp, "sentence1,sentence2")
     assert all(set(p) == {"text", "text_pair", "score"} for p in predicted), predicted[:2]  # a score, no label
     scores = np.array([p["score"] for p in predicted])
     assert np.corrcoef(scores, [score for _, _, score in rows])[0, 1] > 0.5, scores
