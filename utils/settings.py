@@ -70,7 +70,6 @@ MAX_WAIT_SECONDS = 86400  # a day: the longest any wait of the job may be set to
 MAX_TARGET_MODULES = 256
 
 
-DEFAULT_LABEL_NAMES = ("negative", "positive")
 MAX_LABELS = 10_000  # classes a classifier head is given; more is a retrieval problem, not this job's
 
 
@@ -675,18 +674,13 @@ def training_setting_names(settings: Settings) -> frozenset[str]:
     """TRAINING_SETTINGS, less the DeepSpeed ones unless STRATEGY=deepspeed: they change nothing else, and a
     DDP or FSDP run keeps the run name and the run folder it had before they existed. Under GLOBAL_BATCH_SIZE,
     less PER_DEVICE_BATCH_SIZE too: there it only caps the micro-batch (utils/batching.py), and each step averages
-    the same rows whatever it is, as on another replica count. TASK, PROBLEM_TYPE and LABEL_NAMES (which decides
-    the label ids) count where they are not the defaults: a resume with another task, problem type or label order is refused,
-    and an SST-2 run keeps its name."""
+    the same rows whatever it is, as on another replica count. TASK and PROBLEM_TYPE count where they are not the
+    defaults: a resume with another task or problem type is refused, and an SST-2 run keeps its name. (LABEL_NAMES
+    is none: another label order is other label ids, which the checkpoint's key of the tokenized rows refuses.)"""
     names = TRAINING_SETTINGS if settings.strategy == "deepspeed" else TRAINING_SETTINGS - DEEPSPEED_SETTINGS
     if settings.global_batch_size is not None:
         names = names - {"per_device_batch_size"}
-    task_names = {
-        "task": settings.task is not None,
-        "problem_type": settings.problem_type != "auto",
-        # Set to its default (SST-2's recipe), it gives the ids an unset one gives: the run keeps its name.
-        "label_names": settings.label_names != DEFAULT_LABEL_NAMES,
-    }
+    task_names = {"task": settings.task is not None, "problem_type": settings.problem_type != "auto"}
     return names | {name for name, counts in task_names.items() if counts}
 
 
