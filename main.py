@@ -51,6 +51,7 @@ from utils.outputs import check_run_dir, open_run_dir, volume_fault
 from utils.preemption import Preemption
 from utils.recipe import apply_recipe
 from utils.settings import Settings, check_push_possible, check_trackers, load_settings
+from utils.tasks import describe_task
 
 
 def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, dict]:
@@ -100,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_batches(settings, dist.world_size)  # GLOBAL_BATCH_SIZE split over this world size
             if warning := micro_batch_warning(settings, plan):
                 print(f"warning: {warning}", file=sys.stderr)
-            shown = {"config": settings.as_dict(), "distributed": dist.as_dict(), "batch": plan.as_dict(), **strategy}
+            shown = {
+                "config": settings.as_dict(),
+                "distributed": dist.as_dict(),
+                "batch": plan.as_dict(),
+                "task": describe_task(settings),  # columns, labels, problem type, metrics
+                **strategy,
+            }
             print(json.dumps(shown, indent=2))
             return 0
         # Unwritable or foreign OUTPUT_DIR: refused before the heavy imports.

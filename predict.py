@@ -8,8 +8,10 @@
 MODEL is an adapter folder (adapter_config.json), a merged folder (config.json and weights) or a Hub repo
 id of either. Sentences come from FILE or standard input, in UTF-8: one per line (split on newlines only;
 blank lines skipped), or the --text-column of each record of a .csv, .tsv (unquoted, as training reads it),
-.json or .jsonl file (a JSON array or one object per line), the suffix in any case. Each prints as one JSON
-line, in input order: {"text": ..., "label": "positive", "score": 0.97}; no sentences, no lines. A sentence
+.json or .jsonl file (a JSON array or one object per line), the suffix in any case; a sentence pair model
+takes two columns, `--text-column premise,hypothesis`. Each prints as one JSON line, in input order:
+{"text": ..., "label": "positive", "score": 0.97} (a pair adds "text_pair"; a regression model prints its
+score and no label); no sentences, no lines. A sentence
 longer than the model takes is cut to the length recorded with the model (MAX_SEQ_LENGTH of the run that
 trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
 Batches run on the GPU when there is one. Bad input (no such model or file, a missing column, bytes that
@@ -28,7 +30,7 @@ import sys
 from pathlib import Path
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model_card import LABELS_NAME, read_label_names
+from utils.model_card import LABELS_NAME, REGRESSION_LABEL, read_label_names
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
 
@@ -69,7 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--text-column",
-        help="the column holding the text in a .csv/.tsv/.json/.jsonl file (default: sentence)",
+        help="the column holding the text in a .csv/.tsv/.json/.jsonl file (default: sentence), or two separated by "
+        "a comma for a sentence-pair model (premise,hypothesis)",
     )
     parser.add_argument(
         "--batch-size",
@@ -87,6 +90,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 DELIMITED = {".csv": (",", csv.QUOTE_MINIMAL), ".tsv": ("\t", csv.QUOTE_NONE)}
 JSON_SUFFIXES = (".json", ".jsonl")
 FORMATS = "a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file"
+
+
+def read_inputs(file: Path | None, column: str | None) -> list[str] | list[dict[str, str]]:
+    """What to predict on: the sentences `read_sentences` reads, or with two columns (`premise,hypothesis`)
+    the pairs, `{"text": ..., "text_pair": ...}` as the pipeline takes them, the columns read as training does."""
+    columns = [name.strip() for name in column.split(",")] if column else []
+    if len(columns) != 2:
+        return read_sentences(file, column)
+    if not all(columns) or columns[0] == columns[1]:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"--text-column {column} names no pair; give two different columns, e.g. premise,hypothesis",
+        )
+    first, second = (read_sentences(file, name) for name in columns)
+    return [{"text": a, "text_pair": b} for a, b in zip(first, second, strict=True)]
 
 
 def read_sentences(file: Path | None, column: str | None) -> list[str]:
@@ -275,9 +293,13 @@ def load_classifier(model: str, base_model: str | None):
                 if id2label
                 else {}
             )
+            if id2label == {0: REGRESSION_LABEL}:  # one score (utils/model.label_config): no sigmoid over it
+                labels["problem_type"] = "regression"
             base_id = base_model or adapter["base_model_name_or_path"]
             try:
-                base = AutoModelForSequenceClassification.from_pretrained(base_id, **labels, **safe)
+                base = AutoModelForSequenceClassification.from_pretrained(
+                    base_id, **labels, **head_resized(base_id, len(id2label or {})), **safe
+                )
             except OSError as exc:
                 raise JobError(
                     EXIT_BAD_INPUT,
@@ -307,6 +329,20 @@ def load_classifier(model: str, base_model: str | None):
         ) from None
     cap_length(classifier.tokenizer, classifier.model.config)
     return classifier
+
+
+def head_resized(base_id: str, num_labels: int) -> dict:
+    """Leave for from_pretrained to start a head of the adapter's size on a base whose head has another (a
+    2-label checkpoint under a 3-class adapter): the adapter's own head replaces it as peft loads."""
+    if not num_labels:
+        return {}
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(base_id, trust_remote_code=False)
+    except (OSError, ValueError):
+        return {}  # from_pretrained says what is wrong with the base
+    return {"ignore_mismatched_sizes": True} if config.num_labels != num_labels else {}
 
 
 def check_adapter_fits(model: str, adapter: dict, base, base_id: str, trained_on: str) -> None:
@@ -403,23 +439,23 @@ def _first_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        sentences = read_sentences(args.file, args.text_column)
+        sentences = read_inputs(args.file, args.text_column)
         classifier = load_classifier(args.model, args.base_model)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code
     if not sentences:  # the pipeline fails on an empty batch; no sentences, no lines
         return 0
+    scores_only = classifier.model.config.problem_type == "regression"
     try:
         for text, prediction in zip(
             sentences, classifier(sentences, batch_size=args.batch_size, truncation=True), strict=True
         ):
-            print(
-                json.dumps(
-                    {"text": text, "label": prediction["label"], "score": round(float(prediction["score"]), 4)}
-                ),
-                flush=True,
-            )
+            shown = dict(text) if isinstance(text, dict) else {"text": text}
+            if not scores_only:
+                shown["label"] = prediction["label"]
+            shown["score"] = round(float(prediction["score"]), 4)
+            print(json.dumps(shown), flush=True)
     except BrokenPipeError:
         # The reader stopped reading (`| head`): end as a Unix tool does on SIGPIPE, without a traceback, and
         # with stdout on /dev/null so that the interpreter's own flush at exit does not fail again.

@@ -134,7 +134,8 @@ def documented_commands() -> list[str]:
     return list(dict.fromkeys(commands))
 
 
-DOCUMENTED = documented_commands()
+# Sentence-pair commands (`--text-column premise,hypothesis`) need a pair model: tests/test_tasks.py runs them as written.
+DOCUMENTED = [command for command in documented_commands() if not re.search(r"--text-column \S+,\S+", command)]
 
 
 def test_the_docs_show_predict_commands():

@@ -94,7 +94,8 @@ def test_card_is_validated_names_the_repo_and_holds_every_metric(finished_run):
     [result] = meta["model-index"][0]["results"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert {m["type"]: m["value"] for m in result["metrics"]} == {
-        name: round(metrics[f"eval_{name}"], 4) for name in ("accuracy", "f1", "precision", "recall")
+        name: round(metrics[f"eval_{name}"], 4)
+        for name in ("accuracy", "f1", "precision", "recall", "matthews_correlation")
     }
     # local data is not passed off as GLUE from the Hub
     assert result["dataset"]["type"] == "local" and "datasets" not in meta
@@ -112,7 +113,10 @@ def test_card_is_validated_names_the_repo_and_holds_every_metric(finished_run):
         in card
     )
     # Each table renders as one: no blank line between its header and its last row.
-    for header, last in (("| metric (validation split", "| recall |"), ("| setting | value |", "| run name |")):
+    for header, last in (
+        ("| metric (validation split", "| matthews_correlation |"),
+        ("| setting | value |", "| run name |"),
+    ):
         block = card[card.index(header) :]
         assert last in block.split("\n\n")[0], f"the table starting {header!r} is cut before {last!r}"
 

@@ -74,6 +74,18 @@ def files_data(build: Callable[[Path], Path]):
     return lambda tmp, env: {"DATASET_PATH": str(build(tmp / "bad-data"))}
 
 
+def scores_with_nan(folder: Path) -> Path:
+    """STS-B's columns in parquet, one score NaN (a csv's `nan` would be read as text)."""
+    import pyarrow
+    import pyarrow.parquet
+
+    folder.mkdir()
+    for split, scores in (("train", [0.5, float("nan"), 2.0]), ("validation", [0.5, 1.5])):
+        table = {"sentence1": ["a film"] * len(scores), "sentence2": ["it is good"] * len(scores), "label": scores}
+        pyarrow.parquet.write_table(pyarrow.table(table), folder / f"{split}.parquet")
+    return folder
+
+
 def not_utf8(tmp: Path, env: dict) -> dict:
     folder = write_files(tmp / "bad-data", {"validation.csv": GOOD_CSV})
     (folder / "train.csv").write_bytes(b"sentence,label\na wonderful film,1\na caf\xe9 film,0\n")  # Latin-1, not UTF-8
@@ -264,6 +276,34 @@ REFUSALS = [
         {"RUN_NAME": "../../x"},
     ),
     case("run-name-too-long", "settings", ["RUN_NAME=rrr", "use 1-100 letters"], {"RUN_NAME": "r" * 101}),
+    # settings: a task the job cannot train, or settings that disagree with TASK (tests/test_tasks.py trains the tasks)
+    case(
+        "task-unknown",
+        "settings",
+        ["TASK=ax is invalid", "the diagnostic set has a test split only", "leave TASK unset"],
+        {"TASK": "ax"},
+    ),
+    case(
+        "task-and-problem-type-disagree",
+        "settings",
+        ["TASK=mnli is classification and PROBLEM_TYPE=regression disagrees", "unset PROBLEM_TYPE"],
+        {"TASK": "mnli", "PROBLEM_TYPE": "regression"},
+    ),
+    case(
+        "three-text-columns",
+        "settings",
+        ["TEXT_COLUMN=a,b,c is invalid", "two separated by a comma"],
+        {"TEXT_COLUMN": "a,b,c"},
+    ),
+    case("label-names-repeated", "settings", ["labels need two different names"], {"LABEL_NAMES": '["a","a"]'}),
+    case(
+        "label-names-too-many",
+        "settings",
+        ["name at most 10000 labels"],
+        {"LABEL_NAMES": ",".join(f"c{i}" for i in range(10_001))},
+    ),
+    case("label-name-too-long", "settings", ["each at most 255 characters"], {"LABEL_NAMES": "a," + "b" * 256}),
+    case("task-too-long", "settings", ["TASK=ttt", "at most 255 characters"], {"TASK": "t" * 256}),
     case(
         "text-column-is-label-column",
         "settings",
@@ -609,7 +649,8 @@ REFUSALS = [
     case(
         "labels-outside-0-1",
         "data",
-        ["labels [2]", "labels must be 0 (negative) or 1 (positive)"],
+        ["labels [2]", "labels must be ids 0 (negative), 1 (positive)", "name every class in LABEL_NAMES"],
+        {"LABEL_NAMES": "negative,positive"},
         setup=csv_data([*GOOD_ROWS, ("so-so", 2)]),
     ),
     case(
@@ -621,7 +662,8 @@ REFUSALS = [
     case(
         "label-fractional",
         "data",
-        ["labels [0.5]", "labels must be 0 (negative) or 1 (positive)"],
+        ["labels [0.5]", "that are fractions, not class ids", "set PROBLEM_TYPE=regression"],
+        {"PROBLEM_TYPE": "classification"},
         setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
     ),
     case(
@@ -635,8 +677,9 @@ REFUSALS = [
         "data",
         [
             "text labels ['bad', 'good'] in 'label' that are not LABEL_NAMES ['negative', 'positive']",
-            "set LABEL_NAMES",
+            "add them to LABEL_NAMES",
         ],
+        {"LABEL_NAMES": "negative,positive"},
         setup=csv_data([("a wonderful film", "good"), ("a dull film", "bad")]),
     ),
     case(
@@ -646,6 +689,7 @@ REFUSALS = [
             "a ClassLabel named ['bad', 'good'], and LABEL_NAMES is ['negative', 'positive']",
             "set LABEL_NAMES=bad,good",
         ],
+        {"LABEL_NAMES": "negative,positive"},
         setup=files_data(lambda f: saved_dataset(f, ["bad", "good"])),
     ),
     case(
@@ -656,6 +700,65 @@ REFUSALS = [
             "write every label the same way",
         ],
         setup=files_data(lambda f: write_files(f, {"train.jsonl": JSONL_MIX, "validation.jsonl": JSONL_MIX})),
+    ),
+    # the data: labels of other tasks
+    case(
+        "one-class-only",
+        "data",
+        [
+            "the train split has one class only ('good' in 'label', of ['bad', 'good'])",
+            "add rows of the other classes",
+        ],
+        {"LABEL_NAMES": "bad,good"},
+        setup=csv_data([("a film", "good")] * 4, [("a film", "good"), ("a dull film", "bad")]),
+    ),
+    case(
+        "label-neither-name-nor-id",
+        "data",
+        [
+            "validation split has text labels ['meh'] in 'label' that are not LABEL_NAMES ['bad', 'good']",
+            "add them to LABEL_NAMES",
+        ],
+        {"LABEL_NAMES": "bad,good"},
+        setup=csv_data([("a", "good"), ("b", "bad")], [("a", "good"), ("b", "meh")]),
+    ),
+    case(
+        "label-id-not-in-the-train-split",
+        "data",
+        ["the validation split has labels [2] in 'label'", "labels must be ids 0 (negative), 1 (positive)"],
+        setup=csv_data(GOOD_ROWS, [("a", 0), ("b", 2)]),
+    ),
+    case(
+        "second-text-column-missing",
+        "data",
+        [
+            "has no column 'hypothesis'",
+            "set TEXT_COLUMN to the right one (TEXT_COLUMN=first,second names a sentence pair)",
+        ],
+        {"TEXT_COLUMN": "sentence,hypothesis"},
+        setup=csv_data(GOOD_ROWS),
+    ),
+    case(
+        "float-label-with-task-mnli",
+        "data",
+        ["labels [0.5] in 'label' that are fractions", "TASK=mnli is a classification task"],
+        {"TASK": "mnli"},
+        setup=files_data(
+            lambda f: write_files(
+                f,
+                {
+                    f"{split}.csv": "premise,hypothesis,label\na film,it is good,0.5\na film,it is bad,2.0\n"
+                    for split in ("train", "validation_matched", "validation_mismatched")
+                },
+            )
+        ),
+    ),
+    case(
+        "regression-target-nan",
+        "data",
+        ["1 regression target(s) in 'label' that are NaN", "fill in or remove those rows"],
+        {"TASK": "stsb"},
+        setup=files_data(lambda f: scores_with_nan(f)),
     ),
     # the data and the settings together
     case(

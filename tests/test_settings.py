@@ -44,7 +44,13 @@ def test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch(tmp_pa
     result = run_main(env, "--dry-run")
     assert result.code == 0
     payload = result.json()
-    assert set(payload) == {"config", "distributed", "batch", "strategy"}  # "deepspeed" too under STRATEGY=deepspeed
+    assert set(payload) == {
+        "config",
+        "distributed",
+        "batch",
+        "task",
+        "strategy",
+    }  # "deepspeed" too under STRATEGY=deepspeed
     assert payload["strategy"] == payload["config"]["strategy"]
     assert set(FIELDS) | {"hf_token"} == set(payload["config"])
     assert payload["config"]["hf_token"] == "***"
@@ -320,11 +326,11 @@ OVER_THE_BOUND = {
     "logging_steps": ("1000000001", "(range: 1 to 1000000000)"),
 }
 # Bounded by their type: a choice among names, a boolean (anything else is refused as it is typed), and
-# LABEL_NAMES, whose count and names its own check holds.
+# LABEL_NAMES, whose count and names its own check holds (tests/test_tasks.py).
 BOUNDED_BY_TYPE = {
     *("learning_rate_scaling", "train_pooler", "lora_variant", "lora_init", "quantization", "precision", "strategy"),
     *("zero_offload", "gradient_checkpointing", "torch_compile", "hub_private", "merge_adapter", "report_to"),
-    "label_names",
+    *("label_names", "task", "problem_type"),
 }
 # Values the settings derive, each from factors inside their own ranges.
 DERIVED_OVER_THE_BOUND = [

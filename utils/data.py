@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -22,12 +23,18 @@ from datasets.fingerprint import Hasher
 
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.settings import Settings
+from utils.tasks import CLASSIFICATION, REGRESSION, validation_splits
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation")  # GLUE's test split has no labels (-1) and is never used
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-TEXT, LABEL = "text", "labels"  # the names after loading; `labels` is what the model's forward takes
+TEXT, TEXT_PAIR, LABEL = (
+    "text",
+    "text_pair",
+    "labels",
+)  # the names after loading; `labels` is what the model's forward takes
+TEXTS = (TEXT, TEXT_PAIR)
 # Text is text: only a truly empty cell is missing (pandas would read the sentences `NA`, `null`, `None` and
 # `nan` as missing). SST-2's TSV is unquoted text: read with quoting on, a `"` opening a sentence swallows
 # the rows up to the next quote.
@@ -37,9 +44,9 @@ DELIMITER = {".csv": ",", ".tsv": "\t"}
 JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 
 
-def _local_files(folder: Path) -> dict[str, str]:
+def _local_files(folder: Path, splits: tuple[str, ...] = SPLITS) -> dict[str, str]:
     files = {}
-    for split in SPLITS:
+    for split in splits:
         found = sorted(p for p in folder.iterdir() if p.stem == split and p.suffix in FILE_FORMATS)
         if not found:
             present = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
@@ -212,7 +219,8 @@ def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
 
 
 def load_raw(settings: Settings) -> DatasetDict:
-    """The train and validation splits from DATASET_PATH when set, else from the Hub."""
+    """The train and validation splits from DATASET_PATH when set, else from the Hub (TASK=mnli: its two)."""
+    splits = ("train", *validation_splits(settings))
     if settings.dataset_path:
         folder = Path(settings.dataset_path)
         if not folder.is_dir():
@@ -232,7 +240,7 @@ def load_raw(settings: Settings) -> DatasetDict:
                     "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
                 ) from None
         else:
-            files = _local_files(folder)
+            files = _local_files(folder, splits)
             suffix = Path(files["train"]).suffix
             # One split at a time: loaded together, the validation file was cast to the train file's columns, and
             # an extra column (unused either way) failed with a CastError naming neither file nor column.
@@ -257,39 +265,58 @@ def load_raw(settings: Settings) -> DatasetDict:
             EXIT_BAD_INPUT,
             f"{settings.dataset_path} holds one Dataset, not a DatasetDict with train and validation splits",
         )
-    missing = [split for split in SPLITS if split not in loaded]
+    missing = [split for split in splits if split not in loaded]
     if missing:
         raise JobError(
             EXIT_BAD_INPUT,
             f"the data set has no {missing} split (it has {sorted(loaded)}); provide train and validation splits",
         )
-    return DatasetDict({split: loaded[split] for split in SPLITS})
+    return DatasetDict({split: loaded[split] for split in splits})
 
 
 def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
-    """Keep the text and label columns under fixed names; refuse empty splits and labels outside 0/1."""
-    checked = {}
+    """Keep the text column(s) and the label under fixed names (`text`, `text_pair`, `labels`); refuse empty splits
+    and labels the job cannot train. The labels leave as the ids of a ClassLabel that holds their names (what the
+    model's id2label, the metrics and the card read), or as float32 scores for regression."""
+    columns = settings.text_columns
     for split, ds in raw.items():
-        for setting, column in (("TEXT_COLUMN", settings.text_column), ("LABEL_COLUMN", settings.label_column)):
+        named = [*(("TEXT_COLUMN", column) for column in columns), ("LABEL_COLUMN", settings.label_column)]
+        for setting, column in named:
             if column not in ds.column_names:
                 raise JobError(
                     EXIT_BAD_INPUT,
-                    f"the {split} split has no column '{column}' (columns: {ds.column_names}); set {setting} to the right one",
+                    f"the {split} split has no column '{column}' (columns: {ds.column_names}); set {setting} to the right one"
+                    + (" (TEXT_COLUMN=first,second names a sentence pair)" if setting == "TEXT_COLUMN" else ""),
                 )
         if len(ds) == 0:
             raise JobError(EXIT_BAD_INPUT, f"the {split} split is empty; it needs at least one row")
-        _check_text(ds, split, settings.text_column)
-        ds = _labels_as_ids(ds, split, settings.label_column, settings.label_names)
-        labels = set(ds.unique(settings.label_column))
-        if not labels <= {0, 1}:
-            bad = sorted(labels - {0, 1}, key=str)[:5]
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"the {split} split has labels {bad} in '{settings.label_column}'; labels must be 0 (negative) or 1 (positive) "
-                "(GLUE's test split, labelled -1, cannot be used for training or validation)",
-            )
-        ds = ds.select_columns([settings.text_column, settings.label_column])
-        checked[split] = ds.rename_columns({settings.text_column: TEXT, settings.label_column: LABEL})
+        for column in columns:
+            _check_text(ds, split, column)
+        _check_label_values(ds, split, settings.label_column)
+    _warn_unnamed_text(raw["train"], settings)
+    problem = resolve_problem_type(raw["train"], settings)
+    if problem == REGRESSION:
+        feature, labelled = (
+            datasets.Value("float32"),
+            {s: _scores(ds, s, settings.label_column) for s, ds in raw.items()},
+        )
+    else:
+        names = resolve_label_names(raw, settings)
+        feature = datasets.ClassLabel(names=list(names))
+        labelled = {s: _labels_as_ids(ds, s, settings.label_column, names, settings) for s, ds in raw.items()}
+    checked = {}
+    for split, ds in labelled.items():
+        ds = _cast_label(ds.select_columns([*columns, settings.label_column]), settings.label_column, feature)
+        checked[split] = ds.rename_columns(
+            dict(zip([*columns, settings.label_column], [*TEXTS[: len(columns)], LABEL], strict=True))
+        )
+    if problem != REGRESSION and len(set(checked["train"].unique(LABEL))) < 2:
+        only = feature.names[checked["train"][0][LABEL]]
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the train split has one class only ('{only}' in '{settings.label_column}', of {list(feature.names)}): a classifier "
+            "learns nothing from it; add rows of the other classes, or check LABEL_COLUMN",
+        )
     return DatasetDict(checked)
 
 
@@ -316,14 +343,9 @@ def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
         )
 
 
-def _labels_as_ids(ds: datasets.Dataset, split: str, column: str, label_names: tuple[str, str]) -> datasets.Dataset:
-    """Labels as the ids LABEL_NAMES gives them. Where the data names its labels (a ClassLabel, or words that
-    are the LABEL_NAMES), they are mapped by name: a ClassLabel `['positive', 'negative']` trained as it stands
-    would teach the model the opposite of what the card says. Booleans and the floats 0.0/1.0 (a csv column
-    with a blank, a pandas export) are the same two classes and are cast; a missing label, a fraction, a
-    word that is not a label name, a name it cannot map or a mix of JSON types is refused."""
-    feature = ds.features[column]
-    if isinstance(feature, datasets.Json):
+def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
+    """A label column the job can read: one type, no row without a label."""
+    if isinstance(ds.features[column], datasets.Json):
         kinds = sorted({JSON_TYPES.get(type(v), type(v).__name__) for v in ds[column] if v is not None})
         raise JobError(
             EXIT_BAD_INPUT,
@@ -335,15 +357,170 @@ def _labels_as_ids(ds: datasets.Dataset, split: str, column: str, label_names: t
             EXIT_BAD_INPUT,
             f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it",
         )
-    if isinstance(feature, datasets.ClassLabel):
-        return _class_label_by_name(ds, split, column, feature, label_names)
-    kind = getattr(feature, "dtype", None)
-    values = ds.unique(column)
-    if kind in ("string", "large_string"):
-        return _text_labels_by_name(ds, split, column, values, label_names)
-    if kind == "bool" or (kind in ("float16", "float32", "float64") and set(values) <= {0.0, 1.0}):
-        ds = ds.cast_column(column, datasets.Value("int64"))
+
+
+def _warn_unnamed_text(ds: datasets.Dataset, settings: Settings) -> None:
+    """One text column named while the data holds another (MNLI's hypothesis): training on half of each pair
+    runs, and learns little, without a word. Warned, not refused: the other column may be a note or a source."""
+    if len(settings.text_columns) == 2:
+        return
+    used = {*settings.text_columns, settings.label_column}
+    others = [
+        name
+        for name, feature in ds.features.items()
+        if name not in used and getattr(feature, "dtype", None) in ("string", "large_string")
+    ]
+    if others:
+        log.warning(
+            "the data has another text column '%s' that no setting names: only '%s' is trained on. For sentence pairs "
+            "set TEXT_COLUMN=%s,%s",
+            others[0],
+            settings.text_column,
+            settings.text_column,
+            others[0],
+        )
+
+
+def _is_float(feature) -> bool:
+    return getattr(feature, "dtype", None) in ("float16", "float32", "float64")
+
+
+def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
+    """PROBLEM_TYPE when set (TASK sets it); auto: regression for a float label column that holds fractions
+    (STS-B's 0-5 scores), else classification (a float column of 0.0/1.0 is a csv export of two classes)."""
+    column = settings.label_column
+    feature = train.features[column]
+    values = train.unique(column) if _is_float(feature) else []
+    fractions = [v for v in values if math.isfinite(v) and not float(v).is_integer()]
+    not_finite = [v for v in values if not math.isfinite(v)]
+    if settings.problem_type == REGRESSION:
+        return REGRESSION
+    if settings.problem_type == "auto" and (fractions or not_finite):
+        log.info(
+            "the label column '%s' holds fractions: trained as a regression (one score, MSE); "
+            "PROBLEM_TYPE=classification trains classes",
+            column,
+        )
+        return REGRESSION
+    if not_finite:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the train split has labels {not_finite[:3]} in '{column}', which are no class ids; fill in or remove those rows",
+        )
+    if fractions:
+        sample = sorted(fractions)[:3]
+        fix = (
+            f"TASK={settings.task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
+            if settings.task
+            else "set PROBLEM_TYPE=regression to train scores, or give class ids or names"
+        )
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the train split has labels {sample} in '{column}' that are fractions, not class ids; {fix}",
+        )
+    return CLASSIFICATION
+
+
+def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
+    """Regression targets: numbers, none of them NaN or infinite (one NaN makes every loss after it NaN)."""
+    kind = getattr(ds.features[column], "dtype", type(ds.features[column]).__name__)
+    if kind not in ("bool", "int8", "int16", "int32", "int64", "float16", "float32", "float64"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split's '{column}' holds {kind} values; regression needs a number per row: give scores, "
+            "or set PROBLEM_TYPE=classification for class names",
+        )
+    values = pyarrow.compute.cast(ds.with_format("arrow")[column], pyarrow.float64())
+    bad = pyarrow.compute.invert(pyarrow.compute.is_finite(values))
+    count = pyarrow.compute.sum(bad).as_py() or 0
+    if count:
+        first = pyarrow.compute.index(bad, True).as_py()
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split has {count} regression target(s) in '{column}' that are NaN or infinite (the first is row "
+            f"{first + 1}); fill in or remove those rows",
+        )
     return ds
+
+
+def _digits(values) -> bool:
+    return bool(values) and all(isinstance(v, str) and v.strip().lstrip("-").isdigit() for v in values)
+
+
+def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]:
+    """The class names in id order. LABEL_NAMES when given (or TASK's), in its order; else the data's: a
+    ClassLabel's names, or a text label column's distinct values over all splits, sorted (case and spaces
+    aside), except that the default names negative/positive keep their order in any case; ids with no names
+    (0/1, "0"/"1"): LABEL_NAMES's default for two, the ids as names for more."""
+    if "label_names" in settings.model_fields_set or settings.task:
+        return settings.label_names
+    column = settings.label_column
+    feature = raw["train"].features[column]
+    default = {_name_key(n) for n in settings.label_names}
+    if isinstance(feature, datasets.ClassLabel) and feature.names != [str(i) for i in range(len(feature.names))]:
+        # SST-2's two names in any order: the default order (label 1 is the positive class F1 is scored on).
+        return settings.label_names if {_name_key(n) for n in feature.names} == default else tuple(feature.names)
+    values = {v for ds in raw.values() for v in ds.unique(column)}
+    if getattr(feature, "dtype", None) in ("string", "large_string") and not _digits(values):
+        by_key = {}
+        for value in sorted(values):
+            by_key.setdefault(_name_key(value), value.strip())
+        if set(by_key) == default:
+            return settings.label_names  # the default names, whatever their case: the default order
+        return tuple(by_key[key] for key in sorted(by_key))
+    ids = [int(v) for v in raw["train"].unique(column)]
+    count = max(ids) + 1 if ids else 0
+    return settings.label_names if count <= 2 else tuple(str(i) for i in range(count))
+
+
+def _labels_as_ids(
+    ds: datasets.Dataset, split: str, column: str, label_names: tuple[str, ...], settings: Settings
+) -> datasets.Dataset:
+    """Labels as the ids of `label_names`. Where the data names its labels (a ClassLabel, or words), they are
+    mapped by name: a ClassLabel `['positive', 'negative']` trained as it stands would teach the model the
+    opposite of what the card says. Booleans, the floats 0.0/1.0 (a csv column with a blank, a pandas export)
+    and digits written as strings ("0"/"1") are ids; an id out of range, a word that is not a label name or a
+    name it cannot map is refused."""
+    feature = ds.features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        ds = _class_label_by_name(ds, split, column, feature, label_names)
+    else:
+        kind = getattr(feature, "dtype", None)
+        values = ds.unique(column)
+        if kind in ("string", "large_string") and _digits(values):
+            ds = _cast_label(ds, column, datasets.Value("int64"))
+        elif kind in ("string", "large_string"):
+            ds = _text_labels_by_name(ds, split, column, values, label_names)
+        elif _is_float(feature) and any(not (math.isfinite(v) and float(v).is_integer()) for v in values):
+            odd = sorted(v for v in values if not (math.isfinite(v) and float(v).is_integer()))[:3]
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the {split} split has labels {odd} in '{column}' that are fractions, not class ids; "
+                "set PROBLEM_TYPE=regression to train scores, or give class ids or names",
+            )
+        elif kind == "bool" or _is_float(feature):
+            ds = _cast_label(ds, column, datasets.Value("int64"))
+    ids = set(ds.unique(column))
+    bad = sorted(i for i in ids if not 0 <= i < len(label_names))
+    if bad:
+        names = ", ".join(f"{i} ({name})" for i, name in enumerate(label_names))
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the {split} split has labels {bad[:5]} in '{column}'; labels must be ids {names}"
+            + (
+                " (GLUE's test split, labelled -1, cannot be used for training or validation)"
+                if -1 in bad
+                else ": name every class in LABEL_NAMES (label 0 first), or relabel the data"
+            ),
+        )
+    return ds
+
+
+def _cast_label(ds: datasets.Dataset, column: str, feature) -> datasets.Dataset:
+    """The label column as `feature`, in memory: a cast writes its cache beside the data, in the user's folder."""
+    if ds.features[column] == feature:
+        return ds
+    return ds.cast(datasets.Features({**ds.features, column: feature}), keep_in_memory=True)
 
 
 def _name_key(name: str) -> str:
@@ -357,7 +534,7 @@ def _replace_labels(ds: datasets.Dataset, column: str, new_for_old: list[int], o
     return ds.remove_columns(column).add_column(column, ids.combine_chunks(), feature=feature)
 
 
-def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLabel, label_names: tuple[str, str]):
+def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLabel, label_names: tuple[str, ...]):
     names = feature.names
     if names == [str(i) for i in range(len(names))]:
         return ds  # ClassLabel(num_classes=2): unnamed, the ids are the data
@@ -367,11 +544,11 @@ def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLab
             EXIT_BAD_INPUT,
             f"the {split} split's '{column}' is a ClassLabel named {names}, and LABEL_NAMES is {list(label_names)}: "
             f"the names do not match, so which label is which cannot be told; set LABEL_NAMES={','.join(names)} "
-            f"if those are the two classes (id 0 first), or relabel the data as {list(label_names)}",
+            f"if those are the classes (id 0 first), or relabel the data as {list(label_names)}",
         )
     if theirs == ours:
         return ds
-    if not set(ds.unique(column)) <= {0, 1}:
+    if not set(ds.unique(column)) <= set(range(len(names))):
         return ds  # -1 (no label) or out of range: the label check refuses it with the values
     old_ids = ds.with_format("arrow")[column]
     new_for_old = [ours.index(name) for name in theirs]
@@ -385,14 +562,14 @@ def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLab
     return _replace_labels(ds, column, new_for_old, old_ids, datasets.ClassLabel(names=list(label_names)))
 
 
-def _text_labels_by_name(ds, split: str, column: str, values: list[str], label_names: tuple[str, str]):
+def _text_labels_by_name(ds, split: str, column: str, values: list[str], label_names: tuple[str, ...]):
     ours = [_name_key(n) for n in label_names]
     unknown = sorted(v for v in values if _name_key(v) not in ours)
     if unknown:
         raise JobError(
             EXIT_BAD_INPUT,
             f"the {split} split has text labels {unknown[:5]} in '{column}' that are not LABEL_NAMES {list(label_names)}; "
-            "labels must be 0/1 or those names: set LABEL_NAMES to the data's two names (label 0 first), or relabel the data",
+            "labels must be ids or those names: add them to LABEL_NAMES (label 0 first), or relabel the data",
         )
     seen = sorted(values)
     log.info("the %s split's labels are words; mapped by name to LABEL_NAMES %s", split, list(label_names))
@@ -400,26 +577,33 @@ def _text_labels_by_name(ds, split: str, column: str, values: list[str], label_n
     return _replace_labels(ds, column, [ours.index(_name_key(v)) for v in seen], old_ids, datasets.Value("int64"))
 
 
-def cache_key(raw: DatasetDict, tokenizer, max_seq_length: int) -> str:
-    """Tokenized data depends on the tokenizer, the truncation length and the data: key the cache on all three."""
-    return Hasher.hash([Hasher.hash(tokenizer), max_seq_length, [raw[s]._fingerprint for s in SPLITS]])[:16]
+def cache_key(raw: DatasetDict, tokenizer, max_seq_length: int, text_columns: tuple[str, ...] = ()) -> str:
+    """Tokenized data depends on the tokenizer, the truncation length, the data and which columns are the text
+    (one sentence or a pair): key the cache on all of them."""
+    fingerprints = [raw[s]._fingerprint for s in sorted(raw)]
+    return Hasher.hash([Hasher.hash(tokenizer), max_seq_length, fingerprints, list(text_columns)])[:16]
 
 
-def tokenize(raw: DatasetDict, tokenizer, max_seq_length: int, cache_dir: Path) -> DatasetDict:
-    """Tokenize once into `cache_dir` (on the shared volume); later calls and other ranks load it."""
-    target = cache_dir / f"tokenized-{cache_key(raw, tokenizer, max_seq_length)}"
+def tokenize(
+    raw: DatasetDict, tokenizer, max_seq_length: int, cache_dir: Path, text_columns: tuple[str, ...] = ()
+) -> DatasetDict:
+    """Tokenize once into `cache_dir` (on the shared volume); later calls and other ranks load it. A pair
+    (`text_pair`) is tokenized as `[CLS] a [SEP] b [SEP]`, the longer of the two truncated first."""
+    target = cache_dir / f"tokenized-{cache_key(raw, tokenizer, max_seq_length, text_columns)}"
     if target.exists():
         cached = _load_cache(target, raw)
         if cached is not None:
             log.info("tokenized data found in %s", target)
             return cached
 
+    texts = [name for name in TEXTS if name in raw["train"].column_names]
+
     def encode(batch):
-        return tokenizer(batch[TEXT], truncation=True, max_length=max_seq_length)
+        return tokenizer(*(batch[name] for name in texts), truncation="longest_first", max_length=max_seq_length)
 
     # In memory: by default datasets writes the map's cache beside the data, and for a save_to_disk
     # DATASET_PATH that is the user's folder, perhaps read-only. What is kept is saved under cache_dir below.
-    tokenized = raw.map(encode, batched=True, remove_columns=[TEXT], desc="tokenizing", keep_in_memory=True)
+    tokenized = raw.map(encode, batched=True, remove_columns=texts, desc="tokenizing", keep_in_memory=True)
     # Written beside the target, then renamed: a reader never sees half a cache.
     partial = target.with_name(target.name + ".partial")
     try:
@@ -456,7 +640,9 @@ def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
     """
     try:
         cached = load_from_disk(str(target))
-        for split in SPLITS:
+        if sorted(cached) != sorted(raw):
+            raise ValueError(f"it holds the splits {sorted(cached)}, the data {sorted(raw)}")
+        for split in raw:
             table = cached[split].with_format("arrow")[:]  # reads every record batch: a truncated file fails here
             if table.num_rows != len(raw[split]):
                 raise ValueError(f"the {split} split holds {table.num_rows} rows, the data {len(raw[split])}")
@@ -475,4 +661,10 @@ def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
 def load_sst2(settings: Settings, tokenizer, cache_dir: Path) -> DatasetDict:
     """Train and validation splits, checked and tokenized (columns input_ids, attention_mask, ..., labels)."""
     raw = check_and_rename(load_raw(settings), settings)
-    return tokenize(raw, tokenizer, settings.max_seq_length, cache_dir)
+    return tokenize(raw, tokenizer, settings.max_seq_length, cache_dir, settings.text_columns)
+
+
+def label_names_of(data: DatasetDict) -> tuple[str, ...]:
+    """The class names in id order the checked data carries, or `()` for regression (float scores)."""
+    feature = data["train"].features[LABEL]
+    return tuple(feature.names) if isinstance(feature, datasets.ClassLabel) else ()

@@ -278,7 +278,7 @@ def save_model(
         model.peft_config["default"].base_model_name_or_path = base_id
     model.save_pretrained(staged, state_dict=state_dict)
     trainer.processing_class.save_pretrained(staged)
-    write_label_names(staged, settings)
+    write_label_names(staged, settings, metrics)
     plot_training_curves(trainer.state.log_history, staged / PLOT_NAME)
     write_model_card(staged, settings, metrics, settings.result_model_id)
     files = run.files_in(staged)  # what a push of model/ may send: only what was just written here

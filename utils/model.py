@@ -25,6 +25,7 @@ from transformers import (
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.model_card import read_label_names
 from utils.recipe import lora_options
 from utils.settings import Settings
 
@@ -187,10 +188,40 @@ def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) 
     )
 
 
-def label_config(settings: Settings) -> dict:
-    """Two labels named by LABEL_NAMES, so a pipeline over the saved model says 'positive', not 'LABEL_1'."""
-    names = dict(enumerate(settings.label_names))
-    return {"num_labels": 2, "id2label": names, "label2id": {name: index for index, name in names.items()}}
+REGRESSION_LABEL = "score"  # the one output of a regression model, as id2label names it
+
+
+def label_config(settings: Settings, labels: tuple[str, ...] | list[str] | None = None) -> dict:
+    """The classifier's size and label names, so a pipeline over the saved model says 'positive', not 'LABEL_1'.
+
+    `labels`: the class names in id order the data resolved to (utils/data.label_names_of), `()` for regression
+    (one output trained with MSE: transformers' problem_type "regression"); None: LABEL_NAMES."""
+    names = list(settings.label_names if labels is None else labels)
+    if not names or names == [REGRESSION_LABEL]:
+        return {
+            "num_labels": 1,
+            "problem_type": "regression",
+            "id2label": {0: REGRESSION_LABEL},
+            "label2id": {REGRESSION_LABEL: 0},
+        }
+    id2label = dict(enumerate(names))
+    return {
+        "num_labels": len(names),
+        "problem_type": "single_label_classification",
+        "id2label": id2label,
+        "label2id": {name: index for index, name in id2label.items()},
+    }
+
+
+def head_resized(settings: Settings, num_labels: int) -> dict:
+    """from_pretrained's leave to start a new classifier head when the base model's has another size (a
+    2-label checkpoint under a 3-class task): the head is trained from scratch either way. Only then: a
+    mismatch anywhere else stays an error."""
+    try:
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+    except (OSError, ValueError):
+        return {}  # from_pretrained says what is wrong with the model
+    return {"ignore_mismatched_sizes": True} if config.num_labels != num_labels else {}
 
 
 def _base_dropout(settings: Settings) -> dict:
@@ -219,16 +250,19 @@ def _base_dropout(settings: Settings) -> dict:
     return dropout
 
 
-def build_model(settings: Settings, quantize_8bit: bool, device: torch.device) -> PeftModel:
-    """AutoModelForSequenceClassification (2 labels) + LoRA; 8-bit base weights when asked.
+def build_model(
+    settings: Settings, quantize_8bit: bool, device: torch.device, labels: tuple[str, ...] | None = None
+) -> PeftModel:
+    """AutoModelForSequenceClassification (one output per label, or one score) + LoRA; 8-bit base weights when asked.
 
     8-bit quantizes every Linear, the classifier head too, and LoRA cannot train an int8 head: the head
     is skipped by the quantizer (`llm_int8_skip_modules`) and saved in full with the adapter.
     """
     # SDPA is what transformers 5 picks for BERT by default; asked for by name so a library change cannot
     # silently fall back to the eager attention (materialised score matrices, no fused kernels).
-    kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings), **NO_REMOTE_CODE}
+    kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings, labels), **NO_REMOTE_CODE}
     kwargs.update(_base_dropout(settings))
+    kwargs.update(head_resized(settings, kwargs["num_labels"]))
     if quantize_8bit:
         # A trained head stays full precision.
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -330,9 +364,17 @@ def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
     The base is loaded again in full precision whatever training used: merging into 8-bit weights would
     round the update away, and servers without peft or bitsandbytes load plain float weights.
     """
+    # The labels the run trained with, as saved beside the adapter (None for a model saved before they were).
+    saved = read_label_names(adapter_dir)
+    labels = [saved[index] for index in sorted(saved)] if saved else None
+    config = label_config(settings, labels)
     try:
         base = AutoModelForSequenceClassification.from_pretrained(
-            settings.model_name, dtype=torch.float32, **label_config(settings), **NO_REMOTE_CODE
+            settings.model_name,
+            dtype=torch.float32,
+            **config,
+            **head_resized(settings, config["num_labels"]),
+            **NO_REMOTE_CODE,
         )
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None

@@ -19,7 +19,9 @@ from utils.settings import Settings, resolve_base_model_id
 
 PLOT_NAME = "training_curves.png"
 LABELS_NAME = "id2label.json"  # the label names beside an adapter (its config.json would be the base model's)
-CARD_METRICS = ("accuracy", "f1", "precision", "recall")
+CARD_METRICS = ("accuracy", "f1", "precision", "recall", "matthews_correlation", "pearson", "spearman", "mse")
+CURVE_METRICS = ("eval_accuracy", "eval_matched_accuracy", "eval_pearson")  # the validation curve, the first logged
+REGRESSION_LABEL = "score"  # the one output of a regression model (utils/model.label_config)
 
 CARD_TEMPLATE = """---
 {{ card_data }}
@@ -27,9 +29,9 @@ CARD_TEMPLATE = """---
 
 # {{ model_name }}
 
-{{ what }} fine-tuned for binary sentiment classification ({{ labels }}) on {{ data_source }}.
+{{ what }} fine-tuned for {{ task }} on {{ data_source }}.
 
-| metric (validation split, {{ eval_samples }} rows) | value |
+| metric (validation {{ splits }}, {{ eval_samples }} rows) | value |
 | --- | --- |
 {{ metrics_rows }}
 {% if plot %}
@@ -52,9 +54,19 @@ prints one JSON line per sentence.
 """
 
 
-def write_label_names(folder: Path, settings: Settings) -> None:
-    """id2label.json beside an adapter: the names predict.py and the card's snippet give labels 0 and 1."""
-    (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(settings.label_names)), indent=2) + "\n")
+def run_labels(settings: Settings, metrics: dict | None = None) -> list[str]:
+    """The class names in id order the run trained with (metrics.json records what the data resolved to), `[]`
+    for regression; LABEL_NAMES for a run recorded before the labels were."""
+    if metrics and "labels" in metrics:
+        return list(metrics["labels"])
+    return list(settings.label_names)
+
+
+def write_label_names(folder: Path, settings: Settings, metrics: dict | None = None) -> None:
+    """id2label.json beside an adapter: the names predict.py and the card's snippet give the label ids; one
+    entry, `score`, for a regression model (a classifier of one class is refused)."""
+    names = run_labels(settings, metrics) or [REGRESSION_LABEL]
+    (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(names)), indent=2) + "\n")
 
 
 def read_label_names(folder: Path) -> dict[int, str] | None:
@@ -65,9 +77,13 @@ def read_label_names(folder: Path) -> dict[int, str] | None:
 
 
 def plot_training_curves(log_history: list[dict], path: Path) -> bool:
-    """Training loss and validation accuracy against the optimizer step, as a PNG; False when nothing was logged."""
+    """Training loss and validation accuracy (MNLI: on the matched split; a regression: Pearson) against the
+    optimizer step, as a PNG; False when nothing was logged."""
     losses = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
-    accuracies = [(entry["step"], entry["eval_accuracy"]) for entry in log_history if "eval_accuracy" in entry]
+    logged = {key for entry in log_history for key in entry}
+    curve = next((key for key in CURVE_METRICS if key in logged), "eval_accuracy")
+    what = "validation " + curve.removeprefix("eval_").replace("_", " ")
+    accuracies = [(entry["step"], entry[curve]) for entry in log_history if curve in entry]
     if not losses and not accuracies:
         return False
     import matplotlib
@@ -82,8 +98,8 @@ def plot_training_curves(log_history: list[dict], path: Path) -> bool:
     loss_axis.set_ylabel("training loss", color="tab:blue")
     if accuracies:
         accuracy_axis = loss_axis.twinx()
-        accuracy_axis.plot(*zip(*accuracies, strict=True), color="tab:orange", marker="o", label="validation accuracy")
-        accuracy_axis.set_ylabel("validation accuracy", color="tab:orange")
+        accuracy_axis.plot(*zip(*accuracies, strict=True), color="tab:orange", marker="o", label=what)
+        accuracy_axis.set_ylabel(what, color="tab:orange")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -101,13 +117,34 @@ def data_source(settings: Settings, metrics: dict) -> str:
     return f"[{settings.dataset_name}](https://huggingface.co/datasets/{settings.dataset_name}) ({settings.dataset_config})"
 
 
-def usage_snippet(repo_or_path: str, settings: Settings, merged: bool) -> str:
+def task_summary(settings: Settings, metrics: dict) -> str:
+    """What the model does, in words: `binary sentiment classification (negative / positive)` for SST-2."""
+    labels = run_labels(settings, metrics)
+    pairs = "sentence-pair " if len(settings.text_columns) == 2 else ""
+    task = f"GLUE {settings.task.upper()}: " if settings.task else ""
+    if not labels:
+        return f"{task}{pairs}regression (one score, {settings.label_column})"
+    if not settings.task and not pairs and len(labels) == 2:
+        return f"binary sentiment classification ({' / '.join(labels)})"
+    return f"{task}{pairs}classification into {len(labels)} classes ({' / '.join(labels)})"
+
+
+def card_metrics(metrics: dict) -> list[str]:
+    """The evaluation metrics metrics.json holds, less `eval_`: `accuracy`, or `matched_accuracy` per MNLI split."""
+    return [
+        key.removeprefix("eval_")
+        for key in metrics
+        if key.startswith("eval_") and any(key.endswith(name) for name in CARD_METRICS)
+    ]
+
+
+def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: dict | None = None) -> str:
     if merged:
         return (
             f'from transformers import pipeline\n\nclassifier = pipeline("text-classification", model="{repo_or_path}")\n'
             'classifier("a gripping, beautifully acted film")  # [{"label": ..., "score": ...}]'
         )
-    id2label = dict(enumerate(settings.label_names))
+    id2label = dict(enumerate(run_labels(settings, metrics) or [REGRESSION_LABEL]))
     label2id = {name: index for index, name in id2label.items()}
     return (
         "from transformers import pipeline\n\n"
@@ -135,21 +172,25 @@ def build_model_card(
         base_model=base_id,  # None when unknown: the Hub rejects a path here
         library_name="transformers" if merged else "peft",
         pipeline_tag="text-classification",
-        tags=["lora", "text-classification", "sentiment-analysis", *([] if merged else ["peft"])],
+        tags=[
+            "lora",
+            "text-classification",
+            *(["sentiment-analysis"] if settings.dataset_config == "sst2" and not settings.task else []),
+            *([] if merged else ["peft"]),
+        ],
         datasets=[settings.dataset_name] if hub_data else None,
         model_name=settings.run_name,
         eval_results=[
             EvalResult(
                 task_type="text-classification",
                 dataset_type=dataset_type,
-                dataset_name="GLUE SST-2" if hub_data else "local SST-2-shaped data",
+                dataset_name=f"GLUE {settings.dataset_config.upper()}" if hub_data else "local data",
                 dataset_config=settings.dataset_config if hub_data else None,
                 dataset_split="validation",
                 metric_type=name,
                 metric_value=round(metrics[f"eval_{name}"], 4),
             )
-            for name in CARD_METRICS
-            if f"eval_{name}" in metrics
+            for name in card_metrics(metrics)
         ],
     )
     base_link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{settings.model_name}`"
@@ -177,15 +218,14 @@ def build_model_card(
         template_str=CARD_TEMPLATE,
         model_name=settings.run_name,
         what=what,
-        labels=" / ".join(settings.label_names),
+        task=task_summary(settings, metrics),
         data_source=data_source(settings, metrics),
-        eval_samples=metrics.get("eval_samples", "?"),
+        splits="splits" if "eval_samples" not in metrics and "data" in metrics else "split",
+        eval_samples=metrics.get("eval_samples", metrics.get("data", {}).get("validation_rows", "?")),
         # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
-        metrics_rows="\n".join(
-            f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in CARD_METRICS if f"eval_{name}" in metrics
-        ),
+        metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in card_metrics(metrics)),
         plot=PLOT_NAME if plot else None,
-        usage=usage_snippet(repo_or_path, settings, merged),
+        usage=usage_snippet(repo_or_path, settings, merged, metrics),
         repo_or_path=repo_or_path,
         training_rows="\n".join(f"| {key} | {value} |" for key, value in training.items()),
     )

@@ -45,6 +45,7 @@ from typing import IO
 from utils.batching import replica_count_change
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_error, volume_state
 from utils.settings import REPO_ID_PATTERN, Settings, resolve_base_model_id
+from utils.tasks import validation_splits
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +494,8 @@ def data_files_digest(settings: Settings) -> dict[str, str] | None:
     if (folder / "dataset_dict.json").exists():
         paths = [path for path in folder.rglob("*") if path.is_file()]
     else:
-        paths = [path for path in folder.iterdir() if path.is_file() and path.stem in ("train", "validation")]
+        splits = ("train", *validation_splits(settings))  # MNLI: validation_matched and validation_mismatched
+        paths = [path for path in folder.iterdir() if path.is_file() and path.stem in splits]
     return {str(path.relative_to(folder)): _sha256(path) for path in sorted(paths)}
 
 

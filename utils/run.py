@@ -30,7 +30,7 @@ from transformers import Trainer, set_seed
 
 from utils.batching import micro_batch_warning
 from utils.collectives import Collectives, rendezvous
-from utils.data import load_sst2
+from utils.data import label_names_of, load_sst2
 from utils.distributed import DistEnv, export_env, launcher_options, masked_environ
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, JobError, Preempted
 from utils.hub import Hub, push_model, save_merged, save_model
@@ -51,6 +51,7 @@ from utils.recipe import check_global_batch, describe_recipe
 from utils.run_lock import RunLock
 from utils.settings import check_tracker_uri
 from utils.strategy import check_strategy, full_state_dict
+from utils.tasks import headline
 from utils.trainer import JobTrainer, build_trainer, resume_key
 
 log = logging.getLogger(__name__)
@@ -269,6 +270,7 @@ class Ready:
     key: dict  # resume_key, with the run's segments so far: recorded in every checkpoint
     train_rows: int
     validation_rows: int
+    labels: tuple[str, ...] = ()  # the class names in id order; none: regression
 
 
 @dataclass(frozen=True)
@@ -349,8 +351,9 @@ def set_up(job: Job, group: Collectives) -> Ready:
     check_global_batch(settings, dist.world_size, len(data["train"]))
     # Before the model: LoRA init and dropout are the same on every restart.
     set_seed(settings.seed)
+    labels = label_names_of(data)  # the classes the data resolved to (none: regression)
     with group.agreed():  # a model refused on one rank stops all with its message
-        model = build_model(settings, job.quantize, job.device)
+        model = build_model(settings, job.quantize, job.device, labels)
 
     key = resume_key(job, data)
     # The replica counts the run trained on go to metrics.json and the card.
@@ -374,7 +377,8 @@ def set_up(job: Job, group: Collectives) -> Ready:
             checkpoint.rsplit("-", 1)[-1],
             checkpoint,
         )
-    return Ready(trainer, checkpoint, key, len(data["train"]), len(data["validation"]))
+    validation_rows = sum(len(rows) for split, rows in data.items() if split != "train")
+    return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, labels)
 
 
 def train(job: Job, group: Collectives, ready: Ready) -> Trained:
@@ -403,18 +407,16 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             "quantization": "8bit" if job.quantize else "none",
             "precision": job.precision,
             "run_name": settings.run_name,
+            # What the model predicts, for the card, id2label.json and predict.py.
+            "problem_type": "classification" if ready.labels else "regression",
+            "labels": list(ready.labels),
             "data": {
                 "train_rows": ready.train_rows,
                 "validation_rows": ready.validation_rows,
                 "fingerprint": ready.key["data"]["train"],
             },
         }
-        log.info(
-            "eval accuracy %.4f, F1 %.4f on %d rows",
-            metrics["eval_accuracy"],
-            metrics["eval_f1"],
-            metrics["eval_samples"],
-        )
+        log.info("eval %s on %d rows", headline(metrics), ready.validation_rows)
         trainer.accelerator.wait_for_everyone()
         # The checksum and the full state dict are collectives when FSDP shards the weights: on every rank,
         # and before leaving the group.
@@ -449,7 +451,7 @@ def publish(job: Job, group: Collectives, hub: Hub, trained: Trained) -> int:
         code = push_model(out, settings, hub)
         metrics = trained.metrics
         print(
-            f"eval_accuracy={metrics['eval_accuracy']:.4f} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
+            f"{headline(metrics)} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
             f"model={out.model}",
             flush=True,
         )

@@ -49,6 +49,7 @@ from pydantic_settings import (
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import mask_urls, read_token, refuse_token_in_settings
+from utils.tasks import GLUE, GLUE_DATASETS, GLUE_UNTRAINABLE
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
 # The repo id grammar the Hub enforces: an optional namespace, then a name of letters, digits, -, _, .
@@ -67,6 +68,9 @@ MAX_DEVICE_BATCH = 65536  # rows per device per step (and micro-batches per step
 MAX_GLOBAL_BATCH = 10**6  # rows per optimizer step, however they are made up
 MAX_WAIT_SECONDS = 86400  # a day: the longest any wait of the job may be set to
 MAX_TARGET_MODULES = 256
+
+
+MAX_LABELS = 10_000  # classes a classifier head is given; more is a retrieval problem, not this job's
 
 
 def default_output_dir() -> str:
@@ -128,17 +132,38 @@ class Settings(BaseSettings):
         max_length=PATH_MAX,
         description="local folder that wins over DATASET_NAME: train/validation files (.csv .tsv .json .jsonl .parquet) or a save_to_disk DatasetDict",
     )
+    task: str | None = Field(
+        None,
+        min_length=1,
+        max_length=NAME_MAX,
+        description=f"a GLUE task by name ({'|'.join(GLUE)}): sets DATASET_CONFIG, the columns, the label names, the problem "
+        "type, the metrics and the validation split(s); the settings given beside it must agree with it",
+    )
     text_column: str = Field(
-        "sentence", min_length=1, max_length=NAME_MAX, description="column holding the text (GLUE SST-2's name)"
+        "sentence",
+        min_length=1,
+        max_length=2 * NAME_MAX + 1,
+        description="column holding the text (GLUE SST-2's name), or two separated by a comma (premise,hypothesis): "
+        "a sentence pair, tokenized as [CLS] a [SEP] b [SEP]",
     )
     label_column: str = Field(
-        "label", min_length=1, max_length=NAME_MAX, description="column holding the 0/1 label (GLUE SST-2's name)"
+        "label",
+        min_length=1,
+        max_length=NAME_MAX,
+        description="column holding the label: a class id, a class name, or a float score (regression)",
     )
     # NoDecode: these three are comma-separated in env and flags (`query,value`), not JSON lists. Their
     # defaults are written the same way, so --help shows the format to type; validate_default splits them.
-    label_names: Annotated[tuple[str, str], NoDecode] = Field(
+    label_names: Annotated[tuple[str, ...], NoDecode] = Field(
         "negative,positive",
-        description="names of labels 0 and 1 (the model's id2label), so a pipeline answers 'positive', not 'LABEL_1'",
+        description="names of the labels in id order (the model's id2label), comma-separated or a JSON list; unset: the "
+        "data's (a ClassLabel's names, or a text label column's distinct values, sorted), and negative,positive for "
+        "two unnamed ids 0/1",
+    )
+    problem_type: Literal["auto", "classification", "regression"] = Field(
+        "auto",
+        description="classification (one label per row, cross-entropy) or regression (one float score, MSE); "
+        "auto: regression for a float label column with fractions, else classification",
     )
     base_model_id: str | None = Field(
         None,
@@ -413,17 +438,104 @@ class Settings(BaseSettings):
             raise ValueError("name at least one module, e.g. query,value")
         return value
 
-    @field_validator("label_names", "report_to", mode="before")
+    @field_validator("label_names", mode="before")
+    @classmethod
+    def _read_label_names(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().startswith("["):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f'it is not a JSON list ({exc.msg}); write it as ["a","b","c"] or a,b,c') from None
+            if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+                raise ValueError('a JSON list of label names holds strings only, e.g. ["a","b","c"]')
+            return tuple(name.strip() for name in value)
+        return cls._split_names(value)
+
+    @field_validator("report_to", mode="before")
     @classmethod
     def _split_names(cls, value: Any) -> Any:
         return tuple(name.strip() for name in value.split(",") if name.strip()) if isinstance(value, str) else value
 
     @field_validator("label_names")
     @classmethod
-    def _check_label_names(cls, value: tuple[str, str]) -> tuple[str, str]:
-        if value[0] == value[1]:
-            raise ValueError("labels 0 and 1 need two different names, e.g. negative,positive")
+    def _check_label_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(value) < 2:
+            raise ValueError("name at least two labels, label 0 first, e.g. negative,positive")
+        if len(value) > MAX_LABELS or any(len(name) > NAME_MAX for name in value):
+            raise ValueError(f"name at most {MAX_LABELS} labels, each at most {NAME_MAX} characters")
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"labels need two different names, e.g. negative,positive ({repeated[0]!r} names more than one)"
+            )
         return value
+
+    @field_validator("text_column")
+    @classmethod
+    def _check_text_columns(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",")]
+        if not 1 <= len(names) <= 2 or not all(names):
+            raise ValueError(
+                "name one text column, or two separated by a comma for sentence pairs (premise,hypothesis)"
+            )
+        if any(len(name) > NAME_MAX for name in names):
+            raise ValueError(f"a column name has at most {NAME_MAX} characters")
+        if len(names) == 2 and names[0] == names[1]:
+            raise ValueError(f"a pair needs two different columns ('{names[0]}' is named twice)")
+        return ",".join(names)
+
+    @field_validator("task")
+    @classmethod
+    def _check_task(cls, value: str | None) -> str | None:
+        if value is not None and value.lower() not in GLUE:
+            why = f" ({GLUE_UNTRAINABLE[value.lower()]})" if value.lower() in GLUE_UNTRAINABLE else ""
+            raise ValueError(
+                f"the job trains the GLUE tasks {', '.join(GLUE)}{why}; for other data leave TASK unset and set "
+                "DATASET_PATH (or DATASET_NAME) with TEXT_COLUMN and LABEL_COLUMN"
+            )
+        return None if value is None else value.lower()
+
+    @model_validator(mode="after")
+    def _apply_task(self) -> Settings:
+        """TASK fills what it decides; a value given beside it that disagrees is refused, not silently overruled."""
+        if self.task is None:
+            if (
+                not self.dataset_path
+                and self.dataset_name in GLUE_DATASETS
+                and self.dataset_config in GLUE_UNTRAINABLE
+            ):
+                raise ValueError(
+                    f"DATASET_CONFIG={self.dataset_config} of {self.dataset_name} cannot be trained: "
+                    f"{GLUE_UNTRAINABLE[self.dataset_config]}; set TASK to one of {', '.join(GLUE)}"
+                )
+            return self
+        task = GLUE[self.task]
+        decided = {
+            "dataset_config": task.dataset_config,
+            "text_column": ",".join(task.text_columns),
+            "label_column": task.label_column,
+            "problem_type": task.problem_type,
+        }
+        if task.label_names:
+            decided["label_names"] = task.label_names
+        given = self.model_fields_set
+        for name, value in decided.items():
+            if name not in given:
+                object.__setattr__(self, name, value)
+            elif name == "problem_type" and getattr(self, name) != value:
+                raise ValueError(
+                    f"TASK={self.task} is {value} and PROBLEM_TYPE={self.problem_type} disagrees; unset PROBLEM_TYPE, "
+                    "or leave TASK unset to train your own columns as you describe them"
+                )
+            elif name == "dataset_config" and not self.dataset_path and getattr(self, name) != value:
+                raise ValueError(
+                    f"TASK={self.task} trains DATASET_CONFIG={value}, not {self.dataset_config}; unset DATASET_CONFIG"
+                )
+        return self
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        return tuple(self.text_column.split(","))
 
     @field_validator("report_to")
     @classmethod
@@ -450,9 +562,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _label_is_not_the_text(self) -> Settings:
-        if self.text_column == self.label_column:
+        if self.label_column in self.text_columns:
             raise ValueError(
-                f"TEXT_COLUMN and LABEL_COLUMN both name the column '{self.text_column}'; the text and the 0/1 label must be "
+                f"TEXT_COLUMN and LABEL_COLUMN both name the column '{self.label_column}'; the text and the label must be "
                 "two different columns: fix TEXT_COLUMN or LABEL_COLUMN"
             )
         return self
@@ -562,9 +674,14 @@ def training_setting_names(settings: Settings) -> frozenset[str]:
     """TRAINING_SETTINGS, less the DeepSpeed ones unless STRATEGY=deepspeed: they change nothing else, and a
     DDP or FSDP run keeps the run name and the run folder it had before they existed. Under GLOBAL_BATCH_SIZE,
     less PER_DEVICE_BATCH_SIZE too: there it only caps the micro-batch (utils/batching.py), and each step averages
-    the same rows whatever it is, as on another replica count."""
+    the same rows whatever it is, as on another replica count. TASK and PROBLEM_TYPE count where they are not the
+    defaults: a resume with another task or problem type is refused, and an SST-2 run keeps its name. (LABEL_NAMES
+    is none: another label order is other label ids, which the checkpoint's key of the tokenized rows refuses.)"""
     names = TRAINING_SETTINGS if settings.strategy == "deepspeed" else TRAINING_SETTINGS - DEEPSPEED_SETTINGS
-    return names - {"per_device_batch_size"} if settings.global_batch_size is not None else names
+    if settings.global_batch_size is not None:
+        names = names - {"per_device_batch_size"}
+    task_names = {"task": settings.task is not None, "problem_type": settings.problem_type != "auto"}
+    return names | {name for name, counts in task_names.items() if counts}
 
 
 def derive_run_name(settings: Settings) -> str:

@@ -42,9 +42,11 @@ from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, v
 from utils.preemption import SIGNALS, Preemption
 from utils.recipe import optimizer_groups, resolve_learning_rate, resolve_loraplus_ratio, warmup_steps
 from utils.strategy import count_fsdp_units, trainer_options
+from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, best_metric, eval_prefix
 
 log = logging.getLogger(__name__)
 METRICS_MODULE = str(Path(__file__).with_name("classification_metrics.py"))
+REGRESSION_METRICS_MODULE = str(Path(__file__).with_name("regression_metrics.py"))
 # A validation curve with a handful of points; SST-2's 872 rows take seconds on a GPU.
 EVALUATIONS_PER_EPOCH = 4
 
@@ -450,17 +452,49 @@ class StrategyCheck(TrainerCallback):
 
 
 # ------------------------------------------------------------------------------- metrics
-def classification_metrics():
-    """compute_metrics for the Trainer: accuracy, F1, precision, recall (the offline metric module) and the row count."""
+def classification_metrics(num_labels: int = 2):
+    """compute_metrics for the Trainer: accuracy, F1, precision, recall, Matthews correlation (the offline metric
+    module; F1, precision and recall macro-averaged over more than two classes) and the row count."""
     metric = evaluate.load(METRICS_MODULE)
 
     def compute(eval_pred):
-        # Score against the labels that come back with the predictions, never the dataset's order.
+        # Score against the labels that come back with the predictions, never the dataset's order. The Trainer
+        # has gathered both from every rank (and dropped the rows a sampler repeats to even out the ranks).
         predictions = np.argmax(eval_pred.predictions, axis=-1)
         references = eval_pred.label_ids
+        scores = metric.compute(predictions=predictions, references=references, num_labels=num_labels)
+        return {**scores, "samples": len(references)}
+
+    return compute
+
+
+def regression_metrics():
+    """compute_metrics for a regression model (one score): Pearson, Spearman, MSE (the offline module) and the row count."""
+    metric = evaluate.load(REGRESSION_METRICS_MODULE)
+
+    def compute(eval_pred):
+        predictions = np.asarray(eval_pred.predictions, dtype=np.float64).reshape(-1)
+        references = np.asarray(eval_pred.label_ids, dtype=np.float64).reshape(-1)
         return {**metric.compute(predictions=predictions, references=references), "samples": len(references)}
 
     return compute
+
+
+def task_metrics(model):
+    """compute_metrics for what the model was built for (its config's problem type and label count)."""
+    config = model.config
+    if config.problem_type == "regression":
+        return regression_metrics()
+    return classification_metrics(config.num_labels)
+
+
+def evaluation_sets(data) -> datasets.Dataset | dict[str, datasets.Dataset]:
+    """The split(s) evaluated: `validation` alone, or several by name (MNLI's matched and mismatched), whose
+    metrics the Trainer prefixes with the name (`eval_matched_accuracy`)."""
+    splits = [split for split in data if split != "train"]
+    if splits == ["validation"]:
+        return data["validation"]
+    return {eval_prefix(split): data[split] for split in splits}
 
 
 def evaluation_interval(job: Job, train_rows: int) -> int:
@@ -534,6 +568,7 @@ def training_arguments(job: Job, model, train_rows: int) -> TrainingArguments:
     eval_every = evaluation_interval(job, train_rows)
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
+    best = best_metric(settings, REGRESSION if model.config.problem_type == "regression" else CLASSIFICATION)
     options = dict(
         output_dir=str(job.out.checkpoints),
         run_name=settings.run_name,
@@ -568,8 +603,11 @@ def training_arguments(job: Job, model, train_rows: int) -> TrainingArguments:
         # The validation curve; the full evaluation at the end comes after training.
         eval_strategy="steps" if eval_every else "no",
         eval_steps=eval_every or None,
-        # No checkpoint chosen on the split whose accuracy is reported.
+        # No checkpoint chosen on the split whose accuracy is reported; the task's metric is tracked
+        # (trainer_state.json's best_metric) for the validation curve.
         load_best_model_at_end=False,
+        metric_for_best_model=best,
+        greater_is_better=best.rsplit("_", 1)[-1] not in LOWER_IS_BETTER,
         report_to=trackers if dist.is_main else "none",
         seed=settings.seed,
         # Without it, CPU ranks would not form a DDP group but each train alone.
@@ -635,11 +673,11 @@ def build_trainer(
         model=model,
         args=args,
         train_dataset=data["train"],
-        eval_dataset=data["validation"],
+        eval_dataset=evaluation_sets(data),
         # Multiples of 8 for tensor cores.
         data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if job.cuda else None),
         processing_class=tokenizer,
-        compute_metrics=classification_metrics(),
+        compute_metrics=task_metrics(model),
         callbacks=callbacks,
         param_groups=param_groups,
         global_batch=job.batch.global_batch if job.batch.fixed else None,

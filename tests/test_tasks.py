@@ -1,0 +1,389 @@
+"""Tasks other than SST-2: N classes, sentence pairs, regression and the GLUE tasks by name (TASK).
+
+Each shape is learned by the tiny model from data written here, shaped like the GLUE task it stands for
+and learnable from words the tiny vocabulary holds: MNLI-shaped pairs whose hypothesis word decides the
+class, STS-B-shaped pairs scored by how many of the second sentence's adjectives are positive, CoLA-shaped
+sentences in their order or scrambled. Each run is one real `main.py`, shared by the tests through module
+fixtures; the refusals are in-process, calling what a start calls.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, SUBJECTS, VERBS
+from tests.conftest import REPO, Replicas, base_env, error_lines, rank_record, run_main, run_predict, wait_all
+
+RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
+MNLI_NAMES = ("entailment", "neutral", "contradiction")
+# The hypothesis word that decides an MNLI-shaped row's class: three per class, learned within a short run.
+MARKERS = {"entailment": POSITIVE[:3], "neutral": NOUNS[:3], "contradiction": NEGATIVE[:3]}
+
+
+def write_csv(path: Path, header: list[str], rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def premise(rng: random.Random, words: int = 4) -> str:
+    return " ".join(["the", rng.choice(NOUNS), rng.choice(VERBS), *(rng.choice(FILLER) for _ in range(words - 3))])
+
+
+def mnli_rows(rng: random.Random, count: int, names: bool = False):
+    """premise, hypothesis, label: every row 4 + 4 words (one token length: batches keep their seeded order)."""
+    for _ in range(count):
+        label = rng.randrange(3)
+        hypothesis = f"it {rng.choice(VERBS)} {rng.choice(MARKERS[MNLI_NAMES[label]])} {rng.choice(FILLER)}"
+        yield premise(rng), hypothesis, MNLI_NAMES[label] if names else label
+
+
+MNLI_SPLITS = ("validation_matched", "validation_mismatched")
+
+
+def write_mnli(
+    folder: Path, train: int = 480, validation: int = 90, names: bool = False, splits: tuple[str, ...] = MNLI_SPLITS
+) -> Path:
+    """MNLI's local copy: train plus validation_matched and validation_mismatched (or `splits`)."""
+    rng = random.Random(3)
+    header = ["premise", "hypothesis", "label"]
+    write_csv(folder / "train.csv", header, mnli_rows(rng, train, names))
+    for split in splits:
+        write_csv(folder / f"{split}.csv", header, mnli_rows(rng, validation, names))
+    return folder
+
+
+def stsb_rows(rng: random.Random, count: int):
+    """sentence1, sentence2, a 0-5 score: 5 x the share of sentence2's four adjectives (of six) that are positive."""
+    for _ in range(count):
+        positive = rng.randint(0, 4)
+        adjectives = [rng.choice(POSITIVE[:3]) for _ in range(positive)] + [
+            rng.choice(NEGATIVE[:3]) for _ in range(4 - positive)
+        ]
+        rng.shuffle(adjectives)
+        yield premise(rng), " and ".join(adjectives), 5 * positive / 4
+
+
+def cola_rows(rng: random.Random, count: int):
+    """sentence, label: a subject, verb and adjective in order (acceptable, 1) or the same words scrambled (0)."""
+    for _ in range(count):
+        words = [*rng.choice(SUBJECTS).split(), rng.choice(VERBS), rng.choice(POSITIVE + NEGATIVE)]
+        label = rng.randint(0, 1)
+        if not label:
+            while True:
+                scrambled = rng.sample(words, len(words))
+                if scrambled != words:
+                    break
+            words = scrambled
+        yield " ".join(words), label
+
+
+def task_env(tmp: Path, tiny_bert: Path, data: Path, **extra) -> dict[str, str]:
+    return base_env(
+        tmp,
+        MODEL_NAME=str(tiny_bert),
+        DATASET_PATH=str(data),
+        OUTPUT_DIR=str(tmp / "out"),
+        LEARNING_RATE=RATE,
+        REPORT_TO="none",
+        **{k: str(v) for k, v in {"PER_DEVICE_BATCH_SIZE": 16, **extra}.items()},
+    )
+
+
+def trained(tmp: Path, env: dict[str, str]) -> tuple[dict, object]:
+    result = run_main(env)
+    assert result.code == 0, result.stderr[-3000:]
+    return json.loads((tmp / "out" / "metrics.json").read_text()), result
+
+
+@pytest.fixture(scope="module")
+def mnli_run(tmp_path_factory, tiny_bert):
+    tmp = tmp_path_factory.mktemp("mnli")
+    data = write_mnli(tmp / "data", train=320, validation=60)
+    return tmp, *trained(tmp, task_env(tmp, tiny_bert, data, TASK="mnli", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8))
+
+
+@pytest.fixture(scope="module")
+def stsb_run(tmp_path_factory, tiny_bert):
+    tmp = tmp_path_factory.mktemp("stsb")
+    rng = random.Random(4)
+    header = ["sentence1", "sentence2", "label"]
+    write_csv(tmp / "data" / "train.csv", header, stsb_rows(rng, 320))
+    write_csv(tmp / "data" / "validation.csv", header, stsb_rows(rng, 60))
+    return tmp, *trained(
+        tmp, task_env(tmp, tiny_bert, tmp / "data", TASK="stsb", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8)
+    )
+
+
+@pytest.fixture(scope="module")
+def cola_run(tmp_path_factory, tiny_bert):
+    tmp = tmp_path_factory.mktemp("cola")
+    rng = random.Random(5)
+    write_csv(tmp / "data" / "train.csv", ["sentence", "label"], cola_rows(rng, 320))
+    write_csv(tmp / "data" / "validation.csv", ["sentence", "label"], cola_rows(rng, 60))
+    return tmp, *trained(
+        tmp, task_env(tmp, tiny_bert, tmp / "data", TASK="cola", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8)
+    )
+
+
+def model_config(out: Path) -> dict:
+    return json.loads((out / "model" / "id2label.json").read_text())
+
+
+def test_mnli_shaped_pairs_learn_three_classes_on_both_validation_splits(mnli_run):
+    tmp, metrics, result = mnli_run
+    for split in ("matched", "mismatched"):
+        assert metrics[f"eval_{split}_accuracy"] > 0.8, metrics  # chance is 1/3
+        assert f"eval_{split}_f1" in metrics and f"eval_{split}_matthews_correlation" in metrics
+    assert metrics["labels"] == list(MNLI_NAMES) and metrics["problem_type"] == "classification"
+    assert model_config(tmp / "out") == {str(i): name for i, name in enumerate(MNLI_NAMES)}
+    card = (tmp / "out" / "model" / "README.md").read_text()
+    assert "classification into 3 classes (entailment / neutral / contradiction)" in card
+    assert "| matched_accuracy |" in card and "| mismatched_accuracy |" in card
+    assert "eval_matched_accuracy=" in result.stdout and "eval_mismatched_accuracy=" in result.stdout
+    state = json.loads(next((tmp / "out" / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())
+    assert state["best_metric"] is None or isinstance(state["best_metric"], float)
+    run = json.loads((tmp / "out" / "run.json").read_text())
+    assert (
+        run["training_settings"]["task"] == "mnli" and run["training_settings"]["text_column"] == "premise,hypothesis"
+    )
+
+
+def test_stsb_shaped_scores_train_a_regression(stsb_run):
+    tmp, metrics, _ = stsb_run
+    assert metrics["eval_pearson"] > 0.5, metrics
+    assert -1 <= metrics["eval_spearman"] <= 1 and metrics["eval_mse"] >= 0
+    assert metrics["labels"] == [] and metrics["problem_type"] == "regression"
+    assert model_config(tmp / "out") == {"0": "score"}
+    assert "regression" in (tmp / "out" / "model" / "README.md").read_text()
+
+
+def test_cola_shaped_task_reports_matthews_correlation(cola_run):
+    tmp, metrics, _ = cola_run
+    assert math.isfinite(metrics["eval_matthews_correlation"]) and metrics["eval_matthews_correlation"] > 0.2, metrics
+    assert metrics["labels"] == ["unacceptable", "acceptable"]
+    assert "| matthews_correlation |" in (tmp / "out" / "model" / "README.md").read_text()
+
+
+def test_a_resume_with_another_task_is_refused(mnli_run, tiny_bert):
+    tmp, _, _ = mnli_run
+    env = task_env(tmp, tiny_bert, tmp / "data", TEXT_COLUMN="premise", LABEL_NAMES="entailment,neutral,contradiction")
+    result = run_main(env, "--dry-run")
+    assert result.code == 2 and "holds a run with other training settings" in result.stderr, result.stderr
+
+
+# ------------------------------------------------------------------------------- two replicas
+BATCH, STEPS = 4, 8
+
+
+def curve(out: Path) -> dict[str, dict[int, float]]:
+    history = json.loads((out / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())[
+        "log_history"
+    ]
+    return {key: {e["step"]: e[key] for e in history if key in e} for key in ("loss", "eval_loss")}
+
+
+@pytest.mark.slow
+def test_three_class_pairs_on_two_replicas_equal_one_process(tmp_path, tiny_bert):
+    """As tests/test_ddp_numerics.py for SST-2: one process at batch 2B against two replicas at B, on pairs of
+    one token length with three classes named by the data (no TASK, no LABEL_NAMES)."""
+    import torch
+    from safetensors.torch import load_file
+
+    data = write_mnli(tmp_path / "data", train=2 * BATCH * STEPS, validation=16, names=True, splits=("validation",))
+    settings = dict(
+        MODEL_NAME=tiny_bert,
+        DATASET_PATH=data,
+        TEXT_COLUMN="premise,hypothesis",
+        NUM_EPOCHS=1,
+        LEARNING_RATE=RATE,
+        LORA_DROPOUT=0,
+        MODEL_DROPOUT=0,
+        EVAL_STEPS=4,
+        LOGGING_STEPS=1,
+        PER_DEVICE_EVAL_BATCH_SIZE=8,
+        REPORT_TO="none",
+        RENDEZVOUS_TIMEOUT=120,
+    )
+    one_out, two_out = tmp_path / "one", tmp_path / "two"
+    group = Replicas(tmp_path)
+    try:
+        procs = group.start(
+            "ddp", {k: str(v) for k, v in {**settings, "OUTPUT_DIR": two_out, "PER_DEVICE_BATCH_SIZE": BATCH}.items()}
+        )
+        single = run_main(base_env(tmp_path, **settings, OUTPUT_DIR=one_out, PER_DEVICE_BATCH_SIZE=2 * BATCH))
+        codes = wait_all(procs)
+    finally:
+        group.cleanup()
+    assert single.code == 0, single.stderr[-3000:]
+    assert codes == [0, 0], [(tmp_path / f"ddp-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
+    assert [rank_record(two_out, r)["samples_trained"] for r in (0, 1)] == [BATCH * STEPS] * 2
+    metrics = [json.loads((out / "metrics.json").read_text()) for out in (one_out, two_out)]
+    assert [m["labels"] for m in metrics] == [sorted(MNLI_NAMES)] * 2  # the data's names, sorted
+    assert metrics[0]["eval_samples"] == metrics[1]["eval_samples"] == 16  # gathered over both ranks
+    assert metrics[0]["eval_accuracy"] == pytest.approx(metrics[1]["eval_accuracy"], abs=1e-9)
+    one, two = curve(one_out), curve(two_out)
+    for key in ("loss", "eval_loss"):
+        assert one[key].keys() == two[key].keys() and one[key]
+        for step in one[key]:
+            assert one[key][step] == pytest.approx(two[key][step], rel=1e-6), (key, step, one[key], two[key])
+    weights = [load_file(out / "model" / "adapter_model.safetensors") for out in (one_out, two_out)]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        assert torch.allclose(weights[0][name], weights[1][name], rtol=1e-5, atol=1e-6), name
+
+
+# ------------------------------------------------------------------------------- refusals and warnings
+def checked_data(tmp: Path, tiny_bert: Path, env: dict[str, str]):
+    """The settings a start resolves from `env`, then the data checks (`check_and_rename(load_raw(...))`)."""
+    from utils.data import check_and_rename, load_raw
+    from utils.settings import load_settings
+
+    settings, _ = load_settings([], {"MODEL_NAME": str(tiny_bert), "OUTPUT_DIR": str(tmp / "out"), **env})
+    return check_and_rename(load_raw(settings), settings)
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"DATASET_CONFIG": "mnli_matched"}, ["DATASET_CONFIG=mnli_matched of nyu-mll/glue cannot be trained"]),
+        ({"TASK": "mnli", "DATASET_CONFIG": "qnli"}, ["TASK=mnli trains DATASET_CONFIG=mnli, not qnli"]),
+    ],
+)
+def test_a_hub_config_the_task_cannot_train_is_refused_at_dry_run(env, says, tmp_path):
+    """From the Hub (no DATASET_PATH): refused before any download. The other task refusals are rows of
+    tests/test_refusals.py."""
+    result = run_main(base_env(tmp_path, **env), "--dry-run")
+    assert result.code == 2 and len(error_lines(result.stderr)) == 1 and "Traceback" not in result.stderr
+    assert all(fragment in result.stderr for fragment in says), result.stderr
+
+
+def test_dry_run_shows_the_resolved_task(tmp_path):
+    shown = run_main(base_env(tmp_path, TASK="stsb"), "--dry-run")
+    assert shown.code == 0, shown.stderr
+    task = shown.json()["task"]
+    assert task["text_columns"] == ["sentence1", "sentence2"] and task["problem_type"] == "regression"
+    assert task["metrics"] == ["pearson", "spearman", "mse"] and task["metric_for_best_model"] == "pearson"
+    assert shown.json()["config"]["dataset_config"] == "stsb"
+    names = run_main(base_env(tmp_path, LABEL_NAMES='["low", "mid", "high"]'), "--dry-run").json()
+    assert names["config"]["label_names"] == ["low", "mid", "high"] and names["task"]["label_names"] == [
+        "low",
+        "mid",
+        "high",
+    ]
+
+
+def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
+    """N classes from a text label column (sorted), digits written as strings as ids, LABEL_NAMES' order, and
+    the warning for a second text column no setting names."""
+    import logging
+
+    from utils.data import label_names_of
+
+    data = tmp_path / "words"
+    rows = [("a", "high"), ("b", "low"), ("c", "mid"), ("d", "low")]
+    write_csv(data / "train.csv", ["sentence", "label"], rows)
+    write_csv(data / "validation.csv", ["sentence", "label"], rows)
+    found = checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(data)})
+    assert label_names_of(found) == ("high", "low", "mid") and found["train"]["labels"] == [0, 1, 2, 1]
+    named = checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(data), "LABEL_NAMES": "low,mid,high"})
+    assert label_names_of(named) == ("low", "mid", "high") and named["train"]["labels"] == [2, 0, 1, 0]
+
+    digits = tmp_path / "digits"
+    lines = "".join(json.dumps({"sentence": s, "label": str(i % 2)}) + "\n" for i, s in enumerate("abcd"))
+    digits.mkdir()
+    (digits / "train.jsonl").write_text(lines)
+    (digits / "validation.jsonl").write_text(lines)
+    ids = checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(digits)})
+    assert ids["train"]["labels"] == [0, 1, 0, 1] and label_names_of(ids) == ("negative", "positive")
+
+    pairs = write_mnli(tmp_path / "pairs", train=12, validation=6, splits=("validation",))
+    with caplog.at_level(logging.WARNING, logger="utils.data"):
+        checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(pairs), "TEXT_COLUMN": "premise"})
+    assert "another text column 'hypothesis' that no setting names" in caplog.text
+    assert "set TEXT_COLUMN=premise,hypothesis" in caplog.text
+
+
+# ------------------------------------------------------------------------------- predict.py
+def predictions(tmp: Path, *args, stdin: str = "") -> list[dict]:
+    result = run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp)
+    assert result.code == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def readme_predictions(tmp: Path, columns: str) -> list[dict]:
+    """The README's `predict.py` command for these columns, run as written in `tmp` (OUTPUT_DIR: the run's)."""
+    [command] = [
+        line.split(" #")[0].strip()
+        for line in (REPO / "README.md").read_text().splitlines()
+        if line.startswith("python predict.py") and f"--text-column {columns}" in line
+    ]
+    command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
+        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_predict_labels_mnli_shaped_pairs(mnli_run):
+    tmp = mnli_run[0]
+    rows = list(mnli_rows(random.Random(11), 30))
+    pairs = tmp / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"premise": p, "hypothesis": h}) + "\n" for p, h, _ in rows))
+    predicted = readme_predictions(tmp, "premise,hypothesis")
+    assert [(p["text"], p["text_pair"]) for p in predicted] == [(p, h) for p, h, _ in rows]
+    assert {p["label"] for p in predicted} <= set(MNLI_NAMES)
+    right = sum(p["label"] == MNLI_NAMES[label] for p, (_, _, label) in zip(predicted, rows, strict=True))
+    assert right / len(rows) > 0.8, predicted
+
+
+def test_predict_scores_stsb_shaped_pairs(stsb_run):
+    import numpy as np
+
+    tmp = stsb_run[0]
+    rows = list(stsb_rows(random.Random(12), 40))
+    pairs = tmp / "pairs.tsv"
+    pairs.write_text("sentence1\tsentence2\n" + "".join(f"{a}\t{b}\n" for a, b, _ in rows))
+    predicted = readme_predictions(tmp, "sentence1,sentence2")
+    assert all(set(p) == {"text", "text_pair", "score"} for p in predicted), predicted[:2]  # a score, no label
+    scores = np.array([p["score"] for p in predicted])
+    assert np.corrcoef(scores, [score for _, _, score in rows])[0, 1] > 0.5, scores
+
+
+def test_predict_labels_cola_shaped_sentences(cola_run):
+    tmp = cola_run[0]
+    rows = list(cola_rows(random.Random(13), 10))
+    predicted = predictions(tmp, stdin="".join(f"{sentence}\n" for sentence, _ in rows))
+    assert [p["text"] for p in predicted] == [sentence for sentence, _ in rows]
+    assert {p["label"] for p in predicted} <= {"unacceptable", "acceptable"}
+
+
+def test_the_tokenized_cache_is_keyed_on_the_text_columns(tmp_path, tiny_bert):
+    """Premise alone and premise with hypothesis are other token rows: neither may load the other's cache."""
+    from transformers import AutoTokenizer
+
+    from utils.data import tokenize
+
+    pairs = write_mnli(tmp_path / "pairs", train=12, validation=6, splits=("validation",))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
+    lengths = {}
+    for columns in ("premise", "premise,hypothesis"):
+        raw = checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(pairs), "TEXT_COLUMN": columns})
+        data = tokenize(raw, tokenizer, 48, tmp_path / "cache", tuple(columns.split(",")))
+        lengths[columns] = [len(ids) for ids in data["train"]["input_ids"]]
+    assert len(list((tmp_path / "cache").glob("tokenized-*"))) == 2
+    assert all(
+        pair == single + 5 for single, pair in zip(lengths["premise"], lengths["premise,hypothesis"], strict=True)
+    )
