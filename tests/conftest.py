@@ -440,6 +440,24 @@ class Replicas:
                 proc.wait()
 
 
+def train_one_and_two(tmp: Path, settings: dict, batch: int) -> tuple[Path, Path]:
+    """The same settings trained by one process at batch 2B and by two replicas at B each (DDP on gloo): the
+    comparison every task and strategy is held to. Returns the two OUTPUT_DIRs (one process, two replicas);
+    both runs must succeed."""
+    one_out, two_out = tmp / "one", tmp / "two"
+    settings = {k: str(v) for k, v in settings.items()}
+    group = Replicas(tmp)
+    try:
+        procs = group.start("ddp", {**settings, "OUTPUT_DIR": str(two_out), "PER_DEVICE_BATCH_SIZE": str(batch)})
+        single = run_main(base_env(tmp, **settings, OUTPUT_DIR=one_out, PER_DEVICE_BATCH_SIZE=2 * batch))
+        codes = wait_all(procs)
+    finally:
+        group.cleanup()
+    assert single.code == 0, single.stderr[-3000:]
+    assert codes == [0, 0], [(tmp / f"ddp-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
+    return one_out, two_out
+
+
 @pytest.fixture
 def replicas(tmp_path):
     group = Replicas(tmp_path)

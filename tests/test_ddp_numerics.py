@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
-from tests.conftest import Replicas, base_env, rank_record, run_main, wait_all
+from tests.conftest import rank_record, train_one_and_two
 
 BATCH = 4  # B: rows per replica per step; the one process takes 2B
 EPOCHS, STEPS_PER_EPOCH = 2, 8  # 16 optimizer steps; the second epoch draws a new order from SEED + 1
@@ -128,19 +128,7 @@ def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
         REPORT_TO="none",
         RENDEZVOUS_TIMEOUT=120,
     )
-    one_out, two_out = tmp_path / "one", tmp_path / "two"
-
-    group = Replicas(tmp_path)
-    try:
-        procs = group.start(
-            "ddp", {k: str(v) for k, v in {**settings, "OUTPUT_DIR": two_out, "PER_DEVICE_BATCH_SIZE": BATCH}.items()}
-        )
-        single = run_main(base_env(tmp_path, **settings, OUTPUT_DIR=one_out, PER_DEVICE_BATCH_SIZE=2 * BATCH))
-        codes = wait_all(procs)
-    finally:
-        group.cleanup()
-    assert single.code == 0, single.stderr[-3000:]
-    assert codes == [0, 0], [(tmp_path / f"ddp-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
+    one_out, two_out = train_one_and_two(tmp_path, settings, BATCH)
 
     # The same rows, in the same steps: every step of both runs trained 2B rows, split evenly between the ranks.
     records = [rank_record(two_out, rank) for rank in (0, 1)]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, SUBJECTS, VERBS
-from tests.conftest import REPO, Replicas, base_env, error_lines, rank_record, run_main, run_predict, wait_all
+from tests.conftest import REPO, base_env, error_lines, rank_record, run_main, run_predict, train_one_and_two
 
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
 MNLI_NAMES = ("entailment", "neutral", "contradiction")
@@ -216,18 +216,7 @@ def test_three_class_pairs_on_two_replicas_equal_one_process(tmp_path, tiny_bert
         REPORT_TO="none",
         RENDEZVOUS_TIMEOUT=120,
     )
-    one_out, two_out = tmp_path / "one", tmp_path / "two"
-    group = Replicas(tmp_path)
-    try:
-        procs = group.start(
-            "ddp", {k: str(v) for k, v in {**settings, "OUTPUT_DIR": two_out, "PER_DEVICE_BATCH_SIZE": BATCH}.items()}
-        )
-        single = run_main(base_env(tmp_path, **settings, OUTPUT_DIR=one_out, PER_DEVICE_BATCH_SIZE=2 * BATCH))
-        codes = wait_all(procs)
-    finally:
-        group.cleanup()
-    assert single.code == 0, single.stderr[-3000:]
-    assert codes == [0, 0], [(tmp_path / f"ddp-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
+    one_out, two_out = train_one_and_two(tmp_path, settings, BATCH)
     assert [rank_record(two_out, r)["samples_trained"] for r in (0, 1)] == [BATCH * STEPS] * 2
     metrics = [json.loads((out / "metrics.json").read_text()) for out in (one_out, two_out)]
     assert [m["labels"] for m in metrics] == [sorted(MNLI_NAMES)] * 2  # the data's names, sorted
