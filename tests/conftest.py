@@ -163,7 +163,10 @@ LONGEST_FIRST = (
     "test_launchers.py",
     "test_reliability.py",
     "test_elastic.py",
+    "test_sweep.py",  # nine trials of the tiny model, a killed sweep resumed
+    "test_tasks.py",
     "test_performance.py",
+    "test_determinism.py",
     "test_tracking.py",
     "test_predict.py",
     "test_secrets_and_code.py",
