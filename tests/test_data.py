@@ -57,19 +57,23 @@ def test_glue_shaped_save_to_disk_takes_the_hub_code_path(tmp_path, tokenizer):
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".json", ".jsonl", ".parquet"])
+# A suffix says the format whatever its case (train.CSV from a spreadsheet export), as it does for predict.py.
+@pytest.mark.parametrize(
+    "suffix", [".csv", ".tsv", ".json", ".jsonl", ".parquet", ".CSV", ".Tsv", ".JSONL", ".Parquet"]
+)
 def test_every_local_format_loads_the_same_rows(tmp_path, tokenizer, suffix):
     folder = tmp_path / "files"
     folder.mkdir()
     for split, rows in (("train", 30), ("validation", 7)):
         frame = glue_like(rows).to_pandas()
         path = folder / f"{split}{suffix}"
-        if suffix == ".parquet":
+        fmt = suffix.lower()
+        if fmt == ".parquet":
             frame.to_parquet(path)
-        elif suffix in (".json", ".jsonl"):
+        elif fmt in (".json", ".jsonl"):
             frame.to_json(path, orient="records", lines=True)
         else:
-            frame.to_csv(path, index=False, sep="\t" if suffix == ".tsv" else ",")
+            frame.to_csv(path, index=False, sep="\t" if fmt == ".tsv" else ",")
     data = load_sst2(settings_for(folder), tokenizer, tmp_path / "cache")
     assert (len(data["train"]), len(data["validation"])) == (30, 7)
     assert data["train"]["labels"][:4] == [0, 1, 0, 1]

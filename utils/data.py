@@ -47,7 +47,7 @@ JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", li
 def _local_files(folder: Path, splits: tuple[str, ...] = SPLITS) -> dict[str, str]:
     files = {}
     for split in splits:
-        found = sorted(p for p in folder.iterdir() if p.stem == split and p.suffix in FILE_FORMATS)
+        found = sorted(p for p in folder.iterdir() if p.stem == split and p.suffix.lower() in FILE_FORMATS)
         if not found:
             present = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
             raise JobError(
@@ -75,7 +75,7 @@ def _local_files(folder: Path, splits: tuple[str, ...] = SPLITS) -> dict[str, st
                 f"{path} is empty (0 bytes); each split needs at least one row (and a header, for csv/tsv)",
             )
         files[split] = str(path)
-    suffixes = {Path(f).suffix for f in files.values()}
+    suffixes = {Path(f).suffix.lower() for f in files.values()}
     if len({FILE_FORMATS[s] for s in suffixes}) > 1:
         raise JobError(
             EXIT_BAD_INPUT,
@@ -241,7 +241,7 @@ def load_raw(settings: Settings) -> DatasetDict:
                 ) from None
         else:
             files = _local_files(folder, splits)
-            suffix = Path(files["train"]).suffix
+            suffix = Path(files["train"]).suffix.lower()
             # One split at a time: loaded together, the validation file was cast to the train file's columns, and
             # an extra column (unused either way) failed with a CastError naming neither file nor column.
             loaded = DatasetDict(
