@@ -874,7 +874,7 @@ def _parser() -> _Parser:
     # allow_abbrev=False: `--learn 1e-3` is refused, never read as --learning-rate.
     parser = _Parser(
         prog="main.py",
-        description="LoRA fine-tuning of BERT on GLUE SST-2, on one process or many. Every setting is a flag, an "
+        description="LoRA fine-tuning of BERT for text classification (GLUE SST-2 unless TASK or DATASET_PATH says otherwise), on one process or many. Every setting is a flag, an "
         "environment variable or a key of a recipe file (--config; flags win over the environment, the environment "
         "over the file); the Hub token comes only from HF_TOKEN or HF_TOKEN_PATH.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
