@@ -31,6 +31,7 @@ from tests.conftest import (
     crd_schema,
     error_lines,
     load_manifest,
+    run_script,
     schema_errors,
     strict,
 )
@@ -48,15 +49,7 @@ def write_spec(folder: Path, stem: str, **spec) -> Path:
 
 
 def run_sweep(env: dict[str, str], *args: str | Path, timeout: float = 600) -> Result:
-    proc = subprocess.run(
-        [sys.executable, str(SWEEP), *map(str, args)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+    return run_script("sweep.py", env, *args, timeout=timeout)
 
 
 def sweep_in_process(capsys, *args: str | Path) -> Result:
