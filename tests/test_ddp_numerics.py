@@ -109,7 +109,6 @@ def first_divergence(one: dict[int, float], two: dict[int, float], rtol: float) 
 
 
 @pytest.mark.slow
-@pytest.mark.check
 def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
     import torch
 

@@ -28,7 +28,6 @@ def classify(model_dir: Path, sentences: list[str], base: Path | None = None) ->
     return logits.argmax(-1).tolist()
 
 
-@pytest.mark.check
 def test_one_process_trains_saves_and_the_model_loads_back(finished_run, tiny_bert):
     out = finished_run.out
     metrics = json.loads((out / "metrics.json").read_text())
@@ -148,6 +147,7 @@ def test_push_without_token_is_bad_input(job_env):
 WRONG_TOKEN = "hf_wrong_token_abcdef"
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     "token, role, scopes, says",
     [

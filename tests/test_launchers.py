@@ -323,6 +323,7 @@ def test_deepspeed_launcher_processes_resolve_to_their_ranks_and_nodes(tmp_path)
 EXTENSIONS = Path(sys.prefix) / "torch-extensions"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_accelerate_launch_with_the_zero2_config_trains_under_deepspeed(job_env, tmp_path):
     """The ZeRO-2 config file for real, no STRATEGY set: both ranks train one model under DeepSpeed (the job stops
@@ -347,6 +348,7 @@ def test_accelerate_launch_with_the_zero2_config_trains_under_deepspeed(job_env,
     assert '"strategy": "deepspeed"' in json.dumps(settings) and '"zero_stage": 2' in json.dumps(settings)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_deepspeed_launcher_trains_zero3(job_env, tmp_path):
     """`deepspeed --num_gpus 2 main.py` for real with STRATEGY=deepspeed ZERO_STAGE=3: one model, two ranks."""
@@ -831,6 +833,7 @@ def test_pod_wrapper_turns_sigterm_into_the_restart_code(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.check
 def test_trainjob_is_valid_against_the_trainer_v2_crd():
     job = load_manifest(K8S / "trainer-v2" / "trainjob.yaml")
     schema = crd_schema(job["apiVersion"], job["kind"])

@@ -838,7 +838,6 @@ STARTS = [
         None,
         ["unrecognized arguments: --bogus-flag 2", "python main.py --help"],
         id="settings",
-        marks=pytest.mark.check,
     ),
     pytest.param(
         {},
@@ -846,7 +845,6 @@ STARTS = [
         foreign_run,
         ["holds a run with other training settings", "use a new OUTPUT_DIR"],
         id="output-dir",
-        marks=pytest.mark.check,
     ),
     pytest.param(
         {"PRECISION": "fp16"},

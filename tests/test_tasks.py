@@ -273,6 +273,7 @@ def test_dry_run_shows_the_resolved_task(tmp_path):
     ]
 
 
+@pytest.mark.check
 def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
     """N classes from a text label column (sorted), digits written as strings as ids, LABEL_NAMES' order, and
     the warning for a second text column no setting names."""
@@ -359,6 +360,7 @@ def test_predict_labels_cola_shaped_sentences(cola_run):
     assert {p["label"] for p in predicted} <= {"unacceptable", "acceptable"}
 
 
+@pytest.mark.check
 def test_the_tokenized_cache_is_keyed_on_the_text_columns(tmp_path, tiny_bert):
     """Premise alone and premise with hypothesis are other token rows: neither may load the other's cache."""
     from transformers import AutoTokenizer
