@@ -202,6 +202,7 @@ def checkpointed_on_two(runs) -> Path:
     return runs.checkpointed_on_two
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_one_global_batch_trains_the_same_model_on_1_2_and_4_replicas(one_run_on_each_count):
     outs = one_run_on_each_count

@@ -399,6 +399,7 @@ def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or
 LOCK_STEPS = 1000  # the holder's run: long enough to still train while a second job imports torch on a busy machine
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_folder_refuses_a_second_job_while_in_use_but_a_refused_start_or_a_killed_holder_never_locks_it(
     job_env, tmp_path

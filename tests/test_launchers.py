@@ -194,6 +194,7 @@ def test_accelerate_launch_multi_gpu_config(job_env, tmp_path):
     assert_one_model(tmp_path / "out", reports)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_accelerate_launch_multi_node_config_as_two_machines(job_env, tmp_path):
     port, logs = free_port(), [tmp_path / f"machine-{m}.txt" for m in (0, 1)]
@@ -604,6 +605,7 @@ def test_batch_script_runs_the_job_one_task_per_gpu(job_env, tmp_path):
     assert not (tmp_path / "requeued").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
     """Slurm's USR1 (--signal=B:USR1@lead): the tasks get SIGTERM, end >= 128, and the script requeues the job."""
@@ -630,6 +632,7 @@ def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
     assert (tmp_path / "requeued").read_text().split() == ["4242"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_submitit_runs_the_job_with_its_torch_environment(job_env, tmp_path):
     """launchers/slurm/submit.py on submitit's local cluster: the same submission code, tasks as local processes."""

@@ -194,6 +194,7 @@ def curve(out: Path) -> dict[str, dict[int, float]]:
     return {key: {e["step"]: e[key] for e in history if key in e} for key in ("loss", "eval_loss")}
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_three_class_pairs_on_two_replicas_equal_one_process(tmp_path, tiny_bert):
     """As tests/test_ddp_numerics.py for SST-2: one process at batch 2B against two replicas at B, on pairs of
