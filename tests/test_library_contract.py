@@ -17,8 +17,7 @@ pydantic-settings: load_settings (utils/settings.py) reads any mapping as the en
 and hands `CliSettingsSource` its environment source (`_env_settings_source`) for `--help`.
 
 huggingface_hub: every Hub request gets a timeout through a client made by `utils._http.default_client_factory`
-(utils/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/data.py). MLflow:
-REPORT_TO=mlflow is checked against `_tracking_store_registry` (utils/settings.py).
+(utils/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/data.py).
 
 accelerate, transformers and peft: a run that does not use DeepSpeed or 8-bit weights leaves those libraries out
 by setting them to None in sys.modules (utils/job.py), which the three must take for "not installed".
@@ -328,28 +327,6 @@ def test_a_splits_fingerprint_follows_its_data(tmp_path):
     (folder / "train.csv").write_text(delimited(film_rows(9)))
     assert load_raw(settings)["train"]._fingerprint != prints[0], (
         f"{where}: other rows in train.csv kept the fingerprint; the tokenized cache of the old rows would be reused"
-    )
-
-
-# ------------------------------------------------------------------------------- MLflow
-def test_mlflow_tells_a_tracking_uri_it_has_no_store_for():
-    import mlflow
-
-    where = f"mlflow {mlflow.__version__}"
-    try:
-        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores
-    except ImportError:
-        pytest.fail(
-            f"{where}: _tracking_store_registry moved; utils/settings.py check_trackers then asks the server alone, "
-            "and an unknown scheme is no longer refused by name"
-        )
-    assert callable(stores.get_store_builder("http://tracking.example:5000")), f"{where}: no store builder for http"
-    with pytest.raises(Exception) as refused:
-        stores.get_store_builder("nosuch://tracking")
-    # The client alone (mlflow-skinny, as in the image) registers no database store: sqlite comes with the full mlflow.
-    assert {"http", "https"} <= set(getattr(stores, "_registry", {})), (
-        f"{where}: the registry's `_registry` no longer maps schemes ({type(refused.value).__name__} for nosuch://); "
-        "utils/settings.py lists the known ones in its refusal"
     )
 
 
