@@ -402,8 +402,11 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
     library = HfApi(endpoint=constants.ENDPOINT, token=hub.token)
 
     hub.fail("create", 503)
-    with pytest.raises(HfHubHTTPError):
+    try:
         library.create_repo("user/model", exist_ok=True)
+        pytest.fail(f"{where}: create_repo now retries a 503; see whether utils/hub.py's retries can go")
+    except HfHubHTTPError:
+        pass
     hub.fail("create", 503)
     assert "commit" in hub_in_process(30).push_files(files, "user/model", True, "upload")
 
