@@ -38,7 +38,7 @@ ops: venv
 # The fast layer, for the edit-test loop, in one process: settings, the plan (batch, learning rates, numerics),
 # data checks and the refusals, each checked in-process against the function main.py calls (tests marked `check`).
 check: venv
-	$(PY) -m pytest -m check -p no:xdist
+	$(PY) -m pytest -m check
 
 # Two workers, each taking a whole file at a time (its module fixtures, such as one finished run read by many
 # tests, are built once): on 2 cores the serial suite kept one core busy about half the time, its tests waiting
