@@ -17,7 +17,8 @@ from tests.conftest import base_env, configured, error_lines, free_port, rank_en
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import FIELDS, Settings, describe_range, env_name, flag_name, load_settings
 
-# Every test here is quick (settings parsing and --dry-run, no training): `make check` runs them all.
+# Settings parsing and --dry-run, no training: `make check` runs the tests marked `check` (in this process); the
+# ones that start main.py (--help, --dry-run's own output, a refused start) hold the process to the same answers.
 
 
 def dry_run(tmp_path, *args: str, **env: str) -> dict:
