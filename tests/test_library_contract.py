@@ -529,7 +529,10 @@ elif scenario == "main-first":  # rank 0 fails inside Accelerate's main_process_
     from accelerate import PartialState
 
     state = PartialState(cpu=True)
+    state.wait_for_everyone()
     say(ready=True)
+    if rank == 0:
+        sys.stdin.readline()
     try:
         with state.main_process_first():
             if rank == 0:
@@ -677,6 +680,9 @@ def test_accelerates_main_process_first_does_not_carry_rank_0s_refusal(tmp_path,
     import accelerate
 
     peers += start_peers(tmp_path, "main-first", [2, 2])
+    for proc in peers:
+        said(proc, "ready")
+    go(peers[0])  # rank 1 is on its way into the barrier
     seen = said(peers[1], "observed")["observed"]
     assert peers[0].wait(timeout=60) == 2
     assert seen["stopped"] is not None and "REFUSED-ON-RANK-0" not in seen.get("message", ""), (
