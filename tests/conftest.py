@@ -140,8 +140,8 @@ def rank_env(tmp: Path, rank: int, world: int, port: int, **extra: str) -> dict[
 
 
 def configured(monkeypatch, env: dict[str, str], argv: list[str] | None = None):
-    """What main.py resolves before torch (`main.configure`: settings, ranks, learning rate, strategy) in a process
-    whose environment is exactly `env`; bad input raises JobError."""
+    """What main.py resolves before torch (`main.configure`: settings, ranks, the plan) in a process whose
+    environment is exactly `env`; bad input raises JobError."""
     from main import configure
 
     for name in list(os.environ):
@@ -335,6 +335,7 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     from utils.job import Job
     from utils.model import build_model, load_tokenizer
     from utils.outputs import RunDir
+    from utils.plan import build_plan
     from utils.settings import Settings
     from utils.trainer import build_trainer
 
@@ -354,7 +355,7 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     single = DistEnv(
         rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"
     )
-    job = Job.start(settings, single, run)
+    job = Job.start(settings, single, run, build_plan(settings, 1)).with_rows(len(data["train"]))
     torch.manual_seed(settings.seed)
     model = build_model(settings, job.quantize, job.device)
     return build_trainer(job, model, load_tokenizer(settings), data, key={})

@@ -40,7 +40,7 @@ from utils.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_thread
 from utils.job import Job
 from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
 from utils.preemption import SIGNALS, Preemption
-from utils.recipe import optimizer_groups, resolve_learning_rate, resolve_loraplus_ratio, warmup_steps
+from utils.recipe import optimizer_groups
 from utils.strategy import count_fsdp_units, trainer_options
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, best_metric, eval_prefix
 
@@ -497,17 +497,13 @@ def evaluation_sets(data) -> datasets.Dataset | dict[str, datasets.Dataset]:
     return {eval_prefix(split): data[split] for split in splits}
 
 
-def evaluation_interval(job: Job, train_rows: int) -> int:
+def evaluation_interval(job: Job) -> int:
     """EVAL_STEPS, or EVALUATIONS_PER_EPOCH evaluations an epoch (over the whole run when MAX_STEPS is
     shorter than an epoch); 0: no evaluation during training."""
-    settings, plan = job.settings, job.batch
+    settings, plan = job.settings, job.plan
     if settings.eval_steps is not None:
         return settings.eval_steps
-    if plan.fixed:  # whole global batches only (GlobalOrderSampler)
-        steps_per_epoch = max(train_rows // plan.global_batch, 1)
-    else:
-        steps_per_epoch = math.ceil(math.ceil(train_rows / (plan.micro_batch * plan.world_size)) / plan.accumulation)
-    steps = min(steps_per_epoch, settings.max_steps or steps_per_epoch)
+    steps = min(plan.steps_per_epoch, plan.max_steps or plan.steps_per_epoch)
     return max(1, steps // EVALUATIONS_PER_EPOCH)
 
 
@@ -546,45 +542,31 @@ def content_digest(dataset: datasets.Dataset) -> str:
 
 
 # ------------------------------------------------------------------------------- building it
-class JobTrainingArguments(TrainingArguments):
-    """TrainingArguments whose warm-up leaves at least one step at a non-zero rate (utils/recipe.warmup_steps).
-
-    The Trainer rounds WARMUP_RATIO x steps up, and a linear warm-up starts at rate 0: with MAX_STEPS=1 the
-    only step was warm-up, so no weight moved and the run still exited 0. `get_warmup_steps` is where the
-    Trainer's scheduler asks, with the step count it really runs.
-    """
-
-    def get_warmup_steps(self, num_training_steps: int) -> int:
-        if self.warmup_steps >= 1:  # a step count, not a fraction
-            return super().get_warmup_steps(num_training_steps)
-        return warmup_steps(self.warmup_steps, num_training_steps)
-
-
-def training_arguments(job: Job, model, train_rows: int) -> TrainingArguments:
-    """The TrainingArguments the settings resolve to, on this rank and this hardware."""
-    settings, dist, cuda, precision, plan = job.settings, job.dist, job.cuda, job.precision, job.batch
+def training_arguments(job: Job, model) -> TrainingArguments:
+    """The TrainingArguments the plan (completed with the step count: Job.with_rows) and the settings give."""
+    settings, dist, cuda, plan = job.settings, job.dist, job.cuda, job.plan
     # Ampere and newer: TF32 matmuls for what stays fp32.
     tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8
-    eval_every = evaluation_interval(job, train_rows)
+    eval_every = evaluation_interval(job)
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
     best = best_metric(settings, REGRESSION if model.config.problem_type == "regression" else CLASSIFICATION)
     options = dict(
         output_dir=str(job.out.checkpoints),
         run_name=settings.run_name,
-        per_device_train_batch_size=plan.micro_batch,
+        per_device_train_batch_size=plan.batch.micro_batch,
         per_device_eval_batch_size=settings.per_device_eval_batch_size,
-        gradient_accumulation_steps=plan.accumulation,
-        num_train_epochs=settings.num_epochs,
-        max_steps=settings.max_steps or -1,
-        # LEARNING_RATE, else the global-batch rule.
-        learning_rate=resolve_learning_rate(settings, dist.world_size),
+        gradient_accumulation_steps=plan.batch.accumulation,
+        # The Trainer counts the steps itself; the plan's count must match it (logs/rank-R.json shows both).
+        num_train_epochs=plan.num_epochs,
+        max_steps=plan.max_steps or -1,
+        learning_rate=plan.learning_rate,
         weight_decay=settings.weight_decay,
-        # Below 1 the Trainer reads it as a fraction of all steps (never all of them: JobTrainingArguments).
-        warmup_steps=settings.warmup_ratio,
+        # A count: the plan's never makes every step warm-up (a linear warm-up trains its first step at rate 0).
+        warmup_steps=plan.warmup_steps,
         optim="adamw_torch_fused",
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
+        bf16=plan.precision == "bf16",
+        fp16=plan.precision == "fp16",
         tf32=tf32 or None,
         # transformers 5's name for gradient checkpointing; the reentrant variant breaks DDP + LoRA (peft #899).
         activation_checkpointing=settings.gradient_checkpointing,
@@ -624,8 +606,8 @@ def training_arguments(job: Job, model, train_rows: int) -> TrainingArguments:
     )
     # STRATEGY=fsdp: FSDP2, one unit per transformer block.
     # STRATEGY=deepspeed: the DeepSpeed config ("auto" where these arguments decide).
-    options.update(trainer_options(settings, model, dist.world_size, precision))
-    return JobTrainingArguments(**options)
+    options.update(trainer_options(settings, model, plan.deepspeed))
+    return TrainingArguments(**options)
 
 
 def build_trainer(
@@ -643,7 +625,7 @@ def build_trainer(
                 "build_trainer needs the Collectives from utils.collectives.rendezvous in a distributed job"
             )
         group = Collectives(dist, settings.rendezvous_timeout)
-    args = training_arguments(job, model, len(data["train"]))
+    args = training_arguments(job, model)
     marker = CheckpointMarker(out, group, settings.save_total_limit, key or resume_key(job, data))
     startup = StartupTimer()
     callbacks: list[TrainerCallback] = [
@@ -660,15 +642,8 @@ def build_trainer(
     if dist.is_main and "tensorboard" in settings.report_to:
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / settings.run_name))
     param_groups = None
-    loraplus_ratio = resolve_loraplus_ratio(settings, dist.world_size)
-    if settings.head_learning_rate_ratio != 1 or loraplus_ratio != 1:
-        param_groups = partial(
-            optimizer_groups,
-            settings=settings,
-            learning_rate=args.learning_rate,
-            loraplus_ratio=loraplus_ratio,
-            weight_decay=args.weight_decay,
-        )
+    if len(set(job.plan.rates.values())) > 1:
+        param_groups = partial(optimizer_groups, rates=job.plan.rates, weight_decay=args.weight_decay)
     return JobTrainer(
         model=model,
         args=args,
@@ -680,6 +655,6 @@ def build_trainer(
         compute_metrics=task_metrics(model),
         callbacks=callbacks,
         param_groups=param_groups,
-        global_batch=job.batch.global_batch if job.batch.fixed else None,
+        global_batch=job.plan.batch.global_batch if job.plan.batch.fixed else None,
         startup=startup,
     )
