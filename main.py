@@ -69,9 +69,8 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     settings = adopt_deepspeed(settings, launcher_options())
     plan = build_plan(settings, dist.world_size)  # DeepSpeed: its config, read and checked
     # The settings carry the plan's rates: run.json, the ranks' agreement and a restart's check compare them.
-    settings = settings.model_copy(
-        update={"learning_rate": plan.learning_rate, "loraplus_lr_ratio": plan.loraplus_ratio}
-    )
+    rates = {"learning_rate": plan.learning_rate, "loraplus_lr_ratio": plan.loraplus_ratio}
+    settings = settings.model_copy(update=rates)
     check_push_possible(settings)
     check_trackers(settings)
     return settings, dist, args, plan

@@ -132,7 +132,7 @@ def build_job_arm(settings: Settings, cuda: bool):
     job = job.with_rows(len(data["train"]))
     set_seed(settings.seed)
     model = build_model(settings, job.quantize, job.device)
-    return build_trainer(job, model, tokenizer, data), job.quantize, job.precision
+    return build_trainer(job, model, tokenizer, data), job.quantize, job.plan.precision
 
 
 def build_original(settings: Settings, cuda: bool):

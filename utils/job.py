@@ -16,7 +16,7 @@ import torch
 from utils.distributed import DistEnv
 from utils.hub_token import Masker
 from utils.outputs import RunDir
-from utils.plan import BatchPlan, Plan, with_device, with_rows
+from utils.plan import Plan, with_device, with_rows
 from utils.preemption import Preemption
 from utils.settings import Settings
 
@@ -65,15 +65,7 @@ class Job:
 
     @property
     def quantize(self) -> bool:  # 8-bit base weights (bitsandbytes)
-        return self.plan.quantize
-
-    @property
-    def precision(self) -> str:  # fp32, bf16 or fp16: never `auto`
-        return self.plan.precision
-
-    @property
-    def batch(self) -> BatchPlan:
-        return self.plan.batch
+        return self.plan.quantization == "8bit"
 
     def leave_unused_libraries_out(self) -> None:
         """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights (`leave_out`). Called before

@@ -1,60 +1,33 @@
 """The plan: every value a run derives from its settings, computed here once and only read elsewhere.
 
-`build_plan` (main.configure, on every rank, before torch is imported) resolves the global batch and how this
-replica count computes it, the learning rate of each optimizer group, the step count when MAX_STEPS sets it,
-and the strategy with its DeepSpeed config. Two things are known later, and each completes the plan once,
-where it becomes known: the device (`with_device`: `auto` precision and quantization, in Job.start), and the
-training rows (`with_rows`: the optimizer steps and the warm-up, in utils/run.set_up). `--dry-run` prints the
-plan, run.json records the completed one, and the Trainer's arguments, the DeepSpeed config, the logs and the
-model card read it.
+`build_plan` (main.configure, every rank, no torch) resolves the global batch and how this replica count
+computes it, each optimizer group's learning rate, the steps when MAX_STEPS sets them, and the strategy with
+its DeepSpeed config. What the hardware and the data tell completes it once each, where it becomes known:
+`with_device` (`auto` precision and quantization, in Job.start) and `with_rows` (the optimizer steps and the
+warm-up, in utils/run.set_up). `--dry-run` prints it, run.json records it completed; the Trainer's arguments,
+the DeepSpeed config, the logs and the model card read it.
 
-The global batch. Two ways to size it:
+The global batch: GLOBAL_BATCH_SIZE unset (the default), it follows the job's shape, PER_DEVICE_BATCH_SIZE x
+world size x GRADIENT_ACCUMULATION_STEPS, so another replica count is another run (a restart on another count
+is refused). Set, it is a hyperparameter and the replica count a deployment detail: each optimizer step
+averages the same rows whatever the count; a replica computes its share (global batch / world size) in
+micro-batches of at most PER_DEVICE_BATCH_SIZE rows, accumulating as many as it takes. With one global order
+of the rows (utils/trainer.py's GlobalOrderSampler) 1, 2 and 4 replicas train the same model up to
+floating-point summation order, and a run can resume on any count that divides the global batch;
+PER_DEVICE_BATCH_SIZE is then a memory cap a restart may lower. An elastic launcher (PET_NNODES=2:4) must be
+able to share the global batch on every count of its range, or the job dies after the loss it was made to
+survive: `check_elastic_range` refuses such a start at once.
 
-- GLOBAL_BATCH_SIZE unset (the default): the global batch follows the job's shape,
-  PER_DEVICE_BATCH_SIZE x world size x GRADIENT_ACCUMULATION_STEPS, so another replica count is
-  another run (a restart on another count is refused).
-- GLOBAL_BATCH_SIZE set: the global batch is a hyperparameter and the replica count a deployment
-  detail. Each optimizer step averages the same GLOBAL_BATCH_SIZE rows whatever the count; a replica
-  computes its share (global batch / world size) in micro-batches of at most PER_DEVICE_BATCH_SIZE rows,
-  accumulating as many as it takes. Together with one global order of the rows (utils/trainer.py's
-  GlobalOrderSampler) 1, 2 and 4 replicas train the same model up to floating-point summation order,
-  and a run can resume on any count that divides the global batch. PER_DEVICE_BATCH_SIZE is then a
-  memory cap, not a training setting: a restart may lower it (the rows and their averaging stay the same).
-
-An elastic launcher (a PyTorchJob's elasticPolicy: PET_NNODES=2:4) lets the job go on with any count in its
-range: every one of them must be able to share the global batch, or the job dies after the loss it was made
-to survive. `check_elastic_range` refuses such a start at once, on whatever count it begins.
-
-The learning rate follows the global batch, so the same settings train the same model on 1, 2, 4 or 8
-replicas:
+The learning rate follows the global batch, so the same settings train the same model on 1 to 8 replicas:
 
     learning_rate = BASE_LEARNING_RATE x (global batch / 64) ** 0.25     (LEARNING_RATE_SCALING=fourth-root)
-
-64 is the reference batch, the global batch of one replica with the defaults, where BASE_LEARNING_RATE
-(1e-3) was tuned. Four replicas take a quarter of the steps, each averaging four times the rows: Adam's
-update size does not grow with the batch, so without a larger rate the run moves the weights a quarter as
-far. How much larger was measured on real SST-2 on 4 replicas (docs/quality.md has the figures): the
-square-root rule (Malladi et al. 2022, "On the SDEs and scaling rules for adaptive gradient algorithms";
-`sqrt`) overshoots, the fourth root comes within a point of one replica. LoRA+ already trains the B
-matrices at 8x the rate, which is likely why the gentler rule wins. `sqrt`, `linear` and `none` are there
-to compare against. Warm-up is WARMUP_RATIO of the steps, but never all of them (`warmup_steps`).
-
-A LEARNING_RATE set by the user is used exactly as given, on any number of replicas. A rate the rule
-resolves passes LEARNING_RATE's own bounds: `linear` at a global batch of 1e8 would otherwise train at
-1562.5, a rate the same setting typed by hand is refused at.
-
-The head (the classifier and, with TRAIN_POOLER, the pooler) may train at HEAD_LEARNING_RATE_RATIO x
-the rate, and LoRA+ trains each adapter's B matrix at LORAPLUS_LR_RATIO x the rate (Hayou et al. 2024;
-utils/recipe.optimizer_groups makes the groups). Unset, the LoRA+ ratio follows the global batch too, the
-other way:
-
     loraplus_lr_ratio = 8 x min(1, (64 / global batch) ** 0.5), never below 1
 
-At the larger batch the fourth-root rule raises A's rate, and B at 8x that rate was what held 4
-replicas below one on whole sentences; B at 4x (the rule's value at 256) brought them level
-(docs/quality.md). Below the reference batch the ratio stays at the 8 it was measured at.
-
-Plain arithmetic, no torch: `--dry-run` shows the plan in well under a second.
+64 is the reference batch (one replica with the defaults), where both were tuned. Adam's update size does not
+grow with the batch, so fewer, larger steps need a larger rate: on real SST-2 on 4 replicas `sqrt` (Malladi et
+al. 2022) overshot, the fourth root and B at 4x came level with one replica (docs/quality.md). Values set by
+hand are used exactly; a rate the rule resolves passes LEARNING_RATE's own bounds. The head trains at
+HEAD_LEARNING_RATE_RATIO x the rate, B at the LoRA+ ratio x (Hayou et al. 2024; utils/recipe.optimizer_groups).
 """
 
 from __future__ import annotations
@@ -116,10 +89,6 @@ class Plan:
             "head": self.learning_rate * self.head_ratio,
             "lora_B": self.learning_rate * self.loraplus_ratio,
         }
-
-    @property
-    def quantize(self) -> bool:
-        return self.quantization == "8bit"
 
     def as_dict(self) -> dict:
         """What --dry-run prints and run.json records (the DeepSpeed config has a key of its own)."""
@@ -334,34 +303,27 @@ def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
     return max(0, min(math.ceil(total_steps * warmup_ratio), total_steps - 1))
 
 
-def check_global_batch_bound(settings: Settings, world_size: int, global_batch: int) -> None:
-    """Refuse a global batch the settings make above GLOBAL_BATCH_SIZE's own bound: each factor has its range, but
-    their product (x the replica count) would reach sizes no data set and no sampler index is made for."""
-    if global_batch > MAX_GLOBAL_BATCH:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"the global batch is {global_batch} rows ({_batch_terms(settings, world_size)}), above the {MAX_GLOBAL_BATCH} a "
-            f"global batch may be (GLOBAL_BATCH_SIZE's range, 1 to {MAX_GLOBAL_BATCH}); lower PER_DEVICE_BATCH_SIZE or "
-            "GRADIENT_ACCUMULATION_STEPS, or set GLOBAL_BATCH_SIZE",
-        )
-
-
 # ------------------------------------------------------------------------------- building and completing the plan
 def build_plan(settings: Settings, world_size: int) -> Plan:
     """The plan for `world_size` replicas, from the settings alone (no torch); bad input raises JobError."""
     batch = plan_batches(settings, world_size)
-    check_global_batch_bound(settings, world_size, batch.global_batch)
+    # Each factor has its range, but their product (x the replica count) could reach sizes no data set and no
+    # sampler index is made for: held to GLOBAL_BATCH_SIZE's own bound.
+    if batch.global_batch > MAX_GLOBAL_BATCH:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the global batch is {batch.global_batch} rows ({_batch_terms(settings, world_size)}), above the "
+            f"{MAX_GLOBAL_BATCH} a global batch may be (GLOBAL_BATCH_SIZE's range, 1 to {MAX_GLOBAL_BATCH}); lower "
+            "PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS, or set GLOBAL_BATCH_SIZE",
+        )
     rate = resolve_learning_rate(settings, world_size, batch.global_batch)
     deepspeed = settings.strategy == "deepspeed"
     plan = Plan(
         batch=batch,
         learning_rate=rate,
-        learning_rate_source=(
-            f"BASE_LEARNING_RATE {settings.base_learning_rate:g} x {settings.learning_rate_scaling} scaling from batch "
-            f"{REFERENCE_GLOBAL_BATCH}"
-            if rate == scaled_learning_rate(settings, batch.global_batch)
-            else "LEARNING_RATE as set"
-        ),
+        learning_rate_source="LEARNING_RATE as set"
+        if settings.learning_rate is not None
+        else f"BASE_LEARNING_RATE {settings.base_learning_rate:g} x {settings.learning_rate_scaling} scaling from batch {REFERENCE_GLOBAL_BATCH}",
         loraplus_ratio=resolve_loraplus_ratio(settings, batch.global_batch),
         head_ratio=settings.head_learning_rate_ratio,
         max_steps=settings.max_steps,

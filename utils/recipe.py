@@ -51,10 +51,8 @@ def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
 
 def describe_recipe(settings: Settings, plan: Plan) -> str:
     """One log line: the rate used, where it came from, and the options around the adapter (recipe_summary)."""
-    return (
-        f"learning rate {plan.learning_rate:g} at global batch {plan.batch.global_batch} ({plan.learning_rate_source}); "
-        f"{recipe_summary(settings)}"
-    )
+    batch, source = plan.batch.global_batch, plan.learning_rate_source
+    return f"learning rate {plan.learning_rate:g} at global batch {batch} ({source}); {recipe_summary(settings)}"
 
 
 def recipe_summary(settings: Settings) -> str:

@@ -323,12 +323,12 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     """The checks that need no peer, then the rendezvous: the process group, with the OUTPUT_DIR lock on rank 0."""
     settings, dist = job.settings, job.dist
     export_env(dist, deepspeed=job.strategy == "deepspeed")
-    log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.precision)
+    log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.plan.precision)
     log.info(describe_recipe(settings, job.plan))
-    if warning := micro_batch_warning(settings, job.batch):
+    if warning := micro_batch_warning(settings, job.plan.batch):
         log.warning(warning)
     # E.g. fsdp on the CPU: exit 2, never DDP.
-    check_strategy(settings, dist, job.cuda, job.quantize, job.precision, launcher_options())
+    check_strategy(settings, dist, job.cuda, job.quantize, job.plan.precision, launcher_options())
     # On every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective.
     if settings.result_model_id:
         hub.check_write_access(settings.result_model_id)
@@ -423,6 +423,8 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         # The checksum and the full state dict are collectives when FSDP shards the weights: on every rank,
         # and before leaving the group.
         state_dict = full_state_dict(trainer.model, job.strategy)
+        # Under DeepSpeed accelerate wraps the Trainer's scheduler (DeepSpeed's own, from a config's block, has no base_lrs).
+        scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
         record = {
             "rank": dist.rank,
             "local_rank": dist.local_rank,
@@ -436,16 +438,13 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             ),
             "first_step": trainer.startup.first_step + 1,
             "seconds_to_first_step": trainer.startup.seconds,
-            # What the Trainer trained with, read back from it: what the plan said, or a bug (tests compare them).
+            # What the Trainer trained with, read back from it: the plan's values, or a bug (tests compare them).
             "trained_with": {
                 "micro_batch": trainer.args.per_device_train_batch_size,
                 "accumulation": trainer.args.gradient_accumulation_steps,
                 "steps": trainer.state.max_steps,
                 "warmup_steps": trainer.args.get_warmup_steps(trainer.state.max_steps),
-                # Each group's peak rate; under DeepSpeed inside accelerate's wrapper, none from DeepSpeed's own scheduler.
-                "rates": sorted(
-                    set(getattr(getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler), "base_lrs", []))
-                ),
+                "rates": sorted(set(getattr(scheduler, "base_lrs", []))),  # each group's peak rate
                 "precision": "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "fp32",
             },
         }

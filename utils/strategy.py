@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from utils.deepspeed_config import check_installed, check_launcher
+from utils.deepspeed_config import check_launcher
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
@@ -53,8 +53,7 @@ def check_strategy(
             f"the accelerate config sets mixed_precision: {mixed} but PRECISION resolves to {precision}; the job's PRECISION "
             f"decides: set PRECISION={mixed}, or mixed_precision: 'no' in the config",
         )
-    if settings.strategy == "deepspeed":
-        check_deepspeed(settings, dist, cuda, quantize, precision, launcher)
+    # DeepSpeed: its config is the plan's, checked there (utils/plan.py), with the precision once it is resolved.
     if settings.strategy != "fsdp":
         return
     if not cuda:
@@ -75,18 +74,6 @@ def check_strategy(
             "QUANTIZATION=8bit cannot be combined with STRATEGY=fsdp: FSDP cannot shard bitsandbytes int8 weights; "
             "use QUANTIZATION=none (or auto) with fsdp",
         )
-
-
-def check_deepspeed(
-    settings: Settings, dist: DistEnv, cuda: bool, quantize: bool, precision: str, launcher: Mapping[str, object]
-) -> None:
-    """STRATEGY=deepspeed: what would drop DeepSpeed silently or cannot run under it (the config is the plan's,
-    checked with the precision resolved: utils/plan.with_device)."""
-    if quantize:  # Settings refuses QUANTIZATION=8bit with deepspeed, and auto resolves to none there
-        raise JobError(
-            EXIT_BAD_INPUT, "QUANTIZATION=8bit cannot be combined with STRATEGY=deepspeed; use QUANTIZATION=none"
-        )
-    check_installed()
 
 
 def wrap_classes(model: torch.nn.Module) -> list[str]:

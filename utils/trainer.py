@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 
 import datasets
@@ -39,6 +38,7 @@ from utils.deepspeed_config import offloads, zero_stage
 from utils.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_threads, volume_state
 from utils.job import Job
 from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
+from utils.plan import Plan
 from utils.preemption import SIGNALS, Preemption
 from utils.recipe import optimizer_groups
 from utils.strategy import count_fsdp_units, trainer_options
@@ -79,26 +79,25 @@ class JobTrainer(Trainer):
       end: the restart trained a step past MAX_STEPS. The override runs no epoch once the last step is trained.
     """
 
-    def __init__(self, *args, param_groups=None, global_batch: int | None = None, startup: StartupTimer, **kwargs):
+    def __init__(self, *args, plan: Plan, startup: StartupTimer, **kwargs):
         super().__init__(*args, **kwargs)
         # BERT's forward takes **kwargs, so the Trainer assumes it sums its loss over `num_items_in_batch`
         # and then scales it by the world size and skips the division by accumulation steps. The
         # classification loss is a per-batch mean: without this, DDP runs train at world-size x the rate.
         self.model_accepts_loss_kwargs = False
-        # A recipe's optimizer groups (utils/recipe.py) when rates differ per group; None: the Trainer's own.
-        self.param_groups = param_groups
+        # The optimizer groups' rates, and GLOBAL_BATCH_SIZE's one order of the rows (GlobalOrderSampler).
+        self.plan = plan
         # Rows this process trained on (logs/rank-R.json); after a resume, only the rows trained since.
         self.samples_seen = 0
-        # GLOBAL_BATCH_SIZE: one order of the rows for every replica count (GlobalOrderSampler).
-        self.global_batch = global_batch
         # When this process reached its first step (logs/rank-R.json); one of the callbacks.
         self.startup = startup
 
     def create_optimizer(self, model=None):
-        if self.optimizer is None and self.param_groups is not None:
+        if self.optimizer is None and len(set(self.plan.rates.values())) > 1:  # else the Trainer's own groups
             opt_model = self.model if model is None else model
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-            self.optimizer = optimizer_cls(self.param_groups(opt_model.named_parameters()), **optimizer_kwargs)
+            groups = optimizer_groups(opt_model.named_parameters(), self.plan.rates, self.args.weight_decay)
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         optimizer = super().create_optimizer(model)
         if self.args.deepspeed and offloads(self.args.hf_deepspeed_config.config)[0]:
             # ZeRO-Offload steps on the CPU, where DeepSpeed takes its own CPU Adam only (a C++ op compiled once
@@ -155,8 +154,8 @@ class JobTrainer(Trainer):
         if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, datasets.Dataset):
             # Arrow has the lengths already: the same lengths as the library's loop, so the same batches.
             lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
-            if self.global_batch:
-                return GlobalOrderSampler(self.global_batch, lengths, self.args.seed)
+            if self.plan.batch.fixed:
+                return GlobalOrderSampler(self.plan.batch.global_batch, lengths, self.args.seed)
             return EpochSeededLengthGroupedSampler(
                 self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths, self.args.seed
             )
@@ -514,7 +513,7 @@ def resume_key(job: Job, data) -> dict:
     without a word. The world size too, unless GLOBAL_BATCH_SIZE fixes one global order of the rows
     (`elastic`): then any count that divides the global batch resumes at the same row. Not under DeepSpeed,
     whose checkpoints hold each rank's partition of the optimizer state (`optimizer_per_rank`)."""
-    plan = job.batch
+    plan = job.plan.batch
     per_rank = job.strategy == "deepspeed"
     key = {
         "world_size": plan.world_size,
@@ -641,9 +640,6 @@ def build_trainer(
     callbacks.append(CheckpointFolder(out, marker))  # after StopOnPreemption, which may ask for a save
     if dist.is_main and "tensorboard" in settings.report_to:
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / settings.run_name))
-    param_groups = None
-    if len(set(job.plan.rates.values())) > 1:
-        param_groups = partial(optimizer_groups, rates=job.plan.rates, weight_decay=args.weight_decay)
     return JobTrainer(
         model=model,
         args=args,
@@ -654,7 +650,6 @@ def build_trainer(
         processing_class=tokenizer,
         compute_metrics=task_metrics(model),
         callbacks=callbacks,
-        param_groups=param_groups,
-        global_batch=job.plan.batch.global_batch if job.plan.batch.fixed else None,
+        plan=job.plan,
         startup=startup,
     )
