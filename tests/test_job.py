@@ -63,7 +63,6 @@ def test_one_process_trains_saves_and_the_model_loads_back(finished_run, tiny_be
     assert "real_accelerator" not in finished_run.first.stderr + finished_run.first.stdout
 
 
-@pytest.mark.check
 def test_dry_run_prints_the_plan_the_run_trained_with(finished_run):
     """What `--dry-run` prints is what the run used: run.json records the same plan, completed with what only the
     device (precision, quantization) and the data (the steps) tell, and the Trainer trained with it."""
