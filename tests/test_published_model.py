@@ -5,6 +5,7 @@ labels, the merged weights and predict.py (MLflow: tests/test_tracking.py, again
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
 import json
@@ -27,6 +28,7 @@ from tests.conftest import (
     base_env,
     error_lines,
     push_settings,
+    rank_record,
     run_main,
     run_predict,
 )
@@ -133,6 +135,35 @@ def test_metrics_and_evaluation_during_training_reach_metrics_json_and_tensorboa
     # 125 steps an epoch: evaluated every 31 steps during 2 epochs (EVAL_STEPS unset), then once more at the end.
     assert steps[:8] == [31 * n for n in range(1, 9)] and steps[-1] == 250, steps
     assert {"eval/f1", "eval/precision", "eval/recall"} <= set(events.Tags()["scalars"])
+
+
+def test_the_rank_log_holds_the_settings_each_logged_loss_the_evaluation_and_the_outcome(finished_run):
+    out = finished_run.out
+    log = (out / "logs" / "rank-0.log").read_text()
+    settings = json.loads((out / "run.json").read_text())["settings"]
+    [shown] = re.findall(r" utils\.run: settings that change the result: (\{.*\})$", log, re.M)
+    shown = ast.literal_eval(shown)
+    assert shown == {name: settings[name] for name in shown} and {"model_name", "lora_r", "seed"} <= set(shown)
+    logged = [
+        (int(step), ast.literal_eval(values))
+        for step, values in re.findall(r" utils\.run: step (\d+): (\{.*\})$", log, re.M)
+    ]
+    last = max(out.glob("checkpoints/checkpoint-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
+    history = json.loads((last / "trainer_state.json").read_text())["log_history"]
+    losses = [(entry["step"], entry["loss"], entry["learning_rate"]) for entry in history if "loss" in entry]
+    assert len(losses) > 2 and [(s, v["loss"], v["learning_rate"]) for s, v in logged if "loss" in v] == losses
+    evaluations = [values for _, values in logged if "eval_accuracy" in values]
+    assert len(evaluations) == len(history) - len(losses) + 1  # the evaluations during training, and the final one
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {key: evaluations[-1][key] for key in ("eval_accuracy", "eval_loss")} == {
+        key: metrics[key] for key in ("eval_accuracy", "eval_loss")
+    }
+    # No library's INFO records (transformers' config and weights dumps, datasets' builder steps) but the Trainer's.
+    sources = {name for name in re.findall(r"^\S+ \S+ rank0 (?:INFO|DEBUG) (\S+):", log, re.M)}
+    assert {name for name in sources if not name.startswith("utils.")} == {"transformers.trainer"}, sources
+    # The outcome: the exit code the first start ended with (the Hub refused the push) and where the model is.
+    [outcome] = [line for line in log.splitlines() if rank_record(out, 0)["trainable_checksum"] in line]
+    assert f"exit {finished_run.first.code}" in outcome and str(out / "model") in outcome
 
 
 def test_merged_model_loads_without_peft_and_predicts_as_the_adapter(finished_run, tiny_bert, tmp_path):
