@@ -9,6 +9,7 @@ import ast
 import csv
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ from tests.conftest import (
     BASE_ID,
     LABELS,
     MERGED_ID,
+    REPO,
     REPO_ID,
     Result,
     assert_token_absent,
@@ -347,11 +349,11 @@ def test_a_finished_run_publishes_the_label_names_it_was_trained_with(finished_r
 
 
 @pytest.fixture
-def unpushed_run(job_env, tmp_path, sst2_dir) -> dict[str, str]:
+def unpushed_run(job_env, tmp_path, sst2_dir, tiny_bert) -> dict[str, str]:
     """A short run trained from the local tiny model with no push and no BASE_MODEL_ID (the air-gapped flow), on
-    its own copy of the data; its environment."""
+    its own copy of the data; its environment. MODEL_NAME is relative to the folder main.py starts in."""
     data = shutil.copytree(sst2_dir, tmp_path / "data")
-    env = {**job_env, "DATASET_PATH": str(data), "MAX_STEPS": "2"}
+    env = {**job_env, "DATASET_PATH": str(data), "MAX_STEPS": "2", "MODEL_NAME": os.path.relpath(tiny_bert, REPO)}
     env.pop("NUM_EPOCHS")
     first = run_main(env)
     assert first.code == 0, first.stderr[-3000:]
@@ -366,7 +368,10 @@ def test_push_only_with_base_model_id_pushes_an_adapter_that_names_the_base_the_
     the base the card names, so the pushed adapter loads off the cluster."""
     out = tmp_path / "out"
     on_volume = json.loads((out / "model" / "adapter_config.json").read_text())
-    assert on_volume["base_model_name_or_path"] == str(tiny_bert)
+    assert on_volume["base_model_name_or_path"] == str(tiny_bert)  # the relative MODEL_NAME, made absolute
+    # So predict.py finds the base from any folder, with no --base-model.
+    answers = run_predict(base_env(tmp_path), out / "model", stdin="\n".join(SENTENCES), cwd=tmp_path)
+    assert answers.code == 0 and len(answers.stdout.splitlines()) == len(SENTENCES), answers.stderr[-3000:]
     for args, repo in ((["--push-only"], REPO_ID), ([], AGAIN_ID)):
         result = run_main({**unpushed_run, **push_settings(hub), "RESULT_MODEL_ID": repo}, *args)
         assert result.code == 0, result.stderr[-3000:]
