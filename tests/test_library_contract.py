@@ -346,8 +346,8 @@ def test_mlflow_tells_a_tracking_uri_it_has_no_store_for():
     assert callable(stores.get_store_builder("http://tracking.example:5000")), f"{where}: no store builder for http"
     with pytest.raises(Exception) as refused:
         stores.get_store_builder("nosuch://tracking")
-    # The client alone (mlflow-skinny, as in the image) registers no database store: sqlite comes with the full mlflow.
-    assert {"http", "https"} <= set(getattr(stores, "_registry", {})), (
+    # The client alone (mlflow-skinny, as in the image) registers the web and database stores (sqlite: docs/settings.md).
+    assert {"http", "https", "sqlite"} <= set(getattr(stores, "_registry", {})), (
         f"{where}: the registry's `_registry` no longer maps schemes ({type(refused.value).__name__} for nosuch://); "
         "utils/settings.py lists the known ones in its refusal"
     )
