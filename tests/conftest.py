@@ -8,8 +8,10 @@ DeepSpeed comparisons reuse so that every strategy is held to the same yardstick
 from __future__ import annotations
 
 import copy
+import csv
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -33,7 +35,15 @@ K8S = REPO / "k8s"
 DOCKERFILE = REPO / "Dockerfile"
 SCHEMAS = REPO / "tests" / "schemas"  # the Kubeflow CRDs, vendored (their source in the README beside them)
 
-from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
+from scripts.make_demo_assets import (  # noqa: E402
+    FILLER,
+    NEGATIVE,
+    NOUNS,
+    POSITIVE,
+    VERBS,
+    write_dataset,
+    write_tiny_bert,
+)
 from tests.hub_stub import HubStub  # noqa: E402
 from utils.distributed import LAUNCHER_VARIABLES  # noqa: E402
 
@@ -459,6 +469,59 @@ def train_one_and_two(tmp: Path, settings: dict, batch: int) -> tuple[Path, Path
     assert single.code == 0, single.stderr[-3000:]
     assert codes == [0, 0], [(tmp / f"ddp-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
     return one_out, two_out
+
+
+WORDS = 8  # every fixed-length sentence: a subject, a verb, an adjective, filler: [CLS] + 8 word tokens + [SEP]
+# DDP against one process (tests/test_ddp_numerics.py), measured on 2 CPU cores (fp32, gloo): losses within 9e-8
+# relative, adapter weights within 3.4e-7 absolute (values up to 0.17). The tolerances sit a few times above that;
+# a rate x2 moves step 2's eval loss by 1e-2 (relative) and the weights by up to 0.3.
+LOSS_RTOL = 1e-6
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
+
+
+def write_fixed_length_data(folder: Path, counts: tuple[int, int], seed: int = 1, extra_words=None) -> Path:
+    """`counts` (train, validation) sentences of exactly WORDS words from the tiny model's vocabulary, labelled
+    by their adjective; with `extra_words` (rng -> a count), that many filler words instead, for sentences of
+    many lengths."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True)
+    for split, rows in zip(("train", "validation"), counts, strict=True):
+        with open(folder / f"{split}.csv", "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["sentence", "label"])
+            for _ in range(rows):
+                label = rng.randint(0, 1)
+                words = ["the", rng.choice(NOUNS), rng.choice(VERBS), rng.choice(POSITIVE if label else NEGATIVE)]
+                fill = extra_words(rng) if extra_words else WORDS - len(words)
+                words += [rng.choice(FILLER + NOUNS) for _ in range(fill)]
+                writer.writerow([" ".join(words), label])
+    return folder
+
+
+def adapter_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model" / "adapter_model.safetensors")
+
+
+def first_divergence(one: dict[int, float], two: dict[int, float], rtol: float) -> str | None:
+    """Where two curves (step -> value) first differ by more than `rtol` (relative), in words; None if nowhere."""
+    assert one.keys() == two.keys(), f"logged at different steps: {sorted(one)} vs {sorted(two)}"
+    for step in sorted(one):
+        a, b = one[step], two[step]
+        if abs(a - b) > rtol * max(abs(a), abs(b)):
+            later = ", ".join(f"{s}: {one[s]:.6g} vs {two[s]:.6g}" for s in sorted(one) if s > step)
+            return (
+                f"first differs at step {step}: {a:.8g} (1 process) vs {b:.8g} (2 replicas), "
+                f"relative difference {abs(a - b) / max(abs(a), abs(b)):.2e} > {rtol:g}"
+                + (
+                    " (before any update: other rows, other initial weights or another loss scale)"
+                    if step == 1
+                    else ""
+                )
+                + (f"; later: {later}" if later else "")
+            )
+    return None
 
 
 @pytest.fixture

@@ -27,10 +27,12 @@ import pytest
 from tests.conftest import (
     REPO,
     Replicas,
+    adapter_weights,
     base_env,
     complete_steps,
     configured,
     error_lines,
+    first_divergence,
     free_port,
     push_settings,
     rank_env,
@@ -40,12 +42,6 @@ from tests.conftest import (
     start_main,
     wait_all,
     wait_for,
-)
-from tests.test_ddp_numerics import (
-    TRAIN_ROWS,
-    VALIDATION_ROWS,
-    adapter_weights,
-    first_divergence,
     write_fixed_length_data,
 )
 
@@ -56,6 +52,7 @@ pytestmark = pytest.mark.skipif(
 # Compiled once per venv, never per test run: CI pays the compile at most once.
 EXTENSIONS = Path(sys.prefix) / "torch-extensions"
 BATCH = 4  # rows per replica per step: 8 steps an epoch of the fixed-length data
+TRAIN_ROWS, VALIDATION_ROWS = 64, 32
 STEPS = TRAIN_ROWS // (2 * BATCH)
 SAVE_EVERY = 4
 # The ZeRO-3 run checkpoints twice as often: its 8 steps then leave room for a stop and, after the restart, a
@@ -125,7 +122,7 @@ def weight_differences(ours: dict, theirs: dict) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def fixed_data(tmp_path_factory) -> Path:
-    return write_fixed_length_data(tmp_path_factory.mktemp("fixed") / "data")
+    return write_fixed_length_data(tmp_path_factory.mktemp("fixed") / "data", counts=(TRAIN_ROWS, VALIDATION_ROWS))
 
 
 @pytest.fixture(scope="module")

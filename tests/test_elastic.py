@@ -22,13 +22,18 @@ import psutil
 import pytest
 
 from tests.conftest import (
+    LOSS_RTOL,
     REPO,
+    WEIGHT_ATOL,
+    WEIGHT_RTOL,
     Replicas,
+    adapter_weights,
     base_env,
     complete_steps,
     config_maps,
     container_env,
     error_lines,
+    first_divergence,
     free_port,
     kustomize,
     pod_env,
@@ -38,13 +43,6 @@ from tests.conftest import (
     start_main,
     wait_all,
     wait_for,
-)
-from tests.test_ddp_numerics import (
-    LOSS_RTOL,
-    WEIGHT_ATOL,
-    WEIGHT_RTOL,
-    adapter_weights,
-    first_divergence,
     write_fixed_length_data,
 )
 
