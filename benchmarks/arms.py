@@ -122,9 +122,11 @@ def build_job_arm(settings: Settings, cuda: bool):
     from utils.job import Job
     from utils.model import build_model, load_tokenizer
     from utils.outputs import open_run_dir
+    from utils.preemption import Preemption
     from utils.trainer import build_trainer
 
-    job = Job.start(settings, detect_env({}), open_run_dir(settings))  # one process; it reads `cuda` from torch too
+    # One process; it reads `cuda` from torch too. The handler is not installed: a benchmark stops at Ctrl-C.
+    job = Job.start(settings, detect_env({}), open_run_dir(settings), preemption=Preemption())
     tokenizer = load_tokenizer(settings)
     data = load_sst2(settings, tokenizer, job.out.cache)
     set_seed(settings.seed)

@@ -345,6 +345,7 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     from utils.job import Job
     from utils.model import build_model, load_tokenizer
     from utils.outputs import RunDir
+    from utils.preemption import Preemption
     from utils.settings import Settings
     from utils.trainer import build_trainer
 
@@ -364,7 +365,7 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     single = DistEnv(
         rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"
     )
-    job = Job.start(settings, single, run)
+    job = Job.start(settings, single, run, preemption=Preemption())  # not installed: no signal reaches it
     torch.manual_seed(settings.seed)
     model = build_model(settings, job.quantize, job.device)
     return build_trainer(job, model, load_tokenizer(settings), data, key={})

@@ -31,7 +31,7 @@ class Job:
     quantize: bool  # 8-bit base weights (bitsandbytes)
     precision: str  # fp32, bf16 or fp16: never `auto`
     batch: BatchPlan  # global batch, micro-batch and accumulation for this world size
-    preemption: Preemption | None = None  # the installed stop-signal handler; None: signals are not deferred
+    preemption: Preemption  # the stop-signal handler (main.py installs it); training defers signals through it
     masker: Masker | None = None  # the token masking on stdout/stderr, for the log handlers too
 
     @classmethod
@@ -41,7 +41,7 @@ class Job:
         dist: DistEnv,
         out: RunDir,
         *,
-        preemption: Preemption | None = None,
+        preemption: Preemption,
         masker: Masker | None = None,
     ) -> Job:
         cuda = torch.cuda.is_available()
