@@ -285,19 +285,15 @@ def mlflow_server(tmp_path_factory) -> TrackingServer:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + MLFLOW_START_SECONDS
-        while True:
-            assert server.poll() is None, f"mlflow server exited {server.returncode}:\n{log.read_text()[-3000:]}"
+
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
-                    if answer.status == 200:
-                        break
+                    return answer.status == 200
             except OSError:
-                pass
-            assert time.monotonic() < deadline, (
-                f"mlflow server not up in {MLFLOW_START_SECONDS} s:\n{log.read_text()[-3000:]}"
-            )
-            time.sleep(0.5)
+                return False
+
+        wait_until(healthy, "answer from the mlflow server", [server], MLFLOW_START_SECONDS, log, every=0.5)
         yield TrackingServer(url, store)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -555,14 +551,31 @@ def wait_all(
     return codes
 
 
+def wait_until(
+    condition: Callable[[], object],
+    what: str,
+    procs: list[subprocess.Popen] | tuple = (),
+    timeout: float = 300,
+    log: Path | None = None,
+    every: float = 0.05,
+):
+    """Poll `condition()` every `every` s until it returns something true, and return that. Fail as soon as one
+    of `procs` has exited, or once `timeout` s have passed, saying which `what` never came (and `log`'s tail)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        ended = [proc.returncode for proc in procs if proc.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            tail = f"\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
+            pytest.fail(
+                f"exit codes {ended} before {what}{tail}" if ended else f"no {what} within {timeout:g} s{tail}"
+            )
+        time.sleep(every)
+    return value
+
+
 def wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
     """Wait until `path` exists; fail early if a replica exits first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        ended = [proc.returncode for proc in procs if proc.poll() is not None]
-        assert not ended, f"a replica exited ({ended}) before {path} appeared"
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
-        time.sleep(0.05)
+    wait_until(path.exists, f"{path}", procs, timeout)
 
 
 def rank_record(out: Path, rank: int) -> dict:

@@ -18,6 +18,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from scripts.make_demo_assets import write_dataset
@@ -42,6 +43,7 @@ from tests.conftest import (
     training_settings,
     wait_all,
     wait_for,
+    wait_until,
 )
 
 SECRET = "hf_fault_secret_0123456789abcdef"
@@ -227,17 +229,21 @@ def test_replicas_with_different_settings_all_stop_with_exit_2_naming_them(repli
 # ------------------------------------------------------------------------------- 5: stop signals
 def test_sigterm_while_waiting_in_the_rendezvous_exits_143_within_seconds(tmp_path, tiny_bert, sst2_dir):
     """Rank 0 waits in the store's native wait for a peer that never comes: the Python handler cannot run there."""
-    log = tmp_path / "rank0.txt"
+    log, port = tmp_path / "rank0.txt", free_port()
     env = rank_env(
-        tmp_path, 0, 2, free_port(), **training_settings(tiny_bert, sst2_dir, tmp_path / "out", RENDEZVOUS_TIMEOUT=300)
+        tmp_path, 0, 2, port, **training_settings(tiny_bert, sst2_dir, tmp_path / "out", RENDEZVOUS_TIMEOUT=300)
     )
     proc = start_main(env, log=log)
+    rank0 = psutil.Process(proc.pid)
+
+    def waiting_in_the_store() -> bool:
+        """Its store's three clients (the store's own, the heartbeat's two) connected, and its main thread asleep:
+        in the store's wait for the peer's agreement."""
+        clients = [c for c in rank0.net_connections("tcp") if c.raddr and c.raddr.port == port]
+        return len(clients) >= 3 and rank0.status() == psutil.STATUS_SLEEPING
+
     try:
-        deadline = time.monotonic() + 120
-        while "device cpu" not in log.read_text():  # past the imports: in the rendezvous
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.2)
-        time.sleep(2)
+        wait_until(waiting_in_the_store, "wait in rank 0's store", [proc], 120, log)
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         assert proc.wait(timeout=30) == 143
@@ -419,9 +425,7 @@ def test_a_folder_refuses_a_second_job_while_in_use_but_a_refused_start_or_a_kil
         one_error((tmp_path / "second.txt").read_text(), "is in use by another job (host")
         assert first.poll() is None, f"the holder finished its {LOCK_STEPS} steps before a second job started"
         # The holder goes on; killed near its end, so the restart has little left to train.
-        while max(complete_steps(out), default=0) < LOCK_STEPS - 100:
-            assert first.poll() is None, f"the holder ended ({first.returncode}) before it was killed"
-            time.sleep(0.05)
+        wait_until(lambda: max(complete_steps(out), default=0) >= LOCK_STEPS - 100, "checkpoint near the end", [first])
         first.kill()  # SIGKILL: the lock file stays, with a heartbeat that stops
         first.wait()
     finally:
@@ -527,14 +531,12 @@ def test_a_lost_peer_error_during_the_evaluation_bar_starts_its_own_line(replica
     settings.pop("NUM_EPOCHS")
     procs = replicas.start("bar", settings)
     stream, log = tmp_path / "bar-rank0.txt", out / "logs" / "rank-0.log"
-    deadline = time.monotonic() + 300
-    while True:  # the last evaluation (trainer.evaluate, after training) has begun and its bar is being drawn
-        assert procs[0].poll() is None and procs[1].poll() is None, stream.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the final evaluation did not start within 300 s"
+
+    def drawing_the_evaluation_bar() -> bool:  # the last evaluation (trainer.evaluate, after training) has begun
         evaluating = log.exists() and "Running Evaluation" in log.read_text()  # the only one: EVAL_STEPS > MAX_STEPS
-        if evaluating and "%|" in stream.read_text().rsplit("\n", 1)[-1]:
-            break
-        time.sleep(0.05)
+        return evaluating and "%|" in stream.read_text().rsplit("\n", 1)[-1]
+
+    wait_until(drawing_the_evaluation_bar, "final evaluation's progress bar", procs, log=stream)
     procs[1].kill()
     assert procs[0].wait(timeout=TIMEOUT + 60) == 143
     lines = stream.read_text().splitlines()

@@ -25,6 +25,7 @@ from tests.conftest import (
     run_main,
     start_main,
     wait_all,
+    wait_until,
 )
 from utils.outputs import RUN_MARKER
 
@@ -91,11 +92,10 @@ def test_links_planted_in_the_tensorboard_folder_during_the_run_are_never_pushed
     env = job_settings(job_env, **push_settings(hub), MAX_STEPS="20")
     events = tmp_path / "out" / "tensorboard" / run_name(env)
     job = start_main(env, log=tmp_path / "job.txt")
-    deadline = time.monotonic() + 240
-    while not any(events.glob("events.out.tfevents.*")):  # the writer exists: training has begun
-        assert job.poll() is None, (tmp_path / "job.txt").read_text()[-3000:]
-        assert time.monotonic() < deadline, "no TensorBoard event file appeared"
-        time.sleep(0.05)
+    # The writer exists: training has begun.
+    wait_until(
+        lambda: any(events.glob("events.out.tfevents.*")), "TensorBoard event file", [job], 240, tmp_path / "job.txt"
+    )
     (events / "cache-link").symlink_to(secrets["token_folder"])
     (events / "id_ed25519").symlink_to(secrets["key"])
     (events / "hf_token").symlink_to(secrets["token"])
@@ -156,11 +156,8 @@ def test_a_checkpoint_folder_linked_during_the_run_is_refused_at_the_save(job_en
     out = tmp_path / "out"
     env = {**job_env, **push_settings(hub), "SAVE_STEPS": "5"}
     job = start_main(env, log=tmp_path / "job.txt")
-    deadline = time.monotonic() + 240
-    while not (out / "checkpoints" / "checkpoint-5" / "COMPLETE").exists():
-        assert job.poll() is None, (tmp_path / "job.txt").read_text()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint was completed"
-        time.sleep(0.05)
+    complete = out / "checkpoints" / "checkpoint-5" / "COMPLETE"
+    wait_until(complete.exists, "complete checkpoint", [job], 240, tmp_path / "job.txt")
     link = out / "checkpoints" / "checkpoint-25"  # a name anyone can predict from SAVE_STEPS
     link.symlink_to(outside, target_is_directory=True)
     assert wait_all([job]) == [2], (tmp_path / "job.txt").read_text()[-3000:]

@@ -32,6 +32,7 @@ from tests.conftest import (
     training_settings,
     wait_all,
     wait_for,
+    wait_until,
 )
 from utils.outputs import RUN_MARKER
 
@@ -243,17 +244,34 @@ class SlowTeardown:  # keeps the interpreter shutting down for 3 s: any beat sti
 teardown = SlowTeardown()
 print("beating", flush=True)
 sys.stdin.readline()  # rank 0 is stopped now, and a beat waits on it
+print("leaving", flush=True)
 group.leave()
 sys.exit(2)
 """
 STORE_RANK0 = """
-import time
+import signal
 from datetime import timedelta
 import torch.distributed as td
+from utils.collectives import BEAT_KEY
 store = td.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
 print(store.port, flush=True)
-time.sleep(600)
+store.wait([BEAT_KEY.format(rank=1)])
+print("beaten", flush=True)
+signal.pause()
 """
+
+
+def unread_requests(port: int) -> bool:
+    """Whether a connection to the store on `port` holds bytes its server has not read (/proc/net/tcp's rx_queue):
+    a request waiting on a stopped store."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)  # the header
+            for row in rows:
+                _, local, _, _, queues, *_ = row.split()
+                if int(local.rsplit(":", 1)[1], 16) == port and int(queues.split(":")[1], 16):
+                    return True
+    return False
 
 
 def test_an_error_exit_while_a_heartbeat_waits_on_a_silent_rank0_keeps_its_exit_code():
@@ -261,9 +279,9 @@ def test_an_error_exit_while_a_heartbeat_waits_on_a_silent_rank0_keeps_its_exit_
     rank0 = subprocess.Popen([sys.executable, "-c", STORE_RANK0], stdout=subprocess.PIPE, text=True, env=env)
     rank1 = None
     try:
-        port = rank0.stdout.readline().strip()
+        port = int(rank0.stdout.readline().strip())
         rank1 = subprocess.Popen(
-            [sys.executable, "-c", HEARTBEAT_RANK1, port],
+            [sys.executable, "-c", HEARTBEAT_RANK1, str(port)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -271,12 +289,13 @@ def test_an_error_exit_while_a_heartbeat_waits_on_a_silent_rank0_keeps_its_exit_
             env=env,
         )
         assert rank1.stdout.readline().strip() == "beating", rank1.stderr.read()
-        time.sleep(1.5)  # a beat or two reach rank 0
+        assert rank0.stdout.readline().strip() == "beaten"  # a beat reached rank 0
         rank0.send_signal(signal.SIGSTOP)
-        time.sleep(1.5)  # the next beat is now waiting on the silent store
+        wait_until(lambda: unread_requests(port), "beat waiting on the stopped store", [rank1], timeout=60)
         rank1.stdin.write("exit\n")
         rank1.stdin.close()
-        time.sleep(1)  # rank 1 is on its way out; now rank 0 dies, and a beat still waiting fails
+        # Rank 1 is on its way out; now rank 0 dies, and the beat still waiting fails.
+        assert rank1.stdout.readline().strip() == "leaving", rank1.stderr.read()
         rank0.kill()
         stderr = rank1.stderr.read()
         rank1.wait(timeout=60)

@@ -27,6 +27,7 @@ from tests.conftest import (
     start_main,
     training_settings,
     wait_all,
+    wait_until,
 )
 
 # One epoch of a small data set: 10 optimizer steps (160 rows per rank, batch 16), and the checkpoint the Trainer
@@ -54,12 +55,7 @@ def restarted_by_policy(codes: dict[int, int]) -> tuple[int, ...]:
 
 def poll_until(condition, procs: list[subprocess.Popen], what: str, timeout: float = 300) -> None:
     """Wait (polling every 2 ms, so a moment that lasts a fraction of a second is caught) until `condition()`."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        ended = {proc.pid: proc.returncode for proc in procs if proc.poll() is not None}
-        assert not ended, f"a replica exited {ended} before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.002)
+    wait_until(condition, what, procs, timeout, every=0.002)
 
 
 def finish_by_policy(replicas: Replicas, settings: dict, codes: dict[int, int], tmp: Path) -> tuple[int, ...]:

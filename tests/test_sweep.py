@@ -14,7 +14,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from tests.conftest import (
     run_script,
     schema_errors,
     strict,
+    wait_until,
 )
 
 SWEEP = REPO / "sweep.py"
@@ -214,11 +214,13 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
             [sys.executable, str(SWEEP), str(spec)], env=env, cwd=REPO, stdout=first_log, stderr=subprocess.STDOUT
         )
         try:
-            deadline = time.monotonic() + 300
-            while study_states(out / "study.db") != [("trial-000", "COMPLETE"), ("trial-001", "RUNNING")]:
-                assert first.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, study_states(out / "study.db")
-                time.sleep(0.2)
+            wait_until(
+                lambda: study_states(out / "study.db") == [("trial-000", "COMPLETE"), ("trial-001", "RUNNING")],
+                "first trial complete and the second running",
+                [first],
+                log=log,
+                every=0.2,
+            )
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait()

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +31,7 @@ from tests.conftest import (
     run_main,
     start_main,
     tiny_run_settings,
+    wait_until,
 )
 from utils.errors import volume_state
 from utils.outputs import checkpoint_damage
@@ -71,11 +71,7 @@ def long_run(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, s
 
 
 def wait_for_complete_checkpoint(out: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not complete_steps(out):
-        assert all(proc.poll() is None for proc in procs), "the job ended before its first checkpoint"
-        assert time.monotonic() < deadline, f"no complete checkpoint in {out} after {timeout} s"
-        time.sleep(0.1)
+    wait_until(lambda: complete_steps(out), f"complete checkpoint in {out}", procs, timeout, every=0.1)
 
 
 def assert_one_error_line(text: str, *says: str) -> str:
