@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -46,6 +46,7 @@ from scripts.make_demo_assets import (  # noqa: E402
 )
 from tests.hub_stub import HubStub  # noqa: E402
 from utils.distributed import LAUNCHER_VARIABLES  # noqa: E402
+from utils.errors import EXIT_BAD_INPUT  # noqa: E402
 
 # Variables a launcher or the developer's shell may have set; a test starts from none of them.
 LAUNCHER_VARS = (*LAUNCHER_VARIABLES, "HF_TOKEN", "HF_TOKEN_PATH", "RESULT_MODEL_ID", "OUTPUT_DIR")
@@ -597,15 +598,27 @@ def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
 
 
-def assert_refused_as_bad_input(env: dict[str, str], args: list[str], says: str, hub: HubStub) -> Result:
+def assert_refusal(result: Result | str, names: Iterable[str] = (), code: int | None = EXIT_BAD_INPUT) -> str:
+    """A refusal checked by what it must name, not by its wording: exit `code` (for a `Result`; a stream's code is
+    the test's to check), one `error:` line, no traceback, and each of `names` in that line: the setting (its
+    variable or flag), the offending value, the path, what the user acts on. Returns the line."""
+    text = result if isinstance(result, str) else result.stderr
+    if not isinstance(result, str) and code is not None:
+        assert result.code == code, text[-3000:]
+    errors = error_lines(text)
+    assert len(errors) == 1 and "Traceback" not in text, text[-3000:]
+    missing = [name for name in names if name not in errors[0]]
+    assert not missing, f"{missing} not named in: {errors[0]}"
+    return errors[0]
+
+
+def assert_refused_as_bad_input(env: dict[str, str], args: list[str], names: Iterable[str], hub: HubStub) -> Result:
     """Run the job with `env` (None values: variables removed) and check the bad-input contract: exit 2, one
-    `error:` line saying `says`, no traceback, no training step, nothing pushed, the token not shown."""
+    `error:` line naming each of `names` (`assert_refusal`), no training step, nothing pushed, the token not shown."""
     env = {name: value for name, value in env.items() if value is not None}
     result = run_main(env, *args, timeout=180)
-    assert result.code == 2, result.stderr[-3000:]
-    errors = error_lines(result.stderr)
-    assert len(errors) == 1 and says in errors[0], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr + result.stdout
+    assert_refusal(result, names)
+    assert "Traceback" not in result.stdout
     assert hub.commits == [] and hub.count("/api/repos/create") == 0  # nothing pushed
     out = Path(env["OUTPUT_DIR"])
     assert not list(out.glob("checkpoints/checkpoint-*")) and not (out / "model").exists()  # no training step taken
