@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import base_env, configured, error_lines, free_port, rank_env, run_main, start_main
+from tests.conftest import assert_refusal, base_env, configured, free_port, rank_env, run_main, start_main
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import FIELDS, Settings, describe_range, env_name, flag_name, load_settings
 
@@ -403,10 +403,7 @@ def test_two_ranks_with_a_huge_rendezvous_timeout_are_refused_at_once(tmp_path):
     assert codes == [2, 2] and time.monotonic() - started < 60
     for rank in range(2):
         output = (tmp_path / f"rank-{rank}.out").read_text()
-        assert error_lines(output) == [
-            "error: RENDEZVOUS_TIMEOUT=100000000000 is invalid: Input should be less than or equal to 86400 "
-            "(range: 10 to 86400); fix RENDEZVOUS_TIMEOUT or --rendezvous-timeout"
-        ], output
+        assert_refusal(output, ["RENDEZVOUS_TIMEOUT=100000000000", "10 to 86400", "--rendezvous-timeout"])
     assert not out.exists()  # refused before the run folder
 
 
@@ -509,9 +506,7 @@ def test_help_answers_whatever_hf_token_holds_and_never_shows_it(tmp_path):
         assert result.code == 0 and "usage: main.py" in result.stdout and result.stderr == "", result.stderr
         assert not any(line and line in result.stdout for line in token.splitlines() if len(line) > 5)
     refused = run_main(base_env(tmp_path, HF_TOKEN="bad"), "--dry-run")
-    assert refused.code == 2 and error_lines(refused.stderr) == [
-        "error: HF_TOKEN is 3 characters long, too short for a Hub token; set the whole token"
-    ]
+    assert_refusal(refused, ["HF_TOKEN", "3 characters"])
 
 
 def test_settings_doc_states_every_range_the_code_holds():
