@@ -183,7 +183,7 @@ def test_a_changed_spec_is_refused_on_an_existing_study(grid_sweep, tmp_path, ca
     spec = yaml.safe_load(grid_sweep.spec.read_text())
     spec["grid"]["learning_rate"] = [1.0e-3, 3.0e-2]
     result = sweep_in_process(capsys, write_spec(tmp_path, "changed", **spec))
-    assert_refusal(result, [str(grid_sweep.out / "study.db"), "trial-001", "output_dir"])
+    assert_refusal(result, [str(grid_sweep.out / "study.db"), "trial-000", "'learning_rate': 0.001", "output_dir"])
     assert "sweep: start" not in result.stdout
     spec = yaml.safe_load(grid_sweep.spec.read_text())
     spec["settings"]["MAX_STEPS"] = "4"
