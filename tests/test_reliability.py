@@ -8,10 +8,12 @@ uninterrupted two-replica run (module fixture) is the reference every interrupte
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -255,9 +257,10 @@ signal.pause()
 """
 
 
-def unread_requests(port: int) -> bool:
-    """Whether a connection to the store on `port` holds bytes its server has not read (/proc/net/tcp's rx_queue):
-    a request waiting on a stopped store."""
+def beat_waiting(port: int, pid: int) -> bool:
+    """Whether a beat of process `pid` waits on the stopped store on `port`: its request sits unread in the
+    store's socket (/proc/net/tcp's rx_queue), or, read just before the stop and never answered, it keeps a thread
+    of `pid` other than the main one asleep in a socket read (wchan wait_woken; between beats it waits on a futex)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as rows:
             next(rows)  # the header
@@ -265,7 +268,8 @@ def unread_requests(port: int) -> bool:
                 _, local, _, _, queues, *_ = row.split()
                 if int(local.rsplit(":", 1)[1], 16) == port and int(queues.split(":")[1], 16):
                     return True
-    return False
+    threads = [tid for tid in os.listdir(f"/proc/{pid}/task") if tid != str(pid)]
+    return any(Path(f"/proc/{pid}/task/{tid}/wchan").read_text() == "wait_woken" for tid in threads)
 
 
 def test_an_error_exit_while_a_heartbeat_waits_on_a_silent_rank0_keeps_its_exit_code():
@@ -285,7 +289,7 @@ def test_an_error_exit_while_a_heartbeat_waits_on_a_silent_rank0_keeps_its_exit_
         assert rank1.stdout.readline().strip() == "beating", rank1.stderr.read()
         assert rank0.stdout.readline().strip() == "beaten"  # a beat reached rank 0
         rank0.send_signal(signal.SIGSTOP)
-        wait_until(lambda: unread_requests(port), "beat waiting on the stopped store", [rank1], timeout=60)
+        wait_until(lambda: beat_waiting(port, rank1.pid), "beat waiting on the stopped store", [rank1], timeout=60)
         rank1.stdin.write("exit\n")
         rank1.stdin.close()
         # Rank 1 is on its way out; now rank 0 dies, and the beat still waiting fails.
