@@ -63,6 +63,12 @@ class Job:
     def strategy(self) -> str:
         return self.settings.strategy
 
+    @property
+    def compiled(self) -> bool:
+        """TORCH_COMPILE: the fast path (utils/trainer.compile_model); `auto` takes it on CUDA under DDP."""
+        wanted = self.settings.torch_compile
+        return wanted is True or (wanted == "auto" and self.cuda and self.strategy == "ddp")
+
     def leave_unused_libraries_out(self) -> None:
         """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights (`leave_out`). Called before
         transformers is imported."""

@@ -52,7 +52,7 @@ from utils.run_lock import RunLock
 from utils.settings import check_tracker_uri
 from utils.strategy import check_strategy, full_state_dict
 from utils.tasks import headline
-from utils.trainer import JobTrainer, build_trainer, resume_key
+from utils.trainer import JobTrainer, build_trainer, compile_record, length_buckets, resume_key
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
@@ -434,7 +434,18 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             ),
             "first_step": trainer.startup.first_step + 1,
             "seconds_to_first_step": trainer.startup.seconds,
+            # TORCH_COMPILE's graphs (None: eager); tests hold them to the length buckets.
+            "compile": compile_record() if job.compiled else None,
         }
+        if job.compiled:
+            log.info(
+                "torch.compile: %d graphs for length buckets %s, %d recompiles, %d graph breaks, %.1f s compiling",
+                record["compile"]["graphs"],
+                length_buckets(settings.max_seq_length),
+                record["compile"]["recompiles"],
+                record["compile"]["graph_breaks"],
+                record["compile"]["compile_s"],
+            )
     return Trained(trainer, metrics, record, state_dict)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import random
 import time
 import uuid
@@ -130,7 +131,8 @@ class JobTrainer(Trainer):
     def evaluate(self, *args, **kwargs):
         # Iterating a DataLoader draws its base seed from the global RNG: every evaluation during training shifted
         # the dropout masks of every later step, so EVAL_STEPS (free to change on a restart) changed the model.
-        with rng_preserved(self.args.device):
+        # Eager on the fast path: evaluation batches (another size, no gradients) would double the graphs.
+        with rng_preserved(self.args.device), torch.compiler.set_stance("force_eager"):
             return super().evaluate(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
@@ -591,7 +593,6 @@ def training_arguments(job: Job, model, train_rows: int) -> TrainingArguments:
         activation_checkpointing_kwargs={"use_reentrant": False},
         # Batches of similar length: little padding (JobTrainer keeps their order reproducible).
         train_sampling_strategy="group_by_length",
-        torch_compile=settings.torch_compile,
         logging_steps=settings.logging_steps,
         logging_first_step=True,
         # The filter reads every step's loss on the host: one GPU sync per step.
@@ -669,17 +670,71 @@ def build_trainer(
             loraplus_ratio=loraplus_ratio,
             weight_decay=args.weight_decay,
         )
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if job.cuda else None)  # 8: tensor cores
+    if job.compiled:
+        collator = partial(pad_to_bucket, tokenizer, length_buckets(settings.max_seq_length))
+        compile_model(model, job)
     return JobTrainer(
         model=model,
         args=args,
         train_dataset=data["train"],
         eval_dataset=evaluation_sets(data),
-        # Multiples of 8 for tensor cores.
-        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if job.cuda else None),
+        data_collator=collator,
         processing_class=tokenizer,
         compute_metrics=task_metrics(model),
         callbacks=callbacks,
         param_groups=param_groups,
-        global_batch=job.batch.global_batch if job.batch.fixed else None,
+        # The fast path trains whole global batches too: no shorter last batch, so no graph of its own.
+        global_batch=job.batch.global_batch if job.batch.fixed or job.compiled else None,
         startup=startup,
     )
+
+
+# ------------------------------------------------------------------------------- the fast path
+SMALLEST_BUCKET = 32
+
+
+def length_buckets(max_length: int) -> list[int]:
+    """The padded lengths of the fast path: 32, 64, 128 ... and MAX_SEQ_LENGTH, one compiled graph each."""
+    buckets = [SMALLEST_BUCKET]
+    while buckets[-1] < max_length:
+        buckets.append(min(2 * buckets[-1], max_length))
+    return buckets
+
+
+def pad_to_bucket(tokenizer, buckets: list[int], features: list[dict]) -> dict:
+    """A batch padded to the smallest bucket that holds its longest row: static shapes, a graph per bucket."""
+    longest = max(len(row["input_ids"]) for row in features)
+    bucket = next((length for length in buckets if length >= longest), buckets[-1])
+    return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=bucket)(features)
+
+
+def compile_model(model, job: Job) -> None:
+    """TORCH_COMPILE: the model under the adapter wrapper compiled in place, one static graph per length bucket.
+
+    Not the Trainer's `torch_compile`: it compiles with dynamic shapes allowed, over the DDP wrapper (its graphs
+    split at every gradient bucket), and for evaluation too. In place (`Module.compile`), the weights keep their
+    names: checkpoints and the saved adapter are the eager path's.
+    """
+    import torch._inductor.config
+
+    # Dropout masks from torch's generator, as the eager path draws them: the same seed trains the same model.
+    torch._inductor.config.fallback_random = True
+    # Compiled code kept on the shared volume: a restart or another replica does not compile from zero.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(job.out.cache / "inductor"))
+    model.get_base_model().compile(dynamic=False)
+
+
+def compile_record() -> dict:
+    """What the compiler did in this process (logs/rank-R.json): graphs, recompiles, graph breaks, seconds."""
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    spent = calculate_time_spent()
+    frames = counters["frames"]["total"]
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        # Every compile of the model's frame after its first: one per new shape.
+        "recompiles": max(frames - 1, 0),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "compile_s": round(spent.get("entire_frame_compile", 0) + spent.get("entire_backward_compile", 0), 2),
+    }
