@@ -17,11 +17,14 @@ pydantic-settings: load_settings (utils/settings.py) reads any mapping as the en
 and hands `CliSettingsSource` its environment source (`_env_settings_source`) for `--help`.
 
 huggingface_hub: every Hub request gets a timeout through a client made by `utils._http.default_client_factory`
-(utils/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/data.py). MLflow:
-REPORT_TO=mlflow is checked against `_tracking_store_registry` (utils/settings.py).
+(utils/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/data.py).
 
 accelerate, transformers and peft: a run that does not use DeepSpeed or 8-bit weights leaves those libraries out
 by setting them to None in sys.modules (utils/job.py), which the three must take for "not installed".
+
+Why these are hand-written: for the tokenized cache, the push's retries and deadline and the masking of secrets,
+a test shows the case the library beside them gets wrong (docs/development.md lists them); when the library
+learns it, the test says so and the job's code can go.
 
 Python's warnings: a library announces such a change with a DeprecationWarning or FutureWarning first;
 the last test checks that one attributed to the job's code fails the job processes the tests start.
@@ -33,6 +36,7 @@ import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
 import pytest
@@ -331,26 +335,132 @@ def test_a_splits_fingerprint_follows_its_data(tmp_path):
     )
 
 
-# ------------------------------------------------------------------------------- MLflow
-def test_mlflow_tells_a_tracking_uri_it_has_no_store_for():
-    import mlflow
+# ------------------------------------------------------------------------------- why these are hand-written
+# The library's route is asserted as it behaves today (and fails when it changes), the job's as it must behave.
 
-    where = f"mlflow {mlflow.__version__}"
-    try:
-        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores
-    except ImportError:
-        pytest.fail(
-            f"{where}: _tracking_store_registry moved; utils/settings.py check_trackers then asks the server alone, "
-            "and an unknown scheme is no longer refused by name"
-        )
-    assert callable(stores.get_store_builder("http://tracking.example:5000")), f"{where}: no store builder for http"
-    with pytest.raises(Exception) as refused:
-        stores.get_store_builder("nosuch://tracking")
-    # The client alone (mlflow-skinny, as in the image) registers no database store: sqlite comes with the full mlflow.
-    assert {"http", "https"} <= set(getattr(stores, "_registry", {})), (
-        f"{where}: the registry's `_registry` no longer maps schemes ({type(refused.value).__name__} for nosuch://); "
-        "utils/settings.py lists the known ones in its refusal"
+
+def test_the_tokenized_cache_follows_the_tokenizer_where_datasets_cache_does_not(tmp_path, tiny_bert):
+    """utils/data.py tokenize: datasets caches a map of in-memory data (what the label checks leave) nowhere the
+    other ranks could read it, and a map given a file on the volume reuses that file whatever tokenized it."""
+    import copy
+
+    from utils.data import tokenize
+    from utils.model import load_tokenizer
+    from utils.settings import Settings
+
+    where = f"datasets {datasets.__version__}"
+    rows = {"text": ["a zebra film", "a dull zebra"], "labels": [1, 0]}  # as the label checks leave them
+    raw = datasets.DatasetDict({split: datasets.Dataset.from_dict(rows) for split in ("train", "validation")})
+    old = load_tokenizer(Settings(model_name=str(tiny_bert)))
+    new = copy.deepcopy(old)
+    new.add_tokens(["zebra"])  # a tokenizer that learned a word: other ids for the same rows
+    wanted = new(rows["text"])["input_ids"]
+
+    def encode_with(tokenizer):
+        return lambda batch: tokenizer(batch["text"])
+
+    assert raw.map(encode_with(old), batched=True)["train"].cache_files == [], (
+        f"{where}: a map of in-memory rows is now cached on disk; see whether utils/data.py tokenize can use it"
     )
+    files = {split: str(tmp_path / "library" / f"{split}.arrow") for split in raw}
+    (tmp_path / "library").mkdir()
+    raw.map(encode_with(old), batched=True, cache_file_names=files)
+    reused = raw.map(encode_with(new), batched=True, cache_file_names=files)
+    assert reused["train"]["input_ids"] != wanted, (
+        f"{where}: a map given cache_file_names now notices another tokenizer; utils/data.py tokenize can leave its "
+        "key and reuse to datasets"
+    )
+
+    cache = tmp_path / "job"
+    tokenize(raw, old, 32, cache)
+    tokenized = tokenize(raw, new, 32, cache)
+    assert tokenized["train"]["input_ids"] == wanted
+    assert all(Path(f["filename"]).is_relative_to(cache) for f in tokenized["train"].cache_files)
+    assert len(list(cache.glob("tokenized-*"))) == 2
+
+
+def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_hub_does_not(
+    hub, hub_in_process, tmp_path
+):
+    """utils/hub.py Hub.push_files: huggingface_hub retries a commit but not create_repo, and no call of it has a
+    total deadline (a Hub that accepts the connection and never answers holds it for ever)."""
+    import contextlib
+    import threading
+    import time
+
+    import huggingface_hub
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from utils.hub import HubDeadline
+
+    where = f"huggingface_hub {huggingface_hub.__version__}"
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    files = {"adapter_config.json": folder / "adapter_config.json"}
+    library = HfApi(endpoint=constants.ENDPOINT, token=hub.token)
+
+    hub.fail("create", 503)
+    try:
+        library.create_repo("user/model", exist_ok=True)
+        pytest.fail(f"{where}: create_repo now retries a 503; see whether utils/hub.py's retries can go")
+    except HfHubHTTPError:
+        pass
+    hub.fail("create", 503)
+    assert "commit" in hub_in_process(30).push_files(files, "user/model", True, "upload")
+
+    hub.go_silent("commit")
+
+    def upload() -> None:
+        with contextlib.suppress(Exception):  # the stand-in drops the connection when it stops
+            library.upload_folder(repo_id="user/model", folder_path=folder)
+
+    waiting = threading.Thread(target=upload, daemon=True)
+    waiting.start()
+    started = time.monotonic()
+    with pytest.raises(HubDeadline):
+        hub_in_process(2).push_files(files, "user/model", True, "upload")
+    assert time.monotonic() - started < 2 + 2
+    assert waiting.is_alive(), (
+        f"{where}: upload_folder now gives up on a silent Hub; see whether utils/hub.py within can go"
+    )
+
+
+def test_secrets_in_what_huggingface_hub_raises_are_masked_by_the_job_alone(hub):
+    """utils/hub_token.py: huggingface_hub names the endpoint in its errors with the credentials inside it, and
+    logging prints what it is given; MaskedStream and MaskingFilter are what keep it out of stderr and the logs."""
+    import io
+    import logging
+
+    import huggingface_hub
+    from huggingface_hub import HfApi
+    from pydantic import SecretStr
+
+    from utils.hub_token import MaskedStream, Masker, MaskingFilter, url_secrets
+
+    where = f"huggingface_hub {huggingface_hub.__version__}"
+    password = "s3cret-mirror-password"
+    endpoint = hub.url.replace("http://", f"http://alice:{password}@")
+    hub.fail("create", 503)
+    with pytest.raises(Exception) as raised:
+        HfApi(endpoint=endpoint, token=hub.token).create_repo("user/model", exist_ok=True)
+    message = str(raised.value)
+    assert password in message, f"{where}: its errors no longer show the endpoint's password; masking may shrink"
+
+    masker = Masker(SecretStr(hub.token), url_secrets({"HF_ENDPOINT": endpoint}))
+    stream, logged = io.StringIO(), io.StringIO()
+    MaskedStream(stream, masker).write(message)
+    logger = logging.getLogger("test-masking")
+    handler = logging.StreamHandler(logged)
+    handler.addFilter(MaskingFilter(masker))
+    logger.addHandler(handler)
+    try:
+        logger.error("push failed: %s", message)
+    finally:
+        logger.removeHandler(handler)
+    for text in (stream.getvalue(), logged.getvalue()):
+        assert password not in text and "alice:***@" in text
 
 
 # ------------------------------------------------------------------------------- libraries a run leaves out

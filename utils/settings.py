@@ -781,8 +781,8 @@ def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECON
     """REPORT_TO=mlflow: MLflow accepts MLFLOW_TRACKING_URI and its store answers, within `timeout_s`, like the
     Hub token before data and model load. Otherwise MLflow refuses it at the Trainer's first log call, after
     loading, as a traceback (or retries a dead server for minutes). Read-only, so every rank may run it: a
-    server is asked for one experiment; a database store (sqlite, postgresql, ...) is only checked to be one
-    this MLflow can open, since opening it creates and migrates it."""
+    server is asked for one experiment (MLflow's public client resolves the store, refusing a scheme it has none
+    for); a database store (sqlite, postgresql, ...) is not opened, since opening it creates and migrates it."""
     if "mlflow" not in settings.report_to:
         return
     import mlflow
@@ -806,17 +806,6 @@ def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECON
 
     parts = urllib.parse.urlsplit(uri)
     scheme = parts.scheme.split("+")[0]
-    try:
-        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores
-
-        stores.get_store_builder(uri)
-    except ImportError:  # MLflow moved its registry: the probe below still asks the store itself
-        pass
-    except Exception:  # UnsupportedModelRegistryStoreURIException: no store registered for the scheme
-        known = ", ".join(sorted(name for name in stores._registry if name))
-        raise refused(
-            f"MLflow has no tracking store for {shown} (scheme '{parts.scheme}'; it knows {known})"
-        ) from None
     if scheme in ("sqlite", "postgresql", "mysql", "mssql"):
         return
     if scheme in ("http", "https"):
@@ -833,10 +822,15 @@ def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECON
 
     def probe() -> None:
         try:
-            mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
-            outcome.append(None)
+            client = mlflow.MlflowClient(tracking_uri=uri)  # resolves the store: an unknown scheme fails here
         except BaseException as exc:  # reported by the waiting thread
-            outcome.append(exc)
+            outcome.append(refused(f"MLflow has no tracking store for {shown} ({cause(exc)})"))
+            return
+        try:
+            client.search_experiments(max_results=1)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(refused(f"MLflow refuses {shown} ({cause(exc)})"))
 
     worker = threading.Thread(target=probe, daemon=True, name="tracker-check")
     worker.start()
@@ -844,7 +838,7 @@ def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECON
     if not outcome:
         raise refused(f"the tracking server at {shown} did not answer within {timeout_s:g} s")
     if outcome[0] is not None:
-        raise refused(f"MLflow refuses {shown} ({cause(outcome[0])})")
+        raise outcome[0]
 
 
 # ------------------------------------------------------------------------------- parsing
