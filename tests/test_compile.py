@@ -66,10 +66,10 @@ def test_compiled_losses_and_accuracy_are_eager_ones(compiled_and_eager):
     assert compiled == pytest.approx(eager, rel=LOSS_RTOL)
     # Not a run that stood still: the losses move over the steps.
     assert compiled[1] != compiled[STEPS]
-    accuracy = {
-        arm: json.loads((out / "metrics.json").read_text())["eval_accuracy"] for arm, out in compiled_and_eager.items()
-    }
-    assert accuracy["compiled"] == accuracy["eager"]
+    metrics = {arm: json.loads((out / "metrics.json").read_text()) for arm, out in compiled_and_eager.items()}
+    assert metrics["compiled"]["eval_accuracy"] == metrics["eager"]["eval_accuracy"]
+    # The accuracy of a model this small moves little; the loss shows any difference in the weights.
+    assert metrics["compiled"]["eval_loss"] == pytest.approx(metrics["eager"]["eval_loss"], rel=LOSS_RTOL)
 
 
 def test_compiled_run_has_one_graph_per_bucket_and_no_break(compiled_and_eager):
