@@ -39,6 +39,16 @@ EAGER_STEPS = 200  # an eager arm's timed steps (the epoch is 1,053): its epoch 
 BUDGET = {"cold": 200, "warm": 45, "profile": 90, "int8": 60}
 TOTAL_S = 400
 SMOKE_SLOWER = 3  # the smoke run compiles on the CPU: minutes per graph on 2 busy cores
+ARM_FIELDS = (
+    "epoch_s",
+    "samples_per_s",
+    "first_step_cold_s",
+    "first_step_warm_s",
+    "final_loss",
+    "graphs",
+    "recompiles",
+)
+ARM_FIELDS += ("eval_accuracy", "loss_curve")
 GPU_ONLY = ("8bit", "cudagraphs")  # parts that may fail on the CPU without failing the smoke run
 
 
@@ -59,7 +69,7 @@ def prepare(args) -> tuple[Path, Path]:
     model = args.work_dir / ("tiny-bert" if args.smoke else "bert-base-random-12l")
     if not (model / "config.json").exists():
         shutil.rmtree(model, ignore_errors=True)
-        write_tiny_bert(model, data, layers=2, hidden=64) if args.smoke else write_tiny_bert(model, data, base=True)
+        write_tiny_bert(model, data, layers=2 if args.smoke else 12, base=not args.smoke)
     return model, data
 
 
@@ -98,8 +108,8 @@ def run_child(name: str, cfg: dict, out_dir: Path, timeout: int, env: dict | Non
 
 def summarise_arm(cold: dict, warm: dict) -> dict:
     """The fields gpu.json promises for an arm, from its cold and warm runs."""
-    if "error" in cold:
-        return {"error": cold["error"]}
+    if "error" in cold:  # every field there, empty: the arm failed or had no time
+        return {**dict.fromkeys(ARM_FIELDS), "error": cold["error"]}
     measured = cold["epoch_seconds_measured"] is not None
     compiled = cold["compile"] or {}
     return {
