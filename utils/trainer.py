@@ -734,11 +734,16 @@ def compile_model(model, job: Job) -> None:
     names: checkpoints and the saved adapter are the eager path's.
     """
     import torch._inductor.config
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from torch._inductor.utils import clear_caches
 
     # Dropout masks from torch's generator, as the eager path draws them: the same seed trains the same model.
     torch._inductor.config.fallback_random = True
-    # Compiled code kept on the shared volume: a restart or another replica does not compile from zero.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(job.out.cache / "inductor"))
+    # Compiled code kept on the shared volume: a restart or another replica does not compile from zero. Unless
+    # TORCHINDUCTOR_CACHE_DIR names another place: inductor writes its /tmp default there once it is asked.
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(job.out.cache / "inductor")
+        clear_caches()
     model.get_base_model().compile(dynamic=False)
 
 
