@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 
 STEPS = 60  # the issue asks for 50 or more; the first epoch of 2000 rows at batch 16 is 125 steps
 MAX_SEQ_LENGTH = 48  # buckets 32 and 48: the data's longest rows (42 tokens) come first, the rest fit 32
+# Measured on 2 CPU cores: the compiled losses within 1.7e-7 (relative) of eager's over the 60 steps, the eval loss equal.
 LOSS_RTOL = 1e-3
 COMPILE_TIMEOUT = 1500  # seconds a compiling run may take on 2 busy cores
 
