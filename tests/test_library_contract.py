@@ -22,9 +22,10 @@ huggingface_hub: every Hub request gets a timeout through a client made by `util
 accelerate, transformers and peft: a run that does not use DeepSpeed or 8-bit weights leaves those libraries out
 by setting them to None in sys.modules (utils/job.py), which the three must take for "not installed".
 
-Why these are hand-written: for the tokenized cache, the push's retries and deadline and the masking of secrets,
-a test shows the case the library beside them gets wrong (docs/development.md lists them); when the library
-learns it, the test says so and the job's code can go.
+Why these are hand-written: for the tokenized cache, the push's retries and deadline, the masking of secrets,
+and utils/collectives.py's rendezvous, heartbeat, watchdog and rank-0-first collectives, a test shows the case
+the library beside them gets wrong (docs/development.md lists them); when the library learns it, the test says
+so and the job's code can go.
 
 Python's warnings: a library announces such a change with a DeprecationWarning or FutureWarning first;
 the last test checks that one attributed to the job's code fails the job processes the tests start.
@@ -34,8 +35,14 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import datasets
@@ -45,7 +52,7 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from tests.conftest import base_env, job_trainer
+from tests.conftest import base_env, free_port, job_trainer
 from utils.trainer import EpochSeededLengthGroupedSampler, epoch_sampler
 
 SEED = 42
@@ -461,6 +468,227 @@ def test_secrets_in_what_huggingface_hub_raises_are_masked_by_the_job_alone(hub)
         logger.removeHandler(handler)
     for text in (stream.getvalue(), logged.getvalue()):
         assert password not in text and "alice:***@" in text
+
+
+# ------------------------------------------------------------------------------- torch.distributed, accelerate
+PEER = r"""
+import json, os, sys, threading, time
+from datetime import timedelta
+
+import torch.distributed as td
+
+scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+
+def say(**fields):
+    print(json.dumps(fields), flush=True)
+
+
+def gloo(timeout):
+    td.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout)
+
+
+if scenario == "stopped-store":  # rank 0 serves the store and is stopped; rank 1 asks it for a key
+    store = td.TCPStore("127.0.0.1", port, None, rank == 0, timedelta(seconds=60), wait_for_workers=False)
+    say(ready=True)
+    if rank == 0:
+        time.sleep(120)
+    sys.stdin.readline()
+    store.set_timeout(timedelta(seconds=0.5))
+    threading.Thread(target=lambda: store.get("never-set"), daemon=True).start()
+    time.sleep(4)
+    say(observed={"returned": threading.active_count() == 1})
+elif scenario == "world-size":  # rank 1 was started with another WORLD_SIZE
+    outcome = {}
+
+    def join():
+        try:
+            gloo(timedelta(seconds=1))
+            outcome["joined"] = True
+        except Exception as exc:
+            outcome["failed"] = type(exc).__name__
+
+    threading.Thread(target=join, daemon=True).start()
+    time.sleep(4)
+    say(observed=outcome)
+elif scenario == "monitored":  # rank 1 is stopped; rank 2 is alive, waiting in a collective for rank 0
+    gloo(timedelta(seconds=30))
+    td.barrier()
+    say(ready=True)
+    if rank == 1:
+        time.sleep(120)
+    if rank == 2:
+        td.barrier()
+    sys.stdin.readline()
+    try:
+        td.monitored_barrier(timeout=timedelta(seconds=1), wait_all_ranks=True)
+        say(observed={"failed": None})
+    except Exception as exc:
+        say(observed={"failed": type(exc).__name__, "message": str(exc)})
+elif scenario == "main-first":  # rank 0 fails inside Accelerate's main_process_first with the job's exit 2
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)
+    state.wait_for_everyone()
+    say(ready=True)
+    if rank == 0:
+        sys.stdin.readline()
+    try:
+        with state.main_process_first():
+            if rank == 0:
+                sys.stderr.write("error: REFUSED-ON-RANK-0\n")
+                os._exit(2)
+        say(observed={"stopped": None})
+    except Exception as exc:
+        say(observed={"stopped": type(exc).__name__, "message": str(exc)})
+os._exit(0)
+"""
+
+
+def start_peers(tmp: Path, scenario: str, worlds: list[int]) -> list[subprocess.Popen]:
+    """One process per rank of `scenario`, rank r started with WORLD_SIZE worlds[r]."""
+    port = free_port()
+    # Without the autoload, torch would import bitsandbytes (a backend it registers) in every peer.
+    env = base_env(tmp, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", PEER, scenario, str(rank), str(world), str(port)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank, world in enumerate(worlds)
+    ]
+
+
+def said(proc: subprocess.Popen, key: str) -> dict:
+    """The next line of `proc` that holds `key` (its lines are JSON objects), or the test fails if it ends first."""
+    for line in proc.stdout:
+        fields = json.loads(line) if line.startswith("{") else {}
+        if key in fields:
+            return fields
+    pytest.fail(f"the peer ended (exit {proc.wait()}) before it said {key!r}")
+
+
+@pytest.fixture
+def peers():
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+def go(proc: subprocess.Popen) -> None:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def test_a_store_client_waits_past_its_timeout_for_a_rank_0_not_listening_yet():
+    """Why `_wait_for_rank0` polls the port before the store client is made: the client retries with a random
+    back-off and fails up to several times later than its timeout, so a missing rank 0 would not be told within
+    RENDEZVOUS_TIMEOUT."""
+    timeout, took = 1.0, []
+
+    def connect() -> None:
+        start = time.monotonic()
+        with pytest.raises(torch.distributed.DistError):
+            torch.distributed.TCPStore("127.0.0.1", free_port(), None, False, timedelta(seconds=timeout))
+        took.append(time.monotonic() - start)
+
+    tries = [threading.Thread(target=connect) for _ in range(6)]
+    for thread in tries:
+        thread.start()
+    for thread in tries:
+        thread.join()
+    assert len(took) == len(tries) and max(took) > 1.5 * timeout, (
+        f"torch {torch.__version__}: a store client with a {timeout:.0f} s timeout gave up after {sorted(took)} s; "
+        "it keeps to its timeout now, and utils/collectives.py _wait_for_rank0 can go"
+    )
+
+
+def test_a_taken_port_fails_the_store_with_the_type_of_an_unreachable_rank_0():
+    """Why `_refuse_port_taken` binds the port itself: the store that cannot listen raises the type a client
+    that reaches no rank 0 raises, so only the message's words would tell a bad MASTER_PORT (exit 2) from a
+    rank 0 that is not there (exit 1), and the job never classifies by words."""
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        with pytest.raises(torch.distributed.DistError) as taken:
+            torch.distributed.TCPStore(
+                "127.0.0.1", holder.getsockname()[1], None, True, timedelta(seconds=1), wait_for_workers=False
+            )
+    with pytest.raises(torch.distributed.DistError) as unreachable:
+        torch.distributed.TCPStore("127.0.0.1", free_port(), None, False, timedelta(seconds=0.1))
+    assert type(taken.value) is type(unreachable.value), (
+        f"torch {torch.__version__}: a taken port now fails with {type(taken.value).__name__}, an unreachable rank 0 "
+        f"with {type(unreachable.value).__name__}; utils/collectives.py _refuse_port_taken can tell them by type"
+    )
+
+
+def test_a_store_call_to_a_stopped_rank_0_outlives_its_timeout(tmp_path, peers):
+    """Why utils/collectives.py has a `watchdog`: a store call to a rank 0 that is stopped (not dead: SIGSTOP,
+    a frozen node) stays in native code past its own timeout, where no Python signal handler reaches it."""
+    peers += start_peers(tmp_path, "stopped-store", [2, 2])
+    for proc in peers:
+        said(proc, "ready")
+    peers[0].send_signal(signal.SIGSTOP)
+    go(peers[1])
+    assert said(peers[1], "observed")["observed"] == {"returned": False}, (
+        f"torch {torch.__version__}: a store get with a 0.5 s timeout returned within 4 s from a stopped rank 0; "
+        "the store keeps its timeout now and the watchdog can go"
+    )
+
+
+def test_gloo_creates_the_group_with_a_peer_started_with_another_world_size(tmp_path, peers):
+    """Why the ranks compare their settings in the store before the group is made: `init_process_group` lets
+    rank 0 (WORLD_SIZE=2) in with a peer that expects three ranks, or keeps it waiting past its timeout (both
+    seen), and the mismatch surfaces later as a lost peer (exit 143, restarted for ever) instead of a refusal
+    naming WORLD_SIZE (exit 2)."""
+    peers += start_peers(tmp_path, "world-size", [2, 3])
+    seen = said(peers[0], "observed")["observed"]
+    assert seen in ({"joined": True}, {}), (
+        f"torch {torch.__version__}: init_process_group (1 s timeout) with a peer of another world size: {seen} "
+        "within 4 s; if that is a refusal naming the world size, utils/collectives.py rendezvous can leave it to torch"
+    )
+
+
+def test_monitored_barrier_cannot_tell_a_stopped_peer_from_one_waiting_elsewhere(tmp_path, peers):
+    """Why each rank beats a heartbeat in the store: after a gloo failure (a plain RuntimeError, the type of any
+    crash), `monitored_barrier` names every rank not in it, the stopped one and the one alive in another
+    collective alike; only a counter that moves tells a lost peer (exit 143) from a crash here (exit 1)."""
+    peers += start_peers(tmp_path, "monitored", [3, 3, 3])
+    for proc in peers:
+        said(proc, "ready")
+    peers[1].send_signal(signal.SIGSTOP)
+    go(peers[0])
+    seen = said(peers[0], "observed")["observed"]
+    named = set(re.findall(r"\b[12]\b", seen.get("message", "")))
+    assert seen["failed"] == "RuntimeError" and named == {"1", "2"}, (
+        f"torch {torch.__version__}: monitored_barrier with rank 1 stopped and rank 2 waiting in a barrier: {seen}; "
+        "if it now names the stopped rank alone, it can replace the heartbeat in utils/collectives.py"
+    )
+
+
+def test_accelerates_main_process_first_does_not_carry_rank_0s_refusal(tmp_path, peers):
+    """Why `Collectives.main_first` and `run_on_main` broadcast rank 0's outcome instead of Accelerate's
+    `main_process_first`: when rank 0 stops with a refusal (exit 2 and its reason), the others fail in the
+    barrier with a gloo error that carries neither, and exit with another code."""
+    import accelerate
+
+    peers += start_peers(tmp_path, "main-first", [2, 2])
+    for proc in peers:
+        said(proc, "ready")
+    go(peers[0])  # rank 1 is on its way into the barrier
+    seen = said(peers[1], "observed")["observed"]
+    assert peers[0].wait(timeout=60) == 2
+    assert seen["stopped"] is not None and "REFUSED-ON-RANK-0" not in seen.get("message", ""), (
+        f"accelerate {accelerate.__version__}: rank 1 in main_process_first after rank 0 refused: {seen}; if rank 0's "
+        "reason now reaches the others, utils/collectives.py main_first can use it"
+    )
 
 
 # ------------------------------------------------------------------------------- libraries a run leaves out

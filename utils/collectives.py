@@ -4,8 +4,8 @@
 holds of the group (the rendezvous store, the heartbeat beside it, the gloo group for control messages)
 and the collectives over it (agreeing on an error, the stop flag, checkpoint barriers, telling a lost
 peer from a crash). It lives from the rendezvous to `leave`, after the final barrier; a single process
-gets one with no group, whose collectives just run the step. Only utils/run.py's imports reach this
-module, after main.py has checked the settings, so torch is imported at the top.
+gets one with no group, whose collectives just run the step. Why each part is not torch.distributed's or
+Accelerate's: docs/development.md. Only utils/run.py reaches this module, after the checks: torch at the top.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ T = TypeVar("T")
 AGREEMENT_KEY = "job/agree/{rank}"
 VERDICT_KEY = "job/verdict"
 READ_KEY = "job/verdict-read"  # how many ranks have read the verdict
-VERDICT_READ_SECONDS = 5.0  # rank 0, holding the store, stays this long at most for its peers to read a refusal
+READ_SECONDS = 5.0  # rank 0, holding the store, stays this long at most for its peers to read its last word
 BEAT_KEY = "job/beat/{rank}"
 BEAT_SECONDS = 1.0  # each rank bumps its counter in the store this often while it is in the job
 BEAT_CALL_SECONDS = 5.0  # the most one beat waits on a store that does not answer (rank 0 stopped)
@@ -41,7 +41,6 @@ WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck i
 SAVED_KEY = "job/model-saved"  # rank 0's outcome of writing model/: [exit code, message], [0, ""] when saved
 SAVED_READ_KEY = "job/model-saved-read"  # how many ranks have read it
 SAVED_POLL_SECONDS = 0.5  # how often the other ranks look for it
-SAVED_READ_SECONDS = 5.0  # rank 0, holding the store, stays this long at most for its peers to read it
 
 
 class Collectives:
@@ -96,7 +95,7 @@ class Collectives:
     def saving_model(self) -> Iterator[None]:
         """Rank 0, after `leave`: how writing model/ inside the block ended goes to the ranks in `wait_for_model`
         (saved, or the exit code and message they stop with too). Not a collective: a rank that is gone is
-        not waited for beyond SAVED_READ_SECONDS. The store is then dropped, so a replica restarted meanwhile
+        not waited for beyond READ_SECONDS. The store is then dropped, so a replica restarted meanwhile
         finds no stale rendezvous here."""
         outcome = (EXIT_UNEXPECTED, "rank 0 failed while writing model/")
         try:
@@ -113,11 +112,10 @@ class Collectives:
             return
         try:
             self._beat_store.set(SAVED_KEY, json.dumps(outcome))
-            deadline = time.monotonic() + SAVED_READ_SECONDS
-            while self._beat_store.add(SAVED_READ_KEY, 0) < self.dist.world_size - 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
         except (td.DistError, RuntimeError):
             pass  # the store is this process's own: only a peer gone meanwhile ends up here
+        else:
+            _wait_until_read(self._beat_store, SAVED_READ_KEY, self.dist.world_size - 1)
         self._beat_store = self._store = None
 
     def wait_for_model(self, saved: Callable[[], bool], resume_hint: Callable[[], str]) -> None:
@@ -189,6 +187,26 @@ class Collectives:
         td.broadcast_object_list(box, src=0)
         return box[0]
 
+    @contextmanager
+    def _telling_outcome(self) -> Iterator[None]:
+        """Rank 0: run the block, then tell the others how it ended, its exit code and reason, which
+        Accelerate's `main_process_first` (a barrier) does not carry (tests/test_library_contract.py)."""
+        try:
+            yield
+        except JobError as exc:
+            self._broadcast((exc.code, exc.message))
+            raise
+        except BaseException as exc:
+            self._broadcast((1, f"rank 0 failed: {type(exc).__name__}"))
+            raise
+        self._broadcast(None)
+
+    def _hearing_outcome(self) -> None:
+        """A rank other than 0: wait for rank 0's outcome, and stop with its code and message if it failed."""
+        outcome = self._broadcast(None)
+        if outcome is not None:
+            raise JobError(*outcome)
+
     def run_on_main(self, step: Callable[[], T]) -> T | None:
         """Run `step` on rank 0 only; the other ranks wait for its outcome.
 
@@ -197,20 +215,10 @@ class Collectives:
         """
         if not self.dist.is_distributed:
             return step()
-        outcome: tuple[int, str] | None = None
-        result = None
-        if self.dist.is_main:
-            try:
-                result = step()
-            except JobError as exc:
-                outcome = (exc.code, exc.message)
-            except BaseException as exc:
-                self._broadcast((1, f"rank 0 failed: {type(exc).__name__}"))
-                raise
-        outcome = self._broadcast(outcome)
-        if outcome is not None:
-            raise JobError(*outcome)
-        return result
+        if not self.dist.is_main:
+            return self._hearing_outcome()
+        with self._telling_outcome():
+            return step()
 
     @contextmanager
     def main_first(self) -> Iterator[None]:
@@ -218,21 +226,11 @@ class Collectives:
         a JobError on rank 0 stops every rank with its code and message (the others never run the block)."""
         if not self.dist.is_distributed:
             yield
-            return
-        if self.dist.is_main:
-            try:
+        elif self.dist.is_main:
+            with self._telling_outcome():
                 yield
-            except JobError as exc:
-                self._broadcast((exc.code, exc.message))
-                raise
-            except BaseException as exc:
-                self._broadcast((1, f"rank 0 failed: {type(exc).__name__}"))
-                raise
-            self._broadcast(None)
         else:
-            outcome = self._broadcast(None)
-            if outcome is not None:
-                raise JobError(*outcome)
+            self._hearing_outcome()
             yield
 
     def decide_on_main(self, step: Callable[[], T]) -> T:
@@ -337,8 +335,8 @@ def drop_process_group() -> None:
 def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
     """End the process with `code` if the block has not finished after `seconds`.
 
-    torch's store and gloo calls wait in native code, where neither their own timeouts (seen: rank 0
-    waiting 100 s on a 20 s timeout) nor a Python signal handler can always reach them.
+    torch's store calls to a stopped rank 0 wait in native code past their own timeouts (seen: 100 s on a
+    20 s timeout; tests/test_library_contract.py), where no Python signal handler reaches them.
     """
     done = threading.Event()
 
@@ -402,7 +400,8 @@ def rendezvous(
                 verdict = _judge(dist, store, agreement, timeout_s, deadline, on_main)
                 store.set(VERDICT_KEY, json.dumps(verdict))
                 if verdict is not None:
-                    _wait_until_read(dist, store)
+                    joined = sum(store.check([AGREEMENT_KEY.format(rank=rank)]) for rank in range(1, dist.world_size))
+                    _wait_until_read(store, READ_KEY, joined)
             else:
                 store.wait([VERDICT_KEY], timedelta(seconds=max(1.0, deadline - time.monotonic())))
                 verdict = json.loads(store.get(VERDICT_KEY))
@@ -460,13 +459,12 @@ def _judge(
     return None
 
 
-def _wait_until_read(dist: DistEnv, store) -> None:
-    """Rank 0, before it leaves with a refusal: the store lives in this process, so wait (briefly) until every
-    rank that joined has read the verdict, or they would fail on a closed store instead of the reason."""
-    joined = sum(store.check([AGREEMENT_KEY.format(rank=rank)]) for rank in range(1, dist.world_size))
-    deadline = time.monotonic() + VERDICT_READ_SECONDS
+def _wait_until_read(store, key: str, readers: int) -> None:
+    """Rank 0, before it leaves: the store lives in this process, so wait (at most READ_SECONDS) until `readers`
+    ranks have counted themselves under `key`, or they would fail on a closed store instead of reading its word."""
+    deadline = time.monotonic() + READ_SECONDS
     try:
-        while store.add(READ_KEY, 0) < joined and time.monotonic() < deadline:
+        while store.add(key, 0) < readers and time.monotonic() < deadline:
             time.sleep(0.05)
     except (td.DistError, RuntimeError):
         pass  # a peer gone meanwhile: nothing left to wait for
