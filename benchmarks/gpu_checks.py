@@ -21,6 +21,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path)
     parser.add_argument("--smoke", action="store_true", help="a tiny model and few rows (the script's own test)")
-    parser.add_argument("--work-dir", type=Path, default=REPO / "output" / "gpu-checks-work")
+    # Not under ./output, main.py's default OUTPUT_DIR, which refuses a folder holding anything else.
+    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "gpu-checks-work")
     return parser.parse_args()
 
 
