@@ -6,7 +6,7 @@ others, and rank 0 writes the model to OUTPUT_DIR and pushes it to RESULT_MODEL_
 
 Launch it:
     python main.py                                   # one process (one GPU: 8-bit LoRA)
-    python main.py --dry-run                         # resolved settings + ranks as JSON; imports no torch
+    python main.py --dry-run                         # resolved settings, ranks and plan as JSON; imports no torch
     python main.py --config recipes/sst2.yaml        # settings from a recipe file (the environment and flags win)
     docker run --gpus 1 ... IMAGE [--flags]          # single-GPU fallback (docs/deploying.md)
     # managed platform, replicas: 4 (config.yaml): the platform sets RANK, WORLD_SIZE, NODE_RANK,
@@ -42,23 +42,22 @@ import json
 import logging
 import sys
 
-from utils.batching import check_elastic_range, micro_batch_warning, plan_batches
 from utils.deepspeed_config import adopt_deepspeed, describe_strategy
 from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
 from utils.outputs import check_run_dir, open_run_dir, volume_fault
+from utils.plan import Plan, build_plan, check_elastic_range, micro_batch_warning
 from utils.preemption import Preemption
-from utils.recipe import apply_recipe
 from utils.settings import Settings, check_push_possible, check_trackers, load_settings
 from utils.tasks import describe_task
 
 
-def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, dict]:
+def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, Plan]:
     """Everything decided before torch is imported, on every rank alike: the settings (defaults < recipe file < env < flags),
-    who this process is, the learning rate for its global batch, the strategy; every check that needs neither
-    torch nor the network. Bad input raises JobError (exit 2) with the fix. Returns (settings, dist, the parsed
-    command line, the strategy as --dry-run shows it)."""
+    who this process is, the plan (utils/plan.py: batches, learning rates, steps, strategy); every check that needs
+    neither torch nor the network. Bad input raises JobError (exit 2) with the fix. Returns (settings, dist, the
+    parsed command line, the plan)."""
     settings, args = load_settings(launcher_argv(argv))  # less the `deepspeed` launcher's --local_rank
     dist = detect_env()
     # An elastic launcher's range: a count the global batch cannot serve would end the job after a loss.
@@ -68,12 +67,13 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     # DEEPSPEED_CONFIG's stage and offload become ZERO_STAGE and ZERO_OFFLOAD. Before the recipe: adopting
     # re-derives RUN_NAME, which must not see the resolved rate (STRATEGY set by hand does not).
     settings = adopt_deepspeed(settings, launcher_options())
-    # The learning rate follows the global batch unless LEARNING_RATE is set.
-    settings = apply_recipe(settings, dist.world_size)
+    plan = build_plan(settings, dist.world_size)  # DeepSpeed: its config, read and checked
+    # The settings carry the plan's rates: run.json, the ranks' agreement and a restart's check compare them.
+    rates = {"learning_rate": plan.learning_rate, "loraplus_lr_ratio": plan.loraplus_ratio}
+    settings = settings.model_copy(update=rates)
     check_push_possible(settings)
     check_trackers(settings)
-    strategy = describe_strategy(settings, dist.world_size)  # DeepSpeed: its config, read and checked
-    return settings, dist, args, strategy
+    return settings, dist, args, plan
 
 
 def asks_for_help(argv: list[str] | None) -> bool:
@@ -95,18 +95,18 @@ def main(argv: list[str] | None = None) -> int:
             if not asks_for_help(argv):
                 raise
             masker = None  # --help prints the help and exits while the settings are read, with the value masked
-        settings, dist, args, strategy = configure(argv)
+        settings, dist, args, plan = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings, dist.world_size, push_only=args.push_only)
-            plan = plan_batches(settings, dist.world_size)  # GLOBAL_BATCH_SIZE split over this world size
-            if warning := micro_batch_warning(settings, plan):
+            if warning := micro_batch_warning(settings, plan.batch):
                 print(f"warning: {warning}", file=sys.stderr)
             shown = {
                 "config": settings.as_dict(),
                 "distributed": dist.as_dict(),
-                "batch": plan.as_dict(),
+                "plan": plan.as_dict(),  # what the run trains with; run.json records it completed
+                "batch": plan.batch.as_dict(),
                 "task": describe_task(settings),  # columns, labels, problem type, metrics
-                **strategy,
+                **describe_strategy(settings, plan),  # DeepSpeed: the config with the plan's values
             }
             print(json.dumps(shown, indent=2))
             return 0
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
         from utils.job import Job  # torch: a second to import
 
-        job = Job.start(settings, dist, run_dir, preemption=preemption, masker=masker)  # device and numerics
+        job = Job.start(settings, dist, run_dir, plan, preemption=preemption, masker=masker)  # device and numerics
         job.leave_unused_libraries_out()  # DeepSpeed and bitsandbytes only for a run that uses them
         from utils.run import publish_only, run  # transformers, peft: seconds to import
 

@@ -130,14 +130,17 @@ def build_job_arm(settings: Settings, cuda: bool):
     from utils.job import Job
     from utils.model import build_model, load_tokenizer
     from utils.outputs import open_run_dir
+    from utils.plan import build_plan
     from utils.trainer import build_trainer
 
-    job = Job.start(settings, detect_env({}), open_run_dir(settings))  # one process; it reads `cuda` from torch too
+    # One process, planned as main.py plans it; Job.start reads `cuda` from torch too.
+    job = Job.start(settings, detect_env({}), open_run_dir(settings), build_plan(settings, 1))
     tokenizer = load_tokenizer(settings)
     data = load_sst2(settings, tokenizer, job.out.cache)
+    job = job.with_rows(len(data["train"]))
     set_seed(settings.seed)
     model = build_model(settings, job.quantize, job.device)
-    return build_trainer(job, model, tokenizer, data), job.quantize, job.precision, job.compiled
+    return build_trainer(job, model, tokenizer, data), job.quantize, job.plan.precision, job.compiled
 
 
 def build_original(settings: Settings, cuda: bool):

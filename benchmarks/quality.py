@@ -306,7 +306,8 @@ def run_job(name: str, replicas: int, settings: dict[str, str], work: Path, thre
         tail = (out / "rank-0.out").read_text(errors="replace")[-3000:]
         raise SystemExit(f"{name}: main.py exited {codes}; rank 0's output ends:\n{tail}")
     metrics = json.loads((out / "run" / "metrics.json").read_text())
-    config = json.loads((out / "run" / "run.json").read_text())["settings"]
+    record = json.loads((out / "run" / "run.json").read_text())
+    config, plan = record["settings"], record["plan"]  # the plan: what the run trained with, as it recorded it
     return {
         "arm": name,
         "kind": "job",
@@ -318,9 +319,9 @@ def run_job(name: str, replicas: int, settings: dict[str, str], work: Path, thre
         "train_samples_per_second": metrics["train_samples_per_second"],
         "train_runtime_s": metrics["train_runtime"],
         "wall_s": round(wall, 1),
-        "global_batch": metrics["global_batch"],
-        "learning_rate": config["learning_rate"],
-        "steps": metrics.get("train_steps") or None,
+        "global_batch": plan["batch"]["global_batch"],
+        "learning_rate": plan["learning_rate"],
+        "steps": plan["steps"],
         "settings": {
             k: config[k]
             for k in (

@@ -140,8 +140,8 @@ def rank_env(tmp: Path, rank: int, world: int, port: int, **extra: str) -> dict[
 
 
 def configured(monkeypatch, env: dict[str, str], argv: list[str] | None = None):
-    """What main.py resolves before torch (`main.configure`: settings, ranks, learning rate, strategy) in a process
-    whose environment is exactly `env`; bad input raises JobError."""
+    """What main.py resolves before torch (`main.configure`: settings, ranks, the plan) in a process whose
+    environment is exactly `env`; bad input raises JobError."""
     from main import configure
 
     for name in list(os.environ):
@@ -335,6 +335,7 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     from utils.job import Job
     from utils.model import build_model, load_tokenizer
     from utils.outputs import RunDir
+    from utils.plan import build_plan
     from utils.settings import Settings
     from utils.trainer import build_trainer
 
@@ -354,7 +355,7 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     single = DistEnv(
         rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"
     )
-    job = Job.start(settings, single, run)
+    job = Job.start(settings, single, run, build_plan(settings, 1)).with_rows(len(data["train"]))
     torch.manual_seed(settings.seed)
     model = build_model(settings, job.quantize, job.device)
     return build_trainer(job, model, load_tokenizer(settings), data, key={})
@@ -503,10 +504,29 @@ def wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 300) ->
 
 def rank_record(out: Path, rank: int) -> dict:
     """What rank `rank` of the run in `out` wrote at its end (OUTPUT_DIR/logs/rank-R.json): rank, local_rank,
-    node_rank, world_size, source, samples_trained, trainable_checksum, first_step, seconds_to_first_step."""
+    node_rank, world_size, source, samples_trained, trainable_checksum, first_step, seconds_to_first_step,
+    trained_with."""
     path = out / "logs" / f"rank-{rank}.json"
     assert path.is_file(), f"{path} is missing: rank {rank} did not finish a run in {out}"
     return json.loads(path.read_text())
+
+
+def trained_plan(out: Path, ranks=(0,)) -> dict:
+    """run.json's plan, once every rank in `ranks` is seen to have trained with it: the batch split, the steps, the
+    warm-up, each optimizer group's rate and the precision each Trainer read back at the end of training
+    (logs/rank-R.json's `trained_with`)."""
+    plan = json.loads((out / "run.json").read_text())["plan"]
+    planned = {
+        "micro_batch": plan["batch"]["micro_batch"],
+        "accumulation": plan["batch"]["accumulation"],
+        "steps": plan["steps"],
+        "warmup_steps": plan["warmup_steps"],
+        "rates": sorted(set(plan["rates"].values())),
+        "precision": plan["precision"],
+    }
+    for rank in ranks:
+        assert rank_record(out, rank)["trained_with"] == planned, f"rank {rank} trained otherwise than planned"
+    return plan
 
 
 def complete_steps(out: Path) -> list[int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
-from tests.conftest import rank_record, train_one_and_two
+from tests.conftest import rank_record, train_one_and_two, trained_plan
 
 BATCH = 4  # B: rows per replica per step; the one process takes 2B
 EPOCHS, STEPS_PER_EPOCH = 2, 8  # 16 optimizer steps; the second epoch draws a new order from SEED + 1
@@ -136,6 +136,10 @@ def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
     assert [r["world_size"] for r in records] == [2, 2] and one_record["world_size"] == 1
     assert [r["samples_trained"] for r in records] == [EPOCHS * TRAIN_ROWS // 2] * 2
     assert one_record["samples_trained"] == EPOCHS * TRAIN_ROWS
+    # Both ranks trained with the plan the two-replica run recorded: B rows a step each, the steps of 2B rows.
+    two_plan = trained_plan(two_out, ranks=(0, 1))
+    assert (two_plan["batch"]["world_size"], two_plan["batch"]["micro_batch"]) == (2, BATCH)
+    assert two_plan["steps"] == trained_plan(one_out)["steps"] == EPOCHS * STEPS_PER_EPOCH
     one, two = loss_curve(one_out), loss_curve(two_out)
     every_step = list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
     # The last step is checkpointed before it is evaluated (by the final evaluation, metrics.json's).

@@ -328,8 +328,14 @@ def dry_run(tmp_path: Path, job_env: dict[str, str], **extra: str):
 
 
 def configured_dry_run(monkeypatch, job_env: dict[str, str], **extra: str):
-    """What `main.py --dry-run` resolves (main.configure), in this process: (settings, dist, args, strategy)."""
-    return configured(monkeypatch, {**job_env, **{k: str(v) for k, v in extra.items()}}, ["--dry-run"])
+    """What `main.py --dry-run` resolves (main.configure), in this process: (settings, dist, args, the strategy as
+    --dry-run prints it)."""
+    from utils.deepspeed_config import describe_strategy
+
+    settings, dist, args, plan = configured(
+        monkeypatch, {**job_env, **{k: str(v) for k, v in extra.items()}}, ["--dry-run"]
+    )
+    return settings, dist, args, describe_strategy(settings, plan)
 
 
 def refused_in_process(monkeypatch, capsys, job_env: dict[str, str], **extra: str) -> str:
@@ -743,6 +749,7 @@ def test_what_transformers_compares_with_its_arguments_is_compared_at_dry_run(tm
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
     from utils import deepspeed_config
+    from utils.plan import build_plan
     from utils.settings import Settings
 
     source = inspect.getsource(HfTrainerDeepSpeedConfig.trainer_config_process) + inspect.getsource(
@@ -750,7 +757,8 @@ def test_what_transformers_compares_with_its_arguments_is_compared_at_dry_run(tm
     )
     compared = set(re.findall(r'self\.fill_match\(\s*"([^"]+)"', source))
     assert "scheduler.params.warmup_num_steps" in compared, source  # the pattern still finds them
-    owned = deepspeed_config.owned_values(Settings(max_steps=10), 1, "fp32")
+    settings = Settings(max_steps=10, precision="fp32")
+    owned = deepspeed_config.owned_values(settings, build_plan(settings, 1))
     assert compared <= set(owned), f"compared by transformers, not by the job: {sorted(compared - set(owned))}"
 
     defaults = TrainingArguments(output_dir=str(tmp_path), use_cpu=True)

@@ -309,13 +309,11 @@ def test_every_platform_replica_resolves_one_run_from_config_yaml(tmp_path, monk
     """Each replica of config.yaml, given what the platform gives it (the image's ENV, config_map, secrets, its rank
     variables): its own rank in one world of `replicas`, the settings config_map wrote, the same on every replica,
     the shared run folder, a push it can make, and the learning rate of the global batch the replicas train."""
-    from utils.batching import plan_batches
-
     config, world = config_yaml(), config_yaml()["replicas"]
     resolved = []
     for rank in range(world):
         env = pod_env(tmp_path, **platform_env(rank, world))
-        settings, dist, _, _ = configured(monkeypatch, env)
+        settings, dist, _, plan = configured(monkeypatch, env)
         assert dist.as_dict() == {
             "rank": rank,
             "local_rank": 0,
@@ -344,7 +342,7 @@ def test_every_platform_replica_resolves_one_run_from_config_yaml(tmp_path, monk
         if name not in ("RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     alone = configured(monkeypatch, single)[0]
-    same_batch = single | {"GLOBAL_BATCH_SIZE": str(plan_batches(settings, world).global_batch)}
+    same_batch = single | {"GLOBAL_BATCH_SIZE": str(plan.batch.global_batch)}
     as_one = configured(monkeypatch, same_batch)[0]
     for name in ("learning_rate", "loraplus_lr_ratio"):
         assert getattr(as_one, name) == getattr(settings, name)

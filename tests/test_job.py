@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ID, free_port, job_settings, push_settings, rank_env, rank_record, run_main, start_main
+from tests.conftest import (
+    REPO_ID,
+    free_port,
+    job_settings,
+    push_settings,
+    rank_env,
+    rank_record,
+    run_main,
+    start_main,
+    trained_plan,
+)
 
 
 def classify(model_dir: Path, sentences: list[str], base: Path | None = None) -> list[int]:
@@ -52,6 +62,34 @@ def test_one_process_trains_saves_and_the_model_loads_back(finished_run, tiny_be
     # A DDP run leaves DeepSpeed unloaded (installed here, Accelerate would import it): none of its notices, which
     # name DeepSpeed's accelerator module, reach the log.
     assert "real_accelerator" not in finished_run.first.stderr + finished_run.first.stdout
+
+
+@pytest.mark.check
+def test_dry_run_prints_the_plan_the_run_trained_with(finished_run):
+    """What `--dry-run` prints is what the run used: run.json records the same plan, completed with what only the
+    device (precision, quantization) and the data (the steps) tell, and the Trainer trained with it."""
+    out = finished_run.out
+    dry = run_main(finished_run.env, "--dry-run", timeout=60)
+    assert dry.code == 0, dry.stderr[-2000:]
+    planned = dry.json()["plan"]
+    plan = trained_plan(out)
+    later = {
+        "precision": "auto",
+        "quantization": "auto",
+        "steps": None,
+        "warmup_steps": None,
+        "steps_per_epoch": None,
+        "compile": "auto",
+    }
+    assert planned == {**plan, **later}
+    # The tiny run: 2,000 rows in 125 batches of 16 an epoch, 2 epochs; LoRA+ trains B at 8x the rate set.
+    assert (plan["steps_per_epoch"], plan["steps"], plan["warmup_steps"]) == (125, 250, 15)
+    assert (plan["precision"], plan["quantization"], plan["rates"]["lora_B"]) == ("fp32", "none", 8 * 3e-3)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["global_batch"], metrics["learning_rate"]) == (
+        plan["batch"]["global_batch"],
+        plan["learning_rate"],
+    )
 
 
 def restart_env(finished_run, tmp_path, hub, **extra: str) -> dict[str, str]:

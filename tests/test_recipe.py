@@ -68,8 +68,9 @@ def test_train_pooler_false_leaves_the_pooler_to_the_base(pooler_runs):
     ids=["set", "following-the-batch"],
 )
 def test_the_optimizer_trains_each_group_at_its_rate(tmp_path, tiny_bert, batch, b_ratio):
+    # One global batch of rows at least (256 following the batch): fewer, and the plan refuses the run.
     rows = datasets.Dataset.from_list(
-        [{"input_ids": [2, 5 + i % 7, 3], "attention_mask": [1, 1, 1], "labels": i % 2} for i in range(16)]
+        [{"input_ids": [2, 5 + i % 7, 3], "attention_mask": [1, 1, 1], "labels": i % 2} for i in range(256)]
     )
     trainer = job_trainer(
         tmp_path / "out",

@@ -2,7 +2,7 @@
 
 One table, run in this process against the functions a start meets in their order: `main.configure` (settings,
 ranks, recipe, strategy: what main() calls before torch), `open_run_dir` (OUTPUT_DIR), `load_tokenizer`,
-`load_sst2` and `check_global_batch` (the data, as the run loads it), `build_model`. Each case must be refused by
+`load_sst2` and `with_rows` (the data, as the run loads it), `build_model`. Each case must be refused by
 the layer it names, not earlier for another reason, with exit code 2 and a message that says what is wrong and
 how to fix it. Then one refused start of the real `python main.py` per layer (settings, OUTPUT_DIR, numerics,
 model, data, Hub): exit 2, one `error:` line, no traceback, nothing trained or pushed, the token not shown; and
@@ -46,7 +46,7 @@ from utils.data import load_sst2
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.model import build_model, load_tokenizer
 from utils.outputs import open_run_dir
-from utils.recipe import apply_recipe, check_global_batch
+from utils.plan import build_plan, with_rows
 from utils.settings import load_settings
 
 GOOD_ROWS = [("a wonderful film", 1), ("a dull film", 0)] * 4
@@ -141,7 +141,11 @@ def dangling_weights(folder: Path) -> None:
 
 def foreign_run(tmp: Path, env: dict) -> dict:
     """OUTPUT_DIR holds the record of a run with LORA_R=4 (its settings resolved as a one-process job resolves them)."""
-    settings = apply_recipe(load_settings([], environ=env)[0], 1)
+    settings = load_settings([], environ=env)[0]
+    plan = build_plan(settings, 1)
+    settings = settings.model_copy(
+        update={"learning_rate": plan.learning_rate, "loraplus_lr_ratio": plan.loraplus_ratio}
+    )
     out = Path(env["OUTPUT_DIR"])
     out.mkdir(parents=True)
     (out / "run.json").write_text(json.dumps({"training_settings": {**settings.training_settings(), "lora_r": 4}}))
@@ -778,14 +782,14 @@ def first_refusal(monkeypatch, env: dict[str, str], argv: list[str]) -> tuple[st
     up to the first training step; the layer that refused and its error (the test fails if none does)."""
     layer = "settings"
     try:
-        settings, dist, _, _ = configured(monkeypatch, env, argv)
+        settings, dist, _, plan = configured(monkeypatch, env, argv)
         layer = "output"
         run_dir = open_run_dir(settings)
         layer = "model"
         tokenizer = load_tokenizer(settings)
         layer = "data"
         data = load_sst2(settings, tokenizer, run_dir.cache)
-        check_global_batch(settings, dist.world_size, len(data["train"]))
+        with_rows(plan, settings, len(data["train"]))
         layer = "model"
         build_model(settings, False, torch.device("cpu"))
     except JobError as exc:

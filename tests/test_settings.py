@@ -47,11 +47,13 @@ def test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch(tmp_pa
     assert set(payload) == {
         "config",
         "distributed",
+        "plan",
         "batch",
         "task",
         "strategy",
     }  # "deepspeed" too under STRATEGY=deepspeed
-    assert payload["strategy"] == payload["config"]["strategy"]
+    assert payload["strategy"] == payload["config"]["strategy"] == payload["plan"]["strategy"]
+    assert payload["batch"] == payload["plan"]["batch"]
     assert set(FIELDS) | {"hf_token"} == set(payload["config"])
     assert payload["config"]["hf_token"] == "***"
     assert token not in result.stdout + result.stderr

@@ -2,8 +2,8 @@
 and checked against the settings before anything is loaded.
 
 What the job's settings own is written "auto" in the config the job builds, and the Trainer fills it in from
-its TrainingArguments: the micro-batch, the accumulation, the global batch (utils/batching.py), the
-learning rate and schedule (utils/recipe.py), the clipping, the precision. A user's ds_config.json may leave
+its TrainingArguments: the micro-batch, the accumulation, the global batch, the learning rate and schedule
+(all the plan's, utils/plan.py), the clipping, the precision. A user's ds_config.json may leave
 them "auto", leave them out (the job writes "auto" for them: DeepSpeed's own defaults would train other
 numbers, or fail its batch assertion), or pin them to the value the settings resolve to; a value that
 disagrees is refused (exit 2) naming the field and both values, so no run trains with other numbers than the
@@ -32,14 +32,15 @@ import importlib.util
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from utils.batching import plan_batches
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.recipe import resolve_learning_rate, resolve_loraplus_ratio, warmup_steps
 from utils.settings import Settings
+
+if TYPE_CHECKING:  # utils/plan.py builds the DeepSpeed config with run_config
+    from utils.plan import Plan
 
 DEEPSPEED_PIN = "deepspeed==0.19.8"  # requirements.txt's pin, named in the fix when it is missing
 # The Trainer's defaults for these, which the job keeps (utils/trainer.py sets no other).
@@ -165,15 +166,13 @@ def _get(config: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
-def owned_values(settings: Settings, world_size: int, precision: str | None) -> dict[str, Any]:
-    """Config field -> the value the job's settings resolve to (precision None: not resolved yet, PRECISION=auto
-    before the hardware is known)."""
-    plan = plan_batches(settings, world_size)
-    rate = resolve_learning_rate(settings, world_size)
+def owned_values(settings: Settings, plan: Plan) -> dict[str, Any]:
+    """Config field -> the plan's value (the precision and the step counts once known)."""
+    rate = plan.learning_rate
     owned: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": plan.micro_batch,
-        "gradient_accumulation_steps": plan.accumulation,
-        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.batch.micro_batch,
+        "gradient_accumulation_steps": plan.batch.accumulation,
+        "train_batch_size": plan.batch.global_batch,
         "gradient_clipping": GRADIENT_CLIPPING,
         "optimizer.params.lr": rate,
         "optimizer.params.betas": ADAM_BETAS,
@@ -181,15 +180,13 @@ def owned_values(settings: Settings, world_size: int, precision: str | None) -> 
         "optimizer.params.weight_decay": settings.weight_decay,
         "scheduler.params.warmup_max_lr": rate,
     }
-    if settings.max_steps:  # else the step counts follow the data set's size, known once it is loaded
-        owned["scheduler.params.total_num_steps"] = settings.max_steps
-        # As the Trainer counts them (utils/trainer.JobTrainingArguments), and at least 1 (its DeepSpeed integration)
-        owned["scheduler.params.warmup_num_steps"] = max(1, warmup_steps(settings.warmup_ratio, settings.max_steps))
-    if precision is None and settings.precision != "auto":
-        precision = settings.precision
-    if precision is not None:
-        owned["bf16.enabled"] = precision == "bf16"
-        owned["fp16.enabled"] = precision == "fp16"
+    if plan.max_steps:  # else the step counts follow the data set's size, known once it is loaded
+        owned["scheduler.params.total_num_steps"] = plan.steps
+        # At least 1, as the Trainer's DeepSpeed integration writes it.
+        owned["scheduler.params.warmup_num_steps"] = max(1, plan.warmup_steps)
+    if plan.precision != "auto":
+        owned["bf16.enabled"] = plan.precision == "bf16"
+        owned["fp16.enabled"] = plan.precision == "fp16"
     return owned
 
 
@@ -207,10 +204,10 @@ SETTING_OF = {  # what to change on the job's side, per owned field
 }
 
 
-def check_config(config: Mapping[str, Any], settings: Settings, world_size: int, precision: str | None) -> None:
-    """Refuse a user's config that pins a value the settings resolve otherwise, or that cannot apply."""
+def check_config(config: Mapping[str, Any], settings: Settings, plan: Plan) -> None:
+    """Refuse a user's config that pins a value the plan resolves otherwise, or that cannot apply."""
     where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
-    owned = owned_values(settings, world_size, precision)
+    owned = owned_values(settings, plan)
     for field in ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"):
         theirs = _get(config, field)
         if field not in owned and theirs not in (None, "auto"):
@@ -254,12 +251,11 @@ def check_config(config: Mapping[str, Any], settings: Settings, world_size: int,
                 f'{where} sets {path}: "auto", which neither the job nor the Trainer fills in (DeepSpeed would read '
                 f'the word "auto" as its value); write a value for {path}, or drop it for DeepSpeed\'s default',
             )
-    loraplus_ratio = resolve_loraplus_ratio(settings, world_size)
-    if "optimizer" in config and (loraplus_ratio != 1 or settings.head_learning_rate_ratio != 1):
+    if "optimizer" in config and (plan.loraplus_ratio != 1 or plan.head_ratio != 1):
         raise JobError(
             EXIT_BAD_INPUT,
             f"{where} has an optimizer block, which replaces the job's AdamW and with it the recipe's per-group rates "
-            f"(LORAPLUS_LR_RATIO={loraplus_ratio:g}, HEAD_LEARNING_RATE_RATIO={settings.head_learning_rate_ratio:g}); "
+            f"(LORAPLUS_LR_RATIO={plan.loraplus_ratio:g}, HEAD_LEARNING_RATE_RATIO={plan.head_ratio:g}); "
             "drop the optimizer block (the job's AdamW runs under DeepSpeed), or set both ratios to 1",
         )
 
@@ -374,14 +370,15 @@ def check_installed() -> None:
         )
 
 
-def run_config(settings: Settings, world_size: int, precision: str | None = None) -> dict[str, Any]:
-    """The DeepSpeed config the run hands the Trainer (its "auto" values left for the Trainer), checked."""
+def run_config(settings: Settings, plan: Plan) -> dict[str, Any]:
+    """The DeepSpeed config the run hands the Trainer (its "auto" values left for the Trainer), checked against
+    the plan (utils/plan.build_plan; with_device checks it again once the precision is known)."""
     check_installed()
     if settings.deepspeed_config is None:
         return build_config(settings)
     where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
     config = complete_config(load_config(settings.deepspeed_config), where)
-    check_config(config, settings, world_size, precision)
+    check_config(config, settings, plan)
     return config
 
 
@@ -397,13 +394,13 @@ def offloads(config: Mapping[str, Any]) -> tuple[bool, bool]:
     )
 
 
-def describe_strategy(settings: Settings, world_size: int) -> dict[str, Any]:
-    """--dry-run's view: the strategy, and for deepspeed the config with what the settings resolve filled in
+def describe_strategy(settings: Settings, plan: Plan) -> dict[str, Any]:
+    """--dry-run's view: the strategy, and for deepspeed the plan's config with the plan's values filled in
     (precision stays "auto" until the hardware is known; the schedule's step counts until the data is)."""
-    if settings.strategy != "deepspeed":
-        return {"strategy": settings.strategy}
-    config = copy.deepcopy(run_config(settings, world_size))
-    for field, value in owned_values(settings, world_size, None).items():
+    if plan.deepspeed is None:
+        return {"strategy": plan.strategy}
+    config = copy.deepcopy(plan.deepspeed)
+    for field, value in owned_values(settings, plan).items():
         parent, _, leaf = field.rpartition(".")
         holder = _get(config, parent) if parent else config
         if isinstance(holder, dict) and holder.get(leaf) == "auto":

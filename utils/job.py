@@ -1,36 +1,34 @@
 """What a rank knows once it has started: one frozen object, built once, read by every phase of the run.
 
-main.py resolves the settings and the ranks without torch (`main.configure`); `Job.start` adds what needs
-it, the device and the numerics the hardware allows, and the batch plan, so utils/run.py's phases
-(set-up, train, publish) and the Trainer utils/trainer.py builds take one argument instead of a bundle.
+main.py resolves the settings, the ranks and the plan without torch (`main.configure`); `Job.start` adds what
+needs it, the device, and completes the plan with the numerics the hardware allows (utils/plan.with_device),
+so utils/run.py's phases (set-up, train, publish) and the Trainer utils/trainer.py builds take one argument
+instead of a bundle.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from utils.batching import BatchPlan, plan_batches
 from utils.distributed import DistEnv
-from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import Masker
 from utils.outputs import RunDir
+from utils.plan import Plan, with_device, with_rows
 from utils.preemption import Preemption
 from utils.settings import Settings
 
 
 @dataclass(frozen=True)
 class Job:
-    settings: Settings  # resolved: the learning rate is the one this world size gets
+    settings: Settings  # resolved: the learning rate is the plan's
     dist: DistEnv  # this process's rank, world size and rendezvous address
     out: RunDir  # OUTPUT_DIR, checked to be this job's
     cuda: bool
     device: torch.device
-    quantize: bool  # 8-bit base weights (bitsandbytes)
-    precision: str  # fp32, bf16 or fp16: never `auto`
-    batch: BatchPlan  # global batch, micro-batch and accumulation for this world size
+    plan: Plan  # what the run trains with (utils/plan.py), its numerics resolved for this device
     preemption: Preemption | None = None  # the installed stop-signal handler; None: signals are not deferred
     masker: Masker | None = None  # the token masking on stdout/stderr, for the log handlers too
 
@@ -40,34 +38,39 @@ class Job:
         settings: Settings,
         dist: DistEnv,
         out: RunDir,
+        plan: Plan,
         *,
         preemption: Preemption | None = None,
         masker: Masker | None = None,
     ) -> Job:
         cuda = torch.cuda.is_available()
-        quantize, precision = resolve_numerics(settings, dist, cuda)
         return cls(
             settings=settings,
             dist=dist,
             out=out,
             cuda=cuda,
             device=torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu"),
-            quantize=quantize,
-            precision=precision,
-            batch=plan_batches(settings, dist.world_size),
+            plan=with_device(plan, settings, cuda, cuda and torch.cuda.is_bf16_supported()),
             preemption=preemption,
             masker=masker,
         )
 
+    def with_rows(self, train_rows: int) -> Job:
+        """This job with the plan's step count for `train_rows` training rows (utils/plan.with_rows)."""
+        return replace(self, plan=with_rows(self.plan, self.settings, train_rows))
+
     @property
     def strategy(self) -> str:
-        return self.settings.strategy
+        return self.plan.strategy
+
+    @property
+    def quantize(self) -> bool:  # 8-bit base weights (bitsandbytes)
+        return self.plan.quantization == "8bit"
 
     @property
     def compiled(self) -> bool:
-        """TORCH_COMPILE: the fast path (utils/trainer.compile_model); `auto` takes it on CUDA under DDP."""
-        wanted = self.settings.torch_compile
-        return wanted is True or (wanted == "auto" and self.cuda and self.strategy == "ddp")
+        """TORCH_COMPILE: the fast path (utils/trainer.compile_model), as the plan resolved it for this device."""
+        return self.plan.compile is True
 
     def leave_unused_libraries_out(self) -> None:
         """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights (`leave_out`). Called before
@@ -85,19 +88,3 @@ def leave_out(*libraries: str) -> None:
     (tests/test_library_contract.py holds them to it). Before transformers is imported."""
     for name in libraries:
         sys.modules.setdefault(name, None)
-
-
-def resolve_numerics(settings: Settings, dist: DistEnv, cuda: bool) -> tuple[bool, str]:
-    """(8-bit?, precision) from QUANTIZATION / PRECISION and the hardware; impossible asks are bad input."""
-    # auto: no 8-bit under DeepSpeed, which casts and shards the weights (an explicit 8bit is refused there).
-    quantize = settings.quantization == "8bit" or (
-        settings.quantization == "auto" and cuda and dist.world_size == 1 and settings.strategy != "deepspeed"
-    )
-    precision = settings.precision
-    if precision == "auto":
-        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if precision == "fp16" and not cuda:
-        raise JobError(EXIT_BAD_INPUT, "PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
-    if precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
-        raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
-    return quantize, precision

@@ -42,8 +42,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO
 
-from utils.batching import replica_count_change
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_error, volume_state
+from utils.plan import replica_count_change
 from utils.settings import REPO_ID_PATTERN, Settings, resolve_base_model_id
 from utils.tasks import validation_splits
 

@@ -28,7 +28,6 @@ import torch.distributed as td
 import transformers
 from transformers import Trainer, set_seed
 
-from utils.batching import micro_batch_warning
 from utils.collectives import Collectives, rendezvous
 from utils.data import label_names_of, load_sst2
 from utils.distributed import DistEnv, export_env, launcher_options, masked_environ
@@ -47,7 +46,8 @@ from utils.outputs import (
     usable_checkpoints,
     write_run_record,
 )
-from utils.recipe import check_global_batch, describe_recipe
+from utils.plan import Plan, micro_batch_warning
+from utils.recipe import describe_recipe
 from utils.run_lock import RunLock
 from utils.settings import check_tracker_uri
 from utils.strategy import check_strategy, full_state_dict
@@ -277,6 +277,7 @@ class Ready:
     key: dict  # resume_key, with the run's segments so far: recorded in every checkpoint
     train_rows: int
     validation_rows: int
+    plan: Plan  # the job's, completed with the step count
     labels: tuple[str, ...] = ()  # the class names in id order; none: regression
     startup: dict | None = None  # seconds after process start each set-up phase ended (logs/rank-R.json)
 
@@ -330,12 +331,12 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     """The checks that need no peer, then the rendezvous: the process group, with the OUTPUT_DIR lock on rank 0."""
     settings, dist = job.settings, job.dist
     export_env(dist, deepspeed=job.strategy == "deepspeed")
-    log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.precision)
-    log.info(describe_recipe(settings, dist.world_size))
-    if warning := micro_batch_warning(settings, job.batch):
+    log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.plan.precision)
+    log.info(describe_recipe(settings, job.plan))
+    if warning := micro_batch_warning(settings, job.plan.batch):
         log.warning(warning)
     # E.g. fsdp on the CPU: exit 2, never DDP.
-    check_strategy(settings, dist, job.cuda, job.quantize, job.precision, launcher_options())
+    check_strategy(settings, dist, job.cuda, job.quantize, job.plan.precision, launcher_options())
     # On every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective.
     if settings.result_model_id:
         hub.check_write_access(settings.result_model_id)
@@ -357,8 +358,8 @@ def set_up(job: Job, group: Collectives) -> Ready:
     with group.main_first():  # rank 0 downloads and tokenizes into the shared cache, the others reuse it
         data = load_sst2(settings, tokenizer, job.out.cache)
     startup["data"] = seconds_since_start()
-    # Every rank holds the same rows, so every rank takes the same decision here.
-    check_global_batch(settings, dist.world_size, len(data["train"]))
+    # The optimizer steps, now that the rows are known (a global batch larger than the split is refused here).
+    job = job.with_rows(len(data["train"]))
     # Before the model: LoRA init and dropout are the same on every restart.
     set_seed(settings.seed)
     labels = label_names_of(data)  # the classes the data resolved to (none: regression)
@@ -377,6 +378,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
             job.out,
             settings,
             global_batch=key["global_batch"],
+            plan=job.plan.as_dict(),
             segments=key["segments"],
             # The files trained on: a rerun of the finished run with other data is refused (check_finished_run).
             data_files=data_files_digest(settings),
@@ -391,12 +393,12 @@ def set_up(job: Job, group: Collectives) -> Ready:
     validation_rows = sum(len(rows) for split, rows in data.items() if split != "train")
     startup["trainer"] = seconds_since_start()
     log.info("start-up, seconds after process start: %s", {phase: round(s, 2) for phase, s in startup.items()})
-    return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, labels, startup)
+    return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, job.plan, labels, startup=startup)
 
 
 def train(job: Job, group: Collectives, ready: Ready) -> Trained:
     """Training and evaluation, on every rank; the final barrier included."""
-    settings, dist, trainer = job.settings, job.dist, ready.trainer
+    settings, dist, trainer, plan = job.settings, job.dist, ready.trainer, ready.plan
     with progress_bar_closed_on_error(trainer), tracker_run(job):
         # A stop signal now checkpoints at the next step all ranks agree on.
         with job.preemption.deferred():
@@ -414,11 +416,11 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             **eval_metrics,
             # What actually ran, for the card: the resolved rate and numerics, not `auto`.
             "world_size": dist.world_size,
-            "global_batch": job.batch.global_batch,
+            "global_batch": plan.batch.global_batch,
             "segments": close_segments(ready.key["segments"], trainer.state.global_step),
-            "learning_rate": trainer.args.learning_rate,
-            "quantization": "8bit" if job.quantize else "none",
-            "precision": job.precision,
+            "learning_rate": plan.learning_rate,
+            "quantization": plan.quantization,
+            "precision": plan.precision,
             "run_name": settings.run_name,
             # What the model predicts, for the card, id2label.json and predict.py.
             "problem_type": "classification" if ready.labels else "regression",
@@ -434,6 +436,8 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         # The checksum and the full state dict are collectives when FSDP shards the weights: on every rank,
         # and before leaving the group.
         state_dict = full_state_dict(trainer.model, job.strategy)
+        # Under DeepSpeed accelerate wraps the Trainer's scheduler (DeepSpeed's own, from a config's block, has no base_lrs).
+        scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
         record = {
             "rank": dist.rank,
             "local_rank": dist.local_rank,
@@ -451,6 +455,15 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             "startup": {**(ready.startup or {}), "first_step": trainer.startup.seconds},
             # TORCH_COMPILE's graphs (None: eager); tests hold them to the length buckets.
             "compile": compile_record() if job.compiled else None,
+            # What the Trainer trained with, read back from it: the plan's values, or a bug (tests compare them).
+            "trained_with": {
+                "micro_batch": trainer.args.per_device_train_batch_size,
+                "accumulation": trainer.args.gradient_accumulation_steps,
+                "steps": trainer.state.max_steps,
+                "warmup_steps": trainer.args.get_warmup_steps(trainer.state.max_steps),
+                "rates": sorted(set(getattr(scheduler, "base_lrs", []))),  # each group's peak rate
+                "precision": "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "fp32",
+            },
         }
         if job.compiled:
             log.info(

@@ -681,7 +681,7 @@ DEEPSPEED_SETTINGS = frozenset({"zero_stage", "zero_offload", "deepspeed_config"
 def training_setting_names(settings: Settings) -> frozenset[str]:
     """TRAINING_SETTINGS, less the DeepSpeed ones unless STRATEGY=deepspeed: they change nothing else, and a
     DDP or FSDP run keeps the run name and the run folder it had before they existed. Under GLOBAL_BATCH_SIZE,
-    less PER_DEVICE_BATCH_SIZE too: there it only caps the micro-batch (utils/batching.py), and each step averages
+    less PER_DEVICE_BATCH_SIZE too: there it only caps the micro-batch (utils/plan.py), and each step averages
     the same rows whatever it is, as on another replica count. TASK and PROBLEM_TYPE count where they are not the
     defaults: a resume with another task or problem type is refused, and an SST-2 run keeps its name. (LABEL_NAMES
     is none: another label order is other label ids, which the checkpoint's key of the tokenized rows refuses.)"""

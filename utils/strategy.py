@@ -19,12 +19,13 @@ anything is loaded, every combination where FSDP cannot happen, and the Trainer'
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from utils.deepspeed_config import check_launcher, run_config
+from utils.deepspeed_config import check_launcher
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
@@ -52,8 +53,7 @@ def check_strategy(
             f"the accelerate config sets mixed_precision: {mixed} but PRECISION resolves to {precision}; the job's PRECISION "
             f"decides: set PRECISION={mixed}, or mixed_precision: 'no' in the config",
         )
-    if settings.strategy == "deepspeed":
-        check_deepspeed(settings, dist, cuda, quantize, precision, launcher)
+    # DeepSpeed: its config is the plan's, checked there (utils/plan.py), with the precision once it is resolved.
     if settings.strategy != "fsdp":
         return
     if not cuda:
@@ -74,18 +74,6 @@ def check_strategy(
             "QUANTIZATION=8bit cannot be combined with STRATEGY=fsdp: FSDP cannot shard bitsandbytes int8 weights; "
             "use QUANTIZATION=none (or auto) with fsdp",
         )
-
-
-def check_deepspeed(
-    settings: Settings, dist: DistEnv, cuda: bool, quantize: bool, precision: str, launcher: Mapping[str, object]
-) -> None:
-    """STRATEGY=deepspeed: what would drop DeepSpeed silently or cannot run under it; the config checked with the
-    precision now resolved (utils/deepspeed_config.py)."""
-    if quantize:  # Settings refuses QUANTIZATION=8bit with deepspeed, and auto resolves to none there
-        raise JobError(
-            EXIT_BAD_INPUT, "QUANTIZATION=8bit cannot be combined with STRATEGY=deepspeed; use QUANTIZATION=none"
-        )
-    run_config(settings, dist.world_size, precision)
 
 
 def wrap_classes(model: torch.nn.Module) -> list[str]:
@@ -114,12 +102,12 @@ def wrap_classes(model: torch.nn.Module) -> list[str]:
 
 
 def trainer_options(
-    settings: Settings, model: torch.nn.Module, world_size: int = 1, precision: str | None = None
+    settings: Settings, model: torch.nn.Module, deepspeed: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """TrainingArguments for the strategy: nothing extra for DDP; FSDP2 wrapping per transformer block for fsdp;
-    the DeepSpeed config for deepspeed (the Trainer fills in its "auto" values and calls deepspeed.initialize)."""
+    for deepspeed the plan's config `deepspeed` (the Trainer fills in its "auto" values and calls deepspeed.initialize)."""
     if settings.strategy == "deepspeed":
-        return {"deepspeed": run_config(settings, world_size, precision)}
+        return {"deepspeed": copy.deepcopy(deepspeed)}  # the Trainer fills it in; the plan stays as built
     if settings.strategy != "fsdp":
         return {}
     return {

@@ -40,8 +40,9 @@ from utils.deepspeed_config import offloads, zero_stage
 from utils.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_threads, volume_state
 from utils.job import Job
 from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
+from utils.plan import Plan
 from utils.preemption import SIGNALS, Preemption
-from utils.recipe import optimizer_groups, resolve_learning_rate, resolve_loraplus_ratio, warmup_steps
+from utils.recipe import optimizer_groups
 from utils.strategy import count_fsdp_units, trainer_options
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, best_metric, eval_prefix
 
@@ -80,26 +81,25 @@ class JobTrainer(Trainer):
       end: the restart trained a step past MAX_STEPS. The override runs no epoch once the last step is trained.
     """
 
-    def __init__(self, *args, param_groups=None, global_batch: int | None = None, startup: StartupTimer, **kwargs):
+    def __init__(self, *args, plan: Plan, startup: StartupTimer, **kwargs):
         super().__init__(*args, **kwargs)
         # BERT's forward takes **kwargs, so the Trainer assumes it sums its loss over `num_items_in_batch`
         # and then scales it by the world size and skips the division by accumulation steps. The
         # classification loss is a per-batch mean: without this, DDP runs train at world-size x the rate.
         self.model_accepts_loss_kwargs = False
-        # A recipe's optimizer groups (utils/recipe.py) when rates differ per group; None: the Trainer's own.
-        self.param_groups = param_groups
+        # The optimizer groups' rates, and GLOBAL_BATCH_SIZE's one order of the rows (GlobalOrderSampler).
+        self.plan = plan
         # Rows this process trained on (logs/rank-R.json); after a resume, only the rows trained since.
         self.samples_seen = 0
-        # GLOBAL_BATCH_SIZE: one order of the rows for every replica count (GlobalOrderSampler).
-        self.global_batch = global_batch
         # When this process reached its first step (logs/rank-R.json); one of the callbacks.
         self.startup = startup
 
     def create_optimizer(self, model=None):
-        if self.optimizer is None and self.param_groups is not None:
+        if self.optimizer is None and len(set(self.plan.rates.values())) > 1:  # else the Trainer's own groups
             opt_model = self.model if model is None else model
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-            self.optimizer = optimizer_cls(self.param_groups(opt_model.named_parameters()), **optimizer_kwargs)
+            groups = optimizer_groups(opt_model.named_parameters(), self.plan.rates, self.args.weight_decay)
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         optimizer = super().create_optimizer(model)
         if self.args.deepspeed and offloads(self.args.hf_deepspeed_config.config)[0]:
             # ZeRO-Offload steps on the CPU, where DeepSpeed takes its own CPU Adam only (a C++ op compiled once
@@ -157,8 +157,8 @@ class JobTrainer(Trainer):
         if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, datasets.Dataset):
             # Arrow has the lengths already: the same lengths as the library's loop, so the same batches.
             lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
-            if self.global_batch:
-                return GlobalOrderSampler(self.global_batch, lengths, self.args.seed)
+            if self.plan.batch.fixed or self.plan.compile is True:  # the fast path: no shorter last batch
+                return GlobalOrderSampler(self.plan.batch.global_batch, lengths, self.args.seed)
             return EpochSeededLengthGroupedSampler(
                 self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths, self.args.seed
             )
@@ -504,17 +504,13 @@ def evaluation_sets(data) -> datasets.Dataset | dict[str, datasets.Dataset]:
     return {eval_prefix(split): data[split] for split in splits}
 
 
-def evaluation_interval(job: Job, train_rows: int) -> int:
+def evaluation_interval(job: Job) -> int:
     """EVAL_STEPS, or EVALUATIONS_PER_EPOCH evaluations an epoch (over the whole run when MAX_STEPS is
     shorter than an epoch); 0: no evaluation during training."""
-    settings, plan = job.settings, job.batch
+    settings, plan = job.settings, job.plan
     if settings.eval_steps is not None:
         return settings.eval_steps
-    if plan.fixed:  # whole global batches only (GlobalOrderSampler)
-        steps_per_epoch = max(train_rows // plan.global_batch, 1)
-    else:
-        steps_per_epoch = math.ceil(math.ceil(train_rows / (plan.micro_batch * plan.world_size)) / plan.accumulation)
-    steps = min(steps_per_epoch, settings.max_steps or steps_per_epoch)
+    steps = min(plan.steps_per_epoch, plan.max_steps or plan.steps_per_epoch)
     return max(1, steps // EVALUATIONS_PER_EPOCH)
 
 
@@ -525,7 +521,7 @@ def resume_key(job: Job, data) -> dict:
     without a word. The world size too, unless GLOBAL_BATCH_SIZE fixes one global order of the rows
     (`elastic`): then any count that divides the global batch resumes at the same row. Not under DeepSpeed,
     whose checkpoints hold each rank's partition of the optimizer state (`optimizer_per_rank`)."""
-    plan = job.batch
+    plan = job.plan.batch
     per_rank = job.strategy == "deepspeed"
     key = {
         "world_size": plan.world_size,
@@ -553,45 +549,31 @@ def content_digest(dataset: datasets.Dataset) -> str:
 
 
 # ------------------------------------------------------------------------------- building it
-class JobTrainingArguments(TrainingArguments):
-    """TrainingArguments whose warm-up leaves at least one step at a non-zero rate (utils/recipe.warmup_steps).
-
-    The Trainer rounds WARMUP_RATIO x steps up, and a linear warm-up starts at rate 0: with MAX_STEPS=1 the
-    only step was warm-up, so no weight moved and the run still exited 0. `get_warmup_steps` is where the
-    Trainer's scheduler asks, with the step count it really runs.
-    """
-
-    def get_warmup_steps(self, num_training_steps: int) -> int:
-        if self.warmup_steps >= 1:  # a step count, not a fraction
-            return super().get_warmup_steps(num_training_steps)
-        return warmup_steps(self.warmup_steps, num_training_steps)
-
-
-def training_arguments(job: Job, model, train_rows: int) -> TrainingArguments:
-    """The TrainingArguments the settings resolve to, on this rank and this hardware."""
-    settings, dist, cuda, precision, plan = job.settings, job.dist, job.cuda, job.precision, job.batch
+def training_arguments(job: Job, model) -> TrainingArguments:
+    """The TrainingArguments the plan (completed with the step count: Job.with_rows) and the settings give."""
+    settings, dist, cuda, plan = job.settings, job.dist, job.cuda, job.plan
     # Ampere and newer: TF32 matmuls for what stays fp32.
     tf32 = cuda and torch.cuda.get_device_capability()[0] >= 8
-    eval_every = evaluation_interval(job, train_rows)
+    eval_every = evaluation_interval(job)
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
     best = best_metric(settings, REGRESSION if model.config.problem_type == "regression" else CLASSIFICATION)
     options = dict(
         output_dir=str(job.out.checkpoints),
         run_name=settings.run_name,
-        per_device_train_batch_size=plan.micro_batch,
+        per_device_train_batch_size=plan.batch.micro_batch,
         per_device_eval_batch_size=settings.per_device_eval_batch_size,
-        gradient_accumulation_steps=plan.accumulation,
-        num_train_epochs=settings.num_epochs,
-        max_steps=settings.max_steps or -1,
-        # LEARNING_RATE, else the global-batch rule.
-        learning_rate=resolve_learning_rate(settings, dist.world_size),
+        gradient_accumulation_steps=plan.batch.accumulation,
+        # The Trainer counts the steps itself; the plan's count must match it (logs/rank-R.json shows both).
+        num_train_epochs=plan.num_epochs,
+        max_steps=plan.max_steps or -1,
+        learning_rate=plan.learning_rate,
         weight_decay=settings.weight_decay,
-        # Below 1 the Trainer reads it as a fraction of all steps (never all of them: JobTrainingArguments).
-        warmup_steps=settings.warmup_ratio,
+        # A count: the plan's never makes every step warm-up (a linear warm-up trains its first step at rate 0).
+        warmup_steps=plan.warmup_steps,
         optim="adamw_torch_fused",
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
+        bf16=plan.precision == "bf16",
+        fp16=plan.precision == "fp16",
         tf32=tf32 or None,
         # transformers 5's name for gradient checkpointing; the reentrant variant breaks DDP + LoRA (peft #899).
         activation_checkpointing=settings.gradient_checkpointing,
@@ -630,8 +612,8 @@ def training_arguments(job: Job, model, train_rows: int) -> TrainingArguments:
     )
     # STRATEGY=fsdp: FSDP2, one unit per transformer block.
     # STRATEGY=deepspeed: the DeepSpeed config ("auto" where these arguments decide).
-    options.update(trainer_options(settings, model, dist.world_size, precision))
-    return JobTrainingArguments(**options)
+    options.update(trainer_options(settings, model, plan.deepspeed))
+    return TrainingArguments(**options)
 
 
 def build_trainer(
@@ -649,7 +631,7 @@ def build_trainer(
                 "build_trainer needs the Collectives from utils.collectives.rendezvous in a distributed job"
             )
         group = Collectives(dist, settings.rendezvous_timeout)
-    args = training_arguments(job, model, len(data["train"]))
+    args = training_arguments(job, model)
     marker = CheckpointMarker(out, group, settings.save_total_limit, key or resume_key(job, data))
     startup = StartupTimer()
     callbacks: list[TrainerCallback] = [
@@ -665,18 +647,8 @@ def build_trainer(
     callbacks.append(CheckpointFolder(out, marker))  # after StopOnPreemption, which may ask for a save
     if dist.is_main and "tensorboard" in settings.report_to:
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / settings.run_name))
-    param_groups = None
-    loraplus_ratio = resolve_loraplus_ratio(settings, dist.world_size)
-    if settings.head_learning_rate_ratio != 1 or loraplus_ratio != 1:
-        param_groups = partial(
-            optimizer_groups,
-            settings=settings,
-            learning_rate=args.learning_rate,
-            loraplus_ratio=loraplus_ratio,
-            weight_decay=args.weight_decay,
-        )
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if job.cuda else None)  # 8: tensor cores
-    if job.precision == "bf16" and not job.quantize and job.strategy == "ddp":
+    if job.plan.precision == "bf16" and not job.quantize and job.strategy == "ddp":
         store_frozen_linears_in_bf16(model)
     if job.compiled:
         collator = partial(pad_to_bucket, tokenizer, length_buckets(settings.max_seq_length))
@@ -690,9 +662,7 @@ def build_trainer(
         processing_class=tokenizer,
         compute_metrics=task_metrics(model),
         callbacks=callbacks,
-        param_groups=param_groups,
-        # The fast path trains whole global batches too: no shorter last batch, so no graph of its own.
-        global_batch=job.batch.global_batch if job.batch.fixed or job.compiled else None,
+        plan=job.plan,
         startup=startup,
     )
 

@@ -1,0 +1,394 @@
+"""The plan: every value a run derives from its settings, computed here once and only read elsewhere.
+
+`build_plan` (main.configure, every rank, no torch) resolves the global batch and how this replica count
+computes it, each optimizer group's learning rate, the steps when MAX_STEPS sets them, and the strategy with
+its DeepSpeed config. What the hardware and the data tell completes it once each, where it becomes known:
+`with_device` (`auto` precision and quantization, in Job.start) and `with_rows` (the optimizer steps and the
+warm-up, in utils/run.set_up). `--dry-run` prints it, run.json records it completed; the Trainer's arguments,
+the DeepSpeed config, the logs and the model card read it.
+
+The global batch: GLOBAL_BATCH_SIZE unset (the default), it follows the job's shape, PER_DEVICE_BATCH_SIZE x
+world size x GRADIENT_ACCUMULATION_STEPS, so another replica count is another run (a restart on another count
+is refused). Set, it is a hyperparameter and the replica count a deployment detail: each optimizer step
+averages the same rows whatever the count; a replica computes its share (global batch / world size) in
+micro-batches of at most PER_DEVICE_BATCH_SIZE rows, accumulating as many as it takes. With one global order
+of the rows (utils/trainer.py's GlobalOrderSampler) 1, 2 and 4 replicas train the same model up to
+floating-point summation order, and a run can resume on any count that divides the global batch;
+PER_DEVICE_BATCH_SIZE is then a memory cap a restart may lower. An elastic launcher (PET_NNODES=2:4) must be
+able to share the global batch on every count of its range, or the job dies after the loss it was made to
+survive: `check_elastic_range` refuses such a start at once.
+
+The learning rate follows the global batch, so the same settings train the same model on 1 to 8 replicas:
+
+    learning_rate = BASE_LEARNING_RATE x (global batch / 64) ** 0.25     (LEARNING_RATE_SCALING=fourth-root)
+    loraplus_lr_ratio = 8 x min(1, (64 / global batch) ** 0.5), never below 1
+
+64 is the reference batch (one replica with the defaults), where both were tuned. Adam's update size does not
+grow with the batch, so fewer, larger steps need a larger rate: on real SST-2 on 4 replicas `sqrt` (Malladi et
+al. 2022) overshot, the fourth root and B at 4x came level with one replica (docs/quality.md). Values set by
+hand are used exactly; a rate the rule resolves passes LEARNING_RATE's own bounds. The head trains at
+HEAD_LEARNING_RATE_RATIO x the rate, B at the LoRA+ ratio x (Hayou et al. 2024; utils/recipe.optimizer_groups).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Annotated, Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from utils.deepspeed_config import check_config, run_config
+from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.settings import MAX_GLOBAL_BATCH, Settings
+
+REFERENCE_GLOBAL_BATCH = 64  # one replica with PER_DEVICE_BATCH_SIZE=64: where BASE_LEARNING_RATE was measured
+REFERENCE_LORAPLUS_RATIO = 8.0  # the LoRA+ ratio measured best at the reference batch (docs/quality.md)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch: int  # rows per optimizer step, over all replicas
+    micro_batch: int  # rows per forward/backward on one replica
+    accumulation: int  # micro-batches per optimizer step on one replica
+    world_size: int
+    fixed: bool  # GLOBAL_BATCH_SIZE set: the same global batch on any replica count
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the run trains with, derived from the settings once (`build_plan`); `with_device` and `with_rows`
+    complete what only the hardware and the data can tell. Everything else reads it."""
+
+    batch: BatchPlan
+    learning_rate: float  # the base rate: LoRA's A matrices and what is neither head nor B
+    learning_rate_source: str  # where the rate came from, in the settings' names
+    loraplus_ratio: float  # B at this x the rate
+    head_ratio: float  # the head at this x the rate
+    max_steps: int | None  # MAX_STEPS, else the epochs decide
+    num_epochs: float
+    strategy: str
+    zero_stage: int | None  # DeepSpeed only
+    zero_offload: str | None
+    precision: str  # fp32, bf16 or fp16; `auto` until the device is known
+    quantization: str  # 8bit or none; `auto` until the device is known
+    steps: int | None  # optimizer steps: MAX_STEPS, else known once the rows are
+    warmup_steps: int | None
+    steps_per_epoch: int | None = None  # known once the rows are
+    # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in.
+    deepspeed: dict[str, Any] | None = None
+    # TORCH_COMPILE: the fast path (utils/trainer.compile_model), whole global batches only; `auto` until the device is known.
+    compile: bool | str = "auto"
+
+    @property
+    def rates(self) -> dict[str, float]:
+        """The learning rate of each optimizer group (utils/recipe.optimizer_groups)."""
+        return {
+            "base": self.learning_rate,
+            "head": self.learning_rate * self.head_ratio,
+            "lora_B": self.learning_rate * self.loraplus_ratio,
+        }
+
+    def as_dict(self) -> dict:
+        """What --dry-run prints and run.json records (the DeepSpeed config has a key of its own)."""
+        shown = asdict(self)
+        del shown["deepspeed"]
+        return {**shown, "rates": self.rates}
+
+
+def replica_counts(global_batch: int) -> list[int]:
+    """The replica counts that can share `global_batch` rows evenly."""
+    return [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+
+
+def largest_micro_batch(share: int, cap: int) -> int:
+    """The largest micro-batch of at most `cap` rows that divides a replica's `share`: every micro-batch is
+    full, so each optimizer step averages exactly the same rows with the same weights on any count."""
+    divisors = (d for small in range(1, math.isqrt(share) + 1) if share % small == 0 for d in (small, share // small))
+    return max(d for d in divisors if d <= cap)
+
+
+def splits_well(global_batch: int, world_sizes: list[int], cap: int) -> bool:
+    """Every count divides `global_batch`, and none computes its share in micro-batches under half of what the
+    cap (or the share, when smaller) allows."""
+    for world in world_sizes:
+        if global_batch % world:
+            return False
+        share = global_batch // world
+        if 2 * largest_micro_batch(share, cap) < min(share, cap):
+            return False
+    return True
+
+
+def nearby_global_batches(global_batch: int, world_sizes: list[int], cap: int) -> list[int]:
+    """The nearest global batch below and above `global_batch` that every count in `world_sizes` shares in
+    well-filled micro-batches (`splits_well`): what to suggest instead of one that is not."""
+    step = math.lcm(*world_sizes)
+    if step > 4 * global_batch:
+        return [step]  # the smallest batch every count shares is far from the one asked for: no search around it
+    found = []
+    for direction in (-1, 1):
+        candidate = (global_batch // step + (direction > 0)) * step
+        for _ in range(100):  # a suggestion, not a search: far from the value asked for it helps no one
+            if candidate <= 0 or splits_well(candidate, world_sizes, cap):
+                break
+            candidate += direction * step
+        if candidate > 0 and candidate != global_batch and splits_well(candidate, world_sizes, cap):
+            found.append(candidate)
+    return found or [step]
+
+
+def suggested(sizes: list[int]) -> str:
+    return " or ".join(map(str, sizes))
+
+
+def plan_batches(settings: Settings, world_size: int) -> BatchPlan:
+    """The plan for `world_size` replicas; a replica count that cannot divide GLOBAL_BATCH_SIZE is bad input."""
+    if settings.global_batch_size is None:
+        return BatchPlan(
+            global_batch=settings.per_device_batch_size * world_size * settings.gradient_accumulation_steps,
+            micro_batch=settings.per_device_batch_size,
+            accumulation=settings.gradient_accumulation_steps,
+            world_size=world_size,
+            fixed=False,
+        )
+    total = settings.global_batch_size
+    if total % world_size:
+        counts = ", ".join(map(str, replica_counts(total)))
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"GLOBAL_BATCH_SIZE={total} cannot be shared by {world_size} replicas; run on one of {counts} "
+            f"replica(s), or set a GLOBAL_BATCH_SIZE that {world_size} divides",
+        )
+    share = total // world_size
+    micro = largest_micro_batch(share, settings.per_device_batch_size)
+    return BatchPlan(
+        global_batch=total, micro_batch=micro, accumulation=share // micro, world_size=world_size, fixed=True
+    )
+
+
+def micro_batch_warning(settings: Settings, plan: BatchPlan) -> str | None:
+    """A warning when GLOBAL_BATCH_SIZE leaves this count far smaller micro-batches than PER_DEVICE_BATCH_SIZE
+    allows (997, a prime, on one replica: 997 micro-batches of 1 a step): the same model, many times slower."""
+    if not plan.fixed:
+        return None
+    share = plan.global_batch // plan.world_size
+    if 2 * plan.micro_batch >= min(share, settings.per_device_batch_size):
+        return None
+    better = nearby_global_batches(plan.global_batch, [plan.world_size], settings.per_device_batch_size)
+    return (
+        f"GLOBAL_BATCH_SIZE={plan.global_batch} on {plan.world_size} replica(s) is {share} rows a replica, which only "
+        f"micro-batches of {plan.micro_batch} divide under PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} "
+        f"({plan.accumulation} forward passes a step); the model is the same but the run is slower: "
+        f"GLOBAL_BATCH_SIZE={suggested(better)} would keep micro-batches of at least half PER_DEVICE_BATCH_SIZE"
+    )
+
+
+def check_elastic_range(settings: Settings, counts: range, variable: str) -> None:
+    """Refuse (exit 2) an elastic range of replica counts (`variable` as the launcher set it) the global batch
+    cannot follow: one of them reached after a loss would be refused on every restart, and the job would end
+    there instead of going on."""
+    if len(counts) < 2:
+        return
+    cap = settings.per_device_batch_size
+    if settings.global_batch_size is None:
+        sizes = nearby_global_batches(cap * counts[-1] * settings.gradient_accumulation_steps, list(counts), cap)
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{variable} lets the job go on with {counts[0]} to {counts[-1]} replicas, but without GLOBAL_BATCH_SIZE the "
+            f"global batch follows the replica count, so a restart on another count after a loss is refused; "
+            f"set GLOBAL_BATCH_SIZE to a multiple of every count, e.g. {suggested(sizes)}",
+        )
+    total = settings.global_batch_size
+    refused = [world for world in counts if total % world]
+    if refused:
+        sizes = nearby_global_batches(total, list(counts), cap)
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"GLOBAL_BATCH_SIZE={total} cannot be shared by {', '.join(map(str, refused))} replica(s), a count {variable} "
+            "lets the job go on with after a loss (every restart there would be refused); set GLOBAL_BATCH_SIZE to a "
+            f"multiple of every count from {counts[0]} to {counts[-1]}, e.g. {suggested(sizes)}, or narrow the range",
+        )
+
+
+def replica_count_change(record: dict, settings: Settings, world_size: int) -> str | None:
+    """Why a run folder's run.json holds other training settings, when the cause is the replica count: without
+    GLOBAL_BATCH_SIZE the global batch follows the count, and the learning rate the global batch (None: the
+    count is not the cause)."""
+    segments = record.get("segments") or [{}]
+    theirs = segments[-1].get("world_size") if isinstance(segments[-1], dict) else None
+    if settings.global_batch_size is not None or not isinstance(theirs, int) or theirs == world_size:
+        return None
+    ours = plan_batches(settings, world_size).global_batch
+    if record.get("global_batch") == ours:
+        return None
+    return (
+        f"its run was trained on {theirs} replica(s) at global batch {record.get('global_batch')} and this start has "
+        f"{world_size} (global batch {ours}: PER_DEVICE_BATCH_SIZE x replicas x GRADIENT_ACCUMULATION_STEPS)"
+    )
+
+
+# ------------------------------------------------------------------------------- the learning rate
+def scaled_learning_rate(settings: Settings, global_batch: int) -> float:
+    """BASE_LEARNING_RATE at the reference batch, scaled to `global_batch` by LEARNING_RATE_SCALING."""
+    ratio = global_batch / REFERENCE_GLOBAL_BATCH
+    factor = {"fourth-root": ratio**0.25, "sqrt": math.sqrt(ratio), "linear": ratio, "none": 1.0}[
+        settings.learning_rate_scaling
+    ]
+    return float(f"{settings.base_learning_rate * factor:.6g}")  # a readable number in logs, run.json and the card
+
+
+def resolve_learning_rate(settings: Settings, world_size: int, global_batch: int) -> float:
+    """The rate this job trains at: LEARNING_RATE exactly when the user set it, else the scaling rule's rate,
+    checked against LEARNING_RATE's bounds (a JobError naming the rule, the batch and the fix)."""
+    if settings.learning_rate is not None:
+        return settings.learning_rate
+    rate = scaled_learning_rate(settings, global_batch)
+    refusal = _learning_rate_refusal(rate)
+    if refusal:
+        others = {
+            rule: scaled_learning_rate(settings.model_copy(update={"learning_rate_scaling": rule}), global_batch)
+            for rule in ("fourth-root", "none")
+            if rule != settings.learning_rate_scaling
+        }
+        rules = ", ".join(
+            f"LEARNING_RATE_SCALING={rule} gives {value:g}"
+            for rule, value in others.items()
+            if not _learning_rate_refusal(value)
+        )
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LEARNING_RATE_SCALING={settings.learning_rate_scaling} resolves the learning rate to {rate:g} at global batch "
+            f"{global_batch} ({_batch_terms(settings, world_size)}; BASE_LEARNING_RATE "
+            f"{settings.base_learning_rate:g} at batch {REFERENCE_GLOBAL_BATCH}), which LEARNING_RATE's own check refuses "
+            f"({refusal}); set LEARNING_RATE to the rate to train at, or another rule ({rules})",
+        )
+    return rate
+
+
+def resolve_loraplus_ratio(settings: Settings, global_batch: int) -> float:
+    """The LoRA+ ratio this job trains at: LORAPLUS_LR_RATIO exactly when the user set it, else 8 at the
+    reference batch or below, falling as the square root of the global batch above it, never below 1."""
+    if settings.loraplus_lr_ratio is not None:
+        return settings.loraplus_lr_ratio
+    shrink = min(1.0, (REFERENCE_GLOBAL_BATCH / global_batch) ** 0.5)
+    return max(1.0, float(f"{REFERENCE_LORAPLUS_RATIO * shrink:.6g}"))
+
+
+def _learning_rate_refusal(rate: float) -> str | None:
+    """Why LEARNING_RATE would refuse `rate` (None: it takes it). The bounds are the field's own, so a rate
+    the rule resolves and a rate typed by hand can never be held to different ones."""
+    try:
+        TypeAdapter(Annotated[(float, *Settings.model_fields["learning_rate"].metadata)]).validate_python(rate)
+    except ValidationError as exc:
+        return exc.errors()[0]["msg"].lower()
+    return None
+
+
+def _batch_terms(settings: Settings, world_size: int) -> str:
+    """Where the global batch comes from, in the settings' own names."""
+    if settings.global_batch_size is not None:
+        return f"GLOBAL_BATCH_SIZE={settings.global_batch_size}"
+    return (
+        f"PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} x {world_size} replica(s) "
+        f"x GRADIENT_ACCUMULATION_STEPS={settings.gradient_accumulation_steps}"
+    )
+
+
+def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
+    """Warm-up steps for a run of `total_steps`: WARMUP_RATIO of them rounded up, as the Trainer counts them,
+    but never all of them. A linear warm-up trains its first step at rate 0, so a 1-step run (MAX_STEPS=1,
+    or one step an epoch) whose only step is warm-up would change no weight at all."""
+    return max(0, min(math.ceil(total_steps * warmup_ratio), total_steps - 1))
+
+
+# ------------------------------------------------------------------------------- building and completing the plan
+def build_plan(settings: Settings, world_size: int) -> Plan:
+    """The plan for `world_size` replicas, from the settings alone (no torch); bad input raises JobError."""
+    batch = plan_batches(settings, world_size)
+    # Each factor has its range, but their product (x the replica count) could reach sizes no data set and no
+    # sampler index is made for: held to GLOBAL_BATCH_SIZE's own bound.
+    if batch.global_batch > MAX_GLOBAL_BATCH:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the global batch is {batch.global_batch} rows ({_batch_terms(settings, world_size)}), above the "
+            f"{MAX_GLOBAL_BATCH} a global batch may be (GLOBAL_BATCH_SIZE's range, 1 to {MAX_GLOBAL_BATCH}); lower "
+            "PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS, or set GLOBAL_BATCH_SIZE",
+        )
+    rate = resolve_learning_rate(settings, world_size, batch.global_batch)
+    deepspeed = settings.strategy == "deepspeed"
+    plan = Plan(
+        batch=batch,
+        learning_rate=rate,
+        learning_rate_source="LEARNING_RATE as set"
+        if settings.learning_rate is not None
+        else f"BASE_LEARNING_RATE {settings.base_learning_rate:g} x {settings.learning_rate_scaling} scaling from batch {REFERENCE_GLOBAL_BATCH}",
+        loraplus_ratio=resolve_loraplus_ratio(settings, batch.global_batch),
+        head_ratio=settings.head_learning_rate_ratio,
+        max_steps=settings.max_steps,
+        num_epochs=settings.num_epochs,
+        strategy=settings.strategy,
+        zero_stage=settings.zero_stage if deepspeed else None,
+        zero_offload=settings.zero_offload if deepspeed else None,
+        precision=settings.precision,
+        quantization=settings.quantization,
+        steps=settings.max_steps,
+        warmup_steps=warmup_steps(settings.warmup_ratio, settings.max_steps) if settings.max_steps else None,
+        compile=settings.torch_compile,
+    )
+    return replace(plan, deepspeed=run_config(settings, plan)) if deepspeed else plan
+
+
+def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool) -> Plan:
+    """The plan with `auto` precision and quantization resolved for this hardware; impossible asks are bad input,
+    and a DEEPSPEED_CONFIG that pins another precision too."""
+    # auto: no 8-bit under DeepSpeed, which casts and shards the weights (an explicit 8bit is refused there).
+    quantize = settings.quantization == "8bit" or (
+        settings.quantization == "auto" and cuda and plan.batch.world_size == 1 and plan.strategy != "deepspeed"
+    )
+    precision = settings.precision
+    if precision == "auto":
+        precision = "bf16" if cuda and bf16_supported else "fp32"
+    if precision == "fp16" and not cuda:
+        raise JobError(EXIT_BAD_INPUT, "PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
+    if precision == "bf16" and cuda and not bf16_supported:
+        raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
+    # auto: the fast path on CUDA under DDP (on the CPU compiling takes minutes for no gain).
+    compiled = settings.torch_compile is True or (settings.torch_compile == "auto" and cuda and plan.strategy == "ddp")
+    plan = replace(plan, precision=precision, quantization="8bit" if quantize else "none", compile=compiled)
+    if plan.deepspeed is not None and settings.deepspeed_config is not None:
+        check_config(plan.deepspeed, settings, plan)
+    return plan
+
+
+def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
+    """The plan with the optimizer steps the Trainer will count over `train_rows` training rows, and the
+    warm-up. A global batch larger than the split is bad input: one step would want more rows than exist.
+    Every rank holds the same rows, so every rank reaches the same decision without a collective."""
+    batch = plan.batch
+    if batch.global_batch > train_rows:
+        fitting = train_rows // (batch.world_size * settings.gradient_accumulation_steps)
+        if batch.fixed:
+            fix = f"set GLOBAL_BATCH_SIZE to {train_rows} or less, or train on more data"
+        elif fitting >= 1:
+            fix = f"set PER_DEVICE_BATCH_SIZE to {fitting} or less, lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas, or train on more data"
+        else:
+            fix = "lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas (even 1 row per device is too many), or train on more data"
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the global batch is {batch.global_batch} rows ({_batch_terms(settings, batch.world_size)}) but the "
+            f"training split has only {train_rows}: a step would take more rows than there are; {fix}",
+        )
+    if batch.fixed or plan.compile is True:  # whole global batches only (GlobalOrderSampler)
+        per_epoch = max(train_rows // batch.global_batch, 1)
+    else:  # each rank's loader, then the Trainer's ceil over the accumulation
+        per_epoch = max(
+            math.ceil(math.ceil(train_rows / (batch.micro_batch * batch.world_size)) / batch.accumulation), 1
+        )
+    steps = plan.max_steps or math.ceil(plan.num_epochs * per_epoch)
+    return replace(
+        plan, steps_per_epoch=per_epoch, steps=steps, warmup_steps=warmup_steps(settings.warmup_ratio, steps)
+    )
