@@ -363,6 +363,10 @@ REFUSED = {  # id -> (settings, what the error line says)
         {"STRATEGY": "deepspeed", "QUANTIZATION": "8bit"},
         "QUANTIZATION=8bit cannot be combined with STRATEGY=deepspeed",
     ),
+    "torch-compile": (
+        {"STRATEGY": "deepspeed", "TORCH_COMPILE": "true"},
+        "TORCH_COMPILE=true runs under STRATEGY=ddp only",
+    ),
     "parameters-offload-below-stage-3": (
         {"STRATEGY": "deepspeed", "ZERO_STAGE": "2", "ZERO_OFFLOAD": "optimizer+parameters"},
         "set ZERO_STAGE=3, or ZERO_OFFLOAD=optimizer",
