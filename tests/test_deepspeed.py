@@ -359,6 +359,10 @@ REFUSED = {  # id -> (settings, what the error line names: {key} is the path of 
         {"STRATEGY": "deepspeed", "QUANTIZATION": "8bit"},
         ["QUANTIZATION=8bit", "STRATEGY=deepspeed", "QUANTIZATION=none", "STRATEGY=ddp"],
     ),
+    "torch-compile": (
+        {"STRATEGY": "deepspeed", "TORCH_COMPILE": "true"},
+        "TORCH_COMPILE=true runs under STRATEGY=ddp only",
+    ),
     "parameters-offload-below-stage-3": (
         {"STRATEGY": "deepspeed", "ZERO_STAGE": "2", "ZERO_OFFLOAD": "optimizer+parameters"},
         ["ZERO_OFFLOAD=optimizer+parameters", "ZERO_STAGE=2", "ZERO_STAGE=3", "ZERO_OFFLOAD=optimizer"],

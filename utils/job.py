@@ -67,6 +67,11 @@ class Job:
     def quantize(self) -> bool:  # 8-bit base weights (bitsandbytes)
         return self.plan.quantization == "8bit"
 
+    @property
+    def compiled(self) -> bool:
+        """TORCH_COMPILE: the fast path (utils/trainer.compile_model), as the plan resolved it for this device."""
+        return self.plan.compile is True
+
     def leave_unused_libraries_out(self) -> None:
         """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights (`leave_out`). Called before
         transformers is imported."""
