@@ -131,10 +131,12 @@ def build_job_arm(settings: Settings, cuda: bool):
     from utils.model import build_model, load_tokenizer
     from utils.outputs import open_run_dir
     from utils.plan import build_plan
+    from utils.preemption import Preemption
     from utils.trainer import build_trainer
 
-    # One process, planned as main.py plans it; Job.start reads `cuda` from torch too.
-    job = Job.start(settings, detect_env({}), open_run_dir(settings), build_plan(settings, 1))
+    # One process, planned as main.py plans it; Job.start reads `cuda` from torch too. The stop-signal handler
+    # is not installed: a benchmark stops at Ctrl-C.
+    job = Job.start(settings, detect_env({}), open_run_dir(settings), build_plan(settings, 1), preemption=Preemption())
     tokenizer = load_tokenizer(settings)
     data = load_sst2(settings, tokenizer, job.out.cache)
     job = job.with_rows(len(data["train"]))

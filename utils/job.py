@@ -29,7 +29,7 @@ class Job:
     cuda: bool
     device: torch.device
     plan: Plan  # what the run trains with (utils/plan.py), its numerics resolved for this device
-    preemption: Preemption | None = None  # the installed stop-signal handler; None: signals are not deferred
+    preemption: Preemption  # the stop-signal handler (main.py installs it); training defers signals through it
     masker: Masker | None = None  # the token masking on stdout/stderr, for the log handlers too
 
     @classmethod
@@ -40,7 +40,7 @@ class Job:
         out: RunDir,
         plan: Plan,
         *,
-        preemption: Preemption | None = None,
+        preemption: Preemption,
         masker: Masker | None = None,
     ) -> Job:
         cuda = torch.cuda.is_available()

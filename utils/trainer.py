@@ -641,10 +641,9 @@ def build_trainer(
         startup,
         SamplerEpoch(),
         SaveBeforeFinalEvaluation(),
+        StopOnPreemption(job.preemption, group),
+        CheckpointFolder(out, marker),  # after StopOnPreemption, which may ask for a save
     ]
-    if job.preemption is not None:
-        callbacks.append(StopOnPreemption(job.preemption, group))
-    callbacks.append(CheckpointFolder(out, marker))  # after StopOnPreemption, which may ask for a save
     if dist.is_main and "tensorboard" in settings.report_to:
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / settings.run_name))
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if job.cuda else None)  # 8: tensor cores
