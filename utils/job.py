@@ -38,7 +38,7 @@ class Job:
     cuda: bool
     device: torch.device
     plan: Plan  # what the run trains with (utils/plan.py), its numerics resolved for this device
-    preemption: Preemption | None = None  # the installed stop-signal handler; None: signals are not deferred
+    preemption: Preemption  # the stop-signal handler (main.py installs it); training defers signals through it
     masker: Masker | None = None  # the token masking on stdout/stderr, for the log handlers too
 
     @classmethod
@@ -49,7 +49,7 @@ class Job:
         out: RunDir,
         plan: Plan,
         *,
-        preemption: Preemption | None = None,
+        preemption: Preemption,
         masker: Masker | None = None,
     ) -> Job:
         cuda = torch.cuda.is_available()
@@ -75,6 +75,11 @@ class Job:
     @property
     def quantize(self) -> bool:  # 8-bit base weights (bitsandbytes)
         return self.plan.quantization == "8bit"
+
+    @property
+    def compiled(self) -> bool:
+        """TORCH_COMPILE: the fast path (utils/trainer.compile_model), as the plan resolved it for this device."""
+        return self.plan.compile is True
 
     def leave_unused_libraries_out(self) -> None:
         """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights (`leave_out`). Called before

@@ -52,7 +52,14 @@ from utils.run_lock import RunLock
 from utils.settings import check_tracker_uri, training_setting_names
 from utils.strategy import check_strategy, full_state_dict
 from utils.tasks import headline
-from utils.trainer import JobTrainer, build_trainer, resume_key
+from utils.trainer import (
+    JobTrainer,
+    build_trainer,
+    compile_record,
+    length_buckets,
+    resume_key,
+    seconds_since_start,
+)
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
@@ -282,6 +289,7 @@ class Ready:
     validation_rows: int
     plan: Plan  # the job's, completed with the step count
     labels: tuple[str, ...] = ()  # the class names in id order; none: regression
+    startup: dict | None = None  # seconds after process start each set-up phase ended (logs/rank-R.json)
 
 
 @dataclass(frozen=True)
@@ -359,9 +367,11 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
 def set_up(job: Job, group: Collectives) -> Ready:
     """Tokenizer, data, model, the checkpoint to resume from and the Trainer, on every rank; run.json on rank 0."""
     settings, dist = job.settings, job.dist
+    startup = {"imports_and_rendezvous": seconds_since_start()}
     tokenizer = load_tokenizer(settings)
     with group.main_first():  # rank 0 downloads and tokenizes into the shared cache, the others reuse it
         data = load_sst2(settings, tokenizer, job.out.cache)
+    startup["data"] = seconds_since_start()
     # The optimizer steps, now that the rows are known (a global batch larger than the split is refused here).
     job = job.with_rows(len(data["train"]))
     # Before the model: LoRA init and dropout are the same on every restart.
@@ -369,6 +379,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     labels = label_names_of(data)  # the classes the data resolved to (none: regression)
     with group.agreed():  # a model refused on one rank stops all with its message
         model = build_model(settings, job.quantize, job.device, labels)
+    startup["model"] = seconds_since_start()  # the CUDA context included: the weights are moved to the GPU here
 
     key = resume_key(job, data)
     # The replica counts the run trained on go to metrics.json and the card.
@@ -395,7 +406,9 @@ def set_up(job: Job, group: Collectives) -> Ready:
             checkpoint,
         )
     validation_rows = sum(len(rows) for split, rows in data.items() if split != "train")
-    return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, job.plan, labels)
+    startup["trainer"] = seconds_since_start()
+    log.info("start-up, seconds after process start: %s", {phase: round(s, 2) for phase, s in startup.items()})
+    return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, job.plan, labels, startup=startup)
 
 
 def train(job: Job, group: Collectives, ready: Ready) -> Trained:
@@ -453,6 +466,10 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             ),
             "first_step": trainer.startup.first_step + 1,
             "seconds_to_first_step": trainer.startup.seconds,
+            # Where the time to the first step went: each phase's end (the compile is in the first steps).
+            "startup": {**(ready.startup or {}), "first_step": trainer.startup.seconds},
+            # TORCH_COMPILE's graphs (None: eager); tests hold them to the length buckets.
+            "compile": compile_record() if job.compiled else None,
             # What the Trainer trained with, read back from it: the plan's values, or a bug (tests compare them).
             "trained_with": {
                 "micro_batch": trainer.args.per_device_train_batch_size,
@@ -463,6 +480,15 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
                 "precision": "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "fp32",
             },
         }
+        if job.compiled:
+            log.info(
+                "torch.compile: %d graphs for length buckets %s, %d recompiles, %d graph breaks, %.1f s compiling",
+                record["compile"]["graphs"],
+                length_buckets(settings.max_seq_length),
+                record["compile"]["recompiles"],
+                record["compile"]["graph_breaks"],
+                record["compile"]["compile_s"],
+            )
     return Trained(trainer, metrics, record, state_dict)
 
 
