@@ -495,9 +495,10 @@ if scenario == "stopped-store":  # rank 0 serves the store and is stopped; rank 
         time.sleep(120)
     sys.stdin.readline()
     store.set_timeout(timedelta(seconds=0.5))
-    threading.Thread(target=lambda: store.get("never-set"), daemon=True).start()
-    time.sleep(4)
-    say(observed={"returned": threading.active_count() == 1})
+    asking = threading.Thread(target=lambda: store.get("never-set"), daemon=True)
+    asking.start()
+    asking.join(4)  # eight times the timeout: a call that kept it has returned long before
+    say(observed={"returned": not asking.is_alive()})
 elif scenario == "world-size":  # rank 1 was started with another WORLD_SIZE
     outcome = {}
 
@@ -508,8 +509,9 @@ elif scenario == "world-size":  # rank 1 was started with another WORLD_SIZE
         except Exception as exc:
             outcome["failed"] = type(exc).__name__
 
-    threading.Thread(target=join, daemon=True).start()
-    time.sleep(4)
+    joining = threading.Thread(target=join, daemon=True)
+    joining.start()
+    joining.join(4)  # four times the timeout: a join that kept it has returned or failed by now
     say(observed=outcome)
 elif scenario == "monitored":  # rank 1 is stopped; rank 2 is alive, waiting in a collective for rank 0
     gloo(timedelta(seconds=30))
