@@ -5,9 +5,11 @@ labels, the merged weights and predict.py (MLflow: tests/test_tracking.py, again
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -21,6 +23,7 @@ from tests.conftest import (
     BASE_ID,
     LABELS,
     MERGED_ID,
+    REPO,
     REPO_ID,
     Result,
     assert_refusal,
@@ -28,6 +31,7 @@ from tests.conftest import (
     base_env,
     error_lines,
     push_settings,
+    rank_record,
     run_main,
     run_predict,
 )
@@ -134,6 +138,35 @@ def test_metrics_and_evaluation_during_training_reach_metrics_json_and_tensorboa
     # 125 steps an epoch: evaluated every 31 steps during 2 epochs (EVAL_STEPS unset), then once more at the end.
     assert steps[:8] == [31 * n for n in range(1, 9)] and steps[-1] == 250, steps
     assert {"eval/f1", "eval/precision", "eval/recall"} <= set(events.Tags()["scalars"])
+
+
+def test_the_rank_log_holds_the_settings_each_logged_loss_the_evaluation_and_the_outcome(finished_run):
+    out = finished_run.out
+    log = (out / "logs" / "rank-0.log").read_text()
+    settings = json.loads((out / "run.json").read_text())["settings"]
+    [shown] = re.findall(r" utils\.run: settings that change the result: (\{.*\})$", log, re.M)
+    shown = ast.literal_eval(shown)
+    assert shown == {name: settings[name] for name in shown} and {"model_name", "lora_r", "seed"} <= set(shown)
+    logged = [
+        (int(step), ast.literal_eval(values))
+        for step, values in re.findall(r" utils\.run: step (\d+): (\{.*\})$", log, re.M)
+    ]
+    last = max(out.glob("checkpoints/checkpoint-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
+    history = json.loads((last / "trainer_state.json").read_text())["log_history"]
+    losses = [(entry["step"], entry["loss"], entry["learning_rate"]) for entry in history if "loss" in entry]
+    assert len(losses) > 2 and [(s, v["loss"], v["learning_rate"]) for s, v in logged if "loss" in v] == losses
+    evaluations = [values for _, values in logged if "eval_accuracy" in values]
+    assert len(evaluations) == len(history) - len(losses) + 1  # the evaluations during training, and the final one
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {key: evaluations[-1][key] for key in ("eval_accuracy", "eval_loss")} == {
+        key: metrics[key] for key in ("eval_accuracy", "eval_loss")
+    }
+    # No library's INFO records (transformers' config and weights dumps, datasets' builder steps) but the Trainer's.
+    sources = {name for name in re.findall(r"^\S+ \S+ rank0 (?:INFO|DEBUG) (\S+):", log, re.M)}
+    assert {name for name in sources if not name.startswith("utils.")} == {"transformers.trainer"}, sources
+    # The outcome: the exit code the first start ended with (the Hub refused the push) and where the model is.
+    [outcome] = [line for line in log.splitlines() if rank_record(out, 0)["trainable_checksum"] in line]
+    assert f"exit {finished_run.first.code}" in outcome and str(out / "model") in outcome
 
 
 def test_merged_model_loads_without_peft_and_predicts_as_the_adapter(finished_run, tiny_bert, tmp_path):
@@ -315,11 +348,11 @@ def test_a_finished_run_publishes_the_label_names_it_was_trained_with(finished_r
 
 
 @pytest.fixture
-def unpushed_run(job_env, tmp_path, sst2_dir) -> dict[str, str]:
+def unpushed_run(job_env, tmp_path, sst2_dir, tiny_bert) -> dict[str, str]:
     """A short run trained from the local tiny model with no push and no BASE_MODEL_ID (the air-gapped flow), on
-    its own copy of the data; its environment."""
+    its own copy of the data; its environment. MODEL_NAME is relative to the folder main.py starts in."""
     data = shutil.copytree(sst2_dir, tmp_path / "data")
-    env = {**job_env, "DATASET_PATH": str(data), "MAX_STEPS": "2"}
+    env = {**job_env, "DATASET_PATH": str(data), "MAX_STEPS": "2", "MODEL_NAME": os.path.relpath(tiny_bert, REPO)}
     env.pop("NUM_EPOCHS")
     first = run_main(env)
     assert first.code == 0, first.stderr[-3000:]
@@ -334,7 +367,10 @@ def test_push_only_with_base_model_id_pushes_an_adapter_that_names_the_base_the_
     the base the card names, so the pushed adapter loads off the cluster."""
     out = tmp_path / "out"
     on_volume = json.loads((out / "model" / "adapter_config.json").read_text())
-    assert on_volume["base_model_name_or_path"] == str(tiny_bert)
+    assert on_volume["base_model_name_or_path"] == str(tiny_bert)  # the relative MODEL_NAME, made absolute
+    # So predict.py finds the base from any folder, with no --base-model.
+    answers = run_predict(base_env(tmp_path), out / "model", stdin="\n".join(SENTENCES), cwd=tmp_path)
+    assert answers.code == 0 and len(answers.stdout.splitlines()) == len(SENTENCES), answers.stderr[-3000:]
     for args, repo in ((["--push-only"], REPO_ID), ([], AGAIN_ID)):
         result = run_main({**unpushed_run, **push_settings(hub), "RESULT_MODEL_ID": repo}, *args)
         assert result.code == 0, result.stderr[-3000:]

@@ -8,7 +8,10 @@ instead of a bundle.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -19,6 +22,12 @@ from utils.outputs import RunDir
 from utils.plan import Plan, with_device, with_rows
 from utils.preemption import Preemption
 from utils.settings import Settings
+
+# Notices about what the job neither uses nor can change, silenced for main.py and predict.py (both import this first):
+# peft 0.21 still asks transformers 5 for `is_gradient_checkpointing`, which warns on every model built or loaded;
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+# bitsandbytes looks for an optional 4-bit CPU kernel (package `kernels`) as it loads; the 8-bit path never calls it.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,8 @@ class Job:
         transformers is imported."""
         unused = {"deepspeed": self.strategy != "deepspeed", "bitsandbytes": not self.quantize}
         leave_out(*(name for name, left_out in unused.items() if left_out))
+        if self.strategy == "deepspeed" and not self.cuda:  # else DeepSpeed probes for a GPU and warns it found none
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def leave_out(*libraries: str) -> None:

@@ -792,8 +792,8 @@ def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECON
         f"MLFLOW_TRACKING_URI={mask_urls(uri)}" if os.environ.get("MLFLOW_TRACKING_URI") else f"MLflow's default {uri}"
     )
     fix = (
-        "set MLFLOW_TRACKING_URI to a running MLflow tracking server (e.g. http://mlflow.example:5000; "
-        "a database store like sqlite:///PATH needs the full mlflow package), or drop mlflow from REPORT_TO"
+        "set MLFLOW_TRACKING_URI to a running MLflow tracking server (e.g. http://mlflow.example:5000) or a "
+        "database file (e.g. sqlite:////pvc-home/mlflow.db), or drop mlflow from REPORT_TO"
     )
 
     def refused(why: str) -> JobError:

@@ -607,8 +607,8 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         # Pinned batches copied without waiting for the previous step.
         accelerator_config={"non_blocking": cuda},
         disable_tqdm=not dist.is_main,
-        log_level="info" if dist.is_main else "warning",
-        log_level_replica="warning",
+        log_level="passive",  # utils/run.setup_logging decides which library records reach the logs
+        log_level_replica="passive",
     )
     # STRATEGY=fsdp: FSDP2, one unit per transformer block.
     # STRATEGY=deepspeed: the DeepSpeed config ("auto" where these arguments decide).
