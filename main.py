@@ -39,7 +39,6 @@ Exit codes: 0 done (or already done), 2 bad input/settings/credentials or an unr
 import argparse
 import gc
 import json
-import logging
 import sys
 
 from utils.deepspeed_config import adopt_deepspeed, describe_strategy
@@ -113,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         # Unwritable or foreign OUTPUT_DIR: refused before the heavy imports.
         run_dir = open_run_dir(settings, dist.world_size, push_only=args.push_only)
 
-        # bitsandbytes warns at import about an optional 4-bit CPU kernel this job never uses.
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
         from utils.job import Job  # torch: a second to import
 
         job = Job.start(settings, dist, run_dir, plan, preemption=preemption, masker=masker)  # device and numerics

@@ -243,20 +243,24 @@ def adapter_files(model: str) -> tuple[dict | None, dict[int, str] | None]:
     """(adapter_config.json, id2label.json) of an adapter folder or Hub repo; (None, None) for a full model."""
     from transformers.utils import find_adapter_config_file
 
-    folder = Path(model)
     config_path = find_adapter_config_file(model)
     if config_path is None:
         return None, None
-    if folder.is_dir():
-        return json.loads(Path(config_path).read_text()), read_label_names(folder)
+    labels = model_file(model, LABELS_NAME)
+    return json.loads(Path(config_path).read_text()), read_label_names(Path(labels).parent) if labels else None
+
+
+def model_file(model: str, name: str) -> str | None:
+    """`name` in the model folder, or in its Hub repo (downloaded once into the cache); None where it has none."""
+    if Path(model).is_dir():
+        return str(Path(model, name)) if Path(model, name).is_file() else None
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
     try:
-        labels = read_label_names(Path(hf_hub_download(model, LABELS_NAME)).parent)
+        return hf_hub_download(model, name)
     except EntryNotFoundError:
-        labels = None
-    return json.loads(Path(config_path).read_text()), labels
+        return None
 
 
 def load_classifier(model: str, base_model: str | None):
@@ -350,7 +354,7 @@ def check_adapter_fits(model: str, adapter: dict, base, base_id: str, trained_on
     adapter_model.safetensors is checked against the base's weight it adapts or replaces (another width is a
     traceback listing every tensor), and each layer the adapter's targets name in the base must have its
     weights (a deeper base loads with a warning and answers with layers the training never adapted)."""
-    weights = None if adapter.get("fan_in_fan_out") else adapter_weights_file(model)
+    weights = None if adapter.get("fan_in_fan_out") else model_file(model, "adapter_model.safetensors")
     if weights is None:  # no safetensors file, or (out, in) stored transposed: peft's own load checks it
         return
     from safetensors import safe_open
@@ -408,20 +412,6 @@ def check_adapter_fits(model: str, adapter: dict, base, base_id: str, trained_on
                 f"({len(unadapted)} of the {len(targeted)} modules its target_modules name there): it was trained on {trained_on}, a smaller "
                 f"base; pass --base-model with {trained_on} or a local copy of it",
             )
-
-
-def adapter_weights_file(model: str) -> str | None:
-    """The adapter's safetensors file (a local folder's, or the Hub's, downloaded once into the cache)."""
-    local = Path(model) / "adapter_model.safetensors"
-    if Path(model).is_dir():
-        return str(local) if local.is_file() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    try:
-        return hf_hub_download(model, local.name)
-    except EntryNotFoundError:
-        return None
 
 
 def cap_length(tokenizer, config) -> None:

@@ -10,6 +10,9 @@
   defaults       the job's own `build_trainer` with its default settings and QUANTIZATION=none
   defaults-8bit  the same with QUANTIZATION=8bit (the single-GPU default)
   compiled       the same with TORCH_COMPILE=true
+  eager-bf16, fast-bf16, eager-8bit, fast-8bit
+                 QUANTIZATION=none or 8bit with TORCH_COMPILE=false or true (scripts/gpu_checks.sh); the
+                 precision is the job's own (bf16 where the GPU has it)
 
 The job's arms differ from the job only in settings: MAX_STEPS, SAVE_STEPS past the last step (the Trainer's
 save at the end of training comes after the clock stops), EVAL_STEPS=0 (the job's periodic evaluation would
@@ -40,6 +43,10 @@ JOB_ARMS = {
     "defaults": {"quantization": "none"},
     "defaults-8bit": {"quantization": "8bit"},
     "compiled": {"quantization": "none", "torch_compile": True},
+    "eager-bf16": {"quantization": "none", "torch_compile": False},
+    "fast-bf16": {"quantization": "none", "torch_compile": True},
+    "eager-8bit": {"quantization": "8bit", "torch_compile": False},
+    "fast-8bit": {"quantization": "8bit", "torch_compile": True},
 }
 ARMS = ("original", *JOB_ARMS)
 # No checkpoint falls inside the timed steps (the Trainer saves once more after the last one, untimed).
@@ -109,12 +116,13 @@ def arm_settings(name: str, cfg: dict) -> Settings:
         save_steps=SAVE_STEPS_NEVER,
         eval_steps=0,
         report_to=("none",),
+        **({"max_seq_length": cfg["max_seq_length"]} if cfg.get("max_seq_length") else {}),
         **JOB_ARMS.get(name, {"quantization": "none"}),
     )
 
 
 def build_job_arm(settings: Settings, cuda: bool):
-    """(Trainer, 8-bit?, precision): the job's own Trainer, built as utils/run.py builds it on one process."""
+    """(Trainer, 8-bit?, precision, compiled?): the job's own Trainer, built as utils/run.py builds it on one process."""
     from transformers import set_seed
 
     from utils.data import load_sst2
@@ -123,20 +131,22 @@ def build_job_arm(settings: Settings, cuda: bool):
     from utils.model import build_model, load_tokenizer
     from utils.outputs import open_run_dir
     from utils.plan import build_plan
+    from utils.preemption import Preemption
     from utils.trainer import build_trainer
 
-    # One process, planned as main.py plans it; Job.start reads `cuda` from torch too.
-    job = Job.start(settings, detect_env({}), open_run_dir(settings), build_plan(settings, 1))
+    # One process, planned as main.py plans it; Job.start reads `cuda` from torch too. The stop-signal handler
+    # is not installed: a benchmark stops at Ctrl-C.
+    job = Job.start(settings, detect_env({}), open_run_dir(settings), build_plan(settings, 1), preemption=Preemption())
     tokenizer = load_tokenizer(settings)
     data = load_sst2(settings, tokenizer, job.out.cache)
     job = job.with_rows(len(data["train"]))
     set_seed(settings.seed)
     model = build_model(settings, job.quantize, job.device)
-    return build_trainer(job, model, tokenizer, data), job.quantize, job.plan.precision
+    return build_trainer(job, model, tokenizer, data), job.quantize, job.plan.precision, job.compiled
 
 
 def build_original(settings: Settings, cuda: bool):
-    """(Trainer, 8-bit?, precision): the replaced pipeline, a plain Trainer on the job's model and data."""
+    """(Trainer, 8-bit?, precision, compiled?): the replaced pipeline, a plain Trainer on the job's model and data."""
     import torch
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
 
@@ -167,7 +177,7 @@ def build_original(settings: Settings, cuda: bool):
         data_collator=DataCollatorWithPadding(tokenizer, padding="max_length", max_length=settings.max_seq_length),
         processing_class=tokenizer,
     )
-    return trainer, False, "fp32"
+    return trainer, False, "fp32", False
 
 
 def run_arm(name: str, cfg: dict) -> dict:
@@ -184,12 +194,23 @@ def run_arm(name: str, cfg: dict) -> dict:
     import transformers
     from transformers import ProgressCallback, TrainerCallback
 
+    from utils.trainer import compile_record
+
     transformers.utils.logging.set_verbosity_error()
     warmup, steps = cfg["warmup"], cfg["steps"]
     settings = arm_settings(name, cfg)
     cuda = torch.cuda.is_available()
     build = build_original if name == "original" else build_job_arm
-    trainer, quantize, precision = build(settings, cuda)
+    if cfg.get("int8_threshold") is not None:
+        # bitsandbytes' outlier threshold (6.0 by default; 0: no outlier columns kept apart), for its speed only.
+        from functools import partial
+
+        from transformers import BitsAndBytesConfig
+
+        import utils.model
+
+        utils.model.BitsAndBytesConfig = partial(BitsAndBytesConfig, llm_int8_threshold=cfg["int8_threshold"])
+    trainer, quantize, precision, compiled = build(settings, cuda)
     gc.freeze()  # as main.py does once its imports are done: collections walk the steps' own objects only
     trainer.remove_callback(ProgressCallback)
 
@@ -282,7 +303,10 @@ def run_arm(name: str, cfg: dict) -> dict:
         "tf32": cuda and tf32_matmuls(),
         "attention": config._attn_implementation,
         "dataloader_num_workers": trainer.args.dataloader_num_workers,
-        "torch_compile": trainer.args.torch_compile,
+        "torch_compile": compiled,
+        "compile": compile_record() if compiled else None,
+        "int8_threshold": cfg.get("int8_threshold"),
+        "max_seq_length": settings.max_seq_length,
         "batch_size": settings.per_device_batch_size,
         "warmup_steps": warmup,
         "timed_steps": timed,
@@ -312,6 +336,9 @@ def run_arm(name: str, cfg: dict) -> dict:
         "mfu": round(useful / seconds / peak, 4) if peak else None,
         "mfu_counting_padding": round(padded_flops / seconds / peak, 4) if peak else None,
         "train_loss": round(result.training_loss, 4),
+        # The logged losses (every LOGGING_STEPS), to set beside another arm's.
+        "loss_curve": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history if "loss" in entry],
+        "eval_accuracy": trainer.evaluate()["eval_accuracy"] if cfg.get("evaluate") else None,
         "trainable_params": trainable,
         "total_params": total,
         "trainable_grad_bytes": grad_bytes,

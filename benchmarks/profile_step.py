@@ -74,7 +74,7 @@ def main() -> None:
     fields = dict(item.split("=", 1) for item in args.set)
     settings = Settings(**{**arm_settings("defaults", cfg).model_dump(), **fields})  # validated as any setting
     cuda = torch.cuda.is_available()
-    trainer, quantize, precision = build_job_arm(settings, cuda)
+    trainer, quantize, precision, compiled = build_job_arm(settings, cuda)
     trainer.remove_callback(ProgressCallback)
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -109,7 +109,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "batch_size": args.batch_size,
         "settings": fields,
-        "torch_compile": settings.torch_compile,
+        "torch_compile": compiled,
         "quantization": "8bit" if quantize else "none",
         "precision": precision,
         "steps": args.steps,

@@ -8,8 +8,10 @@ DeepSpeed comparisons reuse so that every strategy is held to the same yardstick
 from __future__ import annotations
 
 import copy
+import csv
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,9 +36,18 @@ K8S = REPO / "k8s"
 DOCKERFILE = REPO / "Dockerfile"
 SCHEMAS = REPO / "tests" / "schemas"  # the Kubeflow CRDs, vendored (their source in the README beside them)
 
-from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
+from scripts.make_demo_assets import (  # noqa: E402
+    FILLER,
+    NEGATIVE,
+    NOUNS,
+    POSITIVE,
+    VERBS,
+    write_dataset,
+    write_tiny_bert,
+)
 from tests.hub_stub import HubStub  # noqa: E402
 from utils.distributed import LAUNCHER_VARIABLES  # noqa: E402
+from utils.errors import EXIT_BAD_INPUT  # noqa: E402
 
 # Variables a launcher or the developer's shell may have set; a test starts from none of them.
 LAUNCHER_VARS = (*LAUNCHER_VARIABLES, "HF_TOKEN", "HF_TOKEN_PATH", "RESULT_MODEL_ID", "OUTPUT_DIR")
@@ -303,19 +314,15 @@ def mlflow_server(tmp_path_factory) -> TrackingServer:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + MLFLOW_START_SECONDS
-        while True:
-            assert server.poll() is None, f"mlflow server exited {server.returncode}:\n{log.read_text()[-3000:]}"
+
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
-                    if answer.status == 200:
-                        break
+                    return answer.status == 200
             except OSError:
-                pass
-            assert time.monotonic() < deadline, (
-                f"mlflow server not up in {MLFLOW_START_SECONDS} s:\n{log.read_text()[-3000:]}"
-            )
-            time.sleep(0.5)
+                return False
+
+        wait_until(healthy, "answer from the mlflow server", [server], MLFLOW_START_SECONDS, log, every=0.5)
         yield TrackingServer(url, store)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -364,6 +371,7 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     from utils.model import build_model, load_tokenizer
     from utils.outputs import RunDir
     from utils.plan import build_plan
+    from utils.preemption import Preemption
     from utils.settings import Settings
     from utils.trainer import build_trainer
 
@@ -383,7 +391,9 @@ def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
     single = DistEnv(
         rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"
     )
-    job = Job.start(settings, single, run, build_plan(settings, 1)).with_rows(len(data["train"]))
+    # The stop-signal handler is not installed: no signal reaches it.
+    job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
+    job = job.with_rows(len(data["train"]))
     torch.manual_seed(settings.seed)
     model = build_model(settings, job.quantize, job.device)
     return build_trainer(job, model, load_tokenizer(settings), data, key={})
@@ -490,6 +500,59 @@ def train_one_and_two(tmp: Path, settings: dict, batch: int) -> tuple[Path, Path
     return one_out, two_out
 
 
+WORDS = 8  # every fixed-length sentence: a subject, a verb, an adjective, filler: [CLS] + 8 word tokens + [SEP]
+# DDP against one process (tests/test_ddp_numerics.py), measured on 2 CPU cores (fp32, gloo): losses within 9e-8
+# relative, adapter weights within 3.4e-7 absolute (values up to 0.17). The tolerances sit a few times above that;
+# a rate x2 moves step 2's eval loss by 1e-2 (relative) and the weights by up to 0.3.
+LOSS_RTOL = 1e-6
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
+
+
+def write_fixed_length_data(folder: Path, counts: tuple[int, int], seed: int = 1, extra_words=None) -> Path:
+    """`counts` (train, validation) sentences of exactly WORDS words from the tiny model's vocabulary, labelled
+    by their adjective; with `extra_words` (rng -> a count), that many filler words instead, for sentences of
+    many lengths."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True)
+    for split, rows in zip(("train", "validation"), counts, strict=True):
+        with open(folder / f"{split}.csv", "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["sentence", "label"])
+            for _ in range(rows):
+                label = rng.randint(0, 1)
+                words = ["the", rng.choice(NOUNS), rng.choice(VERBS), rng.choice(POSITIVE if label else NEGATIVE)]
+                fill = extra_words(rng) if extra_words else WORDS - len(words)
+                words += [rng.choice(FILLER + NOUNS) for _ in range(fill)]
+                writer.writerow([" ".join(words), label])
+    return folder
+
+
+def adapter_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model" / "adapter_model.safetensors")
+
+
+def first_divergence(one: dict[int, float], two: dict[int, float], rtol: float) -> str | None:
+    """Where two curves (step -> value) first differ by more than `rtol` (relative), in words; None if nowhere."""
+    assert one.keys() == two.keys(), f"logged at different steps: {sorted(one)} vs {sorted(two)}"
+    for step in sorted(one):
+        a, b = one[step], two[step]
+        if abs(a - b) > rtol * max(abs(a), abs(b)):
+            later = ", ".join(f"{s}: {one[s]:.6g} vs {two[s]:.6g}" for s in sorted(one) if s > step)
+            return (
+                f"first differs at step {step}: {a:.8g} (1 process) vs {b:.8g} (2 replicas), "
+                f"relative difference {abs(a - b) / max(abs(a), abs(b)):.2e} > {rtol:g}"
+                + (
+                    " (before any update: other rows, other initial weights or another loss scale)"
+                    if step == 1
+                    else ""
+                )
+                + (f"; later: {later}" if later else "")
+            )
+    return None
+
+
 @pytest.fixture
 def replicas(tmp_path):
     group = Replicas(tmp_path)
@@ -520,14 +583,31 @@ def wait_all(
     return codes
 
 
+def wait_until(
+    condition: Callable[[], object],
+    what: str,
+    procs: list[subprocess.Popen] | tuple = (),
+    timeout: float = 300,
+    log: Path | None = None,
+    every: float = 0.05,
+):
+    """Poll `condition()` every `every` s until it returns something true, and return that. Fail as soon as one
+    of `procs` has exited, or once `timeout` s have passed, saying which `what` never came (and `log`'s tail)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        ended = [proc.returncode for proc in procs if proc.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            tail = f"\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
+            pytest.fail(
+                f"exit codes {ended} before {what}{tail}" if ended else f"no {what} within {timeout:g} s{tail}"
+            )
+        time.sleep(every)
+    return value
+
+
 def wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
     """Wait until `path` exists; fail early if a replica exits first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        ended = [proc.returncode for proc in procs if proc.poll() is not None]
-        assert not ended, f"a replica exited ({ended}) before {path} appeared"
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
-        time.sleep(0.05)
+    wait_until(path.exists, f"{path}", procs, timeout)
 
 
 def rank_record(out: Path, rank: int) -> dict:
@@ -568,15 +648,27 @@ def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error: ")]
 
 
-def assert_refused_as_bad_input(env: dict[str, str], args: list[str], says: str, hub: HubStub) -> Result:
+def assert_refusal(result: Result | str, names: Iterable[str] = (), code: int | None = EXIT_BAD_INPUT) -> str:
+    """A refusal checked by what it must name, not by its wording: exit `code` (for a `Result`; a stream's code is
+    the test's to check), one `error:` line, no traceback, and each of `names` in that line: the setting (its
+    variable or flag), the offending value, the path, what the user acts on. Returns the line."""
+    text = result if isinstance(result, str) else result.stderr
+    if not isinstance(result, str) and code is not None:
+        assert result.code == code, text[-3000:]
+    errors = error_lines(text)
+    assert len(errors) == 1 and "Traceback" not in text, text[-3000:]
+    missing = [name for name in names if name not in errors[0]]
+    assert not missing, f"{missing} not named in: {errors[0]}"
+    return errors[0]
+
+
+def assert_refused_as_bad_input(env: dict[str, str], args: list[str], names: Iterable[str], hub: HubStub) -> Result:
     """Run the job with `env` (None values: variables removed) and check the bad-input contract: exit 2, one
-    `error:` line saying `says`, no traceback, no training step, nothing pushed, the token not shown."""
+    `error:` line naming each of `names` (`assert_refusal`), no training step, nothing pushed, the token not shown."""
     env = {name: value for name, value in env.items() if value is not None}
     result = run_main(env, *args, timeout=180)
-    assert result.code == 2, result.stderr[-3000:]
-    errors = error_lines(result.stderr)
-    assert len(errors) == 1 and says in errors[0], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr + result.stdout
+    assert_refusal(result, names)
+    assert "Traceback" not in result.stdout
     assert hub.commits == [] and hub.count("/api/repos/create") == 0  # nothing pushed
     out = Path(env["OUTPUT_DIR"])
     assert not list(out.glob("checkpoints/checkpoint-*")) and not (out / "model").exists()  # no training step taken

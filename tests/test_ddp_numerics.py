@@ -16,44 +16,26 @@ from __future__ import annotations
 
 import csv
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
-from tests.conftest import rank_record, train_one_and_two, trained_plan
+from tests.conftest import (
+    LOSS_RTOL,
+    WEIGHT_ATOL,
+    WEIGHT_RTOL,
+    adapter_weights,
+    first_divergence,
+    rank_record,
+    train_one_and_two,
+    trained_plan,
+    write_fixed_length_data,
+)
 
 BATCH = 4  # B: rows per replica per step; the one process takes 2B
 EPOCHS, STEPS_PER_EPOCH = 2, 8  # 16 optimizer steps; the second epoch draws a new order from SEED + 1
 TRAIN_ROWS, VALIDATION_ROWS = 2 * BATCH * STEPS_PER_EPOCH, 32  # no partial batch, no padded evaluation batch
-WORDS = 8  # every sentence: a subject, a verb, an adjective, filler: [CLS] + 8 word tokens + [SEP]
 RATE = "3e-3"  # explicit in both runs; a tiny random model needs a high rate, and a x2 error shows within steps
-# Measured on 2 CPU cores (fp32, gloo): losses within 9e-8 relative, adapter weights within 3.4e-7 absolute
-# (values up to 0.17). The tolerances sit a few times above that; a rate x2 moves step 2's eval loss by 1e-2
-# (relative) and the weights by up to 0.3.
-LOSS_RTOL = 1e-6
-WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
-
-
-def write_fixed_length_data(
-    folder: Path, seed: int = 1, counts: tuple[int, int] = (TRAIN_ROWS, VALIDATION_ROWS), extra_words=None
-) -> Path:
-    """Sentences of exactly WORDS words from the tiny model's vocabulary, labelled by their adjective; with
-    `extra_words` (rng -> a count), that many filler words instead, for sentences of many lengths."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True)
-    for split, rows in zip(("train", "validation"), counts, strict=True):
-        with open(folder / f"{split}.csv", "w", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(["sentence", "label"])
-            for _ in range(rows):
-                label = rng.randint(0, 1)
-                words = ["the", rng.choice(NOUNS), rng.choice(VERBS), rng.choice(POSITIVE if label else NEGATIVE)]
-                fill = extra_words(rng) if extra_words else WORDS - len(words)
-                words += [rng.choice(FILLER + NOUNS) for _ in range(fill)]
-                writer.writerow([" ".join(words), label])
-    return folder
 
 
 def token_lengths(model: Path, data: Path) -> set[int]:
@@ -82,37 +64,11 @@ def loss_curve(out: Path) -> dict[str, dict[int, float]]:
     }
 
 
-def adapter_weights(out: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(out / "model" / "adapter_model.safetensors")
-
-
-def first_divergence(one: dict[int, float], two: dict[int, float], rtol: float) -> str | None:
-    """Where two curves (step -> value) first differ by more than `rtol` (relative), in words; None if nowhere."""
-    assert one.keys() == two.keys(), f"logged at different steps: {sorted(one)} vs {sorted(two)}"
-    for step in sorted(one):
-        a, b = one[step], two[step]
-        if abs(a - b) > rtol * max(abs(a), abs(b)):
-            later = ", ".join(f"{s}: {one[s]:.6g} vs {two[s]:.6g}" for s in sorted(one) if s > step)
-            return (
-                f"first differs at step {step}: {a:.8g} (1 process) vs {b:.8g} (2 replicas), "
-                f"relative difference {abs(a - b) / max(abs(a), abs(b)):.2e} > {rtol:g}"
-                + (
-                    " (before any update: other rows, other initial weights or another loss scale)"
-                    if step == 1
-                    else ""
-                )
-                + (f"; later: {later}" if later else "")
-            )
-    return None
-
-
 @pytest.mark.slow
 def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
     import torch
 
-    data = write_fixed_length_data(tmp_path / "data")
+    data = write_fixed_length_data(tmp_path / "data", counts=(TRAIN_ROWS, VALIDATION_ROWS))
     assert len(token_lengths(tiny_bert, data)) == 1, "every sentence must tokenise to one length, or batches regroup"
     settings = dict(
         MODEL_NAME=tiny_bert,

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import complete_steps, job_settings, rank_record, run_main, start_main
+from tests.conftest import complete_steps, job_settings, rank_record, run_main, start_main, wait_until
 
 
 def test_evaluation_logging_and_checkpoint_cadence_leave_the_trained_weights_alone(job_env, tmp_path):
@@ -49,13 +48,13 @@ def test_evaluation_logging_and_checkpoint_cadence_leave_the_trained_weights_alo
 
 
 def wait_for_line(path: Path, fragment: str, proc, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.is_file() and fragment in path.read_text(errors="replace"):
-            return
-        assert proc.poll() is None, f"the run ended ({proc.returncode}) before '{fragment}' was logged"
-        time.sleep(0.02)
-    raise AssertionError(f"'{fragment}' not logged in {path} within {timeout} s")
+    wait_until(
+        lambda: path.is_file() and fragment in path.read_text(errors="replace"),
+        f"'{fragment}' in {path}",
+        [proc],
+        timeout,
+        every=0.02,
+    )
 
 
 @pytest.mark.integration

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,13 +21,18 @@ import psutil
 import pytest
 
 from tests.conftest import (
+    LOSS_RTOL,
     REPO,
+    WEIGHT_ATOL,
+    WEIGHT_RTOL,
     Replicas,
+    adapter_weights,
     base_env,
     complete_steps,
     config_maps,
     container_env,
     error_lines,
+    first_divergence,
     free_port,
     kustomize,
     pod_env,
@@ -38,13 +42,7 @@ from tests.conftest import (
     start_main,
     wait_all,
     wait_for,
-)
-from tests.test_ddp_numerics import (
-    LOSS_RTOL,
-    WEIGHT_ATOL,
-    WEIGHT_RTOL,
-    adapter_weights,
-    first_divergence,
+    wait_until,
     write_fixed_length_data,
 )
 
@@ -143,10 +141,12 @@ def freeze(procs: list[subprocess.Popen]) -> None:
     stopped = replica_processes(procs)
     for process in stopped:
         process.send_signal(signal.SIGSTOP)
-    deadline = time.monotonic() + 30
-    while not all(process.status() == psutil.STATUS_STOPPED for process in stopped):
-        assert time.monotonic() < deadline, "a replica did not stop within 30 s of SIGSTOP"
-        time.sleep(0.01)
+    wait_until(
+        lambda: all(process.status() == psutil.STATUS_STOPPED for process in stopped),
+        "stop of every replica after SIGSTOP",
+        timeout=30,
+        every=0.01,
+    )
 
 
 def thaw(procs: list[subprocess.Popen]) -> None:
@@ -393,11 +393,7 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
                 )
             )
         # The kill lands within 50 ms of the first checkpoint (step 5), 35 steps before the end.
-        deadline = time.monotonic() + 600
-        while not complete_steps(out):
-            assert all(agent.poll() is None for agent in agents), "an agent exited before the first checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint within 600 s"
-            time.sleep(0.05)
+        wait_until(lambda: complete_steps(out), "first checkpoint", agents, timeout=600)
         kill_tree(agents[1])  # the node and its worker, at once
         agents[1].wait()
         assert agents[0].wait(timeout=600) == 0, logs[0].read_text()[-4000:]

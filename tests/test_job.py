@@ -71,7 +71,14 @@ def test_dry_run_prints_the_plan_the_run_trained_with(finished_run):
     assert dry.code == 0, dry.stderr[-2000:]
     planned = dry.json()["plan"]
     plan = trained_plan(out)
-    later = {"precision": "auto", "quantization": "auto", "steps": None, "warmup_steps": None, "steps_per_epoch": None}
+    later = {
+        "precision": "auto",
+        "quantization": "auto",
+        "steps": None,
+        "warmup_steps": None,
+        "steps_per_epoch": None,
+        "compile": "auto",
+    }
     assert planned == {**plan, **later}
     # The tiny run: 2,000 rows in 125 batches of 16 an epoch, 2 epochs; LoRA+ trains B at 8x the rate set.
     assert (plan["steps_per_epoch"], plan["steps"], plan["warmup_steps"]) == (125, 250, 15)

@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +43,7 @@ from tests.conftest import (
     schema_errors,
     start,
     wait_all,
+    wait_until,
 )
 
 LAUNCHERS = REPO / "launchers"
@@ -614,13 +614,14 @@ def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
         ["bash", str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline, logs = time.monotonic() + 120, [tmp_path / "out" / "logs" / f"rank-{r}.log" for r in (0, 1)]
-        # until both ranks built the model
-        while not all(log.exists() and "trainable parameters" in log.read_text() for log in logs):
-            assert proc.poll() is None and time.monotonic() < deadline, (
-                proc.stdout.read() if proc.poll() is not None else "timed out"
-            )
-            time.sleep(0.5)
+        logs = [tmp_path / "out" / "logs" / f"rank-{r}.log" for r in (0, 1)]
+        wait_until(
+            lambda: all(log.exists() and "trainable parameters" in log.read_text() for log in logs),
+            "model built on both ranks",
+            [proc],
+            timeout=120,
+            every=0.5,
+        )
         proc.send_signal(signal.SIGUSR1)
         code = proc.wait(timeout=120)
     finally:
@@ -825,10 +826,7 @@ def test_pod_wrapper_turns_sigterm_into_the_restart_code(tmp_path):
         command, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in (0, 1)), "ready files", [proc], 60)
         os.killpg(proc.pid, signal.SIGTERM)  # what dumb-init does with the kubelet's SIGTERM
         assert proc.wait(timeout=60) == 143
     finally:

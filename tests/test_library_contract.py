@@ -505,9 +505,10 @@ if scenario == "stopped-store":  # rank 0 serves the store and is stopped; rank 
         time.sleep(120)
     sys.stdin.readline()
     store.set_timeout(timedelta(seconds=0.5))
-    threading.Thread(target=lambda: store.get("never-set"), daemon=True).start()
-    time.sleep(4)
-    say(observed={"returned": threading.active_count() == 1})
+    asking = threading.Thread(target=lambda: store.get("never-set"), daemon=True)
+    asking.start()
+    asking.join(4)  # eight times the timeout: a call that kept it has returned long before
+    say(observed={"returned": not asking.is_alive()})
 elif scenario == "world-size":  # rank 1 was started with another WORLD_SIZE
     outcome = {}
 
@@ -518,8 +519,9 @@ elif scenario == "world-size":  # rank 1 was started with another WORLD_SIZE
         except Exception as exc:
             outcome["failed"] = type(exc).__name__
 
-    threading.Thread(target=join, daemon=True).start()
-    time.sleep(4)
+    joining = threading.Thread(target=join, daemon=True)
+    joining.start()
+    joining.join(4)  # four times the timeout: a join that kept it has returned or failed by now
     say(observed=outcome)
 elif scenario == "monitored":  # rank 1 is stopped; rank 2 is alive, waiting in a collective for rank 0
     gloo(timedelta(seconds=30))
@@ -762,3 +764,22 @@ def test_a_deprecation_in_the_jobs_code_fails_the_job_processes_the_tests_start(
             check=False,
         )
         assert result.returncode == code and says in result.stderr + result.stdout, (module, result.stderr)
+
+
+def test_the_compiler_internals_the_fast_path_reads_are_there():
+    """TORCH_COMPILE (utils/trainer.py) sets inductor's `fallback_random` (dropout masks drawn as eager draws them)
+    and reads dynamo's `counters` and `calculate_time_spent` for logs/rank-R.json: torch internals, as of 2.13."""
+    import torch
+    import torch._inductor.config
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    where = f"torch {torch.__version__}"
+    assert isinstance(torch._inductor.config.fallback_random, bool), f"{where} has no inductor fallback_random"
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x: x.sin() + 1, backend="eager", dynamic=False)
+    compiled(torch.ones(3))
+    compiled(torch.ones(4))  # a new static shape: a second graph of the same frame
+    assert counters["stats"]["unique_graphs"] == 2 and counters["frames"]["total"] == 2, f"{where}: {dict(counters)}"
+    assert not counters["graph_break"], f"{where}: {dict(counters['graph_break'])}"
+    assert calculate_time_spent()["total_wall_time"] > 0, f"{where}: {calculate_time_spent()}"

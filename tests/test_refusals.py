@@ -2,10 +2,11 @@
 
 One table, run in this process against the functions a start meets in their order: `main.configure` (settings,
 ranks, recipe, strategy: what main() calls before torch), `open_run_dir` (OUTPUT_DIR), `load_tokenizer`,
-`load_sst2` and `with_rows` (the data, as the run loads it), `build_model`. Each case must be refused by
-the layer it names, not earlier for another reason, with exit code 2 and a message that says what is wrong and
-how to fix it. Then one refused start of the real `python main.py` per layer (settings, OUTPUT_DIR, numerics,
-model, data, Hub): exit 2, one `error:` line, no traceback, nothing trained or pushed, the token not shown; and
+`load_sst2` and `with_rows` (the data, as the run loads it), `build_model`. Each case must be refused by the
+layer it names, not earlier for another reason, with exit code 2 and a message that names what is wrong and what
+fixes it: the setting, the value, the file (not how it words them). Then one refused start of the real `python
+main.py` per layer (settings, OUTPUT_DIR, numerics, model, data, Hub): exit 2, one `error:` line, no traceback,
+nothing trained or pushed, the token not shown; and
 mode-000 weights, refused to a job that cannot read them (as root, started without the capabilities that read
 any file).
 """
@@ -31,6 +32,7 @@ from tests.conftest import (
     REPO,
     REPO_ID,
     STRAY_QUOTE,
+    assert_refusal,
     assert_refused_as_bad_input,
     base_env,
     configured,
@@ -177,15 +179,16 @@ def file_in_the_way(tmp: Path, env: dict) -> dict:
 class Refusal:
     id: str
     layer: str  # settings, output, model or data: the first check that must refuse it
-    says: tuple[str, ...]  # what is wrong, and the fix
+    # What the message must name, not how it words it: the setting (its variable or flag), the offending value,
+    # the file or column, the bound or the setting that fixes it; {OUTPUT_DIR}, {MODEL_NAME}... stand for the run's.
+    names: tuple[str, ...]
     env: dict  # over the tiny run's settings with a push asked for; None removes a variable
     argv: tuple[str, ...] = ()
     setup: Callable[[Path, dict], dict] | None = None  # (tmp, env) -> more environment
 
 
-def case(id: str, layer: str, says, env=None, argv=(), setup=None, marks=()):
-    says = (says,) if isinstance(says, str) else tuple(says)
-    return pytest.param(Refusal(id, layer, says, env or {}, tuple(argv), setup), id=id, marks=marks)
+def case(id: str, layer: str, names, env=None, argv=(), setup=None, marks=()):
+    return pytest.param(Refusal(id, layer, tuple(names), env or {}, tuple(argv), setup), id=id, marks=marks)
 
 
 LAUNCHER = {"WORLD_SIZE": "2", "MASTER_ADDR": "h"}
@@ -196,53 +199,61 @@ REFUSALS = [
     case(
         "batch-size-zero",
         "settings",
-        ["PER_DEVICE_BATCH_SIZE=0 is invalid", "greater than or equal to 1", "fix PER_DEVICE_BATCH_SIZE"],
+        ["PER_DEVICE_BATCH_SIZE=0", "65536"],
         {"PER_DEVICE_BATCH_SIZE": "0"},
     ),
     case(
         "batch-size-not-a-number",
         "settings",
-        ["PER_DEVICE_BATCH_SIZE=sixteen is invalid", "fix PER_DEVICE_BATCH_SIZE or --per-device-batch-size"],
+        ["PER_DEVICE_BATCH_SIZE=sixteen", "--per-device-batch-size"],
         {"PER_DEVICE_BATCH_SIZE": "sixteen"},
     ),
     case(
         "batch-size-negative-flag",
         "settings",
-        ["--per-device-batch-size=-4 is invalid", "fix PER_DEVICE_BATCH_SIZE"],
+        ["--per-device-batch-size=-4", "PER_DEVICE_BATCH_SIZE"],
         argv=["--per-device-batch-size=-4"],
     ),
     case(
         "num-epochs-flag-not-a-number",
         "settings",
-        ["--num-epochs=zero is invalid", "fix NUM_EPOCHS or --num-epochs"],
+        ["--num-epochs=zero", "NUM_EPOCHS", "1000"],
         argv=["--num-epochs", "zero"],
     ),
     case(
         "learning-rate-negative",
         "settings",
-        ["LEARNING_RATE=-1 is invalid", "fix LEARNING_RATE"],
+        ["LEARNING_RATE=-1", "--learning-rate"],
         {"LEARNING_RATE": "-1"},
     ),
     case(
-        "quantization-unknown", "settings", ["QUANTIZATION=4bit", "'auto', '8bit' or 'none'"], {"QUANTIZATION": "4bit"}
+        "quantization-unknown",
+        "settings",
+        ["QUANTIZATION=4bit", "'auto'", "'8bit'", "'none'"],
+        {"QUANTIZATION": "4bit"},
     ),
-    case("precision-unknown", "settings", ["PRECISION=fp8", "'auto', 'fp32', 'bf16' or 'fp16'"], {"PRECISION": "fp8"}),
+    case(
+        "precision-unknown",
+        "settings",
+        ["PRECISION=fp8", "'auto'", "'fp32'", "'bf16'", "'fp16'"],
+        {"PRECISION": "fp8"},
+    ),
     case(
         "hub-private-not-a-boolean",
         "settings",
-        ["HUB_PRIVATE=maybe is invalid", "fix HUB_PRIVATE"],
+        ["HUB_PRIVATE=maybe", "--hub-private"],
         {"HUB_PRIVATE": "maybe"},
     ),
     case(
         "max-seq-length-absurd",
         "settings",
-        ["MAX_SEQ_LENGTH=100000 is invalid", "fix MAX_SEQ_LENGTH"],
+        ["MAX_SEQ_LENGTH=100000", "512"],
         {"MAX_SEQ_LENGTH": "100000"},
     ),
     case(
         "lora-targets-blank",
         "settings",
-        ["LORA_TARGET_MODULES", "fix LORA_TARGET_MODULES"],
+        ["LORA_TARGET_MODULES= , ", "query,value"],
         {"LORA_TARGET_MODULES": " , "},
     ),
     case(
@@ -254,72 +265,74 @@ REFUSALS = [
     case(
         "num-epochs-inf",
         "settings",
-        "NUM_EPOCHS=inf is invalid: Input should be a finite number",
+        ["NUM_EPOCHS=inf", "1000"],
         {"NUM_EPOCHS": "inf"},
     ),
-    case("num-epochs-absurd", "settings", ["NUM_EPOCHS=1e9", "less than or equal to 1000"], {"NUM_EPOCHS": "1e9"}),
+    case("num-epochs-absurd", "settings", ["NUM_EPOCHS=1e9", "1000"], {"NUM_EPOCHS": "1e9"}),
     case(
         "max-steps-absurd",
         "settings",
-        ["MAX_STEPS=1000000000", "less than or equal to 100000000"],
+        ["MAX_STEPS=1000000000", "--max-steps"],
         {"MAX_STEPS": "1000000000"},
     ),
     case(
         "lora-r-absurd",
         "settings",
-        "LORA_R=100000 is invalid: Input should be less than or equal to 4096",
+        ["LORA_R=100000", "4096"],
         {"LORA_R": "100000"},
     ),
-    case(
-        "seed-above-32-bits", "settings", ["SEED=4294967296", "less than or equal to 4294967295"], {"SEED": str(2**32)}
-    ),
+    case("seed-above-32-bits", "settings", ["SEED=4294967296", "4294967295"], {"SEED": str(2**32)}),
     case(
         "run-name-with-path",
         "settings",
-        ["RUN_NAME=../../x is invalid", "(no '/' or '..'); fix RUN_NAME"],
+        ["RUN_NAME=../../x", "OUTPUT_DIR", "'/'", "'..'"],
         {"RUN_NAME": "../../x"},
     ),
-    case("run-name-too-long", "settings", ["RUN_NAME=rrr", "use 1-100 letters"], {"RUN_NAME": "r" * 101}),
+    case("run-name-too-long", "settings", ["RUN_NAME=" + "r" * 101, "1-100"], {"RUN_NAME": "r" * 101}),
     # settings: a task the job cannot train, or settings that disagree with TASK (tests/test_tasks.py trains the tasks)
     case(
         "task-unknown",
         "settings",
-        ["TASK=ax is invalid", "the diagnostic set has a test split only", "leave TASK unset"],
+        ["TASK=ax", "cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli", "DATASET_PATH"],
         {"TASK": "ax"},
     ),
     case(
         "task-and-problem-type-disagree",
         "settings",
-        ["TASK=mnli is classification and PROBLEM_TYPE=regression disagrees", "unset PROBLEM_TYPE"],
+        ["TASK=mnli", "PROBLEM_TYPE=regression"],
         {"TASK": "mnli", "PROBLEM_TYPE": "regression"},
     ),
     case(
         "three-text-columns",
         "settings",
-        ["TEXT_COLUMN=a,b,c is invalid", "two separated by a comma"],
+        ["TEXT_COLUMN=a,b,c", "premise,hypothesis"],
         {"TEXT_COLUMN": "a,b,c"},
     ),
-    case("label-names-repeated", "settings", ["labels need two different names"], {"LABEL_NAMES": '["a","a"]'}),
+    case("label-names-repeated", "settings", ['LABEL_NAMES=["a","a"]', "'a'"], {"LABEL_NAMES": '["a","a"]'}),
     case(
         "label-names-too-many",
         "settings",
-        ["name at most 10000 labels"],
+        ["LABEL_NAMES=c0,c1,", "10000"],
         {"LABEL_NAMES": ",".join(f"c{i}" for i in range(10_001))},
     ),
-    case("label-name-too-long", "settings", ["each at most 255 characters"], {"LABEL_NAMES": "a," + "b" * 256}),
-    case("task-too-long", "settings", ["TASK=ttt", "at most 255 characters"], {"TASK": "t" * 256}),
+    case("label-name-too-long", "settings", ["LABEL_NAMES=a," + "b" * 100, "255"], {"LABEL_NAMES": "a," + "b" * 256}),
+    case("task-too-long", "settings", ["TASK=" + "t" * 100, "255"], {"TASK": "t" * 256}),
     case(
         "text-column-is-label-column",
         "settings",
-        ["both name the column 'label'", "must be two different columns: fix TEXT_COLUMN or LABEL_COLUMN"],
+        ["TEXT_COLUMN", "LABEL_COLUMN", "'label'"],
         {"TEXT_COLUMN": "label"},
     ),
     case(
         "scaled-learning-rate-out-of-bounds",
         "settings",
         [
-            "LEARNING_RATE_SCALING=linear resolves the learning rate to 15.36 at global batch 983040",
-            "set LEARNING_RATE to the rate to train at, or another rule",
+            "LEARNING_RATE_SCALING=linear",
+            "15.36",
+            "983040",
+            "GRADIENT_ACCUMULATION_STEPS=15",
+            "LEARNING_RATE_SCALING=fourth-root",
+            "0.0111326",
         ],
         {
             "LEARNING_RATE": None,
@@ -332,255 +345,251 @@ REFUSALS = [
     case(
         "flag-empty",
         "settings",
-        ["--result-model-id= is invalid", "fix RESULT_MODEL_ID"],
+        ["--result-model-id=", "RESULT_MODEL_ID", "your-name/model-name"],
         argv=["--result-model-id", ""],
     ),
     case(
         "flag-abbreviated",
         "settings",
-        ["unrecognized arguments: --learn 1e-3", "python main.py --help"],
+        ["--learn 1e-3", "python main.py --help"],
         argv=["--learn", "1e-3"],
     ),
     case(
         "flag-abbreviated-unknown",
         "settings",
-        ["unrecognized arguments: --hf-tok x", "python main.py --help"],
+        ["--hf-tok x", "python main.py --help"],
         argv=["--hf-tok", "x"],
     ),
     case(
         "positional-argument",
         "settings",
-        ["unrecognized arguments: extra", "python main.py --help"],
+        [": extra", "python main.py --help"],
         argv=["--num-epochs", "1", "extra"],
     ),
-    case(
-        "token-as-a-flag", "settings", ["unrecognized arguments", "python main.py --help"], argv=["--hf-token", "hf_x"]
-    ),
+    case("token-as-a-flag", "settings", ["--hf-token", "python main.py --help"], argv=["--hf-token", "hf_x"]),
     # settings: who this process is (the launcher's variables)
     case(
         "rank-not-a-number",
         "settings",
-        ["RANK='x' is not an integer", "set it to a whole number"],
+        ["RANK='x'"],
         {"RANK": "x", **LAUNCHER},
     ),
     case(
         "world-size-not-a-number",
         "settings",
-        ["WORLD_SIZE='two' is not an integer", "set it to a whole number"],
+        ["WORLD_SIZE='two'"],
         {"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "h"},
     ),
     case(
         "rank-not-below-world-size",
         "settings",
-        ["WORLD_SIZE=4 but RANK=4", "RANK must be 0..3"],
+        ["WORLD_SIZE=4", "RANK=4", "0..3"],
         {"RANK": "4", "WORLD_SIZE": "4", "MASTER_ADDR": "h"},
     ),
-    case("rank-negative", "settings", ["WORLD_SIZE=2 but RANK=-1", "RANK must be 0..1"], {"RANK": "-1", **LAUNCHER}),
-    case(
-        "world-size-zero", "settings", ["world size is 0", "it must be at least 1"], {"RANK": "0", "WORLD_SIZE": "0"}
-    ),
+    case("rank-negative", "settings", ["WORLD_SIZE=2", "RANK=-1", "0..1"], {"RANK": "-1", **LAUNCHER}),
+    case("world-size-zero", "settings", ["0 (platform)"], {"RANK": "0", "WORLD_SIZE": "0"}),
     case(
         "worker-without-master-addr",
         "settings",
-        ["MASTER_ADDR is not set", "set MASTER_ADDR"],
+        ["WORLD_SIZE=2", "MASTER_ADDR", "MASTER_PORT"],
         {"RANK": "1", "WORLD_SIZE": "2"},
     ),
     case(
         "rank-0-without-master-addr",
         "settings",
-        ["MASTER_ADDR is not set", "set MASTER_ADDR"],
+        ["WORLD_SIZE=2", "MASTER_ADDR", "MASTER_PORT"],
         {"RANK": "0", "WORLD_SIZE": "2"},
     ),
     case(
         "master-port-out-of-range",
         "settings",
-        ["MASTER_PORT=99999 is not a TCP port", "use 1..65535"],
+        ["MASTER_PORT=99999", "1..65535"],
         {"RANK": "0", **LAUNCHER, "MASTER_PORT": "99999"},
     ),
     case(
         "torchrun-variables-disagree",
         "settings",
-        [
-            "PET_NPROC_PER_NODE=4 but the pod started main.py without torchrun",
-            "start the container with `torchrun main.py`",
-        ],
+        ["PET_NPROC_PER_NODE=4", "torchrun main.py", "nprocPerNode: 1"],
         {"RANK": "0", "WORLD_SIZE": "8", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "4", "MASTER_ADDR": "h"},
     ),
-    case("world-size-without-rank", "settings", "WORLD_SIZE=4 is set but RANK is not; set RANK", {"WORLD_SIZE": "4"}),
-    case("rank-without-world-size", "settings", "RANK=1 is set but WORLD_SIZE is not; set WORLD_SIZE", {"RANK": "1"}),
-    case(
-        "rank-0-without-world-size", "settings", "RANK=0 is set but WORLD_SIZE is not; set WORLD_SIZE", {"RANK": "0"}
-    ),
+    case("world-size-without-rank", "settings", ["WORLD_SIZE=4", "RANK (0..WORLD_SIZE-1)"], {"WORLD_SIZE": "4"}),
+    case("rank-without-world-size", "settings", ["RANK=1", "WORLD_SIZE"], {"RANK": "1"}),
+    case("rank-0-without-world-size", "settings", ["RANK=0", "WORLD_SIZE"], {"RANK": "0"}),
     case(
         "node-rank-alone",
         "settings",
-        ["NODE_RANK=3 is set but RANK and WORLD_SIZE are not", "set RANK and WORLD_SIZE as well"],
+        ["NODE_RANK=3", "RANK and WORLD_SIZE", "torchrun"],
         {"NODE_RANK": "3"},
     ),
     case(
         "local-rank-alone",
         "settings",
-        ["LOCAL_RANK=1 is set but RANK and WORLD_SIZE are not", "set RANK and WORLD_SIZE as well"],
+        ["LOCAL_RANK=1", "RANK and WORLD_SIZE", "torchrun"],
         {"LOCAL_RANK": "1"},
     ),
     case(
         "master-addr-and-node-rank-alone",
         "settings",
-        ["NODE_RANK=2, MASTER_ADDR=replica-0 are set", "set RANK and WORLD_SIZE as well"],
+        ["NODE_RANK=2", "MASTER_ADDR=replica-0", "RANK and WORLD_SIZE"],
         {"MASTER_ADDR": "replica-0", "NODE_RANK": "2"},
     ),
     case(
         "master-addr-and-port-alone",
         "settings",
-        ["MASTER_ADDR=replica-0, MASTER_PORT=29500 are set", "set RANK and WORLD_SIZE"],
+        ["MASTER_ADDR=replica-0", "MASTER_PORT=29500", "RANK and WORLD_SIZE"],
         {"MASTER_ADDR": "replica-0", "MASTER_PORT": "29500"},
     ),
     case(
         "slurm-node-list-unreadable",
         "settings",
-        ["SLURM_JOB_NODELIST='node[1-' is not a node list", "set MASTER_ADDR"],
+        ["SLURM_JOB_NODELIST='node[1-'", "MASTER_ADDR"],
         {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[1-"},
     ),
     # settings: the token and the push
     case(
         "token-file-missing",
         "settings",
-        ["HF_TOKEN_PATH=/nonexistent/token cannot be read", "mount the token file"],
+        ["HF_TOKEN_PATH=/nonexistent/token", "No such file or directory"],
         {**NO_TOKEN, "HF_TOKEN_PATH": "/nonexistent/token"},
     ),
-    case("push-without-token", "settings", ["ask(s) for a push but no token is set", "set HF_TOKEN"], NO_TOKEN),
-    case("push-while-offline", "settings", ["HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE"], {"HF_HUB_OFFLINE": "1"}),
+    case(
+        "push-without-token", "settings", ["RESULT_MODEL_ID=tester/sst2-lora", "HF_TOKEN", "HF_TOKEN_PATH"], NO_TOKEN
+    ),
+    case(
+        "push-while-offline",
+        "settings",
+        ["RESULT_MODEL_ID=tester/sst2-lora", "HF_HUB_OFFLINE", "--push-only"],
+        {"HF_HUB_OFFLINE": "1"},
+    ),
     # OUTPUT_DIR
     case(
         "output-dir-unwritable",
         "output",
-        ["is not writable", "set OUTPUT_DIR to a writable folder"],
+        ["OUTPUT_DIR={OUTPUT_DIR}", "Not a directory", f"uid {os.getuid()}"],
         setup=file_in_the_way,
     ),
     case(
         "output-dir-of-another-run",
         "output",
-        ["holds a run with other training settings (lora_r: 4 -> 8)", "use a new OUTPUT_DIR"],
+        ["OUTPUT_DIR={OUTPUT_DIR}", "lora_r: 4 -> 8"],
         setup=foreign_run,
     ),
-    case("run-json-torn", "output", ["run.json is damaged (not valid JSON", "delete run.json"], setup=torn_run_record),
+    case("run-json-torn", "output", ["{OUTPUT_DIR}/run.json", "OUTPUT_DIR"], setup=torn_run_record),
     case(
         "output-dir-of-another-tool",
         "output",
-        [
-            "is not empty and is not a run folder of this job (it holds checkpoints, model",
-            "use an empty or new folder",
-        ],
+        ["OUTPUT_DIR={OUTPUT_DIR}", "checkpoints, model", ".run-folder", "run.json"],
         setup=another_tools_folder,
     ),
     # the model folder and its config
     case(
         "model-without-tokenizer",
         "model",
-        ["has no tokenizer files", "save the base model's tokenizer"],
+        ["MODEL_NAME={MODEL_NAME}", "tokenizer.json", "vocab.txt"],
         setup=model_copy(without_tokenizer),
     ),
     case(
         "max-seq-length-above-positions",
         "model",
-        [
-            "MAX_SEQ_LENGTH=128 but MODEL_NAME",
-            "has position embeddings for 64 tokens",
-            "set MAX_SEQ_LENGTH to 64 or less",
-        ],
+        ["MAX_SEQ_LENGTH=128", "MODEL_NAME={MODEL_NAME}", "max_position_embeddings", "64"],
         {"MAX_SEQ_LENGTH": "128"},
         setup=model_copy(short_positions),
     ),
     case(
         "lora-r-above-hidden-size",
         "model",
-        ["above the hidden size 64", "set LORA_R to 64 or less"],
+        ["LORA_R=128", "64", "MODEL_NAME={MODEL_NAME}"],
         {"LORA_R": "128"},
     ),
     case(
         "lora-target-typo",
         "model",
-        ["'vlaue' matches no module (closest: value)", "fix LORA_TARGET_MODULES"],
+        ["LORA_TARGET_MODULES=query,vlaue", "'vlaue'", "(closest: value)", "MODEL_NAME={MODEL_NAME}"],
         {"LORA_TARGET_MODULES": "query,vlaue"},
     ),
     case(
         "lora-target-head-only",
         "model",
-        ["'classifier' matches only modules that take no adapter", "fix LORA_TARGET_MODULES"],
+        ["LORA_TARGET_MODULES=query,classifier", "'classifier'", "query,value"],
         {"LORA_TARGET_MODULES": "query,classifier"},
     ),
     case(
         "lora-targets-not-in-model",
         "model",
-        ["'q_proj' matches no module", "linear layers are named", "fix LORA_TARGET_MODULES"],
+        ["LORA_TARGET_MODULES=q_proj,v_proj", "'q_proj'", "'v_proj'", "classifier, dense, key, query, value"],
         {"LORA_TARGET_MODULES": "q_proj,v_proj"},
     ),
     case(
         "weights-truncated",
         "model",
-        ["weights file model.safetensors is damaged or truncated", "copy the model's files there again"],
+        ["MODEL_NAME={MODEL_NAME}", "model.safetensors", "incomplete metadata"],
         setup=model_copy(truncated_weights),
     ),
     case(
         "weights-empty",
         "model",
-        ["weights file model.safetensors is empty", "copy the model's files there again"],
+        ["MODEL_NAME={MODEL_NAME}", "model.safetensors is empty"],
         setup=model_copy(empty_weights),
     ),
     case(
         "weights-dangling-link",
         "model",
-        ["is a link to /nonexistent/blobs/0123abcd, which does not exist", "copy the model's files there again"],
+        ["MODEL_NAME={MODEL_NAME}", "model.safetensors", "/nonexistent/blobs/0123abcd"],
         setup=model_copy(dangling_weights),
     ),
     # the data: folders and splits
     case(
         "dataset-folder-missing",
         "data",
-        ["is not a folder", "point it at a folder with train/validation files"],
+        ["DATASET_PATH=/nonexistent/sst2"],
         {"DATASET_PATH": "/nonexistent/sst2"},
     ),
-    case("split-missing", "data", ["no 'validation' split", "add validation.csv"], setup=csv_data(GOOD_ROWS, None)),
+    case(
+        "split-missing",
+        "data",
+        ["DATASET_PATH={DATASET_PATH}", "'validation'", "train.csv", "validation.csv"],
+        setup=csv_data(GOOD_ROWS, None),
+    ),
     case(
         "split-empty-train",
         "data",
-        ["has a header but no rows", "each split needs at least one row"],
+        ["{DATASET_PATH}/train.csv"],
         setup=csv_data([], GOOD_ROWS),
     ),
     case(
         "split-empty-validation",
         "data",
-        ["validation.csv has a header but no rows", "each split needs at least one row"],
+        ["{DATASET_PATH}/validation.csv"],
         setup=csv_data(GOOD_ROWS, []),
     ),
     case(
         "split-file-of-0-bytes",
         "data",
-        ["train.jsonl is empty (0 bytes)", "each split needs at least one row"],
+        ["{DATASET_PATH}/train.jsonl", "0 bytes"],
         setup=files_data(lambda f: write_files(f, {"train.jsonl": "", "validation.jsonl": JSONL_GOOD})),
     ),
     case(
         "split-file-is-a-folder",
         "data",
-        ["train.csv is a folder", "write its rows to train.csv as a file, or move it out of DATASET_PATH"],
+        ["{DATASET_PATH}/train.csv", "'train'", "DATASET_PATH"],
         setup=files_data(lambda f: (write_files(f, {"validation.csv": GOOD_CSV}) / "train.csv").mkdir() or f),
     ),
     case(
         "split-file-not-parquet",
         "data",
-        ["cannot read", "train.parquet as parquet (ArrowInvalid", "write it again as parquet"],
+        ["{DATASET_PATH}/train.parquet", "ArrowInvalid"],
         setup=files_data(lambda f: write_files(f, {"train.parquet": "sentence,label\n", "validation.parquet": "x"})),
     ),
     case(
         "splits-with-other-columns",
         "data",
-        ["the train split has no column 'sentence' (columns: ['text', 'label'])", "set TEXT_COLUMN"],
+        ["'sentence'", "['text', 'label']", "TEXT_COLUMN"],
         setup=files_data(lambda f: write_files(f, {"train.csv": "text,label\na,1\n", "validation.csv": GOOD_CSV})),
     ),
     case(
         "two-files-for-one-split",
         "data",
-        ["has 2 files for the 'train' split (train.csv, train.jsonl)", "keep one and move the others out"],
+        ["DATASET_PATH={DATASET_PATH}", "'train'", "train.csv, train.jsonl"],
         setup=files_data(
             lambda f: write_files(
                 f,
@@ -595,39 +604,44 @@ REFUSALS = [
     case(
         "data-not-utf8",
         "data",
-        ["train.csv is not valid UTF-8 (byte 0xe9 on line 3)", "save it as UTF-8"],
+        ["{DATASET_PATH}/train.csv", "0xe9", "line 3", "iconv"],
         setup=not_utf8,
     ),
     case(
         "saved-dataset-torn",
         "data",
-        ["holds a damaged save_to_disk DatasetDict (JSONDecodeError", "write it again with DatasetDict.save_to_disk"],
+        ["DATASET_PATH={DATASET_PATH}", "JSONDecodeError", "DatasetDict.save_to_disk"],
         setup=torn_saved_dataset,
     ),
     # the data: columns
     case(
         "text-column-missing-in-data",
         "data",
-        ["no column 'sentence'", "set TEXT_COLUMN"],
+        ["'sentence'", "['text', 'label']", "TEXT_COLUMN"],
         setup=csv_data([("a", 1)], [("b", 0)], header=("text", "label")),
     ),
-    case("text-column-setting-not-in-data", "data", ["no column 'text'", "set TEXT_COLUMN"], {"TEXT_COLUMN": "text"}),
+    case(
+        "text-column-setting-not-in-data",
+        "data",
+        ["'text'", "['sentence', 'label', 'idx']", "TEXT_COLUMN"],
+        {"TEXT_COLUMN": "text"},
+    ),
     case(
         "text-column-numeric",
         "data",
-        ["column 'sentence' holds int64 values, not text", "set TEXT_COLUMN"],
+        ["'sentence'", "int64", "TEXT_COLUMN"],
         setup=csv_data([(1, 1), (2, 0)], [(3, 1)]),
     ),
     case(
         "sentence-empty",
         "data",
-        ["has 2 row(s) with an empty or missing 'sentence' (the first is row 9)", "fill in or remove those rows"],
+        ["2 row(s)", "'sentence'", "row 9"],
         setup=csv_data([*GOOD_ROWS, ("", 1), ("   ", 0)]),
     ),
     case(
         "label-column-twice",
         "data",
-        ["train.csv names the column 'label' 2 times in its header", "rename or remove the extra column"],
+        ["{DATASET_PATH}/train.csv", "['sentence', 'label', 'label']"],
         setup=files_data(
             lambda f: write_files(f, {"train.csv": "sentence,label,label\na film,1,0\n", "validation.csv": GOOD_CSV})
         ),
@@ -635,7 +649,7 @@ REFUSALS = [
     case(
         "text-column-twice",
         "data",
-        ["train.tsv names the column 'sentence' 2 times in its header", "rename or remove the extra column"],
+        ["{DATASET_PATH}/train.tsv", "['sentence', 'sentence', 'label']"],
         setup=files_data(
             lambda f: write_files(
                 f,
@@ -646,106 +660,88 @@ REFUSALS = [
     case(
         "stray-quote-in-csv",
         "data",
-        ["train.csv line 3: a quoted field runs over lines 3-6", 'double a quote inside a quoted field ("")'],
+        ["{DATASET_PATH}/train.csv", "line 3", "lines 3-6", ".tsv"],
         setup=files_data(lambda f: write_files(f, {"train.csv": delimited(STRAY_QUOTE), "validation.csv": GOOD_CSV})),
     ),
     # the data: labels
     case(
         "labels-outside-0-1",
         "data",
-        ["labels [2]", "labels must be ids 0 (negative), 1 (positive)", "name every class in LABEL_NAMES"],
+        ["train", "'label'", "[2]", "0 (negative), 1 (positive)", "LABEL_NAMES"],
         {"LABEL_NAMES": "negative,positive"},
         setup=csv_data([*GOOD_ROWS, ("so-so", 2)]),
     ),
     case(
         "labels-of-the-test-split",
         "data",
-        ["labels [-1]", "cannot be used for training"],
+        ["validation", "'label'", "[-1]"],
         setup=csv_data(GOOD_ROWS, [("a", -1)]),
     ),
     case(
         "label-fractional",
         "data",
-        ["labels [0.5]", "that are fractions, not class ids", "set PROBLEM_TYPE=regression"],
+        ["[0.5]", "'label'", "PROBLEM_TYPE=regression"],
         {"PROBLEM_TYPE": "classification"},
         setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
     ),
     case(
         "label-missing",
         "data",
-        ["1 row(s) without a label in 'label'", "give every row a label 0 or 1"],
+        ["1 row(s)", "'label'"],
         setup=csv_data([*GOOD_ROWS, ("a dull film", "")]),
     ),
     case(
         "labels-words-not-label-names",
         "data",
-        [
-            "text labels ['bad', 'good'] in 'label' that are not LABEL_NAMES ['negative', 'positive']",
-            "add them to LABEL_NAMES",
-        ],
+        ["['bad', 'good']", "LABEL_NAMES ['negative', 'positive']"],
         {"LABEL_NAMES": "negative,positive"},
         setup=csv_data([("a wonderful film", "good"), ("a dull film", "bad")]),
     ),
     case(
         "classlabel-names-not-label-names",
         "data",
-        [
-            "a ClassLabel named ['bad', 'good'], and LABEL_NAMES is ['negative', 'positive']",
-            "set LABEL_NAMES=bad,good",
-        ],
+        ["ClassLabel", "['bad', 'good']", "['negative', 'positive']", "LABEL_NAMES=bad,good"],
         {"LABEL_NAMES": "negative,positive"},
         setup=files_data(lambda f: saved_dataset(f, ["bad", "good"])),
     ),
     case(
         "jsonl-labels-of-three-types",
         "data",
-        [
-            "train.jsonl mixes label types in 'label': number (1), string (\"1\"), boolean (true)",
-            "write every label the same way",
-        ],
+        ["{DATASET_PATH}/train.jsonl", "'label'", "number (1)", 'string ("1")', "boolean (true)"],
         setup=files_data(lambda f: write_files(f, {"train.jsonl": JSONL_MIX, "validation.jsonl": JSONL_MIX})),
     ),
     # the data: labels of other tasks
     case(
         "one-class-only",
         "data",
-        [
-            "the train split has one class only ('good' in 'label', of ['bad', 'good'])",
-            "add rows of the other classes",
-        ],
+        ["'good'", "'label'", "['bad', 'good']", "LABEL_COLUMN"],
         {"LABEL_NAMES": "bad,good"},
         setup=csv_data([("a film", "good")] * 4, [("a film", "good"), ("a dull film", "bad")]),
     ),
     case(
         "label-neither-name-nor-id",
         "data",
-        [
-            "validation split has text labels ['meh'] in 'label' that are not LABEL_NAMES ['bad', 'good']",
-            "add them to LABEL_NAMES",
-        ],
+        ["validation", "['meh']", "LABEL_NAMES ['bad', 'good']"],
         {"LABEL_NAMES": "bad,good"},
         setup=csv_data([("a", "good"), ("b", "bad")], [("a", "good"), ("b", "meh")]),
     ),
     case(
         "label-id-not-in-the-train-split",
         "data",
-        ["the validation split has labels [2] in 'label'", "labels must be ids 0 (negative), 1 (positive)"],
+        ["validation", "[2]", "0 (negative), 1 (positive)"],
         setup=csv_data(GOOD_ROWS, [("a", 0), ("b", 2)]),
     ),
     case(
         "second-text-column-missing",
         "data",
-        [
-            "has no column 'hypothesis'",
-            "set TEXT_COLUMN to the right one (TEXT_COLUMN=first,second names a sentence pair)",
-        ],
+        ["'hypothesis'", "['sentence', 'label']", "TEXT_COLUMN"],
         {"TEXT_COLUMN": "sentence,hypothesis"},
         setup=csv_data(GOOD_ROWS),
     ),
     case(
         "float-label-with-task-mnli",
         "data",
-        ["labels [0.5] in 'label' that are fractions", "TASK=mnli is a classification task"],
+        ["[0.5]", "TASK=mnli", "DATASET_PATH"],
         {"TASK": "mnli"},
         setup=files_data(
             lambda f: write_files(
@@ -760,7 +756,7 @@ REFUSALS = [
     case(
         "regression-target-nan",
         "data",
-        ["1 regression target(s) in 'label' that are NaN", "fill in or remove those rows"],
+        ["1 regression target(s)", "'label'", "NaN", "row 2"],
         {"TASK": "stsb"},
         setup=files_data(lambda f: scores_with_nan(f)),
     ),
@@ -768,10 +764,7 @@ REFUSALS = [
     case(
         "global-batch-above-train-split",
         "data",
-        [
-            "the global batch is 65536 rows (PER_DEVICE_BATCH_SIZE=65536 x 1 replica(s) x GRADIENT_ACCUMULATION_STEPS=1) but the training split has only 2000",
-            "set PER_DEVICE_BATCH_SIZE to 2000 or less",
-        ],
+        ["PER_DEVICE_BATCH_SIZE=65536", "GRADIENT_ACCUMULATION_STEPS=1", "65536 rows", "2000"],
         {"PER_DEVICE_BATCH_SIZE": "65536"},
     ),
 ]
@@ -823,8 +816,8 @@ def test_refused_by_its_layer_with_the_fix(refusal: Refusal, push_env, monkeypat
     given = files_under(data)
     layer, error = first_refusal(monkeypatch, env, list(refusal.argv))
     assert (layer, error.code) == (refusal.layer, EXIT_BAD_INPUT), error.message
-    missing = [fragment for fragment in refusal.says if fragment not in error.message]
-    assert not missing, f"{missing} not in: {error.message}"
+    missing = [name for name in (name.format_map(env) for name in refusal.names) if name not in error.message]
+    assert not missing, f"{missing} not named in: {error.message}"
     assert "\n" not in error.message and FAKE_TOKEN not in error.message
     assert "hf_x" not in error.message.replace("--hf-token hf_x", "")  # a token typed as a flag is not repeated
     if layer == "settings":
@@ -848,59 +841,58 @@ STARTS = [
         {},
         ["--bogus-flag", "2"],
         None,
-        ["unrecognized arguments: --bogus-flag 2", "python main.py --help"],
+        ["--bogus-flag 2", "python main.py --help"],
         id="settings",
     ),
     pytest.param(
         {},
         [],
         foreign_run,
-        ["holds a run with other training settings", "use a new OUTPUT_DIR"],
+        ["OUTPUT_DIR=", "lora_r: 4 -> 8"],
         id="output-dir",
     ),
     pytest.param(
         {"PRECISION": "fp16"},
         [],
         None,
-        ["PRECISION=fp16 needs a CUDA GPU", "use PRECISION=auto or fp32"],
+        ["PRECISION=fp16", "CUDA", "PRECISION=auto"],
         id="numerics",
     ),
     pytest.param(
         {"LORA_TARGET_MODULES": "query,vlaue"},
         [],
         None,
-        ["'vlaue' matches no module (closest: value)", "fix LORA_TARGET_MODULES"],
+        ["LORA_TARGET_MODULES=query,vlaue", "'vlaue'", "(closest: value)"],
         id="model",
     ),
     pytest.param(
         {},
         [],
         files_data(lambda f: write_files(f, {"train.csv": delimited(STRAY_QUOTE), "validation.csv": GOOD_CSV})),
-        ["train.csv line 3: a quoted field runs over lines 3-6", 'double a quote inside a quoted field ("")'],
+        ["train.csv line 3", "lines 3-6", ".tsv"],
         id="data",
     ),
     pytest.param(
         {"HF_TOKEN": "hf_not_the_right_one"},
         [],
         None,
-        ["the Hub refused HF_TOKEN", "create a token with write access"],
+        ["HF_TOKEN", "HTTP 401", "https://huggingface.co/settings/tokens"],
         id="hub",
     ),
 ]
 
 
-@pytest.mark.parametrize("extra, args, setup, says", STARTS)
+@pytest.mark.parametrize("extra, args, setup, names", STARTS)
 def test_refused_start_gives_one_error_line_exit_2_and_pushes_nothing(
-    extra, args, setup, says, job_env, hub, tmp_path, request
+    extra, args, setup, names, job_env, hub, tmp_path, request
 ):
     before_torch = request.node.callspec.id in ("settings", "output-dir")
     env = {**job_env, **push_settings(hub)}
     env.update(setup(tmp_path, env) if setup else {})
     # Event files other tests of the session wrote are theirs: only new ones count.
     before = set(tmp_path.parent.glob("**/*tfevents*"))
-    result = assert_refused_as_bad_input({**env, **extra}, args, says[0], hub)
+    result = assert_refused_as_bad_input({**env, **extra}, args, names, hub)
     [error] = error_lines(result.stderr)
-    assert all(fragment in error for fragment in says), error
     assert result.stdout == ""
     if before_torch:  # refused before logging is set up: the line is all the console shows (no usage text)
         assert result.stderr.splitlines() == [error]
@@ -930,7 +922,7 @@ def test_unreadable_weights_are_refused_naming_the_uid(tiny_bert, sst2_dir, tmp_
         command = [sys.executable, "-c", WITHOUT_FILE_CAPABILITIES, *command[1:]]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
     assert result.returncode == 2, result.stderr[-3000:]
-    [error] = error_lines(result.stderr)
-    assert f"the weights file model.safetensors is not readable by uid {os.getuid()} (mode ----------)" in error
-    assert "make them readable" in error and "Traceback" not in result.stderr
+    assert_refusal(
+        result.stderr, [f"MODEL_NAME={tmp_path / 'model'}", "model.safetensors", f"uid {os.getuid()}", "----------"]
+    )
     assert not (tmp_path / "out" / "model").exists()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import base_env, configured, error_lines, free_port, rank_env, run_main, start_main
+from tests.conftest import assert_refusal, base_env, configured, free_port, rank_env, run_main, start_main
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import FIELDS, Settings, describe_range, env_name, flag_name, load_settings
 
@@ -298,16 +298,16 @@ def test_dry_run_shows_the_rates_the_global_batch_gets(tmp_path, world_size, ext
 # range, so nothing --dry-run accepts can overflow later (a thread wait, a timedelta, numpy's seed, a batch).
 PATH = "p" * 4097
 OVER_THE_BOUND = {
-    "config_file": (PATH, "at most 4096 characters"),
-    "model_name": (PATH, "at most 4096 characters"),
-    "dataset_name": ("d" * 256, "at most 255 characters"),
-    "dataset_config": ("c" * 256, "at most 255 characters"),
-    "dataset_path": (PATH, "at most 4096 characters"),
-    "text_column": ("t" * 256, "at most 255 characters"),
-    "label_column": ("l" * 256, "at most 255 characters"),
-    "base_model_id": ("me/" + "b" * 97, "must look like"),
-    "output_dir": (PATH, "at most 4096 characters"),
-    "run_name": ("r" * 101, "use 1-100 letters"),
+    "config_file": (PATH, "4096"),
+    "model_name": (PATH, "4096"),
+    "dataset_name": ("d" * 256, "255"),
+    "dataset_config": ("c" * 256, "255"),
+    "dataset_path": (PATH, "4096"),
+    "text_column": ("t" * 256, "255"),
+    "label_column": ("l" * 256, "255"),
+    "base_model_id": ("me/" + "b" * 97, "your-name/model-name"),
+    "output_dir": (PATH, "4096"),
+    "run_name": ("r" * 101, "1-100"),
     "num_epochs": ("1001", "(range: above 0 to 1000)"),
     "max_steps": ("100000001", "(range: 1 to 100000000)"),
     "per_device_batch_size": ("65537", "(range: 1 to 65536)"),
@@ -321,22 +321,22 @@ OVER_THE_BOUND = {
     "lora_r": ("4097", "(range: 1 to 4096)"),
     "lora_alpha": ("65537", "(range: 1 to 65536)"),
     "lora_dropout": ("1", "(range: 0 to below 1)"),
-    "lora_target_modules": (",".join(["query"] * 257), "at most 256 items"),
+    "lora_target_modules": (",".join(["query"] * 257), "256"),
     "head_learning_rate_ratio": ("1001", "(range: above 0 to 1000)"),
     "loraplus_lr_ratio": ("1001", "(range: above 0 to 1000)"),
     "model_dropout": ("1", "less than 1"),
     "zero_stage": ("4", "(range: 1 to 3)"),
-    "deepspeed_config": (PATH, "at most 4096 characters"),
+    "deepspeed_config": (PATH, "4096"),
     "max_seq_length": ("513", "(range: 8 to 512)"),
     "dataloader_num_workers": ("257", "(range: 0 to 256)"),
     "seed": (str(2**32), "(range: 0 to 4294967295)"),
     "save_steps": ("1000000001", "(range: 1 to 1000000000)"),
     "save_total_limit": ("1001", "(range: 1 to 1000)"),
     "rendezvous_timeout": ("100000000000", "(range: 10 to 86400)"),
-    "result_model_id": ("me/" + "m" * 97, "must look like"),
+    "result_model_id": ("me/" + "m" * 97, "your-name/model-name"),
     "hub_timeout": ("601", "(range: above 0 to 600)"),
     "push_timeout": ("86401", "(range: above 0 to 86400)"),
-    "result_merged_model_id": ("me/" + "m" * 97, "must look like"),
+    "result_merged_model_id": ("me/" + "m" * 97, "your-name/model-name"),
     "eval_steps": ("1000000001", "(range: 0 to 1000000000)"),
     "logging_steps": ("1000000001", "(range: 1 to 1000000000)"),
 }
@@ -351,18 +351,17 @@ BOUNDED_BY_TYPE = {
 DERIVED_OVER_THE_BOUND = [
     pytest.param(
         {"PER_DEVICE_BATCH_SIZE": "65536", "GRADIENT_ACCUMULATION_STEPS": "16"},
-        "the global batch is 1048576 rows (PER_DEVICE_BATCH_SIZE=65536 x 1 replica(s) x GRADIENT_ACCUMULATION_STEPS=16), "
-        "above the 1000000",
+        ["1048576", "PER_DEVICE_BATCH_SIZE=65536", "GRADIENT_ACCUMULATION_STEPS=16", "1000000"],
         id="global-batch",
     ),
     pytest.param(
         {"PER_DEVICE_BATCH_SIZE": "65536", "RANK": "0", "WORLD_SIZE": "16", "MASTER_ADDR": "h"},
-        "the global batch is 1048576 rows (PER_DEVICE_BATCH_SIZE=65536 x 16 replica(s)",
+        ["1048576", "PER_DEVICE_BATCH_SIZE=65536", "16 replica(s)"],
         id="global-batch-of-replicas",
     ),
     pytest.param(
         {"LEARNING_RATE_SCALING": "linear", "GLOBAL_BATCH_SIZE": "65536"},
-        "LEARNING_RATE_SCALING=linear resolves the learning rate to 1.024",
+        ["LEARNING_RATE_SCALING=linear", "1.024"],
         id="learning-rate",
     ),
 ]
@@ -376,21 +375,22 @@ def test_every_setting_has_a_range():
 @pytest.mark.check
 @pytest.mark.parametrize("field", sorted(OVER_THE_BOUND))
 def test_a_value_past_a_settings_range_is_refused_at_dry_run(tmp_path, field):
-    value, says = OVER_THE_BOUND[field]
+    value, bound = OVER_THE_BOUND[field]
     with pytest.raises(JobError) as refused:
         dry_run(tmp_path, **{env_name(field): value})
     message = refused.value.message
     assert refused.value.code == EXIT_BAD_INPUT and "\n" not in message
-    assert message.startswith(f"{env_name(field)}=") and says in message, message
-    assert f"fix {env_name(field)} or {flag_name(field)}" in message
+    # The setting as given, its bound, and the flag that sets it too.
+    assert message.startswith(f"{env_name(field)}=") and bound in message and flag_name(field) in message, message
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("env, says", DERIVED_OVER_THE_BOUND)
-def test_a_derived_value_past_its_range_is_refused_at_dry_run(tmp_path, env, says):
+@pytest.mark.parametrize("env, names", DERIVED_OVER_THE_BOUND)
+def test_a_derived_value_past_its_range_is_refused_at_dry_run(tmp_path, env, names):
     with pytest.raises(JobError) as refused:
         dry_run(tmp_path, **env)
-    assert refused.value.code == EXIT_BAD_INPUT and says in refused.value.message, refused.value.message
+    missing = [name for name in names if name not in refused.value.message]
+    assert refused.value.code == EXIT_BAD_INPUT and not missing, refused.value.message
 
 
 @pytest.mark.parametrize(
@@ -421,10 +421,7 @@ def test_two_ranks_with_a_huge_rendezvous_timeout_are_refused_at_once(tmp_path):
     assert codes == [2, 2] and time.monotonic() - started < 60
     for rank in range(2):
         output = (tmp_path / f"rank-{rank}.out").read_text()
-        assert error_lines(output) == [
-            "error: RENDEZVOUS_TIMEOUT=100000000000 is invalid: Input should be less than or equal to 86400 "
-            "(range: 10 to 86400); fix RENDEZVOUS_TIMEOUT or --rendezvous-timeout"
-        ], output
+        assert_refusal(output, ["RENDEZVOUS_TIMEOUT=100000000000", "10 to 86400", "--rendezvous-timeout"])
     assert not out.exists()  # refused before the run folder
 
 
@@ -532,9 +529,7 @@ def test_help_answers_whatever_hf_token_holds_and_never_shows_it(tmp_path):
         assert result.code == 0 and "usage: main.py" in result.stdout and result.stderr == "", result.stderr
         assert not any(line and line in result.stdout for line in token.splitlines() if len(line) > 5)
     refused = run_main(base_env(tmp_path, HF_TOKEN="bad"), "--dry-run")
-    assert refused.code == 2 and error_lines(refused.stderr) == [
-        "error: HF_TOKEN is 3 characters long, too short for a Hub token; set the whole token"
-    ]
+    assert_refusal(refused, ["HF_TOKEN", "3 characters"])
 
 
 @pytest.mark.check

@@ -68,10 +68,8 @@ def test_a_tracking_uri_mlflow_refuses_stops_the_job_before_loading(job_env, hub
     """End to end: the job process is refused with one masked `error:` line before any data is tokenized."""
     uri = f"http://alice:{URL_SECRET}@127.0.0.1:{free_port()}"  # nothing listens there
     env = {**job_env, "REPORT_TO": "mlflow", "MLFLOW_TRACKING_URI": uri}
-    result = assert_refused_as_bad_input(
-        env, [], "no tracking server answers at MLFLOW_TRACKING_URI=http://alice:***@", hub
-    )
-    assert "set MLFLOW_TRACKING_URI to a running MLflow tracking server" in result.stderr
+    masked = uri.replace(URL_SECRET, "***")
+    result = assert_refused_as_bad_input(env, [], [f"MLFLOW_TRACKING_URI={masked}", "REPORT_TO"], hub)
     assert URL_SECRET not in result.stderr + result.stdout
     # Refused before the data was loaded: nothing was tokenized into the run folder.
     assert not list((Path(env["OUTPUT_DIR"]) / "cache").glob("tokenized-*"))

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 
 from tests.conftest import (
     TIMEOUT,
+    assert_refusal,
     base_env,
     complete_steps,
     error_lines,
@@ -32,6 +32,7 @@ from tests.conftest import (
     run_main,
     start_main,
     tiny_run_settings,
+    wait_until,
 )
 from utils.errors import volume_state
 from utils.outputs import checkpoint_damage
@@ -71,19 +72,7 @@ def long_run(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, s
 
 
 def wait_for_complete_checkpoint(out: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not complete_steps(out):
-        assert all(proc.poll() is None for proc in procs), "the job ended before its first checkpoint"
-        assert time.monotonic() < deadline, f"no complete checkpoint in {out} after {timeout} s"
-        time.sleep(0.1)
-
-
-def assert_one_error_line(text: str, *says: str) -> str:
-    errors = error_lines(text)
-    assert len(errors) == 1, text[-4000:]
-    assert all(part in errors[0] for part in says), errors[0]
-    assert "Traceback" not in text, text[-4000:]
-    return errors[0]
+    wait_until(lambda: complete_steps(out), f"complete checkpoint in {out}", procs, timeout, every=0.1)
 
 
 def assert_intact(out: Path, steps: list[int]) -> None:
@@ -109,7 +98,7 @@ def test_a_volume_full_during_a_checkpoint_save_ends_every_rank_with_one_line_ex
         assert codes == [2, 2], [stream.read_text()[-3000:] for stream in replicas.streams]
         named = set()
         for stream in replicas.streams:
-            line = assert_one_error_line(stream.read_text(), f"OUTPUT_DIR={out} is full", "free space there")
+            line = assert_refusal(stream.read_text(), [f"OUTPUT_DIR={out}", "no space left", "shared_volume"])
             named.add(int(re.search(r"it resumes from checkpoint-(\d+)", line).group(1)))
         # Every rank names the same checkpoint to resume from: the newest complete one.
         [step] = named
@@ -163,9 +152,7 @@ def test_a_volume_turning_read_only_mid_run_is_one_line_exit_2(tmp_path, tiny_be
             trigger.write_text("test: the volume fails\n")  # ext4 logs an error and remounts itself read-only
             assert job.wait(timeout=120) == 2, stream.read_text()[-3000:]
             text = stream.read_text()
-            assert_one_error_line(
-                text, f"OUTPUT_DIR={out} turned read-only", "repair the volume or mount it read-write"
-            )
+            assert_refusal(text, [f"OUTPUT_DIR={out}", "read-only", "read-write"])
             # The lock could not be removed on the way out: a warning, never a traceback over the real error.
             assert "could not remove" in text and (out / ".job.lock").exists()
             assert_intact(out, before)

@@ -16,6 +16,7 @@ import email.utils
 import io
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -273,9 +274,10 @@ def save_model(
     """
     staged = run.make_dir(run.root / ".model.partial", fresh=True)
     model = trainer.model
-    base_id = resolve_base_model_id(settings)
-    if base_id:  # the adapter names its base by Hub id, not by a path on this volume, so it loads anywhere
-        model.peft_config["default"].base_model_name_or_path = base_id
+    # The adapter names its base by Hub id, so it loads anywhere; else by the folder's absolute path, so predict.py
+    # finds it from any working directory (a relative MODEL_NAME names a folder only from where the run started).
+    base = resolve_base_model_id(settings) or os.path.abspath(os.path.expanduser(settings.model_name))
+    model.peft_config["default"].base_model_name_or_path = base
     model.save_pretrained(staged, state_dict=state_dict)
     trainer.processing_class.save_pretrained(staged)
     write_label_names(staged, settings, metrics)

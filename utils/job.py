@@ -8,7 +8,10 @@ instead of a bundle.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,6 +23,12 @@ from utils.plan import Plan, with_device, with_rows
 from utils.preemption import Preemption
 from utils.settings import Settings
 
+# Notices about what the job neither uses nor can change, silenced for main.py and predict.py (both import this first):
+# peft 0.21 still asks transformers 5 for `is_gradient_checkpointing`, which warns on every model built or loaded;
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+# bitsandbytes looks for an optional 4-bit CPU kernel (package `kernels`) as it loads; the 8-bit path never calls it.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
 
 @dataclass(frozen=True)
 class Job:
@@ -29,7 +38,7 @@ class Job:
     cuda: bool
     device: torch.device
     plan: Plan  # what the run trains with (utils/plan.py), its numerics resolved for this device
-    preemption: Preemption | None = None  # the installed stop-signal handler; None: signals are not deferred
+    preemption: Preemption  # the stop-signal handler (main.py installs it); training defers signals through it
     masker: Masker | None = None  # the token masking on stdout/stderr, for the log handlers too
 
     @classmethod
@@ -40,7 +49,7 @@ class Job:
         out: RunDir,
         plan: Plan,
         *,
-        preemption: Preemption | None = None,
+        preemption: Preemption,
         masker: Masker | None = None,
     ) -> Job:
         cuda = torch.cuda.is_available()
@@ -67,11 +76,18 @@ class Job:
     def quantize(self) -> bool:  # 8-bit base weights (bitsandbytes)
         return self.plan.quantization == "8bit"
 
+    @property
+    def compiled(self) -> bool:
+        """TORCH_COMPILE: the fast path (utils/trainer.compile_model), as the plan resolved it for this device."""
+        return self.plan.compile is True
+
     def leave_unused_libraries_out(self) -> None:
         """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights (`leave_out`). Called before
         transformers is imported."""
         unused = {"deepspeed": self.strategy != "deepspeed", "bitsandbytes": not self.quantize}
         leave_out(*(name for name, left_out in unused.items() if left_out))
+        if self.strategy == "deepspeed" and not self.cuda:  # else DeepSpeed probes for a GPU and warns it found none
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def leave_out(*libraries: str) -> None:

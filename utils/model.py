@@ -9,7 +9,6 @@ import logging
 import os
 import pickle
 import stat
-import warnings
 from pathlib import Path
 
 import torch
@@ -30,8 +29,6 @@ from utils.recipe import lora_options
 from utils.settings import Settings
 
 log = logging.getLogger(__name__)
-# peft 0.21 still asks transformers 5 for `is_gradient_checkpointing`, which warns on every model built.
-warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 CLASSIFIER = "classifier"  # BERT's head: kept in full precision and trained alongside the adapters
 # Where model configs keep their dropout: BERT, RoBERTa and DeBERTa use the first two, DistilBERT the last two.

@@ -80,6 +80,8 @@ class Plan:
     steps_per_epoch: int | None = None  # known once the rows are
     # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in.
     deepspeed: dict[str, Any] | None = None
+    # TORCH_COMPILE: the fast path (utils/trainer.compile_model), whole global batches only; `auto` until the device is known.
+    compile: bool | str = "auto"
 
     @property
     def rates(self) -> dict[str, float]:
@@ -335,6 +337,7 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         quantization=settings.quantization,
         steps=settings.max_steps,
         warmup_steps=warmup_steps(settings.warmup_ratio, settings.max_steps) if settings.max_steps else None,
+        compile=settings.torch_compile,
     )
     return replace(plan, deepspeed=run_config(settings, plan)) if deepspeed else plan
 
@@ -353,7 +356,9 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
         raise JobError(EXIT_BAD_INPUT, "PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
     if precision == "bf16" and cuda and not bf16_supported:
         raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
-    plan = replace(plan, precision=precision, quantization="8bit" if quantize else "none")
+    # auto: the fast path on CUDA under DDP (on the CPU compiling takes minutes for no gain).
+    compiled = settings.torch_compile is True or (settings.torch_compile == "auto" and cuda and plan.strategy == "ddp")
+    plan = replace(plan, precision=precision, quantization="8bit" if quantize else "none", compile=compiled)
     if plan.deepspeed is not None and settings.deepspeed_config is not None:
         check_config(plan.deepspeed, settings, plan)
     return plan
@@ -377,7 +382,7 @@ def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
             f"the global batch is {batch.global_batch} rows ({_batch_terms(settings, batch.world_size)}) but the "
             f"training split has only {train_rows}: a step would take more rows than there are; {fix}",
         )
-    if batch.fixed:  # whole global batches only (GlobalOrderSampler)
+    if batch.fixed or plan.compile is True:  # whole global batches only (GlobalOrderSampler)
         per_epoch = max(train_rows // batch.global_batch, 1)
     else:  # each rank's loader, then the Trainer's ceil over the accumulation
         per_epoch = max(

@@ -26,7 +26,7 @@ from pathlib import Path
 import datasets
 import torch.distributed as td
 import transformers
-from transformers import Trainer, set_seed
+from transformers import Trainer, TrainerCallback, set_seed
 
 from utils.collectives import Collectives, rendezvous
 from utils.data import label_names_of, load_sst2
@@ -49,10 +49,17 @@ from utils.outputs import (
 from utils.plan import Plan, micro_batch_warning
 from utils.recipe import describe_recipe
 from utils.run_lock import RunLock
-from utils.settings import check_tracker_uri
+from utils.settings import check_tracker_uri, training_setting_names
 from utils.strategy import check_strategy, full_state_dict
 from utils.tasks import headline
-from utils.trainer import JobTrainer, build_trainer, resume_key
+from utils.trainer import (
+    JobTrainer,
+    build_trainer,
+    compile_record,
+    length_buckets,
+    resume_key,
+    seconds_since_start,
+)
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
@@ -66,18 +73,20 @@ def setup_logging(job: Job) -> None:
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(fmt)
     console.setLevel(logging.INFO if dist.is_main else logging.WARNING)
-    # The libraries' INFO records (config dumps, file lists) go to the rank log only.
+    # The Trainer's INFO records (its training and evaluation banners) go to the rank log only.
     console.addFilter(lambda record: record.levelno >= logging.WARNING or record.name.startswith("utils."))
     console.addFilter(MaskingFilter(masker))
     # Records before the rank log exists are held here and written to it first (log_to_file).
     early = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
     early.addFilter(MaskingFilter(masker))
-    logging.basicConfig(level=logging.INFO, handlers=[console, early], force=True)
-    # Its records go to our handlers instead.
+    logging.basicConfig(level=logging.WARNING, handlers=[console, early], force=True)
+    # The rank log tells the run's story, ours and the Trainer's (training, evaluations, checkpoints); the libraries'
+    # INFO records (every config.json read in full, weights files, datasets' builder steps, HTTP requests) stay out.
+    logging.getLogger("utils").setLevel(logging.INFO)
+    logging.getLogger("transformers.trainer").setLevel(logging.INFO if dist.is_main else logging.WARNING)
+    # transformers' records go to our handlers instead of its own.
     transformers.utils.logging.disable_default_handler()
     transformers.utils.logging.enable_propagation()
-    for library in (transformers, datasets):
-        library.utils.logging.set_verbosity(logging.INFO if dist.is_main else logging.WARNING)
     if not dist.is_main:
         datasets.disable_progress_bars()
 
@@ -94,6 +103,14 @@ def log_to_file(job: Job) -> None:
         early.flush()
         root.removeHandler(early)
     root.addHandler(handler)
+
+
+class LogToRankLog(TrainerCallback):
+    """Each loss, learning rate and evaluation the Trainer logs, in the rank log too: its progress bar prints them
+    on rank 0's stdout alone."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        log.info("step %d: %s", state.global_step, logs)
 
 
 class RankLogHandler(logging.FileHandler):
@@ -272,6 +289,7 @@ class Ready:
     validation_rows: int
     plan: Plan  # the job's, completed with the step count
     labels: tuple[str, ...] = ()  # the class names in id order; none: regression
+    startup: dict | None = None  # seconds after process start each set-up phase ended (logs/rank-R.json)
 
 
 @dataclass(frozen=True)
@@ -325,6 +343,10 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     export_env(dist, deepspeed=job.strategy == "deepspeed")
     log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.plan.precision)
     log.info(describe_recipe(settings, job.plan))
+    log.info(
+        "settings that change the result: %s",
+        settings.model_dump(mode="json", include=training_setting_names(settings)),
+    )
     if warning := micro_batch_warning(settings, job.plan.batch):
         log.warning(warning)
     # E.g. fsdp on the CPU: exit 2, never DDP.
@@ -345,9 +367,11 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
 def set_up(job: Job, group: Collectives) -> Ready:
     """Tokenizer, data, model, the checkpoint to resume from and the Trainer, on every rank; run.json on rank 0."""
     settings, dist = job.settings, job.dist
+    startup = {"imports_and_rendezvous": seconds_since_start()}
     tokenizer = load_tokenizer(settings)
     with group.main_first():  # rank 0 downloads and tokenizes into the shared cache, the others reuse it
         data = load_sst2(settings, tokenizer, job.out.cache)
+    startup["data"] = seconds_since_start()
     # The optimizer steps, now that the rows are known (a global batch larger than the split is refused here).
     job = job.with_rows(len(data["train"]))
     # Before the model: LoRA init and dropout are the same on every restart.
@@ -355,11 +379,13 @@ def set_up(job: Job, group: Collectives) -> Ready:
     labels = label_names_of(data)  # the classes the data resolved to (none: regression)
     with group.agreed():  # a model refused on one rank stops all with its message
         model = build_model(settings, job.quantize, job.device, labels)
+    startup["model"] = seconds_since_start()  # the CUDA context included: the weights are moved to the GPU here
 
     key = resume_key(job, data)
     # The replica counts the run trained on go to metrics.json and the card.
     checkpoint, key["segments"] = group.decide_on_main(lambda: resume_point(job.out, key, dist.world_size))
     trainer = build_trainer(job, model, tokenizer, data, key=key, group=group)
+    trainer.add_callback(LogToRankLog)
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
     group.run_on_main(
@@ -380,7 +406,9 @@ def set_up(job: Job, group: Collectives) -> Ready:
             checkpoint,
         )
     validation_rows = sum(len(rows) for split, rows in data.items() if split != "train")
-    return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, job.plan, labels)
+    startup["trainer"] = seconds_since_start()
+    log.info("start-up, seconds after process start: %s", {phase: round(s, 2) for phase, s in startup.items()})
+    return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, job.plan, labels, startup=startup)
 
 
 def train(job: Job, group: Collectives, ready: Ready) -> Trained:
@@ -438,6 +466,10 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             ),
             "first_step": trainer.startup.first_step + 1,
             "seconds_to_first_step": trainer.startup.seconds,
+            # Where the time to the first step went: each phase's end (the compile is in the first steps).
+            "startup": {**(ready.startup or {}), "first_step": trainer.startup.seconds},
+            # TORCH_COMPILE's graphs (None: eager); tests hold them to the length buckets.
+            "compile": compile_record() if job.compiled else None,
             # What the Trainer trained with, read back from it: the plan's values, or a bug (tests compare them).
             "trained_with": {
                 "micro_batch": trainer.args.per_device_train_batch_size,
@@ -448,6 +480,15 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
                 "precision": "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "fp32",
             },
         }
+        if job.compiled:
+            log.info(
+                "torch.compile: %d graphs for length buckets %s, %d recompiles, %d graph breaks, %.1f s compiling",
+                record["compile"]["graphs"],
+                length_buckets(settings.max_seq_length),
+                record["compile"]["recompiles"],
+                record["compile"]["graph_breaks"],
+                record["compile"]["compile_s"],
+            )
     return Trained(trainer, metrics, record, state_dict)
 
 
@@ -476,10 +517,12 @@ def publish(job: Job, group: Collectives, hub: Hub, trained: Trained) -> int:
     record = trained.record
     out.write_json(out.rank_record(dist.rank), record)
     log.info(
-        "rank %d processed %d training samples; trainable weights checksum %s",
+        "rank %d processed %d training samples; trainable weights checksum %s; exit %d, the model in %s",
         dist.rank,
         record["samples_trained"],
         record["trainable_checksum"],
+        code,
+        out.model,
     )
     return code
 

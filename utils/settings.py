@@ -343,8 +343,10 @@ class Settings(BaseSettings):
     dataloader_num_workers: int = Field(
         2, ge=0, le=256, description="collating runs beside the GPU step instead of before it (at most 256 processes)"
     )
-    torch_compile: bool = Field(
-        False, description="torch.compile the model: faster steps on long runs, a minute of compile first"
+    torch_compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="the fast path: torch.compile over a few fixed padded lengths; auto: on a CUDA GPU under ddp, "
+        "off on the CPU (minutes of compiling for no gain there)",
     )
     seed: int = Field(
         42,
@@ -591,6 +593,12 @@ class Settings(BaseSettings):
                 "which bitsandbytes int8 weights do not survive; use QUANTIZATION=none (or auto: none under deepspeed), "
                 "or STRATEGY=ddp on one GPU for 8-bit"
             )
+        if self.torch_compile is True and self.strategy != "ddp":
+            raise ValueError(
+                f"TORCH_COMPILE=true runs under STRATEGY=ddp only: {self.strategy} wraps the model in its own engine, "
+                "whose compiled graphs are not tested here; set TORCH_COMPILE=auto (off under "
+                f"{self.strategy}) or false, or STRATEGY=ddp"
+            )
         if self.deepspeed_config is not None and self.strategy != "deepspeed":
             raise ValueError(
                 f"DEEPSPEED_CONFIG={self.deepspeed_config} is a DeepSpeed config but STRATEGY={self.strategy}; "
@@ -784,8 +792,8 @@ def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECON
         f"MLFLOW_TRACKING_URI={mask_urls(uri)}" if os.environ.get("MLFLOW_TRACKING_URI") else f"MLflow's default {uri}"
     )
     fix = (
-        "set MLFLOW_TRACKING_URI to a running MLflow tracking server (e.g. http://mlflow.example:5000; "
-        "a database store like sqlite:///PATH needs the full mlflow package), or drop mlflow from REPORT_TO"
+        "set MLFLOW_TRACKING_URI to a running MLflow tracking server (e.g. http://mlflow.example:5000) or a "
+        "database file (e.g. sqlite:////pvc-home/mlflow.db), or drop mlflow from REPORT_TO"
     )
 
     def refused(why: str) -> JobError:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import datasets
@@ -129,7 +131,8 @@ class JobTrainer(Trainer):
     def evaluate(self, *args, **kwargs):
         # Iterating a DataLoader draws its base seed from the global RNG: every evaluation during training shifted
         # the dropout masks of every later step, so EVAL_STEPS (free to change on a restart) changed the model.
-        with rng_preserved(self.args.device):
+        # Eager on the fast path: evaluation batches (another size, no gradients) would double the graphs.
+        with rng_preserved(self.args.device), torch.compiler.set_stance("force_eager"):
             return super().evaluate(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
@@ -154,7 +157,7 @@ class JobTrainer(Trainer):
         if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, datasets.Dataset):
             # Arrow has the lengths already: the same lengths as the library's loop, so the same batches.
             lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
-            if self.plan.batch.fixed:
+            if self.plan.batch.fixed or self.plan.compile is True:  # the fast path: no shorter last batch
                 return GlobalOrderSampler(self.plan.batch.global_batch, lengths, self.args.seed)
             return EpochSeededLengthGroupedSampler(
                 self.args.train_batch_size * self.args.gradient_accumulation_steps, lengths, self.args.seed
@@ -258,6 +261,11 @@ class SaveBeforeFinalEvaluation(TrainerCallback):
             control.should_evaluate = False
 
 
+def seconds_since_start() -> float:
+    """Seconds since this process started: the start-up milestones of the rank log and logs/rank-R.json."""
+    return time.time() - psutil.Process().create_time()
+
+
 class StartupTimer(TrainerCallback):
     """Logs how long the process took to reach its first training step (imports, data, model, Trainer set-up)."""
 
@@ -268,7 +276,7 @@ class StartupTimer(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.first_step:
-            self.seconds = time.time() - psutil.Process().create_time()
+            self.seconds = seconds_since_start()
             log.info("first training step %d began %.2f s after process start", state.global_step + 1, self.seconds)
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -572,7 +580,6 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         activation_checkpointing_kwargs={"use_reentrant": False},
         # Batches of similar length: little padding (JobTrainer keeps their order reproducible).
         train_sampling_strategy="group_by_length",
-        torch_compile=settings.torch_compile,
         logging_steps=settings.logging_steps,
         logging_first_step=True,
         # The filter reads every step's loss on the host: one GPU sync per step.
@@ -600,8 +607,8 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         # Pinned batches copied without waiting for the previous step.
         accelerator_config={"non_blocking": cuda},
         disable_tqdm=not dist.is_main,
-        log_level="info" if dist.is_main else "warning",
-        log_level_replica="warning",
+        log_level="passive",  # utils/run.setup_logging decides which library records reach the logs
+        log_level_replica="passive",
     )
     # STRATEGY=fsdp: FSDP2, one unit per transformer block.
     # STRATEGY=deepspeed: the DeepSpeed config ("auto" where these arguments decide).
@@ -634,22 +641,91 @@ def build_trainer(
         startup,
         SamplerEpoch(),
         SaveBeforeFinalEvaluation(),
+        StopOnPreemption(job.preemption, group),
+        CheckpointFolder(out, marker),  # after StopOnPreemption, which may ask for a save
     ]
-    if job.preemption is not None:
-        callbacks.append(StopOnPreemption(job.preemption, group))
-    callbacks.append(CheckpointFolder(out, marker))  # after StopOnPreemption, which may ask for a save
     if dist.is_main and "tensorboard" in settings.report_to:
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / settings.run_name))
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if job.cuda else None)  # 8: tensor cores
+    if job.plan.precision == "bf16" and not job.quantize and job.strategy == "ddp":
+        store_frozen_linears_in_bf16(model)
+    if job.compiled:
+        collator = partial(pad_to_bucket, tokenizer, length_buckets(settings.max_seq_length))
+        compile_model(model, job)
     return JobTrainer(
         model=model,
         args=args,
         train_dataset=data["train"],
         eval_dataset=evaluation_sets(data),
-        # Multiples of 8 for tensor cores.
-        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if job.cuda else None),
+        data_collator=collator,
         processing_class=tokenizer,
         compute_metrics=task_metrics(model),
         callbacks=callbacks,
         plan=job.plan,
         startup=startup,
     )
+
+
+# ------------------------------------------------------------------------------- the fast path
+SMALLEST_BUCKET = 32
+
+
+def length_buckets(max_length: int) -> list[int]:
+    """The padded lengths of the fast path: 32, 64, 128 ... and MAX_SEQ_LENGTH, one compiled graph each."""
+    buckets = [SMALLEST_BUCKET]
+    while buckets[-1] < max_length:
+        buckets.append(min(2 * buckets[-1], max_length))
+    return buckets
+
+
+def pad_to_bucket(tokenizer, buckets: list[int], features: list[dict]) -> dict:
+    """A batch padded to the smallest bucket that holds its longest row: static shapes, a graph per bucket."""
+    longest = max(len(row["input_ids"]) for row in features)
+    bucket = next((length for length in buckets if length >= longest), buckets[-1])
+    return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=bucket)(features)
+
+
+def store_frozen_linears_in_bf16(model) -> None:
+    """The frozen linear layers stored in bf16 once, instead of cast by autocast at every forward (casts of
+    weights that take no gradient are not cached: about 420 copies a step of bert-base). Autocast casts to
+    the same bf16 values, so the steps compute the same numbers. The trained weights (adapters, classifier,
+    pooler) and every LayerNorm and embedding stay fp32."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and not any(p.requires_grad for p in module.parameters()):
+            module.to(torch.bfloat16)
+
+
+def compile_model(model, job: Job) -> None:
+    """TORCH_COMPILE: the model under the adapter wrapper compiled in place, one static graph per length bucket.
+
+    Not the Trainer's `torch_compile`: it compiles with dynamic shapes allowed, over the DDP wrapper (its graphs
+    split at every gradient bucket), and for evaluation too. In place (`Module.compile`), the weights keep their
+    names: checkpoints and the saved adapter are the eager path's.
+    """
+    import torch._inductor.config
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from torch._inductor.utils import clear_caches
+
+    # Dropout masks from torch's generator, as the eager path draws them: the same seed trains the same model.
+    torch._inductor.config.fallback_random = True
+    # Compiled code kept on the shared volume: a restart or another replica does not compile from zero. Unless
+    # TORCHINDUCTOR_CACHE_DIR names another place: inductor writes its /tmp default there once it is asked.
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(job.out.cache / "inductor")
+        clear_caches()
+    model.get_base_model().compile(dynamic=False)
+
+
+def compile_record() -> dict:
+    """What the compiler did in this process (logs/rank-R.json): graphs, recompiles, graph breaks, seconds."""
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    spent = calculate_time_spent()
+    frames = counters["frames"]["total"]
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        # Every compile of the model's frame after its first: one per new shape.
+        "recompiles": max(frames - 1, 0),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "compile_s": round(spent.get("total_wall_time", 0), 2),  # forward and backward graphs
+    }
