@@ -1,11 +1,11 @@
-# `make demo`, `make test` and `make check` each set up what they need (the venv) by themselves.
+# `make demo`, `make check`, `make test` and `make test-all` each set up what they need (the venv) by themselves.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 DEMO := .demo
 
-.PHONY: venv ops demo test check lint clean
+.PHONY: venv ops demo test check test-all lint clean
 
 # Two layers, each with its stamp: the job's own packages (torch and requirements.txt, what `make demo` needs), then
 # the test and lint tools and the MLflow server's venv on top (`make test`, `check`, `lint`). uv installs them: it
@@ -41,22 +41,31 @@ demo: $(VENV)/.job
 	  NUM_EPOCHS=3 PER_DEVICE_BATCH_SIZE=32 LEARNING_RATE=3e-3 DATALOADER_NUM_WORKERS=0 $(PY) main.py
 	@echo "model, metrics and logs: $(DEMO)/output"; cat $(DEMO)/output/metrics.json
 
-# DeepSpeed's CPU ops, compiled once per venv (a couple of minutes the first time, seconds after): the tests'
-# DeepSpeed runs load them from $(VENV)/torch-extensions instead of each suite paying the compile inside a test.
+# DeepSpeed's CPU ops, compiled once per venv (a couple of minutes the first time, seconds after): the
+# integration layer's DeepSpeed runs load them from $(VENV)/torch-extensions instead of paying the compile in a test.
 ops: venv
 	$(PY) scripts/build_deepspeed_ops.py
 
-# The whole suite, as CI runs it. Two workers, each taking a whole file at a time (its module fixtures, such
-# as one finished run read by many tests, are built once): on 2 cores the serial suite kept one core busy
-# about half the time, its tests waiting on training processes, rendezvous timeouts and the image build.
-TEST_WORKERS ?= 2
-test: ops
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-
-# The edit-test loop, under a minute on 2 CPU cores: settings and --dry-run, the data path, bad settings,
-# one one-process training run and the DDP-against-one-process numerics (tests marked `check`).
+# The fast layer, for the edit-test loop, in one process: settings, the plan (batch, learning rates, numerics),
+# data checks and the refusals, each checked in-process against the function main.py calls (tests marked `check`).
 check: venv
 	$(PY) -m pytest -m check
+
+# Two workers, each taking a whole file at a time (its module fixtures, such as one finished run read by many
+# tests, are built once): on 2 cores the serial suite kept one core busy about half the time, its tests waiting
+# on training processes and rendezvous timeouts.
+TEST_WORKERS ?= 2
+BY_FILE := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# The suite the README gives: everything but the integration layer (the job in real processes, every launcher,
+# the faults a restart recovers from).
+test: venv
+	$(PY) -m pytest $(BY_FILE) -m "not integration"
+
+# Everything, as CI runs it: `make test` and the integration layer (the image build, DeepSpeed on its compiled
+# ops, the sweep backends end to end, the benchmarks' smoke runs, the long fault chains).
+test-all: ops
+	$(PY) -m pytest $(BY_FILE)
 
 # Lint and formatting as CI checks them; `$(VENV)/bin/ruff format .` fixes the formatting.
 lint: venv

@@ -1,6 +1,6 @@
 """Compile DeepSpeed's two CPU ops once: the shared-memory collectives (every STRATEGY=deepspeed run on a machine
 without a GPU) and the CPU Adam (ZERO_OFFLOAD=optimizer). A run compiles them by itself on first use, which costs
-a couple of minutes of g++ on 2 cores; `make test` runs this first, so no test pays it and the suite's time is
+a couple of minutes of g++ on 2 cores; `make test-all` runs this first, so no test pays it and the suite's time is
 the tests' own.
 
     python scripts/build_deepspeed_ops.py        # into $TORCH_EXTENSIONS_DIR, default <venv>/torch-extensions

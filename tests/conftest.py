@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -210,6 +211,33 @@ def pytest_xdist_make_scheduler(config, log):
             return f"tests/{SHARING[Path(path).name]}" if Path(path).name in SHARING else path
 
     return LoadFileSharingFixtures(config, log)
+
+
+# `make check` is one process, fast because nothing it runs imports the training stack again: a test marked
+# `check` that starts Python (the job, predict.py, a launcher), in a fixture or in its body, fails; it belongs
+# to the process-level suite.
+class PythonStartInCheck(subprocess.Popen):
+    def __init__(self, args, *rest, **kwargs):
+        command = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+        if Path(os.fsdecode(command[0]).split()[0]).name.startswith("python"):
+            pytest.fail(f"a test marked `check` started {' '.join(map(str, command[:3]))}: mark it otherwise")
+        super().__init__(args, *rest, **kwargs)
+
+
+def python_starts_refused(item: pytest.Item):
+    return mock.patch("subprocess.Popen", PythonStartInCheck) if item.get_closest_marker("check") else nullcontext()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with python_starts_refused(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with python_starts_refused(item):
+        return (yield)
 
 
 @pytest.fixture(scope="session")
@@ -807,7 +835,9 @@ def shared_output_dir() -> str:
 
 # ------------------------------------------------------------------------------- Kubernetes manifests and CRDs
 def yaml_docs(path: Path) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [
+        doc for doc in yaml.load_all(path.read_text(), Loader=yaml.CSafeLoader) if doc
+    ]  # libyaml: the vendored CRDs (2 MB) took 10 s
 
 
 def load_manifest(path: Path) -> dict:

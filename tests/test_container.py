@@ -18,6 +18,7 @@ SMOKE = REPO / "scripts" / "container_smoke.sh"
 TOOLS_UNAVAILABLE = 77  # the script's exit code when buildah/podman cannot be installed
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_image_builds_and_trains_read_only_as_its_user(tmp_path):
     volume = tmp_path / "pvc-home"

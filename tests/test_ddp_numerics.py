@@ -65,7 +65,6 @@ def loss_curve(out: Path) -> dict[str, dict[int, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.check
 def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
     import torch
 

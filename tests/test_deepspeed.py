@@ -162,6 +162,7 @@ def without_deepspeed(tmp_path: Path, env: dict[str, str]) -> tuple[list[str], d
 
 
 # ------------------------------------------------------------------------------- the same numbers as DDP
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("arm", list(ARMS))
 def test_two_replicas_under_deepspeed_train_what_ddp_trains(arm, request, tmp_path, tiny_bert, fixed_data, ddp_run):
@@ -207,6 +208,7 @@ def test_two_replicas_under_deepspeed_train_what_ddp_trains(arm, request, tmp_pa
     assert records[0]["trainable_checksum"] == records[1]["trainable_checksum"]  # both ranks hold the same weights
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_zero3_adapter_loads_with_peft_without_deepspeed_and_predicts_like_ddp(
     tmp_path, zero3_run, ddp_run, tiny_bert
@@ -253,6 +255,7 @@ def test_the_zero3_adapter_loads_with_peft_without_deepspeed_and_predicts_like_d
 
 
 # ------------------------------------------------------------------------------- SIGTERM, kill, resume
+@pytest.mark.integration
 @pytest.mark.slow
 def test_zero3_stopped_then_killed_after_checkpoints_resumes_to_the_uninterrupted_weights(
     tmp_path, tiny_bert, fixed_data, zero3_run, hub
@@ -503,7 +506,9 @@ REFUSED = {  # id -> (settings, what the error line names: {key} is the path of 
 END_TO_END = {"8bit", "accelerate-fsdp", "not-json", "pinned-rate", "pinned-warmup-without-max-steps"}
 
 
-@pytest.mark.parametrize("case", list(REFUSED))
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, marks=() if case in END_TO_END else pytest.mark.check) for case in REFUSED]
+)
 def test_deepspeed_settings_that_cannot_apply_are_refused_before_anything_loads(
     case, tmp_path, job_env, monkeypatch, capsys
 ):
@@ -565,6 +570,7 @@ def test_deepspeed_settings_that_cannot_apply_are_refused_before_anything_loads(
     assert_refusal(result, names)
 
 
+@pytest.mark.check
 def test_an_optimizer_block_that_would_drop_the_recipes_rates_is_refused(tmp_path, job_env, monkeypatch, capsys):
     config = ds_file(tmp_path, {**ZERO2, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
     refused = refused_in_process(monkeypatch, capsys, job_env, STRATEGY="deepspeed", DEEPSPEED_CONFIG=config)
@@ -651,6 +657,7 @@ def test_dry_run_shows_the_deepspeed_config_the_run_uses(tmp_path, job_env, monk
     assert plain["strategy"] == "ddp" and "deepspeed" not in plain
 
 
+@pytest.mark.check
 def test_an_accelerate_deepspeed_config_becomes_strategy_deepspeed(job_env, monkeypatch):
     settings, _, _, shown = configured_dry_run(
         monkeypatch,
@@ -675,6 +682,7 @@ def test_deepspeed_not_installed_is_refused_with_the_install_line(tmp_path, job_
     assert_refusal(result.stderr, ["STRATEGY=deepspeed", "pip install deepspeed==0.19.8"])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_one_process_with_zero_offload_trains_and_exports_a_merged_model(tmp_path, tiny_bert, fixed_data):
     """ZeRO-Offload on one process is a real use (a larger base model on one GPU): no launcher, no peers."""
@@ -707,6 +715,7 @@ def test_one_process_with_zero_offload_trains_and_exports_a_merged_model(tmp_pat
     assert predicted.returncode == 0 and predicted.stdout.strip(), predicted.stderr[-3000:]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_replicas_with_another_zero_stage_are_refused_at_the_rendezvous(tmp_path, tiny_bert, fixed_data):
     port = free_port()
@@ -735,6 +744,7 @@ def test_replicas_with_another_zero_stage_are_refused_at_the_rendezvous(tmp_path
         assert_refusal((tmp_path / f"rank{rank}.txt").read_text(), ["ZERO_STAGE: 2 on rank 0, 3 on rank 1"])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_deepspeed_run_does_not_resume_on_another_replica_count(tmp_path, tiny_bert, fixed_data):
     """GLOBAL_BATCH_SIZE lets a DDP run come back on another count; a DeepSpeed checkpoint holds each rank's
@@ -762,6 +772,7 @@ def test_a_deepspeed_run_does_not_resume_on_another_replica_count(tmp_path, tiny
     )
 
 
+@pytest.mark.check
 def test_what_transformers_compares_with_its_arguments_is_compared_at_dry_run(tmp_path):
     """Every field transformers' DeepSpeed integration checks against TrainingArguments (a mismatch there is a
     ValueError after the model has loaded) is one the job compares first, with the Trainer's own defaults for
@@ -798,6 +809,7 @@ def test_what_transformers_compares_with_its_arguments_is_compared_at_dry_run(tm
         assert set(filled) <= taken
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_config_with_only_a_stage_trains_records_its_stage_and_a_changed_one_is_refused_on_resume(
     tmp_path, tiny_bert, fixed_data

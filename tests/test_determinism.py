@@ -7,6 +7,8 @@ import shutil
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import complete_steps, job_settings, rank_record, run_main, start_main, wait_until
 
 
@@ -55,6 +57,7 @@ def wait_for_line(path: Path, fragment: str, proc, timeout: float = 300) -> None
     )
 
 
+@pytest.mark.integration
 def test_a_run_killed_in_its_final_evaluation_resumes_at_its_last_step_and_only_evaluates(job_env, tmp_path):
     """An evaluation that runs out of memory (a huge PER_DEVICE_EVAL_BATCH_SIZE, the kernel's OOM killer) lost
     every step since the last checkpoint: the last step was evaluated before it was saved. Now the last step is

@@ -202,6 +202,7 @@ def checkpointed_on_two(runs) -> Path:
     return runs.checkpointed_on_two
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_one_global_batch_trains_the_same_model_on_1_2_and_4_replicas(one_run_on_each_count):
     outs = one_run_on_each_count
@@ -217,6 +218,7 @@ def test_one_global_batch_trains_the_same_model_on_1_2_and_4_replicas(one_run_on
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "new_world, cap", [(1, MICRO), (4, MICRO), (1, 2)], ids=["on-1", "on-4", "on-1-under-a-lower-cap"]
@@ -330,6 +332,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert, hub):
     """`torchrun --nnodes 1:2` with the c10d rendezvous, two agents ("nodes") on this machine. The second agent

@@ -127,6 +127,7 @@ def test_a_setting_holding_the_token_in_any_form_is_refused_without_showing_it(
     assert not (tmp_path / "out" / "tensorboard").exists() and not (tmp_path / "out" / "run.json").exists()
 
 
+@pytest.mark.check
 def test_every_form_of_the_token_is_masked_in_what_the_job_prints():
     """The masking itself, on the forms libraries produce: repr-escaped in exceptions, percent-encoded in URLs."""
     sys.path.insert(0, str(REPO))
@@ -303,6 +304,7 @@ def test_a_missing_checkpoint_file_falls_back_to_a_fresh_start_not_a_traceback(
     assert record["samples_trained"] == RESUME_STEPS * 16  # both epochs in this one process
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or_other_data_and_survives_damage(
     replicas, tmp_path, tiny_bert, resume_data, fresh_start_after_a_missing_optimizer
@@ -391,6 +393,7 @@ def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or
 LOCK_STEPS = 1000  # the holder's run: long enough to still train while a second job imports torch on a busy machine
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_folder_refuses_a_second_job_while_in_use_but_a_refused_start_or_a_killed_holder_never_locks_it(
     job_env, tmp_path

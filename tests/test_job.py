@@ -38,7 +38,6 @@ def classify(model_dir: Path, sentences: list[str], base: Path | None = None) ->
     return logits.argmax(-1).tolist()
 
 
-@pytest.mark.check
 def test_one_process_trains_saves_and_the_model_loads_back(finished_run, tiny_bert):
     out = finished_run.out
     metrics = json.loads((out / "metrics.json").read_text())
@@ -64,7 +63,6 @@ def test_one_process_trains_saves_and_the_model_loads_back(finished_run, tiny_be
     assert "real_accelerator" not in finished_run.first.stderr + finished_run.first.stdout
 
 
-@pytest.mark.check
 def test_dry_run_prints_the_plan_the_run_trained_with(finished_run):
     """What `--dry-run` prints is what the run used: run.json records the same plan, completed with what only the
     device (precision, quantization) and the data (the steps) tell, and the Trainer trained with it."""
@@ -186,6 +184,7 @@ def test_push_without_token_is_bad_input(job_env):
 WRONG_TOKEN = "hf_wrong_token_abcdef"
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     "token, role, scopes, says",
     [

@@ -194,6 +194,7 @@ def test_accelerate_launch_multi_gpu_config(job_env, tmp_path):
     assert_one_model(tmp_path / "out", reports)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_accelerate_launch_multi_node_config_as_two_machines(job_env, tmp_path):
     port, logs = free_port(), [tmp_path / f"machine-{m}.txt" for m in (0, 1)]
@@ -323,6 +324,7 @@ def test_deepspeed_launcher_processes_resolve_to_their_ranks_and_nodes(tmp_path)
 EXTENSIONS = Path(sys.prefix) / "torch-extensions"
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_accelerate_launch_with_the_zero2_config_trains_under_deepspeed(job_env, tmp_path):
     """The ZeRO-2 config file for real, no STRATEGY set: both ranks train one model under DeepSpeed (the job stops
@@ -347,6 +349,7 @@ def test_accelerate_launch_with_the_zero2_config_trains_under_deepspeed(job_env,
     assert '"strategy": "deepspeed"' in json.dumps(settings) and '"zero_stage": 2' in json.dumps(settings)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_deepspeed_launcher_trains_zero3(job_env, tmp_path):
     """`deepspeed --num_gpus 2 main.py` for real with STRATEGY=deepspeed ZERO_STAGE=3: one model, two ranks."""
@@ -602,6 +605,7 @@ def test_batch_script_runs_the_job_one_task_per_gpu(job_env, tmp_path):
     assert not (tmp_path / "requeued").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
     """Slurm's USR1 (--signal=B:USR1@lead): the tasks get SIGTERM, end >= 128, and the script requeues the job."""
@@ -629,6 +633,7 @@ def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
     assert (tmp_path / "requeued").read_text().split() == ["4242"]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_submitit_runs_the_job_with_its_torch_environment(job_env, tmp_path):
     """launchers/slurm/submit.py on submitit's local cluster: the same submission code, tasks as local processes."""
@@ -829,6 +834,7 @@ def test_pod_wrapper_turns_sigterm_into_the_restart_code(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.check
 def test_trainjob_is_valid_against_the_trainer_v2_crd():
     job = load_manifest(K8S / "trainer-v2" / "trainjob.yaml")
     schema = crd_schema(job["apiVersion"], job["kind"])

@@ -106,6 +106,7 @@ def trainer(tmp_path, tiny_bert):
     )
 
 
+@pytest.mark.check
 def test_the_overridden_private_methods_keep_their_names_and_signatures():
     for name, parameters in (
         ("_get_train_sampler", ["self", "train_dataset"]),
@@ -136,6 +137,7 @@ def test_the_overridden_private_methods_keep_their_names_and_signatures():
         )
 
 
+@pytest.mark.check
 def test_the_training_loader_still_asks_the_override_for_its_sampler(trainer):
     loader = trainer.get_train_dataloader()
     sampler = sampler_of(loader)
@@ -182,6 +184,7 @@ def test_each_epoch_trains_the_batches_drawn_from_seed_plus_epoch(trainer):
 
 
 # ------------------------------------------------------------------------------- transformers, beyond the Trainer
+@pytest.mark.check
 def test_the_progress_bar_the_job_closes_is_the_trainers_training_bar(trainer):
     import transformers
 
@@ -195,6 +198,7 @@ def test_the_progress_bar_the_job_closes_is_the_trainers_training_bar(trainer):
     bars[0].close()
 
 
+@pytest.mark.check
 def test_bert_declares_its_block_as_not_to_be_split(tiny_bert):
     import transformers
     from transformers import AutoModelForSequenceClassification
@@ -210,6 +214,7 @@ def test_bert_declares_its_block_as_not_to_be_split(tiny_bert):
     assert wrap_classes(model) == ["BertLayer"]
 
 
+@pytest.mark.check
 def test_the_attention_asked_for_is_the_one_the_model_runs(tiny_bert):
     import transformers
 
@@ -226,6 +231,7 @@ def test_the_attention_asked_for_is_the_one_the_model_runs(tiny_bert):
 
 
 # ------------------------------------------------------------------------------- pydantic-settings
+@pytest.mark.check
 def test_the_environment_source_reads_what_load_env_vars_returns(monkeypatch):
     """load_settings(environ=...) and blank config_map entries rest on this: the source reads the variables
     through `_load_env_vars` only, and matches them to fields by lower-cased name."""
@@ -249,6 +255,7 @@ def test_the_environment_source_reads_what_load_env_vars_returns(monkeypatch):
     )
 
 
+@pytest.mark.check
 def test_settings_are_built_from_exactly_the_sources_given(monkeypatch):
     """load_settings builds Settings(_build_sources=((flags, env), {})): those sources, the first winning, not
     settings_customise_sources (which gives code and tests the init values only) and not os.environ."""
@@ -272,6 +279,7 @@ def test_settings_are_built_from_exactly_the_sources_given(monkeypatch):
     )
 
 
+@pytest.mark.check
 def test_the_flag_source_takes_the_environment_source_and_reports_the_flags_given():
     """`--help` shows each setting's variable beside its flag through `_env_settings_source`; a refusal names
     the flag a bad value came from through what the source returns after parsing."""
@@ -293,6 +301,7 @@ def test_the_flag_source_takes_the_environment_source_and_reports_the_flags_give
 
 
 # ------------------------------------------------------------------------------- huggingface_hub
+@pytest.mark.check
 def test_hub_requests_get_the_timeout_through_the_default_client_factory():
     import huggingface_hub
     from huggingface_hub import get_session, set_client_factory
@@ -318,6 +327,7 @@ def test_hub_requests_get_the_timeout_through_the_default_client_factory():
 
 
 # ------------------------------------------------------------------------------- datasets
+@pytest.mark.check
 def test_a_splits_fingerprint_follows_its_data(tmp_path):
     """The tokenized cache on the shared volume is keyed on `_fingerprint`: the same files give the same key on
     every replica and restart, other rows another."""

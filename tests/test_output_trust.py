@@ -158,6 +158,7 @@ def test_a_checkpoint_folder_linked_during_the_run_is_refused_at_the_save(job_en
     assert hub.commits == []
 
 
+@pytest.mark.check
 def test_a_file_removed_while_the_folder_is_checked_is_not_an_error(tmp_path, monkeypatch):
     """Every rank checks OUTPUT_DIR for planted links while rank 0's write probe (logs/.write-test-PID) comes
     and goes: a name listed and gone before its lstat is nothing planted. (Seen in CI: rank 1 exited 1 with a
@@ -215,6 +216,7 @@ def test_links_in_a_folder_that_is_no_run_of_the_job_get_the_not_a_run_folder_re
     assert (out / "data").is_symlink() and sorted(p.name for p in out.iterdir()) == ["data", "notes.txt"]
 
 
+@pytest.mark.check
 def test_what_counts_as_a_run_folder_of_the_job(tmp_path):
     """New, empty (but for a file system's lost+found), marked by the job, holding run.json, or the empty
     skeleton of a start killed before its marker existed: a run folder. Anything else is someone else's."""

@@ -40,6 +40,7 @@ def test_the_projected_gradient_bytes_are_what_the_job_trains(tiny_bert, fields)
     assert lora_grad_bytes(settings, config.num_hidden_layers, config.hidden_size) == trained
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert, sst2_dir):
     out = tmp_path / "results.json"
@@ -103,6 +104,7 @@ def test_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert, sst2_dir):
     assert "| original |" in proc.stdout and "| defaults |" in proc.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_strategy_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert):
     """benchmarks/strategies.py: DDP and ZeRO-2 on 2 CPU replicas each, a few steps; figures present, ratios

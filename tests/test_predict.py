@@ -138,6 +138,7 @@ def documented_commands() -> list[str]:
 DOCUMENTED = [command for command in documented_commands() if not re.search(r"--text-column \S+,\S+", command)]
 
 
+@pytest.mark.check
 def test_the_docs_show_predict_commands():
     # The README's three: a local adapter, a csv column with the base named, a Hub repo on standard input.
     assert len([c for c in DOCUMENTED if "OUTPUT_DIR" in c or HUB_REPO in c]) >= 3, DOCUMENTED

@@ -16,6 +16,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from conftest import REPO, base_env, error_lines
 
 from scripts.make_demo_assets import synthetic_sentence
@@ -138,6 +139,7 @@ def test_sentence_split_refuses_more_sentences_than_there_are(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration
 def test_quality_benchmark_runs_job_and_reference(tmp_path, tiny_bert):
     # A training split only, as ../shared/data/sst2 ships it: the benchmark carves its sentence split.
     data = write_sst2_shaped(tmp_path / "train-only", sentences=250)

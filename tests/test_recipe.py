@@ -58,6 +58,7 @@ def test_train_pooler_false_leaves_the_pooler_to_the_base(pooler_runs):
     assert record["settings"]["train_pooler"] is False
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     ("batch", "b_ratio"),
     [
@@ -107,6 +108,7 @@ def dropouts(model: torch.nn.Module) -> dict[str, float]:
     return {name: module.p for name, module in model.named_modules() if isinstance(module, torch.nn.Dropout)}
 
 
+@pytest.mark.check
 def test_model_dropout_sets_the_base_models_dropout_and_leaves_the_adapters(tiny_bert):
     kept = build_model(Settings(model_name=str(tiny_bert), model_dropout="checkpoint"), False, torch.device("cpu"))
     assert {p for name, p in dropouts(kept).items() if "lora_dropout" not in name} == {0.1}  # the checkpoint's
@@ -128,6 +130,7 @@ def tiny_distilbert(tmp_path_factory):
     return folder
 
 
+@pytest.mark.check
 def test_distilbert_trains_its_pre_classifier_and_takes_model_dropout_by_its_own_names(tiny_distilbert):
     settings = Settings(model_name=str(tiny_distilbert), lora_target_modules="q_lin,v_lin", model_dropout=0.0)
     model = build_model(settings, False, torch.device("cpu"))

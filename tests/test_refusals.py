@@ -825,6 +825,14 @@ def test_refused_by_its_layer_with_the_fix(refusal: Refusal, push_env, monkeypat
     assert files_under(data) == given  # nothing written into the user's data folder
 
 
+@pytest.mark.check
+def test_a_check_test_cannot_start_the_job(tmp_path):
+    """The table stays in `make check`'s one process: a test marked `check` that starts main.py (or any Python)
+    fails there, in tests/conftest.py, before the process starts."""
+    with pytest.raises(pytest.fail.Exception, match="a test marked `check` started .*python"):
+        subprocess.run([sys.executable, str(REPO / "main.py"), "--dry-run"], env=base_env(tmp_path), check=False)
+
+
 # ------------------------------------------------------------------------------- through main.py
 # One refused start per layer: the refusal reaches the console as one `error:` line, exit 2, before a step
 # is trained or anything pushed, whichever part of the job raised it.
@@ -835,7 +843,6 @@ STARTS = [
         None,
         ["--bogus-flag 2", "python main.py --help"],
         id="settings",
-        marks=pytest.mark.check,
     ),
     pytest.param(
         {},
@@ -843,7 +850,6 @@ STARTS = [
         foreign_run,
         ["OUTPUT_DIR=", "lora_r: 4 -> 8"],
         id="output-dir",
-        marks=pytest.mark.check,
     ),
     pytest.param(
         {"PRECISION": "fp16"},

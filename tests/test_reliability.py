@@ -55,6 +55,7 @@ def reference(tmp_path_factory, tiny_bert, sst2_dir):
 
 
 # ------------------------------------------------------------------------------- SIGTERM, then SIGKILL, then done
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_run_preempted_then_killed_resumes_each_time_and_ends_bit_identical_to_the_reference(
     reference, replicas, hub, tmp_path, tiny_bert, sst2_dir

@@ -66,6 +66,7 @@ def finish_by_policy(replicas: Replicas, settings: dict, codes: dict[int, int], 
     return ranks
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_rank0_killed_while_writing_model_is_finished_by_restarting_both(
     replicas, hub, tmp_path, tiny_bert, small_data
@@ -102,6 +103,7 @@ def test_rank0_killed_while_writing_model_is_finished_by_restarting_both(
     assert json.loads((out / "metrics.json").read_text())["eval_samples"] > 0
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_rank0_killed_during_the_push_is_finished_by_restarting_it_alone(
     replicas, hub, tmp_path, tiny_bert, small_data
@@ -128,6 +130,7 @@ def test_rank0_killed_during_the_push_is_finished_by_restarting_it_alone(
     assert "already holds a finished run" in (tmp_path / "restart-rank0.txt").read_text()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_rank1_killed_while_waiting_for_the_model_is_finished_by_restarting_it_alone(
     replicas, hub, tmp_path, tiny_bert, small_data

@@ -168,6 +168,7 @@ def pickled_weights(tiny_bert: Path, folder: Path, marker: Path, how: str) -> Pa
     return folder
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     "how, says",
     [

@@ -17,8 +17,8 @@ from tests.conftest import assert_refusal, base_env, configured, free_port, rank
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import FIELDS, Settings, describe_range, env_name, flag_name, load_settings
 
-# Every test here is quick (settings parsing and --dry-run, no training): `make check` runs them all.
-pytestmark = pytest.mark.check
+# Settings parsing and --dry-run, no training: `make check` runs the tests marked `check` (in this process); the
+# ones that start main.py (--help, --dry-run's own output, a refused start) hold the process to the same answers.
 
 
 def dry_run(tmp_path, *args: str, **env: str) -> dict:
@@ -31,6 +31,7 @@ def dry_run(tmp_path, *args: str, **env: str) -> dict:
     return json.loads(json.dumps(shown))
 
 
+@pytest.mark.check
 def test_defaults_env_and_flags_resolve_in_that_order(tmp_path):
     assert dry_run(tmp_path)["config"]["per_device_batch_size"] == 64
     assert dry_run(tmp_path, PER_DEVICE_BATCH_SIZE="32")["config"]["per_device_batch_size"] == 32
@@ -65,6 +66,7 @@ def test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch(tmp_pa
     assert dry_run(tmp_path)["config"]["hf_token"] is None
 
 
+@pytest.mark.check
 def test_token_from_hf_token_path(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("hf_from_file_123\n")
@@ -85,6 +87,7 @@ def test_help_lists_every_setting_with_env_name_default_and_why(tmp_path):
     assert "(default: query,value)" in text  # list settings show the comma-separated form to type
 
 
+@pytest.mark.check
 def test_list_settings_are_comma_separated_in_env_and_flags(tmp_path):
     config = dry_run(tmp_path, "--report-to", "none", LORA_TARGET_MODULES="query, key,value", LABEL_NAMES="bad,good")
     assert config["config"]["lora_target_modules"] == ["query", "key", "value"]
@@ -93,12 +96,14 @@ def test_list_settings_are_comma_separated_in_env_and_flags(tmp_path):
     assert flags["lora_target_modules"] == ["query", "key"] and flags["report_to"] == ["tensorboard", "mlflow"]
 
 
+@pytest.mark.check
 def test_blank_env_is_unset(tmp_path):
     # An empty flag, by contrast, is refused: tests/test_refusals.py
     config = dry_run(tmp_path, RESULT_MODEL_ID="", MAX_STEPS="  ", LEARNING_RATE="")["config"]
     assert config["result_model_id"] is None and config["max_steps"] is None
 
 
+@pytest.mark.check
 def test_settings_in_code_never_read_the_environment(monkeypatch):
     monkeypatch.setenv("LORA_R", "32")
     monkeypatch.setenv("SEED", "not a number")
@@ -107,6 +112,7 @@ def test_settings_in_code_never_read_the_environment(monkeypatch):
     assert (settings.lora_r, settings.seed, args.push_only, args.dry_run) == (16, 7, True, False)
 
 
+@pytest.mark.check
 def test_run_name_is_derived_the_same_everywhere_and_changes_with_training_settings(tmp_path):
     first = dry_run(tmp_path, RANK="0", WORLD_SIZE="2", MASTER_ADDR="h")["config"]["run_name"]
     again = dry_run(
@@ -123,6 +129,7 @@ def test_run_name_is_derived_the_same_everywhere_and_changes_with_training_setti
     assert dry_run(tmp_path, RUN_NAME="mine")["config"]["run_name"] == "mine"
 
 
+@pytest.mark.check
 def test_output_dir_default_is_local_without_the_shared_volume(tmp_path):
     assert dry_run(tmp_path)["config"]["output_dir"] == "./output"
 
@@ -215,12 +222,14 @@ NODELISTS = [
 ]
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("nodelist, first", NODELISTS, ids=[n for n, _ in NODELISTS])
 def test_slurm_rendezvous_is_the_first_host_of_the_node_list(tmp_path, nodelist, first):
     env = dict(SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_JOB_NODELIST=nodelist)
     assert dry_run(tmp_path, **env)["distributed"]["master_addr"] == first
 
 
+@pytest.mark.check
 def test_slurm_node_list_is_expanded_by_scontrol_where_it_exists(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()
@@ -235,11 +244,13 @@ def test_slurm_node_list_is_expanded_by_scontrol_where_it_exists(tmp_path):
     assert dry_run(tmp_path, **env)["distributed"]["master_addr"] == "n1"
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("env, expected", LAUNCHERS, ids=[e["source"] + str(i) for i, (_, e) in enumerate(LAUNCHERS)])
 def test_each_launcher_resolves_to_the_right_ranks(tmp_path, env, expected):
     assert dry_run(tmp_path, **env)["distributed"] == expected
 
 
+@pytest.mark.check
 def test_four_platform_replicas_resolve_to_ranks_0_to_3(tmp_path):
     seen = [
         dry_run(tmp_path, RANK=str(r), WORLD_SIZE="4", NODE_RANK=str(r), MASTER_ADDR="replica-0")["distributed"]
@@ -250,6 +261,7 @@ def test_four_platform_replicas_resolve_to_ranks_0_to_3(tmp_path):
     ]
 
 
+@pytest.mark.check
 def test_settings_doc_documents_every_setting():
     from tests.conftest import REPO
 
@@ -258,6 +270,7 @@ def test_settings_doc_documents_every_setting():
     assert not missing, f"docs/settings.md's settings table lacks {missing}"
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     ("world_size", "extra", "rate", "loraplus"),
     [
@@ -354,10 +367,12 @@ DERIVED_OVER_THE_BOUND = [
 ]
 
 
+@pytest.mark.check
 def test_every_setting_has_a_range():
     assert set(OVER_THE_BOUND) | BOUNDED_BY_TYPE == set(FIELDS), "give the new setting a bound and a row here"
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("field", sorted(OVER_THE_BOUND))
 def test_a_value_past_a_settings_range_is_refused_at_dry_run(tmp_path, field):
     value, bound = OVER_THE_BOUND[field]
@@ -369,6 +384,7 @@ def test_a_value_past_a_settings_range_is_refused_at_dry_run(tmp_path, field):
     assert message.startswith(f"{env_name(field)}=") and bound in message and flag_name(field) in message, message
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("env, names", DERIVED_OVER_THE_BOUND)
 def test_a_derived_value_past_its_range_is_refused_at_dry_run(tmp_path, env, names):
     with pytest.raises(JobError) as refused:
@@ -410,6 +426,7 @@ def test_two_ranks_with_a_huge_rendezvous_timeout_are_refused_at_once(tmp_path):
 
 
 # ------------------------------------------------------------------------------- a recipe file
+@pytest.mark.check
 def test_recipe_file_sits_between_the_defaults_and_the_environment(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("lora_r: 4\nLORA_ALPHA: 8\nseed: 7\nlora_target_modules: [query, key]\nhub_private: no\n")
@@ -427,6 +444,7 @@ def test_recipe_file_sits_between_the_defaults_and_the_environment(tmp_path):
     assert (config["lora_r"], config["config_file"]) == (2, str(other))  # a flag's file over the environment's
 
 
+@pytest.mark.check
 def test_the_sst2_recipe_is_the_defaults(tmp_path):
     from tests.conftest import REPO
 
@@ -434,6 +452,7 @@ def test_the_sst2_recipe_is_the_defaults(tmp_path):
     assert {**recipe, "config_file": None} == dry_run(tmp_path)["config"]
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     "text, says",
     [
@@ -484,6 +503,7 @@ def test_a_bad_recipe_is_one_error_line_from_the_process(tmp_path):
 
 
 # ------------------------------------------------------------------------------- misspelled variables, --help
+@pytest.mark.check
 def test_a_misspelled_variable_is_warned_about_not_refused(tmp_path, capsys):
     config = dry_run(tmp_path, LEARNIG_RATE="1e-4", LORA_RANK="4", ZERO_STAGES="3", LORA_R="16")["config"]
     assert config["learning_rate"] == 1e-3 and config["lora_r"] == 16  # ignored, as before
@@ -493,6 +513,7 @@ def test_a_misspelled_variable_is_warned_about_not_refused(tmp_path, capsys):
     assert "did you mean ZERO_STAGE?" in warnings[2]
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("env", [{}, *(launcher for launcher, _ in LAUNCHERS)], ids=lambda env: env.get("RANK", "-"))
 def test_a_clean_environment_under_any_launcher_warns_about_nothing(tmp_path, env, capsys):
     torchrun = dict(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="3", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
@@ -511,6 +532,7 @@ def test_help_answers_whatever_hf_token_holds_and_never_shows_it(tmp_path):
     assert_refusal(refused, ["HF_TOKEN", "3 characters"])
 
 
+@pytest.mark.check
 def test_settings_doc_states_every_range_the_code_holds():
     from tests.conftest import REPO
 
@@ -520,6 +542,7 @@ def test_settings_doc_states_every_range_the_code_holds():
     assert not missing, f"docs/settings.md's ranges table lacks or misstates {missing}"
 
 
+@pytest.mark.check
 def test_the_shipped_config_maps_warn_about_nothing(tmp_path, capsys):
     import yaml
 

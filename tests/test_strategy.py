@@ -56,6 +56,7 @@ def refusal(
     return None
 
 
+@pytest.mark.check
 def test_fsdp_runs_only_where_it_can_shard():
     fsdp, ddp = Settings(strategy="fsdp"), Settings()
     assert refusal(fsdp) is None  # 2 CUDA processes, full-precision weights: FSDP
@@ -65,6 +66,7 @@ def test_fsdp_runs_only_where_it_can_shard():
     assert refusal(ddp, cuda=False) is None and refusal(ddp, dist=ONE) is None
 
 
+@pytest.mark.check
 def test_accelerate_config_cannot_change_the_strategy_or_precision_behind_the_settings():
     assert "STRATEGY=fsdp" in refusal(Settings(), fsdp=True)  # an FSDP accelerate config with STRATEGY=ddp
     assert "ACCELERATE_USE_FSDP" in refusal(Settings(strategy="fsdp"), fsdp=True)  # the job configures FSDP itself
@@ -99,6 +101,7 @@ def test_accelerate_config_cannot_change_the_strategy_or_precision_behind_the_se
     )
 
 
+@pytest.mark.check
 def test_fsdp_units_are_the_repeated_transformer_blocks(tiny_bert):
     from utils.model import build_model
     from utils.strategy import trainer_options, wrap_classes

@@ -114,6 +114,7 @@ def grid_sweep(tmp_path_factory, sweep_data) -> GridSweep:
 
 
 # ------------------------------------------------------------------------------- local backend
+@pytest.mark.integration
 def test_grid_sweep_runs_each_trial_as_the_job_and_summarizes(grid_sweep):
     out, result = grid_sweep.out, grid_sweep.result
     assert result.code == 0, result.stderr[-3000:]
@@ -162,6 +163,7 @@ def test_grid_sweep_runs_each_trial_as_the_job_and_summarizes(grid_sweep):
     assert [state for _, state in study_states(out / "study.db")] == ["COMPLETE"] * 4
 
 
+@pytest.mark.integration
 def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep, capsys):
     before = (grid_sweep.out / "summary.csv").read_text()
     for name in ("summary.csv", "summary.md", "summary.png"):
@@ -178,6 +180,7 @@ def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep, capsy
     assert log.read_text() == kept
 
 
+@pytest.mark.integration
 def test_a_changed_spec_is_refused_on_an_existing_study(grid_sweep, tmp_path, capsys):
     """trial-001 of another grid is other settings: resuming would mix two sweeps in one study and table."""
     spec = yaml.safe_load(grid_sweep.spec.read_text())
@@ -192,6 +195,7 @@ def test_a_changed_spec_is_refused_on_an_existing_study(grid_sweep, tmp_path, ca
     assert study_states(grid_sweep.out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
 
 
+@pytest.mark.integration
 def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep_data):
     """SIGKILL once trial-000 is complete and trial-001 has started; the rerun keeps trial-000 as it is, reruns
     trial-001 in its folder, and records trial-002 (a module name the model lacks: main.py exits 2) as failed
@@ -281,6 +285,7 @@ REFUSALS = [
 ]
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(("change", "names"), REFUSALS, ids=[" ".join(names)[:40] for _, names in REFUSALS])
 def test_bad_spec_is_refused_before_any_trial_starts(change, names, tmp_path, capsys, sweep_data):
     out = tmp_path / "sweep"
@@ -297,6 +302,7 @@ def test_bad_spec_is_refused_before_any_trial_starts(change, names, tmp_path, ca
     assert not out.exists()  # before anything was run or written
 
 
+@pytest.mark.check
 def test_random_search_draws_the_same_trials_in_range(tmp_path, capsys, sweep_data):
     spec = write_spec(
         tmp_path,
@@ -324,6 +330,7 @@ def test_random_search_draws_the_same_trials_in_range(tmp_path, capsys, sweep_da
 
 
 # ------------------------------------------------------------------------------- slurm backend
+@pytest.mark.integration
 def test_slurm_backend_renders_one_array_whose_indexes_are_the_trials(tmp_path, capsys, sweep_data):
     out = tmp_path / "sweep"
     spec = write_spec(
@@ -393,6 +400,7 @@ def check_katib_enums(experiment: dict) -> list[str]:
     return errors
 
 
+@pytest.mark.integration
 def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys, grid_sweep):
     spec = write_spec(
         tmp_path,
@@ -471,6 +479,7 @@ def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys
     )
 
 
+@pytest.mark.check
 def test_katib_schema_check_catches_an_unknown_field(tmp_path):
     experiment = load_manifest(K8S / "katib" / "experiment.yaml")
     experiment["spec"]["objective"]["objectiveMetric"] = "eval_accuracy"
@@ -481,6 +490,7 @@ def test_katib_schema_check_catches_an_unknown_field(tmp_path):
     )
 
 
+@pytest.mark.check
 def test_committed_katib_experiment_is_the_example_spec_rendered(tmp_path, capsys):
     result = sweep_in_process(capsys, REPO / "examples" / "sweeps" / "sst2-katib.yaml", "-o", tmp_path / "exp.yaml")
     assert result.code == 0, result.stderr
@@ -494,6 +504,7 @@ def test_committed_katib_experiment_is_the_example_spec_rendered(tmp_path, capsy
     assert rendered["spec"]["maxTrialCount"] == 2
 
 
+@pytest.mark.check
 def test_katib_refuses_a_metric_its_collector_cannot_read(tmp_path, capsys):
     spec = write_spec(tmp_path, "f1", grid={"lora_r": [4, 8]}, metric="f1", backend="katib", output_dir="/pvc-home/s")
     result = sweep_in_process(capsys, spec)

@@ -202,6 +202,7 @@ def curve(out: Path) -> dict[str, dict[int, float]]:
     return {key: {e["step"]: e[key] for e in history if key in e} for key in ("loss", "eval_loss")}
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_three_class_pairs_on_two_replicas_equal_one_process(tmp_path, tiny_bert):
     """As tests/test_ddp_numerics.py for SST-2: one process at batch 2B against two replicas at B, on pairs of
@@ -280,6 +281,7 @@ def test_dry_run_shows_the_resolved_task(tmp_path):
     ]
 
 
+@pytest.mark.check
 def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
     """N classes from a text label column (sorted), digits written as strings as ids, LABEL_NAMES' order, and
     the warning for a second text column no setting names."""
@@ -366,6 +368,7 @@ def test_predict_labels_cola_shaped_sentences(cola_run):
     assert {p["label"] for p in predicted} <= {"unacceptable", "acceptable"}
 
 
+@pytest.mark.check
 def test_the_tokenized_cache_is_keyed_on_the_text_columns(tmp_path, tiny_bert):
     """Premise alone and premise with hypothesis are other token rows: neither may load the other's cache."""
     from transformers import AutoTokenizer

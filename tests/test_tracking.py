@@ -87,6 +87,7 @@ def silent_server():
 TRACKER_CHECK_TEST_SECONDS = 2  # the bound the check is given here; the job's own is TRACKER_CHECK_SECONDS
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     "uri, says",
     [

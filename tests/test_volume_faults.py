@@ -162,6 +162,7 @@ def test_a_volume_turning_read_only_mid_run_is_one_line_exit_2(tmp_path, tiny_be
                 job.wait()
 
 
+@pytest.mark.check
 def test_an_io_error_on_a_failed_volume_is_told_read_only_whatever_statvfs_says(tmp_path):
     """The write in flight when ext4 fails gets EIO, not EROFS; the job then asks the volume. Since Linux 6.9 a
     failed ext4 refuses writes but statvfs does not flag it read-only: what the volume refuses decides."""
