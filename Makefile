@@ -62,10 +62,10 @@ BY_FILE := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: venv
 	$(PY) -m pytest $(BY_FILE) -m "not integration"
 
-# Everything, as CI runs it: `make test` and the integration layer (the image build, DeepSpeed on its compiled
+# Everything, as CI runs it: `make test`, then the integration layer (the image build, DeepSpeed on its compiled
 # ops, the sweep backends end to end, the benchmarks' smoke runs, the long fault chains).
-test-all: ops
-	$(PY) -m pytest $(BY_FILE)
+test-all: test ops
+	$(PY) -m pytest $(BY_FILE) -m integration
 
 # Lint and formatting as CI checks them; `$(VENV)/bin/ruff format .` fixes the formatting.
 lint: venv

@@ -641,6 +641,7 @@ def test_a_taken_port_fails_the_store_with_the_type_of_an_unreachable_rank_0():
     )
 
 
+@pytest.mark.integration  # two or three peer processes importing torch each
 def test_a_store_call_to_a_stopped_rank_0_outlives_its_timeout(tmp_path, peers):
     """Why utils/collectives.py has a `watchdog`: a store call to a rank 0 that is stopped (not dead: SIGSTOP,
     a frozen node) stays in native code past its own timeout, where no Python signal handler reaches it."""
@@ -655,6 +656,7 @@ def test_a_store_call_to_a_stopped_rank_0_outlives_its_timeout(tmp_path, peers):
     )
 
 
+@pytest.mark.integration  # two or three peer processes importing torch each
 def test_gloo_creates_the_group_with_a_peer_started_with_another_world_size(tmp_path, peers):
     """Why the ranks compare their settings in the store before the group is made: `init_process_group` lets
     rank 0 (WORLD_SIZE=2) in with a peer that expects three ranks, or keeps it waiting past its timeout (both
@@ -668,6 +670,7 @@ def test_gloo_creates_the_group_with_a_peer_started_with_another_world_size(tmp_
     )
 
 
+@pytest.mark.integration  # two or three peer processes importing torch each
 def test_monitored_barrier_cannot_tell_a_stopped_peer_from_one_waiting_elsewhere(tmp_path, peers):
     """Why each rank beats a heartbeat in the store: after a gloo failure (a plain RuntimeError, the type of any
     crash), `monitored_barrier` names every rank not in it, the stopped one and the one alive in another
@@ -685,6 +688,7 @@ def test_monitored_barrier_cannot_tell_a_stopped_peer_from_one_waiting_elsewhere
     )
 
 
+@pytest.mark.integration  # two or three peer processes importing torch each
 def test_accelerates_main_process_first_does_not_carry_rank_0s_refusal(tmp_path, peers):
     """Why `Collectives.main_first` and `run_on_main` broadcast rank 0's outcome instead of Accelerate's
     `main_process_first`: when rank 0 stops with a refusal (exit 2 and its reason), the others fail in the
