@@ -650,7 +650,7 @@ def build_trainer(
     if job.plan.precision == "bf16" and not job.quantize and job.strategy == "ddp":
         store_frozen_linears_in_bf16(model)
     if job.compiled:
-        collator = partial(pad_to_bucket, tokenizer, length_buckets(settings.max_seq_length))
+        collator = partial(pad_to_bucket, bucket_collators(tokenizer, length_buckets(settings.max_seq_length)))
         compile_model(model, job)
     return JobTrainer(
         model=model,
@@ -678,11 +678,17 @@ def length_buckets(max_length: int) -> list[int]:
     return buckets
 
 
-def pad_to_bucket(tokenizer, buckets: list[int], features: list[dict]) -> dict:
-    """A batch padded to the smallest bucket that holds its longest row: static shapes, a graph per bucket."""
+def pad_to_bucket(collators: dict[int, DataCollatorWithPadding], features: list[dict]) -> dict:
+    """A batch padded to the smallest bucket that holds its longest row: static shapes, a graph per bucket.
+    `collators` holds one padding collator per bucket, built once (`bucket_collators`), not one per batch."""
     longest = max(len(row["input_ids"]) for row in features)
-    bucket = next((length for length in buckets if length >= longest), buckets[-1])
-    return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=bucket)(features)
+    bucket = next((length for length in collators if length >= longest), max(collators))
+    return collators[bucket](features)
+
+
+def bucket_collators(tokenizer, buckets: list[int]) -> dict[int, DataCollatorWithPadding]:
+    """A collator padding to each bucket's length, smallest bucket first."""
+    return {length: DataCollatorWithPadding(tokenizer, padding="max_length", max_length=length) for length in buckets}
 
 
 def store_frozen_linears_in_bf16(model) -> None:
