@@ -200,6 +200,7 @@ SHARING = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (a GPU machine's own pytest) unused
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadfile":
         return None
