@@ -734,4 +734,5 @@ def compile_record() -> dict:
         "recompiles": max(frames - 1, 0),
         "graph_breaks": sum(counters["graph_break"].values()),
         "compile_s": round(spent.get("total_wall_time", 0), 2),  # forward and backward graphs
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],  # graphs run without CUDA graphs, where asked
     }
