@@ -245,6 +245,12 @@ REFUSALS = [
         {"HUB_PRIVATE": "maybe"},
     ),
     case(
+        "torch-compile-not-a-choice",
+        "settings",
+        ["TORCH_COMPILE=maybe", "boolean", "'auto'", "--torch-compile"],
+        {"TORCH_COMPILE": "maybe"},
+    ),
+    case(
         "max-seq-length-absurd",
         "settings",
         ["MAX_SEQ_LENGTH=100000", "512"],

@@ -1035,6 +1035,12 @@ def warn_misspelled_variables(environ: Mapping[str, str]) -> None:
         )
 
 
+def is_word_branch(error: dict, field: str) -> bool:
+    """An error of `field`'s `Literal[...]` branch of a union (its loc: the field, then `literal[...]`)."""
+    loc = error["loc"]
+    return len(loc) > 1 and str(loc[0]) == field and str(loc[1]).startswith("literal[")
+
+
 def describe_range(field: str) -> str:
     """` (range: LOW to HIGH)` of a setting with numeric bounds (docs/settings.md lists every range; pydantic's own
     message already names a text's or a list's longest length), else ''."""
@@ -1081,6 +1087,9 @@ def load_settings(
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else ""
         reason = first["msg"].removeprefix("Value error, ")
+        # A union with words (`bool | Literal["auto"]`): pydantic reports each branch apart; the words are choices too.
+        words = [e["msg"].removeprefix("Input should be ") for e in exc.errors()[1:] if is_word_branch(e, field)]
+        reason += f", or {' or '.join(words)}" if words else ""
         if field not in FIELDS:  # a check across settings: its message names them and the fix
             raise JobError(EXIT_BAD_INPUT, reason) from None
         # Name the flag, variable or recipe key the bad value came from, as it was typed.
