@@ -903,6 +903,13 @@ def test_refused_start_gives_one_error_line_exit_2_and_pushes_nothing(
     if before_torch:  # refused before logging is set up: the line is all the console shows (no usage text)
         assert result.stderr.splitlines() == [error]
     assert set(tmp_path.parent.glob("**/*tfevents*")) == before
+    # Refused once the rank log exists (after the rendezvous and the folder's lock): the volume keeps the line too.
+    # Before that the folder may be another job's: nothing is written into it.
+    rank_log = Path(env["OUTPUT_DIR"]) / "logs" / "rank-0.log"
+    if request.node.callspec.id in ("model", "data"):
+        assert f"ERROR utils.run: {error} (exit 2)" in rank_log.read_text()
+    else:
+        assert not rank_log.exists()
 
 
 # Root reads a mode-000 file through two capabilities; a job started without them meets the file's mode as the

@@ -75,6 +75,7 @@ def setup_logging(job: Job) -> None:
     console.setLevel(logging.INFO if dist.is_main else logging.WARNING)
     # The Trainer's INFO records (its training and evaluation banners) go to the rank log only.
     console.addFilter(lambda record: record.levelno >= logging.WARNING or record.name.startswith("utils."))
+    console.addFilter(lambda record: not getattr(record, "rank_log_only", False))
     console.addFilter(MaskingFilter(masker))
     # Records before the rank log exists are held here and written to it first (log_to_file).
     early = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
@@ -107,10 +108,10 @@ def log_to_file(job: Job) -> None:
 
 class LogToRankLog(TrainerCallback):
     """Each loss, learning rate and evaluation the Trainer logs, in the rank log too: its progress bar prints them
-    on rank 0's stdout alone."""
+    on rank 0's stdout alone (so not again on the console)."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        log.info("step %d: %s", state.global_step, logs)
+        log.info("step %d: %s", state.global_step, logs, extra={"rank_log_only": True})
 
 
 class RankLogHandler(logging.FileHandler):
@@ -329,6 +330,9 @@ def run(job: Job) -> int:
         # No rank enters a collective after this: rank 0 may upload for minutes.
         group.leave()
         return publish(job, group, hub, trained)
+    except JobError as exc:  # main.py prints it on stderr; the rank log on the volume, once it exists, keeps it too
+        log.error("error: %s (exit %d)", exc.message, exc.code, extra={"rank_log_only": True})
+        raise
     finally:
         # On the way out with an error too: a heartbeat or a process group still running when the interpreter
         # shuts down can turn the exit code the error chose into SIGABRT.
