@@ -165,7 +165,8 @@ def test_the_rank_log_holds_the_settings_each_logged_loss_the_evaluation_and_the
     sources = {name for name in re.findall(r"^\S+ \S+ rank0 (?:INFO|DEBUG) (\S+):", log, re.M)}
     assert {name for name in sources if not name.startswith("utils.")} == {"transformers.trainer"}, sources
     # On the console each logged loss shows once: the Trainer's progress bar prints it (stdout), the log does not.
-    assert "'loss': " in finished_run.first.stdout and not re.search(r"utils\.run: step \d+:", finished_run.first.stderr)
+    console = finished_run.first
+    assert "'loss': " in console.stdout and not re.search(r"utils\.run: step \d+:", console.stderr)
     # The outcome: the exit code the first start ended with (the Hub refused the push) and where the model is.
     [outcome] = [line for line in log.splitlines() if rank_record(out, 0)["trainable_checksum"] in line]
     assert f"exit {finished_run.first.code}" in outcome and str(out / "model") in outcome
