@@ -53,7 +53,7 @@ from transformers import Trainer
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from tests.conftest import base_env, free_port, job_trainer
-from utils.trainer import EpochSeededLengthGroupedSampler, epoch_sampler
+from utils.trainer import GlobalOrderSampler, epoch_sampler
 
 SEED = 42
 BATCH = 8
@@ -141,7 +141,7 @@ def test_the_overridden_private_methods_keep_their_names_and_signatures():
 def test_the_training_loader_still_asks_the_override_for_its_sampler(trainer):
     loader = trainer.get_train_dataloader()
     sampler = sampler_of(loader)
-    assert isinstance(sampler, EpochSeededLengthGroupedSampler) and epoch_sampler(loader) is sampler, (
+    assert isinstance(sampler, GlobalOrderSampler) and epoch_sampler(loader) is sampler, (
         "get_train_dataloader no longer builds its sampler with _get_train_sampler (or accelerate wraps it "
         "differently): batches are no longer length-grouped in a resumable order"
     )

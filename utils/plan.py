@@ -80,7 +80,7 @@ class Plan:
     steps_per_epoch: int | None = None  # known once the rows are
     # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in.
     deepspeed: dict[str, Any] | None = None
-    # TORCH_COMPILE: the fast path (utils/trainer.compile_model), whole global batches only; `auto` until the device is known.
+    # TORCH_COMPILE: the fast path (utils/trainer.compile_model), a speed switch only; `auto` until the device is known.
     compile: bool | str = "auto"
 
     @property
@@ -382,12 +382,7 @@ def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
             f"the global batch is {batch.global_batch} rows ({_batch_terms(settings, batch.world_size)}) but the "
             f"training split has only {train_rows}: a step would take more rows than there are; {fix}",
         )
-    if batch.fixed or plan.compile is True:  # whole global batches only (GlobalOrderSampler)
-        per_epoch = max(train_rows // batch.global_batch, 1)
-    else:  # each rank's loader, then the Trainer's ceil over the accumulation
-        per_epoch = max(
-            math.ceil(math.ceil(train_rows / (batch.micro_batch * batch.world_size)) / batch.accumulation), 1
-        )
+    per_epoch = max(train_rows // batch.global_batch, 1)  # whole global batches only (GlobalOrderSampler)
     steps = plan.max_steps or math.ceil(plan.num_epochs * per_epoch)
     return replace(
         plan, steps_per_epoch=per_epoch, steps=steps, warmup_steps=warmup_steps(settings.warmup_ratio, steps)

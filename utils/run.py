@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import torch
 import torch.distributed as td
 import transformers
 from transformers import Trainer, TrainerCallback, set_seed
@@ -56,7 +57,6 @@ from utils.trainer import (
     JobTrainer,
     build_trainer,
     compile_record,
-    length_buckets,
     resume_key,
     seconds_since_start,
 )
@@ -470,10 +470,15 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             ),
             "first_step": trainer.startup.first_step + 1,
             "seconds_to_first_step": trainer.startup.seconds,
-            # Where the time to the first step went: each phase's end (the compile is in the first steps).
+            # Where the time to the first step went: each phase's end (the fast path compiles in the first step).
             "startup": {**(ready.startup or {}), "first_step": trainer.startup.seconds},
+            # The first step's end, and the steady steps after it (evaluations and checkpoints set aside).
+            "timing": trainer.startup.record(plan.steps_per_epoch),
             # TORCH_COMPILE's graphs (None: eager); tests hold them to the length buckets.
             "compile": compile_record() if job.compiled else None,
+            # Loaded only for 8-bit weights (Job.leave_unused_libraries_out).
+            "bitsandbytes_loaded": sys.modules.get("bitsandbytes") is not None,
+            "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20) if job.cuda else None,
             # What the Trainer trained with, read back from it: the plan's values, or a bug (tests compare them).
             "trained_with": {
                 "micro_batch": trainer.args.per_device_train_batch_size,
@@ -488,7 +493,7 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             log.info(
                 "torch.compile: %d graphs for length buckets %s, %d recompiles, %d graph breaks, %.1f s compiling",
                 record["compile"]["graphs"],
-                length_buckets(settings.max_seq_length),
+                trainer.buckets,
                 record["compile"]["recompiles"],
                 record["compile"]["graph_breaks"],
                 record["compile"]["compile_s"],
@@ -503,6 +508,8 @@ def publish(job: Job, group: Collectives, hub: Hub, trained: Trained) -> int:
     if dist.is_main:
         with group.saving_model():
             save_model(out, settings, trained.trainer, trained.metrics, trained.state_dict)
+        # The user's wall time of the job, process start to model saved (benchmarks read it).
+        trained.record["timing"]["model_saved_s"] = round(seconds_since_start(), 3)
         # From here a restart of rank 0 alone finishes the run from the volume (merge, push).
         if settings.merge_adapter:
             save_merged(out, settings)

@@ -1,0 +1,58 @@
+"""TF32 through one torch API only (utils/trainer.use_tf32_matmuls). transformers' `TrainingArguments(tf32=True)` sets
+torch's new `fp32_precision`; once both APIs have been used, torch's legacy getters raise, and inductor calls one
+of them while it builds every GPU graph (pytorch#166387): the fast path would die at its first compile. The job's
+Trainer is built here for a CUDA plan (an H100's compute capability, as the set-up asks torch for it) in a process
+of its own, and both getters must still answer, with TF32 on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, base_env
+
+
+SCRIPT = """
+import dataclasses, sys
+from pathlib import Path
+import torch
+
+torch.cuda.get_device_capability = lambda device=None: (9, 0)  # an H100, as the set-up asks torch
+from utils.distributed import DistEnv
+from utils.data import load_sst2
+from utils.job import Job
+from utils.model import build_model, load_tokenizer
+from utils.outputs import RunDir
+from utils.plan import build_plan
+from utils.preemption import Preemption
+from utils.settings import Settings
+from utils.trainer import build_trainer
+
+model_dir, data_dir, out = sys.argv[1:]
+settings = Settings(model_name=model_dir, dataset_path=data_dir, output_dir=out, report_to=("none",))
+single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
+run = RunDir(Path(out))
+run.checkpoints.mkdir(parents=True)
+job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
+tokenizer = load_tokenizer(settings)
+data = load_sst2(settings, tokenizer, run.cache)
+job = dataclasses.replace(job.with_rows(len(data["train"])), cuda=True)  # the model stays on the CPU
+trainer = build_trainer(job, build_model(settings, False, job.device), tokenizer, data, key={})
+print(torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, trainer.args.tf32)
+"""
+
+
+def test_the_job_sets_tf32_so_that_both_torch_getters_still_answer(tmp_path, tiny_bert, sst2_dir):
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_bert), str(sst2_dir), str(tmp_path / "out")],
+        cwd=REPO,
+        env=base_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # TF32 on for fp32 matmuls, the legacy getter and flag readable, the Trainer left out of it.
+    assert proc.stdout.splitlines()[-1].split() == ["high", "True", "None"], proc.stdout + proc.stderr[-2000:]
