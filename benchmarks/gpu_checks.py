@@ -1,17 +1,25 @@
-"""The GPU figures of issue #29 in one call: eager and fast (TORCH_COMPILE) arms in bf16 and 8-bit, each in its
-own process, with their start-up cold and warm, the step profile before and after, and bitsandbytes' options.
+"""The GPU figures of docs/performance.md in one call: the job itself (`main.py`, one process per part) on a
+bert-base-sized model and 67,349 SST-2-like rows, eager and fast, bf16 and 8-bit, then the fast path's step profile.
 
-    python benchmarks/gpu_checks.py RESULTS_DIR [--smoke]     # what scripts/gpu_checks.sh runs
+    python benchmarks/gpu_checks.py RESULTS_DIR [--smoke] [--deadline SECONDS]    # what scripts/gpu_checks.sh runs
 
-Writes RESULTS_DIR/gpu.json after every part, so a part that fails or runs out of time loses only itself:
-`device`, `torch`, and per arm (`eager-bf16`, `fast-bf16`, `eager-8bit`, `fast-8bit`) `epoch_s`,
-`samples_per_s`, `first_step_cold_s`, `first_step_warm_s`, `final_loss`, `graphs`, `recompiles`,
-`eval_accuracy` and `loss_curve`. The fast arms train one whole epoch (compiling included); the eager arms,
-whose epoch was measured before (docs/performance.md), a fixed number of steps, their epoch projected
-(`epoch_measured` says which). `cold`: a fresh OUTPUT_DIR (nothing tokenized, nothing compiled); `warm`: the
-same folder again, a few steps. `--smoke`: a tiny model and a few rows, so that the whole script is known to
-run to its end on the CPU; there the GPU-only parts (8-bit kernels, CUDA graphs) may fail and are recorded as
-such, on a GPU every failure fails the script. No network: the model is `BertConfig()` with random weights.
+Each arm is a user's job with the defaults and one or two settings changed (ARMS below). Its figures are the job's
+own (logs/rank-0.json, metrics.json), each saying where it starts and ends:
+
+  compile_s               the fast path's graphs, one per length bucket, built before the first step (dynamo's
+                          total: forward and backward)
+  steady_epoch_s          the training steps' own time after the first step (evaluations and checkpoints set
+                          aside, every bucket already compiled) per step, x the steps of an epoch
+  job_cold_s              process start to model/ saved: imports, tokenizing, compiling, one epoch, evaluations,
+                          checkpoints, the final evaluation, the save; a fresh OUTPUT_DIR, no compile cache
+  job_warm_s              the same job again in a run folder holding the cold run's cache/ (tokenized rows,
+                          compiled graphs) and nothing else: what a second start finds on the shared volume
+  first_step_done_*_s     process start to the end of the first optimizer step (the GPU waited for), cold and warm
+
+The headline parts run first and RESULTS_DIR/gpu.json is written after every part, so a part that fails or runs
+out of time loses only itself; a part with no time left is recorded as skipped. `--smoke`: a tiny model and 512
+rows on the CPU, the same parts but the CUDA-graphs arm, so CI knows the script runs to its end. No network: the
+model is `BertConfig()` with random weights (scripts/make_demo_assets.py).
 """
 
 from __future__ import annotations
@@ -30,49 +38,72 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.processes import clean_env  # noqa: E402
 from benchmarks.report import SST2_TRAIN_ROWS  # noqa: E402
-from benchmarks.train_speed import cuda_available  # noqa: E402
 from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
+from utils.outputs import RUN_MARKER  # noqa: E402
 
-ARMS = ("eager-bf16", "fast-bf16", "eager-8bit", "fast-8bit")
-EAGER_STEPS = 100  # an eager arm's timed steps (the epoch is 1,053): 6-12 s of steady steps, its epoch measured before
-INT8_STEPS = 100  # each bitsandbytes option's timed steps
-# Seconds each part may take on an H100, and all of them together (the whole call: under 8 minutes, the GPU
-# tests after). A part past its budget is killed and recorded; a part with no time left is skipped and recorded.
-BUDGET = {"cold": 200, "warm": 45, "profile": 90, "int8": 60}
-TOTAL_S = 420
-SMOKE_SLOWER = 3  # the smoke run compiles on the CPU: minutes per graph on 2 busy cores
+SHORT_STEPS = 200  # an arm that projects its epoch (1,052 steps) from this many: 150+ steady steps per bucket mix
+# Each arm: (settings beside the defaults, a whole epoch?, seconds it may take on an H100 at most).
+ARMS = {
+    "eager-bf16": ({"QUANTIZATION": "none", "TORCH_COMPILE": "false"}, False, 60),
+    "fast-bf16": ({"QUANTIZATION": "none", "TORCH_COMPILE": "true"}, True, 150),
+    "fast-bf16-cudagraphs": ({"QUANTIZATION": "none", "TORCH_COMPILE": "true"}, False, 60),
+    "eager-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "false"}, False, 60),
+    "fast-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "true"}, False, 90),
+    # bitsandbytes' LLM.int8 with no outlier threshold: no outlier columns, no host sync to find them.
+    "fast-8bit-threshold-0": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "true"}, False, 60),
+}
+GPU_ONLY = ("fast-bf16-cudagraphs",)  # inductor's CUDA graphs: nothing to run on the CPU
+PROFILE_BUDGET_S = 45
+TOTAL_S = 300  # the call is 6 minutes with the wheels' install and the archive; GPU tests take what is left
+SMOKE_SLOWER = 4  # the smoke run compiles on 2 busy CPU cores: a minute a graph
+# The fields every arm of gpu.json carries (None where the arm does not measure it, e.g. eager's compile).
 ARM_FIELDS = (
-    "epoch_s",
+    "compile_s",
+    "steady_epoch_s",
+    "steady_step_ms",
     "samples_per_s",
-    "first_step_cold_s",
-    "first_step_warm_s",
+    "job_cold_s",
+    "job_warm_s",
+    "first_step_done_cold_s",
+    "first_step_done_warm_s",
+    "epoch_measured",
+    "steps",
+    "steps_per_epoch",
+    "eval_accuracy",
     "final_loss",
+    "loss_curve",
     "graphs",
     "recompiles",
+    "graph_breaks",
+    "cudagraphs",
+    "cudagraph_skips",
+    "precision",
+    "quantization",
+    "bitsandbytes_loaded",
+    "peak_memory_mib",
 )
-ARM_FIELDS += ("eval_accuracy", "loss_curve")
-GPU_ONLY = ("8bit", "cudagraphs")  # parts that may fail on the CPU without failing the smoke run
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model and few rows (the script's own test)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and 512 rows (the script's own test)")
+    parser.add_argument("--deadline", type=float, help="seconds all parts may take (default: TOTAL_S)")
     # Not under ./output, main.py's default OUTPUT_DIR, which refuses a folder holding anything else.
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "gpu-checks-work")
     return parser.parse_args()
 
 
-def prepare(args) -> tuple[Path, Path]:
+def prepare(work: Path, smoke: bool) -> tuple[Path, Path]:
     """The model folder and the SST-2-like data (67,349 rows; --smoke: 512)."""
-    rows = 512 if args.smoke else SST2_TRAIN_ROWS
-    data = args.work_dir / f"data-sst2-{rows}"
+    rows = 512 if smoke else SST2_TRAIN_ROWS
+    data = work / f"data-sst2-{rows}"
     if not (data / "validation.csv").exists():
-        write_dataset(data, train_rows=rows, validation_rows=128 if args.smoke else 872, profile="sst2")
-    model = args.work_dir / ("tiny-bert" if args.smoke else "bert-base-random-12l")
+        write_dataset(data, train_rows=rows, validation_rows=128 if smoke else 872, profile="sst2")
+    model = work / ("tiny-bert" if smoke else "bert-base-random-12l")
     if not (model / "config.json").exists():
         shutil.rmtree(model, ignore_errors=True)
-        write_tiny_bert(model, data, layers=2 if args.smoke else 12, base=not args.smoke)
+        write_tiny_bert(model, data, layers=2 if smoke else 12, base=not smoke)
     return model, data
 
 
@@ -80,82 +111,108 @@ class Clock:
     """The time left to the whole call; a part gets its budget or what is left, whichever is less."""
 
     def __init__(self, total: float, scale: float):
-        self.deadline, self.scale = time.monotonic() + total * scale, scale
+        self.deadline, self.scale = time.monotonic() + total, scale
 
-    def budget(self, part: str) -> int:
-        return int(min(BUDGET[part] * self.scale, self.deadline - time.monotonic()))
+    def budget(self, seconds: float) -> int:
+        return int(min(seconds * self.scale, self.deadline - time.monotonic()))
 
 
-def run_child(name: str, cfg: dict, out_dir: Path, timeout: int, env: dict | None = None) -> dict:
-    """One arm in its own process (benchmarks/arms.py): its figures, or {"error": ...}."""
-    report, log = out_dir / f"{cfg['tag']}.json", out_dir / f"{cfg['tag']}.log"
-    started = time.monotonic()
+def run_job(env: dict, out: Path, log: Path, timeout: int, shim: list[str] | None = None) -> dict:
+    """main.py in its own process, as a user starts it; what it recorded, or {"error": ...}."""
     if timeout < 10:
         return {"error": "skipped: no time left in the call's budget"}
+    command = [sys.executable, *(shim or ["main.py"])]
+    started = time.monotonic()
     try:
         with open(log, "w") as handle:
             code = subprocess.call(
-                [sys.executable, "-m", "benchmarks.arms", name, json.dumps(cfg), str(report)],
-                env=clean_env(HF_DATASETS_CACHE=out_dir / "datasets-cache", **(env or {})),
+                command,
+                env=clean_env(OUTPUT_DIR=out, **env),
                 cwd=REPO,
                 stdout=handle,
                 stderr=subprocess.STDOUT,
                 timeout=timeout,
             )
     except subprocess.TimeoutExpired:
-        return {"error": f"past its {timeout} s budget", "log": str(log)}
+        return {"error": f"past its {timeout} s budget (log: {log.name})"}
     if code != 0:
-        return {"error": f"exit {code}: {log.read_text()[-1500:]}", "log": str(log)}
-    return {**json.loads(report.read_text()), "wall_s": round(time.monotonic() - started, 1), "log": str(log)}
+        tail = log.read_text().strip().splitlines()[-1:] or [""]
+        return {"error": f"exit {code}: {tail[0][-300:]} (log: {log.name})"}
+    record = json.loads((out / "logs" / "rank-0.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {"record": record, "metrics": metrics, "wall_s": round(time.monotonic() - started, 1), "out": out}
 
 
-def summarise_arm(cold: dict, warm: dict) -> dict:
-    """The fields gpu.json promises for an arm, from its cold and warm runs."""
-    if "error" in cold:  # every field there, empty: the arm failed or had no time
+def loss_curve(out: Path) -> list[list[float]]:
+    """[step, loss] of every logged training loss, from the last checkpoint's trainer_state.json."""
+    states = sorted(out.glob("checkpoints/checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name[11:]))
+    if not states:
+        return []
+    history = json.loads(states[-1].read_text())["log_history"]
+    return [[entry["step"], entry["loss"]] for entry in history if "loss" in entry]
+
+
+def summarise(cold: dict, warm: dict, whole_epoch: bool) -> dict:
+    """The fields gpu.json promises for an arm, from its cold run and (fast-bf16) its warm one."""
+    if "error" in cold:
         return {**dict.fromkeys(ARM_FIELDS), "error": cold["error"]}
-    measured = cold["epoch_seconds_measured"] is not None
-    compiled = cold["compile"] or {}
-    return {
-        "epoch_s": cold["epoch_seconds_measured"] if measured else cold["epoch_seconds_projected"],
-        "epoch_measured": measured,
-        "samples_per_s": cold["samples_per_s"],
-        "first_step_cold_s": cold["time_to_first_step_s"],
-        "first_step_warm_s": warm.get("time_to_first_step_s"),
-        "final_loss": cold["loss_curve"][-1][1] if cold["loss_curve"] else None,
+    record, metrics = cold["record"], cold["metrics"]
+    timing, compiled = record["timing"], record["compile"] or {}
+    curve = loss_curve(cold["out"])
+    global_batch = metrics["global_batch"]
+    summary = {
+        "compile_s": compiled.get("compile_s"),
+        "steady_epoch_s": timing["steady_epoch_s"],
+        "steady_step_ms": timing["steady_step_ms"],
+        "samples_per_s": round(global_batch * 1000 / timing["steady_step_ms"], 1)
+        if timing["steady_step_ms"]
+        else None,
+        # A short arm's user time is not a whole job's.
+        "job_cold_s": timing["model_saved_s"] if whole_epoch else None,
+        "job_warm_s": warm.get("record", {}).get("timing", {}).get("model_saved_s"),
+        "first_step_done_cold_s": timing["first_step_done_s"],
+        "first_step_done_warm_s": warm.get("record", {}).get("timing", {}).get("first_step_done_s"),
+        "epoch_measured": whole_epoch,  # False: steady_epoch_s projected from `steps`
+        "steps": record["trained_with"]["steps"],
+        "steps_per_epoch": timing["steps_per_epoch"],
+        "eval_accuracy": metrics.get("eval_accuracy"),
+        "final_loss": curve[-1][1] if curve else None,
+        "loss_curve": curve,
         "graphs": compiled.get("graphs", 0),
         "recompiles": compiled.get("recompiles", 0),
         "graph_breaks": compiled.get("graph_breaks", 0),
-        "compile_s": compiled.get("compile_s", 0),
-        "cudagraph_skips": compiled.get("cudagraph_skips", 0),  # inductor ran these graphs without CUDA graphs
-        "eval_accuracy": cold["eval_accuracy"],
-        "loss_curve": cold["loss_curve"],
-        "precision": cold["precision"],
-        "quantization": cold["quantization"],
-        "step_ms": cold["step_ms"],
-        "peak_memory_mib": cold["peak_memory_mib"],
-        "padding_fraction": cold["padding_fraction"],
-        "warm_error": warm.get("error"),
+        "cudagraphs": compiled.get("cudagraphs", False),
+        "cudagraph_skips": compiled.get("cudagraph_skips", 0),
+        "precision": metrics["precision"],
+        "quantization": metrics["quantization"],
+        "bitsandbytes_loaded": record["bitsandbytes_loaded"],
+        "peak_memory_mib": record["peak_memory_mib"],
+        "compile_warmup_s": timing["compile_s"],  # the first step's own compile, wall time (dynamo's is compile_s)
     }
+    if "error" in warm:
+        summary["warm_error"] = warm["error"]
+    return summary
 
 
 def main() -> int:
     args = parse_args()
     args.results.mkdir(parents=True, exist_ok=True)
-    args.work_dir = args.work_dir.resolve()
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    cuda = cuda_available()
-    model, data = prepare(args)
-    clock = Clock(TOTAL_S, SMOKE_SLOWER if args.smoke else 1)
+    work = args.work_dir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    model, data = prepare(work, args.smoke)
     import torch
 
+    cuda = torch.cuda.is_available()
+    clock = Clock(args.deadline or TOTAL_S * (SMOKE_SLOWER if args.smoke else 1), SMOKE_SLOWER if args.smoke else 1)
     results: dict = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
         "smoke": args.smoke,
         "model": "tiny BERT (2 layers, 64 wide)" if args.smoke else "BertConfig() with 12 layers, random weights",
         "rows": SST2_TRAIN_ROWS if not args.smoke else 512,
+        "prepare_s": round(time.monotonic() - started, 1),
         "arms": {},
-        "int8_options": {},
         "profile": {},
         "failed": [],
     }
@@ -164,126 +221,97 @@ def main() -> int:
     def save() -> None:
         target.write_text(json.dumps(results, indent=2) + "\n")
 
-    def failed(part: str, outcome: dict) -> None:
-        if "error" in outcome:
-            results["failed"].append({"part": part, "error": outcome["error"][-300:]})
-
     base = {
-        "model": str(model),
-        "data": str(data),
-        "batch_size": 64 if not args.smoke else 16,
-        "epoch_rows": results["rows"],
-        "warmup": 2,
-        "max_seq_length": 32 if args.smoke else None,
+        "MODEL_NAME": str(model),
+        "DATASET_PATH": str(data),
+        "REPORT_TO": "none",
+        **({"MAX_SEQ_LENGTH": "32", "PER_DEVICE_BATCH_SIZE": "16"} if args.smoke else {}),
     }
-    # Most telling first, should the call's clock run out: bf16 eager and fast, then CUDA graphs (the lever most
-    # likely to reach the 10 s epoch; cold only), the 8-bit arms (fast-8bit last: bitsandbytes' int8 linear under
-    # the compiler is the least known), the profiles, bitsandbytes' options.
-    for arm in ("eager-bf16", "fast-bf16", "fast-bf16-cudagraphs", "eager-8bit", "fast-8bit"):
-        if arm in ARMS or cuda:
-            run_arm(arm, base, args, clock, results, failed, warm=arm in ARMS)
-            save()
-    profile(model, data, base, args, clock, results, failed)
-    save()
-    int8_options(base, args, clock, results, failed)
-    save()
+    arms_dir = work / "arms"
+    shutil.rmtree(arms_dir, ignore_errors=True)
+    arms_dir.mkdir(parents=True)
+    # Most telling first, should the call's clock run out: bf16 eager (short) and fast (cold, warm), CUDA graphs
+    # from the fast arm's compiled code, the fast path's step profile, then the 8-bit arms.
+    order = ["eager-bf16", "fast-bf16", "fast-bf16-cudagraphs", "profile", "eager-8bit", "fast-8bit"]
+    order += ["fast-8bit-threshold-0", "profile-eager"]
+    for part in order:
+        if part.startswith("profile"):
+            label = "eager" if part == "profile-eager" else "fast"
+            results["profile"][label] = profile(label, model, data, work, clock, args.smoke)
+            if "error" in results["profile"][label]:
+                results["failed"].append({"part": part, "error": results["profile"][label]["error"]})
+        elif cuda or part not in GPU_ONLY:
+            results["arms"][part] = run_arm(part, base, arms_dir, clock, args.smoke)
+            if results["arms"][part].get("error"):
+                results["failed"].append({"part": part, "error": results["arms"][part]["error"]})
+        print(f"[gpu-checks] {part} done, {time.monotonic() - started:.0f} s in", file=sys.stderr, flush=True)
+        save()
 
-    # On a GPU every part must run; on the CPU (the smoke run) the GPU-only ones may not.
-    fatal = [f for f in results["failed"] if cuda or not any(word in f["part"] for word in GPU_ONLY)]
     summary = {arm: {k: v for k, v in a.items() if k != "loss_curve"} for arm, a in results["arms"].items()}
     print(json.dumps(summary, indent=2))
     print(f"gpu.json: {target}; failed parts: {[f['part'] for f in results['failed']] or 'none'}")
-    return 1 if fatal else 0
+    return 1 if results["failed"] else 0
 
 
-def run_arm(arm: str, base: dict, args, clock: Clock, results: dict, failed, warm: bool = True) -> None:
-    """One arm cold (a fresh OUTPUT_DIR) then, with `warm`, warm (the same folder, a few steps), each in its own
-    process."""
-    name = arm.removesuffix("-cudagraphs")
-    # CUDA graphs as mode="reduce-overhead" would turn them on, through inductor's own switch.
-    env = {"TORCHINDUCTOR_TRITON_CUDAGRAPHS": "1"} if arm.endswith("cudagraphs") else {}
-    out_dir = args.work_dir / "arms" / arm
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
-    fast = name.startswith("fast")
-    cfg = {**base, "output_dir": str(out_dir / "run"), "steps": 10 if args.smoke else EAGER_STEPS}
-    print(f"[gpu-checks] {arm}: cold ...", file=sys.stderr, flush=True)
-    cold = run_child(name, {**cfg, "tag": "cold", "epoch": fast, "evaluate": True}, out_dir, clock.budget("cold"), env)
-    failed(f"{arm} cold", cold)
-    warm_run = {}
-    if warm and "error" not in cold:
-        print(f"[gpu-checks] {arm}: warm ...", file=sys.stderr, flush=True)
-        warm_run = run_child(
-            name,
-            {**cfg, "tag": "warm", "epoch": False, "warmup": 1, "steps": 2},
-            out_dir,
-            clock.budget("warm"),
-            env,
-        )
-        failed(f"{arm} warm", warm_run)
-    results["arms"][arm] = summarise_arm(cold, warm_run)
-    if env and "error" not in cold:  # why inductor left CUDA graphs out, if it did (its warnings, in the arm's log)
-        reasons = {line for line in Path(cold["log"]).read_text().splitlines() if "skipping cudagraphs" in line}
-        results["arms"][arm]["cudagraph_skip_reasons"] = sorted(reasons)[:5]
+def run_arm(arm: str, base: dict, arms_dir: Path, clock: Clock, smoke: bool) -> dict:
+    """One arm: its job cold and, for fast-bf16, warm; its figures."""
+    settings, whole_epoch, budget = ARMS[arm]
+    env = {**base, **settings}
+    if not whole_epoch:
+        env["MAX_STEPS"] = str(20 if smoke else SHORT_STEPS)
+    shim = None
+    if arm.endswith("cudagraphs"):
+        # Inductor's own switch (not TORCHINDUCTOR_TRITON_CUDAGRAPHS, which it does not read), on the fast arm's
+        # compiled code: CUDA graphs wrap the same graphs after they are built.
+        env["TORCHINDUCTOR_CUDAGRAPHS"] = "1"
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(arms_dir / "fast-bf16" / "cold" / "cache" / "inductor")
+    if arm.endswith("threshold-0"):
+        shim = ["benchmarks/int8_threshold.py", "0", "main.py"]
+    print(f"[gpu-checks] {arm}: {'one epoch' if whole_epoch else env['MAX_STEPS'] + ' steps'} ...", file=sys.stderr)
+    folder = arms_dir / arm
+    folder.mkdir(parents=True, exist_ok=True)
+    cold = run_job(env, folder / "cold", folder / "cold.log", clock.budget(budget), shim)
+    warm: dict = {}
+    if arm == "fast-bf16" and "error" not in cold:
+        # The same job again with what the cold run left on the volume, its tokenized rows and compiled graphs:
+        # the run folder holds the cold run's cache/ and the job's mark, nothing else.
+        shutil.copytree(folder / "cold" / "cache", folder / "warm" / "cache")
+        shutil.copy2(folder / "cold" / RUN_MARKER, folder / "warm" / RUN_MARKER)
+        print(f"[gpu-checks] {arm}: warm ...", file=sys.stderr)
+        warm = run_job(env, folder / "warm", folder / "warm.log", clock.budget(budget))
+    return summarise(cold, warm, whole_epoch)
 
 
-def int8_options(base: dict, args, clock: Clock, results: dict, failed) -> None:
-    """bitsandbytes' LLM.int8 outlier threshold, for speed: its default and none (no outlier columns, no host
-    sync to find them)."""
-    for threshold in (6.0, 0.0):  # bitsandbytes' default outlier threshold, and none
-        tag = f"threshold-{threshold:g}"
-        out_dir = args.work_dir / "int8" / tag
-        shutil.rmtree(out_dir, ignore_errors=True)
-        out_dir.mkdir(parents=True)
-        print(f"[gpu-checks] eager-8bit, llm_int8_threshold={threshold:g} ...", file=sys.stderr, flush=True)
-        cfg = {**base, "output_dir": str(out_dir / "run"), "steps": 10 if args.smoke else INT8_STEPS, "epoch": False}
-        outcome = run_child(
-            "eager-8bit", {**cfg, "tag": tag, "int8_threshold": threshold}, out_dir, clock.budget("int8")
-        )
-        failed(f"8bit {tag}", outcome)
-        results["int8_options"][tag] = (
-            outcome
-            if "error" in outcome
-            else {
-                key: outcome[key]
-                for key in ("samples_per_s", "step_ms", "train_loss", "loss_curve", "peak_memory_mib")
-            }
-        )
-
-
-def profile(model: Path, data: Path, base: dict, args, clock: Clock, results: dict, failed) -> None:
-    """benchmarks/profile_step.py on the eager and the fast path (bf16): kernels and GPU-busy ms per step."""
-    (args.work_dir / "profile").mkdir(parents=True, exist_ok=True)
-    for label, compiled in (("eager", "false"), ("fast", "true")):
-        print(f"[gpu-checks] step profile, {label} ...", file=sys.stderr, flush=True)
-        # Beside the arms, not in RESULTS_DIR: gpu.json holds the report, and a lent machine may send back few files.
-        report = args.work_dir / "profile" / f"profile-{label}.json"
-        command = [sys.executable, "benchmarks/profile_step.py", "--set", f"torch_compile={compiled}"]
-        command += ["--set", "quantization=none", "--json", str(report), "--work-dir", str(args.work_dir / "profile")]
-        command += ["--model", str(model), "--data", str(data), "--warmup", "10" if not args.smoke else "3"]
-        command += ["--steps", "20" if not args.smoke else "3", "--batch-size", str(base["batch_size"])]
-        if args.smoke:
-            command += ["--set", "max_seq_length=32"]
-        # The fast arm's compiled graphs, reused: the profile times steps, not compiling.
-        cache = args.work_dir / "arms" / "fast-bf16" / "run" / "cache" / "inductor"
-        timeout = clock.budget("profile")
-        try:
-            if timeout < 10:
-                raise subprocess.TimeoutExpired(command, timeout)
-            with open(args.work_dir / "profile" / f"profile-{label}.log", "w") as handle:
-                code = subprocess.call(
-                    command,
-                    cwd=REPO,
-                    env=clean_env(TORCHINDUCTOR_CACHE_DIR=cache),
-                    stdout=handle,
-                    stderr=subprocess.STDOUT,
-                    timeout=timeout,
-                )
-            outcome = json.loads(report.read_text()) if code == 0 else {"error": f"exit {code}"}
-        except subprocess.TimeoutExpired:
-            outcome = {"error": f"past its {timeout} s budget (or none left)"}
-        failed(f"profile {label}", outcome)
-        results["profile"][label] = outcome
+def profile(label: str, model: Path, data: Path, work: Path, clock: Clock, smoke: bool) -> dict:
+    """benchmarks/profile_step.py on the fast path (the fast arm's compiled graphs reused) or the eager one:
+    kernels and GPU-busy ms per step."""
+    folder = work / "profile"
+    folder.mkdir(parents=True, exist_ok=True)
+    report = folder / f"profile-{label}.json"
+    command = [sys.executable, "benchmarks/profile_step.py", "--set", f"torch_compile={label == 'fast'}"]
+    command += ["--set", "quantization=none", "--json", str(report), "--work-dir", str(folder / label)]
+    command += ["--model", str(model), "--data", str(data), "--warmup", "3" if smoke else "10"]
+    command += ["--steps", "3" if smoke else "20", "--batch-size", "16" if smoke else "64"]
+    if smoke:
+        command += ["--set", "max_seq_length=32"]
+    cache = work / "arms" / "fast-bf16" / "cold" / "cache" / "inductor"
+    timeout = clock.budget(PROFILE_BUDGET_S)
+    if timeout < 10:
+        return {"error": "skipped: no time left in the call's budget"}
+    print(f"[gpu-checks] step profile, {label} ...", file=sys.stderr, flush=True)
+    try:
+        with open(folder / f"profile-{label}.log", "w") as handle:
+            code = subprocess.call(
+                command,
+                cwd=REPO,
+                env=clean_env(TORCHINDUCTOR_CACHE_DIR=cache),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )
+    except subprocess.TimeoutExpired:
+        return {"error": f"past its {timeout} s budget"}
+    return json.loads(report.read_text()) if code == 0 else {"error": f"exit {code} (log: profile-{label}.log)"}
 
 
 if __name__ == "__main__":
