@@ -9,10 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from tests.conftest import REPO, base_env
-
 
 SCRIPT = """
 import dataclasses, sys
