@@ -41,18 +41,62 @@ from benchmarks.report import SST2_TRAIN_ROWS  # noqa: E402
 from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
 from utils.outputs import RUN_MARKER  # noqa: E402
 
-SHORT_STEPS = 200  # an arm that projects its epoch (1,052 steps) from this many: 150+ steady steps per bucket mix
-# Each arm: (settings beside the defaults, a whole epoch?, seconds it may take on an H100 at most).
+SHORT_STEPS = 100  # an arm that projects its epoch (1,052 steps) from the 99 steady steps after its first
+# Each arm: (settings beside the defaults, a whole epoch?, seconds it may take on an H100 at most, the lever
+# benchmarks/job_variant.py pulls, if any).
 ARMS = {
-    "eager-bf16": ({"QUANTIZATION": "none", "TORCH_COMPILE": "false"}, False, 60),
-    "fast-bf16": ({"QUANTIZATION": "none", "TORCH_COMPILE": "true"}, True, 150),
-    "fast-bf16-cudagraphs": ({"QUANTIZATION": "none", "TORCH_COMPILE": "true"}, False, 60),
-    "eager-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "false"}, False, 60),
-    "fast-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "true"}, False, 90),
+    "eager-bf16": ({"QUANTIZATION": "none", "TORCH_COMPILE": "false"}, False, 60, []),
+    "fast-bf16": ({"QUANTIZATION": "none", "TORCH_COMPILE": "true"}, True, 150, []),
+    # Inductor's own switch (not TORCHINDUCTOR_TRITON_CUDAGRAPHS, which it does not read), on the fast arm's graphs.
+    "fast-bf16-cudagraphs": (
+        {"QUANTIZATION": "none", "TORCH_COMPILE": "true", "TORCHINDUCTOR_CUDAGRAPHS": "1"},
+        False,
+        60,
+        [],
+    ),
+    # The levers: one graph per bucket for the whole stack of blocks (what CUDA graphs capture whole), with and
+    # without CUDA graphs; SDPA without cuDNN's attention.
+    "fast-bf16-encoder": (
+        {"QUANTIZATION": "none", "TORCH_COMPILE": "true"},
+        False,
+        120,
+        ["--compile-region", "encoder"],
+    ),
+    "fast-bf16-encoder-cudagraphs": (
+        {"QUANTIZATION": "none", "TORCH_COMPILE": "true", "TORCHINDUCTOR_CUDAGRAPHS": "1"},
+        False,
+        60,
+        ["--compile-region", "encoder"],
+    ),
+    "fast-bf16-no-cudnn-attention": (
+        {"QUANTIZATION": "none", "TORCH_COMPILE": "true"},
+        False,
+        60,
+        ["--no-cudnn-attention"],
+    ),
+    "eager-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "false"}, False, 60, []),
+    "fast-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "true"}, False, 90, []),
     # bitsandbytes' LLM.int8 with no outlier threshold: no outlier columns, no host sync to find them.
-    "fast-8bit-threshold-0": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "true"}, False, 60),
+    "fast-8bit-threshold-0": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "true"}, False, 60, ["--int8-threshold", "0"]),
 }
-GPU_ONLY = ("fast-bf16-cudagraphs",)  # inductor's CUDA graphs: nothing to run on the CPU
+# An arm that reuses another's compiled graphs (CUDA graphs wrap the same graphs after they are built).
+GRAPHS_FROM = {"fast-bf16-cudagraphs": "fast-bf16", "fast-bf16-encoder-cudagraphs": "fast-bf16-encoder"}
+# The parts in the order they run, most telling first, should the call's clock run out: bf16 eager (short) and fast
+# (a whole job, cold then warm), the fast path's step profile, the 8-bit arms, the levers, the eager profile.
+PARTS = (
+    "eager-bf16",
+    "fast-bf16",
+    "profile",
+    "eager-8bit",
+    "fast-bf16-encoder",
+    "fast-bf16-encoder-cudagraphs",
+    "fast-8bit",
+    "fast-8bit-threshold-0",
+    "fast-bf16-cudagraphs",
+    "fast-bf16-no-cudnn-attention",
+    "profile-eager",
+)
+GPU_ONLY = ("fast-bf16-cudagraphs", "fast-bf16-encoder-cudagraphs")  # CUDA graphs: nothing to run on the CPU
 PROFILE_BUDGET_S = 45
 TOTAL_S = 300  # the call is 6 minutes with the wheels' install and the archive; GPU tests take what is left
 SMOKE_SLOWER = 4  # the smoke run compiles on 2 busy CPU cores: a minute a graph
@@ -89,6 +133,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("results", type=Path)
     parser.add_argument("--smoke", action="store_true", help="a tiny model and 512 rows (the script's own test)")
     parser.add_argument("--deadline", type=float, help="seconds all parts may take (default: TOTAL_S)")
+    parser.add_argument(
+        "--parts",
+        type=lambda text: text.split(","),
+        default=list(PARTS),
+        help="a comma-separated subset of " + ",".join(PARTS) + ", in that order (a second call's rerun)",
+    )
+    parser.add_argument("--merge", type=Path, help="an earlier gpu.json: its parts kept unless run again here")
     # Not under ./output, main.py's default OUTPUT_DIR, which refuses a folder holding anything else.
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "gpu-checks-work")
     return parser.parse_args()
@@ -230,20 +281,26 @@ def main() -> int:
     arms_dir = work / "arms"
     shutil.rmtree(arms_dir, ignore_errors=True)
     arms_dir.mkdir(parents=True)
-    # Most telling first, should the call's clock run out: bf16 eager (short) and fast (cold, warm), CUDA graphs
-    # from the fast arm's compiled code, the fast path's step profile, then the 8-bit arms.
-    order = ["eager-bf16", "fast-bf16", "fast-bf16-cudagraphs", "profile", "eager-8bit", "fast-8bit"]
-    order += ["fast-8bit-threshold-0", "profile-eager"]
-    for part in order:
+    if unknown := set(args.parts) - set(PARTS):
+        raise SystemExit(f"error: unknown parts {sorted(unknown)}; choose from {','.join(PARTS)}")
+    if args.merge:  # a rerun: the earlier call's parts, each marked with the call it came from
+        earlier = json.loads(args.merge.read_text())
+        for key in ("arms", "profile"):
+            results[key] = {name: {**part, "call": part.get("call", 1)} for name, part in earlier[key].items()}
+        results["earlier_calls"] = [{key: earlier[key] for key in ("device", "torch", "prepare_s")}]
+    call = 1 + len(results.get("earlier_calls", []))
+    for part in (part for part in PARTS if part in args.parts):
         if part.startswith("profile"):
             label = "eager" if part == "profile-eager" else "fast"
-            results["profile"][label] = profile(label, model, data, work, clock, args.smoke)
-            if "error" in results["profile"][label]:
-                results["failed"].append({"part": part, "error": results["profile"][label]["error"]})
+            results["profile"][label] = {**profile(label, model, data, work, clock, args.smoke), "call": call}
+            outcome = results["profile"][label]
         elif cuda or part not in GPU_ONLY:
-            results["arms"][part] = run_arm(part, base, arms_dir, clock, args.smoke)
-            if results["arms"][part].get("error"):
-                results["failed"].append({"part": part, "error": results["arms"][part]["error"]})
+            results["arms"][part] = {**run_arm(part, base, arms_dir, clock, args.smoke), "call": call}
+            outcome = results["arms"][part]
+        else:
+            continue
+        if outcome.get("error"):
+            results["failed"].append({"part": part, "error": outcome["error"]})
         print(f"[gpu-checks] {part} done, {time.monotonic() - started:.0f} s in", file=sys.stderr, flush=True)
         save()
 
@@ -255,18 +312,13 @@ def main() -> int:
 
 def run_arm(arm: str, base: dict, arms_dir: Path, clock: Clock, smoke: bool) -> dict:
     """One arm: its job cold and, for fast-bf16, warm; its figures."""
-    settings, whole_epoch, budget = ARMS[arm]
+    settings, whole_epoch, budget, lever = ARMS[arm]
     env = {**base, **settings}
     if not whole_epoch:
         env["MAX_STEPS"] = str(20 if smoke else SHORT_STEPS)
-    shim = None
-    if arm.endswith("cudagraphs"):
-        # Inductor's own switch (not TORCHINDUCTOR_TRITON_CUDAGRAPHS, which it does not read), on the fast arm's
-        # compiled code: CUDA graphs wrap the same graphs after they are built.
-        env["TORCHINDUCTOR_CUDAGRAPHS"] = "1"
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(arms_dir / "fast-bf16" / "cold" / "cache" / "inductor")
-    if arm.endswith("threshold-0"):
-        shim = ["benchmarks/int8_threshold.py", "0", "main.py"]
+    if arm in GRAPHS_FROM and (arms_dir / GRAPHS_FROM[arm] / "cold").is_dir():
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(arms_dir / GRAPHS_FROM[arm] / "cold" / "cache" / "inductor")
+    shim = ["benchmarks/job_variant.py", *lever, "main.py"] if lever else None
     print(f"[gpu-checks] {arm}: {'one epoch' if whole_epoch else env['MAX_STEPS'] + ' steps'} ...", file=sys.stderr)
     folder = arms_dir / arm
     folder.mkdir(parents=True, exist_ok=True)

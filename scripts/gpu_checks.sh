@@ -8,12 +8,15 @@
 # WHEELS=DIR: a machine with a CUDA PyTorch but not the job's packages, and no network, gets them from the wheels
 # scripts/gpu_wheels.sh downloaded, installed into a private folder for this call.
 #
-#   bash scripts/gpu_checks.sh [RESULTS_DIR]
+#   bash scripts/gpu_checks.sh [RESULTS_DIR [gpu_checks.py's options]]
 #   WHEELS=.whl bash scripts/gpu_checks.sh [RESULTS_DIR]
+#   WHEELS=.whl bash scripts/gpu_checks.sh "$OUT" --parts fast-8bit,fast-8bit-threshold-0 --merge benchmarks/results/gpu.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
 results=$(realpath -m "${1:-output/gpu-checks}")
+shift $(($# > 0 ? 1 : 0))
+options=("$@")
 mkdir -p "$results"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -64,7 +67,7 @@ status=0
 left=$((CALL_S - (SECONDS - started) - 45))  # 45 s kept for the archive and the GPU tests' start
 deadline=()
 [ "$smoke" = 1 ] || deadline=(--deadline "$left")
-"$PY" benchmarks/gpu_checks.py "$results" --work-dir "$work" "${deadline[@]}" $([ "$smoke" = 1 ] && echo --smoke) 2>&1 |
+"$PY" benchmarks/gpu_checks.py "$results" --work-dir "$work" "${deadline[@]}" "${options[@]}" $([ "$smoke" = 1 ] && echo --smoke) 2>&1 |
     tee "$results/gpu_checks.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "$smoke" != 1 ]; then

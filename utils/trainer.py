@@ -96,6 +96,8 @@ class JobTrainer(Trainer):
         # The padded lengths of every batch; on the fast path each is compiled before the first step.
         self.buckets = buckets
         self.compile_pending = compiled
+        # Inductor's CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1), which need to be told where a step begins.
+        self.cudagraphs = compiled and cudagraphs_enabled()
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and len(set(self.plan.rates.values())) > 1:  # else the Trainer's own groups
@@ -130,6 +132,8 @@ class JobTrainer(Trainer):
         # times the batch size would be wrong for the last, shorter batch of an epoch).
         if self.compile_pending:
             self.compile_every_bucket(model, inputs)
+        if self.cudagraphs:  # each step a new run of the captured graphs: the last step's outputs are done with
+            torch.compiler.cudagraph_mark_step_begin()
         self.samples_seen += int(inputs["input_ids"].shape[0])
         return super().training_step(model, inputs, num_items_in_batch)
 
@@ -138,7 +142,12 @@ class JobTrainer(Trainer):
         backward of the first batch padded (or cut) to each bucket, its gradients dropped, the RNG state
         restored and no gradient exchanged, so the training that follows is the eager path's. Without it each
         bucket compiled when a batch of its length first came, in the middle of the epoch (tens of seconds on
-        the GPU, counted as training time)."""
+        the GPU, counted as training time).
+
+        Each warm-up batch ends in a padded column, as a bucket's batches do: the first batch holds the longest
+        rows, and cut to a shorter bucket it would have no padding at all, for which transformers drops the
+        attention mask (SDPA then takes None) and the graph built would be one no real batch uses (seen on an
+        H200: 5 graphs for 3 buckets, two of them compiled inside the epoch)."""
         self.compile_pending = False
         started = time.perf_counter()
         pad = self.processing_class.pad_token_id or 0
@@ -148,10 +157,11 @@ class JobTrainer(Trainer):
                 for name, value in inputs.items():
                     if torch.is_tensor(value) and value.dim() == 2:
                         filler = pad if name == "input_ids" else 0
-                        value = torch.nn.functional.pad(
-                            value[:, :length], (0, length - min(length, value.shape[1])), value=filler
-                        )
+                        value = torch.nn.functional.pad(value[:, : length - 1], (0, 1), value=filler)
+                        value = torch.nn.functional.pad(value, (0, length - value.shape[1]), value=filler)
                     batch[name] = value
+                if self.cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 super().training_step(model, batch)
         model.zero_grad(set_to_none=True)
         synchronize(self.args.device)
@@ -845,11 +855,17 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return max(stacks, key=len) if stacks else [model]
 
 
+def cudagraphs_enabled() -> bool:
+    """Whether inductor wraps its graphs in CUDA graphs, from its own config (TORCHINDUCTOR_CUDAGRAPHS)."""
+    import torch._inductor.config
+
+    return bool(torch._inductor.config.triton.cudagraphs)
+
+
 def compile_record() -> dict:
     """What the compiler did in this process (logs/rank-R.json): graphs, recompiles, graph breaks, seconds, and
     whether inductor captured CUDA graphs (its own switch, read back: an environment variable it does not know
     switches nothing on)."""
-    import torch._inductor.config
     from torch._dynamo.utils import calculate_time_spent, counters
 
     spent = calculate_time_spent()
@@ -860,6 +876,6 @@ def compile_record() -> dict:
         "recompiles": max(frames - 1, 0),
         "graph_breaks": sum(counters["graph_break"].values()),
         "compile_s": round(spent.get("total_wall_time", 0), 2),  # forward and backward graphs
-        "cudagraphs": bool(torch._inductor.config.triton.cudagraphs),
+        "cudagraphs": cudagraphs_enabled(),
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],  # graphs run without CUDA graphs, where asked
     }

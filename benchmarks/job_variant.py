@@ -1,0 +1,61 @@
+"""main.py with a lever the job has no setting for, for the GPU benchmark's arms only (benchmarks/gpu_checks.py):
+
+  python benchmarks/job_variant.py [--int8-threshold X] [--compile-region encoder] [--no-cudnn-attention] main.py ...
+
+--int8-threshold X        bitsandbytes' LLM.int8 outlier threshold (its default 6.0; 0: no outlier columns kept
+                          apart, so no host sync to find them)
+--compile-region encoder  TORCH_COMPILE compiles the module holding the stack of blocks (BERT's encoder) instead
+                          of each block: one graph per bucket instead of twelve calls of one, the shape CUDA
+                          graphs capture whole
+--no-cudnn-attention      SDPA without its cuDNN backend (a plan lookup of ~0.3 ms of CPU per call on the GPU
+                          seen), so the memory-efficient kernel runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--int8-threshold", type=float)
+parser.add_argument("--compile-region", choices=("encoder",))
+parser.add_argument("--no-cudnn-attention", action="store_true")
+parser.add_argument("script")
+args, rest = parser.parse_known_args()
+sys.argv = [args.script, *rest]
+sys.path[0] = str(Path(args.script).resolve().parent)  # as `python main.py` would have it: the repository's modules
+
+if args.int8_threshold is not None:
+    from transformers import BitsAndBytesConfig
+
+    default_init = BitsAndBytesConfig.__init__
+
+    def init_with_threshold(self, *a, **kw):
+        kw.setdefault("llm_int8_threshold", args.int8_threshold)
+        default_init(self, *a, **kw)
+
+    BitsAndBytesConfig.__init__ = init_with_threshold
+
+if args.compile_region == "encoder":
+    import utils.trainer
+
+    blocks_of = utils.trainer.repeated_blocks
+
+    def encoder_of(model):
+        blocks = blocks_of(model)
+        return next(
+            [module]
+            for module in model.modules()
+            if any(child is blocks[0] for grandchildren in module.children() for child in grandchildren.children())
+        )
+
+    utils.trainer.repeated_blocks = encoder_of
+
+if args.no_cudnn_attention:
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+runpy.run_path(args.script, run_name="__main__")
