@@ -22,7 +22,16 @@ from tests.conftest import REPO, base_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ARMS = {"eager-bf16", "fast-bf16", "eager-8bit", "fast-8bit", "fast-8bit-threshold-0"}  # no CUDA graphs on a CPU
+# Every arm but the two with CUDA graphs, which have nothing to run on a CPU.
+ARMS = {
+    "eager-bf16",
+    "fast-bf16",
+    "eager-8bit",
+    "fast-8bit",
+    "fast-8bit-threshold-0",
+    "fast-bf16-encoder",
+    "fast-bf16-no-cudnn-attention",
+}
 FIELDS = {
     "compile_s",
     "steady_epoch_s",
@@ -100,6 +109,7 @@ def test_the_gpu_checks_run_every_part_to_its_end_on_the_cpu(tmp_path):
         quantized = "8bit" in name
         assert (arm["quantization"], arm["bitsandbytes_loaded"]) == (("8bit", True) if quantized else ("none", False))
         assert arm["cudagraphs"] is False and arm["cudagraph_skips"] == 0, name
+        assert arm["call"] == 1, name
         if name.startswith("fast"):  # MAX_SEQ_LENGTH=32: buckets 16 and 32, one graph each, never broken
             assert (arm["graphs"], arm["recompiles"]) == (2, 1), name
             assert arm["compile_s"] > 0, name
