@@ -104,13 +104,25 @@ def test_a_volume_full_during_a_checkpoint_save_ends_every_rank_with_one_line_ex
         [step] = named
         assert step == max(complete_steps(out)) >= max(before)
         assert_intact(out, before)
-        # The save cut short carries no COMPLETE marker: the next start discards it.
-        later = [
-            p
-            for p in (out / "checkpoints").glob("checkpoint-*")
-            if int(p.name.split("-")[1]) > max(complete_steps(out))
-        ]
-        assert all(not (p / "COMPLETE").exists() for p in later)
+        # The save the fault cut short is left without a COMPLETE marker; the volume freed, the next start
+        # discards it and saves that step again whole, never into the half-written folder.
+        cut_short = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*"))
+        cut_short = [s for s in cut_short if s > step]
+        assert cut_short and not set(cut_short) & set(complete_steps(out)), (cut_short, complete_steps(out))
+        (out / "filler").unlink()
+        # Stands for a file of the cut-short save that the new save of that step would not overwrite.
+        stale = [out / "checkpoints" / f"checkpoint-{lost}" / "stale-part" for lost in cut_short]
+        for path in stale:
+            path.touch()
+        procs = replicas.start("again", settings)
+        wait_until(lambda: max(complete_steps(out)) >= max(cut_short), "the cut-short step saved whole", procs)
+        assert not any(path.exists() for path in stale)
+        replicas.cleanup()  # the restart goes on saving and pruning: stopped, its checkpoints hold still
+        console = replicas.streams[-2].read_text()
+        for lost in cut_short:
+            assert f"removed checkpoint-{lost}: its save never completed" in console, console[-3000:]
+        assert f"resuming from step {step} " in console, console[-3000:]
+        assert_intact(out, complete_steps(out))
     finally:
         replicas.cleanup()
         unmount(out)
