@@ -45,10 +45,6 @@ from tests.conftest import (
     write_fixed_length_data,
 )
 
-pytestmark = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed (requirements.txt)"
-)
-
 # Compiled once per venv, never per test run: CI pays the compile at most once.
 EXTENSIONS = Path(sys.prefix) / "torch-extensions"
 BATCH = 4  # rows per replica per step: 8 steps an epoch of the fixed-length data

@@ -32,6 +32,7 @@ from tests.conftest import (
     run_main,
     start_main,
     tiny_run_settings,
+    unavailable,
     wait_until,
 )
 from utils.errors import volume_state
@@ -44,10 +45,10 @@ LONG_RUN = 100_000  # MAX_STEPS far beyond the test: the fault, not the end of t
 def mount(*args: str) -> None:
     """`mount ARGS`, or skip the test where this machine does not let it mount (not root, no such file system)."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a test volume needs root and mount(8)")
+        unavailable("mounting a test volume needs root and mount(8)")
     done = subprocess.run(["mount", *args], capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"mounting a test volume is not permitted here: mount {' '.join(args)}: {done.stderr.strip()}")
+        unavailable(f"mounting a test volume is not permitted here: mount {' '.join(args)}: {done.stderr.strip()}")
 
 
 def unmount(target: Path) -> None:
@@ -133,7 +134,7 @@ def failing_ext4(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """An ext4 volume mounted `errors=remount-ro` at tmp_path/out, and the switch that makes it fail."""
     for tool in ("mkfs.ext4", "losetup"):
         if shutil.which(tool) is None:
-            pytest.skip(f"an ext4 test volume needs {tool}")
+            unavailable(f"an ext4 test volume needs {tool}")
     image, out = tmp_path / "volume.ext4", tmp_path / "out"
     with open(image, "wb") as handle:
         handle.truncate(64 << 20)
@@ -147,7 +148,7 @@ def failing_ext4(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         )
         trigger = Path("/sys/fs/ext4") / device.name / "trigger_fs_error"
         if not trigger.exists():
-            pytest.skip(f"{trigger} is missing: this kernel cannot make an ext4 volume fail on request")
+            unavailable(f"{trigger} is missing: this kernel cannot make an ext4 volume fail on request")
         yield out, trigger
     finally:
         unmount(out)
