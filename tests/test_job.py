@@ -188,6 +188,24 @@ def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_pat
         assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}
 
 
+def test_bf16_full_precision_weights_train_on_the_cpu_through_main(job_env, tmp_path):
+    """QUANTIZATION=none PRECISION=bf16, which the job accepts without a GPU: test_gpu.py's bf16 case, here. The
+    frozen base is stored in bf16 and the steps run under bf16 autocast; the adapter still learns the task and is
+    published in full precision."""
+    from safetensors import safe_open
+
+    result = run_main({**job_env, "QUANTIZATION": "none", "PRECISION": "bf16"})
+    assert result.code == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["quantization"], metrics["precision"]) == ("none", "bf16"), metrics
+    assert metrics["eval_accuracy"] > 0.8, metrics  # the fp32 run's bar: chance is 0.5 on this balanced task
+    assert "device cpu, 8-bit False, precision bf16" in (out / "logs" / "rank-0.log").read_text()
+    assert trained_plan(out)["precision"] == "bf16"  # what the Trainer read back at the end of training
+    with safe_open(str(out / "model" / "adapter_model.safetensors"), framework="pt") as weights:
+        assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}
+
+
 def test_push_without_token_is_bad_input(job_env):
     result = run_main({**job_env, "RESULT_MODEL_ID": "tester/sst2-lora", "BASE_MODEL_ID": "tester/tiny-bert"})
     assert result.code == 2 and "HF_TOKEN" in result.stderr and "Traceback" not in result.stderr
