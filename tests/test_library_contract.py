@@ -403,7 +403,6 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
     total deadline (a Hub that accepts the connection and never answers holds it for ever)."""
     import contextlib
     import threading
-    import time
 
     import huggingface_hub
     from huggingface_hub import HfApi, constants
@@ -435,10 +434,8 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
 
     waiting = threading.Thread(target=upload, daemon=True)
     waiting.start()
-    started = time.monotonic()
-    with pytest.raises(HubDeadline):
+    with pytest.raises(HubDeadline):  # the job's deadline ended the wait: the library raises no such thing
         hub_in_process(2).push_files(files, "user/model", True, "upload")
-    assert time.monotonic() - started < 2 + 2
     assert waiting.is_alive(), (
         f"{where}: upload_folder now gives up on a silent Hub; see whether utils/hub.py within can go"
     )
