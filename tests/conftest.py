@@ -494,44 +494,6 @@ def training_settings(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> di
     )
 
 
-def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
-    """The job's own Trainer (utils/trainer.build_trainer) in this process on the tiny model: one CPU process,
-    nothing saved or evaluated on the way; `fields` are Settings fields, `data` the train/validation Datasets."""
-    import torch
-
-    from utils.distributed import DistEnv
-    from utils.job import Job
-    from utils.model import build_model, load_tokenizer
-    from utils.outputs import RunDir
-    from utils.plan import build_plan
-    from utils.preemption import Preemption
-    from utils.settings import Settings
-    from utils.trainer import build_trainer
-
-    settings = Settings(
-        **{
-            "model_name": str(tiny_bert),
-            "output_dir": str(out),
-            "save_steps": 10_000,
-            "eval_steps": 10_000,
-            "report_to": ("none",),
-            "dataloader_num_workers": 0,
-            **fields,
-        }
-    )
-    run = RunDir(out)
-    run.checkpoints.mkdir(parents=True)
-    single = DistEnv(
-        rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"
-    )
-    # The stop-signal handler is not installed: no signal reaches it.
-    job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
-    job = job.with_rows(len(data["train"]))
-    torch.manual_seed(settings.seed)
-    model = build_model(settings, job.quantize, job.device)
-    return build_trainer(job, model, load_tokenizer(settings), data, key={})
-
-
 def push_settings(hub: HubStub) -> dict[str, str]:
     # The tiny model is a local folder, which records no Hub id: a push names its base explicitly.
     return {
