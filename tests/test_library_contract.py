@@ -50,7 +50,6 @@ import pytest
 import torch
 from torch.utils.data import SequentialSampler
 from transformers import Trainer
-from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from tests.conftest import base_env, free_port, start_in_process
 from utils.trainer import GlobalOrderSampler, epoch_sampler
@@ -185,10 +184,13 @@ def test_each_epoch_trains_the_batches_drawn_from_seed_plus_epoch(trainer):
     trainer.training_step = recording_step
     trainer.train()
 
-    expected = [
-        get_length_grouped_indices(token_lengths(), BATCH, generator=torch.Generator().manual_seed(SEED + epoch))
-        for epoch in (0, 1)
-    ]
+    def drawn(epoch: int) -> list[int]:
+        """The order the job's sampler draws for `epoch`, from SEED + epoch alone."""
+        sampler = GlobalOrderSampler(BATCH, token_lengths(), SEED)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    expected = [drawn(0), drawn(1)]
     trained = [index for step in steps for index in step]
     assert trained[:ROWS] == expected[0], "epoch 1 did not train the order drawn from SEED"
     assert trained[ROWS:] == expected[1], "epoch 2 did not train the order drawn from SEED + 1"
