@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import logging
 import os
 import random
 import shlex
@@ -162,6 +163,137 @@ def configured(monkeypatch, env: dict[str, str], argv: list[str] | None = None):
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
     return configure(list(argv or []))
+
+
+def unavailable(reason: str):
+    """Skip a test that needs what a machine may lack by design (root and mount(8), the container tools, a kernel
+    switch); under CI (CI=true), whose machine provides them, fail instead: a skip there drops the test unseen."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason}; CI=true, where a missing tool fails the suite rather than skip the test")
+    pytest.skip(reason)
+
+
+# ------------------------------------------------------------------------------- the job's start-up, in process
+class ReachedTraining(BaseException):
+    """Raised where `start_in_process` stops the job: every check of its start-up passed. Not an Exception, so
+    main() lets it through, and the run's own clean-up (the OUTPUT_DIR lock, the process group) runs on the way."""
+
+    def __init__(self, ready):
+        super().__init__("the start-up accepted the run")
+        self.ready = ready
+
+
+@dataclass
+class InProcessStart:
+    code: int | None  # main()'s exit code; None: it reached the first training step
+    layer: (
+        str | None
+    )  # the part of the start-up whose call refused: settings, output, device, join, model, data, set_up
+    error: str | None  # the `error:` line's message
+    stderr: str
+    ready: object | None  # utils.run.Ready, when it reached training
+
+
+# Where a refusal is attributed: the innermost of these calls it leaves (main.py's and utils/run.py's own names).
+STARTUP_LAYERS = (
+    ("main", "install_masking", "settings"),  # HF_TOKEN or HF_TOKEN_PATH, read before the other settings
+    ("main", "configure", "settings"),
+    ("main", "open_run_dir", "output"),
+    ("utils.job", "Job.start", "device"),
+    ("utils.run", "join", "join"),
+    ("utils.run", "set_up", "set_up"),
+    ("utils.run", "load_tokenizer", "model"),
+    ("utils.run", "load_sst2", "data"),
+    ("utils.job", "Job.with_rows", "data"),
+    ("utils.run", "build_model", "model"),
+)
+
+
+def start_in_process(monkeypatch, env: dict[str, str], argv: list[str] | tuple = ()) -> InProcessStart:
+    """`main.main(argv)` in this process, whose environment is exactly `env`, up to the first training step: the
+    job's own start-up in its order (settings, OUTPUT_DIR, device and numerics, the strategy, Hub and tracker checks,
+    the rendezvous, tokenizer, data, model, the checkpoint to resume, the Trainer, run.json), nothing re-implemented.
+    Training is replaced by a stop. What a start changes in the process (its stop-signal handlers, masked streams,
+    logging, exported variables, libraries left out, the frozen heap) is undone or kept out, so that `make check`
+    stays one process."""
+    import gc
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+    from importlib import import_module
+
+    import main
+    import utils.run
+    from utils.errors import JobError
+    from utils.preemption import Preemption
+
+    for name in list(os.environ):
+        if name not in env:
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    refused: list[tuple[str, JobError]] = []
+
+    def spied(call, layer):
+        def spy(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            except JobError as exc:
+                if not any(exc is seen for _, seen in refused):
+                    refused.append((layer, exc))
+                raise
+
+        return spy
+
+    for module, name, layer in STARTUP_LAYERS:
+        owner = import_module(module)
+        if "." in name:
+            cls, method = name.split(".")
+            owner, name = getattr(owner, cls), method
+            call = getattr(owner, name)  # bound for a classmethod, a function for a method
+            wrapped = spied(call, layer)
+            monkeypatch.setattr(owner, name, staticmethod(wrapped) if hasattr(call, "__self__") else wrapped)
+        else:
+            monkeypatch.setattr(owner, name, spied(getattr(owner, name), layer))
+
+    def stop(job, group, ready):
+        raise ReachedTraining(ready)
+
+    monkeypatch.setattr(utils.run, "train", stop)
+    monkeypatch.setattr(Preemption, "install", lambda self: None)  # no signal reaches this process's test
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+    environ = dict(os.environ)
+    modules = {name: sys.modules.get(name, REMOVED) for name in ("deepspeed", "bitsandbytes")}
+    root, transformers_log = logging.getLogger(), logging.getLogger("transformers")
+    handlers, level = list(root.handlers), root.level
+    levels = {name: logging.getLogger(name).level for name in ("utils", "transformers.trainer")}
+    library = (list(transformers_log.handlers), transformers_log.propagate)
+    out, err = io.StringIO(), io.StringIO()
+    ready = None
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = main.main(list(argv))
+    except ReachedTraining as reached:
+        code, ready = None, reached.ready
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        for name, module in modules.items():
+            if module is REMOVED and sys.modules.get(name, REMOVED) is None:  # left out by the start
+                del sys.modules[name]
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name, was in levels.items():
+            logging.getLogger(name).setLevel(was)
+        transformers_log.handlers[:], transformers_log.propagate = library
+    errors = error_lines(err.getvalue())
+    layer = refused[0][0] if refused else None
+    return InProcessStart(code, layer, errors[0].removeprefix("error: ") if errors else None, err.getvalue(), ready)
+
+
+REMOVED = object()
 
 
 # ------------------------------------------------------------------------------- the order files run in
@@ -360,44 +492,6 @@ def training_settings(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> di
     return tiny_run_settings(
         tiny_bert, sst2_dir, out, **{"SAVE_STEPS": SAVE_STEPS, "RENDEZVOUS_TIMEOUT": TIMEOUT, **extra}
     )
-
-
-def job_trainer(out: Path, tiny_bert: Path, data: dict, **fields):
-    """The job's own Trainer (utils/trainer.build_trainer) in this process on the tiny model: one CPU process,
-    nothing saved or evaluated on the way; `fields` are Settings fields, `data` the train/validation Datasets."""
-    import torch
-
-    from utils.distributed import DistEnv
-    from utils.job import Job
-    from utils.model import build_model, load_tokenizer
-    from utils.outputs import RunDir
-    from utils.plan import build_plan
-    from utils.preemption import Preemption
-    from utils.settings import Settings
-    from utils.trainer import build_trainer
-
-    settings = Settings(
-        **{
-            "model_name": str(tiny_bert),
-            "output_dir": str(out),
-            "save_steps": 10_000,
-            "eval_steps": 10_000,
-            "report_to": ("none",),
-            "dataloader_num_workers": 0,
-            **fields,
-        }
-    )
-    run = RunDir(out)
-    run.checkpoints.mkdir(parents=True)
-    single = DistEnv(
-        rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"
-    )
-    # The stop-signal handler is not installed: no signal reaches it.
-    job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
-    job = job.with_rows(len(data["train"]))
-    torch.manual_seed(settings.seed)
-    model = build_model(settings, job.quantize, job.device)
-    return build_trainer(job, model, load_tokenizer(settings), data, key={})
 
 
 def push_settings(hub: HubStub) -> dict[str, str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, docker_user, shared_output_dir
+from tests.conftest import REPO, docker_user, shared_output_dir, unavailable
 from utils.settings import SHARED_VOLUME
 
 SMOKE = REPO / "scripts" / "container_smoke.sh"
@@ -24,7 +24,7 @@ def test_image_builds_and_trains_read_only_as_its_user(tmp_path):
     volume = tmp_path / "pvc-home"
     proc = subprocess.run(["bash", str(SMOKE), str(volume)], cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode == TOOLS_UNAVAILABLE:
-        pytest.skip(f"container tools unavailable: {proc.stderr.strip().splitlines()[-1]}")
+        unavailable(f"container tools unavailable: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
 
     # The job wrote to the image's default OUTPUT_DIR, which is on the mounted volume.

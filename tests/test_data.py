@@ -112,6 +112,16 @@ def identical(data, reference) -> bool:
     return set(data) == set(reference) and all(arrow_table(data[s]).equals(arrow_table(reference[s])) for s in data)
 
 
+def assert_film_rows(data, tokenizer) -> None:
+    """The splits hold SPLIT_SIZES' `film_rows`, in order: each sentence's tokens and its label.
+    A comparison of two loads alone would also pass were both empty or both wrong."""
+    for split, count in SPLIT_SIZES:
+        rows = film_rows(count)
+        assert list(data[split]["labels"]) == [label for _, label in rows], split
+        tokens = [list(ids) for ids in data[split]["input_ids"]]
+        assert tokens == [tokenizer(text)["input_ids"] for text, _ in rows], split
+
+
 def files_of(folder: Path) -> dict[str, bytes]:
     return {str(path): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
 
@@ -298,6 +308,7 @@ def test_columns_the_job_does_not_use_are_ignored_in_either_split(tmp_path, toke
         tmp_path / "cache-plain",
     )
     assert identical(data, reference)
+    assert_film_rows(data, tokenizer)
 
 
 @pytest.mark.check
@@ -313,3 +324,4 @@ def test_a_byte_order_mark_and_crlf_line_ends_read_as_plain_utf8(tmp_path, token
     plain = write_files(tmp_path / "plain", {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES})
     data = load_sst2(settings_for(folder), tokenizer, tmp_path / "cache")
     assert identical(data, load_sst2(settings_for(plain), tokenizer, tmp_path / "cache-plain"))
+    assert_film_rows(data, tokenizer)

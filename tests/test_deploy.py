@@ -174,6 +174,29 @@ def test_dockerfile_installs_pinned_requirements_before_the_code():
 
 
 @pytest.mark.check
+def test_every_pinned_requirement_is_installed_at_its_pin():
+    """The suite needs what the job and the tests pin (DeepSpeed for STRATEGY=deepspeed, submitit for the Slurm
+    launcher): a missing or other release is a broken install, failed here by name, never a skip of the tests
+    that use it. (The MLflow server's requirements live in a venv of their own.)"""
+    from importlib.metadata import PackageNotFoundError, version
+
+    wrong = []
+    for name in ("requirements.txt", "requirements-dev.txt"):
+        for line in (REPO / name).read_text().splitlines():
+            requirement = line.split("#")[0].strip()
+            if not requirement:
+                continue
+            package, pinned = requirement.split("==")
+            try:
+                installed = version(package)
+            except PackageNotFoundError:
+                installed = "not installed"
+            if installed != pinned:
+                wrong.append(f"{package}=={pinned} ({name}): {installed}")
+    assert not wrong, f"reinstall the venv (make venv): {wrong}"
+
+
+@pytest.mark.check
 def test_dockerfile_runs_main_as_a_non_root_user_and_passes_flags():
     uid, gid = docker_user()
     assert uid != 0 and gid != 0

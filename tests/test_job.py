@@ -22,20 +22,26 @@ from tests.conftest import (
 )
 
 
-def classify(model_dir: Path, sentences: list[str], base: Path | None = None) -> list[int]:
-    """The adapter in `model_dir` on its base (or on `base`, a local copy of the base its config names by Hub id)."""
+def logits_of(model_dir: Path, sentences: list[str], base: Path | None = None, merged: bool = False):
+    """The logits of the adapter in `model_dir` on its base (or on `base`, a local copy of the base its config names
+    by Hub id); of the whole model in `model_dir` when `merged`."""
     import torch
     from peft import AutoPeftModelForSequenceClassification, PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    if base is None:
+    if merged:
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    elif base is None:
         model = AutoPeftModelForSequenceClassification.from_pretrained(model_dir).eval()
     else:
         model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base), model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with torch.no_grad():
-        logits = model(**tokenizer(sentences, return_tensors="pt", padding=True)).logits
-    return logits.argmax(-1).tolist()
+        return model(**tokenizer(sentences, return_tensors="pt", padding=True)).logits
+
+
+def classify(model_dir: Path, sentences: list[str], base: Path | None = None) -> list[int]:
+    return logits_of(model_dir, sentences, base).argmax(-1).tolist()
 
 
 def test_one_process_trains_saves_and_the_model_loads_back(finished_run, tiny_bert):
@@ -166,13 +172,37 @@ def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_pat
     assert metrics["quantization"] == "8bit"
     log = (tmp_path / "out" / "logs" / "rank-0.log").read_text()
     assert "8-bit True" in log
-    assert len(classify(tmp_path / "out" / "model", ["the cast is superb"])) == 1
+    # The adapter trained on 8-bit weights loads back on the full-precision base and answers as the merged export
+    # does (a few steps: not a good model, so its answers are compared, not its labels).
+    sentences = ["the cast is superb", "a dull and tedious mess"]
+    adapter = logits_of(tmp_path / "out" / "model", sentences)
+    merged = logits_of(tmp_path / "out" / "merged", sentences, merged=True)
+    assert adapter.shape == merged.shape == (2, 2)
+    assert adapter.flatten().tolist() == pytest.approx(merged.flatten().tolist(), abs=1e-4)
     # The merged export of an 8-bit run: the base reloaded in full precision, no trace of the quantizer.
     from safetensors import safe_open
 
     merged = tmp_path / "out" / "merged"
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
     with safe_open(str(merged / "model.safetensors"), framework="pt") as weights:
+        assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}
+
+
+def test_bf16_full_precision_weights_train_on_the_cpu_through_main(job_env, tmp_path):
+    """QUANTIZATION=none PRECISION=bf16, which the job accepts without a GPU: test_gpu.py's bf16 case, here. The
+    frozen base is stored in bf16 and the steps run under bf16 autocast; the adapter still learns the task and is
+    published in full precision."""
+    from safetensors import safe_open
+
+    result = run_main({**job_env, "QUANTIZATION": "none", "PRECISION": "bf16"})
+    assert result.code == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["quantization"], metrics["precision"]) == ("none", "bf16"), metrics
+    assert metrics["eval_accuracy"] > 0.8, metrics  # the fp32 run's bar: chance is 0.5 on this balanced task
+    assert "device cpu, 8-bit False, precision bf16" in (out / "logs" / "rank-0.log").read_text()
+    assert trained_plan(out)["precision"] == "bf16"  # what the Trainer read back at the end of training
+    with safe_open(str(out / "model" / "adapter_model.safetensors"), framework="pt") as weights:
         assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}
 
 

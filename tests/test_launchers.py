@@ -151,8 +151,6 @@ def test_an_accelerate_config_launches_and_leaves_training_to_the_job(name, mach
     the multi-node one) and resolve the settings they would without the config (for a DeepSpeed config: with
     STRATEGY and ZERO_STAGE set instead), and every PRECISION the job can resolve is accepted beside it: the job's
     settings own precision and batches, not the config."""
-    if same_as:
-        pytest.importorskip("deepspeed")  # accelerate's DeepSpeed launcher imports it
     from utils.distributed import launcher_options
     from utils.strategy import check_strategy
 
@@ -275,7 +273,6 @@ def accelerate_dry_run(tmp_path: Path, config: Path, **settings) -> tuple[int, l
 def test_accelerate_launch_with_a_deepspeed_config_resolves_the_strategy_and_ranks(tmp_path, stage):
     """The config file as accelerate exports it (ACCELERATE_USE_DEEPSPEED, the stage) becomes STRATEGY=deepspeed and
     ZERO_STAGE without either being set; the ranks are torchrun's (accelerate starts DeepSpeed runs with it)."""
-    pytest.importorskip("deepspeed")  # accelerate's DeepSpeed launcher imports it
     code, answers, stderr = accelerate_dry_run(tmp_path, DEEPSPEED_CONFIGS[stage])
     assert code == 0, stderr
     assert [(a["distributed"]["rank"], a["distributed"]["local_rank"]) for a in answers] == [(0, 0), (1, 1)]
@@ -298,7 +295,6 @@ def test_accelerate_launch_with_a_deepspeed_config_resolves_the_strategy_and_ran
 def test_deepspeed_launcher_processes_resolve_to_their_ranks_and_nodes(tmp_path):
     """`deepspeed --num_gpus 2 main.py` for real (its CPU accelerator here): each process gets RANK, LOCAL_RANK,
     WORLD_SIZE, CROSS_RANK (its node), MASTER_* and a `--local_rank=N` argument the job takes off."""
-    pytest.importorskip("deepspeed")
     port, logs = free_port(), tmp_path / "rank-logs"
     cmd = [*DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), "--enable_each_rank_log", str(logs)]
     env = base_env(tmp_path, STRATEGY="deepspeed", ZERO_STAGE="3", OUTPUT_DIR=tmp_path / "out")
@@ -329,7 +325,6 @@ EXTENSIONS = Path(sys.prefix) / "torch-extensions"
 def test_accelerate_launch_with_the_zero2_config_trains_under_deepspeed(job_env, tmp_path):
     """The ZeRO-2 config file for real, no STRATEGY set: both ranks train one model under DeepSpeed (the job stops
     at the first step unless the Trainer really built a DeepSpeed engine), and run.json records it."""
-    pytest.importorskip("deepspeed")
     log = tmp_path / "accelerate.txt"
     cmd = [
         *ACCELERATE,
@@ -353,7 +348,6 @@ def test_accelerate_launch_with_the_zero2_config_trains_under_deepspeed(job_env,
 @pytest.mark.slow
 def test_deepspeed_launcher_trains_zero3(job_env, tmp_path):
     """`deepspeed --num_gpus 2 main.py` for real with STRATEGY=deepspeed ZERO_STAGE=3: one model, two ranks."""
-    pytest.importorskip("deepspeed")
     log = tmp_path / "deepspeed.txt"
     cmd = [*DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "main.py"]
     env = job_settings(job_env, STRATEGY="deepspeed", ZERO_STAGE="3", TORCH_EXTENSIONS_DIR=str(EXTENSIONS))
@@ -637,7 +631,6 @@ def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
 @pytest.mark.slow
 def test_submitit_runs_the_job_with_its_torch_environment(job_env, tmp_path):
     """launchers/slurm/submit.py on submitit's local cluster: the same submission code, tasks as local processes."""
-    pytest.importorskip("submitit")
     log = tmp_path / "submit.txt"
     cmd = [
         sys.executable,
@@ -666,7 +659,6 @@ def test_submitit_runs_the_job_with_its_torch_environment(job_env, tmp_path):
 
 
 def test_submitit_refuses_bad_settings_before_submitting(tmp_path):
-    pytest.importorskip("submitit")
     result = subprocess.run(
         [
             sys.executable,

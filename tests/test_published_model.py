@@ -213,9 +213,9 @@ def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(finished_r
         assert result.code == 0, result.stderr[-2000:]
         answers[folder] = [json.loads(line) for line in result.stdout.splitlines()]
         assert [a["text"] for a in answers[folder]] == SENTENCES
-        assert {a["label"] for a in answers[folder]} <= set(LABELS) and all(
-            0.5 <= a["score"] <= 1 for a in answers[folder]
-        )
+        # The run scores over 0.8 on sentences of these words: each is told right, by the run's LABEL_NAMES.
+        assert [a["label"] for a in answers[folder]] == ["good", "bad", "good"], answers[folder]
+        assert all(0.5 <= a["score"] <= 1 for a in answers[folder])
     assert [a["label"] for a in answers["model"]] == [a["label"] for a in answers["merged"]]
     # A column of a csv file, and the adapter's base named explicitly.
     table = tmp_path / "reviews.csv"

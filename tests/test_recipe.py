@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from tests.conftest import assert_refusal, base_env, job_trainer, run_main, tiny_run_settings, wait_all
+from tests.conftest import assert_refusal, base_env, run_main, start_in_process, tiny_run_settings, wait_all
 from utils.model import build_model
 from utils.settings import Settings
 
@@ -62,26 +61,18 @@ def test_train_pooler_false_leaves_the_pooler_to_the_base(pooler_runs):
 @pytest.mark.parametrize(
     ("batch", "b_ratio"),
     [
-        ({"loraplus_lr_ratio": 8}, 8),
+        ({"LORAPLUS_LR_RATIO": "8"}, 8),
         # Unset, the ratio follows the global batch: 4 at 256, the 4-replica deployment's batch.
-        ({"global_batch_size": 256}, 4),
+        ({"GLOBAL_BATCH_SIZE": "256"}, 4),
     ],
     ids=["set", "following-the-batch"],
 )
-def test_the_optimizer_trains_each_group_at_its_rate(tmp_path, tiny_bert, batch, b_ratio):
-    # One global batch of rows at least (256 following the batch): fewer, and the plan refuses the run.
-    rows = datasets.Dataset.from_list(
-        [{"input_ids": [2, 5 + i % 7, 3], "attention_mask": [1, 1, 1], "labels": i % 2} for i in range(256)]
-    )
-    trainer = job_trainer(
-        tmp_path / "out",
-        tiny_bert,
-        {"train": rows, "validation": rows},
-        learning_rate=RATE,
-        head_learning_rate_ratio=3,
-        weight_decay=0.01,
-        **batch,
-    )
+def test_the_optimizer_trains_each_group_at_its_rate(tmp_path, job_env, monkeypatch, batch, b_ratio):
+    # The Trainer the job's own start-up builds (main.main, stopped at the first step) from these settings.
+    env = {**job_env, "LEARNING_RATE": str(RATE), "HEAD_LEARNING_RATE_RATIO": "3", "WEIGHT_DECAY": "0.01", **batch}
+    start = start_in_process(monkeypatch, env)
+    assert start.ready is not None, start.stderr[-3000:]
+    trainer = start.ready.trainer
     optimizer = trainer.create_optimizer()
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     trainable = [(name, p) for name, p in trainer.model.named_parameters() if p.requires_grad]

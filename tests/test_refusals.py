@@ -1,12 +1,14 @@
 """Bad input: every refusal before the first training step, with the fix in its message.
 
-One table, run in this process against the functions a start meets in their order: `main.configure` (settings,
-ranks, recipe, strategy: what main() calls before torch), `open_run_dir` (OUTPUT_DIR), `load_tokenizer`,
-`load_sst2` and `with_rows` (the data, as the run loads it), `build_model`. Each case must be refused by the
-layer it names, not earlier for another reason, with exit code 2 and a message that names what is wrong and what
-fixes it: the setting, the value, the file (not how it words them). Then one refused start of the real `python
-main.py` per layer (settings, OUTPUT_DIR, numerics, model, data, Hub): exit 2, one `error:` line, no traceback,
-nothing trained or pushed, the token not shown; and
+One table, run in this process through the job's own start-up: `main.main()` up to the first training step
+(`start_in_process` in tests/conftest.py), so settings, OUTPUT_DIR, the device and numerics, the strategy, Hub and
+tracker checks, the rendezvous, tokenizer, data, model and the checkpoint to resume come in the order a start meets
+them, not in an order the test re-implements. Each case must be refused by the part of the start-up it names
+(`main.configure`, `open_run_dir`, `load_tokenizer` or `build_model`, `load_sst2` or the plan's rows), not earlier
+for another reason, with exit code 2 and one `error:` line that names what is wrong and what fixes it: the setting,
+the value, the file (not how it words them). Then one refused start of the real `python main.py` per layer
+(settings, OUTPUT_DIR, numerics, model, data, Hub): exit 2, one `error:` line, no traceback, nothing trained or
+pushed, the token not shown; and
 mode-000 weights, refused to a job that cannot read them (as root, started without the capabilities that read
 any file).
 """
@@ -24,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import (
     BASE_ID,
@@ -35,20 +36,18 @@ from tests.conftest import (
     assert_refusal,
     assert_refused_as_bad_input,
     base_env,
-    configured,
     delimited,
     error_lines,
     film_rows,
     push_settings,
     saved_dataset,
+    start_in_process,
     tiny_run_settings,
     write_files,
 )
-from utils.data import load_sst2
-from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model import build_model, load_tokenizer
-from utils.outputs import open_run_dir
-from utils.plan import build_plan, with_rows
+from tests.hub_stub import HubStub
+from utils.errors import EXIT_BAD_INPUT
+from utils.plan import build_plan
 from utils.settings import load_settings
 
 GOOD_ROWS = [("a wonderful film", 1), ("a dull film", 0)] * 4
@@ -776,33 +775,27 @@ REFUSALS = [
 ]
 
 
-def first_refusal(monkeypatch, env: dict[str, str], argv: list[str]) -> tuple[str, JobError]:
-    """The checks of a start in a process whose environment is `env`, in the order main.py and the run meet them,
-    up to the first training step; the layer that refused and its error (the test fails if none does)."""
-    layer = "settings"
-    try:
-        settings, dist, _, plan = configured(monkeypatch, env, argv)
-        layer = "output"
-        run_dir = open_run_dir(settings)
-        layer = "model"
-        tokenizer = load_tokenizer(settings)
-        layer = "data"
-        data = load_sst2(settings, tokenizer, run_dir.cache)
-        with_rows(plan, settings, len(data["train"]))
-        layer = "model"
-        build_model(settings, False, torch.device("cpu"))
-    except JobError as exc:
-        return layer, exc
-    pytest.fail("accepted: every check passed")
-
-
 def files_under(folder: Path) -> dict[str, int]:
     return {str(path): path.stat().st_size for path in folder.rglob("*") if not path.is_symlink()}
 
 
+@pytest.fixture(scope="module")
+def token_hub():
+    """The Hub stand-in, taking the token the table's job is given: one for the table (stopping one takes 0.5 s)."""
+    stub = HubStub(token=FAKE_TOKEN)
+    stub.url = stub.start()
+    yield stub
+    stub.stop()
+
+
 @pytest.fixture
-def push_env(tmp_path, tiny_bert, sst2_dir) -> dict[str, str]:
-    """A job's environment (no launcher or HF variable of the shell): the tiny run, asking for a push."""
+def push_env(tmp_path, tiny_bert, sst2_dir, token_hub, monkeypatch) -> dict[str, str]:
+    """A job's environment (no launcher or HF variable of the shell): the tiny run, asking for a push to the Hub
+    stand-in, which takes its token: a case refused for bad input is never refused by the Hub check instead."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", token_hub.url)  # read from HF_ENDPOINT when huggingface_hub is imported
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     return base_env(
         tmp_path,
         **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out"),
@@ -820,15 +813,28 @@ def test_refused_by_its_layer_with_the_fix(refusal: Refusal, push_env, monkeypat
     env = {name: value for name, value in env.items() if value is not None}
     before, data = files_under(tmp_path), Path(env["DATASET_PATH"])
     given = files_under(data)
-    layer, error = first_refusal(monkeypatch, env, list(refusal.argv))
-    assert (layer, error.code) == (refusal.layer, EXIT_BAD_INPUT), error.message
-    missing = [name for name in (name.format_map(env) for name in refusal.names) if name not in error.message]
-    assert not missing, f"{missing} not named in: {error.message}"
-    assert "\n" not in error.message and FAKE_TOKEN not in error.message
-    assert "hf_x" not in error.message.replace("--hf-token hf_x", "")  # a token typed as a flag is not repeated
-    if layer == "settings":
+    start = start_in_process(monkeypatch, env, refusal.argv)
+    assert start.code is not None, "accepted: the start-up reached the first training step"
+    assert (start.layer, start.code) == (refusal.layer, EXIT_BAD_INPUT), start.stderr[-3000:]
+    message = start.error
+    assert message is not None and len(error_lines(start.stderr)) == 1, start.stderr[-3000:]
+    missing = [name for name in (name.format_map(env) for name in refusal.names) if name not in message]
+    assert not missing, f"{missing} not named in: {message}"
+    assert FAKE_TOKEN not in start.stderr and "Traceback" not in start.stderr
+    assert "hf_x" not in message.replace("--hf-token hf_x", "")  # a token typed as a flag is not repeated
+    if start.layer == "settings":
         assert files_under(tmp_path) == before  # refused before anything is written: RUN_NAME=../../x included
     assert files_under(data) == given  # nothing written into the user's data folder
+
+
+@pytest.mark.check
+def test_the_tables_run_without_a_fault_reaches_the_first_training_step(push_env, monkeypatch, token_hub):
+    """The table's starting point is accepted by every check of the start-up, the Hub's included: each case is
+    refused for the fault it adds."""
+    start = start_in_process(monkeypatch, push_env)
+    assert (start.code, start.error) == (None, None), start.stderr[-3000:]
+    assert (start.ready.train_rows, start.ready.checkpoint) == (2000, None)
+    assert ("GET", "/api/whoami-v2") in token_hub.requests
 
 
 @pytest.mark.check

@@ -209,7 +209,11 @@ def test_fsdp_job_end_to_end_on_two_gpus(job_env, tmp_path):
         assert "the model is sharded by FSDP" in (out / "logs" / f"rank-{rank}.log").read_text()
     reports = rank_report(out, 2)
     assert reports[0]["checksum"] == reports[1]["checksum"]
-    from peft import AutoPeftModelForSequenceClassification
+    from peft import AutoPeftModelForSequenceClassification, get_peft_model_state_dict
+    from safetensors.torch import load_file
 
-    assert AutoPeftModelForSequenceClassification.from_pretrained(out / "model") is not None
+    # The weights gathered from the shards are whole: peft loads every saved tensor back, unchanged.
+    loaded = get_peft_model_state_dict(AutoPeftModelForSequenceClassification.from_pretrained(out / "model"))
+    saved = load_file(out / "model" / "adapter_model.safetensors")
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k].cpu()) for k in saved)
     assert json.loads((out / "metrics.json").read_text())["world_size"] == 2

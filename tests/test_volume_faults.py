@@ -32,6 +32,7 @@ from tests.conftest import (
     run_main,
     start_main,
     tiny_run_settings,
+    unavailable,
     wait_until,
 )
 from utils.errors import volume_state
@@ -44,10 +45,10 @@ LONG_RUN = 100_000  # MAX_STEPS far beyond the test: the fault, not the end of t
 def mount(*args: str) -> None:
     """`mount ARGS`, or skip the test where this machine does not let it mount (not root, no such file system)."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a test volume needs root and mount(8)")
+        unavailable("mounting a test volume needs root and mount(8)")
     done = subprocess.run(["mount", *args], capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"mounting a test volume is not permitted here: mount {' '.join(args)}: {done.stderr.strip()}")
+        unavailable(f"mounting a test volume is not permitted here: mount {' '.join(args)}: {done.stderr.strip()}")
 
 
 def unmount(target: Path) -> None:
@@ -104,13 +105,25 @@ def test_a_volume_full_during_a_checkpoint_save_ends_every_rank_with_one_line_ex
         [step] = named
         assert step == max(complete_steps(out)) >= max(before)
         assert_intact(out, before)
-        # The save cut short carries no COMPLETE marker: the next start discards it.
-        later = [
-            p
-            for p in (out / "checkpoints").glob("checkpoint-*")
-            if int(p.name.split("-")[1]) > max(complete_steps(out))
-        ]
-        assert all(not (p / "COMPLETE").exists() for p in later)
+        # The save the fault cut short is left without a COMPLETE marker; the volume freed, the next start
+        # discards it and saves that step again whole, never into the half-written folder.
+        cut_short = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*"))
+        cut_short = [s for s in cut_short if s > step]
+        assert cut_short and not set(cut_short) & set(complete_steps(out)), (cut_short, complete_steps(out))
+        (out / "filler").unlink()
+        # Stands for a file of the cut-short save that the new save of that step would not overwrite.
+        stale = [out / "checkpoints" / f"checkpoint-{lost}" / "stale-part" for lost in cut_short]
+        for path in stale:
+            path.touch()
+        procs = replicas.start("again", settings)
+        wait_until(lambda: max(complete_steps(out)) >= max(cut_short), "the cut-short step saved whole", procs)
+        assert not any(path.exists() for path in stale)
+        replicas.cleanup()  # the restart goes on saving and pruning: stopped, its checkpoints hold still
+        console = replicas.streams[-2].read_text()
+        for lost in cut_short:
+            assert f"removed checkpoint-{lost}: its save never completed" in console, console[-3000:]
+        assert f"resuming from step {step} " in console, console[-3000:]
+        assert_intact(out, complete_steps(out))
     finally:
         replicas.cleanup()
         unmount(out)
@@ -121,7 +134,7 @@ def failing_ext4(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """An ext4 volume mounted `errors=remount-ro` at tmp_path/out, and the switch that makes it fail."""
     for tool in ("mkfs.ext4", "losetup"):
         if shutil.which(tool) is None:
-            pytest.skip(f"an ext4 test volume needs {tool}")
+            unavailable(f"an ext4 test volume needs {tool}")
     image, out = tmp_path / "volume.ext4", tmp_path / "out"
     with open(image, "wb") as handle:
         handle.truncate(64 << 20)
@@ -135,7 +148,7 @@ def failing_ext4(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         )
         trigger = Path("/sys/fs/ext4") / device.name / "trigger_fs_error"
         if not trigger.exists():
-            pytest.skip(f"{trigger} is missing: this kernel cannot make an ext4 volume fail on request")
+            unavailable(f"{trigger} is missing: this kernel cannot make an ext4 volume fail on request")
         yield out, trigger
     finally:
         unmount(out)
