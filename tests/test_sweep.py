@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import os
 import re
 import signal
 import sqlite3
@@ -92,6 +93,7 @@ def sweep_data(tmp_path_factory, tiny_bert) -> dict[str, str]:
 class GridSweep:
     out: Path
     spec: Path
+    env: dict[str, str]
     result: Result
 
 
@@ -109,8 +111,12 @@ def grid_sweep(tmp_path_factory, sweep_data) -> GridSweep:
         metric="eval_loss",
         output_dir=str(out),
     )
-    result = run_sweep(base_env(tmp, RESULT_MODEL_ID="tester/never-pushed"), spec)
-    return GridSweep(out, spec, result)
+    env = base_env(tmp, RESULT_MODEL_ID="tester/never-pushed")
+    return GridSweep(out, spec, env, run_sweep(env, spec))
+
+
+def snapshot(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 # ------------------------------------------------------------------------------- local backend
@@ -164,35 +170,46 @@ def test_grid_sweep_runs_each_trial_as_the_job_and_summarizes(grid_sweep):
 
 
 @pytest.mark.integration
-def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep, capsys):
+def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep):
     before = (grid_sweep.out / "summary.csv").read_text()
     for name in ("summary.csv", "summary.md", "summary.png"):
         (grid_sweep.out / name).unlink()
-    result = sweep_in_process(capsys, grid_sweep.spec, "--summarize")
+    result = run_sweep(grid_sweep.env, grid_sweep.spec, "--summarize")
     assert result.code == 0, result.stderr
     assert (grid_sweep.out / "summary.csv").read_text() == before
     assert (grid_sweep.out / "summary.png").is_file() and "| 1 | trial-" in result.stdout
     # an array task run again for a finished trial leaves it as it is
     log = grid_sweep.out / "trial-001" / "trial.log"
     kept = log.read_text()
-    again = sweep_in_process(capsys, grid_sweep.spec, "--run-trial", "1")
+    again = run_sweep(grid_sweep.env, grid_sweep.spec, "--run-trial", "1")
     assert again.code == 0 and "sweep: trial-001 is already complete" in again.stdout
     assert log.read_text() == kept
 
 
 @pytest.mark.integration
-def test_a_changed_spec_is_refused_on_an_existing_study(grid_sweep, tmp_path, capsys):
-    """trial-001 of another grid is other settings: resuming would mix two sweeps in one study and table."""
+def test_another_sweep_is_refused_on_a_sweeps_folder(grid_sweep, tmp_path):
+    """One spec, one sweep: a changed grid, fixed setting, or setting variable of the shell (which the trials
+    inherit) makes other trials, so a resume, --summarize and --run-trial (each Slurm array task) refuse the
+    folder, untouched, rather than show trial-000's result under values it was not trained with."""
+    out = grid_sweep.out
+    kept = snapshot(out)
     spec = yaml.safe_load(grid_sweep.spec.read_text())
-    spec["grid"]["learning_rate"] = [1.0e-3, 3.0e-2]
-    result = sweep_in_process(capsys, write_spec(tmp_path, "changed", **spec))
-    assert_refusal(result, [str(grid_sweep.out / "study.db"), "trial-000", "'learning_rate': 0.001", "output_dir"])
-    assert "sweep: start" not in result.stdout
+    spec["grid"]["learning_rate"] = [5.0e-4, 1.0e-2]
+    changed = write_spec(tmp_path, "changed", **spec)
+    for args in ([], ["--summarize"], ["--run-trial", "0"]):
+        result = run_sweep(grid_sweep.env, changed, *args)
+        assert_refusal(
+            result, [str(out), "trial-000 ran with LEARNING_RATE=0.001; now LEARNING_RATE=0.0005", "output_dir"]
+        )
+        assert "sweep: start" not in result.stdout
     spec = yaml.safe_load(grid_sweep.spec.read_text())
     spec["settings"]["MAX_STEPS"] = "4"
-    result = sweep_in_process(capsys, write_spec(tmp_path, "longer", **spec))
-    assert_refusal(result, [str(grid_sweep.out / "study.db"), "MAX_STEPS", "output_dir"])
-    assert study_states(grid_sweep.out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
+    result = run_sweep(grid_sweep.env, write_spec(tmp_path, "longer", **spec))
+    assert_refusal(result, [str(out), "MAX_STEPS=3; now MAX_STEPS=4", "output_dir"])
+    result = run_sweep({**grid_sweep.env, "LORA_DROPOUT": "0.2"}, grid_sweep.spec)
+    assert_refusal(result, [str(out), "LORA_DROPOUT=<unset>; now LORA_DROPOUT=0.2", "setting variables"])
+    assert snapshot(out) == kept
+    assert study_states(out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
 
 
 @pytest.mark.integration
@@ -265,7 +282,11 @@ REFUSALS = [
     ({"grid": {"lora_r": [0, 8]}}, ["trial-000", "LORA_R=0", "1 to 4096"]),
     ({"grid": {"learning_rate": []}}, ["grid.learning_rate", "learning_rate: ["]),
     ({"grid": {}}, ["grid: ", "grid: {learning_rate"]),
-    ({"metric": "acuracy"}, ["metric='acuracy'", "accuracy, f1"]),
+    ({"grid": {"lora_r": [8, "8"]}}, ["grid.lora_r", "8", "list each value once"]),
+    ({"grid": {"lora_r": list(range(1, 101)), "seed": list(range(11))}}, ["grid: 1100 points", "1000"]),
+    ({"metric": "acuracy"}, ["metric='acuracy'", "did you mean accuracy?", "accuracy, f1"]),
+    ({"metric": "accuracy_mm"}, ["metric='accuracy_mm'", "accuracy, f1"]),  # MNLI's name in other tools, not here
+    ({"settings": {"task": "stsb"}, "metric": "spearmanr"}, ["spearmanr", "TASK=stsb", "did you mean spearman?"]),
     ({"direction": "up"}, ["direction='up'", "maximize", "minimize"]),
     (
         {"grid": None, "random": {"learning_rate": {"low": 1e-3, "high": 1e-4}}, "trials": 2},
@@ -275,13 +296,29 @@ REFUSALS = [
         {"grid": None, "random": {"learning_rate": {"low": 0, "high": 1e-3, "log": True}}, "trials": 2},
         ["random.learning_rate", "log", "low=0;"],
     ),
+    (
+        {"grid": None, "random": {"lora_r": {"low": 1.2, "high": 1.8, "type": "int"}}, "trials": 2},
+        ["random.lora_r", "whole numbers", "low=1.2", "type: float"],
+    ),
+    (
+        {"grid": None, "random": {"lora_r": {"low": 0.5, "high": 8, "log": True, "type": "int"}}, "trials": 2},
+        ["random.lora_r", "low=0.5"],
+    ),
     ({"grid": None, "random": {"lora_r": [4, 8]}}, ["trials: N", "trials=None"]),
+    ({"grid": None, "random": {"lora_r": [4, 8]}, "trials": 100000000}, ["trials=100000000", "1 to 1000"]),
+    ({"seed": "abc"}, ["seed='abc'", "seed: 0"]),
+    ({"seed": -1}, ["seed=-1", "seed: 0"]),
+    ({"seed": "null"}, ["seed=None", "seed: 0"]),
     ({"random": {"seed": [1, 2]}, "trials": 2}, ["grid and random"]),
     ({"settings": {"OUTPUT_DIR": "/tmp/x"}}, ["settings", "OUTPUT_DIR", "output_dir"]),
-    ({"settings": {"result_model_id": "me/x"}}, ["settings", "result_model_id", "push: true"]),
+    ({"settings": {"result_model_id": "me/x"}}, ["settings", "result_model_id", "push: OWNER/NAME"]),
+    ({"settings": {"RESULT_MERGED_MODEL_ID": "me/x"}}, ["settings", "RESULT_MERGED_MODEL_ID", "push: OWNER/NAME"]),
     ({"output_dir": None}, ["bad.yaml", "output_dir"]),
     ({"backend": "ray"}, ["backend='ray'", "local, slurm, katib"]),
     ({"config": "no-such-recipe.yaml"}, ["trial-000", "CONFIG_FILE=no-such-recipe.yaml", "--config"]),
+    ({"backend": "slurm", "slurm": {"gpus": True}}, ["slurm.gpus=True", "gpus: 0"]),
+    ({"backend": "katib", "katib": {"image": "me/x"}}, ["katib: unknown key(s) ['image']", "k8s/pytorchjob.yaml"]),
+    ({"backend": "katib", "name": "My_Sweep"}, ["name='My_Sweep'", "Kubernetes name", "name: sst2-sweep"]),
 ]
 
 
@@ -296,10 +333,47 @@ def test_bad_spec_is_refused_before_any_trial_starts(change, names, tmp_path, ca
         elif value is None:
             spec.pop(key)
         else:
-            spec[key] = value
+            spec[key] = None if value == "null" else value
     result = sweep_in_process(capsys, write_spec(tmp_path, "bad", **spec))
     assert_refusal(result, names)
     assert not out.exists()  # before anything was run or written
+
+
+@pytest.mark.check
+def test_what_is_not_a_spec_or_a_place_to_write_is_refused_in_one_line(tmp_path, capsys, sweep_data):
+    """A folder, binary bytes or a FIFO (which would wait for a writer for ever) as the spec; output_dir a file;
+    -o a folder; --summarize on a Katib sweep, whose trial folders Katib names: one error: line each, exit 2."""
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    (tmp_path / "binary.yaml").write_bytes(b"grid: {lora_r: [4]}\n\xff\xfe")
+    for path, names in [
+        (tmp_path, [str(tmp_path), "not a regular file"]),
+        (fifo, [str(fifo), "not a regular file"]),
+        (tmp_path / "binary.yaml", ["binary.yaml", "not UTF-8"]),
+    ]:
+        assert_refusal(sweep_in_process(capsys, path), names)
+    a_file = tmp_path / "taken"
+    a_file.write_text("someone's notes\n")
+    spec = write_spec(tmp_path, "onfile", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(a_file))
+    assert_refusal(sweep_in_process(capsys, spec), [f"output_dir={a_file}", "is a file"])
+    assert a_file.read_text() == "someone's notes\n"
+    katib = write_spec(tmp_path, "katib", grid={"lora_r": [4, 8]}, backend="katib", output_dir="/pvc-home/s")
+    assert_refusal(sweep_in_process(capsys, katib, "-o", tmp_path), ["-o", str(tmp_path), "is a folder"])
+    assert_refusal(sweep_in_process(capsys, katib, "--summarize"), ["--summarize", "kubectl get experiment katib"])
+
+
+@pytest.mark.check
+def test_grid_values_stay_the_text_they_are_written_as(tmp_path, capsys, sweep_data):
+    """ "001" and "1" are two run names; only the exponent form YAML 1.1 misses (1e-3) is read as a number."""
+    spec = write_spec(
+        tmp_path,
+        "names",
+        settings=sweep_data,
+        grid={"run_name": ["001", "1"], "learning_rate": ["1e-3"]},
+        output_dir=str(tmp_path / "out"),
+    )
+    trials = sweep_in_process(capsys, spec, "--dry-run").json()["trials"]
+    assert [(t["settings"]["RUN_NAME"], t["params"]["learning_rate"]) for t in trials] == [("001", 1e-3), ("1", 1e-3)]
 
 
 @pytest.mark.check
@@ -469,6 +543,7 @@ def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys
             "OUTPUT_DIR": "/pvc-home/sweeps/sst2/${trialSpec.Name}",
             "RUN_NAME": "${trialSpec.Name}",
             "RESULT_MODEL_ID": "me/bert-sst2-${trialSpec.Name}",
+            "RESULT_MERGED_MODEL_ID": "",  # blank over the ConfigMap's: the job reads it as unset
         }
     assert body["trialTemplate"]["primaryPodLabels"] == {"training.kubeflow.org/job-role": "master"}
     referenced = {m.group(1) for m in re.finditer(r"\$\{trialParameters\.(\w+)\}", json.dumps(job))}
