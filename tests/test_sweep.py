@@ -23,6 +23,7 @@ import yaml
 
 from scripts.make_demo_assets import write_dataset
 from tests.conftest import (
+    FAKE_TOKEN,
     K8S,
     REPO,
     SCHEMAS,
@@ -36,6 +37,7 @@ from tests.conftest import (
     strict,
     wait_until,
 )
+from utils.tasks import headline
 
 SWEEP = REPO / "sweep.py"
 KATIB_API = SCHEMAS / "katib.v1beta1.swagger.json"
@@ -374,6 +376,112 @@ def test_grid_values_stay_the_text_they_are_written_as(tmp_path, capsys, sweep_d
     )
     trials = sweep_in_process(capsys, spec, "--dry-run").json()["trials"]
     assert [(t["settings"]["RUN_NAME"], t["params"]["learning_rate"]) for t in trials] == [("001", 1e-3), ("1", 1e-3)]
+
+
+def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_data):
+    """A folder another tool wrote (a checkpoint, a model, notes) is refused whole and left as it was, as main.py
+    refuses one; the sweep's own folder (sweep.json) still refuses a trial folder it did not make."""
+    out = tmp_path / "sweep"
+    planted = {
+        out / "trial-000" / "checkpoints" / "checkpoint-500" / "optimizer.pt": b"theirs",
+        out / "trial-000" / "model" / "model.safetensors": b"theirs",
+        out / "summary.md": b"# my notes\n",
+    }
+    for path, data in planted.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    spec = write_spec(tmp_path, "theirs", settings=sweep_data, grid={"lora_r": [4, 8]}, output_dir=str(out))
+    for args in ([], ["--summarize"], ["--run-trial", "0"]):
+        result = sweep_in_process(capsys, spec, *args)
+        assert_refusal(result, [f"output_dir={out}", "summary.md, trial-000", "sweep.json", "empty or new folder"])
+        assert snapshot(out) == planted
+
+    fresh = tmp_path / "fresh"
+    spec = write_spec(tmp_path, "ours", settings=sweep_data, grid={"lora_r": [4, 8]}, output_dir=str(fresh))
+    env = base_env(tmp_path)
+    summary = run_sweep(env, spec, "--summarize")  # claims the empty folder: nothing run yet
+    assert summary.code == 0 and "2 pending" in summary.stdout
+    assert json.loads((fresh / "sweep.json").read_text())["trials"]["trial-001"]["LORA_R"] == "8"
+    theirs = fresh / "trial-001" / "model" / "model.safetensors"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"theirs")
+    result = run_sweep(env, spec, "--run-trial", "1")
+    assert_refusal(result, [str(fresh / "trial-001"), "not a run folder of this job", "model"])
+    assert sorted(p.name for p in (fresh / "trial-001").rglob("*")) == ["model", "model.safetensors"]
+
+
+@pytest.mark.check
+def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_data):
+    """The recipe's content makes the trials' settings as the spec does: an edited recipe is another sweep. A Hub
+    repo in it would have every trial push over the last: refused, as push: is the spec's."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lora_alpha: 16\n")
+    out = tmp_path / "out"
+    spec = write_spec(
+        tmp_path, "uses-recipe", settings=sweep_data, config=str(recipe), grid={"lora_r": [4, 8]}, output_dir=str(out)
+    )
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0
+    recipe.write_text("lora_alpha: 32\n")
+    assert_refusal(
+        sweep_in_process(capsys, spec, "--summarize"), [str(out), "its recipe was", str(recipe), "output_dir"]
+    )
+    recipe.write_text("lora_alpha: 16\n")
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0  # restored: the same sweep again
+
+    pushing = tmp_path / "pushing-recipe.yaml"
+    pushing.write_text("result_merged_model_id: me/merged\nmerge_adapter: true\n")
+    spec = write_spec(
+        tmp_path, "pushing", settings=sweep_data, config=str(pushing), grid={"lora_r": [4]}, output_dir=str(out)
+    )
+    result = sweep_in_process(capsys, spec)
+    assert_refusal(result, [f"CONFIG_FILE={pushing}", "result_merged_model_id: me/merged", "push: OWNER/NAME"])
+
+
+def test_the_token_is_masked_in_what_the_sweep_prints(tmp_path, sweep_data):
+    spec = write_spec(tmp_path, "token", settings=sweep_data, grid={"lora_r": [4]}, metric=FAKE_TOKEN, output_dir=".")
+    result = run_sweep(base_env(tmp_path, HF_TOKEN=FAKE_TOKEN), spec)
+    assert_refusal(result, ["metric='***'"])
+    assert FAKE_TOKEN not in result.stdout + result.stderr
+
+
+@pytest.mark.check
+def test_metrics_are_the_tasks_own_and_checked_before_any_trial(tmp_path, capsys):
+    """What a spec may rank by is what the task's metrics.json holds; on MNLI `accuracy` means the matched split's
+    (the job's best-checkpoint metric). Katib's objective is the metric as the job's last stdout line names it."""
+
+    def planned(task: str, metric: str, **spec) -> Result:
+        path = write_spec(
+            tmp_path, "metric", settings={"task": task}, grid={"lora_r": [4, 8]}, metric=metric, output_dir="o", **spec
+        )
+        return sweep_in_process(capsys, path, *(() if spec else ("--dry-run",)))
+
+    for task, metric, key, direction in [
+        ("mnli", "accuracy", "eval_matched_accuracy", "maximize"),
+        ("mnli", "eval_mismatched_accuracy", "eval_mismatched_accuracy", "maximize"),
+        ("mnli", "loss", "eval_matched_loss", "minimize"),
+        ("stsb", "spearman", "eval_spearman", "maximize"),
+        ("stsb", "mse", "eval_mse", "minimize"),
+        ("cola", "matthews_correlation", "eval_matthews_correlation", "maximize"),
+    ]:
+        shown = planned(task, metric).json()
+        assert (shown["metric_key"], shown["direction"]) == (key, direction), (task, metric)
+    assert_refusal(planned("mnli", "matched_acc"), ["TASK=mnli", "did you mean matched_accuracy?"])
+    assert_refusal(planned("stsb", "accuracy"), ["metric='accuracy'", "TASK=stsb", "pearson, spearman, mse"])
+
+    mnli = yaml.safe_load(planned("mnli", "accuracy", backend="katib").stdout)
+    assert schema_errors(katib_schema(), mnli) == []
+    assert mnli["spec"]["objective"] == {
+        "type": "maximize",
+        "objectiveMetricName": "eval_matched_accuracy",
+        "additionalMetricNames": ["eval_mismatched_accuracy"],
+    }
+    # the collector's pattern reads both from the line the job prints (utils/tasks.headline)
+    line = headline({"eval_matched_accuracy": 0.71, "eval_mismatched_accuracy": 0.69, "eval_matched_f1": 0.7})
+    (pattern,) = mnli["spec"]["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
+    assert dict(re.findall(pattern, line)) == {"eval_matched_accuracy": "0.7100", "eval_mismatched_accuracy": "0.6900"}
+    stsb = yaml.safe_load(planned("stsb", "pearson", backend="katib").stdout)
+    assert stsb["spec"]["objective"] == {"type": "maximize", "objectiveMetricName": "eval_pearson"}
+    assert_refusal(planned("stsb", "spearman", backend="katib"), ["metric=spearman", "metric: pearson"])
 
 
 @pytest.mark.check
