@@ -25,13 +25,16 @@ from scripts.make_demo_assets import write_dataset
 from tests.conftest import (
     FAKE_TOKEN,
     K8S,
+    MERGED_ID,
     REPO,
+    REPO_ID,
     SCHEMAS,
     Result,
     assert_refusal,
     base_env,
     crd_schema,
     load_manifest,
+    push_settings,
     run_script,
     schema_errors,
     strict,
@@ -275,6 +278,75 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
     assert len(FINAL_LINE.findall(rerun_log)) == 1 and json.loads((out / "trial-001" / "metrics.json").read_text())
     table = [line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| ")]
     assert "trial-002" in table[-1] and "failed" in table[-1]  # unranked trials after the ranked ones
+
+
+@pytest.mark.integration
+def test_trials_push_only_where_the_spec_says_and_a_failed_push_is_a_failed_trial(tmp_path, sweep_data, hub):
+    """RESULT_MODEL_ID and RESULT_MERGED_MODEL_ID in the shell reach no trial (each would push over the last);
+    `push: OWNER/NAME` is where each trial pushes. The Hub stand-in refuses the commits: each trial trains, writes
+    metrics.json with the metric and exits 3, so it is failed, never complete, and the sweep, in which no trial
+    completed, exits non-zero."""
+    hub.fail("commit", 400, 400)
+    out = tmp_path / "sweep"
+    env = base_env(tmp_path, **push_settings(hub), RESULT_MERGED_MODEL_ID=MERGED_ID, MERGE_ADAPTER="true")
+    spec = write_spec(
+        tmp_path, "push", settings=sweep_data, grid={"lora_r": [4, 8]}, push="tester/sweep", output_dir=str(out)
+    )
+    result = run_sweep(env, spec)
+    assert result.code == 1, result.stderr[-3000:]
+    assert "sweep: no trial completed" in result.stderr and "Traceback" not in result.stderr
+    touched = {m.group(1) for _, path in hub.requests if (m := re.search(r"/api/models/([^/]+/[^/]+)/", path))}
+    assert touched == {"tester/sweep-trial-000", "tester/sweep-trial-001"}
+    assert not any(REPO_ID in path or MERGED_ID in path for _, path in hub.requests) and hub.commits == []
+    rows = read_csv(out / "summary.csv")
+    assert [(r["trial"], r["status"], r["accuracy"]) for r in rows] == [
+        ("trial-000", "failed", ""),
+        ("trial-001", "failed", ""),
+    ]
+    for row in rows:
+        folder = out / row["trial"]
+        assert "eval_accuracy" in json.loads((folder / "metrics.json").read_text())
+        assert json.loads((folder / "trial.json").read_text())["exit_code"] == 3
+        assert not json.loads((folder / "run.json").read_text())["settings"].get("result_merged_model_id")
+
+
+@pytest.mark.integration
+def test_sigterm_and_ctrl_c_stop_the_sweep_once_the_running_trial_is_told(tmp_path, sweep_data):
+    """A stopped sweep tells its running trial (which checkpoints and exits 143, or 130 after Ctrl-C), starts no
+    other, and exits with the same code after one line; run again, it resumes the trial."""
+    out = tmp_path / "sweep"
+    settings = {**sweep_data, "MAX_STEPS": "1000000", "SAVE_STEPS": "1000000"}  # trains until told to stop
+    spec = write_spec(tmp_path, "stop", settings=settings, grid={"lora_r": [4, 8]}, output_dir=str(out))
+    trial_log = out / "trial-000" / "trial.log"
+    for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        log = tmp_path / f"sweep-{code}.log"
+        started = trial_log.read_text().count("first training step") if trial_log.exists() else 0
+        with open(log, "w") as handle:
+            sweep = subprocess.Popen(
+                [sys.executable, str(SWEEP), str(spec)], env=base_env(tmp_path), cwd=REPO, stdout=handle, stderr=handle
+            )
+            try:
+                wait_until(
+                    lambda started=started: (
+                        trial_log.exists() and trial_log.read_text().count("first training step") > started
+                    ),
+                    "trial-000 training",
+                    [sweep],
+                    log=log,
+                    every=0.2,
+                )
+                sweep.send_signal(signum)
+                assert sweep.wait(timeout=300) == code, log.read_text()[-3000:]
+            finally:
+                if sweep.poll() is None:
+                    sweep.kill()
+        text = log.read_text()
+        assert "Traceback" not in text and "sweep: start trial-001" not in text, text[-3000:]
+        assert len(re.findall(r"^sweep: stopped by ", text, re.M)) == 1
+        assert json.loads((out / "trial-000" / "trial.json").read_text())["exit_code"] == code
+        assert not (out / "trial-001").exists()
+        assert list((out / "trial-000" / "checkpoints").glob("checkpoint-*/COMPLETE"))  # what the rerun resumes from
+    assert "sweep: start trial-000" in (tmp_path / "sweep-130.log").read_text()  # the second run resumed it
 
 
 # ------------------------------------------------------------------------------- refusals
