@@ -40,6 +40,7 @@ from tests.conftest import (
     strict,
     wait_until,
 )
+from tests.test_tasks import write_mnli
 from utils.tasks import headline
 
 SWEEP = REPO / "sweep.py"
@@ -581,6 +582,62 @@ def test_random_search_draws_the_same_trials_in_range(tmp_path, capsys, sweep_da
         assert isinstance(t["params"]["seed"], int) and 1 <= t["params"]["seed"] <= 99
         assert t["settings"]["LEARNING_RATE"] == str(t["params"]["learning_rate"])
     assert len({t["params"]["learning_rate"] for t in trials}) == 6
+
+
+# ------------------------------------------------------------------------------- the docs' examples
+DOC_SPECS = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "sweeps.md").read_text(), re.S)
+EXAMPLE_SPECS = sorted((REPO / "examples" / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.check
+def test_every_example_spec_plans_as_written(tmp_path, capsys, monkeypatch):
+    """Each spec of docs/sweeps.md and examples/sweeps/, as written, from the checkout (their relative paths'
+    base): planned, its metric found in its task's metrics.json, nothing written."""
+    assert len(DOC_SPECS) == 3 and len(EXAMPLE_SPECS) == 4
+    monkeypatch.chdir(REPO)
+    for index, text in enumerate(DOC_SPECS):
+        path = tmp_path / f"doc-{index}.yaml"
+        path.write_text(text)
+        EXAMPLE_SPECS.append(path)
+    for path in EXAMPLE_SPECS:
+        result = sweep_in_process(capsys, path, "--dry-run")
+        assert result.code == 0, (path, result.stderr)
+        planned = result.json()
+        assert planned["trials"] and planned["metric_key"].startswith("eval_"), path
+
+
+@pytest.mark.integration
+def test_the_docs_mnli_sweep_runs_as_written(tmp_path, tiny_bert):
+    """docs/sweeps.md's first spec, byte for byte, on MNLI-shaped pairs: the tiny model, small data and a few
+    steps come from the shell (which the job reads under the spec's settings), `recipes/` from the checkout."""
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    spec = tmp_path / "mnli-lr.yaml"
+    spec.write_text(DOC_SPECS[0])
+    data = write_mnli(tmp_path / "mnli", train=64, validation=24)
+    env = base_env(tmp_path, MODEL_NAME=str(tiny_bert), DATASET_PATH=str(data), MAX_STEPS="2", REPORT_TO="none")
+    result = run_script("sweep.py", env, spec, cwd=tmp_path, timeout=600)
+    assert result.code == 0, result.stderr[-3000:]
+    out = tmp_path / "output" / "sweeps" / "mnli-lr"
+    rows = read_csv(out / "summary.csv")
+    assert [(r["trial"], r["learning_rate"], r["status"]) for r in rows] == [
+        ("trial-000", "0.0001", "complete"),
+        ("trial-001", "0.0003", "complete"),
+    ]
+    for row in rows:
+        metrics = json.loads((out / row["trial"] / "metrics.json").read_text())
+        assert float(row["accuracy"]) == metrics["eval_matched_accuracy"]  # on MNLI, `accuracy` is the matched split's
+        assert json.loads((out / row["trial"] / "run.json").read_text())["settings"]["task"] == "mnli"
+    assert re.search(r"^Best: trial-00\d, accuracy = ", (out / "summary.md").read_text(), re.M)
+    # the docs' Katib spec for MNLI reads its objective and the mismatched accuracy from the line a trial printed
+    katib = tmp_path / "mnli-katib.yaml"
+    katib.write_text(DOC_SPECS[2])
+    objective = yaml.safe_load(run_script("sweep.py", env, katib, cwd=tmp_path, timeout=120).stdout)["spec"]
+    (pattern,) = objective["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
+    final = re.findall(r"^eval_matched_accuracy=.*$", (out / "trial-000" / "trial.log").read_text(), re.M)[-1]
+    found = {name: float(value) for name, value in re.findall(pattern, final)}
+    metrics = json.loads((out / "trial-000" / "metrics.json").read_text())
+    for name in (objective["objective"]["objectiveMetricName"], *objective["objective"]["additionalMetricNames"]):
+        assert found[name] == pytest.approx(metrics[name], abs=1e-4), name
 
 
 # ------------------------------------------------------------------------------- slurm backend
