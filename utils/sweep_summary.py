@@ -15,12 +15,11 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
-from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.outputs import RunDir, claim_run_dir, is_run_folder
+from utils.outputs import RunDir, claim_run_dir, refuse_foreign
 from utils.sweep import Spec, Trial, metric_value, setting_value
 
 TRIAL_RECORD = "trial.json"
@@ -37,13 +36,8 @@ class Row:
 def record_trial(folder: Path, spec: Spec, trial: Trial, **fields) -> None:
     """Write (or update) the trial's record in its folder: settings, then its outcome."""
     run = RunDir(folder.resolve())
-    if not is_run_folder(run):  # main.py's own test: a folder another tool wrote stays as it is
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{folder} is not empty and is not a run folder of this job (it holds {', '.join(sorted(os.listdir(folder))[:5])}); "
-            "the job deletes and replaces files in its run folder, so the sweep leaves it untouched: "
-            "give the spec a new output_dir, or move that folder away",
-        )
+    # main.py's own refusal of a folder another tool wrote (it needs the folder's name only): left as it is.
+    refuse_foreign(run, SimpleNamespace(output_dir=folder))
     folder.mkdir(parents=True, exist_ok=True)
     # The trial's folder is its run's OUTPUT_DIR: marked as the job's before the sweep's own files go in, or
     # main.py would refuse it as someone else's folder.
