@@ -485,8 +485,9 @@ def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_
 
 @pytest.mark.check
 def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_data):
-    """The recipe's content makes the trials' settings as the spec does: an edited recipe is another sweep. A Hub
-    repo in it would have every trial push over the last: refused, as push: is the spec's."""
+    """The recipe's content makes the trials' settings as the spec does: an edited recipe is another sweep; more
+    random draws are the same one, extended. A Hub repo in a recipe would have every trial push over the last:
+    refused, as push: is the spec's."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("lora_alpha: 16\n")
     out = tmp_path / "out"
@@ -500,6 +501,16 @@ def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_
     )
     recipe.write_text("lora_alpha: 16\n")
     assert sweep_in_process(capsys, spec, "--summarize").code == 0  # restored: the same sweep again
+
+    # more draws of the same seed extend the sweep, as more trials extend an Optuna study: the first two are kept
+    draws = {"settings": sweep_data, "random": {"learning_rate": {"low": 1e-4, "high": 1e-2}}, "seed": 7}
+    spec = write_spec(tmp_path, "draws", trials=2, output_dir=str(tmp_path / "draws"), **draws)
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0
+    first = json.loads((tmp_path / "draws" / "sweep.json").read_text())["trials"]
+    spec = write_spec(tmp_path, "draws", trials=3, output_dir=str(tmp_path / "draws"), **draws)
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0
+    extended = json.loads((tmp_path / "draws" / "sweep.json").read_text())["trials"]
+    assert list(extended) == ["trial-000", "trial-001", "trial-002"] and {**extended, **first} == extended
 
     pushing = tmp_path / "pushing-recipe.yaml"
     pushing.write_text("result_merged_model_id: me/merged\nmerge_adapter: true\n")

@@ -462,9 +462,10 @@ def metric_value(metrics: dict, key: str) -> float | None:
 # ------------------------------------------------------------------------------- the sweep's folder
 def open_sweep_dir(spec: Spec, identity: dict) -> None:
     """Claim output_dir for this sweep: a new or empty folder, or this same sweep's (its sweep.json holds the same
-    identity). A folder another tool wrote is refused untouched, as main.py refuses one for OUTPUT_DIR (the sweep
-    replaces files in its trials' folders and its summary); another sweep's is refused too, so a resume, a
-    `--run-trial` or a summary never shows a result under values it was not trained with."""
+    recipe and, for every trial both name, the same settings; more random draws of the same seed extend it, as
+    more trials extend an Optuna study). A folder another tool wrote is refused untouched, as main.py refuses one
+    for OUTPUT_DIR (the sweep replaces files in its trials' folders and its summary); another sweep's is refused
+    too, so a resume, a `--run-trial` or a summary never shows a result under values it was not trained with."""
     out = spec.output_dir
     record = out / SWEEP_RECORD
     fix = "give this spec a new output_dir, or restore the spec, recipe and setting variables the sweep was made with"
@@ -473,8 +474,12 @@ def open_sweep_dir(spec: Spec, identity: dict) -> None:
             theirs = json.loads(record.read_text())
         except (OSError, ValueError) as exc:
             raise refused(f"{record} cannot be read ({exc}); {fix}") from None
-        if theirs != identity:
-            raise refused(f"{out} holds another sweep ({identity_change(theirs, identity)}); {fix}")
+        if change := identity_change(theirs, identity):
+            raise refused(f"{out} holds another sweep ({change}); {fix}")
+        # every trial ever planned here stays recorded: a later spec naming it again is checked against it
+        known = {"trials": {**theirs["trials"], **identity["trials"]}, "recipe": identity["recipe"]}
+        if known != theirs:
+            write_sweep_record(record, known)
         return
     ours = {SWEEP_RECORD, ".sweep.lock", "lost+found"}
     names = (
@@ -488,29 +493,34 @@ def open_sweep_dir(spec: Spec, identity: dict) -> None:
             f"output_dir={out} is not empty and is not a folder of this sweep (it holds {shown}, and no {SWEEP_RECORD}); "
             "the sweep deletes and replaces files in its folders, so it leaves this one untouched: use an empty or new folder"
         )
+    write_sweep_record(record, identity)
+
+
+def write_sweep_record(record: Path, identity: dict) -> None:
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{SWEEP_RECORD}.{os.getpid()}"
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_name(f".{SWEEP_RECORD}.{os.getpid()}")
         tmp.write_text(json.dumps(identity, indent=2) + "\n")
         tmp.replace(record)
     except OSError as exc:
-        raise refused(f"output_dir={out} is not writable ({exc.strerror}); give a writable folder") from None
+        raise refused(f"output_dir={record.parent} is not writable ({exc.strerror}); give a writable folder") from None
 
 
-def identity_change(theirs: dict, ours: dict) -> str:
-    """The first input that differs between two sweeps' identities, as the user would fix it."""
+def identity_change(theirs: dict, ours: dict) -> str | None:
+    """The first input that differs between a sweep's recorded identity and this spec's, as the user would fix it;
+    None when they are the same sweep."""
     if theirs.get("recipe") != ours["recipe"]:
         old, new = theirs.get("recipe") or {}, ours["recipe"] or {}
-        return f"its recipe was {old.get('path')} (sha256 {str(old.get('sha256'))[:12]}), now {new.get('path')} (sha256 {str(new.get('sha256'))[:12]})"
-    old_trials, new_trials = theirs.get("trials", {}), ours["trials"]
-    for name in sorted(set(old_trials) | set(new_trials)):
-        old, new = old_trials.get(name), new_trials.get(name)
-        if old == new:
-            continue
-        if old is None or new is None:
-            return f"{len(old_trials)} trials, now {len(new_trials)}"
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))[:4]
-        was = ", ".join(f"{k}={old.get(k, '<unset>')}" for k in changed)
-        now = ", ".join(f"{k}={new.get(k, '<unset>')}" for k in changed)
-        return f"{name} ran with {was}; now {now}"
-    return "another record"
+        return (
+            f"its recipe was {old.get('path')} (sha256 {str(old.get('sha256'))[:12]}), "
+            f"now {new.get('path')} (sha256 {str(new.get('sha256'))[:12]})"
+        )
+    old_trials = theirs.get("trials", {})
+    for name, new in ours["trials"].items():
+        old = old_trials.get(name)
+        if old is not None and old != new:
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))[:4]
+            was = ", ".join(f"{k}={old.get(k, '<unset>')}" for k in changed)
+            now = ", ".join(f"{k}={new.get(k, '<unset>')}" for k in changed)
+            return f"{name} ran with {was}; now {now}"
+    return None
