@@ -2,7 +2,10 @@
 the summary built from the trial folders, a killed sweep resumed without rerunning a finished trial, a failed
 trial recorded while the others go on, refusals before any trial starts, and the Slurm array and the Katib
 Experiment rendered and validated (the Experiment against Katib's API definitions, its trial against the
-PyTorchJob CRD)."""
+PyTorchJob CRD). The job's rules hold for the sweep too: it claims only an empty folder or its own, one spec is
+one sweep (a resume, --summarize and --run-trial refuse another's folder), no trial pushes unless `push:` says
+(the Hub stand-in sees every request), metrics are the task's own, SIGTERM and Ctrl-C stop it after its trial is
+told, the token is masked, and docs/sweeps.md's examples run as written."""
 
 from __future__ import annotations
 
