@@ -388,7 +388,7 @@ def check_trials(spec: Spec, trials: list[Trial], environ: dict[str, str] | None
     shell's among them, and the recipe's content), which `open_sweep_dir` keeps with the trials' folders."""
     environ = os.environ if environ is None else environ
     found: dict[str, dict[str, str]] = {}
-    keys: dict[str, tuple[str, ...]] = {}
+    keys: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     for trial in trials:
         env = {k: v for k, v in job_environment(spec, trial, environ).items() if k.lower() in FIELDS}
         try:
@@ -404,9 +404,7 @@ def check_trials(spec: Spec, trials: list[Trial], environ: dict[str, str] | None
                 )
         names = metric_names(settings)
         key = metric_key(settings, spec.metric, names)
-        prefixes = [eval_prefix(split) for split in task_splits(settings)]
-        base = key.removeprefix(f"{prefixes[0]}_") if prefixes[0] else key
-        keys[key] = (names, tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes))
+        keys[key] = (names, on_each_split(settings, key))
         found[trial.name] = {k: v for k, v in sorted(env.items()) if k.lower() not in SECRET_SETTINGS}
     if len(keys) > 1:
         raise refused(
@@ -445,6 +443,14 @@ def metric_key(settings, metric: str, names: tuple[str, ...]) -> str:
     hint = f" (did you mean {close[0]}?)" if close else ""
     task = f"TASK={settings.task}" if settings.task else f"PROBLEM_TYPE={settings.problem_type}"
     raise refused(f"metric={metric!r} is not a metric the trials write ({task}){hint}; use one of {', '.join(names)}")
+
+
+def on_each_split(settings, key: str) -> tuple[str, ...]:
+    """The metric `key` (less `eval_`) on every validation split, as metrics.json names it: MNLI's
+    `matched_accuracy` -> eval_matched_accuracy, eval_mismatched_accuracy."""
+    prefixes = [eval_prefix(split) for split in task_splits(settings)]
+    base = next((key.removeprefix(f"{p}_") for p in prefixes if p and key.startswith(f"{p}_")), key)
+    return tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes)
 
 
 def describe(trial: Trial) -> str:
