@@ -534,7 +534,7 @@ def test_the_token_is_masked_in_what_the_sweep_prints(tmp_path, sweep_data):
 @pytest.mark.check
 def test_metrics_are_the_tasks_own_and_checked_before_any_trial(tmp_path, capsys):
     """What a spec may rank by is what the task's metrics.json holds; on MNLI `accuracy` means the matched split's
-    (the job's best-checkpoint metric). Katib's objective is the metric as the job's last stdout line names it."""
+    (the metric the job tracks as best). Katib's objective is the metric as the job's last stdout line names it."""
 
     def planned(task: str, metric: str, **spec) -> Result:
         path = write_spec(

@@ -434,7 +434,8 @@ def metric_names(settings) -> tuple[str, ...]:
 
 def metric_key(settings, metric: str, names: tuple[str, ...]) -> str:
     """The spec's `metric` as metrics.json names it (less `eval_`). A name without a split, on a task evaluated on
-    several (MNLI), means the first split's: `accuracy` is `matched_accuracy`, as the job's best checkpoint reads it."""
+    several (MNLI), means the first split's: `accuracy` is `matched_accuracy`, the metric the job tracks as best
+    (`metric_for_best_model`)."""
     first = eval_prefix(task_splits(settings)[0])
     for name in (metric, f"{first}_{metric}" if first else metric):
         if name in names:
