@@ -184,7 +184,7 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
                     print(f"sweep: end {trial.name}: complete, {spec.metric}={value:.4f} ({took:.0f} s)", flush=True)
                 else:
                     study.tell(asked, state=TrialState.FAIL)
-                    why = f"exit {code}" if code else f"no {spec.metric} in metrics.json"
+                    why = f"exit {code}" if code else f"no {spec.metric_key} in metrics.json"
                     log = spec.output_dir / trial.name / "trial.log"
                     print(f"sweep: end {trial.name}: failed ({why}; see {log})", flush=True)
         finally:
