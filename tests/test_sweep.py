@@ -366,6 +366,8 @@ REFUSALS = [
     ({"metric": "accuracy_mm"}, ["metric='accuracy_mm'", "accuracy, f1"]),  # MNLI's name in other tools, not here
     ({"settings": {"task": "stsb"}, "metric": "spearmanr"}, ["spearmanr", "TASK=stsb", "did you mean spearman?"]),
     ({"direction": "up"}, ["direction='up'", "maximize", "minimize"]),
+    ({"metrics": "f1"}, ["bad.yaml", "unknown key 'metrics'", "did you mean metric?"]),
+    ({"parallel": True}, ["parallel=True", "valid integer", "at least 1"]),  # strict: `true` is no count
     (
         {"grid": None, "random": {"learning_rate": {"low": 1e-3, "high": 1e-4}}, "trials": 2},
         ["random.learning_rate", "low=0.001", "high=0.0001"],

@@ -22,8 +22,10 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import FIELDS, SECRET_SETTINGS, env_name, load_settings
@@ -31,7 +33,6 @@ from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix
 from utils.tasks import validation_splits as task_splits
 
 BACKENDS = ("local", "slurm", "katib")
-DIRECTIONS = ("maximize", "minimize")
 # Each trial is a training run, and Slurm's default MaxArraySize (1001) takes array indexes 0-1000: a bigger
 # sweep is a typo (trials: 100000000) or a grid nobody means to pay for.
 MAX_TRIALS = 1000
@@ -43,23 +44,6 @@ HUB_DESTINATIONS = ("RESULT_MODEL_ID", "RESULT_MERGED_MODEL_ID")
 # stays the text it is.
 EXPONENT_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 SWEEP_RECORD = "sweep.json"  # in output_dir: the sweep's identity, and its claim on the folder
-SPEC_KEYS = (
-    "name",
-    "settings",
-    "config",
-    "grid",
-    "random",
-    "trials",
-    "seed",
-    "metric",
-    "direction",
-    "parallel",
-    "backend",
-    "output_dir",
-    "push",
-    "slurm",
-    "katib",
-)
 # The sweep owns these: every trial gets its own folder, and pushes only when the spec says so.
 OWNED = {
     "output_dir": "output_dir (at the top of the spec)",
@@ -71,6 +55,51 @@ RANGE_KEYS = {"low", "high", "log", "type"}
 
 def refused(message: str) -> JobError:
     return JobError(EXIT_BAD_INPUT, message)
+
+
+class SpecKeys(BaseModel):
+    """The spec's keys, each of its type and range (strict: `true` is no count, `"8"` no number); each description
+    is the fix its refusal names. The rules across keys, the settings and the search space are read_spec's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str | None = Field(None, min_length=1, description="name the sweep, e.g. name: lr-rank")
+    settings: dict | None = Field(None, description="settings: is a mapping of setting name to value")
+    config: str | None = Field(None, min_length=1, description="config: is the path of a recipe file")
+    grid: dict | None = Field(None, description="grid: is a mapping of setting name to a list of values")
+    random: dict | None = Field(None, description="random: is a mapping of setting name to a list or a range")
+    trials: int | None = Field(None, ge=1, le=MAX_TRIALS, description=f"trials: is how many draws, 1 to {MAX_TRIALS}")
+    seed: int = Field(
+        0, ge=0, lt=2**32, description=f"the draws' seed is a whole number, 0 to {2**32 - 1}, e.g. seed: 0"
+    )
+    metric: str = Field("accuracy", min_length=1, description="name a key of the trials' metrics.json")
+    direction: Literal["maximize", "minimize"] | None = Field(None, description="use maximize or minimize")
+    parallel: int = Field(1, ge=1, description="give how many trials run at once, at least 1")
+    backend: Literal["local", "slurm", "katib"] = Field("local", description=f"use one of {', '.join(BACKENDS)}")
+    output_dir: str = Field(min_length=1, description="set it to the folder for the trials and the summary")
+    push: str | bool = Field(
+        False, description="write push: OWNER/NAME (trial-003 pushes to OWNER/NAME-trial-003) or push: false"
+    )
+    slurm: dict | None = Field(None, description="slurm: is a mapping of the array's options")
+    katib: dict | None = Field(None, description="katib: takes no keys")
+
+
+def check_keys(path: Path, raw: dict) -> SpecKeys:
+    """The spec's keys by SpecKeys; the first thing wrong is one refusal naming the key, the value and the fix."""
+    try:
+        return SpecKeys.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = str(error["loc"][0]) if error["loc"] else ""
+        if error["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(key, list(SpecKeys.model_fields), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise refused(
+                f"{path}: unknown key {key!r}{hint}; a spec takes {', '.join(SpecKeys.model_fields)}"
+            ) from None
+        fix = SpecKeys.model_fields[key].description
+        if error["type"] == "missing":
+            raise refused(f"{path}: {key} is missing; {fix}") from None
+        raise refused(f"{key}={error['input']!r} is invalid: {error['msg']}; {fix}") from None
 
 
 @dataclass(frozen=True)
@@ -233,31 +262,17 @@ def read_spec(path: Path) -> Spec:
         raise refused(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
     if not isinstance(raw, dict):
         raise refused(f"{path}: a sweep spec is a mapping (settings, grid, random, metric, ...); see docs/sweeps.md")
-    unknown = sorted(set(raw) - set(SPEC_KEYS))
-    if unknown:
-        raise refused(f"{path}: unknown key(s) {unknown}; a spec takes {', '.join(SPEC_KEYS)}")
-
-    def mapping(key: str) -> dict:
-        value = raw.get(key) or {}
-        if not isinstance(value, dict):
-            raise refused(f"{key}: must be a mapping of setting name to value(s), got {type(value).__name__}")
-        return value
-
-    if not raw.get("output_dir"):
-        raise refused(f"{path}: output_dir is missing; set it to the folder for the trials and the summary")
-    spec = Spec(path=path, name=str(raw.get("name") or path.stem), output_dir=Path(str(raw["output_dir"])))
-    spec.settings = {env_name(setting_name(k, "settings")): setting_value(v) for k, v in mapping("settings").items()}
-    if raw.get("config") is not None:
-        spec.config = str(raw["config"])
-
-    for name, values in mapping("grid").items():
+    keys = check_keys(path, raw)
+    spec = Spec(path=path, name=keys.name or path.stem, output_dir=Path(keys.output_dir), config=keys.config)
+    spec.settings = {env_name(setting_name(k, "settings")): setting_value(v) for k, v in (keys.settings or {}).items()}
+    for name, values in (keys.grid or {}).items():
         key = setting_name(name, "grid")
         if not isinstance(values, list) or not values:
             raise refused(f"grid.{name}: an empty grid; give a list of at least one value, e.g. {name}: [1, 2]")
         spec.grid[key] = swept_values(f"grid.{name}", values)
-    if "grid" in raw and not spec.grid:
+    if keys.grid is not None and not spec.grid:
         raise refused("grid: an empty grid; give each swept setting a list, e.g. grid: {learning_rate: [1e-4, 3e-4]}")
-    for name, space in mapping("random").items():
+    for name, space in (keys.random or {}).items():
         key = setting_name(name, "random")
         if isinstance(space, list):
             if not space:
@@ -267,7 +282,7 @@ def read_spec(path: Path) -> Spec:
             spec.random[key] = parse_range(name, space)
         else:
             raise refused(f"random.{name}: give a list of values or a range {{low, high, log, type}}, got {space!r}")
-    if "random" in raw and not spec.random:
+    if keys.random is not None and not spec.random:
         raise refused("random: empty; give each drawn setting a list or a range {low, high, log, type}")
     if spec.grid and spec.random:
         raise refused(
@@ -279,52 +294,33 @@ def read_spec(path: Path) -> Spec:
         if env_name(key) in spec.settings:
             raise refused(f"{key} is both fixed (settings) and swept; remove it from settings")
 
-    trials = raw.get("trials")
     if spec.random:
-        if not isinstance(trials, int) or isinstance(trials, bool) or not 1 <= trials <= MAX_TRIALS:
-            raise refused(f"random search needs trials: N (how many draws, 1 to {MAX_TRIALS}), got trials={trials!r}")
-        spec.trials = trials
-    elif trials is not None:
+        if keys.trials is None:
+            raise refused(f"random search needs trials: N (how many draws, 1 to {MAX_TRIALS}), got trials=None")
+        spec.trials = keys.trials
+    elif keys.trials is not None:
         raise refused("trials: is for random search; a grid runs every point once, remove trials:")
     else:
         size = math.prod(len(values) for values in spec.grid.values())
         if size > MAX_TRIALS:
             raise refused(f"grid: {size} points, more than {MAX_TRIALS} trials; sweep fewer values, or draw random:")
-    seed = raw.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
-        raise refused(f"seed={seed!r}; the draws' seed is a whole number from 0 to {2**32 - 1}, e.g. seed: 0")
-    spec.seed = seed
-
-    metric = raw.get("metric", "accuracy")
-    if not isinstance(metric, str) or not metric.strip():
-        raise refused(f"metric={metric!r}; name a key of the trials' metrics.json, e.g. metric: accuracy")
-    spec.metric = metric.strip().removeprefix("eval_")  # checked against the task's metrics by check_trials
+    spec.seed, spec.parallel, spec.backend = keys.seed, keys.parallel, keys.backend
+    spec.metric = keys.metric.strip().removeprefix("eval_")  # checked against the task's metrics by check_trials
     lower = spec.metric.rsplit("_", 1)[-1] in {"loss", *LOWER_IS_BETTER}
-    spec.direction = str(raw.get("direction", "minimize" if lower else "maximize"))
-    if spec.direction not in DIRECTIONS:
-        raise refused(f"direction={spec.direction!r}; use maximize or minimize")
-    parallel = raw.get("parallel", 1)
-    if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
-        raise refused(f"parallel={parallel!r}; give how many trials run at once, at least 1")
-    spec.parallel = parallel
-    spec.backend = str(raw.get("backend", "local"))
-    if spec.backend not in BACKENDS:
-        raise refused(f"backend={spec.backend!r}; use one of {', '.join(BACKENDS)}")
+    spec.direction = keys.direction or ("minimize" if lower else "maximize")
     if spec.backend != "katib":  # a folder here (katib's is a path in the pods)
         spec.output_dir = spec.output_dir.resolve()
         if spec.output_dir.exists() and not spec.output_dir.is_dir():
             raise refused(f"output_dir={spec.output_dir} is a file; give a folder for the trials and the summary")
-    push = raw.get("push", False)
+    push = keys.push
     if push is True:
         push = os.environ.get("RESULT_MODEL_ID", "")
         if not push:
             raise refused("push: true reads the Hub repo from RESULT_MODEL_ID, which is unset; write push: OWNER/NAME")
-    if push is not False and (not isinstance(push, str) or not push):
-        raise refused(
-            f"push={push!r}; write push: OWNER/NAME (trial-003 pushes to OWNER/NAME-trial-003) or push: false"
-        )
+    if push == "":
+        raise refused(f"push=''; {SpecKeys.model_fields['push'].description}")
     spec.push = push or None
-    spec.slurm, spec.katib = mapping("slurm"), mapping("katib")
+    spec.slurm, spec.katib = keys.slurm or {}, keys.katib or {}
     return spec
 
 
