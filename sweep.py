@@ -8,8 +8,10 @@ by the spec's `backend` (docs/sweeps.md).
     python sweep.py SPEC.yaml --summarize     # summary.csv/md/png from the trial folders
     python sweep.py SPEC.yaml -o exp.yaml     # katib: write the Experiment (default: standard output)
 
-A spec that is wrong in any way (an unknown setting or value, an empty grid, an unknown metric, a bad range)
-is refused before any trial starts: one `error:` line saying the fix, exit 2.
+A spec that is wrong in any way (an unknown setting or value, an empty grid, a metric the trials will not write,
+a bad range) is refused before any trial starts: one `error:` line saying the fix, exit 2. A local sweep in which
+no trial completed exits 1; one stopped by SIGTERM or Ctrl-C exits 143 or 130 once its running trials have
+checkpointed (run it again to resume).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import sys
 from pathlib import Path
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.sweep import check_trials, plan_trials, read_spec
+from utils.hub_token import install_masking
+from utils.sweep import check_trials, open_sweep_dir, plan_trials, read_spec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,31 +49,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def sweep(args: argparse.Namespace) -> int:
     spec = read_spec(args.spec)
     trials = plan_trials(spec)
-    check_trials(spec, trials)
-
-    if args.run_trial is not None:
-        if not 0 <= args.run_trial < len(trials):
-            raise JobError(EXIT_BAD_INPUT, f"--run-trial {args.run_trial}: the sweep has trials 0..{len(trials) - 1}")
-        trial = trials[args.run_trial]
-        if args.dry_run:
-            print(
-                json.dumps({"trial": trial.name, "params": trial.params, "settings": spec.trial_env(trial)}, indent=2)
-            )
-            return 0
-        return run_one_trial(spec, trial)
+    identity = check_trials(spec, trials)
+    if args.run_trial is not None and not 0 <= args.run_trial < len(trials):
+        raise JobError(EXIT_BAD_INPUT, f"--run-trial {args.run_trial}: the sweep has trials 0..{len(trials) - 1}")
     if args.dry_run:
         rows = [{"trial": t.name, "params": t.params, "settings": spec.trial_env(t)} for t in trials]
-        print(
-            json.dumps(
-                {"backend": spec.backend, "metric": spec.metric, "direction": spec.direction, "trials": rows}, indent=2
-            )
-        )
+        if args.run_trial is not None:
+            shown = rows[args.run_trial]
+        else:
+            shown = {
+                "backend": spec.backend,
+                "metric": spec.metric,
+                "metric_key": spec.metric_key,  # where the trials' metrics.json holds it
+                "direction": spec.direction,
+                "trials": rows,
+            }
+        print(json.dumps(shown, indent=2))
         return 0
-    if args.summarize:
-        return summarize(spec, trials)
+    if args.output is not None and args.output.is_dir():
+        raise JobError(
+            EXIT_BAD_INPUT, f"-o {args.output} is a folder; give the file to write, e.g. -o {args.output}/sweep.yaml"
+        )
     if args.submit and spec.backend != "slurm":
         raise JobError(EXIT_BAD_INPUT, f"--submit is for backend: slurm; this spec's backend is {spec.backend}")
+    if spec.backend == "katib":
+        return render_katib(spec, trials, args)
+    script = None
+    if spec.backend == "slurm" and args.run_trial is None and not args.summarize:
+        from utils.sweep_slurm import render_array
 
+        script = render_array(spec, len(trials))  # its options refused before the folder is claimed
+
+    open_sweep_dir(spec, identity)  # the trials' folders, records and summary go there
+    if args.run_trial is not None:
+        return run_one_trial(spec, trials[args.run_trial])
+    if args.summarize:
+        return summarize(spec, trials)
     if spec.backend == "local":
         from utils.sweep_local import run_local
 
@@ -79,27 +93,34 @@ def sweep(args: argparse.Namespace) -> int:
             flush=True,
         )
         code = run_local(spec, trials)
-        return summarize(spec, trials) or code
-    if spec.backend == "slurm":
-        from utils.sweep_slurm import render_array
+        summarize(spec, trials)
+        return code
+    path = args.output or spec.output_dir / "sweep.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script)
+    path.chmod(0o755)
+    if not args.submit:
+        print(f"wrote {path} ({len(trials)} trials); submit it with: sbatch {path}", file=sys.stderr)
+        print(f"then, when the array is done: python sweep.py {args.spec} --summarize", file=sys.stderr)
+        return 0
+    if not shutil.which("sbatch"):
+        raise JobError(
+            EXIT_BAD_INPUT, f"--submit: no sbatch here; run it on a Slurm login node, or `sbatch {path}` there"
+        )
+    return subprocess.run(["sbatch", str(path)], check=False).returncode
 
-        script = render_array(spec, len(trials))
-        path = args.output or spec.output_dir / "sweep.sbatch"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(script)
-        path.chmod(0o755)
-        if not args.submit:
-            print(f"wrote {path} ({len(trials)} trials); submit it with: sbatch {path}", file=sys.stderr)
-            print(f"then, when the array is done: python sweep.py {args.spec} --summarize", file=sys.stderr)
-            return 0
-        if not shutil.which("sbatch"):
-            raise JobError(
-                EXIT_BAD_INPUT, f"--submit: no sbatch here; run it on a Slurm login node, or `sbatch {path}` there"
-            )
-        submitted = subprocess.run(["sbatch", str(path)], check=False)
-        return submitted.returncode
+
+def render_katib(spec, trials, args: argparse.Namespace) -> int:
+    """The Experiment; Katib runs, names and records the trials itself."""
     from utils.sweep_katib import experiment_yaml, render_experiment, write_experiment
 
+    if args.summarize or args.run_trial is not None:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{'--summarize' if args.summarize else '--run-trial'} reads the trial folders, which Katib names itself; a "
+            f"Katib sweep's results are its Experiment's: kubectl get experiment {spec.name} -o yaml "
+            "(status.currentOptimalTrial), or the Katib UI",
+        )
     if args.output:
         write_experiment(spec, len(trials), args.output)
         print(f"wrote {args.output}; create it with: kubectl apply -f {args.output}", file=sys.stderr)
@@ -109,7 +130,7 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def run_one_trial(spec, trial) -> int:
-    """One trial in this process's care; SIGTERM (Slurm's time limit) is passed on, so the job checkpoints."""
+    """One trial in this process's care; SIGTERM (Slurm's time limit) and Ctrl-C are passed on, so the job checkpoints."""
     from utils.sweep_local import pass_stop_signal, run_trial
     from utils.sweep_summary import collect_rows
 
@@ -118,6 +139,7 @@ def run_one_trial(spec, trial) -> int:
         print(f"sweep: {trial.name} is already complete, {spec.metric}={row.value:.4f}; not run again", flush=True)
         return 0
     signal.signal(signal.SIGTERM, pass_stop_signal)
+    signal.signal(signal.SIGINT, pass_stop_signal)
     print(f"sweep: start {trial.name}", flush=True)
     code, value = run_trial(spec, trial)
     outcome = f"complete, {spec.metric}={value:.4f}" if code == 0 and value is not None else f"failed (exit {code})"
@@ -135,10 +157,14 @@ def summarize(spec, trials) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        install_masking()  # the token, in any form, never shown: a spec value may hold it, as a refusal quotes it
         return sweep(parse_args(argv))
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code
+    except KeyboardInterrupt:  # Ctrl-C before the trials' handler is in place: nothing started to stop
+        print("sweep: interrupted (Ctrl-C) before any trial started", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

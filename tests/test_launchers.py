@@ -485,6 +485,7 @@ def test_rendered_batch_script_passes_bash_n_and_holds_the_allocation(tmp_path):
     [
         (["--set", "HF_TOKEN=hf_abc"], "secret"),
         (["--set", "NUM_EPOCHS=many"], "NUM_EPOCHS"),
+        (["--set", "LORA_RR=8"], "LORA_RR is not a setting of the job (did you mean LORA_R?)"),  # as sweep.py
         (["--time", "two hours"], "--time"),
         (["--container", "img"], "--shared-dir"),
     ],

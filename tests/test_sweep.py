@@ -2,13 +2,17 @@
 the summary built from the trial folders, a killed sweep resumed without rerunning a finished trial, a failed
 trial recorded while the others go on, refusals before any trial starts, and the Slurm array and the Katib
 Experiment rendered and validated (the Experiment against Katib's API definitions, its trial against the
-PyTorchJob CRD)."""
+PyTorchJob CRD). The job's rules hold for the sweep too: it claims only an empty folder or its own, one spec is
+one sweep (a resume, --summarize and --run-trial refuse another's folder), no trial pushes unless `push:` says
+(the Hub stand-in sees every request), metrics are the task's own, SIGTERM and Ctrl-C stop it after its trial is
+told, the token is masked, and docs/sweeps.md's examples run as written."""
 
 from __future__ import annotations
 
 import copy
 import csv
 import json
+import os
 import re
 import signal
 import sqlite3
@@ -22,19 +26,25 @@ import yaml
 
 from scripts.make_demo_assets import write_dataset
 from tests.conftest import (
+    FAKE_TOKEN,
     K8S,
+    MERGED_ID,
     REPO,
+    REPO_ID,
     SCHEMAS,
     Result,
     assert_refusal,
     base_env,
     crd_schema,
     load_manifest,
+    push_settings,
     run_script,
     schema_errors,
     strict,
     wait_until,
 )
+from tests.test_tasks import write_mnli
+from utils.tasks import headline
 
 SWEEP = REPO / "sweep.py"
 KATIB_API = SCHEMAS / "katib.v1beta1.swagger.json"
@@ -92,6 +102,7 @@ def sweep_data(tmp_path_factory, tiny_bert) -> dict[str, str]:
 class GridSweep:
     out: Path
     spec: Path
+    env: dict[str, str]
     result: Result
 
 
@@ -109,8 +120,12 @@ def grid_sweep(tmp_path_factory, sweep_data) -> GridSweep:
         metric="eval_loss",
         output_dir=str(out),
     )
-    result = run_sweep(base_env(tmp, RESULT_MODEL_ID="tester/never-pushed"), spec)
-    return GridSweep(out, spec, result)
+    env = base_env(tmp, RESULT_MODEL_ID="tester/never-pushed")
+    return GridSweep(out, spec, env, run_sweep(env, spec))
+
+
+def snapshot(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 # ------------------------------------------------------------------------------- local backend
@@ -164,35 +179,46 @@ def test_grid_sweep_runs_each_trial_as_the_job_and_summarizes(grid_sweep):
 
 
 @pytest.mark.integration
-def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep, capsys):
+def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep):
     before = (grid_sweep.out / "summary.csv").read_text()
     for name in ("summary.csv", "summary.md", "summary.png"):
         (grid_sweep.out / name).unlink()
-    result = sweep_in_process(capsys, grid_sweep.spec, "--summarize")
+    result = run_sweep(grid_sweep.env, grid_sweep.spec, "--summarize")
     assert result.code == 0, result.stderr
     assert (grid_sweep.out / "summary.csv").read_text() == before
     assert (grid_sweep.out / "summary.png").is_file() and "| 1 | trial-" in result.stdout
     # an array task run again for a finished trial leaves it as it is
     log = grid_sweep.out / "trial-001" / "trial.log"
     kept = log.read_text()
-    again = sweep_in_process(capsys, grid_sweep.spec, "--run-trial", "1")
+    again = run_sweep(grid_sweep.env, grid_sweep.spec, "--run-trial", "1")
     assert again.code == 0 and "sweep: trial-001 is already complete" in again.stdout
     assert log.read_text() == kept
 
 
 @pytest.mark.integration
-def test_a_changed_spec_is_refused_on_an_existing_study(grid_sweep, tmp_path, capsys):
-    """trial-001 of another grid is other settings: resuming would mix two sweeps in one study and table."""
+def test_another_sweep_is_refused_on_a_sweeps_folder(grid_sweep, tmp_path):
+    """One spec, one sweep: a changed grid, fixed setting, or setting variable of the shell (which the trials
+    inherit) makes other trials, so a resume, --summarize and --run-trial (each Slurm array task) refuse the
+    folder, untouched, rather than show trial-000's result under values it was not trained with."""
+    out = grid_sweep.out
+    kept = snapshot(out)
     spec = yaml.safe_load(grid_sweep.spec.read_text())
-    spec["grid"]["learning_rate"] = [1.0e-3, 3.0e-2]
-    result = sweep_in_process(capsys, write_spec(tmp_path, "changed", **spec))
-    assert_refusal(result, [str(grid_sweep.out / "study.db"), "trial-000", "'learning_rate': 0.001", "output_dir"])
-    assert "sweep: start" not in result.stdout
+    spec["grid"]["learning_rate"] = [5.0e-4, 1.0e-2]
+    changed = write_spec(tmp_path, "changed", **spec)
+    for args in ([], ["--summarize"], ["--run-trial", "0"]):
+        result = run_sweep(grid_sweep.env, changed, *args)
+        assert_refusal(
+            result, [str(out), "trial-000 ran with LEARNING_RATE=0.001; now LEARNING_RATE=0.0005", "output_dir"]
+        )
+        assert "sweep: start" not in result.stdout
     spec = yaml.safe_load(grid_sweep.spec.read_text())
     spec["settings"]["MAX_STEPS"] = "4"
-    result = sweep_in_process(capsys, write_spec(tmp_path, "longer", **spec))
-    assert_refusal(result, [str(grid_sweep.out / "study.db"), "MAX_STEPS", "output_dir"])
-    assert study_states(grid_sweep.out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
+    result = run_sweep(grid_sweep.env, write_spec(tmp_path, "longer", **spec))
+    assert_refusal(result, [str(out), "MAX_STEPS=3; now MAX_STEPS=4", "output_dir"])
+    result = run_sweep({**grid_sweep.env, "LORA_DROPOUT": "0.2"}, grid_sweep.spec)
+    assert_refusal(result, [str(out), "LORA_DROPOUT=<unset>; now LORA_DROPOUT=0.2", "setting variables"])
+    assert snapshot(out) == kept
+    assert study_states(out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
 
 
 @pytest.mark.integration
@@ -258,6 +284,75 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
     assert "trial-002" in table[-1] and "failed" in table[-1]  # unranked trials after the ranked ones
 
 
+@pytest.mark.integration
+def test_trials_push_only_where_the_spec_says_and_a_failed_push_is_a_failed_trial(tmp_path, sweep_data, hub):
+    """RESULT_MODEL_ID and RESULT_MERGED_MODEL_ID in the shell reach no trial (each would push over the last);
+    `push: OWNER/NAME` is where each trial pushes. The Hub stand-in refuses the commits: each trial trains, writes
+    metrics.json with the metric and exits 3, so it is failed, never complete, and the sweep, in which no trial
+    completed, exits non-zero."""
+    hub.fail("commit", 400, 400)
+    out = tmp_path / "sweep"
+    env = base_env(tmp_path, **push_settings(hub), RESULT_MERGED_MODEL_ID=MERGED_ID, MERGE_ADAPTER="true")
+    spec = write_spec(
+        tmp_path, "push", settings=sweep_data, grid={"lora_r": [4, 8]}, push="tester/sweep", output_dir=str(out)
+    )
+    result = run_sweep(env, spec)
+    assert result.code == 1, result.stderr[-3000:]
+    assert "sweep: no trial completed" in result.stderr and "Traceback" not in result.stderr
+    touched = {m.group(1) for _, path in hub.requests if (m := re.search(r"/api/models/([^/]+/[^/]+)/", path))}
+    assert touched == {"tester/sweep-trial-000", "tester/sweep-trial-001"}
+    assert not any(REPO_ID in path or MERGED_ID in path for _, path in hub.requests) and hub.commits == []
+    rows = read_csv(out / "summary.csv")
+    assert [(r["trial"], r["status"], r["accuracy"]) for r in rows] == [
+        ("trial-000", "failed", ""),
+        ("trial-001", "failed", ""),
+    ]
+    for row in rows:
+        folder = out / row["trial"]
+        assert "eval_accuracy" in json.loads((folder / "metrics.json").read_text())
+        assert json.loads((folder / "trial.json").read_text())["exit_code"] == 3
+        assert not json.loads((folder / "run.json").read_text())["settings"].get("result_merged_model_id")
+
+
+@pytest.mark.integration
+def test_sigterm_and_ctrl_c_stop_the_sweep_once_the_running_trial_is_told(tmp_path, sweep_data):
+    """A stopped sweep tells its running trial (which checkpoints and exits 143, or 130 after Ctrl-C), starts no
+    other, and exits with the same code after one line; run again, it resumes the trial."""
+    out = tmp_path / "sweep"
+    settings = {**sweep_data, "MAX_STEPS": "1000000", "SAVE_STEPS": "1000000"}  # trains until told to stop
+    spec = write_spec(tmp_path, "stop", settings=settings, grid={"lora_r": [4, 8]}, output_dir=str(out))
+    trial_log = out / "trial-000" / "trial.log"
+    for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        log = tmp_path / f"sweep-{code}.log"
+        started = trial_log.read_text().count("first training step") if trial_log.exists() else 0
+        with open(log, "w") as handle:
+            sweep = subprocess.Popen(
+                [sys.executable, str(SWEEP), str(spec)], env=base_env(tmp_path), cwd=REPO, stdout=handle, stderr=handle
+            )
+            try:
+                wait_until(
+                    lambda started=started: (
+                        trial_log.exists() and trial_log.read_text().count("first training step") > started
+                    ),
+                    "trial-000 training",
+                    [sweep],
+                    log=log,
+                    every=0.2,
+                )
+                sweep.send_signal(signum)
+                assert sweep.wait(timeout=300) == code, log.read_text()[-3000:]
+            finally:
+                if sweep.poll() is None:
+                    sweep.kill()
+        text = log.read_text()
+        assert "Traceback" not in text and "sweep: start trial-001" not in text, text[-3000:]
+        assert len(re.findall(r"^sweep: stopped by ", text, re.M)) == 1
+        assert json.loads((out / "trial-000" / "trial.json").read_text())["exit_code"] == code
+        assert not (out / "trial-001").exists()
+        assert list((out / "trial-000" / "checkpoints").glob("checkpoint-*/COMPLETE"))  # what the rerun resumes from
+    assert "sweep: start trial-000" in (tmp_path / "sweep-130.log").read_text()  # the second run resumed it
+
+
 # ------------------------------------------------------------------------------- refusals
 # Each refusal by what it must name: the spec's key, the value, what to use instead.
 REFUSALS = [
@@ -265,8 +360,14 @@ REFUSALS = [
     ({"grid": {"lora_r": [0, 8]}}, ["trial-000", "LORA_R=0", "1 to 4096"]),
     ({"grid": {"learning_rate": []}}, ["grid.learning_rate", "learning_rate: ["]),
     ({"grid": {}}, ["grid: ", "grid: {learning_rate"]),
-    ({"metric": "acuracy"}, ["metric='acuracy'", "accuracy, f1"]),
+    ({"grid": {"lora_r": [8, "8"]}}, ["grid.lora_r", "8", "list each value once"]),
+    ({"grid": {"lora_r": list(range(1, 101)), "seed": list(range(11))}}, ["grid: 1100 points", "1000"]),
+    ({"metric": "acuracy"}, ["metric='acuracy'", "did you mean accuracy?", "accuracy, f1"]),
+    ({"metric": "accuracy_mm"}, ["metric='accuracy_mm'", "accuracy, f1"]),  # MNLI's name in other tools, not here
+    ({"settings": {"task": "stsb"}, "metric": "spearmanr"}, ["spearmanr", "TASK=stsb", "did you mean spearman?"]),
     ({"direction": "up"}, ["direction='up'", "maximize", "minimize"]),
+    ({"metrics": "f1"}, ["bad.yaml", "unknown key 'metrics'", "did you mean metric?"]),
+    ({"parallel": True}, ["parallel=True", "valid integer", "at least 1"]),  # strict: `true` is no count
     (
         {"grid": None, "random": {"learning_rate": {"low": 1e-3, "high": 1e-4}}, "trials": 2},
         ["random.learning_rate", "low=0.001", "high=0.0001"],
@@ -275,13 +376,29 @@ REFUSALS = [
         {"grid": None, "random": {"learning_rate": {"low": 0, "high": 1e-3, "log": True}}, "trials": 2},
         ["random.learning_rate", "log", "low=0;"],
     ),
+    (
+        {"grid": None, "random": {"lora_r": {"low": 1.2, "high": 1.8, "type": "int"}}, "trials": 2},
+        ["random.lora_r", "whole numbers", "low=1.2", "type: float"],
+    ),
+    (
+        {"grid": None, "random": {"lora_r": {"low": 0.5, "high": 8, "log": True, "type": "int"}}, "trials": 2},
+        ["random.lora_r", "low=0.5"],
+    ),
     ({"grid": None, "random": {"lora_r": [4, 8]}}, ["trials: N", "trials=None"]),
+    ({"grid": None, "random": {"lora_r": [4, 8]}, "trials": 100000000}, ["trials=100000000", "1 to 1000"]),
+    ({"seed": "abc"}, ["seed='abc'", "seed: 0"]),
+    ({"seed": -1}, ["seed=-1", "seed: 0"]),
+    ({"seed": "null"}, ["seed=None", "seed: 0"]),
     ({"random": {"seed": [1, 2]}, "trials": 2}, ["grid and random"]),
     ({"settings": {"OUTPUT_DIR": "/tmp/x"}}, ["settings", "OUTPUT_DIR", "output_dir"]),
-    ({"settings": {"result_model_id": "me/x"}}, ["settings", "result_model_id", "push: true"]),
+    ({"settings": {"result_model_id": "me/x"}}, ["settings", "result_model_id", "push: OWNER/NAME"]),
+    ({"settings": {"RESULT_MERGED_MODEL_ID": "me/x"}}, ["settings", "RESULT_MERGED_MODEL_ID", "push: OWNER/NAME"]),
     ({"output_dir": None}, ["bad.yaml", "output_dir"]),
     ({"backend": "ray"}, ["backend='ray'", "local, slurm, katib"]),
     ({"config": "no-such-recipe.yaml"}, ["trial-000", "CONFIG_FILE=no-such-recipe.yaml", "--config"]),
+    ({"backend": "slurm", "slurm": {"gpus": True}}, ["slurm.gpus=True", "gpus: 0"]),
+    ({"backend": "katib", "katib": {"image": "me/x"}}, ["katib: unknown key(s) ['image']", "k8s/pytorchjob.yaml"]),
+    ({"backend": "katib", "name": "My_Sweep"}, ["name='My_Sweep'", "Kubernetes name", "name: sst2-sweep"]),
 ]
 
 
@@ -296,10 +413,164 @@ def test_bad_spec_is_refused_before_any_trial_starts(change, names, tmp_path, ca
         elif value is None:
             spec.pop(key)
         else:
-            spec[key] = value
+            spec[key] = None if value == "null" else value
     result = sweep_in_process(capsys, write_spec(tmp_path, "bad", **spec))
     assert_refusal(result, names)
     assert not out.exists()  # before anything was run or written
+
+
+@pytest.mark.check
+def test_what_is_not_a_spec_or_a_place_to_write_is_refused_in_one_line(tmp_path, capsys, sweep_data):
+    """A folder, binary bytes or a FIFO (which would wait for a writer for ever) as the spec; output_dir a file;
+    -o a folder; --summarize on a Katib sweep, whose trial folders Katib names: one error: line each, exit 2."""
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    (tmp_path / "binary.yaml").write_bytes(b"grid: {lora_r: [4]}\n\xff\xfe")
+    for path, names in [
+        (tmp_path, [str(tmp_path), "not a regular file"]),
+        (fifo, [str(fifo), "not a regular file"]),
+        (tmp_path / "binary.yaml", ["binary.yaml", "not UTF-8"]),
+    ]:
+        assert_refusal(sweep_in_process(capsys, path), names)
+    a_file = tmp_path / "taken"
+    a_file.write_text("someone's notes\n")
+    spec = write_spec(tmp_path, "onfile", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(a_file))
+    assert_refusal(sweep_in_process(capsys, spec), [f"output_dir={a_file}", "is a file"])
+    assert a_file.read_text() == "someone's notes\n"
+    katib = write_spec(tmp_path, "katib", grid={"lora_r": [4, 8]}, backend="katib", output_dir="/pvc-home/s")
+    assert_refusal(sweep_in_process(capsys, katib, "-o", tmp_path), ["-o", str(tmp_path), "is a folder"])
+    assert_refusal(sweep_in_process(capsys, katib, "--summarize"), ["--summarize", "kubectl get experiment katib"])
+
+
+@pytest.mark.check
+def test_grid_values_stay_the_text_they_are_written_as(tmp_path, capsys, sweep_data):
+    """ "001" and "1" are two run names; only the exponent form YAML 1.1 misses (1e-3) is read as a number."""
+    spec = write_spec(
+        tmp_path,
+        "names",
+        settings=sweep_data,
+        grid={"run_name": ["001", "1"], "learning_rate": ["1e-3"]},
+        output_dir=str(tmp_path / "out"),
+    )
+    trials = sweep_in_process(capsys, spec, "--dry-run").json()["trials"]
+    assert [(t["settings"]["RUN_NAME"], t["params"]["learning_rate"]) for t in trials] == [("001", 1e-3), ("1", 1e-3)]
+
+
+def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_data):
+    """A folder another tool wrote (a checkpoint, a model, notes) is refused whole and left as it was, as main.py
+    refuses one; the sweep's own folder (sweep.json) still refuses a trial folder it did not make."""
+    out = tmp_path / "sweep"
+    planted = {
+        out / "trial-000" / "checkpoints" / "checkpoint-500" / "optimizer.pt": b"theirs",
+        out / "trial-000" / "model" / "model.safetensors": b"theirs",
+        out / "summary.md": b"# my notes\n",
+    }
+    for path, data in planted.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    spec = write_spec(tmp_path, "theirs", settings=sweep_data, grid={"lora_r": [4, 8]}, output_dir=str(out))
+    for args in ([], ["--summarize"], ["--run-trial", "0"]):
+        result = sweep_in_process(capsys, spec, *args)
+        assert_refusal(result, [f"output_dir={out}", "summary.md, trial-000", "sweep.json", "empty or new folder"])
+        assert snapshot(out) == planted
+
+    fresh = tmp_path / "fresh"
+    spec = write_spec(tmp_path, "ours", settings=sweep_data, grid={"lora_r": [4, 8]}, output_dir=str(fresh))
+    env = base_env(tmp_path)
+    summary = run_sweep(env, spec, "--summarize")  # claims the empty folder: nothing run yet
+    assert summary.code == 0 and "2 pending" in summary.stdout
+    assert json.loads((fresh / "sweep.json").read_text())["trials"]["trial-001"]["LORA_R"] == "8"
+    theirs = fresh / "trial-001" / "model" / "model.safetensors"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"theirs")
+    result = run_sweep(env, spec, "--run-trial", "1")
+    assert_refusal(result, [str(fresh / "trial-001"), "not a run folder of this job", "model"])
+    assert sorted(p.name for p in (fresh / "trial-001").rglob("*")) == ["model", "model.safetensors"]
+
+
+@pytest.mark.check
+def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_data):
+    """The recipe's content makes the trials' settings as the spec does: an edited recipe is another sweep; more
+    random draws are the same one, extended. A Hub repo in a recipe would have every trial push over the last:
+    refused, as push: is the spec's."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lora_alpha: 16\n")
+    out = tmp_path / "out"
+    spec = write_spec(
+        tmp_path, "uses-recipe", settings=sweep_data, config=str(recipe), grid={"lora_r": [4, 8]}, output_dir=str(out)
+    )
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0
+    recipe.write_text("lora_alpha: 32\n")
+    assert_refusal(
+        sweep_in_process(capsys, spec, "--summarize"), [str(out), "its recipe was", str(recipe), "output_dir"]
+    )
+    recipe.write_text("lora_alpha: 16\n")
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0  # restored: the same sweep again
+
+    # more draws of the same seed extend the sweep, as more trials extend an Optuna study: the first two are kept
+    draws = {"settings": sweep_data, "random": {"learning_rate": {"low": 1e-4, "high": 1e-2}}, "seed": 7}
+    spec = write_spec(tmp_path, "draws", trials=2, output_dir=str(tmp_path / "draws"), **draws)
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0
+    first = json.loads((tmp_path / "draws" / "sweep.json").read_text())["trials"]
+    spec = write_spec(tmp_path, "draws", trials=3, output_dir=str(tmp_path / "draws"), **draws)
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0
+    extended = json.loads((tmp_path / "draws" / "sweep.json").read_text())["trials"]
+    assert list(extended) == ["trial-000", "trial-001", "trial-002"] and {**extended, **first} == extended
+
+    pushing = tmp_path / "pushing-recipe.yaml"
+    pushing.write_text("result_merged_model_id: me/merged\nmerge_adapter: true\n")
+    spec = write_spec(
+        tmp_path, "pushing", settings=sweep_data, config=str(pushing), grid={"lora_r": [4]}, output_dir=str(out)
+    )
+    result = sweep_in_process(capsys, spec)
+    assert_refusal(result, [f"CONFIG_FILE={pushing}", "result_merged_model_id: me/merged", "push: OWNER/NAME"])
+
+
+def test_the_token_is_masked_in_what_the_sweep_prints(tmp_path, sweep_data):
+    spec = write_spec(tmp_path, "token", settings=sweep_data, grid={"lora_r": [4]}, metric=FAKE_TOKEN, output_dir=".")
+    result = run_sweep(base_env(tmp_path, HF_TOKEN=FAKE_TOKEN), spec)
+    assert_refusal(result, ["metric='***'"])
+    assert FAKE_TOKEN not in result.stdout + result.stderr
+
+
+@pytest.mark.check
+def test_metrics_are_the_tasks_own_and_checked_before_any_trial(tmp_path, capsys):
+    """What a spec may rank by is what the task's metrics.json holds; on MNLI `accuracy` means the matched split's
+    (the metric the job tracks as best). Katib's objective is the metric as the job's last stdout line names it."""
+
+    def planned(task: str, metric: str, **spec) -> Result:
+        path = write_spec(
+            tmp_path, "metric", settings={"task": task}, grid={"lora_r": [4, 8]}, metric=metric, output_dir="o", **spec
+        )
+        return sweep_in_process(capsys, path, *(() if spec else ("--dry-run",)))
+
+    for task, metric, key, direction in [
+        ("mnli", "accuracy", "eval_matched_accuracy", "maximize"),
+        ("mnli", "eval_mismatched_accuracy", "eval_mismatched_accuracy", "maximize"),
+        ("mnli", "loss", "eval_matched_loss", "minimize"),
+        ("stsb", "spearman", "eval_spearman", "maximize"),
+        ("stsb", "mse", "eval_mse", "minimize"),
+        ("cola", "matthews_correlation", "eval_matthews_correlation", "maximize"),
+    ]:
+        shown = planned(task, metric).json()
+        assert (shown["metric_key"], shown["direction"]) == (key, direction), (task, metric)
+    assert_refusal(planned("mnli", "matched_acc"), ["TASK=mnli", "did you mean matched_accuracy?"])
+    assert_refusal(planned("stsb", "accuracy"), ["metric='accuracy'", "TASK=stsb", "pearson, spearman, mse"])
+
+    mnli = yaml.safe_load(planned("mnli", "accuracy", backend="katib").stdout)
+    assert schema_errors(katib_schema(), mnli) == []
+    assert mnli["spec"]["objective"] == {
+        "type": "maximize",
+        "objectiveMetricName": "eval_matched_accuracy",
+        "additionalMetricNames": ["eval_mismatched_accuracy"],
+    }
+    # the collector's pattern reads both from the line the job prints (utils/tasks.headline)
+    line = headline({"eval_matched_accuracy": 0.71, "eval_mismatched_accuracy": 0.69, "eval_matched_f1": 0.7})
+    (pattern,) = mnli["spec"]["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
+    assert dict(re.findall(pattern, line)) == {"eval_matched_accuracy": "0.7100", "eval_mismatched_accuracy": "0.6900"}
+    stsb = yaml.safe_load(planned("stsb", "pearson", backend="katib").stdout)
+    assert stsb["spec"]["objective"] == {"type": "maximize", "objectiveMetricName": "eval_pearson"}
+    assert_refusal(planned("stsb", "spearman", backend="katib"), ["metric=spearman", "metric: pearson"])
 
 
 @pytest.mark.check
@@ -327,6 +598,62 @@ def test_random_search_draws_the_same_trials_in_range(tmp_path, capsys, sweep_da
         assert isinstance(t["params"]["seed"], int) and 1 <= t["params"]["seed"] <= 99
         assert t["settings"]["LEARNING_RATE"] == str(t["params"]["learning_rate"])
     assert len({t["params"]["learning_rate"] for t in trials}) == 6
+
+
+# ------------------------------------------------------------------------------- the docs' examples
+DOC_SPECS = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "sweeps.md").read_text(), re.S)
+EXAMPLE_SPECS = sorted((REPO / "examples" / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.check
+def test_every_example_spec_plans_as_written(tmp_path, capsys, monkeypatch):
+    """Each spec of docs/sweeps.md and examples/sweeps/, as written, from the checkout (their relative paths'
+    base): planned, its metric found in its task's metrics.json, nothing written."""
+    assert len(DOC_SPECS) == 3 and len(EXAMPLE_SPECS) == 4
+    monkeypatch.chdir(REPO)
+    for index, text in enumerate(DOC_SPECS):
+        path = tmp_path / f"doc-{index}.yaml"
+        path.write_text(text)
+        EXAMPLE_SPECS.append(path)
+    for path in EXAMPLE_SPECS:
+        result = sweep_in_process(capsys, path, "--dry-run")
+        assert result.code == 0, (path, result.stderr)
+        planned = result.json()
+        assert planned["trials"] and planned["metric_key"].startswith("eval_"), path
+
+
+@pytest.mark.integration
+def test_the_docs_mnli_sweep_runs_as_written(tmp_path, tiny_bert):
+    """docs/sweeps.md's first spec, byte for byte, on MNLI-shaped pairs: the tiny model, small data and a few
+    steps come from the shell (which the job reads under the spec's settings), `recipes/` from the checkout."""
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    spec = tmp_path / "mnli-lr.yaml"
+    spec.write_text(DOC_SPECS[0])
+    data = write_mnli(tmp_path / "mnli", train=64, validation=24)
+    env = base_env(tmp_path, MODEL_NAME=str(tiny_bert), DATASET_PATH=str(data), MAX_STEPS="2", REPORT_TO="none")
+    result = run_script("sweep.py", env, spec, cwd=tmp_path, timeout=600)
+    assert result.code == 0, result.stderr[-3000:]
+    out = tmp_path / "output" / "sweeps" / "mnli-lr"
+    rows = read_csv(out / "summary.csv")
+    assert [(r["trial"], r["learning_rate"], r["status"]) for r in rows] == [
+        ("trial-000", "0.0001", "complete"),
+        ("trial-001", "0.0003", "complete"),
+    ]
+    for row in rows:
+        metrics = json.loads((out / row["trial"] / "metrics.json").read_text())
+        assert float(row["accuracy"]) == metrics["eval_matched_accuracy"]  # on MNLI, `accuracy` is the matched split's
+        assert json.loads((out / row["trial"] / "run.json").read_text())["settings"]["task"] == "mnli"
+    assert re.search(r"^Best: trial-00\d, accuracy = ", (out / "summary.md").read_text(), re.M)
+    # the docs' Katib spec for MNLI reads its objective and the mismatched accuracy from the line a trial printed
+    katib = tmp_path / "mnli-katib.yaml"
+    katib.write_text(DOC_SPECS[2])
+    objective = yaml.safe_load(run_script("sweep.py", env, katib, cwd=tmp_path, timeout=120).stdout)["spec"]
+    (pattern,) = objective["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
+    final = re.findall(r"^eval_matched_accuracy=.*$", (out / "trial-000" / "trial.log").read_text(), re.M)[-1]
+    found = {name: float(value) for name, value in re.findall(pattern, final)}
+    metrics = json.loads((out / "trial-000" / "metrics.json").read_text())
+    for name in (objective["objective"]["objectiveMetricName"], *objective["objective"]["additionalMetricNames"]):
+        assert found[name] == pytest.approx(metrics[name], abs=1e-4), name
 
 
 # ------------------------------------------------------------------------------- slurm backend
@@ -469,6 +796,7 @@ def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys
             "OUTPUT_DIR": "/pvc-home/sweeps/sst2/${trialSpec.Name}",
             "RUN_NAME": "${trialSpec.Name}",
             "RESULT_MODEL_ID": "me/bert-sst2-${trialSpec.Name}",
+            "RESULT_MERGED_MODEL_ID": "",  # blank over the ConfigMap's: the job reads it as unset
         }
     assert body["trialTemplate"]["primaryPodLabels"] == {"training.kubeflow.org/job-role": "master"}
     referenced = {m.group(1) for m in re.finditer(r"\$\{trialParameters\.(\w+)\}", json.dumps(job))}

@@ -7,10 +7,13 @@ RUN_NAME=<trial name>, and RESULT_MODEL_ID blank (the job reads a blank variable
 pushes. Katib picks the values itself: `grid` -> algorithm grid, `random` -> random (random_state = seed).
 
 Metrics come from the trial's standard output (Katib's StdOut collector on the master pod): rank 0's last line
-is `eval_accuracy=0.9967 train_samples_per_second=... model=...`, which the metricsFormat below reads as
-name/value pairs. Katib wraps the container's command to capture it, so the template names the image's
-command (`python /app/main.py`) where the deployed manifest leaves it to the ENTRYPOINT. That line carries
-eval_accuracy only, so the objective is `accuracy`; another metric is refused with the fix.
+is the task's headline (`utils.tasks.headline`: `eval_accuracy=0.9967`, MNLI's `eval_matched_accuracy=...
+eval_mismatched_accuracy=...`, STS-B's `eval_pearson=...`) then `train_samples_per_second=... model=...`, which
+the metricsFormat below reads as name/value pairs. Katib wraps the container's command to capture it, so the
+template names the image's command (`python /app/main.py`) where the deployed manifest leaves it to the
+ENTRYPOINT. The objective is the spec's metric as that line names it (on MNLI, `accuracy` is
+`eval_matched_accuracy`, and `eval_mismatched_accuracy` is recorded beside it); a metric the line does not carry
+is refused with the fix.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ import yaml
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import env_name
-from utils.sweep import Range, Spec, setting_value
+from utils.sweep import HUB_DESTINATIONS, Range, Spec, setting_value
+from utils.tasks import headline
 
 REPO = Path(__file__).resolve().parents[1]
 PYTORCHJOB = REPO / "k8s" / "pytorchjob.yaml"
-STDOUT_METRICS = ("accuracy",)  # what the job's final stdout line reports
+# A Kubernetes object name (DNS-1123 label): Katib names the trials' jobs after the Experiment.
+K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+KATIB_OPTIONS: tuple[str, ...] = ()  # the trial is k8s/pytorchjob.yaml as deployed: edit that, not the spec
 # name=value pairs of the final line; the name group keeps the eval_ prefix the job writes
 METRICS_FORMAT = r"(eval_\w+)=([-+]?\d*\.?\d+(?:[eE][-+]?\d+)?)"
 IMAGE_COMMAND = [
@@ -56,13 +62,15 @@ def trial_job(spec: Spec) -> dict:
     job = yaml.safe_load(PYTORCHJOB.read_text())
     job = copy.deepcopy(job)
     job["metadata"] = {"labels": job["metadata"].get("labels", {})}  # Katib names each trial's job after the trial
-    env = {name: value for name, value in spec.settings.items() if name != "RESULT_MODEL_ID"}
+    env = {name: value for name, value in spec.settings.items() if name not in HUB_DESTINATIONS}
     if spec.config:
         env["CONFIG_FILE"] = spec.config
     env.update({env_name(name): f"${{trialParameters.{name}}}" for name in spec.swept})
     env["OUTPUT_DIR"] = f"{spec.output_dir}/${{trialSpec.Name}}"
     env.setdefault("RUN_NAME", "${trialSpec.Name}")
+    # Blank (unset to the job) over the ConfigMap's: a trial pushes only where the spec's push: says.
     env["RESULT_MODEL_ID"] = f"{spec.push}-${{trialSpec.Name}}" if spec.push else ""
+    env["RESULT_MERGED_MODEL_ID"] = ""
     for replica in job["spec"]["pytorchReplicaSpecs"].values():
         for container in replica["template"]["spec"]["containers"]:
             container["command"] = IMAGE_COMMAND
@@ -71,13 +79,37 @@ def trial_job(spec: Spec) -> dict:
     return job
 
 
+def printed_metrics(spec: Spec) -> list[str]:
+    """The metrics of the job's last stdout line for this sweep's task, as that line names them."""
+    return [key for key in spec.metric_keys if headline({key: 0.0})]
+
+
 def render_experiment(spec: Spec, trial_count: int) -> dict:
-    if spec.metric not in STDOUT_METRICS:
+    unknown = sorted(set(spec.katib) - set(KATIB_OPTIONS))
+    if unknown:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"katib: unknown key(s) {unknown}; it takes none: the trial is k8s/pytorchjob.yaml as deployed, "
+            "and parallel, trials and seed are the spec's own keys",
+        )
+    if not K8S_NAME.match(spec.name):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"name={spec.name!r} is not a Kubernetes name (lowercase letters, digits and '-', at most 63, "
+            "a letter or digit at each end); Katib names the Experiment and its trials after it: "
+            "write e.g. name: sst2-sweep in the spec",
+        )
+    printed = printed_metrics(spec)
+    if spec.metric_key not in printed:
         raise JobError(
             EXIT_BAD_INPUT,
             f"metric={spec.metric}: Katib reads the objective from the job's last stdout line, which reports "
-            f"eval_accuracy only; use metric: accuracy for backend: katib, or the local or slurm backend",
+            f"{', '.join(printed)} for this task; use "
+            + " or ".join(f"metric: {key.removeprefix('eval_')}" for key in printed)
+            + " for backend: katib, or the local or slurm backend",
         )
+    # the same metric on the task's other validation splits (MNLI's mismatched), recorded beside the objective
+    others = [key for key in spec.metric_splits if key != spec.metric_key and key in printed]
     algorithm = {"algorithmName": "grid" if spec.grid else "random"}
     if spec.random:
         algorithm["algorithmSettings"] = [{"name": "random_state", "value": str(spec.seed)}]
@@ -86,7 +118,11 @@ def render_experiment(spec: Spec, trial_count: int) -> dict:
         "kind": "Experiment",
         "metadata": {"name": spec.name, "labels": {"app.kubernetes.io/name": "sst2-lora"}},
         "spec": {
-            "objective": {"type": spec.direction, "objectiveMetricName": f"eval_{spec.metric}"},
+            "objective": {
+                "type": spec.direction,
+                "objectiveMetricName": spec.metric_key,
+                **({"additionalMetricNames": others} if others else {}),
+            },
             "algorithm": algorithm,
             "parallelTrialCount": spec.parallel,
             "maxTrialCount": trial_count,

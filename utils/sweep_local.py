@@ -8,7 +8,9 @@ from its last checkpoint; every other planned trial runs. The planned settings a
 
 On GPUs each trial gets one (CUDA_VISIBLE_DEVICES), so `parallel` is at most the number of GPUs there.
 A trial's process dies with the sweep (PR_SET_PDEATHSIG), so a killed sweep leaves no trial training
-on behind it, holding the folder the rerun needs.
+on behind it, holding the folder the rerun needs. SIGTERM or Ctrl-C stops the sweep: each running trial is told
+(it checkpoints and exits 143 or 130), no other starts, and the sweep exits 143 or 130; run again, it resumes.
+Trials run in a session of their own, so a terminal's Ctrl-C reaches the sweep alone, which tells each trial once.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.sweep import Spec, Trial, describe, distributions, metric_value
+from utils.errors import EXIT_BAD_INPUT, EXIT_UNEXPECTED, JobError
+from utils.sweep import Spec, Trial, describe, distributions, job_environment, metric_value
 from utils.sweep_summary import record_trial
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,11 +48,15 @@ def visible_gpus(environ: dict[str, str]) -> list[str]:
 
 
 LIVE: set[subprocess.Popen] = set()  # the trials running now
+STOPPED: list[int] = []  # the stop signal the sweep got, if one came: no trial starts after it
+SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C (SIGINT)"}
 
 
 def pass_stop_signal(signum, frame) -> None:
-    """SIGTERM to the sweep (a scheduler's stop, Slurm's time limit) goes on to each trial: it checkpoints
-    and exits 143, and the next run of the sweep resumes it."""
+    """SIGTERM to the sweep (a scheduler's stop, Slurm's time limit) or Ctrl-C goes on to each running trial: it
+    checkpoints and exits 143 (130), and the next run of the sweep resumes it. No trial starts after it."""
+    if not STOPPED:
+        STOPPED.append(signum)
     for proc in list(LIVE):
         proc.send_signal(signum)
 
@@ -66,9 +72,7 @@ def die_with_parent() -> None:
 
 
 def trial_environment(spec: Spec, trial: Trial, gpu: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("RESULT_MODEL_ID", None)  # trials push only when the spec says so (spec.push sets it per trial)
-    env.update(spec.trial_env(trial))
+    env = job_environment(spec, trial, dict(os.environ))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
@@ -85,14 +89,17 @@ def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, fl
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,
+            start_new_session=True,
         )
         LIVE.add(proc)
+        if STOPPED:  # the stop came while this trial was starting: tell it too
+            proc.send_signal(STOPPED[0])
         try:
             code = proc.wait()
         finally:
             LIVE.discard(proc)
     metrics_path = folder / "metrics.json"
-    value = metric_value(json.loads(metrics_path.read_text()), spec.metric) if metrics_path.exists() else None
+    value = metric_value(json.loads(metrics_path.read_text()), spec.metric_key) if metrics_path.exists() else None
     failed = code != 0 or value is None
     record_trial(folder, spec, trial, status="failed" if failed else "complete", exit_code=code)
     return code, value
@@ -125,6 +132,7 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     signal.signal(signal.SIGTERM, pass_stop_signal)
+    signal.signal(signal.SIGINT, pass_stop_signal)
     gpus = visible_gpus(dict(os.environ))
     if gpus and spec.parallel > len(gpus):
         raise JobError(
@@ -137,27 +145,8 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
         direction=spec.direction,
         sampler=optuna.samplers.RandomSampler(seed=spec.seed),
     )
+    # The study is this sweep's: open_sweep_dir refused the folder of a sweep with other trials' settings.
     spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
-    # A finished trial is kept only if it ran what the spec asks of it now: the same fixed settings, the same values.
-    fixed = {**spec.settings, "CONFIG_FILE": spec.config or ""}
-    if not study.trials:
-        study.set_user_attr("fixed_settings", fixed)
-    if study.user_attrs.get("fixed_settings") != fixed:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{spec.output_dir / 'study.db'} holds a sweep with other fixed settings "
-            f"({study.user_attrs.get('fixed_settings')}); give this spec a new output_dir, "
-            "or restore the settings the study was made with",
-        )
-    planned = {t.name: t.params for t in trials}
-    for old in study.get_trials(deepcopy=False):
-        name = old.user_attrs.get("trial")
-        if old.distributions and (old.distributions != spaces or old.params != planned.get(name)):
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{spec.output_dir / 'study.db'} holds another sweep ({name} ran {old.params}); "
-                "give this spec a new output_dir, or restore the spec the study was made with",
-            )
     for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         print(
             f"sweep: {stale.user_attrs.get('trial')} was left running by a stopped sweep; running it again", flush=True
@@ -177,6 +166,9 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
 
     def run_one(trial: Trial) -> None:
         gpu = slots.get()
+        if STOPPED:
+            slots.put(gpu)
+            return
         try:
             with ask_lock:
                 study.enqueue_trial(trial.params, user_attrs={"trial": trial.name})
@@ -192,7 +184,7 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
                     print(f"sweep: end {trial.name}: complete, {spec.metric}={value:.4f} ({took:.0f} s)", flush=True)
                 else:
                     study.tell(asked, state=TrialState.FAIL)
-                    why = f"exit {code}" if code else f"no {spec.metric} in metrics.json"
+                    why = f"exit {code}" if code else f"no {spec.metric_key} in metrics.json"
                     log = spec.output_dir / trial.name / "trial.log"
                     print(f"sweep: end {trial.name}: failed ({why}; see {log})", flush=True)
         finally:
@@ -200,4 +192,15 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
 
     with ThreadPoolExecutor(max_workers=spec.parallel) as pool:
         list(pool.map(run_one, todo))
+    if STOPPED:
+        print(
+            f"sweep: stopped by {SIGNAL_NAMES.get(STOPPED[0], STOPPED[0])}: the running trials were told to checkpoint "
+            "and no other started; run the same command again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + STOPPED[0]
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        print(f"sweep: no trial completed; each trial.log in {spec.output_dir} says why", file=sys.stderr, flush=True)
+        return EXIT_UNEXPECTED
     return 0

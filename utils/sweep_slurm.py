@@ -35,7 +35,8 @@ def render_array(spec: Spec, trial_count: int) -> str:
         raise JobError(EXIT_BAD_INPUT, f"slurm: unknown key(s) {unknown}; it takes {', '.join(OPTIONS)}")
     opts = {**OPTIONS, **spec.slurm}
     for name in ("gpus", "cpus_per_task", "signal_lead"):
-        if not isinstance(opts[name], int) or opts[name] < (0 if name == "gpus" else 1):
+        value = opts[name]  # a bool is an int to Python, and `gpus: true` would render --gpus-per-task=True
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "gpus" else 1):
             raise JobError(
                 EXIT_BAD_INPUT, f"slurm.{name}={opts[name]!r} must be a whole number of at least 1 (gpus: 0 for CPU)"
             )

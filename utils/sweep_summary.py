@@ -2,10 +2,12 @@
 OUTPUT_DIR/summary.csv (a row per trial), summary.md (the table sorted by the metric, the best trial's
 settings) and summary.png (the metric against each swept setting).
 
-A trial folder holds `trial.json` (written by the sweep before the trial starts: its settings) and, once the
-job finished, the job's own `metrics.json`. The status is `complete` (metrics.json holds the metric),
-`failed` (the sweep recorded a non-zero exit, or a finished job without the metric), `pending` (never started)
-or `running` (started, no outcome yet: still running, or killed; the next run of the sweep reruns it).
+A trial folder holds `trial.json` (written by the sweep before the trial starts: its settings, then the outcome
+of its last run) and, once the job finished, the job's own `metrics.json`. The status is the last run's:
+`complete` (exit 0 and metrics.json holds the metric), `failed` (a non-zero exit, or no metric), `pending` (never
+started) or `running` (started, no outcome yet: still running, or killed; the next run of the sweep reruns it).
+A metrics.json left by an earlier run never makes a failed or running trial complete. The sweep's folder is
+this sweep's alone (`open_sweep_dir`), so the values shown are the ones each trial trained with.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
-from utils.outputs import RunDir, claim_run_dir
+from utils.outputs import RunDir, claim_run_dir, refuse_foreign
 from utils.sweep import Spec, Trial, metric_value, setting_value
 
 TRIAL_RECORD = "trial.json"
@@ -32,10 +35,13 @@ class Row:
 
 def record_trial(folder: Path, spec: Spec, trial: Trial, **fields) -> None:
     """Write (or update) the trial's record in its folder: settings, then its outcome."""
+    run = RunDir(folder.resolve())
+    # main.py's own refusal of a folder another tool wrote (it needs the folder's name only): left as it is.
+    refuse_foreign(run, SimpleNamespace(output_dir=folder))
     folder.mkdir(parents=True, exist_ok=True)
     # The trial's folder is its run's OUTPUT_DIR: marked as the job's before the sweep's own files go in, or
     # main.py would refuse it as someone else's folder.
-    claim_run_dir(RunDir(folder.resolve()))
+    claim_run_dir(run)
     path = folder / TRIAL_RECORD
     record = json.loads(path.read_text()) if path.exists() else {}
     record.update(
@@ -56,13 +62,12 @@ def collect_rows(spec: Spec, trials: list[Trial]) -> list[Row]:
         folder = spec.output_dir / trial.name
         record_path, metrics_path = folder / TRIAL_RECORD, folder / "metrics.json"
         record = json.loads(record_path.read_text()) if record_path.exists() else {}
-        value = metric_value(json.loads(metrics_path.read_text()), spec.metric) if metrics_path.exists() else None
-        if value is not None:
-            status = "complete"
-        elif record.get("status") == "failed" or metrics_path.exists():
-            status = "failed"
-        else:
-            status = "running" if record else "pending"
+        value = metric_value(json.loads(metrics_path.read_text()), spec.metric_key) if metrics_path.exists() else None
+        status = record.get("status", "pending")
+        if status == "complete" and value is None:
+            status = "failed"  # metrics.json went, or never held the metric
+        if status != "complete":
+            value = None  # a metrics.json of an earlier run is not this run's result
         rows.append(Row(trial, status, value, record.get("exit_code")))
     return rows
 

@@ -9,7 +9,8 @@
         --shared-dir /lustre/me/sst2 -o sst2.sbatch
 
 Job settings are given as `--set NAME=VALUE` (any `python main.py --help` setting, plus library
-variables such as HF_HOME) and checked here, so a typo fails now rather than after hours in the queue.
+variables such as HF_HOME) and checked here, so a typo fails now rather than after hours in the queue: a name
+that is no setting but is spelt like one (LORA_RR) is refused with the setting it probably means.
 The Hub token is refused: a batch script is stored in Slurm's spool; export HF_TOKEN when submitting.
 Imports nothing heavy (the settings module only).
 """
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from utils.errors import JobError  # noqa: E402
-from utils.settings import FIELDS, SHARED_VOLUME, env_name, load_settings  # noqa: E402
+from utils.settings import FIELDS, SHARED_VOLUME, env_name, find_misspelled_variables, load_settings  # noqa: E402
 
 TEMPLATE = Path(__file__).with_name("train.sbatch.template")
 PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
@@ -101,6 +102,14 @@ def check_settings(pairs: list[str]) -> dict[str, str]:
                 f"--set {name} would write a secret into the batch script; export {name} in the shell that runs sbatch, or set HF_TOKEN_PATH",
             )
         values[name] = value
+    # The job's own test for a misspelt variable (it warns: its environment holds other programs' too); a name
+    # written into a batch script is meant for the job, so here it is refused.
+    for name, setting in find_misspelled_variables(values):
+        raise JobError(
+            2,
+            f"--set {name}: {name} is not a setting of the job (did you mean {setting}?); fix the name "
+            "(`python main.py --help` lists the settings)",
+        )
     known = {env_name(field) for field in FIELDS}
     # raises JobError with the fix
     load_settings([], environ={name: value for name, value in values.items() if name in known})
