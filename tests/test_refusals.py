@@ -168,6 +168,11 @@ def another_tools_folder(tmp: Path, env: dict) -> dict:
     return {}
 
 
+def recipe_with(text: str):
+    """CONFIG_FILE: a recipe holding `text`."""
+    return lambda tmp, env: {"CONFIG_FILE": str(write_files(tmp / "recipe", {"r.yaml": text}) / "r.yaml")}
+
+
 def file_in_the_way(tmp: Path, env: dict) -> dict:
     (tmp / "a-file").write_text("not a folder")
     return {"OUTPUT_DIR": str(tmp / "a-file" / "out")}
@@ -370,6 +375,12 @@ REFUSALS = [
         "settings",
         [": extra", "python main.py --help"],
         argv=["--num-epochs", "1", "extra"],
+    ),
+    case(
+        "recipe-key-twice",
+        "settings",
+        ["CONFIG_FILE={CONFIG_FILE}", "lora_r twice", "lines 1 and 3"],
+        setup=recipe_with("lora_r: 8\nseed: 1\nlora_r: 16\n"),
     ),
     case("token-as-a-flag", "settings", ["--hf-token", "python main.py --help"], argv=["--hf-token", "hf_x"]),
     # settings: who this process is (the launcher's variables)
