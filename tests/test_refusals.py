@@ -87,6 +87,34 @@ def scores_with_nan(folder: Path) -> Path:
     return folder
 
 
+def huge_score(folder: Path) -> Path:
+    """STS-B's columns in parquet, one score finite in float64 and infinite in float32, the dtype training uses."""
+    import pyarrow
+    import pyarrow.parquet
+
+    folder.mkdir()
+    for split, scores in (("train", [0.5, 1e39, 2.0]), ("validation", [0.5, 1.5])):
+        table = {"sentence1": ["a film"] * len(scores), "sentence2": ["it is good"] * len(scores), "label": scores}
+        pyarrow.parquet.write_table(pyarrow.table(table), folder / f"{split}.parquet")
+    return folder
+
+
+def class_label_pairs(folder: Path) -> Path:
+    """STS-B's columns as a save_to_disk copy whose label is CoLA's ClassLabel: classes, not scores."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    features = Features(
+        {
+            "sentence1": Value("string"),
+            "sentence2": Value("string"),
+            "label": ClassLabel(names=["unacceptable", "acceptable"]),
+        }
+    )
+    rows = {"sentence1": ["a film", "film a"] * 4, "sentence2": ["it is", "is it"] * 4, "label": [1, 0] * 4}
+    DatasetDict({s: Dataset.from_dict(rows, features=features) for s in ("train", "validation")}).save_to_disk(folder)
+    return folder
+
+
 def not_utf8(tmp: Path, env: dict) -> dict:
     folder = write_files(tmp / "bad-data", {"validation.csv": GOOD_CSV})
     (folder / "train.csv").write_bytes(b"sentence,label\na wonderful film,1\na caf\xe9 film,0\n")  # Latin-1, not UTF-8
@@ -701,6 +729,32 @@ REFUSALS = [
         setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
     ),
     case(
+        "label-fraction-with-label-names",
+        "data",
+        ["[0.5]", "'label'", "row 9", "LABEL_NAMES=negative,positive", "PROBLEM_TYPE=regression"],
+        {"LABEL_NAMES": "negative,positive"},
+        setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
+    ),
+    case(
+        "label-nan-among-ids",
+        "data",
+        ["train", "'label'", "'nan'", "row 9", "LABEL_NAMES"],
+        setup=csv_data([*GOOD_ROWS, ("so-so", "nan")]),
+    ),
+    case(
+        "label-names-in-train-ids-in-validation",
+        "data",
+        ["'label'", "names in the train split", "ids in the validation split", "LABEL_NAMES"],
+        setup=csv_data([("a wonderful film", "positive"), ("a dull film", "negative")] * 4),
+    ),
+    case(
+        "class-labels-with-task-stsb",
+        "data",
+        ["'label'", "ClassLabel", "['unacceptable', 'acceptable']", "TASK=stsb", "PROBLEM_TYPE=regression"],
+        {"TASK": "stsb"},
+        setup=files_data(class_label_pairs),
+    ),
+    case(
         "label-missing",
         "data",
         ["1 row(s)", "'label'"],
@@ -775,6 +829,13 @@ REFUSALS = [
         ["1 regression target(s)", "'label'", "NaN", "row 2"],
         {"TASK": "stsb"},
         setup=files_data(lambda f: scores_with_nan(f)),
+    ),
+    case(
+        "regression-target-beyond-float32",
+        "data",
+        ["1 regression target(s)", "'label'", "float32", "row 2", "1e+39"],
+        {"TASK": "stsb"},
+        setup=files_data(huge_score),
     ),
     # the data and the settings together
     case(

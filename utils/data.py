@@ -357,6 +357,16 @@ def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
             EXIT_BAD_INPUT,
             f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it",
         )
+    if getattr(ds.features[column], "dtype", None) in ("string", "large_string"):
+        values = ds.unique(column)
+        words = sorted(v for v in values if not _digits([v]))
+        if words and len(words) < len(values):
+            row = next(i for i, v in enumerate(ds.with_format("arrow")[column].to_pylist()) if v in words)
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the {split} split mixes class ids and words in '{column}' ({', '.join(map(repr, words[:3]))} among ids; "
+                f"the first is row {row + 1}); write every label the same way: ids, or the LABEL_NAMES names",
+            )
 
 
 def _warn_unnamed_text(ds: datasets.Dataset, settings: Settings) -> None:
@@ -387,42 +397,57 @@ def _is_float(feature) -> bool:
 
 def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
     """PROBLEM_TYPE when set (TASK sets it); auto: regression for a float label column that holds fractions
-    (STS-B's 0-5 scores), else classification (a float column of 0.0/1.0 is a csv export of two classes)."""
+    (STS-B's 0-5 scores), else classification (a float column of 0.0/1.0 is a csv export of two classes).
+    LABEL_NAMES given means classes: a fraction is then a bad row, never a reason to train scores. Class labels
+    (a ClassLabel) are trained as scores only when PROBLEM_TYPE=regression is said outright, not by TASK."""
     column = settings.label_column
     feature = train.features[column]
-    values = train.unique(column) if _is_float(feature) else []
-    fractions = [v for v in values if math.isfinite(v) and not float(v).is_integer()]
-    not_finite = [v for v in values if not math.isfinite(v)]
     if settings.problem_type == REGRESSION:
+        if isinstance(feature, datasets.ClassLabel) and "problem_type" not in settings.model_fields_set:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the train split's '{column}' holds classes (a ClassLabel of {feature.names}), and TASK={settings.task} "
+                "trains scores (a regression); point DATASET_PATH at the task's own scores, or set PROBLEM_TYPE=regression "
+                "to train the class ids as scores",
+            )
         return REGRESSION
-    if settings.problem_type == "auto" and (fractions or not_finite):
+    values = train.unique(column) if _is_float(feature) else []
+    odd = sorted((v for v in values if not _is_id(v)), key=str)
+    named = "label_names" in settings.model_fields_set
+    if settings.problem_type == "auto" and odd and not named:
         log.info(
             "the label column '%s' holds fractions: trained as a regression (one score, MSE); "
             "PROBLEM_TYPE=classification trains classes",
             column,
         )
         return REGRESSION
-    if not_finite:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"the train split has labels {not_finite[:3]} in '{column}', which are no class ids; fill in or remove those rows",
-        )
-    if fractions:
-        sample = sorted(fractions)[:3]
-        fix = (
-            f"TASK={settings.task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
-            if settings.task
-            else "set PROBLEM_TYPE=regression to train scores, or give class ids or names"
-        )
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"the train split has labels {sample} in '{column}' that are fractions, not class ids; {fix}",
-        )
+    if odd:
+        if settings.task:
+            fix = f"TASK={settings.task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
+        elif named:
+            fix = (
+                f"LABEL_NAMES={','.join(settings.label_names)} names classes: fix the row, or unset LABEL_NAMES and set "
+                "PROBLEM_TYPE=regression to train scores"
+            )
+        else:
+            fix = "set PROBLEM_TYPE=regression to train scores, or give class ids or names"
+        raise JobError(EXIT_BAD_INPUT, _not_ids("train", train, column, odd, fix))
     return CLASSIFICATION
 
 
+def _is_id(value) -> bool:
+    return math.isfinite(value) and float(value).is_integer()
+
+
+def _not_ids(split: str, ds: datasets.Dataset, column: str, odd: list, fix: str) -> str:
+    """The refusal of labels that are no class ids (fractions, NaN), naming the first row that holds one."""
+    row = next(i for i, v in enumerate(ds.with_format("arrow")[column].to_pylist()) if v is not None and not _is_id(v))
+    return f"the {split} split has labels {odd[:3]} in '{column}' that are not class ids (the first is row {row + 1}); {fix}"
+
+
 def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
-    """Regression targets: numbers, none of them NaN or infinite (one NaN makes every loss after it NaN)."""
+    """Regression targets: numbers, none of them NaN or infinite (one NaN makes every loss after it NaN), checked
+    as float32, the dtype they train in: 1e39 is finite in float64 and infinite once cast."""
     kind = getattr(ds.features[column], "dtype", type(ds.features[column]).__name__)
     if kind not in ("bool", "int8", "int16", "int32", "int64", "float16", "float32", "float64"):
         raise JobError(
@@ -430,15 +455,16 @@ def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
             f"the {split} split's '{column}' holds {kind} values; regression needs a number per row: give scores, "
             "or set PROBLEM_TYPE=classification for class names",
         )
-    values = pyarrow.compute.cast(ds.with_format("arrow")[column], pyarrow.float64())
+    values = pyarrow.compute.cast(ds.with_format("arrow")[column], pyarrow.float32())
     bad = pyarrow.compute.invert(pyarrow.compute.is_finite(values))
     count = pyarrow.compute.sum(bad).as_py() or 0
     if count:
         first = pyarrow.compute.index(bad, True).as_py()
         raise JobError(
             EXIT_BAD_INPUT,
-            f"the {split} split has {count} regression target(s) in '{column}' that are NaN or infinite (the first is row "
-            f"{first + 1}); fill in or remove those rows",
+            f"the {split} split has {count} regression target(s) in '{column}' that are NaN or infinite as float32, the "
+            f"dtype training uses (the first is row {first + 1}: {ds[first][column]!r}; float32 ends at 3.4e38); "
+            "fill in, rescale or remove those rows",
         )
     return ds
 
@@ -455,13 +481,32 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
     if "label_names" in settings.model_fields_set or settings.task:
         return settings.label_names
     column = settings.label_column
+    kinds = {split: _label_kind(ds.features[column], ds.unique(column)) for split, ds in raw.items()}
+    if len(set(kinds.values())) > 1:
+        shown = " and ".join(
+            f"{kind} in the {split} split ({', '.join(map(repr, sorted(map(str, raw[split].unique(column)))[:3]))})"
+            for split, kind in kinds.items()
+        )
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the labels in '{column}' are {shown}: which id is which name cannot be told; write every split's labels "
+            "the same way, or set LABEL_NAMES (label 0 first) to name the ids",
+        )
     feature = raw["train"].features[column]
     default = {_name_key(n) for n in settings.label_names}
     if isinstance(feature, datasets.ClassLabel) and feature.names != [str(i) for i in range(len(feature.names))]:
         # SST-2's two names in any order: the default order (label 1 is the positive class F1 is scored on).
         return settings.label_names if {_name_key(n) for n in feature.names} == default else tuple(feature.names)
-    values = {v for ds in raw.values() for v in ds.unique(column)}
-    if getattr(feature, "dtype", None) in ("string", "large_string") and not _digits(values):
+    if kinds["train"] == "names":
+        values = {
+            v
+            for ds in raw.values()
+            for v in (
+                ds.features[column].names
+                if isinstance(ds.features[column], datasets.ClassLabel)
+                else ds.unique(column)
+            )
+        }
         by_key = {}
         for value in sorted(values):
             by_key.setdefault(_name_key(value), value.strip())
@@ -471,6 +516,15 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
     ids = [int(v) for v in raw["train"].unique(column)]
     count = max(ids) + 1 if ids else 0
     return settings.label_names if count <= 2 else tuple(str(i) for i in range(count))
+
+
+def _label_kind(feature, values) -> str:
+    """How a split writes its labels: `names` (a named ClassLabel, words) or `ids` (numbers, booleans, digits)."""
+    if isinstance(feature, datasets.ClassLabel):
+        return "ids" if feature.names == [str(i) for i in range(len(feature.names))] else "names"
+    if getattr(feature, "dtype", None) in ("string", "large_string") and not _digits(values):
+        return "names"
+    return "ids"
 
 
 def _labels_as_ids(
@@ -491,13 +545,10 @@ def _labels_as_ids(
             ds = _cast_label(ds, column, datasets.Value("int64"))
         elif kind in ("string", "large_string"):
             ds = _text_labels_by_name(ds, split, column, values, label_names)
-        elif _is_float(feature) and any(not (math.isfinite(v) and float(v).is_integer()) for v in values):
-            odd = sorted(v for v in values if not (math.isfinite(v) and float(v).is_integer()))[:3]
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"the {split} split has labels {odd} in '{column}' that are fractions, not class ids; "
-                "set PROBLEM_TYPE=regression to train scores, or give class ids or names",
-            )
+        elif _is_float(feature) and any(not _is_id(v) for v in values):
+            odd = sorted((v for v in values if not _is_id(v)), key=str)
+            fix = "fill in or fix those rows, or set PROBLEM_TYPE=regression to train scores"
+            raise JobError(EXIT_BAD_INPUT, _not_ids(split, ds, column, odd, fix))
         elif kind == "bool" or _is_float(feature):
             ds = _cast_label(ds, column, datasets.Value("int64"))
     ids = set(ds.unique(column))

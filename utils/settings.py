@@ -940,7 +940,7 @@ def read_recipe(path: str) -> dict[str, Any]:
             f"holds more than {RECIPE_MAX_BYTES} bytes, not a recipe; point --config at a YAML file of settings"
         )
     try:
-        values = yaml.load(raw.decode("utf-8"), Loader=_unique_key_loader(yaml))  # noqa: S506 (a SafeLoader)
+        values = yaml.load(raw.decode("utf-8"), Loader=_unique_key_loader(yaml))  # a SafeLoader: runs no code
     except _KeyTwice as exc:
         raise refused(f"sets {exc.args[0]} twice (lines {exc.args[1]} and {exc.args[2]}); keep one") from None
     except UnicodeDecodeError:
