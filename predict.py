@@ -299,10 +299,22 @@ def load_classifier(model: str, base_model: str | None):
             )
             if id2label == {0: REGRESSION_LABEL}:  # one score (utils/model.label_config): no sigmoid over it
                 labels["problem_type"] = "regression"
+            from utils.model import load_report_held
+
             base_id = base_model or adapter["base_model_name_or_path"]
+            # The head the adapter restores as peft loads it (modules_to_save): a base's head of another size is
+            # no news to whoever runs this.
+            restored = ["classifier", "score", *(adapter.get("modules_to_save") or [])]
             try:
-                base = AutoModelForSequenceClassification.from_pretrained(
-                    base_id, **labels, **head_resized(base_id, len(id2label or {})), **safe
+                base = load_report_held(
+                    lambda: AutoModelForSequenceClassification.from_pretrained(
+                        base_id,
+                        output_loading_info=True,
+                        **labels,
+                        **head_resized(base_id, len(id2label or {})),
+                        **safe,
+                    ),
+                    restored,
                 )
             except OSError as exc:
                 raise JobError(

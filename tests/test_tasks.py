@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -319,6 +320,18 @@ def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
 def predictions(tmp: Path, *args, stdin: str = "") -> list[dict]:
     result = run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp)
     assert result.code == 0, result.stderr[-3000:]
+    assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def run_as_written(command: str, tmp: Path) -> list[dict]:
+    """A documented `python predict.py` command run in `tmp` (OUTPUT_DIR: the run's); its answers."""
+    command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
+        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
@@ -329,12 +342,19 @@ def readme_predictions(tmp: Path, columns: str) -> list[dict]:
         for line in (REPO / "README.md").read_text().splitlines()
         if line.startswith("python predict.py") and f"--text-column {columns}" in line
     ]
-    command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
-        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
+    return run_as_written(command, tmp)
+
+
+def card_answers(tmp: Path, inputs: list) -> list[dict]:
+    """The model card's Python, run as written, then its `classifier` on `inputs`."""
+    card = (tmp / "out" / "model" / "README.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", card, re.S)
+    script = code + "\nimport json, sys\nprint(json.dumps(classifier(json.loads(sys.argv[1]))))"
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(inputs)], capture_output=True, text=True, env=base_env(tmp), cwd=tmp
     )
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines()]
+    return json.loads(result.stdout.splitlines()[-1])
 
 
 def test_predict_labels_mnli_shaped_pairs(mnli_run):
@@ -360,6 +380,14 @@ def test_predict_scores_stsb_shaped_pairs(stsb_run):
     assert all(set(p) == {"text", "text_pair", "score"} for p in predicted), predicted[:2]  # a score, no label
     scores = np.array([p["score"] for p in predicted])
     assert np.corrcoef(scores, [score for _, _, score in rows])[0, 1] > 0.5, scores
+    # The card's own use of the model: its pairs, and raw scores (a sigmoid without problem_type="regression").
+    card = (tmp / "out" / "model" / "README.md").read_text()
+    [command] = re.findall(r"`(python predict\.py [^`]*)`", card)
+    assert command.endswith("pairs.jsonl --text-column sentence1,sentence2"), command
+    (tmp / "pairs.jsonl").write_text("".join(json.dumps({"sentence1": a, "sentence2": b}) + "\n" for a, b, _ in rows))
+    assert run_as_written(command, tmp) == predicted
+    pairs = [{"text": a, "text_pair": b} for a, b, _ in rows[:4]]
+    assert [round(a["score"], 4) for a in card_answers(tmp, pairs)] == pytest.approx(scores[:4], abs=2e-4)
 
 
 def test_predict_labels_cola_shaped_sentences(cola_run, tiny_bert):
