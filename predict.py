@@ -15,7 +15,9 @@ score and no label); no sentences, no lines. A sentence
 longer than the model takes is cut to the length recorded with the model (MAX_SEQ_LENGTH of the run that
 trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
 Batches run on the GPU when there is one. Bad input (no such model or file, a missing column, bytes that
-are not text, a base model of another size than the adapter's) is one `error:` line and exit 2, as in main.py.
+are not text, a base model of another size than the adapter's, one text a row for a pair model, and what
+training refuses in a file: an empty text in a column, a column named twice) is one `error:` line and
+exit 2, as in main.py.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import io
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model_card import LABELS_NAME, REGRESSION_LABEL, read_label_names
+from utils.model_card import INPUTS_NAME, LABELS_NAME, REGRESSION_LABEL, read_label_names
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
 
@@ -107,6 +110,45 @@ def read_inputs(file: Path | None, column: str | None) -> list[str] | list[dict[
     return [{"text": a, "text_pair": b} for a, b in zip(first, second, strict=True)]
 
 
+def trained_columns(model: str) -> tuple[str, ...] | None:
+    """The text columns the model was trained on (inputs.json beside it): one, or a pair; None where it records none
+    (a model saved before it did, or one of another tool) or cannot be reached (load_classifier says why)."""
+    try:
+        path = model_file(model, INPUTS_NAME)
+        return tuple(json.loads(Path(path).read_text())["text_columns"]) if path else None
+    except Exception:  # no such repo, offline, a foreign file: the model's own load reports it
+        return None
+
+
+def check_input_shape(model: str, trained: tuple[str, ...] | None, column: str | None) -> None:
+    """One sentence a row for a single-sentence model, two columns for a pair model, as training took them: a pair
+    model given one text answers about half an input, without a word."""
+    given = [name.strip() for name in column.split(",")] if column else []
+    if trained is None or (len(given) == 2) == (len(trained) == 2):
+        return
+    if len(trained) == 2:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{model} takes sentence pairs (trained on {','.join(trained)}), and "
+            + (f"--text-column {column} names one column" if given else "one text a row was given")
+            + f"; give a .csv, .tsv, .json or .jsonl file with --text-column {','.join(trained)} (or your two columns)",
+        )
+    raise JobError(
+        EXIT_BAD_INPUT,
+        f"{model} takes one sentence a row (trained on {trained[0]}), and --text-column {column} names a pair; "
+        "name one column",
+    )
+
+
+def empty_text(file: Path, place: str, column: str) -> JobError:
+    """A row without text in a column: training refuses it (it would answer about [CLS] [SEP])."""
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"{file} {place} has an empty '{column}'; training refuses a row without text, and so does this: "
+        "fill it in or remove the row",
+    )
+
+
 def read_sentences(file: Path | None, column: str | None) -> list[str]:
     """The sentences of `file` (standard input when None), in order: one per non-blank line of text, or the
     `column` (default: sentence) of each record of a .csv, .tsv, .json (a JSON array or JSON lines, as training
@@ -154,6 +196,13 @@ def read_delimited(text: str, file: Path, column: str, delimiter: str, quoting: 
     header = next(reader, None)
     if header is None:
         return []
+    repeated = [name for name, times in Counter(header).items() if times > 1]
+    if repeated:  # as training refuses it (utils/data.py): which one holds the text is ambiguous
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{file} names the column '{repeated[0]}' {header.count(repeated[0])} times in its header ({header}); "
+            "which one holds the data is ambiguous: rename or remove the extra column",
+        )
     if column not in header:
         raise JobError(
             EXIT_BAD_INPUT,
@@ -176,6 +225,8 @@ def read_delimited(text: str, file: Path, column: str, delimiter: str, quoting: 
                 f"{file} line {start} has {len(record)} field(s) and no '{column}' (column {index + 1}); "
                 "give every line a value in each column of the header",
             )
+        if not record[index].strip():
+            raise empty_text(file, f"line {start}", column)
         sentences.append(record[index])
     return sentences
 
@@ -215,6 +266,8 @@ def read_json_records(text: str, file: Path, column: str) -> list[str]:
                 f"{file} {place} has no text in '{column}' ({found}); give each object a '{column}' string, "
                 "or name the text column with --text-column",
             )
+        if not text_value.strip():
+            raise empty_text(file, place, column)
         sentences.append(text_value)
     return sentences
 
@@ -441,6 +494,7 @@ def _first_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_input_shape(args.model, trained_columns(args.model), args.text_column)
         sentences = read_inputs(args.file, args.text_column)
         classifier = load_classifier(args.model, args.base_model)
     except JobError as exc:

@@ -369,6 +369,23 @@ def test_predict_labels_mnli_shaped_pairs(mnli_run):
     assert right / len(rows) > 0.8, predicted
 
 
+@pytest.mark.parametrize(
+    "args, stdin, names",
+    [
+        ([], "the film is good\n", ["takes sentence pairs", "premise,hypothesis", "one text a row"]),
+        (["pairs.csv", "--text-column", "premise"], "", ["takes sentence pairs", "--text-column premise"]),
+        (["pairs.csv", "--text-column", "premise,hypothesis"], "", ["pairs.csv line 3", "empty 'hypothesis'"]),
+    ],
+    ids=["one text on stdin", "one column of a file", "an empty second text"],
+)
+def test_predict_refuses_for_a_pair_model_what_training_refuses(mnli_run, args, stdin, names):
+    tmp = mnli_run[0]
+    (tmp / "pairs.csv").write_text("premise,hypothesis\nthe film,it is good\nthe film, \n")
+    result = run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp)
+    assert result.stdout == ""
+    assert_refusal(result, names)
+
+
 def test_predict_scores_stsb_shaped_pairs(stsb_run):
     import numpy as np
 

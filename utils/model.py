@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import stat
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from transformers import (
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model_card import read_label_names
+from utils.model_card import INPUTS_NAME, read_label_names
 from utils.recipe import lora_options
 from utils.settings import Settings
 
@@ -444,3 +445,5 @@ def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
     AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE).save_pretrained(out_dir)
+    if (adapter_dir / INPUTS_NAME).is_file():  # what one input is: predict.py reads it from either folder
+        shutil.copyfile(adapter_dir / INPUTS_NAME, out_dir / INPUTS_NAME)
