@@ -30,6 +30,7 @@ from tests.conftest import (
     run_main,
     run_predict,
     train_one_and_two,
+    wait_all,
 )
 
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
@@ -243,6 +244,32 @@ def test_three_class_pairs_on_two_replicas_equal_one_process(tmp_path, tiny_bert
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         assert torch.allclose(weights[0][name], weights[1][name], rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_the_evaluation_loss_is_the_whole_splits_on_two_replicas(tmp_path, tiny_bert, replicas):
+    """A regression on two replicas whose last evaluation batch is uneven (15 rows, 4 a batch on each rank): the
+    sampler repeats a row to even out the ranks, and eval_loss is still the MSE over the 15 rows, as on one process."""
+    rng = random.Random(6)
+    header = ["sentence1", "sentence2", "label"]
+    write_csv(tmp_path / "data" / "train.csv", header, stsb_rows(rng, 32))
+    write_csv(tmp_path / "data" / "validation.csv", header, stsb_rows(rng, 15))
+    settings = dict(
+        MODEL_NAME=str(tiny_bert),
+        DATASET_PATH=str(tmp_path / "data"),
+        OUTPUT_DIR=str(tmp_path / "out"),
+        TASK="stsb",
+        MAX_STEPS="2",
+        PER_DEVICE_BATCH_SIZE="4",
+        PER_DEVICE_EVAL_BATCH_SIZE="4",
+        LEARNING_RATE=RATE,
+        REPORT_TO="none",
+        RENDEZVOUS_TIMEOUT="120",
+    )
+    wait_all(replicas.start("ddp", settings), logs=lambda: replicas.streams)
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert (metrics["world_size"], metrics["eval_samples"]) == (2, 15)
+    assert metrics["eval_loss"] == pytest.approx(metrics["eval_mse"], rel=1e-9), metrics
 
 
 # ------------------------------------------------------------------------------- refusals and warnings
