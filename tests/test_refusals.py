@@ -736,6 +736,12 @@ REFUSALS = [
         setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
     ),
     case(
+        "label-names-with-regression",
+        "data",
+        ["LABEL_NAMES=negative,positive", "PROBLEM_TYPE=regression", "unset LABEL_NAMES"],
+        {"LABEL_NAMES": "negative,positive", "PROBLEM_TYPE": "regression"},
+    ),
+    case(
         "label-nan-among-ids",
         "data",
         ["train", "'label'", "'nan'", "row 9", "LABEL_NAMES"],

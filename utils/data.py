@@ -402,6 +402,14 @@ def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
     (a ClassLabel) are trained as scores only when PROBLEM_TYPE=regression is said outright, not by TASK."""
     column = settings.label_column
     feature = train.features[column]
+    named = "label_names" in settings.model_fields_set
+    if settings.problem_type == REGRESSION and named:
+        given = f"PROBLEM_TYPE={settings.problem_type}" if not settings.task else f"TASK={settings.task}"
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LABEL_NAMES={','.join(settings.label_names)} names classes, and {given} trains scores (a regression); "
+            "unset LABEL_NAMES to train scores, or unset " + given.split("=")[0] + " to train the classes",
+        )
     if settings.problem_type == REGRESSION:
         if isinstance(feature, datasets.ClassLabel) and "problem_type" not in settings.model_fields_set:
             raise JobError(
@@ -413,7 +421,6 @@ def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
         return REGRESSION
     values = train.unique(column) if _is_float(feature) else []
     odd = sorted((v for v in values if not _is_id(v)), key=str)
-    named = "label_names" in settings.model_fields_set
     if settings.problem_type == "auto" and odd and not named:
         log.info(
             "the label column '%s' holds fractions: trained as a regression (one score, MSE); "

@@ -92,7 +92,13 @@ def best_metric(settings, problem_type: str) -> str:
 def describe_task(settings) -> dict:
     """What `--dry-run` shows: the task as the settings resolve it (labels: from the data when not named)."""
     problem = settings.problem_type
-    shown_problem = problem if problem != "auto" else "classification, or regression for a float label column"
+    shown_problem = (
+        problem
+        if problem != "auto"
+        else "classification (LABEL_NAMES names the classes)"
+        if "label_names" in settings.model_fields_set
+        else "classification, or regression for a float label column"
+    )
     return {
         "task": settings.task,
         "text_columns": list(settings.text_columns),
