@@ -162,6 +162,8 @@ def test_mnli_shaped_pairs_learn_three_classes_on_both_validation_splits(mnli_ru
     assert "classification into 3 classes (entailment / neutral / contradiction)" in card
     assert "| matched_accuracy |" in card and "| mismatched_accuracy |" in card
     assert "eval_matched_accuracy=" in result.stdout and "eval_mismatched_accuracy=" in result.stdout
+    # The base's 2-label head under 3 classes is trained afresh: no LOAD REPORT table (with terminal colours) for it.
+    assert "LOAD REPORT" not in result.stderr + (tmp / "out" / "logs" / "rank-0.log").read_text()
     state = json.loads(next((tmp / "out" / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())
     evaluated = [entry["eval_matched_accuracy"] for entry in state["log_history"] if "eval_matched_accuracy" in entry]
     # The task's metric (MNLI: matched accuracy) tracked over the evaluations this checkpoint had seen.
