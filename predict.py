@@ -23,15 +23,14 @@ exit 2, as in main.py.
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import io
 import json
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 
+from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.model_card import INPUTS_NAME, LABELS_NAME, REGRESSION_LABEL, read_label_names
 
@@ -87,10 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-# Formats by suffix, whatever its case, read as training reads DATASET_PATH (utils/data.py: the same dialects;
-# tests/test_predict.py checks both read a file alike). SST-2's .tsv is unquoted text: read with quoting on, a
-# sentence that opens with `"` would swallow the rows up to the next quote. Any other suffix is one sentence a line.
-DELIMITED = {".csv": (",", csv.QUOTE_MINIMAL), ".tsv": ("\t", csv.QUOTE_NONE)}
+# Formats by suffix, whatever its case, read as training reads DATASET_PATH (.csv and .tsv: utils/delimited.py;
+# tests/test_predict.py checks both read a file alike). Any other suffix is one sentence a line.
 JSON_SUFFIXES = (".json", ".jsonl")
 FORMATS = "a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file"
 
@@ -154,7 +151,7 @@ def read_sentences(file: Path | None, column: str | None) -> list[str]:
     `column` (default: sentence) of each record of a .csv, .tsv, .json (a JSON array or JSON lines, as training
     takes) or .jsonl file."""
     suffix = file.suffix.lower() if file else ""
-    if column is not None and suffix not in (*DELIMITED, *JSON_SUFFIXES):
+    if column is not None and suffix not in (*DIALECTS, *JSON_SUFFIXES):
         # A column of a file read one sentence a line: a .csv saved as .txt, whose header would be answered too.
         raise JobError(
             EXIT_BAD_INPUT,
@@ -173,8 +170,8 @@ def read_sentences(file: Path | None, column: str | None) -> list[str]:
     except OSError as exc:
         raise JobError(EXIT_BAD_INPUT, f"cannot read {file} ({exc.strerror or exc}); give {FORMATS}") from None
     text = decode_text(data, str(file))
-    if suffix in DELIMITED:
-        return read_delimited(text, file, column, *DELIMITED[suffix])
+    if suffix in DIALECTS:
+        return read_delimited(text, file, column, suffix)
     if suffix in JSON_SUFFIXES:
         return read_json_records(text, file, column)
     return split_lines(text)
@@ -187,38 +184,20 @@ def split_lines(text: str) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
-def read_delimited(text: str, file: Path, column: str, delimiter: str, quoting: int) -> list[str]:
-    """`column` of each record, one record a line; a quoted field running over lines is refused, as training
-    refuses it (a stray `"` would merge the rows up to the next quote into one answer)."""
-    # The csv module refuses a field over 128 KiB (a long review); training reads it whole, and it is truncated.
-    csv.field_size_limit(2**31 - 1)
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
-    header = next(reader, None)
+def read_delimited(text: str, file: Path, column: str, suffix: str) -> list[str]:
+    """`column` of each record, one record a line, read and refused as training reads the file (utils/delimited.py:
+    a column named twice in the header, a quoted field running over lines, which would merge the rows up to the
+    next quote into one answer)."""
+    header, records = read_records(io.StringIO(text, newline=""), file, suffix)
     if header is None:
         return []
-    repeated = [name for name, times in Counter(header).items() if times > 1]
-    if repeated:  # as training refuses it (utils/data.py): which one holds the text is ambiguous
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{file} names the column '{repeated[0]}' {header.count(repeated[0])} times in its header ({header}); "
-            "which one holds the data is ambiguous: rename or remove the extra column",
-        )
     if column not in header:
         raise JobError(
             EXIT_BAD_INPUT,
             f"{file} has no column '{column}' (its header: {header}); name the text column with --text-column",
         )
-    index, sentences, end = header.index(column), [], reader.line_num
-    for record in reader:
-        start, end = end + 1, reader.line_num
-        if not record:
-            continue  # a blank line is no record, to training either
-        if end > start:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{file} line {start}: a quoted field runs over lines {start}-{end}, merging them into one record; "
-                'close the quote, double a quote inside a quoted field (""), or save the file as .tsv, which is read without quoting',
-            )
+    index, sentences = header.index(column), []
+    for start, record in records:
         if index >= len(record):
             raise JobError(
                 EXIT_BAD_INPUT,

@@ -7,12 +7,10 @@ average ~13 tokens, so padding to MAX_SEQ_LENGTH would make most of each batch p
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
 import shutil
-from collections import Counter
 from pathlib import Path
 
 import datasets
@@ -21,6 +19,7 @@ import pyarrow.compute
 from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
+from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.settings import Settings
 from utils.tasks import CLASSIFICATION, REGRESSION, validation_splits
@@ -36,11 +35,8 @@ TEXT, TEXT_PAIR, LABEL = (
 )  # the names after loading; `labels` is what the model's forward takes
 TEXTS = (TEXT, TEXT_PAIR)
 # Text is text: only a truly empty cell is missing (pandas would read the sentences `NA`, `null`, `None` and
-# `nan` as missing). SST-2's TSV is unquoted text: read with quoting on, a `"` opening a sentence swallows
-# the rows up to the next quote.
+# `nan` as missing). The delimiter and quoting of each suffix: utils/delimited.py.
 CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
-QUOTING = {".csv": csv.QUOTE_MINIMAL, ".tsv": csv.QUOTE_NONE}
-DELIMITER = {".csv": ",", ".tsv": "\t"}
 JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 
 
@@ -99,45 +95,14 @@ def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
 
 
 def _count_records(path: Path, suffix: str, files: dict[str, str]) -> int:
-    """The rows of a csv/tsv file, read as the loader reads it, checked so that no row is lost or made up.
-
-    Refused: a header naming a column twice (the loader would rename one `label.1` and train on the other
-    without a word), and a record running over several lines: a `"` opening a sentence makes the reader
-    swallow every row up to the next quote into it.
-    """
-    # The csv module refuses a field over 128 KiB (a long review, a document); the loader reads it whole, and
-    # the tokenizer truncates it to MAX_SEQ_LENGTH.
-    limit = csv.field_size_limit(2**31 - 1)
+    """The rows of a csv/tsv file, read as the loader reads it and as predict.py reads its input (utils/delimited.py),
+    checked so that no row is lost or made up."""
     try:
         with path.open(encoding="utf-8-sig", newline="") as handle:
-            reader = csv.reader(handle, delimiter=DELIMITER[suffix], quoting=QUOTING[suffix])
-            header = next(reader, None)
-            if header is None:
-                return 0  # an empty file: the loader's own refusal says so
-            repeated = [(name, times) for name, times in Counter(header).items() if times > 1]
-            if repeated:
-                name, times = repeated[0]
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"{path} names the column '{name}' {times} times in its header ({suffix[1:]}: {header}); "
-                    "which one holds the data is ambiguous: rename or remove the extra column",
-                )
-            records, end = 0, reader.line_num
-            for record in reader:
-                start, end = end + 1, reader.line_num
-                if end > start and record:
-                    raise JobError(
-                        EXIT_BAD_INPUT,
-                        f"{path} line {start}: a quoted field runs over lines {start}-{end}, merging {end - start + 1} lines "
-                        'into one row (a stray " at the start of a sentence swallows the rows up to the next quote); '
-                        'close the quote, double a quote inside a quoted field (""), or save the data as .tsv, which is read without quoting',
-                    )
-                records += bool(record)  # a blank line is no row, to the loader either
-            return records
+            _, records = read_records(handle, path, suffix)
+            return sum(1 for _ in records)  # an empty file: 0, and the loader's own refusal says so
     except UnicodeDecodeError as exc:
         raise JobError(EXIT_BAD_INPUT, _not_utf8(files, exc)) from None
-    finally:
-        csv.field_size_limit(limit)
 
 
 def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) -> None:
@@ -173,7 +138,7 @@ def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> da
     """One split's file, read as the loader reads it; a file it cannot read is refused naming it."""
     fmt, kwargs, records = FILE_FORMATS[suffix], {}, None
     if fmt == "csv":
-        kwargs = {**CSV_OPTIONS, "delimiter": DELIMITER[suffix], "quoting": QUOTING[suffix]}
+        kwargs = {**CSV_OPTIONS, "delimiter": DIALECTS[suffix][0], "quoting": DIALECTS[suffix][1]}
         records = _count_records(path, suffix, files)
     try:
         loaded = load_dataset(fmt, data_files={split: str(path)}, split=split, trust_remote_code=False, **kwargs)
