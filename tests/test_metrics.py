@@ -15,7 +15,9 @@ pytestmark = pytest.mark.check
 
 
 def scored(compute, predicted: list[int], actual: list[int], classes: int) -> dict:
-    logits = np.eye(classes, dtype=np.float32)[predicted] * 3.0 - 1.0  # the predicted class has the largest logit
+    # The predicted class's logit 2, the others -1: a row's cross-entropy is log(1 + (classes - 1) e^-3) when
+    # right, 3 more when wrong (the loss is the mean over the rows).
+    logits = np.eye(classes, dtype=np.float32)[predicted] * 3.0 - 1.0
     return compute(EvalPrediction(predictions=logits, label_ids=np.asarray(actual)))
 
 
@@ -32,6 +34,7 @@ def test_binary_scores_are_those_of_the_positive_class():
             "f1": 2 / 3,  # 2*3 / (2*3 + 2 + 1)
             "matthews_correlation": 0.408248290463863,  # (3*4 - 2*1) / sqrt(5*4*6*5) = 1/sqrt(6)
             "samples": 10,
+            "loss": 0.9485873515737421,  # log(1 + e^-3) + 3 * 3/10
         },
         rel=1e-12,
     )
@@ -52,6 +55,7 @@ def test_three_classes_one_never_predicted_are_macro_averaged():
             # Gorodkin: (5*10 - (5*4 + 5*3 + 0*3)) / sqrt((100 - 50) * (100 - 34)) = 15 / sqrt(3300)
             "matthews_correlation": 0.26111648393354675,
             "samples": 10,
+            "loss": 1.5949229564209609,  # log(1 + 2e^-3) + 3 * 5/10
         },
         rel=1e-12,
     )
@@ -66,6 +70,7 @@ def test_a_classifier_predicting_one_class_scores_zero_not_nan():
         "f1": 0.0,
         "matthews_correlation": 0.0,
         "samples": 4,
+        "loss": pytest.approx(1.548587351573742, rel=1e-6),  # log(1 + e^-3) + 3 * 2/4
     }
 
 
@@ -83,6 +88,7 @@ def test_regression_pearson_spearman_with_ties_and_mse():
             "spearman": 0.7378647873726218,
             "mse": 1.8,  # (1 + 4 + 4 + 0 + 0) / 5
             "samples": 5,
+            "loss": 1.8,  # the model's loss for a regression is the MSE
         },
         rel=1e-12,
     )
