@@ -15,13 +15,14 @@ score and no label); no sentences, no lines. A sentence
 longer than the model takes is cut to the length recorded with the model (MAX_SEQ_LENGTH of the run that
 trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
 Batches run on the GPU when there is one. Bad input (no such model or file, a missing column, bytes that
-are not text, a base model of another size than the adapter's) is one `error:` line and exit 2, as in main.py.
+are not text, a base model of another size than the adapter's, one text a row for a pair model, and what
+training refuses in a file: an empty text in a column, a column named twice) is one `error:` line and
+exit 2, as in main.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import io
 import json
@@ -29,8 +30,9 @@ import os
 import sys
 from pathlib import Path
 
+from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model_card import LABELS_NAME, REGRESSION_LABEL, read_label_names
+from utils.model_card import INPUTS_NAME, LABELS_NAME, REGRESSION_LABEL, read_label_names
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
 
@@ -84,10 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-# Formats by suffix, whatever its case, read as training reads DATASET_PATH (utils/data.py: the same dialects;
-# tests/test_predict.py checks both read a file alike). SST-2's .tsv is unquoted text: read with quoting on, a
-# sentence that opens with `"` would swallow the rows up to the next quote. Any other suffix is one sentence a line.
-DELIMITED = {".csv": (",", csv.QUOTE_MINIMAL), ".tsv": ("\t", csv.QUOTE_NONE)}
+# Formats by suffix, whatever its case, read as training reads DATASET_PATH (.csv and .tsv: utils/delimited.py;
+# tests/test_predict.py checks both read a file alike). Any other suffix is one sentence a line.
 JSON_SUFFIXES = (".json", ".jsonl")
 FORMATS = "a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file"
 
@@ -107,12 +107,51 @@ def read_inputs(file: Path | None, column: str | None) -> list[str] | list[dict[
     return [{"text": a, "text_pair": b} for a, b in zip(first, second, strict=True)]
 
 
+def trained_columns(model: str) -> tuple[str, ...] | None:
+    """The text columns the model was trained on (inputs.json beside it): one, or a pair; None where it records none
+    (a model saved before it did, or one of another tool) or cannot be reached (load_classifier says why)."""
+    try:
+        path = model_file(model, INPUTS_NAME)
+        return tuple(json.loads(Path(path).read_text())["text_columns"]) if path else None
+    except Exception:  # no such repo, offline, a foreign file: the model's own load reports it
+        return None
+
+
+def check_input_shape(model: str, trained: tuple[str, ...] | None, column: str | None) -> None:
+    """One sentence a row for a single-sentence model, two columns for a pair model, as training took them: a pair
+    model given one text answers about half an input, without a word."""
+    given = [name.strip() for name in column.split(",")] if column else []
+    if trained is None or (len(given) == 2) == (len(trained) == 2):
+        return
+    if len(trained) == 2:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{model} takes sentence pairs (trained on {','.join(trained)}), and "
+            + (f"--text-column {column} names one column" if given else "one text a row was given")
+            + f"; give a .csv, .tsv, .json or .jsonl file with --text-column {','.join(trained)} (or your two columns)",
+        )
+    raise JobError(
+        EXIT_BAD_INPUT,
+        f"{model} takes one sentence a row (trained on {trained[0]}), and --text-column {column} names a pair; "
+        "name one column",
+    )
+
+
+def empty_text(file: Path, place: str, column: str) -> JobError:
+    """A row without text in a column: training refuses it (it would answer about [CLS] [SEP])."""
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"{file} {place} has an empty '{column}'; training refuses a row without text, and so does this: "
+        "fill it in or remove the row",
+    )
+
+
 def read_sentences(file: Path | None, column: str | None) -> list[str]:
     """The sentences of `file` (standard input when None), in order: one per non-blank line of text, or the
     `column` (default: sentence) of each record of a .csv, .tsv, .json (a JSON array or JSON lines, as training
     takes) or .jsonl file."""
     suffix = file.suffix.lower() if file else ""
-    if column is not None and suffix not in (*DELIMITED, *JSON_SUFFIXES):
+    if column is not None and suffix not in (*DIALECTS, *JSON_SUFFIXES):
         # A column of a file read one sentence a line: a .csv saved as .txt, whose header would be answered too.
         raise JobError(
             EXIT_BAD_INPUT,
@@ -131,8 +170,8 @@ def read_sentences(file: Path | None, column: str | None) -> list[str]:
     except OSError as exc:
         raise JobError(EXIT_BAD_INPUT, f"cannot read {file} ({exc.strerror or exc}); give {FORMATS}") from None
     text = decode_text(data, str(file))
-    if suffix in DELIMITED:
-        return read_delimited(text, file, column, *DELIMITED[suffix])
+    if suffix in DIALECTS:
+        return read_delimited(text, file, column, suffix)
     if suffix in JSON_SUFFIXES:
         return read_json_records(text, file, column)
     return split_lines(text)
@@ -145,13 +184,11 @@ def split_lines(text: str) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
-def read_delimited(text: str, file: Path, column: str, delimiter: str, quoting: int) -> list[str]:
-    """`column` of each record, one record a line; a quoted field running over lines is refused, as training
-    refuses it (a stray `"` would merge the rows up to the next quote into one answer)."""
-    # The csv module refuses a field over 128 KiB (a long review); training reads it whole, and it is truncated.
-    csv.field_size_limit(2**31 - 1)
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
-    header = next(reader, None)
+def read_delimited(text: str, file: Path, column: str, suffix: str) -> list[str]:
+    """`column` of each record, one record a line, read and refused as training reads the file (utils/delimited.py:
+    a column named twice in the header, a quoted field running over lines, which would merge the rows up to the
+    next quote into one answer)."""
+    header, records = read_records(io.StringIO(text, newline=""), file, suffix)
     if header is None:
         return []
     if column not in header:
@@ -159,23 +196,16 @@ def read_delimited(text: str, file: Path, column: str, delimiter: str, quoting: 
             EXIT_BAD_INPUT,
             f"{file} has no column '{column}' (its header: {header}); name the text column with --text-column",
         )
-    index, sentences, end = header.index(column), [], reader.line_num
-    for record in reader:
-        start, end = end + 1, reader.line_num
-        if not record:
-            continue  # a blank line is no record, to training either
-        if end > start:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{file} line {start}: a quoted field runs over lines {start}-{end}, merging them into one record; "
-                'close the quote, double a quote inside a quoted field (""), or save the file as .tsv, which is read without quoting',
-            )
+    index, sentences = header.index(column), []
+    for start, record in records:
         if index >= len(record):
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"{file} line {start} has {len(record)} field(s) and no '{column}' (column {index + 1}); "
                 "give every line a value in each column of the header",
             )
+        if not record[index].strip():
+            raise empty_text(file, f"line {start}", column)
         sentences.append(record[index])
     return sentences
 
@@ -215,6 +245,8 @@ def read_json_records(text: str, file: Path, column: str) -> list[str]:
                 f"{file} {place} has no text in '{column}' ({found}); give each object a '{column}' string, "
                 "or name the text column with --text-column",
             )
+        if not text_value.strip():
+            raise empty_text(file, place, column)
         sentences.append(text_value)
     return sentences
 
@@ -299,10 +331,22 @@ def load_classifier(model: str, base_model: str | None):
             )
             if id2label == {0: REGRESSION_LABEL}:  # one score (utils/model.label_config): no sigmoid over it
                 labels["problem_type"] = "regression"
+            from utils.model import load_report_held
+
             base_id = base_model or adapter["base_model_name_or_path"]
+            # The head the adapter restores as peft loads it (modules_to_save): a base's head of another size is
+            # no news to whoever runs this.
+            restored = ["classifier", "score", *(adapter.get("modules_to_save") or [])]
             try:
-                base = AutoModelForSequenceClassification.from_pretrained(
-                    base_id, **labels, **head_resized(base_id, len(id2label or {})), **safe
+                base = load_report_held(
+                    lambda: AutoModelForSequenceClassification.from_pretrained(
+                        base_id,
+                        output_loading_info=True,
+                        **labels,
+                        **head_resized(base_id, len(id2label or {})),
+                        **safe,
+                    ),
+                    restored,
                 )
             except OSError as exc:
                 raise JobError(
@@ -429,6 +473,7 @@ def _first_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_input_shape(args.model, trained_columns(args.model), args.text_column)
         sentences = read_inputs(args.file, args.text_column)
         classifier = load_classifier(args.model, args.base_model)
     except JobError as exc:

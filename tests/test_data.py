@@ -166,6 +166,23 @@ def test_labels_are_mapped_by_the_names_the_data_gives(case, tmp_path, tokenizer
 
 
 @pytest.mark.check
+def test_a_mix_of_label_types_is_mapped_where_the_settings_say_what_the_labels_are(tmp_path, tokenizer):
+    """Names in one split and ids in the other train once LABEL_NAMES says which id each name is (without it they
+    are refused: tests/test_refusals.py); class labels train as scores once PROBLEM_TYPE=regression is said."""
+    rows = film_rows(8)
+    mixed = write_files(
+        tmp_path / "mixed",
+        {"train.csv": delimited((t, words(y)) for t, y in rows), "validation.csv": delimited(rows)},
+    )
+    data = load_sst2(settings_for(mixed, label_names=("negative", "positive")), tokenizer, tmp_path / "cache")
+    assert data["train"]["labels"] == data["validation"]["labels"] == [label for _, label in rows]
+    classes = saved_dataset(tmp_path / "classes", ["negative", "positive"])
+    scores = load_sst2(settings_for(classes, problem_type="regression"), tokenizer, tmp_path / "cache")
+    assert scores["train"].features["labels"] == Value("float32")
+    assert scores["train"]["labels"] == [float(label) for _, label in rows]
+
+
+@pytest.mark.check
 def test_every_tsv_row_trains_quotes_and_na_included(tmp_path, tokenizer):
     """SST-2's TSV is unquoted text: a sentence opening with a quote is a sentence, not the start of a field
     that swallows the rows after it; `NA`, `null`, `None` and `nan` are sentences, not missing values."""

@@ -149,9 +149,10 @@ def test_two_platform_replicas_train_one_model_in_sync_and_push_it_once(job_env,
     )
     assert (r0, r1) == (0, 1)
     assert sum0 == sum1, "trainable weights differ between ranks: gradients were not synchronised"
-    # Each rank sees half the rows per epoch (the sampler pads the last batch to an even split).
-    per_rank_epoch = 2000 // 2
-    assert samples0 == samples1 and per_rank_epoch * 2 <= samples0 <= (per_rank_epoch + 16) * 2
+    # Each rank trains half of each whole global batch of 2 x 16 rows, 62 of them an epoch for 2 epochs; the 16
+    # rows left over in an epoch wait for the next one.
+    micro = int(settings["PER_DEVICE_BATCH_SIZE"])
+    assert samples0 == samples1 == 2 * (2000 // (2 * micro)) * micro
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["eval_samples"] == 101  # odd: no row counted twice
     assert metrics["eval_accuracy"] > 0.8

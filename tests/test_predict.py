@@ -283,6 +283,10 @@ BAD_FILES = {
     "no-text.json": '[{"sentence": "a wonderful film"}, {"sentence": 3}]',
     "not-json.jsonl": '{"sentence": "a wonderful film"}\n{"sentence": \n',
     "reviews.txt": "review,label\na wonderful film,1\n",
+    "twice.csv": "sentence,sentence,label\na wonderful film,a dull film,1\n",
+    "empty.tsv": "sentence\tlabel\na wonderful film\t1\n \t0\n",
+    "empty.jsonl": '{"sentence": "a wonderful film"}\n{"sentence": ""}\n',
+    "pairs.csv": "premise,hypothesis\na film,it is good\n",
 }
 
 
@@ -304,6 +308,14 @@ BAD_FILES = {
         (["reviews.txt", "--text-column", "review"], ["--text-column review", "reviews.txt"]),
         (["--text-column", "review"], ["--text-column review", "standard input"]),
         (["reviews.txt", "--base-model", "tiny-bert"], ["--base-model", "merged"]),
+        # What training refuses (utils/data.py), refused here too
+        (["twice.csv"], ["twice.csv", "'sentence' 2 times", "['sentence', 'sentence', 'label']"]),
+        (["empty.tsv"], ["empty.tsv line 3", "empty 'sentence'"]),
+        (["empty.jsonl"], ["empty.jsonl line 2", "empty 'sentence'"]),
+        (
+            ["pairs.csv", "--text-column", "premise,hypothesis"],
+            ["one sentence a row", "sentence", "premise,hypothesis"],
+        ),
     ],
     ids=[
         "batch size 0",
@@ -321,6 +333,10 @@ BAD_FILES = {
         "a column of a text file",
         "a column of standard input",
         "a base for a merged model",
+        "a column named twice",
+        "an empty sentence in a column",
+        "an empty sentence in JSON",
+        "a pair for a one-sentence model",
     ],
 )
 def test_each_bad_argument_is_one_error_line_and_exit_2(trained, tmp_path, args, names):

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -418,3 +419,24 @@ def test_a_finished_run_is_finished_only_for_the_data_it_was_trained_on(unpushed
     train.write_bytes(original)  # restored as it was
     again = run_main(unpushed_run)
     assert again.code == 0 and "already holds a finished run" in again.stderr
+
+
+def test_every_file_and_folder_the_job_writes_follows_the_umask(job_env, tmp_path):
+    """The volume is shared: under umask 027 (the group reads, others nothing) every file the job leaves is 0640
+    and every folder 0750, the weights too (safetensors writes 0600 whatever the umask): the model, the merged
+    model and a checkpoint, readable by a teammate or by predict.py run as another user of the group."""
+    env = {**job_env, "MAX_STEPS": "2", "SAVE_STEPS": "1", "MERGE_ADAPTER": "true", "EVAL_STEPS": "1"}
+    env.pop("NUM_EPOCHS", None)
+    command = f"umask 027 && exec {shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'main.py'))}"
+    result = subprocess.run(["bash", "-c", command], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = Path(env["OUTPUT_DIR"])
+    written = [out, *out.rglob("*")]
+    assert {"model.safetensors", "adapter_model.safetensors"} <= {path.name for path in written}
+    assert any(path.parent.name.startswith("checkpoint-") and path.suffix == ".safetensors" for path in written)
+    wrong = {
+        str(path.relative_to(out)): oct(path.stat().st_mode & 0o777)
+        for path in written
+        if not path.is_symlink() and path.stat().st_mode & 0o777 != (0o750 if path.is_dir() else 0o640)
+    }
+    assert not wrong, f"not as umask 027 gives them: {wrong}"

@@ -7,6 +7,7 @@ rule resolves, the warm-up of a one-step run, a global batch larger than the dat
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,20 @@ import torch
 from safetensors.torch import load_file
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from tests.conftest import assert_refusal, base_env, run_main, start_in_process, tiny_run_settings, wait_all
+from tests.conftest import (
+    REPO,
+    assert_refusal,
+    base_env,
+    configured,
+    run_main,
+    start_in_process,
+    tiny_run_settings,
+    wait_all,
+    write_files,
+)
 from utils.model import build_model
 from utils.settings import Settings
+from utils.tasks import GLUE
 
 RATE = 1e-3
 
@@ -231,3 +243,39 @@ def test_a_global_batch_larger_than_the_training_split_stops_every_replica(tmp_p
         ]
         assert_refusal(text, names)
     assert not list((tmp_path / "out").glob("checkpoints/checkpoint-*")) and not (tmp_path / "out" / "model").exists()
+
+
+# ------------------------------------------------------------------------------- the recipe files
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("recipe", RECIPES, ids=[path.name for path in RECIPES])
+def test_a_shipped_recipe_pins_nothing_that_breaks_another_task(recipe, tmp_path, monkeypatch):
+    """Each shipped recipe, under each TASK the environment names: the task's data settings, none refused for a
+    value the recipe pinned (TASK=cola --config recipes/sst2.yaml)."""
+    for task, spec in GLUE.items():
+        env = base_env(tmp_path, TASK=task, OUTPUT_DIR=str(tmp_path / "out"))
+        settings = configured(monkeypatch, env, ["--config", str(recipe)])[0]
+        assert (settings.task, settings.dataset_config, settings.text_columns) == (
+            task,
+            spec.dataset_config,
+            spec.text_columns,
+        )
+
+
+@pytest.mark.check
+def test_relative_paths_in_a_recipe_resolve_against_the_working_directory(tmp_path, monkeypatch, sst2_dir):
+    """The documented base (docs/settings.md, Recipe files): the directory the job starts in, not the recipe's."""
+    from utils.data import load_raw
+    from utils.outputs import open_run_dir
+
+    shutil.copytree(sst2_dir, tmp_path / "data")
+    recipe = write_files(tmp_path / "recipes", {"r.yaml": "dataset_path: data\noutput_dir: out\n"}) / "r.yaml"
+    (tmp_path / "recipes" / "data").mkdir()  # the same name beside the recipe: an empty folder, not the data
+    monkeypatch.chdir(tmp_path)
+    settings = configured(monkeypatch, base_env(tmp_path), ["--config", str(recipe)])[0]
+    rows = len((sst2_dir / "train.csv").read_text().splitlines()) - 1  # one sentence a line, after the header
+    assert load_raw(settings)["train"].num_rows == rows
+    open_run_dir(settings)
+    assert (tmp_path / "out").is_dir() and not (tmp_path / "recipes" / "out").exists()

@@ -87,6 +87,34 @@ def scores_with_nan(folder: Path) -> Path:
     return folder
 
 
+def huge_score(folder: Path) -> Path:
+    """STS-B's columns in parquet, one score finite in float64 and infinite in float32, the dtype training uses."""
+    import pyarrow
+    import pyarrow.parquet
+
+    folder.mkdir()
+    for split, scores in (("train", [0.5, 1e39, 2.0]), ("validation", [0.5, 1.5])):
+        table = {"sentence1": ["a film"] * len(scores), "sentence2": ["it is good"] * len(scores), "label": scores}
+        pyarrow.parquet.write_table(pyarrow.table(table), folder / f"{split}.parquet")
+    return folder
+
+
+def class_label_pairs(folder: Path) -> Path:
+    """STS-B's columns as a save_to_disk copy whose label is CoLA's ClassLabel: classes, not scores."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    features = Features(
+        {
+            "sentence1": Value("string"),
+            "sentence2": Value("string"),
+            "label": ClassLabel(names=["unacceptable", "acceptable"]),
+        }
+    )
+    rows = {"sentence1": ["a film", "film a"] * 4, "sentence2": ["it is", "is it"] * 4, "label": [1, 0] * 4}
+    DatasetDict({s: Dataset.from_dict(rows, features=features) for s in ("train", "validation")}).save_to_disk(folder)
+    return folder
+
+
 def not_utf8(tmp: Path, env: dict) -> dict:
     folder = write_files(tmp / "bad-data", {"validation.csv": GOOD_CSV})
     (folder / "train.csv").write_bytes(b"sentence,label\na wonderful film,1\na caf\xe9 film,0\n")  # Latin-1, not UTF-8
@@ -166,6 +194,11 @@ def another_tools_folder(tmp: Path, env: dict) -> dict:
     write_files(out / "checkpoints" / "checkpoint-500", {"optimizer.pt": "their state"})
     write_files(out / "model", {"model.safetensors": "their weights"})
     return {}
+
+
+def recipe_with(text: str):
+    """CONFIG_FILE: a recipe holding `text`."""
+    return lambda tmp, env: {"CONFIG_FILE": str(write_files(tmp / "recipe", {"r.yaml": text}) / "r.yaml")}
 
 
 def file_in_the_way(tmp: Path, env: dict) -> dict:
@@ -370,6 +403,12 @@ REFUSALS = [
         "settings",
         [": extra", "python main.py --help"],
         argv=["--num-epochs", "1", "extra"],
+    ),
+    case(
+        "recipe-key-twice",
+        "settings",
+        ["CONFIG_FILE={CONFIG_FILE}", "lora_r twice", "lines 1 and 3"],
+        setup=recipe_with("lora_r: 8\nseed: 1\nlora_r: 16\n"),
     ),
     case("token-as-a-flag", "settings", ["--hf-token", "python main.py --help"], argv=["--hf-token", "hf_x"]),
     # settings: who this process is (the launcher's variables)
@@ -690,6 +729,38 @@ REFUSALS = [
         setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
     ),
     case(
+        "label-fraction-with-label-names",
+        "data",
+        ["[0.5]", "'label'", "row 9", "LABEL_NAMES=negative,positive", "PROBLEM_TYPE=regression"],
+        {"LABEL_NAMES": "negative,positive"},
+        setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
+    ),
+    case(
+        "label-names-with-regression",
+        "data",
+        ["LABEL_NAMES=negative,positive", "PROBLEM_TYPE=regression", "unset LABEL_NAMES"],
+        {"LABEL_NAMES": "negative,positive", "PROBLEM_TYPE": "regression"},
+    ),
+    case(
+        "label-nan-among-ids",
+        "data",
+        ["train", "'label'", "'nan'", "row 9", "LABEL_NAMES"],
+        setup=csv_data([*GOOD_ROWS, ("so-so", "nan")]),
+    ),
+    case(
+        "label-names-in-train-ids-in-validation",
+        "data",
+        ["'label'", "names in the train split", "ids in the validation split", "LABEL_NAMES"],
+        setup=csv_data([("a wonderful film", "positive"), ("a dull film", "negative")] * 4),
+    ),
+    case(
+        "class-labels-with-task-stsb",
+        "data",
+        ["'label'", "ClassLabel", "['unacceptable', 'acceptable']", "TASK=stsb", "PROBLEM_TYPE=regression"],
+        {"TASK": "stsb"},
+        setup=files_data(class_label_pairs),
+    ),
+    case(
         "label-missing",
         "data",
         ["1 row(s)", "'label'"],
@@ -764,6 +835,13 @@ REFUSALS = [
         ["1 regression target(s)", "'label'", "NaN", "row 2"],
         {"TASK": "stsb"},
         setup=files_data(lambda f: scores_with_nan(f)),
+    ),
+    case(
+        "regression-target-beyond-float32",
+        "data",
+        ["1 regression target(s)", "'label'", "float32", "row 2", "1e+39"],
+        {"TASK": "stsb"},
+        setup=files_data(huge_score),
     ),
     # the data and the settings together
     case(

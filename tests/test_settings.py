@@ -545,7 +545,9 @@ def test_settings_doc_states_every_range_the_code_holds():
 
 
 @pytest.mark.check
-def test_the_shipped_config_maps_warn_about_nothing(tmp_path, capsys):
+def test_the_shipped_config_maps_start_without_a_token_and_warn_about_nothing(tmp_path, capsys):
+    """Applied as shipped, with no Hub token (the Secret is optional): the job trains and keeps the model on the
+    volume; a RESULT_MODEL_ID left in would stop every replica at once (exit 2)."""
     import yaml
 
     from tests.conftest import REPO
@@ -553,5 +555,6 @@ def test_the_shipped_config_maps_warn_about_nothing(tmp_path, capsys):
     platform = yaml.safe_load((REPO / "config.yaml").read_text())["config_map"]
     kubernetes = yaml.safe_load((REPO / "k8s" / "base" / "configmap.yaml").read_text())["data"]
     for config_map in (platform, kubernetes):
-        dry_run(tmp_path, **{**config_map, "OUTPUT_DIR": str(tmp_path / "out"), "RESULT_MODEL_ID": ""})
+        config = dry_run(tmp_path, **{**config_map, "OUTPUT_DIR": str(tmp_path / "out")})["config"]
+        assert config["result_model_id"] is None and config["hf_token"] is None
         assert "warning: " not in capsys.readouterr().err

@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from tests.conftest import (
     run_main,
     run_predict,
     train_one_and_two,
+    wait_all,
 )
 
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
@@ -160,6 +162,8 @@ def test_mnli_shaped_pairs_learn_three_classes_on_both_validation_splits(mnli_ru
     assert "classification into 3 classes (entailment / neutral / contradiction)" in card
     assert "| matched_accuracy |" in card and "| mismatched_accuracy |" in card
     assert "eval_matched_accuracy=" in result.stdout and "eval_mismatched_accuracy=" in result.stdout
+    # The base's 2-label head under 3 classes is trained afresh: no LOAD REPORT table (with terminal colours) for it.
+    assert "LOAD REPORT" not in result.stderr + (tmp / "out" / "logs" / "rank-0.log").read_text()
     state = json.loads(next((tmp / "out" / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())
     evaluated = [entry["eval_matched_accuracy"] for entry in state["log_history"] if "eval_matched_accuracy" in entry]
     # The task's metric (MNLI: matched accuracy) tracked over the evaluations this checkpoint had seen.
@@ -244,6 +248,32 @@ def test_three_class_pairs_on_two_replicas_equal_one_process(tmp_path, tiny_bert
         assert torch.allclose(weights[0][name], weights[1][name], rtol=1e-5, atol=1e-6), name
 
 
+@pytest.mark.slow
+def test_the_evaluation_loss_is_the_whole_splits_on_two_replicas(tmp_path, tiny_bert, replicas):
+    """A regression on two replicas whose last evaluation batch is uneven (15 rows, 4 a batch on each rank): the
+    sampler repeats a row to even out the ranks, and eval_loss is still the MSE over the 15 rows, as on one process."""
+    rng = random.Random(6)
+    header = ["sentence1", "sentence2", "label"]
+    write_csv(tmp_path / "data" / "train.csv", header, stsb_rows(rng, 32))
+    write_csv(tmp_path / "data" / "validation.csv", header, stsb_rows(rng, 15))
+    settings = dict(
+        MODEL_NAME=str(tiny_bert),
+        DATASET_PATH=str(tmp_path / "data"),
+        OUTPUT_DIR=str(tmp_path / "out"),
+        TASK="stsb",
+        MAX_STEPS="2",
+        PER_DEVICE_BATCH_SIZE="4",
+        PER_DEVICE_EVAL_BATCH_SIZE="4",
+        LEARNING_RATE=RATE,
+        REPORT_TO="none",
+        RENDEZVOUS_TIMEOUT="120",
+    )
+    wait_all(replicas.start("ddp", settings), logs=lambda: replicas.streams)
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert (metrics["world_size"], metrics["eval_samples"]) == (2, 15)
+    assert metrics["eval_loss"] == pytest.approx(metrics["eval_mse"], rel=1e-9), metrics
+
+
 # ------------------------------------------------------------------------------- refusals and warnings
 def checked_data(tmp: Path, tiny_bert: Path, env: dict[str, str]):
     """The settings a start resolves from `env`, then the data checks (`check_and_rename(load_raw(...))`)."""
@@ -319,6 +349,18 @@ def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
 def predictions(tmp: Path, *args, stdin: str = "") -> list[dict]:
     result = run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp)
     assert result.code == 0, result.stderr[-3000:]
+    assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def run_as_written(command: str, tmp: Path) -> list[dict]:
+    """A documented `python predict.py` command run in `tmp` (OUTPUT_DIR: the run's); its answers."""
+    command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
+        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
@@ -329,12 +371,19 @@ def readme_predictions(tmp: Path, columns: str) -> list[dict]:
         for line in (REPO / "README.md").read_text().splitlines()
         if line.startswith("python predict.py") and f"--text-column {columns}" in line
     ]
-    command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
-        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
+    return run_as_written(command, tmp)
+
+
+def card_answers(tmp: Path, inputs: list) -> list[dict]:
+    """The model card's Python, run as written, then its `classifier` on `inputs`."""
+    card = (tmp / "out" / "model" / "README.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", card, re.S)
+    script = code + "\nimport json, sys\nprint(json.dumps(classifier(json.loads(sys.argv[1]))))"
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(inputs)], capture_output=True, text=True, env=base_env(tmp), cwd=tmp
     )
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines()]
+    return json.loads(result.stdout.splitlines()[-1])
 
 
 def test_predict_labels_mnli_shaped_pairs(mnli_run):
@@ -349,6 +398,23 @@ def test_predict_labels_mnli_shaped_pairs(mnli_run):
     assert right / len(rows) > 0.8, predicted
 
 
+@pytest.mark.parametrize(
+    "args, stdin, names",
+    [
+        ([], "the film is good\n", ["takes sentence pairs", "premise,hypothesis", "one text a row"]),
+        (["pairs.csv", "--text-column", "premise"], "", ["takes sentence pairs", "--text-column premise"]),
+        (["pairs.csv", "--text-column", "premise,hypothesis"], "", ["pairs.csv line 3", "empty 'hypothesis'"]),
+    ],
+    ids=["one text on stdin", "one column of a file", "an empty second text"],
+)
+def test_predict_refuses_for_a_pair_model_what_training_refuses(mnli_run, args, stdin, names):
+    tmp = mnli_run[0]
+    (tmp / "pairs.csv").write_text("premise,hypothesis\nthe film,it is good\nthe film, \n")
+    result = run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp)
+    assert result.stdout == ""
+    assert_refusal(result, names)
+
+
 def test_predict_scores_stsb_shaped_pairs(stsb_run):
     import numpy as np
 
@@ -360,6 +426,14 @@ def test_predict_scores_stsb_shaped_pairs(stsb_run):
     assert all(set(p) == {"text", "text_pair", "score"} for p in predicted), predicted[:2]  # a score, no label
     scores = np.array([p["score"] for p in predicted])
     assert np.corrcoef(scores, [score for _, _, score in rows])[0, 1] > 0.5, scores
+    # The card's own use of the model: its pairs, and raw scores (a sigmoid without problem_type="regression").
+    card = (tmp / "out" / "model" / "README.md").read_text()
+    [command] = re.findall(r"`(python predict\.py [^`]*)`", card)
+    assert command.endswith("pairs.jsonl --text-column sentence1,sentence2"), command
+    (tmp / "pairs.jsonl").write_text("".join(json.dumps({"sentence1": a, "sentence2": b}) + "\n" for a, b, _ in rows))
+    assert run_as_written(command, tmp) == predicted
+    pairs = [{"text": a, "text_pair": b} for a, b, _ in rows[:4]]
+    assert [round(a["score"], 4) for a in card_answers(tmp, pairs)] == pytest.approx(scores[:4], abs=2e-4)
 
 
 def test_predict_labels_cola_shaped_sentences(cola_run, tiny_bert):

@@ -7,12 +7,10 @@ average ~13 tokens, so padding to MAX_SEQ_LENGTH would make most of each batch p
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
 import shutil
-from collections import Counter
 from pathlib import Path
 
 import datasets
@@ -21,6 +19,7 @@ import pyarrow.compute
 from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
+from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.settings import Settings
 from utils.tasks import CLASSIFICATION, REGRESSION, validation_splits
@@ -36,11 +35,8 @@ TEXT, TEXT_PAIR, LABEL = (
 )  # the names after loading; `labels` is what the model's forward takes
 TEXTS = (TEXT, TEXT_PAIR)
 # Text is text: only a truly empty cell is missing (pandas would read the sentences `NA`, `null`, `None` and
-# `nan` as missing). SST-2's TSV is unquoted text: read with quoting on, a `"` opening a sentence swallows
-# the rows up to the next quote.
+# `nan` as missing). The delimiter and quoting of each suffix: utils/delimited.py.
 CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
-QUOTING = {".csv": csv.QUOTE_MINIMAL, ".tsv": csv.QUOTE_NONE}
-DELIMITER = {".csv": ",", ".tsv": "\t"}
 JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 
 
@@ -99,45 +95,14 @@ def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
 
 
 def _count_records(path: Path, suffix: str, files: dict[str, str]) -> int:
-    """The rows of a csv/tsv file, read as the loader reads it, checked so that no row is lost or made up.
-
-    Refused: a header naming a column twice (the loader would rename one `label.1` and train on the other
-    without a word), and a record running over several lines: a `"` opening a sentence makes the reader
-    swallow every row up to the next quote into it.
-    """
-    # The csv module refuses a field over 128 KiB (a long review, a document); the loader reads it whole, and
-    # the tokenizer truncates it to MAX_SEQ_LENGTH.
-    limit = csv.field_size_limit(2**31 - 1)
+    """The rows of a csv/tsv file, read as the loader reads it and as predict.py reads its input (utils/delimited.py),
+    checked so that no row is lost or made up."""
     try:
         with path.open(encoding="utf-8-sig", newline="") as handle:
-            reader = csv.reader(handle, delimiter=DELIMITER[suffix], quoting=QUOTING[suffix])
-            header = next(reader, None)
-            if header is None:
-                return 0  # an empty file: the loader's own refusal says so
-            repeated = [(name, times) for name, times in Counter(header).items() if times > 1]
-            if repeated:
-                name, times = repeated[0]
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"{path} names the column '{name}' {times} times in its header ({suffix[1:]}: {header}); "
-                    "which one holds the data is ambiguous: rename or remove the extra column",
-                )
-            records, end = 0, reader.line_num
-            for record in reader:
-                start, end = end + 1, reader.line_num
-                if end > start and record:
-                    raise JobError(
-                        EXIT_BAD_INPUT,
-                        f"{path} line {start}: a quoted field runs over lines {start}-{end}, merging {end - start + 1} lines "
-                        'into one row (a stray " at the start of a sentence swallows the rows up to the next quote); '
-                        'close the quote, double a quote inside a quoted field (""), or save the data as .tsv, which is read without quoting',
-                    )
-                records += bool(record)  # a blank line is no row, to the loader either
-            return records
+            _, records = read_records(handle, path, suffix)
+            return sum(1 for _ in records)  # an empty file: 0, and the loader's own refusal says so
     except UnicodeDecodeError as exc:
         raise JobError(EXIT_BAD_INPUT, _not_utf8(files, exc)) from None
-    finally:
-        csv.field_size_limit(limit)
 
 
 def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) -> None:
@@ -173,7 +138,7 @@ def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> da
     """One split's file, read as the loader reads it; a file it cannot read is refused naming it."""
     fmt, kwargs, records = FILE_FORMATS[suffix], {}, None
     if fmt == "csv":
-        kwargs = {**CSV_OPTIONS, "delimiter": DELIMITER[suffix], "quoting": QUOTING[suffix]}
+        kwargs = {**CSV_OPTIONS, "delimiter": DIALECTS[suffix][0], "quoting": DIALECTS[suffix][1]}
         records = _count_records(path, suffix, files)
     try:
         loaded = load_dataset(fmt, data_files={split: str(path)}, split=split, trust_remote_code=False, **kwargs)
@@ -357,6 +322,16 @@ def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
             EXIT_BAD_INPUT,
             f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it",
         )
+    if getattr(ds.features[column], "dtype", None) in ("string", "large_string"):
+        values = ds.unique(column)
+        words = sorted(v for v in values if not _digits([v]))
+        if words and len(words) < len(values):
+            row = next(i for i, v in enumerate(ds.with_format("arrow")[column].to_pylist()) if v in words)
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the {split} split mixes class ids and words in '{column}' ({', '.join(map(repr, words[:3]))} among ids; "
+                f"the first is row {row + 1}); write every label the same way: ids, or the LABEL_NAMES names",
+            )
 
 
 def _warn_unnamed_text(ds: datasets.Dataset, settings: Settings) -> None:
@@ -387,42 +362,64 @@ def _is_float(feature) -> bool:
 
 def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
     """PROBLEM_TYPE when set (TASK sets it); auto: regression for a float label column that holds fractions
-    (STS-B's 0-5 scores), else classification (a float column of 0.0/1.0 is a csv export of two classes)."""
+    (STS-B's 0-5 scores), else classification (a float column of 0.0/1.0 is a csv export of two classes).
+    LABEL_NAMES given means classes: a fraction is then a bad row, never a reason to train scores. Class labels
+    (a ClassLabel) are trained as scores only when PROBLEM_TYPE=regression is said outright, not by TASK."""
     column = settings.label_column
     feature = train.features[column]
-    values = train.unique(column) if _is_float(feature) else []
-    fractions = [v for v in values if math.isfinite(v) and not float(v).is_integer()]
-    not_finite = [v for v in values if not math.isfinite(v)]
+    named = "label_names" in settings.model_fields_set
+    if settings.problem_type == REGRESSION and named:
+        given = f"PROBLEM_TYPE={settings.problem_type}" if not settings.task else f"TASK={settings.task}"
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LABEL_NAMES={','.join(settings.label_names)} names classes, and {given} trains scores (a regression); "
+            "unset LABEL_NAMES to train scores, or unset " + given.split("=")[0] + " to train the classes",
+        )
     if settings.problem_type == REGRESSION:
+        if isinstance(feature, datasets.ClassLabel) and "problem_type" not in settings.model_fields_set:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the train split's '{column}' holds classes (a ClassLabel of {feature.names}), and TASK={settings.task} "
+                "trains scores (a regression); point DATASET_PATH at the task's own scores, or set PROBLEM_TYPE=regression "
+                "to train the class ids as scores",
+            )
         return REGRESSION
-    if settings.problem_type == "auto" and (fractions or not_finite):
+    values = train.unique(column) if _is_float(feature) else []
+    odd = sorted((v for v in values if not _is_id(v)), key=str)
+    if settings.problem_type == "auto" and odd and not named:
         log.info(
             "the label column '%s' holds fractions: trained as a regression (one score, MSE); "
             "PROBLEM_TYPE=classification trains classes",
             column,
         )
         return REGRESSION
-    if not_finite:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"the train split has labels {not_finite[:3]} in '{column}', which are no class ids; fill in or remove those rows",
-        )
-    if fractions:
-        sample = sorted(fractions)[:3]
-        fix = (
-            f"TASK={settings.task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
-            if settings.task
-            else "set PROBLEM_TYPE=regression to train scores, or give class ids or names"
-        )
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"the train split has labels {sample} in '{column}' that are fractions, not class ids; {fix}",
-        )
+    if odd:
+        if settings.task:
+            fix = f"TASK={settings.task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
+        elif named:
+            fix = (
+                f"LABEL_NAMES={','.join(settings.label_names)} names classes: fix the row, or unset LABEL_NAMES and set "
+                "PROBLEM_TYPE=regression to train scores"
+            )
+        else:
+            fix = "set PROBLEM_TYPE=regression to train scores, or give class ids or names"
+        raise JobError(EXIT_BAD_INPUT, _not_ids("train", train, column, odd, fix))
     return CLASSIFICATION
 
 
+def _is_id(value) -> bool:
+    return math.isfinite(value) and float(value).is_integer()
+
+
+def _not_ids(split: str, ds: datasets.Dataset, column: str, odd: list, fix: str) -> str:
+    """The refusal of labels that are no class ids (fractions, NaN), naming the first row that holds one."""
+    row = next(i for i, v in enumerate(ds.with_format("arrow")[column].to_pylist()) if v is not None and not _is_id(v))
+    return f"the {split} split has labels {odd[:3]} in '{column}' that are not class ids (the first is row {row + 1}); {fix}"
+
+
 def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
-    """Regression targets: numbers, none of them NaN or infinite (one NaN makes every loss after it NaN)."""
+    """Regression targets: numbers, none of them NaN or infinite (one NaN makes every loss after it NaN), checked
+    as float32, the dtype they train in: 1e39 is finite in float64 and infinite once cast."""
     kind = getattr(ds.features[column], "dtype", type(ds.features[column]).__name__)
     if kind not in ("bool", "int8", "int16", "int32", "int64", "float16", "float32", "float64"):
         raise JobError(
@@ -430,15 +427,16 @@ def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
             f"the {split} split's '{column}' holds {kind} values; regression needs a number per row: give scores, "
             "or set PROBLEM_TYPE=classification for class names",
         )
-    values = pyarrow.compute.cast(ds.with_format("arrow")[column], pyarrow.float64())
+    values = pyarrow.compute.cast(ds.with_format("arrow")[column], pyarrow.float32())
     bad = pyarrow.compute.invert(pyarrow.compute.is_finite(values))
     count = pyarrow.compute.sum(bad).as_py() or 0
     if count:
         first = pyarrow.compute.index(bad, True).as_py()
         raise JobError(
             EXIT_BAD_INPUT,
-            f"the {split} split has {count} regression target(s) in '{column}' that are NaN or infinite (the first is row "
-            f"{first + 1}); fill in or remove those rows",
+            f"the {split} split has {count} regression target(s) in '{column}' that are NaN or infinite as float32, the "
+            f"dtype training uses (the first is row {first + 1}: {ds[first][column]!r}; float32 ends at 3.4e38); "
+            "fill in, rescale or remove those rows",
         )
     return ds
 
@@ -455,13 +453,32 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
     if "label_names" in settings.model_fields_set or settings.task:
         return settings.label_names
     column = settings.label_column
+    kinds = {split: _label_kind(ds.features[column], ds.unique(column)) for split, ds in raw.items()}
+    if len(set(kinds.values())) > 1:
+        shown = " and ".join(
+            f"{kind} in the {split} split ({', '.join(map(repr, sorted(map(str, raw[split].unique(column)))[:3]))})"
+            for split, kind in kinds.items()
+        )
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the labels in '{column}' are {shown}: which id is which name cannot be told; write every split's labels "
+            "the same way, or set LABEL_NAMES (label 0 first) to name the ids",
+        )
     feature = raw["train"].features[column]
     default = {_name_key(n) for n in settings.label_names}
     if isinstance(feature, datasets.ClassLabel) and feature.names != [str(i) for i in range(len(feature.names))]:
         # SST-2's two names in any order: the default order (label 1 is the positive class F1 is scored on).
         return settings.label_names if {_name_key(n) for n in feature.names} == default else tuple(feature.names)
-    values = {v for ds in raw.values() for v in ds.unique(column)}
-    if getattr(feature, "dtype", None) in ("string", "large_string") and not _digits(values):
+    if kinds["train"] == "names":
+        values = {
+            v
+            for ds in raw.values()
+            for v in (
+                ds.features[column].names
+                if isinstance(ds.features[column], datasets.ClassLabel)
+                else ds.unique(column)
+            )
+        }
         by_key = {}
         for value in sorted(values):
             by_key.setdefault(_name_key(value), value.strip())
@@ -471,6 +488,15 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
     ids = [int(v) for v in raw["train"].unique(column)]
     count = max(ids) + 1 if ids else 0
     return settings.label_names if count <= 2 else tuple(str(i) for i in range(count))
+
+
+def _label_kind(feature, values) -> str:
+    """How a split writes its labels: `names` (a named ClassLabel, words) or `ids` (numbers, booleans, digits)."""
+    if isinstance(feature, datasets.ClassLabel):
+        return "ids" if feature.names == [str(i) for i in range(len(feature.names))] else "names"
+    if getattr(feature, "dtype", None) in ("string", "large_string") and not _digits(values):
+        return "names"
+    return "ids"
 
 
 def _labels_as_ids(
@@ -491,13 +517,10 @@ def _labels_as_ids(
             ds = _cast_label(ds, column, datasets.Value("int64"))
         elif kind in ("string", "large_string"):
             ds = _text_labels_by_name(ds, split, column, values, label_names)
-        elif _is_float(feature) and any(not (math.isfinite(v) and float(v).is_integer()) for v in values):
-            odd = sorted(v for v in values if not (math.isfinite(v) and float(v).is_integer()))[:3]
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"the {split} split has labels {odd} in '{column}' that are fractions, not class ids; "
-                "set PROBLEM_TYPE=regression to train scores, or give class ids or names",
-            )
+        elif _is_float(feature) and any(not _is_id(v) for v in values):
+            odd = sorted((v for v in values if not _is_id(v)), key=str)
+            fix = "fill in or fix those rows, or set PROBLEM_TYPE=regression to train scores"
+            raise JobError(EXIT_BAD_INPUT, _not_ids(split, ds, column, odd, fix))
         elif kind == "bool" or _is_float(feature):
             ds = _cast_label(ds, column, datasets.Value("int64"))
     ids = set(ds.unique(column))

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import stat
 from pathlib import Path
 
@@ -24,13 +25,17 @@ from transformers import (
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model_card import read_label_names
+from utils.model_card import INPUTS_NAME, read_label_names
 from utils.recipe import lora_options
 from utils.settings import Settings
 
 log = logging.getLogger(__name__)
 
-CLASSIFIER = "classifier"  # BERT's head: kept in full precision and trained alongside the adapters
+CLASSIFIER = "classifier"  # the head of every family here: kept in full precision and trained alongside the adapters
+# LoRA's GLUE targets, the query and value projections, by each architecture's own names when LORA_TARGET_MODULES is
+# not given: peft's table (BERT, RoBERTa, ELECTRA: query,value; DeBERTa-v2/v3: query_proj,value_proj), and these
+# for the families it lacks. ModernBERT fuses query, key and value into one layer, adapted whole.
+QUERY_VALUE = {"distilbert": ("q_lin", "v_lin"), "modernbert": ("Wqkv",)}
 # Where model configs keep their dropout: BERT, RoBERTa and DeBERTa use the first two, DistilBERT the last two.
 DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout")
 # Every load of a model, tokenizer or config: no code from a model folder or repo runs, and transformers never
@@ -255,9 +260,7 @@ def build_model(
     8-bit quantizes every Linear, the classifier head too, and LoRA cannot train an int8 head: the head
     is skipped by the quantizer (`llm_int8_skip_modules`) and saved in full with the adapter.
     """
-    # SDPA is what transformers 5 picks for BERT by default; asked for by name so a library change cannot
-    # silently fall back to the eager attention (materialised score matrices, no fused kernels).
-    kwargs: dict = {"attn_implementation": "sdpa", **label_config(settings, labels), **NO_REMOTE_CODE}
+    kwargs: dict = {"attn_implementation": attention(settings), **label_config(settings, labels), **NO_REMOTE_CODE}
     kwargs.update(_base_dropout(settings))
     kwargs.update(head_resized(settings, kwargs["num_labels"]))
     if quantize_8bit:
@@ -267,8 +270,14 @@ def build_model(
         )
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(settings.model_name, **kwargs)
+        model = load_report_held(
+            lambda: AutoModelForSequenceClassification.from_pretrained(
+                settings.model_name, output_loading_info=True, **kwargs
+            ),
+            head,
+        )
     except pickle.UnpicklingError as exc:  # a Hub repo's pytorch_model.bin, downloaded only now
         raise _unsafe_weights(settings, "pytorch_model.bin", exc) from None
     except (OSError, ValueError) as exc:
@@ -276,31 +285,86 @@ def build_model(
     if quantize_8bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
 
+    targets = lora_targets(settings, model.config.model_type)
     lora = LoraConfig(
         task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
         r=settings.lora_r,
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
-        target_modules=list(settings.lora_target_modules),
+        target_modules=list(targets),
         # Pooler, rsLoRA/DoRA, init: utils/recipe.py.
         **lora_options(settings, (name for name, _ in model.named_modules())),
     )
     modules = dict(model.named_modules())
-    check_target_modules(settings, modules, adapted=None)
+    check_target_modules(settings, modules, adapted=None, targets=targets)
     try:
         model = get_peft_model(model, lora)
     except ValueError as exc:  # names that match modules LoRA cannot adapt (a LayerNorm, say)
         raise JobError(
             EXIT_BAD_INPUT,
-            f"LORA_TARGET_MODULES={','.join(settings.lora_target_modules)}: peft cannot adapt them in {settings.model_name} "
+            f"LORA_TARGET_MODULES={','.join(targets)}: peft cannot adapt them in {settings.model_name} "
             f"({str(exc).splitlines()[0][:200]}); name linear layers: {', '.join(linear_layer_names(modules))}",
         ) from None
     # peft passes over a name that matches nothing when another one matches, and skips modules it trains in
     # full (the head): every name must have given at least one adapter.
-    check_target_modules(settings, modules, adapted=model.targeted_module_names)
+    check_target_modules(settings, modules, adapted=model.targeted_module_names, targets=targets)
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
     return model
+
+
+def load_report_held(load, restored) -> torch.nn.Module:
+    """The model `load()` returns (a from_pretrained with output_loading_info=True), transformers' LOAD REPORT held
+    back when every weight it names missing or resized belongs to a module in `restored`: a head trained in full
+    (started fresh in training, restored by the adapter in predict.py), such as a 2-label checkpoint's classifier
+    under a 3-class task. Its table, with terminal colours, said nothing wrong on every N-class or regression model.
+    A report naming any other weight is shown as it was."""
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if "LOAD REPORT" in record.getMessage():
+                held.append(record)
+                return False
+            return True
+
+    source, hold = logging.getLogger("transformers.modeling_utils"), Hold()
+    source.addFilter(hold)
+    try:
+        model, info = load()
+    finally:
+        source.removeFilter(hold)
+    reported = [*info["missing_keys"], *(key for key, *_ in info["mismatched_keys"])]
+    if any(not set(key.split(".")) & set(restored) for key in reported):
+        for record in held:
+            source.handle(record)
+    return model
+
+
+def lora_targets(settings: Settings, model_type: str) -> tuple[str, ...]:
+    """The layers LoRA adapts: LORA_TARGET_MODULES when given; else the query and value projections by the names
+    of this architecture (BERT's `query,value` matches nothing in DistilBERT or ModernBERT)."""
+    if "lora_target_modules" in settings.model_fields_set:
+        return settings.lora_target_modules
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    targets = tuple(QUERY_VALUE.get(model_type) or PEFT_TARGETS.get(model_type) or settings.lora_target_modules)
+    if targets != settings.lora_target_modules:
+        log.info("LORA_TARGET_MODULES unset: adapting %s, the query and value of %s", ",".join(targets), model_type)
+    return targets
+
+
+def attention(settings: Settings) -> str:
+    """SDPA where the architecture offers it (asked for by name, so a library change cannot silently fall back to
+    materialised score matrices without fused kernels), else the eager attention (DeBERTa-v2/v3 has no SDPA)."""
+    try:
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+        supports = AutoModelForSequenceClassification._model_mapping[type(config)]._supports_sdpa
+    except (OSError, ValueError, KeyError):
+        return "sdpa"  # from_pretrained says what is wrong with the model
+    if not supports:
+        log.info("%s offers no SDPA attention: the eager attention is used", config.model_type)
+    return "sdpa" if supports else "eager"
 
 
 def linear_layer_names(modules: dict[str, torch.nn.Module]) -> list[str]:
@@ -313,14 +377,16 @@ def _matches(target: str, names) -> bool:
     return any(name == target or name.endswith(f".{target}") for name in names)
 
 
-def check_target_modules(settings: Settings, modules: dict[str, torch.nn.Module], adapted: list[str] | None) -> None:
-    """Every name in LORA_TARGET_MODULES must match a module of the model (`adapted` None), or an adapted one.
+def check_target_modules(
+    settings: Settings, modules: dict[str, torch.nn.Module], adapted: list[str] | None, targets: tuple[str, ...]
+) -> None:
+    """Every name in `targets` (lora_targets) must match a module of the model (`adapted` None), or an adapted one.
 
     A typo (`query,vlaue`) would otherwise train `query` alone, exit 0, and record `vlaue` in adapter_config.json.
     """
     linear = linear_layer_names(modules)
     problems = []
-    for target in settings.lora_target_modules:
+    for target in targets:
         if not _matches(target, modules):
             close = difflib.get_close_matches(target.rsplit(".", 1)[-1], linear, n=3, cutoff=0.5)
             problems.append(f"'{target}' matches no module" + (f" (closest: {', '.join(close)})" if close else ""))
@@ -329,8 +395,9 @@ def check_target_modules(settings: Settings, modules: dict[str, torch.nn.Module]
     if problems:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"LORA_TARGET_MODULES={','.join(settings.lora_target_modules)}: {'; '.join(problems)} in MODEL_NAME={settings.model_name}, "
-            f"whose linear layers are named {', '.join(linear)}; fix LORA_TARGET_MODULES (the default is query,value)",
+            f"LORA_TARGET_MODULES={','.join(targets)}: {'; '.join(problems)} in MODEL_NAME={settings.model_name}, "
+            f"whose linear layers are named {', '.join(linear)}; set LORA_TARGET_MODULES to the layers to adapt "
+            "(BERT's are query,value)",
         )
 
 
@@ -378,3 +445,5 @@ def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
     AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE).save_pretrained(out_dir)
+    if (adapter_dir / INPUTS_NAME).is_file():  # what one input is: predict.py reads it from either folder
+        shutil.copyfile(adapter_dir / INPUTS_NAME, out_dir / INPUTS_NAME)

@@ -19,6 +19,7 @@ from utils.settings import Settings, resolve_base_model_id
 
 PLOT_NAME = "training_curves.png"
 LABELS_NAME = "id2label.json"  # the label names beside an adapter (its config.json would be the base model's)
+INPUTS_NAME = "inputs.json"  # the text columns the model was trained on: one sentence, or a pair (predict.py reads it)
 CARD_METRICS = ("accuracy", "f1", "precision", "recall", "matthews_correlation", "pearson", "spearman", "mse")
 CURVE_METRICS = ("eval_accuracy", "eval_matched_accuracy", "eval_pearson")  # the validation curve, the first logged
 REGRESSION_LABEL = "score"  # the one output of a regression model (utils/model.label_config)
@@ -43,8 +44,8 @@ CARD_TEMPLATE = """---
 {{ usage }}
 ```
 
-Or without code: `python predict.py {{ repo_or_path }} sentences.txt` (from the training job's repository)
-prints one JSON line per sentence.
+Or without code: `{{ predict_command }}` (from the training job's repository)
+prints one JSON line per {{ row }}.
 
 ## Training
 
@@ -64,9 +65,11 @@ def run_labels(settings: Settings, metrics: dict | None = None) -> list[str]:
 
 def write_label_names(folder: Path, settings: Settings, metrics: dict | None = None) -> None:
     """id2label.json beside an adapter: the names predict.py and the card's snippet give the label ids; one
-    entry, `score`, for a regression model (a classifier of one class is refused)."""
+    entry, `score`, for a regression model (a classifier of one class is refused). And inputs.json, what one
+    input is (a sentence, or a pair of the columns named): predict.py takes what training took."""
     names = run_labels(settings, metrics) or [REGRESSION_LABEL]
     (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(names)), indent=2) + "\n")
+    (folder / INPUTS_NAME).write_text(json.dumps({"text_columns": list(settings.text_columns)}, indent=2) + "\n")
 
 
 def read_label_names(folder: Path) -> dict[int, str] | None:
@@ -139,31 +142,71 @@ def card_metrics(metrics: dict) -> list[str]:
 
 
 def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: dict | None = None) -> str:
+    """The card's Python for this model: its input (a sentence, or a pair as `text`/`text_pair`) and, for an
+    adapter, what the base's config does not know: the label names, and for a regression `problem_type`, without
+    which the pipeline answers with a sigmoid of the score."""
+    labels = run_labels(settings, metrics)
+    example = (
+        '{"text": "A man is playing a guitar.", "text_pair": "A person plays music."}'
+        if len(settings.text_columns) == 2
+        else '"a gripping, beautifully acted film"'
+    )
+    answer = '[{"label": "score", "score": <the predicted score>}]' if not labels else '[{"label": ..., "score": ...}]'
     if merged:
         return (
             f'from transformers import pipeline\n\nclassifier = pipeline("text-classification", model="{repo_or_path}")\n'
-            'classifier("a gripping, beautifully acted film")  # [{"label": ..., "score": ...}]'
+            f"classifier({example})  # {answer}"
         )
-    id2label = dict(enumerate(run_labels(settings, metrics) or [REGRESSION_LABEL]))
+    id2label = dict(enumerate(labels or [REGRESSION_LABEL]))
     label2id = {name: index for index, name in id2label.items()}
+    problem = ', "problem_type": "regression"' if not labels else ""
+    # A base checkpoint with a head of two outputs (most have none) would refuse a head of another size.
+    resized = ', "ignore_mismatched_sizes": True' if len(id2label) != 2 else ""
+    what = "label names and that it is a regression" if not labels else "label names"
+    head = " (its head, of another size, comes with the adapter)" if resized else ""
     return (
         "from transformers import pipeline\n\n"
-        f"# The base model's config knows no label names: pass them (also in {LABELS_NAME} beside the adapter).\n"
-        f'labels = {{"id2label": {id2label}, "label2id": {label2id}}}\n'
-        f'classifier = pipeline("text-classification", model="{repo_or_path}", model_kwargs=labels)\n'
-        'classifier("a gripping, beautifully acted film")  # [{"label": ..., "score": ...}]\n\n'
+        f"# The base model's config knows no {what}: pass them (also in {LABELS_NAME} beside the adapter){head}.\n"
+        f'config = {{"id2label": {id2label}, "label2id": {label2id}{problem}{resized}}}\n'
+        f'classifier = pipeline("text-classification", model="{repo_or_path}", model_kwargs=config)\n'
+        f"classifier({example})  # {answer}\n\n"
         "# or, as a PEFT model:\n"
         "from peft import AutoPeftModelForSequenceClassification\n"
-        f'model = AutoPeftModelForSequenceClassification.from_pretrained("{repo_or_path}", **labels)'
+        f'model = AutoPeftModelForSequenceClassification.from_pretrained("{repo_or_path}", **config)'
     )
 
 
+def predict_command(repo_or_path: str, settings: Settings) -> str:
+    """predict.py for this model: sentences one a line, or a pair model's two columns of a file."""
+    if len(settings.text_columns) == 2:
+        return f"python predict.py {repo_or_path} pairs.jsonl --text-column {settings.text_column}"
+    return f"python predict.py {repo_or_path} sentences.txt"
+
+
+def trained_targets(folder: Path, settings: Settings) -> list[str]:
+    """The layers the adapter adapts, as its adapter_config.json records them (the model's own names when
+    LORA_TARGET_MODULES was not given: utils/model.lora_targets); a merged folder reads model/'s beside it."""
+    for config in (folder / "adapter_config.json", folder.parent / "model" / "adapter_config.json"):
+        try:
+            targets = json.loads(config.read_text()).get("target_modules")
+        except (OSError, ValueError):
+            continue
+        if isinstance(targets, list):
+            return sorted(targets)
+    return list(settings.lora_target_modules)
+
+
 def build_model_card(
-    settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False, plot: bool = False
+    settings: Settings,
+    metrics: dict,
+    repo_id: str | None,
+    merged: bool = False,
+    plot: bool = False,
+    targets: list[str] | None = None,
 ) -> ModelCard:
     """The card for model/ (the adapter) or, with `merged`, for merged/ (the base with the adapter merged in).
 
-    `repo_id`: where it is pushed (None: the card names the folder on the volume).
+    `repo_id`: where it is pushed (None: the card names the folder on the volume). `targets`: the adapted layers.
     """
     base_id = resolve_base_model_id(settings)
     hub_data = not settings.dataset_path
@@ -199,7 +242,7 @@ def build_model_card(
     )
     training = {
         "base model": base_id or settings.model_name,
-        "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(settings.lora_target_modules)}",
+        "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(targets or settings.lora_target_modules)}",
         "recipe": recipe_summary(settings),
         "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
         "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
@@ -226,7 +269,8 @@ def build_model_card(
         metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in card_metrics(metrics)),
         plot=PLOT_NAME if plot else None,
         usage=usage_snippet(repo_or_path, settings, merged, metrics),
-        repo_or_path=repo_or_path,
+        predict_command=predict_command(repo_or_path, settings),
+        row="pair" if len(settings.text_columns) == 2 else "sentence",
         training_rows="\n".join(f"| {key} | {value} |" for key, value in training.items()),
     )
     return card
@@ -235,7 +279,14 @@ def build_model_card(
 def write_model_card(
     folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False
 ) -> ModelCard:
-    card = build_model_card(settings, metrics, repo_id, merged=merged, plot=(folder / PLOT_NAME).exists())
+    card = build_model_card(
+        settings,
+        metrics,
+        repo_id,
+        merged=merged,
+        plot=(folder / PLOT_NAME).exists(),
+        targets=trained_targets(folder, settings),
+    )
     card.save(folder / "README.md")
     return card
 

@@ -2,7 +2,7 @@
 
     OUTPUT_DIR/
       .run-folder       the job's mark on a folder it claimed: it works only in its own (RUN_MARKER)
-      model/            adapter + config, tokenizer, id2label.json, training_curves.png, README.md model card   (rank 0)
+      model/            adapter + config, tokenizer, id2label.json, inputs.json, training_curves.png, README.md card (rank 0)
       merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
       metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
       run.json          resolved settings (secrets masked), package versions, push record (rank 0)
@@ -95,7 +95,7 @@ class RunDir:
         base = flags[mode.rstrip("b")] | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         folder = self._open_folder(path.parent, create=mode.rstrip("b") != "r")
         try:
-            fd = os.open(path.name, base, 0o644, dir_fd=folder)
+            fd = os.open(path.name, base, FILE_MODE, dir_fd=folder)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                 raise planted(path) from None
@@ -122,7 +122,7 @@ class RunDir:
             except FileNotFoundError:
                 pass
             fd = os.open(
-                partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder
+                partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=folder
             )
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
@@ -219,7 +219,7 @@ class RunDir:
                 reached = reached / name
                 if create:
                     try:
-                        os.mkdir(name, 0o755, dir_fd=fd)
+                        os.mkdir(name, DIR_MODE, dir_fd=fd)
                     except FileExistsError:
                         pass
                 try:
@@ -265,13 +265,36 @@ def planted(path: Path) -> JobError:
     )
 
 
+# What the job creates, before the umask takes its bits away, as open() and mkdir() do by default: the volume is
+# shared, and the umask of whoever started the job says who else reads (and writes) what it leaves there.
+FILE_MODE, DIR_MODE = 0o666, 0o777
+
+
+def process_umask() -> int:
+    """The umask, read without setting it (os.umask sets one to read it: another thread could create a file then)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def fsync_tree(folder: Path) -> None:
-    """Flush a folder's files to the volume before a rename or a marker declares them whole.
+    """Flush a folder's files to the volume before a rename or a marker declares them whole, each with the mode
+    the umask gives a new file.
 
     A killed process loses nothing the kernel already has; a node that goes down (a preempted VM) loses
     what is not yet on disk, and the marker must not outlive the files it vouches for. Links are not
-    followed (a planted one is refused where it would be read or published).
+    followed (a planted one is refused where it would be read or published). The mode: safetensors writes
+    its files 0600 whatever the umask, so the model and checkpoints on a shared volume were unreadable to
+    the rest of the group (a teammate, predict.py run by another user); every folder the job saves passes here.
     """
+    file_mode = FILE_MODE & ~process_umask()
     for current, _, files in os.walk(folder):
         for path in [*(Path(current) / name for name in sorted(files)), Path(current)]:
             try:
@@ -281,7 +304,17 @@ def fsync_tree(folder: Path) -> None:
                     continue
                 raise
             try:
-                if stat.S_ISREG(os.fstat(fd).st_mode) or stat.S_ISDIR(os.fstat(fd).st_mode):
+                info = os.fstat(fd)
+                # Only a file of the job's own with no other name: a hard link planted in a checkpoint folder
+                # must not have its mode opened up.
+                if (
+                    stat.S_ISREG(info.st_mode)
+                    and stat.S_IMODE(info.st_mode) != file_mode
+                    and info.st_nlink == 1
+                    and info.st_uid == os.geteuid()
+                ):
+                    os.fchmod(fd, file_mode)
+                if stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode):
                     os.fsync(fd)
             finally:
                 os.close(fd)

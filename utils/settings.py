@@ -942,7 +942,9 @@ def read_recipe(path: str) -> dict[str, Any]:
             f"holds more than {RECIPE_MAX_BYTES} bytes, not a recipe; point --config at a YAML file of settings"
         )
     try:
-        values = yaml.safe_load(raw.decode("utf-8"))
+        values = yaml.load(raw.decode("utf-8"), Loader=_unique_key_loader(yaml))  # a SafeLoader: runs no code
+    except _KeyTwice as exc:
+        raise refused(f"sets {exc.args[0]} twice (lines {exc.args[1]} and {exc.args[2]}); keep one") from None
     except UnicodeDecodeError:
         raise refused("is not a text file (not UTF-8); a recipe is YAML, one `name: value` a line") from None
     except yaml.YAMLError as exc:
@@ -977,6 +979,27 @@ def read_recipe(path: str) -> dict[str, Any]:
             raise refused(f"sets {name} twice ({key} and {name}); keep one")
         recipe[name] = value
     return recipe
+
+
+class _KeyTwice(Exception):
+    """A mapping key given twice in a recipe: (key, first line, second line)."""
+
+
+def _unique_key_loader(yaml):
+    """yaml's SafeLoader, refusing a key given twice: PyYAML keeps the last without a word, so the value a reader
+    sees first in the file would not be the one trained."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            lines = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, str) and key in lines:
+                    raise _KeyTwice(key, lines[key], key_node.start_mark.line + 1)
+                lines[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def _is_regular(fd: int) -> bool:

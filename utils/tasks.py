@@ -26,7 +26,7 @@ class Task:
     text_columns: tuple[str, ...]  # one column, or a pair tokenized as `[CLS] a [SEP] b [SEP]`
     label_names: tuple[str, ...]  # id order; empty for regression
     problem_type: str
-    metrics: tuple[str, ...]  # GLUE's metric(s) for the task, first the one that picks the best checkpoint
+    metrics: tuple[str, ...]  # GLUE's metric(s) for the task, first the one tracked as best
     validation_splits: tuple[str, ...] = ("validation",)  # each evaluated; several: metrics prefixed by split
     label_column: str = "label"
 
@@ -82,7 +82,8 @@ def reported_metrics(settings, problem_type: str) -> tuple[str, ...]:
 
 
 def best_metric(settings, problem_type: str) -> str:
-    """The metric that picks the best checkpoint (`metric_for_best_model`): the task's first, on its first split."""
+    """The metric trainer_state.json tracks as best (`metric_for_best_model`): the task's first, on its first split.
+    Tracked only: the model kept is the last step's, none is picked on the split whose metrics are reported."""
     name = GLUE[settings.task].metrics[0] if settings.task else BEST[problem_type]
     prefix = eval_prefix(validation_splits(settings)[0])
     return f"{prefix}_{name}" if prefix else name
@@ -91,7 +92,13 @@ def best_metric(settings, problem_type: str) -> str:
 def describe_task(settings) -> dict:
     """What `--dry-run` shows: the task as the settings resolve it (labels: from the data when not named)."""
     problem = settings.problem_type
-    shown_problem = problem if problem != "auto" else "classification, or regression for a float label column"
+    shown_problem = (
+        problem
+        if problem != "auto"
+        else "classification (LABEL_NAMES names the classes)"
+        if "label_names" in settings.model_fields_set
+        else "classification, or regression for a float label column"
+    )
     return {
         "task": settings.task,
         "text_columns": list(settings.text_columns),

@@ -1,0 +1,130 @@
+"""Encoders other than BERT, with the job's defaults: RoBERTa, DeBERTa-v2/v3, ELECTRA, DistilBERT and ModernBERT.
+
+Each is a tiny randomly initialised model of its family, built here with the tiny BERT's tokenizer (the job never
+asks which tokenizer a model came with), trained by the real `main.py` without LORA_TARGET_MODULES, then served by
+`predict.py` from the folder the run saved. The adapter's layers follow the architecture (peft's table, and the
+job's for the families peft lacks) and the attention falls back to eager where the family offers no SDPA.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import base_env, run_main, run_predict
+
+SENTENCES = ["a wonderful , moving film", "a dull and tedious mess"]
+WIDTH = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+
+
+def roberta(vocab: int, ids: dict):
+    from transformers import RobertaConfig
+
+    # RoBERTa counts positions from pad_token_id + 1: two more than the 128 tokens a row is cut to.
+    return RobertaConfig(vocab_size=vocab, max_position_embeddings=130, type_vocab_size=2, **ids, **WIDTH)
+
+
+def deberta_v3(vocab: int, ids: dict):
+    from transformers import DebertaV2Config
+
+    # DeBERTa-v3's shape: relative positions only, no absolute position embeddings.
+    return DebertaV2Config(
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        relative_attention=True,
+        position_buckets=32,
+        pos_att_type=["p2c", "c2p"],
+        position_biased_input=False,
+        type_vocab_size=0,
+        **ids,
+        **WIDTH,
+    )
+
+
+def electra(vocab: int, ids: dict):
+    from transformers import ElectraConfig
+
+    return ElectraConfig(vocab_size=vocab, embedding_size=32, max_position_embeddings=512, **ids, **WIDTH)
+
+
+def distilbert(vocab: int, ids: dict):
+    from transformers import DistilBertConfig
+
+    return DistilBertConfig(
+        vocab_size=vocab, dim=32, n_layers=1, n_heads=2, hidden_dim=64, pad_token_id=ids["pad_token_id"]
+    )
+
+
+def modernbert(vocab: int, ids: dict):
+    from transformers import ModernBertConfig
+
+    return ModernBertConfig(
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        global_attn_every_n_layers=1,
+        cls_token_id=ids["bos_token_id"],
+        sep_token_id=ids["eos_token_id"],
+        **ids,
+        **WIDTH,
+    )
+
+
+# The family, its config, and the layers the adapter must adapt there: the query and value projections.
+FAMILIES = {
+    "roberta": (roberta, ["query", "value"]),
+    "deberta-v2": (deberta_v3, ["query_proj", "value_proj"]),
+    "electra": (electra, ["query", "value"]),
+    "distilbert": (distilbert, ["q_lin", "v_lin"]),
+    "modernbert": (modernbert, ["Wqkv"]),
+}
+
+
+def tiny_model(folder: Path, family: str, tiny_bert: Path) -> Path:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
+    ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.cls_token_id,
+        "eos_token_id": tokenizer.sep_token_id,
+    }
+    config = FAMILIES[family][0](len(tokenizer), ids)
+    config.num_labels = 2
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_trains_with_the_defaults_and_serves_with_predict(family, tiny_bert, sst2_dir, tmp_path):
+    model = tiny_model(tmp_path / family, family, tiny_bert)
+    out = tmp_path / "out"
+    env = base_env(
+        tmp_path,
+        MODEL_NAME=str(model),
+        DATASET_PATH=str(sst2_dir),
+        OUTPUT_DIR=str(out),
+        MAX_STEPS="4",
+        PER_DEVICE_BATCH_SIZE="8",
+        LEARNING_RATE="3e-3",
+        REPORT_TO="none",
+    )
+    result = run_main(env)
+    assert result.code == 0, result.stderr[-3000:]
+    targets = FAMILIES[family][1]
+    adapter = json.loads((out / "model" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == sorted(targets)
+    assert "eval_accuracy" in json.loads((out / "metrics.json").read_text())
+    card = (out / "model" / "README.md").read_text()
+    assert f"on {', '.join(sorted(targets))} |" in card  # the layers the adapter adapts, as trained
+    [command] = re.findall(r"`python predict\.py ([^ `]+) sentences\.txt`", card)
+    assert command == str(out / "model")
+
+    (tmp_path / "sentences.txt").write_text("\n".join(SENTENCES) + "\n")
+    predicted = run_predict(base_env(tmp_path), out / "model", "sentences.txt", cwd=tmp_path)
+    assert predicted.code == 0, predicted.stderr[-3000:]
+    answers = [json.loads(line) for line in predicted.stdout.splitlines()]
+    assert [a["text"] for a in answers] == SENTENCES and {a["label"] for a in answers} <= {"negative", "positive"}
