@@ -5,7 +5,11 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 DEMO := .demo
 
-.PHONY: venv ops demo test check test-all lint clean
+.PHONY: help venv ops demo test check test-all lint clean
+
+# `make help`: each target's `## ` line below, one line each.
+help:  ## this list
+	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  make %-9s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 # Two layers, each with its stamp: the job's own packages (torch and requirements.txt, what `make demo` needs), then
 # the test and lint tools and the MLflow server's venv on top (`make test`, `check`, `lint`). uv installs them: it
@@ -31,25 +35,30 @@ $(VENV)/.dev: $(VENV)/.job requirements-dev.txt requirements-mlflow-server.txt
 	$(UV) --python $(VENV)/mlflow-server/bin/python -r requirements-mlflow-server.txt
 	touch $@
 
-venv: $(VENV)/.dev
+venv: $(VENV)/.dev  ## build .venv: the job's packages, then the test and lint tools
 
-# The whole job offline on 2 CPU cores: a tiny BERT built here, the bundled synthetic SST-2-shaped sample.
-# A tiny randomly initialised model needs a higher learning rate than the real default (1e-3).
-demo: $(VENV)/.job
-	$(PY) scripts/make_demo_assets.py model $(DEMO)/tiny-bert --data examples/sst2-synthetic
-	rm -rf $(DEMO)/output
-	MODEL_NAME=$(DEMO)/tiny-bert DATASET_PATH=examples/sst2-synthetic OUTPUT_DIR=$(DEMO)/output \
-	  NUM_EPOCHS=3 PER_DEVICE_BATCH_SIZE=32 LEARNING_RATE=3e-3 DATALOADER_NUM_WORKERS=0 $(PY) main.py
-	@echo "model, metrics and logs: $(DEMO)/output"; cat $(DEMO)/output/metrics.json
+# The whole job offline on 2 CPU cores: a tiny BERT built here, a bundled synthetic sample (examples/TASK-synthetic,
+# made by scripts/make_demo_assets.py): SST-2-shaped by default, `make demo TASK=mnli` (sentence pairs, 3 classes,
+# two validation splits) or `TASK=stsb` (pairs scored 0-5, a regression). A tiny randomly initialised model needs
+# a higher learning rate than the real default (1e-3); the pair samples are smaller, so smaller batches.
+TASK ?= sst2
+DEMO_DATA := examples/$(TASK)-synthetic
+demo: $(VENV)/.job  ## train a tiny BERT offline on a bundled sample (TASK=sst2, mnli or stsb), in .demo/output
+	@test -d $(DEMO_DATA) || { echo "error: no bundled sample for TASK=$(TASK); use TASK=sst2, mnli or stsb" >&2; exit 2; }
+	@$(PY) scripts/make_demo_assets.py model $(DEMO)/tiny-bert --data $(DEMO_DATA) --task $(TASK) >/dev/null
+	@rm -rf $(DEMO)/output
+	MODEL_NAME=$(DEMO)/tiny-bert DATASET_PATH=$(DEMO_DATA) OUTPUT_DIR=$(DEMO)/output $(if $(filter-out sst2,$(TASK)),TASK=$(TASK)) \
+	  NUM_EPOCHS=3 PER_DEVICE_BATCH_SIZE=$(if $(filter sst2,$(TASK)),32,8) LEARNING_RATE=3e-3 DATALOADER_NUM_WORKERS=0 $(PY) main.py
+	@echo "metrics: $(DEMO)/output/metrics.json; the run's story: $(DEMO)/output/logs/rank-0.log"
 
 # DeepSpeed's CPU ops, compiled once per venv (a couple of minutes the first time, seconds after): the
 # integration layer's DeepSpeed runs load them from $(VENV)/torch-extensions instead of paying the compile in a test.
-ops: venv
+ops: venv  ## compile DeepSpeed's CPU ops once per venv (the integration layer loads them)
 	$(PY) scripts/build_deepspeed_ops.py
 
 # The fast layer, for the edit-test loop, in one process: settings, the plan (batch, learning rates, numerics),
 # data checks and the refusals, each checked in-process against the function main.py calls (tests marked `check`).
-check: venv
+check: venv  ## the fast tests, in one process: settings, the plan, data checks, refusals
 	$(PY) -m pytest -m check
 
 # Two workers, each taking a whole file at a time (its module fixtures, such as one finished run read by many
@@ -60,18 +69,18 @@ BY_FILE := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The suite the README gives: everything but the integration layer (the job in real processes, every launcher,
 # the faults a restart recovers from).
-test: venv
+test: venv  ## the test suite the README gives: everything but the integration layer
 	$(PY) -m pytest $(BY_FILE) -m "not integration"
 
 # Everything, as CI runs it: `make test`, then the integration layer (the image build, DeepSpeed on its compiled
 # ops, the sweep backends end to end, the benchmarks' smoke runs, the long fault chains).
-test-all: test ops
+test-all: test ops  ## everything, as CI runs it: make test, then the integration layer
 	$(PY) -m pytest $(BY_FILE) -m integration
 
 # Lint and formatting as CI checks them; `$(VENV)/bin/ruff format .` fixes the formatting.
-lint: venv
+lint: venv  ## ruff check and format check, as CI runs them
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-clean:
+clean:  ## remove the demo's outputs and caches
 	rm -rf $(DEMO) output .pytest_cache

@@ -1,6 +1,8 @@
-"""Offline stand-ins for bert-base-uncased and SST-2: a synthetic SST-2-shaped data set and a tiny BERT.
+"""Offline stand-ins for bert-base-uncased and GLUE: synthetic SST-2, MNLI and STS-B-shaped data sets and a tiny BERT.
 
-    python scripts/make_demo_assets.py data  examples/sst2-synthetic      # the bundled sample (committed)
+    python scripts/make_demo_assets.py data  examples/sst2-synthetic      # the bundled samples (committed)
+    python scripts/make_demo_assets.py data  examples/mnli-synthetic --task mnli
+    python scripts/make_demo_assets.py data  examples/stsb-synthetic --task stsb
     python scripts/make_demo_assets.py model .demo/tiny-bert --data examples/sst2-synthetic
     python scripts/make_demo_assets.py data  /tmp/sst2-like --profile sst2 --rows 67349     # benchmark data
     python scripts/make_demo_assets.py model /tmp/bert-base-random --data /tmp/sst2-like --base
@@ -8,6 +10,11 @@
 The data set has GLUE SST-2's shape (columns sentence, label, idx; labels 0/1) and a similar length
 profile (PROFILES below), and no real SST-2 row: every sentence is drawn from word lists, and its
 label is the sentiment of the adjective in it, a task a tiny model learns in minutes.
+The MNLI and STS-B samples (`--task`, 600 train and 100 rows per validation split) have those tasks' columns,
+labels and splits, and are as easy on purpose: the first sentence says what a film is about, the second alone
+decides the label (MNLI: a positive adjective entails, a negative one contradicts, a plain fact is neutral;
+STS-B: the score is 5 x the share of positive adjectives in it). They show the pipeline of a pair task (three
+classes and two validation splits; a 0-5 regression), not what a model can learn.
 The model is a 2-layer, 64-wide BERT with a word-level vocabulary built from the data, saved with
 `save_pretrained` so `AutoModelForSequenceClassification` and `AutoTokenizer` load it like a Hub model;
 `--base` gives bert-base's dimensions instead (`BertConfig()`: the FLOPs of bert-base-uncased, random
@@ -70,8 +77,59 @@ def write_dataset(
     return folder
 
 
+def pair_rows(task: str, rng: random.Random, count: int):
+    """MNLI-shaped (premise, hypothesis, label 0-2) or STS-B-shaped (sentence1, sentence2, score 0-5) rows, with idx.
+    The first sentence says what a film is about, without sentiment; the second's few adjectives (four of each
+    sentiment, so a tiny model learns them in a minute) decide the label."""
+    positive_words, negative_words = POSITIVE[:4], NEGATIVE[:4]
+    for idx in range(count):
+        first = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} about the {rng.choice(NOUNS)}"
+        if task == "mnli":  # entailment, neutral, contradiction: GLUE's label ids
+            label = rng.randrange(3)
+            verb = rng.choice(VERBS)
+            claim = (
+                f"{verb} {rng.choice(positive_words)}",
+                f"shows the {rng.choice(NOUNS)}",
+                f"{verb} {rng.choice(negative_words)}",
+            )
+            yield first, f"it {claim[label]}", label, idx
+        else:
+            positive = rng.randint(0, 4)
+            adjectives = [rng.choice(positive_words) for _ in range(positive)]
+            adjectives += [rng.choice(negative_words) for _ in range(4 - positive)]
+            rng.shuffle(adjectives)
+            yield first, f"it {rng.choice(VERBS)} {' and '.join(adjectives)}", 5 * positive / 4, idx
+
+
+PAIR_TASKS = {  # the columns and validation splits GLUE gives each task (utils/tasks.py reads the same names)
+    "mnli": (["premise", "hypothesis", "label", "idx"], ("validation_matched", "validation_mismatched")),
+    "stsb": (["sentence1", "sentence2", "label", "idx"], ("validation",)),
+}
+
+
+def write_pair_dataset(
+    folder: Path, task: str, train_rows: int = 600, validation_rows: int = 100, seed: int = 0
+) -> Path:
+    """train.csv and each validation split of `task` (mnli or stsb) in GLUE's columns."""
+    rng = random.Random(seed)
+    header, validation = PAIR_TASKS[task]
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, rows in (("train", train_rows), *((name, validation_rows) for name in validation)):
+        with open(folder / f"{split}.csv", "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(header)
+            writer.writerows(pair_rows(task, rng, rows))
+    return folder
+
+
 def write_tiny_bert(
-    folder: Path, data_folder: Path | None = None, layers: int = 2, hidden: int = 64, seed: int = 0, base: bool = False
+    folder: Path,
+    data_folder: Path | None = None,
+    layers: int = 2,
+    hidden: int = 64,
+    seed: int = 0,
+    base: bool = False,
+    num_labels: int = 2,
 ) -> Path:
     """A randomly initialised BERT with a word-level vocabulary covering the synthetic data.
 
@@ -85,7 +143,8 @@ def write_tiny_bert(
     if data_folder is not None:
         for path in Path(data_folder).glob("*.csv"):
             with open(path) as handle:
-                words.update(w for row in csv.DictReader(handle) for w in row["sentence"].lower().split())
+                for row in csv.DictReader(handle):  # every text column (sentence; premise, hypothesis; ...)
+                    words.update(w for k, v in row.items() if k not in ("label", "idx") for w in v.lower().split())
     folder.mkdir(parents=True, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(words)]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
@@ -94,7 +153,7 @@ def write_tiny_bert(
     tokenizer.save_pretrained(folder)
     set_seed(seed)
     if base:
-        config = BertConfig(num_hidden_layers=layers, num_labels=2)
+        config = BertConfig(num_hidden_layers=layers, num_labels=num_labels)
     else:
         config = BertConfig(
             vocab_size=len(vocab),
@@ -103,7 +162,7 @@ def write_tiny_bert(
             num_attention_heads=2,
             intermediate_size=hidden * 2,
             max_position_embeddings=512,
-            num_labels=2,
+            num_labels=num_labels,
         )
     BertForSequenceClassification(config).save_pretrained(folder)
     return folder
@@ -113,6 +172,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["data", "model"])
     parser.add_argument("folder", type=Path)
+    parser.add_argument(
+        "--task", choices=["sst2", *PAIR_TASKS], default="sst2", help="the GLUE task's data shape, and its model head"
+    )
     parser.add_argument("--data", type=Path, help="data folder whose words the tiny model's vocabulary covers")
     parser.add_argument(
         "--profile", choices=sorted(PROFILES), default="demo", help="data: the sentence length profile"
@@ -127,7 +189,9 @@ if __name__ == "__main__":
     # CPU and notices (bitsandbytes' missing optional 4-bit CPU kernel) go with them.
     for name in ("bitsandbytes", "deepspeed"):
         sys.modules.setdefault(name, None)
-    if args.what == "data":
+    if args.what == "data" and args.task != "sst2":
+        out = write_pair_dataset(args.folder, args.task)
+    elif args.what == "data":
         out = write_dataset(
             args.folder,
             train_rows=args.rows,
@@ -135,5 +199,11 @@ if __name__ == "__main__":
             profile=args.profile,
         )
     else:
-        out = write_tiny_bert(args.folder, args.data, layers=args.layers or (12 if args.base else 2), base=args.base)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # saving a 0.5 MB model: a bar for nothing
+        layers = args.layers or (12 if args.base else 2)
+        # The task's head (MNLI 3 classes, STS-B one score), so loading it for the task reinitialises nothing.
+        labels = {"mnli": 3, "stsb": 1}.get(args.task, 2)
+        out = write_tiny_bert(args.folder, args.data, layers=layers, base=args.base, num_labels=labels)
     print(out)

@@ -40,6 +40,7 @@ from tests.conftest import (
     rank_record,
     run_main,
     start_main,
+    start_main_on_terminal,
     training_settings,
     wait_all,
     wait_for,
@@ -517,12 +518,16 @@ def test_a_lost_peer_error_during_the_evaluation_bar_starts_its_own_line(replica
     out = tmp_path / "out"
     settings = training_settings(tiny_bert, data, out, MAX_STEPS=2, EVAL_STEPS=1000, SAVE_STEPS=1000)
     settings.pop("NUM_EPOCHS")
-    procs = replicas.start("bar", settings)
+    # Rank 0 on a terminal, where the job draws its bars; rank 1 as the platform starts it.
+    port = free_port()
     stream, log = tmp_path / "bar-rank0.txt", out / "logs" / "rank-0.log"
+    procs = [start_main_on_terminal(rank_env(tmp_path, 0, 2, port, **settings), stream)]
+    procs.append(start_main(rank_env(tmp_path, 1, 2, port, **settings), log=tmp_path / "bar-rank1.txt"))
+    replicas.started += procs
 
     def drawing_the_evaluation_bar() -> bool:  # the last evaluation (trainer.evaluate, after training) has begun
-        evaluating = log.exists() and "Running Evaluation" in log.read_text()  # the only one: EVAL_STEPS > MAX_STEPS
-        return evaluating and "%|" in stream.read_text().rsplit("\n", 1)[-1]
+        trained = log.exists() and "'train_runtime'" in log.read_text()  # the only evaluation: EVAL_STEPS > MAX_STEPS
+        return trained and "%|" in stream.read_text().rsplit("\n", 1)[-1]
 
     wait_until(drawing_the_evaluation_bar, "final evaluation's progress bar", procs, log=stream)
     procs[1].kill()

@@ -203,14 +203,16 @@ def test_each_epoch_trains_the_batches_drawn_from_seed_plus_epoch(trainer):
 def test_the_progress_bar_the_job_closes_is_the_trainers_training_bar(trainer):
     import transformers
 
-    trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
-    callbacks = trainer.callback_handler.callbacks
-    bars = [cb.training_bar for cb in callbacks if getattr(cb, "training_bar", None) is not None]
-    assert len(bars) == 1 and callable(getattr(bars[0], "close", None)), (
-        f"transformers {transformers.__version__}: no callback of the Trainer holds its progress bar as `training_bar` "
-        "after on_train_begin; utils/run.py closes it before an error line, which would now share the bar's line"
+    from utils.run import ProgressBar
+
+    bars = ProgressBar()  # the Trainer's ProgressCallback, as the job adds it where a terminal watches
+    bars.on_train_begin(trainer.args, trainer.state, trainer.control)
+    assert callable(getattr(getattr(bars, "training_bar", None), "close", None)), (
+        f"transformers {transformers.__version__}: the Trainer's ProgressCallback holds no progress bar as "
+        "`training_bar` after on_train_begin; utils/run.py closes it before an error line, which would now share "
+        "the bar's line"
     )
-    bars[0].close()
+    bars.training_bar.close()
 
 
 @pytest.mark.check

@@ -165,9 +165,14 @@ def test_the_rank_log_holds_the_settings_each_logged_loss_the_evaluation_and_the
     # No library's INFO records (transformers' config and weights dumps, datasets' builder steps) but the Trainer's.
     sources = {name for name in re.findall(r"^\S+ \S+ rank0 (?:INFO|DEBUG) (\S+):", log, re.M)}
     assert {name for name in sources if not name.startswith("utils.")} == {"transformers.trainer"}, sources
-    # On the console each logged loss shows once: the Trainer's progress bar prints it (stdout), the log does not.
+    # On the console, one line per evaluation and none per logged loss (those are the rank log's).
     console = finished_run.first
-    assert "'loss': " in console.stdout and not re.search(r"utils\.run: step \d+:", console.stderr)
+    assert "'loss': " not in console.stdout + console.stderr and not re.search(
+        r"utils\.run: step \d+:", console.stderr
+    )
+    assert len(re.findall(r"utils\.run: step \d+/\d+ \(epoch [\d.]+\): eval_accuracy=", console.stderr)) == len(
+        evaluations
+    )
     # The outcome: the exit code the first start ended with (the Hub refused the push) and where the model is.
     [outcome] = [line for line in log.splitlines() if rank_record(out, 0)["trainable_checksum"] in line]
     assert f"exit {finished_run.first.code}" in outcome and str(out / "model") in outcome

@@ -78,7 +78,11 @@ def test_help_lists_every_setting_with_env_name_default_and_why(tmp_path):
     text = " ".join(result.stdout.split())
     assert "--dry-run" in text and "--push-only" in text and "HF_TOKEN" in text
     text = text[text.index("options:") :]  # past the usage line, which names every flag too
+    # The recipe file is listed once, as --config; --config-file is still read, unlisted.
+    assert "--config FILE" in text and "--config-file" not in result.stdout
     for field, info in FIELDS.items():
+        if field == "config_file":
+            continue
         entry = re.search(
             rf" {flag_name(field)} \S+ (.*?) \(default(?: factory)?: ([^)]*)\) \[env: {env_name(field)}\]", text
         )

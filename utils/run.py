@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import torch
 import torch.distributed as td
 import transformers
 from transformers import Trainer, TrainerCallback, set_seed
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from utils.collectives import Collectives, rendezvous
 from utils.data import label_names_of, load_sst2
@@ -63,11 +65,13 @@ from utils.trainer import (
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
+RANK_LOG_ONLY = {"rank_log_only": True}  # `extra=` of a record the console leaves out
 
 
 # ------------------------------------------------------------------------------- set-up
 def setup_logging(job: Job) -> None:
-    """Only rank 0 talks on the console (warnings from all); the rank log is added once the folder is ours."""
+    """Only rank 0 talks on the console (warnings from all); the rank log is added once the folder is ours.
+    Progress bars only where a person watches: rank 0 with a terminal on stderr (a pod's log or a CI file gets lines)."""
     dist, masker = job.dist, job.masker
     fmt = logging.Formatter(LOG_FORMAT.format(rank=dist.rank))
     console = logging.StreamHandler(sys.stderr)
@@ -88,8 +92,25 @@ def setup_logging(job: Job) -> None:
     # transformers' records go to our handlers instead of its own.
     transformers.utils.logging.disable_default_handler()
     transformers.utils.logging.enable_propagation()
-    if not dist.is_main:
+    # The Trainer's banners ("***** Running Evaluation *****" at every evaluation, the closing "Do not forget to share
+    # your model"): filtered where they are logged, so neither the console nor the rank log carries them.
+    logging.getLogger("transformers.trainer").addFilter(is_not_banner)
+    if not shows_progress_bars(dist):
         datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
+
+
+def shows_progress_bars(dist: DistEnv) -> bool:
+    """Whether this process draws progress bars: rank 0, with a terminal on stderr."""
+    return dist.is_main and sys.stderr.isatty()
+
+
+def is_not_banner(record: logging.LogRecord) -> bool:
+    """False for a line of one of the Trainer's banners: the `***** Running ... *****` heading, the indented
+    `  Num examples = ...` lines under it, and the closing `Training completed. Do not forget to share ...`."""
+    message = str(record.msg)
+    return not (message.lstrip("\n").startswith(("***** ", "  ")) or "Do not forget to share" in message)
 
 
 def log_to_file(job: Job) -> None:
@@ -107,11 +128,48 @@ def log_to_file(job: Job) -> None:
 
 
 class LogToRankLog(TrainerCallback):
-    """Each loss, learning rate and evaluation the Trainer logs, in the rank log too: its progress bar prints them
-    on rank 0's stdout alone (so not again on the console)."""
+    """Each loss, learning rate and evaluation the Trainer logs, in the rank log alone (the console gets one line
+    per evaluation: EvaluationLine)."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        log.info("step %d: %s", state.global_step, logs, extra={"rank_log_only": True})
+        log.info("step %d: %s", state.global_step, logs, extra=RANK_LOG_ONLY)
+
+
+class EvaluationLine(TrainerCallback):
+    """One line per evaluation, `step 30/186 (epoch 0.48): eval_accuracy=0.9535 eval_loss=0.1431`: MNLI's two
+    validation splits, which the Trainer evaluates (and reports) one after the other, share the line."""
+
+    def __init__(self, splits: int):
+        self.splits, self.seen, self.metrics = splits, 0, {}
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.metrics.update(metrics or {})
+        self.seen += 1
+        if self.seen < self.splits:
+            return
+        losses = " ".join(
+            f"{k}={v:.4f}" for k, v in self.metrics.items() if k.startswith("eval_") and k.endswith("loss")
+        )
+        epoch = f" (epoch {state.epoch:.2f})" if state.epoch is not None else ""
+        log.info("step %d/%d%s: %s %s", state.global_step, state.max_steps, epoch, headline(self.metrics), losses)
+        self.seen, self.metrics = 0, {}
+
+
+class ProgressBar(ProgressCallback):
+    """The Trainer's progress bars without the dict of every log it writes under them (the rank log has those)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+def set_console(trainer: Trainer, dist: DistEnv, splits: int) -> None:
+    """What training shows on the console: the bars where a terminal watches (shows_progress_bars), an
+    evaluation's line, and no dict per log (the Trainer's ProgressCallback and PrinterCallback print those)."""
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    if shows_progress_bars(dist):
+        trainer.add_callback(ProgressBar)
+    trainer.add_callback(EvaluationLine(splits))
 
 
 class RankLogHandler(logging.FileHandler):
@@ -331,7 +389,7 @@ def run(job: Job) -> int:
         group.leave()
         return publish(job, group, hub, trained)
     except JobError as exc:  # main.py prints it on stderr; the rank log on the volume, once it exists, keeps it too
-        log.error("error: %s (exit %d)", exc.message, exc.code, extra={"rank_log_only": True})
+        log.error("error: %s (exit %d)", exc.message, exc.code, extra=RANK_LOG_ONLY)
         raise
     finally:
         # On the way out with an error too: a heartbeat or a process group still running when the interpreter
@@ -350,6 +408,7 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     log.info(
         "settings that change the result: %s",
         settings.model_dump(mode="json", include=training_setting_names(settings)),
+        extra=RANK_LOG_ONLY,
     )
     if warning := micro_batch_warning(settings, job.plan.batch):
         log.warning(warning)
@@ -390,6 +449,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     checkpoint, key["segments"] = group.decide_on_main(lambda: resume_point(job.out, key, dist.world_size))
     trainer = build_trainer(job, model, tokenizer, data, key=key, group=group)
     trainer.add_callback(LogToRankLog)
+    set_console(trainer, dist, splits=len(data) - 1)  # every split but train is evaluated
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
     group.run_on_main(
@@ -411,7 +471,11 @@ def set_up(job: Job, group: Collectives) -> Ready:
         )
     validation_rows = sum(len(rows) for split, rows in data.items() if split != "train")
     startup["trainer"] = seconds_since_start()
-    log.info("start-up, seconds after process start: %s", {phase: round(s, 2) for phase, s in startup.items()})
+    log.info(
+        "start-up, seconds after process start: %s",
+        {phase: round(s, 2) for phase, s in startup.items()},
+        extra=RANK_LOG_ONLY,
+    )
     return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, job.plan, labels, startup=startup)
 
 
@@ -450,7 +514,8 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
                 "fingerprint": ready.key["data"]["train"],
             },
         }
-        log.info("eval %s on %d rows", headline(metrics), ready.validation_rows)
+        # The console has had the final evaluation's line (EvaluationLine).
+        log.info("eval %s on %d rows", headline(metrics), ready.validation_rows, extra=RANK_LOG_ONLY)
         trainer.accelerator.wait_for_everyone()
         # The checksum and the full state dict are collectives when FSDP shards the weights: on every rank,
         # and before leaving the group.

@@ -39,6 +39,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
+    CliSuppress,
     EnvSettingsSource,
     InitSettingsSource,
     NoDecode,
@@ -102,7 +103,8 @@ class Settings(BaseSettings):
     )
 
     # --- where the settings come from
-    config_file: str | None = Field(
+    # Shown once in --help, as --config (_parser); --config-file still works, unlisted.
+    config_file: CliSuppress[str | None] = Field(
         None,
         min_length=1,
         max_length=PATH_MAX,

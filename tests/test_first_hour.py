@@ -1,0 +1,99 @@
+"""What a newcomer meets first: `make demo` for each bundled task, offline, and what a run shows.
+
+The demo for a pair task (TASK=mnli, TASK=stsb) runs through the Makefile as a user types it, into a folder of
+the test's own: it trains, writes the task's metrics, and its console is one line per evaluation and a final
+line (no progress bars without a terminal, no dict per log); the rank log holds none of the Trainer's banners.
+A run on a terminal (a pseudo-terminal here) draws the progress bars.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, base_env, start_main_on_terminal, tiny_run_settings
+
+EVALUATION_LINE = re.compile(r"INFO utils\.run: step (\d+)/(\d+) \(epoch [\d.]+\): eval_\S+=[\d.]+ ", re.M)
+PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's `42%|████▏     | 47/111`
+TASKS = {
+    # task: (the metrics it reports, with a floor the bundled sample reaches; the loss logged once per evaluation)
+    "mnli": ({"eval_matched_accuracy": 0.8, "eval_mismatched_accuracy": 0.8}, "eval_matched_loss"),
+    "stsb": ({"eval_pearson": 0.5}, "eval_loss"),
+}
+
+
+def make_demo(tmp, task: str) -> subprocess.CompletedProcess:
+    """`make demo TASK=task`, as the README gives it, with its outputs under `tmp` and this interpreter's venv."""
+    venv = sys.prefix  # the venv this test runs in is the demo's: -o, never rebuilt from here
+    return subprocess.run(
+        [
+            "make",
+            "-o",
+            f"{venv}/.job",
+            "demo",
+            f"VENV={venv}",
+            f"PY={sys.executable}",
+            f"TASK={task}",
+            f"DEMO={tmp / 'demo'}",
+        ],
+        cwd=REPO,
+        env=base_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_make_demo_trains_a_pair_task_offline_with_one_line_per_evaluation(tmp_path, task):
+    result = make_demo(tmp_path, task)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "demo" / "output"
+    metrics = json.loads((out / "metrics.json").read_text())
+    floors, loss = TASKS[task]
+    assert {name: metrics[name] > floor for name, floor in floors.items()} == dict.fromkeys(floors, True), metrics
+    if task == "mnli":
+        assert metrics["labels"] == ["entailment", "neutral", "contradiction"]
+    else:
+        assert metrics["problem_type"] == "regression" and metrics["labels"] == []
+    # The final line on stdout: the task's headline metrics, the speed and where the model is.
+    shown = " ".join(f"{name}={metrics[name]:.4f}" for name in floors)
+    assert re.search(rf"^{shown} train_samples_per_second=\S+ model={out}/model$", result.stdout, re.M), result.stdout
+
+    console = result.stdout + result.stderr
+    assert not PROGRESS_BAR.search(console) and "\r" not in console, console[-3000:]  # stderr is not a terminal
+    assert "{'loss'" not in console and "{'eval_" not in console  # the dict of every log stays in the rank log
+    log = (out / "logs" / "rank-0.log").read_text()
+    # One console line per evaluation, at the steps the rank log records one (the final evaluation included).
+    evaluated = [int(step) for step in re.findall(rf"step (\d+): \{{'{loss}'", log)]
+    lines = EVALUATION_LINE.findall(result.stderr)
+    assert [int(step) for step, _ in lines] == evaluated and len(evaluated) >= 3, (lines, evaluated)
+    assert lines[-1][0] == lines[-1][1]  # the last one after the last step
+    # The Trainer's banners are filtered where they are logged.
+    for banner in ("***** Running", "Num examples", "Do not forget to share"):
+        assert banner not in log and banner not in console, banner
+
+
+def test_a_terminal_gets_progress_bars(tmp_path, tiny_bert, sst2_dir):
+    env = base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", MAX_STEPS=6, EVAL_STEPS=3))
+    proc = start_main_on_terminal(env, tmp_path / "terminal.txt")
+    assert proc.wait(timeout=300) == 0
+    proc.copied.join(timeout=30)
+    text = (tmp_path / "terminal.txt").read_text(errors="replace")
+    assert PROGRESS_BAR.search(text), text[-3000:]
+    log = (tmp_path / "out" / "logs" / "rank-0.log").read_text()
+    assert len(EVALUATION_LINE.findall(text)) == log.count("{'eval_loss'") == 2  # at step 3, and the final one
+    assert "{'loss'" not in text  # the bars come without the dict of every log
+    assert re.search(r"^eval_accuracy=\S+ .*model=", text, re.M), text[-3000:]
+
+
+def test_make_help_lists_every_target_on_one_line():
+    result = subprocess.run(["make", "help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    targets = re.search(r"^\.PHONY: (.*)$", (REPO / "Makefile").read_text(), re.M)[1].split()
+    listed = [re.match(r"  make (\S+) +\S", line)[1] for line in result.stdout.splitlines()]
+    assert sorted(listed) == sorted(targets), result.stdout
