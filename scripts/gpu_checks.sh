@@ -37,7 +37,8 @@ fi
 
 # The device and the versions first: what the call ran on is known even if nothing else comes back.
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$results/gpu.txt"
-if ! "$PY" - 2>&1 <<'EOF' | tee -a "$results/gpu.txt"; then
+# Libraries' import-time notices (bitsandbytes' on a CPU, say) go to a log shown only if the check fails.
+if ! "$PY" - 2>"$work-imports.log" <<'EOF' | tee -a "$results/gpu.txt"; then
 import importlib
 import sys
 from importlib.metadata import requires, version
@@ -60,6 +61,7 @@ if broken:
         print("  scripts/gpu_wheels.sh brings the job's packages (WHEELS=DIR)", file=sys.stderr)
     sys.exit(1)
 EOF
+    cat "$work-imports.log" >&2
     exit 1
 fi
 

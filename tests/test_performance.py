@@ -86,11 +86,12 @@ def test_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert, sst2_dir):
 
     # The real job: two CPU replicas each do half the optimizer steps of one, on half the rows, in sync.
     job = results["job"]
-    assert job["1"]["optimizer_steps_per_replica"] == 2000 // 64 + 1  # 2000 rows, batch 64
-    assert job["2"]["optimizer_steps_per_replica"] == 16
-    assert job["1"]["ranks"][0]["samples"] == 2000
-    # Half the rows each; Accelerate fills the last batch of each rank up to 64 with rows from the start.
-    assert [r["samples"] for r in job["2"]["ranks"]] == [16 * 64, 16 * 64]
+    # 2000 rows in whole global batches (64 rows on one replica, 2 x 64 on two): the rows left over wait for the
+    # next epoch; each replica trains half of every global batch.
+    assert job["1"]["optimizer_steps_per_replica"] == 2000 // 64
+    assert job["2"]["optimizer_steps_per_replica"] == 2000 // 128
+    assert job["1"]["ranks"][0]["samples"] == 2000 // 64 * 64
+    assert [r["samples"] for r in job["2"]["ranks"]] == [2000 // 128 * 64] * 2
     assert set(job["two_replicas_vs_one"]) == {"optimizer_steps_ratio", "samples_per_replica_ratio"}
     assert job["2"]["ranks"][0]["checksum"] == job["2"]["ranks"][1]["checksum"]
     assert job["2"]["same_weights_on_all_ranks"] is True

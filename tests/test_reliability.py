@@ -98,7 +98,7 @@ def test_a_run_preempted_then_killed_resumes_each_time_and_ends_bit_identical_to
 
     # --- the restart, with one replica killed in epoch 2: the survivor exits 143
     procs = replicas.start("killed", settings)
-    wait_for(out / "checkpoints" / "checkpoint-80" / "COMPLETE", procs)  # epoch 2 of 2 (63 steps an epoch)
+    wait_for(out / "checkpoints" / "checkpoint-80" / "COMPLETE", procs)  # epoch 2 of 2 (62 steps an epoch)
     procs[1].kill()
     assert procs[0].wait(timeout=TIMEOUT + 60) == 143  # restartable, like a preemption: a restart resumes
     assert_refusal(
@@ -127,7 +127,8 @@ def test_a_run_preempted_then_killed_resumes_each_time_and_ends_bit_identical_to
     log0 = (out / "logs" / "rank-0.log").read_text()
     assert "resuming from step 80" in log0 and "removed checkpoint-100" in log0
     assert "resuming from step 80" in (out / "logs" / "rank-1.log").read_text()
-    assert "Fast-forwarding the dataloader past 1 epochs and 17 batches" in log0  # data position restored, in epoch 2
+    # The data position restored, in epoch 2: 62 whole global batches of 2 x 16 rows an epoch, 80 - 62 into it.
+    assert "Fast-forwarding the dataloader past 1 epochs and 18 batches" in log0
 
     accuracy, checksum = reference
     metrics = json.loads((out / "metrics.json").read_text())
