@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -26,6 +27,13 @@ parser.add_argument("script")
 args, rest = parser.parse_known_args()
 sys.argv = [args.script, *rest]
 sys.path[0] = str(Path(args.script).resolve().parent)  # as `python main.py` would have it: the repository's modules
+
+from utils.job import leave_out  # noqa: E402
+
+# As the job does before transformers is imported (Job.leave_unused_libraries_out), which the levers below import
+# first: bitsandbytes only for 8-bit weights.
+if os.environ.get("QUANTIZATION") != "8bit":
+    leave_out("bitsandbytes")
 
 if args.int8_threshold is not None:
     from transformers import BitsAndBytesConfig

@@ -102,7 +102,8 @@ def test_the_gpu_checks_run_every_part_to_its_end_on_the_cpu(tmp_path):
         assert "error" not in arm, (name, arm.get("error"))
         assert arm["steady_step_ms"] > 0 and arm["samples_per_s"] > 0, name
         assert arm["steps_per_epoch"] == STEPS_PER_EPOCH, name
-        assert arm["steady_epoch_s"] == pytest.approx(arm["steady_step_ms"] * STEPS_PER_EPOCH / 1000, rel=1e-3), name
+        # Both rounded by the job's record (to 1 ms and 1 us).
+        assert arm["steady_epoch_s"] == pytest.approx(arm["steady_step_ms"] * STEPS_PER_EPOCH / 1000, abs=2e-3), name
         assert arm["first_step_done_cold_s"] > 0, name
         assert math.isfinite(arm["final_loss"]) and 0 <= arm["eval_accuracy"] <= 1, name
         assert arm["loss_curve"][0][0] == 1 and arm["loss_curve"][-1][1] == arm["final_loss"], name
@@ -111,7 +112,8 @@ def test_the_gpu_checks_run_every_part_to_its_end_on_the_cpu(tmp_path):
         assert arm["cudagraphs"] is False and arm["cudagraph_skips"] == 0, name
         assert arm["call"] == 1, name
         if name.startswith("fast"):  # MAX_SEQ_LENGTH=32: buckets 16 and 32, one graph each, never broken
-            assert (arm["graphs"], arm["recompiles"]) == (2, 1), name
+            # 8-bit: one more, as bitsandbytes quantizes its weights at their first forward (seen on the CPU).
+            assert (arm["graphs"], arm["recompiles"]) == ((3, 2) if quantized else (2, 1)), name
             assert arm["compile_s"] > 0, name
         else:
             assert (arm["graphs"], arm["compile_s"]) == (0, None), name

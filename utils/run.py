@@ -108,9 +108,11 @@ def shows_progress_bars(dist: DistEnv) -> bool:
 
 def is_not_banner(record: logging.LogRecord) -> bool:
     """False for a line of one of the Trainer's banners: the `***** Running ... *****` heading, the indented
-    `  Num examples = ...` lines under it, and the closing `Training completed. Do not forget to share ...`."""
-    message = str(record.msg)
-    return not (message.lstrip("\n").startswith(("***** ", "  ")) or "Do not forget to share" in message)
+    `  Num examples = ...` lines under it, and the closing `Training completed. Do not forget to share ...`. A
+    resume's own indented lines (where it continues, which batches it skips) stay: they tell the run's story."""
+    message = str(record.msg).lstrip("\n")
+    resume = message.startswith(("  Fast-forwarding", "  Continuing training"))
+    return resume or not (message.startswith(("***** ", "  ")) or "Do not forget to share" in message)
 
 
 def log_to_file(job: Job) -> None:
