@@ -139,7 +139,7 @@ def test_a_run_preempted_then_killed_resumes_each_time_and_ends_bit_identical_to
     assert [r["trainable_checksum"] for r in records] == [checksum, checksum]
     assert [r["first_step"] for r in records] == [81, 81]  # both ranks began where the checkpoint ended
     # only the steps after the checkpoint were trained again
-    assert [r["samples_trained"] for r in records] == [(126 - 80) * 16] * 2
+    assert [r["samples_trained"] for r in records] == [(2 * 62 - 80) * 16] * 2  # 2 epochs of 62 steps
 
     # The push rode out the rate limit and the 503s, visibly, and published a whole model/ once.
     assert log0.count("Hub create_repo failed (the Hub answered HTTP 503") == 3
