@@ -189,12 +189,11 @@ def run_arm(name: str, cfg: dict) -> dict:
     # As main.py does: bitsandbytes warns once per process that its CPU kernels are slow.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import psutil
-    import pyarrow.compute as pc
     import torch
     import transformers
     from transformers import ProgressCallback, TrainerCallback
 
-    from utils.trainer import compile_record
+    from utils.trainer import compile_record, token_counts
 
     transformers.utils.logging.set_verbosity_error()
     warmup, steps = cfg["warmup"], cfg["steps"]
@@ -278,7 +277,7 @@ def run_arm(name: str, cfg: dict) -> dict:
     lengths = torch.cat([b[2].reshape(-1) for b in window]).double().cpu()
     real, real_sq = float(lengths.sum()), float((lengths**2).sum())
 
-    token_counts = sorted(pc.list_value_length(trainer.train_dataset.with_format("arrow")["input_ids"]).to_pylist())
+    token_counts = sorted(token_counts(trainer.train_dataset).to_pylist())
     config = trainer.model.get_base_model().config
     device_name = torch.cuda.get_device_name(0) if cuda else cpu_name()
     peak = peak_bf16_flops(device_name, cfg.get("peak_tflops")) if cuda else None

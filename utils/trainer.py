@@ -157,7 +157,7 @@ class JobTrainer(Trainer):
                 for name, value in inputs.items():
                     if torch.is_tensor(value) and value.dim() == 2:
                         filler = pad if name == "input_ids" else 0
-                        value = torch.nn.functional.pad(value[:, : length - 1], (0, 1), value=filler)
+                        value = value[:, : length - 1]
                         value = torch.nn.functional.pad(value, (0, length - value.shape[1]), value=filler)
                     batch[name] = value
                 if self.cudagraphs:
@@ -198,8 +198,7 @@ class JobTrainer(Trainer):
         if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, datasets.Dataset):
             # Arrow has the lengths already: the same lengths as the library's loop, so the same batches. One
             # order on every path (eager or compiled, any replica count): TORCH_COMPILE changes the speed only.
-            lengths = pyarrow.compute.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
-            return GlobalOrderSampler(self.plan.batch.global_batch, lengths, self.args.seed)
+            return GlobalOrderSampler(self.plan.batch.global_batch, token_counts(dataset).to_pylist(), self.args.seed)
         return super()._get_train_sampler(train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
@@ -775,23 +774,24 @@ def build_trainer(
 SMALLEST_BUCKET = 16  # SST-2's median row is 10 tokens: at 32, 61% of the padded tokens were padding
 
 
-def length_buckets(max_length: int, longest: int | None = None) -> list[int]:
+def length_buckets(max_length: int, longest: int) -> list[int]:
     """The padded lengths of every batch: 16, 32, 64 ... up to the data's longest row (rounded up to a multiple of
     8) or MAX_SEQ_LENGTH, whichever is less; one compiled graph each on the fast path."""
-    top = max_length if longest is None else min(max_length, -(-longest // 8) * 8)
+    top = min(max_length, -(-longest // 8) * 8)
     buckets = [min(SMALLEST_BUCKET, top)]
     while buckets[-1] < top:
         buckets.append(min(2 * buckets[-1], top))
     return buckets
 
 
+def token_counts(split: datasets.Dataset) -> pyarrow.Array:
+    """Each row's token count, from Arrow (no pass over the rows in Python)."""
+    return pyarrow.compute.list_value_length(split.with_format("arrow")["input_ids"])
+
+
 def longest_row(data) -> int:
-    """The most tokens of any row of any split (Arrow's lengths: no pass over the rows in Python); evaluation
-    batches use the same collator."""
-    return max(
-        pyarrow.compute.max(pyarrow.compute.list_value_length(split.with_format("arrow")["input_ids"])).as_py()
-        for split in data.values()
-    )
+    """The most tokens of any row of any split; evaluation batches use the same collator."""
+    return max(pyarrow.compute.max(token_counts(split)).as_py() for split in data.values())
 
 
 def use_tf32_matmuls() -> None:
