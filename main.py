@@ -41,7 +41,7 @@ import gc
 import json
 import sys
 
-from utils.deepspeed_config import adopt_deepspeed, describe_strategy
+from utils.deepspeed_config import deepspeed_overrides, describe_strategy, with_deepspeed
 from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
@@ -57,22 +57,33 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     who this process is, the plan (utils/plan.py: batches, learning rates, steps, strategy); every check that needs
     neither torch nor the network. Bad input raises JobError (exit 2) with the fix. Returns (settings, dist, the
     parsed command line, the plan)."""
-    settings, args = load_settings(launcher_argv(argv))  # less the `deepspeed` launcher's --local_rank
+    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too), and
+    # DEEPSPEED_CONFIG's stage and offload become ZERO_STAGE and ZERO_OFFLOAD, as the settings are read.
+    launcher = launcher_options()
+    settings, args = load_settings(  # less the `deepspeed` launcher's --local_rank
+        launcher_argv(argv), overrides=lambda given: deepspeed_overrides(given, launcher)
+    )
     dist = detect_env()
     # An elastic launcher's range: a count the global batch cannot serve would end the job after a loss.
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
-    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too), and
-    # DEEPSPEED_CONFIG's stage and offload become ZERO_STAGE and ZERO_OFFLOAD. Before the recipe: adopting
-    # re-derives RUN_NAME, which must not see the resolved rate (STRATEGY set by hand does not).
-    settings = adopt_deepspeed(settings, launcher_options())
-    plan = build_plan(settings, dist.world_size)  # DeepSpeed: its config, read and checked
-    # The settings carry the plan's rates: run.json, the ranks' agreement and a restart's check compare them.
-    rates = {"learning_rate": plan.learning_rate, "loraplus_lr_ratio": plan.loraplus_ratio}
-    settings = settings.model_copy(update=rates)
+    plan = with_deepspeed(build_plan(settings, dist.world_size), settings)  # DeepSpeed: its config, read and checked
     check_push_possible(settings)
     check_trackers(settings)
     return settings, dist, args, plan
+
+
+def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
+    """What --dry-run prints: the settings as given (RUN_NAME as derived), the ranks, and what the run derives."""
+    return {
+        "config": {**settings.as_dict(), "run_name": plan.run_name},
+        "distributed": dist.as_dict(),
+        "plan": plan.as_dict(),  # what the run trains with; run.json records it completed
+        "identity": plan.identity,  # what makes a restart the same run (utils/identity.py)
+        "batch": plan.batch.as_dict(),
+        "task": describe_task(settings),  # columns, labels, problem type, metrics
+        **describe_strategy(settings, plan),  # DeepSpeed: the config with the plan's values
+    }
 
 
 def asks_for_help(argv: list[str] | None) -> bool:
@@ -96,21 +107,13 @@ def main(argv: list[str] | None = None) -> int:
             masker = None  # --help prints the help and exits while the settings are read, with the value masked
         settings, dist, args, plan = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
-            check_run_dir(settings, dist.world_size, push_only=args.push_only)
+            check_run_dir(settings, plan, push_only=args.push_only)
             if warning := micro_batch_warning(settings, plan.batch):
                 print(f"warning: {warning}", file=sys.stderr)
-            shown = {
-                "config": settings.as_dict(),
-                "distributed": dist.as_dict(),
-                "plan": plan.as_dict(),  # what the run trains with; run.json records it completed
-                "batch": plan.batch.as_dict(),
-                "task": describe_task(settings),  # columns, labels, problem type, metrics
-                **describe_strategy(settings, plan),  # DeepSpeed: the config with the plan's values
-            }
-            print(json.dumps(shown, indent=2))
+            print(json.dumps(dry_run_view(settings, dist, plan), indent=2))
             return 0
         # Unwritable or foreign OUTPUT_DIR: refused before the heavy imports.
-        run_dir = open_run_dir(settings, dist.world_size, push_only=args.push_only)
+        run_dir = open_run_dir(settings, plan, push_only=args.push_only)
 
         from utils.job import Job  # torch: a second to import
 

@@ -136,7 +136,8 @@ def build_job_arm(settings: Settings, cuda: bool):
 
     # One process, planned as main.py plans it; Job.start reads `cuda` from torch too. The stop-signal handler
     # is not installed: a benchmark stops at Ctrl-C.
-    job = Job.start(settings, detect_env({}), open_run_dir(settings), build_plan(settings, 1), preemption=Preemption())
+    plan = build_plan(settings, 1)
+    job = Job.start(settings, detect_env({}), open_run_dir(settings, plan), plan, preemption=Preemption())
     tokenizer = load_tokenizer(settings)
     data = load_sst2(settings, tokenizer, job.out.cache)
     job = job.with_rows(len(data["train"]))

@@ -374,13 +374,13 @@ def test_every_platform_replica_resolves_one_run_from_config_yaml(tmp_path, monk
         for name, value in env.items()
         if name not in ("RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
-    alone = configured(monkeypatch, single)[0]
+    alone = configured(monkeypatch, single)[3]
     same_batch = single | {"GLOBAL_BATCH_SIZE": str(plan.batch.global_batch)}
-    as_one = configured(monkeypatch, same_batch)[0]
-    for name in ("learning_rate", "loraplus_lr_ratio"):
-        assert getattr(as_one, name) == getattr(settings, name)
-        assert world == 1 or getattr(settings, name) != getattr(alone, name), (
-            f"{world} replicas train at the one-replica {name} {getattr(alone, name)}: {name.upper()} is pinned in config_map"
+    as_one = configured(monkeypatch, same_batch)[3]
+    for name in ("learning_rate", "loraplus_ratio"):
+        assert getattr(as_one, name) == getattr(plan, name)
+        assert world == 1 or getattr(plan, name) != getattr(alone, name), (
+            f"{world} replicas train at the one-replica {name} {getattr(alone, name)}: it is pinned in config_map"
         )
 
 

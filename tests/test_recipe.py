@@ -274,8 +274,8 @@ def test_relative_paths_in_a_recipe_resolve_against_the_working_directory(tmp_pa
     recipe = write_files(tmp_path / "recipes", {"r.yaml": "dataset_path: data\noutput_dir: out\n"}) / "r.yaml"
     (tmp_path / "recipes" / "data").mkdir()  # the same name beside the recipe: an empty folder, not the data
     monkeypatch.chdir(tmp_path)
-    settings = configured(monkeypatch, base_env(tmp_path), ["--config", str(recipe)])[0]
+    settings, _, _, plan = configured(monkeypatch, base_env(tmp_path), ["--config", str(recipe)])
     rows = len((sst2_dir / "train.csv").read_text().splitlines()) - 1  # one sentence a line, after the header
     assert load_raw(settings)["train"].num_rows == rows
-    open_run_dir(settings)
+    open_run_dir(settings, plan)
     assert (tmp_path / "out").is_dir() and not (tmp_path / "recipes" / "out").exists()

@@ -170,21 +170,17 @@ def dangling_weights(folder: Path) -> None:
 
 def foreign_run(tmp: Path, env: dict) -> dict:
     """OUTPUT_DIR holds the record of a run with LORA_R=4 (its settings resolved as a one-process job resolves them)."""
-    settings = load_settings([], environ=env)[0]
-    plan = build_plan(settings, 1)
-    settings = settings.model_copy(
-        update={"learning_rate": plan.learning_rate, "loraplus_lr_ratio": plan.loraplus_ratio}
-    )
+    identity = build_plan(load_settings([], environ=env)[0], 1).identity
     out = Path(env["OUTPUT_DIR"])
     out.mkdir(parents=True)
-    (out / "run.json").write_text(json.dumps({"training_settings": {**settings.training_settings(), "lora_r": 4}}))
+    (out / "run.json").write_text(json.dumps({"identity": {**identity, "lora_r": 4}}))
     return {}
 
 
 def torn_run_record(tmp: Path, env: dict) -> dict:
     out = Path(env["OUTPUT_DIR"])
     out.mkdir(parents=True)
-    (out / "run.json").write_text('{"training_settings": {"model_na')  # a write cut short
+    (out / "run.json").write_text('{"identity": {"model_na')  # a write cut short
     return {}
 
 
@@ -515,7 +511,7 @@ REFUSALS = [
     case(
         "output-dir-of-another-run",
         "output",
-        ["OUTPUT_DIR={OUTPUT_DIR}", "lora_r: 4 -> 8"],
+        ["OUTPUT_DIR={OUTPUT_DIR}", "LORA_R: 4 -> 8"],
         setup=foreign_run,
     ),
     case("run-json-torn", "output", ["{OUTPUT_DIR}/run.json", "OUTPUT_DIR"], setup=torn_run_record),

@@ -25,8 +25,10 @@ def dry_run(tmp_path, *args: str, **env: str) -> dict:
     process with the job's environment `env` (test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch
     checks that the real process prints the same)."""
     with pytest.MonkeyPatch.context() as patch:
-        settings, dist, _, _ = configured(patch, base_env(tmp_path, **env), ["--dry-run", *args])
-        shown = {"config": settings.as_dict(), "distributed": dist.as_dict()}  # reads the token: inside `env`
+        from main import dry_run_view
+
+        settings, dist, _, plan = configured(patch, base_env(tmp_path, **env), ["--dry-run", *args])
+        shown = dry_run_view(settings, dist, plan)  # reads the token: inside `env`
     return json.loads(json.dumps(shown))
 
 
@@ -292,8 +294,8 @@ def test_settings_doc_documents_every_setting():
 )
 def test_dry_run_shows_the_rates_the_global_batch_gets(tmp_path, world_size, extra, rate, loraplus):
     launcher = dict(RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1") if world_size > 1 else {}
-    config = dry_run(tmp_path, **launcher, **extra)["config"]
-    assert (config["learning_rate"], config["loraplus_lr_ratio"]) == (rate, loraplus)
+    plan = dry_run(tmp_path, **launcher, **extra)["plan"]
+    assert (plan["learning_rate"], plan["loraplus_ratio"]) == (rate, loraplus)
 
 
 # ------------------------------------------------------------------------------- every setting's range
@@ -507,8 +509,8 @@ def test_a_bad_recipe_is_one_error_line_from_the_process(tmp_path):
 # ------------------------------------------------------------------------------- misspelled variables, --help
 @pytest.mark.check
 def test_a_misspelled_variable_is_warned_about_not_refused(tmp_path, capsys):
-    config = dry_run(tmp_path, LEARNIG_RATE="1e-4", LORA_RANK="4", ZERO_STAGES="3", LORA_R="16")["config"]
-    assert config["learning_rate"] == 1e-3 and config["lora_r"] == 16  # ignored, as before
+    shown = dry_run(tmp_path, LEARNIG_RATE="1e-4", LORA_RANK="4", ZERO_STAGES="3", LORA_R="16")
+    assert shown["plan"]["learning_rate"] == 1e-3 and shown["config"]["lora_r"] == 16  # ignored, as before
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
     assert [line.split()[1] for line in warnings] == ["LEARNIG_RATE", "LORA_RANK", "ZERO_STAGES"]
     assert "did you mean LEARNING_RATE?" in warnings[0] and "did you mean LORA_R?" in warnings[1]

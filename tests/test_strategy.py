@@ -45,10 +45,12 @@ def refusal(
     precision: str = "bf16",
     **launcher,
 ) -> str | None:
+    from utils.deepspeed_config import check_launcher
     from utils.strategy import check_strategy
 
     options = {"fsdp": False, "deepspeed": False, "mixed_precision": None, **launcher}
     try:
+        check_launcher(settings, options)  # as the settings are read (deepspeed_config.deepspeed_overrides)
         check_strategy(settings, dist, cuda, quantize, precision, options)
     except JobError as exc:
         assert exc.code == 2
@@ -70,7 +72,7 @@ def test_fsdp_runs_only_where_it_can_shard():
 def test_accelerate_config_cannot_change_the_strategy_or_precision_behind_the_settings():
     assert "STRATEGY=fsdp" in refusal(Settings(), fsdp=True)  # an FSDP accelerate config with STRATEGY=ddp
     assert "ACCELERATE_USE_FSDP" in refusal(Settings(strategy="fsdp"), fsdp=True)  # the job configures FSDP itself
-    # An accelerate DeepSpeed config has become STRATEGY=deepspeed before this check (deepspeed_config.adopt_launcher).
+    # An accelerate DeepSpeed config has become STRATEGY=deepspeed before this check (deepspeed_config.deepspeed_overrides).
     assert refusal(Settings(strategy="deepspeed"), deepspeed=True) is None
     assert "one run shards one way" in refusal(Settings(strategy="deepspeed"), fsdp=True)
     assert "PRECISION" in refusal(Settings(), precision="fp32", mixed_precision="bf16")

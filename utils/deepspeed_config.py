@@ -11,7 +11,7 @@ ones its run.json, logs and model card show. Every field transformers compares w
 (HfTrainerDeepSpeedConfig.trainer_config_process / _finalize) is compared here first, at --dry-run, and so is
 every "auto" that nothing would fill in: none of them fails after the model has loaded.
 
-The ZeRO stage and offload a user's file sets become ZERO_STAGE and ZERO_OFFLOAD (`adopt_deepspeed`), so
+The ZeRO stage and offload a user's file sets become ZERO_STAGE and ZERO_OFFLOAD (`deepspeed_overrides`, merged as the settings are read), so
 run.json and the checkpoints record what trains and a resume compares it like any training setting; a
 ZERO_STAGE or ZERO_OFFLOAD set to something else beside the file is refused.
 
@@ -31,16 +31,13 @@ import copy
 import importlib.util
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from pydantic import ValidationError
+from typing import Any
 
 from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.plan import Plan
 from utils.settings import Settings
-
-if TYPE_CHECKING:  # utils/plan.py builds the DeepSpeed config with run_config
-    from utils.plan import Plan
 
 DEEPSPEED_PIN = "deepspeed==0.19.8"  # requirements.txt's pin, named in the fix when it is missing
 # The Trainer's defaults for these, which the job keeps (utils/trainer.py sets no other).
@@ -107,6 +104,7 @@ OFFLOADS = {  # ZERO_OFFLOAD -> (optimizer state on the CPU, weights on the CPU)
     "optimizer": (True, False),
     "optimizer+parameters": (True, True),
 }
+OFFLOAD_SETTING = {where: setting for setting, where in OFFLOADS.items()}
 
 
 def build_config(settings: Settings) -> dict[str, Any]:
@@ -370,9 +368,14 @@ def check_installed() -> None:
         )
 
 
+def with_deepspeed(plan: Plan, settings: Settings) -> Plan:
+    """The plan with the DeepSpeed config the run hands the Trainer, for STRATEGY=deepspeed."""
+    return replace(plan, deepspeed=run_config(settings, plan)) if plan.strategy == "deepspeed" else plan
+
+
 def run_config(settings: Settings, plan: Plan) -> dict[str, Any]:
     """The DeepSpeed config the run hands the Trainer (its "auto" values left for the Trainer), checked against
-    the plan (utils/plan.build_plan; with_device checks it again once the precision is known)."""
+    the plan (Job.start checks it again once the precision is known)."""
     check_installed()
     if settings.deepspeed_config is None:
         return build_config(settings)
@@ -408,18 +411,17 @@ def describe_strategy(settings: Settings, plan: Plan) -> dict[str, Any]:
     return {"strategy": "deepspeed", "deepspeed": config}
 
 
-# ------------------------------------------------------------------------------- accelerate launch
+# ------------------------------------------------------------------------------- what the launcher and the file choose
 def check_launcher(settings: Settings, launcher: Mapping[str, object]) -> None:
-    """What makes Accelerate drop or mix DeepSpeed without a word: refused (exit 2) before anything loads."""
-    if settings.strategy != "deepspeed":
-        return
+    """What makes Accelerate drop or mix a strategy without a word: refused (exit 2) before anything loads."""
     if launcher.get("fsdp"):
         raise JobError(
             EXIT_BAD_INPUT,
-            "the accelerate config asks for FSDP (ACCELERATE_USE_FSDP=true) while STRATEGY=deepspeed; one run shards "
-            "one way: launch with a MULTI_GPU or DeepSpeed accelerate config for DeepSpeed, or set STRATEGY=fsdp",
+            f"the accelerate config asks for FSDP (ACCELERATE_USE_FSDP=true) while STRATEGY={settings.strategy}; one run "
+            "shards one way, and the job sets FSDP up itself: launch with a MULTI_GPU config "
+            "(launchers/accelerate/multi-gpu.yaml) and set STRATEGY=fsdp",
         )
-    if launcher.get("cpu"):
+    if launcher.get("cpu") and settings.strategy == "deepspeed":
         raise JobError(
             EXIT_BAD_INPUT,
             "ACCELERATE_USE_CPU=true (accelerate launch --cpu, use_cpu: true) makes Accelerate drop DeepSpeed without "
@@ -428,105 +430,69 @@ def check_launcher(settings: Settings, launcher: Mapping[str, object]) -> None:
         )
 
 
-def adopt_launcher(settings: Settings, launcher: Mapping[str, object]) -> Settings:
-    """`accelerate launch` with a DeepSpeed config: its choices become STRATEGY=deepspeed, ZERO_STAGE, ZERO_OFFLOAD
-    and DEEPSPEED_CONFIG where those are not set; one set to something else is refused (exit 2), so the job's
-    settings and the launcher's never disagree silently. The Trainer then gets the job's config alone
-    (utils/distributed.export_env drops the launcher's DeepSpeed variables)."""
+def launcher_choices(launcher: Mapping[str, object]) -> dict[str, Any]:
+    """The settings an `accelerate launch` DeepSpeed config stands for: STRATEGY=deepspeed, and DEEPSPEED_CONFIG, or
+    ZERO_STAGE and ZERO_OFFLOAD. The Trainer then gets the job's config alone (utils/distributed.export_env drops
+    the launcher's DeepSpeed variables)."""
     if not launcher.get("deepspeed"):
-        check_launcher(settings, launcher)
-        return settings
-    wanted: dict[str, Any] = {"strategy": "deepspeed"}
+        return {}
     if launcher.get("deepspeed_config_file"):
-        wanted["deepspeed_config"] = str(launcher["deepspeed_config_file"])
-    else:
-        if launcher.get("zero_stage") is not None:
-            wanted["zero_stage"] = launcher["zero_stage"]
-        devices = (launcher.get("offload_optimizer_device"), launcher.get("offload_param_device"))
-        if "nvme" in devices:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                "the accelerate config offloads to NVMe, which ZERO_OFFLOAD does not set up; write the offload into a "
-                "ds_config.json and pass it as DEEPSPEED_CONFIG (deepspeed_config_file in the accelerate config)",
-            )
-        on_cpu = tuple(device == "cpu" for device in devices)
-        if on_cpu == (False, True):
-            raise JobError(
-                EXIT_BAD_INPUT,
-                "the accelerate config offloads the weights but not the optimizer state; set "
-                "offload_optimizer_device: cpu too (ZERO_OFFLOAD=optimizer+parameters), or offload_param_device: none",
-            )
-        wanted["zero_offload"] = {
-            (False, False): "none",
-            (True, False): "optimizer",
-            (True, True): "optimizer+parameters",
-        }[on_cpu]
+        return {"strategy": "deepspeed", "deepspeed_config": str(launcher["deepspeed_config_file"])}
+    devices = (launcher.get("offload_optimizer_device"), launcher.get("offload_param_device"))
+    if "nvme" in devices:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "the accelerate config offloads to NVMe, which ZERO_OFFLOAD does not set up; write the offload into a "
+            "ds_config.json and pass it as DEEPSPEED_CONFIG (deepspeed_config_file in the accelerate config)",
+        )
+    on_cpu = tuple(device == "cpu" for device in devices)
+    if on_cpu == (False, True):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "the accelerate config offloads the weights but not the optimizer state; set "
+            "offload_optimizer_device: cpu too (ZERO_OFFLOAD=optimizer+parameters), or offload_param_device: none",
+        )
+    chosen: dict[str, Any] = {"strategy": "deepspeed"}
+    if any(devices):
+        chosen["zero_offload"] = OFFLOAD_SETTING[on_cpu]
+    if launcher.get("zero_stage") is not None:
+        chosen["zero_stage"] = launcher["zero_stage"]
+    return chosen
+
+
+def deepspeed_overrides(settings: Settings, launcher: Mapping[str, object]) -> dict[str, Any]:
+    """What the accelerate config (`launcher_choices`) and then DEEPSPEED_CONFIG's ZeRO stage and offload choose,
+    as settings that utils/settings.load_settings merges over the user's: run.json, the run's identity and the
+    checkpoints then record what trains, not the defaults, and a file edited between a run and its restart is
+    refused like any other changed setting. A setting given beside them with another value is refused (exit 2)."""
+    check_launcher(settings, launcher)
+    chosen = launcher_choices(launcher)
     explicit = settings.model_fields_set
-    for name, value in wanted.items():
+    for name, value in chosen.items():
         if name in explicit and getattr(settings, name) != value:
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"the accelerate config asks for DeepSpeed with {name} {value} but {name.upper()}={getattr(settings, name)}; "
                 f"the two must agree: set {name.upper()}={value}, unset it, or launch with another accelerate config",
             )
-    values = settings.model_dump()
-    if "run_name" not in explicit:
-        values.pop("run_name")  # derived again from the settings that now train
-    try:
-        adopted = Settings(**{**values, **wanted})
-    except ValidationError as exc:
-        reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
-        raise JobError(EXIT_BAD_INPUT, f"the accelerate config's DeepSpeed options: {reason}") from None
-    check_launcher(adopted, launcher)
-    return adopted
-
-
-# ------------------------------------------------------------------------------- what a config sets
-def offload_setting(config: Mapping[str, Any]) -> str:
-    """The ZERO_OFFLOAD value that sets what `config` offloads (check_zero refuses the weights alone)."""
-    return {(False, False): "none", (True, False): "optimizer", (True, True): "optimizer+parameters"}[offloads(config)]
-
-
-def adopt_config(settings: Settings, chosen: Mapping[str, str]) -> Settings:
-    """DEEPSPEED_CONFIG's ZeRO stage and offload become ZERO_STAGE and ZERO_OFFLOAD: run.json, the run name, the
-    checkpoints' resume key and the rendezvous then carry what trains, not the defaults, and a file edited between
-    a run and its restart is refused like any other changed training setting. `chosen`: setting -> who set it
-    beside the file ("" for the environment or a flag, else the accelerate config); one that disagrees with the
-    file is refused (exit 2) naming both values."""
-    if settings.strategy != "deepspeed" or settings.deepspeed_config is None:
-        return settings
-    where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
-    config = load_config(settings.deepspeed_config)
+    path = chosen.get("deepspeed_config", settings.deepspeed_config)
+    if chosen.get("strategy", settings.strategy) != "deepspeed" or path is None:
+        return chosen
+    where = f"DEEPSPEED_CONFIG={path}"
+    config = load_config(path)
     check_zero(config, where)
-    stage, offload = zero_stage(config), offload_setting(config)
-    for name, value, what in (
-        ("zero_stage", stage, "ZeRO stage {} (zero_optimization.stage)"),
-        ("zero_offload", offload, "offload {} (zero_optimization.offload_optimizer and offload_param)"),
-    ):
-        ours = getattr(settings, name)
-        if name in chosen and ours != value:
-            variable = name.upper()
+    by_file = {"zero_stage": zero_stage(config), "zero_offload": OFFLOAD_SETTING[offloads(config)]}
+    what = {
+        "zero_stage": "ZeRO stage {} (zero_optimization.stage)",
+        "zero_offload": "offload {} (zero_optimization.offload_optimizer and offload_param)",
+    }
+    for name, value in by_file.items():
+        ours = chosen.get(name, getattr(settings, name))
+        if (name in explicit or name in chosen) and ours != value:
+            who = "the accelerate config asks for " if name in chosen else ""
             raise JobError(
                 EXIT_BAD_INPUT,
-                f"{chosen[name]}{variable}={ours} but {where} sets {what.format(value)}; the file decides what "
-                f"trains: unset {variable} (or set it to {value}), or change the file",
+                f"{who}{name.upper()}={ours} but {where} sets {what[name].format(value)}; the file decides what "
+                f"trains: unset {name.upper()} (or set it to {value}), or change the file",
             )
-    if (settings.zero_stage, settings.zero_offload) == (stage, offload):
-        return settings
-    values = settings.model_dump()
-    if "run_name" not in settings.model_fields_set:
-        values.pop("run_name")  # derived again from the settings that now train
-    return Settings(**{**values, "zero_stage": stage, "zero_offload": offload})
-
-
-def adopt_deepspeed(settings: Settings, launcher: Mapping[str, object]) -> Settings:
-    """The settings with an accelerate DeepSpeed config's choices (`adopt_launcher`), then DEEPSPEED_CONFIG's
-    stage and offload (`adopt_config`), each refused where it contradicts a setting given beside it."""
-    chosen = {name: "" for name in ("zero_stage", "zero_offload") if name in settings.model_fields_set}
-    if launcher.get("deepspeed") and not launcher.get("deepspeed_config_file"):
-        by_launcher = "the accelerate config asks for "
-        if launcher.get("zero_stage") is not None:
-            chosen.setdefault("zero_stage", by_launcher)
-        if launcher.get("offload_optimizer_device") or launcher.get("offload_param_device"):
-            chosen.setdefault("zero_offload", by_launcher)
-    return adopt_config(adopt_launcher(settings, launcher), chosen)
+    return {**chosen, **by_file}

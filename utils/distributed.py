@@ -278,13 +278,13 @@ def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, obje
         "offload_param_device": value("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
         # deepspeed_config_file: a path, so not lower-cased (DEEPSPEED_CONFIG's stand-in)
         "deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "").strip() or None,
-        # accelerate launch --cpu: Accelerate then drops DeepSpeed without a word (utils/strategy.py refuses it)
+        # accelerate launch --cpu: Accelerate then drops DeepSpeed without a word (deepspeed_config.check_launcher refuses it)
         "cpu": flag("ACCELERATE_USE_CPU"),
     }
 
 
 # An accelerate config's DeepSpeed choices, as `accelerate launch` exports them. Once the job has adopted them
-# into its settings (utils/deepspeed_config.adopt_launcher) they are dropped: the Trainer's DeepSpeed plugin
+# into its settings (utils/deepspeed_config.deepspeed_overrides) they are dropped: the Trainer's DeepSpeed plugin
 # would read them again, and refuses them beside the config the job hands it ("When using
 # `deepspeed_config_file`, the following accelerate config variables will be ignored").
 ACCELERATE_DEEPSPEED_VARIABLES = (

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from utils.deepspeed_config import check_config
 from utils.distributed import DistEnv
 from utils.hub_token import Masker
 from utils.outputs import RunDir
@@ -32,7 +33,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 @dataclass(frozen=True)
 class Job:
-    settings: Settings  # resolved: the learning rate is the plan's
+    settings: Settings  # as the user gave them; what they resolve to is the plan's
     dist: DistEnv  # this process's rank, world size and rendezvous address
     out: RunDir  # OUTPUT_DIR, checked to be this job's
     cuda: bool
@@ -53,13 +54,16 @@ class Job:
         masker: Masker | None = None,
     ) -> Job:
         cuda = torch.cuda.is_available()
+        plan = with_device(plan, settings, cuda, cuda and torch.cuda.is_bf16_supported())
+        if plan.deepspeed is not None and settings.deepspeed_config is not None:
+            check_config(plan.deepspeed, settings, plan)  # a precision the file pins, now that PRECISION is resolved
         return cls(
             settings=settings,
             dist=dist,
             out=out,
             cuda=cuda,
             device=torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu"),
-            plan=with_device(plan, settings, cuda, cuda and torch.cuda.is_bf16_supported()),
+            plan=plan,
             preemption=preemption,
             masker=masker,
         )

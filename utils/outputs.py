@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -43,9 +42,9 @@ from pathlib import Path
 from typing import IO
 
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_error, volume_state
-from utils.plan import replica_count_change
+from utils.identity import check_same_run, sha256_file
+from utils.plan import Plan
 from utils.settings import REPO_ID_PATTERN, Settings, resolve_base_model_id
-from utils.tasks import validation_splits
 
 log = logging.getLogger(__name__)
 
@@ -350,38 +349,20 @@ def replace_dir(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_run_dir(settings: Settings, world_size: int | None = None, push_only: bool = False) -> RunDir:
-    """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds a run with other
-    training settings; a finished run also with other label names, base model or data (`check_finished_run`;
-    `push_only` publishes what the volume holds and does not read the data). Reads, writes nothing.
-    `world_size`: this start's replica count, named first when the change of count is what changed them."""
+def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> RunDir:
+    """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds another run (its
+    run.json's identity, utils/identity.py); a finished run also with other label names or base model
+    (`check_finished_run`). `push_only` publishes what the volume holds: the replica count, the global batch and
+    the data are not its to check. Reads, writes nothing."""
     run = RunDir(Path(settings.output_dir).resolve())
     refuse_foreign(run, settings)  # first: a link in someone else's folder is theirs, not a link planted in ours
     run.check_planted()
     record = run.read_json(run.run_record) if run.root.is_dir() else None
-    if record is not None:
-        theirs, ours = record.get("training_settings", {}), settings.training_settings()
-        # Only what trains this run now: a value recorded that is no training setting here (PER_DEVICE_BATCH_SIZE
-        # under GLOBAL_BATCH_SIZE, a memory cap) may change.
-        changed = sorted(k for k in ours if theirs.get(k) != ours.get(k))
-        if changed:
-            detail = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed[:4])
-            count = replica_count_change(record, settings, world_size) if world_size else None
-            if count:
-                trained_on = record["segments"][-1]["world_size"]
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"OUTPUT_DIR={settings.output_dir}: {count}, and the learning rate follows the global batch "
-                    f"({detail}); restart with {trained_on} replica(s) to resume, or for a new run set GLOBAL_BATCH_SIZE "
-                    "in a new OUTPUT_DIR (then the replica count may change between restarts)",
-                )
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"OUTPUT_DIR={settings.output_dir} holds a run with other training settings ({detail}); "
-                "use a new OUTPUT_DIR for new settings, or restore the old ones to resume",
-            )
+    if record is not None and "identity" in record:
+        ignore = frozenset({"world_size", "global_batch", "data"}) if push_only else frozenset()
+        check_same_run(record["identity"], plan.identity, f"OUTPUT_DIR={settings.output_dir}", ignore)
     if run.root.is_dir() and run.is_finished():
-        check_finished_run(run, settings, record or {}, data=not push_only)
+        check_finished_run(run, settings)
     return run
 
 
@@ -437,10 +418,9 @@ def claim_run_dir(run: RunDir) -> None:
 
 
 # ------------------------------------------------------------------------------- a finished run's own records
-def check_finished_run(run: RunDir, settings: Settings, record: dict, data: bool = True) -> None:
-    """What a finished run publishes comes from its own records (model/id2label.json, adapter_config.json,
-    run.json): a setting given now that contradicts them is refused with the recorded value and the fix, and
-    with `data`, training files changed since the run trained (it is finished only for the data it trained on)."""
+def check_finished_run(run: RunDir, settings: Settings) -> None:
+    """What a finished run publishes comes from its own records (model/id2label.json, adapter_config.json): a
+    setting given now that contradicts them is refused with the recorded value and the fix."""
     recorded = recorded_label_names(run)
     if recorded and "label_names" in settings.model_fields_set and tuple(settings.label_names) != recorded:
         raise JobError(
@@ -457,19 +437,6 @@ def check_finished_run(run: RunDir, settings: Settings, record: dict, data: bool
             f"adapter names {trained_base} as its base ({run.model / 'adapter_config.json'}); unset BASE_MODEL_ID, or "
             "use a new OUTPUT_DIR to train on that base",
         )
-    trained_on = record.get("data_files")
-    if data and trained_on is not None:
-        now = data_files_digest(settings)
-        changed = sorted(
-            name for name in set(trained_on) | set(now or {}) if trained_on.get(name) != (now or {}).get(name)
-        )
-        if changed:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"OUTPUT_DIR={settings.output_dir} holds a run finished on other data: {', '.join(changed[:4])} in "
-                f"DATASET_PATH={settings.dataset_path} changed since it trained (added, removed or edited); restore the "
-                "data it was trained on, or set OUTPUT_DIR to a new folder to train on the new data",
-            )
 
 
 def recorded_label_names(run: RunDir) -> tuple[str, str] | None:
@@ -515,26 +482,9 @@ def published_settings(run: RunDir, settings: Settings) -> Settings:
     return settings.model_copy(update=update) if update else settings
 
 
-def data_files_digest(settings: Settings) -> dict[str, str] | None:
-    """SHA-256 of each file a local DATASET_PATH is read from (the split files, or every file of a save_to_disk
-    folder), by its path in the folder; None for a Hub data set, which DATASET_NAME and DATASET_CONFIG name. A
-    cheap check of the files, where a resume compares the tokenized rows."""
-    if not settings.dataset_path:
-        return None
-    folder = Path(settings.dataset_path)
-    if not folder.is_dir():
-        return {}
-    if (folder / "dataset_dict.json").exists():
-        paths = [path for path in folder.rglob("*") if path.is_file()]
-    else:
-        splits = ("train", *validation_splits(settings))  # MNLI: validation_matched and validation_mismatched
-        paths = [path for path in folder.iterdir() if path.is_file() and path.stem in splits]
-    return {str(path.relative_to(folder)): _sha256(path) for path in sorted(paths)}
-
-
-def open_run_dir(settings: Settings, world_size: int | None = None, push_only: bool = False) -> RunDir:
+def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> RunDir:
     """Create OUTPUT_DIR's folders, claimed as this job's, after refusing one `check_run_dir` refuses."""
-    run = check_run_dir(settings, world_size, push_only=push_only)
+    run = check_run_dir(settings, plan, push_only=push_only)
     try:
         run.root.mkdir(parents=True, exist_ok=True)  # OUTPUT_DIR itself, and the folders above it, are the user's
         claim_run_dir(run)
@@ -552,7 +502,8 @@ def open_run_dir(settings: Settings, world_size: int | None = None, push_only: b
     return run
 
 
-def write_run_record(run: RunDir, settings: Settings, **extra) -> None:
+def write_run_record(run: RunDir, settings: Settings, plan: Plan, **extra) -> None:
+    """run.json: the settings as given, the plan (completed), the run's identity, the package versions."""
     record = run.read_json(run.run_record) or {}
     versions = {}
     for name in PACKAGES:
@@ -561,9 +512,10 @@ def write_run_record(run: RunDir, settings: Settings, **extra) -> None:
         except metadata.PackageNotFoundError:
             versions[name] = None
     record.update(
-        run_name=settings.run_name,
+        run_name=plan.run_name,
         settings=settings.as_dict(),
-        training_settings=settings.training_settings(),
+        plan=plan.as_dict(),
+        identity=plan.identity,
         versions=versions,
     )
     record.update(extra)
@@ -580,7 +532,7 @@ def mark_checkpoint_complete(run: RunDir, checkpoint: Path, resume_key: dict) ->
     """
     fsync_tree(checkpoint)
     files = {
-        str(path.relative_to(checkpoint)): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        str(path.relative_to(checkpoint)): {"size": path.stat().st_size, "sha256": sha256_file(path)}
         for path in sorted(checkpoint.rglob("*"))
         if path.is_file() and path.name != COMPLETE_MARKER
     }
@@ -588,14 +540,6 @@ def mark_checkpoint_complete(run: RunDir, checkpoint: Path, resume_key: dict) ->
         checkpoint / COMPLETE_MARKER,
         json.dumps({"resume": resume_key, "files": files}, indent=2, sort_keys=True) + "\n",
     )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def checkpoint_damage(checkpoint: Path) -> str | None:
@@ -611,7 +555,7 @@ def checkpoint_damage(checkpoint: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != expected["size"]:
             return f"{name} has {path.stat().st_size} bytes, {expected['size']} when it was written"
-        if _sha256(path) != expected["sha256"]:
+        if sha256_file(path) != expected["sha256"]:
             return f"{name} changed since it was written (checksum)"
     return None
 

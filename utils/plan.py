@@ -38,8 +38,8 @@ from typing import Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from utils.deepspeed_config import check_config, run_config
 from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.identity import run_identity, run_name
 from utils.settings import MAX_GLOBAL_BATCH, Settings
 
 REFERENCE_GLOBAL_BATCH = 64  # one replica with PER_DEVICE_BATCH_SIZE=64: where BASE_LEARNING_RATE was measured
@@ -78,7 +78,10 @@ class Plan:
     steps: int | None  # optimizer steps: MAX_STEPS, else known once the rows are
     warmup_steps: int | None
     steps_per_epoch: int | None = None  # known once the rows are
-    # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in.
+    identity: dict[str, Any] | None = None  # what makes two starts one run (utils/identity.py)
+    run_name: str | None = None  # RUN_NAME, else derived from the identity
+    # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in
+    # (utils/deepspeed_config.with_deepspeed).
     deepspeed: dict[str, Any] | None = None
     # TORCH_COMPILE: the fast path (utils/trainer.compile_model), a speed switch only; `auto` until the device is known.
     compile: bool | str = "auto"
@@ -95,7 +98,7 @@ class Plan:
     def as_dict(self) -> dict:
         """What --dry-run prints and run.json records (the DeepSpeed config has a key of its own)."""
         shown = asdict(self)
-        del shown["deepspeed"]
+        del shown["deepspeed"], shown["identity"]
         return {**shown, "rates": self.rates}
 
 
@@ -214,29 +217,12 @@ def check_elastic_range(settings: Settings, counts: range, variable: str) -> Non
         )
 
 
-def replica_count_change(record: dict, settings: Settings, world_size: int) -> str | None:
-    """Why a run folder's run.json holds other training settings, when the cause is the replica count: without
-    GLOBAL_BATCH_SIZE the global batch follows the count, and the learning rate the global batch (None: the
-    count is not the cause)."""
-    segments = record.get("segments") or [{}]
-    theirs = segments[-1].get("world_size") if isinstance(segments[-1], dict) else None
-    if settings.global_batch_size is not None or not isinstance(theirs, int) or theirs == world_size:
-        return None
-    ours = plan_batches(settings, world_size).global_batch
-    if record.get("global_batch") == ours:
-        return None
-    return (
-        f"its run was trained on {theirs} replica(s) at global batch {record.get('global_batch')} and this start has "
-        f"{world_size} (global batch {ours}: PER_DEVICE_BATCH_SIZE x replicas x GRADIENT_ACCUMULATION_STEPS)"
-    )
-
-
 # ------------------------------------------------------------------------------- the learning rate
-def scaled_learning_rate(settings: Settings, global_batch: int) -> float:
-    """BASE_LEARNING_RATE at the reference batch, scaled to `global_batch` by LEARNING_RATE_SCALING."""
+def scaled_learning_rate(settings: Settings, global_batch: int, rule: str | None = None) -> float:
+    """BASE_LEARNING_RATE at the reference batch, scaled to `global_batch` by `rule` (LEARNING_RATE_SCALING)."""
     ratio = global_batch / REFERENCE_GLOBAL_BATCH
     factor = {"fourth-root": ratio**0.25, "sqrt": math.sqrt(ratio), "linear": ratio, "none": 1.0}[
-        settings.learning_rate_scaling
+        rule or settings.learning_rate_scaling
     ]
     return float(f"{settings.base_learning_rate * factor:.6g}")  # a readable number in logs, run.json and the card
 
@@ -250,7 +236,7 @@ def resolve_learning_rate(settings: Settings, world_size: int, global_batch: int
     refusal = _learning_rate_refusal(rate)
     if refusal:
         others = {
-            rule: scaled_learning_rate(settings.model_copy(update={"learning_rate_scaling": rule}), global_batch)
+            rule: scaled_learning_rate(settings, global_batch, rule)
             for rule in ("fourth-root", "none")
             if rule != settings.learning_rate_scaling
         }
@@ -320,7 +306,10 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         )
     rate = resolve_learning_rate(settings, world_size, batch.global_batch)
     deepspeed = settings.strategy == "deepspeed"
-    plan = Plan(
+    # GLOBAL_BATCH_SIZE under DDP: one global order of the rows, which any replica count continues (not under
+    # DeepSpeed, whose checkpoints hold each rank's partition of the optimizer state).
+    identity = run_identity(settings, batch.global_batch, world_size, elastic=batch.fixed and not deepspeed)
+    return Plan(
         batch=batch,
         learning_rate=rate,
         learning_rate_source="LEARNING_RATE as set"
@@ -338,13 +327,13 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         steps=settings.max_steps,
         warmup_steps=warmup_steps(settings.warmup_ratio, settings.max_steps) if settings.max_steps else None,
         compile=settings.torch_compile,
+        identity=identity,
+        run_name=run_name(settings, identity),
     )
-    return replace(plan, deepspeed=run_config(settings, plan)) if deepspeed else plan
 
 
 def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool) -> Plan:
-    """The plan with `auto` precision and quantization resolved for this hardware; impossible asks are bad input,
-    and a DEEPSPEED_CONFIG that pins another precision too."""
+    """The plan with `auto` precision and quantization resolved for this hardware; impossible asks are bad input."""
     # auto: no 8-bit under DeepSpeed, which casts and shards the weights (an explicit 8bit is refused there).
     quantize = settings.quantization == "8bit" or (
         settings.quantization == "auto" and cuda and plan.batch.world_size == 1 and plan.strategy != "deepspeed"
@@ -361,10 +350,7 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
     compiled = settings.torch_compile is True or (
         settings.torch_compile == "auto" and cuda and plan.strategy == "ddp" and not quantize
     )
-    plan = replace(plan, precision=precision, quantization="8bit" if quantize else "none", compile=compiled)
-    if plan.deepspeed is not None and settings.deepspeed_config is not None:
-        check_config(plan.deepspeed, settings, plan)
-    return plan
+    return replace(plan, precision=precision, quantization="8bit" if quantize else "none", compile=compiled)
 
 
 def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:

@@ -37,12 +37,12 @@ from utils.distributed import DistEnv, export_env, launcher_options, masked_envi
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, JobError, Preempted
 from utils.hub import Hub, push_model, save_merged, save_model
 from utils.hub_token import MaskingFilter, read_token
+from utils.identity import check_same_run, short_digest
 from utils.job import Job
 from utils.model import build_model, load_tokenizer, trainable_checksum
 from utils.outputs import (
     RunDir,
     checkpoint_resume_key,
-    data_files_digest,
     discard_incomplete_checkpoints,
     latest_complete_checkpoint,
     published_settings,
@@ -52,14 +52,13 @@ from utils.outputs import (
 from utils.plan import Plan, micro_batch_warning
 from utils.recipe import describe_recipe
 from utils.run_lock import RunLock
-from utils.settings import check_tracker_uri, training_setting_names
+from utils.settings import check_tracker_uri
 from utils.strategy import check_strategy, full_state_dict
 from utils.tasks import headline
 from utils.trainer import (
     JobTrainer,
     build_trainer,
     compile_record,
-    resume_key,
     seconds_since_start,
 )
 
@@ -209,22 +208,22 @@ def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
 
 
 def agreement(job: Job) -> dict:
-    """What every rank of one job must share, compared at the rendezvous."""
+    """What every rank of one job must share, compared at the rendezvous: the run's identity, where it writes."""
     return {
-        "world_size": job.dist.world_size,
-        "run_name": job.settings.run_name,
+        **job.plan.identity,
+        "world_size": job.dist.world_size,  # elastic runs too: one job, one count
+        "run_name": job.plan.run_name,
         "output_dir": job.settings.output_dir,
-        **job.settings.training_settings(),
     }
 
 
 # ------------------------------------------------------------------------------- resume
-def resume_checkpoint(run: RunDir, key: dict) -> str | None:
+def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
     """Rank 0: the checkpoint to resume from (None: start afresh).
 
     Checkpoints a kill cut short are dropped; one marked complete whose files were damaged since is
-    dropped with a warning, falling back to the previous one; one written by another run shape is
-    refused (exit 2) with the fix.
+    dropped with a warning, falling back to the previous one; one written by another run (its recorded
+    identity, utils/identity.py) is refused (exit 2) with the fix.
     """
     for path in discard_incomplete_checkpoints(run):
         log.warning("removed %s: its save never completed (the job was killed while writing it)", path.name)
@@ -235,62 +234,17 @@ def resume_checkpoint(run: RunDir, key: dict) -> str | None:
         )
     if latest is None:
         return None
-    theirs = checkpoint_resume_key(latest)
-    if "zero" in theirs and theirs["zero"] != key.get("zero"):
-        was, now = ({**{"stage": None, "offload": None}, **(zero or {})} for zero in (theirs["zero"], key.get("zero")))
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{run.checkpoints / latest.name} was written under ZeRO stage {was['stage']} (offload {was['offload']}), "
-            f"this start sets stage {now['stage']} (offload {now['offload']}), whose shards it cannot load: restore that "
-            "run's DeepSpeed config (DEEPSPEED_CONFIG's file, ZERO_STAGE, ZERO_OFFLOAD), or use a new OUTPUT_DIR to start over",
-        )
-    # GLOBAL_BATCH_SIZE: one global order of the rows, so any replica count continues where the last one stopped.
-    elastic = key.get("elastic") and theirs.get("elastic")
-    if elastic and theirs.get("world_size") != key["world_size"]:
-        log.info(
-            "resuming a run checkpointed on %s replica(s) on %d: global batch %s on both",
-            theirs.get("world_size"),
-            key["world_size"],
-            key["global_batch"],
-        )
-    if (
-        theirs.get("global_batch") != key["global_batch"]
-        or theirs.get("data") != key["data"]
-        or (not elastic and theirs.get("world_size") != key["world_size"])
-    ):
-        what = []
-        if theirs.get("world_size") != key["world_size"] and not elastic:
-            what.append(f"{theirs.get('world_size')} replica(s), this start has {key['world_size']}")
-        if theirs.get("global_batch") != key["global_batch"]:
-            what.append(f"global batch {theirs.get('global_batch')}, this start {key['global_batch']}")
-        if theirs.get("data") != key["data"]:
-            what.append("other training or validation data (the files changed since)")
-        if theirs.get("world_size") == key["world_size"] or elastic:
-            fix = "restore the data and settings of that run"
-        elif theirs.get("optimizer_per_rank"):
-            fix = (
-                f"restart with {theirs.get('world_size')} replica(s): DeepSpeed partitions the optimizer state by "
-                "rank, and this job does not convert a checkpoint to another count (for elastic runs use "
-                "STRATEGY=ddp with GLOBAL_BATCH_SIZE)"
-            )
-        else:
-            fix = (
-                f"restart with {theirs.get('world_size')} replica(s) (or, for a new run, set GLOBAL_BATCH_SIZE: "
-                "then the replica count may change between restarts)"
-            )
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{run.checkpoints / latest.name} was written by a run with {'; '.join(what)}; resuming would skip or repeat rows: "
-            f"{fix}, or use a new OUTPUT_DIR to start over",
-        )
+    check_same_run(checkpoint_resume_key(latest)["identity"], identity, str(run.checkpoints / latest.name))
     return str(latest)
 
 
-def resume_point(run: RunDir, key: dict, world_size: int) -> tuple[str | None, list[dict]]:
+def resume_point(run: RunDir, identity: dict, world_size: int) -> tuple[str | None, list[dict]]:
     """Rank 0: the checkpoint to resume from (`resume_checkpoint`), and the stretches of the run so far, each a
     first step and a replica count, this start's last; they travel from checkpoint to checkpoint in its key."""
-    checkpoint = resume_checkpoint(run, key)
+    checkpoint = resume_checkpoint(run, identity)
     earlier = checkpoint_resume_key(Path(checkpoint)).get("segments", []) if checkpoint else []
+    if earlier and earlier[-1]["world_size"] != world_size:
+        log.info("resuming a run checkpointed on %d replica(s) on %d", earlier[-1]["world_size"], world_size)
     first = int(checkpoint.rsplit("-", 1)[-1]) + 1 if checkpoint else 1
     return checkpoint, [*earlier, {"first_step": first, "world_size": world_size}]
 
@@ -334,7 +288,7 @@ def tracker_run(job: Job):
         return
     import mlflow
 
-    with mlflow.start_run(run_name=job.settings.run_name):
+    with mlflow.start_run(run_name=job.plan.run_name):
         yield
 
 
@@ -407,11 +361,7 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     export_env(dist, deepspeed=job.strategy == "deepspeed")
     log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.plan.precision)
     log.info(describe_recipe(settings, job.plan))
-    log.info(
-        "settings that change the result: %s",
-        settings.model_dump(mode="json", include=training_setting_names(settings)),
-        extra=RANK_LOG_ONLY,
-    )
+    log.info("the run's identity: %s", job.plan.identity, extra=RANK_LOG_ONLY)
     if warning := micro_batch_warning(settings, job.plan.batch):
         log.warning(warning)
     # E.g. fsdp on the CPU: exit 2, never DDP.
@@ -446,25 +396,16 @@ def set_up(job: Job, group: Collectives) -> Ready:
         model = build_model(settings, job.quantize, job.device, labels)
     startup["model"] = seconds_since_start()  # the CUDA context included: the weights are moved to the GPU here
 
-    key = resume_key(job, data)
-    # The replica counts the run trained on go to metrics.json and the card.
-    checkpoint, key["segments"] = group.decide_on_main(lambda: resume_point(job.out, key, dist.world_size))
+    # What each checkpoint records: the run's identity, and the replica counts it trained on (metrics.json, the card).
+    identity = job.plan.identity
+    checkpoint, segments = group.decide_on_main(lambda: resume_point(job.out, identity, dist.world_size))
+    key = {"identity": identity, "segments": segments}
     trainer = build_trainer(job, model, tokenizer, data, key=key, group=group)
     trainer.add_callback(LogToRankLog)
     set_console(trainer, dist, splits=len(data) - 1)  # every split but train is evaluated
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
-    group.run_on_main(
-        lambda: write_run_record(
-            job.out,
-            settings,
-            global_batch=key["global_batch"],
-            plan=job.plan.as_dict(),
-            segments=key["segments"],
-            # The files trained on: a rerun of the finished run with other data is refused (check_finished_run).
-            data_files=data_files_digest(settings),
-        )
-    )
+    group.run_on_main(lambda: write_run_record(job.out, settings, job.plan, segments=segments))
     if checkpoint:
         log.info(
             "resuming from step %s (%s): the steps before it are not trained again",
@@ -483,7 +424,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
 
 def train(job: Job, group: Collectives, ready: Ready) -> Trained:
     """Training and evaluation, on every rank; the final barrier included."""
-    settings, dist, trainer, plan = job.settings, job.dist, ready.trainer, ready.plan
+    dist, trainer, plan = job.dist, ready.trainer, ready.plan
     with progress_bar_closed_on_error(trainer), tracker_run(job):
         # A stop signal now checkpoints at the next step all ranks agree on.
         with job.preemption.deferred():
@@ -506,14 +447,14 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             "learning_rate": plan.learning_rate,
             "quantization": plan.quantization,
             "precision": plan.precision,
-            "run_name": settings.run_name,
+            "run_name": plan.run_name,
             # What the model predicts, for the card, id2label.json and predict.py.
             "problem_type": "classification" if ready.labels else "regression",
             "labels": list(ready.labels),
             "data": {
                 "train_rows": ready.train_rows,
                 "validation_rows": ready.validation_rows,
-                "fingerprint": ready.key["data"]["train"],
+                "fingerprint": short_digest(job.plan.identity["data"]),  # of the data files (utils/identity.py)
             },
         }
         # The console has had the final evaluation's line (EvaluationLine).

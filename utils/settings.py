@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import hashlib
 import json
 import os
 import re
@@ -31,7 +30,7 @@ import sys
 import threading
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -617,12 +616,6 @@ class Settings(BaseSettings):
             )
         return self
 
-    @model_validator(mode="after")
-    def _derive_run_name(self) -> Settings:
-        if self.run_name is None:
-            object.__setattr__(self, "run_name", derive_run_name(self))
-        return self
-
     # ---------------------------------------------------------------- views
     def training_settings(self) -> dict[str, Any]:
         """The settings that change what is trained: a run folder holding other values is refused."""
@@ -692,14 +685,6 @@ def training_setting_names(settings: Settings) -> frozenset[str]:
         names = names - {"per_device_batch_size"}
     task_names = {"task": settings.task is not None, "problem_type": settings.problem_type != "auto"}
     return names | {name for name, counts in task_names.items() if counts}
-
-
-def derive_run_name(settings: Settings) -> str:
-    training = {name: getattr(settings, name) for name in sorted(training_setting_names(settings))}
-    digest = hashlib.sha256(json.dumps(training, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    model = Path(settings.model_name.rstrip("/")).name or "model"
-    data = Path(settings.dataset_path.rstrip("/")).name if settings.dataset_path else settings.dataset_config
-    return f"{model}-{data}-lora-r{settings.lora_r}-{digest}"
 
 
 def resolve_base_model_id(settings: Settings) -> str | None:
@@ -1083,9 +1068,13 @@ def describe_range(field: str) -> str:
 
 
 def load_settings(
-    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+    argv: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Callable[[Settings], dict[str, Any]] | None = None,
 ) -> tuple[Settings, argparse.Namespace]:
     """Resolve defaults < recipe file < env < flags and validate; bad values raise JobError with the fix.
+    `overrides`: what the launcher chooses given the user's settings (utils/deepspeed_config.deepspeed_overrides),
+    merged over them here, so the settings are read once, as they train.
 
     Returns the settings and the parsed command line (its `dry_run` and `push_only`)."""
     environ = os.environ if environ is None else environ
@@ -1105,7 +1094,11 @@ def load_settings(
         # The path the file was read from wins over every source (a flag over CONFIG_FILE): what --dry-run records.
         chosen = InitSettingsSource(Settings, init_kwargs={"config_file": path} if path else {})
         from_file = InitSettingsSource(Settings, init_kwargs=recipe)
-        settings = Settings(_build_sources=((chosen, flags, env, from_file), {}))  # the first source wins
+        sources = (chosen, flags, env, from_file)
+        settings = Settings(_build_sources=(sources, {}))  # the first source wins
+        if chosen_by_launcher := overrides(settings) if overrides else None:
+            launcher = InitSettingsSource(Settings, init_kwargs=chosen_by_launcher)
+            settings = Settings(_build_sources=((launcher, *sources), {}))
     except SettingsError as exc:
         raise JobError(EXIT_BAD_INPUT, f"{exc}; see `python main.py --help`") from None
     except ValidationError as exc:

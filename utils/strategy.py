@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from utils.deepspeed_config import check_launcher
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings
@@ -38,14 +37,8 @@ def check_strategy(
 
     `launcher` holds the training options an `accelerate launch` config exported (utils/distributed.py launcher_options).
     """
-    # An accelerate config asking for DeepSpeed has become STRATEGY=deepspeed already (deepspeed_config.adopt_launcher).
-    check_launcher(settings, launcher)
-    if launcher.get("fsdp"):
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"the accelerate config asks for FSDP (ACCELERATE_USE_FSDP=true) while STRATEGY={settings.strategy}; the job sets "
-            "FSDP up itself: launch with a MULTI_GPU config (launchers/accelerate/multi-gpu.yaml) and set STRATEGY=fsdp",
-        )
+    # An accelerate config's strategy was checked, and its DeepSpeed choices adopted, as the settings were read
+    # (utils/deepspeed_config.deepspeed_overrides); its precision waits for PRECISION to resolve.
     mixed = launcher.get("mixed_precision")
     if mixed and mixed != "no" and mixed != precision:
         raise JobError(

@@ -10,7 +10,6 @@ order of a run around it is utils/run.py's.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -28,7 +27,6 @@ import numpy as np
 import psutil  # an Accelerate dependency: the process start time, for the time-to-first-step log line
 import pyarrow
 import pyarrow.compute
-import pyarrow.ipc
 import torch
 from torch.utils.data import SequentialSampler
 from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
@@ -612,40 +610,6 @@ def evaluation_interval(job: Job) -> int:
     return max(1, steps // EVALUATIONS_PER_EPOCH)
 
 
-# ------------------------------------------------------------------------------- what a resume keeps
-def resume_key(job: Job, data) -> dict:
-    """What a resume must not change, recorded in every complete checkpoint: the Trainer fast-forwards each
-    rank's data loader by the saved step count, so another global batch or data would skip or repeat rows
-    without a word. The world size too, unless GLOBAL_BATCH_SIZE fixes one global order of the rows
-    (`elastic`): then any count that divides the global batch resumes at the same row. Not under DeepSpeed,
-    whose checkpoints hold each rank's partition of the optimizer state (`optimizer_per_rank`)."""
-    plan = job.plan.batch
-    per_rank = job.strategy == "deepspeed"
-    key = {
-        "world_size": plan.world_size,
-        "elastic": plan.fixed and not per_rank,
-        "optimizer_per_rank": per_rank,
-        "global_batch": plan.global_batch,
-        "data": {split: content_digest(data[split]) for split in sorted(data)},
-    }
-    if per_rank:  # what the checkpoint's shards are: another stage or offload cannot load them
-        key["zero"] = {"stage": job.settings.zero_stage, "offload": job.settings.zero_offload}
-    return key
-
-
-def content_digest(dataset: datasets.Dataset) -> str:
-    """A hash of the tokenized rows themselves. The datasets fingerprint of a local file follows its
-    modification time: a volume restored with the same files would look like new data."""
-    digest = hashlib.sha256()
-    # One chunk: the same rows give the same bytes however they were written.
-    table = dataset.with_format("arrow")[:].combine_chunks()
-    sink = pyarrow.BufferOutputStream()
-    with pyarrow.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    digest.update(sink.getvalue())
-    return digest.hexdigest()[:16]
-
-
 # ------------------------------------------------------------------------------- building it
 def training_arguments(job: Job, model) -> TrainingArguments:
     """The TrainingArguments the plan (completed with the step count: Job.with_rows) and the settings give."""
@@ -656,7 +620,7 @@ def training_arguments(job: Job, model) -> TrainingArguments:
     best = best_metric(settings, REGRESSION if model.config.problem_type == "regression" else CLASSIFICATION)
     options = dict(
         output_dir=str(job.out.checkpoints),
-        run_name=settings.run_name,
+        run_name=job.plan.run_name,
         per_device_train_batch_size=plan.batch.micro_batch,
         per_device_eval_batch_size=settings.per_device_eval_batch_size,
         gradient_accumulation_steps=plan.batch.accumulation,
@@ -719,7 +683,7 @@ def build_trainer(
 ) -> JobTrainer:
     """The job's Trainer over `data` ("train" and "validation"), its callbacks given what they act on.
 
-    `key`: the run's `resume_key`, when the caller has it already (it hashes every tokenized row).
+    `key`: what each complete checkpoint records (the run's identity, its segments); by default the plan's identity.
     `group`: the process group from the rendezvous; a single process may leave it out.
     """
     settings, dist, out = job.settings, job.dist, job.out
@@ -730,7 +694,7 @@ def build_trainer(
             )
         group = Collectives(dist, settings.rendezvous_timeout)
     args = training_arguments(job, model)
-    marker = CheckpointMarker(out, group, settings.save_total_limit, key or resume_key(job, data))
+    marker = CheckpointMarker(out, group, settings.save_total_limit, key or {"identity": job.plan.identity})
     startup = StepClock(args.device)
     callbacks: list[TrainerCallback] = [
         # Stops the run if the Trainer did not shard as asked.
@@ -743,7 +707,7 @@ def build_trainer(
         CheckpointFolder(out, marker),  # after StopOnPreemption, which may ask for a save
     ]
     if dist.is_main and "tensorboard" in settings.report_to:
-        callbacks.append(RecordedTensorBoard(out, out.tensorboard / settings.run_name))
+        callbacks.append(RecordedTensorBoard(out, out.tensorboard / job.plan.run_name))
     if job.cuda:
         use_tf32_matmuls()
     # Every path pads to the same length buckets: the same rows and the same padded shapes (so the same dropout
