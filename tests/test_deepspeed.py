@@ -770,9 +770,7 @@ def test_a_deepspeed_run_does_not_resume_on_another_replica_count(tmp_path, tiny
     (out / "metrics.json").unlink()
     alone = run_main(base_env(tmp_path, **settings))
     # The replica counts, and the way out that keeps the count free: DDP with GLOBAL_BATCH_SIZE.
-    assert_refusal(
-        alone, [str(out / "checkpoints" / "checkpoint-"), "2 replica(s)", "STRATEGY=ddp", "GLOBAL_BATCH_SIZE"]
-    )
+    assert_refusal(alone, [f"OUTPUT_DIR={out}", "replica count: 2 -> 1", "STRATEGY=ddp", "GLOBAL_BATCH_SIZE"])
 
 
 @pytest.mark.check
@@ -832,22 +830,22 @@ def test_a_config_with_only_a_stage_trains_records_its_stage_and_a_changed_one_i
         in (out / "logs" / "rank-0.log").read_text()
     )
     record = json.loads((out / "run.json").read_text())
-    assert (record["training_settings"]["zero_stage"], record["training_settings"]["zero_offload"]) == (1, "none")
+    assert (record["identity"]["zero_stage"], record["identity"]["zero_offload"]) == (1, "none")
     from utils.outputs import RunDir, checkpoint_resume_key
 
     checkpoint = out / "checkpoints" / f"checkpoint-{max(complete_steps(out))}"
-    key = checkpoint_resume_key(checkpoint)
-    assert key["zero"] == {"stage": 1, "offload": "none"}
+    key = checkpoint_resume_key(checkpoint)["identity"]
+    assert (key["zero_stage"], key["zero_offload"]) == (1, "none")
 
     ds_file(tmp_path, {"zero_optimization": {"stage": 3}})
     restart = run_main(base_env(tmp_path, **settings), timeout=120)
-    assert_refusal(restart, [f"OUTPUT_DIR={out}", "zero_stage: 1 -> 3"])
+    assert_refusal(restart, [f"OUTPUT_DIR={out}", "ZERO_STAGE: 1 -> 3"])
 
     from utils.errors import JobError
     from utils.run import resume_checkpoint
 
     with pytest.raises(JobError) as refused:
-        resume_checkpoint(RunDir(out), {**key, "zero": {"stage": 3, "offload": "none"}})
+        resume_checkpoint(RunDir(out), {**key, "zero_stage": 3})
     assert refused.value.code == 2
-    assert "written under ZeRO stage 1 (offload none), this start sets stage 3" in refused.value.message
+    assert "ZERO_STAGE: 1 -> 3" in refused.value.message and "DEEPSPEED_CONFIG" in refused.value.message
     assert resume_checkpoint(RunDir(out), key) == str(checkpoint)  # the same stage resumes

@@ -258,11 +258,11 @@ def test_a_two_replica_run_continues_on_another_count(
         {"steps": [resumed_at + 1, STEPS], "world_size": new_world},
     ]
     record = json.loads((out / "run.json").read_text())
-    assert record["global_batch"] == GLOBAL_BATCH and [s["world_size"] for s in record["segments"]] == [2, new_world]
-    assert (
-        record["settings"]["per_device_batch_size"] == cap
-        and "per_device_batch_size" not in record["training_settings"]
-    )
+    assert record["plan"]["batch"]["global_batch"] == GLOBAL_BATCH
+    assert [s["world_size"] for s in record["segments"]] == [2, new_world]
+    # Under GLOBAL_BATCH_SIZE the replica count and the micro-batch cap are not the run's: one identity on any count.
+    assert record["settings"]["per_device_batch_size"] == cap and record["identity"]["world_size"] is None
+    assert "per_device_batch_size" not in record["identity"]
     card = (out / "model" / "README.md").read_text()
     assert f"steps 1-{resumed_at} on 2, {resumed_at + 1}-{STEPS} on {new_world}" in card
 
@@ -313,11 +313,10 @@ def test_a_restart_on_another_count_without_a_global_batch_names_the_count(tmp_p
     assert again.code == 2, again.stderr
     [line] = error_lines(again.stderr)
     assert line.startswith(
-        f"error: OUTPUT_DIR={out}: its run was trained on 1 replica(s) at global batch {MICRO} and this start has 2 "
-        f"(global batch {2 * MICRO}"
+        f"error: OUTPUT_DIR={out} holds another run (global batch: {MICRO} -> {2 * MICRO}; replica count: 1 -> 2); "
     ), line
     assert (
-        "learning_rate" in line and "restart with 1 replica(s) to resume" in line and "set GLOBAL_BATCH_SIZE" in line
+        "learning rate" in line and "restart with 1 replica(s) to resume" in line and "set GLOBAL_BATCH_SIZE" in line
     )
 
 

@@ -356,7 +356,7 @@ def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or
     procs = replicas.start("two", settings)
     assert wait_all(procs, timeout=200) == [2, 2]
     for rank in (0, 1):
-        names = [str(out / "checkpoints" / "checkpoint-"), "1 replica(s)", "global batch 16", "GLOBAL_BATCH_SIZE"]
+        names = [f"OUTPUT_DIR={out}", "1 replica(s)", "global batch: 16 -> 32", "GLOBAL_BATCH_SIZE"]
         assert_refusal((tmp_path / f"two-rank{rank}.txt").read_text(), names)
 
     # The data changed between kill and restart: refused; the same rows copied again (new mtime): resumed.
@@ -367,7 +367,7 @@ def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or
         changed = run_main(env)
     finally:
         (data / "train.csv").write_text(original)
-    assert_refusal(changed, [str(out / "checkpoints" / "checkpoint-"), "training or validation data"])
+    assert_refusal(changed, [f"OUTPUT_DIR={out}", "data files: train.csv added, removed or edited"])
 
     # The checkpoints after the SIGINT one damaged after they were marked complete: the SIGINT one is used,
     # with a warning for each.

@@ -169,9 +169,7 @@ def test_mnli_shaped_pairs_learn_three_classes_on_both_validation_splits(mnli_ru
     # The task's metric (MNLI: matched accuracy) tracked over the evaluations this checkpoint had seen.
     assert len(evaluated) >= 2 and state["best_metric"] == max(evaluated), (state["best_metric"], evaluated)
     run = json.loads((tmp / "out" / "run.json").read_text())
-    assert (
-        run["training_settings"]["task"] == "mnli" and run["training_settings"]["text_column"] == "premise,hypothesis"
-    )
+    assert run["identity"]["task"] == "mnli" and run["identity"]["text_column"] == "premise,hypothesis"
 
 
 def test_stsb_shaped_scores_train_a_regression(stsb_run):

@@ -117,3 +117,19 @@ def check_same_run(theirs: dict, ours: dict, where: str, ignore: frozenset[str] 
         EXIT_BAD_INPUT,
         f"{where} holds another run ({'; '.join(changes)}); {fix}, or use a new OUTPUT_DIR to start over",
     )
+
+
+def agreement_refusal(rank0: dict, others: dict[int, dict]) -> str | None:
+    """The ranks' agreement (utils/run.agreement: the identity, the replica count, the run name and folder)
+    compared with rank 0's at the rendezvous: None, or the refusal naming each difference and the fix."""
+    differ = [
+        f"rank {rank}: {', '.join(changes)}"
+        for rank, theirs in sorted(others.items())
+        if (changes := identity_changes(rank0, theirs))
+    ]
+    if not differ:
+        return None
+    return (
+        f"the replicas were started with other settings than rank 0 ({'; '.join(differ)}); give every replica the "
+        "same settings (one config_map / ConfigMap for all) and start them again"
+    )

@@ -52,7 +52,7 @@ from utils.outputs import (
 from utils.plan import Plan, micro_batch_warning
 from utils.recipe import describe_recipe
 from utils.run_lock import RunLock
-from utils.settings import check_tracker_uri
+from utils.settings import Settings, check_tracker_uri
 from utils.strategy import check_strategy, full_state_dict
 from utils.tasks import headline
 from utils.trainer import (
@@ -208,13 +208,13 @@ def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
 
 
 def agreement(job: Job) -> dict:
-    """What every rank of one job must share, compared at the rendezvous: the run's identity, where it writes."""
-    return {
-        **job.plan.identity,
-        "world_size": job.dist.world_size,  # elastic runs too: one job, one count
-        "run_name": job.plan.run_name,
-        "output_dir": job.settings.output_dir,
-    }
+    return agreement_of(job.settings, job.plan, job.dist.world_size)
+
+
+def agreement_of(settings: Settings, plan: Plan, world_size: int) -> dict:
+    """What every rank of one start must share, compared at the rendezvous (identity.agreement_refusal): the run's
+    identity, its replica count (elastic runs too: one start, one count), its name and folder."""
+    return {**plan.identity, "world_size": world_size, "run_name": plan.run_name, "output_dir": settings.output_dir}
 
 
 # ------------------------------------------------------------------------------- resume
