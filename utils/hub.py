@@ -33,8 +33,8 @@ from pydantic import SecretStr
 from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
 
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
-from utils.model_card import PLOT_NAME, plot_training_curves, write_label_names, write_model_card
-from utils.outputs import RunDir, replace_dir, write_run_record
+from utils.model_card import PLOT_NAME, plot_training_curves, published_base, write_label_names, write_model_card
+from utils.outputs import RunDir, replace_dir, update_run_record
 from utils.settings import Settings, resolve_base_model_id
 
 if TYPE_CHECKING:
@@ -308,7 +308,7 @@ def save_merged(run: RunDir, settings: Settings) -> None:
 PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what was pushed where
 
 
-def files_to_push(run: RunDir, settings: Settings, merged: bool) -> dict[str, Path]:
+def files_to_push(run: RunDir, metrics: dict, merged: bool) -> dict[str, Path]:
     """What a push sends, path in the repo -> file on the volume: the model folder's files as the job wrote
     them (adapter or merged weights, tokenizer, card, plot), metrics.json, the masked run.json, and the
     TensorBoard event files of this run under runs/ (what the Hub reads for its training-metrics tab). The
@@ -320,23 +320,23 @@ def files_to_push(run: RunDir, settings: Settings, merged: bool) -> dict[str, Pa
         recorded = [folder / name for name in run.files_in(folder)]
     files = {str(path.relative_to(folder)): path for path in recorded}
     files |= {"metrics.json": run.metrics, "run.json": run.run_record}
-    events = run.tensorboard / settings.run_name
+    events = run.tensorboard / metrics["run_name"]
     files |= {
-        f"runs/{settings.run_name}/{path.relative_to(events)}": path
+        f"runs/{metrics['run_name']}/{path.relative_to(events)}": path
         for path in run.written("tensorboard") or []
         if path.parent == events
     }
     return files
 
 
-def adapter_config_for_hub(run: RunDir, settings: Settings) -> dict[Path, bytes]:
+def adapter_config_for_hub(run: RunDir, settings: Settings, metrics: dict) -> dict[Path, bytes]:
     """model/adapter_config.json as pushed, when it must differ from the volume's copy: trained from a local
     folder, the adapter names that folder as its base, which loads on the cluster (predict.py on model/) but
     nowhere else. The pushed copy names the Hub id the card names (BASE_MODEL_ID, or the id MODEL_NAME's
     folder records), so what the Hub serves loads off the cluster; the volume's copy is kept."""
     path = run.model / "adapter_config.json"
     config = run.read_json(path) or {}
-    base = resolve_base_model_id(settings)
+    base = published_base(settings, metrics)
     if not base or config.get("base_model_name_or_path") in (None, base):
         return {}
     log.info(
@@ -362,21 +362,21 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
         if not repo_id or already_pushed(run, repo_id, merged):
             continue
         folder = run.merged if merged else run.model
-        files = files_to_push(run, settings, merged)
+        files = files_to_push(run, metrics, merged)
         # Each file must still be the job's own: one planted since it was written (a link, or a hard link to
         # a file elsewhere) is refused before the card is written or anything is sent.
         for path in files.values():
             run.check_owned(path)
         # The card again, now naming the repo it is pushed to (after --push-only too).
         card = write_model_card(folder, settings, metrics, repo_id, merged=merged)
-        sent = {} if merged else adapter_config_for_hub(run, settings)
+        sent = {} if merged else adapter_config_for_hub(run, settings, metrics)
         log.info("pushing %s to %s", folder, repo_id)
         try:
             url = hub.push_files(
                 files,
                 repo_id,
                 settings.hub_private,
-                f"Upload {settings.run_name}",
+                f"Upload {metrics['run_name']}",
                 card=card,
                 # Read through descriptors opened without following a link: what was checked is what is sent.
                 open_file=lambda path, sent=sent: io.BytesIO(sent[path]) if path in sent else run.open(path, "rb"),
@@ -391,6 +391,6 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
             )
             code = EXIT_PUSH_FAILED
             continue
-        write_run_record(run, settings, **{PUSH_RECORD[merged]: {"repo_id": repo_id, "commit": url}})
+        update_run_record(run, **{PUSH_RECORD[merged]: {"repo_id": repo_id, "commit": url}})
         log.info("pushed to %s", url)
     return code

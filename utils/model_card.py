@@ -55,6 +55,12 @@ prints one JSON line per {{ row }}.
 """
 
 
+def published_base(settings: Settings, metrics: dict) -> str | None:
+    """The Hub id the base goes by: the one the run trained from (metrics.json), else BASE_MODEL_ID or the id
+    MODEL_NAME's folder records now (a run trained from a plain folder is published once the id is given)."""
+    return metrics.get("base_model_id") or resolve_base_model_id(settings)
+
+
 def run_labels(settings: Settings, metrics: dict | None = None) -> list[str]:
     """The class names in id order the run trained with (metrics.json records what the data resolved to), `[]`
     for regression; LABEL_NAMES for a run recorded before the labels were."""
@@ -208,7 +214,7 @@ def build_model_card(
 
     `repo_id`: where it is pushed (None: the card names the folder on the volume). `targets`: the adapted layers.
     """
-    base_id = resolve_base_model_id(settings)
+    base_id = published_base(settings, metrics)
     hub_data = not settings.dataset_path
     dataset_type = settings.dataset_name if hub_data else "local"
     card_data = ModelCardData(
@@ -222,7 +228,7 @@ def build_model_card(
             *([] if merged else ["peft"]),
         ],
         datasets=[settings.dataset_name] if hub_data else None,
-        model_name=settings.run_name,
+        model_name=metrics.get("run_name"),
         eval_results=[
             EvalResult(
                 task_type="text-classification",
@@ -253,13 +259,13 @@ def build_model_card(
         "max sequence length": settings.max_seq_length,
         "seed": settings.seed,
         "train runtime": f"{metrics['train_runtime']:.0f} s" if "train_runtime" in metrics else "?",
-        "run name": settings.run_name,
+        "run name": metrics.get("run_name"),
     }
     repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
     card = ModelCard.from_template(
         card_data,
         template_str=CARD_TEMPLATE,
-        model_name=settings.run_name,
+        model_name=metrics.get("run_name"),
         what=what,
         task=task_summary(settings, metrics),
         data_source=data_source(settings, metrics),

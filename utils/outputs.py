@@ -44,7 +44,7 @@ from typing import IO
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_error, volume_state
 from utils.identity import check_same_run, sha256_file
 from utils.plan import Plan
-from utils.settings import REPO_ID_PATTERN, Settings, resolve_base_model_id
+from utils.settings import REPO_ID_PATTERN, Settings
 
 log = logging.getLogger(__name__)
 
@@ -447,39 +447,12 @@ def recorded_label_names(run: RunDir) -> tuple[str, str] | None:
     return tuple(name for _, name in sorted((int(index), name) for index, name in names.items()))
 
 
-def recorded_base(run: RunDir) -> str | None:
-    """What model/adapter_config.json names as the base: a Hub id, or the local folder it was trained from."""
-    return (run.read_json(run.model / "adapter_config.json") or {}).get("base_model_name_or_path")
-
-
 def recorded_hub_base(run: RunDir) -> str | None:
-    """The base's Hub id when the adapter records one (None: it records a local folder, or nothing)."""
-    base = recorded_base(run)
+    """The base's Hub id when model/adapter_config.json records one (None: it records a local folder, or nothing)."""
+    base = (run.read_json(run.model / "adapter_config.json") or {}).get("base_model_name_or_path")
     if not base or not REPO_ID_PATTERN.match(base) or Path(base).expanduser().exists():
         return None
     return base
-
-
-def published_settings(run: RunDir, settings: Settings) -> Settings:
-    """The settings a finished run's card, merged/ and push are written with: the label names, the base's Hub id
-    and the run name as the run recorded them (`check_finished_run` has refused a setting that contradicts them).
-    A base the adapter records as a local folder goes by BASE_MODEL_ID (or MODEL_NAME's recorded Hub id) now."""
-    update = {}
-    labels = recorded_label_names(run)
-    if labels and labels != tuple(settings.label_names):
-        update["label_names"] = labels
-    base = recorded_hub_base(run) or resolve_base_model_id(settings)
-    if base != settings.base_model_id:
-        update["base_model_id"] = base
-    trained_name = (run.read_json(run.metrics) or {}).get("run_name")
-    if trained_name and trained_name != settings.run_name:
-        log.warning(
-            "RUN_NAME=%s ignored: the finished run is published as %s, its recorded name",
-            settings.run_name,
-            trained_name,
-        )
-        update["run_name"] = trained_name
-    return settings.model_copy(update=update) if update else settings
 
 
 def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> RunDir:
@@ -504,22 +477,19 @@ def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Run
 
 def write_run_record(run: RunDir, settings: Settings, plan: Plan, **extra) -> None:
     """run.json: the settings as given, the plan (completed), the run's identity, the package versions."""
-    record = run.read_json(run.run_record) or {}
     versions = {}
     for name in PACKAGES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    record.update(
-        run_name=plan.run_name,
-        settings=settings.as_dict(),
-        plan=plan.as_dict(),
-        identity=plan.identity,
-        versions=versions,
-    )
-    record.update(extra)
-    run.write_json(run.run_record, record)
+    settings_and_plan = dict(settings=settings.as_dict(), plan=plan.as_dict(), identity=plan.identity)
+    update_run_record(run, run_name=plan.run_name, **settings_and_plan, versions=versions, **extra)
+
+
+def update_run_record(run: RunDir, **fields) -> None:
+    """run.json with `fields` set (the push's repo and commit, after training)."""
+    run.write_json(run.run_record, {**(run.read_json(run.run_record) or {}), **fields})
 
 
 def mark_checkpoint_complete(run: RunDir, checkpoint: Path, resume_key: dict) -> None:

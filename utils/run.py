@@ -45,14 +45,13 @@ from utils.outputs import (
     checkpoint_resume_key,
     discard_incomplete_checkpoints,
     latest_complete_checkpoint,
-    published_settings,
     usable_checkpoints,
     write_run_record,
 )
 from utils.plan import Plan, micro_batch_warning
 from utils.recipe import describe_recipe
 from utils.run_lock import RunLock
-from utils.settings import Settings, check_tracker_uri
+from utils.settings import Settings, check_tracker_uri, resolve_base_model_id
 from utils.strategy import check_strategy, full_state_dict
 from utils.tasks import headline
 from utils.trainer import (
@@ -424,7 +423,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
 
 def train(job: Job, group: Collectives, ready: Ready) -> Trained:
     """Training and evaluation, on every rank; the final barrier included."""
-    dist, trainer, plan = job.dist, ready.trainer, ready.plan
+    settings, dist, trainer, plan = job.settings, job.dist, ready.trainer, ready.plan
     with progress_bar_closed_on_error(trainer), tracker_run(job):
         # A stop signal now checkpoints at the next step all ranks agree on.
         with job.preemption.deferred():
@@ -448,6 +447,7 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             "quantization": plan.quantization,
             "precision": plan.precision,
             "run_name": plan.run_name,
+            "base_model_id": resolve_base_model_id(settings),  # the Hub id the card and the pushed adapter name
             # What the model predicts, for the card, id2label.json and predict.py.
             "problem_type": "classification" if ready.labels else "regression",
             "labels": list(ready.labels),
@@ -550,8 +550,7 @@ def publish_finished(job: Job) -> int:
     """A restart that finds model/ saved: rank 0 finishes what was left (the merge, the push), the others are done."""
     if not job.dist.is_main:
         return EXIT_OK
-    # Label names, base and run name as the run recorded them, whatever this start's settings say.
-    settings = published_settings(job.out, job.settings)
+    settings = job.settings  # what is published follows the run's own records (metrics.json): its labels, base, name
     # Stopped between saving and merging.
     if settings.merge_adapter and not job.out.merged.is_dir():
         save_merged(job.out, settings)
@@ -573,8 +572,6 @@ def publish_only(job: Job) -> int:
         raise JobError(
             EXIT_BAD_INPUT, f"{out.model} holds no finished model; run the training first (without --push-only)"
         )
-    # What is published follows what was trained: label names, base and run name from the run's own records.
-    settings = published_settings(out, settings)
     if settings.merge_adapter and not out.merged.is_dir():
         save_merged(out, settings)
     hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
