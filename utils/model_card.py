@@ -249,7 +249,7 @@ def build_model_card(
     training = {
         "base model": base_id or settings.model_name,
         "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(targets or settings.lora_target_modules)}",
-        "recipe": recipe_summary(settings),
+        "recipe": recipe_summary(settings, metrics.get("loraplus_ratio")),
         "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
         "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
         "global batch": metrics.get("global_batch", "?"),

@@ -52,15 +52,15 @@ def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
 def describe_recipe(settings: Settings, plan: Plan) -> str:
     """One log line: the rate used, where it came from, and the options around the adapter (recipe_summary)."""
     batch, source = plan.batch.global_batch, plan.learning_rate_source
-    return f"learning rate {plan.learning_rate:g} at global batch {batch} ({source}); {recipe_summary(settings)}"
+    return f"learning rate {plan.learning_rate:g} at global batch {batch} ({source}); {recipe_summary(settings, plan.loraplus_ratio)}"
 
 
-def recipe_summary(settings: Settings) -> str:
+def recipe_summary(settings: Settings, loraplus_ratio: float | None) -> str:
     """The options around the adapter that shaped the model, for its card and the rank log: what it takes to train it
-    again. `settings` as main.configure resolved them (the plan's LoRA+ ratio, not the rule)."""
+    again. `loraplus_ratio`: the plan's, not the rule."""
     parts = [f"warm-up {settings.warmup_ratio:g} of the steps"]
-    if settings.loraplus_lr_ratio not in (None, 1):
-        parts.append(f"LoRA+ (B at x{settings.loraplus_lr_ratio:g} the rate)")
+    if loraplus_ratio not in (None, 1):
+        parts.append(f"LoRA+ (B at x{loraplus_ratio:g} the rate)")
     if settings.head_learning_rate_ratio != 1:
         parts.append(f"head at x{settings.head_learning_rate_ratio:g} the rate")
     if settings.train_pooler:

@@ -444,6 +444,7 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             "global_batch": plan.batch.global_batch,
             "segments": close_segments(ready.key["segments"], trainer.state.global_step),
             "learning_rate": plan.learning_rate,
+            "loraplus_ratio": plan.loraplus_ratio,
             "quantization": plan.quantization,
             "precision": plan.precision,
             "run_name": plan.run_name,
