@@ -468,7 +468,7 @@ def test_the_sst2_recipe_is_the_defaults(tmp_path):
         ("lora_r: 100000\n", "lora_r: 100000 in CONFIG_FILE="),
         (b"lora_r: \xe9\n", "is not a text file (not UTF-8)"),
         (None, "does not exist; point --config or CONFIG_FILE at a YAML file"),
-        ("folder", "cannot be read (Is a directory)"),
+        ("folder", "is not a regular file (a directory)"),
         ("fifo", "is not a regular file"),  # at once: a named pipe is never read
     ],
     ids=[
