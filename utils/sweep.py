@@ -55,6 +55,7 @@ HUB_DESTINATIONS = ("RESULT_MODEL_ID", "RESULT_MERGED_MODEL_ID")
 # YAML 1.1 reads 1e-3 as a string (it wants 1.0e-3); a sweep means the number. Only that form: a quoted "001"
 # stays the text it is.
 EXPONENT_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # as launchers/slurm/render_sbatch.py
 SWEEP_RECORD = "sweep.json"  # in output_dir: the sweep's identity, and its claim on the folder
 # The sweep owns these: every trial gets its own folder, and pushes only when the spec says so.
 OWNED = {
@@ -160,6 +161,28 @@ Space = Annotated[
 UNION_TAGS = {"[key]", "list", "range", "int", "float"}
 
 
+class SlurmOptions(BaseModel):
+    """The `slurm:` block: the resources of each array task (one trial)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    time: str = "02:00:00"
+    partition: str | None = None  # None: the cluster's default partition
+    gpus: int = Field(1, ge=0)  # per trial; 0: the CPU
+    cpus_per_task: int = Field(4, ge=1)
+    venv: str | None = None  # None: the repo's .venv
+    log_dir: str | None = None  # None: output_dir/slurm
+    signal_lead: int = Field(180, ge=1)  # seconds of SIGTERM before the time limit: the trial checkpoints
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time_limit(cls, time):
+        if isinstance(time, int):  # YAML 1.1 reads an unquoted 1:30:00 as 5400, which Slurm takes as minutes
+            raise ValueError(f'time={time} is a number to YAML; quote the limit, e.g. time: "1:30:00"')
+        if isinstance(time, str) and not TIME_LIMIT.match(time):
+            raise ValueError(f"time={time} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
+        return time
+
+
 @dataclass(frozen=True)
 class Trial:
     index: int
@@ -203,7 +226,10 @@ class Spec:
     push: str | bool | None = Field(
         False, description="write push: OWNER/NAME (trial-003 pushes to OWNER/NAME-trial-003) or push: false"
     )
-    slurm: dict = Field(default_factory=dict, description="slurm: is a mapping of the array's options")
+    slurm: SlurmOptions = Field(
+        default_factory=SlurmOptions,
+        description=f"slurm: takes {', '.join(SlurmOptions.model_fields)} (gpus per trial; gpus: 0 for the CPU)",
+    )
     katib: dict = Field(default_factory=dict, description="katib: takes no keys")
     path: Path = Field(Path("SPEC.yaml"), init=False)
     metric_key: str = Field("eval_accuracy", init=False)  # where metrics.json holds `metric` (check_trials)
@@ -462,9 +488,10 @@ def describe(trial: Trial) -> str:
     return " ".join(f"{env_name(k)}={setting_value(v)}" for k, v in trial.params.items())
 
 
-def metric_value(metrics: dict, key: str) -> float | None:
-    """The sweep's metric from a trial's metrics.json (`key` as `spec.metric_key` names it), if it is a number."""
-    value = metrics.get(key)
+def trial_metric(spec: Spec, folder: Path) -> float | None:
+    """The sweep's metric from the metrics.json in a trial's folder (as `spec.metric_key` names it), if it is a number."""
+    path = folder / "metrics.json"
+    value = json.loads(path.read_text()).get(spec.metric_key) if path.exists() else None
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
