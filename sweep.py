@@ -78,7 +78,7 @@ def sweep(args: argparse.Namespace) -> int:
     if spec.backend == "slurm" and args.run_trial is None and not args.summarize:
         from utils.sweep_slurm import render_array
 
-        script = render_array(spec, len(trials))  # its options refused before the folder is claimed
+        script = render_array(spec, len(trials))
 
     open_sweep_dir(spec, identity)  # the trials' folders, records and summary go there
     if args.run_trial is not None:

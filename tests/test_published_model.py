@@ -144,10 +144,11 @@ def test_metrics_and_evaluation_during_training_reach_metrics_json_and_tensorboa
 def test_the_rank_log_holds_the_settings_each_logged_loss_the_evaluation_and_the_outcome(finished_run):
     out = finished_run.out
     log = (out / "logs" / "rank-0.log").read_text()
-    settings = json.loads((out / "run.json").read_text())["settings"]
-    [shown] = re.findall(r" utils\.run: settings that change the result: (\{.*\})$", log, re.M)
+    record = json.loads((out / "run.json").read_text())
+    [shown] = re.findall(r" utils\.run: the run's identity: (\{.*\})$", log, re.M)
     shown = ast.literal_eval(shown)
-    assert shown == {name: settings[name] for name in shown} and {"model_name", "lora_r", "seed"} <= set(shown)
+    assert shown == record["identity"] and {"model_name", "lora_r", "seed", "global_batch", "data"} <= set(shown)
+    assert all(shown[name] == record["settings"][name] for name in ("model_name", "lora_r", "seed"))
     logged = [
         (int(step), ast.literal_eval(values))
         for step, values in re.findall(r" utils\.run: step (\d+): (\{.*\})$", log, re.M)

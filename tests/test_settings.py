@@ -267,12 +267,13 @@ def test_four_platform_replicas_resolve_to_ranks_0_to_3(tmp_path):
 
 
 @pytest.mark.check
-def test_settings_doc_documents_every_setting():
-    from tests.conftest import REPO
+def test_settings_doc_table_is_the_one_written_from_the_descriptions():
+    from scripts.settings_doc import DOC, settings_table, with_table
 
-    table = (REPO / "docs" / "settings.md").read_text()
-    missing = [env_name(field) for field in FIELDS if f"`{env_name(field)}" not in table]
-    assert not missing, f"docs/settings.md's settings table lacks {missing}"
+    doc = DOC.read_text()
+    assert with_table(doc) == doc, "docs/settings.md's settings table is stale: run python scripts/settings_doc.py"
+    missing = [env_name(field) for field in FIELDS if f"| `{env_name(field)}` |" not in settings_table()]
+    assert not missing, f"the settings table lacks {missing}"
 
 
 @pytest.mark.check
@@ -470,7 +471,7 @@ def test_the_sst2_recipe_is_the_defaults(tmp_path):
         ("lora_r: 100000\n", "lora_r: 100000 in CONFIG_FILE="),
         (b"lora_r: \xe9\n", "is not a text file (not UTF-8)"),
         (None, "does not exist; point --config or CONFIG_FILE at a YAML file"),
-        ("folder", "cannot be read (Is a directory)"),
+        ("folder", "is not a regular file (a directory)"),
         ("fifo", "is not a regular file"),  # at once: a named pipe is never read
     ],
     ids=[
@@ -557,6 +558,8 @@ def test_the_shipped_config_maps_start_without_a_token_and_warn_about_nothing(tm
     platform = yaml.safe_load((REPO / "config.yaml").read_text())["config_map"]
     kubernetes = yaml.safe_load((REPO / "k8s" / "base" / "configmap.yaml").read_text())["data"]
     for config_map in (platform, kubernetes):
+        # every key a setting (or the one thread count torch reads): a misspelled one would be ignored in silence
+        assert set(config_map) - {env_name(field) for field in FIELDS} <= {"OMP_NUM_THREADS"}, sorted(config_map)
         config = dry_run(tmp_path, **{**config_map, "OUTPUT_DIR": str(tmp_path / "out")})["config"]
         assert config["result_model_id"] is None and config["hf_token"] is None
         assert "warning: " not in capsys.readouterr().err

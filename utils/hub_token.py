@@ -68,16 +68,17 @@ def read_token() -> SecretStr | None:
     if not token and path:
         source = f"the file HF_TOKEN_PATH={path}"
         try:
-            token = _read_token_file(Path(path).expanduser()).decode("utf-8").strip()
+            token = read_small_text(path, MAX_TOKEN_FILE_BYTES).strip()
         except OSError as exc:
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"HF_TOKEN_PATH={path} cannot be read ({exc.strerror}); mount the token file there or set HF_TOKEN",
             ) from None
-        except UnicodeDecodeError:
+        except UnfitFile as exc:
             raise JobError(
                 EXIT_BAD_INPUT,
-                f"HF_TOKEN_PATH={path} is not a text file (not UTF-8); it must hold the token alone, on one line",
+                f"HF_TOKEN_PATH={path} {exc}; it must name a regular file holding the Hub token alone, on one line "
+                "(a mounted Secret's key is one): point HF_TOKEN_PATH at that file or set HF_TOKEN",
             ) from None
     if not token:
         return None
@@ -94,33 +95,28 @@ def read_token() -> SecretStr | None:
     return SecretStr(token)
 
 
-def _read_token_file(path: Path) -> bytes:
-    """The token file's bytes. Opened without blocking and refused unless it is a regular file: a FIFO would
-    block the job for ever waiting for a writer, a device like /dev/zero would never end."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+class UnfitFile(ValueError):
+    """A path that names no small text file; the message says what it is instead."""
+
+
+def read_small_text(path: str | Path, limit: int) -> str:
+    """The text of a regular file of at most `limit` bytes (the token file, a recipe, a sweep spec). Opened without
+    blocking and refused unless regular: a FIFO would wait for a writer for ever, /dev/zero never end. Raises
+    OSError as the system says it (missing, unreadable), UnfitFile for anything else."""
+    fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device"
+        raise UnfitFile(f"is not a regular file ({kind})")
     with os.fdopen(fd, "rb") as handle:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = (
-                "a FIFO (named pipe)"
-                if stat.S_ISFIFO(mode)
-                else "a directory"
-                if stat.S_ISDIR(mode)
-                else "not a regular file"
-            )
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"HF_TOKEN_PATH={path} is {kind}; it must name a regular file holding the Hub token "
-                "(a mounted Secret's key is one): point HF_TOKEN_PATH at that file or set HF_TOKEN",
-            )
-        data = handle.read(MAX_TOKEN_FILE_BYTES + 1)
-    if len(data) > MAX_TOKEN_FILE_BYTES:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"HF_TOKEN_PATH={path} holds more than {MAX_TOKEN_FILE_BYTES} bytes, not one token; "
-            "it must hold the Hub token alone, on one line: point HF_TOKEN_PATH at the token file",
-        )
-    return data
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise UnfitFile(f"holds more than {limit} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UnfitFile("is not a text file (not UTF-8)") from None
 
 
 def token_forms(token: str) -> list[str]:

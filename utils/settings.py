@@ -25,7 +25,6 @@ import json
 import os
 import re
 import socket
-import stat
 import sys
 import threading
 import urllib.parse
@@ -45,10 +44,11 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
+    YamlConfigSettingsSource,
 )
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.hub_token import mask_urls, read_token, refuse_token_in_settings
+from utils.hub_token import UnfitFile, mask_urls, read_small_text, read_token, refuse_token_in_settings
 from utils.tasks import GLUE, GLUE_DATASETS, GLUE_UNTRAINABLE
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
@@ -894,76 +894,65 @@ RECIPE_MAX_BYTES = 1 << 20  # a recipe is a page of settings; more is the wrong 
 SECRET_SETTINGS = ("hf_token", "hf_token_path")
 
 
-def read_recipe(path: str) -> dict[str, Any]:
-    """The settings a recipe file (`--config`, CONFIG_FILE) holds, by field name. A file is the user's own, so
-    anything in it that is not a setting is refused (exit 2, with the closest name), unlike the environment."""
+class _Recipe(YamlConfigSettingsSource):
+    """A recipe (`--config`, CONFIG_FILE): pydantic-settings' YAML source, minus what it lets pass. It skips a file
+    that is missing or not regular and keeps the last of a key given twice; a recipe is the user's own, so each is
+    refused with the fix instead, and it is read without blocking and bounded (a FIFO, /dev/zero). A name that is no
+    setting is the model's refusal (extra="forbid"); load_settings names the closest setting."""
 
-    shown = path if len(path) <= 200 else f"{path[:200]}..."
+    def __init__(self, path: str | None):
+        super().__init__(Settings, yaml_file=path)
 
-    def refused(why: str) -> JobError:
-        return JobError(EXIT_BAD_INPUT, f"CONFIG_FILE={shown} {why}")
+    @staticmethod
+    def _existing_files(files) -> list[Path]:
+        # A path past PATH_MAX is not opened: CONFIG_FILE's max_length refuses it, naming the flag and variable.
+        return [Path(files)] if files and len(files) <= PATH_MAX else []
 
-    if len(path) > PATH_MAX:
-        raise refused(f"is invalid: a path has at most {PATH_MAX} characters; fix CONFIG_FILE or --config-file")
-    import yaml  # only when a recipe is given
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
+        import yaml  # only when a recipe is given
 
-    try:
-        # Non-blocking and regular files only: a FIFO would wait for a writer for ever.
-        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as handle:
-            if not _is_regular(fd):
-                raise refused("is not a regular file; point --config or CONFIG_FILE at a YAML file of settings")
-            raw = handle.read(RECIPE_MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise refused(
-            "does not exist; point --config or CONFIG_FILE at a YAML file of settings (e.g. recipes/sst2.yaml)"
-        ) from None
-    except OSError as exc:
-        raise refused(
-            f"cannot be read ({exc.strerror}); make it readable, or point --config at another file"
-        ) from None
-    if len(raw) > RECIPE_MAX_BYTES:
-        raise refused(
-            f"holds more than {RECIPE_MAX_BYTES} bytes, not a recipe; point --config at a YAML file of settings"
-        )
-    try:
-        values = yaml.load(raw.decode("utf-8"), Loader=_unique_key_loader(yaml))  # a SafeLoader: runs no code
-    except _KeyTwice as exc:
-        raise refused(f"sets {exc.args[0]} twice (lines {exc.args[1]} and {exc.args[2]}); keep one") from None
-    except UnicodeDecodeError:
-        raise refused("is not a text file (not UTF-8); a recipe is YAML, one `name: value` a line") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or type(exc).__name__
-        raise refused(f"is not valid YAML{where} ({problem}); write one `name: value` a line") from None
-    if values is None:  # empty, or comments only
-        return {}
-    if not isinstance(values, dict):
-        raise refused(
-            f"holds a YAML {type(values).__name__}, not a mapping of settings; write one `name: value` a line"
-        )
-    recipe: dict[str, Any] = {}
-    for key, value in values.items():
-        name = key.lower() if isinstance(key, str) and key.isupper() else key  # LORA_R as the environment writes it
-        if name in SECRET_SETTINGS:
-            raise refused(
-                f"holds {key}: a secret does not belong in a recipe (it ends up in job specs and repositories); "
-                "remove it and set HF_TOKEN, or HF_TOKEN_PATH to a mounted file holding the token"
-            )
-        if name == "config_file":
-            raise refused(f"names another recipe ({key}); put the settings in this file instead")
-        if not isinstance(name, str) or name not in FIELDS:
-            close = difflib.get_close_matches(str(name).lower(), list(FIELDS), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise refused(
-                f"holds {key!s}, which is not a setting{hint}; fix the name, or remove it (`python main.py --help` "
-                "lists the settings)"
-            )
-        if name in recipe:
-            raise refused(f"sets {name} twice ({key} and {name}); keep one")
-        recipe[name] = value
-    return recipe
+        def refused(why: str) -> JobError:
+            return JobError(EXIT_BAD_INPUT, f"CONFIG_FILE={self.yaml_file_path} {why}")
+
+        fix = "point --config or CONFIG_FILE at a YAML file of settings"
+        try:
+            values = yaml.load(read_small_text(file_path, RECIPE_MAX_BYTES), Loader=_unique_key_loader(yaml))
+        except FileNotFoundError:
+            raise refused(f"does not exist; {fix} (e.g. recipes/sst2.yaml)") from None
+        except OSError as exc:
+            raise refused(f"cannot be read ({exc.strerror}); make it readable, or {fix}") from None
+        except UnfitFile as exc:
+            raise refused(f"{exc}; {fix}") from None
+        except _KeyTwice as exc:
+            raise refused(f"sets {exc.args[0]} twice (lines {exc.args[1]} and {exc.args[2]}); keep one") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise refused(f"is not valid YAML{where} ({problem}); write one `name: value` a line") from None
+        if not isinstance(values, dict | None):
+            raise refused(f"holds a YAML {type(values).__name__}, not a mapping of settings; {fix}")
+        for key in values or {}:
+            if not isinstance(key, str):  # the source matches names as text
+                raise _not_a_setting(self.yaml_file_path, str(key))
+            if key.lower() in SECRET_SETTINGS:
+                raise refused(
+                    f"holds {key}: a secret does not belong in a recipe (it ends up in job specs and repositories); "
+                    "remove it and set HF_TOKEN, or HF_TOKEN_PATH to a mounted file holding the token"
+                )
+            if key.lower() == "config_file":
+                raise refused(f"names another recipe ({key}); put the settings in this file instead")
+        return values or {}
+
+
+def _not_a_setting(path: str | None, key: str) -> JobError:
+    close = difflib.get_close_matches(key.lower(), list(FIELDS), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"CONFIG_FILE={path} holds {key}, which is not a setting{hint}; fix the name, or remove it "
+        "(`python main.py --help` lists the settings)",
+    )
 
 
 class _KeyTwice(Exception):
@@ -971,24 +960,21 @@ class _KeyTwice(Exception):
 
 
 def _unique_key_loader(yaml):
-    """yaml's SafeLoader, refusing a key given twice: PyYAML keeps the last without a word, so the value a reader
-    sees first in the file would not be the one trained."""
+    """yaml's SafeLoader, refusing a key given twice (LORA_R and lora_r too: the source matches names in any case).
+    PyYAML and the YAML source keep the last without a word, so the value a reader sees first would not be trained."""
 
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
             lines = {}
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=deep)
-                if isinstance(key, str) and key in lines:
+                key = key.lower() if isinstance(key, str) else key
+                if key in lines:
                     raise _KeyTwice(key, lines[key], key_node.start_mark.line + 1)
                 lines[key] = key_node.start_mark.line + 1
             return super().construct_mapping(node, deep=deep)
 
     return UniqueKeyLoader
-
-
-def _is_regular(fd: int) -> bool:
-    return stat.S_ISREG(os.fstat(fd).st_mode)
 
 
 # ------------------------------------------------------------------------------- misspelled variables
@@ -1090,10 +1076,10 @@ def load_settings(
         given_flags, given_env = flags(), env()
         path = given_flags.get("config_file") or given_env.get("config_file")
         path = path.strip() if isinstance(path, str) and path.strip() else None
-        recipe = read_recipe(path) if path else {}
+        from_file = _Recipe(path)
+        recipe = from_file()
         # The path the file was read from wins over every source (a flag over CONFIG_FILE): what --dry-run records.
         chosen = InitSettingsSource(Settings, init_kwargs={"config_file": path} if path else {})
-        from_file = InitSettingsSource(Settings, init_kwargs=recipe)
         sources = (chosen, flags, env, from_file)
         settings = Settings(_build_sources=(sources, {}))  # the first source wins
         if chosen_by_launcher := overrides(settings) if overrides else None:
@@ -1108,6 +1094,8 @@ def load_settings(
         # A union with words (`bool | Literal["auto"]`): pydantic reports each branch apart; the words are choices too.
         words = [e["msg"].removeprefix("Input should be ") for e in exc.errors()[1:] if is_word_branch(e, field)]
         reason += f", or {' or '.join(words)}" if words else ""
+        if first["type"] == "extra_forbidden":  # no other source reads a name that is no setting
+            raise _not_a_setting(path, field) from None
         if field not in FIELDS:  # a check across settings: its message names them and the fix
             raise JobError(EXIT_BAD_INPUT, reason) from None
         # Name the flag, variable or recipe key the bad value came from, as it was typed.

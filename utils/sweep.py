@@ -19,15 +19,27 @@ import json
 import math
 import os
 import re
-import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.hub_token import UnfitFile, read_small_text
 from utils.settings import FIELDS, SECRET_SETTINGS, env_name, load_settings
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix, reported_metrics
 from utils.tasks import validation_splits as task_splits
@@ -43,6 +55,7 @@ HUB_DESTINATIONS = ("RESULT_MODEL_ID", "RESULT_MERGED_MODEL_ID")
 # YAML 1.1 reads 1e-3 as a string (it wants 1.0e-3); a sweep means the number. Only that form: a quoted "001"
 # stays the text it is.
 EXPONENT_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # as launchers/slurm/render_sbatch.py
 SWEEP_RECORD = "sweep.json"  # in output_dir: the sweep's identity, and its claim on the folder
 # The sweep owns these: every trial gets its own folder, and pushes only when the spec says so.
 OWNED = {
@@ -50,64 +63,124 @@ OWNED = {
     "result_model_id": "push: OWNER/NAME",
     "result_merged_model_id": "push: OWNER/NAME (each trial pushes its adapter; no merged model is pushed)",
 }
-RANGE_KEYS = {"low", "high", "log", "type"}
 
 
 def refused(message: str) -> JobError:
     return JobError(EXIT_BAD_INPUT, message)
 
 
-class SpecKeys(BaseModel):
-    """The spec's keys, each of its type and range (strict: `true` is no count, `"8"` no number); each description
-    is the fix its refusal names. The rules across keys, the settings and the search space are read_spec's."""
+def setting_value(value) -> str:
+    """A YAML value as the job reads it from the environment."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(map(setting_value, value))
+    return str(value)
+
+
+def yaml_number(value):
+    """1e-3 as the number YAML 1.1 did not read it as; every other value as written."""
+    return float(value) if isinstance(value, str) and EXPONENT_NUMBER.match(value.strip()) else value
+
+
+def setting_name(name: str) -> str:
+    """`learning_rate` or `LEARNING_RATE` -> learning_rate; an unknown name is refused with the closest one."""
+    field_name = name.strip().lower()
+    if field_name in OWNED:
+        raise ValueError(f"{name} is set by the sweep; use {OWNED[field_name]}")
+    if field_name == "config_file":
+        raise ValueError(f"{name} is the spec's `config:` key; write `config: FILE.yaml` at the top of the spec")
+    if field_name not in FIELDS:
+        close = difflib.get_close_matches(field_name, list(FIELDS), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(
+            f"{name} is not a setting of the job{hint}; `python main.py --help` lists them (lower_snake or UPPER names)"
+        )
+    return field_name
+
+
+def swept_values(values: list) -> list:
+    """A list of a grid or of random choices: each value as the job reads it, none twice (two trials would be one)."""
+    values = [setting_value(v) if isinstance(v, list) else yaml_number(v) for v in values]
+    seen: dict[str, object] = {}
+    for value in values:
+        if setting_value(value) in seen:
+            raise ValueError(
+                f"{seen[setting_value(value)]!r} and {value!r} are the same setting to the job "
+                f"({setting_value(value)}); list each value once"
+            )
+        seen[setting_value(value)] = value
+    return values
+
+
+SettingName = Annotated[str, AfterValidator(setting_name)]
+Values = Annotated[list, Field(min_length=1), AfterValidator(swept_values)]
+Number = Annotated[float | int, BeforeValidator(yaml_number)]  # an int stays an int: its exact type
+
+
+class Range(BaseModel):
+    """A range of `random:`; an int range when `type` says so, or both ends are whole numbers as written."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    name: str | None = Field(None, min_length=1, description="name the sweep, e.g. name: lr-rank")
-    settings: dict | None = Field(None, description="settings: is a mapping of setting name to value")
-    config: str | None = Field(None, min_length=1, description="config: is the path of a recipe file")
-    grid: dict | None = Field(None, description="grid: is a mapping of setting name to a list of values")
-    random: dict | None = Field(None, description="random: is a mapping of setting name to a list or a range")
-    trials: int | None = Field(None, ge=1, le=MAX_TRIALS, description=f"trials: is how many draws, 1 to {MAX_TRIALS}")
-    seed: int = Field(
-        0, ge=0, lt=2**32, description=f"the draws' seed is a whole number, 0 to {2**32 - 1}, e.g. seed: 0"
-    )
-    metric: str = Field("accuracy", min_length=1, description="name a key of the trials' metrics.json")
-    direction: Literal["maximize", "minimize"] | None = Field(None, description="use maximize or minimize")
-    parallel: int = Field(1, ge=1, description="give how many trials run at once, at least 1")
-    backend: Literal["local", "slurm", "katib"] = Field("local", description=f"use one of {', '.join(BACKENDS)}")
-    output_dir: str = Field(min_length=1, description="set it to the folder for the trials and the summary")
-    push: str | bool = Field(
-        False, description="write push: OWNER/NAME (trial-003 pushes to OWNER/NAME-trial-003) or push: false"
-    )
-    slurm: dict | None = Field(None, description="slurm: is a mapping of the array's options")
-    katib: dict | None = Field(None, description="katib: takes no keys")
-
-
-def check_keys(path: Path, raw: dict) -> SpecKeys:
-    """The spec's keys by SpecKeys; the first thing wrong is one refusal naming the key, the value and the fix."""
-    try:
-        return SpecKeys.model_validate(raw)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        key = str(error["loc"][0]) if error["loc"] else ""
-        if error["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(key, list(SpecKeys.model_fields), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise refused(
-                f"{path}: unknown key {key!r}{hint}; a spec takes {', '.join(SpecKeys.model_fields)}"
-            ) from None
-        fix = SpecKeys.model_fields[key].description
-        if error["type"] == "missing":
-            raise refused(f"{path}: {key} is missing; {fix}") from None
-        raise refused(f"{key}={error['input']!r} is invalid: {error['msg']}; {fix}") from None
-
-
-@dataclass(frozen=True)
-class Range:
-    low: float
-    high: float
+    low: Number
+    high: Number
     log: bool = False
-    is_int: bool = False
+    type: Literal["int", "float"] | None = None
+
+    @property
+    def is_int(self) -> bool:
+        return self.type == "int"
+
+    @model_validator(mode="after")
+    def _check(self) -> Range:
+        low, high = self.low, self.high
+        self.type = self.type or ("int" if isinstance(low, int) and isinstance(high, int) else "float")
+        if low >= high:
+            raise ValueError(f"low={low} is not below high={high}; write the smaller value as low")
+        if self.log and low <= 0:
+            raise ValueError(f"a log range needs low > 0, got low={low}; use e.g. low: 1e-5")
+        if self.is_int and not all(float(v).is_integer() for v in (low, high)):
+            raise ValueError(f"an int range needs whole numbers, got low={low} high={high}; use type: float")
+        self.low, self.high = (int(low), int(high)) if self.is_int else (float(low), float(high))
+        return self
+
+
+def space_kind(value) -> str | None:
+    return "list" if isinstance(value, list) else "range" if isinstance(value, dict | Range) else None
+
+
+Space = Annotated[
+    Annotated[Values, Tag("list")] | Annotated[Range, Tag("range")],
+    Discriminator(
+        space_kind,
+        custom_error_type="space",
+        custom_error_message="give a list of values or a range {low, high, log, type}",
+    ),
+]
+# What the union's branches add to an error's location; the user wrote none of them.
+UNION_TAGS = {"[key]", "list", "range", "int", "float"}
+
+
+class SlurmOptions(BaseModel):
+    """The `slurm:` block: the resources of each array task (one trial)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    time: str = "02:00:00"
+    partition: str | None = None  # None: the cluster's default partition
+    gpus: int = Field(1, ge=0)  # per trial; 0: the CPU
+    cpus_per_task: int = Field(4, ge=1)
+    venv: str | None = None  # None: the repo's .venv
+    log_dir: str | None = None  # None: output_dir/slurm
+    signal_lead: int = Field(180, ge=1)  # seconds of SIGTERM before the time limit: the trial checkpoints
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time_limit(cls, time):
+        if isinstance(time, int):  # YAML 1.1 reads an unquoted 1:30:00 as 5400, which Slurm takes as minutes
+            raise ValueError(f'time={time} is a number to YAML; quote the limit, e.g. time: "1:30:00"')
+        if isinstance(time, str) and not TIME_LIMIT.match(time):
+            raise ValueError(f"time={time} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
+        return time
 
 
 @dataclass(frozen=True)
@@ -120,27 +193,106 @@ class Trial:
         return {env_name(name): setting_value(value) for name, value in self.params.items()}
 
 
-@dataclass
+@pydantic_dataclass(config=ConfigDict(extra="forbid", strict=True))
 class Spec:
-    path: Path
-    name: str
-    output_dir: Path
-    settings: dict[str, str] = field(default_factory=dict)  # ENV_NAME -> value, fixed for every trial
-    config: str | None = None
-    grid: dict[str, list] = field(default_factory=dict)
-    random: dict[str, list | Range] = field(default_factory=dict)
-    trials: int | None = None
-    seed: int = 0
-    metric: str = "accuracy"
-    metric_key: str = "eval_accuracy"  # where metrics.json holds `metric` for this sweep's task (check_trials)
-    metric_keys: tuple[str, ...] = ()  # every metric metrics.json holds for it, as eval_<name>
-    metric_splits: tuple[str, ...] = ()  # the metric on each validation split (MNLI: matched, mismatched)
-    direction: str = "maximize"
-    parallel: int = 1
-    backend: str = "local"
-    push: str | None = None  # the Hub repo trials push to as <repo>-<trial>; None: no trial pushes
-    slurm: dict = field(default_factory=dict)
-    katib: dict = field(default_factory=dict)
+    """A sweep spec: its keys, each of its type and range (strict: `true` is no count, `"8"` no number), each
+    description the fix its refusal names; the rules across keys in `_rules`. The fields without init are no keys
+    of the file: read_spec sets `path`, check_trials the metric's names in metrics.json."""
+
+    output_dir: Path = Field(description="set it to the folder for the trials and the summary")
+    name: str | None = Field(None, min_length=1, description="name the sweep, e.g. name: lr-rank")
+    # ENV_NAME -> value, fixed for every trial
+    settings: dict[SettingName, Any] = Field(default_factory=dict, description="settings: maps setting to value")
+    config: str | None = Field(None, min_length=1, description="config: is the path of a recipe file")
+    grid: dict[SettingName, Values] = Field(
+        default_factory=dict,
+        min_length=1,
+        description="give each swept setting a list, e.g. grid: {learning_rate: [1e-4, 3e-4]}",
+    )
+    random: dict[SettingName, Space] = Field(
+        default_factory=dict,
+        min_length=1,
+        description="give each drawn setting a list or a range {low, high, log: true|false, type: int|float}",
+    )
+    trials: int | None = Field(None, ge=1, le=MAX_TRIALS, description=f"trials: is how many draws, 1 to {MAX_TRIALS}")
+    seed: int = Field(
+        0, ge=0, lt=2**32, description=f"the draws' seed is a whole number, 0 to {2**32 - 1}, e.g. seed: 0"
+    )
+    metric: str = Field("accuracy", min_length=1, description="name a key of the trials' metrics.json")
+    direction: Literal["maximize", "minimize"] | None = Field(None, description="use maximize or minimize")
+    parallel: int = Field(1, ge=1, description="give how many trials run at once, at least 1")
+    backend: Literal["local", "slurm", "katib"] = Field("local", description=f"use one of {', '.join(BACKENDS)}")
+    # the Hub repo trials push to as <repo>-<trial>; None: no trial pushes
+    push: str | bool | None = Field(
+        False, description="write push: OWNER/NAME (trial-003 pushes to OWNER/NAME-trial-003) or push: false"
+    )
+    slurm: SlurmOptions = Field(
+        default_factory=SlurmOptions,
+        description=f"slurm: takes {', '.join(SlurmOptions.model_fields)} (gpus per trial; gpus: 0 for the CPU)",
+    )
+    katib: dict = Field(default_factory=dict, description="katib: takes no keys")
+    path: Path = Field(Path("SPEC.yaml"), init=False)
+    metric_key: str = Field("eval_accuracy", init=False)  # where metrics.json holds `metric` (check_trials)
+    metric_keys: tuple[str, ...] = Field((), init=False)  # every metric metrics.json holds for it, as eval_<name>
+    metric_splits: tuple[str, ...] = Field((), init=False)  # the metric on each validation split (MNLI's two)
+
+    @field_validator("output_dir", mode="before")
+    @classmethod
+    def _a_path(cls, value):
+        if value == "":
+            raise ValueError("it is empty; set it to the folder for the trials and the summary")
+        return Path(value) if isinstance(value, str) else value
+
+    @field_validator("settings")
+    @classmethod
+    def _as_environment(cls, settings: dict) -> dict[str, str]:
+        return {env_name(name): setting_value(value) for name, value in settings.items()}
+
+    @field_validator("metric")
+    @classmethod
+    def _as_named(cls, metric: str) -> str:
+        return metric.strip().removeprefix("eval_")  # checked against the task's metrics by check_trials
+
+    @field_validator("push")
+    @classmethod
+    def _repo(cls, push: str | bool) -> str | None:
+        if push is True:
+            push = os.environ.get("RESULT_MODEL_ID", "")
+            if not push:
+                raise ValueError(
+                    "true reads the Hub repo from RESULT_MODEL_ID, which is unset; write push: OWNER/NAME"
+                )
+        if push == "":
+            raise ValueError("'' names no repo; write push: OWNER/NAME or push: false")
+        return push or None
+
+    @model_validator(mode="after")
+    def _rules(self) -> Spec:
+        if self.grid and self.random:
+            raise ValueError(
+                "grid and random in one spec: give the grid's settings as random lists (drawn with the rest), or run two sweeps"
+            )
+        if not self.grid and not self.random:
+            raise ValueError("nothing to sweep; add grid: (lists) or random: (lists or ranges) with trials:")
+        if fixed := [key for key in self.swept if env_name(key) in self.settings]:
+            raise ValueError(f"{fixed[0]} is both fixed (settings) and swept; remove it from settings")
+        if self.random and self.trials is None:
+            raise ValueError(f"random search needs trials: N (how many draws, 1 to {MAX_TRIALS}), got trials=None")
+        if self.grid and self.trials is not None:
+            raise ValueError("trials: is for random search; a grid runs every point once, remove trials:")
+        if self.grid and (size := math.prod(len(values) for values in self.grid.values())) > MAX_TRIALS:
+            raise ValueError(
+                f"grid: {size} points, more than {MAX_TRIALS} trials; sweep fewer values, or draw random:"
+            )
+        lower = self.metric.rsplit("_", 1)[-1] in {"loss", *LOWER_IS_BETTER}
+        self.direction = self.direction or ("minimize" if lower else "maximize")
+        if self.backend != "katib":  # a folder here (katib's is a path in the pods)
+            self.output_dir = self.output_dir.resolve()
+            if self.output_dir.exists() and not self.output_dir.is_dir():
+                raise ValueError(
+                    f"output_dir={self.output_dir} is a file; give a folder for the trials and the summary"
+                )
+        return self
 
     @property
     def swept(self) -> list[str]:
@@ -162,165 +314,47 @@ class Spec:
         return env
 
 
-def setting_value(value) -> str:
-    """A YAML value as the job reads it from the environment."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return ",".join(map(setting_value, value))
-    return str(value)
+FILE_KEYS = [name for name, field in Spec.__pydantic_fields__.items() if field.init is not False]
 
 
-def yaml_number(value):
-    """1e-3 as the number YAML 1.1 did not read it as; every other value as written."""
-    return float(value) if isinstance(value, str) and EXPONENT_NUMBER.match(value.strip()) else value
-
-
-def swept_values(where: str, values: list) -> list:
-    """A list of a grid or of random choices: each value as the job reads it, none twice (two trials would be one)."""
-    values = [setting_value(v) if isinstance(v, list) else yaml_number(v) for v in values]
-    seen: dict[str, object] = {}
-    for value in values:
-        if setting_value(value) in seen:
-            raise refused(
-                f"{where}: {seen[setting_value(value)]!r} and {value!r} are the same setting to the job "
-                f"({setting_value(value)}); list each value once"
-            )
-        seen[setting_value(value)] = value
-    return values
-
-
-def setting_name(name: str, where: str) -> str:
-    """`learning_rate` or `LEARNING_RATE` -> learning_rate; an unknown name is refused with the closest one."""
-    field_name = str(name).strip().lower()
-    if field_name in OWNED:
-        raise refused(f"{where}: {name} is set by the sweep; use {OWNED[field_name]}")
-    if field_name == "config_file":
-        raise refused(f"{where}: {name} is the spec's `config:` key; write `config: FILE.yaml` at the top of the spec")
-    if field_name not in FIELDS:
-        close = difflib.get_close_matches(field_name, list(FIELDS), n=1)
+def spec_error(path: Path, exc: ValidationError) -> str:
+    """The first thing wrong in a spec, as one line naming the key, the value and the fix."""
+    error = exc.errors()[0]
+    loc = [str(part) for part in error["loc"] if part not in UNION_TAGS]
+    where = ".".join(loc)
+    if error["type"] == "unexpected_keyword_argument":
+        close = difflib.get_close_matches(where, FILE_KEYS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise refused(
-            f"{where}: {name} is not a setting of the job{hint}; `python main.py --help` lists them (lower_snake or UPPER names)"
-        )
-    return field_name
-
-
-def parse_range(name: str, space: dict) -> Range:
-    where = f"random.{name}"
-    unknown = set(space) - RANGE_KEYS
-    if unknown or not {"low", "high"} <= set(space):
-        raise refused(f"{where}: a range is {{low, high, log: true|false, type: int|float}}; got keys {sorted(space)}")
-    low, high = yaml_number(space["low"]), yaml_number(space["high"])
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)):
-        raise refused(f"{where}: low and high must be numbers, got low={low!r} high={high!r}")
-    kind = space.get("type", "int" if isinstance(low, int) and isinstance(high, int) else "float")
-    if kind not in ("int", "float"):
-        raise refused(f"{where}: type={kind!r}; use type: int or type: float")
-    log = space.get("log", False)
-    if not isinstance(log, bool):
-        raise refused(f"{where}: log={log!r}; use log: true or log: false")
-    if low >= high:
-        raise refused(f"{where}: low={low} is not below high={high}; write the smaller value as low")
-    if log and low <= 0:
-        raise refused(f"{where}: a log range needs low > 0, got low={low}; use e.g. low: 1e-5")
-    if kind == "int" and not all(float(v).is_integer() for v in (low, high)):
-        raise refused(f"{where}: an int range needs whole numbers, got low={low} high={high}; use type: float")
-    number = int if kind == "int" else float
-    return Range(number(low), number(high), log, kind == "int")
-
-
-def read_spec_text(path: Path) -> str:
-    """The spec file's text. Non-blocking and regular files only: a FIFO would wait for a writer for ever."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise refused(f"no sweep spec at {path}; give the path of a SPEC.yaml (examples/sweeps/ has some)") from None
-    except OSError as exc:
-        raise refused(f"cannot read the sweep spec {path} ({exc.strerror}); give a readable SPEC.yaml") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise refused(f"{path} is not a regular file; give the path of a SPEC.yaml (examples/sweeps/ has some)")
-    with os.fdopen(fd, "rb") as handle:
-        try:
-            raw = handle.read(SPEC_MAX_BYTES + 1)
-        except OSError as exc:
-            raise refused(f"cannot read the sweep spec {path} ({exc.strerror}); give a readable SPEC.yaml") from None
-    if len(raw) > SPEC_MAX_BYTES:
-        raise refused(f"{path} holds more than {SPEC_MAX_BYTES} bytes, not a sweep spec; give a SPEC.yaml")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise refused(f"{path} is not UTF-8 text (byte at offset {exc.start}); a sweep spec is YAML") from None
+        return f"{path}: unknown key {where!r}{hint}; a spec takes {', '.join(FILE_KEYS)}"
+    if error["type"] == "value_error":  # the spec's own rules: the message says the fix
+        reason = error["msg"].removeprefix("Value error, ")
+        return f"{where}: {reason}" if where else f"{path}: {reason}"
+    fix = Spec.__pydantic_fields__[loc[0]].description
+    if error["type"] == "missing":
+        return f"{path}: {where} is missing; {fix}"
+    return f"{where}={error['input']!r} is invalid: {error['msg']}; {fix}"
 
 
 def read_spec(path: Path) -> Spec:
     """Read and check a spec; everything wrong with it is a JobError (exit 2) that says the fix."""
+    fix = "give the path of a SPEC.yaml (examples/sweeps/ has some)"
     try:
-        raw = yaml.safe_load(read_spec_text(path))
+        raw = yaml.safe_load(read_small_text(path, SPEC_MAX_BYTES))
+    except FileNotFoundError:
+        raise refused(f"no sweep spec at {path}; {fix}") from None
+    except OSError as exc:
+        raise refused(f"cannot read the sweep spec {path} ({exc.strerror}); {fix}") from None
+    except UnfitFile as exc:
+        raise refused(f"{path} {exc}; {fix}") from None
     except yaml.YAMLError as exc:
         raise refused(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
-    if not isinstance(raw, dict):
+    if not isinstance(raw, dict) or not all(isinstance(key, str) for key in raw):
         raise refused(f"{path}: a sweep spec is a mapping (settings, grid, random, metric, ...); see docs/sweeps.md")
-    keys = check_keys(path, raw)
-    spec = Spec(path=path, name=keys.name or path.stem, output_dir=Path(keys.output_dir), config=keys.config)
-    spec.settings = {env_name(setting_name(k, "settings")): setting_value(v) for k, v in (keys.settings or {}).items()}
-    for name, values in (keys.grid or {}).items():
-        key = setting_name(name, "grid")
-        if not isinstance(values, list) or not values:
-            raise refused(f"grid.{name}: an empty grid; give a list of at least one value, e.g. {name}: [1, 2]")
-        spec.grid[key] = swept_values(f"grid.{name}", values)
-    if keys.grid is not None and not spec.grid:
-        raise refused("grid: an empty grid; give each swept setting a list, e.g. grid: {learning_rate: [1e-4, 3e-4]}")
-    for name, space in (keys.random or {}).items():
-        key = setting_name(name, "random")
-        if isinstance(space, list):
-            if not space:
-                raise refused(f"random.{name}: an empty list; give the values to draw from, or a range {{low, high}}")
-            spec.random[key] = swept_values(f"random.{name}", space)
-        elif isinstance(space, dict):
-            spec.random[key] = parse_range(name, space)
-        else:
-            raise refused(f"random.{name}: give a list of values or a range {{low, high, log, type}}, got {space!r}")
-    if keys.random is not None and not spec.random:
-        raise refused("random: empty; give each drawn setting a list or a range {low, high, log, type}")
-    if spec.grid and spec.random:
-        raise refused(
-            "grid and random in one spec: give the grid's settings as random lists (drawn with the rest), or run two sweeps"
-        )
-    if not spec.grid and not spec.random:
-        raise refused(f"{path}: nothing to sweep; add grid: (lists) or random: (lists or ranges) with trials:")
-    for key in spec.swept:
-        if env_name(key) in spec.settings:
-            raise refused(f"{key} is both fixed (settings) and swept; remove it from settings")
-
-    if spec.random:
-        if keys.trials is None:
-            raise refused(f"random search needs trials: N (how many draws, 1 to {MAX_TRIALS}), got trials=None")
-        spec.trials = keys.trials
-    elif keys.trials is not None:
-        raise refused("trials: is for random search; a grid runs every point once, remove trials:")
-    else:
-        size = math.prod(len(values) for values in spec.grid.values())
-        if size > MAX_TRIALS:
-            raise refused(f"grid: {size} points, more than {MAX_TRIALS} trials; sweep fewer values, or draw random:")
-    spec.seed, spec.parallel, spec.backend = keys.seed, keys.parallel, keys.backend
-    spec.metric = keys.metric.strip().removeprefix("eval_")  # checked against the task's metrics by check_trials
-    lower = spec.metric.rsplit("_", 1)[-1] in {"loss", *LOWER_IS_BETTER}
-    spec.direction = keys.direction or ("minimize" if lower else "maximize")
-    if spec.backend != "katib":  # a folder here (katib's is a path in the pods)
-        spec.output_dir = spec.output_dir.resolve()
-        if spec.output_dir.exists() and not spec.output_dir.is_dir():
-            raise refused(f"output_dir={spec.output_dir} is a file; give a folder for the trials and the summary")
-    push = keys.push
-    if push is True:
-        push = os.environ.get("RESULT_MODEL_ID", "")
-        if not push:
-            raise refused("push: true reads the Hub repo from RESULT_MODEL_ID, which is unset; write push: OWNER/NAME")
-    if push == "":
-        raise refused(f"push=''; {SpecKeys.model_fields['push'].description}")
-    spec.push = push or None
-    spec.slurm, spec.katib = keys.slurm or {}, keys.katib or {}
+    try:
+        spec = Spec(**raw)
+    except ValidationError as exc:
+        raise refused(spec_error(path, exc)) from None
+    spec.path, spec.name = path, spec.name or path.stem
     return spec
 
 
@@ -454,9 +488,10 @@ def describe(trial: Trial) -> str:
     return " ".join(f"{env_name(k)}={setting_value(v)}" for k, v in trial.params.items())
 
 
-def metric_value(metrics: dict, key: str) -> float | None:
-    """The sweep's metric from a trial's metrics.json (`key` as `spec.metric_key` names it), if it is a number."""
-    value = metrics.get(key)
+def trial_metric(spec: Spec, folder: Path) -> float | None:
+    """The sweep's metric from the metrics.json in a trial's folder (as `spec.metric_key` names it), if it is a number."""
+    path = folder / "metrics.json"
+    value = json.loads(path.read_text()).get(spec.metric_key) if path.exists() else None
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import json
 import os
 import queue
 import shutil
@@ -30,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from utils.errors import EXIT_BAD_INPUT, EXIT_UNEXPECTED, JobError
-from utils.sweep import Spec, Trial, describe, distributions, job_environment, metric_value
+from utils.sweep import Spec, Trial, describe, distributions, job_environment, trial_metric
 from utils.sweep_summary import record_trial
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,21 +70,17 @@ def die_with_parent() -> None:
         PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def trial_environment(spec: Spec, trial: Trial, gpu: str | None) -> dict[str, str]:
-    env = job_environment(spec, trial, dict(os.environ))
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = gpu
-    return env
-
-
 def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, float | None]:
     """One run of the job for `trial`, in its folder; its exit code and metric."""
     folder = spec.output_dir / trial.name
     record_trial(folder, spec, trial, status="running", exit_code=None)
+    env = job_environment(spec, trial, dict(os.environ))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     with open(folder / TRIAL_LOG, "a") as log:
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "main.py")],
-            env=trial_environment(spec, trial, gpu),  # in this folder, as a user's main.py: relative paths hold
+            env=env,  # in this folder, as a user's main.py: relative paths hold
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,
@@ -98,8 +93,7 @@ def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, fl
             code = proc.wait()
         finally:
             LIVE.discard(proc)
-    metrics_path = folder / "metrics.json"
-    value = metric_value(json.loads(metrics_path.read_text()), spec.metric_key) if metrics_path.exists() else None
+    value = trial_metric(spec, folder)
     failed = code != 0 or value is None
     record_trial(folder, spec, trial, status="failed" if failed else "complete", exit_code=code)
     return code, value
@@ -126,18 +120,13 @@ def run_local(spec: Spec, trials: list[Trial]) -> int:
         lock.close()
 
 
-def run_study(spec: Spec, trials: list[Trial]) -> int:
+def open_study(spec: Spec, trials: list[Trial]):
+    """The sweep's study in output_dir (this sweep's: open_sweep_dir refused another's), the trials a stopped sweep
+    left running marked failed; with the planned trials not yet complete."""
     import optuna
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    signal.signal(signal.SIGTERM, pass_stop_signal)
-    signal.signal(signal.SIGINT, pass_stop_signal)
-    gpus = visible_gpus(dict(os.environ))
-    if gpus and spec.parallel > len(gpus):
-        raise JobError(
-            EXIT_BAD_INPUT, f"parallel={spec.parallel} but {len(gpus)} GPU(s) here; set parallel: {len(gpus)}"
-        )
     study = optuna.create_study(
         study_name="sweep",  # one study per output_dir, whatever the spec's file is called
         storage=f"sqlite:///{spec.output_dir / 'study.db'}",
@@ -145,8 +134,6 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
         direction=spec.direction,
         sampler=optuna.samplers.RandomSampler(seed=spec.seed),
     )
-    # The study is this sweep's: open_sweep_dir refused the folder of a sweep with other trials' settings.
-    spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
     for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         print(
             f"sweep: {stale.user_attrs.get('trial')} was left running by a stopped sweep; running it again", flush=True
@@ -159,6 +146,21 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
             f"sweep: {len(done)} trial(s) already complete in {spec.output_dir / 'study.db'}, {len(todo)} to run",
             flush=True,
         )
+    return study, todo
+
+
+def run_study(spec: Spec, trials: list[Trial]) -> int:
+    from optuna.trial import TrialState
+
+    signal.signal(signal.SIGTERM, pass_stop_signal)
+    signal.signal(signal.SIGINT, pass_stop_signal)
+    gpus = visible_gpus(dict(os.environ))
+    if gpus and spec.parallel > len(gpus):
+        raise JobError(
+            EXIT_BAD_INPUT, f"parallel={spec.parallel} but {len(gpus)} GPU(s) here; set parallel: {len(gpus)}"
+        )
+    study, todo = open_study(spec, trials)
+    spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
     ask_lock = threading.Lock()
     slots: queue.Queue = queue.Queue()
     for slot in gpus[: spec.parallel] or [None] * spec.parallel:
@@ -185,7 +187,7 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
                 else:
                     study.tell(asked, state=TrialState.FAIL)
                     why = f"exit {code}" if code else f"no {spec.metric_key} in metrics.json"
-                    log = spec.output_dir / trial.name / "trial.log"
+                    log = spec.output_dir / trial.name / TRIAL_LOG
                     print(f"sweep: end {trial.name}: failed ({why}; see {log})", flush=True)
         finally:
             slots.put(gpu)

@@ -1,8 +1,7 @@
 """The slurm backend: the sweep as one job array rendered from launchers/slurm/sweep.sbatch.template.
 
 Array task I runs `python sweep.py SPEC --run-trial I`: trial I of `plan_trials`, which every task computes
-the same way from the spec, so no task needs a shared study. The spec's `slurm:` block sets the resources:
-time, partition, gpus (per trial, default 1; 0 for CPU), cpus_per_task, venv, log_dir, signal_lead.
+the same way from the spec, so no task needs a shared study. The spec's `slurm:` block sets its resources (utils/sweep.py SlurmOptions).
 """
 
 from __future__ import annotations
@@ -11,58 +10,32 @@ import re
 import shlex
 from pathlib import Path
 
-from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.sweep import Spec
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "launchers" / "slurm" / "sweep.sbatch.template"
 PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
-TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # as launchers/slurm/render_sbatch.py
-OPTIONS = {
-    "time": "02:00:00",
-    "partition": None,
-    "gpus": 1,
-    "cpus_per_task": 4,
-    "venv": None,
-    "log_dir": None,
-    "signal_lead": 180,
-}
 
 
 def render_array(spec: Spec, trial_count: int) -> str:
-    unknown = sorted(set(spec.slurm) - set(OPTIONS))
-    if unknown:
-        raise JobError(EXIT_BAD_INPUT, f"slurm: unknown key(s) {unknown}; it takes {', '.join(OPTIONS)}")
-    opts = {**OPTIONS, **spec.slurm}
-    for name in ("gpus", "cpus_per_task", "signal_lead"):
-        value = opts[name]  # a bool is an int to Python, and `gpus: true` would render --gpus-per-task=True
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "gpus" else 1):
-            raise JobError(
-                EXIT_BAD_INPUT, f"slurm.{name}={opts[name]!r} must be a whole number of at least 1 (gpus: 0 for CPU)"
-            )
-    if not TIME_LIMIT.match(str(opts["time"])):
-        raise JobError(
-            EXIT_BAD_INPUT, f"slurm.time={opts['time']} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS"
-        )
+    opts = spec.slurm
     out = spec.output_dir.resolve()
-    venv = Path(opts["venv"]).resolve() if opts["venv"] else REPO / ".venv"
-    log_dir = Path(opts["log_dir"]).resolve() if opts["log_dir"] else out / "slurm"
+    venv = Path(opts.venv).resolve() if opts.venv else REPO / ".venv"
+    log_dir = Path(opts.log_dir).resolve() if opts.log_dir else out / "slurm"
     values = {
         "SPEC": shlex.quote(str(spec.path.resolve())),
         "OUTPUT_DIR": str(out),
         "JOB_NAME": spec.name,
         "LAST_INDEX": str(trial_count - 1),
         "PARALLEL": str(spec.parallel),
-        "GPUS_LINE": f"#SBATCH --gpus-per-task={opts['gpus']}"
-        if opts["gpus"]
-        else "# (gpus: 0, trials run on the CPU)",
-        "GPUS_LINE_NOTE": f"{opts['gpus']} GPU(s)" if opts["gpus"] else "the CPU",
-        "CPUS_PER_TASK": str(opts["cpus_per_task"]),
-        "TIME": str(opts["time"]),
-        "PARTITION_LINE": f"#SBATCH --partition={opts['partition']}"
-        if opts["partition"]
+        "GPUS_LINE": f"#SBATCH --gpus-per-task={opts.gpus}" if opts.gpus else "# (gpus: 0, trials run on the CPU)",
+        "GPUS_LINE_NOTE": f"{opts.gpus} GPU(s)" if opts.gpus else "the CPU",
+        "CPUS_PER_TASK": str(opts.cpus_per_task),
+        "TIME": opts.time,
+        "PARTITION_LINE": f"#SBATCH --partition={opts.partition}"
+        if opts.partition
         else "# (no partition: the cluster's default partition)",
-        "SIGNAL_LEAD": str(opts["signal_lead"]),
+        "SIGNAL_LEAD": str(opts.signal_lead),
         "LOG_DIR": shlex.quote(str(log_dir)),
         "WORKDIR": shlex.quote(str(REPO)),
         "ACTIVATE": f"source {shlex.quote(str(venv / 'bin' / 'activate'))}",

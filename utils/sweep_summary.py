@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from utils.outputs import RunDir, claim_run_dir, refuse_foreign
-from utils.sweep import Spec, Trial, metric_value, setting_value
+from utils.sweep import Spec, Trial, setting_value, trial_metric
 
 TRIAL_RECORD = "trial.json"
 
@@ -60,9 +60,9 @@ def collect_rows(spec: Spec, trials: list[Trial]) -> list[Row]:
     rows = []
     for trial in trials:
         folder = spec.output_dir / trial.name
-        record_path, metrics_path = folder / TRIAL_RECORD, folder / "metrics.json"
+        record_path = folder / TRIAL_RECORD
         record = json.loads(record_path.read_text()) if record_path.exists() else {}
-        value = metric_value(json.loads(metrics_path.read_text()), spec.metric_key) if metrics_path.exists() else None
+        value = trial_metric(spec, folder)
         status = record.get("status", "pending")
         if status == "complete" and value is None:
             status = "failed"  # metrics.json went, or never held the metric
