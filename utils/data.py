@@ -100,25 +100,23 @@ def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) 
     """A JSON label column must hold one type: `1`, `"1"` and `true` in one file mean different things, and
     the loader keeps such a column as raw JSON (reading `"1"` back as `1`), so the types are read from the file."""
     for split, ds in loaded.items():
-        if split in files and column in ds.column_names and isinstance(ds.features[column], datasets.Json):
+        if column in ds.column_names and isinstance(ds.features[column], datasets.Json):
+            text = Path(files[split]).read_text(encoding="utf-8-sig")  # JSON Lines, or a JSON array of objects
+            rows = (
+                json.loads(text)
+                if text.lstrip().startswith("[")
+                else map(json.loads, filter(str.strip, text.splitlines()))
+            )
             seen = {}
-            for value in _json_values(Path(files[split]), column):
-                seen.setdefault(JSON_TYPES.get(type(value), type(value).__name__), json.dumps(value))
+            for value in (row.get(column) for row in rows if isinstance(row, dict)):
+                if value is not None:
+                    seen.setdefault(JSON_TYPES.get(type(value), type(value).__name__), json.dumps(value))
             kinds = ", ".join(f"{kind} ({example})" for kind, example in seen.items())
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"{files[split]} mixes label types in '{column}': {kinds}; write every label the same way: "
                 "the numbers 0/1, true/false, or the LABEL_NAMES names as strings",
             )
-
-
-def _json_values(path: Path, column: str):
-    """The non-null values of `column` in a JSON Lines file or a JSON array of objects."""
-    text = path.read_text(encoding="utf-8-sig")
-    rows = json.loads(text) if text.lstrip().startswith("[") else map(json.loads, filter(str.strip, text.splitlines()))
-    for row in rows:
-        if isinstance(row, dict) and row.get(column) is not None:
-            yield row[column]
 
 
 def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> datasets.Dataset:

@@ -381,10 +381,8 @@ class CheckpointMarker(TrainerCallback):
         """A failure because OUTPUT_DIR's volume is full or read-only becomes its one-line JobError (exit 2)."""
         try:
             yield
-        except JobError:
-            raise
         except Exception as exc:
-            fault = volume_fault(self.run, exc, doing)
+            fault = None if isinstance(exc, JobError) else volume_fault(self.run, exc, doing)
             if fault is None:
                 raise
             raise fault from None
@@ -433,14 +431,11 @@ class RecordedTensorBoard(TensorBoardCallback):
             return
         try:
             event(*args, **kwargs)
-        except JobError:
-            raise
         except Exception as exc:
-            state = volume_state(exc, self.run.root)
-            if state is None:
+            if isinstance(exc, JobError) or (state := volume_state(exc, self.run.root)) is None:
                 raise
             self.volume_failed = True
-            log.warning("TensorBoard stopped writing to %s: the volume is %s (%s)", self.logging_dir, state, exc)
+            log.warning(f"TensorBoard stopped writing to {self.logging_dir}: the volume is {state} ({exc})")
 
     def _init_summary_writer(self, args):
         folder = self.run.make_dir(Path(self.logging_dir))
