@@ -182,7 +182,7 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         raise JobError(EXIT_BAD_INPUT, f"WORLD_SIZE={world} but RANK={rank} ({source}); RANK must be 0..{world - 1}")
     if local_rank < 0 or node_rank < 0:
         raise JobError(
-            EXIT_BAD_INPUT, f"LOCAL_RANK={local_rank}, NODE_RANK={node_rank} ({source}): neither may be negative"
+            EXIT_BAD_INPUT, f"LOCAL_RANK={local_rank} and NODE_RANK={node_rank} ({source}) must not be negative"
         )
     addr = (addr or "").strip() or None
     if world > 1 and addr is None:
