@@ -26,21 +26,16 @@ from utils.tasks import CLASSIFICATION, REGRESSION, validation_splits
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "validation")  # GLUE's test split has no labels (-1) and is never used
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-TEXT, TEXT_PAIR, LABEL = (
-    "text",
-    "text_pair",
-    "labels",
-)  # the names after loading; `labels` is what the model's forward takes
-TEXTS = (TEXT, TEXT_PAIR)
+# The names after loading; `labels` is what the model's forward takes.
+TEXTS, LABEL = ("text", "text_pair"), "labels"
 # Text is text: only a truly empty cell is missing (pandas would read the sentences `NA`, `null`, `None` and
 # `nan` as missing). The delimiter and quoting of each suffix: utils/delimited.py.
 CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
 JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 
 
-def _local_files(folder: Path, splits: tuple[str, ...] = SPLITS) -> dict[str, str]:
+def _local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
     files = {}
     for split in splits:
         found = sorted(p for p in folder.iterdir() if p.stem == split and p.suffix.lower() in FILE_FORMATS)
@@ -66,10 +61,7 @@ def _local_files(folder: Path, splits: tuple[str, ...] = SPLITS) -> dict[str, st
                 "as a file, or move it out of DATASET_PATH",
             )
         if path.stat().st_size == 0:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{path} is empty (0 bytes); each split needs at least one row (and a header, for csv/tsv)",
-            )
+            raise JobError(EXIT_BAD_INPUT, f"{path} is empty (0 bytes); each split needs at least one row")
         files[split] = str(path)
     suffixes = {Path(f).suffix.lower() for f in files.values()}
     if len({FILE_FORMATS[s] for s in suffixes}) > 1:
@@ -95,8 +87,7 @@ def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
 
 
 def _count_records(path: Path, suffix: str, files: dict[str, str]) -> int:
-    """The rows of a csv/tsv file, read as the loader reads it and as predict.py reads its input (utils/delimited.py),
-    checked so that no row is lost or made up."""
+    """The rows of a csv/tsv file as predict.py reads them (utils/delimited.py): the loader must read as many."""
     try:
         with path.open(encoding="utf-8-sig", newline="") as handle:
             _, records = read_records(handle, path, suffix)
@@ -109,29 +100,23 @@ def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) 
     """A JSON label column must hold one type: `1`, `"1"` and `true` in one file mean different things, and
     the loader keeps such a column as raw JSON (reading `"1"` back as `1`), so the types are read from the file."""
     for split, ds in loaded.items():
-        if split in files and column in ds.column_names and isinstance(ds.features[column], datasets.Json):
+        if column in ds.column_names and isinstance(ds.features[column], datasets.Json):
+            text = Path(files[split]).read_text(encoding="utf-8-sig")  # JSON Lines, or a JSON array of objects
+            rows = (
+                json.loads(text)
+                if text.lstrip().startswith("[")
+                else map(json.loads, filter(str.strip, text.splitlines()))
+            )
             seen = {}
-            for value in _json_values(Path(files[split]), column):
-                seen.setdefault(JSON_TYPES.get(type(value), type(value).__name__), json.dumps(value))
+            for value in (row.get(column) for row in rows if isinstance(row, dict)):
+                if value is not None:
+                    seen.setdefault(JSON_TYPES.get(type(value), type(value).__name__), json.dumps(value))
             kinds = ", ".join(f"{kind} ({example})" for kind, example in seen.items())
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"{files[split]} mixes label types in '{column}': {kinds}; write every label the same way: "
                 "the numbers 0/1, true/false, or the LABEL_NAMES names as strings",
             )
-
-
-def _json_values(path: Path, column: str):
-    """The non-null values of `column` in a JSON Lines file or a JSON array of objects."""
-    text = path.read_text(encoding="utf-8-sig")
-    rows = (
-        json.loads(text)
-        if text.lstrip().startswith("[")
-        else (json.loads(line) for line in text.splitlines() if line.strip())
-    )
-    for row in rows:
-        if isinstance(row, dict) and row.get(column) is not None:
-            yield row[column]
 
 
 def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> datasets.Dataset:
@@ -146,11 +131,9 @@ def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> da
         cause = exc.__cause__ or exc
         if isinstance(cause, UnicodeDecodeError):
             raise JobError(EXIT_BAD_INPUT, _not_utf8(files, cause)) from None
-        if "the first 0 values" in str(cause):  # a header and no rows: every column's type is unknown
-            raise JobError(
-                EXIT_BAD_INPUT, f"{path} has a header but no rows; each split needs at least one row"
-            ) from None
-        raise _unreadable(path, fmt, cause) from None
+        if "the first 0 values" not in str(cause):  # else a header and no rows: every column's type is unknown
+            raise _unreadable(path, fmt, cause) from None
+        raise JobError(EXIT_BAD_INPUT, f"{path} has a header but no rows; each split needs at least one row") from None
     except (pyarrow.ArrowException, StopIteration) as exc:  # a file that is no parquet / JSON at all
         raise _unreadable(path, fmt, exc) from None
     except ValueError as exc:
@@ -167,6 +150,10 @@ def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> da
     return loaded
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:160] if str(exc) else ""
+
+
 FORMAT_HINTS = {
     "csv": "a header line, then one row per line",
     "json": "one JSON object per line (.jsonl) or a JSON array of objects",
@@ -175,10 +162,9 @@ FORMAT_HINTS = {
 
 
 def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
-    what = str(cause).splitlines()[0][:160] if str(cause) else ""
     return JobError(
         EXIT_BAD_INPUT,
-        f"cannot read {path} as {path.suffix[1:]} ({type(cause).__name__}: {what}); write it again as "
+        f"cannot read {path} as {path.suffix[1:]} ({type(cause).__name__}: {_first_line(cause)}); write it again as "
         f"{path.suffix[1:]}: {FORMAT_HINTS[fmt]}",
     )
 
@@ -189,19 +175,15 @@ def load_raw(settings: Settings) -> DatasetDict:
     if settings.dataset_path:
         folder = Path(settings.dataset_path)
         if not folder.is_dir():
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"DATASET_PATH={folder} is not a folder; point it at a folder with train/validation files",
-            )
+            raise JobError(EXIT_BAD_INPUT, f"DATASET_PATH={folder} is not a folder; point it at the data's folder")
         if (folder / "dataset_dict.json").exists():
             try:
                 loaded = load_from_disk(str(folder))
-            except (
-                Exception
-            ) as exc:  # a torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild
+            # A torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild.
+            except Exception as exc:
                 raise JobError(
                     EXIT_BAD_INPUT,
-                    f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
+                    f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {_first_line(exc)}); "
                     "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
                 ) from None
         else:
@@ -209,9 +191,7 @@ def load_raw(settings: Settings) -> DatasetDict:
             suffix = Path(files["train"]).suffix.lower()
             # One split at a time: loaded together, the validation file was cast to the train file's columns, and
             # an extra column (unused either way) failed with a CastError naming neither file nor column.
-            loaded = DatasetDict(
-                {split: _load_file(Path(path), split, suffix, files) for split, path in files.items()}
-            )
+            loaded = DatasetDict({split: _load_file(Path(p), split, suffix, files) for split, p in files.items()})
             if FILE_FORMATS[suffix] == "json":
                 _check_json_labels(loaded, files, settings.label_column)
     else:
@@ -223,19 +203,12 @@ def load_raw(settings: Settings) -> DatasetDict:
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"cannot load DATASET_NAME={settings.dataset_name} DATASET_CONFIG={settings.dataset_config} from the Hub "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); check the names, or on an offline cluster set DATASET_PATH to a local copy",
+                f"({type(exc).__name__}: {_first_line(exc)}); check the names, or on an offline cluster set DATASET_PATH to a local copy",
             ) from None
     if not isinstance(loaded, DatasetDict):
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{settings.dataset_path} holds one Dataset, not a DatasetDict with train and validation splits",
-        )
-    missing = [split for split in splits if split not in loaded]
-    if missing:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"the data set has no {missing} split (it has {sorted(loaded)}); provide train and validation splits",
-        )
+        raise JobError(EXIT_BAD_INPUT, f"{settings.dataset_path} holds one Dataset; save a DatasetDict of the splits")
+    if missing := [split for split in splits if split not in loaded]:
+        raise JobError(EXIT_BAD_INPUT, f"the data set has no {missing} split (it has {sorted(loaded)}); provide it")
     return DatasetDict({split: loaded[split] for split in splits})
 
 
@@ -243,10 +216,9 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
     """Keep the text column(s) and the label under fixed names (`text`, `text_pair`, `labels`); refuse empty splits
     and labels the job cannot train. The labels leave as the ids of a ClassLabel that holds their names (what the
     model's id2label, the metrics and the card read), or as float32 scores for regression."""
-    columns = settings.text_columns
+    columns, label = settings.text_columns, settings.label_column
     for split, ds in raw.items():
-        named = [*(("TEXT_COLUMN", column) for column in columns), ("LABEL_COLUMN", settings.label_column)]
-        for setting, column in named:
+        for setting, column in [*(("TEXT_COLUMN", column) for column in columns), ("LABEL_COLUMN", label)]:
             if column not in ds.column_names:
                 raise JobError(
                     EXIT_BAD_INPUT,
@@ -257,29 +229,26 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
             raise JobError(EXIT_BAD_INPUT, f"the {split} split is empty; it needs at least one row")
         for column in columns:
             _check_text(ds, split, column)
-        _check_label_values(ds, split, settings.label_column)
+        _check_label_values(ds, split, label)
     _warn_unnamed_text(raw["train"], settings)
     problem = resolve_problem_type(raw["train"], settings)
     if problem == REGRESSION:
-        feature, labelled = (
-            datasets.Value("float32"),
-            {s: _scores(ds, s, settings.label_column) for s, ds in raw.items()},
-        )
+        feature = datasets.Value("float32")
+        labelled = {s: _scores(ds, s, label) for s, ds in raw.items()}
     else:
         names = resolve_label_names(raw, settings)
         feature = datasets.ClassLabel(names=list(names))
-        labelled = {s: _labels_as_ids(ds, s, settings.label_column, names, settings) for s, ds in raw.items()}
-    checked = {}
-    for split, ds in labelled.items():
-        ds = _cast_label(ds.select_columns([*columns, settings.label_column]), settings.label_column, feature)
-        checked[split] = ds.rename_columns(
-            dict(zip([*columns, settings.label_column], [*TEXTS[: len(columns)], LABEL], strict=True))
-        )
+        labelled = {s: _labels_as_ids(ds, s, label, names) for s, ds in raw.items()}
+    renamed = dict(zip([*columns, label], [*TEXTS[: len(columns)], LABEL], strict=True))
+    checked = {
+        split: _cast_label(ds.select_columns(list(renamed)), label, feature).rename_columns(renamed)
+        for split, ds in labelled.items()
+    }
     if problem != REGRESSION and len(set(checked["train"].unique(LABEL))) < 2:
         only = feature.names[checked["train"][0][LABEL]]
         raise JobError(
             EXIT_BAD_INPUT,
-            f"the train split has one class only ('{only}' in '{settings.label_column}', of {list(feature.names)}): a classifier "
+            f"the train split has one class only ('{only}' in '{label}', of {list(feature.names)}): a classifier "
             "learns nothing from it; add rows of the other classes, or check LABEL_COLUMN",
         )
     return DatasetDict(checked)
@@ -322,7 +291,7 @@ def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
             EXIT_BAD_INPUT,
             f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it",
         )
-    if getattr(ds.features[column], "dtype", None) in ("string", "large_string"):
+    if _is_text(ds.features[column]):
         values = ds.unique(column)
         words = sorted(v for v in values if not _digits([v]))
         if words and len(words) < len(values):
@@ -337,27 +306,21 @@ def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
 def _warn_unnamed_text(ds: datasets.Dataset, settings: Settings) -> None:
     """One text column named while the data holds another (MNLI's hypothesis): training on half of each pair
     runs, and learns little, without a word. Warned, not refused: the other column may be a note or a source."""
-    if len(settings.text_columns) == 2:
-        return
-    used = {*settings.text_columns, settings.label_column}
-    others = [
-        name
-        for name, feature in ds.features.items()
-        if name not in used and getattr(feature, "dtype", None) in ("string", "large_string")
-    ]
-    if others:
+    column, used = settings.text_column, {*settings.text_columns, settings.label_column}
+    others = [name for name, feature in ds.features.items() if name not in used and _is_text(feature)]
+    if others and len(settings.text_columns) == 1:
         log.warning(
-            "the data has another text column '%s' that no setting names: only '%s' is trained on. For sentence pairs "
-            "set TEXT_COLUMN=%s,%s",
-            others[0],
-            settings.text_column,
-            settings.text_column,
-            others[0],
+            f"the data has another text column '{others[0]}' that no setting names: only '{column}' is trained on. "
+            f"For sentence pairs set TEXT_COLUMN={column},{others[0]}"
         )
 
 
 def _is_float(feature) -> bool:
     return getattr(feature, "dtype", None) in ("float16", "float32", "float64")
+
+
+def _is_text(feature) -> bool:
+    return getattr(feature, "dtype", None) in ("string", "large_string")
 
 
 def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
@@ -369,11 +332,11 @@ def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
     feature = train.features[column]
     named = "label_names" in settings.model_fields_set
     if settings.problem_type == REGRESSION and named:
-        given = f"PROBLEM_TYPE={settings.problem_type}" if not settings.task else f"TASK={settings.task}"
+        given = f"TASK={settings.task}" if settings.task else f"PROBLEM_TYPE={settings.problem_type}"
         raise JobError(
             EXIT_BAD_INPUT,
             f"LABEL_NAMES={','.join(settings.label_names)} names classes, and {given} trains scores (a regression); "
-            "unset LABEL_NAMES to train scores, or unset " + given.split("=")[0] + " to train the classes",
+            f"unset LABEL_NAMES to train scores, or unset {given.split('=')[0]} to train the classes",
         )
     if settings.problem_type == REGRESSION:
         if isinstance(feature, datasets.ClassLabel) and "problem_type" not in settings.model_fields_set:
@@ -386,25 +349,21 @@ def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
         return REGRESSION
     values = train.unique(column) if _is_float(feature) else []
     odd = sorted((v for v in values if not _is_id(v)), key=str)
-    if settings.problem_type == "auto" and odd and not named:
+    if not odd:
+        return CLASSIFICATION
+    if settings.problem_type == "auto" and not named:
         log.info(
-            "the label column '%s' holds fractions: trained as a regression (one score, MSE); "
-            "PROBLEM_TYPE=classification trains classes",
-            column,
+            f"the label column '{column}' holds fractions: trained as a regression (one score, MSE); "
+            "PROBLEM_TYPE=classification trains classes"
         )
         return REGRESSION
-    if odd:
-        if settings.task:
-            fix = f"TASK={settings.task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
-        elif named:
-            fix = (
-                f"LABEL_NAMES={','.join(settings.label_names)} names classes: fix the row, or unset LABEL_NAMES and set "
-                "PROBLEM_TYPE=regression to train scores"
-            )
-        else:
-            fix = "set PROBLEM_TYPE=regression to train scores, or give class ids or names"
-        raise JobError(EXIT_BAD_INPUT, _not_ids("train", train, column, odd, fix))
-    return CLASSIFICATION
+    if settings.task:
+        fix = f"TASK={settings.task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
+    elif named:
+        fix = f"LABEL_NAMES={','.join(settings.label_names)} names classes: fix the row, or unset LABEL_NAMES and set PROBLEM_TYPE=regression to train scores"
+    else:
+        fix = "set PROBLEM_TYPE=regression to train scores, or give class ids or names"
+    raise JobError(EXIT_BAD_INPUT, _not_ids("train", train, column, odd, fix))
 
 
 def _is_id(value) -> bool:
@@ -470,15 +429,10 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
         # SST-2's two names in any order: the default order (label 1 is the positive class F1 is scored on).
         return settings.label_names if {_name_key(n) for n in feature.names} == default else tuple(feature.names)
     if kinds["train"] == "names":
-        values = {
-            v
-            for ds in raw.values()
-            for v in (
-                ds.features[column].names
-                if isinstance(ds.features[column], datasets.ClassLabel)
-                else ds.unique(column)
-            )
-        }
+        values = set()
+        for ds in raw.values():
+            named = ds.features[column]
+            values.update(named.names if isinstance(named, datasets.ClassLabel) else ds.unique(column))
         by_key = {}
         for value in sorted(values):
             by_key.setdefault(_name_key(value), value.strip())
@@ -494,14 +448,10 @@ def _label_kind(feature, values) -> str:
     """How a split writes its labels: `names` (a named ClassLabel, words) or `ids` (numbers, booleans, digits)."""
     if isinstance(feature, datasets.ClassLabel):
         return "ids" if feature.names == [str(i) for i in range(len(feature.names))] else "names"
-    if getattr(feature, "dtype", None) in ("string", "large_string") and not _digits(values):
-        return "names"
-    return "ids"
+    return "names" if _is_text(feature) and not _digits(values) else "ids"
 
 
-def _labels_as_ids(
-    ds: datasets.Dataset, split: str, column: str, label_names: tuple[str, ...], settings: Settings
-) -> datasets.Dataset:
+def _labels_as_ids(ds: datasets.Dataset, split: str, column: str, label_names: tuple[str, ...]) -> datasets.Dataset:
     """Labels as the ids of `label_names`. Where the data names its labels (a ClassLabel, or words), they are
     mapped by name: a ClassLabel `['positive', 'negative']` trained as it stands would teach the model the
     opposite of what the card says. Booleans, the floats 0.0/1.0 (a csv column with a blank, a pandas export)
@@ -511,30 +461,22 @@ def _labels_as_ids(
     if isinstance(feature, datasets.ClassLabel):
         ds = _class_label_by_name(ds, split, column, feature, label_names)
     else:
-        kind = getattr(feature, "dtype", None)
         values = ds.unique(column)
-        if kind in ("string", "large_string") and _digits(values):
-            ds = _cast_label(ds, column, datasets.Value("int64"))
-        elif kind in ("string", "large_string"):
+        odd = sorted((v for v in values if not _is_id(v)), key=str) if _is_float(feature) else []
+        if _is_text(feature) and not _digits(values):
             ds = _text_labels_by_name(ds, split, column, values, label_names)
-        elif _is_float(feature) and any(not _is_id(v) for v in values):
-            odd = sorted((v for v in values if not _is_id(v)), key=str)
+        elif odd:
             fix = "fill in or fix those rows, or set PROBLEM_TYPE=regression to train scores"
             raise JobError(EXIT_BAD_INPUT, _not_ids(split, ds, column, odd, fix))
-        elif kind == "bool" or _is_float(feature):
+        elif _is_text(feature) or _is_float(feature) or getattr(feature, "dtype", None) == "bool":
             ds = _cast_label(ds, column, datasets.Value("int64"))
-    ids = set(ds.unique(column))
-    bad = sorted(i for i in ids if not 0 <= i < len(label_names))
-    if bad:
+    if bad := sorted(i for i in set(ds.unique(column)) if not 0 <= i < len(label_names)):
         names = ", ".join(f"{i} ({name})" for i, name in enumerate(label_names))
+        fix = ": name every class in LABEL_NAMES (label 0 first), or relabel the data"
+        if -1 in bad:
+            fix = " (GLUE's test split, labelled -1, cannot be used for training or validation)"
         raise JobError(
-            EXIT_BAD_INPUT,
-            f"the {split} split has labels {bad[:5]} in '{column}'; labels must be ids {names}"
-            + (
-                " (GLUE's test split, labelled -1, cannot be used for training or validation)"
-                if -1 in bad
-                else ": name every class in LABEL_NAMES (label 0 first), or relabel the data"
-            ),
+            EXIT_BAD_INPUT, f"the {split} split has labels {bad[:5]} in '{column}'; labels must be ids {names}{fix}"
         )
     return ds
 
@@ -575,12 +517,9 @@ def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLab
         return ds  # -1 (no label) or out of range: the label check refuses it with the values
     old_ids = ds.with_format("arrow")[column]
     new_for_old = [ours.index(name) for name in theirs]
+    moves = ", ".join(f"{names[old]}: {old} -> {new}" for old, new in enumerate(new_for_old))
     log.info(
-        "the %s split's labels are a ClassLabel named %s; remapped by name to LABEL_NAMES %s (%s)",
-        split,
-        names,
-        list(label_names),
-        ", ".join(f"{names[old]}: {old} -> {new}" for old, new in enumerate(new_for_old)),
+        f"the {split} split's labels are a ClassLabel named {names}; remapped by name to LABEL_NAMES {list(label_names)} ({moves})"
     )
     return _replace_labels(ds, column, new_for_old, old_ids, datasets.ClassLabel(names=list(label_names)))
 
@@ -638,11 +577,9 @@ def tokenize(
         if not isinstance(exc, OSError) and volume_state(exc, cache_dir) is None:
             raise
         shutil.rmtree(partial, ignore_errors=True)
+        why = getattr(exc, "strerror", None) or type(exc).__name__
         log.warning(
-            "could not write the tokenized cache to %s (%s); training goes on from the tokenized data in memory, "
-            "and the next start tokenizes again",
-            cache_dir,
-            getattr(exc, "strerror", None) or type(exc).__name__,
+            f"could not write the tokenized cache to {cache_dir} ({why}); training goes on from the tokenized data in memory, and the next start tokenizes again"
         )
         return tokenized
     try:
@@ -672,10 +609,7 @@ def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
         return cached
     except Exception as exc:  # FileNotFoundError, JSONDecodeError, ArrowInvalid, KeyError: damaged either way
         log.warning(
-            "tokenized cache %s is damaged (%s: %s); removing it and tokenizing again",
-            target,
-            type(exc).__name__,
-            str(exc).splitlines()[0][:160] if str(exc) else "",
+            f"tokenized cache {target} is damaged ({type(exc).__name__}: {_first_line(exc)}); tokenizing again"
         )
         shutil.rmtree(target, ignore_errors=True)
         return None

@@ -11,10 +11,9 @@ Launchers, first match wins (so torchrun inside a Slurm task or a PyTorchJob pod
 | slurm      | SLURM_PROCID and SLURM_NTASKS          | SLURM_PROCID/NTASKS/LOCALID/NODEID, first host of the node list |
 | single     | none of the above                      | rank 0 of 1                                             |
 
-The `deepspeed` launcher also appends `--local_rank=N` to the command line; `launcher_argv` takes it off
-(it repeats LOCAL_RANK). It also publishes the resolved ranks under the names torch and Accelerate read (`export_env`). It imports
-no torch: `--dry-run` uses `detect_env` and must stay fast. The process group and the collectives over
-it are utils/collectives.py's.
+The `deepspeed` launcher also appends `--local_rank=N` to the command line; `launcher_argv` takes it off (it
+repeats LOCAL_RANK). `export_env` publishes the resolved ranks under the names torch and Accelerate read. No torch
+here: `--dry-run` uses `detect_env` and must stay fast. The process group is utils/collectives.py's.
 """
 
 from __future__ import annotations
@@ -31,27 +30,10 @@ from utils.errors import EXIT_BAD_INPUT, JobError
 
 DEFAULT_PORT = 29500  # torch's own default, used when only the address is given
 # Every variable a launcher uses to tell a process who it is (platform, torchrun, Kubeflow, Slurm).
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "CROSS_RANK",
-    "CROSS_SIZE",
-    "LOCAL_SIZE",
-    "PET_NODE_RANK",
-    "PET_NNODES",
-    "PET_NPROC_PER_NODE",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_JOB_NODELIST",
+LAUNCHER_VARIABLES = tuple(
+    "RANK LOCAL_RANK WORLD_SIZE NODE_RANK GROUP_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID "
+    "CROSS_RANK CROSS_SIZE LOCAL_SIZE PET_NODE_RANK PET_NNODES PET_NPROC_PER_NODE "
+    "SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_NODEID SLURM_JOB_NODELIST".split()
 )
 
 
@@ -156,21 +138,14 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Read the launcher's variables into one checked DistEnv (bad values raise JobError, exit 2)."""
     env = os.environ if environ is None else environ
     has = lambda name: bool(env.get(name, "").strip())  # noqa: E731 - an empty variable counts as unset
-
-    if has("TORCHELASTIC_RUN_ID") or has("LOCAL_WORLD_SIZE"):
-        source = "torchrun"
-        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank = _int(env, "LOCAL_RANK")
-        node_rank = _int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0))
-        addr = env.get("MASTER_ADDR")
-    elif has("CROSS_RANK") and has("CROSS_SIZE"):
+    addr = env.get("MASTER_ADDR")
+    torchrun = has("TORCHELASTIC_RUN_ID") or has("LOCAL_WORLD_SIZE")
+    if torchrun or (has("CROSS_RANK") and has("CROSS_SIZE")):
         # The `deepspeed` launcher (deepspeed/launcher/launch.py): its RANK is the process rank, and the node
         # is CROSS_RANK, not NODE_RANK, which it never sets (read as the platform, node would be the rank).
-        source = "deepspeed"
-        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank = _int(env, "LOCAL_RANK")
-        node_rank = _int(env, "CROSS_RANK")
-        addr = env.get("MASTER_ADDR")
+        source = "torchrun" if torchrun else "deepspeed"
+        rank, world, local_rank = _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK")
+        node_rank = _int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0)) if torchrun else _int(env, "CROSS_RANK")
     elif has("PET_NODE_RANK") or has("PET_NNODES"):
         source = "pytorchjob"
         if not has("RANK"):  # Kubeflow Trainer v2 sets only torchrun's PET_* variables, never RANK
@@ -187,26 +162,19 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
                 f"PET_NPROC_PER_NODE={nproc} but the pod started main.py without torchrun, so RANK is the pod index, "
                 "not the process rank; start the container with `torchrun main.py` (k8s/multi-gpu-per-pod) or set nprocPerNode: 1",
             )
-        local_rank = 0  # one process per pod
-        node_rank = _int(env, "PET_NODE_RANK", rank)
-        addr = env.get("MASTER_ADDR")
+        local_rank, node_rank = 0, _int(env, "PET_NODE_RANK", rank)  # one process per pod
     elif has("RANK") and has("WORLD_SIZE"):
         source = "platform"
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank = _int(env, "LOCAL_RANK", 0)  # one GPU per replica
-        node_rank = _int(env, "NODE_RANK", rank)
-        addr = env.get("MASTER_ADDR")
+        local_rank, node_rank = _int(env, "LOCAL_RANK", 0), _int(env, "NODE_RANK", rank)  # one GPU per replica
     elif has("SLURM_PROCID") and has("SLURM_NTASKS"):
         source = "slurm"
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
-        local_rank = _int(env, "SLURM_LOCALID", 0)
-        node_rank = _int(env, "SLURM_NODEID", 0)
-        addr = env.get("MASTER_ADDR") or (first_host(env["SLURM_JOB_NODELIST"]) if has("SLURM_JOB_NODELIST") else None)
+        local_rank, node_rank = _int(env, "SLURM_LOCALID", 0), _int(env, "SLURM_NODEID", 0)
+        addr = addr or (first_host(env["SLURM_JOB_NODELIST"]) if has("SLURM_JOB_NODELIST") else None)
     else:
         _refuse_partial_rank_variables(env)
-        return DistEnv(
-            rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"
-        )
+        return DistEnv(0, 0, 1, 0, None, None, "single")
 
     if world < 1:
         raise JobError(EXIT_BAD_INPUT, f"world size is {world} ({source}); it must be at least 1")
@@ -217,27 +185,23 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             EXIT_BAD_INPUT, f"LOCAL_RANK={local_rank} and NODE_RANK={node_rank} ({source}) must not be negative"
         )
     addr = (addr or "").strip() or None
-    if world == 1:
-        return DistEnv(
-            rank, local_rank, 1, node_rank, addr, _int(env, "MASTER_PORT", DEFAULT_PORT) if addr else None, source
-        )
-    if addr is None:
+    if world > 1 and addr is None:
         raise JobError(
             EXIT_BAD_INPUT,
             f"WORLD_SIZE={world} ({source}) but MASTER_ADDR is not set; set MASTER_ADDR (and MASTER_PORT, default {DEFAULT_PORT}) "
             "to the address of the rank-0 replica, e.g. in the job's config_map",
         )
-    port = _int(env, "MASTER_PORT", DEFAULT_PORT)
-    if not 0 < port < 65536:
+    port = _int(env, "MASTER_PORT", DEFAULT_PORT) if addr else None
+    if world > 1 and not 0 < port < 65536:
         raise JobError(EXIT_BAD_INPUT, f"MASTER_PORT={port} is not a TCP port; use 1..65535 (default {DEFAULT_PORT})")
     return DistEnv(rank, local_rank, world, node_rank, addr, port, source)
 
 
-def elastic_range(environ: Mapping[str, str] | None = None) -> tuple[range, str] | None:
+def elastic_range() -> tuple[range, str] | None:
     """The replica counts an elastic launcher may restart the job on, and the variable that says so: a
     PyTorchJob's elasticPolicy gives every pod PET_NNODES=MIN:MAX (torchrun reads it, and its workers inherit
     it), each node running PET_NPROC_PER_NODE (or torchrun's LOCAL_WORLD_SIZE) processes. None: no range."""
-    env = os.environ if environ is None else environ
+    env = os.environ
     nodes = env.get("PET_NNODES", "").strip()
     bounds = re.fullmatch(r"(\d+):(\d+)", nodes)
     per_node = env.get("PET_NPROC_PER_NODE", "").strip() or env.get("LOCAL_WORLD_SIZE", "").strip() or "1"
@@ -248,13 +212,12 @@ def elastic_range(environ: Mapping[str, str] | None = None) -> tuple[range, str]
     return range(low * step, high * step + 1, step), named
 
 
-def launcher_argv(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> list[str]:
+def launcher_argv(argv: list[str] | None = None) -> list[str]:
     """The command line without the `--local_rank=N` the `deepspeed` launcher appends (it sets LOCAL_RANK=N
     as well), so `deepspeed --num_gpus N main.py` runs as written. One that disagrees with LOCAL_RANK, or
     comes without it, stays and is refused as an unknown flag: it was typed, not added by a launcher."""
-    env = os.environ if environ is None else environ
     args = sys.argv[1:] if argv is None else list(argv)
-    local_rank = env.get("LOCAL_RANK", "").strip()
+    local_rank = os.environ.get("LOCAL_RANK", "").strip()
     added = {f"--local_rank={local_rank}", f"--local-rank={local_rank}"} if local_rank else set()
     return [arg for arg in args if arg not in added]
 
@@ -287,18 +250,11 @@ def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, obje
 # into its settings (utils/deepspeed_config.deepspeed_overrides) they are dropped: the Trainer's DeepSpeed plugin
 # would read them again, and refuses them beside the config the job hands it ("When using
 # `deepspeed_config_file`, the following accelerate config variables will be ignored").
-ACCELERATE_DEEPSPEED_VARIABLES = (
-    "ACCELERATE_CONFIG_DS_FIELDS",
-    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH",
-    "ACCELERATE_DEEPSPEED_ZERO3_INIT",
-    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
-    "ACCELERATE_DEEPSPEED_CONFIG_FILE",
-    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-    "ACCELERATE_GRADIENT_CLIPPING",
+ACCELERATE_DEEPSPEED_VARIABLES = tuple(
+    "ACCELERATE_CONFIG_DS_FIELDS ACCELERATE_DEEPSPEED_ZERO_STAGE ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE "
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH "
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH ACCELERATE_DEEPSPEED_ZERO3_INIT ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL "
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE ACCELERATE_GRADIENT_ACCUMULATION_STEPS ACCELERATE_GRADIENT_CLIPPING".split()
 )
 
 

@@ -21,8 +21,7 @@ class JobError(Exception):
 
     def __init__(self, code: int, message: str):
         super().__init__(message)
-        self.code = code
-        self.message = message
+        self.code, self.message = code, message
 
 
 class Preempted(BaseException):
@@ -34,8 +33,7 @@ class Preempted(BaseException):
 
     def __init__(self, message: str, code: int = EXIT_PREEMPTED):
         super().__init__(message)
-        self.message = message
-        self.code = code  # 128 + the signal: 143 after SIGTERM, 130 after SIGINT
+        self.message, self.code = message, code  # 128 + the signal: 143 after SIGTERM, 130 after SIGINT
 
 
 # A full, over-quota or read-only volume will not heal by itself: a restart would fail the same way (or, with
@@ -49,7 +47,7 @@ NEARLY_FULL_BYTES = 1 << 20
 IO_ERROR_LOOKS = 30  # 3 s: how long an EIO waits to see the volume turn read-only
 
 
-def volume_state(exc: BaseException, folder: str | os.PathLike | None = None) -> str | None:
+def volume_state(exc: BaseException, folder: str | os.PathLike) -> str | None:
     """Whether `exc` came from OUTPUT_DIR's volume filling up or turning read-only: "full", "read-only" or None.
 
     Told by the errno anywhere in the exception's chain, or, for libraries that hide it (torch.save raises
@@ -65,8 +63,6 @@ def volume_state(exc: BaseException, folder: str | os.PathLike | None = None) ->
             return VOLUME_ERRNOS[cause.errno]
         io_error = io_error or (isinstance(cause, OSError) and cause.errno == errno.EIO)
         cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
-    if folder is None:
-        return None
     # A file system that fails (ext4 errors=remount-ro) answers the write in flight with EIO and turns
     # read-only as it handles the error: look again for a moment before calling it something else.
     for _ in range(IO_ERROR_LOOKS if io_error else 1):
@@ -103,18 +99,13 @@ def _refuses_new_files(folder: str | os.PathLike) -> str | None:
 def volume_error(state: str, folder: str | os.PathLike, doing: str, resume: str) -> JobError:
     """The one `error:` line (exit 2) for a volume that is `state` ("full" or "read-only"): what, where, the fix,
     and what a restart will do (`resume`)."""
+    what, fix = (
+        "turned read-only (its volume was remounted read-only, usually after a file-system error: see the node's kernel log)",
+        "repair the volume or mount it read-write again",
+    )
     if state == "full":
-        what, fix = (
-            "is full (no space left on its volume)",
-            "free space there (e.g. remove other runs' folders) or give the job a larger "
-            "volume (shared_volume size in config.yaml, the PVC's storage in k8s/)",
-        )
-    else:
-        what, fix = (
-            "turned read-only (its volume was remounted read-only, usually after a file-system error: see the "
-            "node's kernel log)",
-            "repair the volume or mount it read-write again",
-        )
+        what = "is full (no space left on its volume)"
+        fix = "free space there (e.g. remove other runs' folders) or give the job a larger volume (shared_volume size in config.yaml, the PVC's storage in k8s/)"
     return JobError(
         EXIT_VOLUME,
         f"OUTPUT_DIR={folder} {what} while {doing}; {fix}, then start the job again: {resume} "

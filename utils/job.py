@@ -44,14 +44,7 @@ class Job:
 
     @classmethod
     def start(
-        cls,
-        settings: Settings,
-        dist: DistEnv,
-        out: RunDir,
-        plan: Plan,
-        *,
-        preemption: Preemption,
-        masker: Masker | None = None,
+        cls, settings: Settings, dist: DistEnv, out: RunDir, plan: Plan, *, preemption: Preemption, masker=None
     ) -> Job:
         cuda = torch.cuda.is_available()
         plan = with_device(plan, settings, cuda, cuda and torch.cuda.is_bf16_supported())

@@ -210,29 +210,21 @@ def build_model_card(
     plot: bool = False,
     targets: list[str] | None = None,
 ) -> ModelCard:
-    """The card for model/ (the adapter) or, with `merged`, for merged/ (the base with the adapter merged in).
-
-    `repo_id`: where it is pushed (None: the card names the folder on the volume). `targets`: the adapted layers.
-    """
+    """The card for model/ or, `merged`, merged/; `repo_id` None: it names the folder. `targets`: the adapted layers."""
     base_id = published_base(settings, metrics)
     hub_data = not settings.dataset_path
-    dataset_type = settings.dataset_name if hub_data else "local"
+    sentiment = ["sentiment-analysis"] if settings.dataset_config == "sst2" and not settings.task else []
     card_data = ModelCardData(
         base_model=base_id,  # None when unknown: the Hub rejects a path here
         library_name="transformers" if merged else "peft",
         pipeline_tag="text-classification",
-        tags=[
-            "lora",
-            "text-classification",
-            *(["sentiment-analysis"] if settings.dataset_config == "sst2" and not settings.task else []),
-            *([] if merged else ["peft"]),
-        ],
+        tags=["lora", "text-classification", *sentiment, *([] if merged else ["peft"])],
         datasets=[settings.dataset_name] if hub_data else None,
         model_name=metrics.get("run_name"),
         eval_results=[
             EvalResult(
                 task_type="text-classification",
-                dataset_type=dataset_type,
+                dataset_type=settings.dataset_name if hub_data else "local",
                 dataset_name=f"GLUE {settings.dataset_config.upper()}" if hub_data else "local data",
                 dataset_config=settings.dataset_config if hub_data else None,
                 dataset_split="validation",
@@ -242,10 +234,8 @@ def build_model_card(
             for name in card_metrics(metrics)
         ],
     )
-    base_link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{settings.model_name}`"
-    what = (
-        f"{base_link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {base_link},"
-    )
+    link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{settings.model_name}`"
+    what = f"{link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {link},"
     training = {
         "base model": base_id or settings.model_name,
         "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(targets or settings.lora_target_modules)}",
@@ -262,7 +252,7 @@ def build_model_card(
         "run name": metrics.get("run_name"),
     }
     repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
-    card = ModelCard.from_template(
+    return ModelCard.from_template(
         card_data,
         template_str=CARD_TEMPLATE,
         model_name=metrics.get("run_name"),
@@ -279,20 +269,13 @@ def build_model_card(
         row="pair" if len(settings.text_columns) == 2 else "sentence",
         training_rows="\n".join(f"| {key} | {value} |" for key, value in training.items()),
     )
-    return card
 
 
 def write_model_card(
     folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False
 ) -> ModelCard:
-    card = build_model_card(
-        settings,
-        metrics,
-        repo_id,
-        merged=merged,
-        plot=(folder / PLOT_NAME).exists(),
-        targets=trained_targets(folder, settings),
-    )
+    plot, targets = (folder / PLOT_NAME).exists(), trained_targets(folder, settings)
+    card = build_model_card(settings, metrics, repo_id, merged=merged, plot=plot, targets=targets)
     card.save(folder / "README.md")
     return card
 

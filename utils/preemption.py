@@ -14,9 +14,8 @@ transformers' `enable_jit_checkpoint` was not used: it decides per rank (one sig
 while its peers wait in the next all-reduce), waits 3 s before acting, and returns from `train()` as
 if training had finished, so the run would go on to publish a half-trained model.
 
-This module imports nothing heavy: main.py creates one `Preemption` per run and installs its handler
-before torch is imported (a container's PID 1 ignores SIGTERM unless a handler is installed), then hands
-it to the run, whose Trainer callback (utils/trainer.py StopOnPreemption) reads and settles the request.
+main.py installs the handler before torch is imported (a container's PID 1 ignores SIGTERM unless a handler is
+installed), so this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -43,19 +42,12 @@ SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)"}
 
 
 class Preemption:
-    """The stop-signal handler's state: which signal asked to stop, and whether the training loop acts on it.
-
-    One per process, created by main.py and passed down; `install` makes it the handler of SIGTERM and SIGINT.
-    """
+    """The stop-signal handler's state: which signal asked to stop, and whether the training loop acts on it."""
 
     def __init__(self) -> None:
         self.signum = 0  # 0: no stop asked; else SIGTERM (15) or SIGINT (2)
         self._deferred = False
         self._lock = threading.Lock()
-
-    @property
-    def requested(self) -> bool:
-        return self.signum != 0
 
     def install(self) -> None:
         for signum in SIGNALS:
@@ -106,7 +98,7 @@ class Preemption:
         """While inside, a stop signal only records itself; the training loop checkpoints and stops."""
         self._deferred = True
         try:
-            if self.requested:  # signalled before the loop started: stop at the first step boundary
+            if self.signum:  # signalled before the loop started: stop at the first step boundary
                 log.warning("%s arrived before training started; stopping after the first step", SIGNALS[self.signum])
             yield
         finally:

@@ -91,27 +91,26 @@ def best_metric(settings, problem_type: str) -> str:
 
 def describe_task(settings) -> dict:
     """What `--dry-run` shows: the task as the settings resolve it (labels: from the data when not named)."""
-    problem = settings.problem_type
-    shown_problem = (
-        problem
-        if problem != "auto"
-        else "classification (LABEL_NAMES names the classes)"
-        if "label_names" in settings.model_fields_set
-        else "classification, or regression for a float label column"
-    )
+    problem, named = settings.problem_type, "label_names" in settings.model_fields_set
+    kind = REGRESSION if problem == REGRESSION else CLASSIFICATION
+    labels = f"from the data (two unnamed ids: {','.join(settings.label_names)})"
+    if named or settings.task:
+        labels = list(settings.label_names)
+    if problem == "auto":
+        problem = (
+            "classification (LABEL_NAMES names the classes)"
+            if named
+            else "classification, or regression for a float label column"
+        )
     return {
         "task": settings.task,
         "text_columns": list(settings.text_columns),
         "label_column": settings.label_column,
-        "label_names": []
-        if problem == REGRESSION
-        else list(settings.label_names)
-        if "label_names" in settings.model_fields_set or settings.task
-        else "from the data (two unnamed ids: " + ",".join(settings.label_names) + ")",
-        "problem_type": shown_problem,
+        "label_names": [] if kind == REGRESSION else labels,
+        "problem_type": problem,
         "validation_splits": list(validation_splits(settings)),
-        "metrics": list(reported_metrics(settings, REGRESSION if problem == REGRESSION else CLASSIFICATION)),
-        "metric_for_best_model": best_metric(settings, REGRESSION if problem == REGRESSION else CLASSIFICATION),
+        "metrics": list(reported_metrics(settings, kind)),
+        "metric_for_best_model": best_metric(settings, kind),
     }
 
 

@@ -1,11 +1,8 @@
 """The Trainer the job uses: its TrainingArguments, the HF Trainer subclass, its callbacks and its metrics.
 
-The Trainer (Accelerate underneath) owns the loop, DDP, accumulation, mixed precision, checkpoints,
-resume, logging and the progress bar. What this module adds: the arguments the settings resolve to,
-length-grouped batches in an order a resume reproduces, evaluation in dataset order, the rows each rank
-trained on, and callbacks that mark checkpoints complete, stop every rank together on a stop signal,
-check the strategy really applied, and time the first step. `build_trainer` puts them together; the
-order of a run around it is utils/run.py's.
+The Trainer (Accelerate underneath) owns the loop, DDP, accumulation, mixed precision, checkpoints, resume and
+logging. This module adds what it lacks: a batch order a resume reproduces, checkpoints every rank agrees on, a
+stop on every rank together, the rows each rank trained on. The order of a run around it is utils/run.py's.
 """
 
 from __future__ import annotations
@@ -55,20 +52,13 @@ EVALUATIONS_PER_EPOCH = 4
 class JobTrainer(Trainer):
     """The HF Trainer, counting the rows this rank trained on and keeping evaluation in dataset order.
 
-    Four private methods are overridden, `_get_train_sampler`, `_get_eval_sampler`, `_save_checkpoint` and
-    `_run_epoch`,
-    because the public route does not give what the job needs (transformers 5.23, checked by
-    tests/test_library_contract.py):
+    Four private methods are overridden, because the public route does not give what the job needs
+    (transformers 5.23, checked by tests/test_library_contract.py):
 
-    - training: `train_sampling_strategy="group_by_length"` with a precomputed `length` column
-      (`length_column_name`) is the public way, but `_get_dataloader` drops the columns the model's
-      forward does not take before it builds the sampler, so the column never reaches it and the library
-      measures every row in a Python loop again (1.7 s for SST-2, on every rank, before the first step).
-      And the library's sampler draws each epoch's order from the global RNG, which a resume restores
-      only after the resumed epoch's order is drawn: a run resumed in epoch 2 or later trained other
-      batches than the uninterrupted run (seen: another final checksum). The override returns the
-      library's sampler fed Arrow's lengths, its order drawn from SEED + epoch
-      (GlobalOrderSampler, told the epoch by SamplerEpoch).
+    - training: `train_sampling_strategy="group_by_length"` with a precomputed `length` column is the public
+      way, but `_get_dataloader` drops the columns the model's forward does not take before it builds the
+      sampler, so the library measures every row in a Python loop again (1.7 s for SST-2, on every rank). And
+      its order would not survive a resume: GlobalOrderSampler.
     - evaluation: the same strategy makes the eval sampler length-grouped too (rows reordered); there is
       no public switch for evaluation alone, so the override keeps it sequential.
     - checkpoints: a save that fails (a full or read-only volume) raises out of the Trainer on the rank that
@@ -85,14 +75,9 @@ class JobTrainer(Trainer):
         # and then scales it by the world size and skips the division by accumulation steps. The
         # classification loss is a per-batch mean: without this, DDP runs train at world-size x the rate.
         self.model_accepts_loss_kwargs = False
-        # The optimizer groups' rates, and GLOBAL_BATCH_SIZE's one order of the rows (GlobalOrderSampler).
-        self.plan = plan
+        self.plan, self.startup, self.buckets = plan, startup, buckets
         # Rows this process trained on (logs/rank-R.json); after a resume, only the rows trained since.
         self.samples_seen = 0
-        # When this process began and finished its first step, and its steps' own time (logs/rank-R.json).
-        self.startup = startup
-        # The padded lengths of every batch; on the fast path each is compiled before the first step.
-        self.buckets = buckets
         self.compile_pending = compiled
         # Inductor's CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1), which need to be told where a step begins.
         self.cudagraphs = compiled and cudagraphs_enabled()
@@ -109,20 +94,11 @@ class JobTrainer(Trainer):
             # with g++, no nvcc); the same groups and AdamW hyperparameters as the torch optimizer it replaces.
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            groups = [
-                {key: value for key, value in group.items() if key in ("params", "lr", "weight_decay", "betas", "eps")}
-                for group in optimizer.param_groups
-            ]
-            defaults = optimizer.defaults
-            self.optimizer = DeepSpeedCPUAdam(
-                groups,
-                lr=defaults["lr"],
-                betas=defaults["betas"],
-                eps=defaults["eps"],
-                weight_decay=defaults["weight_decay"],
-                adamw_mode=True,
+            keys = ("lr", "weight_decay", "betas", "eps")
+            groups = [{k: v for k, v in group.items() if k in ("params", *keys)} for group in optimizer.param_groups]
+            optimizer = self.optimizer = DeepSpeedCPUAdam(
+                groups, **{k: optimizer.defaults[k] for k in keys}, adamw_mode=True
             )
-            optimizer = self.optimizer
         return optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -176,10 +152,8 @@ class JobTrainer(Trainer):
     def _save_checkpoint(self, model, trial):
         # The one place every rank's checkpoint write passes through (model, optimizer, RNG state, trainer
         # state); a callback runs only after it succeeded. A full or read-only volume ends every rank alike.
-        marker = next((c for c in self.callback_handler.callbacks if isinstance(c, CheckpointMarker)), None)
+        marker = next(c for c in self.callback_handler.callbacks if isinstance(c, CheckpointMarker))
         with self.startup.aside():
-            if marker is None:
-                return super()._save_checkpoint(model, trial)
             marker.save_agreed(
                 lambda: super(JobTrainer, self)._save_checkpoint(model, trial),
                 f"saving checkpoint-{self.state.global_step}",
@@ -405,10 +379,8 @@ class CheckpointMarker(TrainerCallback):
         """A failure because OUTPUT_DIR's volume is full or read-only becomes its one-line JobError (exit 2)."""
         try:
             yield
-        except JobError:
-            raise
         except Exception as exc:
-            fault = volume_fault(self.run, exc, doing)
+            fault = None if isinstance(exc, JobError) else volume_fault(self.run, exc, doing)
             if fault is None:
                 raise
             raise fault from None
@@ -457,14 +429,11 @@ class RecordedTensorBoard(TensorBoardCallback):
             return
         try:
             event(*args, **kwargs)
-        except JobError:
-            raise
         except Exception as exc:
-            state = volume_state(exc, self.run.root)
-            if state is None:
+            if isinstance(exc, JobError) or (state := volume_state(exc, self.run.root)) is None:
                 raise
             self.volume_failed = True
-            log.warning("TensorBoard stopped writing to %s: the volume is %s (%s)", self.logging_dir, state, exc)
+            log.warning(f"TensorBoard stopped writing to {self.logging_dir}: the volume is {state} ({exc})")
 
     def _init_summary_writer(self, args):
         folder = self.run.make_dir(Path(self.logging_dir))
@@ -491,11 +460,8 @@ class StopOnPreemption(TrainerCallback):
         signum = self.collectives.max_over_ranks(self.preemption.signum)
         if signum:
             self.preemption.follow(signum)
-            log.warning(
-                "%s: saving a checkpoint at step %d and stopping", SIGNALS.get(signum, signum), state.global_step
-            )
-            control.should_save = True
-            control.should_training_stop = True
+            log.warning(f"{SIGNALS.get(signum, signum)}: saving a checkpoint at step {state.global_step} and stopping")
+            control.should_save = control.should_training_stop = True
             # The grace period goes to the checkpoint: the Trainer would evaluate first on an evaluation step.
             control.should_evaluate = False
 
@@ -519,29 +485,23 @@ class StrategyCheck(TrainerCallback):
                     "(it would train without DeepSpeed); launch without --cpu / ACCELERATE_USE_CPU",
                 )
             config = args.hf_deepspeed_config.config
+            state, weights = offloads(config)
             log.info(
-                "strategy deepspeed: ZeRO stage %d, optimizer state offloaded %s, weights offloaded %s",
-                zero_stage(config),
-                *offloads(config),
+                f"strategy deepspeed: ZeRO stage {zero_stage(config)}, optimizer state offloaded {state}, weights offloaded {weights}"
             )
             return
         units = count_fsdp_units(model)
-        if self.strategy == "fsdp" and not units:
+        if self.strategy != "fsdp":
+            log.info(f"strategy {self.strategy}: {f'{units} FSDP units' if units else 'a whole model on every rank'}")
+        elif not units:
             raise JobError(
                 EXIT_BAD_INPUT,
                 "STRATEGY=fsdp but the Trainer did not shard the model (it would train plain DDP); "
                 "FSDP needs one process per CUDA GPU and a MULTI_GPU launch",
             )
-        if self.strategy == "fsdp":
-            log.info(
-                "strategy fsdp: the model is sharded by FSDP in %d units (%s + the root)",
-                units,
-                ", ".join(args.fsdp_config.get("transformer_layer_cls_to_wrap", [])),
-            )
         else:
-            log.info(
-                "strategy %s: %s", self.strategy, "a whole model on every rank" if not units else f"{units} FSDP units"
-            )
+            layers = ", ".join(args.fsdp_config.get("transformer_layer_cls_to_wrap", []))
+            log.info(f"strategy fsdp: the model is sharded by FSDP in {units} units ({layers} + the root)")
 
 
 # ------------------------------------------------------------------------------- metrics
@@ -585,10 +545,9 @@ def regression_metrics():
 
 def task_metrics(model):
     """compute_metrics for what the model was built for (its config's problem type and label count)."""
-    config = model.config
-    if config.problem_type == "regression":
+    if model.config.problem_type == "regression":
         return regression_metrics()
-    return classification_metrics(config.num_labels)
+    return classification_metrics(model.config.num_labels)
 
 
 def evaluation_sets(data) -> datasets.Dataset | dict[str, datasets.Dataset]:
@@ -697,7 +656,6 @@ def build_trainer(
     marker = CheckpointMarker(out, group, settings.save_total_limit, key or {"identity": job.plan.identity})
     startup = StepClock(args.device)
     callbacks: list[TrainerCallback] = [
-        # Stops the run if the Trainer did not shard as asked.
         StrategyCheck(job.strategy),
         marker,
         startup,
@@ -712,8 +670,11 @@ def build_trainer(
         use_tf32_matmuls()
     # Every path pads to the same length buckets: the same rows and the same padded shapes (so the same dropout
     # masks) compiled or eager; a bucket is a static shape for the compiled graphs, and a multiple of 8.
-    buckets = length_buckets(settings.max_seq_length, longest_row(data))
-    collator = partial(pad_to_bucket, bucket_collators(tokenizer, buckets))
+    # Evaluation batches use the same collator: the longest row of any split.
+    longest = max(pyarrow.compute.max(token_counts(split)).as_py() for split in data.values())
+    buckets = length_buckets(settings.max_seq_length, longest)
+    # One padding collator per bucket, built once, not one per batch.
+    collators = {n: DataCollatorWithPadding(tokenizer, padding="max_length", max_length=n) for n in buckets}
     if job.plan.precision == "bf16" and not job.quantize and job.strategy == "ddp":
         store_frozen_linears_in_bf16(model)
     if job.compiled:
@@ -723,7 +684,7 @@ def build_trainer(
         args=args,
         train_dataset=data["train"],
         eval_dataset=evaluation_sets(data),
-        data_collator=collator,
+        data_collator=partial(pad_to_bucket, collators),
         processing_class=tokenizer,
         compute_metrics=task_metrics(model),
         callbacks=callbacks,
@@ -753,11 +714,6 @@ def token_counts(split: datasets.Dataset) -> pyarrow.Array:
     return pyarrow.compute.list_value_length(split.with_format("arrow")["input_ids"])
 
 
-def longest_row(data) -> int:
-    """The most tokens of any row of any split; evaluation batches use the same collator."""
-    return max(pyarrow.compute.max(token_counts(split)).as_py() for split in data.values())
-
-
 def use_tf32_matmuls() -> None:
     """TF32 for the fp32 matmuls (Ampere and newer), set through torch's legacy API only. Once the new one
     (`torch.backends.fp32_precision`, which TrainingArguments(tf32=True) sets) has been used too, the legacy getters
@@ -767,16 +723,11 @@ def use_tf32_matmuls() -> None:
 
 
 def pad_to_bucket(collators: dict[int, DataCollatorWithPadding], features: list[dict]) -> dict:
-    """A batch padded to the smallest bucket that holds its longest row: static shapes, a graph per bucket.
-    `collators` holds one padding collator per bucket, built once (`bucket_collators`), not one per batch."""
+    """A batch padded to the smallest bucket (`collators`, smallest first) that holds its longest row: static
+    shapes, a graph per bucket."""
     longest = max(len(row["input_ids"]) for row in features)
     bucket = next((length for length in collators if length >= longest), max(collators))
     return collators[bucket](features)
-
-
-def bucket_collators(tokenizer, buckets: list[int]) -> dict[int, DataCollatorWithPadding]:
-    """A collator padding to each bucket's length, smallest bucket first."""
-    return {length: DataCollatorWithPadding(tokenizer, padding="max_length", max_length=length) for length in buckets}
 
 
 def store_frozen_linears_in_bf16(model) -> None:
