@@ -72,7 +72,7 @@ CHANGES = {  # id -> (settings of the first start, of the second: {**base, **the
         (2, 2),
         "ZERO_STAGE: 2 -> 3",
     ),
-    "the data": ({}, {"dataset_path": "other"}, (1, 1), "data files: train.csv added, removed or edited"),
+    "the data": ({}, {"dataset_path": "other"}, (1, 1), "data files: train.csv in DATASET_PATH="),
 }
 
 

@@ -121,7 +121,7 @@ def test_restart_after_success_does_no_second_training_and_no_second_push(finish
 def test_output_dir_with_other_settings_is_refused(finished_run, hub, tmp_path):
     other = run_main(restart_env(finished_run, tmp_path, hub, LORA_R="4"))
     assert other.code == 2
-    assert other.stderr.startswith("error: ") and "lora_r" in other.stderr and "Traceback" not in other.stderr
+    assert other.stderr.startswith("error: ") and "LORA_R: 8 -> 4" in other.stderr and "Traceback" not in other.stderr
 
 
 @pytest.mark.slow

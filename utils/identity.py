@@ -82,7 +82,8 @@ def identity_changes(theirs: dict, ours: dict, ignore: frozenset[str] = frozense
             continue
         if name == "data" and isinstance(was, dict) and isinstance(now, dict):
             files = sorted(f for f in set(was) | set(now) if was.get(f) != now.get(f))
-            changes.append(f"data files: {', '.join(files[:4])} added, removed or edited")
+            where = f" in DATASET_PATH={ours.get('dataset_path')}" if ours.get("dataset_path") else ""
+            changes.append(f"data files: {', '.join(files[:4])}{where} added, removed or edited")
         else:
             changes.append(f"{DERIVED.get(name, name.upper())}: {was} -> {now}")
     return changes
