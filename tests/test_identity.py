@@ -33,12 +33,16 @@ def refusal(call) -> str | None:
     return None
 
 
-def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int]) -> dict[str, str | None]:
-    """What each place says when a start with `second` (settings, replica count) finds the run `first` made."""
+def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int], edit=None) -> dict[str, str | None]:
+    """What each place says when a start with `second` (settings, replica count) finds the run `first` made
+    (`edit`: what changed on the volume between the two)."""
     from utils.run import agreement_of, resume_checkpoint
 
     (settings_a, world_a), (settings_b, world_b) = first, second
-    plan_a, plan_b = build_plan(settings_a, world_a), build_plan(settings_b, world_b)
+    plan_a = build_plan(settings_a, world_a)
+    if edit:
+        edit()
+    plan_b = build_plan(settings_b, world_b)
     out = tmp / "out"
     out.mkdir()
     run = RunDir(out)
@@ -72,7 +76,7 @@ CHANGES = {  # id -> (settings of the first start, of the second: {**base, **the
         (2, 2),
         "ZERO_STAGE: 2 -> 3",
     ),
-    "the data": ({}, {"dataset_path": "other"}, (1, 1), "data files: train.csv in DATASET_PATH="),
+    "the data": ({}, {}, (1, 1), "data files: train.csv in DATASET_PATH="),  # edited in place (test below)
 }
 
 
@@ -80,9 +84,16 @@ CHANGES = {  # id -> (settings of the first start, of the second: {**base, **the
 def test_each_change_of_the_identity_is_refused_alike_in_every_place(tmp_path, change):
     first, second, (world_a, world_b), named = CHANGES[change]
     base = {"dataset_path": str(data_folder(tmp_path / "data")), "output_dir": str(tmp_path / "out")}
-    data_folder(tmp_path / "other", train="sentence,label\ngood,1\nawful,0\n")  # same names, other rows
-    second = {**second, "dataset_path": str(tmp_path / second["dataset_path"])} if "dataset_path" in second else second
-    said = places(tmp_path, (Settings(**base, **first), world_a), (Settings(**{**base, **first, **second}), world_b))
+
+    def edit():  # the same file name, one row changed
+        if change == "the data":
+            data_folder(tmp_path / "data", train="sentence,label\ngood,1\nawful,0\n")
+
+    first_start, second_start = (
+        (Settings(**base, **first), world_a),
+        (Settings(**{**base, **first, **second}), world_b),
+    )
+    said = places(tmp_path, first_start, second_start, edit)
     assert said.pop("run name"), "another run must get another RUN_NAME"
     for place, message in said.items():
         assert message is not None and named in message, (place, message)
