@@ -186,13 +186,8 @@ class Hub:
         self._max_retry_seconds = max_retry_seconds
 
     def check_write_access(self, repo_id: str) -> str:
-        """Fail before any GPU time, within TOKEN_CHECK_SECONDS, when the token is missing, wrong or
-        read-only, or the Hub does not answer."""
-        if self._token is None:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"RESULT_MODEL_ID={repo_id} asks for a push but no token is set; set HF_TOKEN (or HF_TOKEN_PATH), or unset RESULT_MODEL_ID",
-            )
+        """Fail before any GPU time, within TOKEN_CHECK_SECONDS, when the token is wrong or read-only, or the Hub
+        does not answer (a push without a token: utils/settings.check_push_possible, before this)."""
         seconds = min(TOKEN_CHECK_SECONDS, self._max_retry_seconds)
         try:
             me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami))
