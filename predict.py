@@ -33,14 +33,9 @@ from pathlib import Path
 from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.model_card import INPUTS_NAME, LABELS_NAME, REGRESSION_LABEL, read_label_names
+from utils.settings import Parser
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one `error:` line and exit 2, as in main.py
-        print(f"error: {message}; see `python predict.py --help`", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
 
 
 # A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.
@@ -59,7 +54,7 @@ def batch_size(value: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(prog="predict.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = Parser(prog="predict.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("model", help="adapter folder, merged folder, or Hub repo id of either")
     parser.add_argument(
         "file",
@@ -471,8 +466,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         check_input_shape(args.model, trained_columns(args.model), args.text_column)
         sentences = read_inputs(args.file, args.text_column)
         classifier = load_classifier(args.model, args.base_model)
