@@ -204,28 +204,19 @@ def read_delimited(text: str, file: Path, column: str, suffix: str) -> list[str]
 def read_json_records(text: str, file: Path, column: str) -> list[str]:
     """`column` of each object of a JSON array, or of each line of JSON lines: training's loader takes either
     under both suffixes. A string in an array is itself a sentence (training reads it as the column `text`)."""
-    if text.lstrip().startswith("["):
+    array = text.lstrip().startswith("[")
+    chunks = [(1, text)] if array else [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
+    records, places = [], []
+    for number, chunk in chunks:
         try:
-            records = json.loads(text)
+            loaded = json.loads(chunk)
         except json.JSONDecodeError as exc:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{file} is not a JSON array ({exc.msg} on line {exc.lineno}); give a JSON array of objects, or one JSON object per line",
-            ) from None
-        places = [f"item {number}" for number in range(1, len(records) + 1)]
-    else:
-        records, places = [], []
-        for number, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"{file} line {number} is not JSON ({exc.msg}); give one JSON object per line, or a JSON array of objects",
-                ) from None
-            places.append(f"line {number}")
+            where = f"is not a JSON array ({exc.msg} on line {exc.lineno})" if array else f"line {number} is not JSON"
+            what = where if array else f"{where} ({exc.msg})"
+            fix = "give a JSON array of objects, or one JSON object per line"
+            raise JobError(EXIT_BAD_INPUT, f"{file} {what}; {fix}") from None
+        records += loaded if array else [loaded]
+        places += [f"item {item}" for item in range(1, len(loaded) + 1)] if array else [f"line {number}"]
     sentences = []
     for place, record in zip(places, records, strict=True):
         text_value = record.get(column) if isinstance(record, dict) else record

@@ -1,4 +1,4 @@
-"""The model: BERT for 2-label classification, wrapped in LoRA, optionally loaded in 8-bit."""
+"""The model: a sequence classifier (one output per label, or one score) wrapped in LoRA, optionally in 8-bit."""
 
 from __future__ import annotations
 
