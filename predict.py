@@ -32,15 +32,10 @@ from pathlib import Path
 
 from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model_card import INPUTS_NAME, LABELS_NAME, REGRESSION_LABEL, read_label_names
+from utils.model_card import INPUTS_NAME, LABELS_NAME, read_label_names
+from utils.settings import Parser
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one `error:` line and exit 2, as in main.py
-        print(f"error: {message}; see `python predict.py --help`", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
 
 
 # A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.
@@ -59,7 +54,7 @@ def batch_size(value: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(prog="predict.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = Parser(prog="predict.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("model", help="adapter folder, merged folder, or Hub repo id of either")
     parser.add_argument(
         "file",
@@ -92,10 +87,12 @@ JSON_SUFFIXES = (".json", ".jsonl")
 FORMATS = "a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file"
 
 
-def read_inputs(file: Path | None, column: str | None) -> list[str] | list[dict[str, str]]:
-    """What to predict on: the sentences `read_sentences` reads, or with two columns (`premise,hypothesis`)
-    the pairs, `{"text": ..., "text_pair": ...}` as the pipeline takes them, the columns read as training does."""
+def read_inputs(model: str, file: Path | None, column: str | None) -> list[str] | list[dict[str, str]]:
+    """What to predict on, in the shape the model was trained on (check_input_shape): the sentences
+    `read_sentences` reads, or with two columns (`premise,hypothesis`) the pairs, `{"text": ..., "text_pair": ...}`
+    as the pipeline takes them, the columns read as training does."""
     columns = [name.strip() for name in column.split(",")] if column else []
+    check_input_shape(model, column, len(columns) == 2)
     if len(columns) != 2:
         return read_sentences(file, column)
     if not all(columns) or columns[0] == columns[1]:
@@ -107,33 +104,27 @@ def read_inputs(file: Path | None, column: str | None) -> list[str] | list[dict[
     return [{"text": a, "text_pair": b} for a, b in zip(first, second, strict=True)]
 
 
-def trained_columns(model: str) -> tuple[str, ...] | None:
-    """The text columns the model was trained on (inputs.json beside it): one, or a pair; None where it records none
-    (a model saved before it did, or one of another tool) or cannot be reached (load_classifier says why)."""
+def check_input_shape(model: str, column: str | None, pairs: bool) -> None:
+    """One sentence a row for a single-sentence model, two columns for a pair model, as training took them
+    (inputs.json beside the model): a pair model given one text answers about half an input, without a word."""
     try:
         path = model_file(model, INPUTS_NAME)
-        return tuple(json.loads(Path(path).read_text())["text_columns"]) if path else None
+        trained = json.loads(Path(path).read_text())["text_columns"] if path else None
     except Exception:  # no such repo, offline, a foreign file: the model's own load reports it
-        return None
-
-
-def check_input_shape(model: str, trained: tuple[str, ...] | None, column: str | None) -> None:
-    """One sentence a row for a single-sentence model, two columns for a pair model, as training took them: a pair
-    model given one text answers about half an input, without a word."""
-    given = [name.strip() for name in column.split(",")] if column else []
-    if trained is None or (len(given) == 2) == (len(trained) == 2):
         return
-    if len(trained) == 2:
+    if trained is None or pairs == (len(trained) == 2):  # None: a model saved before it recorded it, or another tool's
+        return
+    if pairs:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"{model} takes sentence pairs (trained on {','.join(trained)}), and "
-            + (f"--text-column {column} names one column" if given else "one text a row was given")
-            + f"; give a .csv, .tsv, .json or .jsonl file with --text-column {','.join(trained)} (or your two columns)",
+            f"{model} takes one sentence a row (trained on {trained[0]}), and --text-column {column} names a pair; "
+            "name one column",
         )
     raise JobError(
         EXIT_BAD_INPUT,
-        f"{model} takes one sentence a row (trained on {trained[0]}), and --text-column {column} names a pair; "
-        "name one column",
+        f"{model} takes sentence pairs (trained on {','.join(trained)}), and "
+        + (f"--text-column {column} names one column" if column else "one text a row was given")
+        + f"; give a .csv, .tsv, .json or .jsonl file with --text-column {','.join(trained)} (or your two columns)",
     )
 
 
@@ -213,28 +204,19 @@ def read_delimited(text: str, file: Path, column: str, suffix: str) -> list[str]
 def read_json_records(text: str, file: Path, column: str) -> list[str]:
     """`column` of each object of a JSON array, or of each line of JSON lines: training's loader takes either
     under both suffixes. A string in an array is itself a sentence (training reads it as the column `text`)."""
-    if text.lstrip().startswith("["):
+    array = text.lstrip().startswith("[")
+    chunks = [(1, text)] if array else [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
+    records, places = [], []
+    for number, chunk in chunks:
         try:
-            records = json.loads(text)
+            loaded = json.loads(chunk)
         except json.JSONDecodeError as exc:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{file} is not a JSON array ({exc.msg} on line {exc.lineno}); give a JSON array of objects, or one JSON object per line",
-            ) from None
-        places = [f"item {number}" for number in range(1, len(records) + 1)]
-    else:
-        records, places = [], []
-        for number, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"{file} line {number} is not JSON ({exc.msg}); give one JSON object per line, or a JSON array of objects",
-                ) from None
-            places.append(f"line {number}")
+            where = f"is not a JSON array ({exc.msg} on line {exc.lineno})" if array else f"line {number} is not JSON"
+            what = where if array else f"{where} ({exc.msg})"
+            fix = "give a JSON array of objects, or one JSON object per line"
+            raise JobError(EXIT_BAD_INPUT, f"{file} {what}; {fix}") from None
+        records += loaded if array else [loaded]
+        places += [f"item {item}" for item in range(1, len(loaded) + 1)] if array else [f"line {number}"]
     sentences = []
     for place, record in zip(places, records, strict=True):
         text_value = record.get(column) if isinstance(record, dict) else record
@@ -271,17 +253,6 @@ def decode_text(data: bytes, source: str) -> str:
     return text
 
 
-def adapter_files(model: str) -> tuple[dict | None, dict[int, str] | None]:
-    """(adapter_config.json, id2label.json) of an adapter folder or Hub repo; (None, None) for a full model."""
-    from transformers.utils import find_adapter_config_file
-
-    config_path = find_adapter_config_file(model)
-    if config_path is None:
-        return None, None
-    labels = model_file(model, LABELS_NAME)
-    return json.loads(Path(config_path).read_text()), read_label_names(Path(labels).parent) if labels else None
-
-
 def model_file(model: str, name: str) -> str | None:
     """`name` in the model folder, or in its Hub repo (downloaded once into the cache); None where it has none."""
     if Path(model).is_dir():
@@ -303,97 +274,73 @@ def load_classifier(model: str, base_model: str | None):
     # bitsandbytes has a part in serving, and left out they cost nothing at start (a third of its CPU).
     leave_out("deepspeed", "bitsandbytes")
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+    from transformers import AutoTokenizer, pipeline
+    from transformers.utils import find_adapter_config_file
+
+    from utils.model import NO_REMOTE_CODE, first_line
 
     # What the imports built lives as long as the process: frozen, it is out of the garbage collector's sight, and
     # the collections loading the model sets off walk the model's own objects (a fifth of a short call's CPU).
     gc.freeze()
-
     device = 0 if torch.cuda.is_available() else -1
-    # No code from a model folder or repo runs, and transformers never asks on stdin, which holds the sentences.
-    safe = {"trust_remote_code": False}
     try:
-        adapter, id2label = adapter_files(model)
-        if adapter is None and base_model:
+        config = find_adapter_config_file(model)
+        if config is None and base_model:
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"--base-model is for an adapter, and {model} is a merged model, which holds its base; drop --base-model",
             )
-        if adapter is None:  # a merged model: its config.json names the labels
-            classifier = pipeline("text-classification", model=model, device=device, **safe)
+        if config is None:  # a merged model: its config.json names the labels
+            classifier = pipeline("text-classification", model=model, device=device, **NO_REMOTE_CODE)
         else:
-            from peft import PeftModel
-
-            labels = (
-                {"id2label": id2label, "label2id": {name: index for index, name in id2label.items()}}
-                if id2label
-                else {}
-            )
-            if id2label == {0: REGRESSION_LABEL}:  # one score (utils/model.label_config): no sigmoid over it
-                labels["problem_type"] = "regression"
-            from utils.model import load_report_held
-
-            base_id = base_model or adapter["base_model_name_or_path"]
-            # The head the adapter restores as peft loads it (modules_to_save): a base's head of another size is
-            # no news to whoever runs this.
-            restored = ["classifier", "score", *(adapter.get("modules_to_save") or [])]
-            try:
-                base = load_report_held(
-                    lambda: AutoModelForSequenceClassification.from_pretrained(
-                        base_id,
-                        output_loading_info=True,
-                        **labels,
-                        **head_resized(base_id, len(id2label or {})),
-                        **safe,
-                    ),
-                    restored,
-                )
-            except OSError as exc:
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"cannot load {base_id}, the base model of the adapter {model} ({_first_line(exc)}); "
-                    "pass --base-model with its Hub id or a local copy of it",
-                ) from None
-            trained_on = adapter["base_model_name_or_path"]
-            check_adapter_fits(model, adapter, base, base_id, trained_on)
-            try:
-                adapted = PeftModel.from_pretrained(base, model)
-            except RuntimeError as exc:  # a shape the check above cannot see (a .bin adapter, a new layer kind)
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"the adapter {model} does not fit the base {base_id} ({_first_line(exc)}); "
-                    f"pass --base-model with the base it was trained on, {trained_on}, or a local copy of it",
-                ) from None
-            classifier = pipeline(
-                "text-classification",
-                model=adapted,
-                tokenizer=AutoTokenizer.from_pretrained(model, **safe),
-                device=device,
-            )
+            adapted = load_adapter(model, json.loads(Path(config).read_text()), base_model)
+            tokenizer = AutoTokenizer.from_pretrained(model, **NO_REMOTE_CODE)
+            classifier = pipeline("text-classification", model=adapted, tokenizer=tokenizer, device=device)
     except (OSError, ValueError) as exc:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"cannot load {model} ({_first_line(exc)}); give an adapter folder, a merged folder or a Hub repo id (with --base-model if the adapter's base is elsewhere)",
+            f"cannot load {model} ({first_line(exc, 300)}); give an adapter folder, a merged folder or a Hub repo id (with --base-model if the adapter's base is elsewhere)",
         ) from None
     cap_length(classifier.tokenizer, classifier.model.config)
     return classifier
 
 
-def head_resized(base_id: str, num_labels: int) -> dict:
-    """Leave for from_pretrained to start a head of the adapter's size on a base whose head has another (a
-    2-label checkpoint under a 3-class adapter): the adapter's own head replaces it as peft loads."""
-    if not num_labels:
-        return {}
-    from transformers import AutoConfig
+def load_adapter(model: str, adapter: dict, base_model: str | None):
+    """The adapter `model` (its adapter_config.json: `adapter`) on its base, the head sized and named by the labels
+    saved beside it; a base it does not fit is refused (check_adapter_fits)."""
+    from peft import PeftModel
 
+    from utils.model import first_line, load_base
+
+    base_id = base_model or adapter["base_model_name_or_path"]
+    labels = model_file(model, LABELS_NAME)
+    id2label = read_label_names(Path(labels).parent) if labels else None  # None: the base's own head
+    # The head the adapter restores as peft loads it (modules_to_save): a base's head of another size is
+    # no news to whoever runs this.
+    restored = ["classifier", "score", *(adapter.get("modules_to_save") or [])]
     try:
-        config = AutoConfig.from_pretrained(base_id, trust_remote_code=False)
-    except (OSError, ValueError):
-        return {}  # from_pretrained says what is wrong with the base
-    return {"ignore_mismatched_sizes": True} if config.num_labels != num_labels else {}
+        base = load_base(base_id, [id2label[i] for i in sorted(id2label)] if id2label else None, restored)
+    except OSError as exc:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"cannot load {base_id}, the base model of the adapter {model} ({first_line(exc, 300)}); "
+            "pass --base-model with its Hub id or a local copy of it",
+        ) from None
+    check_adapter_fits(model, adapter, base, base_id)
+    try:
+        return PeftModel.from_pretrained(base, model)
+    except RuntimeError as exc:  # a shape the check above cannot see (a .bin adapter, a new layer kind)
+        raise misfit(model, adapter, f"does not fit the base {base_id} ({first_line(exc, 300)})") from None
 
 
-def check_adapter_fits(model: str, adapter: dict, base, base_id: str, trained_on: str) -> None:
+def misfit(model: str, adapter: dict, what: str) -> JobError:
+    trained_on = adapter["base_model_name_or_path"]
+    return JobError(
+        EXIT_BAD_INPUT, f"the adapter {model} {what}; pass --base-model with {trained_on}, or a local copy of it"
+    )
+
+
+def check_adapter_fits(model: str, adapter: dict, base, base_id: str) -> None:
     """Refuse a base the adapter was not trained on, before peft loads it: each tensor of
     adapter_model.safetensors is checked against the base's weight it adapts or replaces (another width is a
     traceback listing every tensor), and each layer the adapter's targets name in the base must have its
@@ -403,59 +350,57 @@ def check_adapter_fits(model: str, adapter: dict, base, base_id: str, trained_on
         return
     from safetensors import safe_open
 
+    trained_on = adapter["base_model_name_or_path"]
     shapes = {name: tuple(param.shape) for name, param in base.named_parameters()}
     hidden = base.config.hidden_size
     adapted = set()
     with safe_open(weights, framework="pt") as tensors:
         for key in tensors.keys():
             name = key.removeprefix("base_model.model.")
-            shape = tuple(tensors.get_slice(key).get_shape())
             module, _, kind = name.rpartition(".")[0].rpartition(".")
-            if kind in ("lora_A", "lora_B"):  # (r, in) and (out, r) of the base's (out, in) weight
-                target = shapes.get(f"{module}.weight")
-                pairs = [(shape[1], target[1])] if kind == "lora_A" and target else []
-                pairs += [(shape[0], target[0])] if kind == "lora_B" and target else []
-            elif "lora_" in name:
+            lora = kind in ("lora_A", "lora_B")
+            if "lora_" in name and not lora:
                 continue  # a variant's extra (DoRA's magnitude): its layer's A and B are checked
-            else:  # a module trained in full (the classifier head, the pooler): the base's own shape
-                target = shapes.get(name)
-                pairs = list(zip(shape, target, strict=False)) if target and len(shape) == len(target) else []
+            target = shapes.get(f"{module}.weight" if lora else name)
             if target is None:
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"the adapter {model} holds weights for {module if kind.startswith('lora_') else name}, which the base "
-                    f"{base_id} lacks: it was trained on {trained_on}; pass --base-model with {trained_on} or a local copy of it",
-                )
-            if kind in ("lora_A", "lora_B"):
-                adapted.add(module)
-            wrong = [(ours, theirs) for ours, theirs in pairs if ours != theirs]
-            if wrong:
-                widths = [ours for ours, theirs in wrong if theirs == hidden]
+                lacking = f"holds weights for {module if lora else name}, which the base {base_id} lacks"
+                raise misfit(model, adapter, f"{lacking}: it was trained on {trained_on}")
+            adapted |= {module} if lora else set()
+            shape = tuple(tensors.get_slice(key).get_shape())
+            # lora_A is (r, in) and lora_B (out, r) of the base's (out, in) weight; a module trained in full (the
+            # head, the pooler) has the base's own shape.
+            if lora:
+                pairs = [(shape[1], target[1])] if kind == "lora_A" else [(shape[0], target[0])]
+            else:
+                pairs = list(zip(shape, target, strict=False)) if len(shape) == len(target) else []
+            if any(ours != theirs for ours, theirs in pairs):
+                widths = [ours for ours, theirs in pairs if ours != theirs and theirs == hidden]
                 size = (
                     f"of hidden size {widths[0]}, and the base {base_id} has hidden size {hidden}"
                     if widths
-                    else (f"({key} is {list(shape)}), and {base_id} does not match it")
+                    else f"({key} is {list(shape)}), and {base_id} does not match it"
                 )
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"the adapter {model} was trained on the base {trained_on} {size}; "
-                    f"pass --base-model with {trained_on} or a local copy of it",
-                )
+                raise misfit(model, adapter, f"was trained on the base {trained_on} {size}")
+    check_targets_adapted(model, adapter, base, base_id, adapted)
 
+
+def check_targets_adapted(model: str, adapter: dict, base, base_id: str, adapted: set[str]) -> None:
+    """Each module of the base that the adapter's target_modules name holds the adapter's weights: a deeper base
+    loads with a warning and answers with layers the training never adapted."""
     targets = adapter.get("target_modules")
-    if isinstance(targets, list) and not adapter.get("layers_to_transform") and not adapter.get("exclude_modules"):
-        # peft's rule for a list: a module whose name is a target or ends in `.target`
-        targeted = [
-            name for name, _ in base.named_modules() if any(name == t or name.endswith(f".{t}") for t in targets)
-        ]
-        unadapted = [name for name in targeted if name not in adapted]
-        if adapted and unadapted:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"the adapter {model} holds no weights for {unadapted[0]} of the base {base_id} "
-                f"({len(unadapted)} of the {len(targeted)} modules its target_modules name there): it was trained on {trained_on}, a smaller "
-                f"base; pass --base-model with {trained_on} or a local copy of it",
-            )
+    if not isinstance(targets, list) or adapter.get("layers_to_transform") or adapter.get("exclude_modules"):
+        return
+    # peft's rule for a list: a module whose name is a target or ends in `.target`
+    targeted = [name for name, _ in base.named_modules() if any(name == t or name.endswith(f".{t}") for t in targets)]
+    unadapted = [name for name in targeted if name not in adapted]
+    if adapted and unadapted:
+        raise misfit(
+            model,
+            adapter,
+            f"holds no weights for {unadapted[0]} of the base {base_id} ({len(unadapted)} of the {len(targeted)} "
+            f"modules its target_modules name there): it was trained on {adapter['base_model_name_or_path']}, a "
+            "smaller base",
+        )
 
 
 def cap_length(tokenizer, config) -> None:
@@ -466,15 +411,10 @@ def cap_length(tokenizer, config) -> None:
         tokenizer.model_max_length = positions
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
-        check_input_shape(args.model, trained_columns(args.model), args.text_column)
-        sentences = read_inputs(args.file, args.text_column)
+        args = parse_args(argv)
+        sentences = read_inputs(args.model, args.file, args.text_column)
         classifier = load_classifier(args.model, args.base_model)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

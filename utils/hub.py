@@ -101,9 +101,9 @@ def _status(exc: BaseException) -> int | None:
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, HfHubHTTPError):
         return _status(exc) in TRANSIENT_STATUS
-    if isinstance(exc, HubDeadline):  # the total deadline is spent: nothing left to retry with
-        return False
-    if isinstance(exc, OfflineModeIsEnabled):  # a ConnectionError, but HF_HUB_OFFLINE=1 will not change by waiting
+    # The total deadline spent leaves nothing to retry with; OfflineModeIsEnabled is a ConnectionError, but
+    # HF_HUB_OFFLINE=1 will not change by waiting.
+    if isinstance(exc, (HubDeadline, OfflineModeIsEnabled)):
         return False
     return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
 
@@ -186,13 +186,8 @@ class Hub:
         self._max_retry_seconds = max_retry_seconds
 
     def check_write_access(self, repo_id: str) -> str:
-        """Fail before any GPU time, within TOKEN_CHECK_SECONDS, when the token is missing, wrong or
-        read-only, or the Hub does not answer."""
-        if self._token is None:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"RESULT_MODEL_ID={repo_id} asks for a push but no token is set; set HF_TOKEN (or HF_TOKEN_PATH), or unset RESULT_MODEL_ID",
-            )
+        """Fail before any GPU time, within TOKEN_CHECK_SECONDS, when the token is wrong or read-only, or the Hub
+        does not answer (a push without a token: utils/settings.check_push_possible, before this)."""
         seconds = min(TOKEN_CHECK_SECONDS, self._max_retry_seconds)
         try:
             me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami))
@@ -251,17 +246,11 @@ class Hub:
 
         def push() -> str:
             retrying(self._api.create_repo)(repo_id=repo_id, private=private, exist_ok=True)
-            if card is not None:
-                retrying(validate_card)(card)
+            if card is not None:  # the Hub's own check of its YAML: a card it would reject fails here, not on the page
+                retrying(card.validate)(repo_type="model")
             return retrying(commit)()
 
         return within(self._max_retry_seconds, push)
-
-
-def validate_card(card: ModelCard) -> None:
-    """The Hub's own check of the card's YAML metadata (POST /api/validate-yaml): a card the Hub would
-    reject is caught before the commit (ValueError, not retried), not shown broken on the model page."""
-    card.validate(repo_type="model")
 
 
 # ------------------------------------------------------------------------------- saving
@@ -283,9 +272,7 @@ def save_model(
     write_label_names(staged, settings, metrics)
     plot_training_curves(trainer.state.log_history, staged / PLOT_NAME)
     write_model_card(staged, settings, metrics, settings.result_model_id)
-    files = run.files_in(staged)  # what a push of model/ may send: only what was just written here
-    replace_dir(staged, run.model)
-    run.record_written("model", [f"{run.model.name}/{name}" for name in files], replace=True)
+    _replace_with(run, staged, run.model)
     run.write_json(run.metrics, metrics)  # last: a finished run is one with metrics.json (RunDir.is_finished)
     log.info("saved %s and %s", run.model, run.metrics)
 
@@ -298,10 +285,16 @@ def save_merged(run: RunDir, settings: Settings) -> None:
     staged = run.make_dir(run.root / ".merged.partial", fresh=True)
     merge_adapter(settings, run.model, staged)
     write_model_card(staged, settings, run.read_json(run.metrics) or {}, settings.result_merged_model_id, merged=True)
-    files = run.files_in(staged)
-    replace_dir(staged, run.merged)
-    run.record_written("merged", [f"{run.merged.name}/{name}" for name in files], replace=True)
+    _replace_with(run, staged, run.merged)
     log.info("saved %s (adapter merged into the base, full precision)", run.merged)
+
+
+def _replace_with(run: RunDir, staged: Path, folder: Path) -> None:
+    """`folder` replaced whole by `staged`, its files recorded: what a push of it may send is only what was just
+    written there."""
+    files = run.files_in(staged)
+    replace_dir(staged, folder)
+    run.record_written(folder.name, [f"{folder.name}/{name}" for name in files], replace=True)
 
 
 # ------------------------------------------------------------------------------- pushing
@@ -348,7 +341,7 @@ def adapter_config_for_hub(run: RunDir, settings: Settings, metrics: dict) -> di
     return {path: (json.dumps({**config, "base_model_name_or_path": base}, indent=2, sort_keys=True) + "\n").encode()}
 
 
-def already_pushed(run: RunDir, repo_id: str, merged: bool = False) -> bool:
+def already_pushed(run: RunDir, repo_id: str, merged: bool) -> bool:
     record = run.read_json(run.run_record) or {}
     return (record.get(PUSH_RECORD[merged]) or {}).get("repo_id") == repo_id
 

@@ -119,16 +119,14 @@ def read_small_text(path: str | Path, limit: int) -> str:
         raise UnfitFile("is not a text file (not UTF-8)") from None
 
 
-def token_forms(token: str) -> list[str]:
-    """Every way the token can appear in text: raw, repr/JSON-escaped, percent-encoded (longest first)."""
-    forms = {
-        token,
-        repr(token)[1:-1],
-        json.dumps(token)[1:-1],
-        urllib.parse.quote(token, safe=""),
-        urllib.parse.quote_plus(token, safe=""),
-    }
-    return sorted((form for form in forms if form), key=len, reverse=True)
+def any_form_of(secrets: Iterable[str]) -> re.Pattern | None:
+    """Every way each secret can appear in text: raw, repr/JSON-escaped, percent-encoded; the longest first, so a
+    form holding another is masked whole."""
+    forms: set[str] = set()
+    for secret in secrets:
+        quoted = (urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret, safe=""))
+        forms |= {secret, repr(secret)[1:-1], json.dumps(secret)[1:-1], *quoted} - {""}
+    return re.compile("|".join(map(re.escape, sorted(forms, key=len, reverse=True)))) if forms else None
 
 
 def url_secrets(environ: dict[str, str] | None = None) -> list[str]:
@@ -167,10 +165,8 @@ class Masker:
     """Replaces every form of the token (and of `secrets`) with ***, and credentials inside any URL."""
 
     def __init__(self, token: SecretStr | None, secrets: Iterable[str] = ()):
-        forms = token_forms(token.get_secret_value()) if token is not None else []
-        self._pattern = re.compile("|".join(re.escape(form) for form in forms)) if forms else None
-        others = sorted({form for secret in secrets for form in token_forms(secret)}, key=len, reverse=True)
-        self._others = re.compile("|".join(re.escape(form) for form in others)) if others else None
+        self._pattern = any_form_of([token.get_secret_value()] if token is not None else [])
+        self._others = any_form_of(secrets)
 
     def __call__(self, text: str) -> str:
         if not text:

@@ -1,4 +1,4 @@
-"""The model: BERT for 2-label classification, wrapped in LoRA, optionally loaded in 8-bit."""
+"""The model: a sequence classifier (one output per label, or one score) wrapped in LoRA, optionally in 8-bit."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import pickle
 import shutil
 import stat
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from transformers import (
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model_card import INPUTS_NAME, read_label_names
+from utils.model_card import INPUTS_NAME, REGRESSION_LABEL, read_label_names
 from utils.recipe import lora_options
 from utils.settings import Settings
 
@@ -43,12 +44,24 @@ DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dr
 NO_REMOTE_CODE = {"trust_remote_code": False}
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The start of an error's message for a one-line refusal (its type's name when it has none)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
 def _load_error(settings: Settings, exc: Exception) -> JobError:
     return JobError(
         EXIT_BAD_INPUT,
-        f"cannot load MODEL_NAME={settings.model_name} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+        f"cannot load MODEL_NAME={settings.model_name} ({type(exc).__name__}: {first_line(exc)}); "
         "give a Hub id or a local folder holding config.json and the weights (on an offline cluster, a folder on the shared volume)",
     )
+
+
+def _config(settings: Settings) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+    except (OSError, ValueError) as exc:
+        raise _load_error(settings, exc) from None
 
 
 def load_tokenizer(settings: Settings):
@@ -84,10 +97,7 @@ def check_model(settings: Settings) -> None:
         for path in sorted(folder.iterdir()):
             if path.name.endswith(WEIGHT_SUFFIXES):
                 _check_weights_file(settings, path)
-    try:
-        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
+    config = _config(settings)
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and settings.max_seq_length > positions:
         raise JobError(
@@ -149,7 +159,7 @@ def _check_weights_file(settings: Settings, path: Path) -> None:
             with safe_open(str(path), framework="pt"):
                 pass  # the header and the tensor offsets are checked against the file's size
         except Exception as exc:  # SafetensorError: a truncated, torn or foreign file
-            problem = f"is damaged or truncated ({str(exc).splitlines()[0][:120]})"
+            problem = f"is damaged or truncated ({first_line(exc, 120)})"
     elif path.name.startswith("pytorch_model") and path.suffix == ".bin":  # what transformers unpickles as weights
         _check_pickled_weights(settings, path)
     if problem:
@@ -173,7 +183,7 @@ def _check_pickled_weights(settings: Settings, path: Path) -> None:
         raise JobError(
             EXIT_BAD_INPUT,
             f"MODEL_NAME={settings.model_name}: the weights file {path.name} is damaged or not a PyTorch weights file "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}); copy the model's files there again "
+            f"({type(exc).__name__}: {first_line(exc, 120)}); copy the model's files there again "
             "(e.g. `hf download MODEL --local-dir FOLDER`), preferably its model.safetensors from a trusted source",
         ) from None
 
@@ -190,43 +200,41 @@ def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) 
     )
 
 
-REGRESSION_LABEL = "score"  # the one output of a regression model, as id2label names it
-
-
-def label_config(settings: Settings, labels: tuple[str, ...] | list[str] | None = None) -> dict:
+def label_config(names: Sequence[str]) -> dict:
     """The classifier's size and label names, so a pipeline over the saved model says 'positive', not 'LABEL_1'.
 
-    `labels`: the class names in id order the data resolved to (utils/data.label_names_of), `()` for regression
-    (one output trained with MSE: transformers' problem_type "regression"); None: LABEL_NAMES."""
-    names = list(settings.label_names if labels is None else labels)
-    if not names or names == [REGRESSION_LABEL]:
-        return {
-            "num_labels": 1,
-            "problem_type": "regression",
-            "id2label": {0: REGRESSION_LABEL},
-            "label2id": {REGRESSION_LABEL: 0},
-        }
-    id2label = dict(enumerate(names))
+    `names`: the class names in id order (utils/data.label_names_of), `()` or `[score]` for regression (one output
+    trained with MSE: transformers' problem_type "regression")."""
+    names = list(names)
+    regression = not names or names == [REGRESSION_LABEL]
+    names = [REGRESSION_LABEL] if regression else names
     return {
         "num_labels": len(names),
-        "problem_type": "single_label_classification",
-        "id2label": id2label,
-        "label2id": {name: index for index, name in id2label.items()},
+        "problem_type": "regression" if regression else "single_label_classification",
+        "id2label": dict(enumerate(names)),
+        "label2id": {name: index for index, name in enumerate(names)},
     }
 
 
-def head_resized(settings: Settings, num_labels: int) -> dict:
-    """from_pretrained's leave to start a new classifier head when the base model's has another size (a
-    2-label checkpoint under a 3-class task): the head is trained from scratch either way. Only then: a
-    mismatch anywhere else stays an error."""
-    try:
-        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
-    except (OSError, ValueError):
-        return {}  # from_pretrained says what is wrong with the model
-    return {"ignore_mismatched_sizes": True} if config.num_labels != num_labels else {}
+def load_base(name: str, labels: Sequence[str] | None, restored: Iterable[str], **kwargs) -> torch.nn.Module:
+    """AutoModelForSequenceClassification of `name` with a head for `labels` (None: the checkpoint's own), no code
+    of its own run, transformers' report of the head it starts fresh held back (load_report_held).
+
+    A base whose head has another size (a 2-label checkpoint under a 3-class task) gets from_pretrained's leave
+    to start a new one: training trains it from scratch, an adapter restores its own. Only then: a mismatch
+    anywhere else stays an error. OSError or ValueError when the model cannot be loaded."""
+    heads = label_config(labels) if labels is not None else {}
+    if heads and AutoConfig.from_pretrained(name, **NO_REMOTE_CODE).num_labels != heads["num_labels"]:
+        heads["ignore_mismatched_sizes"] = True
+    return load_report_held(
+        lambda: AutoModelForSequenceClassification.from_pretrained(
+            name, output_loading_info=True, **heads, **NO_REMOTE_CODE, **kwargs
+        ),
+        restored,
+    )
 
 
-def _base_dropout(settings: Settings) -> dict:
+def _base_dropout(settings: Settings, config: PretrainedConfig) -> dict:
     """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none for `checkpoint`.
 
     One epoch of LoRA underfits SST-2 rather than overfits it (docs/quality.md): the base model's own dropout,
@@ -235,10 +243,6 @@ def _base_dropout(settings: Settings) -> dict:
     """
     if settings.model_dropout == "checkpoint":
         return {}
-    try:
-        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
     dropout = {
         name: settings.model_dropout for name in DROPOUT_ATTRIBUTES if isinstance(getattr(config, name, None), float)
     }
@@ -260,9 +264,8 @@ def build_model(
     8-bit quantizes every Linear, the classifier head too, and LoRA cannot train an int8 head: the head
     is skipped by the quantizer (`llm_int8_skip_modules`) and saved in full with the adapter.
     """
-    kwargs: dict = {"attn_implementation": attention(settings), **label_config(settings, labels), **NO_REMOTE_CODE}
-    kwargs.update(_base_dropout(settings))
-    kwargs.update(head_resized(settings, kwargs["num_labels"]))
+    config = _config(settings)
+    kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(settings, config)}
     if quantize_8bit:
         # A trained head stays full precision.
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -272,12 +275,7 @@ def build_model(
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
     try:
-        model = load_report_held(
-            lambda: AutoModelForSequenceClassification.from_pretrained(
-                settings.model_name, output_loading_info=True, **kwargs
-            ),
-            head,
-        )
+        model = load_base(settings.model_name, settings.label_names if labels is None else labels, head, **kwargs)
     except pickle.UnpicklingError as exc:  # a Hub repo's pytorch_model.bin, downloaded only now
         raise _unsafe_weights(settings, "pytorch_model.bin", exc) from None
     except (OSError, ValueError) as exc:
@@ -303,7 +301,7 @@ def build_model(
         raise JobError(
             EXIT_BAD_INPUT,
             f"LORA_TARGET_MODULES={','.join(targets)}: peft cannot adapt them in {settings.model_name} "
-            f"({str(exc).splitlines()[0][:200]}); name linear layers: {', '.join(linear_layer_names(modules))}",
+            f"({first_line(exc)}); name linear layers: {', '.join(linear_layer_names(modules))}",
         ) from None
     # peft passes over a name that matches nothing when another one matches, and skips modules it trains in
     # full (the head): every name must have given at least one adapter.
@@ -354,13 +352,12 @@ def lora_targets(settings: Settings, model_type: str) -> tuple[str, ...]:
     return targets
 
 
-def attention(settings: Settings) -> str:
+def attention(config: PretrainedConfig) -> str:
     """SDPA where the architecture offers it (asked for by name, so a library change cannot silently fall back to
     materialised score matrices without fused kernels), else the eager attention (DeBERTa-v2/v3 has no SDPA)."""
     try:
-        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
         supports = AutoModelForSequenceClassification._model_mapping[type(config)]._supports_sdpa
-    except (OSError, ValueError, KeyError):
+    except KeyError:
         return "sdpa"  # from_pretrained says what is wrong with the model
     if not supports:
         log.info("%s offers no SDPA attention: the eager attention is used", config.model_type)
@@ -407,18 +404,16 @@ def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] 
     Under FSDP each weight is a sharded DTensor: it is gathered whole first, a collective, so every rank
     must call this at the same point, before leaving the process group.
     """
+    if weights is None:  # else the trainable weights gathered already (DeepSpeed: utils/strategy.full_state_dict)
+        weights = {
+            name: param.full_tensor() if hasattr(param, "full_tensor") else param
+            for name, param in sorted(model.named_parameters())
+            if param.requires_grad
+        }
     digest = hashlib.sha256()
-    if weights is not None:  # the trainable weights gathered already (DeepSpeed: utils/strategy.full_state_dict)
-        for name, tensor in sorted(weights.items()):
-            digest.update(name.encode())
-            digest.update(tensor.detach().float().cpu().numpy().tobytes())
-        return digest.hexdigest()[:16]
-    for name, param in sorted(model.named_parameters()):
-        if param.requires_grad:
-            if hasattr(param, "full_tensor"):
-                param = param.full_tensor()
-            digest.update(name.encode())
-            digest.update(param.detach().float().cpu().numpy().tobytes())
+    for name, tensor in sorted(weights.items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -428,18 +423,11 @@ def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
     The base is loaded again in full precision whatever training used: merging into 8-bit weights would
     round the update away, and servers without peft or bitsandbytes load plain float weights.
     """
-    # The labels the run trained with, as saved beside the adapter (None for a model saved before they were).
+    # The labels the run trained with, as saved beside the adapter (LABEL_NAMES for a model saved before they were).
     saved = read_label_names(adapter_dir)
-    labels = [saved[index] for index in sorted(saved)] if saved else None
-    config = label_config(settings, labels)
+    labels = [saved[index] for index in sorted(saved)] if saved else settings.label_names
     try:
-        base = AutoModelForSequenceClassification.from_pretrained(
-            settings.model_name,
-            dtype=torch.float32,
-            **config,
-            **head_resized(settings, config["num_labels"]),
-            **NO_REMOTE_CODE,
-        )
+        base = load_base(settings.model_name, labels, (CLASSIFIER, "score"), dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise _load_error(settings, exc) from None
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

@@ -701,33 +701,26 @@ def resolve_base_model_id(settings: Settings) -> str | None:
     path = Path(settings.model_name).expanduser()
     if not path.exists():
         return settings.model_name if REPO_ID_PATTERN.match(settings.model_name) else None
-    cached = [
-        part for part in Path(os.path.abspath(path)).parts if part.startswith("models--")
-    ]  # links not followed: the path is the record
+    # abspath, not resolve: links are not followed, the path is the record
+    cached = [part for part in Path(os.path.abspath(path)).parts if part.startswith("models--")]
     return cached[-1].removeprefix("models--").replace("--", "/") if cached else None
 
 
 def check_push_possible(settings: Settings) -> None:
     """A push that cannot happen (no token, offline mode, an adapter nobody could load) is bad input now,
     before any import, data or GPU time."""
-    pushes = [
-        f"{name}={value}"
-        for name, value in (
-            ("RESULT_MODEL_ID", settings.result_model_id),
-            ("RESULT_MERGED_MODEL_ID", settings.result_merged_model_id),
-        )
-        if value
-    ]
+    repos = {"RESULT_MODEL_ID": settings.result_model_id, "RESULT_MERGED_MODEL_ID": settings.result_merged_model_id}
+    pushes = " and ".join(f"{name}={value}" for name, value in repos.items() if value)
     if pushes and read_token() is None:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"{' and '.join(pushes)} ask(s) for a push but no token is set; "
+            f"{pushes} ask(s) for a push but no token is set; "
             "set HF_TOKEN (or HF_TOKEN_PATH to a file holding it), or unset them to keep the model on the volume",
         )
     if pushes and os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
         raise JobError(
             EXIT_BAD_INPUT,
-            f"{' and '.join(pushes)} ask(s) for a push but HF_HUB_OFFLINE is set; "
+            f"{pushes} ask(s) for a push but HF_HUB_OFFLINE is set; "
             "unset HF_HUB_OFFLINE where the Hub is reachable, or unset them (push later with --push-only)",
         )
     if settings.result_model_id and resolve_base_model_id(settings) is None:
@@ -842,9 +835,12 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one `error:` line and exit 2, like every other bad input
-        raise JobError(EXIT_BAD_INPUT, f"{message}; see `python main.py --help`")
+class Parser(argparse.ArgumentParser):
+    """main.py's and predict.py's: a command line argparse refuses is bad input like any other, one `error:` line
+    and exit 2 (JobError), not its usage block."""
+
+    def error(self, message: str):
+        raise JobError(EXIT_BAD_INPUT, f"{message}; see `python {self.prog} --help`")
 
 
 class _Environment(EnvSettingsSource):
@@ -859,9 +855,9 @@ class _Environment(EnvSettingsSource):
         return {name.lower(): value for name, value in self._environ.items() if value.strip()}
 
 
-def _parser() -> _Parser:
+def _parser() -> Parser:
     # allow_abbrev=False: `--learn 1e-3` is refused, never read as --learning-rate.
-    parser = _Parser(
+    parser = Parser(
         prog="main.py",
         description="LoRA fine-tuning of BERT for text classification (GLUE SST-2 unless TASK or DATASET_PATH says otherwise), on one process or many. Every setting is a flag, an "
         "environment variable or a key of a recipe file (--config; flags win over the environment, the environment "
