@@ -425,7 +425,7 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
-    from utils.hub import HubDeadline
+    from utils.threads import Deadline
 
     where = f"huggingface_hub {huggingface_hub.__version__}"
     folder = tmp_path / "model"
@@ -451,10 +451,10 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
 
     waiting = threading.Thread(target=upload, daemon=True)
     waiting.start()
-    with pytest.raises(HubDeadline):  # the job's deadline ended the wait: the library raises no such thing
+    with pytest.raises(Deadline):  # the job's deadline ended the wait: the library raises no such thing
         hub_in_process(2).push_files(files, "user/model", True, "upload")
     assert waiting.is_alive(), (
-        f"{where}: upload_folder now gives up on a silent Hub; see whether utils/hub.py within can go"
+        f"{where}: upload_folder now gives up on a silent Hub; see whether the push's `within` (utils/threads.py) can go"
     )
 
 
