@@ -657,8 +657,9 @@ def test_a_taken_port_fails_the_store_with_the_type_of_an_unreachable_rank_0():
 
 @pytest.mark.integration  # two or three peer processes importing torch each
 def test_a_store_call_to_a_stopped_rank_0_outlives_its_timeout(tmp_path, peers):
-    """Why utils/collectives.py has a `watchdog`: a store call to a rank 0 that is stopped (not dead: SIGSTOP,
-    a frozen node) stays in native code past its own timeout, where no Python signal handler reaches it."""
+    """Why utils/collectives.py runs its rendezvous and heartbeat probe under a `watchdog` (utils/threads.py): a
+    store call to a rank 0 that is stopped (not dead: SIGSTOP, a frozen node) stays in native code past its own
+    timeout, where no Python signal handler reaches it."""
     peers += start_peers(tmp_path, "stopped-store", [2, 2])
     for proc in peers:
         said(proc, "ready")
