@@ -198,9 +198,10 @@ class Collectives:
             raise
         except Exception as exc:
             dist = self.dist
-            # The heartbeat probe asks rank 0's store, which a stopped rank 0 leaves unanswered past its timeout.
+            # The heartbeat probe asks rank 0's store, which answers in milliseconds, or, rank 0 stopped, never:
+            # past its own timeout, in native code.
             silent = f"rank {dist.rank} lost contact with rank 0, whose store stopped answering; restart all {dist.world_size} replicas"
-            with watchdog(self.timeout_s + PROBE_SECONDS + WATCHDOG_GRACE, silent, EXIT_PREEMPTED):
+            with watchdog(PROBE_SECONDS + BEAT_CALL_SECONDS + WATCHDOG_GRACE, silent, EXIT_PREEMPTED):
                 if not self.is_lost_peer(exc):
                     raise
             raise JobError(
