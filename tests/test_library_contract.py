@@ -425,7 +425,7 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
-    from utils.hub import HubDeadline
+    from utils.threads import Deadline
 
     where = f"huggingface_hub {huggingface_hub.__version__}"
     folder = tmp_path / "model"
@@ -451,10 +451,10 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
 
     waiting = threading.Thread(target=upload, daemon=True)
     waiting.start()
-    with pytest.raises(HubDeadline):  # the job's deadline ended the wait: the library raises no such thing
+    with pytest.raises(Deadline):  # the job's deadline ended the wait: the library raises no such thing
         hub_in_process(2).push_files(files, "user/model", True, "upload")
     assert waiting.is_alive(), (
-        f"{where}: upload_folder now gives up on a silent Hub; see whether utils/hub.py within can go"
+        f"{where}: upload_folder now gives up on a silent Hub; see whether the push's `within` (utils/threads.py) can go"
     )
 
 
@@ -657,8 +657,9 @@ def test_a_taken_port_fails_the_store_with_the_type_of_an_unreachable_rank_0():
 
 @pytest.mark.integration  # two or three peer processes importing torch each
 def test_a_store_call_to_a_stopped_rank_0_outlives_its_timeout(tmp_path, peers):
-    """Why utils/collectives.py has a `watchdog`: a store call to a rank 0 that is stopped (not dead: SIGSTOP,
-    a frozen node) stays in native code past its own timeout, where no Python signal handler reaches it."""
+    """Why utils/collectives.py runs its rendezvous and heartbeat probe under a `watchdog` (utils/threads.py): a
+    store call to a rank 0 that is stopped (not dead: SIGSTOP, a frozen node) stays in native code past its own
+    timeout, where no Python signal handler reaches it."""
     peers += start_peers(tmp_path, "stopped-store", [2, 2])
     for proc in peers:
         said(proc, "ready")

@@ -1,14 +1,15 @@
 """A replica lost after the final barrier, and the restart Kubeflow's `restartPolicy: ExitCode` performs.
 
 The manifests (k8s/) restart only the pods that exited with 128 or more; a pod that exited 0 stays completed.
-So a rank that exits 0 before rank 0 has saved model/ strands a restarted rank 0. Each test here kills one
-replica at a real moment after the final barrier, restarts exactly the replicas the policy restarts, and
-checks that the run then finishes: model/ and metrics.json on the volume, exit 0, one push.
+So a rank that exits 0 before rank 0 has saved model/ strands a restarted rank 0. Each test here kills (or stops)
+one replica at a real moment after the final barrier; the kills restart exactly the replicas the policy restarts
+and check that the run then finishes: model/ and metrics.json on the volume, exit 0, one push.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from tests.conftest import (
     wait_all,
     wait_until,
 )
+from utils.collectives import BEAT_CALL_SECONDS, PROBE_SECONDS, WATCHDOG_GRACE
 
 # One epoch of a small data set: 10 optimizer steps (160 rows per rank, batch 16), and the checkpoint the Trainer
 # saves at the last step. (A MAX_STEPS that ends mid-epoch is not used here: transformers 5.23, resumed from the
@@ -107,6 +109,24 @@ def test_rank0_killed_while_writing_model_is_finished_by_restarting_both(
     assert f"resuming from step {STEPS}" in (out / "logs" / "rank-0.log").read_text()
     assert [rank_record(out, rank)["samples_trained"] for rank in (0, 1)] == [0, 0]
     assert json.loads((out / "metrics.json").read_text())["eval_samples"] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_rank0_stopped_while_writing_model_is_143_on_rank_1_within_its_bounds(
+    replicas, tmp_path, tiny_bert, small_data
+):
+    out = tmp_path / "out"
+    procs = replicas.start("first", training_settings(tiny_bert, small_data, out, NUM_EPOCHS=1))
+    poll_until((out / ".model.partial").exists, procs, "model/ being written")
+    procs[0].send_signal(signal.SIGSTOP)  # alive but silent (a frozen node): no connection closes
+    stopped_at = time.time()
+    assert procs[1].wait(timeout=120) == 143
+    # The wait for rank 0 is a collective (RENDEZVOUS_TIMEOUT), then the heartbeat probe, whose store call to a
+    # stopped rank 0 outlives its own timeout, is ended by the watchdog.
+    waited = time.time() - stopped_at
+    assert waited <= TIMEOUT + PROBE_SECONDS + BEAT_CALL_SECONDS + WATCHDOG_GRACE + 10, f"rank 1 waited {waited:.1f} s"
+    assert_refusal((tmp_path / "first-rank1.txt").read_text(), ["rank 1", "rank 0", "restart all 2 replicas"])
 
 
 @pytest.mark.integration

@@ -1,20 +1,17 @@
 """The job's process group: the rendezvous that creates it, and the collectives the job runs outside the Trainer.
 
-`rendezvous` meets the other ranks, compares their settings and returns a `Collectives`: what this process
-holds of the group (the rendezvous store, the heartbeat beside it, the gloo group for control messages)
-and the collectives over it (agreeing on an error, the stop flag, checkpoint barriers, telling a lost
-peer from a crash). It lives from the rendezvous to `leave`, after the final barrier; a single process
-gets one with no group, whose collectives just run the step. Why each part is not torch.distributed's or
-Accelerate's: docs/development.md. Only utils/run.py reaches this module, after the checks: torch at the top.
+`rendezvous` meets the other ranks, compares their settings and returns a `Collectives`: the rendezvous
+store's clients, the heartbeat, the gloo group for control messages, and the collectives over them
+(agreeing on an error, the stop flag, checkpoint barriers, telling a lost peer from a crash). It lives
+until `leave`, once rank 0 has saved model/; a single process gets one with no group, whose collectives
+just run the step. Why each part is not torch.distributed's or Accelerate's: docs/development.md. Only
+utils/run.py reaches this module, after the checks: torch at the top.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,7 +22,9 @@ import torch
 import torch.distributed as td
 
 from utils.distributed import DistEnv
-from utils.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_UNEXPECTED, JobError, Preempted
+from utils.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobError, Preempted
+from utils.identity import agreement_refusal
+from utils.threads import Heartbeat, watchdog
 
 T = TypeVar("T")
 
@@ -38,9 +37,6 @@ BEAT_SECONDS = 1.0  # each rank bumps its counter in the store this often while 
 BEAT_CALL_SECONDS = 5.0  # the most one beat waits on a store that does not answer (rank 0 stopped)
 PROBE_SECONDS = 3.0  # a peer whose counter did not move for this long has died or stopped
 WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck in native code is ended
-SAVED_KEY = "job/model-saved"  # rank 0's outcome of writing model/: [exit code, message], [0, ""] when saved
-SAVED_READ_KEY = "job/model-saved-read"  # how many ranks have read it
-SAVED_POLL_SECONDS = 0.5  # how often the other ranks look for it
 
 
 class Collectives:
@@ -50,141 +46,30 @@ class Collectives:
     `leave`. Every collective is bounded by RENDEZVOUS_TIMEOUT (`timeout_s`), DDP's all-reduce included.
     """
 
-    def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None, store=None, pulse=None):
+    def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None, pulse=None):
         self.dist = dist
         self.timeout_s = timeout_s
-        self._beat_store = beat_store  # a client of rank 0's store: peers' heartbeats, model/ saved (None: no group)
-        self._pulse = pulse  # another, with a BEAT_CALL_SECONDS timeout: this rank's own heartbeat
-        # Rank 0 serves the store from this object: without it, `leave` would take the store down with the
-        # group, and the other ranks could not learn that model/ is saved.
-        self._store = store
+        self._beat_store = beat_store  # a client of rank 0's store: the peers' heartbeats (None: no group)
         self._control = control  # the gloo group for small control messages on NCCL jobs (None: the default group)
-        self._stop = threading.Event()
-        self._beater = None
-        if pulse is not None:
-            self._beater = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
-            self._beater.start()
-
-    # ---------------------------------------------------------------- lifetime
-    def _beat(self) -> None:
-        """Bump this rank's counter in the store until the group is left: how a peer tells alive from lost."""
-        key = BEAT_KEY.format(rank=self.dist.rank)
-        while not self._stop.wait(BEAT_SECONDS):
-            try:
-                self._pulse.add(key, 1)
-            except Exception:  # rank 0, which holds the store, is gone or silent: the main thread finds out
-                continue  # and a store that is only slow is beaten again at the next beat
-
-    def leave(self) -> None:
-        """After the final barrier: stop the heartbeat and drop the group locally (no collective), so rank 0
-        can upload for as long as it needs. Also on the way out with an error: see `_stop_beating`."""
-        self._stop_beating()
-        drop_process_group()
-
-    def _stop_beating(self) -> None:
-        """Stop the heartbeat and wait for it. A daemon thread still inside a store call when the interpreter
-        shuts down is ended in the middle of C++ code, which aborts the exit (SIGABRT, "terminate called
-        without an active exception") instead of exiting with the code the job chose. A store that answers
-        does so in milliseconds; one that does not (its rank stopped) gives up within BEAT_CALL_SECONDS."""
-        self._stop.set()
-        if self._beater is not None:
-            self._beater.join(timeout=BEAT_CALL_SECONDS + BEAT_SECONDS)
-
-    # ---------------------------------------------------------------- after the final barrier
-    @contextmanager
-    def saving_model(self) -> Iterator[None]:
-        """Rank 0, after `leave`: how writing model/ inside the block ended goes to the ranks in `wait_for_model`
-        (saved, or the exit code and message they stop with too). Not a collective: a rank that is gone is
-        not waited for beyond READ_SECONDS. The store is then dropped, so a replica restarted meanwhile
-        finds no stale rendezvous here."""
-        outcome = (EXIT_UNEXPECTED, "rank 0 failed while writing model/")
-        try:
-            yield
-            outcome = (0, "")
-        except (JobError, Preempted) as exc:
-            outcome = (exc.code, exc.message)
-            raise
-        finally:
-            self._post_saved(outcome)
-
-    def _post_saved(self, outcome: tuple[int, str]) -> None:
-        if self._beat_store is None:
-            return
-        try:
-            self._beat_store.set(SAVED_KEY, json.dumps(outcome))
-        except (td.DistError, RuntimeError):
-            pass  # the store is this process's own: only a peer gone meanwhile ends up here
-        else:
-            _wait_until_read(self._beat_store, SAVED_READ_KEY, self.dist.world_size - 1)
-        self._beat_store = self._store = None
-
-    def wait_for_model(self, saved: Callable[[], bool], resume_hint: Callable[[], str]) -> None:
-        """A rank other than 0, after `leave`: return once rank 0 has written model/, so that no rank exits 0
-        on a run whose model may never be saved.
-
-        Rank 0 saved it: return. Rank 0 failed: stop with its exit code and message. Rank 0 lost (its store
-        gone, or silent for RENDEZVOUS_TIMEOUT) before `saved()` (model/ complete on the shared volume): exit
-        143, so `restartPolicy: ExitCode` restarts this replica with rank 0's and the run resumes from its
-        final checkpoint. Exit 0 here would leave a restarted rank 0 alone, waiting for a peer that never comes.
-        Polls the store and the volume, never a collective: rank 0 may be slow.
-        """
-        if self._beat_store is None:
-            return
-        dist = self.dist
-
-        def lost(why: str) -> str:
-            return (
-                f"rank {dist.rank} lost rank 0 after training, before model/ was saved ({why}); "
-                f"restart all {dist.world_size} replicas: {resume_hint()}"
+        self._heartbeat = None
+        if pulse is not None:  # another client, with a BEAT_CALL_SECONDS timeout: this rank's own heartbeat
+            self._heartbeat = Heartbeat(
+                lambda: _beat(pulse, BEAT_KEY.format(rank=dist.rank)), BEAT_SECONDS, "heartbeat"
             )
 
-        deadline = time.monotonic() + self.timeout_s
-        with watchdog(
-            self.timeout_s + WATCHDOG_GRACE,
-            lost(f"no answer within RENDEZVOUS_TIMEOUT={self.timeout_s}s"),
-            EXIT_PREEMPTED,
-        ):
-            while True:
-                # A closed port tells a dead rank 0 before the store client does, and without the client's
-                # C++ stack dump on stderr.
-                if not self._rank0_listening():
-                    if saved():
-                        return
-                    raise JobError(EXIT_PREEMPTED, lost(f"nothing listens at {dist.master_addr}:{dist.master_port}"))
-                try:
-                    if self._beat_store.check([SAVED_KEY]):
-                        code, message = json.loads(self._beat_store.get(SAVED_KEY))
-                        self._beat_store.add(SAVED_READ_KEY, 1)
-                        break
-                except (td.DistError, RuntimeError) as exc:
-                    if saved():  # rank 0 saved and left before this rank looked
-                        return
-                    raise JobError(EXIT_PREEMPTED, lost(type(exc).__name__)) from None
-                if time.monotonic() >= deadline:
-                    if saved():
-                        return
-                    raise JobError(
-                        EXIT_PREEMPTED, lost(f"model/ not saved within RENDEZVOUS_TIMEOUT={self.timeout_s}s")
-                    )
-                time.sleep(SAVED_POLL_SECONDS)
-        if code:
-            raise JobError(code, message)
-
-    def _rank0_listening(self) -> bool:
-        """False only when rank 0's store port refuses connections (its process is gone); a slow or unclear
-        answer is left to the store's own timeout."""
-        try:
-            with socket.create_connection((self.dist.master_addr, self.dist.master_port), timeout=5):
-                return True
-        except ConnectionRefusedError:
-            return False
-        except OSError:
-            return True
+    def leave(self) -> None:
+        """Once rank 0 has saved model/: stop the heartbeat and drop the group locally (no collective), so rank 0
+        can merge and upload for as long as it needs. Also on the way out with an error: a heartbeat still in a
+        store call when the interpreter shuts down would turn the exit code into SIGABRT. A store that answers
+        does so in milliseconds; one that does not (its rank stopped) gives up within BEAT_CALL_SECONDS."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop(wait=BEAT_CALL_SECONDS + BEAT_SECONDS)
+        drop_process_group()
 
     # ---------------------------------------------------------------- collectives
     def _broadcast(self, value: object) -> object:
         box = [value]
-        td.broadcast_object_list(box, src=0)
+        td.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
 
     @contextmanager
@@ -193,7 +78,7 @@ class Collectives:
         Accelerate's `main_process_first` (a barrier) does not carry (tests/test_library_contract.py)."""
         try:
             yield
-        except JobError as exc:
+        except (JobError, Preempted) as exc:
             self._broadcast((exc.code, exc.message))
             raise
         except BaseException as exc:
@@ -301,7 +186,7 @@ class Collectives:
 
     @contextmanager
     def peers_watched(self, resume_hint: Callable[[], str]) -> Iterator[None]:
-        """Turn a failure caused by a lost peer, anywhere between rendezvous and the final barrier, into one
+        """Turn a failure caused by a lost peer, anywhere between rendezvous and model/ saved, into one
         clear error line and exit 143.
 
         143, as after SIGTERM: the usual cause is a replica preempted or killed (a node lost, an OOM kill),
@@ -313,9 +198,13 @@ class Collectives:
         except JobError:
             raise
         except Exception as exc:
-            if not self.is_lost_peer(exc):
-                raise
             dist = self.dist
+            # The heartbeat probe asks rank 0's store, which answers in milliseconds, or, rank 0 stopped, never:
+            # past its own timeout, in native code.
+            silent = f"rank {dist.rank} lost contact with rank 0, whose store stopped answering; restart all {dist.world_size} replicas"
+            with watchdog(PROBE_SECONDS + BEAT_CALL_SECONDS + WATCHDOG_GRACE, silent, EXIT_PREEMPTED):
+                if not self.is_lost_peer(exc):
+                    raise
             raise JobError(
                 EXIT_PREEMPTED,
                 f"rank {dist.rank} lost contact with its peers ({type(exc).__name__}): a replica was killed, stopped "
@@ -331,26 +220,12 @@ def drop_process_group() -> None:
         td.destroy_process_group()
 
 
-@contextmanager
-def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
-    """End the process with `code` if the block has not finished after `seconds`.
-
-    torch's store calls to a stopped rank 0 wait in native code past their own timeouts (seen: 100 s on a
-    20 s timeout; tests/test_library_contract.py), where no Python signal handler reaches them.
-    """
-    done = threading.Event()
-
-    def expire() -> None:
-        if not done.wait(seconds):
-            sys.stderr.write(f"error: {message}\n")
-            sys.stderr.flush()
-            os._exit(code)
-
-    threading.Thread(target=expire, daemon=True, name="watchdog").start()
+def _beat(pulse, key: str) -> None:
+    """One heartbeat: bump this rank's counter in rank 0's store, how a peer tells alive from lost."""
     try:
-        yield
-    finally:
-        done.set()
+        pulse.add(key, 1)
+    except Exception:  # rank 0, which holds the store, is gone or silent: the main thread finds out,
+        pass  # and a store that is only slow is beaten again at the next beat
 
 
 def rendezvous(
@@ -391,31 +266,9 @@ def rendezvous(
         try:
             beat_store = td.TCPStore(dist.master_addr, dist.master_port, None, False, timeout)
             pulse = td.TCPStore(dist.master_addr, dist.master_port, None, False, timedelta(seconds=BEAT_CALL_SECONDS))
+            _agree(dist, store, agreement, timeout_s, deadline, on_main)
         except (td.DistError, RuntimeError) as exc:
             raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
-        mine = json.dumps(agreement, sort_keys=True, default=str)
-        store.set(AGREEMENT_KEY.format(rank=dist.rank), mine)
-        try:
-            if dist.is_main:
-                verdict = _judge(dist, store, agreement, timeout_s, deadline, on_main)
-                store.set(VERDICT_KEY, json.dumps(verdict))
-                if verdict is not None:
-                    joined = sum(store.check([AGREEMENT_KEY.format(rank=rank)]) for rank in range(1, dist.world_size))
-                    _wait_until_read(store, READ_KEY, joined)
-            else:
-                store.wait([VERDICT_KEY], timedelta(seconds=max(1.0, deadline - time.monotonic())))
-                verdict = json.loads(store.get(VERDICT_KEY))
-                theirs = json.loads(store.get(AGREEMENT_KEY.format(rank=0)))
-                store.add(READ_KEY, 1)
-                # A rank that rank 0 did not wait for (it counts fewer ranks) compares for itself.
-                if verdict is None and theirs != json.loads(mine):
-                    verdict = [EXIT_BAD_INPUT, _mismatch(theirs, {dist.rank: json.loads(mine)})]
-        except (td.DistError, RuntimeError) as exc:
-            if isinstance(exc, JobError):
-                raise
-            raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
-        if verdict is not None:
-            raise JobError(*verdict)
         if cuda:
             torch.cuda.set_device(dist.local_rank)
         td.init_process_group(
@@ -428,7 +281,32 @@ def rendezvous(
         # Small control messages (the stop flag, checkpoint barriers) go over gloo: on an NCCL job they
         # would otherwise sync the GPU stream at every step.
         control = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
-    return Collectives(dist, timeout_s, beat_store, control, store, pulse)
+    return Collectives(dist, timeout_s, beat_store, control, pulse)
+
+
+def _agree(
+    dist: DistEnv, store, agreement: dict, timeout_s: int, deadline: float, on_main: Callable[[], None] | None
+) -> None:
+    """Post this rank's `agreement` and follow rank 0's verdict on them all (`_judge`): a JobError, the same on
+    every rank, when they differ or `on_main` refused."""
+    mine = json.dumps(agreement, sort_keys=True, default=str)
+    store.set(AGREEMENT_KEY.format(rank=dist.rank), mine)
+    if dist.is_main:
+        verdict = _judge(dist, store, agreement, timeout_s, deadline, on_main)
+        store.set(VERDICT_KEY, json.dumps(verdict))
+        if verdict is not None:
+            joined = sum(store.check([AGREEMENT_KEY.format(rank=rank)]) for rank in range(1, dist.world_size))
+            _wait_until_read(store, READ_KEY, joined)
+    else:
+        store.wait([VERDICT_KEY], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        verdict = json.loads(store.get(VERDICT_KEY))
+        theirs = json.loads(store.get(AGREEMENT_KEY.format(rank=0)))
+        store.add(READ_KEY, 1)
+        # A rank that rank 0 did not wait for (it counts fewer ranks) compares for itself.
+        if verdict is None and (refusal := agreement_refusal(theirs, {dist.rank: json.loads(mine)})):
+            verdict = [EXIT_BAD_INPUT, refusal]
+    if verdict is not None:
+        raise JobError(*verdict)
 
 
 def _judge(
@@ -446,11 +324,9 @@ def _judge(
             f"check that all {dist.world_size} replicas started and that MASTER_ADDR/MASTER_PORT point at rank 0",
         ]
     others = {rank: json.loads(store.get(key)) for rank, key in enumerate(keys, start=1)}
-    # As the others see it, through JSON.
-    mine = json.loads(json.dumps(agreement, sort_keys=True, default=str))
-    differing = {rank: theirs for rank, theirs in others.items() if theirs != mine}
-    if differing:
-        return [EXIT_BAD_INPUT, _mismatch(mine, differing)]
+    # As the others see it, through JSON; one comparison, the run identity's (utils/identity.py).
+    if refusal := agreement_refusal(json.loads(json.dumps(agreement, sort_keys=True, default=str)), others):
+        return [EXIT_BAD_INPUT, refusal]
     if on_main is not None:
         try:
             on_main()
@@ -460,32 +336,14 @@ def _judge(
 
 
 def _wait_until_read(store, key: str, readers: int) -> None:
-    """Rank 0, before it leaves: the store lives in this process, so wait (at most READ_SECONDS) until `readers`
-    ranks have counted themselves under `key`, or they would fail on a closed store instead of reading its word."""
+    """Rank 0, refusing the job: the store lives in this process, so wait (at most READ_SECONDS) until `readers`
+    ranks have counted themselves under `key`, or they would fail on a closed store instead of reading its verdict."""
     deadline = time.monotonic() + READ_SECONDS
     try:
         while store.add(key, 0) < readers and time.monotonic() < deadline:
             time.sleep(0.05)
     except (td.DistError, RuntimeError):
         pass  # a peer gone meanwhile: nothing left to wait for
-
-
-def _mismatch(main: dict, others: dict[int, dict]) -> str:
-    """'LEARNING_RATE: 0.0005 on rank 0, 0.9 on rank 1; ...' for the settings that differ."""
-    parts = []
-    for name in sorted(
-        {name for theirs in others.values() for name in set(theirs) | set(main) if theirs.get(name) != main.get(name)}
-    ):
-        values = [f"{main.get(name)} on rank 0"] + [
-            f"{theirs.get(name)} on rank {rank}"
-            for rank, theirs in others.items()
-            if theirs.get(name) != main.get(name)
-        ]
-        parts.append(f"{name.upper()}: {', '.join(values)}")
-    return (
-        f"the replicas were started with different settings ({'; '.join(parts)}); "
-        "give every replica the same settings (one config_map / ConfigMap for all) and start them again"
-    )
 
 
 def _refuse_port_taken(dist: DistEnv) -> None:

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -36,6 +35,7 @@ from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
 from utils.model_card import PLOT_NAME, plot_training_curves, published_base, write_label_names, write_model_card
 from utils.outputs import RunDir, replace_dir, update_run_record
 from utils.settings import Settings, resolve_base_model_id
+from utils.threads import Deadline, within
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -65,34 +65,6 @@ def use_request_timeout(seconds: float) -> None:
     set_client_factory(client_with_timeout)
 
 
-class HubDeadline(TimeoutError):
-    """A Hub call (its retries and the request in flight) did not finish within its total deadline."""
-
-
-def within(seconds: float, call, *args, **kwargs):
-    """`call(*args, **kwargs)`, or HubDeadline after `seconds` even if a request is still in flight.
-
-    The call runs in a daemon thread: when the deadline passes the job goes on (to its exit code) and the
-    abandoned request dies with the process.
-    """
-    box: dict = {}
-
-    def target() -> None:
-        try:
-            box["result"] = call(*args, **kwargs)
-        except BaseException as exc:  # handed to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True, name="hub-call")
-    thread.start()
-    thread.join(max(0.0, seconds))
-    if thread.is_alive():
-        raise HubDeadline(f"no answer within {seconds:.0f} s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
-
-
 def _status(exc: BaseException) -> int | None:
     response = getattr(exc, "response", None)
     return getattr(response, "status_code", None)
@@ -103,7 +75,7 @@ def is_transient(exc: BaseException) -> bool:
         return _status(exc) in TRANSIENT_STATUS
     # The total deadline spent leaves nothing to retry with; OfflineModeIsEnabled is a ConnectionError, but
     # HF_HUB_OFFLINE=1 will not change by waiting.
-    if isinstance(exc, (HubDeadline, OfflineModeIsEnabled)):
+    if isinstance(exc, (Deadline, OfflineModeIsEnabled)):
         return False
     return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
 
@@ -190,7 +162,7 @@ class Hub:
         does not answer (a push without a token: utils/settings.check_push_possible, before this)."""
         seconds = min(TOKEN_CHECK_SECONDS, self._max_retry_seconds)
         try:
-            me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami))
+            me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami), "hub-call")
         except Exception as exc:
             if _status(exc) in (401, 403):
                 raise JobError(EXIT_BAD_INPUT, f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
@@ -250,7 +222,7 @@ class Hub:
                 retrying(card.validate)(repo_type="model")
             return retrying(commit)()
 
-        return within(self._max_retry_seconds, push)
+        return within(self._max_retry_seconds, push, "hub-call")
 
 
 # ------------------------------------------------------------------------------- saving

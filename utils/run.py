@@ -1,11 +1,12 @@
-"""The order of a run, on every rank: join the job, set up, train, publish.
+"""The order of a run, on every rank: join the job, set up, train, save, publish.
 
     run(job)
-      join(job, hub, lock)      checks that need no peer (strategy, Hub access, tracker), the rendezvous (the
-                                same settings on every rank, the OUTPUT_DIR lock), the rank log -> Collectives
-      set_up(job, group)        tokenizer, data, model, the checkpoint to resume, the Trainer, run.json -> Ready
-      train(job, group, ready)  training (a stop signal checkpoints), evaluation, the final barrier -> Trained
-      publish(job, group, hub, trained)  rank 0 saves model/ and pushes it, the others wait for it -> exit code
+      join(job, hub, lock)        checks that need no peer (strategy, Hub access, tracker), the rendezvous (the
+                                  same settings on every rank, the OUTPUT_DIR lock), the rank log -> Collectives
+      set_up(job, group)          tokenizer, data, model, the checkpoint to resume, the Trainer, run.json -> Ready
+      train(job, group, ready)    training (a stop signal checkpoints), evaluation, the final barrier -> Trained
+      save(job, group, trained)   rank 0 saves model/ inside the group, the others wait for it; then all leave it
+      publish(job, hub, trained)  rank 0 alone merges and pushes; every rank writes its record -> exit code
 
 `job` (utils/job.py) is what the rank knows from the start; each phase takes it and what the phase before
 returned. `publish_only` is --push-only. The Trainer is utils/trainer.py's, the collectives
@@ -34,7 +35,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from utils.collectives import Collectives, rendezvous
 from utils.data import label_names_of, load_sst2
 from utils.distributed import DistEnv, export_env, launcher_options, masked_environ
-from utils.errors import EXIT_BAD_INPUT, EXIT_OK, JobError, Preempted
+from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, JobError, Preempted
 from utils.hub import Hub, push_model, save_merged, save_model
 from utils.hub_token import MaskingFilter, read_token
 from utils.identity import check_same_run, short_digest
@@ -329,10 +330,12 @@ def run(job: Job) -> int:
         dist.source,
         masked_environ(),
     )
+    hub = open_hub(job.settings)
     if job.out.is_finished():
         log.info("%s already holds a finished run", job.out.root)
-        return publish_finished(job)
-    hub = Hub(read_token(), job.settings.push_timeout, job.settings.hub_timeout)
+        # Rank 0 finishes what was left (the merge, the push), with the labels, base and run name the run recorded
+        # (metrics.json), whatever this start's settings say; the others are done.
+        return publish_saved(job, hub, job.settings) if dist.is_main else EXIT_OK
     lock = RunLock(job.out)
     group = None
     try:
@@ -340,9 +343,10 @@ def run(job: Job) -> int:
         with group.peers_watched(lambda: resume_hint(job.out)):
             ready = set_up(job, group)
             trained = train(job, group, ready)
-        # No rank enters a collective after this: rank 0 may upload for minutes.
+        save(job, group, trained)
+        # No rank enters a collective after this: rank 0 may merge and upload for minutes.
         group.leave()
-        return publish(job, group, hub, trained)
+        return publish(job, hub, trained)
     except JobError as exc:  # main.py prints it on stderr; the rank log on the volume, once it exists, keeps it too
         log.error("error: %s (exit %d)", exc.message, exc.code, extra=RANK_LOG_ONLY)
         raise
@@ -464,75 +468,93 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         # The checksum and the full state dict are collectives when FSDP shards the weights: on every rank,
         # and before leaving the group.
         state_dict = full_state_dict(trainer.model, job.strategy)
-        # Under DeepSpeed accelerate wraps the Trainer's scheduler (DeepSpeed's own, from a config's block, has no base_lrs).
-        scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
-        record = {
-            "rank": dist.rank,
-            "local_rank": dist.local_rank,
-            "node_rank": dist.node_rank,
-            "world_size": dist.world_size,
-            "source": dist.source,
-            "samples_trained": trainer.samples_seen,
-            # DeepSpeed: the gathered fp32 weights (under ZeRO-3 the module's own are empty shards)
-            "trainable_checksum": trainable_checksum(
-                trainer.model, state_dict if job.strategy == "deepspeed" else None
-            ),
-            "first_step": trainer.startup.first_step + 1,
-            "seconds_to_first_step": trainer.startup.seconds,
-            # Where the time to the first step went: each phase's end (the fast path compiles in the first step).
-            "startup": {**(ready.startup or {}), "first_step": trainer.startup.seconds},
-            # The first step's end, and the steady steps after it (evaluations and checkpoints set aside).
-            "timing": trainer.startup.record(plan.steps_per_epoch),
-            # TORCH_COMPILE's graphs (None: eager); tests hold them to the length buckets.
-            "compile": compile_record() if job.compiled else None,
-            # Loaded only for 8-bit weights (Job.leave_unused_libraries_out).
-            "bitsandbytes_loaded": sys.modules.get("bitsandbytes") is not None,
-            "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20) if job.cuda else None,
-            # What the Trainer trained with, read back from it: the plan's values, or a bug (tests compare them).
-            "trained_with": {
-                "micro_batch": trainer.args.per_device_train_batch_size,
-                "accumulation": trainer.args.gradient_accumulation_steps,
-                "steps": trainer.state.max_steps,
-                "warmup_steps": trainer.args.get_warmup_steps(trainer.state.max_steps),
-                "rates": sorted(set(getattr(scheduler, "base_lrs", []))),  # each group's peak rate
-                "precision": "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "fp32",
-            },
-        }
-        if job.compiled:
-            log.info(
-                "torch.compile: %d graphs for length buckets %s, %d recompiles, %d graph breaks, %.1f s compiling",
-                record["compile"]["graphs"],
-                trainer.buckets,
-                record["compile"]["recompiles"],
-                record["compile"]["graph_breaks"],
-                record["compile"]["compile_s"],
-            )
+        record = rank_record(job, ready, state_dict)
     return Trained(trainer, metrics, record, state_dict)
 
 
-def publish(job: Job, group: Collectives, hub: Hub, trained: Trained) -> int:
-    """Rank 0 saves model/ (and merged/) and pushes it; the others wait until model/ is saved. The exit code."""
-    settings, dist, out = job.settings, job.dist, job.out
-    code = EXIT_OK
-    if dist.is_main:
-        with group.saving_model():
-            save_model(out, settings, trained.trainer, trained.metrics, trained.state_dict)
+def rank_record(job: Job, ready: Ready, state_dict: dict) -> dict:
+    """logs/rank-R.json: who this rank was, what it trained and how long each phase took, for tests and benchmarks."""
+    dist, trainer, plan = job.dist, ready.trainer, ready.plan
+    # Under DeepSpeed accelerate wraps the Trainer's scheduler (DeepSpeed's own, from a config's block, has no base_lrs).
+    scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+    record = {
+        "rank": dist.rank,
+        "local_rank": dist.local_rank,
+        "node_rank": dist.node_rank,
+        "world_size": dist.world_size,
+        "source": dist.source,
+        "samples_trained": trainer.samples_seen,
+        # DeepSpeed: the gathered fp32 weights (under ZeRO-3 the module's own are empty shards)
+        "trainable_checksum": trainable_checksum(trainer.model, state_dict if job.strategy == "deepspeed" else None),
+        "first_step": trainer.startup.first_step + 1,
+        "seconds_to_first_step": trainer.startup.seconds,
+        # Where the time to the first step went: each phase's end (the fast path compiles in the first step).
+        "startup": {**(ready.startup or {}), "first_step": trainer.startup.seconds},
+        # The first step's end, and the steady steps after it (evaluations and checkpoints set aside).
+        "timing": trainer.startup.record(plan.steps_per_epoch),
+        # TORCH_COMPILE's graphs (None: eager); tests hold them to the length buckets.
+        "compile": compile_record() if job.compiled else None,
+        # Loaded only for 8-bit weights (Job.leave_unused_libraries_out).
+        "bitsandbytes_loaded": sys.modules.get("bitsandbytes") is not None,
+        "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20) if job.cuda else None,
+        # What the Trainer trained with, read back from it: the plan's values, or a bug (tests compare them).
+        "trained_with": {
+            "micro_batch": trainer.args.per_device_train_batch_size,
+            "accumulation": trainer.args.gradient_accumulation_steps,
+            "steps": trainer.state.max_steps,
+            "warmup_steps": trainer.args.get_warmup_steps(trainer.state.max_steps),
+            "rates": sorted(set(getattr(scheduler, "base_lrs", []))),  # each group's peak rate
+            "precision": "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "fp32",
+        },
+    }
+    if job.compiled:
+        log.info(
+            "torch.compile: %d graphs for length buckets %s, %d recompiles, %d graph breaks, %.1f s compiling",
+            record["compile"]["graphs"],
+            trainer.buckets,
+            record["compile"]["recompiles"],
+            record["compile"]["graph_breaks"],
+            record["compile"]["compile_s"],
+        )
+    return record
+
+
+def save(job: Job, group: Collectives, trained: Trained) -> None:
+    """Rank 0 writes model/ and metrics.json inside the group while the others wait for its outcome: no rank exits 0
+    before model/ is saved (`restartPolicy: ExitCode` would then restart a lost rank 0 alone), rank 0's failure is
+    theirs, and a rank 0 killed or stopped meanwhile is exit 143 on them."""
+    out = job.out
+    if not job.dist.is_main:
+        log.info("waiting for rank 0 to save %s", out.model)
+    try:
+        with group.peers_watched(lambda: f"rank 0 was saving model/; {resume_hint(out)}"):
+            group.run_on_main(
+                lambda: save_model(out, job.settings, trained.trainer, trained.metrics, trained.state_dict)
+            )
+    except JobError as exc:
+        if not (job.dist.is_main and exc.code == EXIT_PREEMPTED and out.is_finished()):
+            raise
+        # A peer lost once model/ was saved: restarted, it finds the run finished, so rank 0 goes on.
+        log.warning(
+            "rank 0 lost a peer after saving %s; it publishes the model, the restarted peer exits 0", out.model
+        )
+    if job.dist.is_main:
         # The user's wall time of the job, process start to model saved (benchmarks read it).
         trained.record["timing"]["model_saved_s"] = round(seconds_since_start(), 3)
-        # From here a restart of rank 0 alone finishes the run from the volume (merge, push).
-        if settings.merge_adapter:
-            save_merged(out, settings)
-        code = push_model(out, settings, hub)
+
+
+def publish(job: Job, hub: Hub, trained: Trained) -> int:
+    """Out of the group, model/ saved: rank 0 merges and pushes it alone; every rank writes its record. The exit code."""
+    dist, out = job.dist, job.out
+    code = EXIT_OK
+    if dist.is_main:
+        code = publish_saved(job, hub, job.settings)
         metrics = trained.metrics
         print(
             f"{headline(metrics)} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
             f"model={out.model}",
             flush=True,
         )
-    else:
-        # Not exit 0 before model/ is saved: `restartPolicy: ExitCode` would then restart a lost rank 0 alone.
-        log.info("waiting for rank 0 to save %s", out.model)
-        group.wait_for_model(out.is_finished, lambda: resume_hint(out))
     # What tests and benchmarks read (logs/rank-R.json), and the same in words at the end of the rank's log.
     record = trained.record
     out.write_json(out.rank_record(dist.rank), record)
@@ -547,15 +569,17 @@ def publish(job: Job, group: Collectives, hub: Hub, trained: Trained) -> int:
     return code
 
 
-def publish_finished(job: Job) -> int:
-    """A restart that finds model/ saved: rank 0 finishes what was left (the merge, the push), the others are done."""
-    if not job.dist.is_main:
-        return EXIT_OK
-    settings = job.settings  # what is published follows the run's own records (metrics.json): its labels, base, name
-    # Stopped between saving and merging.
+def publish_saved(job: Job, hub: Hub, settings: Settings) -> int:
+    """Rank 0, model/ saved (by this start or one before it): merged/ when MERGE_ADAPTER asks for it and it is
+    missing (it is written only after model/ is complete, so one present belongs to this model/), then the push."""
     if settings.merge_adapter and not job.out.merged.is_dir():
         save_merged(job.out, settings)
-    return push_model(job.out, settings, Hub(read_token(), settings.push_timeout, settings.hub_timeout))
+    return push_model(job.out, settings, hub)
+
+
+def open_hub(settings: Settings) -> Hub:
+    """The Hub client: the push's total deadline, and a timeout on every request."""
+    return Hub(read_token(), settings.push_timeout, settings.hub_timeout)
 
 
 def publish_only(job: Job) -> int:
@@ -573,9 +597,8 @@ def publish_only(job: Job) -> int:
         raise JobError(
             EXIT_BAD_INPUT, f"{out.model} holds no finished model; run the training first (without --push-only)"
         )
-    if settings.merge_adapter and not out.merged.is_dir():
-        save_merged(out, settings)
-    hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
+    hub = open_hub(settings)
     for repo_id in filter(None, (settings.result_model_id, settings.result_merged_model_id)):
         hub.check_write_access(repo_id)
-    return push_model(out, settings, hub)
+    # What is published follows what was trained: the labels, base and run name in the run's metrics.json.
+    return publish_saved(job, hub, settings)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 
@@ -26,6 +25,7 @@ import psutil
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.outputs import RunDir
+from utils.threads import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,7 @@ class RunLock:
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "beat": 0,
         }
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._heartbeat: Heartbeat | None = None
 
     # ---------------------------------------------------------------- acquire / release
     def acquire(self) -> None:
@@ -80,13 +79,11 @@ class RunLock:
                 )
             self._take_over(f"the lock of host {holder.get('host')} pid {holder.get('pid')} (no longer running)")
             break
-        self._thread = threading.Thread(target=self._beat, daemon=True, name="output-dir-lock")
-        self._thread.start()
+        self._heartbeat = Heartbeat(self._beat, BEAT_SECONDS, "output-dir-lock")
 
     def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        if self._heartbeat is not None:
+            self._heartbeat.stop(wait=5)
         holder = self._read()
         if holder is not None and holder.get("job") == self.me["job"]:
             try:
@@ -138,9 +135,8 @@ class RunLock:
         return False
 
     def _beat(self) -> None:
-        while not self._stop.wait(BEAT_SECONDS):
-            self.me["beat"] += 1
-            try:
-                self._write()
-            except (OSError, JobError) as exc:  # a full or flaky volume (or a planted link) must not kill the run
-                log.warning("could not refresh %s: %s", self.path, exc)
+        self.me["beat"] += 1
+        try:
+            self._write()
+        except (OSError, JobError) as exc:  # a full or flaky volume (or a planted link) must not kill the run
+            log.warning("could not refresh %s: %s", self.path, exc)

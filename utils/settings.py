@@ -26,7 +26,6 @@ import os
 import re
 import socket
 import sys
-import threading
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -50,6 +49,7 @@ from pydantic_settings import (
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import UnfitFile, mask_urls, read_small_text, read_token, refuse_token_in_settings
 from utils.tasks import GLUE, GLUE_DATASETS, GLUE_UNTRAINABLE
+from utils.threads import Deadline, within
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
 # The repo id grammar the Hub enforces: an optional namespace, then a name of letters, digits, -, _, .
@@ -798,27 +798,21 @@ def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECON
                 socket.create_connection((parts.hostname, port), timeout=min(10.0, timeout_s)).close()
             except (OSError, ValueError) as exc:
                 raise refused(f"no tracking server answers at {shown} ({cause(exc)})") from None
-    outcome: list[BaseException | None] = []
 
     def probe() -> None:
         try:
             client = mlflow.MlflowClient(tracking_uri=uri)  # resolves the store: an unknown scheme fails here
-        except BaseException as exc:  # reported by the waiting thread
-            outcome.append(refused(f"MLflow has no tracking store for {shown} ({cause(exc)})"))
-            return
+        except BaseException as exc:  # whatever MLflow raises there is a refusal
+            raise refused(f"MLflow has no tracking store for {shown} ({cause(exc)})") from None
         try:
             client.search_experiments(max_results=1)
-            outcome.append(None)
         except BaseException as exc:
-            outcome.append(refused(f"MLflow refuses {shown} ({cause(exc)})"))
+            raise refused(f"MLflow refuses {shown} ({cause(exc)})") from None
 
-    worker = threading.Thread(target=probe, daemon=True, name="tracker-check")
-    worker.start()
-    worker.join(timeout_s)
-    if not outcome:
-        raise refused(f"the tracking server at {shown} did not answer within {timeout_s:g} s")
-    if outcome[0] is not None:
-        raise outcome[0]
+    try:
+        within(timeout_s, probe, "tracker-check")
+    except Deadline:
+        raise refused(f"the tracking server at {shown} did not answer within {timeout_s:g} s") from None
 
 
 # ------------------------------------------------------------------------------- parsing
