@@ -30,11 +30,11 @@ class Row:
     trial: Trial
     status: str
     value: float | None
-    exit_code: int | None = None
 
 
-def record_trial(folder: Path, spec: Spec, trial: Trial, **fields) -> None:
-    """Write (or update) the trial's record in its folder: settings, then its outcome."""
+def record_trial(spec: Spec, trial: Trial, **fields) -> Path:
+    """Write (or update) the trial's record in its folder, which it returns: settings, then its outcome."""
+    folder = spec.output_dir / trial.name
     run = RunDir(folder.resolve())
     # main.py's own refusal of a folder another tool wrote (it needs the folder's name only): left as it is.
     refuse_foreign(run, SimpleNamespace(output_dir=folder))
@@ -44,16 +44,11 @@ def record_trial(folder: Path, spec: Spec, trial: Trial, **fields) -> None:
     claim_run_dir(run)
     path = folder / TRIAL_RECORD
     record = json.loads(path.read_text()) if path.exists() else {}
-    record.update(
-        trial=trial.name,
-        index=trial.index,
-        params=trial.params,
-        settings=spec.trial_env(trial, folder.parent),
-        **fields,
-    )
+    record.update(trial=trial.name, index=trial.index, params=trial.params, settings=spec.trial_env(trial), **fields)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(path)
+    return folder
 
 
 def collect_rows(spec: Spec, trials: list[Trial]) -> list[Row]:
@@ -68,7 +63,7 @@ def collect_rows(spec: Spec, trials: list[Trial]) -> list[Row]:
             status = "failed"  # metrics.json went, or never held the metric
         if status != "complete":
             value = None  # a metrics.json of an earlier run is not this run's result
-        rows.append(Row(trial, status, value, record.get("exit_code")))
+        rows.append(Row(trial, status, value))
     return rows
 
 
@@ -145,7 +140,7 @@ def plot_summary(spec: Spec, rows: list[Row], path: Path) -> None:
             xs = [order.index(setting_value(x)) for x in xs]
             ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
         ax.scatter(xs, [r.value for r in done])
-        if numeric and xs and (spec.is_log(name) or log_spaced(xs)):
+        if numeric and xs and (getattr(spec.random.get(name), "log", False) or log_spaced(xs)):
             ax.set_xscale("log")
         ax.set_xlabel(name)
         ax.set_ylabel(spec.metric)
