@@ -44,7 +44,6 @@ from utils.settings import FIELDS, SECRET_SETTINGS, env_name, load_settings
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix, reported_metrics
 from utils.tasks import validation_splits as task_splits
 
-BACKENDS = ("local", "slurm", "katib")
 # Each trial is a training run, and Slurm's default MaxArraySize (1001) takes array indexes 0-1000: a bigger
 # sweep is a typo (trials: 100000000) or a grid nobody means to pay for.
 MAX_TRIALS = 1000
@@ -102,14 +101,12 @@ def setting_name(name: str) -> str:
 def swept_values(values: list) -> list:
     """A list of a grid or of random choices: each value as the job reads it, none twice (two trials would be one)."""
     values = [setting_value(v) if isinstance(v, list) else yaml_number(v) for v in values]
-    seen: dict[str, object] = {}
-    for value in values:
-        if setting_value(value) in seen:
+    texts = [setting_value(v) for v in values]
+    for i, text in enumerate(texts):
+        if (first := texts.index(text)) < i:
             raise ValueError(
-                f"{seen[setting_value(value)]!r} and {value!r} are the same setting to the job "
-                f"({setting_value(value)}); list each value once"
+                f"{values[first]!r} and {values[i]!r} are the same setting to the job ({text}); list each value once"
             )
-        seen[setting_value(value)] = value
     return values
 
 
@@ -221,7 +218,7 @@ class Spec:
     metric: str = Field("accuracy", min_length=1, description="name a key of the trials' metrics.json")
     direction: Literal["maximize", "minimize"] | None = Field(None, description="use maximize or minimize")
     parallel: int = Field(1, ge=1, description="give how many trials run at once, at least 1")
-    backend: Literal["local", "slurm", "katib"] = Field("local", description=f"use one of {', '.join(BACKENDS)}")
+    backend: Literal["local", "slurm", "katib"] = Field("local", description="use one of local, slurm, katib")
     # the Hub repo trials push to as <repo>-<trial>; None: no trial pushes
     push: str | bool | None = Field(
         False, description="write push: OWNER/NAME (trial-003 pushes to OWNER/NAME-trial-003) or push: false"
@@ -266,6 +263,16 @@ class Spec:
             raise ValueError("'' names no repo; write push: OWNER/NAME or push: false")
         return push or None
 
+    @field_validator("katib")
+    @classmethod
+    def _no_keys(cls, katib: dict) -> dict:
+        if katib:
+            raise ValueError(
+                f"unknown key(s) {sorted(katib)}; it takes none: the trial is k8s/pytorchjob.yaml as deployed, "
+                "and parallel, trials and seed are the spec's own keys"
+            )
+        return katib
+
     @model_validator(mode="after")
     def _rules(self) -> Spec:
         if self.grid and self.random:
@@ -298,17 +305,13 @@ class Spec:
     def swept(self) -> list[str]:
         return [*self.grid, *self.random]
 
-    def is_log(self, name: str) -> bool:
-        space = self.random.get(name)
-        return isinstance(space, Range) and space.log
-
-    def trial_env(self, trial: Trial, output_dir: Path | str | None = None) -> dict[str, str]:
-        """The settings one trial runs with, as the environment of its `python main.py`."""
+    def trial_env(self, trial: Trial) -> dict[str, str]:
+        """The settings one trial runs with, as the environment of its `python main.py` (or Katib's template)."""
         env = dict(self.settings)
         if self.config:
             env["CONFIG_FILE"] = self.config
         env.update(trial.env())
-        env["OUTPUT_DIR"] = str(Path(output_dir or self.output_dir) / trial.name)
+        env["OUTPUT_DIR"] = str(self.output_dir / trial.name)
         if self.push:
             env["RESULT_MODEL_ID"] = f"{self.push}-{trial.name}"
         return env
@@ -337,15 +340,11 @@ def spec_error(path: Path, exc: ValidationError) -> str:
 
 def read_spec(path: Path) -> Spec:
     """Read and check a spec; everything wrong with it is a JobError (exit 2) that says the fix."""
-    fix = "give the path of a SPEC.yaml (examples/sweeps/ has some)"
     try:
         raw = yaml.safe_load(read_small_text(path, SPEC_MAX_BYTES))
-    except FileNotFoundError:
-        raise refused(f"no sweep spec at {path}; {fix}") from None
-    except OSError as exc:
-        raise refused(f"cannot read the sweep spec {path} ({exc.strerror}); {fix}") from None
-    except UnfitFile as exc:
-        raise refused(f"{path} {exc}; {fix}") from None
+    except (OSError, UnfitFile) as exc:
+        why = f"cannot be read ({exc.strerror})" if isinstance(exc, OSError) else exc
+        raise refused(f"{path} {why}; give the path of a SPEC.yaml (examples/sweeps/ has some)") from None
     except yaml.YAMLError as exc:
         raise refused(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
     if not isinstance(raw, dict) or not all(isinstance(key, str) for key in raw):
@@ -369,8 +368,6 @@ def plan_trials(spec: Spec) -> list[Trial]:
 
 
 def distributions(spec: Spec) -> dict:
-    """Each swept setting as an Optuna distribution: a list (grid or random) is categorical, a range is
-    a float or int range, log-scaled when the spec says so."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     found = {}
@@ -401,21 +398,18 @@ def draw_random(spec: Spec) -> list[dict]:
 
 
 def job_environment(spec: Spec, trial: Trial, environ: dict[str, str]) -> dict[str, str]:
-    """The environment of one trial's `python main.py`: this shell's (the job reads its setting variables too),
-    less the Hub repos (a trial pushes only where the spec's `push:` says), with the trial's settings over it. The
-    check, the sweep's identity and the run all take it from here."""
+    """The environment of one trial's `python main.py`, for the check, the sweep's identity and the run alike: this
+    shell's (the job reads its setting variables too) less the Hub repos, with the trial's settings over it."""
     env = {name: value for name, value in environ.items() if name not in HUB_DESTINATIONS}
     env.update(spec.trial_env(trial))
     return env
 
 
 def check_trials(spec: Spec, trials: list[Trial], environ: dict[str, str] | None = None) -> dict:
-    """Resolve each trial's settings with the job's own model, as its main.py will: a bad value stops the sweep
-    before any trial starts; so does a Hub repo from the recipe (nothing is pushed unless `push:` says) and a metric
-    the trials' metrics.json will not hold (it sets `spec.metric_key`, where that file holds it).
-
-    Returns the sweep's identity: every input that makes a trial's settings (each trial's setting variables, this
-    shell's among them, and the recipe's content), which `open_sweep_dir` keeps with the trials' folders."""
+    """Resolve each trial's settings with the job's own model, as its main.py will, so a bad value, a Hub repo from
+    the recipe or a metric metrics.json will not hold stops the sweep before any trial starts; set `spec.metric_key`.
+    Returns the sweep's identity (each trial's setting variables, this shell's among them, and the recipe's content)
+    for `open_sweep_dir`."""
     environ = os.environ if environ is None else environ
     found: dict[str, dict[str, str]] = {}
     keys: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
@@ -429,8 +423,7 @@ def check_trials(spec: Spec, trials: list[Trial], environ: dict[str, str] | None
             value = getattr(settings, name.lower())
             if value and value != spec.trial_env(trial).get(name):
                 raise refused(
-                    f"CONFIG_FILE={spec.config} sets {name.lower()}: {value}, so every trial would push to it, each over "
-                    "the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
+                    f"CONFIG_FILE={spec.config} sets {name.lower()}: {value}, so every trial would push to it, each over the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
                 )
         names = metric_names(settings)
         key = metric_key(settings, spec.metric, names)
@@ -440,22 +433,16 @@ def check_trials(spec: Spec, trials: list[Trial], environ: dict[str, str] | None
         raise refused(
             f"metric={spec.metric}: the trials write it under different names ({', '.join(keys)}); sweep one task"
         )
-    ((key, (names, splits)),) = keys.items()
+    ((key, (names, spec.metric_splits)),) = keys.items()
     spec.metric_key, spec.metric_keys = f"eval_{key}", tuple(f"eval_{name}" for name in names)
-    spec.metric_splits = splits
-    recipe = None
-    if spec.config:  # read by the job's recipe reader above: a regular file of a page at most
-        recipe = {
-            "path": spec.config,
-            "sha256": hashlib.sha256(Path(spec.config).expanduser().read_bytes()).hexdigest(),
-        }
-    return {"trials": found, "recipe": recipe}
+    # read by the job's recipe reader above: a regular file of a page at most
+    digest = spec.config and hashlib.sha256(Path(spec.config).expanduser().read_bytes()).hexdigest()
+    return {"trials": found, "recipe": spec.config and {"path": spec.config, "sha256": digest}}
 
 
 def metric_names(settings) -> tuple[str, ...]:
-    """What a run with these settings writes to metrics.json, less `eval_`: its task's metrics on each validation split
-    (MNLI's as matched_accuracy, mismatched_accuracy, ...) and each split's loss. Without TASK or PROBLEM_TYPE the data
-    decides classification or regression, so either problem's metrics may be named."""
+    """What a run with these settings writes to metrics.json, less `eval_` (MNLI's matched_accuracy, ...). Without TASK
+    or PROBLEM_TYPE the data decides classification or regression, so either problem's metrics may be named."""
     problems = (settings.problem_type,) if settings.problem_type != "auto" else (CLASSIFICATION, REGRESSION)
     names = [name for problem in problems for name in reported_metrics(settings, problem)]
     names += [f"{prefix}_loss" if prefix else "loss" for prefix in map(eval_prefix, task_splits(settings))]
@@ -463,9 +450,8 @@ def metric_names(settings) -> tuple[str, ...]:
 
 
 def metric_key(settings, metric: str, names: tuple[str, ...]) -> str:
-    """The spec's `metric` as metrics.json names it (less `eval_`). A name without a split, on a task evaluated on
-    several (MNLI), means the first split's: `accuracy` is `matched_accuracy`, the metric the job tracks as best
-    (`metric_for_best_model`)."""
+    """The spec's `metric` as metrics.json names it (less `eval_`). Without a split, on MNLI, it means the first
+    split's (`accuracy` is `matched_accuracy`): the metric the job tracks as best."""
     first = eval_prefix(task_splits(settings)[0])
     for name in (metric, f"{first}_{metric}" if first else metric):
         if name in names:
@@ -477,15 +463,14 @@ def metric_key(settings, metric: str, names: tuple[str, ...]) -> str:
 
 
 def on_each_split(settings, key: str) -> tuple[str, ...]:
-    """The metric `key` (less `eval_`) on every validation split, as metrics.json names it: MNLI's
-    `matched_accuracy` -> eval_matched_accuracy, eval_mismatched_accuracy."""
+    """MNLI's `matched_accuracy` -> eval_matched_accuracy, eval_mismatched_accuracy: the metric on every split."""
     prefixes = [eval_prefix(split) for split in task_splits(settings)]
     base = next((key.removeprefix(f"{p}_") for p in prefixes if p and key.startswith(f"{p}_")), key)
     return tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes)
 
 
 def describe(trial: Trial) -> str:
-    return " ".join(f"{env_name(k)}={setting_value(v)}" for k, v in trial.params.items())
+    return " ".join(f"{k}={v}" for k, v in trial.env().items())
 
 
 def trial_metric(spec: Spec, folder: Path) -> float | None:
@@ -499,11 +484,10 @@ def trial_metric(spec: Spec, folder: Path) -> float | None:
 
 # ------------------------------------------------------------------------------- the sweep's folder
 def open_sweep_dir(spec: Spec, identity: dict) -> None:
-    """Claim output_dir for this sweep: a new or empty folder, or this same sweep's (its sweep.json holds the same
-    recipe and, for every trial both name, the same settings; more random draws of the same seed extend it, as
-    more trials extend an Optuna study). A folder another tool wrote is refused untouched, as main.py refuses one
-    for OUTPUT_DIR (the sweep replaces files in its trials' folders and its summary); another sweep's is refused
-    too, so a resume, a `--run-trial` or a summary never shows a result under values it was not trained with."""
+    """Claim output_dir: a new or empty folder, or this same sweep's (sweep.json: the same recipe and, for every trial
+    both name, the same settings; more draws of the same seed extend it). Another tool's folder is refused, as main.py
+    refuses one, since the sweep replaces files there; another sweep's too, so a resume, a `--run-trial` or a summary
+    never shows a result under values it was not trained with."""
     out = spec.output_dir
     record = out / SWEEP_RECORD
     fix = "give this spec a new output_dir, or restore the spec, recipe and setting variables the sweep was made with"
@@ -520,12 +504,8 @@ def open_sweep_dir(spec: Spec, identity: dict) -> None:
             write_sweep_record(record, known)
         return
     ours = {SWEEP_RECORD, ".sweep.lock", "lost+found"}
-    names = (
-        sorted(n for n in os.listdir(out) if n not in ours and not n.startswith(f".{SWEEP_RECORD}"))
-        if out.is_dir()
-        else []
-    )
-    if names:
+    found = os.listdir(out) if out.is_dir() else []
+    if names := sorted(n for n in found if n not in ours and not n.startswith(f".{SWEEP_RECORD}")):
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise refused(
             f"output_dir={out} is not empty and is not a folder of this sweep (it holds {shown}, and no {SWEEP_RECORD}); "
@@ -545,8 +525,7 @@ def write_sweep_record(record: Path, identity: dict) -> None:
 
 
 def identity_change(theirs: dict, ours: dict) -> str | None:
-    """The first input that differs between a sweep's recorded identity and this spec's, as the user would fix it;
-    None when they are the same sweep."""
+    """The first input that differs between a sweep's recorded identity and this spec's; None: the same sweep."""
     if theirs.get("recipe") != ours["recipe"]:
         old, new = theirs.get("recipe") or {}, ours["recipe"] or {}
         return (
