@@ -13,7 +13,6 @@ Imports nothing heavy (Optuna only for random draws, PyYAML, the settings module
 from __future__ import annotations
 
 import difflib
-import hashlib
 import itertools
 import json
 import math
@@ -40,6 +39,8 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import UnfitFile, read_small_text
+from utils.identity import sha256_file
+from utils.outputs import RunDir
 from utils.settings import FIELDS, SECRET_SETTINGS, env_name, load_settings
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix, reported_metrics
 from utils.tasks import validation_splits as task_splits
@@ -436,7 +437,7 @@ def check_trials(spec: Spec, trials: list[Trial], environ: dict[str, str] | None
     ((key, (names, spec.metric_splits)),) = keys.items()
     spec.metric_key, spec.metric_keys = f"eval_{key}", tuple(f"eval_{name}" for name in names)
     # read by the job's recipe reader above: a regular file of a page at most
-    digest = spec.config and hashlib.sha256(Path(spec.config).expanduser().read_bytes()).hexdigest()
+    digest = spec.config and sha256_file(Path(spec.config).expanduser())
     return {"trials": found, "recipe": spec.config and {"path": spec.config, "sha256": digest}}
 
 
@@ -517,9 +518,7 @@ def open_sweep_dir(spec: Spec, identity: dict) -> None:
 def write_sweep_record(record: Path, identity: dict) -> None:
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_name(f".{SWEEP_RECORD}.{os.getpid()}")
-        tmp.write_text(json.dumps(identity, indent=2) + "\n")
-        tmp.replace(record)
+        RunDir(record.parent).write_json(record, identity)
     except OSError as exc:
         raise refused(f"output_dir={record.parent} is not writable ({exc.strerror}); give a writable folder") from None
 

@@ -2,18 +2,14 @@
 OUTPUT_DIR/summary.csv (a row per trial), summary.md (the table sorted by the metric, the best trial's
 settings) and summary.png (the metric against each swept setting).
 
-A trial folder holds `trial.json` (written by the sweep before the trial starts: its settings, then the outcome
-of its last run) and, once the job finished, the job's own `metrics.json`. The status is the last run's:
-`complete` (exit 0 and metrics.json holds the metric), `failed` (a non-zero exit, or no metric), `pending` (never
-started) or `running` (started, no outcome yet: still running, or killed; the next run of the sweep reruns it).
-A metrics.json left by an earlier run never makes a failed or running trial complete. The sweep's folder is
-this sweep's alone (`open_sweep_dir`), so the values shown are the ones each trial trained with.
+A trial folder holds `trial.json` (its settings, then the outcome of its last run) and, once the job finished, the
+job's own `metrics.json`. The status is the last run's: `complete` (exit 0 and the metric in metrics.json),
+`failed`, `pending` (never started) or `running` (still running, or killed: the next run of the sweep reruns it).
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +38,9 @@ def record_trial(spec: Spec, trial: Trial, **fields) -> Path:
     # The trial's folder is its run's OUTPUT_DIR: marked as the job's before the sweep's own files go in, or
     # main.py would refuse it as someone else's folder.
     claim_run_dir(run)
-    path = folder / TRIAL_RECORD
-    record = json.loads(path.read_text()) if path.exists() else {}
+    record = run.read_json(run.root / TRIAL_RECORD) or {}
     record.update(trial=trial.name, index=trial.index, params=trial.params, settings=spec.trial_env(trial), **fields)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
+    run.write_json(run.root / TRIAL_RECORD, record)
     return folder
 
 
@@ -55,14 +48,11 @@ def collect_rows(spec: Spec, trials: list[Trial]) -> list[Row]:
     rows = []
     for trial in trials:
         folder = spec.output_dir / trial.name
-        record_path = folder / TRIAL_RECORD
-        record = json.loads(record_path.read_text()) if record_path.exists() else {}
-        value = trial_metric(spec, folder)
-        status = record.get("status", "pending")
+        status = (RunDir(folder).read_json(folder / TRIAL_RECORD) or {}).get("status", "pending")
+        # a metrics.json of an earlier run is not this run's result
+        value = trial_metric(spec, folder) if status == "complete" else None
         if status == "complete" and value is None:
             status = "failed"  # metrics.json went, or never held the metric
-        if status != "complete":
-            value = None  # a metrics.json of an earlier run is not this run's result
         rows.append(Row(trial, status, value))
     return rows
 
