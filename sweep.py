@@ -27,6 +27,10 @@ from pathlib import Path
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import install_masking
 from utils.sweep import check_trials, open_sweep_dir, plan_trials, read_spec, refused
+from utils.sweep_katib import write_experiment
+from utils.sweep_local import pass_stop_signal, run_local, run_trial
+from utils.sweep_slurm import render_array
+from utils.sweep_summary import collect_rows, write_summary
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,8 +68,6 @@ def sweep(args: argparse.Namespace) -> int:
     if args.submit and spec.backend != "slurm":
         raise refused(f"--submit is for backend: slurm; this spec's backend is {spec.backend}")
     if spec.backend == "katib":  # Katib runs, names and records the trials itself
-        from utils.sweep_katib import write_experiment
-
         if args.summarize or one:
             raise refused(
                 f"{'--summarize' if args.summarize else '--run-trial'} reads the trial folders, which Katib names "
@@ -79,19 +81,15 @@ def sweep(args: argparse.Namespace) -> int:
     open_sweep_dir(spec, identity)  # the trials' folders, records and summary go there
     if one:
         return run_one_trial(spec, trials[args.run_trial])
-    if args.summarize:
-        return summarize(spec, trials)
-    from utils.sweep_local import run_local
-
-    print(f"sweep: {len(trials)} trial(s) of {spec.path.name} in {spec.output_dir}, {spec.parallel} at a time")
-    code = run_local(spec, trials)
-    summarize(spec, trials)
+    code = 0
+    if not args.summarize:
+        print(f"sweep: {len(trials)} trial(s) of {spec.path.name} in {spec.output_dir}, {spec.parallel} at a time")
+        code = run_local(spec, trials)
+    write_summary(spec, trials)
     return code
 
 
 def write_array(spec, trial_count: int, identity: dict, args: argparse.Namespace) -> int:
-    from utils.sweep_slurm import render_array
-
     script = render_array(spec, trial_count)  # before the folder is claimed: a template fault leaves it untouched
     open_sweep_dir(spec, identity)
     path = args.output or spec.output_dir / "sweep.sbatch"
@@ -109,9 +107,6 @@ def write_array(spec, trial_count: int, identity: dict, args: argparse.Namespace
 
 def run_one_trial(spec, trial) -> int:
     """One trial in this process's care; SIGTERM (Slurm's time limit) and Ctrl-C are passed on, so the job checkpoints."""
-    from utils.sweep_local import pass_stop_signal, run_trial
-    from utils.sweep_summary import collect_rows
-
     (row,) = collect_rows(spec, [trial])
     if row.status == "complete":  # an array run again: what finished stays as it is
         print(f"sweep: {trial.name} is already complete, {spec.metric}={row.value:.4f}; not run again", flush=True)
@@ -123,14 +118,6 @@ def run_one_trial(spec, trial) -> int:
     outcome = f"complete, {spec.metric}={value:.4f}" if code == 0 and value is not None else f"failed (exit {code})"
     print(f"sweep: end {trial.name}: {outcome}", flush=True)
     return code
-
-
-def summarize(spec, trials) -> int:
-    from utils.sweep_summary import write_summary
-
-    print(write_summary(spec, trials), flush=True)
-    print(f"sweep: wrote {spec.output_dir / 'summary.csv'}, summary.md and summary.png", flush=True)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,6 +78,11 @@ def setting_value(value) -> str:
     return str(value)
 
 
+def as_environment(values: dict) -> dict[str, str]:
+    """{learning_rate: 1e-4} -> {LEARNING_RATE: "0.0001"}: settings as the job reads them from the environment."""
+    return {env_name(name): setting_value(value) for name, value in values.items()}
+
+
 def yaml_number(value):
     """1e-3 as the number YAML 1.1 did not read it as; every other value as written."""
     return float(value) if isinstance(value, str) and EXPONENT_NUMBER.match(value.strip()) else value
@@ -187,9 +192,6 @@ class Trial:
     name: str  # trial-000: also its folder under output_dir
     params: dict  # swept setting (lower snake) -> value, as the spec or the sampler gave it
 
-    def env(self) -> dict[str, str]:
-        return {env_name(name): setting_value(value) for name, value in self.params.items()}
-
 
 @pydantic_dataclass(config=ConfigDict(extra="forbid", strict=True))
 class Spec:
@@ -200,7 +202,9 @@ class Spec:
     output_dir: Path = Field(description="set it to the folder for the trials and the summary")
     name: str | None = Field(None, min_length=1, description="name the sweep, e.g. name: lr-rank")
     # ENV_NAME -> value, fixed for every trial
-    settings: dict[SettingName, Any] = Field(default_factory=dict, description="settings: maps setting to value")
+    settings: Annotated[dict[SettingName, Any], AfterValidator(as_environment)] = Field(
+        default_factory=dict, description="settings: maps setting to value"
+    )
     config: str | None = Field(None, min_length=1, description="config: is the path of a recipe file")
     grid: dict[SettingName, Values] = Field(
         default_factory=dict,
@@ -240,11 +244,6 @@ class Spec:
         if value == "":
             raise ValueError("it is empty; set it to the folder for the trials and the summary")
         return Path(value) if isinstance(value, str) else value
-
-    @field_validator("settings")
-    @classmethod
-    def _as_environment(cls, settings: dict) -> dict[str, str]:
-        return {env_name(name): setting_value(value) for name, value in settings.items()}
 
     @field_validator("metric")
     @classmethod
@@ -311,7 +310,7 @@ class Spec:
         env = dict(self.settings)
         if self.config:
             env["CONFIG_FILE"] = self.config
-        env.update(trial.env())
+        env.update(as_environment(trial.params))
         env["OUTPUT_DIR"] = str(self.output_dir / trial.name)
         if self.push:
             env["RESULT_MODEL_ID"] = f"{self.push}-{trial.name}"
@@ -471,7 +470,7 @@ def on_each_split(settings, key: str) -> tuple[str, ...]:
 
 
 def describe(trial: Trial) -> str:
-    return " ".join(f"{k}={v}" for k, v in trial.env().items())
+    return " ".join(f"{k}={v}" for k, v in as_environment(trial.params).items())
 
 
 def trial_metric(spec: Spec, folder: Path) -> float | None:

@@ -114,14 +114,12 @@ class QuotingDumper(yaml.SafeDumper):
     """Quotes every string a YAML 1.2 reader (kubectl's) would take for a number: PyYAML, a YAML 1.1 writer,
     leaves `1e-05` bare, which the API server would read as a float where Katib's API wants a string."""
 
+    def represent_str(self, value: str):
+        return self.represent_scalar("tag:yaml.org,2002:str", value, style="'" if NUMBER.match(value) else None)
+
 
 NUMBER = re.compile(r"^[-+]?(\.\d+|\d+(\.\d*)?)([eE][-+]?\d+)?$")
-QuotingDumper.add_representer(
-    str,
-    lambda dumper, value: dumper.represent_scalar(
-        "tag:yaml.org,2002:str", value, style="'" if NUMBER.match(value) else None
-    ),
-)
+QuotingDumper.add_representer(str, QuotingDumper.represent_str)
 
 
 def write_experiment(spec: Spec, trial_count: int, path: Path | None) -> None:

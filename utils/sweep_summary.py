@@ -64,11 +64,10 @@ def ranked(spec: Spec, rows: list[Row]) -> list[Row]:
     return done + [r for r in rows if r.value is None]
 
 
-def write_summary(spec: Spec, trials: list[Trial]) -> str:
-    """Write summary.csv, summary.md and summary.png under the sweep's output_dir; return the markdown."""
+def write_summary(spec: Spec, trials: list[Trial]) -> None:
+    """Write summary.csv, summary.md and summary.png in the sweep's output_dir, and print the markdown."""
     rows = collect_rows(spec, trials)
     out = spec.output_dir
-    out.mkdir(parents=True, exist_ok=True)
     with open(out / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["trial", *spec.swept, "status", spec.metric])
@@ -80,7 +79,7 @@ def write_summary(spec: Spec, trials: list[Trial]) -> str:
     markdown = summary_markdown(spec, ranked(spec, rows))
     (out / "summary.md").write_text(markdown)
     plot_summary(spec, rows, out / "summary.png")
-    return markdown
+    print(f"{markdown}\nsweep: wrote {out / 'summary.csv'}, summary.md and summary.png", flush=True)
 
 
 def summary_markdown(spec: Spec, rows: list[Row]) -> str:
