@@ -148,14 +148,10 @@ class Range(BaseModel):
         return self
 
 
-def space_kind(value) -> str | None:
-    return "list" if isinstance(value, list) else "range" if isinstance(value, dict | Range) else None
-
-
 Space = Annotated[
     Annotated[Values, Tag("list")] | Annotated[Range, Tag("range")],
     Discriminator(
-        space_kind,
+        lambda value: "list" if isinstance(value, list) else "range" if isinstance(value, dict | Range) else None,
         custom_error_type="space",
         custom_error_message="give a list of values or a range {low, high, log, type}",
     ),
@@ -370,14 +366,12 @@ def plan_trials(spec: Spec) -> list[Trial]:
 def distributions(spec: Spec) -> dict:
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    found = {}
-    for name, space in {**spec.grid, **spec.random}.items():
-        if isinstance(space, Range):
-            kind = IntDistribution if space.is_int else FloatDistribution
-            found[name] = kind(space.low, space.high, log=space.log)
-        else:
-            found[name] = CategoricalDistribution(space)
-    return found
+    return {
+        name: (IntDistribution if space.is_int else FloatDistribution)(space.low, space.high, log=space.log)
+        if isinstance(space, Range)
+        else CategoricalDistribution(space)
+        for name, space in {**spec.grid, **spec.random}.items()
+    }
 
 
 def draw_random(spec: Spec) -> list[dict]:
@@ -397,24 +391,23 @@ def draw_random(spec: Spec) -> list[dict]:
     return points
 
 
-def job_environment(spec: Spec, trial: Trial, environ: dict[str, str]) -> dict[str, str]:
+def job_environment(spec: Spec, trial: Trial) -> dict[str, str]:
     """The environment of one trial's `python main.py`, for the check, the sweep's identity and the run alike: this
     shell's (the job reads its setting variables too) less the Hub repos, with the trial's settings over it."""
-    env = {name: value for name, value in environ.items() if name not in HUB_DESTINATIONS}
+    env = {name: value for name, value in os.environ.items() if name not in HUB_DESTINATIONS}
     env.update(spec.trial_env(trial))
     return env
 
 
-def check_trials(spec: Spec, trials: list[Trial], environ: dict[str, str] | None = None) -> dict:
+def check_trials(spec: Spec, trials: list[Trial]) -> dict:
     """Resolve each trial's settings with the job's own model, as its main.py will, so a bad value, a Hub repo from
     the recipe or a metric metrics.json will not hold stops the sweep before any trial starts; set `spec.metric_key`.
     Returns the sweep's identity (each trial's setting variables, this shell's among them, and the recipe's content)
     for `open_sweep_dir`."""
-    environ = os.environ if environ is None else environ
     found: dict[str, dict[str, str]] = {}
     keys: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     for trial in trials:
-        env = {k: v for k, v in job_environment(spec, trial, environ).items() if k.lower() in FIELDS}
+        env = {k: v for k, v in job_environment(spec, trial).items() if k.lower() in FIELDS}
         try:
             settings, _ = load_settings([], environ=env)
         except JobError as exc:

@@ -62,15 +62,10 @@ PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linu
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    if PRCTL is not None:
-        PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, float | None]:
     """One run of the job for `trial`, in its folder; its exit code and metric."""
     folder = record_trial(spec, trial, status="running", exit_code=None)
-    env = job_environment(spec, trial, dict(os.environ))
+    env = job_environment(spec, trial)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     with open(folder / TRIAL_LOG, "a") as log:
@@ -79,7 +74,7 @@ def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, fl
             env=env,  # in this folder, as a user's main.py: relative paths hold
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
+            preexec_fn=(lambda: PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)) if PRCTL else None,
             start_new_session=True,
         )
         LIVE.add(proc)
@@ -147,15 +142,13 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
 
     def run_one(trial: Trial) -> None:
         gpu = slots.get()
-        if STOPPED:
-            slots.put(gpu)
-            return
         try:
+            if STOPPED:
+                return
             with ask_lock:
                 study.enqueue_trial(trial.params, user_attrs={"trial": trial.name})
                 asked = study.ask(spaces)
-            where = f" on GPU {gpu}" if gpu is not None else ""
-            print(f"sweep: start {trial.name}{where}: {describe(trial)}", flush=True)
+            print(f"sweep: start {trial.name}{f' on GPU {gpu}' if gpu else ''}: {describe(trial)}", flush=True)
             started = time.monotonic()
             code, value = run_trial(spec, trial, gpu)
             took = time.monotonic() - started

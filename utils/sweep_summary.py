@@ -10,7 +10,6 @@ job's own `metrics.json`. The status is the last run's: `complete` (exit 0 and t
 from __future__ import annotations
 
 import csv
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,13 +56,6 @@ def collect_rows(spec: Spec, trials: list[Trial]) -> list[Row]:
     return rows
 
 
-def ranked(spec: Spec, rows: list[Row]) -> list[Row]:
-    """Completed trials best first, then the others in trial order."""
-    sign = -1 if spec.direction == "maximize" else 1
-    done = sorted((r for r in rows if r.value is not None), key=lambda r: (sign * r.value, r.trial.index))
-    return done + [r for r in rows if r.value is None]
-
-
 def write_summary(spec: Spec, trials: list[Trial]) -> None:
     """Write summary.csv, summary.md and summary.png in the sweep's output_dir, and print the markdown."""
     rows = collect_rows(spec, trials)
@@ -76,25 +68,21 @@ def write_summary(spec: Spec, trials: list[Trial]) -> None:
             writer.writerow(
                 [row.trial.name, *(setting_value(row.trial.params[k]) for k in spec.swept), row.status, value]
             )
-    markdown = summary_markdown(spec, ranked(spec, rows))
+    markdown = summary_markdown(spec, rows)
     (out / "summary.md").write_text(markdown)
     plot_summary(spec, rows, out / "summary.png")
     print(f"{markdown}\nsweep: wrote {out / 'summary.csv'}, summary.md and summary.png", flush=True)
 
 
 def summary_markdown(spec: Spec, rows: list[Row]) -> str:
-    head = ["rank", "trial", *spec.swept, "status", spec.metric]
-    lines = [
-        f"# Sweep {spec.name}: {spec.metric} ({spec.direction})",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + " --- |" * len(head),
-    ]
+    sign = -1 if spec.direction == "maximize" else 1  # completed trials best first, then the others in trial order
+    rows = sorted(rows, key=lambda r: (r.value is None, sign * (r.value or 0), r.trial.index))
+    table = [["rank", "trial", *spec.swept, "status", spec.metric], ["---"] * (len(spec.swept) + 4)]
     for rank, row in enumerate(rows, 1):
         value = "" if row.value is None else f"{row.value:.4f}"
-        cells = [str(rank) if row.value is not None else "-", row.trial.name]
-        cells += [setting_value(row.trial.params[k]) for k in spec.swept]
-        lines.append("| " + " | ".join([*cells, row.status, value]) + " |")
+        swept = [setting_value(row.trial.params[k]) for k in spec.swept]
+        table.append([str(rank) if row.value is not None else "-", row.trial.name, *swept, row.status, value])
+    lines = [f"# Sweep {spec.name}: {spec.metric} ({spec.direction})", "", *(f"| {' | '.join(r)} |" for r in table)]
     counts = {s: sum(r.status == s for r in rows) for s in ("complete", "failed", "running", "pending")}
     lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items() if n), ""]
     best = rows[0] if rows and rows[0].value is not None else None
@@ -129,7 +117,12 @@ def plot_summary(spec: Spec, rows: list[Row], path: Path) -> None:
             xs = [order.index(setting_value(x)) for x in xs]
             ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
         ax.scatter(xs, [r.value for r in done])
-        if numeric and xs and (getattr(spec.random.get(name), "log", False) or log_spaced(xs)):
+        # a log range, or a grid of rates (1e-4, 1e-3, 1e-2), reads on a log axis; a grid of ranks (4, 8) need not
+        if (
+            numeric
+            and xs
+            and (getattr(spec.random.get(name), "log", False) or min(xs) > 0 and max(xs) >= 100 * min(xs))
+        ):
             ax.set_xscale("log")
         ax.set_xlabel(name)
         ax.set_ylabel(spec.metric)
@@ -138,9 +131,3 @@ def plot_summary(spec: Spec, rows: list[Row], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def log_spaced(xs: list[float]) -> bool:
-    # a grid of rates (1e-4, 1e-3, 1e-2) reads on a log axis; a grid of ranks (4, 8) need not
-    positive = [x for x in xs if x > 0]
-    return len(positive) == len(xs) and max(positive) / min(positive) >= 100 and not math.isclose(min(xs), max(xs))
