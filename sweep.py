@@ -113,11 +113,7 @@ def run_one_trial(spec, trial) -> int:
         return 0
     signal.signal(signal.SIGTERM, pass_stop_signal)
     signal.signal(signal.SIGINT, pass_stop_signal)
-    print(f"sweep: start {trial.name}", flush=True)
-    code, value = run_trial(spec, trial)
-    outcome = f"complete, {spec.metric}={value:.4f}" if code == 0 and value is not None else f"failed (exit {code})"
-    print(f"sweep: end {trial.name}: {outcome}", flush=True)
-    return code
+    return run_trial(spec, trial)[0]
 
 
 def main(argv: list[str] | None = None) -> int:

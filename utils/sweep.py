@@ -1,13 +1,9 @@
 """A sweep's spec (SPEC.yaml) and its trials: read, checked against the job's own settings, planned.
 
-Every trial is planned before the first one starts, the same way on every backend: a grid is the product of
-its lists in the order the spec writes them; a random search is `trials` draws of Optuna's RandomSampler
-seeded with the spec's `seed`. So trial-003 is the same settings whether the local runner, a Slurm array
-index or `--dry-run` names it. Grid and random in one spec are refused: a grid point is a trial, so the
-grid's product times `trials` draws would be a sweep of a size nobody asked for; sweep the grid's lists as
-`random` choices instead, or run two sweeps.
-
-Imports nothing heavy (Optuna only for random draws, PyYAML, the settings module).
+Every trial is planned before the first one starts, the same way on every backend (a grid's product in the spec's
+order, or `trials` draws of Optuna's RandomSampler seeded with `seed`), so trial-003 is the same settings whether
+the local runner, a Slurm array index or `--dry-run` names it. Grid and random in one spec are refused: the grid's
+product times `trials` draws would be a sweep of a size nobody asked for. Optuna is imported only to draw.
 """
 
 from __future__ import annotations
@@ -203,14 +199,10 @@ class Spec:
     )
     config: str | None = Field(None, min_length=1, description="config: is the path of a recipe file")
     grid: dict[SettingName, Values] = Field(
-        default_factory=dict,
-        min_length=1,
-        description="give each swept setting a list, e.g. grid: {learning_rate: [1e-4, 3e-4]}",
+        default_factory=dict, description="give each swept setting a list, e.g. grid: {learning_rate: [1e-4, 3e-4]}"
     )
     random: dict[SettingName, Space] = Field(
-        default_factory=dict,
-        min_length=1,
-        description="give each drawn setting a list or a range {low, high, log: true|false, type: int|float}",
+        default_factory=dict, description="give each drawn setting a list or a range {low, high, log, type: int|float}"
     )
     trials: int | None = Field(None, ge=1, le=MAX_TRIALS, description=f"trials: is how many draws, 1 to {MAX_TRIALS}")
     seed: int = Field(
@@ -276,7 +268,7 @@ class Spec:
                 "grid and random in one spec: give the grid's settings as random lists (drawn with the rest), or run two sweeps"
             )
         if not self.grid and not self.random:
-            raise ValueError("nothing to sweep; add grid: (lists) or random: (lists or ranges) with trials:")
+            raise ValueError("nothing to sweep; add e.g. grid: {learning_rate: [1e-4, 3e-4]}, or random: with trials:")
         if fixed := [key for key in self.swept if env_name(key) in self.settings]:
             raise ValueError(f"{fixed[0]} is both fixed (settings) and swept; remove it from settings")
         if self.random and self.trials is None:

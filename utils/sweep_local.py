@@ -63,7 +63,9 @@ PR_SET_PDEATHSIG = 1
 
 
 def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, float | None]:
-    """One run of the job for `trial`, in its folder; its exit code and metric."""
+    """One run of the job for `trial`, in its folder, announced; its exit code and metric (None unless complete)."""
+    print(f"sweep: start {trial.name}{f' on GPU {gpu}' if gpu else ''}: {describe(trial)}", flush=True)
+    started = time.monotonic()
     folder = record_trial(spec, trial, status="running", exit_code=None)
     env = job_environment(spec, trial)
     if gpu is not None:
@@ -84,8 +86,14 @@ def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, fl
             code = proc.wait()
         finally:
             LIVE.discard(proc)
-    value = trial_metric(spec, folder)
-    record_trial(spec, trial, status="complete" if code == 0 and value is not None else "failed", exit_code=code)
+    value = trial_metric(spec, folder) if code == 0 else None
+    record_trial(spec, trial, status="failed" if value is None else "complete", exit_code=code)
+    if value is None:
+        why = f"exit {code}" if code else f"no {spec.metric_key} in metrics.json"
+        print(f"sweep: end {trial.name}: failed ({why}; see {folder / TRIAL_LOG})", flush=True)
+    else:
+        took = time.monotonic() - started
+        print(f"sweep: end {trial.name}: complete, {spec.metric}={value:.4f} ({took:.0f} s)", flush=True)
     return code, value
 
 
@@ -148,19 +156,9 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
             with ask_lock:
                 study.enqueue_trial(trial.params, user_attrs={"trial": trial.name})
                 asked = study.ask(spaces)
-            print(f"sweep: start {trial.name}{f' on GPU {gpu}' if gpu else ''}: {describe(trial)}", flush=True)
-            started = time.monotonic()
-            code, value = run_trial(spec, trial, gpu)
-            took = time.monotonic() - started
+            _, value = run_trial(spec, trial, gpu)
             with ask_lock:
-                if code == 0 and value is not None:
-                    study.tell(asked, value)
-                    print(f"sweep: end {trial.name}: complete, {spec.metric}={value:.4f} ({took:.0f} s)", flush=True)
-                else:
-                    study.tell(asked, state=TrialState.FAIL)
-                    why = f"exit {code}" if code else f"no {spec.metric_key} in metrics.json"
-                    log = spec.output_dir / trial.name / TRIAL_LOG
-                    print(f"sweep: end {trial.name}: failed ({why}; see {log})", flush=True)
+                study.tell(asked, value, state=TrialState.FAIL if value is None else TrialState.COMPLETE)
         finally:
             slots.put(gpu)
 
