@@ -126,21 +126,18 @@ class Range(BaseModel):
     log: bool = False
     type: Literal["int", "float"] | None = None
 
-    @property
-    def is_int(self) -> bool:
-        return self.type == "int"
-
     @model_validator(mode="after")
     def _check(self) -> Range:
         low, high = self.low, self.high
         self.type = self.type or ("int" if isinstance(low, int) and isinstance(high, int) else "float")
+        is_int = self.type == "int"
         if low >= high:
             raise ValueError(f"low={low} is not below high={high}; write the smaller value as low")
         if self.log and low <= 0:
             raise ValueError(f"a log range needs low > 0, got low={low}; use e.g. low: 1e-5")
-        if self.is_int and not all(float(v).is_integer() for v in (low, high)):
+        if is_int and not all(float(v).is_integer() for v in (low, high)):
             raise ValueError(f"an int range needs whole numbers, got low={low} high={high}; use type: float")
-        self.low, self.high = (int(low), int(high)) if self.is_int else (float(low), float(high))
+        self.low, self.high = (int(low), int(high)) if is_int else (float(low), float(high))
         return self
 
 
@@ -241,12 +238,8 @@ class Spec:
     @field_validator("push")
     @classmethod
     def _repo(cls, push: str | bool) -> str | None:
-        if push is True:
-            push = os.environ.get("RESULT_MODEL_ID", "")
-            if not push:
-                raise ValueError(
-                    "true reads the Hub repo from RESULT_MODEL_ID, which is unset; write push: OWNER/NAME"
-                )
+        if push is True and not (push := os.environ.get("RESULT_MODEL_ID", "")):
+            raise ValueError("true reads the Hub repo from RESULT_MODEL_ID, which is unset; write push: OWNER/NAME")
         if push == "":
             raise ValueError("'' names no repo; write push: OWNER/NAME or push: false")
         return push or None
@@ -265,7 +258,7 @@ class Spec:
     def _rules(self) -> Spec:
         if self.grid and self.random:
             raise ValueError(
-                "grid and random in one spec: give the grid's settings as random lists (drawn with the rest), or run two sweeps"
+                "grid and random in one spec: sweep the grid's lists as random choices, or run two sweeps"
             )
         if not self.grid and not self.random:
             raise ValueError("nothing to sweep; add e.g. grid: {learning_rate: [1e-4, 3e-4]}, or random: with trials:")
@@ -276,17 +269,13 @@ class Spec:
         if self.grid and self.trials is not None:
             raise ValueError("trials: is for random search; a grid runs every point once, remove trials:")
         if self.grid and (size := math.prod(len(values) for values in self.grid.values())) > MAX_TRIALS:
-            raise ValueError(
-                f"grid: {size} points, more than {MAX_TRIALS} trials; sweep fewer values, or draw random:"
-            )
+            raise ValueError(f"grid: {size} points, more than {MAX_TRIALS}; sweep fewer values, or draw random:")
         lower = self.metric.rsplit("_", 1)[-1] in {"loss", *LOWER_IS_BETTER}
         self.direction = self.direction or ("minimize" if lower else "maximize")
         if self.backend != "katib":  # a folder here (katib's is a path in the pods)
             self.output_dir = self.output_dir.resolve()
             if self.output_dir.exists() and not self.output_dir.is_dir():
-                raise ValueError(
-                    f"output_dir={self.output_dir} is a file; give a folder for the trials and the summary"
-                )
+                raise ValueError(f"output_dir={self.output_dir} is a file; give a folder for the trials")
         return self
 
     @property
@@ -359,7 +348,7 @@ def distributions(spec: Spec) -> dict:
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     return {
-        name: (IntDistribution if space.is_int else FloatDistribution)(space.low, space.high, log=space.log)
+        name: (IntDistribution if space.type == "int" else FloatDistribution)(space.low, space.high, log=space.log)
         if isinstance(space, Range)
         else CategoricalDistribution(space)
         for name, space in {**spec.grid, **spec.random}.items()
@@ -415,9 +404,7 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
         keys[key] = (names, on_each_split(settings, key))
         found[trial.name] = {k: v for k, v in sorted(env.items()) if k.lower() not in SECRET_SETTINGS}
     if len(keys) > 1:
-        raise refused(
-            f"metric={spec.metric}: the trials write it under different names ({', '.join(keys)}); sweep one task"
-        )
+        raise refused(f"metric={spec.metric}: the trials name it differently ({', '.join(keys)}); sweep one task")
     ((key, (names, spec.metric_splits)),) = keys.items()
     spec.metric_key, spec.metric_keys = f"eval_{key}", tuple(f"eval_{name}" for name in names)
     # read by the job's recipe reader above: a regular file of a page at most
@@ -467,7 +454,6 @@ def trial_metric(spec: Spec, folder: Path) -> float | None:
     return None
 
 
-# ------------------------------------------------------------------------------- the sweep's folder
 def open_sweep_dir(spec: Spec, identity: dict) -> None:
     """Claim output_dir: a new or empty folder, or this same sweep's (sweep.json: the same recipe and, for every trial
     both name, the same settings; more draws of the same seed extend it). Another tool's folder is refused, as main.py

@@ -38,7 +38,7 @@ def katib_parameter(name: str, space) -> dict:
     if not isinstance(space, Range):
         return {"name": name, "parameterType": "categorical", "feasibleSpace": {"list": [*map(setting_value, space)]}}
     feasible = {"min": str(space.low), "max": str(space.high)} | ({"distribution": "logUniform"} if space.log else {})
-    return {"name": name, "parameterType": "int" if space.is_int else "double", "feasibleSpace": feasible}
+    return {"name": name, "parameterType": "int" if space.type == "int" else "double", "feasibleSpace": feasible}
 
 
 def trial_job(spec: Spec) -> dict:
