@@ -269,13 +269,17 @@ class Spec:
         if self.grid and self.trials is not None:
             raise ValueError("trials: is for random search; a grid runs every point once, remove trials:")
         if self.grid and (size := math.prod(len(values) for values in self.grid.values())) > MAX_TRIALS:
-            raise ValueError(f"grid: {size} points, more than {MAX_TRIALS}; sweep fewer values, or draw random:")
+            raise ValueError(
+                f"grid: {size} points, more than {MAX_TRIALS} trials; sweep fewer values, or draw random:"
+            )
         lower = self.metric.rsplit("_", 1)[-1] in {"loss", *LOWER_IS_BETTER}
         self.direction = self.direction or ("minimize" if lower else "maximize")
         if self.backend != "katib":  # a folder here (katib's is a path in the pods)
             self.output_dir = self.output_dir.resolve()
             if self.output_dir.exists() and not self.output_dir.is_dir():
-                raise ValueError(f"output_dir={self.output_dir} is a file; give a folder for the trials")
+                raise ValueError(
+                    f"output_dir={self.output_dir} is a file; give a folder for the trials and the summary"
+                )
         return self
 
     @property
