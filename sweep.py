@@ -26,7 +26,11 @@ from pathlib import Path
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import install_masking
-from utils.sweep import check_trials, open_sweep_dir, plan_trials, read_spec
+from utils.sweep import check_trials, open_sweep_dir, plan_trials, read_spec, refused
+from utils.sweep_katib import write_experiment
+from utils.sweep_local import pass_stop_signal, run_local, run_trial
+from utils.sweep_slurm import render_array
+from utils.sweep_summary import collect_rows, write_summary
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,109 +54,66 @@ def sweep(args: argparse.Namespace) -> int:
     spec = read_spec(args.spec)
     trials = plan_trials(spec)
     identity = check_trials(spec, trials)
-    if args.run_trial is not None and not 0 <= args.run_trial < len(trials):
-        raise JobError(EXIT_BAD_INPUT, f"--run-trial {args.run_trial}: the sweep has trials 0..{len(trials) - 1}")
+    one = args.run_trial is not None
+    if one and not 0 <= args.run_trial < len(trials):
+        raise refused(f"--run-trial {args.run_trial}: the sweep has trials 0..{len(trials) - 1}")
     if args.dry_run:
         rows = [{"trial": t.name, "params": t.params, "settings": spec.trial_env(t)} for t in trials]
-        if args.run_trial is not None:
-            shown = rows[args.run_trial]
-        else:
-            shown = {
-                "backend": spec.backend,
-                "metric": spec.metric,
-                "metric_key": spec.metric_key,  # where the trials' metrics.json holds it
-                "direction": spec.direction,
-                "trials": rows,
-            }
-        print(json.dumps(shown, indent=2))
+        # metric_key: where the trials' metrics.json holds the metric
+        plan = {k: getattr(spec, k) for k in ("backend", "metric", "metric_key", "direction")} | {"trials": rows}
+        print(json.dumps(rows[args.run_trial] if one else plan, indent=2))
         return 0
     if args.output is not None and args.output.is_dir():
-        raise JobError(
-            EXIT_BAD_INPUT, f"-o {args.output} is a folder; give the file to write, e.g. -o {args.output}/sweep.yaml"
-        )
+        raise refused(f"-o {args.output} is a folder; give the file to write, e.g. -o {args.output}/sweep.yaml")
     if args.submit and spec.backend != "slurm":
-        raise JobError(EXIT_BAD_INPUT, f"--submit is for backend: slurm; this spec's backend is {spec.backend}")
-    if spec.backend == "katib":
-        return render_katib(spec, trials, args)
-    script = None
-    if spec.backend == "slurm" and args.run_trial is None and not args.summarize:
-        from utils.sweep_slurm import render_array
-
-        script = render_array(spec, len(trials))
-
+        raise refused(f"--submit is for backend: slurm; this spec's backend is {spec.backend}")
+    if spec.backend == "katib":  # Katib runs, names and records the trials itself
+        if args.summarize or one:
+            raise refused(
+                f"{'--summarize' if args.summarize else '--run-trial'} reads the trial folders, which Katib names "
+                f"itself; a Katib sweep's results are its Experiment's: kubectl get experiment {spec.name} -o yaml "
+                "(status.currentOptimalTrial), or the Katib UI"
+            )
+        write_experiment(spec, len(trials), args.output)
+        return 0
+    if spec.backend == "slurm" and not one and not args.summarize:
+        return write_array(spec, len(trials), identity, args)
     open_sweep_dir(spec, identity)  # the trials' folders, records and summary go there
-    if args.run_trial is not None:
+    if one:
         return run_one_trial(spec, trials[args.run_trial])
-    if args.summarize:
-        return summarize(spec, trials)
-    if spec.backend == "local":
-        from utils.sweep_local import run_local
-
-        print(
-            f"sweep: {len(trials)} trial(s) of {spec.path.name} in {spec.output_dir}, {spec.parallel} at a time",
-            flush=True,
-        )
+    code = 0
+    if not args.summarize:
+        print(f"sweep: {len(trials)} trial(s) of {spec.path.name} in {spec.output_dir}, {spec.parallel} at a time")
         code = run_local(spec, trials)
-        summarize(spec, trials)
-        return code
+    write_summary(spec, trials)
+    return code
+
+
+def write_array(spec, trial_count: int, identity: dict, args: argparse.Namespace) -> int:
+    script = render_array(spec, trial_count)  # before the folder is claimed: a template fault leaves it untouched
+    open_sweep_dir(spec, identity)
     path = args.output or spec.output_dir / "sweep.sbatch"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
     path.chmod(0o755)
     if not args.submit:
-        print(f"wrote {path} ({len(trials)} trials); submit it with: sbatch {path}", file=sys.stderr)
+        print(f"wrote {path} ({trial_count} trials); submit it with: sbatch {path}", file=sys.stderr)
         print(f"then, when the array is done: python sweep.py {args.spec} --summarize", file=sys.stderr)
         return 0
     if not shutil.which("sbatch"):
-        raise JobError(
-            EXIT_BAD_INPUT, f"--submit: no sbatch here; run it on a Slurm login node, or `sbatch {path}` there"
-        )
+        raise refused(f"--submit: no sbatch here; run it on a Slurm login node, or `sbatch {path}` there")
     return subprocess.run(["sbatch", str(path)], check=False).returncode
-
-
-def render_katib(spec, trials, args: argparse.Namespace) -> int:
-    """The Experiment; Katib runs, names and records the trials itself."""
-    from utils.sweep_katib import experiment_yaml, render_experiment, write_experiment
-
-    if args.summarize or args.run_trial is not None:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{'--summarize' if args.summarize else '--run-trial'} reads the trial folders, which Katib names itself; a "
-            f"Katib sweep's results are its Experiment's: kubectl get experiment {spec.name} -o yaml "
-            "(status.currentOptimalTrial), or the Katib UI",
-        )
-    if args.output:
-        write_experiment(spec, len(trials), args.output)
-        print(f"wrote {args.output}; create it with: kubectl apply -f {args.output}", file=sys.stderr)
-    else:
-        sys.stdout.write(experiment_yaml(render_experiment(spec, len(trials))))
-    return 0
 
 
 def run_one_trial(spec, trial) -> int:
     """One trial in this process's care; SIGTERM (Slurm's time limit) and Ctrl-C are passed on, so the job checkpoints."""
-    from utils.sweep_local import pass_stop_signal, run_trial
-    from utils.sweep_summary import collect_rows
-
     (row,) = collect_rows(spec, [trial])
     if row.status == "complete":  # an array run again: what finished stays as it is
         print(f"sweep: {trial.name} is already complete, {spec.metric}={row.value:.4f}; not run again", flush=True)
         return 0
     signal.signal(signal.SIGTERM, pass_stop_signal)
     signal.signal(signal.SIGINT, pass_stop_signal)
-    print(f"sweep: start {trial.name}", flush=True)
-    code, value = run_trial(spec, trial)
-    outcome = f"complete, {spec.metric}={value:.4f}" if code == 0 and value is not None else f"failed (exit {code})"
-    print(f"sweep: end {trial.name}: {outcome}", flush=True)
-    return code
-
-
-def summarize(spec, trials) -> int:
-    from utils.sweep_summary import write_summary
-
-    print(write_summary(spec, trials), flush=True)
-    print(f"sweep: wrote {spec.output_dir / 'summary.csv'}, summary.md and summary.png", flush=True)
-    return 0
+    return run_trial(spec, trial)[0]
 
 
 def main(argv: list[str] | None = None) -> int:

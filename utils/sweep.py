@@ -1,19 +1,14 @@
 """A sweep's spec (SPEC.yaml) and its trials: read, checked against the job's own settings, planned.
 
-Every trial is planned before the first one starts, the same way on every backend: a grid is the product of
-its lists in the order the spec writes them; a random search is `trials` draws of Optuna's RandomSampler
-seeded with the spec's `seed`. So trial-003 is the same settings whether the local runner, a Slurm array
-index or `--dry-run` names it. Grid and random in one spec are refused: a grid point is a trial, so the
-grid's product times `trials` draws would be a sweep of a size nobody asked for; sweep the grid's lists as
-`random` choices instead, or run two sweeps.
-
-Imports nothing heavy (Optuna only for random draws, PyYAML, the settings module).
+Every trial is planned before the first one starts, the same way on every backend (a grid's product in the spec's
+order, or `trials` draws of Optuna's RandomSampler seeded with `seed`), so trial-003 is the same settings whether
+the local runner, a Slurm array index or `--dry-run` names it. Grid and random in one spec are refused: the grid's
+product times `trials` draws would be a sweep of a size nobody asked for. Optuna is imported only to draw.
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import itertools
 import json
 import math
@@ -40,11 +35,12 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import UnfitFile, read_small_text
+from utils.identity import sha256_file
+from utils.outputs import RunDir
 from utils.settings import FIELDS, SECRET_SETTINGS, env_name, load_settings
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix, reported_metrics
 from utils.tasks import validation_splits as task_splits
 
-BACKENDS = ("local", "slurm", "katib")
 # Each trial is a training run, and Slurm's default MaxArraySize (1001) takes array indexes 0-1000: a bigger
 # sweep is a typo (trials: 100000000) or a grid nobody means to pay for.
 MAX_TRIALS = 1000
@@ -78,6 +74,11 @@ def setting_value(value) -> str:
     return str(value)
 
 
+def as_environment(values: dict) -> dict[str, str]:
+    """{learning_rate: 1e-4} -> {LEARNING_RATE: "0.0001"}: settings as the job reads them from the environment."""
+    return {env_name(name): setting_value(value) for name, value in values.items()}
+
+
 def yaml_number(value):
     """1e-3 as the number YAML 1.1 did not read it as; every other value as written."""
     return float(value) if isinstance(value, str) and EXPONENT_NUMBER.match(value.strip()) else value
@@ -102,14 +103,12 @@ def setting_name(name: str) -> str:
 def swept_values(values: list) -> list:
     """A list of a grid or of random choices: each value as the job reads it, none twice (two trials would be one)."""
     values = [setting_value(v) if isinstance(v, list) else yaml_number(v) for v in values]
-    seen: dict[str, object] = {}
-    for value in values:
-        if setting_value(value) in seen:
+    texts = [setting_value(v) for v in values]
+    for i, text in enumerate(texts):
+        if (first := texts.index(text)) < i:
             raise ValueError(
-                f"{seen[setting_value(value)]!r} and {value!r} are the same setting to the job "
-                f"({setting_value(value)}); list each value once"
+                f"{values[first]!r} and {values[i]!r} are the same setting to the job ({text}); list each value once"
             )
-        seen[setting_value(value)] = value
     return values
 
 
@@ -127,32 +126,25 @@ class Range(BaseModel):
     log: bool = False
     type: Literal["int", "float"] | None = None
 
-    @property
-    def is_int(self) -> bool:
-        return self.type == "int"
-
     @model_validator(mode="after")
     def _check(self) -> Range:
         low, high = self.low, self.high
         self.type = self.type or ("int" if isinstance(low, int) and isinstance(high, int) else "float")
+        is_int = self.type == "int"
         if low >= high:
             raise ValueError(f"low={low} is not below high={high}; write the smaller value as low")
         if self.log and low <= 0:
             raise ValueError(f"a log range needs low > 0, got low={low}; use e.g. low: 1e-5")
-        if self.is_int and not all(float(v).is_integer() for v in (low, high)):
+        if is_int and not all(float(v).is_integer() for v in (low, high)):
             raise ValueError(f"an int range needs whole numbers, got low={low} high={high}; use type: float")
-        self.low, self.high = (int(low), int(high)) if self.is_int else (float(low), float(high))
+        self.low, self.high = (int(low), int(high)) if is_int else (float(low), float(high))
         return self
-
-
-def space_kind(value) -> str | None:
-    return "list" if isinstance(value, list) else "range" if isinstance(value, dict | Range) else None
 
 
 Space = Annotated[
     Annotated[Values, Tag("list")] | Annotated[Range, Tag("range")],
     Discriminator(
-        space_kind,
+        lambda value: "list" if isinstance(value, list) else "range" if isinstance(value, dict | Range) else None,
         custom_error_type="space",
         custom_error_message="give a list of values or a range {low, high, log, type}",
     ),
@@ -189,9 +181,6 @@ class Trial:
     name: str  # trial-000: also its folder under output_dir
     params: dict  # swept setting (lower snake) -> value, as the spec or the sampler gave it
 
-    def env(self) -> dict[str, str]:
-        return {env_name(name): setting_value(value) for name, value in self.params.items()}
-
 
 @pydantic_dataclass(config=ConfigDict(extra="forbid", strict=True))
 class Spec:
@@ -202,17 +191,15 @@ class Spec:
     output_dir: Path = Field(description="set it to the folder for the trials and the summary")
     name: str | None = Field(None, min_length=1, description="name the sweep, e.g. name: lr-rank")
     # ENV_NAME -> value, fixed for every trial
-    settings: dict[SettingName, Any] = Field(default_factory=dict, description="settings: maps setting to value")
+    settings: Annotated[dict[SettingName, Any], AfterValidator(as_environment)] = Field(
+        default_factory=dict, description="settings: maps setting to value"
+    )
     config: str | None = Field(None, min_length=1, description="config: is the path of a recipe file")
     grid: dict[SettingName, Values] = Field(
-        default_factory=dict,
-        min_length=1,
-        description="give each swept setting a list, e.g. grid: {learning_rate: [1e-4, 3e-4]}",
+        default_factory=dict, description="give each swept setting a list, e.g. grid: {learning_rate: [1e-4, 3e-4]}"
     )
     random: dict[SettingName, Space] = Field(
-        default_factory=dict,
-        min_length=1,
-        description="give each drawn setting a list or a range {low, high, log: true|false, type: int|float}",
+        default_factory=dict, description="give each drawn setting a list or a range {low, high, log, type: int|float}"
     )
     trials: int | None = Field(None, ge=1, le=MAX_TRIALS, description=f"trials: is how many draws, 1 to {MAX_TRIALS}")
     seed: int = Field(
@@ -221,7 +208,7 @@ class Spec:
     metric: str = Field("accuracy", min_length=1, description="name a key of the trials' metrics.json")
     direction: Literal["maximize", "minimize"] | None = Field(None, description="use maximize or minimize")
     parallel: int = Field(1, ge=1, description="give how many trials run at once, at least 1")
-    backend: Literal["local", "slurm", "katib"] = Field("local", description=f"use one of {', '.join(BACKENDS)}")
+    backend: Literal["local", "slurm", "katib"] = Field("local", description="use one of local, slurm, katib")
     # the Hub repo trials push to as <repo>-<trial>; None: no trial pushes
     push: str | bool | None = Field(
         False, description="write push: OWNER/NAME (trial-003 pushes to OWNER/NAME-trial-003) or push: false"
@@ -243,11 +230,6 @@ class Spec:
             raise ValueError("it is empty; set it to the folder for the trials and the summary")
         return Path(value) if isinstance(value, str) else value
 
-    @field_validator("settings")
-    @classmethod
-    def _as_environment(cls, settings: dict) -> dict[str, str]:
-        return {env_name(name): setting_value(value) for name, value in settings.items()}
-
     @field_validator("metric")
     @classmethod
     def _as_named(cls, metric: str) -> str:
@@ -256,24 +238,30 @@ class Spec:
     @field_validator("push")
     @classmethod
     def _repo(cls, push: str | bool) -> str | None:
-        if push is True:
-            push = os.environ.get("RESULT_MODEL_ID", "")
-            if not push:
-                raise ValueError(
-                    "true reads the Hub repo from RESULT_MODEL_ID, which is unset; write push: OWNER/NAME"
-                )
+        if push is True and not (push := os.environ.get("RESULT_MODEL_ID", "")):
+            raise ValueError("true reads the Hub repo from RESULT_MODEL_ID, which is unset; write push: OWNER/NAME")
         if push == "":
             raise ValueError("'' names no repo; write push: OWNER/NAME or push: false")
         return push or None
+
+    @field_validator("katib")
+    @classmethod
+    def _no_keys(cls, katib: dict) -> dict:
+        if katib:
+            raise ValueError(
+                f"unknown key(s) {sorted(katib)}; it takes none: the trial is k8s/pytorchjob.yaml as deployed, "
+                "and parallel, trials and seed are the spec's own keys"
+            )
+        return katib
 
     @model_validator(mode="after")
     def _rules(self) -> Spec:
         if self.grid and self.random:
             raise ValueError(
-                "grid and random in one spec: give the grid's settings as random lists (drawn with the rest), or run two sweeps"
+                "grid and random in one spec: sweep the grid's lists as random choices, or run two sweeps"
             )
         if not self.grid and not self.random:
-            raise ValueError("nothing to sweep; add grid: (lists) or random: (lists or ranges) with trials:")
+            raise ValueError("nothing to sweep; add e.g. grid: {learning_rate: [1e-4, 3e-4]}, or random: with trials:")
         if fixed := [key for key in self.swept if env_name(key) in self.settings]:
             raise ValueError(f"{fixed[0]} is both fixed (settings) and swept; remove it from settings")
         if self.random and self.trials is None:
@@ -298,17 +286,13 @@ class Spec:
     def swept(self) -> list[str]:
         return [*self.grid, *self.random]
 
-    def is_log(self, name: str) -> bool:
-        space = self.random.get(name)
-        return isinstance(space, Range) and space.log
-
-    def trial_env(self, trial: Trial, output_dir: Path | str | None = None) -> dict[str, str]:
-        """The settings one trial runs with, as the environment of its `python main.py`."""
+    def trial_env(self, trial: Trial) -> dict[str, str]:
+        """The settings one trial runs with, as the environment of its `python main.py` (or Katib's template)."""
         env = dict(self.settings)
         if self.config:
             env["CONFIG_FILE"] = self.config
-        env.update(trial.env())
-        env["OUTPUT_DIR"] = str(Path(output_dir or self.output_dir) / trial.name)
+        env.update(as_environment(trial.params))
+        env["OUTPUT_DIR"] = str(self.output_dir / trial.name)
         if self.push:
             env["RESULT_MODEL_ID"] = f"{self.push}-{trial.name}"
         return env
@@ -337,15 +321,11 @@ def spec_error(path: Path, exc: ValidationError) -> str:
 
 def read_spec(path: Path) -> Spec:
     """Read and check a spec; everything wrong with it is a JobError (exit 2) that says the fix."""
-    fix = "give the path of a SPEC.yaml (examples/sweeps/ has some)"
     try:
         raw = yaml.safe_load(read_small_text(path, SPEC_MAX_BYTES))
-    except FileNotFoundError:
-        raise refused(f"no sweep spec at {path}; {fix}") from None
-    except OSError as exc:
-        raise refused(f"cannot read the sweep spec {path} ({exc.strerror}); {fix}") from None
-    except UnfitFile as exc:
-        raise refused(f"{path} {exc}; {fix}") from None
+    except (OSError, UnfitFile) as exc:
+        why = f"cannot be read ({exc.strerror})" if isinstance(exc, OSError) else exc
+        raise refused(f"{path} {why}; give the path of a SPEC.yaml (examples/sweeps/ has some)") from None
     except yaml.YAMLError as exc:
         raise refused(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
     if not isinstance(raw, dict) or not all(isinstance(key, str) for key in raw):
@@ -369,18 +349,14 @@ def plan_trials(spec: Spec) -> list[Trial]:
 
 
 def distributions(spec: Spec) -> dict:
-    """Each swept setting as an Optuna distribution: a list (grid or random) is categorical, a range is
-    a float or int range, log-scaled when the spec says so."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    found = {}
-    for name, space in {**spec.grid, **spec.random}.items():
-        if isinstance(space, Range):
-            kind = IntDistribution if space.is_int else FloatDistribution
-            found[name] = kind(space.low, space.high, log=space.log)
-        else:
-            found[name] = CategoricalDistribution(space)
-    return found
+    return {
+        name: (IntDistribution if space.type == "int" else FloatDistribution)(space.low, space.high, log=space.log)
+        if isinstance(space, Range)
+        else CategoricalDistribution(space)
+        for name, space in {**spec.grid, **spec.random}.items()
+    }
 
 
 def draw_random(spec: Spec) -> list[dict]:
@@ -400,27 +376,23 @@ def draw_random(spec: Spec) -> list[dict]:
     return points
 
 
-def job_environment(spec: Spec, trial: Trial, environ: dict[str, str]) -> dict[str, str]:
-    """The environment of one trial's `python main.py`: this shell's (the job reads its setting variables too),
-    less the Hub repos (a trial pushes only where the spec's `push:` says), with the trial's settings over it. The
-    check, the sweep's identity and the run all take it from here."""
-    env = {name: value for name, value in environ.items() if name not in HUB_DESTINATIONS}
+def job_environment(spec: Spec, trial: Trial) -> dict[str, str]:
+    """The environment of one trial's `python main.py`, for the check, the sweep's identity and the run alike: this
+    shell's (the job reads its setting variables too) less the Hub repos, with the trial's settings over it."""
+    env = {name: value for name, value in os.environ.items() if name not in HUB_DESTINATIONS}
     env.update(spec.trial_env(trial))
     return env
 
 
-def check_trials(spec: Spec, trials: list[Trial], environ: dict[str, str] | None = None) -> dict:
-    """Resolve each trial's settings with the job's own model, as its main.py will: a bad value stops the sweep
-    before any trial starts; so does a Hub repo from the recipe (nothing is pushed unless `push:` says) and a metric
-    the trials' metrics.json will not hold (it sets `spec.metric_key`, where that file holds it).
-
-    Returns the sweep's identity: every input that makes a trial's settings (each trial's setting variables, this
-    shell's among them, and the recipe's content), which `open_sweep_dir` keeps with the trials' folders."""
-    environ = os.environ if environ is None else environ
+def check_trials(spec: Spec, trials: list[Trial]) -> dict:
+    """Resolve each trial's settings with the job's own model, as its main.py will, so a bad value, a Hub repo from
+    the recipe or a metric metrics.json will not hold stops the sweep before any trial starts; set `spec.metric_key`.
+    Returns the sweep's identity (each trial's setting variables, this shell's among them, and the recipe's content)
+    for `open_sweep_dir`."""
     found: dict[str, dict[str, str]] = {}
     keys: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     for trial in trials:
-        env = {k: v for k, v in job_environment(spec, trial, environ).items() if k.lower() in FIELDS}
+        env = {k: v for k, v in job_environment(spec, trial).items() if k.lower() in FIELDS}
         try:
             settings, _ = load_settings([], environ=env)
         except JobError as exc:
@@ -429,33 +401,24 @@ def check_trials(spec: Spec, trials: list[Trial], environ: dict[str, str] | None
             value = getattr(settings, name.lower())
             if value and value != spec.trial_env(trial).get(name):
                 raise refused(
-                    f"CONFIG_FILE={spec.config} sets {name.lower()}: {value}, so every trial would push to it, each over "
-                    "the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
+                    f"CONFIG_FILE={spec.config} sets {name.lower()}: {value}, so every trial would push to it, each over the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
                 )
         names = metric_names(settings)
         key = metric_key(settings, spec.metric, names)
         keys[key] = (names, on_each_split(settings, key))
         found[trial.name] = {k: v for k, v in sorted(env.items()) if k.lower() not in SECRET_SETTINGS}
     if len(keys) > 1:
-        raise refused(
-            f"metric={spec.metric}: the trials write it under different names ({', '.join(keys)}); sweep one task"
-        )
-    ((key, (names, splits)),) = keys.items()
+        raise refused(f"metric={spec.metric}: the trials name it differently ({', '.join(keys)}); sweep one task")
+    ((key, (names, spec.metric_splits)),) = keys.items()
     spec.metric_key, spec.metric_keys = f"eval_{key}", tuple(f"eval_{name}" for name in names)
-    spec.metric_splits = splits
-    recipe = None
-    if spec.config:  # read by the job's recipe reader above: a regular file of a page at most
-        recipe = {
-            "path": spec.config,
-            "sha256": hashlib.sha256(Path(spec.config).expanduser().read_bytes()).hexdigest(),
-        }
-    return {"trials": found, "recipe": recipe}
+    # read by the job's recipe reader above: a regular file of a page at most
+    digest = spec.config and sha256_file(Path(spec.config).expanduser())
+    return {"trials": found, "recipe": spec.config and {"path": spec.config, "sha256": digest}}
 
 
 def metric_names(settings) -> tuple[str, ...]:
-    """What a run with these settings writes to metrics.json, less `eval_`: its task's metrics on each validation split
-    (MNLI's as matched_accuracy, mismatched_accuracy, ...) and each split's loss. Without TASK or PROBLEM_TYPE the data
-    decides classification or regression, so either problem's metrics may be named."""
+    """What a run with these settings writes to metrics.json, less `eval_` (MNLI's matched_accuracy, ...). Without TASK
+    or PROBLEM_TYPE the data decides classification or regression, so either problem's metrics may be named."""
     problems = (settings.problem_type,) if settings.problem_type != "auto" else (CLASSIFICATION, REGRESSION)
     names = [name for problem in problems for name in reported_metrics(settings, problem)]
     names += [f"{prefix}_loss" if prefix else "loss" for prefix in map(eval_prefix, task_splits(settings))]
@@ -463,9 +426,8 @@ def metric_names(settings) -> tuple[str, ...]:
 
 
 def metric_key(settings, metric: str, names: tuple[str, ...]) -> str:
-    """The spec's `metric` as metrics.json names it (less `eval_`). A name without a split, on a task evaluated on
-    several (MNLI), means the first split's: `accuracy` is `matched_accuracy`, the metric the job tracks as best
-    (`metric_for_best_model`)."""
+    """The spec's `metric` as metrics.json names it (less `eval_`). Without a split, on MNLI, it means the first
+    split's (`accuracy` is `matched_accuracy`): the metric the job tracks as best."""
     first = eval_prefix(task_splits(settings)[0])
     for name in (metric, f"{first}_{metric}" if first else metric):
         if name in names:
@@ -477,15 +439,14 @@ def metric_key(settings, metric: str, names: tuple[str, ...]) -> str:
 
 
 def on_each_split(settings, key: str) -> tuple[str, ...]:
-    """The metric `key` (less `eval_`) on every validation split, as metrics.json names it: MNLI's
-    `matched_accuracy` -> eval_matched_accuracy, eval_mismatched_accuracy."""
+    """MNLI's `matched_accuracy` -> eval_matched_accuracy, eval_mismatched_accuracy: the metric on every split."""
     prefixes = [eval_prefix(split) for split in task_splits(settings)]
     base = next((key.removeprefix(f"{p}_") for p in prefixes if p and key.startswith(f"{p}_")), key)
     return tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes)
 
 
 def describe(trial: Trial) -> str:
-    return " ".join(f"{env_name(k)}={setting_value(v)}" for k, v in trial.params.items())
+    return " ".join(f"{k}={v}" for k, v in as_environment(trial.params).items())
 
 
 def trial_metric(spec: Spec, folder: Path) -> float | None:
@@ -497,13 +458,11 @@ def trial_metric(spec: Spec, folder: Path) -> float | None:
     return None
 
 
-# ------------------------------------------------------------------------------- the sweep's folder
 def open_sweep_dir(spec: Spec, identity: dict) -> None:
-    """Claim output_dir for this sweep: a new or empty folder, or this same sweep's (its sweep.json holds the same
-    recipe and, for every trial both name, the same settings; more random draws of the same seed extend it, as
-    more trials extend an Optuna study). A folder another tool wrote is refused untouched, as main.py refuses one
-    for OUTPUT_DIR (the sweep replaces files in its trials' folders and its summary); another sweep's is refused
-    too, so a resume, a `--run-trial` or a summary never shows a result under values it was not trained with."""
+    """Claim output_dir: a new or empty folder, or this same sweep's (sweep.json: the same recipe and, for every trial
+    both name, the same settings; more draws of the same seed extend it). Another tool's folder is refused, as main.py
+    refuses one, since the sweep replaces files there; another sweep's too, so a resume, a `--run-trial` or a summary
+    never shows a result under values it was not trained with."""
     out = spec.output_dir
     record = out / SWEEP_RECORD
     fix = "give this spec a new output_dir, or restore the spec, recipe and setting variables the sweep was made with"
@@ -520,12 +479,8 @@ def open_sweep_dir(spec: Spec, identity: dict) -> None:
             write_sweep_record(record, known)
         return
     ours = {SWEEP_RECORD, ".sweep.lock", "lost+found"}
-    names = (
-        sorted(n for n in os.listdir(out) if n not in ours and not n.startswith(f".{SWEEP_RECORD}"))
-        if out.is_dir()
-        else []
-    )
-    if names:
+    found = os.listdir(out) if out.is_dir() else []
+    if names := sorted(n for n in found if n not in ours and not n.startswith(f".{SWEEP_RECORD}")):
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise refused(
             f"output_dir={out} is not empty and is not a folder of this sweep (it holds {shown}, and no {SWEEP_RECORD}); "
@@ -537,16 +492,13 @@ def open_sweep_dir(spec: Spec, identity: dict) -> None:
 def write_sweep_record(record: Path, identity: dict) -> None:
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_name(f".{SWEEP_RECORD}.{os.getpid()}")
-        tmp.write_text(json.dumps(identity, indent=2) + "\n")
-        tmp.replace(record)
+        RunDir(record.parent).write_json(record, identity)
     except OSError as exc:
         raise refused(f"output_dir={record.parent} is not writable ({exc.strerror}); give a writable folder") from None
 
 
 def identity_change(theirs: dict, ours: dict) -> str | None:
-    """The first input that differs between a sweep's recorded identity and this spec's, as the user would fix it;
-    None when they are the same sweep."""
+    """The first input that differs between a sweep's recorded identity and this spec's; None: the same sweep."""
     if theirs.get("recipe") != ours["recipe"]:
         old, new = theirs.get("recipe") or {}, ours["recipe"] or {}
         return (

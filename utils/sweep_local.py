@@ -1,16 +1,13 @@
 """The local backend: the sweep's trials on this machine, `parallel` at a time, each `python main.py` in a process.
 
 The study lives in OUTPUT_DIR/study.db (Optuna, SQLite), one Optuna trial per run of a planned trial, named by
-its `trial` user attribute. So a sweep run again after a kill resumes: a trial that is COMPLETE there is never
-run again; one left RUNNING by the kill is marked FAIL and run again in the same folder, where the job resumes
-from its last checkpoint; every other planned trial runs. The planned settings are enqueued into the study
-(`enqueue_trial`), so the sampler never picks: the order and the values are those of `plan_trials`.
+its `trial` user attribute, so a sweep run again after a kill resumes: a COMPLETE trial is never run again; one
+left RUNNING is marked FAIL and run again in its folder, where the job resumes from its last checkpoint. The
+planned settings are enqueued (`enqueue_trial`), so the sampler never picks: the trials are those of `plan_trials`.
 
-On GPUs each trial gets one (CUDA_VISIBLE_DEVICES), so `parallel` is at most the number of GPUs there.
-A trial's process dies with the sweep (PR_SET_PDEATHSIG), so a killed sweep leaves no trial training
-on behind it, holding the folder the rerun needs. SIGTERM or Ctrl-C stops the sweep: each running trial is told
-(it checkpoints and exits 143 or 130), no other starts, and the sweep exits 143 or 130; run again, it resumes.
-Trials run in a session of their own, so a terminal's Ctrl-C reaches the sweep alone, which tells each trial once.
+On GPUs each trial gets one (CUDA_VISIBLE_DEVICES). A trial's process dies with the sweep (PR_SET_PDEATHSIG), so a
+killed sweep leaves none training on in the folder the rerun needs. Trials run in a session of their own, so a
+terminal's Ctrl-C reaches the sweep alone, which tells each running trial once (it checkpoints and exits).
 """
 
 from __future__ import annotations
@@ -28,8 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from utils.errors import EXIT_BAD_INPUT, EXIT_UNEXPECTED, JobError
-from utils.sweep import Spec, Trial, describe, distributions, job_environment, trial_metric
+from utils.errors import EXIT_UNEXPECTED
+from utils.sweep import Spec, Trial, describe, distributions, job_environment, refused, trial_metric
 from utils.sweep_summary import record_trial
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,16 +62,12 @@ PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linu
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    if PRCTL is not None:
-        PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, float | None]:
-    """One run of the job for `trial`, in its folder; its exit code and metric."""
-    folder = spec.output_dir / trial.name
-    record_trial(folder, spec, trial, status="running", exit_code=None)
-    env = job_environment(spec, trial, dict(os.environ))
+    """One run of the job for `trial`, in its folder, announced; its exit code and metric (None unless complete)."""
+    print(f"sweep: start {trial.name}{f' on GPU {gpu}' if gpu else ''}: {describe(trial)}", flush=True)
+    started = time.monotonic()
+    folder = record_trial(spec, trial, status="running", exit_code=None)
+    env = job_environment(spec, trial)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     with open(folder / TRIAL_LOG, "a") as log:
@@ -83,7 +76,7 @@ def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, fl
             env=env,  # in this folder, as a user's main.py: relative paths hold
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
+            preexec_fn=(lambda: PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)) if PRCTL else None,
             start_new_session=True,
         )
         LIVE.add(proc)
@@ -93,31 +86,27 @@ def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, fl
             code = proc.wait()
         finally:
             LIVE.discard(proc)
-    value = trial_metric(spec, folder)
-    failed = code != 0 or value is None
-    record_trial(folder, spec, trial, status="failed" if failed else "complete", exit_code=code)
+    value = trial_metric(spec, folder) if code == 0 else None
+    record_trial(spec, trial, status="failed" if value is None else "complete", exit_code=code)
+    if value is None:
+        why = f"exit {code}" if code else f"no {spec.metric_key} in metrics.json"
+        print(f"sweep: end {trial.name}: failed ({why}; see {folder / TRIAL_LOG})", flush=True)
+    else:
+        took = time.monotonic() - started
+        print(f"sweep: end {trial.name}: complete, {spec.metric}={value:.4f} ({took:.0f} s)", flush=True)
     return code, value
 
 
-def hold_sweep_lock(out: Path):
-    """One sweep per output_dir: a second would rerun the first one's RUNNING trials beside it."""
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".sweep.lock", "w")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise JobError(
-            EXIT_BAD_INPUT, f"another sweep is running in {out}; wait for it, or give this one another output_dir"
-        ) from None
-    return handle
-
-
 def run_local(spec: Spec, trials: list[Trial]) -> int:
-    lock = hold_sweep_lock(spec.output_dir)
-    try:
+    # One sweep per output_dir: a second would rerun the first one's RUNNING trials beside it.
+    with open(spec.output_dir / ".sweep.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise refused(
+                f"another sweep is running in {spec.output_dir}; wait for it, or give this one another output_dir"
+            ) from None
         return run_study(spec, trials)
-    finally:
-        lock.close()
 
 
 def open_study(spec: Spec, trials: list[Trial]):
@@ -135,17 +124,12 @@ def open_study(spec: Spec, trials: list[Trial]):
         sampler=optuna.samplers.RandomSampler(seed=spec.seed),
     )
     for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        print(
-            f"sweep: {stale.user_attrs.get('trial')} was left running by a stopped sweep; running it again", flush=True
-        )
+        print(f"sweep: {stale.user_attrs.get('trial')} was left running by a stopped sweep; running it again")
         study.tell(stale.number, state=TrialState.FAIL)
     done = {t.user_attrs.get("trial") for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))}
     todo = [t for t in trials if t.name not in done]
     if done:
-        print(
-            f"sweep: {len(done)} trial(s) already complete in {spec.output_dir / 'study.db'}, {len(todo)} to run",
-            flush=True,
-        )
+        print(f"sweep: {len(done)} trial(s) already complete in {spec.output_dir / 'study.db'}, {len(todo)} to run")
     return study, todo
 
 
@@ -156,9 +140,7 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
     signal.signal(signal.SIGINT, pass_stop_signal)
     gpus = visible_gpus(dict(os.environ))
     if gpus and spec.parallel > len(gpus):
-        raise JobError(
-            EXIT_BAD_INPUT, f"parallel={spec.parallel} but {len(gpus)} GPU(s) here; set parallel: {len(gpus)}"
-        )
+        raise refused(f"parallel={spec.parallel} but {len(gpus)} GPU(s) here; set parallel: {len(gpus)}")
     study, todo = open_study(spec, trials)
     spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
     ask_lock = threading.Lock()
@@ -168,41 +150,25 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
 
     def run_one(trial: Trial) -> None:
         gpu = slots.get()
-        if STOPPED:
-            slots.put(gpu)
-            return
         try:
+            if STOPPED:
+                return
             with ask_lock:
                 study.enqueue_trial(trial.params, user_attrs={"trial": trial.name})
                 asked = study.ask(spaces)
-            where = f" on GPU {gpu}" if gpu is not None else ""
-            print(f"sweep: start {trial.name}{where}: {describe(trial)}", flush=True)
-            started = time.monotonic()
-            code, value = run_trial(spec, trial, gpu)
-            took = time.monotonic() - started
+            _, value = run_trial(spec, trial, gpu)
             with ask_lock:
-                if code == 0 and value is not None:
-                    study.tell(asked, value)
-                    print(f"sweep: end {trial.name}: complete, {spec.metric}={value:.4f} ({took:.0f} s)", flush=True)
-                else:
-                    study.tell(asked, state=TrialState.FAIL)
-                    why = f"exit {code}" if code else f"no {spec.metric_key} in metrics.json"
-                    log = spec.output_dir / trial.name / TRIAL_LOG
-                    print(f"sweep: end {trial.name}: failed ({why}; see {log})", flush=True)
+                study.tell(asked, value, state=TrialState.FAIL if value is None else TrialState.COMPLETE)
         finally:
             slots.put(gpu)
 
     with ThreadPoolExecutor(max_workers=spec.parallel) as pool:
         list(pool.map(run_one, todo))
     if STOPPED:
-        print(
-            f"sweep: stopped by {SIGNAL_NAMES.get(STOPPED[0], STOPPED[0])}: the running trials were told to checkpoint "
-            "and no other started; run the same command again to resume",
-            file=sys.stderr,
-            flush=True,
-        )
+        stop = f"stopped by {SIGNAL_NAMES.get(STOPPED[0], STOPPED[0])}: the running trials were told to checkpoint"
+        print(f"sweep: {stop} and no other started; run the same command again to resume", file=sys.stderr)
         return 128 + STOPPED[0]
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        print(f"sweep: no trial completed; each trial.log in {spec.output_dir} says why", file=sys.stderr, flush=True)
+        print(f"sweep: no trial completed; each trial.log in {spec.output_dir} says why", file=sys.stderr)
         return EXIT_UNEXPECTED
     return 0

@@ -2,19 +2,14 @@
 OUTPUT_DIR/summary.csv (a row per trial), summary.md (the table sorted by the metric, the best trial's
 settings) and summary.png (the metric against each swept setting).
 
-A trial folder holds `trial.json` (written by the sweep before the trial starts: its settings, then the outcome
-of its last run) and, once the job finished, the job's own `metrics.json`. The status is the last run's:
-`complete` (exit 0 and metrics.json holds the metric), `failed` (a non-zero exit, or no metric), `pending` (never
-started) or `running` (started, no outcome yet: still running, or killed; the next run of the sweep reruns it).
-A metrics.json left by an earlier run never makes a failed or running trial complete. The sweep's folder is
-this sweep's alone (`open_sweep_dir`), so the values shown are the ones each trial trained with.
+A trial folder holds `trial.json` (its settings, then the outcome of its last run) and, once the job finished, the
+job's own `metrics.json`. The status is the last run's: `complete` (exit 0 and the metric in metrics.json),
+`failed`, `pending` (never started) or `running` (still running, or killed: the next run of the sweep reruns it).
 """
 
 from __future__ import annotations
 
 import csv
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,11 +25,11 @@ class Row:
     trial: Trial
     status: str
     value: float | None
-    exit_code: int | None = None
 
 
-def record_trial(folder: Path, spec: Spec, trial: Trial, **fields) -> None:
-    """Write (or update) the trial's record in its folder: settings, then its outcome."""
+def record_trial(spec: Spec, trial: Trial, **fields) -> Path:
+    """Write (or update) the trial's record in its folder, which it returns: settings, then its outcome."""
+    folder = spec.output_dir / trial.name
     run = RunDir(folder.resolve())
     # main.py's own refusal of a folder another tool wrote (it needs the folder's name only): left as it is.
     refuse_foreign(run, SimpleNamespace(output_dir=folder))
@@ -42,48 +37,29 @@ def record_trial(folder: Path, spec: Spec, trial: Trial, **fields) -> None:
     # The trial's folder is its run's OUTPUT_DIR: marked as the job's before the sweep's own files go in, or
     # main.py would refuse it as someone else's folder.
     claim_run_dir(run)
-    path = folder / TRIAL_RECORD
-    record = json.loads(path.read_text()) if path.exists() else {}
-    record.update(
-        trial=trial.name,
-        index=trial.index,
-        params=trial.params,
-        settings=spec.trial_env(trial, folder.parent),
-        **fields,
-    )
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
+    record = run.read_json(run.root / TRIAL_RECORD) or {}
+    record.update(trial=trial.name, index=trial.index, params=trial.params, settings=spec.trial_env(trial), **fields)
+    run.write_json(run.root / TRIAL_RECORD, record)
+    return folder
 
 
 def collect_rows(spec: Spec, trials: list[Trial]) -> list[Row]:
     rows = []
     for trial in trials:
         folder = spec.output_dir / trial.name
-        record_path = folder / TRIAL_RECORD
-        record = json.loads(record_path.read_text()) if record_path.exists() else {}
-        value = trial_metric(spec, folder)
-        status = record.get("status", "pending")
+        status = (RunDir(folder).read_json(folder / TRIAL_RECORD) or {}).get("status", "pending")
+        # a metrics.json of an earlier run is not this run's result
+        value = trial_metric(spec, folder) if status == "complete" else None
         if status == "complete" and value is None:
             status = "failed"  # metrics.json went, or never held the metric
-        if status != "complete":
-            value = None  # a metrics.json of an earlier run is not this run's result
-        rows.append(Row(trial, status, value, record.get("exit_code")))
+        rows.append(Row(trial, status, value))
     return rows
 
 
-def ranked(spec: Spec, rows: list[Row]) -> list[Row]:
-    """Completed trials best first, then the others in trial order."""
-    sign = -1 if spec.direction == "maximize" else 1
-    done = sorted((r for r in rows if r.value is not None), key=lambda r: (sign * r.value, r.trial.index))
-    return done + [r for r in rows if r.value is None]
-
-
-def write_summary(spec: Spec, trials: list[Trial]) -> str:
-    """Write summary.csv, summary.md and summary.png under the sweep's output_dir; return the markdown."""
+def write_summary(spec: Spec, trials: list[Trial]) -> None:
+    """Write summary.csv, summary.md and summary.png in the sweep's output_dir, and print the markdown."""
     rows = collect_rows(spec, trials)
     out = spec.output_dir
-    out.mkdir(parents=True, exist_ok=True)
     with open(out / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["trial", *spec.swept, "status", spec.metric])
@@ -92,25 +68,21 @@ def write_summary(spec: Spec, trials: list[Trial]) -> str:
             writer.writerow(
                 [row.trial.name, *(setting_value(row.trial.params[k]) for k in spec.swept), row.status, value]
             )
-    markdown = summary_markdown(spec, ranked(spec, rows))
+    markdown = summary_markdown(spec, rows)
     (out / "summary.md").write_text(markdown)
     plot_summary(spec, rows, out / "summary.png")
-    return markdown
+    print(f"{markdown}\nsweep: wrote {out / 'summary.csv'}, summary.md and summary.png", flush=True)
 
 
 def summary_markdown(spec: Spec, rows: list[Row]) -> str:
-    head = ["rank", "trial", *spec.swept, "status", spec.metric]
-    lines = [
-        f"# Sweep {spec.name}: {spec.metric} ({spec.direction})",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + " --- |" * len(head),
-    ]
+    sign = -1 if spec.direction == "maximize" else 1  # completed trials best first, then the others in trial order
+    rows = sorted(rows, key=lambda r: (r.value is None, sign * (r.value or 0), r.trial.index))
+    table = [["rank", "trial", *spec.swept, "status", spec.metric], ["---"] * (len(spec.swept) + 4)]
     for rank, row in enumerate(rows, 1):
         value = "" if row.value is None else f"{row.value:.4f}"
-        cells = [str(rank) if row.value is not None else "-", row.trial.name]
-        cells += [setting_value(row.trial.params[k]) for k in spec.swept]
-        lines.append("| " + " | ".join([*cells, row.status, value]) + " |")
+        swept = [setting_value(row.trial.params[k]) for k in spec.swept]
+        table.append([str(rank) if row.value is not None else "-", row.trial.name, *swept, row.status, value])
+    lines = [f"# Sweep {spec.name}: {spec.metric} ({spec.direction})", "", *(f"| {' | '.join(r)} |" for r in table)]
     counts = {s: sum(r.status == s for r in rows) for s in ("complete", "failed", "running", "pending")}
     lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items() if n), ""]
     best = rows[0] if rows and rows[0].value is not None else None
@@ -145,7 +117,12 @@ def plot_summary(spec: Spec, rows: list[Row], path: Path) -> None:
             xs = [order.index(setting_value(x)) for x in xs]
             ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
         ax.scatter(xs, [r.value for r in done])
-        if numeric and xs and (spec.is_log(name) or log_spaced(xs)):
+        # a log range, or a grid of rates (1e-4, 1e-3, 1e-2), reads on a log axis; a grid of ranks (4, 8) need not
+        if (
+            numeric
+            and xs
+            and (getattr(spec.random.get(name), "log", False) or min(xs) > 0 and max(xs) >= 100 * min(xs))
+        ):
             ax.set_xscale("log")
         ax.set_xlabel(name)
         ax.set_ylabel(spec.metric)
@@ -154,9 +131,3 @@ def plot_summary(spec: Spec, rows: list[Row], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def log_spaced(xs: list[float]) -> bool:
-    # a grid of rates (1e-4, 1e-3, 1e-2) reads on a log axis; a grid of ranks (4, 8) need not
-    positive = [x for x in xs if x > 0]
-    return len(positive) == len(xs) and max(positive) / min(positive) >= 100 and not math.isclose(min(xs), max(xs))
