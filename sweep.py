@@ -24,8 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.errors import JobError
 from utils.hub_token import install_masking
+from utils.settings import Parser
 from utils.sweep import check_trials, open_sweep_dir, plan_trials, read_spec, refused
 from utils.sweep_katib import write_experiment
 from utils.sweep_local import pass_stop_signal, run_local, run_trial
@@ -33,13 +34,10 @@ from utils.sweep_slurm import render_array
 from utils.sweep_summary import collect_rows, write_summary
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise JobError(EXIT_BAD_INPUT, f"{message}; see `python sweep.py --help`")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = Parser(
+        prog="sweep.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("spec", type=Path, help="the sweep spec (YAML); examples/sweeps/ has some")
     parser.add_argument("--dry-run", action="store_true", help="print the trials as JSON and exit")
     what = parser.add_mutually_exclusive_group()
