@@ -207,10 +207,6 @@ def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
     deepspeed.init_distributed(dist_backend=td.get_backend(), auto_mpi_discovery=False)
 
 
-def agreement(job: Job) -> dict:
-    return agreement_of(job.settings, job.plan, job.dist.world_size)
-
-
 def agreement_of(settings: Settings, plan: Plan, world_size: int) -> dict:
     """What every rank of one start must share, compared at the rendezvous (identity.agreement_refusal): the run's
     identity, its replica count (elastic runs too: one start, one count), its name and folder."""
@@ -375,7 +371,8 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     # Likewise a tracker that refuses its URI: exit 2 now, not a traceback after data and model are loaded.
     check_tracker_uri(settings)
     # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
-    group = rendezvous(dist, settings.rendezvous_timeout, job.cuda, agreement(job), on_main=lock.acquire)
+    agreement = agreement_of(settings, job.plan, dist.world_size)
+    group = rendezvous(dist, settings.rendezvous_timeout, job.cuda, agreement, on_main=lock.acquire)
     log_to_file(job)
     if job.strategy == "deepspeed":
         join_deepspeed(dist, job.cuda)
