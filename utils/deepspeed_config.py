@@ -1,15 +1,14 @@
 """STRATEGY=deepspeed: the DeepSpeed config a run uses, built from the settings or read from DEEPSPEED_CONFIG,
 and checked against the settings before anything is loaded.
 
-What the job's settings own is written "auto" in the config the job builds, and the Trainer fills it in from
-its TrainingArguments: the micro-batch, the accumulation, the global batch, the learning rate and schedule
-(all the plan's, utils/plan.py), the clipping, the precision. A user's ds_config.json may leave
-them "auto", leave them out (the job writes "auto" for them: DeepSpeed's own defaults would train other
-numbers, or fail its batch assertion), or pin them to the value the settings resolve to; a value that
-disagrees is refused (exit 2) naming the field and both values, so no run trains with other numbers than the
-ones its run.json, logs and model card show. Every field transformers compares with its TrainingArguments
-(HfTrainerDeepSpeedConfig.trainer_config_process / _finalize) is compared here first, at --dry-run, and so is
-every "auto" that nothing would fill in: none of them fails after the model has loaded.
+What the job's settings own (OWNED) is written "auto" in the config the job builds, and the Trainer fills it in
+from its TrainingArguments: the micro-batch, the accumulation, the global batch, the learning rate and schedule
+(all the plan's, utils/plan.py), the clipping, the precision. A user's ds_config.json may leave them "auto",
+leave them out (the job writes "auto" for them: DeepSpeed's own defaults would train other numbers, or fail its
+batch assertion), or pin them to the value the settings resolve to; a value that disagrees is refused (exit 2)
+naming the field and both values, so no run trains with other numbers than its run.json, logs and model card
+show. Every field transformers compares with its TrainingArguments (HfTrainerDeepSpeedConfig.trainer_config_process
+/ _finalize) is compared here at --dry-run, and so is every "auto" nothing fills in, not after the model has loaded.
 
 The ZeRO stage and offload a user's file sets become ZERO_STAGE and ZERO_OFFLOAD (`deepspeed_overrides`, merged
 as the settings are read), so run.json and the checkpoints record what trains and a resume compares it like any
@@ -30,7 +29,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -82,22 +81,17 @@ FILLED_ELSEWHERE = frozenset(
     "optimizer.params.betas optimizer.params.eps scheduler.params.warmup_min_lr zero_optimization.reduce_bucket_size "
     "zero_optimization.stage3_prefetch_bucket_size zero_optimization.stage3_param_persistence_threshold".split()
 )
-OFFLOADS = {  # ZERO_OFFLOAD -> (optimizer state on the CPU, weights on the CPU)
-    "none": (False, False),
-    "optimizer": (True, False),
-    "optimizer+parameters": (True, True),
-}
+# ZERO_OFFLOAD -> (optimizer state on the CPU, weights on the CPU)
+OFFLOADS = {"none": (False, False), "optimizer": (True, False), "optimizer+parameters": (True, True)}
 OFFLOAD_SETTING = {where: setting for setting, where in OFFLOADS.items()}
 
 
 def build_config(settings: Settings) -> dict[str, Any]:
     """The config the job builds from ZERO_STAGE and ZERO_OFFLOAD; "auto" where the Trainer fills in the settings."""
-    offload_optimizer, offload_parameters = OFFLOADS[settings.zero_offload]
     zero: dict[str, Any] = {"stage": settings.zero_stage}
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if offload_parameters:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    for block, offloaded in zip(("offload_optimizer", "offload_param"), OFFLOADS[settings.zero_offload], strict=True):
+        if offloaded:
+            zero[block] = {"device": "cpu", "pin_memory": True}
     if settings.zero_stage == 3:
         # The adapter is gathered from the shards by the job itself (utils/strategy.full_state_dict), trainable
         # weights only; gathering the whole 16-bit model at every checkpoint would cost the memory ZeRO-3 saves.
@@ -210,15 +204,12 @@ def _same(theirs: Any, ours: Any) -> bool:
     return isinstance(theirs, (int, float)) and isinstance(theirs, bool) == isinstance(ours, bool) and theirs == ours
 
 
-def _auto_paths(config: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """The dotted path of every "auto" value in `config`."""
-    paths = []
+def _auto_paths(config: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
     for key, value in config.items():
         if isinstance(value, Mapping):
-            paths += _auto_paths(value, f"{prefix}{key}.")
+            yield from _auto_paths(value, f"{prefix}{key}.")
         elif value == "auto":
-            paths.append(f"{prefix}{key}")
-    return paths
+            yield f"{prefix}{key}"
 
 
 def check_zero(config: Mapping[str, Any], where: str) -> None:
@@ -396,10 +387,9 @@ def launcher_choices(launcher: Mapping[str, object]) -> dict[str, Any]:
 
 
 def deepspeed_overrides(settings: Settings, launcher: Mapping[str, object]) -> dict[str, Any]:
-    """What the accelerate config (`launcher_choices`) and then DEEPSPEED_CONFIG's ZeRO stage and offload choose,
-    as settings that utils/settings.load_settings merges over the user's: run.json, the run's identity and the
-    checkpoints then record what trains, not the defaults, and a file edited between a run and its restart is
-    refused like any other changed setting. A setting given beside them with another value is refused (exit 2)."""
+    """What the accelerate config (`launcher_choices`) and then DEEPSPEED_CONFIG's ZeRO stage and offload choose, as
+    settings load_settings merges over the user's: run.json, the identity and the checkpoints record what trains, and
+    a file edited before a restart is refused like any changed setting; one given beside them that differs, exit 2."""
     check_launcher(settings, launcher)
     chosen = launcher_choices(launcher)
     explicit = settings.model_fields_set
