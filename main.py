@@ -40,6 +40,7 @@ import argparse
 import gc
 import json
 import sys
+import traceback
 from dataclasses import asdict
 
 from utils.deepspeed_config import deepspeed_overrides, describe_strategy, with_deepspeed
@@ -62,7 +63,6 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
         launcher_argv(argv), overrides=lambda given: deepspeed_overrides(given, launcher)
     )
     dist = detect_env()
-    # An elastic launcher's range: a count the global batch cannot serve would end the job after a loss.
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
     plan = with_deepspeed(build_plan(settings, dist.world_size), settings)  # DeepSpeed: its config, read and checked
@@ -142,10 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if fault is not None:
             print(f"error: {fault.message}", file=sys.stderr)
             return fault.code
-        # Print the traceback: an unexpected error is a bug to report.
-        import traceback
-
-        traceback.print_exc()
+        traceback.print_exc()  # an unexpected error is a bug to report
         return EXIT_UNEXPECTED
 
 

@@ -81,11 +81,8 @@ class Plan:
     @property
     def rates(self) -> dict[str, float]:
         """The learning rate of each optimizer group (utils/recipe.optimizer_groups)."""
-        return {
-            "base": self.learning_rate,
-            "head": self.learning_rate * self.head_ratio,
-            "lora_B": self.learning_rate * self.loraplus_ratio,
-        }
+        rate = self.learning_rate
+        return {"base": rate, "head": rate * self.head_ratio, "lora_B": rate * self.loraplus_ratio}
 
     def as_dict(self) -> dict:
         """What --dry-run prints and run.json records (the DeepSpeed config has a key of its own)."""
@@ -108,13 +105,8 @@ def largest_micro_batch(share: int, cap: int) -> int:
 def splits_well(global_batch: int, world_sizes: list[int], cap: int) -> bool:
     """Every count divides `global_batch`, and none computes its share in micro-batches under half of what the
     cap (or the share, when smaller) allows."""
-    for world in world_sizes:
-        if global_batch % world:
-            return False
-        share = global_batch // world
-        if 2 * largest_micro_batch(share, cap) < min(share, cap):
-            return False
-    return True
+    shares = [global_batch // world for world in world_sizes if global_batch % world == 0]
+    return len(shares) == len(world_sizes) and all(2 * largest_micro_batch(s, cap) >= min(s, cap) for s in shares)
 
 
 def nearby_global_batches(global_batch: int, world_sizes: list[int], cap: int) -> str:

@@ -73,12 +73,8 @@ def wrap_classes(model: torch.nn.Module) -> list[str]:
     embedding as a unit of its own, which fails inside an already sharded BertEmbeddings.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    repeated = {
-        type(block).__name__
-        for module in base.modules()
-        if isinstance(module, torch.nn.ModuleList)
-        for block in module
-    }
+    lists = (module for module in base.modules() if isinstance(module, torch.nn.ModuleList))
+    repeated = {type(block).__name__ for blocks in lists for block in blocks}
     declared = set(getattr(base, "_no_split_modules", None) or [])
     names = sorted(repeated & declared if declared else repeated)
     if not names:
