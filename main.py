@@ -40,6 +40,8 @@ import argparse
 import gc
 import json
 import sys
+import traceback
+from dataclasses import asdict
 
 from utils.deepspeed_config import deepspeed_overrides, describe_strategy, with_deepspeed
 from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
@@ -53,18 +55,14 @@ from utils.tasks import describe_task
 
 
 def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, Plan]:
-    """Everything decided before torch is imported, on every rank alike: the settings (defaults < recipe file < env < flags),
-    who this process is, the plan (utils/plan.py: batches, learning rates, steps, strategy); every check that needs
-    neither torch nor the network. Bad input raises JobError (exit 2) with the fix. Returns (settings, dist, the
-    parsed command line, the plan)."""
-    # An accelerate config asking for DeepSpeed becomes STRATEGY=deepspeed (its stage and offload too), and
-    # DEEPSPEED_CONFIG's stage and offload become ZERO_STAGE and ZERO_OFFLOAD, as the settings are read.
+    """Everything decided before torch is imported, on every rank alike: the settings (defaults < recipe file < env <
+    flags, and what an accelerate config or DEEPSPEED_CONFIG chooses), who this process is, the plan; every check
+    that needs neither torch nor the network. Bad input raises JobError (exit 2) with the fix."""
     launcher = launcher_options()
     settings, args = load_settings(  # less the `deepspeed` launcher's --local_rank
         launcher_argv(argv), overrides=lambda given: deepspeed_overrides(given, launcher)
     )
     dist = detect_env()
-    # An elastic launcher's range: a count the global batch cannot serve would end the job after a loss.
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
     plan = with_deepspeed(build_plan(settings, dist.world_size), settings)  # DeepSpeed: its config, read and checked
@@ -80,7 +78,7 @@ def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
         "distributed": dist.as_dict(),
         "plan": plan.as_dict(),  # what the run trains with; run.json records it completed
         "identity": plan.identity,  # what makes a restart the same run (utils/identity.py)
-        "batch": plan.batch.as_dict(),
+        "batch": asdict(plan.batch),
         "task": describe_task(settings),  # columns, labels, problem type, metrics
         **describe_strategy(settings, plan),  # DeepSpeed: the config with the plan's values
     }
@@ -144,10 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if fault is not None:
             print(f"error: {fault.message}", file=sys.stderr)
             return fault.code
-        # Print the traceback: an unexpected error is a bug to report.
-        import traceback
-
-        traceback.print_exc()
+        traceback.print_exc()  # an unexpected error is a bug to report
         return EXIT_UNEXPECTED
 
 

@@ -1,19 +1,18 @@
 """STRATEGY=deepspeed: the DeepSpeed config a run uses, built from the settings or read from DEEPSPEED_CONFIG,
 and checked against the settings before anything is loaded.
 
-What the job's settings own is written "auto" in the config the job builds, and the Trainer fills it in from
-its TrainingArguments: the micro-batch, the accumulation, the global batch, the learning rate and schedule
-(all the plan's, utils/plan.py), the clipping, the precision. A user's ds_config.json may leave
-them "auto", leave them out (the job writes "auto" for them: DeepSpeed's own defaults would train other
-numbers, or fail its batch assertion), or pin them to the value the settings resolve to; a value that
-disagrees is refused (exit 2) naming the field and both values, so no run trains with other numbers than the
-ones its run.json, logs and model card show. Every field transformers compares with its TrainingArguments
-(HfTrainerDeepSpeedConfig.trainer_config_process / _finalize) is compared here first, at --dry-run, and so is
-every "auto" that nothing would fill in: none of them fails after the model has loaded.
+What the job's settings own (OWNED) is written "auto" in the config the job builds, and the Trainer fills it in
+from its TrainingArguments: the micro-batch, the accumulation, the global batch, the learning rate and schedule
+(all the plan's, utils/plan.py), the clipping, the precision. A user's ds_config.json may leave them "auto",
+leave them out (the job writes "auto" for them: DeepSpeed's own defaults would train other numbers, or fail its
+batch assertion), or pin them to the value the settings resolve to; a value that disagrees is refused (exit 2)
+naming the field and both values, so no run trains with other numbers than its run.json, logs and model card
+show. Every field transformers compares with its TrainingArguments (HfTrainerDeepSpeedConfig.trainer_config_process
+/ _finalize) is compared here at --dry-run, and so is every "auto" nothing fills in, not after the model has loaded.
 
-The ZeRO stage and offload a user's file sets become ZERO_STAGE and ZERO_OFFLOAD (`deepspeed_overrides`, merged as the settings are read), so
-run.json and the checkpoints record what trains and a resume compares it like any training setting; a
-ZERO_STAGE or ZERO_OFFLOAD set to something else beside the file is refused.
+The ZeRO stage and offload a user's file sets become ZERO_STAGE and ZERO_OFFLOAD (`deepspeed_overrides`, merged
+as the settings are read), so run.json and the checkpoints record what trains and a resume compares it like any
+training setting; a ZERO_STAGE or ZERO_OFFLOAD set to something else beside the file is refused.
 
 The job's config has no "optimizer" and no "scheduler" block: the Trainer then builds its own AdamW, with the
 recipe's parameter groups (LoRA+, the head's rate), and its own warm-up schedule, and hands them to DeepSpeed
@@ -30,7 +29,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -49,83 +48,56 @@ ADAM_EPSILON = 1e-8
 # the ones transformers fills in from the run: left out, DeepSpeed's defaults (a 0.001 rate, 1,000 warm-up
 # steps) would train instead.
 SCHEDULERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
-    "WarmupLR": (
-        frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"}),
-        ("warmup_max_lr", "warmup_num_steps"),
-    ),
-    "WarmupDecayLR": (
-        frozenset(
-            {
-                "total_num_steps",
-                "warmup_min_lr",
-                "warmup_max_lr",
-                "warmup_num_steps",
-                "warmup_type",
-                "last_batch_iteration",
-            }
+    kind: (frozenset(f"warmup_num_steps warmup_type last_batch_iteration {taken}".split()), tuple(filled.split()))
+    for kind, taken, filled in (
+        ("WarmupLR", "warmup_min_lr warmup_max_lr", "warmup_max_lr warmup_num_steps"),
+        (
+            "WarmupDecayLR",
+            "warmup_min_lr warmup_max_lr total_num_steps",
+            "warmup_max_lr warmup_num_steps total_num_steps",
         ),
-        ("warmup_max_lr", "warmup_num_steps", "total_num_steps"),
-    ),
-    "WarmupCosineLR": (
-        frozenset(
-            {
-                "total_num_steps",
-                "warmup_min_ratio",
-                "warmup_num_steps",
-                "cos_min_ratio",
-                "warmup_type",
-                "last_batch_iteration",
-            }
-        ),
-        ("warmup_num_steps", "total_num_steps"),
-    ),
+        ("WarmupCosineLR", "warmup_min_ratio cos_min_ratio total_num_steps", "warmup_num_steps total_num_steps"),
+    )
 }
-# "auto" values someone fills in: the Trainer (the owned fields, and these) or Accelerate (the bucket sizes, from
-# the model's hidden size). Any other "auto" would reach DeepSpeed as a string.
+# The fields the settings decide -> the setting to change (None: a Trainer default the job keeps). The job writes
+# "auto" for the ones a file leaves out (optimizer and scheduler ones only inside such a block), and the Trainer
+# fills them in from the settings.
+OWNED = {
+    "train_micro_batch_size_per_gpu": "PER_DEVICE_BATCH_SIZE (or GLOBAL_BATCH_SIZE)",
+    "gradient_accumulation_steps": "GRADIENT_ACCUMULATION_STEPS (or GLOBAL_BATCH_SIZE)",
+    "train_batch_size": "GLOBAL_BATCH_SIZE",
+    "gradient_clipping": None,
+    "bf16.enabled": "PRECISION",
+    "fp16.enabled": "PRECISION",
+    "optimizer.params.lr": "LEARNING_RATE",
+    "optimizer.params.weight_decay": "WEIGHT_DECAY",
+    "scheduler.params.warmup_max_lr": "LEARNING_RATE",
+    "scheduler.params.warmup_num_steps": "WARMUP_RATIO (or MAX_STEPS)",
+    "scheduler.params.total_num_steps": "MAX_STEPS",
+}
+# Other "auto" values someone fills in: the Trainer (these) or Accelerate (the bucket sizes, from the model's
+# hidden size). Any other "auto" would reach DeepSpeed as a string.
 FILLED_ELSEWHERE = frozenset(
-    {
-        "scheduler.params.warmup_min_lr",
-        "zero_optimization.reduce_bucket_size",
-        "zero_optimization.stage3_prefetch_bucket_size",
-        "zero_optimization.stage3_param_persistence_threshold",
-    }
+    "optimizer.params.betas optimizer.params.eps scheduler.params.warmup_min_lr zero_optimization.reduce_bucket_size "
+    "zero_optimization.stage3_prefetch_bucket_size zero_optimization.stage3_param_persistence_threshold".split()
 )
-# What the job writes "auto" for when a user's file leaves it out: the Trainer then fills it in from the settings.
-COMPLETED = (
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "train_batch_size",
-    "gradient_clipping",
-    "bf16.enabled",
-    "fp16.enabled",
-)
-OFFLOADS = {  # ZERO_OFFLOAD -> (optimizer state on the CPU, weights on the CPU)
-    "none": (False, False),
-    "optimizer": (True, False),
-    "optimizer+parameters": (True, True),
-}
+# ZERO_OFFLOAD -> (optimizer state on the CPU, weights on the CPU)
+OFFLOADS = {"none": (False, False), "optimizer": (True, False), "optimizer+parameters": (True, True)}
 OFFLOAD_SETTING = {where: setting for setting, where in OFFLOADS.items()}
 
 
 def build_config(settings: Settings) -> dict[str, Any]:
     """The config the job builds from ZERO_STAGE and ZERO_OFFLOAD; "auto" where the Trainer fills in the settings."""
-    offload_optimizer, offload_parameters = OFFLOADS[settings.zero_offload]
     zero: dict[str, Any] = {"stage": settings.zero_stage}
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if offload_parameters:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    for block, offloaded in zip(("offload_optimizer", "offload_param"), OFFLOADS[settings.zero_offload], strict=True):
+        if offloaded:
+            zero[block] = {"device": "cpu", "pin_memory": True}
     if settings.zero_stage == 3:
         # The adapter is gathered from the shards by the job itself (utils/strategy.full_state_dict), trainable
         # weights only; gathering the whole 16-bit model at every checkpoint would cost the memory ZeRO-3 saves.
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "fp16": {"enabled": "auto"},
+        **complete_config({}, "the job's config"),  # "auto" for every field the settings own
         "zero_optimization": zero,
         "steps_per_print": 1_000_000_000,  # the Trainer logs the loss; DeepSpeed's own step lines would repeat it
         "wall_clock_breakdown": False,
@@ -134,25 +106,21 @@ def build_config(settings: Settings) -> dict[str, Any]:
 
 def load_config(path: str) -> dict[str, Any]:
     """DEEPSPEED_CONFIG read and parsed; a missing, unreadable or non-JSON file is bad input."""
-    fix = "set DEEPSPEED_CONFIG to a readable ds_config.json, or unset it to let ZERO_STAGE and ZERO_OFFLOAD build one"
     try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
+        config = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
-        raise JobError(
-            EXIT_BAD_INPUT, f"DEEPSPEED_CONFIG={path} cannot be read ({exc.strerror or exc}); {fix}"
-        ) from None
-    try:
-        config = json.loads(text)
+        problem = f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
     except json.JSONDecodeError as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"DEEPSPEED_CONFIG={path} is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); {fix}",
-        ) from None
-    if not isinstance(config, dict):
-        raise JobError(
-            EXIT_BAD_INPUT, f"DEEPSPEED_CONFIG={path} holds a JSON {type(config).__name__}, not an object; {fix}"
-        )
-    return config
+        problem = f"is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+    else:
+        if isinstance(config, dict):
+            return config
+        problem = f"holds a JSON {type(config).__name__}, not an object"
+    raise JobError(
+        EXIT_BAD_INPUT,
+        f"DEEPSPEED_CONFIG={path} {problem}; set DEEPSPEED_CONFIG to a readable ds_config.json, or unset it to let "
+        "ZERO_STAGE and ZERO_OFFLOAD build one",
+    )
 
 
 def _get(config: Mapping[str, Any], dotted: str) -> Any:
@@ -188,20 +156,6 @@ def owned_values(settings: Settings, plan: Plan) -> dict[str, Any]:
     return owned
 
 
-SETTING_OF = {  # what to change on the job's side, per owned field
-    "train_micro_batch_size_per_gpu": "PER_DEVICE_BATCH_SIZE (or GLOBAL_BATCH_SIZE)",
-    "gradient_accumulation_steps": "GRADIENT_ACCUMULATION_STEPS (or GLOBAL_BATCH_SIZE)",
-    "train_batch_size": "GLOBAL_BATCH_SIZE",
-    "optimizer.params.lr": "LEARNING_RATE",
-    "optimizer.params.weight_decay": "WEIGHT_DECAY",
-    "scheduler.params.warmup_max_lr": "LEARNING_RATE",
-    "scheduler.params.total_num_steps": "MAX_STEPS",
-    "scheduler.params.warmup_num_steps": "WARMUP_RATIO (or MAX_STEPS)",
-    "bf16.enabled": "PRECISION",
-    "fp16.enabled": "PRECISION",
-}
-
-
 def check_config(config: Mapping[str, Any], settings: Settings, plan: Plan) -> None:
     """Refuse a user's config that pins a value the plan resolves otherwise, or that cannot apply."""
     where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
@@ -217,33 +171,17 @@ def check_config(config: Mapping[str, Any], settings: Settings, plan: Plan) -> N
             )
     for field, ours in owned.items():
         theirs = _get(config, field)
-        if theirs is None or theirs == "auto":
-            continue
-        if isinstance(ours, bool):
-            same = theirs is ours
-        elif isinstance(ours, list):
-            same = (
-                isinstance(theirs, list)
-                and len(theirs) == len(ours)
-                and all(_same_number(a, b) for a, b in zip(theirs, ours, strict=True))
-            )
-        else:
-            same = _same_number(theirs, ours)
-        if not same:
+        if theirs not in (None, "auto") and not _same(theirs, ours):
+            fix = f", or change {OWNED[field]}" if OWNED.get(field) else f" or {json.dumps(ours)}: the job's own value"
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"{where} pins {field}: {json.dumps(theirs)} but the job's settings resolve it to {json.dumps(ours)}; "
-                f'write "auto" for {field} in the file (the job fills it in)'
-                + (
-                    f", or change {SETTING_OF[field]}"
-                    if field in SETTING_OF
-                    else f" or {json.dumps(ours)}: the job's own value"
-                ),
+                f'write "auto" for {field} in the file (the job fills it in){fix}',
             )
     check_zero(config, where)
     check_scheduler(config, where)
     for path in _auto_paths(config):
-        if path not in owned and path not in SETTING_OF and path not in FILLED_ELSEWHERE:
+        if path not in OWNED and path not in FILLED_ELSEWHERE:
             raise JobError(
                 EXIT_BAD_INPUT,
                 f'{where} sets {path}: "auto", which neither the job nor the Trainer fills in (DeepSpeed would read '
@@ -258,22 +196,20 @@ def check_config(config: Mapping[str, Any], settings: Settings, plan: Plan) -> N
         )
 
 
-def _same_number(theirs: Any, ours: float) -> bool:
+def _same(theirs: Any, ours: Any) -> bool:
     # Equal as transformers compares them (!=): a rate written out with fewer digits than the recipe resolves it
-    # to is another rate, and would fail its check once the model has loaded.
-    number = isinstance(theirs, (int, float)) and not isinstance(theirs, bool)
-    return number and theirs == ours
+    # to is another rate, and would fail its check once the model has loaded. A bool is no number here (True == 1).
+    if isinstance(ours, list):
+        return isinstance(theirs, list) and len(theirs) == len(ours) and all(map(_same, theirs, ours))
+    return isinstance(theirs, (int, float)) and isinstance(theirs, bool) == isinstance(ours, bool) and theirs == ours
 
 
-def _auto_paths(config: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """The dotted path of every "auto" value in `config`."""
-    paths = []
+def _auto_paths(config: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
     for key, value in config.items():
         if isinstance(value, Mapping):
-            paths += _auto_paths(value, f"{prefix}{key}.")
+            yield from _auto_paths(value, f"{prefix}{key}.")
         elif value == "auto":
-            paths.append(f"{prefix}{key}")
-    return paths
+            yield f"{prefix}{key}"
 
 
 def check_zero(config: Mapping[str, Any], where: str) -> None:
@@ -286,14 +222,15 @@ def check_zero(config: Mapping[str, Any], where: str) -> None:
             f"{where} sets zero_optimization.stage: {json.dumps(stage)}; STRATEGY=deepspeed trains with ZeRO stage 1, 2 "
             'or 3: set "zero_optimization": {"stage": 2} (or 1, 3), or use STRATEGY=ddp for plain data parallelism',
         )
-    param_device = _get(config, "zero_optimization.offload_param.device")
-    if param_device not in (None, "none") and stage != 3:
+    optimizer_offloaded, parameters_offloaded = offloads(config)
+    if parameters_offloaded and stage != 3:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"{where} offloads the weights (zero_optimization.offload_param.device: {param_device}) at stage {stage}, "
-            "but only ZeRO stage 3 shards and offloads weights; set zero_optimization.stage to 3, or drop offload_param",
+            f"{where} offloads the weights (zero_optimization.offload_param.device: "
+            f"{_get(config, 'zero_optimization.offload_param.device')}) at stage {stage}, but only ZeRO stage 3 "
+            "shards and offloads weights; set zero_optimization.stage to 3, or drop offload_param",
         )
-    if offloads(config) == (False, True):
+    if parameters_offloaded and not optimizer_offloaded:
         raise JobError(
             EXIT_BAD_INPUT,
             f"{where} offloads the weights (zero_optimization.offload_param) but not the optimizer state; offload "
@@ -326,9 +263,8 @@ def check_scheduler(config: Mapping[str, Any], where: str) -> None:
 
 
 def complete_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """A user's config with "auto" written for what the job owns and the file leaves out, so the Trainer fills
-    it in from the settings (DeepSpeed's own defaults would fail its batch assertion, clip nothing, or warm up
-    to another rate)."""
+    """`config` with "auto" written for the OWNED fields it leaves out, so the Trainer fills them in from the
+    settings (DeepSpeed's own defaults would fail its batch assertion, clip nothing, or warm up to another rate)."""
     for block in ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16"):
         if block in config and not isinstance(config[block], Mapping):
             raise JobError(
@@ -341,14 +277,12 @@ def complete_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
             EXIT_BAD_INPUT, f'{where} sets "bfloat16"; rename it to "bf16" ({{"enabled": "auto"}} follows PRECISION)'
         )
     completed = copy.deepcopy(dict(config))
-    fields = list(COMPLETED)
-    if "optimizer" in completed:
-        fields += ["optimizer.params.lr", "optimizer.params.weight_decay"]
-    kind = _get(completed, "scheduler.type")
-    if kind in SCHEDULERS:
-        fields += [f"scheduler.params.{name}" for name in SCHEDULERS[kind][1]]
-    for field in fields:
+    scheduled = SCHEDULERS.get(_get(completed, "scheduler.type"), ((), ()))[1]
+    for field in OWNED:
         *parents, leaf = field.split(".")
+        block = field.split(".")[0]
+        if (block == "optimizer" and block not in completed) or (block == "scheduler" and leaf not in scheduled):
+            continue
         holder = completed
         for part in parents:
             holder = holder.setdefault(part, {})
@@ -359,30 +293,22 @@ def complete_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     return completed
 
 
-def check_installed() -> None:
+def with_deepspeed(plan: Plan, settings: Settings) -> Plan:
+    """The plan with the DeepSpeed config the run hands the Trainer, for STRATEGY=deepspeed: checked against the plan
+    here, and again in Job.start once the precision is known."""
+    if plan.strategy != "deepspeed":
+        return plan
     if importlib.util.find_spec("deepspeed") is None:
         raise JobError(
             EXIT_BAD_INPUT,
             f"STRATEGY=deepspeed needs the deepspeed package, which is not installed; pip install {DEEPSPEED_PIN} "
             "(DS_BUILD_OPS=0: its ops compile on first use), or use STRATEGY=ddp",
         )
-
-
-def with_deepspeed(plan: Plan, settings: Settings) -> Plan:
-    """The plan with the DeepSpeed config the run hands the Trainer, for STRATEGY=deepspeed."""
-    return replace(plan, deepspeed=run_config(settings, plan)) if plan.strategy == "deepspeed" else plan
-
-
-def run_config(settings: Settings, plan: Plan) -> dict[str, Any]:
-    """The DeepSpeed config the run hands the Trainer (its "auto" values left for the Trainer), checked against
-    the plan (Job.start checks it again once the precision is known)."""
-    check_installed()
     if settings.deepspeed_config is None:
-        return build_config(settings)
-    where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
-    config = complete_config(load_config(settings.deepspeed_config), where)
+        return replace(plan, deepspeed=build_config(settings))
+    config = complete_config(load_config(settings.deepspeed_config), f"DEEPSPEED_CONFIG={settings.deepspeed_config}")
     check_config(config, settings, plan)
-    return config
+    return replace(plan, deepspeed=config)
 
 
 def zero_stage(config: Mapping[str, Any]) -> int:
@@ -461,10 +387,9 @@ def launcher_choices(launcher: Mapping[str, object]) -> dict[str, Any]:
 
 
 def deepspeed_overrides(settings: Settings, launcher: Mapping[str, object]) -> dict[str, Any]:
-    """What the accelerate config (`launcher_choices`) and then DEEPSPEED_CONFIG's ZeRO stage and offload choose,
-    as settings that utils/settings.load_settings merges over the user's: run.json, the run's identity and the
-    checkpoints then record what trains, not the defaults, and a file edited between a run and its restart is
-    refused like any other changed setting. A setting given beside them with another value is refused (exit 2)."""
+    """What the accelerate config (`launcher_choices`) and then DEEPSPEED_CONFIG's ZeRO stage and offload choose, as
+    settings load_settings merges over the user's: run.json, the identity and the checkpoints record what trains, and
+    a file edited before a restart is refused like any changed setting; one given beside them that differs, exit 2."""
     check_launcher(settings, launcher)
     chosen = launcher_choices(launcher)
     explicit = settings.model_fields_set

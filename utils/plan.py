@@ -1,11 +1,9 @@
 """The plan: every value a run derives from its settings, computed here once and only read elsewhere.
 
-`build_plan` (main.configure, every rank, no torch) resolves the global batch and how this replica count
-computes it, each optimizer group's learning rate, the steps when MAX_STEPS sets them, and the strategy with
-its DeepSpeed config. What the hardware and the data tell completes it once each, where it becomes known:
-`with_device` (`auto` precision and quantization, in Job.start) and `with_rows` (the optimizer steps and the
-warm-up, in utils/run.set_up). `--dry-run` prints it, run.json records it completed; the Trainer's arguments,
-the DeepSpeed config, the logs and the model card read it.
+`build_plan` (main.configure, every rank, no torch) resolves the batches, the learning rates, the steps when
+MAX_STEPS sets them and the strategy; `with_device` (Job.start) and `with_rows` (utils/run.set_up) complete what
+the hardware and the data tell, once each. `--dry-run` prints it, run.json records it completed; the Trainer's
+arguments, the DeepSpeed config, the logs and the model card read it.
 
 The global batch: GLOBAL_BATCH_SIZE unset (the default), it follows the job's shape, PER_DEVICE_BATCH_SIZE x
 world size x GRADIENT_ACCUMULATION_STEPS, so another replica count is another run (a restart on another count
@@ -54,15 +52,9 @@ class BatchPlan:
     world_size: int
     fixed: bool  # GLOBAL_BATCH_SIZE set: the same global batch on any replica count
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class Plan:
-    """What the run trains with, derived from the settings once (`build_plan`); `with_device` and `with_rows`
-    complete what only the hardware and the data can tell. Everything else reads it."""
-
     batch: BatchPlan
     learning_rate: float  # the base rate: LoRA's A matrices and what is neither head nor B
     learning_rate_source: str  # where the rate came from, in the settings' names
@@ -89,11 +81,8 @@ class Plan:
     @property
     def rates(self) -> dict[str, float]:
         """The learning rate of each optimizer group (utils/recipe.optimizer_groups)."""
-        return {
-            "base": self.learning_rate,
-            "head": self.learning_rate * self.head_ratio,
-            "lora_B": self.learning_rate * self.loraplus_ratio,
-        }
+        rate = self.learning_rate
+        return {"base": rate, "head": rate * self.head_ratio, "lora_B": rate * self.loraplus_ratio}
 
     def as_dict(self) -> dict:
         """What --dry-run prints and run.json records (the DeepSpeed config has a key of its own)."""
@@ -103,7 +92,6 @@ class Plan:
 
 
 def replica_counts(global_batch: int) -> list[int]:
-    """The replica counts that can share `global_batch` rows evenly."""
     return [n for n in range(1, global_batch + 1) if global_batch % n == 0]
 
 
@@ -117,47 +105,28 @@ def largest_micro_batch(share: int, cap: int) -> int:
 def splits_well(global_batch: int, world_sizes: list[int], cap: int) -> bool:
     """Every count divides `global_batch`, and none computes its share in micro-batches under half of what the
     cap (or the share, when smaller) allows."""
-    for world in world_sizes:
-        if global_batch % world:
-            return False
-        share = global_batch // world
-        if 2 * largest_micro_batch(share, cap) < min(share, cap):
-            return False
-    return True
+    shares = [global_batch // world for world in world_sizes if global_batch % world == 0]
+    return len(shares) == len(world_sizes) and all(2 * largest_micro_batch(s, cap) >= min(s, cap) for s in shares)
 
 
-def nearby_global_batches(global_batch: int, world_sizes: list[int], cap: int) -> list[int]:
+def nearby_global_batches(global_batch: int, world_sizes: list[int], cap: int) -> str:
     """The nearest global batch below and above `global_batch` that every count in `world_sizes` shares in
-    well-filled micro-batches (`splits_well`): what to suggest instead of one that is not."""
+    well-filled micro-batches (`splits_well`), as "992 or 999": what to suggest instead of one that is not."""
     step = math.lcm(*world_sizes)
     if step > 4 * global_batch:
-        return [step]  # the smallest batch every count shares is far from the one asked for: no search around it
-    found = []
-    for direction in (-1, 1):
-        candidate = (global_batch // step + (direction > 0)) * step
-        for _ in range(100):  # a suggestion, not a search: far from the value asked for it helps no one
-            if candidate <= 0 or splits_well(candidate, world_sizes, cap):
-                break
-            candidate += direction * step
-        if candidate > 0 and candidate != global_batch and splits_well(candidate, world_sizes, cap):
-            found.append(candidate)
-    return found or [step]
-
-
-def suggested(sizes: list[int]) -> str:
-    return " or ".join(map(str, sizes))
+        return str(step)  # the smallest batch every count shares is far from the one asked for: no search around it
+    start = global_batch // step * step
+    # A suggestion, not a search: 100 steps from the value asked for, a batch helps no one.
+    below, above = range(start, max(start - 101 * step, 0), -step), range(start + step, start + 102 * step, step)
+    found = [next((size for size in sizes if splits_well(size, world_sizes, cap)), 0) for sizes in (below, above)]
+    return " or ".join(str(size) for size in found if size and size != global_batch) or str(step)
 
 
 def plan_batches(settings: Settings, world_size: int) -> BatchPlan:
     """The plan for `world_size` replicas; a replica count that cannot divide GLOBAL_BATCH_SIZE is bad input."""
     if settings.global_batch_size is None:
-        return BatchPlan(
-            global_batch=settings.per_device_batch_size * world_size * settings.gradient_accumulation_steps,
-            micro_batch=settings.per_device_batch_size,
-            accumulation=settings.gradient_accumulation_steps,
-            world_size=world_size,
-            fixed=False,
-        )
+        micro, accumulation = settings.per_device_batch_size, settings.gradient_accumulation_steps
+        return BatchPlan(micro * world_size * accumulation, micro, accumulation, world_size, fixed=False)
     total = settings.global_batch_size
     if total % world_size:
         counts = ", ".join(map(str, replica_counts(total)))
@@ -176,17 +145,15 @@ def plan_batches(settings: Settings, world_size: int) -> BatchPlan:
 def micro_batch_warning(settings: Settings, plan: BatchPlan) -> str | None:
     """A warning when GLOBAL_BATCH_SIZE leaves this count far smaller micro-batches than PER_DEVICE_BATCH_SIZE
     allows (997, a prime, on one replica: 997 micro-batches of 1 a step): the same model, many times slower."""
-    if not plan.fixed:
+    if not plan.fixed or splits_well(plan.global_batch, [plan.world_size], settings.per_device_batch_size):
         return None
     share = plan.global_batch // plan.world_size
-    if 2 * plan.micro_batch >= min(share, settings.per_device_batch_size):
-        return None
     better = nearby_global_batches(plan.global_batch, [plan.world_size], settings.per_device_batch_size)
     return (
         f"GLOBAL_BATCH_SIZE={plan.global_batch} on {plan.world_size} replica(s) is {share} rows a replica, which only "
         f"micro-batches of {plan.micro_batch} divide under PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} "
         f"({plan.accumulation} forward passes a step); the model is the same but the run is slower: "
-        f"GLOBAL_BATCH_SIZE={suggested(better)} would keep micro-batches of at least half PER_DEVICE_BATCH_SIZE"
+        f"GLOBAL_BATCH_SIZE={better} would keep micro-batches of at least half PER_DEVICE_BATCH_SIZE"
     )
 
 
@@ -203,7 +170,7 @@ def check_elastic_range(settings: Settings, counts: range, variable: str) -> Non
             EXIT_BAD_INPUT,
             f"{variable} lets the job go on with {counts[0]} to {counts[-1]} replicas, but without GLOBAL_BATCH_SIZE the "
             f"global batch follows the replica count, so a restart on another count after a loss is refused; "
-            f"set GLOBAL_BATCH_SIZE to a multiple of every count, e.g. {suggested(sizes)}",
+            f"set GLOBAL_BATCH_SIZE to a multiple of every count, e.g. {sizes}",
         )
     total = settings.global_batch_size
     refused = [world for world in counts if total % world]
@@ -213,7 +180,7 @@ def check_elastic_range(settings: Settings, counts: range, variable: str) -> Non
             EXIT_BAD_INPUT,
             f"GLOBAL_BATCH_SIZE={total} cannot be shared by {', '.join(map(str, refused))} replica(s), a count {variable} "
             "lets the job go on with after a loss (every restart there would be refused); set GLOBAL_BATCH_SIZE to a "
-            f"multiple of every count from {counts[0]} to {counts[-1]}, e.g. {suggested(sizes)}, or narrow the range",
+            f"multiple of every count from {counts[0]} to {counts[-1]}, e.g. {sizes}, or narrow the range",
         )
 
 
@@ -235,15 +202,11 @@ def resolve_learning_rate(settings: Settings, world_size: int, global_batch: int
     rate = scaled_learning_rate(settings, global_batch)
     refusal = _learning_rate_refusal(rate)
     if refusal:
-        others = {
-            rule: scaled_learning_rate(settings, global_batch, rule)
-            for rule in ("fourth-root", "none")
-            if rule != settings.learning_rate_scaling
-        }
         rules = ", ".join(
             f"LEARNING_RATE_SCALING={rule} gives {value:g}"
-            for rule, value in others.items()
-            if not _learning_rate_refusal(value)
+            for rule in ("fourth-root", "none")
+            if rule != settings.learning_rate_scaling
+            and not _learning_rate_refusal(value := scaled_learning_rate(settings, global_batch, rule))
         )
         raise JobError(
             EXIT_BAD_INPUT,
@@ -256,8 +219,6 @@ def resolve_learning_rate(settings: Settings, world_size: int, global_batch: int
 
 
 def resolve_loraplus_ratio(settings: Settings, global_batch: int) -> float:
-    """The LoRA+ ratio this job trains at: LORAPLUS_LR_RATIO exactly when the user set it, else 8 at the
-    reference batch or below, falling as the square root of the global batch above it, never below 1."""
     if settings.loraplus_lr_ratio is not None:
         return settings.loraplus_lr_ratio
     shrink = min(1.0, (REFERENCE_GLOBAL_BATCH / global_batch) ** 0.5)
@@ -275,7 +236,6 @@ def _learning_rate_refusal(rate: float) -> str | None:
 
 
 def _batch_terms(settings: Settings, world_size: int) -> str:
-    """Where the global batch comes from, in the settings' own names."""
     if settings.global_batch_size is not None:
         return f"GLOBAL_BATCH_SIZE={settings.global_batch_size}"
     return (

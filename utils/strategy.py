@@ -33,12 +33,9 @@ from utils.settings import Settings
 def check_strategy(
     settings: Settings, dist: DistEnv, cuda: bool, quantize: bool, precision: str, launcher: Mapping[str, object]
 ) -> None:
-    """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked.
-
-    `launcher` holds the training options an `accelerate launch` config exported (utils/distributed.py launcher_options).
-    """
-    # An accelerate config's strategy was checked, and its DeepSpeed choices adopted, as the settings were read
-    # (utils/deepspeed_config.deepspeed_overrides); its precision waits for PRECISION to resolve.
+    """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked. An accelerate
+    config's strategy was checked as the settings were read (utils/deepspeed_config.deepspeed_overrides); its
+    precision (`launcher`: utils/distributed.launcher_options) waits for PRECISION to resolve."""
     mixed = launcher.get("mixed_precision")
     if mixed and mixed != "no" and mixed != precision:
         raise JobError(
@@ -46,7 +43,6 @@ def check_strategy(
             f"the accelerate config sets mixed_precision: {mixed} but PRECISION resolves to {precision}; the job's PRECISION "
             f"decides: set PRECISION={mixed}, or mixed_precision: 'no' in the config",
         )
-    # DeepSpeed: its config is the plan's, checked there (utils/plan.py), with the precision once it is resolved.
     if settings.strategy != "fsdp":
         return
     if not cuda:
@@ -77,12 +73,8 @@ def wrap_classes(model: torch.nn.Module) -> list[str]:
     embedding as a unit of its own, which fails inside an already sharded BertEmbeddings.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    repeated = {
-        type(block).__name__
-        for module in base.modules()
-        if isinstance(module, torch.nn.ModuleList)
-        for block in module
-    }
+    lists = (module for module in base.modules() if isinstance(module, torch.nn.ModuleList))
+    repeated = {type(block).__name__ for blocks in lists for block in blocks}
     declared = set(getattr(base, "_no_split_modules", None) or [])
     names = sorted(repeated & declared if declared else repeated)
     if not names:
@@ -98,9 +90,9 @@ def trainer_options(
     settings: Settings, model: torch.nn.Module, deepspeed: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """TrainingArguments for the strategy: nothing extra for DDP; FSDP2 wrapping per transformer block for fsdp;
-    for deepspeed the plan's config `deepspeed` (the Trainer fills in its "auto" values and calls deepspeed.initialize)."""
+    for deepspeed the plan's config `deepspeed`, copied: the Trainer fills in its "auto" values in place."""
     if settings.strategy == "deepspeed":
-        return {"deepspeed": copy.deepcopy(deepspeed)}  # the Trainer fills it in; the plan stays as built
+        return {"deepspeed": copy.deepcopy(deepspeed)}
     if settings.strategy != "fsdp":
         return {}
     return {
