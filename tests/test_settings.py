@@ -50,6 +50,7 @@ def test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch(tmp_pa
         "config",
         "distributed",
         "plan",
+        "identity",
         "batch",
         "task",
         "strategy",
