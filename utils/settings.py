@@ -6,12 +6,7 @@ the file named by `HF_TOKEN_PATH` (as huggingface_hub does), never from a flag, 
 in `ps`, shell history and job specs.
 
 A recipe (`--config FILE.yaml` or CONFIG_FILE) holds settings by their field names; unlike the environment,
-which holds other programs' variables too, anything else in it is refused. Every setting has a finite range
-(the constants below), so nothing `--dry-run` accepts can overflow later.
-
-`Settings` is a pydantic-settings `BaseSettings`: `load_settings` reads the recipe, the environment and the
-flags through the library's own sources (`InitSettingsSource`, `EnvSettingsSource`, `CliSettingsSource`), while
-`Settings(**values)` in code and tests takes only the values given, never the caller's environment.
+which holds other programs' variables too, anything else in it is refused.
 
 This module imports nothing heavy (pydantic and pydantic-settings only): `--help` and `--dry-run`
 must answer in well under a second, before torch or transformers are imported.
@@ -543,7 +538,8 @@ class Settings(BaseSettings):
     # ---------------------------------------------------------------- views
     def training_settings(self) -> dict[str, Any]:
         """The settings that change what is trained: a run folder holding other values is refused."""
-        return {name: value for name, value in self.as_dict().items() if name in training_setting_names(self)}
+        names = training_setting_names(self)
+        return {name: value for name, value in self.as_dict().items() if name in names}
 
     def as_dict(self) -> dict[str, Any]:
         values = self.model_dump(mode="json")
@@ -552,49 +548,17 @@ class Settings(BaseSettings):
 
 
 # Settings that change the result. The others (where to write, where to push, timeouts, speed knobs
-# that leave the maths alone) may differ between a run and its restart.
-TRAINING_SETTINGS = frozenset(
-    {
-        "model_name",
-        "dataset_name",
-        "dataset_config",
-        "dataset_path",
-        "text_column",
-        "label_column",
-        "num_epochs",
-        "max_steps",
-        "per_device_batch_size",
-        "gradient_accumulation_steps",
-        "global_batch_size",
-        "learning_rate",
-        "warmup_ratio",
-        "lora_r",
-        "lora_alpha",
-        "lora_dropout",
-        "lora_target_modules",
-        "quantization",
-        "precision",
-        "strategy",
-        # the ZeRO stage and the offload decide what a checkpoint holds (which shards, where the optimizer steps)
-        "zero_stage",
-        "zero_offload",
-        "deepspeed_config",
-        "max_seq_length",
-        "seed",
-        "base_learning_rate",
-        "learning_rate_scaling",
-        "weight_decay",
-        "train_pooler",
-        "head_learning_rate_ratio",
-        "loraplus_lr_ratio",
-        "lora_variant",
-        "lora_init",
-        "model_dropout",
-    }
-)
-
-
+# that leave the maths alone) may differ between a run and its restart. The ZeRO stage and the offload decide
+# what a checkpoint holds (which shards, where the optimizer steps).
 DEEPSPEED_SETTINGS = frozenset({"zero_stage", "zero_offload", "deepspeed_config"})
+TRAINING_SETTINGS = DEEPSPEED_SETTINGS | {
+    *("model_name", "dataset_name", "dataset_config", "dataset_path", "text_column", "label_column", "seed"),
+    *("num_epochs", "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "global_batch_size"),
+    *("learning_rate", "base_learning_rate", "learning_rate_scaling", "warmup_ratio", "weight_decay"),
+    *("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_variant", "lora_init", "model_dropout"),
+    *("train_pooler", "head_learning_rate_ratio", "loraplus_lr_ratio", "quantization", "precision", "strategy"),
+    "max_seq_length",
+}
 
 
 def training_setting_names(settings: Settings) -> frozenset[str]:
@@ -656,11 +620,7 @@ def check_push_possible(settings: Settings) -> None:
         )
 
 
-TRACKER_PACKAGES = {
-    "mlflow": ("mlflow", "mlflow-skinny"),
-    "wandb": ("wandb", "wandb"),
-    "trackio": ("trackio", "trackio"),
-}  # module, pip name
+TRACKER_PACKAGES = {"mlflow": "mlflow-skinny", "wandb": "wandb", "trackio": "trackio"}  # module: pip name
 
 
 def check_trackers(settings: Settings) -> None:
@@ -668,8 +628,8 @@ def check_trackers(settings: Settings) -> None:
     import importlib.util
 
     for name in settings.report_to:
-        module, package = TRACKER_PACKAGES.get(name, (None, None))
-        if module and importlib.util.find_spec(module) is None:
+        package = TRACKER_PACKAGES.get(name)
+        if package and importlib.util.find_spec(name) is None:
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"REPORT_TO={','.join(settings.report_to)} needs the {package} package, which is not installed; "
@@ -960,14 +920,14 @@ def is_word_branch(error: dict, field: str) -> bool:
 def describe_range(field: str) -> str:
     """` (range: LOW to HIGH)` of a setting with numeric bounds (docs/settings.md lists every range; pydantic's own
     message already names a text's or a list's longest length), else ''."""
-    bounds = {}
-    for item in FIELDS[field].metadata:
-        for name in ("ge", "gt", "le", "lt"):
-            if getattr(item, name, None) is not None:
-                bounds[name] = getattr(item, name)
-    if not bounds:
+    bounds = [
+        (name, getattr(item, name, None)) for item in FIELDS[field].metadata for name in ("ge", "gt", "le", "lt")
+    ]
+    shown = {
+        name: str(value) if isinstance(value, int) else f"{value:g}" for name, value in bounds if value is not None
+    }
+    if not shown:
         return ""
-    shown = {name: str(value) if isinstance(value, int) else f"{value:g}" for name, value in bounds.items()}
     low = shown["ge"] if "ge" in shown else f"above {shown['gt']}" if "gt" in shown else "any"
     high = shown["le"] if "le" in shown else f"below {shown['lt']}" if "lt" in shown else "any"
     return f" (range: {low} to {high})"
@@ -1031,9 +991,8 @@ def load_settings(
             ) from None
         else:
             source, raw = env_name(field), "<default>"
-        raw = (
-            str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
-        )  # a 5000-character path is not repeated whole
+        # a 5000-character path is not repeated whole
+        raw = str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
         raise JobError(
             EXIT_BAD_INPUT,
             f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
