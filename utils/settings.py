@@ -66,8 +66,8 @@ MAX_TARGET_MODULES = 256
 MAX_LABELS = 10_000  # classes a classifier head is given; more is a retrieval problem, not this job's
 PathStr = Annotated[str, Field(min_length=1, max_length=PATH_MAX)]
 NameStr = Annotated[str, Field(min_length=1, max_length=NAME_MAX)]
-# Numeric bounds go on the field itself (`Annotated[float | None, RATE]`), not inside a `| None`, where
-# describe_range would not find them.
+# A numeric bound sits in the field's type, on the whole of it (`Annotated[float | None, RATE]`): inside a
+# `| None` branch describe_range would not find it.
 RATE, FRACTION, RATIO = Field(gt=0, lt=1), Field(ge=0, lt=1), Field(gt=0, le=1000)
 DEVICE_BATCH, STEPS = Field(ge=1, le=MAX_DEVICE_BATCH), Field(ge=1, le=MAX_INTERVAL)
 T = TypeVar("T")
@@ -174,8 +174,8 @@ class Settings(BaseSettings):
     num_epochs: Annotated[float, RATIO] = Field(
         1.0, description="passes over the training split; one pass is enough for LoRA on SST-2"
     )
-    max_steps: int | None = Field(
-        None, ge=1, le=MAX_STEPS, description="optimizer steps; when set it wins over NUM_EPOCHS"
+    max_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = Field(
+        None, description="optimizer steps; when set it wins over NUM_EPOCHS"
     )
     per_device_batch_size: Annotated[int, DEVICE_BATCH] = Field(
         64, description="rows per device per step; global batch = this x world size x accumulation"
@@ -186,10 +186,8 @@ class Settings(BaseSettings):
     gradient_accumulation_steps: Annotated[int, DEVICE_BATCH] = Field(
         1, description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit"
     )
-    global_batch_size: int | None = Field(
+    global_batch_size: Annotated[int | None, Field(ge=1, le=MAX_GLOBAL_BATCH)] = Field(
         None,
-        ge=1,
-        le=MAX_GLOBAL_BATCH,
         description="unset: the global batch follows the replica count; set: rows per optimizer step on any replica "
         "count (micro-batch and accumulation derived, PER_DEVICE_BATCH_SIZE their cap), so a restart may come back "
         "on any count that divides it",
@@ -217,10 +215,10 @@ class Settings(BaseSettings):
     )
 
     # --- LoRA
-    lora_r: int = Field(
-        8, ge=1, le=4096, description="adapter rank; 8 is the LoRA paper's GLUE setting (at most the model's width)"
+    lora_r: Annotated[int, Field(ge=1, le=4096)] = Field(
+        8, description="adapter rank; 8 is the LoRA paper's GLUE setting (at most the model's width)"
     )
-    lora_alpha: int = Field(16, ge=1, le=65536, description="adapter scale alpha/r = 2")
+    lora_alpha: Annotated[int, Field(ge=1, le=65536)] = Field(16, description="adapter scale alpha/r = 2")
     lora_dropout: Annotated[float, FRACTION] = Field(0.05, description="light regularisation of the adapter input")
     lora_target_modules: Names[NameStr] = Field(
         "query,value",
@@ -267,10 +265,8 @@ class Settings(BaseSettings):
         "weights, gradients and optimizer state sharded per transformer block, for a base model too big for one GPU "
         "(2+ CUDA GPUs); deepspeed: DeepSpeed ZeRO (ZERO_STAGE, ZERO_OFFLOAD or DEEPSPEED_CONFIG), on GPUs or the CPU",
     )
-    zero_stage: int = Field(
+    zero_stage: Annotated[int, Field(ge=1, le=3)] = Field(
         2,
-        ge=1,
-        le=3,
         description="STRATEGY=deepspeed: ZeRO stage; 1 shards optimizer state, 2 also gradients (as fast as DDP, "
         "less memory: the default), 3 also the weights",
     )
@@ -287,51 +283,43 @@ class Settings(BaseSettings):
     gradient_checkpointing: bool = Field(
         False, description="saves activation memory that BERT-base LoRA does not need, at ~30% more compute"
     )
-    max_seq_length: int = Field(
+    max_seq_length: Annotated[int, Field(ge=8, le=512)] = Field(
         128,
-        ge=8,
-        le=512,
         description="truncation length; SST-2 sentences average ~13 tokens and batches are padded only to their longest row",
     )
-    dataloader_num_workers: int = Field(
-        2, ge=0, le=256, description="collating runs beside the GPU step instead of before it"
+    dataloader_num_workers: Annotated[int, Field(ge=0, le=256)] = Field(
+        2, description="collating runs beside the GPU step instead of before it"
     )
     torch_compile: bool | Literal["auto"] = Field(
         "auto",
         description="the fast path: torch.compile over a few fixed padded lengths; auto: on a CUDA GPU under ddp, "
         "off on the CPU (minutes of compiling for no gain there)",
     )
-    seed: int = Field(
-        42, ge=0, le=2**32 - 1, description="seeds data order, LoRA init and dropout: the same seed gives the same run"
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = Field(
+        42, description="seeds data order, LoRA init and dropout: the same seed gives the same run"
     )
 
     # --- checkpoints, rendezvous, publishing
     save_steps: Annotated[int, STEPS] = Field(
         100, description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB"
     )
-    save_total_limit: int = Field(
-        2, ge=1, le=1000, description="checkpoints kept; two, so a restart still has one if the newest is incomplete"
+    save_total_limit: Annotated[int, Field(ge=1, le=1000)] = Field(
+        2, description="checkpoints kept; two, so a restart still has one if the newest is incomplete"
     )
-    rendezvous_timeout: int = Field(
+    rendezvous_timeout: Annotated[int, Field(ge=10, le=MAX_WAIT_SECONDS)] = Field(
         600,
-        ge=10,
-        le=MAX_WAIT_SECONDS,
         description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading "
         "and tokenizing while the others wait",
     )
     result_model_id: str | None = Field(
         None, description="Hub repo to push model/ to (needs HF_TOKEN); unset: the model stays on the volume"
     )
-    hub_timeout: float = Field(
+    hub_timeout: Annotated[float, Field(gt=0, le=600)] = Field(
         30,
-        gt=0,
-        le=600,
         description="seconds one Hub request may take to connect or to send a byte back; a Hub that accepts and never answers fails here, then is retried",
     )
-    push_timeout: float = Field(
+    push_timeout: Annotated[float, Field(gt=0, le=MAX_WAIT_SECONDS)] = Field(
         600,
-        gt=0,
-        le=MAX_WAIT_SECONDS,
         description="seconds the push (retries and uploads in flight included) may take before exit 3; the token check before training gets min(120, this)",
     )
     hub_private: bool = Field(True, description="a new Hub repo is private unless asked otherwise")
@@ -344,10 +332,8 @@ class Settings(BaseSettings):
     )
 
     # --- evaluation and tracking
-    eval_steps: int | None = Field(
+    eval_steps: Annotated[int | None, Field(ge=0, le=MAX_INTERVAL)] = Field(
         None,
-        ge=0,
-        le=MAX_INTERVAL,
         description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end",
     )
     logging_steps: Annotated[int, STEPS] = Field(
