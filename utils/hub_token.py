@@ -155,8 +155,6 @@ class Masker:
         self._others = any_form_of(secrets)
 
     def __call__(self, text: str) -> str:
-        if not text:
-            return text
         if self._pattern is not None:
             text = self._pattern.sub(MASK, text)
         if "://" in text or "=" in text:
@@ -249,8 +247,7 @@ def refuse_token_in_settings(values: dict[str, Any]) -> None:
     holding = [name for name, value in values.items() if name != "hf_token" and token.holds_secret(str(value))]
     if holding:
         names = ", ".join(name.upper() for name in holding)
-        verb = "holds" if len(holding) == 1 else "hold"
         raise JobError(
             EXIT_BAD_INPUT,
-            f"{names} {verb} the Hub token; the token belongs only in HF_TOKEN or HF_TOKEN_PATH: set {names} to something else",
+            f"{names} {'holds' if len(holding) == 1 else 'hold'} the Hub token; the token belongs only in HF_TOKEN or HF_TOKEN_PATH: set {names} to something else",
         )

@@ -166,8 +166,7 @@ class Settings(BaseSettings):
     )
     run_name: str | None = Field(
         None,
-        description="the run's name in logs and the model card; unset: derived from the training settings, so every "
-        "replica and every restart agree",
+        description="run name; unset: derived from the training settings, so every replica and restart agree",
     )
 
     # --- how long and how big
@@ -194,8 +193,7 @@ class Settings(BaseSettings):
     )
     learning_rate: Annotated[float | None, RATE] = Field(
         None,
-        description="unset: BASE_LEARNING_RATE scaled to the global batch by LEARNING_RATE_SCALING (--dry-run shows "
-        "the result); set: exactly this value on any number of replicas",
+        description="unset: BASE_LEARNING_RATE scaled by LEARNING_RATE_SCALING; set: this on any replica count",
     )
     base_learning_rate: Annotated[float, RATE] = Field(
         1e-3,
@@ -247,8 +245,8 @@ class Settings(BaseSettings):
     )
     model_dropout: Annotated[float, FRACTION] | Literal["checkpoint"] = Field(
         0.0,
-        description="dropout inside the frozen base model (BERT's hidden and attention dropout, which its classifier's "
-        "follows); 0 trained better on SST-2 in one epoch (docs/quality.md); checkpoint: keep the checkpoint's (0.1)",
+        description="dropout in the frozen base model (BERT's hidden and attention dropout, which its classifier's "
+        "follows); 0 trained better on SST-2 in one epoch (docs/quality.md); checkpoint: the checkpoint's (BERT: 0.1)",
     )
 
     # --- numerics and speed
@@ -347,15 +345,11 @@ class Settings(BaseSettings):
 
     @classmethod
     def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, **_: Any
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # `Settings(**values)` is exactly those values and the defaults: a test or a benchmark must not pick
-        # up the environment it runs in. load_settings passes the environment and flag sources itself.
+        # `Settings(**values)` is exactly those values and the defaults (the library's env, dotenv and secrets
+        # sources dropped): a test or a benchmark must not pick up the environment it runs in. load_settings
+        # passes the environment and flag sources itself.
         return (init_settings,)
 
     @field_validator("label_names", mode="before")
@@ -395,9 +389,7 @@ class Settings(BaseSettings):
     def _check_text_columns(cls, value: str) -> str:
         names = [name.strip() for name in value.split(",")]
         if not 1 <= len(names) <= 2 or not all(names):
-            raise ValueError(
-                "name one text column, or two separated by a comma for sentence pairs (premise,hypothesis)"
-            )
+            raise ValueError("name one text column, or two, comma-separated, for sentence pairs (premise,hypothesis)")
         if any(len(name) > NAME_MAX for name in names):
             raise ValueError(f"a column name has at most {NAME_MAX} characters")
         if len(names) == 2 and names[0] == names[1]:
@@ -419,11 +411,8 @@ class Settings(BaseSettings):
     def _apply_task(self) -> Settings:
         """TASK fills what it decides; a value given beside it that disagrees is refused, not silently overruled."""
         if self.task is None:
-            if (
-                not self.dataset_path
-                and self.dataset_name in GLUE_DATASETS
-                and self.dataset_config in GLUE_UNTRAINABLE
-            ):
+            config = self.dataset_config
+            if not self.dataset_path and self.dataset_name in GLUE_DATASETS and config in GLUE_UNTRAINABLE:
                 raise ValueError(
                     f"DATASET_CONFIG={self.dataset_config} of {self.dataset_name} cannot be trained: "
                     f"{GLUE_UNTRAINABLE[self.dataset_config]}; set TASK to one of {', '.join(GLUE)}"
@@ -736,9 +725,7 @@ def _parser() -> Parser:
         allow_abbrev=False,
     )
     parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the resolved settings and distributed environment as JSON, then exit",
+        "--dry-run", action="store_true", help="print the resolved settings and distributed env as JSON, then exit"
     )
     parser.add_argument(
         "--config",
@@ -852,14 +839,12 @@ FOREIGN_PREFIXES = (
     *("OMP_", "MKL_", "KMP_", "OPENBLAS_", "PYTHON", "PIP_", "UV_", "VIRTUAL_ENV", "CONDA", "LD_", "LC_", "XDG_"),
     *("MLFLOW_", "WANDB_", "TRACKIO_", "TENSORBOARD", "SSH_", "GIT_", "OTEL_", "AWS_", "GOOGLE_", "AZURE_", "DOCKER"),
 )
-FOREIGN_NAMES = frozenset(
-    {
-        *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE"),
-        *("ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAX_JOBS", "HF_TOKEN"),
-        *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TERM", "LANG", "TZ", "TMPDIR"),
-        *("COLUMNS", "LINES", "SHLVL", "MAIL", "EDITOR", "PAGER", "DISPLAY", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"),
-        *("ALL_PROXY", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"),
-    }
+FOREIGN_NAMES = (
+    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+    *("ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAX_JOBS", "HF_TOKEN"),
+    *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TERM", "LANG", "TZ", "TMPDIR"),
+    *("COLUMNS", "LINES", "SHLVL", "MAIL", "EDITOR", "PAGER", "DISPLAY", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"),
+    *("ALL_PROXY", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"),
 )
 # The shape of the job's own names: a variable starting like these is meant for the job.
 JOB_PREFIXES = (
