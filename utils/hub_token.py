@@ -2,12 +2,9 @@
 
 The token is never formatted into a message on purpose, but libraries do it for us: an exception about
 a header shows the token `repr`-escaped, a URL shows it percent-encoded, a setting (RUN_NAME) can hold
-it by mistake. So the job refuses a token that could not be a header value (control characters, a
-second line) before anything uses it, refuses settings that contain it, and masks every form of it in
-stdout, stderr and the rank logs. Credentials inside URLs the job is given (`HF_ENDPOINT=http://user:pass@host`,
-a tracking URI, a proxy) are masked the same way: the Hub client names its endpoint in its errors, MLflow
-prints links to its runs, HTTP clients name their proxy. Any `scheme://user:password@` or `?token=` in
-printed text is masked too, wherever its URL came from.
+it by mistake. So the job refuses a token that could not be a header value before anything uses it,
+refuses settings that contain it, and masks every form of it in stdout, stderr and the rank logs, with the
+credentials inside the URLs it is given and any `scheme://user:password@` or `?token=` in printed text.
 
 Imports nothing heavy: main.py installs the masking before torch is imported.
 """
@@ -40,12 +37,8 @@ MAX_TOKEN_FILE_BYTES = 4096  # a token file holds one line; more is the wrong fi
 # Variables holding URLs that libraries print back (the Hub client its endpoint in errors, MLflow links to its
 # runs, HTTP clients their proxy): the credentials inside them are secrets.
 URL_VARIABLES = (
-    "HF_ENDPOINT",
-    "MLFLOW_TRACKING_URI",
-    "MLFLOW_REGISTRY_URI",
-    "WANDB_BASE_URL",
-    *(f"{name}_PROXY" for name in ("HTTP", "HTTPS", "ALL")),
-    *(f"{name}_proxy" for name in ("http", "https", "all")),
+    *("HF_ENDPOINT", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "WANDB_BASE_URL", "HTTP_PROXY", "HTTPS_PROXY"),
+    *("ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"),
 )
 # Variables that are secrets as a whole, read by the trackers themselves.
 SECRET_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY")
@@ -59,26 +52,19 @@ URL_SECRET_QUERY = re.compile(rf"(?P<name>[?&;]{SECRET_PARAMETER}=)[^&;#\s\"'<>]
 
 def read_token() -> SecretStr | None:
     """HF_TOKEN, else the file HF_TOKEN_PATH names (as huggingface_hub reads them); None when neither is set.
-
-    A value that cannot be a token is bad input, reported without showing it.
-    """
-    token = os.environ.get("HF_TOKEN", "").strip()
-    source = "HF_TOKEN"
+    A value that cannot be a token is bad input, reported without showing it."""
+    token, source = os.environ.get("HF_TOKEN", "").strip(), "HF_TOKEN"
     path = os.environ.get("HF_TOKEN_PATH", "").strip()
     if not token and path:
         source = f"the file HF_TOKEN_PATH={path}"
         try:
             token = read_small_text(path, MAX_TOKEN_FILE_BYTES).strip()
-        except OSError as exc:
+        except (OSError, UnfitFile) as exc:
+            why = f"cannot be read ({exc.strerror})" if isinstance(exc, OSError) else str(exc)
             raise JobError(
                 EXIT_BAD_INPUT,
-                f"HF_TOKEN_PATH={path} cannot be read ({exc.strerror}); mount the token file there or set HF_TOKEN",
-            ) from None
-        except UnfitFile as exc:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"HF_TOKEN_PATH={path} {exc}; it must name a regular file holding the Hub token alone, on one line "
-                "(a mounted Secret's key is one): point HF_TOKEN_PATH at that file or set HF_TOKEN",
+                f"HF_TOKEN_PATH={path} {why}; point it at a regular file holding the Hub token alone, on one line "
+                "(a mounted Secret's key is one), or set HF_TOKEN",
             ) from None
     if not token:
         return None
@@ -169,8 +155,6 @@ class Masker:
         self._others = any_form_of(secrets)
 
     def __call__(self, text: str) -> str:
-        if not text:
-            return text
         if self._pattern is not None:
             text = self._pattern.sub(MASK, text)
         if "://" in text or "=" in text:
@@ -187,11 +171,9 @@ OWN_LINE_PREFIXES = ("error: ", "preempted: ")
 
 
 class MaskedStream:
-    """A text stream that masks secrets in everything written to it (tracebacks, warnings, progress bars).
-
-    It also keeps `error:` lines whole: a progress bar leaves the cursor at the end of its line (it redraws
-    with a carriage return), and an error printed then would be glued to the bar, so it gets a newline first.
-    """
+    """A text stream that masks secrets in everything written to it (tracebacks, warnings, progress bars). It
+    keeps `error:` lines whole: a progress bar leaves the cursor at the end of its line (it redraws with a
+    carriage return), and an error printed then would be glued to the bar, so it gets a newline first."""
 
     def __init__(self, stream: TextIO, masker: Masker):
         self._stream, self._mask = stream, masker
@@ -234,11 +216,8 @@ class MaskingFilter(logging.Filter):
 
 
 def install_masking() -> Masker:
-    """Mask the token and the credentials in URLs on stdout and stderr of this process from now on (reads and
-    checks the token).
-
-    Returns the Masker, for the log handlers the run adds later (the rank logs are files, not stderr).
-    """
+    """Mask the token (read and checked here) and the credentials in URLs on this process's stdout and stderr; the
+    Masker returned is for the log handlers the run adds later (the rank logs are files, not stderr)."""
     try:
         token = read_token()
     except JobError:
@@ -268,8 +247,7 @@ def refuse_token_in_settings(values: dict[str, Any]) -> None:
     holding = [name for name, value in values.items() if name != "hf_token" and token.holds_secret(str(value))]
     if holding:
         names = ", ".join(name.upper() for name in holding)
-        verb = "holds" if len(holding) == 1 else "hold"
         raise JobError(
             EXIT_BAD_INPUT,
-            f"{names} {verb} the Hub token; the token belongs only in HF_TOKEN or HF_TOKEN_PATH: set {names} to something else",
+            f"{names} {'holds' if len(holding) == 1 else 'hold'} the Hub token; the token belongs only in HF_TOKEN or HF_TOKEN_PATH: set {names} to something else",
         )

@@ -6,12 +6,7 @@ the file named by `HF_TOKEN_PATH` (as huggingface_hub does), never from a flag, 
 in `ps`, shell history and job specs.
 
 A recipe (`--config FILE.yaml` or CONFIG_FILE) holds settings by their field names; unlike the environment,
-which holds other programs' variables too, anything else in it is refused. Every setting has a finite range
-(the constants below), so nothing `--dry-run` accepts can overflow later.
-
-`Settings` is a pydantic-settings `BaseSettings`: `load_settings` reads the recipe, the environment and the
-flags through the library's own sources (`InitSettingsSource`, `EnvSettingsSource`, `CliSettingsSource`), while
-`Settings(**values)` in code and tests takes only the values given, never the caller's environment.
+which holds other programs' variables too, anything else in it is refused.
 
 This module imports nothing heavy (pydantic and pydantic-settings only): `--help` and `--dry-run`
 must answer in well under a second, before torch or transformers are imported.
@@ -30,9 +25,9 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
@@ -68,9 +63,23 @@ MAX_DEVICE_BATCH = 65536  # rows per device per step (and micro-batches per step
 MAX_GLOBAL_BATCH = 10**6  # rows per optimizer step, however they are made up
 MAX_WAIT_SECONDS = 86400  # a day: the longest any wait of the job may be set to
 MAX_TARGET_MODULES = 256
-
-
 MAX_LABELS = 10_000  # classes a classifier head is given; more is a retrieval problem, not this job's
+PathStr = Annotated[str, Field(min_length=1, max_length=PATH_MAX)]
+NameStr = Annotated[str, Field(min_length=1, max_length=NAME_MAX)]
+# A numeric bound sits in the field's type, on the whole of it (`Annotated[float | None, RATE]`): inside a
+# `| None` branch describe_range would not find it.
+RATE, FRACTION, RATIO = Field(gt=0, lt=1), Field(ge=0, lt=1), Field(gt=0, le=1000)
+DEVICE_BATCH, STEPS = Field(ge=1, le=MAX_DEVICE_BATCH), Field(ge=1, le=MAX_INTERVAL)
+T = TypeVar("T")
+
+
+def split_commas(value: Any) -> Any:
+    return tuple(name.strip() for name in value.split(",") if name.strip()) if isinstance(value, str) else value
+
+
+# Comma-separated in env and flags (`query,value`), not JSON lists (NoDecode). Their defaults are written the same
+# way, so --help shows the format to type; validate_default splits them.
+Names = Annotated[tuple[T, ...], NoDecode, BeforeValidator(split_commas)]
 
 
 def default_output_dir() -> str:
@@ -85,6 +94,7 @@ class Settings(BaseSettings):
         extra="forbid",
         frozen=True,
         str_strip_whitespace=True,
+        allow_inf_nan=False,  # every float is bounded: nan is refused as what it is, not as "less than 1"
         # the comma-separated defaults below become tuples as any given value does
         validate_default=True,
         # MODEL_NAME reaches model_name: env names are the field names upper-cased, with no prefix (the
@@ -103,63 +113,40 @@ class Settings(BaseSettings):
 
     # --- where the settings come from
     # Shown once in --help, as --config (_parser); --config-file still works, unlisted.
-    config_file: CliSuppress[str | None] = Field(
+    config_file: CliSuppress[PathStr | None] = Field(
         None,
-        min_length=1,
-        max_length=PATH_MAX,
-        description="a recipe: a YAML file of settings by their names (lower_snake_case, as --dry-run shows them), "
-        "e.g. recipes/sst2.yaml; the environment and flags win over it (also --config)",
+        description="a YAML recipe of settings by their --dry-run names; env and flags win over it (also --config)",
     )
 
     # --- what to train on
-    model_name: str = Field(
+    model_name: PathStr = Field(
         "bert-base-uncased",
-        min_length=1,
-        max_length=PATH_MAX,
         description="Hub id or local folder of the base model (a folder on the shared volume for air-gapped clusters)",
     )
-    dataset_name: str = Field(
-        "nyu-mll/glue",
-        min_length=1,
-        max_length=NAME_MAX,
-        description="Hub dataset id, used when DATASET_PATH is unset",
-    )
-    dataset_config: str = Field(
-        "sst2", min_length=1, max_length=NAME_MAX, description="configuration of the Hub dataset"
-    )
-    dataset_path: str | None = Field(
+    dataset_name: NameStr = Field("nyu-mll/glue", description="Hub dataset id, used when DATASET_PATH is unset")
+    dataset_config: NameStr = Field("sst2", description="configuration of the Hub dataset")
+    dataset_path: PathStr | None = Field(
         None,
-        min_length=1,
-        max_length=PATH_MAX,
         description="local folder that wins over DATASET_NAME: train/validation files (.csv .tsv .json .jsonl .parquet) or a save_to_disk DatasetDict",
     )
-    task: str | None = Field(
+    task: NameStr | None = Field(
         None,
-        min_length=1,
-        max_length=NAME_MAX,
-        description=f"a GLUE task by name ({'|'.join(GLUE)}): sets DATASET_CONFIG, the columns, the label names, the problem "
-        "type, the metrics and the validation split(s); the settings given beside it must agree with it",
+        description=f"a GLUE task ({'|'.join(GLUE)}): sets DATASET_CONFIG, the columns, labels, problem type, metrics and "
+        "validation split(s); settings given beside it must agree with it",
     )
+    # _check_text_columns bounds each of its one or two names
     text_column: str = Field(
         "sentence",
-        min_length=1,
-        max_length=2 * NAME_MAX + 1,
-        description="column holding the text (GLUE SST-2's name), or two separated by a comma (premise,hypothesis): "
-        "a sentence pair, tokenized as [CLS] a [SEP] b [SEP]",
+        description="the text column (SST-2's name), or two, comma-separated, for a sentence pair (premise,hypothesis)",
     )
-    label_column: str = Field(
-        "label",
-        min_length=1,
-        max_length=NAME_MAX,
-        description="column holding the label: a class id, a class name, or a float score (regression)",
+    label_column: NameStr = Field(
+        "label", description="the label column: a class id, a class name, or a float score (regression)"
     )
-    # NoDecode: these three are comma-separated in env and flags (`query,value`), not JSON lists. Their
-    # defaults are written the same way, so --help shows the format to type; validate_default splits them.
-    label_names: Annotated[tuple[str, ...], NoDecode] = Field(
+    label_names: Names[Annotated[str, Field(max_length=NAME_MAX)]] = Field(
         "negative,positive",
-        description="names of the labels in id order (the model's id2label), comma-separated or a JSON list; unset: the "
-        "data's (a ClassLabel's names, or a text label column's distinct values, sorted), and negative,positive for "
-        "two unnamed ids 0/1",
+        max_length=MAX_LABELS,
+        description="the labels' names in id order (id2label), comma-separated or a JSON list; unset: the data's (a "
+        "ClassLabel's names, or a text label column's sorted values), and negative,positive for two unnamed ids 0/1",
     )
     problem_type: Literal["auto", "classification", "regression"] = Field(
         "auto",
@@ -168,121 +155,87 @@ class Settings(BaseSettings):
     )
     base_model_id: str | None = Field(
         None,
-        description="Hub id of the base model, written into the adapter config and the model card so the pushed adapter loads anywhere; "
-        "unset: MODEL_NAME when that is a Hub id, else read from a local folder that records it (a Hub cache snapshot); "
-        "a push from a folder that records none needs it",
+        description="the base model's Hub id in the adapter config and card, so a pushed adapter loads anywhere; "
+        "unset: MODEL_NAME when a Hub id, else the one its folder records (a Hub cache snapshot)",
     )
 
     # --- where results go
-    output_dir: str = Field(
+    output_dir: PathStr = Field(
         default_factory=default_output_dir,
-        min_length=1,
-        max_length=PATH_MAX,
         description=f"one run per folder; {SHARED_VOLUME}/output when {SHARED_VOLUME} exists, else ./output",
     )
     run_name: str | None = Field(
         None,
-        description="name of the run in logs and the model card; derived from the training settings when unset, so every replica and every restart agree",
+        description="run name; unset: derived from the training settings, so every replica and restart agree",
     )
 
     # --- how long and how big
-    num_epochs: float = Field(
-        1.0,
-        gt=0,
-        le=1000,
-        allow_inf_nan=False,
-        description="passes over the training split; one pass is enough for LoRA on SST-2 (at most 1000: more is a typo, not a recipe)",
+    num_epochs: Annotated[float, RATIO] = Field(
+        1.0, description="passes over the training split; one pass is enough for LoRA on SST-2"
     )
-    max_steps: int | None = Field(
+    max_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = Field(
+        None, description="optimizer steps; when set it wins over NUM_EPOCHS"
+    )
+    per_device_batch_size: Annotated[int, DEVICE_BATCH] = Field(
+        64, description="rows per device per step; global batch = this x world size x accumulation"
+    )
+    per_device_eval_batch_size: Annotated[int, DEVICE_BATCH] = Field(
+        256, description="evaluation needs no gradients or optimizer state, so it fits a larger batch"
+    )
+    gradient_accumulation_steps: Annotated[int, DEVICE_BATCH] = Field(
+        1, description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit"
+    )
+    global_batch_size: Annotated[int | None, Field(ge=1, le=MAX_GLOBAL_BATCH)] = Field(
         None,
-        ge=1,
-        le=MAX_STEPS,
-        description="optimizer steps; when set it wins over NUM_EPOCHS (at most 1e8: years of steps)",
-    )
-    per_device_batch_size: int = Field(
-        64,
-        ge=1,
-        le=MAX_DEVICE_BATCH,
-        description=f"rows per device per step; global batch = this x world size x accumulation (at most {MAX_DEVICE_BATCH})",
-    )
-    per_device_eval_batch_size: int = Field(
-        256,
-        ge=1,
-        le=MAX_DEVICE_BATCH,
-        description=f"evaluation needs no gradients or optimizer state, so it fits a larger batch (at most {MAX_DEVICE_BATCH})",
-    )
-    gradient_accumulation_steps: int = Field(
-        1,
-        ge=1,
-        le=MAX_DEVICE_BATCH,
-        description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit "
-        f"(at most {MAX_DEVICE_BATCH}; the global batch it makes at most {MAX_GLOBAL_BATCH})",
-    )
-    global_batch_size: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_GLOBAL_BATCH,
         description="unset: the global batch follows the replica count; set: rows per optimizer step on any replica "
         "count (micro-batch and accumulation derived, PER_DEVICE_BATCH_SIZE their cap), so a restart may come back "
         "on any count that divides it",
     )
-    learning_rate: float | None = Field(
+    learning_rate: Annotated[float | None, RATE] = Field(
         None,
-        gt=0,
-        lt=1,
-        description="unset: BASE_LEARNING_RATE scaled to the global batch by LEARNING_RATE_SCALING (the resolved value "
-        "is what --dry-run, run.json, the logs and the model card show); set: exactly this value on any number of replicas",
+        description="unset: BASE_LEARNING_RATE scaled by LEARNING_RATE_SCALING; set: this on any replica count",
     )
-    base_learning_rate: float = Field(
+    base_learning_rate: Annotated[float, RATE] = Field(
         1e-3,
-        gt=0,
-        lt=1,
         description="the rate at a global batch of 64 (one replica, the defaults), where it was tuned on SST-2 with LoRA+ (docs/quality.md)",
     )
     learning_rate_scaling: Literal["fourth-root", "sqrt", "linear", "none"] = Field(
         "fourth-root",
         description="how the rate follows the global batch: x (global batch / 64) ** 0.25 trained 4 replicas within a point of one; sqrt overshot (docs/quality.md)",
     )
-    weight_decay: float = Field(
-        0.0, ge=0, lt=1, description="AdamW decoupled weight decay; one epoch of LoRA does not overfit SST-2"
+    weight_decay: Annotated[float, FRACTION] = Field(
+        0.0, description="AdamW decoupled weight decay; one epoch of LoRA does not overfit SST-2"
     )
-    warmup_ratio: float = Field(
+    warmup_ratio: Annotated[float, FRACTION] = Field(
         0.06,
-        ge=0,
-        lt=1,
-        description="fraction of steps with a rising learning rate, as in the RoBERTa/LoRA GLUE recipes; never all of them "
-        "(a warm-up step starts at rate 0): at least one step trains at the full rate",
+        description="fraction of steps with a rising learning rate, as in the RoBERTa/LoRA GLUE recipes; never all "
+        "of them (a warm-up step starts at rate 0)",
     )
 
     # --- LoRA
-    lora_r: int = Field(
-        8,
-        ge=1,
-        le=4096,
-        description="adapter rank; 8 is the LoRA paper's GLUE setting (and at most the model's hidden size, checked once its config is read)",
+    lora_r: Annotated[int, Field(ge=1, le=4096)] = Field(
+        8, description="adapter rank; 8 is the LoRA paper's GLUE setting (at most the model's width)"
     )
-    lora_alpha: int = Field(16, ge=1, le=65536, description="adapter scale alpha/r = 2 (at most 65536)")
-    lora_dropout: float = Field(0.05, ge=0, lt=1, description="light regularisation of the adapter input")
-    lora_target_modules: Annotated[tuple[Annotated[str, Field(max_length=NAME_MAX)], ...], NoDecode] = Field(
+    lora_alpha: Annotated[int, Field(ge=1, le=65536)] = Field(16, description="adapter scale alpha/r = 2")
+    lora_dropout: Annotated[float, FRACTION] = Field(0.05, description="light regularisation of the adapter input")
+    lora_target_modules: Names[NameStr] = Field(
         "query,value",
         max_length=MAX_TARGET_MODULES,
-        description="comma-separated module names to adapt; query,value as in the LoRA paper; each must adapt at least one "
-        "layer of the model (checked when it is built: a typo is refused with the closest names)",
+        description="comma-separated module names to adapt; query,value as in the LoRA paper; a name that adapts no "
+        "layer of the model is refused with the closest names",
     )
     train_pooler: bool = Field(
         True,
         description="train BERT's pooler with the classifier (both are the head); sentence-embedding checkpoints never trained theirs (docs/quality.md)",
     )
-    head_learning_rate_ratio: float = Field(
-        1.0, gt=0, le=1000, description="the head (classifier, pooler) trains at this x the learning rate"
+    head_learning_rate_ratio: Annotated[float, RATIO] = Field(
+        1.0, description="the head (classifier, pooler) trains at this x the learning rate"
     )
-    loraplus_lr_ratio: float | None = Field(
+    loraplus_lr_ratio: Annotated[float | None, RATIO] = Field(
         None,
-        gt=0,
-        le=1000,
         description="LoRA+: each adapter's B matrix trains at this x the learning rate; 1 is plain LoRA. Unset: 8 at a global "
         "batch of 64 or less, 8 x (64 / global batch) ** 0.5 above it, never below 1 (4 at 256: 4 replicas level with one, "
-        "docs/quality.md); the resolved value is what --dry-run, run.json and the model card show",
+        "docs/quality.md)",
     )
     lora_variant: Literal["lora", "rslora", "dora"] = Field(
         "lora", description="rslora: scale alpha/sqrt(r) instead of alpha/r; dora: weight-decomposed LoRA (slower)"
@@ -290,11 +243,10 @@ class Settings(BaseSettings):
     lora_init: Literal["default", "gaussian", "pissa", "olora"] = Field(
         "default", description="adapter initialisation (peft init_lora_weights); default: B=0, A Kaiming-uniform"
     )
-    model_dropout: Annotated[float, Field(ge=0, lt=1)] | Literal["checkpoint"] = Field(
+    model_dropout: Annotated[float, FRACTION] | Literal["checkpoint"] = Field(
         0.0,
-        description="dropout inside the frozen base model (BERT's hidden_dropout_prob and attention_probs_dropout_prob, "
-        "which its classifier dropout follows); 0 trained better on SST-2 in one epoch (figures: docs/quality.md); "
-        "checkpoint: keep the checkpoint's (0.1 for BERT)",
+        description="dropout in the frozen base model (BERT's hidden and attention dropout, which its classifier's "
+        "follows); 0 trained better on SST-2 in one epoch (docs/quality.md); checkpoint: the checkpoint's (BERT: 0.1)",
     )
 
     # --- numerics and speed
@@ -307,88 +259,65 @@ class Settings(BaseSettings):
     )
     strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
         "ddp",
-        description="ddp: a whole model per GPU, gradients all-reduced (BERT-base with LoRA fits one GPU many times over: fastest); "
-        "fsdp: weights, gradients and optimizer state sharded per transformer block, for a base model too big for one GPU; "
-        "needs 2+ CUDA GPUs (on the CPU the Trainer would silently train DDP instead, so the job refuses it there); "
-        "deepspeed: DeepSpeed ZeRO (ZERO_STAGE, ZERO_OFFLOAD, or DEEPSPEED_CONFIG), on GPUs or the CPU",
+        description="ddp: a whole model per GPU (BERT-base with LoRA fits one many times over: fastest); fsdp: "
+        "weights, gradients and optimizer state sharded per transformer block, for a base model too big for one GPU "
+        "(2+ CUDA GPUs); deepspeed: DeepSpeed ZeRO (ZERO_STAGE, ZERO_OFFLOAD or DEEPSPEED_CONFIG), on GPUs or the CPU",
     )
-    zero_stage: int = Field(
+    zero_stage: Annotated[int, Field(ge=1, le=3)] = Field(
         2,
-        ge=1,
-        le=3,
         description="STRATEGY=deepspeed: ZeRO stage; 1 shards optimizer state, 2 also gradients (as fast as DDP, "
-        "less memory: the default), 3 also the weights (a base model too big for one GPU)",
+        "less memory: the default), 3 also the weights",
     )
     zero_offload: Literal["none", "optimizer", "optimizer+parameters"] = Field(
         "none",
         description="STRATEGY=deepspeed: keep optimizer state (and, at ZERO_STAGE=3 only, the weights) in host memory "
         "and step on the CPU (DeepSpeedCPUAdam): a larger base model on a smaller GPU, slower steps",
     )
-    deepspeed_config: str | None = Field(
+    deepspeed_config: PathStr | None = Field(
         None,
-        min_length=1,
-        max_length=PATH_MAX,
-        description="STRATEGY=deepspeed: path of your own ds_config.json; its stage and offload become ZERO_STAGE and "
-        "ZERO_OFFLOAD (either set to another value beside it is refused); what the job's settings own (batch sizes, "
-        "accumulation, learning rate, schedule, clipping, precision) must be 'auto', absent or agree with them",
+        description="STRATEGY=deepspeed: your own ds_config.json; its stage and offload become ZERO_STAGE and "
+        "ZERO_OFFLOAD; what the settings own (batch, rate, schedule, clipping, precision) must be 'auto', absent or agree",
     )
     gradient_checkpointing: bool = Field(
         False, description="saves activation memory that BERT-base LoRA does not need, at ~30% more compute"
     )
-    max_seq_length: int = Field(
+    max_seq_length: Annotated[int, Field(ge=8, le=512)] = Field(
         128,
-        ge=8,
-        le=512,
         description="truncation length; SST-2 sentences average ~13 tokens and batches are padded only to their longest row",
     )
-    dataloader_num_workers: int = Field(
-        2, ge=0, le=256, description="collating runs beside the GPU step instead of before it (at most 256 processes)"
+    dataloader_num_workers: Annotated[int, Field(ge=0, le=256)] = Field(
+        2, description="collating runs beside the GPU step instead of before it"
     )
     torch_compile: bool | Literal["auto"] = Field(
         "auto",
         description="the fast path: torch.compile over a few fixed padded lengths; auto: on a CUDA GPU under ddp, "
         "off on the CPU (minutes of compiling for no gain there)",
     )
-    seed: int = Field(
-        42,
-        ge=0,
-        le=2**32 - 1,
-        description="seeds data order, LoRA init and dropout: the same seed gives the same run (0..2**32-1, numpy's range)",
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = Field(
+        42, description="seeds data order, LoRA init and dropout: the same seed gives the same run"
     )
 
     # --- checkpoints, rendezvous, publishing
-    save_steps: int = Field(
-        100,
-        ge=1,
-        le=MAX_INTERVAL,
-        description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB",
+    save_steps: Annotated[int, STEPS] = Field(
+        100, description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB"
     )
-    save_total_limit: int = Field(
-        2,
-        ge=1,
-        le=1000,
-        description="checkpoints kept; two, so a restart still has one if the newest is incomplete (at most 1000)",
+    save_total_limit: Annotated[int, Field(ge=1, le=1000)] = Field(
+        2, description="checkpoints kept; two, so a restart still has one if the newest is incomplete"
     )
-    rendezvous_timeout: int = Field(
+    rendezvous_timeout: Annotated[int, Field(ge=10, le=MAX_WAIT_SECONDS)] = Field(
         600,
-        ge=10,
-        le=MAX_WAIT_SECONDS,
-        description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading and "
-        f"tokenizing while the others wait (10 to {MAX_WAIT_SECONDS}: a day)",
+        description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading "
+        "and tokenizing while the others wait",
     )
     result_model_id: str | None = Field(
         None, description="Hub repo to push model/ to (needs HF_TOKEN); unset: the model stays on the volume"
     )
-    hub_timeout: float = Field(
+    hub_timeout: Annotated[float, Field(gt=0, le=600)] = Field(
         30,
-        gt=0,
-        le=600,
         description="seconds one Hub request may take to connect or to send a byte back; a Hub that accepts and never answers fails here, then is retried",
     )
-    push_timeout: float = Field(
+    push_timeout: Annotated[float, Field(gt=0, le=MAX_WAIT_SECONDS)] = Field(
         600,
-        gt=0,
-        le=MAX_WAIT_SECONDS,
         description="seconds the push (retries and uploads in flight included) may take before exit 3; the token check before training gets min(120, this)",
     )
     hub_private: bool = Field(True, description="a new Hub repo is private unless asked otherwise")
@@ -401,71 +330,53 @@ class Settings(BaseSettings):
     )
 
     # --- evaluation and tracking
-    eval_steps: int | None = Field(
+    eval_steps: Annotated[int | None, Field(ge=0, le=MAX_INTERVAL)] = Field(
         None,
-        ge=0,
-        le=MAX_INTERVAL,
         description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end",
     )
-    logging_steps: int = Field(
-        10,
-        ge=1,
-        le=MAX_INTERVAL,
-        description="optimizer steps between training-loss records (console, TensorBoard, trackers, log_history)",
+    logging_steps: Annotated[int, STEPS] = Field(
+        10, description="optimizer steps between training-loss records (console, TensorBoard, trackers, log_history)"
     )
-    report_to: Annotated[tuple[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"], ...], NoDecode] = Field(
+    report_to: Names[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"]] = Field(
         "tensorboard",
-        description="comma-separated trackers rank 0 reports to: tensorboard (files under OUTPUT_DIR/tensorboard), mlflow, wandb, trackio, or none; "
-        "each reads its own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, ...)",
+        description="comma-separated trackers rank 0 reports to: tensorboard (under OUTPUT_DIR/tensorboard), mlflow, "
+        "wandb, trackio, or none; each reads its own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, ...)",
     )
 
     @classmethod
     def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, **_: Any
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # `Settings(**values)` is exactly those values and the defaults: a test or a benchmark must not pick
-        # up the environment it runs in. load_settings passes the environment and flag sources itself.
+        # `Settings(**values)` is exactly those values and the defaults (the library's env, dotenv and secrets
+        # sources dropped): a test or a benchmark must not pick up the environment it runs in. load_settings
+        # passes the environment and flag sources itself.
         return (init_settings,)
-
-    @field_validator("lora_target_modules", mode="before")
-    @classmethod
-    def _split_modules(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = tuple(name.strip() for name in value.split(",") if name.strip())
-        if not value:
-            raise ValueError("name at least one module, e.g. query,value")
-        return value
 
     @field_validator("label_names", mode="before")
     @classmethod
     def _read_label_names(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().startswith("["):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f'it is not a JSON list ({exc.msg}); write it as ["a","b","c"] or a,b,c') from None
-            if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
-                raise ValueError('a JSON list of label names holds strings only, e.g. ["a","b","c"]')
-            return tuple(name.strip() for name in value)
-        return cls._split_names(value)
+        if not (isinstance(value, str) and value.strip().startswith("[")):
+            return value
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f'it is not a JSON list ({exc.msg}); write it as ["a","b","c"] or a,b,c') from None
+        if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+            raise ValueError('a JSON list of label names holds strings only, e.g. ["a","b","c"]')
+        return tuple(name.strip() for name in value)
 
-    @field_validator("report_to", mode="before")
+    @field_validator("lora_target_modules")
     @classmethod
-    def _split_names(cls, value: Any) -> Any:
-        return tuple(name.strip() for name in value.split(",") if name.strip()) if isinstance(value, str) else value
+    def _check_modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("name at least one module, e.g. query,value")
+        return value
 
     @field_validator("label_names")
     @classmethod
     def _check_label_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if len(value) < 2:
             raise ValueError("name at least two labels, label 0 first, e.g. negative,positive")
-        if len(value) > MAX_LABELS or any(len(name) > NAME_MAX for name in value):
-            raise ValueError(f"name at most {MAX_LABELS} labels, each at most {NAME_MAX} characters")
         repeated = sorted({name for name in value if value.count(name) > 1})
         if repeated:
             raise ValueError(
@@ -478,9 +389,7 @@ class Settings(BaseSettings):
     def _check_text_columns(cls, value: str) -> str:
         names = [name.strip() for name in value.split(",")]
         if not 1 <= len(names) <= 2 or not all(names):
-            raise ValueError(
-                "name one text column, or two separated by a comma for sentence pairs (premise,hypothesis)"
-            )
+            raise ValueError("name one text column, or two, comma-separated, for sentence pairs (premise,hypothesis)")
         if any(len(name) > NAME_MAX for name in names):
             raise ValueError(f"a column name has at most {NAME_MAX} characters")
         if len(names) == 2 and names[0] == names[1]:
@@ -502,11 +411,8 @@ class Settings(BaseSettings):
     def _apply_task(self) -> Settings:
         """TASK fills what it decides; a value given beside it that disagrees is refused, not silently overruled."""
         if self.task is None:
-            if (
-                not self.dataset_path
-                and self.dataset_name in GLUE_DATASETS
-                and self.dataset_config in GLUE_UNTRAINABLE
-            ):
+            config = self.dataset_config
+            if not self.dataset_path and self.dataset_name in GLUE_DATASETS and config in GLUE_UNTRAINABLE:
                 raise ValueError(
                     f"DATASET_CONFIG={self.dataset_config} of {self.dataset_name} cannot be trained: "
                     f"{GLUE_UNTRAINABLE[self.dataset_config]}; set TASK to one of {', '.join(GLUE)}"
@@ -564,25 +470,17 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _label_is_not_the_text(self) -> Settings:
+    def _refuse_conflicts(self) -> Settings:
         if self.label_column in self.text_columns:
             raise ValueError(
                 f"TEXT_COLUMN and LABEL_COLUMN both name the column '{self.label_column}'; the text and the label must be "
                 "two different columns: fix TEXT_COLUMN or LABEL_COLUMN"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _one_way_to_size_the_batch(self) -> Settings:
         if self.global_batch_size is not None and self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"GLOBAL_BATCH_SIZE={self.global_batch_size} derives the accumulation from the replica count, so "
                 f"GRADIENT_ACCUMULATION_STEPS={self.gradient_accumulation_steps} cannot also be set: unset one of them"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _deepspeed_settings_need_deepspeed(self) -> Settings:
         if self.zero_offload == "optimizer+parameters" and self.zero_stage != 3 and self.deepspeed_config is None:
             raise ValueError(
                 f"ZERO_OFFLOAD=optimizer+parameters offloads the weights, which only ZeRO stage 3 shards "
@@ -605,10 +503,6 @@ class Settings(BaseSettings):
                 f"DEEPSPEED_CONFIG={self.deepspeed_config} is a DeepSpeed config but STRATEGY={self.strategy}; "
                 "set STRATEGY=deepspeed, or unset DEEPSPEED_CONFIG"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _merged_push_needs_merge(self) -> Settings:
         if self.result_merged_model_id and not self.merge_adapter:
             raise ValueError(
                 f"RESULT_MERGED_MODEL_ID={self.result_merged_model_id} pushes the merged model, which only MERGE_ADAPTER=true writes: "
@@ -619,7 +513,8 @@ class Settings(BaseSettings):
     # ---------------------------------------------------------------- views
     def training_settings(self) -> dict[str, Any]:
         """The settings that change what is trained: a run folder holding other values is refused."""
-        return {name: value for name, value in self.as_dict().items() if name in training_setting_names(self)}
+        names = training_setting_names(self)
+        return {name: value for name, value in self.as_dict().items() if name in names}
 
     def as_dict(self) -> dict[str, Any]:
         values = self.model_dump(mode="json")
@@ -628,49 +523,17 @@ class Settings(BaseSettings):
 
 
 # Settings that change the result. The others (where to write, where to push, timeouts, speed knobs
-# that leave the maths alone) may differ between a run and its restart.
-TRAINING_SETTINGS = frozenset(
-    {
-        "model_name",
-        "dataset_name",
-        "dataset_config",
-        "dataset_path",
-        "text_column",
-        "label_column",
-        "num_epochs",
-        "max_steps",
-        "per_device_batch_size",
-        "gradient_accumulation_steps",
-        "global_batch_size",
-        "learning_rate",
-        "warmup_ratio",
-        "lora_r",
-        "lora_alpha",
-        "lora_dropout",
-        "lora_target_modules",
-        "quantization",
-        "precision",
-        "strategy",
-        # the ZeRO stage and the offload decide what a checkpoint holds (which shards, where the optimizer steps)
-        "zero_stage",
-        "zero_offload",
-        "deepspeed_config",
-        "max_seq_length",
-        "seed",
-        "base_learning_rate",
-        "learning_rate_scaling",
-        "weight_decay",
-        "train_pooler",
-        "head_learning_rate_ratio",
-        "loraplus_lr_ratio",
-        "lora_variant",
-        "lora_init",
-        "model_dropout",
-    }
-)
-
-
+# that leave the maths alone) may differ between a run and its restart. The ZeRO stage and the offload decide
+# what a checkpoint holds (which shards, where the optimizer steps).
 DEEPSPEED_SETTINGS = frozenset({"zero_stage", "zero_offload", "deepspeed_config"})
+TRAINING_SETTINGS = DEEPSPEED_SETTINGS | {
+    *("model_name", "dataset_name", "dataset_config", "dataset_path", "text_column", "label_column", "seed"),
+    *("num_epochs", "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "global_batch_size"),
+    *("learning_rate", "base_learning_rate", "learning_rate_scaling", "warmup_ratio", "weight_decay"),
+    *("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_variant", "lora_init", "model_dropout"),
+    *("train_pooler", "head_learning_rate_ratio", "loraplus_lr_ratio", "quantization", "precision", "strategy"),
+    "max_seq_length",
+}
 
 
 def training_setting_names(settings: Settings) -> frozenset[str]:
@@ -732,11 +595,7 @@ def check_push_possible(settings: Settings) -> None:
         )
 
 
-TRACKER_PACKAGES = {
-    "mlflow": ("mlflow", "mlflow-skinny"),
-    "wandb": ("wandb", "wandb"),
-    "trackio": ("trackio", "trackio"),
-}  # module, pip name
+TRACKER_PACKAGES = {"mlflow": "mlflow-skinny", "wandb": "wandb", "trackio": "trackio"}  # module: pip name
 
 
 def check_trackers(settings: Settings) -> None:
@@ -744,8 +603,8 @@ def check_trackers(settings: Settings) -> None:
     import importlib.util
 
     for name in settings.report_to:
-        module, package = TRACKER_PACKAGES.get(name, (None, None))
-        if module and importlib.util.find_spec(module) is None:
+        package = TRACKER_PACKAGES.get(name)
+        if package and importlib.util.find_spec(name) is None:
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"REPORT_TO={','.join(settings.report_to)} needs the {package} package, which is not installed; "
@@ -860,9 +719,7 @@ def _parser() -> Parser:
         allow_abbrev=False,
     )
     parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the resolved settings and distributed environment as JSON, then exit",
+        "--dry-run", action="store_true", help="print the resolved settings and distributed env as JSON, then exit"
     )
     parser.add_argument(
         "--config",
@@ -976,14 +833,12 @@ FOREIGN_PREFIXES = (
     *("OMP_", "MKL_", "KMP_", "OPENBLAS_", "PYTHON", "PIP_", "UV_", "VIRTUAL_ENV", "CONDA", "LD_", "LC_", "XDG_"),
     *("MLFLOW_", "WANDB_", "TRACKIO_", "TENSORBOARD", "SSH_", "GIT_", "OTEL_", "AWS_", "GOOGLE_", "AZURE_", "DOCKER"),
 )
-FOREIGN_NAMES = frozenset(
-    {
-        *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE"),
-        *("ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAX_JOBS", "HF_TOKEN"),
-        *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TERM", "LANG", "TZ", "TMPDIR"),
-        *("COLUMNS", "LINES", "SHLVL", "MAIL", "EDITOR", "PAGER", "DISPLAY", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"),
-        *("ALL_PROXY", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"),
-    }
+FOREIGN_NAMES = (
+    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+    *("ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAX_JOBS", "HF_TOKEN"),
+    *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TERM", "LANG", "TZ", "TMPDIR"),
+    *("COLUMNS", "LINES", "SHLVL", "MAIL", "EDITOR", "PAGER", "DISPLAY", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"),
+    *("ALL_PROXY", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"),
 )
 # The shape of the job's own names: a variable starting like these is meant for the job.
 JOB_PREFIXES = (
@@ -1030,14 +885,14 @@ def is_word_branch(error: dict, field: str) -> bool:
 def describe_range(field: str) -> str:
     """` (range: LOW to HIGH)` of a setting with numeric bounds (docs/settings.md lists every range; pydantic's own
     message already names a text's or a list's longest length), else ''."""
-    bounds = {}
-    for item in FIELDS[field].metadata:
-        for name in ("ge", "gt", "le", "lt"):
-            if getattr(item, name, None) is not None:
-                bounds[name] = getattr(item, name)
-    if not bounds:
+    bounds = [
+        (name, getattr(item, name, None)) for item in FIELDS[field].metadata for name in ("ge", "gt", "le", "lt")
+    ]
+    shown = {
+        name: str(value) if isinstance(value, int) else f"{value:g}" for name, value in bounds if value is not None
+    }
+    if not shown:
         return ""
-    shown = {name: str(value) if isinstance(value, int) else f"{value:g}" for name, value in bounds.items()}
     low = shown["ge"] if "ge" in shown else f"above {shown['gt']}" if "gt" in shown else "any"
     high = shown["le"] if "le" in shown else f"below {shown['lt']}" if "lt" in shown else "any"
     return f" (range: {low} to {high})"
@@ -1101,9 +956,8 @@ def load_settings(
             ) from None
         else:
             source, raw = env_name(field), "<default>"
-        raw = (
-            str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
-        )  # a 5000-character path is not repeated whole
+        # a 5000-character path is not repeated whole
+        raw = str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
         raise JobError(
             EXIT_BAD_INPUT,
             f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
