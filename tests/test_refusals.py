@@ -934,7 +934,7 @@ STARTS = [
         {},
         [],
         foreign_run,
-        ["OUTPUT_DIR=", "lora_r: 4 -> 8"],
+        ["OUTPUT_DIR=", "LORA_R: 4 -> 8"],
         id="output-dir",
     ),
     pytest.param(
