@@ -689,7 +689,7 @@ def flag_name(field: str) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """main.py's and predict.py's: a command line argparse refuses is bad input like any other, one `error:` line
+    """main.py's, predict.py's and sweep.py's: a command line argparse refuses is bad input like any other, one `error:` line
     and exit 2 (JobError), not its usage block."""
 
     def error(self, message: str):
