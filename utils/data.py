@@ -86,16 +86,6 @@ def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
     return f"a file in DATASET_PATH is not valid UTF-8 ({cause.reason}); save the data files as UTF-8"
 
 
-def _count_records(path: Path, suffix: str, files: dict[str, str]) -> int:
-    """The rows of a csv/tsv file as predict.py reads them (utils/delimited.py): the loader must read as many."""
-    try:
-        with path.open(encoding="utf-8-sig", newline="") as handle:
-            _, records = read_records(handle, path, suffix)
-            return sum(1 for _ in records)  # an empty file: 0, and the loader's own refusal says so
-    except UnicodeDecodeError as exc:
-        raise JobError(EXIT_BAD_INPUT, _not_utf8(files, exc)) from None
-
-
 def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) -> None:
     """A JSON label column must hold one type: `1`, `"1"` and `true` in one file mean different things, and
     the loader keeps such a column as raw JSON (reading `"1"` back as `1`), so the types are read from the file."""
@@ -124,7 +114,13 @@ def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> da
     fmt, kwargs, records = FILE_FORMATS[suffix], {}, None
     if fmt == "csv":
         kwargs = {**CSV_OPTIONS, "delimiter": DIALECTS[suffix][0], "quoting": DIALECTS[suffix][1]}
-        records = _count_records(path, suffix, files)
+        # The rows as predict.py reads them (utils/delimited.py): the loader must read as many. An empty file
+        # counts 0, and the loader's own refusal says so.
+        try:
+            with path.open(encoding="utf-8-sig", newline="") as handle:
+                records = sum(1 for _ in read_records(handle, path, suffix)[1])
+        except UnicodeDecodeError as exc:
+            raise JobError(EXIT_BAD_INPUT, _not_utf8(files, exc)) from None
     try:
         loaded = load_dataset(fmt, data_files={split: str(path)}, split=split, trust_remote_code=False, **kwargs)
     except datasets.exceptions.DatasetGenerationError as exc:
@@ -267,8 +263,7 @@ def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
     blank = pyarrow.compute.fill_null(
         pyarrow.compute.equal(pyarrow.compute.utf8_trim_whitespace(values.cast(pyarrow.large_string())), ""), True
     )
-    count = pyarrow.compute.sum(blank).as_py() or 0
-    if count:
+    if count := pyarrow.compute.sum(blank).as_py():
         first = pyarrow.compute.index(blank, True).as_py()
         raise JobError(
             EXIT_BAD_INPUT,
@@ -388,8 +383,7 @@ def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
         )
     values = pyarrow.compute.cast(ds.with_format("arrow")[column], pyarrow.float32())
     bad = pyarrow.compute.invert(pyarrow.compute.is_finite(values))
-    count = pyarrow.compute.sum(bad).as_py() or 0
-    if count:
+    if count := pyarrow.compute.sum(bad).as_py():
         first = pyarrow.compute.index(bad, True).as_py()
         raise JobError(
             EXIT_BAD_INPUT,
