@@ -150,8 +150,6 @@ class JobTrainer(Trainer):
             return super().evaluate(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
-        # The one place every rank's checkpoint write passes through (model, optimizer, RNG state, trainer
-        # state); a callback runs only after it succeeded. A full or read-only volume ends every rank alike.
         marker = next(c for c in self.callback_handler.callbacks if isinstance(c, Checkpoints))
         with self.startup.aside():
             marker.save_agreed(
@@ -168,13 +166,11 @@ class JobTrainer(Trainer):
     def _get_train_sampler(self, train_dataset=None):
         dataset = self.train_dataset if train_dataset is None else train_dataset
         if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, datasets.Dataset):
-            # Arrow has the lengths already: the same lengths as the library's loop, so the same batches. One
-            # order on every path (eager or compiled, any replica count): TORCH_COMPILE changes the speed only.
+            # Arrow's lengths are the library loop's: the same batches.
             return GlobalOrderSampler(self.plan.batch.global_batch, token_counts(dataset).to_pylist(), self.args.seed)
         return super()._get_train_sampler(train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
-        # Length grouping speeds up training; for evaluation it would only reorder rows.
         return SequentialSampler(eval_dataset)
 
 
@@ -182,9 +178,7 @@ class JobTrainer(Trainer):
 def rng_preserved(device: torch.device) -> Iterator[None]:
     """Python's, numpy's and torch's global RNG states (the CPU's and `device`'s) as they were before the block."""
     python, legacy = random.getstate(), np.random.get_state()
-    devices = (
-        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    )
+    devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
             yield
@@ -358,9 +352,8 @@ class Checkpoints(TrainerCallback):
             # the last step and only evaluates.
             control.should_evaluate = False
         if control.should_save:
-            # The Trainer would follow a link planted at checkpoints/checkpoint-N, a name anyone can predict: the
-            # folder is made a real one of the job's first, refused on every rank alike. The first write of a save:
-            # a volume full or read-only by now stops every rank alike.
+            # The Trainer would follow a link planted at checkpoints/checkpoint-N, a name anyone can predict. The
+            # first write of a save: a link there, or a volume full or read-only by now, stops every rank alike.
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             self.save_agreed(lambda: self.run.make_dir(folder), f"creating {folder.name}")
 
@@ -516,30 +509,13 @@ def regression_metrics():
     return compute
 
 
-def evaluation_sets(data) -> datasets.Dataset | dict[str, datasets.Dataset]:
-    """The split(s) evaluated: `validation` alone, or several by name (MNLI's matched and mismatched), whose
-    metrics the Trainer prefixes with the name (`eval_matched_accuracy`)."""
-    splits = [split for split in data if split != "train"]
-    if splits == ["validation"]:
-        return data["validation"]
-    return {eval_prefix(split): data[split] for split in splits}
-
-
-def evaluation_interval(job: Job) -> int:
-    """EVAL_STEPS, or EVALUATIONS_PER_EPOCH evaluations an epoch (over the whole run when MAX_STEPS is
-    shorter than an epoch); 0: no evaluation during training."""
-    settings, plan = job.settings, job.plan
-    if settings.eval_steps is not None:
-        return settings.eval_steps
-    steps = min(plan.steps_per_epoch, plan.max_steps or plan.steps_per_epoch)
-    return max(1, steps // EVALUATIONS_PER_EPOCH)
-
-
 # ------------------------------------------------------------------------------- building it
 def training_arguments(job: Job, model) -> TrainingArguments:
     """The TrainingArguments the plan (completed with the step count: Job.with_rows) and the settings give."""
     settings, dist, cuda, plan = job.settings, job.dist, job.cuda, job.plan
-    eval_every = evaluation_interval(job)
+    # EVAL_STEPS (0: none during training), or EVALUATIONS_PER_EPOCH an epoch (or a MAX_STEPS run, if shorter).
+    steps = min(plan.steps_per_epoch, plan.max_steps or plan.steps_per_epoch)
+    eval_every = max(1, steps // EVALUATIONS_PER_EPOCH) if settings.eval_steps is None else settings.eval_steps
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
     best = best_metric(settings, REGRESSION if model.config.problem_type == "regression" else CLASSIFICATION)
@@ -559,8 +535,7 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         optim="adamw_torch_fused",
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
-        # Not `tf32=True`: transformers sets it through torch's new API, and then the legacy getter inductor calls
-        # raises (pytorch#166387); use_tf32_matmuls sets it through one API.
+        # Not `tf32=True`: use_tf32_matmuls sets it through one torch API (pytorch#166387).
         tf32=None,
         # transformers 5's name for gradient checkpointing; the reentrant variant breaks DDP + LoRA (peft #899).
         activation_checkpointing=settings.gradient_checkpointing,
@@ -631,18 +606,19 @@ def build_trainer(
     # Evaluation batches use the same collator: the longest row of any split.
     longest = max(pyarrow.compute.max(token_counts(split)).as_py() for split in data.values())
     buckets = length_buckets(settings.max_seq_length, longest)
-    # One padding collator per bucket, built once, not one per batch.
     collators = {n: DataCollatorWithPadding(tokenizer, padding="max_length", max_length=n) for n in buckets}
     if job.plan.precision == "bf16" and not job.quantize and job.strategy == "ddp":
         store_frozen_linears_in_bf16(model)
     if job.compiled:
         compile_model(model, job)
     regression = model.config.problem_type == "regression"
+    # `validation` alone, or several (MNLI's matched and mismatched), whose metrics the Trainer prefixes with the name.
+    evaluated = {eval_prefix(split): data[split] for split in data if split != "train"}
     return JobTrainer(
         model=model,
         args=args,
         train_dataset=data["train"],
-        eval_dataset=evaluation_sets(data),
+        eval_dataset=data["validation"] if set(data) == {"train", "validation"} else evaluated,
         data_collator=partial(pad_to_bucket, collators),
         processing_class=tokenizer,
         compute_metrics=regression_metrics() if regression else classification_metrics(model.config.num_labels),
