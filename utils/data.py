@@ -280,8 +280,7 @@ def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
             EXIT_BAD_INPUT,
             f"the {split} split mixes label types in '{column}' ({', '.join(kinds)}); write every label the same way, as 0/1",
         )
-    missing = ds.with_format("arrow")[column].null_count
-    if missing:
+    if missing := ds.with_format("arrow")[column].null_count:
         raise JobError(
             EXIT_BAD_INPUT,
             f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it",
@@ -546,11 +545,9 @@ def tokenize(
     """Tokenize once into `cache_dir` (on the shared volume); later calls and other ranks load it. A pair
     (`text_pair`) is tokenized as `[CLS] a [SEP] b [SEP]`, the longer of the two truncated first."""
     target = cache_dir / f"tokenized-{cache_key(raw, tokenizer, max_seq_length, text_columns)}"
-    if target.exists():
-        cached = _load_cache(target, raw)
-        if cached is not None:
-            log.info("tokenized data found in %s", target)
-            return cached
+    if target.exists() and (cached := _load_cache(target, raw)) is not None:
+        log.info("tokenized data found in %s", target)
+        return cached
 
     texts = [name for name in TEXTS if name in raw["train"].column_names]
 

@@ -147,11 +147,17 @@ class RunDir:
             return None
         try:
             payload = json.loads(data)
+            what = None if isinstance(payload, dict) else f"a JSON {type(payload).__name__}, not an object"
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-            raise _damaged(path, f"not valid JSON: {str(exc).splitlines()[0][:80]}") from None
-        if not isinstance(payload, dict):
-            raise _damaged(path, f"a JSON {type(payload).__name__}, not an object")
-        return payload
+            what = f"not valid JSON: {str(exc).splitlines()[0][:80]}"
+        if what is None:
+            return payload
+        # run.json is what tells this run from another one's folder: guessing would risk resuming foreign checkpoints.
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{path} is damaged ({what}); if this folder holds only this run, delete {path.name} and start again "
+            "(checkpoints and the tokenized cache are kept and reused), otherwise set OUTPUT_DIR to a new folder",
+        )
 
     def make_dir(self, path: Path, fresh: bool = False) -> Path:
         """`path` as a real folder of the job's (with `fresh`, emptied first); a link at its name or on the way
@@ -232,10 +238,9 @@ def _unplanted_files(folder: Path) -> list[Path]:
 
 def planted(path: Path) -> JobError:
     """Bad input naming what was found at `path` and the fix: the job neither follows nor removes it."""
-    try:
+    info = None
+    with suppress(OSError):
         info = os.lstat(path)
-    except OSError:
-        info = None
     kept = "what it points to is kept"
     if info is None:
         what = "was replaced while the job used it"
@@ -266,13 +271,10 @@ FILE_MODE, DIR_MODE = 0o666, 0o777
 
 def process_umask() -> int:
     """The umask, read without setting it (os.umask sets one to read it: another thread could create a file then)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    with suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -308,15 +310,6 @@ def fsync_tree(folder: Path) -> None:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-
-
-def _damaged(path: Path, what: str) -> JobError:
-    # run.json is what tells this run from another one's folder: guessing would risk resuming foreign checkpoints.
-    return JobError(
-        EXIT_BAD_INPUT,
-        f"{path} is damaged ({what}); if this folder holds only this run, delete {path.name} and start again "
-        "(checkpoints and the tokenized cache are kept and reused), otherwise set OUTPUT_DIR to a new folder",
-    )
 
 
 def replace_dir(staged: Path, final: Path) -> None:
@@ -441,12 +434,10 @@ def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Run
 
 def write_run_record(run: RunDir, settings: Settings, plan: Plan, **extra) -> None:
     """run.json: the settings as given, the plan (completed), the run's identity, the package versions."""
-    versions = {}
+    versions = dict.fromkeys(PACKAGES)  # None: not installed
     for name in PACKAGES:
-        try:
+        with suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
     settings_and_plan = dict(settings=settings.as_dict(), plan=plan.as_dict(), identity=plan.identity)
     update_run_record(run, run_name=plan.run_name, **settings_and_plan, versions=versions, **extra)
 
@@ -547,10 +538,9 @@ def volume_fault(run: RunDir, exc: BaseException, doing: str) -> JobError | None
     state = volume_state(exc, run.root)
     if state is None:
         return None
-    try:
+    latest = None
+    with suppress(OSError):
         latest = latest_complete_checkpoint(run)
-    except OSError:
-        latest = None
     resume = (
         f"it resumes from {latest.name}, the last complete checkpoint (kept intact; one cut short is discarded)"
         if latest

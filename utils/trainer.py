@@ -338,8 +338,7 @@ class Checkpoints(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         # One all-reduce of the signal number at every step end: every rank takes the same decision at the same
         # step; SIGTERM (15) wins over SIGINT (2). It goes over the gloo control group: no GPU sync.
-        signum = self.collectives.max_over_ranks(self.preemption.signum)
-        if signum:
+        if signum := self.collectives.max_over_ranks(self.preemption.signum):
             self.preemption.follow(signum)
             log.warning(f"{SIGNALS.get(signum, signum)}: saving a checkpoint at step {state.global_step} and stopping")
             control.should_save = control.should_training_stop = True
@@ -361,11 +360,11 @@ class Checkpoints(TrainerCallback):
         # Each rank saves its own RNG state; rank 0 alone cannot tell it is written.
         self.collectives.barrier()
 
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+
         def mark() -> None:
-            with self.volume_checked(f"marking checkpoint-{state.global_step} complete"):
-                mark_checkpoint_complete(
-                    self.run, Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key
-                )
+            with self.volume_checked(f"marking {folder.name} complete"):
+                mark_checkpoint_complete(self.run, folder, self.resume_key)
                 prune_checkpoints(self.run, self.keep)
 
         self.collectives.run_on_main(mark)
