@@ -432,8 +432,7 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
         if set(by_key) == default:
             return settings.label_names  # the default names, whatever their case: the default order
         return tuple(by_key[key] for key in sorted(by_key))
-    ids = [int(v) for v in raw["train"].unique(column)]
-    count = max(ids) + 1 if ids else 0
+    count = max((int(v) for v in raw["train"].unique(column)), default=-1) + 1
     return settings.label_names if count <= 2 else tuple(str(i) for i in range(count))
 
 
@@ -466,8 +465,7 @@ def _labels_as_ids(ds: datasets.Dataset, split: str, column: str, label_names: t
     if bad := sorted(i for i in set(ds.unique(column)) if not 0 <= i < len(label_names)):
         names = ", ".join(f"{i} ({name})" for i, name in enumerate(label_names))
         fix = ": name every class in LABEL_NAMES (label 0 first), or relabel the data"
-        if -1 in bad:
-            fix = " (GLUE's test split, labelled -1, cannot be used for training or validation)"
+        fix = " (GLUE's test split, labelled -1, cannot be used for training or validation)" if -1 in bad else fix
         raise JobError(
             EXIT_BAD_INPUT, f"the {split} split has labels {bad[:5]} in '{column}'; labels must be ids {names}{fix}"
         )
@@ -504,10 +502,8 @@ def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLab
             f"the names do not match, so which label is which cannot be told; set LABEL_NAMES={','.join(names)} "
             f"if those are the classes (id 0 first), or relabel the data as {list(label_names)}",
         )
-    if theirs == ours:
-        return ds
-    if not set(ds.unique(column)) <= set(range(len(names))):
-        return ds  # -1 (no label) or out of range: the label check refuses it with the values
+    if theirs == ours or not set(ds.unique(column)) <= set(range(len(names))):
+        return ds  # the same order; or -1 (no label) or out of range: the label check refuses it with the values
     old_ids = ds.with_format("arrow")[column]
     new_for_old = [ours.index(name) for name in theirs]
     moves = ", ".join(f"{names[old]}: {old} -> {new}" for old, new in enumerate(new_for_old))
@@ -519,8 +515,7 @@ def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLab
 
 def _text_labels_by_name(ds, split: str, column: str, values: list[str], label_names: tuple[str, ...]):
     ours = [_name_key(n) for n in label_names]
-    unknown = sorted(v for v in values if _name_key(v) not in ours)
-    if unknown:
+    if unknown := sorted(v for v in values if _name_key(v) not in ours):
         raise JobError(
             EXIT_BAD_INPUT,
             f"the {split} split has text labels {unknown[:5]} in '{column}' that are not LABEL_NAMES {list(label_names)}; "
