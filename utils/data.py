@@ -86,16 +86,6 @@ def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
     return f"a file in DATASET_PATH is not valid UTF-8 ({cause.reason}); save the data files as UTF-8"
 
 
-def _count_records(path: Path, suffix: str, files: dict[str, str]) -> int:
-    """The rows of a csv/tsv file as predict.py reads them (utils/delimited.py): the loader must read as many."""
-    try:
-        with path.open(encoding="utf-8-sig", newline="") as handle:
-            _, records = read_records(handle, path, suffix)
-            return sum(1 for _ in records)  # an empty file: 0, and the loader's own refusal says so
-    except UnicodeDecodeError as exc:
-        raise JobError(EXIT_BAD_INPUT, _not_utf8(files, exc)) from None
-
-
 def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) -> None:
     """A JSON label column must hold one type: `1`, `"1"` and `true` in one file mean different things, and
     the loader keeps such a column as raw JSON (reading `"1"` back as `1`), so the types are read from the file."""
@@ -124,7 +114,13 @@ def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> da
     fmt, kwargs, records = FILE_FORMATS[suffix], {}, None
     if fmt == "csv":
         kwargs = {**CSV_OPTIONS, "delimiter": DIALECTS[suffix][0], "quoting": DIALECTS[suffix][1]}
-        records = _count_records(path, suffix, files)
+        # The rows as predict.py reads them (utils/delimited.py): the loader must read as many. An empty file
+        # counts 0, and the loader's own refusal says so.
+        try:
+            with path.open(encoding="utf-8-sig", newline="") as handle:
+                records = sum(1 for _ in read_records(handle, path, suffix)[1])
+        except UnicodeDecodeError as exc:
+            raise JobError(EXIT_BAD_INPUT, _not_utf8(files, exc)) from None
     try:
         loaded = load_dataset(fmt, data_files={split: str(path)}, split=split, trust_remote_code=False, **kwargs)
     except datasets.exceptions.DatasetGenerationError as exc:
@@ -267,8 +263,7 @@ def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
     blank = pyarrow.compute.fill_null(
         pyarrow.compute.equal(pyarrow.compute.utf8_trim_whitespace(values.cast(pyarrow.large_string())), ""), True
     )
-    count = pyarrow.compute.sum(blank).as_py() or 0
-    if count:
+    if count := pyarrow.compute.sum(blank).as_py():
         first = pyarrow.compute.index(blank, True).as_py()
         raise JobError(
             EXIT_BAD_INPUT,
@@ -285,8 +280,7 @@ def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
             EXIT_BAD_INPUT,
             f"the {split} split mixes label types in '{column}' ({', '.join(kinds)}); write every label the same way, as 0/1",
         )
-    missing = ds.with_format("arrow")[column].null_count
-    if missing:
+    if missing := ds.with_format("arrow")[column].null_count:
         raise JobError(
             EXIT_BAD_INPUT,
             f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it",
@@ -388,8 +382,7 @@ def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
         )
     values = pyarrow.compute.cast(ds.with_format("arrow")[column], pyarrow.float32())
     bad = pyarrow.compute.invert(pyarrow.compute.is_finite(values))
-    count = pyarrow.compute.sum(bad).as_py() or 0
-    if count:
+    if count := pyarrow.compute.sum(bad).as_py():
         first = pyarrow.compute.index(bad, True).as_py()
         raise JobError(
             EXIT_BAD_INPUT,
@@ -439,8 +432,7 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
         if set(by_key) == default:
             return settings.label_names  # the default names, whatever their case: the default order
         return tuple(by_key[key] for key in sorted(by_key))
-    ids = [int(v) for v in raw["train"].unique(column)]
-    count = max(ids) + 1 if ids else 0
+    count = max((int(v) for v in raw["train"].unique(column)), default=-1) + 1
     return settings.label_names if count <= 2 else tuple(str(i) for i in range(count))
 
 
@@ -473,8 +465,7 @@ def _labels_as_ids(ds: datasets.Dataset, split: str, column: str, label_names: t
     if bad := sorted(i for i in set(ds.unique(column)) if not 0 <= i < len(label_names)):
         names = ", ".join(f"{i} ({name})" for i, name in enumerate(label_names))
         fix = ": name every class in LABEL_NAMES (label 0 first), or relabel the data"
-        if -1 in bad:
-            fix = " (GLUE's test split, labelled -1, cannot be used for training or validation)"
+        fix = " (GLUE's test split, labelled -1, cannot be used for training or validation)" if -1 in bad else fix
         raise JobError(
             EXIT_BAD_INPUT, f"the {split} split has labels {bad[:5]} in '{column}'; labels must be ids {names}{fix}"
         )
@@ -511,10 +502,8 @@ def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLab
             f"the names do not match, so which label is which cannot be told; set LABEL_NAMES={','.join(names)} "
             f"if those are the classes (id 0 first), or relabel the data as {list(label_names)}",
         )
-    if theirs == ours:
-        return ds
-    if not set(ds.unique(column)) <= set(range(len(names))):
-        return ds  # -1 (no label) or out of range: the label check refuses it with the values
+    if theirs == ours or not set(ds.unique(column)) <= set(range(len(names))):
+        return ds  # the same order; or -1 (no label) or out of range: the label check refuses it with the values
     old_ids = ds.with_format("arrow")[column]
     new_for_old = [ours.index(name) for name in theirs]
     moves = ", ".join(f"{names[old]}: {old} -> {new}" for old, new in enumerate(new_for_old))
@@ -526,8 +515,7 @@ def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLab
 
 def _text_labels_by_name(ds, split: str, column: str, values: list[str], label_names: tuple[str, ...]):
     ours = [_name_key(n) for n in label_names]
-    unknown = sorted(v for v in values if _name_key(v) not in ours)
-    if unknown:
+    if unknown := sorted(v for v in values if _name_key(v) not in ours):
         raise JobError(
             EXIT_BAD_INPUT,
             f"the {split} split has text labels {unknown[:5]} in '{column}' that are not LABEL_NAMES {list(label_names)}; "
@@ -552,11 +540,9 @@ def tokenize(
     """Tokenize once into `cache_dir` (on the shared volume); later calls and other ranks load it. A pair
     (`text_pair`) is tokenized as `[CLS] a [SEP] b [SEP]`, the longer of the two truncated first."""
     target = cache_dir / f"tokenized-{cache_key(raw, tokenizer, max_seq_length, text_columns)}"
-    if target.exists():
-        cached = _load_cache(target, raw)
-        if cached is not None:
-            log.info("tokenized data found in %s", target)
-            return cached
+    if target.exists() and (cached := _load_cache(target, raw)) is not None:
+        log.info("tokenized data found in %s", target)
+        return cached
 
     texts = [name for name in TEXTS if name in raw["train"].column_names]
 

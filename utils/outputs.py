@@ -36,6 +36,7 @@ import re
 import shlex
 import shutil
 import stat
+from contextlib import suppress
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -83,7 +84,6 @@ class RunDir:
     def is_finished(self) -> bool:
         return self.metrics.is_file() and (self.model / "adapter_config.json").is_file()
 
-    # ---------------------------------------------------------------- writing only what is ours
     def open(self, path: Path, mode: str = "r") -> IO:
         """`path` (under the root) opened for reading ("r", "rb"), appending ("a"), writing ("w", "wb") or
         creating ("x"), its folders created as needed; a link on the way or a file with other hard links is
@@ -116,10 +116,8 @@ class RunDir:
         folder = self._open_folder(path.parent, create=True)
         partial = f".{path.name}.partial-{os.getpid()}"
         try:
-            try:
+            with suppress(FileNotFoundError):
                 os.unlink(partial, dir_fd=folder)
-            except FileNotFoundError:
-                pass
             fd = os.open(
                 partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=folder
             )
@@ -127,10 +125,9 @@ class RunDir:
                 handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())
-            try:
+            present = None
+            with suppress(FileNotFoundError):
                 present = os.stat(path.name, dir_fd=folder, follow_symlinks=False)
-            except FileNotFoundError:
-                present = None
             if present is not None and (not stat.S_ISREG(present.st_mode) or present.st_nlink > 1):
                 os.unlink(partial, dir_fd=folder)
                 raise planted(path)
@@ -148,35 +145,35 @@ class RunDir:
                 data = handle.read()
         except FileNotFoundError:
             return None
-        return _parse_json(path, data)
+        try:
+            payload = json.loads(data)
+            what = None if isinstance(payload, dict) else f"a JSON {type(payload).__name__}, not an object"
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            what = f"not valid JSON: {str(exc).splitlines()[0][:80]}"
+        if what is None:
+            return payload
+        # run.json is what tells this run from another one's folder: guessing would risk resuming foreign checkpoints.
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{path} is damaged ({what}); if this folder holds only this run, delete {path.name} and start again "
+            "(checkpoints and the tokenized cache are kept and reused), otherwise set OUTPUT_DIR to a new folder",
+        )
 
     def make_dir(self, path: Path, fresh: bool = False) -> Path:
         """`path` as a real folder of the job's (with `fresh`, emptied first); a link at its name or on the way
         is refused, except at a `fresh` folder's own name, which is set aside: the job discards that folder anyway."""
         if fresh:
-            try:
+            with suppress(FileNotFoundError):
                 if stat.S_ISDIR(os.lstat(path).st_mode):
                     shutil.rmtree(path)  # removes links inside it, never what they point to
                 else:
                     path.unlink()
-            except FileNotFoundError:
-                pass
         os.close(self._open_folder(path, create=True))
         return path
 
     def files_in(self, folder: Path) -> list[str]:
-        """The files in a folder the job just filled, relative to it, for `record_written`; a link or a file
-        with other hard links in it is refused."""
-        names = []
-        for current, folders, files in os.walk(folder):  # never descends into a linked folder
-            for name in [*folders, *files]:
-                path = Path(current) / name
-                info = os.lstat(path)
-                if stat.S_ISLNK(info.st_mode) or (not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
-                    raise planted(path)
-                if stat.S_ISREG(info.st_mode):
-                    names.append(str(path.relative_to(folder)))
-        return sorted(names)
+        """The files in a folder the job just filled, relative to it, for `record_written`."""
+        return sorted(str(path.relative_to(folder)) for path in _unplanted_files(folder))
 
     def record_written(self, what: str, paths: list[str], replace: bool = False) -> None:
         """Add files the job wrote (relative to the root) to what a push may send (run.json `written`)."""
@@ -186,28 +183,16 @@ class RunDir:
         self.write_json(self.run_record, record)
 
     def written(self, what: str) -> list[Path] | None:
-        """The files recorded by `record_written` under `what`; None when nothing was recorded."""
         names = ((self.read_json(self.run_record) or {}).get("written") or {}).get(what)
         return None if names is None else [self.root / name for name in names]
 
     def check_owned(self, path: Path) -> None:
-        """Refuse `path` unless it is a regular file with no other hard link, reached without a link."""
-        self.open(path).close()
+        self.open(path).close()  # refuses a link on the way, a file with other hard links, a FIFO
 
     def check_planted(self) -> None:
-        """Refuse a folder holding a symbolic link or a file with other hard links anywhere under the root
-        (before the run: nothing is read or written through them)."""
-        if not self.root.is_dir():
-            return
-        for current, folders, files in os.walk(self.root):
-            for name in sorted([*folders, *files]):
-                path = Path(current) / name
-                try:
-                    info = os.lstat(path)
-                except FileNotFoundError:
-                    continue  # gone since the listing: another rank's write probe in logs/; nothing to refuse
-                if stat.S_ISLNK(info.st_mode) or (not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
-                    raise planted(path)
+        """Before the run: nothing is read or written through a link planted under the root."""
+        if self.root.is_dir():
+            _unplanted_files(self.root)
 
     def _open_folder(self, folder: Path, create: bool) -> int:
         """A descriptor of `folder` (the root or below it), reached one name at a time without following a link."""
@@ -217,10 +202,8 @@ class RunDir:
             for name in folder.relative_to(self.root).parts:
                 reached = reached / name
                 if create:
-                    try:
+                    with suppress(FileExistsError):
                         os.mkdir(name, DIR_MODE, dir_fd=fd)
-                    except FileExistsError:
-                        pass
                 try:
                     child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
                 except OSError as exc:
@@ -235,12 +218,29 @@ class RunDir:
             raise
 
 
+def _unplanted_files(folder: Path) -> list[Path]:
+    """The regular files under `folder`; a symbolic link or a file with other hard links anywhere in it is refused.
+    os.walk never descends into a linked folder."""
+    files = []
+    for current, folders, names in os.walk(folder):
+        for name in sorted([*folders, *names]):
+            path = Path(current) / name
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                continue  # gone since the listing: another rank's write probe in logs/; nothing to refuse
+            if stat.S_ISLNK(info.st_mode) or (not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
+                raise planted(path)
+            if stat.S_ISREG(info.st_mode):
+                files.append(path)
+    return files
+
+
 def planted(path: Path) -> JobError:
     """Bad input naming what was found at `path` and the fix: the job neither follows nor removes it."""
-    try:
+    info = None
+    with suppress(OSError):
         info = os.lstat(path)
-    except OSError:
-        info = None
     kept = "what it points to is kept"
     if info is None:
         what = "was replaced while the job used it"
@@ -271,13 +271,10 @@ FILE_MODE, DIR_MODE = 0o666, 0o777
 
 def process_umask() -> int:
     """The umask, read without setting it (os.umask sets one to read it: another thread could create a file then)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    with suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -306,36 +303,13 @@ def fsync_tree(folder: Path) -> None:
                 info = os.fstat(fd)
                 # Only a file of the job's own with no other name: a hard link planted in a checkpoint folder
                 # must not have its mode opened up.
-                if (
-                    stat.S_ISREG(info.st_mode)
-                    and stat.S_IMODE(info.st_mode) != file_mode
-                    and info.st_nlink == 1
-                    and info.st_uid == os.geteuid()
-                ):
+                ours = stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.geteuid()
+                if ours and stat.S_IMODE(info.st_mode) != file_mode:
                     os.fchmod(fd, file_mode)
                 if stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-
-
-def _parse_json(path: Path, data: bytes) -> dict:
-    try:
-        payload = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise _damaged(path, f"not valid JSON: {str(exc).splitlines()[0][:80]}") from None
-    if not isinstance(payload, dict):
-        raise _damaged(path, f"a JSON {type(payload).__name__}, not an object")
-    return payload
-
-
-def _damaged(path: Path, what: str) -> JobError:
-    # run.json is what tells this run from another one's folder: guessing would risk resuming foreign checkpoints.
-    return JobError(
-        EXIT_BAD_INPUT,
-        f"{path} is damaged ({what}); if this folder holds only this run, delete {path.name} and start again "
-        "(checkpoints and the tokenized cache are kept and reused), otherwise set OUTPUT_DIR to a new folder",
-    )
 
 
 def replace_dir(staged: Path, final: Path) -> None:
@@ -361,7 +335,7 @@ def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Ru
     if record is not None and "identity" in record:
         ignore = frozenset({"world_size", "global_batch", "data"}) if push_only else frozenset()
         check_same_run(record["identity"], plan.identity, f"OUTPUT_DIR={settings.output_dir}", ignore)
-    if run.root.is_dir() and run.is_finished():
+    if run.is_finished():
         check_finished_run(run, settings)
     return run
 
@@ -410,18 +384,15 @@ def refuse_foreign(run: RunDir, settings: Settings) -> None:
 def claim_run_dir(run: RunDir) -> None:
     """Mark OUTPUT_DIR as this job's, before anything else is written into it (another rank checking the folder
     meanwhile sees it empty or marked, never half-made)."""
-    try:
-        with run.open(run.root / RUN_MARKER, "x") as handle:
-            handle.write("A run folder of the LoRA fine-tuning job (main.py): it deletes and replaces files here.\n")
-    except FileExistsError:
-        pass
+    with suppress(FileExistsError), run.open(run.root / RUN_MARKER, "x") as handle:
+        handle.write("A run folder of the LoRA fine-tuning job (main.py): it deletes and replaces files here.\n")
 
 
-# ------------------------------------------------------------------------------- a finished run's own records
 def check_finished_run(run: RunDir, settings: Settings) -> None:
     """What a finished run publishes comes from its own records (model/id2label.json, adapter_config.json): a
     setting given now that contradicts them is refused with the recorded value and the fix."""
-    recorded = recorded_label_names(run)
+    names = run.read_json(run.model / LABELS_FILE)
+    recorded = tuple(name for _, name in sorted((int(i), name) for i, name in names.items())) if names else None
     if recorded and "label_names" in settings.model_fields_set and tuple(settings.label_names) != recorded:
         raise JobError(
             EXIT_BAD_INPUT,
@@ -429,30 +400,16 @@ def check_finished_run(run: RunDir, settings: Settings) -> None:
             f"its model was trained with {','.join(recorded)} (label 0 first, {run.model / LABELS_FILE}); unset LABEL_NAMES (or "
             "label_names in the --config file) to publish the names it was trained with, or use a new OUTPUT_DIR to train with these",
         )
-    trained_base = recorded_hub_base(run)
-    if trained_base and settings.base_model_id and settings.base_model_id != trained_base:
+    trained_base = (run.read_json(run.model / "adapter_config.json") or {}).get("base_model_name_or_path")
+    if not trained_base or not REPO_ID_PATTERN.match(trained_base) or Path(trained_base).expanduser().exists():
+        return  # no base recorded, or a local folder: no Hub id to contradict
+    if settings.base_model_id and settings.base_model_id != trained_base:
         raise JobError(
             EXIT_BAD_INPUT,
             f"BASE_MODEL_ID={settings.base_model_id} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: its "
             f"adapter names {trained_base} as its base ({run.model / 'adapter_config.json'}); unset BASE_MODEL_ID, or "
             "use a new OUTPUT_DIR to train on that base",
         )
-
-
-def recorded_label_names(run: RunDir) -> tuple[str, str] | None:
-    """The label names the finished run's model was trained with (model/id2label.json)."""
-    names = run.read_json(run.model / LABELS_FILE)
-    if not names:
-        return None
-    return tuple(name for _, name in sorted((int(index), name) for index, name in names.items()))
-
-
-def recorded_hub_base(run: RunDir) -> str | None:
-    """The base's Hub id when model/adapter_config.json records one (None: it records a local folder, or nothing)."""
-    base = (run.read_json(run.model / "adapter_config.json") or {}).get("base_model_name_or_path")
-    if not base or not REPO_ID_PATTERN.match(base) or Path(base).expanduser().exists():
-        return None
-    return base
 
 
 def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> RunDir:
@@ -477,18 +434,15 @@ def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Run
 
 def write_run_record(run: RunDir, settings: Settings, plan: Plan, **extra) -> None:
     """run.json: the settings as given, the plan (completed), the run's identity, the package versions."""
-    versions = {}
+    versions = dict.fromkeys(PACKAGES)  # None: not installed
     for name in PACKAGES:
-        try:
+        with suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
     settings_and_plan = dict(settings=settings.as_dict(), plan=plan.as_dict(), identity=plan.identity)
     update_run_record(run, run_name=plan.run_name, **settings_and_plan, versions=versions, **extra)
 
 
 def update_run_record(run: RunDir, **fields) -> None:
-    """run.json with `fields` set (the push's repo and commit, after training)."""
     run.write_json(run.run_record, {**(run.read_json(run.run_record) or {}), **fields})
 
 
@@ -506,10 +460,7 @@ def mark_checkpoint_complete(run: RunDir, checkpoint: Path, resume_key: dict) ->
         for path in sorted(checkpoint.rglob("*"))
         if path.is_file() and path.name != COMPLETE_MARKER
     }
-    run.write_text(
-        checkpoint / COMPLETE_MARKER,
-        json.dumps({"resume": resume_key, "files": files}, indent=2, sort_keys=True) + "\n",
-    )
+    run.write_json(checkpoint / COMPLETE_MARKER, {"resume": resume_key, "files": files})
 
 
 def checkpoint_damage(checkpoint: Path) -> str | None:
@@ -534,29 +485,25 @@ def checkpoint_resume_key(checkpoint: Path) -> dict:
     return json.loads((checkpoint / COMPLETE_MARKER).read_text())["resume"]
 
 
-def _checkpoints(run: RunDir) -> list[tuple[int, Path, bool]]:
-    """(step, path, complete) for every checkpoint folder, oldest first."""
-    found = []
-    for path in run.checkpoints.glob("checkpoint-*"):
-        match = CHECKPOINT_RE.match(path.name)
-        if match and path.is_dir():
-            found.append((int(match.group(1)), path, (path / COMPLETE_MARKER).is_file()))
-    return sorted(found)
+def _checkpoints(run: RunDir, complete: bool = True) -> list[Path]:
+    """The checkpoint folders marked complete (or, `complete=False`, those a kill cut short), oldest first."""
+    found = sorted(
+        (int(match.group(1)), path)
+        for path in run.checkpoints.glob("checkpoint-*")
+        if (match := CHECKPOINT_RE.match(path.name)) and path.is_dir()
+    )
+    return [path for _, path in found if (path / COMPLETE_MARKER).is_file() == complete]
 
 
 def latest_complete_checkpoint(run: RunDir) -> Path | None:
-    """The newest checkpoint whose save finished; one cut short by a kill has no marker and is skipped."""
-    complete = [path for _, path, done in _checkpoints(run) if done]
-    return complete[-1] if complete else None
+    return next(reversed(_checkpoints(run)), None)
 
 
 def usable_checkpoints(run: RunDir) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete checkpoint whose files are intact, and the damaged ones found newer than it
     (removed: a later save of the same step must not mix with their files)."""
     damaged = []
-    for _, path, done in reversed(_checkpoints(run)):
-        if not done:
-            continue
+    for path in reversed(_checkpoints(run)):
         problem = checkpoint_damage(path)
         if problem is None:
             return path, damaged
@@ -567,7 +514,7 @@ def usable_checkpoints(run: RunDir) -> tuple[Path | None, list[tuple[Path, str]]
 
 def discard_incomplete_checkpoints(run: RunDir) -> list[Path]:
     """Remove checkpoints a kill cut short, so neither resume nor the next save ever mixes in their files."""
-    removed = [path for _, path, done in _checkpoints(run) if not done]
+    removed = _checkpoints(run, complete=False)
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
@@ -577,7 +524,7 @@ def prune_checkpoints(run: RunDir, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints. Runs after a new one is marked complete, so the
     newest complete checkpoint is never deleted before a newer one is whole (the Trainer's own rotation
     deletes before the new one is finished, and by mtime)."""
-    complete = [path for _, path, done in _checkpoints(run) if done]
+    complete = _checkpoints(run)
     for path in complete[: max(0, len(complete) - keep)]:
         # The marker goes first: a kill in the middle of the deletion leaves an unmarked checkpoint, which
         # the next start discards quietly, never a marked one with files missing.
@@ -591,10 +538,9 @@ def volume_fault(run: RunDir, exc: BaseException, doing: str) -> JobError | None
     state = volume_state(exc, run.root)
     if state is None:
         return None
-    try:
+    latest = None
+    with suppress(OSError):
         latest = latest_complete_checkpoint(run)
-    except OSError:
-        latest = None
     resume = (
         f"it resumes from {latest.name}, the last complete checkpoint (kept intact; one cut short is discarded)"
         if latest

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
+from functools import partial, partialmethod
 from pathlib import Path
 
 import datasets
@@ -63,7 +63,7 @@ class JobTrainer(Trainer):
       no public switch for evaluation alone, so the override keeps it sequential.
     - checkpoints: a save that fails (a full or read-only volume) raises out of the Trainer on the rank that
       hit it, before any callback runs; the override lets every rank agree on the outcome first
-      (CheckpointMarker.save_agreed).
+      (Checkpoints.save_agreed).
     - resume at the last step: a checkpoint of step MAX_STEPS (a run stopped in its final evaluation or before
       model/ was saved) resumed inside an epoch, and the library trains one step before it checks for the
       end: the restart trained a step past MAX_STEPS. The override runs no epoch once the last step is trained.
@@ -150,9 +150,7 @@ class JobTrainer(Trainer):
             return super().evaluate(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
-        # The one place every rank's checkpoint write passes through (model, optimizer, RNG state, trainer
-        # state); a callback runs only after it succeeded. A full or read-only volume ends every rank alike.
-        marker = next(c for c in self.callback_handler.callbacks if isinstance(c, CheckpointMarker))
+        marker = next(c for c in self.callback_handler.callbacks if isinstance(c, Checkpoints))
         with self.startup.aside():
             marker.save_agreed(
                 lambda: super(JobTrainer, self)._save_checkpoint(model, trial),
@@ -168,13 +166,11 @@ class JobTrainer(Trainer):
     def _get_train_sampler(self, train_dataset=None):
         dataset = self.train_dataset if train_dataset is None else train_dataset
         if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, datasets.Dataset):
-            # Arrow has the lengths already: the same lengths as the library's loop, so the same batches. One
-            # order on every path (eager or compiled, any replica count): TORCH_COMPILE changes the speed only.
+            # Arrow's lengths are the library loop's: the same batches.
             return GlobalOrderSampler(self.plan.batch.global_batch, token_counts(dataset).to_pylist(), self.args.seed)
         return super()._get_train_sampler(train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
-        # Length grouping speeds up training; for evaluation it would only reorder rows.
         return SequentialSampler(eval_dataset)
 
 
@@ -182,9 +178,7 @@ class JobTrainer(Trainer):
 def rng_preserved(device: torch.device) -> Iterator[None]:
     """Python's, numpy's and torch's global RNG states (the CPU's and `device`'s) as they were before the block."""
     python, legacy = random.getstate(), np.random.get_state()
-    devices = (
-        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    )
+    devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
             yield
@@ -251,18 +245,6 @@ class SamplerEpoch(TrainerCallback):
         if sampler is not None:
             steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
             sampler.set_epoch(state.global_step // steps_per_epoch)
-
-
-class SaveBeforeFinalEvaluation(TrainerCallback):
-    """At the last step the Trainer evaluated, then saved: an evaluation that failed there (a huge
-    PER_DEVICE_EVAL_BATCH_SIZE, out of memory) lost every step since the last checkpoint. The last step is now
-    saved (and marked complete) without that evaluation; the job's final evaluation after training, on the
-    same split, gives the curve its last point, and a restart after a failure in it resumes at the last step
-    and only evaluates."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= state.max_steps:
-            control.should_evaluate = False
 
 
 def seconds_since_start() -> float:
@@ -344,22 +326,45 @@ class StepClock(TrainerCallback):
         }
 
 
-class CheckpointMarker(TrainerCallback):
-    """Marks a checkpoint complete once every rank has written its part (resume skips unmarked ones),
-    then keeps the newest SAVE_TOTAL_LIMIT complete ones."""
+class Checkpoints(TrainerCallback):
+    """Saves and stops at the first step where any rank got SIGTERM or SIGINT (utils/preemption.py); makes each
+    checkpoint's folder before the Trainer writes into it; marks a checkpoint complete once every rank has written
+    its part (resume skips unmarked ones), then keeps the newest SAVE_TOTAL_LIMIT complete ones."""
 
-    def __init__(self, run: RunDir, collectives: Collectives, keep: int, resume_key: dict):
+    def __init__(self, run: RunDir, collectives: Collectives, keep: int, resume_key: dict, preemption: Preemption):
         self.run, self.collectives, self.keep, self.resume_key = run, collectives, keep, resume_key
+        self.preemption = preemption
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # One all-reduce of the signal number at every step end: every rank takes the same decision at the same
+        # step; SIGTERM (15) wins over SIGINT (2). It goes over the gloo control group: no GPU sync.
+        if signum := self.collectives.max_over_ranks(self.preemption.signum):
+            self.preemption.follow(signum)
+            log.warning(f"{SIGNALS.get(signum, signum)}: saving a checkpoint at step {state.global_step} and stopping")
+            control.should_save = control.should_training_stop = True
+            # The grace period goes to the checkpoint: the Trainer would evaluate first on an evaluation step.
+            control.should_evaluate = False
+        if state.global_step >= state.max_steps:
+            # At the last step the Trainer evaluated, then saved: an evaluation that failed there (a huge
+            # PER_DEVICE_EVAL_BATCH_SIZE, out of memory) lost every step since the last checkpoint. The job's final
+            # evaluation after training gives the curve its last point; a restart after a failure in it resumes at
+            # the last step and only evaluates.
+            control.should_evaluate = False
+        if control.should_save:
+            # The Trainer would follow a link planted at checkpoints/checkpoint-N, a name anyone can predict. The
+            # first write of a save: a link there, or a volume full or read-only by now, stops every rank alike.
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            self.save_agreed(lambda: self.run.make_dir(folder), f"creating {folder.name}")
 
     def on_save(self, args, state, control, **kwargs):
         # Each rank saves its own RNG state; rank 0 alone cannot tell it is written.
         self.collectives.barrier()
 
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+
         def mark() -> None:
-            with self.volume_checked(f"marking checkpoint-{state.global_step} complete"):
-                mark_checkpoint_complete(
-                    self.run, Path(args.output_dir) / f"checkpoint-{state.global_step}", self.resume_key
-                )
+            with self.volume_checked(f"marking {folder.name} complete"):
+                mark_checkpoint_complete(self.run, folder, self.resume_key)
                 prune_checkpoints(self.run, self.keep)
 
         self.collectives.run_on_main(mark)
@@ -386,21 +391,6 @@ class CheckpointMarker(TrainerCallback):
             raise fault from None
 
 
-class CheckpointFolder(TrainerCallback):
-    """Makes the folder of a checkpoint about to be saved a real folder of the job's before the Trainer writes
-    into it: the Trainer would follow a link planted at checkpoints/checkpoint-N, a name anyone can predict.
-    Runs after every callback that may ask for a save; a link there is refused on every rank alike."""
-
-    def __init__(self, run: RunDir, marker: CheckpointMarker):
-        self.run, self.marker = run, marker
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if control.should_save:
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            # The first write of a save: a volume full or read-only by now stops every rank alike.
-            self.marker.save_agreed(lambda: self.run.make_dir(folder), f"creating {folder.name}")
-
-
 class RecordedTensorBoard(TensorBoardCallback):
     """The Trainer's TensorBoard callback writing into a folder of the job's own, and recording the event file
     each of its writers creates (RunDir.record_written): a push sends those files, never whatever else is in
@@ -415,25 +405,20 @@ class RecordedTensorBoard(TensorBoardCallback):
         self.volume_failed = False
         quiet_volume_faults_in_threads()  # the event writer's thread dies of it without a traceback
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._unless_volume_failed(super().on_train_begin, args, state, control, **kwargs)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self._unless_volume_failed(super().on_log, args, state, control, logs=logs, **kwargs)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self._unless_volume_failed(super().on_train_end, args, state, control, **kwargs)
-
-    def _unless_volume_failed(self, event, *args, **kwargs) -> None:
+    def _unless_volume_failed(self, event: str, *args, **kwargs) -> None:
         if self.volume_failed:
             return
         try:
-            event(*args, **kwargs)
+            getattr(super(), event)(*args, **kwargs)
         except Exception as exc:
             if isinstance(exc, JobError) or (state := volume_state(exc, self.run.root)) is None:
                 raise
             self.volume_failed = True
             log.warning(f"TensorBoard stopped writing to {self.logging_dir}: the volume is {state} ({exc})")
+
+    on_train_begin = partialmethod(_unless_volume_failed, "on_train_begin")
+    on_log = partialmethod(_unless_volume_failed, "on_log")
+    on_train_end = partialmethod(_unless_volume_failed, "on_train_end")
 
     def _init_summary_writer(self, args):
         folder = self.run.make_dir(Path(self.logging_dir))
@@ -444,26 +429,6 @@ class RecordedTensorBoard(TensorBoardCallback):
         for path in events:
             self.run.check_owned(path)
         self.run.record_written("tensorboard", [str(path.relative_to(self.run.root)) for path in events])
-
-
-class StopOnPreemption(TrainerCallback):
-    """Saves and stops at the first step where any rank got SIGTERM or SIGINT (utils/preemption.py).
-
-    One all-reduce of the signal number at every step end makes every rank take the same decision at the
-    same step; SIGTERM (15) wins over SIGINT (2). It goes over the gloo control group: no GPU sync.
-    """
-
-    def __init__(self, preemption: Preemption, collectives: Collectives):
-        self.preemption, self.collectives = preemption, collectives
-
-    def on_step_end(self, args, state, control, **kwargs):
-        signum = self.collectives.max_over_ranks(self.preemption.signum)
-        if signum:
-            self.preemption.follow(signum)
-            log.warning(f"{SIGNALS.get(signum, signum)}: saving a checkpoint at step {state.global_step} and stopping")
-            control.should_save = control.should_training_stop = True
-            # The grace period goes to the checkpoint: the Trainer would evaluate first on an evaluation step.
-            control.should_evaluate = False
 
 
 class StrategyCheck(TrainerCallback):
@@ -543,37 +508,13 @@ def regression_metrics():
     return compute
 
 
-def task_metrics(model):
-    """compute_metrics for what the model was built for (its config's problem type and label count)."""
-    if model.config.problem_type == "regression":
-        return regression_metrics()
-    return classification_metrics(model.config.num_labels)
-
-
-def evaluation_sets(data) -> datasets.Dataset | dict[str, datasets.Dataset]:
-    """The split(s) evaluated: `validation` alone, or several by name (MNLI's matched and mismatched), whose
-    metrics the Trainer prefixes with the name (`eval_matched_accuracy`)."""
-    splits = [split for split in data if split != "train"]
-    if splits == ["validation"]:
-        return data["validation"]
-    return {eval_prefix(split): data[split] for split in splits}
-
-
-def evaluation_interval(job: Job) -> int:
-    """EVAL_STEPS, or EVALUATIONS_PER_EPOCH evaluations an epoch (over the whole run when MAX_STEPS is
-    shorter than an epoch); 0: no evaluation during training."""
-    settings, plan = job.settings, job.plan
-    if settings.eval_steps is not None:
-        return settings.eval_steps
-    steps = min(plan.steps_per_epoch, plan.max_steps or plan.steps_per_epoch)
-    return max(1, steps // EVALUATIONS_PER_EPOCH)
-
-
 # ------------------------------------------------------------------------------- building it
 def training_arguments(job: Job, model) -> TrainingArguments:
     """The TrainingArguments the plan (completed with the step count: Job.with_rows) and the settings give."""
     settings, dist, cuda, plan = job.settings, job.dist, job.cuda, job.plan
-    eval_every = evaluation_interval(job)
+    # EVAL_STEPS (0: none during training), or EVALUATIONS_PER_EPOCH an epoch (or a MAX_STEPS run, if shorter).
+    steps = min(plan.steps_per_epoch, plan.max_steps or plan.steps_per_epoch)
+    eval_every = max(1, steps // EVALUATIONS_PER_EPOCH) if settings.eval_steps is None else settings.eval_steps
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
     best = best_metric(settings, REGRESSION if model.config.problem_type == "regression" else CLASSIFICATION)
@@ -593,8 +534,7 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         optim="adamw_torch_fused",
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
-        # Not `tf32=True`: transformers sets it through torch's new API, and then the legacy getter inductor calls
-        # raises (pytorch#166387); use_tf32_matmuls sets it through one API.
+        # Not `tf32=True`: use_tf32_matmuls sets it through one torch API (pytorch#166387).
         tf32=None,
         # transformers 5's name for gradient checkpointing; the reentrant variant breaks DDP + LoRA (peft #899).
         activation_checkpointing=settings.gradient_checkpointing,
@@ -607,7 +547,7 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         logging_nan_inf_filter=False,
         save_strategy="steps",
         save_steps=settings.save_steps,
-        # CheckpointMarker prunes, counting complete checkpoints only.
+        # Checkpoints prunes, counting complete checkpoints only.
         save_total_limit=None,
         # The validation curve; the full evaluation at the end comes after training.
         eval_strategy="steps" if eval_every else "no",
@@ -631,8 +571,6 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         log_level="passive",  # utils/run.setup_logging decides which library records reach the logs
         log_level_replica="passive",
     )
-    # STRATEGY=fsdp: FSDP2, one unit per transformer block.
-    # STRATEGY=deepspeed: the DeepSpeed config ("auto" where these arguments decide).
     options.update(trainer_options(settings, model, plan.deepspeed))
     return TrainingArguments(**options)
 
@@ -648,21 +586,15 @@ def build_trainer(
     settings, dist, out = job.settings, job.dist, job.out
     if group is None:
         if dist.is_distributed:
-            raise ValueError(
-                "build_trainer needs the Collectives from utils.collectives.rendezvous in a distributed job"
-            )
+            raise ValueError("a distributed job passes build_trainer the Collectives of utils.collectives.rendezvous")
         group = Collectives(dist, settings.rendezvous_timeout)
     args = training_arguments(job, model)
-    marker = CheckpointMarker(out, group, settings.save_total_limit, key or {"identity": job.plan.identity})
     startup = StepClock(args.device)
     callbacks: list[TrainerCallback] = [
         StrategyCheck(job.strategy),
-        marker,
         startup,
         SamplerEpoch(),
-        SaveBeforeFinalEvaluation(),
-        StopOnPreemption(job.preemption, group),
-        CheckpointFolder(out, marker),  # after StopOnPreemption, which may ask for a save
+        Checkpoints(out, group, settings.save_total_limit, key or {"identity": job.plan.identity}, job.preemption),
     ]
     if dist.is_main and "tensorboard" in settings.report_to:
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / job.plan.run_name))
@@ -673,20 +605,22 @@ def build_trainer(
     # Evaluation batches use the same collator: the longest row of any split.
     longest = max(pyarrow.compute.max(token_counts(split)).as_py() for split in data.values())
     buckets = length_buckets(settings.max_seq_length, longest)
-    # One padding collator per bucket, built once, not one per batch.
     collators = {n: DataCollatorWithPadding(tokenizer, padding="max_length", max_length=n) for n in buckets}
     if job.plan.precision == "bf16" and not job.quantize and job.strategy == "ddp":
         store_frozen_linears_in_bf16(model)
     if job.compiled:
         compile_model(model, job)
+    regression = model.config.problem_type == "regression"
+    # `validation` alone, or several (MNLI's matched and mismatched), whose metrics the Trainer prefixes with the name.
+    evaluated = {eval_prefix(split): data[split] for split in data if split != "train"}
     return JobTrainer(
         model=model,
         args=args,
         train_dataset=data["train"],
-        eval_dataset=evaluation_sets(data),
+        eval_dataset=data["validation"] if set(data) == {"train", "validation"} else evaluated,
         data_collator=partial(pad_to_bucket, collators),
         processing_class=tokenizer,
-        compute_metrics=task_metrics(model),
+        compute_metrics=regression_metrics() if regression else classification_metrics(model.config.num_labels),
         callbacks=callbacks,
         plan=job.plan,
         startup=startup,
