@@ -360,13 +360,13 @@ def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or
         assert_refusal((tmp_path / f"two-rank{rank}.txt").read_text(), names)
 
     # The data changed between kill and restart: refused; the same rows copied again (new mtime): resumed.
-    original = (data / "train.csv").read_text()
+    original = (data / "train.csv").read_bytes()  # the bytes: csv.writer ends its lines in \r\n
     lines = original.splitlines()
-    (data / "train.csv").write_text("\n".join([lines[0], *lines[2:], lines[1]]) + "\n")  # same rows, other order
+    (data / "train.csv").write_bytes(b"\r\n".join([lines[0], *lines[2:], lines[1]]) + b"\r\n")  # other order
     try:
         changed = run_main(env)
     finally:
-        (data / "train.csv").write_text(original)
+        (data / "train.csv").write_bytes(original)
     assert_refusal(changed, [f"OUTPUT_DIR={out}", "data files: train.csv in DATASET_PATH="])
 
     # The checkpoints after the SIGINT one damaged after they were marked complete: the SIGINT one is used,
