@@ -1,0 +1,80 @@
+"""The Trainer's per-step host work done once or over the trainable weights (JobTrainer.host_levers): the same
+model as the library's own calls, step for step, with dropout on and evaluations between the steps, and every
+training forward in training mode (an evaluation's eval() must not leave the model in it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO, base_env
+
+SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch
+from transformers import set_seed
+from utils.distributed import DistEnv
+from utils.data import load_sst2
+from utils.job import Job
+from utils.model import build_model, load_tokenizer, trainable_checksum
+from utils.outputs import RunDir
+from utils.plan import build_plan
+from utils.preemption import Preemption
+from utils.settings import Settings
+from utils.trainer import JobTrainer, build_trainer
+
+model_dir, data_dir, out = sys.argv[1:]
+single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
+result = {}
+for levers in (False, True):
+    JobTrainer.host_levers = levers
+    settings = Settings(
+        model_name=model_dir, dataset_path=data_dir, output_dir=f"{out}/{levers}", report_to=("none",), max_steps=8,
+        eval_steps=2, logging_steps=1, save_steps=1000, per_device_batch_size=16, learning_rate=1e-3,
+    )
+    run = RunDir(Path(settings.output_dir))
+    run.checkpoints.mkdir(parents=True)
+    job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
+    tokenizer = load_tokenizer(settings)
+    data = load_sst2(settings, tokenizer, run.cache)
+    job = job.with_rows(len(data["train"]))
+    set_seed(settings.seed)
+    model = build_model(settings, False, job.device)
+    modes = []  # (gradients on: a training forward, the LoRA dropout's mode)
+    dropout = next(m for name, m in model.named_modules() if name.endswith("lora_dropout.default"))
+    dropout.register_forward_pre_hook(lambda module, args: modes.append((torch.is_grad_enabled(), module.training)))
+    trainer = build_trainer(job, model, tokenizer, data)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    grad_norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    result[str(levers)] = {
+        "losses": losses, "grad_norms": grad_norms, "flos": trainer.state.total_flos,
+        "checksum": trainable_checksum(trainer.model), "modes": sorted(set(modes)),
+        "evaluations": sum(1 for entry in trainer.state.log_history if "eval_loss" in entry),
+        "patched": "zero_grad" in vars(trainer.model_wrapped),
+    }
+print(json.dumps(result))
+"""
+
+
+def test_the_host_levers_train_the_library_s_model_in_training_mode(tmp_path, tiny_bert, sst2_dir):
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_bert), str(sst2_dir), str(tmp_path / "out")],
+        cwd=REPO,
+        env=base_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    library, job = json.loads(proc.stdout.splitlines()[-1]).values()
+    assert job["patched"], job  # the job's train() and zero_grad() are the ones the Trainer calls
+    assert len(job["losses"]) == 8 and job["evaluations"] >= 3, job  # at steps 2, 4, 6 (8: the final one)
+    # The same model, step for step: the losses, the clipped gradients' norms, the FLOPs counted, the weights.
+    for name in ("losses", "grad_norms", "flos", "checksum"):
+        assert job[name] == library[name], (name, library[name], job[name])
+    # Every training forward with dropout in training mode, every evaluation forward without: after each
+    # evaluation's eval(), the next step's train() reached the modules inside.
+    assert job["modes"] == [[False, False], [True, True]], job["modes"]
