@@ -60,15 +60,13 @@ def published_base(settings: Settings, metrics: dict) -> str | None:
     return metrics.get("base_model_id") or resolve_base_model_id(settings)
 
 
-def run_labels(settings: Settings, metrics: dict | None = None) -> list[str]:
+def run_labels(settings: Settings, metrics: dict) -> list[str]:
     """The class names in id order the run trained with (metrics.json records what the data resolved to), `[]`
     for regression; LABEL_NAMES for a run recorded before the labels were."""
-    if metrics and "labels" in metrics:
-        return list(metrics["labels"])
-    return list(settings.label_names)
+    return list(metrics.get("labels", settings.label_names))
 
 
-def write_label_names(folder: Path, settings: Settings, metrics: dict | None = None) -> None:
+def write_label_names(folder: Path, settings: Settings, metrics: dict) -> None:
     """id2label.json beside an adapter: the names predict.py and the card's snippet give the label ids; one
     entry, `score`, for a regression model (a classifier of one class is refused). And inputs.json, what one
     input is (a sentence, or a pair of the columns named): predict.py takes what training took."""
@@ -143,7 +141,7 @@ def card_metrics(metrics: dict) -> list[str]:
     ]
 
 
-def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: dict | None = None) -> str:
+def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: dict) -> str:
     """The card's Python for this model: its input (a sentence, or a pair as `text`/`text_pair`) and, for an
     adapter, what the base's config does not know: the label names, and for a regression `problem_type`, without
     which the pipeline answers with a sigmoid of the score."""
