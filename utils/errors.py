@@ -3,6 +3,7 @@ faults that map onto them (a full or read-only OUTPUT_DIR volume)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -88,10 +89,8 @@ def _refuses_new_files(folder: str | os.PathLike) -> str | None:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except OSError as exc:
         return VOLUME_ERRNOS.get(exc.errno)
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(probe)
-    except OSError:
-        pass
     return None
 
 
