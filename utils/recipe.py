@@ -2,8 +2,7 @@
 
 The rates themselves (the learning rate that follows the global batch, the LoRA+ and head ratios) are the
 plan's (utils/plan.py). peft's create_loraplus_optimizer puts the head's weights at 1x and its biases at the
-B rate, which is why the groups are made here. Imports nothing heavy; `optimizer_groups` takes the model's
-named parameters.
+B rate, which is why the groups are made here. Imports nothing heavy.
 """
 
 from __future__ import annotations

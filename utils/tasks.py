@@ -55,11 +55,10 @@ GLUE = {
 }
 GLUE_DATASETS = ("nyu-mll/glue", "glue")
 # nyu-mll/glue configurations without a labelled train split: nothing to fine-tune on.
-GLUE_UNTRAINABLE = {
-    "ax": "the diagnostic set has a test split only",
-    "mnli_matched": "it holds MNLI's validation and test splits only (TASK=mnli trains on MNLI and evaluates both)",
-    "mnli_mismatched": "it holds MNLI's validation and test splits only (TASK=mnli trains on MNLI and evaluates both)",
-}
+GLUE_UNTRAINABLE = {"ax": "the diagnostic set has a test split only"} | dict.fromkeys(
+    ("mnli_matched", "mnli_mismatched"),
+    "it holds MNLI's validation and test splits only (TASK=mnli trains on MNLI and evaluates both)",
+)
 
 
 def validation_splits(settings) -> tuple[str, ...]:
