@@ -27,10 +27,7 @@ class JobError(Exception):
 
 class Preempted(BaseException):
     """SIGTERM (preemption, eviction) or SIGINT: leave with 128 + the signal so the orchestrator restarts the job.
-
-    A BaseException, like KeyboardInterrupt: raised from the signal handler, it must not be swallowed
-    by a library's `except Exception` on its way out.
-    """
+    A BaseException, like KeyboardInterrupt: raised from the signal handler, no library's `except Exception` eats it."""
 
     def __init__(self, message: str, code: int = EXIT_PREEMPTED):
         super().__init__(message)

@@ -69,8 +69,7 @@ class Job:
         return self.plan.compile is True
 
     def leave_unused_libraries_out(self) -> None:
-        """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights (`leave_out`). Called before
-        transformers is imported."""
+        """`leave_out` what the plan does not use; before transformers is imported."""
         unused = {"deepspeed": self.strategy != "deepspeed", "bitsandbytes": not self.quantize}
         leave_out(*(name for name, left_out in unused.items() if left_out))
         if self.strategy == "deepspeed" and not self.cuda:  # else DeepSpeed probes for a GPU and warns it found none
