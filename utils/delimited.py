@@ -21,10 +21,9 @@ FIELD_LIMIT = 2**31 - 1
 
 
 def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[str] | None, Iterator[tuple[int, list]]]:
-    """The header (None for an empty file) and each record after it with the line it starts on; a blank line is
-    no record, to the loader either. Refused: a header naming a column twice (the loader would rename one
-    `label.1` and train on the other without a word), and a record running over several lines: a `"` opening a
-    sentence makes the reader swallow every row up to the next quote into it."""
+    """The header (None for an empty file) and each record after it with the line it starts on (a blank line is no
+    record, to the loader either). Refused: a header naming a column twice (the loader would rename one `label.1`
+    and train on the other without a word), and a record running over several lines (a stray quote)."""
     csv.field_size_limit(FIELD_LIMIT)
     delimiter, quoting = DIALECTS[suffix]
     reader = csv.reader(lines, delimiter=delimiter, quoting=quoting)
@@ -35,8 +34,7 @@ def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[st
             name, times = repeated[0]
             raise JobError(
                 EXIT_BAD_INPUT,
-                f"{path} names the column '{name}' {times} times in its header ({suffix[1:]}: {header}); "
-                "which one holds the data is ambiguous: rename or remove the extra column",
+                f"{path} names the column '{name}' {times} times in its header ({suffix[1:]}: {header}); which one holds the data is ambiguous: rename or remove the extra column",
             )
 
     def records() -> Iterator[tuple[int, list]]:
@@ -46,10 +44,7 @@ def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[st
             if end > start and record:
                 raise JobError(
                     EXIT_BAD_INPUT,
-                    f"{path} line {start}: a quoted field runs over lines {start}-{end}, merging {end - start + 1} lines "
-                    'into one row (a stray " at the start of a sentence swallows the rows up to the next quote); '
-                    'close the quote, double a quote inside a quoted field (""), or save the data as .tsv, which is read '
-                    "without quoting",
+                    f'{path} line {start}: a quoted field runs over lines {start}-{end}, merging {end - start + 1} lines into one row (a stray " at the start of a sentence swallows the rows up to the next quote); close the quote, double a quote inside a quoted field (""), or save the data as .tsv, which is read without quoting',
                 )
             if record:
                 yield start, record

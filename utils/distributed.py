@@ -11,9 +11,7 @@ Launchers, first match wins (so torchrun inside a Slurm task or a PyTorchJob pod
 | slurm      | SLURM_PROCID and SLURM_NTASKS          | SLURM_PROCID/NTASKS/LOCALID/NODEID, first host of the node list |
 | single     | none of the above                      | rank 0 of 1                                             |
 
-The `deepspeed` launcher also appends `--local_rank=N` to the command line; `launcher_argv` takes it off (it
-repeats LOCAL_RANK). `export_env` publishes the resolved ranks under the names torch and Accelerate read. No torch
-here: `--dry-run` uses `detect_env` and must stay fast. The process group is utils/collectives.py's.
+No torch here: `--dry-run` uses `detect_env` and must stay fast. The process group is utils/collectives.py's.
 """
 
 from __future__ import annotations
@@ -75,11 +73,8 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
 
 
 def first_host(nodelist: str) -> str:
-    """First host of a Slurm node list: 'gpu-[01-04,07],cpu1' -> 'gpu-01', 'rack[1-2]-node[01-04]' -> 'rack1-node01'.
-
-    Slurm's own `scontrol show hostnames` where it is installed (it knows every syntax Slurm writes),
-    else python-hostlist, a parser kept by a Slurm site (zero-padding, several bracket groups, suffixes).
-    """
+    """First host of a Slurm node list ('gpu-[01-04,07],cpu1' -> 'gpu-01'): Slurm's own `scontrol show hostnames`
+    where it is installed, else python-hostlist, a parser kept by a Slurm site (padding, bracket groups, suffixes)."""
     nodelist = nodelist.strip()
     if shutil.which("scontrol"):
         try:
@@ -106,31 +101,25 @@ def first_host(nodelist: str) -> str:
 
 
 def _refuse_partial_rank_variables(env: Mapping[str, str]) -> None:
-    """No launcher was recognised, yet some rank variables are set: half a launcher's environment.
-
-    Read as one process, each of N replicas would train alone into the same folder. What one process
-    would have anyway (WORLD_SIZE=1, LOCAL_RANK=0, NODE_RANK=0) is accepted.
-    """
+    """No launcher was recognised, yet some rank variables are set: read as one process, each of N replicas would
+    train alone into the same folder. What one process has anyway (WORLD_SIZE=1, LOCAL_RANK=0, NODE_RANK=0) passes."""
     value = lambda name: env.get(name, "").strip()  # noqa: E731
     if value("WORLD_SIZE") and value("WORLD_SIZE") != "1" and not value("RANK"):
         raise JobError(
             EXIT_BAD_INPUT,
-            f"WORLD_SIZE={value('WORLD_SIZE')} is set but RANK is not; set RANK (0..WORLD_SIZE-1) on every replica, "
-            "or unset WORLD_SIZE to run as one process",
+            f"WORLD_SIZE={value('WORLD_SIZE')} is set but RANK is not; set RANK (0..WORLD_SIZE-1) on every replica, or unset WORLD_SIZE to run as one process",
         )
     if value("RANK") and not value("WORLD_SIZE"):
         raise JobError(
             EXIT_BAD_INPUT,
-            f"RANK={value('RANK')} is set but WORLD_SIZE is not; set WORLD_SIZE (the number of replicas) on every replica, "
-            "or unset RANK to run as one process",
+            f"RANK={value('RANK')} is set but WORLD_SIZE is not; set WORLD_SIZE (the number of replicas) on every replica, or unset RANK to run as one process",
         )
     stray = [f"{name}={value(name)}" for name in ("NODE_RANK", "LOCAL_RANK") if value(name) not in ("", "0")]
     stray += [f"{name}={value(name)}" for name in ("MASTER_ADDR", "MASTER_PORT") if value(name)]
     if stray:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set but RANK and WORLD_SIZE are not, so this replica would train alone; "
-            "set RANK and WORLD_SIZE as well (or start it with torchrun), or unset them to run as one process",
+            f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set but RANK and WORLD_SIZE are not, so this replica would train alone; set RANK and WORLD_SIZE as well (or start it with torchrun), or unset them to run as one process",
         )
 
 
@@ -151,16 +140,14 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         if not has("RANK"):  # Kubeflow Trainer v2 sets only torchrun's PET_* variables, never RANK
             raise JobError(
                 EXIT_BAD_INPUT,
-                "PET_NNODES/PET_NODE_RANK are set but RANK is not: under Kubeflow Trainer v2 (TrainJob) start the container "
-                "with `torchrun main.py`, which turns PET_* into ranks (k8s/trainer-v2/trainjob.yaml)",
+                "PET_NNODES/PET_NODE_RANK are set but RANK is not: under Kubeflow Trainer v2 (TrainJob) start the container with `torchrun main.py`, which turns PET_* into ranks (k8s/trainer-v2/trainjob.yaml)",
             )
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         nproc = env.get("PET_NPROC_PER_NODE", "1").strip() or "1"
         if nproc != "1":
             raise JobError(
                 EXIT_BAD_INPUT,
-                f"PET_NPROC_PER_NODE={nproc} but the pod started main.py without torchrun, so RANK is the pod index, "
-                "not the process rank; start the container with `torchrun main.py` (k8s/multi-gpu-per-pod) or set nprocPerNode: 1",
+                f"PET_NPROC_PER_NODE={nproc} but the pod started main.py without torchrun, so RANK is the pod index, not the process rank; start the container with `torchrun main.py` (k8s/multi-gpu-per-pod) or set nprocPerNode: 1",
             )
         local_rank, node_rank = 0, _int(env, "PET_NODE_RANK", rank)  # one process per pod
     elif has("RANK") and has("WORLD_SIZE"):
@@ -188,8 +175,7 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     if world > 1 and addr is None:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"WORLD_SIZE={world} ({source}) but MASTER_ADDR is not set; set MASTER_ADDR (and MASTER_PORT, default {DEFAULT_PORT}) "
-            "to the address of the rank-0 replica, e.g. in the job's config_map",
+            f"WORLD_SIZE={world} ({source}) but MASTER_ADDR is not set; set MASTER_ADDR (and MASTER_PORT, default {DEFAULT_PORT}) to the address of the rank-0 replica, e.g. in the job's config_map",
         )
     port = _int(env, "MASTER_PORT", DEFAULT_PORT) if addr else None
     if world > 1 and not 0 < port < 65536:
@@ -246,9 +232,8 @@ def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, obje
     }
 
 
-# An accelerate config's DeepSpeed choices, as `accelerate launch` exports them. Once the job has adopted them
-# into its settings (utils/deepspeed_config.deepspeed_overrides) they are dropped: the Trainer's DeepSpeed plugin
-# would read them again, and refuses them beside the config the job hands it ("When using
+# An accelerate config's DeepSpeed choices, dropped once the settings have adopted them (deepspeed_overrides): the
+# Trainer's DeepSpeed plugin would read them again and refuse them beside the job's config ("When using
 # `deepspeed_config_file`, the following accelerate config variables will be ignored").
 ACCELERATE_DEEPSPEED_VARIABLES = tuple(
     "ACCELERATE_CONFIG_DS_FIELDS ACCELERATE_DEEPSPEED_ZERO_STAGE ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE "
@@ -259,17 +244,11 @@ ACCELERATE_DEEPSPEED_VARIABLES = tuple(
 
 
 def export_env(dist: DistEnv, deepspeed: bool = False) -> None:
-    """Publish the resolved ranks under the names torch, Accelerate and the Trainer read (env://), and drop the
-    accelerate config's DeepSpeed choices the settings have taken over (ACCELERATE_DEEPSPEED_VARIABLES).
-    `deepspeed`: STRATEGY=deepspeed, whose engine asserts LOCAL_RANK is set even on one process."""
+    """Publish the resolved ranks under the names torch, Accelerate and the Trainer read (env://). `deepspeed`:
+    STRATEGY=deepspeed, whose engine asserts LOCAL_RANK is set even on one process."""
     for name in ACCELERATE_DEEPSPEED_VARIABLES:
         os.environ.pop(name, None)
-    values = {
-        "RANK": dist.rank,
-        "LOCAL_RANK": dist.local_rank,
-        "WORLD_SIZE": dist.world_size,
-        "NODE_RANK": dist.node_rank,
-    }
+    values = dict(RANK=dist.rank, LOCAL_RANK=dist.local_rank, WORLD_SIZE=dist.world_size, NODE_RANK=dist.node_rank)
     if dist.master_addr:
         values |= {"MASTER_ADDR": dist.master_addr, "MASTER_PORT": dist.master_port}
     if dist.is_distributed:

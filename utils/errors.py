@@ -3,6 +3,7 @@ faults that map onto them (a full or read-only OUTPUT_DIR volume)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -26,10 +27,7 @@ class JobError(Exception):
 
 class Preempted(BaseException):
     """SIGTERM (preemption, eviction) or SIGINT: leave with 128 + the signal so the orchestrator restarts the job.
-
-    A BaseException, like KeyboardInterrupt: raised from the signal handler, it must not be swallowed
-    by a library's `except Exception` on its way out.
-    """
+    A BaseException, like KeyboardInterrupt: raised from the signal handler, no library's `except Exception` eats it."""
 
     def __init__(self, message: str, code: int = EXIT_PREEMPTED):
         super().__init__(message)
@@ -39,7 +37,6 @@ class Preempted(BaseException):
 # A full, over-quota or read-only volume will not heal by itself: a restart would fail the same way (or, with
 # `restartPolicy: ExitCode`, loop). Exit 2, like bad input: someone frees space or repairs the volume, then
 # starts the job again, and it resumes from the last complete checkpoint.
-EXIT_VOLUME = EXIT_BAD_INPUT
 VOLUME_ERRNOS = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "read-only"}
 # Free space below this, right after a failed write, means the write filled the volume (a partial file is
 # left taking the rest): torch.save and safetensors report ENOSPC as a RuntimeError or their own error type.
@@ -89,16 +86,13 @@ def _refuses_new_files(folder: str | os.PathLike) -> str | None:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except OSError as exc:
         return VOLUME_ERRNOS.get(exc.errno)
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(probe)
-    except OSError:
-        pass
     return None
 
 
 def volume_error(state: str, folder: str | os.PathLike, doing: str, resume: str) -> JobError:
-    """The one `error:` line (exit 2) for a volume that is `state` ("full" or "read-only"): what, where, the fix,
-    and what a restart will do (`resume`)."""
+    """The one `error:` line for a volume that is `state` ("full" or "read-only"); `resume`: what a restart does."""
     what, fix = (
         "turned read-only (its volume was remounted read-only, usually after a file-system error: see the node's kernel log)",
         "repair the volume or mount it read-write again",
@@ -107,19 +101,14 @@ def volume_error(state: str, folder: str | os.PathLike, doing: str, resume: str)
         what = "is full (no space left on its volume)"
         fix = "free space there (e.g. remove other runs' folders) or give the job a larger volume (shared_volume size in config.yaml, the PVC's storage in k8s/)"
     return JobError(
-        EXIT_VOLUME,
-        f"OUTPUT_DIR={folder} {what} while {doing}; {fix}, then start the job again: {resume} "
-        f"(exit {EXIT_VOLUME}: a restart before that fails the same way)",
+        EXIT_BAD_INPUT,
+        f"OUTPUT_DIR={folder} {what} while {doing}; {fix}, then start the job again: {resume} (exit {EXIT_BAD_INPUT}: a restart before that fails the same way)",
     )
 
 
 def quiet_volume_faults_in_threads() -> None:
-    """Let a background writer thread die of a full or read-only volume without printing a traceback.
-
-    TensorBoard's event writer runs in a thread that re-raises its write error (threading prints it) and hands it
-    to the training thread at the next flush, where the job reports it once. Any other exception in any thread
-    is printed as before.
-    """
+    """Let a background writer thread die of a full or read-only volume without a traceback: TensorBoard's event
+    writer re-raises its write error in its thread and hands it to the training thread, which reports it once."""
     default = threading.excepthook
     if getattr(default, "quiet_volume_faults", False):
         return

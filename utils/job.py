@@ -50,19 +50,10 @@ class Job:
         plan = with_device(plan, settings, cuda, cuda and torch.cuda.is_bf16_supported())
         if plan.deepspeed is not None and settings.deepspeed_config is not None:
             check_config(plan.deepspeed, settings, plan)  # a precision the file pins, now that PRECISION is resolved
-        return cls(
-            settings=settings,
-            dist=dist,
-            out=out,
-            cuda=cuda,
-            device=torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu"),
-            plan=plan,
-            preemption=preemption,
-            masker=masker,
-        )
+        device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
+        return cls(settings, dist, out, cuda, device, plan, preemption, masker)
 
     def with_rows(self, train_rows: int) -> Job:
-        """This job with the plan's step count for `train_rows` training rows (utils/plan.with_rows)."""
         return replace(self, plan=with_rows(self.plan, self.settings, train_rows))
 
     @property
@@ -74,13 +65,11 @@ class Job:
         return self.plan.quantization == "8bit"
 
     @property
-    def compiled(self) -> bool:
-        """TORCH_COMPILE: the fast path (utils/trainer.compile_model), as the plan resolved it for this device."""
+    def compiled(self) -> bool:  # TORCH_COMPILE (utils/trainer.compile_model), as the plan resolved it for this device
         return self.plan.compile is True
 
     def leave_unused_libraries_out(self) -> None:
-        """DeepSpeed only for STRATEGY=deepspeed, bitsandbytes only for 8-bit weights (`leave_out`). Called before
-        transformers is imported."""
+        """`leave_out` what the plan does not use; before transformers is imported."""
         unused = {"deepspeed": self.strategy != "deepspeed", "bitsandbytes": not self.quantize}
         leave_out(*(name for name, left_out in unused.items() if left_out))
         if self.strategy == "deepspeed" and not self.cuda:  # else DeepSpeed probes for a GPU and warns it found none

@@ -1,10 +1,9 @@
 """The model card (README.md), its training-curve plot and the label names: what a user of the pushed model reads.
 
-The card is built with huggingface_hub's `ModelCard` / `ModelCardData`: its metadata carries the base
-model's Hub id and accuracy, F1, precision and recall on the validation split (`model-index`), which the
-Hub shows beside the model. It is written when the model is saved and written again at push time, with
-the real repo id in the usage snippet. Everything it says comes from the files a run leaves on the
-volume (`metrics.json`, the settings), so a `--push-only` after a restart writes the same card.
+Its metadata (`ModelCardData`) carries the base model's Hub id and the validation metrics (`model-index`), which
+the Hub shows beside the model. Written when the model is saved and again at push time, with the real repo id.
+Everything it says comes from what a run leaves on the volume (`metrics.json`, the settings), so a `--push-only`
+after a restart writes the same card.
 """
 
 from __future__ import annotations
@@ -61,15 +60,13 @@ def published_base(settings: Settings, metrics: dict) -> str | None:
     return metrics.get("base_model_id") or resolve_base_model_id(settings)
 
 
-def run_labels(settings: Settings, metrics: dict | None = None) -> list[str]:
+def run_labels(settings: Settings, metrics: dict) -> list[str]:
     """The class names in id order the run trained with (metrics.json records what the data resolved to), `[]`
     for regression; LABEL_NAMES for a run recorded before the labels were."""
-    if metrics and "labels" in metrics:
-        return list(metrics["labels"])
-    return list(settings.label_names)
+    return list(metrics.get("labels", settings.label_names))
 
 
-def write_label_names(folder: Path, settings: Settings, metrics: dict | None = None) -> None:
+def write_label_names(folder: Path, settings: Settings, metrics: dict) -> None:
     """id2label.json beside an adapter: the names predict.py and the card's snippet give the label ids; one
     entry, `score`, for a regression model (a classifier of one class is refused). And inputs.json, what one
     input is (a sentence, or a pair of the columns named): predict.py takes what training took."""
@@ -119,10 +116,7 @@ def data_source(settings: Settings, metrics: dict) -> str:
     """Where the rows came from, as they were: the Hub data set and config, or local data with its counts and fingerprint."""
     data = metrics.get("data", {})
     if settings.dataset_path:
-        return (
-            f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, "
-            f"fingerprint {data.get('fingerprint', '?')})"
-        )
+        return f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, fingerprint {data.get('fingerprint', '?')})"
     return f"[{settings.dataset_name}](https://huggingface.co/datasets/{settings.dataset_name}) ({settings.dataset_config})"
 
 
@@ -147,7 +141,7 @@ def card_metrics(metrics: dict) -> list[str]:
     ]
 
 
-def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: dict | None = None) -> str:
+def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: dict) -> str:
     """The card's Python for this model: its input (a sentence, or a pair as `text`/`text_pair`) and, for an
     adapter, what the base's config does not know: the label names, and for a regression `problem_type`, without
     which the pipeline answers with a sigmoid of the score."""
@@ -182,13 +176,6 @@ def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: 
     )
 
 
-def predict_command(repo_or_path: str, settings: Settings) -> str:
-    """predict.py for this model: sentences one a line, or a pair model's two columns of a file."""
-    if len(settings.text_columns) == 2:
-        return f"python predict.py {repo_or_path} pairs.jsonl --text-column {settings.text_column}"
-    return f"python predict.py {repo_or_path} sentences.txt"
-
-
 def trained_targets(folder: Path, settings: Settings) -> list[str]:
     """The layers the adapter adapts, as its adapter_config.json records them (the model's own names when
     LORA_TARGET_MODULES was not given: utils/model.lora_targets); a merged folder reads model/'s beside it."""
@@ -202,15 +189,8 @@ def trained_targets(folder: Path, settings: Settings) -> list[str]:
     return list(settings.lora_target_modules)
 
 
-def build_model_card(
-    settings: Settings,
-    metrics: dict,
-    repo_id: str | None,
-    merged: bool = False,
-    plot: bool = False,
-    targets: list[str] | None = None,
-) -> ModelCard:
-    """The card for model/ or, `merged`, merged/; `repo_id` None: it names the folder. `targets`: the adapted layers."""
+def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged=False) -> ModelCard:
+    """README.md in `folder`, model/ or, `merged`, merged/; `repo_id` None: the card names the folder."""
     base_id = published_base(settings, metrics)
     hub_data = not settings.dataset_path
     sentiment = ["sentiment-analysis"] if settings.dataset_config == "sst2" and not settings.task else []
@@ -238,7 +218,7 @@ def build_model_card(
     what = f"{link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {link},"
     training = {
         "base model": base_id or settings.model_name,
-        "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(targets or settings.lora_target_modules)}",
+        "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(trained_targets(folder, settings))}",
         "recipe": recipe_summary(settings, metrics.get("loraplus_ratio")),
         "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
         "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
@@ -252,7 +232,8 @@ def build_model_card(
         "run name": metrics.get("run_name"),
     }
     repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
-    return ModelCard.from_template(
+    pair = len(settings.text_columns) == 2
+    card = ModelCard.from_template(
         card_data,
         template_str=CARD_TEMPLATE,
         model_name=metrics.get("run_name"),
@@ -263,19 +244,13 @@ def build_model_card(
         eval_samples=metrics.get("eval_samples", metrics.get("data", {}).get("validation_rows", "?")),
         # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
         metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in card_metrics(metrics)),
-        plot=PLOT_NAME if plot else None,
+        plot=PLOT_NAME if (folder / PLOT_NAME).exists() else None,
         usage=usage_snippet(repo_or_path, settings, merged, metrics),
-        predict_command=predict_command(repo_or_path, settings),
-        row="pair" if len(settings.text_columns) == 2 else "sentence",
+        predict_command=f"python predict.py {repo_or_path} "
+        + (f"pairs.jsonl --text-column {settings.text_column}" if pair else "sentences.txt"),
+        row="pair" if pair else "sentence",
         training_rows="\n".join(f"| {key} | {value} |" for key, value in training.items()),
     )
-
-
-def write_model_card(
-    folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged: bool = False
-) -> ModelCard:
-    plot, targets = (folder / PLOT_NAME).exists(), trained_targets(folder, settings)
-    card = build_model_card(settings, metrics, repo_id, merged=merged, plot=plot, targets=targets)
     card.save(folder / "README.md")
     return card
 

@@ -1,7 +1,6 @@
 """SIGTERM (preemption, pod eviction, `docker stop`) and SIGINT (Ctrl-C): checkpoint, then exit 143 (130) on every rank.
 
-The orchestrator sends SIGTERM to one replica or to all of them, and SIGKILLs after a grace period
-(30 s by default on Kubernetes). What the job does with it depends on where it is:
+The orchestrator sends SIGTERM to one replica or to all of them, then SIGKILL after a grace period:
 
 - before training and after it (data, model, evaluation, upload), there is nothing worth saving that
   the last checkpoint does not hold: the signal raises `Preempted` at once;
@@ -72,11 +71,9 @@ class Preemption:
 
     def _watch(self, reader: socket.socket) -> None:
         while True:
-            data = reader.recv(16)
-            signums = [b for b in data if b in SIGNALS]
-            if not signums:
+            signum = max((byte for byte in reader.recv(16) if byte in SIGNALS), default=0)
+            if not signum:
                 continue
-            signum = max(signums)
             grace = STOP_GRACE[self._deferred]
             threading.Event().wait(grace)
             # Still here: the main thread is stuck where the handler cannot run. Leave as it would have.
@@ -88,9 +85,7 @@ class Preemption:
 
     def follow(self, signum: int) -> None:
         """Take the stop all ranks agreed on as this rank's own: a rank stopped by its peer leaves with the peer's code.
-
-        No lock: the handler takes it on this same (main) thread, and would wait for ever for a lock held here.
-        """
+        No lock: the handler takes it on this same (main) thread, and would wait for ever for a lock held here."""
         self.signum = max(self.signum, signum)
 
     @contextmanager

@@ -2,8 +2,7 @@
 
 The rates themselves (the learning rate that follows the global batch, the LoRA+ and head ratios) are the
 plan's (utils/plan.py). peft's create_loraplus_optimizer puts the head's weights at 1x and its biases at the
-B rate, which is why the groups are made here. Imports nothing heavy; `optimizer_groups` takes the model's
-named parameters.
+B rate, which is why the groups are made here. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ def optimizer_groups(named_parameters: Iterable, rates: dict[str, float], weight
     for name, param in named_parameters:
         if not param.requires_grad:
             continue
-        kind = (
-            "head" if any(f".{m}." in f".{name}" for m in HEAD_MODULES) else "lora_B" if "lora_B" in name else "other"
-        )
+        head = any(f".{module}." in f".{name}" for module in HEAD_MODULES)
+        kind = "head" if head else "lora_B" if "lora_B" in name else "other"
         groups.setdefault((kind, param.ndim > 1), []).append(param)
     return [
         {"params": params, "lr": rates.get(kind, rates["base"]), "weight_decay": weight_decay if decays else 0.0}
@@ -51,8 +49,7 @@ def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
 
 def describe_recipe(settings: Settings, plan: Plan) -> str:
     """One log line: the rate used, where it came from, and the options around the adapter (recipe_summary)."""
-    batch, source = plan.batch.global_batch, plan.learning_rate_source
-    return f"learning rate {plan.learning_rate:g} at global batch {batch} ({source}); {recipe_summary(settings, plan.loraplus_ratio)}"
+    return f"learning rate {plan.learning_rate:g} at global batch {plan.batch.global_batch} ({plan.learning_rate_source}); {recipe_summary(settings, plan.loraplus_ratio)}"
 
 
 def recipe_summary(settings: Settings, loraplus_ratio: float | None) -> str:

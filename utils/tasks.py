@@ -10,13 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
-# What each problem reports, and the metric the Trainer tracks as best (`metric_for_best_model`) when no task
+# What each problem reports, first the metric the Trainer tracks as best (`metric_for_best_model`) when no task
 # names one. F1, precision and recall are the positive class's for two labels and macro averages for more.
 METRICS = {
     CLASSIFICATION: ("accuracy", "f1", "precision", "recall", "matthews_correlation"),
     REGRESSION: ("pearson", "spearman", "mse"),
 }
-BEST = {CLASSIFICATION: "accuracy", REGRESSION: "pearson"}
 LOWER_IS_BETTER = frozenset({"mse"})
 
 
@@ -56,11 +55,10 @@ GLUE = {
 }
 GLUE_DATASETS = ("nyu-mll/glue", "glue")
 # nyu-mll/glue configurations without a labelled train split: nothing to fine-tune on.
-GLUE_UNTRAINABLE = {
-    "ax": "the diagnostic set has a test split only",
-    "mnli_matched": "it holds MNLI's validation and test splits only (TASK=mnli trains on MNLI and evaluates both)",
-    "mnli_mismatched": "it holds MNLI's validation and test splits only (TASK=mnli trains on MNLI and evaluates both)",
-}
+GLUE_UNTRAINABLE = {"ax": "the diagnostic set has a test split only"} | dict.fromkeys(
+    ("mnli_matched", "mnli_mismatched"),
+    "it holds MNLI's validation and test splits only (TASK=mnli trains on MNLI and evaluates both)",
+)
 
 
 def validation_splits(settings) -> tuple[str, ...]:
@@ -84,7 +82,7 @@ def reported_metrics(settings, problem_type: str) -> tuple[str, ...]:
 def best_metric(settings, problem_type: str) -> str:
     """The metric trainer_state.json tracks as best (`metric_for_best_model`): the task's first, on its first split.
     Tracked only: the model kept is the last step's, none is picked on the split whose metrics are reported."""
-    name = GLUE[settings.task].metrics[0] if settings.task else BEST[problem_type]
+    name = GLUE[settings.task].metrics[0] if settings.task else METRICS[problem_type][0]
     prefix = eval_prefix(validation_splits(settings)[0])
     return f"{prefix}_{name}" if prefix else name
 
@@ -97,10 +95,8 @@ def describe_task(settings) -> dict:
     if named or settings.task:
         labels = list(settings.label_names)
     if problem == "auto":
-        problem = (
-            "classification (LABEL_NAMES names the classes)"
-            if named
-            else "classification, or regression for a float label column"
+        problem = "classification" + (
+            " (LABEL_NAMES names the classes)" if named else ", or regression for a float label column"
         )
     return {
         "task": settings.task,
@@ -117,9 +113,6 @@ def describe_task(settings) -> dict:
 def headline(metrics: dict) -> str:
     """The evaluation in one line, `eval_accuracy=0.9125` (and every split's for MNLI), as the job prints it."""
     shown = [
-        key
-        for name in ("accuracy", "pearson")
-        for key in metrics
-        if key.startswith("eval_") and key.endswith(name) and not key.endswith("_runtime")
+        key for name in ("accuracy", "pearson") for key in metrics if key.startswith("eval_") and key.endswith(name)
     ]
     return " ".join(f"{key}={metrics[key]:.4f}" for key in shown)
