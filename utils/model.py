@@ -86,16 +86,13 @@ def load_tokenizer(settings: Settings):
     return tokenizer
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
 def check_model(settings: Settings) -> None:
     """Before any training step: custom code, weights files that cannot be read, and settings the model cannot take."""
     refuse_custom_code(settings)
     folder = Path(settings.model_name)
     if folder.is_dir():
         for path in sorted(folder.iterdir()):
-            if path.name.endswith(WEIGHT_SUFFIXES):
+            if path.name.endswith((".safetensors", ".bin", ".pt", ".pth")):
                 _check_weights_file(settings, path)
     config = _config(settings)
     positions = getattr(config, "max_position_embeddings", None)
@@ -144,8 +141,10 @@ def refuse_custom_code(settings: Settings) -> None:
 
 
 def _check_weights_file(settings: Settings, path: Path) -> None:
-    """A weights file the loader would report as missing ('No such file') or fail on with a traceback."""
-    problem = None
+    """A weights file the loader would report as missing ('No such file') or fail on with a traceback. A pickled
+    one loads only through torch's weights-only unpickler, as transformers loads it, onto the meta device (no
+    tensor data is read): one it refuses (a pickle that would call a function, e.g. os.system) is refused here."""
+    problem, fix = None, " and make them readable by the job"
     if path.is_symlink() and not path.exists():
         problem = f"is a link to {os.readlink(path)}, which does not exist"
     elif not path.is_file():
@@ -161,31 +160,19 @@ def _check_weights_file(settings: Settings, path: Path) -> None:
         except Exception as exc:  # SafetensorError: a truncated, torn or foreign file
             problem = f"is damaged or truncated ({first_line(exc, 120)})"
     elif path.name.startswith("pytorch_model") and path.suffix == ".bin":  # what transformers unpickles as weights
-        _check_pickled_weights(settings, path)
+        try:
+            torch.load(path, map_location="meta", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise _unsafe_weights(settings, path.name, exc) from None
+        except Exception as exc:  # RuntimeError from torch's zip reader, EOFError ...: a truncated or foreign file
+            problem = f"is damaged or not a PyTorch weights file ({type(exc).__name__}: {first_line(exc, 120)})"
+            fix = ", preferably its model.safetensors from a trusted source"
     if problem:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"MODEL_NAME={settings.model_name}: the weights file {path.name} {problem}; copy the model's files there again "
-            "(e.g. `hf download MODEL --local-dir FOLDER`) and make them readable by the job",
+            f"MODEL_NAME={settings.model_name}: the weights file {path.name} {problem}; copy the model's files there "
+            f"again (e.g. `hf download MODEL --local-dir FOLDER`){fix}",
         )
-
-
-def _check_pickled_weights(settings: Settings, path: Path) -> None:
-    """A pickled weights file loads only through torch's weights-only unpickler, as transformers loads it; one it
-    refuses (a pickle that would call a function, e.g. os.system, while it loads) or cannot read is bad input,
-    found here instead of as a traceback from inside from_pretrained. Loaded onto the meta device: no tensor
-    data is read."""
-    try:
-        torch.load(path, map_location="meta", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise _unsafe_weights(settings, path.name, exc) from None
-    except Exception as exc:  # RuntimeError from torch's zip reader, EOFError ...: a truncated or foreign file
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"MODEL_NAME={settings.model_name}: the weights file {path.name} is damaged or not a PyTorch weights file "
-            f"({type(exc).__name__}: {first_line(exc, 120)}); copy the model's files there again "
-            "(e.g. `hf download MODEL --local-dir FOLDER`), preferably its model.safetensors from a trusted source",
-        ) from None
 
 
 def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) -> JobError:
@@ -202,12 +189,9 @@ def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) 
 
 def label_config(names: Sequence[str]) -> dict:
     """The classifier's size and label names, so a pipeline over the saved model says 'positive', not 'LABEL_1'.
-
-    `names`: the class names in id order (utils/data.label_names_of), `()` or `[score]` for regression (one output
-    trained with MSE: transformers' problem_type "regression")."""
-    names = list(names)
-    regression = not names or names == [REGRESSION_LABEL]
-    names = [REGRESSION_LABEL] if regression else names
+    `names`: the class names in id order, `()` or `[score]` for regression (one output trained with MSE)."""
+    regression = list(names) in ([], [REGRESSION_LABEL])
+    names = [REGRESSION_LABEL] if regression else list(names)
     return {
         "num_labels": len(names),
         "problem_type": "regression" if regression else "single_label_classification",
@@ -218,20 +202,37 @@ def label_config(names: Sequence[str]) -> dict:
 
 def load_base(name: str, labels: Sequence[str] | None, restored: Iterable[str], **kwargs) -> torch.nn.Module:
     """AutoModelForSequenceClassification of `name` with a head for `labels` (None: the checkpoint's own), no code
-    of its own run, transformers' report of the head it starts fresh held back (load_report_held).
+    of its own run. OSError or ValueError when the model cannot be loaded.
 
     A base whose head has another size (a 2-label checkpoint under a 3-class task) gets from_pretrained's leave
     to start a new one: training trains it from scratch, an adapter restores its own. Only then: a mismatch
-    anywhere else stays an error. OSError or ValueError when the model cannot be loaded."""
+    anywhere else stays an error. transformers' LOAD REPORT is held back when every weight it names missing or
+    resized belongs to a module in `restored` (a head trained in full): its table, with terminal colours, said
+    nothing wrong on every N-class or regression model. A report naming any other weight is shown as it was."""
     heads = label_config(labels) if labels is not None else {}
     if heads and AutoConfig.from_pretrained(name, **NO_REMOTE_CODE).num_labels != heads["num_labels"]:
         heads["ignore_mismatched_sizes"] = True
-    return load_report_held(
-        lambda: AutoModelForSequenceClassification.from_pretrained(
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    source = logging.getLogger("transformers.modeling_utils")
+    source.addFilter(hold)
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
             name, output_loading_info=True, **heads, **NO_REMOTE_CODE, **kwargs
-        ),
-        restored,
-    )
+        )
+    finally:
+        source.removeFilter(hold)
+    reported = [*info["missing_keys"], *(key for key, *_ in info["mismatched_keys"])]
+    if any(not set(key.split(".")) & set(restored) for key in reported):
+        for record in held:
+            source.handle(record)
+    return model
 
 
 def _base_dropout(settings: Settings, config: PretrainedConfig) -> dict:
@@ -248,10 +249,8 @@ def _base_dropout(settings: Settings, config: PretrainedConfig) -> dict:
     }
     if not dropout:
         log.warning(
-            "MODEL_DROPOUT=%g: the config of %s has none of %s; its dropout is left as it is",
-            settings.model_dropout,
-            settings.model_name,
-            ", ".join(DROPOUT_ATTRIBUTES),
+            f"MODEL_DROPOUT={settings.model_dropout:g}: the config of {settings.model_name} has none of "
+            f"{', '.join(DROPOUT_ATTRIBUTES)}; its dropout is left as it is"
         )
     return dropout
 
@@ -267,7 +266,6 @@ def build_model(
     config = _config(settings)
     kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(settings, config)}
     if quantize_8bit:
-        # A trained head stays full precision.
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
         )
@@ -284,16 +282,15 @@ def build_model(
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
 
     targets = lora_targets(settings, model.config.model_type)
+    modules = dict(model.named_modules())
     lora = LoraConfig(
         task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
         r=settings.lora_r,
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
         target_modules=list(targets),
-        # Pooler, rsLoRA/DoRA, init: utils/recipe.py.
-        **lora_options(settings, (name for name, _ in model.named_modules())),
+        **lora_options(settings, modules),  # pooler, rsLoRA/DoRA, init
     )
-    modules = dict(model.named_modules())
     check_target_modules(settings, modules, adapted=None, targets=targets)
     try:
         model = get_peft_model(model, lora)
@@ -308,34 +305,6 @@ def build_model(
     check_target_modules(settings, modules, adapted=model.targeted_module_names, targets=targets)
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
-    return model
-
-
-def load_report_held(load, restored) -> torch.nn.Module:
-    """The model `load()` returns (a from_pretrained with output_loading_info=True), transformers' LOAD REPORT held
-    back when every weight it names missing or resized belongs to a module in `restored`: a head trained in full
-    (started fresh in training, restored by the adapter in predict.py), such as a 2-label checkpoint's classifier
-    under a 3-class task. Its table, with terminal colours, said nothing wrong on every N-class or regression model.
-    A report naming any other weight is shown as it was."""
-    held: list[logging.LogRecord] = []
-
-    class Hold(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            if "LOAD REPORT" in record.getMessage():
-                held.append(record)
-                return False
-            return True
-
-    source, hold = logging.getLogger("transformers.modeling_utils"), Hold()
-    source.addFilter(hold)
-    try:
-        model, info = load()
-    finally:
-        source.removeFilter(hold)
-    reported = [*info["missing_keys"], *(key for key, *_ in info["mismatched_keys"])]
-    if any(not set(key.split(".")) & set(restored) for key in reported):
-        for record in held:
-            source.handle(record)
     return model
 
 
@@ -369,8 +338,8 @@ def linear_layer_names(modules: dict[str, torch.nn.Module]) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, torch.nn.Linear)})
 
 
-def _matches(target: str, names) -> bool:
-    # peft's rule for a list of names: the module's whole name, or its end after a dot.
+def matches_target(target: str, names: Iterable[str]) -> bool:
+    """peft's rule for a list of target_modules: a module's whole name, or its end after a dot."""
     return any(name == target or name.endswith(f".{target}") for name in names)
 
 
@@ -384,10 +353,10 @@ def check_target_modules(
     linear = linear_layer_names(modules)
     problems = []
     for target in targets:
-        if not _matches(target, modules):
+        if not matches_target(target, modules):
             close = difflib.get_close_matches(target.rsplit(".", 1)[-1], linear, n=3, cutoff=0.5)
             problems.append(f"'{target}' matches no module" + (f" (closest: {', '.join(close)})" if close else ""))
-        elif adapted is not None and not _matches(target, adapted):
+        elif adapted is not None and not matches_target(target, adapted):
             problems.append(f"'{target}' matches only modules that take no adapter (the head, trained in full)")
     if problems:
         raise JobError(
@@ -418,12 +387,12 @@ def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] 
 
 
 def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
-    """The base with the adapter in `adapter_dir` merged into its weights, saved to `out_dir` (safetensors, tokenizer).
+    """The base with the adapter in `adapter_dir` merged into its weights, saved to `out_dir` (safetensors, tokenizer),
+    the head named by the labels saved beside the adapter (LABEL_NAMES for a model saved before they were).
 
     The base is loaded again in full precision whatever training used: merging into 8-bit weights would
     round the update away, and servers without peft or bitsandbytes load plain float weights.
     """
-    # The labels the run trained with, as saved beside the adapter (LABEL_NAMES for a model saved before they were).
     saved = read_label_names(adapter_dir)
     labels = [saved[index] for index in sorted(saved)] if saved else settings.label_names
     try:
