@@ -405,15 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     if not sentences:  # the pipeline fails on an empty batch; no sentences, no lines
         return 0
     scores_only = classifier.model.config.problem_type == "regression"
+    predictions = classifier(sentences, batch_size=args.batch_size, truncation=True)
     try:
-        for text, prediction in zip(
-            sentences, classifier(sentences, batch_size=args.batch_size, truncation=True), strict=True
-        ):
-            shown = dict(text) if isinstance(text, dict) else {"text": text}
-            if not scores_only:
-                shown["label"] = prediction["label"]
-            shown["score"] = round(float(prediction["score"]), 4)
-            print(json.dumps(shown), flush=True)
+        for text, prediction in zip(sentences, predictions, strict=True):
+            label = {} if scores_only else {"label": prediction["label"]}
+            shown = {**(text if isinstance(text, dict) else {"text": text}), **label}
+            print(json.dumps({**shown, "score": round(float(prediction["score"]), 4)}), flush=True)
     except BrokenPipeError:
         # The reader stopped reading (`| head`): end as a Unix tool does on SIGPIPE, without a traceback, and
         # with stdout on /dev/null so that the interpreter's own flush at exit does not fail again.

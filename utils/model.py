@@ -10,7 +10,8 @@ import os
 import pickle
 import shutil
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,28 +50,27 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
 
 
-def _load_error(settings: Settings, exc: Exception) -> JobError:
-    return JobError(
-        EXIT_BAD_INPUT,
-        f"cannot load MODEL_NAME={settings.model_name} ({type(exc).__name__}: {first_line(exc)}); "
-        "give a Hub id or a local folder holding config.json and the weights (on an offline cluster, a folder on the shared volume)",
-    )
-
-
-def _config(settings: Settings) -> PretrainedConfig:
+@contextmanager
+def _loading(settings: Settings) -> Iterator[None]:
+    """Loading MODEL_NAME (config, tokenizer or weights) fails as one refusal line, never a traceback; a Hub repo's
+    pytorch_model.bin, downloaded only by from_pretrained, included."""
     try:
-        return AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+        yield
+    except pickle.UnpicklingError as exc:
+        raise _unsafe_weights(settings, "pytorch_model.bin", exc) from None
     except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"cannot load MODEL_NAME={settings.model_name} ({type(exc).__name__}: {first_line(exc)}); "
+            "give a Hub id or a local folder holding config.json and the weights (on an offline cluster, a folder on the shared volume)",
+        ) from None
 
 
 def load_tokenizer(settings: Settings):
     """The model's tokenizer, after the model folder and its config are checked against the settings."""
     check_model(settings)
-    try:
+    with _loading(settings):
         tokenizer = AutoTokenizer.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
     # A folder without tokenizer files still loads: a tokenizer that knows only its special tokens,
     # which turns every word into [UNK] and trains without a word of complaint.
     if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
@@ -94,7 +94,8 @@ def check_model(settings: Settings) -> None:
         for path in sorted(folder.iterdir()):
             if path.name.endswith((".safetensors", ".bin", ".pt", ".pth")):
                 _check_weights_file(settings, path)
-    config = _config(settings)
+    with _loading(settings):
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and settings.max_seq_length > positions:
         raise JobError(
@@ -119,11 +120,9 @@ def refuse_custom_code(settings: Settings) -> None:
     such a model when transformers knows its model_type, silently with transformers' own classes instead
     of the ones the folder asks for.
     """
-    try:
+    with _loading(settings):
         config, _ = PretrainedConfig.get_config_dict(settings.model_name)
         tokenizer_config = get_tokenizer_config(settings.model_name)
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
     found = {
         name: data["auto_map"]
         for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config))
@@ -263,7 +262,8 @@ def build_model(
     8-bit quantizes every Linear, the classifier head too, and LoRA cannot train an int8 head: the head
     is skipped by the quantizer (`llm_int8_skip_modules`) and saved in full with the adapter.
     """
-    config = _config(settings)
+    with _loading(settings):
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
     kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(settings, config)}
     if quantize_8bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -272,12 +272,8 @@ def build_model(
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
-    try:
+    with _loading(settings):
         model = load_base(settings.model_name, settings.label_names if labels is None else labels, head, **kwargs)
-    except pickle.UnpicklingError as exc:  # a Hub repo's pytorch_model.bin, downloaded only now
-        raise _unsafe_weights(settings, "pytorch_model.bin", exc) from None
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
     if quantize_8bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
 
@@ -395,10 +391,8 @@ def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
     """
     saved = read_label_names(adapter_dir)
     labels = [saved[index] for index in sorted(saved)] if saved else settings.label_names
-    try:
+    with _loading(settings):
         base = load_base(settings.model_name, labels, (CLASSIFIER, "score"), dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
     AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE).save_pretrained(out_dir)
