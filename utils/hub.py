@@ -96,8 +96,7 @@ _backoff = wait_random_exponential(multiplier=1, max=60)  # 1 s, 2 s, 4 s ... wi
 def _wait(state: RetryCallState) -> float:
     """Exponential back-off with jitter, but never sooner than the Hub's Retry-After."""
     asked = retry_after(state.outcome.exception()) if state.outcome and state.outcome.failed else None
-    backoff = _backoff(state)
-    return backoff if asked is None else max(asked, backoff)
+    return max(asked or 0.0, _backoff(state))
 
 
 def _retrying(deadline: float, token: SecretStr | None):
@@ -253,11 +252,9 @@ PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what wa
 
 
 def files_to_push(run: RunDir, metrics: dict, folder: Path) -> dict[str, Path]:
-    """What a push sends, path in the repo -> file on the volume: the model folder's files as the job wrote
-    them (adapter or merged weights, tokenizer, card, plot), metrics.json, the masked run.json, and the
-    TensorBoard event files of this run under runs/ (what the Hub reads for its training-metrics tab). The
-    files the job recorded as it wrote them, never a walk of the folders (a walk would take whatever a
-    neighbour planted there); the same set on every retry."""
+    """Path in the repo -> file on the volume: `folder`'s files, metrics.json, the masked run.json, and this run's
+    TensorBoard events under runs/ (the Hub's training-metrics tab). The files the job recorded as it wrote them,
+    never a walk of the folders (which would take whatever a neighbour planted there)."""
     recorded = run.written(folder.name)
     if recorded is None:  # a model saved before the job recorded its files: the folder as written, links refused
         recorded = [folder / name for name in run.files_in(folder)]
