@@ -11,9 +11,8 @@ blank lines skipped), or the --text-column of each record of a .csv, .tsv (unquo
 .json or .jsonl file (a JSON array or one object per line), the suffix in any case; a sentence pair model
 takes two columns, `--text-column premise,hypothesis`. Each prints as one JSON line, in input order:
 {"text": ..., "label": "positive", "score": 0.97} (a pair adds "text_pair"; a regression model prints its
-score and no label); no sentences, no lines. A sentence
-longer than the model takes is cut to the length recorded with the model (MAX_SEQ_LENGTH of the run that
-trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
+score and no label); no sentences, no lines. A sentence longer than the model takes is cut to the length
+recorded with the model (MAX_SEQ_LENGTH of the run that trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
 Batches run on the GPU when there is one. Bad input (no such model or file, a missing column, bytes that
 are not text, a base model of another size than the adapter's, one text a row for a pair model, and what
 training refuses in a file: an empty text in a column, a column named twice) is one `error:` line and
@@ -37,7 +36,6 @@ from utils.settings import Parser
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
 
-
 # A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.
 MAX_BATCH_SIZE = 1024
 
@@ -57,15 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = Parser(prog="predict.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("model", help="adapter folder, merged folder, or Hub repo id of either")
     parser.add_argument(
-        "file",
-        nargs="?",
-        type=Path,
-        help="sentences: one per line, or a .csv/.tsv/.json/.jsonl column; default: standard input",
+        "file", nargs="?", type=Path, help="stdin if none; one sentence a line, or a .csv/.tsv/.json/.jsonl column"
     )
-    parser.add_argument(
-        "--base-model",
-        help="base model (Hub id or folder) for an adapter; default: the one its adapter_config.json names",
-    )
+    parser.add_argument("--base-model", help="base model (Hub id or folder) of an adapter; default: the one it names")
     parser.add_argument(
         "--text-column",
         help="the column holding the text in a .csv/.tsv/.json/.jsonl file (default: sentence), or two separated by "
@@ -84,13 +76,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # Formats by suffix, whatever its case, read as training reads DATASET_PATH (.csv and .tsv: utils/delimited.py;
 # tests/test_predict.py checks both read a file alike). Any other suffix is one sentence a line.
 JSON_SUFFIXES = (".json", ".jsonl")
-FORMATS = "a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file"
 
 
 def read_inputs(model: str, file: Path | None, column: str | None) -> list[str] | list[dict[str, str]]:
-    """What to predict on, in the shape the model was trained on (check_input_shape): the sentences
-    `read_sentences` reads, or with two columns (`premise,hypothesis`) the pairs, `{"text": ..., "text_pair": ...}`
-    as the pipeline takes them, the columns read as training does."""
+    """The sentences, or with two columns (`premise,hypothesis`) the pairs as the pipeline takes them
+    (`{"text": ..., "text_pair": ...}`), in the shape the model was trained on."""
     columns = [name.strip() for name in column.split(",")] if column else []
     check_input_shape(model, column, len(columns) == 2)
     if len(columns) != 2:
@@ -159,7 +149,10 @@ def read_sentences(file: Path | None, column: str | None) -> list[str]:
     try:
         data = file.read_bytes()
     except OSError as exc:
-        raise JobError(EXIT_BAD_INPUT, f"cannot read {file} ({exc.strerror or exc}); give {FORMATS}") from None
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"cannot read {file} ({exc.strerror or exc}); give a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file",
+        ) from None
     text = decode_text(data, str(file))
     if suffix in DIALECTS:
         return read_delimited(text, file, column, suffix)
@@ -205,20 +198,22 @@ def read_json_records(text: str, file: Path, column: str) -> list[str]:
     """`column` of each object of a JSON array, or of each line of JSON lines: training's loader takes either
     under both suffixes. A string in an array is itself a sentence (training reads it as the column `text`)."""
     array = text.lstrip().startswith("[")
-    chunks = [(1, text)] if array else [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
-    records, places = [], []
-    for number, chunk in chunks:
+
+    def parse(chunk: str, where: str):
         try:
-            loaded = json.loads(chunk)
+            return json.loads(chunk)
         except json.JSONDecodeError as exc:
-            where = f"is not a JSON array ({exc.msg} on line {exc.lineno})" if array else f"line {number} is not JSON"
-            what = where if array else f"{where} ({exc.msg})"
+            detail = f"{exc.msg} on line {exc.lineno}" if array else exc.msg
             fix = "give a JSON array of objects, or one JSON object per line"
-            raise JobError(EXIT_BAD_INPUT, f"{file} {what}; {fix}") from None
-        records += loaded if array else [loaded]
-        places += [f"item {item}" for item in range(1, len(loaded) + 1)] if array else [f"line {number}"]
+            raise JobError(EXIT_BAD_INPUT, f"{file} {where} ({detail}); {fix}") from None
+
+    if array:
+        records = [(f"item {n}", record) for n, record in enumerate(parse(text, "is not a JSON array"), start=1)]
+    else:
+        lines = enumerate(text.split("\n"), start=1)
+        records = [(f"line {n}", parse(line, f"line {n} is not JSON")) for n, line in lines if line.strip()]
     sentences = []
-    for place, record in zip(places, records, strict=True):
+    for place, record in records:
         text_value = record.get(column) if isinstance(record, dict) else record
         if not isinstance(text_value, str):
             found = f"'{column}' is {json.dumps(text_value)[:60]}" if isinstance(record, dict) else "it is no object"
@@ -301,7 +296,11 @@ def load_classifier(model: str, base_model: str | None):
             EXIT_BAD_INPUT,
             f"cannot load {model} ({first_line(exc, 300)}); give an adapter folder, a merged folder or a Hub repo id (with --base-model if the adapter's base is elsewhere)",
         ) from None
-    cap_length(classifier.tokenizer, classifier.model.config)
+    # Truncate no further than the model has positions: the job records MAX_SEQ_LENGTH with the model
+    # (tokenizer_config.json); a folder without it says 1e30, and a longer sentence fails inside the model.
+    positions = getattr(classifier.model.config, "max_position_embeddings", None)
+    if isinstance(positions, int):
+        classifier.tokenizer.model_max_length = min(classifier.tokenizer.model_max_length, positions)
     return classifier
 
 
@@ -334,21 +333,21 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
 
 
 def misfit(model: str, adapter: dict, what: str) -> JobError:
-    trained_on = adapter["base_model_name_or_path"]
-    return JobError(
-        EXIT_BAD_INPUT, f"the adapter {model} {what}; pass --base-model with {trained_on}, or a local copy of it"
-    )
+    fix = f"pass --base-model with {adapter['base_model_name_or_path']}, or a local copy of it"
+    return JobError(EXIT_BAD_INPUT, f"the adapter {model} {what}; {fix}")
 
 
 def check_adapter_fits(model: str, adapter: dict, base, base_id: str) -> None:
     """Refuse a base the adapter was not trained on, before peft loads it: each tensor of
     adapter_model.safetensors is checked against the base's weight it adapts or replaces (another width is a
-    traceback listing every tensor), and each layer the adapter's targets name in the base must have its
-    weights (a deeper base loads with a warning and answers with layers the training never adapted)."""
+    traceback listing every tensor), and each module of the base the adapter's target_modules name must hold
+    its weights (a deeper base loads with a warning and answers with layers the training never adapted)."""
     weights = None if adapter.get("fan_in_fan_out") else model_file(model, "adapter_model.safetensors")
     if weights is None:  # no safetensors file, or (out, in) stored transposed: peft's own load checks it
         return
     from safetensors import safe_open
+
+    from utils.model import matches_target
 
     trained_on = adapter["base_model_name_or_path"]
     shapes = {name: tuple(param.shape) for name, param in base.named_parameters()}
@@ -381,34 +380,18 @@ def check_adapter_fits(model: str, adapter: dict, base, base_id: str) -> None:
                     else f"({key} is {list(shape)}), and {base_id} does not match it"
                 )
                 raise misfit(model, adapter, f"was trained on the base {trained_on} {size}")
-    check_targets_adapted(model, adapter, base, base_id, adapted)
-
-
-def check_targets_adapted(model: str, adapter: dict, base, base_id: str, adapted: set[str]) -> None:
-    """Each module of the base that the adapter's target_modules name holds the adapter's weights: a deeper base
-    loads with a warning and answers with layers the training never adapted."""
     targets = adapter.get("target_modules")
     if not isinstance(targets, list) or adapter.get("layers_to_transform") or adapter.get("exclude_modules"):
         return
-    # peft's rule for a list: a module whose name is a target or ends in `.target`
-    targeted = [name for name, _ in base.named_modules() if any(name == t or name.endswith(f".{t}") for t in targets)]
+    targeted = [name for name, _ in base.named_modules() if any(matches_target(t, [name]) for t in targets)]
     unadapted = [name for name in targeted if name not in adapted]
     if adapted and unadapted:
         raise misfit(
             model,
             adapter,
             f"holds no weights for {unadapted[0]} of the base {base_id} ({len(unadapted)} of the {len(targeted)} "
-            f"modules its target_modules name there): it was trained on {adapter['base_model_name_or_path']}, a "
-            "smaller base",
+            f"modules its target_modules name there): it was trained on {trained_on}, a smaller base",
         )
-
-
-def cap_length(tokenizer, config) -> None:
-    """Truncate no further than the model has positions. The job records MAX_SEQ_LENGTH with the model
-    (tokenizer_config.json); a folder without it says 1e30, and a longer sentence fails inside the model."""
-    positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(positions, int) and tokenizer.model_max_length > positions:
-        tokenizer.model_max_length = positions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,15 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     if not sentences:  # the pipeline fails on an empty batch; no sentences, no lines
         return 0
     scores_only = classifier.model.config.problem_type == "regression"
+    predictions = classifier(sentences, batch_size=args.batch_size, truncation=True)
     try:
-        for text, prediction in zip(
-            sentences, classifier(sentences, batch_size=args.batch_size, truncation=True), strict=True
-        ):
-            shown = dict(text) if isinstance(text, dict) else {"text": text}
-            if not scores_only:
-                shown["label"] = prediction["label"]
-            shown["score"] = round(float(prediction["score"]), 4)
-            print(json.dumps(shown), flush=True)
+        for text, prediction in zip(sentences, predictions, strict=True):
+            label = {} if scores_only else {"label": prediction["label"]}
+            shown = {**(text if isinstance(text, dict) else {"text": text}), **label}
+            print(json.dumps({**shown, "score": round(float(prediction["score"]), 4)}), flush=True)
     except BrokenPipeError:
         # The reader stopped reading (`| head`): end as a Unix tool does on SIGPIPE, without a traceback, and
         # with stdout on /dev/null so that the interpreter's own flush at exit does not fail again.

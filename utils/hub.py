@@ -43,10 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
-# Total time the push (create_repo + upload, retries and the request in flight) may take (PUSH_TIMEOUT
-# by default): rides out a Hub incident or a rate limit, not an outage. Only rank 0 is still running
-# then, so no collective can time out.
-PUSH_RETRY_SECONDS = 600
 TOKEN_CHECK_SECONDS = 120  # the token check before training gives up within this: no GPU time waits on a silent Hub
 CONNECT_SECONDS = 10
 
@@ -66,8 +62,7 @@ def use_request_timeout(seconds: float) -> None:
 
 
 def _status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    return getattr(response, "status_code", None)
+    return getattr(getattr(exc, "response", None), "status_code", None)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -101,8 +96,7 @@ _backoff = wait_random_exponential(multiplier=1, max=60)  # 1 s, 2 s, 4 s ... wi
 def _wait(state: RetryCallState) -> float:
     """Exponential back-off with jitter, but never sooner than the Hub's Retry-After."""
     asked = retry_after(state.outcome.exception()) if state.outcome and state.outcome.failed else None
-    backoff = _backoff(state)
-    return backoff if asked is None else max(asked, backoff)
+    return max(asked or 0.0, _backoff(state))
 
 
 def _retrying(deadline: float, token: SecretStr | None):
@@ -110,13 +104,10 @@ def _retrying(deadline: float, token: SecretStr | None):
         return time.monotonic() + (state.upcoming_sleep or 0) >= deadline
 
     def log_retry(state: RetryCallState) -> None:
-        name = getattr(state.fn, "__name__", "call")
+        failure = describe(state.outcome.exception(), token)
         log.warning(
-            "Hub %s failed (%s); attempt %d, retrying in %.1f s",
-            name,
-            describe(state.outcome.exception(), token),
-            state.attempt_number,
-            state.upcoming_sleep,
+            f"Hub {getattr(state.fn, '__name__', 'call')} failed ({failure}); "
+            f"attempt {state.attempt_number}, retrying in {state.upcoming_sleep:.1f} s"
         )
 
     return retry(retry=retry_if_exception(is_transient), wait=_wait, stop=stop, before_sleep=log_retry, reraise=True)
@@ -134,23 +125,10 @@ def describe(exc: BaseException, token: SecretStr | None = None) -> str:
     return f"{what}: {detail}" if detail else what
 
 
-def _fine_grained_can_write(grants: dict, repo_id: str, me: dict) -> bool:
-    """Whether a fine-grained token's scopes allow writing repo_id (its namespace, or the repo itself)."""
-    namespace = repo_id.split("/")[0] if "/" in repo_id else me.get("name")
-    for scope in grants.get("scoped", []):
-        entity = scope.get("entity", {}).get("name")
-        if entity in (namespace, repo_id) and "repo.write" in scope.get("permissions", []):
-            return True
-    return False
-
-
 class Hub:
-    def __init__(
-        self,
-        token: SecretStr | None,
-        max_retry_seconds: float = PUSH_RETRY_SECONDS,
-        request_timeout: float | None = None,
-    ):
+    def __init__(self, token: SecretStr | None, max_retry_seconds: float, request_timeout: float | None = None):
+        """`max_retry_seconds` (PUSH_TIMEOUT) bounds a whole push: only rank 0 is still running then, so no
+        collective can time out while it waits out a Hub incident or a rate limit."""
         if request_timeout is not None:
             use_request_timeout(request_timeout)
         self._token = token
@@ -173,9 +151,13 @@ class Hub:
             ) from None
         access = me.get("auth", {}).get("accessToken", {})
         role = access.get("role")
-        if role == "read" or (
-            role == "fineGrained" and not _fine_grained_can_write(access.get("fineGrained") or {}, repo_id, me)
-        ):
+        # A fine-grained token writes where a scope grants repo.write on the namespace or on the repo itself.
+        places = (repo_id.split("/")[0] if "/" in repo_id else me.get("name"), repo_id)
+        scopes = (access.get("fineGrained") or {}).get("scoped", [])
+        writes = any(
+            s.get("entity", {}).get("name") in places and "repo.write" in s.get("permissions", []) for s in scopes
+        )
+        if role == "read" or (role == "fineGrained" and not writes):
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"HF_TOKEN of '{me.get('name')}' cannot write to RESULT_MODEL_ID={repo_id} ({role} token); "
@@ -226,13 +208,9 @@ class Hub:
 
 
 # ------------------------------------------------------------------------------- saving
-def save_model(
-    run: RunDir, settings: Settings, trainer: Trainer, metrics: dict, state_dict: dict | None = None
-) -> None:
+def save_model(run: RunDir, settings: Settings, trainer: Trainer, metrics: dict, state_dict: dict | None = None):
     """Write model/ (adapter, tokenizer, label names, training curves, card) and metrics.json, each whole or not at all.
-
-    `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's own.
-    """
+    `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's own."""
     staged = run.make_dir(run.root / ".model.partial", fresh=True)
     model = trainer.model
     # The adapter names its base by Hub id, so it loads anywhere; else by the folder's absolute path, so predict.py
@@ -273,13 +251,10 @@ def _replace_with(run: RunDir, staged: Path, folder: Path) -> None:
 PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what was pushed where
 
 
-def files_to_push(run: RunDir, metrics: dict, merged: bool) -> dict[str, Path]:
-    """What a push sends, path in the repo -> file on the volume: the model folder's files as the job wrote
-    them (adapter or merged weights, tokenizer, card, plot), metrics.json, the masked run.json, and the
-    TensorBoard event files of this run under runs/ (what the Hub reads for its training-metrics tab). The
-    files the job recorded as it wrote them, never a walk of the folders (a walk would take whatever a
-    neighbour planted there); the same set on every retry."""
-    folder = run.merged if merged else run.model
+def files_to_push(run: RunDir, metrics: dict, folder: Path) -> dict[str, Path]:
+    """Path in the repo -> file on the volume: `folder`'s files, metrics.json, the masked run.json, and this run's
+    TensorBoard events under runs/ (the Hub's training-metrics tab). The files the job recorded as it wrote them,
+    never a walk of the folders (which would take whatever a neighbour planted there)."""
     recorded = run.written(folder.name)
     if recorded is None:  # a model saved before the job recorded its files: the folder as written, links refused
         recorded = [folder / name for name in run.files_in(folder)]
@@ -305,17 +280,10 @@ def adapter_config_for_hub(run: RunDir, settings: Settings, metrics: dict) -> di
     if not base or config.get("base_model_name_or_path") in (None, base):
         return {}
     log.info(
-        "the pushed adapter_config.json names its base %s, as the card does (%s keeps %s, for use on this cluster)",
-        base,
-        path,
-        config["base_model_name_or_path"],
+        f"the pushed adapter_config.json names its base {base}, as the card does ({path} keeps "
+        f"{config['base_model_name_or_path']}, for use on this cluster)"
     )
     return {path: (json.dumps({**config, "base_model_name_or_path": base}, indent=2, sort_keys=True) + "\n").encode()}
-
-
-def already_pushed(run: RunDir, repo_id: str, merged: bool) -> bool:
-    record = run.read_json(run.run_record) or {}
-    return (record.get(PUSH_RECORD[merged]) or {}).get("repo_id") == repo_id
 
 
 def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
@@ -324,10 +292,11 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
     code = EXIT_OK
     metrics = run.read_json(run.metrics) or {}
     for merged, repo_id in ((False, settings.result_model_id), (True, settings.result_merged_model_id)):
-        if not repo_id or already_pushed(run, repo_id, merged):
+        pushed = (run.read_json(run.run_record) or {}).get(PUSH_RECORD[merged]) or {}
+        if not repo_id or pushed.get("repo_id") == repo_id:
             continue
         folder = run.merged if merged else run.model
-        files = files_to_push(run, metrics, merged)
+        files = files_to_push(run, metrics, folder)
         # Each file must still be the job's own: one planted since it was written (a link, or a hard link to
         # a file elsewhere) is refused before the card is written or anything is sent.
         for path in files.values():
@@ -350,10 +319,8 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
             raise
         except Exception as exc:
             log.error("push to %s failed: %s", repo_id, hub.describe(exc))
-            print(
-                f"error: push to {repo_id} failed ({hub.describe(exc)}); the model is in {folder}: rerun with --push-only",
-                file=sys.stderr,
-            )
+            fix = f"the model is in {folder}: rerun with --push-only"
+            print(f"error: push to {repo_id} failed ({hub.describe(exc)}); {fix}", file=sys.stderr)
             code = EXIT_PUSH_FAILED
             continue
         update_run_record(run, **{PUSH_RECORD[merged]: {"repo_id": repo_id, "commit": url}})

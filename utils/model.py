@@ -10,7 +10,8 @@ import os
 import pickle
 import shutil
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,28 +50,27 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
 
 
-def _load_error(settings: Settings, exc: Exception) -> JobError:
-    return JobError(
-        EXIT_BAD_INPUT,
-        f"cannot load MODEL_NAME={settings.model_name} ({type(exc).__name__}: {first_line(exc)}); "
-        "give a Hub id or a local folder holding config.json and the weights (on an offline cluster, a folder on the shared volume)",
-    )
-
-
-def _config(settings: Settings) -> PretrainedConfig:
+@contextmanager
+def _loading(settings: Settings) -> Iterator[None]:
+    """Loading MODEL_NAME (config, tokenizer or weights) fails as one refusal line, never a traceback; a Hub repo's
+    pytorch_model.bin, downloaded only by from_pretrained, included."""
     try:
-        return AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+        yield
+    except pickle.UnpicklingError as exc:
+        raise _unsafe_weights(settings, "pytorch_model.bin", exc) from None
     except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"cannot load MODEL_NAME={settings.model_name} ({type(exc).__name__}: {first_line(exc)}); "
+            "give a Hub id or a local folder holding config.json and the weights (on an offline cluster, a folder on the shared volume)",
+        ) from None
 
 
 def load_tokenizer(settings: Settings):
     """The model's tokenizer, after the model folder and its config are checked against the settings."""
     check_model(settings)
-    try:
+    with _loading(settings):
         tokenizer = AutoTokenizer.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
     # A folder without tokenizer files still loads: a tokenizer that knows only its special tokens,
     # which turns every word into [UNK] and trains without a word of complaint.
     if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
@@ -86,18 +86,16 @@ def load_tokenizer(settings: Settings):
     return tokenizer
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
 def check_model(settings: Settings) -> None:
     """Before any training step: custom code, weights files that cannot be read, and settings the model cannot take."""
     refuse_custom_code(settings)
     folder = Path(settings.model_name)
     if folder.is_dir():
         for path in sorted(folder.iterdir()):
-            if path.name.endswith(WEIGHT_SUFFIXES):
+            if path.name.endswith((".safetensors", ".bin", ".pt", ".pth")):
                 _check_weights_file(settings, path)
-    config = _config(settings)
+    with _loading(settings):
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and settings.max_seq_length > positions:
         raise JobError(
@@ -122,11 +120,9 @@ def refuse_custom_code(settings: Settings) -> None:
     such a model when transformers knows its model_type, silently with transformers' own classes instead
     of the ones the folder asks for.
     """
-    try:
+    with _loading(settings):
         config, _ = PretrainedConfig.get_config_dict(settings.model_name)
         tokenizer_config = get_tokenizer_config(settings.model_name)
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
     found = {
         name: data["auto_map"]
         for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config))
@@ -144,8 +140,10 @@ def refuse_custom_code(settings: Settings) -> None:
 
 
 def _check_weights_file(settings: Settings, path: Path) -> None:
-    """A weights file the loader would report as missing ('No such file') or fail on with a traceback."""
-    problem = None
+    """A weights file the loader would report as missing ('No such file') or fail on with a traceback. A pickled
+    one loads only through torch's weights-only unpickler, as transformers loads it, onto the meta device (no
+    tensor data is read): one it refuses (a pickle that would call a function, e.g. os.system) is refused here."""
+    problem, fix = None, " and make them readable by the job"
     if path.is_symlink() and not path.exists():
         problem = f"is a link to {os.readlink(path)}, which does not exist"
     elif not path.is_file():
@@ -161,31 +159,19 @@ def _check_weights_file(settings: Settings, path: Path) -> None:
         except Exception as exc:  # SafetensorError: a truncated, torn or foreign file
             problem = f"is damaged or truncated ({first_line(exc, 120)})"
     elif path.name.startswith("pytorch_model") and path.suffix == ".bin":  # what transformers unpickles as weights
-        _check_pickled_weights(settings, path)
+        try:
+            torch.load(path, map_location="meta", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise _unsafe_weights(settings, path.name, exc) from None
+        except Exception as exc:  # RuntimeError from torch's zip reader, EOFError ...: a truncated or foreign file
+            problem = f"is damaged or not a PyTorch weights file ({type(exc).__name__}: {first_line(exc, 120)})"
+            fix = ", preferably its model.safetensors from a trusted source"
     if problem:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"MODEL_NAME={settings.model_name}: the weights file {path.name} {problem}; copy the model's files there again "
-            "(e.g. `hf download MODEL --local-dir FOLDER`) and make them readable by the job",
+            f"MODEL_NAME={settings.model_name}: the weights file {path.name} {problem}; copy the model's files there "
+            f"again (e.g. `hf download MODEL --local-dir FOLDER`){fix}",
         )
-
-
-def _check_pickled_weights(settings: Settings, path: Path) -> None:
-    """A pickled weights file loads only through torch's weights-only unpickler, as transformers loads it; one it
-    refuses (a pickle that would call a function, e.g. os.system, while it loads) or cannot read is bad input,
-    found here instead of as a traceback from inside from_pretrained. Loaded onto the meta device: no tensor
-    data is read."""
-    try:
-        torch.load(path, map_location="meta", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise _unsafe_weights(settings, path.name, exc) from None
-    except Exception as exc:  # RuntimeError from torch's zip reader, EOFError ...: a truncated or foreign file
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"MODEL_NAME={settings.model_name}: the weights file {path.name} is damaged or not a PyTorch weights file "
-            f"({type(exc).__name__}: {first_line(exc, 120)}); copy the model's files there again "
-            "(e.g. `hf download MODEL --local-dir FOLDER`), preferably its model.safetensors from a trusted source",
-        ) from None
 
 
 def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) -> JobError:
@@ -202,12 +188,9 @@ def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) 
 
 def label_config(names: Sequence[str]) -> dict:
     """The classifier's size and label names, so a pipeline over the saved model says 'positive', not 'LABEL_1'.
-
-    `names`: the class names in id order (utils/data.label_names_of), `()` or `[score]` for regression (one output
-    trained with MSE: transformers' problem_type "regression")."""
-    names = list(names)
-    regression = not names or names == [REGRESSION_LABEL]
-    names = [REGRESSION_LABEL] if regression else names
+    `names`: the class names in id order, `()` or `[score]` for regression (one output trained with MSE)."""
+    regression = list(names) in ([], [REGRESSION_LABEL])
+    names = [REGRESSION_LABEL] if regression else list(names)
     return {
         "num_labels": len(names),
         "problem_type": "regression" if regression else "single_label_classification",
@@ -218,20 +201,37 @@ def label_config(names: Sequence[str]) -> dict:
 
 def load_base(name: str, labels: Sequence[str] | None, restored: Iterable[str], **kwargs) -> torch.nn.Module:
     """AutoModelForSequenceClassification of `name` with a head for `labels` (None: the checkpoint's own), no code
-    of its own run, transformers' report of the head it starts fresh held back (load_report_held).
+    of its own run. OSError or ValueError when the model cannot be loaded.
 
     A base whose head has another size (a 2-label checkpoint under a 3-class task) gets from_pretrained's leave
     to start a new one: training trains it from scratch, an adapter restores its own. Only then: a mismatch
-    anywhere else stays an error. OSError or ValueError when the model cannot be loaded."""
+    anywhere else stays an error. transformers' LOAD REPORT is held back when every weight it names missing or
+    resized belongs to a module in `restored` (a head trained in full): its table, with terminal colours, said
+    nothing wrong on every N-class or regression model. A report naming any other weight is shown as it was."""
     heads = label_config(labels) if labels is not None else {}
     if heads and AutoConfig.from_pretrained(name, **NO_REMOTE_CODE).num_labels != heads["num_labels"]:
         heads["ignore_mismatched_sizes"] = True
-    return load_report_held(
-        lambda: AutoModelForSequenceClassification.from_pretrained(
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    source = logging.getLogger("transformers.modeling_utils")
+    source.addFilter(hold)
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
             name, output_loading_info=True, **heads, **NO_REMOTE_CODE, **kwargs
-        ),
-        restored,
-    )
+        )
+    finally:
+        source.removeFilter(hold)
+    reported = [*info["missing_keys"], *(key for key, *_ in info["mismatched_keys"])]
+    if any(not set(key.split(".")) & set(restored) for key in reported):
+        for record in held:
+            source.handle(record)
+    return model
 
 
 def _base_dropout(settings: Settings, config: PretrainedConfig) -> dict:
@@ -248,10 +248,8 @@ def _base_dropout(settings: Settings, config: PretrainedConfig) -> dict:
     }
     if not dropout:
         log.warning(
-            "MODEL_DROPOUT=%g: the config of %s has none of %s; its dropout is left as it is",
-            settings.model_dropout,
-            settings.model_name,
-            ", ".join(DROPOUT_ATTRIBUTES),
+            f"MODEL_DROPOUT={settings.model_dropout:g}: the config of {settings.model_name} has none of "
+            f"{', '.join(DROPOUT_ATTRIBUTES)}; its dropout is left as it is"
         )
     return dropout
 
@@ -264,36 +262,31 @@ def build_model(
     8-bit quantizes every Linear, the classifier head too, and LoRA cannot train an int8 head: the head
     is skipped by the quantizer (`llm_int8_skip_modules`) and saved in full with the adapter.
     """
-    config = _config(settings)
+    with _loading(settings):
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
     kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(settings, config)}
     if quantize_8bit:
-        # A trained head stays full precision.
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
         )
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
-    try:
+    with _loading(settings):
         model = load_base(settings.model_name, settings.label_names if labels is None else labels, head, **kwargs)
-    except pickle.UnpicklingError as exc:  # a Hub repo's pytorch_model.bin, downloaded only now
-        raise _unsafe_weights(settings, "pytorch_model.bin", exc) from None
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
     if quantize_8bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
 
     targets = lora_targets(settings, model.config.model_type)
+    modules = dict(model.named_modules())
     lora = LoraConfig(
         task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
         r=settings.lora_r,
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
         target_modules=list(targets),
-        # Pooler, rsLoRA/DoRA, init: utils/recipe.py.
-        **lora_options(settings, (name for name, _ in model.named_modules())),
+        **lora_options(settings, modules),  # pooler, rsLoRA/DoRA, init
     )
-    modules = dict(model.named_modules())
     check_target_modules(settings, modules, adapted=None, targets=targets)
     try:
         model = get_peft_model(model, lora)
@@ -308,34 +301,6 @@ def build_model(
     check_target_modules(settings, modules, adapted=model.targeted_module_names, targets=targets)
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
-    return model
-
-
-def load_report_held(load, restored) -> torch.nn.Module:
-    """The model `load()` returns (a from_pretrained with output_loading_info=True), transformers' LOAD REPORT held
-    back when every weight it names missing or resized belongs to a module in `restored`: a head trained in full
-    (started fresh in training, restored by the adapter in predict.py), such as a 2-label checkpoint's classifier
-    under a 3-class task. Its table, with terminal colours, said nothing wrong on every N-class or regression model.
-    A report naming any other weight is shown as it was."""
-    held: list[logging.LogRecord] = []
-
-    class Hold(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            if "LOAD REPORT" in record.getMessage():
-                held.append(record)
-                return False
-            return True
-
-    source, hold = logging.getLogger("transformers.modeling_utils"), Hold()
-    source.addFilter(hold)
-    try:
-        model, info = load()
-    finally:
-        source.removeFilter(hold)
-    reported = [*info["missing_keys"], *(key for key, *_ in info["mismatched_keys"])]
-    if any(not set(key.split(".")) & set(restored) for key in reported):
-        for record in held:
-            source.handle(record)
     return model
 
 
@@ -369,8 +334,8 @@ def linear_layer_names(modules: dict[str, torch.nn.Module]) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, torch.nn.Linear)})
 
 
-def _matches(target: str, names) -> bool:
-    # peft's rule for a list of names: the module's whole name, or its end after a dot.
+def matches_target(target: str, names: Iterable[str]) -> bool:
+    """peft's rule for a list of target_modules: a module's whole name, or its end after a dot."""
     return any(name == target or name.endswith(f".{target}") for name in names)
 
 
@@ -384,10 +349,10 @@ def check_target_modules(
     linear = linear_layer_names(modules)
     problems = []
     for target in targets:
-        if not _matches(target, modules):
+        if not matches_target(target, modules):
             close = difflib.get_close_matches(target.rsplit(".", 1)[-1], linear, n=3, cutoff=0.5)
             problems.append(f"'{target}' matches no module" + (f" (closest: {', '.join(close)})" if close else ""))
-        elif adapted is not None and not _matches(target, adapted):
+        elif adapted is not None and not matches_target(target, adapted):
             problems.append(f"'{target}' matches only modules that take no adapter (the head, trained in full)")
     if problems:
         raise JobError(
@@ -418,18 +383,16 @@ def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] 
 
 
 def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
-    """The base with the adapter in `adapter_dir` merged into its weights, saved to `out_dir` (safetensors, tokenizer).
+    """The base with the adapter in `adapter_dir` merged into its weights, saved to `out_dir` (safetensors, tokenizer),
+    the head named by the labels saved beside the adapter (LABEL_NAMES for a model saved before they were).
 
     The base is loaded again in full precision whatever training used: merging into 8-bit weights would
     round the update away, and servers without peft or bitsandbytes load plain float weights.
     """
-    # The labels the run trained with, as saved beside the adapter (LABEL_NAMES for a model saved before they were).
     saved = read_label_names(adapter_dir)
     labels = [saved[index] for index in sorted(saved)] if saved else settings.label_names
-    try:
+    with _loading(settings):
         base = load_base(settings.model_name, labels, (CLASSIFIER, "score"), dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise _load_error(settings, exc) from None
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
     AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE).save_pretrained(out_dir)
