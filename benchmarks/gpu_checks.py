@@ -74,6 +74,13 @@ ARMS = {
         60,
         ["--no-cudnn-attention"],
     ),
+    # The Trainer's own per-step walks of the whole model, against eager-bf16's (the job's calls) in the same call.
+    "eager-bf16-host-levers-off": (
+        {"QUANTIZATION": "none", "TORCH_COMPILE": "false"},
+        False,
+        60,
+        ["--no-host-levers"],
+    ),
     "eager-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "false"}, False, 60, []),
     "fast-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "true"}, False, 90, []),
     # bitsandbytes' LLM.int8 with no outlier threshold: no outlier columns, no host sync to find them.
@@ -94,6 +101,7 @@ PARTS = (
     "fast-8bit-threshold-0",
     "fast-bf16-cudagraphs",
     "fast-bf16-no-cudnn-attention",
+    "eager-bf16-host-levers-off",
     "profile-eager",
 )
 GPU_ONLY = ("fast-bf16-cudagraphs", "fast-bf16-encoder-cudagraphs")  # CUDA graphs: nothing to run on the CPU

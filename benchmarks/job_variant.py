@@ -1,6 +1,7 @@
 """main.py with a lever the job has no setting for, for the GPU benchmark's arms only (benchmarks/gpu_checks.py):
 
-  python benchmarks/job_variant.py [--int8-threshold X] [--compile-region encoder] [--no-cudnn-attention] main.py ...
+  python benchmarks/job_variant.py [--int8-threshold X] [--compile-region encoder] [--no-cudnn-attention]
+                                   [--no-host-levers] main.py ...
 
 --int8-threshold X        bitsandbytes' LLM.int8 outlier threshold (its default 6.0; 0: no outlier columns kept
                           apart, so no host sync to find them)
@@ -9,6 +10,8 @@
                           graphs capture whole
 --no-cudnn-attention      SDPA without its cuDNN backend (a plan lookup of ~0.3 ms of CPU per call on the GPU
                           seen), so the memory-efficient kernel runs
+--no-host-levers          the Trainer's own per-step walks of the whole model (JobTrainer.host_levers off): the
+                          baseline the job's calls are measured against
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--int8-threshold", type=float)
 parser.add_argument("--compile-region", choices=("encoder",))
 parser.add_argument("--no-cudnn-attention", action="store_true")
+parser.add_argument("--no-host-levers", action="store_true")
 parser.add_argument("script")
 args, rest = parser.parse_known_args()
 sys.argv = [args.script, *rest]
@@ -65,5 +69,10 @@ if args.no_cudnn_attention:
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(False)
+
+if args.no_host_levers:
+    from utils.trainer import JobTrainer
+
+    JobTrainer.host_levers = False
 
 runpy.run_path(args.script, run_name="__main__")

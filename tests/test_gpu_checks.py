@@ -31,6 +31,7 @@ ARMS = {
     "fast-8bit-threshold-0",
     "fast-bf16-encoder",
     "fast-bf16-no-cudnn-attention",
+    "eager-bf16-host-levers-off",
 }
 FIELDS = {
     "compile_s",
