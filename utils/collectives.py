@@ -1,11 +1,9 @@
 """The job's process group: the rendezvous that creates it, and the collectives the job runs outside the Trainer.
 
-`rendezvous` meets the other ranks, compares their settings and returns a `Collectives`: the rendezvous
-store's clients, the heartbeat, the gloo group for control messages, and the collectives over them
-(agreeing on an error, the stop flag, checkpoint barriers, telling a lost peer from a crash). It lives
-until `leave`, once rank 0 has saved model/; a single process gets one with no group, whose collectives
-just run the step. Why each part is not torch.distributed's or Accelerate's: docs/development.md. Only
-utils/run.py reaches this module, after the checks: torch at the top.
+`rendezvous` meets the other ranks, compares their settings and returns a `Collectives`, which lives until
+`leave`, once rank 0 has saved model/; a single process gets one with no group, whose collectives just run the
+step. Why each part is not torch.distributed's or Accelerate's: docs/development.md. Only utils/run.py reaches
+this module, after the checks: torch at the top.
 """
 
 from __future__ import annotations
@@ -40,19 +38,16 @@ WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck i
 
 
 class Collectives:
-    """This process's share of the job's process group, and the collectives the job runs over it.
-
-    Created by `rendezvous` (a single process: `Collectives(dist, timeout_s)`, with no group), ended by
-    `leave`. Every collective is bounded by RENDEZVOUS_TIMEOUT (`timeout_s`), DDP's all-reduce included.
-    """
+    """This process's share of the job's process group. Every collective is bounded by RENDEZVOUS_TIMEOUT
+    (`timeout_s`), DDP's all-reduce included."""
 
     def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None, pulse=None):
         self.dist = dist
         self.timeout_s = timeout_s
         self._beat_store = beat_store  # a client of rank 0's store: the peers' heartbeats (None: no group)
         self._control = control  # the gloo group for small control messages on NCCL jobs (None: the default group)
-        self._heartbeat = None
-        if pulse is not None:  # another client, with a BEAT_CALL_SECONDS timeout: this rank's own heartbeat
+        self._heartbeat = None  # beats through `pulse`, another client, with a BEAT_CALL_SECONDS timeout
+        if pulse is not None:
             self._heartbeat = Heartbeat(
                 lambda: _beat(pulse, BEAT_KEY.format(rank=dist.rank)), BEAT_SECONDS, "heartbeat"
             )
@@ -64,59 +59,41 @@ class Collectives:
         does so in milliseconds; one that does not (its rank stopped) gives up within BEAT_CALL_SECONDS."""
         if self._heartbeat is not None:
             self._heartbeat.stop(wait=BEAT_CALL_SECONDS + BEAT_SECONDS)
-        drop_process_group()
+        if td.is_available() and td.is_initialized():
+            td.destroy_process_group()
 
-    # ---------------------------------------------------------------- collectives
     def _broadcast(self, value: object) -> object:
         box = [value]
         td.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
 
     @contextmanager
-    def _telling_outcome(self) -> Iterator[None]:
-        """Rank 0: run the block, then tell the others how it ended, its exit code and reason, which
-        Accelerate's `main_process_first` (a barrier) does not carry (tests/test_library_contract.py)."""
-        try:
-            yield
-        except (JobError, Preempted) as exc:
-            self._broadcast((exc.code, exc.message))
-            raise
-        except BaseException as exc:
-            self._broadcast((1, f"rank 0 failed: {type(exc).__name__}"))
-            raise
-        self._broadcast(None)
-
-    def _hearing_outcome(self) -> None:
-        """A rank other than 0: wait for rank 0's outcome, and stop with its code and message if it failed."""
-        outcome = self._broadcast(None)
-        if outcome is not None:
-            raise JobError(*outcome)
-
-    def run_on_main(self, step: Callable[[], T]) -> T | None:
-        """Run `step` on rank 0 only; the other ranks wait for its outcome.
-
-        When rank 0 fails with a JobError every rank stops with the same exit code and message at once,
-        instead of waiting in a barrier until the timeout. Returns `step`'s result on rank 0, None elsewhere.
-        """
-        if not self.dist.is_distributed:
-            return step()
-        if not self.dist.is_main:
-            return self._hearing_outcome()
-        with self._telling_outcome():
-            return step()
-
-    @contextmanager
     def main_first(self) -> Iterator[None]:
-        """The block runs on rank 0 first (it downloads and tokenizes into the shared cache), then on the others;
-        a JobError on rank 0 stops every rank with its code and message (the others never run the block)."""
+        """The block runs on rank 0 first (it downloads and tokenizes into the shared cache), then on the others.
+        Rank 0 tells them how it ended, which Accelerate's `main_process_first` (a barrier) does not carry
+        (tests/test_library_contract.py): a failure there stops every rank at once with its code and message
+        (the others never run the block), instead of leaving them in a barrier until the timeout."""
         if not self.dist.is_distributed:
             yield
         elif self.dist.is_main:
-            with self._telling_outcome():
+            try:
                 yield
+            except (JobError, Preempted) as exc:
+                self._broadcast((exc.code, exc.message))
+                raise
+            except BaseException as exc:
+                self._broadcast((1, f"rank 0 failed: {type(exc).__name__}"))
+                raise
+            self._broadcast(None)
         else:
-            self._hearing_outcome()
+            if (outcome := self._broadcast(None)) is not None:
+                raise JobError(*outcome)
             yield
+
+    def run_on_main(self, step: Callable[[], T]) -> T | None:
+        """`step` on rank 0 only, the others waiting for its outcome (`main_first`): its result on rank 0, None elsewhere."""
+        with self.main_first():
+            return step() if self.dist.is_main else None
 
     def decide_on_main(self, step: Callable[[], T]) -> T:
         """Run `step` on rank 0 only and give its result to every rank (a JobError on rank 0 stops all)."""
@@ -141,7 +118,7 @@ class Collectives:
             raise JobError(*failed[0])
 
     def max_over_ranks(self, value: int) -> int:
-        """The largest of every rank's `value` (one all-reduce of an int), on every rank: a decision all ranks share."""
+        """The largest of every rank's `value`, on every rank: a decision all ranks share."""
         if not self.dist.is_distributed:
             return value
         tensor = torch.tensor([int(value)], dtype=torch.int32)
@@ -149,14 +126,24 @@ class Collectives:
         return int(tensor.item())
 
     def barrier(self) -> None:
-        """Wait until every rank gets here (bounded by RENDEZVOUS_TIMEOUT like every collective)."""
         if self.dist.is_distributed:
             td.barrier(group=self._control)
 
-    # ---------------------------------------------------------------- lost peers
-    def peer_lost(self) -> bool:
-        """Whether a peer died or stopped: its heartbeat did not move for PROBE_SECONDS, or the store is gone."""
-        if self._beat_store is None:
+    def is_lost_peer(self, exc: BaseException) -> bool:
+        """Whether `exc` means a peer died, stopped answering or was cut off, told by type and by evidence.
+
+        torch's DistNetworkError and DistStoreError (the store, held by rank 0, is gone) and timeouts are a
+        lost peer by type. gloo reports a closed connection or a silent peer as a plain RuntimeError, the
+        same type as a real crash, so for those the heartbeat decides: the failure is a lost peer only if a
+        peer's heartbeat did not move for PROBE_SECONDS, or the store is gone. Anything else (a CUDA error, an
+        illegal memory access, a bug) is a crash, exit 1, which `restartPolicy: ExitCode` rightly does not restart
+        for ever.
+        """
+        if not self.dist.is_distributed:
+            return False
+        if isinstance(exc, (td.DistNetworkError, td.DistStoreError, TimeoutError)):
+            return True
+        if isinstance(exc, (torch.AcceleratorError, torch.OutOfMemoryError)) or not isinstance(exc, RuntimeError):
             return False
         try:
             keys = [BEAT_KEY.format(rank=r) for r in range(self.dist.world_size) if r != self.dist.rank]
@@ -166,23 +153,6 @@ class Collectives:
         except Exception:
             return True
         return any(a == b for a, b in zip(before, after, strict=True))
-
-    def is_lost_peer(self, exc: BaseException) -> bool:
-        """Whether `exc` means a peer died, stopped answering or was cut off, told by type and by evidence.
-
-        torch's DistNetworkError and DistStoreError (the store, held by rank 0, is gone) and timeouts are a
-        lost peer by type. gloo reports a closed connection or a silent peer as a plain RuntimeError, the
-        same type as a real crash, so for those the heartbeat decides: the failure is a lost peer only if a
-        peer's heartbeat stopped. Anything else (a CUDA error, an illegal memory access, a bug) is a crash,
-        exit 1, which `restartPolicy: ExitCode` rightly does not restart for ever.
-        """
-        if not self.dist.is_distributed:
-            return False
-        if isinstance(exc, (td.DistNetworkError, td.DistStoreError, TimeoutError)):
-            return True
-        if isinstance(exc, (torch.AcceleratorError, torch.OutOfMemoryError)) or not isinstance(exc, RuntimeError):
-            return False
-        return self.peer_lost()
 
     @contextmanager
     def peers_watched(self, resume_hint: Callable[[], str]) -> Iterator[None]:
@@ -198,30 +168,22 @@ class Collectives:
         except JobError:
             raise
         except Exception as exc:
-            dist = self.dist
+            lost, replicas = f"rank {self.dist.rank} lost contact with", f"restart all {self.dist.world_size} replicas"
             # The heartbeat probe asks rank 0's store, which answers in milliseconds, or, rank 0 stopped, never:
             # past its own timeout, in native code.
-            silent = f"rank {dist.rank} lost contact with rank 0, whose store stopped answering; restart all {dist.world_size} replicas"
+            silent = f"{lost} rank 0, whose store stopped answering; {replicas}"
             with watchdog(PROBE_SECONDS + BEAT_CALL_SECONDS + WATCHDOG_GRACE, silent, EXIT_PREEMPTED):
                 if not self.is_lost_peer(exc):
                     raise
             raise JobError(
                 EXIT_PREEMPTED,
-                f"rank {dist.rank} lost contact with its peers ({type(exc).__name__}): a replica was killed, stopped "
-                f"or cut off, or did not answer within RENDEZVOUS_TIMEOUT={self.timeout_s}s; restart all {dist.world_size} replicas: "
-                f"{resume_hint()}",
+                f"{lost} its peers ({type(exc).__name__}): a replica was killed, stopped or cut off, or did not answer "
+                f"within RENDEZVOUS_TIMEOUT={self.timeout_s}s; {replicas}: {resume_hint()}",
             ) from None
 
 
-# ------------------------------------------------------------------------------- rendezvous
-def drop_process_group() -> None:
-    """Destroy this process's default process group, if it has one: local, no collective."""
-    if td.is_available() and td.is_initialized():
-        td.destroy_process_group()
-
-
 def _beat(pulse, key: str) -> None:
-    """One heartbeat: bump this rank's counter in rank 0's store, how a peer tells alive from lost."""
+    """Bump this rank's counter in rank 0's store: how a peer tells alive from lost."""
     try:
         pulse.add(key, 1)
     except Exception:  # rank 0, which holds the store, is gone or silent: the main thread finds out,
@@ -255,19 +217,17 @@ def rendezvous(
     with watchdog(timeout_s + WATCHDOG_GRACE, stuck, 1):
         if not dist.is_main:
             _wait_for_rank0(dist, timeout_s, deadline)
+        store = None
         try:
             store = td.TCPStore(
                 dist.master_addr, dist.master_port, None, dist.is_main, timeout, wait_for_workers=False
             )
-        except (td.DistError, RuntimeError) as exc:
-            if dist.is_main:
-                _refuse_port_taken(dist)
-            raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
-        try:
             beat_store = td.TCPStore(dist.master_addr, dist.master_port, None, False, timeout)
             pulse = td.TCPStore(dist.master_addr, dist.master_port, None, False, timedelta(seconds=BEAT_CALL_SECONDS))
             _agree(dist, store, agreement, timeout_s, deadline, on_main)
         except (td.DistError, RuntimeError) as exc:
+            if dist.is_main and store is None:
+                _refuse_port_taken(dist)
             raise JobError(1, f"{stuck} ({type(exc).__name__})") from None
         if cuda:
             torch.cuda.set_device(dist.local_rank)
@@ -292,11 +252,19 @@ def _agree(
     mine = json.dumps(agreement, sort_keys=True, default=str)
     store.set(AGREEMENT_KEY.format(rank=dist.rank), mine)
     if dist.is_main:
-        verdict = _judge(dist, store, agreement, timeout_s, deadline, on_main)
+        # As the others see it, through JSON; one comparison, the run identity's (utils/identity.py).
+        verdict = _judge(dist, store, json.loads(mine), timeout_s, deadline, on_main)
         store.set(VERDICT_KEY, json.dumps(verdict))
         if verdict is not None:
+            # The store lives in this process: the ranks that joined read the verdict first, or they would fail on a
+            # closed store instead.
             joined = sum(store.check([AGREEMENT_KEY.format(rank=rank)]) for rank in range(1, dist.world_size))
-            _wait_until_read(store, READ_KEY, joined)
+            read_by = time.monotonic() + READ_SECONDS
+            try:
+                while store.add(READ_KEY, 0) < joined and time.monotonic() < read_by:
+                    time.sleep(0.05)
+            except (td.DistError, RuntimeError):
+                pass  # a peer gone meanwhile: nothing left to wait for
     else:
         store.wait([VERDICT_KEY], timedelta(seconds=max(1.0, deadline - time.monotonic())))
         verdict = json.loads(store.get(VERDICT_KEY))
@@ -324,8 +292,7 @@ def _judge(
             f"check that all {dist.world_size} replicas started and that MASTER_ADDR/MASTER_PORT point at rank 0",
         ]
     others = {rank: json.loads(store.get(key)) for rank, key in enumerate(keys, start=1)}
-    # As the others see it, through JSON; one comparison, the run identity's (utils/identity.py).
-    if refusal := agreement_refusal(json.loads(json.dumps(agreement, sort_keys=True, default=str)), others):
+    if refusal := agreement_refusal(agreement, others):
         return [EXIT_BAD_INPUT, refusal]
     if on_main is not None:
         try:
@@ -333,17 +300,6 @@ def _judge(
         except JobError as exc:
             return [exc.code, exc.message]
     return None
-
-
-def _wait_until_read(store, key: str, readers: int) -> None:
-    """Rank 0, refusing the job: the store lives in this process, so wait (at most READ_SECONDS) until `readers`
-    ranks have counted themselves under `key`, or they would fail on a closed store instead of reading its verdict."""
-    deadline = time.monotonic() + READ_SECONDS
-    try:
-        while store.add(key, 0) < readers and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except (td.DistError, RuntimeError):
-        pass  # a peer gone meanwhile: nothing left to wait for
 
 
 def _refuse_port_taken(dist: DistEnv) -> None:
@@ -370,17 +326,14 @@ def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
     15 s timeout failing after 41 s); polling first keeps a missing rank 0 within RENDEZVOUS_TIMEOUT.
     A host name that does not resolve yet (a pod whose DNS record is not published) is retried too.
     """
-    resolved = False
     while True:
         try:
             with socket.create_connection(
                 (dist.master_addr, dist.master_port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
             ):
                 return
-        except socket.gaierror:
-            resolved = False
-        except OSError:
-            resolved = True
+        except OSError as exc:
+            resolved = not isinstance(exc, socket.gaierror)
         if time.monotonic() >= deadline:
             break
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

@@ -55,35 +55,31 @@ from utils.run_lock import RunLock
 from utils.settings import Settings, check_tracker_uri, resolve_base_model_id
 from utils.strategy import check_strategy, full_state_dict
 from utils.tasks import headline
-from utils.trainer import (
-    JobTrainer,
-    build_trainer,
-    compile_record,
-    seconds_since_start,
-)
+from utils.trainer import JobTrainer, build_trainer, compile_record, seconds_since_start
 
 log = logging.getLogger(__name__)
-LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
 RANK_LOG_ONLY = {"rank_log_only": True}  # `extra=` of a record the console leaves out
 
 
-# ------------------------------------------------------------------------------- set-up
+def masked(handler: logging.Handler, job: Job) -> logging.Handler:
+    """`handler` with the job's line format and HF_TOKEN masked in every record it writes."""
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{job.dist.rank} %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(MaskingFilter(job.masker))
+    return handler
+
+
 def setup_logging(job: Job) -> None:
     """Only rank 0 talks on the console (warnings from all); the rank log is added once the folder is ours.
     Progress bars only where a person watches: rank 0 with a terminal on stderr (a pod's log or a CI file gets lines)."""
-    dist, masker = job.dist, job.masker
-    fmt = logging.Formatter(LOG_FORMAT.format(rank=dist.rank))
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(fmt)
+    dist = job.dist
+    console = masked(logging.StreamHandler(sys.stderr), job)
     console.setLevel(logging.INFO if dist.is_main else logging.WARNING)
     # The Trainer's INFO records (its training and evaluation banners) go to the rank log only.
     console.addFilter(lambda record: record.levelno >= logging.WARNING or record.name.startswith("utils."))
     console.addFilter(lambda record: not getattr(record, "rank_log_only", False))
-    console.addFilter(MaskingFilter(masker))
     # Records before the rank log exists are held here and written to it first (log_to_file).
     early = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
-    early.addFilter(MaskingFilter(masker))
-    logging.basicConfig(level=logging.WARNING, handlers=[console, early], force=True)
+    logging.basicConfig(level=logging.WARNING, handlers=[console, masked(early, job)], force=True)
     # The rank log tells the run's story, ours and the Trainer's (training, evaluations, checkpoints); the libraries'
     # INFO records (every config.json read in full, weights files, datasets' builder steps, HTTP requests) stay out.
     logging.getLogger("utils").setLevel(logging.INFO)
@@ -101,7 +97,6 @@ def setup_logging(job: Job) -> None:
 
 
 def shows_progress_bars(dist: DistEnv) -> bool:
-    """Whether this process draws progress bars: rank 0, with a terminal on stderr."""
     return dist.is_main and sys.stderr.isatty()
 
 
@@ -117,9 +112,7 @@ def is_not_banner(record: logging.LogRecord) -> bool:
 def log_to_file(job: Job) -> None:
     """Every rank also logs to OUTPUT_DIR/logs/rank-R.log: after the rendezvous and the OUTPUT_DIR lock, so a
     job refused on a folder in use never writes into the logs of the job that holds it."""
-    handler = RankLogHandler(job.out, job.out.rank_log(job.dist.rank))
-    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=job.dist.rank)))
-    handler.addFilter(MaskingFilter(job.masker))
+    handler = masked(RankLogHandler(job.out, job.out.rank_log(job.dist.rank)), job)
     root = logging.getLogger()
     for early in [h for h in root.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
         early.setTarget(handler)
@@ -163,16 +156,6 @@ class ProgressBar(ProgressCallback):
         pass
 
 
-def set_console(trainer: Trainer, dist: DistEnv, splits: int) -> None:
-    """What training shows on the console: the bars where a terminal watches (shows_progress_bars), an
-    evaluation's line, and no dict per log (the Trainer's ProgressCallback and PrinterCallback print those)."""
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(PrinterCallback)
-    if shows_progress_bars(dist):
-        trainer.add_callback(ProgressBar)
-    trainer.add_callback(EvaluationLine(splits))
-
-
 class RankLogHandler(logging.FileHandler):
     """A FileHandler that opens its file through RunDir.open: a planted link at logs/ or logs/rank-R.log (or
     a hard link to a file elsewhere) is refused, never appended to."""
@@ -189,7 +172,7 @@ class RankLogHandler(logging.FileHandler):
         # burying the `error:` line the failure ends with. The console keeps getting the records.
         if not getattr(self, "failed", False):
             self.failed = True
-            logging.getLogger(__name__).warning(
+            log.warning(
                 "cannot write %s (%s); log records go to the console only", self.baseFilename, sys.exc_info()[1]
             )
 
@@ -213,7 +196,6 @@ def agreement_of(settings: Settings, plan: Plan, world_size: int) -> dict:
     return {**plan.identity, "world_size": world_size, "run_name": plan.run_name, "output_dir": settings.output_dir}
 
 
-# ------------------------------------------------------------------------------- resume
 def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
     """Rank 0: the checkpoint to resume from (None: start afresh).
 
@@ -225,9 +207,7 @@ def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
         log.warning("removed %s: its save never completed (the job was killed while writing it)", path.name)
     latest, damaged = usable_checkpoints(run)
     for path, problem in damaged:
-        log.warning(
-            "removed %s: %s; falling back to %s", path.name, problem, latest.name if latest else "a fresh start"
-        )
+        log.warning("removed %s: %s; falling back to %s", path.name, problem, getattr(latest, "name", "a fresh start"))
     if latest is None:
         return None
     check_same_run(checkpoint_resume_key(latest)["identity"], identity, str(run.checkpoints / latest.name))
@@ -288,7 +268,6 @@ def tracker_run(job: Job):
         yield
 
 
-# ------------------------------------------------------------------------------- the run
 @dataclass(frozen=True)
 class Ready:
     """What `set_up` built: the Trainer over the tokenized data, and where training starts."""
@@ -317,21 +296,14 @@ def run(job: Job) -> int:
     """Train, save and push, on every rank; the exit code."""
     dist = job.dist
     setup_logging(job)
-    log.info(
-        "rank %d of %d (local rank %d, node %d) via %s; environment %s",
-        dist.rank,
-        dist.world_size,
-        dist.local_rank,
-        dist.node_rank,
-        dist.source,
-        masked_environ(),
-    )
-    hub = open_hub(job.settings)
+    where = (dist.rank, dist.world_size, dist.local_rank, dist.node_rank, dist.source, masked_environ())
+    log.info("rank %d of %d (local rank %d, node %d) via %s; environment %s", *where)
+    hub = Hub(read_token(), job.settings.push_timeout, job.settings.hub_timeout)
     if job.out.is_finished():
         log.info("%s already holds a finished run", job.out.root)
         # Rank 0 finishes what was left (the merge, the push), with the labels, base and run name the run recorded
         # (metrics.json), whatever this start's settings say; the others are done.
-        return publish_saved(job, hub, job.settings) if dist.is_main else EXIT_OK
+        return publish_saved(job, hub) if dist.is_main else EXIT_OK
     lock = RunLock(job.out)
     group = None
     try:
@@ -402,23 +374,23 @@ def set_up(job: Job, group: Collectives) -> Ready:
     key = {"identity": identity, "segments": segments}
     trainer = build_trainer(job, model, tokenizer, data, key=key, group=group)
     trainer.add_callback(LogToRankLog)
-    set_console(trainer, dist, splits=len(data) - 1)  # every split but train is evaluated
+    # On the console: the bars where a terminal watches, an evaluation's line (every split but train is evaluated),
+    # and no dict per log (the Trainer's ProgressCallback and PrinterCallback print those); the rank log has them.
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    if shows_progress_bars(dist):
+        trainer.add_callback(ProgressBar)
+    trainer.add_callback(EvaluationLine(len(data) - 1))
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
     group.run_on_main(lambda: write_run_record(job.out, settings, job.plan, segments=segments))
     if checkpoint:
-        log.info(
-            "resuming from step %s (%s): the steps before it are not trained again",
-            checkpoint.rsplit("-", 1)[-1],
-            checkpoint,
-        )
+        step = checkpoint.rsplit("-", 1)[-1]
+        log.info("resuming from step %s (%s): the steps before it are not trained again", step, checkpoint)
     validation_rows = sum(len(rows) for split, rows in data.items() if split != "train")
     startup["trainer"] = seconds_since_start()
-    log.info(
-        "start-up, seconds after process start: %s",
-        {phase: round(s, 2) for phase, s in startup.items()},
-        extra=RANK_LOG_ONLY,
-    )
+    seconds = {phase: round(s, 2) for phase, s in startup.items()}
+    log.info("start-up, seconds after process start: %s", seconds, extra=RANK_LOG_ONLY)
     return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, job.plan, labels, startup=startup)
 
 
@@ -475,11 +447,7 @@ def rank_record(job: Job, ready: Ready, state_dict: dict) -> dict:
     # Under DeepSpeed accelerate wraps the Trainer's scheduler (DeepSpeed's own, from a config's block, has no base_lrs).
     scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
     record = {
-        "rank": dist.rank,
-        "local_rank": dist.local_rank,
-        "node_rank": dist.node_rank,
-        "world_size": dist.world_size,
-        "source": dist.source,
+        **{field: getattr(dist, field) for field in ("rank", "local_rank", "node_rank", "world_size", "source")},
         "samples_trained": trainer.samples_seen,
         # DeepSpeed: the gathered fp32 weights (under ZeRO-3 the module's own are empty shards)
         "trainable_checksum": trainable_checksum(trainer.model, state_dict if job.strategy == "deepspeed" else None),
@@ -506,12 +474,9 @@ def rank_record(job: Job, ready: Ready, state_dict: dict) -> dict:
     }
     if job.compiled:
         log.info(
-            "torch.compile: %d graphs for length buckets %s, %d recompiles, %d graph breaks, %.1f s compiling",
-            record["compile"]["graphs"],
-            trainer.buckets,
-            record["compile"]["recompiles"],
-            record["compile"]["graph_breaks"],
-            record["compile"]["compile_s"],
+            "torch.compile: %(graphs)d graphs for length buckets %(buckets)s, %(recompiles)d recompiles, "
+            "%(graph_breaks)d graph breaks, %(compile_s).1f s compiling",
+            {**record["compile"], "buckets": trainer.buckets},
         )
     return record
 
@@ -525,9 +490,8 @@ def save(job: Job, group: Collectives, trained: Trained) -> None:
         log.info("waiting for rank 0 to save %s", out.model)
     try:
         with group.peers_watched(lambda: f"rank 0 was saving model/; {resume_hint(out)}"):
-            group.run_on_main(
-                lambda: save_model(out, job.settings, trained.trainer, trained.metrics, trained.state_dict)
-            )
+            model = (trained.trainer, trained.metrics, trained.state_dict)
+            group.run_on_main(lambda: save_model(out, job.settings, *model))
     except JobError as exc:
         if not (job.dist.is_main and exc.code == EXIT_PREEMPTED and out.is_finished()):
             raise
@@ -545,38 +509,23 @@ def publish(job: Job, hub: Hub, trained: Trained) -> int:
     dist, out = job.dist, job.out
     code = EXIT_OK
     if dist.is_main:
-        code = publish_saved(job, hub, job.settings)
-        metrics = trained.metrics
-        print(
-            f"{headline(metrics)} train_samples_per_second={metrics['train_samples_per_second']:.1f} "
-            f"model={out.model}",
-            flush=True,
-        )
+        code = publish_saved(job, hub)
+        rate = trained.metrics["train_samples_per_second"]
+        print(f"{headline(trained.metrics)} train_samples_per_second={rate:.1f} model={out.model}", flush=True)
     # What tests and benchmarks read (logs/rank-R.json), and the same in words at the end of the rank's log.
     record = trained.record
     out.write_json(out.rank_record(dist.rank), record)
-    log.info(
-        "rank %d processed %d training samples; trainable weights checksum %s; exit %d, the model in %s",
-        dist.rank,
-        record["samples_trained"],
-        record["trainable_checksum"],
-        code,
-        out.model,
-    )
+    said = (dist.rank, record["samples_trained"], record["trainable_checksum"], code, out.model)
+    log.info("rank %d processed %d training samples; trainable weights checksum %s; exit %d, the model in %s", *said)
     return code
 
 
-def publish_saved(job: Job, hub: Hub, settings: Settings) -> int:
+def publish_saved(job: Job, hub: Hub) -> int:
     """Rank 0, model/ saved (by this start or one before it): merged/ when MERGE_ADAPTER asks for it and it is
     missing (it is written only after model/ is complete, so one present belongs to this model/), then the push."""
-    if settings.merge_adapter and not job.out.merged.is_dir():
-        save_merged(job.out, settings)
-    return push_model(job.out, settings, hub)
-
-
-def open_hub(settings: Settings) -> Hub:
-    """The Hub client: the push's total deadline, and a timeout on every request."""
-    return Hub(read_token(), settings.push_timeout, settings.hub_timeout)
+    if job.settings.merge_adapter and not job.out.merged.is_dir():
+        save_merged(job.out, job.settings)
+    return push_model(job.out, job.settings, hub)
 
 
 def publish_only(job: Job) -> int:
@@ -594,8 +543,8 @@ def publish_only(job: Job) -> int:
         raise JobError(
             EXIT_BAD_INPUT, f"{out.model} holds no finished model; run the training first (without --push-only)"
         )
-    hub = open_hub(settings)
+    hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
     for repo_id in filter(None, (settings.result_model_id, settings.result_merged_model_id)):
         hub.check_write_access(repo_id)
     # What is published follows what was trained: the labels, base and run name in the run's metrics.json.
-    return publish_saved(job, hub, settings)
+    return publish_saved(job, hub)

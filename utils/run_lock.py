@@ -56,28 +56,25 @@ class RunLock:
         }
         self._heartbeat: Heartbeat | None = None
 
-    # ---------------------------------------------------------------- acquire / release
     def acquire(self) -> None:
         """Take the lock, or raise JobError (exit 2) naming the live holder."""
-        while True:
-            if self._create():
-                break
+        while not self._create():
             holder = self._read()
             if holder is None:  # torn or just removed: look again
                 time.sleep(0.2)
-                if self._read() is None:
-                    self._take_over("an unreadable lock file")
-                    break
-                continue
-            if holder.get("job") == self.me["job"]:
-                break
-            if self._holder_alive(holder):
+                if self._read() is not None:
+                    continue
+                stale = "an unreadable lock file"
+            elif self._holder_alive(holder):
                 raise JobError(
                     EXIT_BAD_INPUT,
                     f"OUTPUT_DIR={self.path.parent} is in use by another job (host {holder.get('host')}, pid {holder.get('pid')}, "
                     f"since {holder.get('since')}); wait for it to finish or stop it, or give this job another OUTPUT_DIR",
                 )
-            self._take_over(f"the lock of host {holder.get('host')} pid {holder.get('pid')} (no longer running)")
+            else:
+                stale = f"the lock of host {holder.get('host')} pid {holder.get('pid')} (no longer running)"
+            log.warning("OUTPUT_DIR lock: took over %s", stale)
+            self._write()
             break
         self._heartbeat = Heartbeat(self._beat, BEAT_SECONDS, "output-dir-lock")
 
@@ -93,7 +90,6 @@ class RunLock:
                 # real error with its own. A lock left behind is stale once this process is gone.
                 log.warning("could not remove %s (%s); the next start takes it over", self.path, exc.strerror)
 
-    # ---------------------------------------------------------------- internals
     def _create(self) -> bool:
         try:
             handle = self.run.open(self.path, "x")
@@ -112,10 +108,6 @@ class RunLock:
                 return json.loads(handle.read())
         except (OSError, ValueError):
             return None
-
-    def _take_over(self, what: str) -> None:
-        log.warning("OUTPUT_DIR lock: took over %s", what)
-        self._write()
 
     def _holder_alive(self, holder: dict) -> bool:
         if holder.get("host") == self.me["host"]:

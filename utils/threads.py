@@ -22,7 +22,7 @@ class Deadline(TimeoutError):
 
 
 def in_background(call: Callable[[], object], name: str) -> threading.Event:
-    """Start `call()` in a daemon thread; the event returned is set once it has returned or raised."""
+    """Set once `call()`, run in a daemon thread, has returned or raised."""
     ended = threading.Event()
 
     def target() -> None:
