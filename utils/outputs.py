@@ -450,9 +450,9 @@ def mark_checkpoint_complete(run: RunDir, checkpoint: Path, resume_key: dict) ->
     """Declare a checkpoint whole; call it once every rank has written its part (its RNG state).
 
     The marker is a manifest: every file's size and SHA-256, so a resume can tell a checkpoint damaged
-    after it was marked (a truncated optimizer state, a deleted file), and `resume_key`, what a resume
-    must not change (world size, global batch, the data), so a restart that would continue another run
-    is refused instead of silently skipping or repeating rows.
+    after it was marked (a truncated optimizer state, a deleted file), and `resume_key`: the run's identity
+    (utils/identity.py), so a restart that would continue another run is refused instead of silently skipping
+    or repeating rows, and the stretches of the run so far.
     """
     fsync_tree(checkpoint)
     files = {

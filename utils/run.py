@@ -274,7 +274,7 @@ class Ready:
 
     trainer: JobTrainer
     checkpoint: str | None  # the checkpoint to resume from; None: from step 1
-    key: dict  # resume_key, with the run's segments so far: recorded in every checkpoint
+    key: dict  # the run's identity and its segments so far: recorded in every checkpoint
     train_rows: int
     validation_rows: int
     plan: Plan  # the job's, completed with the step count
