@@ -8,7 +8,6 @@ stop on every rank together, the rows each rank trained on. The order of a run a
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -289,14 +288,15 @@ def epoch_sampler(train_dataloader) -> GlobalOrderSampler | None:
 
 # ------------------------------------------------------------------------------- callbacks
 class SamplerEpoch(TrainerCallback):
-    """Sets the length-grouped sampler's epoch as the Trainer counts epochs (global step // steps per
+    """Sets the length-grouped sampler's epoch as the Trainer counts epochs (global step // the plan's steps per
     epoch), before the epoch's order is drawn: the same on every rank, fresh or resumed."""
 
+    def __init__(self, steps_per_epoch: int):
+        self.steps_per_epoch = steps_per_epoch
+
     def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
-        sampler = epoch_sampler(train_dataloader)
-        if sampler is not None:
-            steps_per_epoch = max(math.ceil(len(train_dataloader) / args.gradient_accumulation_steps), 1)
-            sampler.set_epoch(state.global_step // steps_per_epoch)
+        if (sampler := epoch_sampler(train_dataloader)) is not None:
+            sampler.set_epoch(state.global_step // self.steps_per_epoch)
 
 
 def seconds_since_start() -> float:
@@ -645,7 +645,7 @@ def build_trainer(
     callbacks: list[TrainerCallback] = [
         StrategyCheck(job.strategy),
         startup,
-        SamplerEpoch(),
+        SamplerEpoch(job.plan.steps_per_epoch),
         Checkpoints(out, group, settings.save_total_limit, key or {"identity": job.plan.identity}, job.preemption),
     ]
     if dist.is_main and "tensorboard" in settings.report_to:
