@@ -210,7 +210,8 @@ def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
         log.warning("removed %s: %s; falling back to %s", path.name, problem, getattr(latest, "name", "a fresh start"))
     if latest is None:
         return None
-    check_same_run(checkpoint_resume_key(latest)["identity"], identity, str(run.checkpoints / latest.name))
+    if (recorded := checkpoint_resume_key(latest).get("identity")) is not None:  # none: written before identities
+        check_same_run(recorded, identity, str(run.checkpoints / latest.name))
     return str(latest)
 
 
