@@ -442,7 +442,7 @@ def test_the_elastic_pytorchjob_trains_one_global_batch_on_every_count_it_allows
         assert "warning:" not in result.stderr, result.stderr
         payload = result.json()
         batch = payload["batch"]
-        resolved[world] = (batch["global_batch"], payload["config"]["learning_rate"])
+        resolved[world] = (batch["global_batch"], payload["plan"]["learning_rate"])
         assert batch["micro_batch"] * batch["accumulation"] * world == batch["global_batch"], batch
         assert batch["micro_batch"] <= int(env["PER_DEVICE_BATCH_SIZE"])
     assert sorted(resolved) == list(range(low, high + 1)) and len(set(resolved.values())) == 1, resolved

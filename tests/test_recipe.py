@@ -194,7 +194,7 @@ def test_a_rate_the_batch_rule_resolves_is_checked_like_one_typed_in(job_env, la
     # The default rule at the same batch stays in bounds: the run is not refused for its batch alone.
     gentle = run_main({**env, "LEARNING_RATE_SCALING": "fourth-root"}, "--dry-run")
     assert gentle.code == 0, gentle.stderr[-2000:]
-    assert 0 < json.loads(gentle.stdout)["config"]["learning_rate"] < 1
+    assert 0 < json.loads(gentle.stdout)["plan"]["learning_rate"] < 1
 
 
 @pytest.mark.parametrize(
