@@ -5,8 +5,8 @@
       model/            adapter + config, tokenizer, id2label.json, inputs.json, training_curves.png, README.md card (rank 0)
       merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
       metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
-      run.json          resolved settings (secrets masked), package versions, push record (rank 0)
-      checkpoints/      Trainer checkpoints; a COMPLETE manifest (file sizes and hashes, what a resume must keep) once one is whole
+      run.json          the settings (secrets masked), the plan, the run's identity, versions, push record (rank 0)
+      checkpoints/      Trainer checkpoints; a COMPLETE manifest (file sizes and hashes, the identity) once one is whole
       logs/rank-R.log   one per rank
       tensorboard/      training curves
       cache/            tokenized data, keyed by tokenizer, max length and data fingerprint
