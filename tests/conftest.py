@@ -112,8 +112,19 @@ def run_script(
     script: str, env: dict[str, str], *args: str | Path, stdin: str | None = None, cwd: Path = REPO, timeout: float
 ) -> Result:
     """Run one of the repo's entry points (`python main.py`, `python predict.py`) in a process, and wait for it."""
+    return run_python([str(REPO / script), *map(str, args)], env, stdin=stdin, cwd=cwd, timeout=timeout)
+
+
+def run_code(code: str, env: dict[str, str], *args: str | Path, timeout: float) -> Result:
+    """Run `python -c code args...` from the repository (a test's own script over the job's modules), and wait."""
+    return run_python(["-c", code, *map(str, args)], env, timeout=timeout)
+
+
+def run_python(
+    argv: list[str], env: dict[str, str], stdin: str | None = None, cwd: Path = REPO, *, timeout: float
+) -> Result:
     proc = subprocess.run(
-        [sys.executable, str(REPO / script), *map(str, args)],
+        [sys.executable, *argv],
         input=stdin,
         env=env,
         cwd=cwd,

@@ -5,10 +5,8 @@ training forward in training mode (an evaluation's eval() must not leave the mod
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.conftest import REPO, base_env
+from tests.conftest import base_env, run_code
 
 SCRIPT = """
 import json, sys
@@ -60,15 +58,8 @@ print(json.dumps(result))
 
 
 def test_the_host_levers_train_the_library_s_model_in_training_mode(tmp_path, tiny_bert, sst2_dir):
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tiny_bert), str(sst2_dir), str(tmp_path / "out")],
-        cwd=REPO,
-        env=base_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_code(SCRIPT, base_env(tmp_path), tiny_bert, sst2_dir, tmp_path / "out", timeout=600)
+    assert proc.code == 0, proc.stderr[-3000:]
     library, job = json.loads(proc.stdout.splitlines()[-1]).values()
     assert job["patched"], job  # the job's train() and zero_grad() are the ones the Trainer calls
     assert len(job["losses"]) == 8 and job["evaluations"] >= 3, job  # at steps 2, 4, 6 (8: the final one)

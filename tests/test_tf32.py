@@ -6,10 +6,7 @@ of its own, and both getters must still answer, with TF32 on."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.conftest import REPO, base_env
+from tests.conftest import base_env, run_code
 
 SCRIPT = """
 import dataclasses, sys
@@ -42,14 +39,7 @@ print(torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf3
 
 
 def test_the_job_sets_tf32_so_that_both_torch_getters_still_answer(tmp_path, tiny_bert, sst2_dir):
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tiny_bert), str(sst2_dir), str(tmp_path / "out")],
-        cwd=REPO,
-        env=base_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_code(SCRIPT, base_env(tmp_path), tiny_bert, sst2_dir, tmp_path / "out", timeout=300)
+    assert proc.code == 0, proc.stderr[-3000:]
     # TF32 on for fp32 matmuls, the legacy getter and flag readable, the Trainer left out of it.
     assert proc.stdout.splitlines()[-1].split() == ["high", "True", "None"], proc.stdout + proc.stderr[-2000:]
