@@ -68,6 +68,10 @@ class Job:
     def compiled(self) -> bool:  # TORCH_COMPILE (utils/trainer.compile_model), as the plan resolved it for this device
         return self.plan.compile is True
 
+    @property
+    def captured(self) -> bool:  # CUDA_GRAPHS (utils/step_capture.py), as the plan resolved it for this device
+        return self.plan.capture is True
+
     def leave_unused_libraries_out(self) -> None:
         """`leave_out` what the plan does not use; before transformers is imported."""
         unused = {"deepspeed": self.strategy != "deepspeed", "bitsandbytes": not self.quantize}

@@ -267,7 +267,9 @@ def build_model(
     kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(settings, config)}
     if quantize_8bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_8bit=True, llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
+            load_in_8bit=True,
+            llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])],
+            llm_int8_threshold=settings.int8_threshold,
         )
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}

@@ -77,6 +77,9 @@ class Plan:
     deepspeed: dict[str, Any] | None = None
     # TORCH_COMPILE: the fast path (utils/trainer.compile_model), a speed switch only; `auto` until the device is known.
     compile: bool | str = "auto"
+    # CUDA_GRAPHS: the step captured per length bucket (utils/step_capture.py), a speed switch only; `auto` until the
+    # device is known.
+    capture: bool | str = "auto"
 
     @property
     def rates(self) -> dict[str, float]:
@@ -287,6 +290,7 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         steps=settings.max_steps,
         warmup_steps=warmup_steps(settings.warmup_ratio, settings.max_steps) if settings.max_steps else None,
         compile=settings.torch_compile,
+        capture=settings.cuda_graphs,
         identity=identity,
         run_name=run_name(settings, identity),
     )
@@ -305,12 +309,24 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
         raise JobError(EXIT_BAD_INPUT, "PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
     if precision == "bf16" and cuda and not bf16_supported:
         raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
-    # auto: the fast path on CUDA under DDP with full-precision weights (on the CPU compiling takes minutes for no
-    # gain; bitsandbytes' int8 matmul breaks the graphs: 195 ms a step compiled against 112 eager on an H200).
-    compiled = settings.torch_compile is True or (
-        settings.torch_compile == "auto" and cuda and plan.strategy == "ddp" and not quantize
+    # auto: the captured step on CUDA wherever it can run (DDP, no recomputed forwards, no fp16 loss scaler, which
+    # skips steps on the host's word). On the CPU a step is arithmetic, not launches: nothing to gain.
+    capture = settings.cuda_graphs is True or (
+        settings.cuda_graphs == "auto"
+        and cuda
+        and plan.strategy == "ddp"
+        and not settings.gradient_checkpointing
+        and precision != "fp16"
     )
-    return replace(plan, precision=precision, quantization="8bit" if quantize else "none", compile=compiled)
+    # auto: compiled blocks on CUDA under DDP with full-precision weights, where the step is not captured: a captured
+    # step replays eager kernels, a cold start without minutes of compiling (on the CPU compiling takes minutes for
+    # no gain; bitsandbytes' int8 matmul breaks the graphs: 195 ms a step compiled against 112 eager on an H200).
+    compiled = settings.torch_compile is True or (
+        settings.torch_compile == "auto" and cuda and plan.strategy == "ddp" and not quantize and not capture
+    )
+    return replace(
+        plan, precision=precision, quantization="8bit" if quantize else "none", compile=compiled, capture=capture
+    )
 
 
 def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:

@@ -460,6 +460,8 @@ def rank_record(job: Job, ready: Ready, state_dict: dict) -> dict:
         "timing": trainer.startup.record(plan.steps_per_epoch),
         # TORCH_COMPILE's graphs (None: eager); tests hold them to the length buckets.
         "compile": compile_record() if job.compiled else None,
+        # CUDA_GRAPHS's captured step (None: the eager step): the input shapes prepared and whether as CUDA graphs.
+        "capture": trainer.captured.record() if trainer.captured is not None else None,
         # Loaded only for 8-bit weights (Job.leave_unused_libraries_out).
         "bitsandbytes_loaded": sys.modules.get("bitsandbytes") is not None,
         "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20) if job.cuda else None,

@@ -293,6 +293,17 @@ class Settings(BaseSettings):
         description="the fast path: torch.compile over a few fixed padded lengths; auto: on a CUDA GPU under ddp, "
         "off on the CPU (minutes of compiling for no gain there)",
     )
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto",
+        description="each length bucket's forward and backward captured once as a CUDA graph and replayed (the "
+        "host launches one graph, not ~1,100 kernels a step); auto: on a CUDA GPU under ddp without gradient "
+        "checkpointing or fp16; true on the CPU runs the same step on its static buffers, without a graph",
+    )
+    int8_threshold: Annotated[float, Field(ge=0, le=1000)] = Field(
+        0.0,
+        description="bitsandbytes' LLM.int8 outlier threshold for 8-bit weights; 0: no outlier columns kept apart, "
+        "so no host sync per matmul and a step CUDA graphs can capture (bitsandbytes' own default is 6.0)",
+    )
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = Field(
         42, description="seeds data order, LoRA init and dropout: the same seed gives the same run"
     )
@@ -498,6 +509,12 @@ class Settings(BaseSettings):
                 "whose compiled graphs are not tested here; set TORCH_COMPILE=auto (off under "
                 f"{self.strategy}) or false, or STRATEGY=ddp"
             )
+        if self.cuda_graphs is True and (self.strategy != "ddp" or self.gradient_checkpointing):
+            raise ValueError(
+                "CUDA_GRAPHS=true captures the whole step under STRATEGY=ddp without GRADIENT_CHECKPOINTING "
+                f"(STRATEGY={self.strategy}, GRADIENT_CHECKPOINTING={str(self.gradient_checkpointing).lower()}); "
+                "set CUDA_GRAPHS=auto (off where it cannot run) or false"
+            )
         if self.deepspeed_config is not None and self.strategy != "deepspeed":
             raise ValueError(
                 f"DEEPSPEED_CONFIG={self.deepspeed_config} is a DeepSpeed config but STRATEGY={self.strategy}; "
@@ -532,6 +549,7 @@ TRAINING_SETTINGS = DEEPSPEED_SETTINGS | {
     *("learning_rate", "base_learning_rate", "learning_rate_scaling", "warmup_ratio", "weight_decay"),
     *("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_variant", "lora_init", "model_dropout"),
     *("train_pooler", "head_learning_rate_ratio", "loraplus_lr_ratio", "quantization", "precision", "strategy"),
+    "int8_threshold",
     "max_seq_length",
 }
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -37,6 +36,8 @@ from utils.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, v
 from utils.plan import Plan
 from utils.preemption import SIGNALS, Preemption
 from utils.recipe import optimizer_groups
+from utils.rng import rng_preserved
+from utils.step_capture import CapturedStep, four_d_mask, takes_4d_mask
 from utils.strategy import count_fsdp_units, trainer_options
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, best_metric, eval_prefix
 
@@ -68,7 +69,16 @@ class JobTrainer(Trainer):
       end: the restart trained a step past MAX_STEPS. The override runs no epoch once the last step is trained.
     """
 
-    def __init__(self, *args, plan: Plan, startup: StepClock, buckets: list[int], compiled: bool = False, **kwargs):
+    def __init__(
+        self,
+        *args,
+        plan: Plan,
+        startup: StepClock,
+        buckets: list[int],
+        compiled: bool = False,
+        captured: bool = False,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         # BERT's forward takes **kwargs, so the Trainer assumes it sums its loss over `num_items_in_batch`
         # and then scales it by the world size and skips the division by accumulation steps. The
@@ -77,7 +87,10 @@ class JobTrainer(Trainer):
         self.plan, self.startup, self.buckets = plan, startup, buckets
         # Rows this process trained on (logs/rank-R.json); after a resume, only the rows trained since.
         self.samples_seen = 0
-        self.compile_pending = compiled
+        # A captured step compiles its blocks (TORCH_COMPILE) in the warm-up before each capture.
+        self.compile_pending = compiled and not captured
+        self.capture_pending = captured
+        self.captured: CapturedStep | None = None  # CUDA_GRAPHS: the step captured per bucket, from the first step on
         # Inductor's CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1), which need to be told where a step begins.
         self.cudagraphs = compiled and cudagraphs_enabled()
         self._parameters: int | None = None  # num_parameters(exclude_embeddings=True), counted once
@@ -123,6 +136,8 @@ class JobTrainer(Trainer):
             return walk_train(mode)
 
         def zero_grad(set_to_none: bool = True) -> None:
+            if self.captured is not None:  # the captured step's gradients stay where its graphs write them
+                return self.captured.zero_grad()
             if not (self.host_levers and set_to_none):
                 return walk_zero_grad(set_to_none)
             for parameter in self._trainable_of(model):
@@ -160,7 +175,45 @@ class JobTrainer(Trainer):
         # Once, on the model the Trainer steps (DDP's wrapper, or the model); FSDP and DeepSpeed keep their own.
         if self.plan.strategy == "ddp" and "zero_grad" not in vars(model):
             self._walk_less(model)
+        if self.capture_pending:
+            self.capture_every_bucket(model, inputs)
+        if self.captured is not None:
+            return self.captured_training_step(model, inputs)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def captured_training_step(self, model, inputs) -> torch.Tensor:
+        """The eager training_step's work with the forward and backward replayed: the loss divided by the
+        micro-batches of this optimizer step, the gradients added into .grad, and on the last micro-batch of a step
+        exchanged between the replicas (what DDP's hooks do in the eager step)."""
+        model.train()
+        step = self.captured
+        if self.trainable_grads_detached():
+            step.attach_grads()
+        loss = step.run(inputs, self.current_gradient_accumulation_steps)
+        if self.accelerator.sync_gradients and self._ddp_group is not None:
+            step.all_reduce(self._ddp_group)
+        return loss
+
+    def trainable_grads_detached(self) -> bool:
+        """Whether something set a trainable weight's .grad aside (a zero_grad(set_to_none=True) past the job's)."""
+        return self.captured.trainable[0].grad is not self.captured.grads[0]
+
+    def capture_every_bucket(self, model, inputs) -> None:
+        """CUDA_GRAPHS: the step of every length bucket prepared before the first step trains, from the first batch
+        padded (or cut) to each bucket, on the model the Trainer wrapped (its own forward, autocast included)."""
+        self.capture_pending = False
+        ddp = torch.nn.parallel.DistributedDataParallel
+        self._ddp_group = model.process_group if isinstance(model, ddp) else None
+
+        def loss_of(batch: dict) -> torch.Tensor:
+            with self.compute_loss_context_manager():
+                return self.compute_loss(self.model, batch)
+
+        cuda = self.args.device.type == "cuda"
+        self.captured = CapturedStep(loss_of, self._trainable_of(model), self.args.device, graphs=cuda)
+        pad = self.processing_class.pad_token_id or 0
+        self.captured.prepare([bucket_batch(inputs, length, pad) for length in self.buckets])
+        self.startup.capture_s = self.captured.capture_s
 
     def compile_every_bucket(self, model, inputs) -> None:
         """The fast path's graphs, one per length bucket, built before the first step trains: a forward and
@@ -178,13 +231,7 @@ class JobTrainer(Trainer):
         pad = self.processing_class.pad_token_id or 0
         with rng_preserved(self.args.device), self.accelerator.no_sync(model):
             for length in self.buckets:
-                batch = {}
-                for name, value in inputs.items():
-                    if torch.is_tensor(value) and value.dim() == 2:
-                        filler = pad if name == "input_ids" else 0
-                        value = value[:, : length - 1]
-                        value = torch.nn.functional.pad(value, (0, length - value.shape[1]), value=filler)
-                    batch[name] = value
+                batch = bucket_batch(inputs, length, pad)
                 if self.cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
                 super().training_step(model, batch)
@@ -225,17 +272,20 @@ class JobTrainer(Trainer):
         return SequentialSampler(eval_dataset)
 
 
-@contextmanager
-def rng_preserved(device: torch.device) -> Iterator[None]:
-    """Python's, numpy's and torch's global RNG states (the CPU's and `device`'s) as they were before the block."""
-    python, legacy = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(legacy)
+def bucket_batch(inputs: dict, length: int, pad: int) -> dict:
+    """`inputs` cut or padded to `length` tokens, its last column padding, as a bucket's batches end: cut to a shorter
+    bucket, the first batch's longest rows would have no padding left, a batch no real one is (in transformers,
+    without padding the attention runs without a mask). Every tensor whose last dimension is the sequence (the ids,
+    the 2D or 4D masks) is cut; the filler is the pad token for the ids, 0 (masked) for the rest."""
+    tokens = inputs["input_ids"].shape[-1]
+    batch = {}
+    for name, value in inputs.items():
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[-1] == tokens:
+            filler = pad if name == "input_ids" else 0
+            value = value[..., : length - 1]
+            value = torch.nn.functional.pad(value, (0, length - value.shape[-1]), value=filler)
+        batch[name] = value
+    return batch
 
 
 class GlobalOrderSampler(LengthGroupedSampler):
@@ -323,6 +373,7 @@ class StepClock(TrainerCallback):
         self.seconds: float | None = None  # the first step began
         self.first_step_done_s: float | None = None
         self.compile_s: float | None = None  # the fast path's graphs, built before the first step
+        self.capture_s: float | None = None  # CUDA_GRAPHS: every bucket's step warmed up and captured, before it
         self.steps = 0
         self.train_s = 0.0
         self._began: float | None = None
@@ -371,6 +422,7 @@ class StepClock(TrainerCallback):
             "first_step_began_s": self.seconds,
             "first_step_done_s": self.first_step_done_s,
             "compile_s": self.compile_s,
+            "capture_s": round(self.capture_s, 3) if self.capture_s is not None else None,
             "steady_steps": self.steps,
             "steady_step_ms": round(step_ms, 3) if step_ms else None,
             "steady_epoch_s": round(step_ms * steps_per_epoch / 1000, 3) if step_ms else None,
@@ -670,7 +722,7 @@ def build_trainer(
         args=args,
         train_dataset=data["train"],
         eval_dataset=data["validation"] if set(data) == {"train", "validation"} else evaluated,
-        data_collator=partial(pad_to_bucket, collators),
+        data_collator=partial(pad_to_bucket, collators, mask_4d=takes_4d_mask(model.config)),
         processing_class=tokenizer,
         compute_metrics=regression_metrics() if regression else classification_metrics(model.config.num_labels),
         callbacks=callbacks,
@@ -678,6 +730,7 @@ def build_trainer(
         startup=startup,
         buckets=buckets,
         compiled=job.compiled,
+        captured=job.captured,
     )
 
 
@@ -708,12 +761,16 @@ def use_tf32_matmuls() -> None:
         torch.set_float32_matmul_precision("high")
 
 
-def pad_to_bucket(collators: dict[int, DataCollatorWithPadding], features: list[dict]) -> dict:
+def pad_to_bucket(collators: dict[int, DataCollatorWithPadding], features: list[dict], mask_4d: bool = False) -> dict:
     """A batch padded to the smallest bucket (`collators`, smallest first) that holds its longest row: static
-    shapes, a graph per bucket."""
+    shapes, a graph per bucket. `mask_4d`: its attention mask as the 4D mask the model takes as it is
+    (utils/step_capture.four_d_mask: no host read of the mask at each forward), made here, beside the GPU step."""
     longest = max(len(row["input_ids"]) for row in features)
     bucket = next((length for length in collators if length >= longest), max(collators))
-    return collators[bucket](features)
+    batch = collators[bucket](features)
+    if mask_4d and "attention_mask" in batch:
+        batch["attention_mask"] = four_d_mask(batch["attention_mask"])
+    return batch
 
 
 def store_frozen_linears_in_bf16(model) -> None:
