@@ -98,7 +98,9 @@ class CapturedStep:
 
     @staticmethod
     def key(inputs: dict) -> tuple:
-        return tuple((name, tuple(value.shape), value.dtype) for name, value in inputs.items() if torch.is_tensor(value))
+        return tuple(
+            (name, tuple(value.shape), value.dtype) for name, value in inputs.items() if torch.is_tensor(value)
+        )
 
     def prepare(self, batches: list[dict]) -> None:
         """Static buffers and, on CUDA, a graph for each batch's shape, before the first step trains: each warmed
