@@ -45,6 +45,10 @@ SHORT_STEPS = 100  # an arm that projects its epoch (1,052 steps) from the 99 st
 # Each arm: (settings beside the defaults, a whole epoch?, seconds it may take on an H100 at most, the lever
 # benchmarks/job_variant.py pulls, if any).
 ARMS = {
+    # The job's defaults on one GPU with bf16 weights: the captured step (CUDA_GRAPHS=auto), eager kernels.
+    "job-bf16": ({"QUANTIZATION": "none"}, True, 150, []),
+    # The single-GPU default: 8-bit weights (INT8_THRESHOLD 0), captured.
+    "job-8bit": ({}, True, 120, []),
     "eager-bf16": ({"QUANTIZATION": "none", "TORCH_COMPILE": "false"}, False, 60, []),
     "fast-bf16": ({"QUANTIZATION": "none", "TORCH_COMPILE": "true"}, True, 150, []),
     # Inductor's own switch (not TORCHINDUCTOR_TRITON_CUDAGRAPHS, which it does not read), on the fast arm's graphs.
@@ -88,9 +92,21 @@ ARMS = {
 }
 # An arm that reuses another's compiled graphs (CUDA graphs wrap the same graphs after they are built).
 GRAPHS_FROM = {"fast-bf16-cudagraphs": "fast-bf16", "fast-bf16-encoder-cudagraphs": "fast-bf16-encoder"}
-# The parts in the order they run, most telling first, should the call's clock run out: bf16 eager (short) and fast
-# (a whole job, cold then warm), the fast path's step profile, the 8-bit arms, the levers, the eager profile.
+# The step arms of benchmarks/captured_step.py, one process a part: (its arms, seconds it may take on an H100).
+STEP_PARTS = {
+    "steps": (("eager-bf16", "captured-bf16"), 100),
+    "steps-8bit": (("eager-8bit", "captured-8bit", "eager-8bit-threshold-6"), 100),
+    "steps-batch": (("captured-bf16-b16", "eager-bf16-b16", "captured-bf16-b256"), 90),
+    "steps-compiled": (("captured-compiled-bf16",), 100),
+}
+EQUIVALENCE_BUDGET_S = 90
+# The parts a call runs by default, most telling first, should the call's clock run out: eager against captured
+# steps on the same batches (the headline), the whole job captured (cold, then warm), the captured step's numerics
+# against eager's, the 8-bit steps, the per-device batch, compiled blocks inside the capture, the 8-bit job.
+DEFAULT_PARTS = ("steps", "job-bf16", "equivalence", "steps-8bit", "steps-batch", "steps-compiled", "job-8bit")
+# Every part there is; those not in DEFAULT_PARTS measure the earlier fast path (regional compile, no capture).
 PARTS = (
+    *DEFAULT_PARTS,
     "eager-bf16",
     "fast-bf16",
     "profile",
@@ -105,6 +121,7 @@ PARTS = (
     "profile-eager",
 )
 GPU_ONLY = ("fast-bf16-cudagraphs", "fast-bf16-encoder-cudagraphs")  # CUDA graphs: nothing to run on the CPU
+WARM_ARMS = ("job-bf16", "fast-bf16")  # whole jobs run again on what their cold run left on the volume
 PROFILE_BUDGET_S = 45
 TOTAL_S = 300  # the call is 6 minutes with the wheels' install and the archive; GPU tests take what is left
 SMOKE_SLOWER = 4  # the smoke run compiles on 2 busy CPU cores: a minute a graph
@@ -144,7 +161,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--parts",
         type=lambda text: text.split(","),
-        default=list(PARTS),
+        default=list(DEFAULT_PARTS),
         help="a comma-separated subset of " + ",".join(PARTS) + ", in that order (a second call's rerun)",
     )
     parser.add_argument("--merge", type=Path, help="an earlier gpu.json: its parts kept unless run again here")
@@ -273,6 +290,7 @@ def main() -> int:
         "prepare_s": round(time.monotonic() - started, 1),
         "arms": {},
         "profile": {},
+        "steps": {},
         "failed": [],
     }
     target = args.results / "gpu.json"
@@ -293,12 +311,21 @@ def main() -> int:
         raise SystemExit(f"error: unknown parts {sorted(unknown)}; choose from {','.join(PARTS)}")
     if args.merge:  # a rerun: the earlier call's parts, each marked with the call it came from
         earlier = json.loads(args.merge.read_text())
-        for key in ("arms", "profile"):
-            results[key] = {name: {**part, "call": part.get("call", 1)} for name, part in earlier[key].items()}
+        for key in ("arms", "profile", "steps"):
+            results[key] = {name: {**part, "call": part.get("call", 1)} for name, part in earlier.get(key, {}).items()}
+        if "equivalence" in earlier:
+            results["equivalence"] = earlier["equivalence"]
         results["earlier_calls"] = [{key: earlier[key] for key in ("device", "torch", "prepare_s")}]
     call = 1 + len(results.get("earlier_calls", []))
     for part in (part for part in PARTS if part in args.parts):
-        if part.startswith("profile"):
+        if part in STEP_PARTS or part == "equivalence":
+            outcome = run_steps(part, model, data, work, clock, args.smoke)
+            if part == "equivalence":
+                results["equivalence"] = {**outcome, "call": call}
+            else:
+                for arm, figures in outcome.get("arms", {}).items():
+                    results["steps"][arm] = {**figures, "call": call}
+        elif part.startswith("profile"):
             label = "eager" if part == "profile-eager" else "fast"
             results["profile"][label] = {**profile(label, model, data, work, clock, args.smoke), "call": call}
             outcome = results["profile"][label]
@@ -307,13 +334,13 @@ def main() -> int:
             outcome = results["arms"][part]
         else:
             continue
-        if outcome.get("error"):
-            results["failed"].append({"part": part, "error": outcome["error"]})
+        if outcome.get("error") or outcome.get("failed"):
+            results["failed"].append({"part": part, "error": outcome.get("error") or f"arms {outcome['failed']}"})
         print(f"[gpu-checks] {part} done, {time.monotonic() - started:.0f} s in", file=sys.stderr, flush=True)
         save()
 
     summary = {arm: {k: v for k, v in a.items() if k != "loss_curve"} for arm, a in results["arms"].items()}
-    print(json.dumps(summary, indent=2))
+    print(json.dumps({"steps": results["steps"], "arms": summary}, indent=2))
     print(f"gpu.json: {target}; failed parts: {[f['part'] for f in results['failed']] or 'none'}")
     return 1 if results["failed"] else 0
 
@@ -332,7 +359,7 @@ def run_arm(arm: str, base: dict, arms_dir: Path, clock: Clock, smoke: bool) -> 
     folder.mkdir(parents=True, exist_ok=True)
     cold = run_job(env, folder / "cold", folder / "cold.log", clock.budget(budget), shim)
     warm: dict = {}
-    if arm == "fast-bf16" and "error" not in cold:
+    if arm in WARM_ARMS and "error" not in cold:
         # The same job again with what the cold run left on the volume, its tokenized rows and compiled graphs:
         # the run folder holds the cold run's cache/ and the job's mark, nothing else.
         shutil.copytree(folder / "cold" / "cache", folder / "warm" / "cache")
@@ -340,6 +367,38 @@ def run_arm(arm: str, base: dict, arms_dir: Path, clock: Clock, smoke: bool) -> 
         print(f"[gpu-checks] {arm}: warm ...", file=sys.stderr)
         warm = run_job(env, folder / "warm", folder / "warm.log", clock.budget(budget))
     return summarise(cold, warm, whole_epoch)
+
+
+def run_steps(part: str, model: Path, data: Path, work: Path, clock: Clock, smoke: bool) -> dict:
+    """benchmarks/captured_step.py in its own process: a part's step arms, or the equivalence; what it wrote (each
+    arm is written as it ends, so an arm past the budget loses only itself and those after it)."""
+    report = work / f"{part}.json"
+    report.unlink(missing_ok=True)
+    command = [sys.executable, "benchmarks/captured_step.py", "--model", str(model), "--data", str(data)]
+    command += ["--json", str(report), "--work-dir", str(work / part)]
+    if part == "equivalence":
+        command.append("--equivalence")
+        budget = EQUIVALENCE_BUDGET_S
+    else:
+        arms, budget = STEP_PARTS[part]
+        command += ["--arms", ",".join(arms)]
+    command += ["--smoke"] if smoke else []
+    timeout = clock.budget(budget)
+    if timeout < 10:
+        return {"error": "skipped: no time left in the call's budget"}
+    print(f"[gpu-checks] {part} ...", file=sys.stderr, flush=True)
+    error = None
+    try:
+        with open(work / f"{part}.log", "w") as handle:
+            code = subprocess.call(
+                command, cwd=REPO, env=clean_env(), stdout=handle, stderr=subprocess.STDOUT, timeout=timeout
+            )
+        if code != 0:
+            error = f"exit {code} (log: {part}.log)"
+    except subprocess.TimeoutExpired:
+        error = f"past its {timeout} s budget (log: {part}.log)"
+    outcome = json.loads(report.read_text()) if report.exists() else {}
+    return {**outcome, **({"error": error} if error else {})}
 
 
 def profile(label: str, model: Path, data: Path, work: Path, clock: Clock, smoke: bool) -> dict:

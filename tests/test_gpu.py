@@ -65,3 +65,19 @@ def test_one_gpu_trains_full_precision_weights_under_mixed_precision(tmp_path, t
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert (metrics["quantization"], metrics["precision"]) == ("none", precision), metrics
     assert metrics["eval_accuracy"] > 0.8, metrics
+
+
+def test_one_gpu_captures_each_length_bucket_s_step_once_and_replays_it(tmp_path, tiny_bert, sst2_dir):
+    """CUDA_GRAPHS=auto on one GPU: every bucket's forward and backward captured before the first step, one CUDA
+    graph each, none inside the epoch; the run trains as the CPU's does."""
+    result = run_main(gpu_env(tmp_path, tiny_bert, sst2_dir, QUANTIZATION="none"))
+    assert result.code == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    record = json.loads((out / "logs" / "rank-0.json").read_text())
+    capture = record["capture"]
+    assert capture is not None and capture["graphs"] is True, record
+    lengths = sorted(shape["input_ids"][1] for shape in capture["shapes"])
+    assert len(lengths) == len(set(lengths)) and lengths[0] == 16, capture  # one graph a bucket, from 16 up
+    assert "a batch of a new shape" not in (out / "logs" / "rank-0.log").read_text()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval_accuracy"] > 0.8, metrics

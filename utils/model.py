@@ -271,6 +271,13 @@ def build_model(
             llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])],
             llm_int8_threshold=settings.int8_threshold,
         )
+        # bitsandbytes' int8 matmul warns at every call (72 a step) that it casts its bf16 or fp32 input to fp16:
+        # what 8-bit weights do, said once here instead.
+        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+        log.info(
+            "8-bit weights: bitsandbytes casts each int8 matmul's input to fp16 (INT8_THRESHOLD=%g)",
+            settings.int8_threshold,
+        )
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here

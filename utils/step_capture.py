@@ -134,7 +134,8 @@ class CapturedStep:
             if stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 bucket.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(bucket.graph):
+                # thread_local: the loader's pin-memory thread goes on pinning the next batches meanwhile.
+                with torch.cuda.graph(bucket.graph, capture_error_mode="thread_local"):
                     bucket.loss = self._forward_backward(bucket.inputs)
         self.flat.copy_(kept)
         return bucket
