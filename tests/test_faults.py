@@ -338,7 +338,7 @@ def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or
     try:
         wait_for(out / "checkpoints" / "checkpoint-40" / "COMPLETE", [proc])
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        assert patiently(proc.wait, 60) == 130
     finally:
         proc.kill()
     text = stream.read_text()
@@ -492,7 +492,7 @@ def test_failures_are_classified_by_type_and_heartbeat_not_by_message(what, expe
         )
         for rank in (0, 1)
     ]
-    codes = [proc.wait(timeout=90) for proc in procs]
+    codes = [patiently(proc.wait, 90) for proc in procs]
     assert codes == expected, [proc.stdout.read()[-2000:] for proc in procs]
 
 

@@ -28,6 +28,7 @@ from tests.conftest import (
     complete_steps,
     error_lines,
     log_time,
+    patiently,
     push_settings,
     rank_record,
     run_main,
@@ -101,7 +102,7 @@ def test_a_run_preempted_then_killed_resumes_each_time_and_ends_bit_identical_to
     procs = replicas.start("killed", settings)
     wait_for(out / "checkpoints" / "checkpoint-80" / "COMPLETE", procs)  # epoch 2 of 2 (62 steps an epoch)
     procs[1].kill()
-    assert procs[0].wait(timeout=TIMEOUT + 60) == 143  # restartable, like a preemption: a restart resumes
+    assert patiently(procs[0].wait, TIMEOUT + 60) == 143  # restartable, like a preemption: a restart resumes
     assert_refusal(
         (tmp_path / "killed-rank0.txt").read_text(), ["rank 0", f"RENDEZVOUS_TIMEOUT={TIMEOUT}s", "2 replicas"]
     )
@@ -182,7 +183,7 @@ def test_stopped_or_missing_peer_fails_within_rendezvous_timeout(replicas, tmp_p
         )[0]
         for rank in (0, 1)
     ]
-    [code, *lone] = [proc.wait(timeout=200) for proc in [procs[0], *alone]]
+    [code, *lone] = [patiently(proc.wait, 200) for proc in [procs[0], *alone]]
 
     # The stopped replica's peer: 143, restartable, after the timeout and not much later. When it gave up is read
     # from its own log: the wait on the peer is what is bounded, not the process's start or exit on 2 busy cores.

@@ -87,7 +87,7 @@ def test_rank0_killed_while_writing_model_is_finished_by_restarting_both(
     procs[0].wait(timeout=30)
     assert not (out / "metrics.json").exists(), "rank 0 finished model/ before it could be killed"
     killed_at = time.time()
-    procs[1].wait(timeout=60)
+    patiently(procs[1].wait, 60)
     codes = {rank: container_code(proc) for rank, proc in enumerate(procs)}
 
     # Rank 1 must not complete its pod: it exits 143 so the policy restarts it with rank 0.
@@ -146,7 +146,7 @@ def test_rank0_killed_during_the_push_is_finished_by_restarting_it_alone(
     procs = replicas.start("first", settings)
     poll_until(lambda: any(route == "create" for _, route in hub.attempts), procs[:1], "push")
     # model/ was saved before the push began, so rank 1 is done.
-    assert procs[1].wait(timeout=60) == 0
+    assert patiently(procs[1].wait, 60) == 0
     assert (out / "model" / "adapter_config.json").is_file() and (out / "metrics.json").is_file()
     procs[0].kill()
     procs[0].wait(timeout=30)
@@ -186,7 +186,7 @@ def test_rank1_killed_while_waiting_for_the_model_is_finished_by_restarting_it_a
     assert restarted_by_policy({1: container_code(procs[1])}) == (1,)
     restarted = [start_main(rank_env(tmp_path, 1, 2, port, **settings), log=tmp_path / "restart-rank1.txt")]
     replicas.started += restarted
-    assert procs[0].wait(timeout=120) == 0
+    assert patiently(procs[0].wait, 120) == 0
     assert wait_all(restarted, [tmp_path / "restart-rank1.txt"]) == [0]
     assert (out / "model" / "adapter_config.json").is_file() and (out / "metrics.json").is_file()
     assert len(hub.commits) == 1

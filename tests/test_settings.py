@@ -12,7 +12,16 @@ import re
 
 import pytest
 
-from tests.conftest import assert_refusal, base_env, configured, free_port, rank_env, run_main, start_main
+from tests.conftest import (
+    assert_refusal,
+    base_env,
+    configured,
+    free_port,
+    patiently,
+    rank_env,
+    run_main,
+    start_main,
+)
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import FIELDS, FLAG_ALIASES, Settings, describe_range, env_name, flag_name, load_settings
 
@@ -425,7 +434,7 @@ def test_two_ranks_with_a_huge_rendezvous_timeout_are_refused_at_once(tmp_path):
         )
         for rank in range(2)
     ]
-    codes = [rank.wait(timeout=120) for rank in ranks]
+    codes = [patiently(rank.wait, 120) for rank in ranks]
     assert codes == [2, 2]
     for rank in range(2):
         output = (tmp_path / f"rank-{rank}.out").read_text()
