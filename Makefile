@@ -41,15 +41,18 @@ venv: $(VENV)/.dev  ## build .venv: the job's packages, then the test and lint t
 # made by scripts/make_demo_assets.py): SST-2-shaped by default, `make demo TASK=mnli` (sentence pairs, 3 classes,
 # two validation splits) or `TASK=stsb` (pairs scored 0-5, a regression). A tiny randomly initialised model needs
 # a higher learning rate than the real default (1e-3); the pair samples are smaller, so smaller batches.
+# Each task keeps its own model and output (.demo/TASK/tiny-bert, .demo/TASK/output): the tasks' models differ in
+# vocabulary and labels (2 classes, 3, a score), so one task's demo must not replace another's model under it.
 TASK ?= sst2
 DEMO_DATA := examples/$(TASK)-synthetic
-demo: $(VENV)/.job  ## train a tiny BERT offline on a bundled sample (TASK=sst2, mnli or stsb), in .demo/output
+DEMO_TASK := $(DEMO)/$(TASK)
+demo: $(VENV)/.job  ## train a tiny BERT offline on a bundled sample (TASK=sst2, mnli or stsb), in .demo/TASK/output
 	@test -d $(DEMO_DATA) || { echo "error: no bundled sample for TASK=$(TASK); use TASK=sst2, mnli or stsb" >&2; exit 2; }
-	@$(PY) scripts/make_demo_assets.py model $(DEMO)/tiny-bert --data $(DEMO_DATA) --task $(TASK) >/dev/null
-	@rm -rf $(DEMO)/output
-	MODEL_NAME=$(DEMO)/tiny-bert DATASET_PATH=$(DEMO_DATA) OUTPUT_DIR=$(DEMO)/output $(if $(filter-out sst2,$(TASK)),TASK=$(TASK)) \
+	@$(PY) scripts/make_demo_assets.py model $(DEMO_TASK)/tiny-bert --data $(DEMO_DATA) --task $(TASK) >/dev/null
+	@rm -rf $(DEMO_TASK)/output
+	MODEL_NAME=$(DEMO_TASK)/tiny-bert DATASET_PATH=$(DEMO_DATA) OUTPUT_DIR=$(DEMO_TASK)/output $(if $(filter-out sst2,$(TASK)),TASK=$(TASK)) \
 	  NUM_EPOCHS=3 PER_DEVICE_BATCH_SIZE=$(if $(filter sst2,$(TASK)),32,8) LEARNING_RATE=3e-3 DATALOADER_NUM_WORKERS=0 $(PY) main.py
-	@echo "metrics: $(DEMO)/output/metrics.json; the run's story: $(DEMO)/output/logs/rank-0.log"
+	@echo "metrics: $(DEMO_TASK)/output/metrics.json; the run's story: $(DEMO_TASK)/output/logs/rank-0.log"
 
 # DeepSpeed's CPU ops, compiled once per venv (a couple of minutes the first time, seconds after): the
 # integration layer's DeepSpeed runs load them from $(VENV)/torch-extensions instead of paying the compile in a test.

@@ -3,7 +3,7 @@
     python scripts/make_demo_assets.py data  examples/sst2-synthetic      # the bundled samples (committed)
     python scripts/make_demo_assets.py data  examples/mnli-synthetic --task mnli
     python scripts/make_demo_assets.py data  examples/stsb-synthetic --task stsb
-    python scripts/make_demo_assets.py model .demo/tiny-bert --data examples/sst2-synthetic
+    python scripts/make_demo_assets.py model .demo/sst2/tiny-bert --data examples/sst2-synthetic
     python scripts/make_demo_assets.py data  /tmp/sst2-like --profile sst2 --rows 67349     # benchmark data
     python scripts/make_demo_assets.py model /tmp/bert-base-random --data /tmp/sst2-like --base
 

@@ -264,7 +264,7 @@ def test_dockerignore_keeps_the_code_and_drops_the_rest():
         ".git/HEAD",
         ".build/container/storage.conf",
         "tests/conftest.py",
-        ".demo/output/run.json",
+        ".demo/sst2/output/run.json",
         "output/metrics.json",
         "utils/__pycache__/x.pyc",
     ):

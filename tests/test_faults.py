@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +34,12 @@ from tests.conftest import (
     free_port,
     job_settings,
     log_time,
+    patiently,
     push_settings,
     rank_env,
     rank_record,
     run_main,
+    slowness,
     start_main,
     start_main_on_terminal,
     training_settings,
@@ -165,17 +166,22 @@ def test_silent_hub_at_the_token_check_fails_both_replicas_with_one_line_and_no_
     procs = [
         start_main(rank_env(tmp_path, rank, 2, port, **settings), log=tmp_path / f"rank{rank}.txt") for rank in (0, 1)
     ]
-    started = time.monotonic()
     try:
         codes = wait_all(procs, timeout=120)
     finally:
         for proc in procs:
             proc.kill()
     assert codes == [2, 2]
-    assert time.monotonic() - started < 8 + 40  # the check's bound, plus imports on a loaded machine
+    # How long each rank's check took, by the job's own clock: from its first failed attempt (HUB_TIMEOUT=2 s into
+    # the check) to its error line (the stream's last write). Imports and shutdown, which a busy machine stretches
+    # tenfold, are not the check's; a check that ignored its bound would run to the 120 s of TOKEN_CHECK_SECONDS.
+    allowance = 2 * slowness()  # logging the failure and printing the line
     for rank in (0, 1):
+        stream = tmp_path / f"rank{rank}.txt"
+        took = stream.stat().st_mtime - (log_time(stream, "Hub whoami failed") - 2)
+        assert took < 8 + allowance, f"rank {rank}'s token check gave up after {took:.1f} s; PUSH_TIMEOUT=8"
         names = [hub.url, "HF_TOKEN", "8 s", "HF_ENDPOINT", "RESULT_MODEL_ID"]  # PUSH_TIMEOUT's bound, and the fixes
-        assert_refusal((tmp_path / f"rank{rank}.txt").read_text(), names)
+        assert_refusal(stream.read_text(), names)
     assert not (tmp_path / "out" / "run.json").exists() and hub.commits == []
 
 
@@ -190,7 +196,7 @@ def test_silent_hub_at_the_push_ends_in_exit_3_within_the_deadline_with_the_mode
         proc.kill()
     rank_log = tmp_path / "out" / "logs" / "rank-0.log"
     took = log_time(rank_log, "push to") - log_time(rank_log, "pushing ")
-    assert took <= 10 + 3, f"the push gave up after {took:.0f} s; PUSH_TIMEOUT=10"
+    assert took <= 10 + 3 * slowness(), f"the push gave up after {took:.0f} s; PUSH_TIMEOUT=10"  # + logging it
     assert_refusal(log.read_text(), ["--push-only"])
     assert (tmp_path / "out" / "model" / "adapter_model.safetensors").exists() and (
         tmp_path / "out" / "metrics.json"
@@ -332,7 +338,7 @@ def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or
     try:
         wait_for(out / "checkpoints" / "checkpoint-40" / "COMPLETE", [proc])
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        assert patiently(proc.wait, 60) == 130
     finally:
         proc.kill()
     text = stream.read_text()
@@ -435,7 +441,7 @@ def test_a_peer_lost_before_training_is_143_on_the_survivor(replicas, tmp_path, 
     procs = replicas.start("early", training_settings(tiny_bert, sst2_dir, out))
     wait_for(out / "logs" / "rank-1.log", procs, timeout=120)  # past the rendezvous: loading data and model
     procs[1].kill()
-    assert procs[0].wait(timeout=TIMEOUT + 60) == 143
+    assert patiently(procs[0].wait, TIMEOUT + 60) == 143
     assert_refusal(
         (tmp_path / "early-rank0.txt").read_text(), ["rank 0", f"RENDEZVOUS_TIMEOUT={TIMEOUT}s", "2 replicas"]
     )
@@ -486,7 +492,7 @@ def test_failures_are_classified_by_type_and_heartbeat_not_by_message(what, expe
         )
         for rank in (0, 1)
     ]
-    codes = [proc.wait(timeout=90) for proc in procs]
+    codes = [patiently(proc.wait, 90) for proc in procs]
     assert codes == expected, [proc.stdout.read()[-2000:] for proc in procs]
 
 
@@ -531,7 +537,7 @@ def test_a_lost_peer_error_during_the_evaluation_bar_starts_its_own_line(replica
 
     wait_until(drawing_the_evaluation_bar, "final evaluation's progress bar", procs, log=stream)
     procs[1].kill()
-    assert procs[0].wait(timeout=TIMEOUT + 60) == 143
+    assert patiently(procs[0].wait, TIMEOUT + 60) == 143
     lines = stream.read_text().splitlines()
     glued = [line for line in lines if "error:" in line and not line.startswith("error: ")]
     assert not glued, glued

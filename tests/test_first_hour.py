@@ -1,8 +1,9 @@
 """What a newcomer meets first: `make demo` for each bundled task, offline, and what a run shows.
 
 The demo for a pair task (TASK=mnli, TASK=stsb) runs through the Makefile as a user types it, into a folder of
-the test's own: it trains, writes the task's metrics, and its console is one line per evaluation and a final
-line (no progress bars without a terminal, no dict per log); the rank log holds none of the Trainer's banners.
+the test's own: it keeps its model and output under its task's name, beside the other tasks' demos, trains,
+writes the task's metrics, and its console is one line per evaluation and a final line (no progress bars
+without a terminal, no dict per log); the rank log holds none of the Trainer's banners.
 A run on a terminal (a pseudo-terminal here) draws the progress bars.
 """
 
@@ -51,9 +52,23 @@ def make_demo(tmp, task: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_make_demo_trains_a_pair_task_offline_with_one_line_per_evaluation(tmp_path, task):
+    # The other tasks' demos, made before this one: their models and outputs are theirs (DEMO/TASK/...), and this
+    # demo leaves them as they were (a pair task's 3-class or 1-score model once replaced SST-2's 2-class one).
+    others = {
+        tmp_path / "demo" / other / part / "made-before": f"{other} {part}"
+        for other in ("sst2", *TASKS)
+        if other != task
+        for part in ("tiny-bert", "output")
+    }
+    for path, text in others.items():
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
     result = make_demo(tmp_path, task)
     assert result.returncode == 0, result.stderr[-3000:]
-    out = tmp_path / "demo" / "output"
+    out = tmp_path / "demo" / task / "output"
+    assert (tmp_path / "demo" / task / "tiny-bert" / "config.json").is_file()
+    assert {path: path.read_text() for path in others if path.exists()} == others
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == sorted(["sst2", *TASKS])
     metrics = json.loads((out / "metrics.json").read_text())
     floors, loss = TASKS[task]
     assert {name: metrics[name] > floor for name, floor in floors.items()} == dict.fromkeys(floors, True), metrics

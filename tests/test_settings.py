@@ -12,9 +12,18 @@ import re
 
 import pytest
 
-from tests.conftest import assert_refusal, base_env, configured, free_port, rank_env, run_main, start_main
+from tests.conftest import (
+    assert_refusal,
+    base_env,
+    configured,
+    free_port,
+    patiently,
+    rank_env,
+    run_main,
+    start_main,
+)
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.settings import FIELDS, Settings, describe_range, env_name, flag_name, load_settings
+from utils.settings import FIELDS, FLAG_ALIASES, Settings, describe_range, env_name, flag_name, load_settings
 
 # Settings parsing and --dry-run, no training: `make check` runs the tests marked `check` (in this process); the
 # ones that start main.py (--help, --dry-run's own output, a refused start) hold the process to the same answers.
@@ -91,6 +100,8 @@ def test_help_lists_every_setting_with_env_name_default_and_why(tmp_path):
         )
         assert entry and entry[1] == info.description, field
     assert "(default: query,value)" in text  # list settings show the comma-separated form to type
+    for alias, flag in FLAG_ALIASES.items():  # the other tools' names, each with the flag it is
+        assert f"--{alias[2:].replace('-', '_')} ({flag})" in text, alias
 
 
 @pytest.mark.check
@@ -423,7 +434,7 @@ def test_two_ranks_with_a_huge_rendezvous_timeout_are_refused_at_once(tmp_path):
         )
         for rank in range(2)
     ]
-    codes = [rank.wait(timeout=120) for rank in ranks]
+    codes = [patiently(rank.wait, 120) for rank in ranks]
     assert codes == [2, 2]
     for rank in range(2):
         output = (tmp_path / f"rank-{rank}.out").read_text()
@@ -564,3 +575,101 @@ def test_the_shipped_config_maps_start_without_a_token_and_warn_about_nothing(tm
         config = dry_run(tmp_path, **{**config_map, "OUTPUT_DIR": str(tmp_path / "out")})["config"]
         assert config["result_model_id"] is None and config["hf_token"] is None
         assert "warning: " not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- the flags people type
+@pytest.mark.check
+def test_run_glue_and_trainer_flag_names_resolve_to_the_jobs_settings(tmp_path):
+    theirs = dry_run(
+        tmp_path,
+        *("--model_name_or_path", "models/tiny", "--learning_rate", "2e-5", "--num_train_epochs", "2"),
+        *("--per_device_train_batch_size", "16", "--output_dir", str(tmp_path / "out"), "--max_seq_length", "64"),
+        *("--seed", "7", "--task_name=mnli", "--lora_r=4", "--hub_private_repo", "false"),
+    )["config"]
+    ours = dry_run(
+        tmp_path,
+        *("--model-name", "models/tiny", "--learning-rate", "2e-5", "--num-epochs", "2"),
+        *("--per-device-batch-size", "16", "--output-dir", str(tmp_path / "out"), "--max-seq-length", "64"),
+        *("--seed", "7", "--task", "mnli", "--lora-r", "4", "--hub-private", "false"),
+    )["config"]
+    resolved = {name: theirs[name] for name in ("model_name", "learning_rate", "num_epochs", "per_device_batch_size")}
+    assert resolved == {
+        "model_name": "models/tiny",
+        "learning_rate": 2e-5,
+        "num_epochs": 2,
+        "per_device_batch_size": 16,
+    }
+    assert (theirs["output_dir"], theirs["max_seq_length"], theirs["seed"]) == (str(tmp_path / "out"), 64, 7)
+    assert (theirs["task"], theirs["lora_r"], theirs["hub_private"]) == ("mnli", 4, False)
+    assert theirs == ours
+
+
+@pytest.mark.check
+def test_every_flag_is_taken_with_underscores(tmp_path):
+    """Each setting's flag typed the run_glue way (`--per_device_eval_batch_size`), with its default as the value:
+    accepted, and resolved to what the defaults are."""
+    defaults = dry_run(tmp_path)["config"]
+    typed = [
+        (f"--{name}", ",".join(map(str, value)) if isinstance(value, list) else str(value).lower())
+        for name, value in defaults.items()
+        if name in FIELDS and value is not None and name != "run_name"
+    ]
+    assert len(typed) > 30
+    assert dry_run(tmp_path, *(part for pair in typed for part in pair))["config"] == defaults
+
+
+@pytest.mark.check
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--lerning-rate", "2e-5"], "--lerning-rate 2e-5 (did you mean --learning-rate?)"),
+        (["--num_train_epoch", "2"], "(did you mean --num-epochs?)"),  # an alias misspelt: the job's flag
+        (["--epochs", "2"], "(did you mean --num-epochs?)"),
+        (["lora_r=16"], "lora_r=16 (a setting is given as a flag: --lora-r 16)"),
+        (["--do_train"], "this job always trains; leave it out"),
+        (["--bf16"], "use --precision bf16"),
+        (["--eval_strategy", "steps"], "every --eval-steps steps"),  # not --strategy, which is another thing
+        (["--local_rank=0"], "the launcher's LOCAL_RANK says it"),  # not --lora-rank
+        (["--frobnicate"], "unrecognized arguments: --frobnicate; see `python main.py --help`"),  # nothing close
+    ],
+    ids=["misspelt", "alias-misspelt", "short", "key=value", "do-train", "bf16", "eval-strategy", "local-rank", "far"],
+)
+def test_an_unknown_flag_is_refused_with_the_flag_meant(tmp_path, args, says):
+    with pytest.raises(JobError) as refused:
+        dry_run(tmp_path, *args)
+    message = refused.value.message
+    assert refused.value.code == EXIT_BAD_INPUT and says in message and "\n" not in message, message
+
+
+def test_an_unknown_flag_is_one_error_line_from_the_process(tmp_path):
+    result = run_main(base_env(tmp_path), "--dry-run", "--learning_rate", "2e-5", "--lerning-rate", "2e-5")
+    assert result.stdout == ""
+    assert_refusal(result, ["--lerning-rate", "did you mean --learning-rate?", "python main.py --help"])
+
+
+@pytest.mark.check
+@pytest.mark.parametrize(
+    "path, names",
+    [
+        ("config.yaml", ["managed platform's job file", "resources, replicas", "config_map", "recipes/"]),
+        ("k8s/base/configmap.yaml", ["Kubernetes manifest", "recipes/"]),
+        ("launchers/accelerate/multi-gpu.yaml", ["accelerate config", "--config_file", "recipes/"]),
+    ],
+)
+def test_another_yaml_file_of_the_repo_given_as_a_recipe_is_named_as_what_it_is(tmp_path, path, names):
+    from tests.conftest import REPO
+
+    with pytest.raises(JobError) as refused:
+        dry_run(tmp_path, "--config", str(REPO / path))
+    message = refused.value.message
+    assert refused.value.code == EXIT_BAD_INPUT and "\n" not in message, message
+    assert [name for name in names if name not in message] == [], message
+
+
+@pytest.mark.check
+def test_the_settings_doc_names_every_flag_alias():
+    from tests.conftest import REPO
+
+    doc = (REPO / "docs" / "settings.md").read_text()
+    missing = [alias for alias in FLAG_ALIASES if f"`--{alias[2:].replace('-', '_')}`" not in doc]
+    assert not missing, f"docs/settings.md does not name {missing}"

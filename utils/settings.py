@@ -21,6 +21,7 @@ import os
 import re
 import socket
 import sys
+import textwrap
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -706,12 +707,106 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+# The names run_glue and the HF Trainer (and Axolotl, torchtune) give settings this job has under names of its own:
+# people type them from those tools' commands and READMEs. Each is the job's flag, with dashes or underscores alike
+# (`--learning_rate` is `--learning-rate` for every flag, with no entry here).
+FLAG_ALIASES = {
+    "--model-name-or-path": "--model-name",  # run_glue
+    "--task-name": "--task",  # run_glue
+    "--num-train-epochs": "--num-epochs",  # the Trainer
+    "--per-device-train-batch-size": "--per-device-batch-size",  # the Trainer
+    "--hub-model-id": "--result-model-id",  # the Trainer
+    "--hub-private-repo": "--hub-private",  # the Trainer
+    "--lora-rank": "--lora-r",  # torchtune
+    "--sequence-len": "--max-seq-length",  # Axolotl
+    "--micro-batch-size": "--per-device-batch-size",  # Axolotl
+}
+# run_glue's and the Trainer's flags with no counterpart of that name here: refused with what to do instead, not
+# with a similar name that means something else (--eval-strategy is no --strategy, --local-rank no --lora-rank).
+NO_COUNTERPART = {
+    "--do-train": "this job always trains; leave it out",
+    "--do-eval": "this job always evaluates on the validation split(s); leave it out",
+    "--overwrite-output-dir": "an OUTPUT_DIR holding the same run is resumed, one holding another run is refused, "
+    "never overwritten; give a new --output-dir",
+    "--local-rank": "the launcher's LOCAL_RANK says it, and the deepspeed launcher's own --local_rank is taken off; "
+    "leave it out",
+    "--eval-strategy": "evaluations run every --eval-steps steps and after training",
+    "--evaluation-strategy": "evaluations run every --eval-steps steps and after training",
+    "--save-strategy": "checkpoints are saved every --save-steps steps",
+    "--bf16": "use --precision bf16 (auto picks bf16 where the GPU has it)",
+    "--fp16": "use --precision fp16 (auto picks bf16 where the GPU has it)",
+    "--warmup-steps": "use --warmup-ratio, the share of the steps warmed up",
+    "--train-file": "use --dataset-path, a folder holding train.* and validation.* files",
+    "--validation-file": "use --dataset-path, a folder holding train.* and validation.* files",
+}
+FLAG_CUTOFF = 0.75  # difflib's ratio: --lerning-rate -> --learning-rate 0.97, --epochs -> --num-epochs 0.8
+
+
+def kebab_flag(name: str) -> str:
+    """`--name` with dashes, the way the job spells its flags (`--learning_rate` -> `--learning-rate`)."""
+    return "--" + name.lstrip("-").replace("_", "-")
+
+
 class Parser(argparse.ArgumentParser):
     """main.py's, predict.py's and sweep.py's: a command line argparse refuses is bad input like any other, one `error:` line
-    and exit 2 (JobError), not its usage block."""
+    and exit 2 (JobError), not its usage block. Flags are taken with underscores too (`--text_column`), and an
+    unknown flag is answered with the closest one, as a misspelt environment variable is (main.py's parser also
+    knows FLAG_ALIASES and NO_COUNTERPART)."""
+
+    aliases: Mapping[str, str] = {}
+    no_counterpart: Mapping[str, str] = {}
 
     def error(self, message: str):
         raise JobError(EXIT_BAD_INPUT, f"{message}; see `python {self.prog} --help`")
+
+    # argparse's two, on the command line with its flags spelt the parser's way, and a hint for an unknown argument.
+    def parse_args(self, args=None, namespace=None):
+        return self._parsed(self.parse_known_args, args, namespace)
+
+    def parse_intermixed_args(self, args=None, namespace=None):
+        return self._parsed(self.parse_known_intermixed_args, args, namespace)
+
+    def _parsed(self, parse, args, namespace) -> argparse.Namespace:
+        parsed, unknown = parse(self.normalize(sys.argv[1:] if args is None else list(args)), namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown[0])}")
+        return parsed
+
+    def normalize(self, argv: list[str]) -> list[str]:
+        """`argv` with each flag that is a known one spelt another way (underscores, an alias; `--flag=value` too)
+        written as the flag: what argparse and the settings source then read. Values and unknown flags stay as typed."""
+        takes_value = {flag for flag, action in self._option_string_actions.items() if action.nargs != 0}
+        normalized: list[str] = []
+        value_next = False  # the argument after a flag that takes one is its value, even one starting with --
+        for index, arg in enumerate(argv):
+            if arg == "--":
+                return normalized + argv[index:]
+            if not value_next and arg.startswith("--"):
+                name, equals, value = arg.partition("=")
+                flag = self.aliases.get(kebab_flag(name), kebab_flag(name))
+                respelt = name not in self._option_string_actions and flag in self._option_string_actions
+                arg = f"{flag}{equals}{value}" if respelt else arg
+                value_next = not equals and arg in takes_value
+            else:
+                value_next = False
+            normalized.append(arg)
+        return normalized
+
+    def hint(self, arg: str) -> str:
+        """` (did you mean --flag?)` for an unknown `arg`, or why it has no counterpart, or ''. A bare `name=value`
+        (Axolotl's and torchtune's overrides) gets the flag to type instead."""
+        name, equals, value = arg.partition("=")
+        flag = kebab_flag(name)
+        if flag in self.no_counterpart:
+            return f" ({name}: {self.no_counterpart[flag]})"
+        flags = [known for known in self._option_string_actions if known.startswith("--")]
+        close = difflib.get_close_matches(flag, [*flags, *self.aliases], n=1, cutoff=FLAG_CUTOFF)
+        if not close:
+            return ""
+        meant = self.aliases.get(close[0], close[0])
+        if name.startswith("-"):
+            return f" (did you mean {meant}?)"
+        return f" (a setting is given as a flag: {meant} {value})" if equals else ""
 
 
 class _Environment(EnvSettingsSource):
@@ -733,9 +828,18 @@ def _parser() -> Parser:
         description="LoRA fine-tuning of BERT for text classification (GLUE SST-2 unless TASK or DATASET_PATH says otherwise), on one process or many. Every setting is a flag, an "
         "environment variable or a key of a recipe file (--config; flags win over the environment, the environment "
         "over the file); the Hub token comes only from HF_TOKEN or HF_TOKEN_PATH.",
+        epilog=textwrap.fill(
+            "The names run_glue, the Trainer, Axolotl and torchtune give these settings work too, with underscores "
+            "or dashes: "
+            + ", ".join(f"--{alias[2:].replace('-', '_')} ({flag})" for alias, flag in FLAG_ALIASES.items())
+            + "; and every flag above with underscores (--learning_rate).",
+            width=100,
+            break_on_hyphens=False,
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
+    parser.aliases, parser.no_counterpart = FLAG_ALIASES, NO_COUNTERPART
     parser.add_argument(
         "--dry-run", action="store_true", help="print the resolved settings and distributed env as JSON, then exit"
     )
@@ -797,6 +901,9 @@ class _Recipe(YamlConfigSettingsSource):
             raise refused(f"is not valid YAML{where} ({problem}); write one `name: value` a line") from None
         if not isinstance(values, dict | None):
             raise refused(f"holds a YAML {type(values).__name__}, not a mapping of settings; {fix}")
+        for keys, what, role in OTHER_FILES:
+            if keys & set(values or {}):
+                raise refused(f"is {what}, not a recipe: {role}; {fix}, such as those in recipes/ (recipes/sst2.yaml)")
         for key in values or {}:
             if not isinstance(key, str):  # the source matches names as text
                 raise _not_a_setting(self.yaml_file_path, str(key))
@@ -808,6 +915,22 @@ class _Recipe(YamlConfigSettingsSource):
             if key.lower() == "config_file":
                 raise refused(f"names another recipe ({key}); put the settings in this file instead")
         return values or {}
+
+
+# The repo's other YAML files, which people hand to --config: each named by the keys only it has, and where it goes.
+OTHER_FILES = (
+    (
+        {"resources", "replicas"},
+        "the managed platform's job file (resources, replicas, config_map)",
+        "the platform starts the replicas from it and gives each its config_map as environment variables",
+    ),
+    ({"apiVersion"}, "a Kubernetes manifest (k8s/)", "kubectl applies it"),
+    (
+        {"compute_environment", "distributed_type"},
+        "an accelerate config (launchers/accelerate/)",
+        "`accelerate launch --config_file` takes it",
+    ),
+)
 
 
 def _not_a_setting(path: str | None, key: str) -> JobError:
