@@ -48,7 +48,7 @@ from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv,
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
 from utils.outputs import check_run_dir, open_run_dir, volume_fault
-from utils.plan import Plan, build_plan, check_elastic_range, micro_batch_warning
+from utils.plan import Plan, batch_warning, build_plan, check_elastic_range
 from utils.preemption import Preemption
 from utils.settings import Settings, check_push_possible, check_trackers, load_settings
 from utils.tasks import describe_task
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         settings, dist, args, plan = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings, plan, push_only=args.push_only)
-            if warning := micro_batch_warning(settings, plan.batch):
+            if warning := batch_warning(settings, plan.batch):
                 print(f"warning: {warning}", file=sys.stderr)
             print(json.dumps(dry_run_view(settings, dist, plan), indent=2))
             return 0

@@ -281,6 +281,7 @@ def test_a_count_that_cannot_share_the_global_batch_is_refused(tmp_path):
         "accumulation": 8,
         "world_size": 1,
         "fixed": True,
+        "source": "GLOBAL_BATCH_SIZE=16, on any replica count",
     }
 
 
@@ -444,7 +445,7 @@ def test_the_elastic_pytorchjob_trains_one_global_batch_on_every_count_it_allows
         batch = payload["batch"]
         resolved[world] = (batch["global_batch"], payload["plan"]["learning_rate"])
         assert batch["micro_batch"] * batch["accumulation"] * world == batch["global_batch"], batch
-        assert batch["micro_batch"] <= int(env["PER_DEVICE_BATCH_SIZE"])
+        assert batch["micro_batch"] <= payload["config"]["per_device_batch_size"]
     assert sorted(resolved) == list(range(low, high + 1)) and len(set(resolved.values())) == 1, resolved
     assert resolved[low][0] == int(env["GLOBAL_BATCH_SIZE"])
 
@@ -456,6 +457,10 @@ def test_the_elastic_pytorchjob_trains_one_global_batch_on_every_count_it_allows
         f"error: GLOBAL_BATCH_SIZE=256 cannot be shared by 3 replica(s), a count PET_NNODES={low}:{high}"
     )
     assert "e.g. 252 or 264" in line, line
-    # Without GLOBAL_BATCH_SIZE the global batch follows the count: a restart after a loss could never resume.
+    # Without GLOBAL_BATCH_SIZE the default, 64, which 3 pods cannot share either; with PER_DEVICE_BATCH_SIZE alone
+    # the global batch follows the count: a restart after a loss could never resume.
     unset = dry_run(high, GLOBAL_BATCH_SIZE="")
-    assert unset.code == 2 and "without GLOBAL_BATCH_SIZE the global batch follows the replica count" in unset.stderr
+    assert unset.code == 2 and "the default global batch (64) cannot be shared by 3 replica(s)" in unset.stderr
+    per_device = dry_run(high, GLOBAL_BATCH_SIZE="", PER_DEVICE_BATCH_SIZE="64")
+    assert per_device.code == 2, per_device.stderr
+    assert "no GLOBAL_BATCH_SIZE the global batch follows the replica count" in per_device.stderr

@@ -68,8 +68,15 @@ def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int],
 
 CHANGES = {  # id -> (settings of the first start, of the second: {**base, **these}; replica counts; what is named)
     "a training setting": ({}, {"lora_r": 16}, (1, 1), "LORA_R: 8 -> 16"),
-    "the replica count": ({}, {}, (1, 2), "replica count: 1 -> 2"),
-    "the global batch": ({}, {"per_device_batch_size": 32}, (1, 1), "PER_DEVICE_BATCH_SIZE: 64 -> 32"),
+    # The per-device rule (PER_DEVICE_BATCH_SIZE given): the global batch, and so the run, follows the count.
+    "the replica count": ({"per_device_batch_size": 64}, {}, (1, 2), "replica count: 1 -> 2"),
+    "the global batch": (
+        {"per_device_batch_size": 64},
+        {"per_device_batch_size": 32},
+        (1, 1),
+        "PER_DEVICE_BATCH_SIZE: 64 -> 32",
+    ),
+    "the default global batch, rounded for another count": ({}, {}, (2, 3), "global batch: 64 -> 63"),
     "the ZeRO stage": (
         {"strategy": "deepspeed", "zero_stage": 2},
         {"strategy": "deepspeed", "zero_stage": 3},
@@ -104,6 +111,7 @@ def test_each_change_of_the_identity_is_refused_alike_in_every_place(tmp_path, c
 ACCEPTED = {  # id -> (first, second, replica counts): one run, whatever changed
     "where it writes and pushes": ({}, {"logging_steps": 1, "hub_private": False, "save_steps": 7}, (1, 1)),
     "the replica count under GLOBAL_BATCH_SIZE": ({"global_batch_size": 64}, {}, (2, 4)),
+    "the replica count under the default global batch": ({}, {}, (2, 4)),
     "the micro-batch cap under GLOBAL_BATCH_SIZE": ({"global_batch_size": 64}, {"per_device_batch_size": 16}, (2, 2)),
 }
 

@@ -883,8 +883,8 @@ def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
     assert set(shared) - overridden <= {e["name"] for e in trainer["env"]}, (
         "a ConfigMap key the TrainJob does not read"
     )
-    assert {(c["model_name"], c["per_device_batch_size"]) for c in configs} == {
-        (shared["MODEL_NAME"], int(shared["PER_DEVICE_BATCH_SIZE"]))
+    assert {(c["model_name"], c["num_epochs"]) for c in configs} == {
+        (shared["MODEL_NAME"], float(shared["NUM_EPOCHS"]))
     }
 
     # The image's default command (python main.py, no torchrun) under the same variables: a clear refusal.

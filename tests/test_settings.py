@@ -293,16 +293,19 @@ def test_settings_doc_table_is_the_one_written_from_the_descriptions():
     ("world_size", "extra", "rate", "loraplus"),
     [
         (1, {}, 1e-3, 8),  # the reference: global batch 64
-        (2, {}, 0.00118921, 5.65685),  # 1e-3 x 2 ** 0.25; 8 / 2 ** 0.5
-        (4, {}, 0.00141421, 4),  # the config.yaml deployment: global batch 256
-        (8, {}, 0.00168179, 2.82843),
+        (4, {}, 1e-3, 8),  # the config.yaml deployment: the default global batch, 64, on any count
+        (8, {}, 1e-3, 8),
+        # The per-device rule: 128 rows on 2 replicas, 1e-3 x 2 ** 0.25 and 8 / 2 ** 0.5.
+        (2, {"PER_DEVICE_BATCH_SIZE": "64"}, 0.00118921, 5.65685),
+        (4, {"PER_DEVICE_BATCH_SIZE": "64"}, 0.00141421, 4),  # 256
+        (8, {"PER_DEVICE_BATCH_SIZE": "64"}, 0.00168179, 2.82843),
         (2, {"GRADIENT_ACCUMULATION_STEPS": "2"}, 0.00141421, 4),  # accumulation counts in the global batch
         (2, {"PER_DEVICE_BATCH_SIZE": "32"}, 1e-3, 8),
         (1, {"PER_DEVICE_BATCH_SIZE": "16"}, 0.000707107, 8),  # below the reference batch LoRA+ stays at 8
         (1, {"GLOBAL_BATCH_SIZE": "8192"}, 0.00336359, 1),  # and never falls below plain LoRA
-        (4, {"LEARNING_RATE": "5e-4"}, 5e-4, 4),  # set by the user: exactly that, on any number of replicas
-        (4, {"LORAPLUS_LR_RATIO": "8"}, 0.00141421, 8),
-        (4, {"LEARNING_RATE_SCALING": "sqrt"}, 2e-3, 4),
+        (4, {"GLOBAL_BATCH_SIZE": "256", "LEARNING_RATE": "5e-4"}, 5e-4, 4),  # set by the user: exactly that
+        (4, {"GLOBAL_BATCH_SIZE": "256", "LORAPLUS_LR_RATIO": "8"}, 0.00141421, 8),
+        (4, {"GLOBAL_BATCH_SIZE": "256", "LEARNING_RATE_SCALING": "sqrt"}, 2e-3, 4),
     ],
 )
 def test_dry_run_shows_the_rates_the_global_batch_gets(tmp_path, world_size, extra, rate, loraplus):
@@ -465,8 +468,11 @@ def test_recipe_file_sits_between_the_defaults_and_the_environment(tmp_path):
 def test_the_sst2_recipe_is_the_defaults(tmp_path):
     from tests.conftest import REPO
 
-    recipe = dry_run(tmp_path, "--config", str(REPO / "recipes" / "sst2.yaml"))["config"]
-    assert {**recipe, "config_file": None} == dry_run(tmp_path)["config"]
+    recipe, defaults = dry_run(tmp_path, "--config", str(REPO / "recipes" / "sst2.yaml")), dry_run(tmp_path)
+    assert {**recipe["config"], "config_file": None} == defaults["config"]
+    # What it trains too: a batch setting written out (even at its default) would switch the global batch from
+    # the default (64 on any replica count) to the per-device rule.
+    assert recipe["plan"] == defaults["plan"]
 
 
 @pytest.mark.check

@@ -222,7 +222,7 @@ def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: s
         "recipe": recipe_summary(settings, metrics.get("loraplus_ratio")),
         "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
         "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
-        "global batch": metrics.get("global_batch", "?"),
+        "global batch": global_batch(metrics),
         "world size (replicas)": replica_counts(metrics),
         "precision": metrics.get("precision", "?"),
         "quantization": metrics.get("quantization", "?"),
@@ -253,6 +253,12 @@ def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: s
     )
     card.save(folder / "README.md")
     return card
+
+
+def global_batch(metrics: dict) -> str:
+    """The rows each optimizer step averaged and why: "64 (the default, ... on any replica count that divides it)"."""
+    rows, source = metrics.get("global_batch", "?"), metrics.get("global_batch_source")
+    return f"{rows} rows a step ({source})" if source else str(rows)
 
 
 def replica_counts(metrics: dict) -> str:

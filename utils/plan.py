@@ -5,18 +5,32 @@ MAX_STEPS sets them and the strategy; `with_device` (Job.start) and `with_rows` 
 the hardware and the data tell, once each. `--dry-run` prints it, run.json records it completed; the Trainer's
 arguments, the DeepSpeed config, the logs and the model card read it.
 
-The global batch: GLOBAL_BATCH_SIZE unset (the default), it follows the job's shape, PER_DEVICE_BATCH_SIZE x
-world size x GRADIENT_ACCUMULATION_STEPS, so another replica count is another run (a restart on another count
-is refused). Set, it is a hyperparameter and the replica count a deployment detail: each optimizer step
-averages the same rows whatever the count; a replica computes its share (global batch / world size) in
-micro-batches of at most PER_DEVICE_BATCH_SIZE rows, accumulating as many as it takes. With one global order
-of the rows (utils/trainer.py's GlobalOrderSampler) 1, 2 and 4 replicas train the same model up to
-floating-point summation order, and a run can resume on any count that divides the global batch;
-PER_DEVICE_BATCH_SIZE is then a memory cap a restart may lower. An elastic launcher (PET_NNODES=2:4) must be
-able to share the global batch on every count of its range, or the job dies after the loss it was made to
-survive: `check_elastic_range` refuses such a start at once.
+The global batch (rows per optimizer step), one of three rules (`plan_batches`; --dry-run, run.json and the model
+card say which as the batch's `source`):
 
-The learning rate follows the global batch, so the same settings train the same model on 1 to 8 replicas:
+- GLOBAL_BATCH_SIZE set: that many rows on any replica count. A count that cannot share it in equal parts is
+  refused (exit 2) with the counts that can and the nearest batches this count can share: the user chose the
+  number, so it is never changed.
+- nothing set (the default): 64, one GPU's batch, on any count that divides it (1, 2, 4 and 8: every count
+  config.yaml and k8s/ deploy), so more replicas train the same model faster: 4 replicas take 16 rows each.
+  A count that does not divide 64 (3, 5, 6, 7) trains the multiple of the count nearest 64 (63, 65, 66, 63):
+  equal shares are what make every micro-batch full and every rank's gradient weigh the same, and a refusal
+  would stop a launch the defaults ran before. It is no silent change: the source names it, and the start
+  warns (`batch_warning`). An elastic range is held to one batch for all its counts (`check_elastic_range`).
+- PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS set (GLOBAL_BATCH_SIZE not): PER_DEVICE_BATCH_SIZE x world
+  size x GRADIENT_ACCUMULATION_STEPS, the per-device rule: the global batch follows the replica count, so another
+  count is another run (a restart on another count is refused).
+
+Under the first two the replica count is a deployment detail: a replica computes its share (global batch / world
+size) in micro-batches of at most PER_DEVICE_BATCH_SIZE rows (64 unless set), accumulating as many as it takes.
+With one global order of the rows (utils/trainer.py's GlobalOrderSampler) 1, 2 and 4 replicas train the same
+model up to floating-point summation order, and a run can resume on any count that divides the global batch;
+PER_DEVICE_BATCH_SIZE is then a memory cap a restart may lower (set beside GLOBAL_BATCH_SIZE: alone it switches to
+the per-device rule). An elastic launcher (PET_NNODES=2:4) must be able to share the global batch on every count
+of its range, or the job dies after the loss it was made to survive: `check_elastic_range` refuses such a start at
+once.
+
+The learning rate follows the global batch, so one global batch trains at one rate on 1 to 8 replicas:
 
     learning_rate = BASE_LEARNING_RATE x (global batch / 64) ** 0.25     (LEARNING_RATE_SCALING=fourth-root)
     loraplus_lr_ratio = 8 x min(1, (64 / global batch) ** 0.5), never below 1
@@ -38,9 +52,9 @@ from pydantic import TypeAdapter, ValidationError
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.identity import run_identity, run_name
-from utils.settings import MAX_GLOBAL_BATCH, Settings
+from utils.settings import DEFAULT_GLOBAL_BATCH, MAX_GLOBAL_BATCH, Settings, batch_follows_replicas
 
-REFERENCE_GLOBAL_BATCH = 64  # one replica with PER_DEVICE_BATCH_SIZE=64: where BASE_LEARNING_RATE was measured
+REFERENCE_GLOBAL_BATCH = DEFAULT_GLOBAL_BATCH  # one replica with the defaults: where BASE_LEARNING_RATE was measured
 REFERENCE_LORAPLUS_RATIO = 8.0  # the LoRA+ ratio measured best at the reference batch (docs/quality.md)
 
 
@@ -50,7 +64,8 @@ class BatchPlan:
     micro_batch: int  # rows per forward/backward on one replica
     accumulation: int  # micro-batches per optimizer step on one replica
     world_size: int
-    fixed: bool  # GLOBAL_BATCH_SIZE set: the same global batch on any replica count
+    fixed: bool  # the same global batch on any replica count (GLOBAL_BATCH_SIZE, or the default)
+    source: str  # where the global batch came from, in the settings' names: what --dry-run and the card say
 
 
 @dataclass(frozen=True)
@@ -127,22 +142,52 @@ def nearby_global_batches(global_batch: int, world_sizes: list[int], cap: int) -
 
 def plan_batches(settings: Settings, world_size: int) -> BatchPlan:
     """The plan for `world_size` replicas; a replica count that cannot divide GLOBAL_BATCH_SIZE is bad input."""
-    if settings.global_batch_size is None:
+    if batch_follows_replicas(settings):
         micro, accumulation = settings.per_device_batch_size, settings.gradient_accumulation_steps
-        return BatchPlan(micro * world_size * accumulation, micro, accumulation, world_size, fixed=False)
-    total = settings.global_batch_size
-    if total % world_size:
-        counts = ", ".join(map(str, replica_counts(total)))
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"GLOBAL_BATCH_SIZE={total} cannot be shared by {world_size} replicas; run on one of {counts} "
-            f"replica(s), or set a GLOBAL_BATCH_SIZE that {world_size} divides",
-        )
+        source = f"{_per_device_terms(settings, world_size)}: the global batch follows the replica count"
+        return BatchPlan(micro * world_size * accumulation, micro, accumulation, world_size, False, source)
+    total, source = fixed_global_batch(settings, world_size)
     share = total // world_size
     micro = largest_micro_batch(share, settings.per_device_batch_size)
-    return BatchPlan(
-        global_batch=total, micro_batch=micro, accumulation=share // micro, world_size=world_size, fixed=True
+    return BatchPlan(total, micro, share // micro, world_size, fixed=True, source=source)
+
+
+def fixed_global_batch(settings: Settings, world_size: int) -> tuple[int, str]:
+    """The global batch `world_size` replicas train when it does not follow the count, and why (the module's rule)."""
+    total = settings.global_batch_size
+    if total is not None:
+        if total % world_size:
+            counts = ", ".join(map(str, replica_counts(total)))
+            sizes = nearby_global_batches(total, [world_size], settings.per_device_batch_size)
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"GLOBAL_BATCH_SIZE={total} cannot be shared by {world_size} replicas; run on one of {counts} "
+                f"replica(s), or set a GLOBAL_BATCH_SIZE that {world_size} divides, e.g. {sizes}",
+            )
+        return total, f"GLOBAL_BATCH_SIZE={total}, on any replica count"
+    if DEFAULT_GLOBAL_BATCH % world_size == 0:
+        return DEFAULT_GLOBAL_BATCH, (
+            f"the default, {DEFAULT_GLOBAL_BATCH} (one GPU's batch) on any replica count that divides it "
+            "(GLOBAL_BATCH_SIZE, PER_DEVICE_BATCH_SIZE and GRADIENT_ACCUMULATION_STEPS unset)"
+        )
+    nearest = max(world_size, round(DEFAULT_GLOBAL_BATCH / world_size) * world_size)
+    return nearest, (
+        f"the default {DEFAULT_GLOBAL_BATCH} made {nearest}, the nearest multiple of {world_size} replicas, which "
+        f"cannot share {DEFAULT_GLOBAL_BATCH} rows equally (set GLOBAL_BATCH_SIZE to choose the batch)"
     )
+
+
+def batch_warning(settings: Settings, plan: BatchPlan) -> str | None:
+    """A warning for a global batch that is not what the user would expect: the default rounded for this count
+    (another model than one GPU's, a little), or micro-batches far smaller than the cap (`micro_batch_warning`)."""
+    if plan.fixed and settings.global_batch_size is None and plan.global_batch != DEFAULT_GLOBAL_BATCH:
+        return (
+            f"the global batch is {plan.global_batch} rows, not the default {DEFAULT_GLOBAL_BATCH}: {plan.world_size} "
+            f"replicas cannot share {DEFAULT_GLOBAL_BATCH} rows equally, so this run differs a little from one GPU's "
+            f"(its learning rate follows {plan.global_batch}); run on 1, 2, 4 or 8 replicas for the default, or set "
+            f"GLOBAL_BATCH_SIZE (e.g. {plan.global_batch}) to make the choice yours"
+        )
+    return micro_batch_warning(settings, plan)
 
 
 def micro_batch_warning(settings: Settings, plan: BatchPlan) -> str | None:
@@ -167,21 +212,23 @@ def check_elastic_range(settings: Settings, counts: range, variable: str) -> Non
     if len(counts) < 2:
         return
     cap = settings.per_device_batch_size
-    if settings.global_batch_size is None:
+    if batch_follows_replicas(settings):
         sizes = nearby_global_batches(cap * counts[-1] * settings.gradient_accumulation_steps, list(counts), cap)
         raise JobError(
             EXIT_BAD_INPUT,
-            f"{variable} lets the job go on with {counts[0]} to {counts[-1]} replicas, but without GLOBAL_BATCH_SIZE the "
-            f"global batch follows the replica count, so a restart on another count after a loss is refused; "
-            f"set GLOBAL_BATCH_SIZE to a multiple of every count, e.g. {sizes}",
+            f"{variable} lets the job go on with {counts[0]} to {counts[-1]} replicas, but with PER_DEVICE_BATCH_SIZE or "
+            "GRADIENT_ACCUMULATION_STEPS set and no GLOBAL_BATCH_SIZE the global batch follows the replica count, so a "
+            f"restart on another count after a loss is refused; set GLOBAL_BATCH_SIZE to a multiple of every count, "
+            f"e.g. {sizes}",
         )
-    total = settings.global_batch_size
+    total = settings.global_batch_size or DEFAULT_GLOBAL_BATCH
+    named = f"GLOBAL_BATCH_SIZE={total}" if settings.global_batch_size else f"the default global batch ({total})"
     refused = [world for world in counts if total % world]
     if refused:
         sizes = nearby_global_batches(total, list(counts), cap)
         raise JobError(
             EXIT_BAD_INPUT,
-            f"GLOBAL_BATCH_SIZE={total} cannot be shared by {', '.join(map(str, refused))} replica(s), a count {variable} "
+            f"{named} cannot be shared by {', '.join(map(str, refused))} replica(s), a count {variable} "
             "lets the job go on with after a loss (every restart there would be refused); set GLOBAL_BATCH_SIZE to a "
             f"multiple of every count from {counts[0]} to {counts[-1]}, e.g. {sizes}, or narrow the range",
         )
@@ -197,11 +244,12 @@ def scaled_learning_rate(settings: Settings, global_batch: int, rule: str | None
     return float(f"{settings.base_learning_rate * factor:.6g}")  # a readable number in logs, run.json and the card
 
 
-def resolve_learning_rate(settings: Settings, world_size: int, global_batch: int) -> float:
+def resolve_learning_rate(settings: Settings, batch: BatchPlan) -> float:
     """The rate this job trains at: LEARNING_RATE exactly when the user set it, else the scaling rule's rate,
     checked against LEARNING_RATE's bounds (a JobError naming the rule, the batch and the fix)."""
     if settings.learning_rate is not None:
         return settings.learning_rate
+    global_batch = batch.global_batch
     rate = scaled_learning_rate(settings, global_batch)
     refusal = _learning_rate_refusal(rate)
     if refusal:
@@ -214,7 +262,7 @@ def resolve_learning_rate(settings: Settings, world_size: int, global_batch: int
         raise JobError(
             EXIT_BAD_INPUT,
             f"LEARNING_RATE_SCALING={settings.learning_rate_scaling} resolves the learning rate to {rate:g} at global batch "
-            f"{global_batch} ({_batch_terms(settings, world_size)}; BASE_LEARNING_RATE "
+            f"{global_batch} ({batch.source}; BASE_LEARNING_RATE "
             f"{settings.base_learning_rate:g} at batch {REFERENCE_GLOBAL_BATCH}), which LEARNING_RATE's own check refuses "
             f"({refusal}); set LEARNING_RATE to the rate to train at, or another rule ({rules})",
         )
@@ -238,9 +286,7 @@ def _learning_rate_refusal(rate: float) -> str | None:
     return None
 
 
-def _batch_terms(settings: Settings, world_size: int) -> str:
-    if settings.global_batch_size is not None:
-        return f"GLOBAL_BATCH_SIZE={settings.global_batch_size}"
+def _per_device_terms(settings: Settings, world_size: int) -> str:
     return (
         f"PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} x {world_size} replica(s) "
         f"x GRADIENT_ACCUMULATION_STEPS={settings.gradient_accumulation_steps}"
@@ -263,14 +309,15 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
     if batch.global_batch > MAX_GLOBAL_BATCH:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"the global batch is {batch.global_batch} rows ({_batch_terms(settings, world_size)}), above the "
+            f"the global batch is {batch.global_batch} rows ({batch.source}), above the "
             f"{MAX_GLOBAL_BATCH} a global batch may be (GLOBAL_BATCH_SIZE's range, 1 to {MAX_GLOBAL_BATCH}); lower "
             "PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS, or set GLOBAL_BATCH_SIZE",
         )
-    rate = resolve_learning_rate(settings, world_size, batch.global_batch)
+    rate = resolve_learning_rate(settings, batch)
     deepspeed = settings.strategy == "deepspeed"
-    # GLOBAL_BATCH_SIZE under DDP: one global order of the rows, which any replica count continues (not under
-    # DeepSpeed, whose checkpoints hold each rank's partition of the optimizer state).
+    # A fixed global batch (GLOBAL_BATCH_SIZE, or the default) under DDP: one global order of the rows, which any
+    # replica count continues (not under DeepSpeed, whose checkpoints hold each rank's partition of the optimizer
+    # state).
     identity = run_identity(settings, batch.global_batch, world_size, elastic=batch.fixed and not deepspeed)
     return Plan(
         batch=batch,
@@ -336,15 +383,17 @@ def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
     batch = plan.batch
     if batch.global_batch > train_rows:
         fitting = train_rows // (batch.world_size * settings.gradient_accumulation_steps)
-        if batch.fixed:
-            fix = f"set GLOBAL_BATCH_SIZE to {train_rows} or less, or train on more data"
+        if batch.fixed and fitting >= 1:
+            fix = f"set GLOBAL_BATCH_SIZE to {fitting * batch.world_size} or less, or train on more data"
+        elif batch.fixed:
+            fix = "run fewer replicas (even 1 row per replica is too many), or train on more data"
         elif fitting >= 1:
             fix = f"set PER_DEVICE_BATCH_SIZE to {fitting} or less, lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas, or train on more data"
         else:
             fix = "lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas (even 1 row per device is too many), or train on more data"
         raise JobError(
             EXIT_BAD_INPUT,
-            f"the global batch is {batch.global_batch} rows ({_batch_terms(settings, batch.world_size)}) but the "
+            f"the global batch is {batch.global_batch} rows ({batch.source}) but the "
             f"training split has only {train_rows}: a step would take more rows than there are; {fix}",
         )
     per_epoch = max(train_rows // batch.global_batch, 1)  # whole global batches only (GlobalOrderSampler)

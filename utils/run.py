@@ -49,7 +49,7 @@ from utils.outputs import (
     usable_checkpoints,
     write_run_record,
 )
-from utils.plan import Plan, micro_batch_warning
+from utils.plan import Plan, batch_warning
 from utils.recipe import describe_recipe
 from utils.run_lock import RunLock
 from utils.settings import Settings, check_tracker_uri, resolve_base_model_id
@@ -332,9 +332,14 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     settings, dist = job.settings, job.dist
     export_env(dist, deepspeed=job.strategy == "deepspeed")
     log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.plan.precision)
+    batch = job.plan.batch
+    log.info(
+        "global batch %d rows a step (%s): %d replica(s) x %d micro-batch(es) of %d rows",
+        *(batch.global_batch, batch.source, batch.world_size, batch.accumulation, batch.micro_batch),
+    )
     log.info(describe_recipe(settings, job.plan))
     log.info("the run's identity: %s", job.plan.identity, extra=RANK_LOG_ONLY)
-    if warning := micro_batch_warning(settings, job.plan.batch):
+    if warning := batch_warning(settings, job.plan.batch):
         log.warning(warning)
     # E.g. fsdp on the CPU: exit 2, never DDP.
     check_strategy(settings, dist, job.cuda, job.quantize, job.plan.precision, launcher_options())
@@ -416,6 +421,7 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             # What actually ran, for the card: the resolved rate and numerics, not `auto`.
             "world_size": dist.world_size,
             "global_batch": plan.batch.global_batch,
+            "global_batch_source": plan.batch.source,  # why that batch (utils/plan.py), for the card
             "segments": close_segments(ready.key["segments"], trainer.state.global_step),
             "learning_rate": plan.learning_rate,
             "loraplus_ratio": plan.loraplus_ratio,

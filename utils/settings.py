@@ -73,6 +73,12 @@ RATE, FRACTION, RATIO = Field(gt=0, lt=1), Field(ge=0, lt=1), Field(gt=0, le=100
 DEVICE_BATCH, STEPS = Field(ge=1, le=MAX_DEVICE_BATCH), Field(ge=1, le=MAX_INTERVAL)
 T = TypeVar("T")
 
+# Rows per optimizer step when no batch setting is given: one GPU's batch, where the recipe was tuned
+# (docs/quality.md), kept on every replica count so that more replicas train the same model faster (utils/plan.py).
+DEFAULT_GLOBAL_BATCH = 64
+# Either of these given (and GLOBAL_BATCH_SIZE not): the global batch is their product x the replica count.
+BATCH_SHAPE = frozenset({"per_device_batch_size", "gradient_accumulation_steps"})
+
 
 def split_commas(value: Any) -> Any:
     return tuple(name.strip() for name in value.split(",") if name.strip()) if isinstance(value, str) else value
@@ -178,19 +184,24 @@ class Settings(BaseSettings):
         None, description="optimizer steps; when set it wins over NUM_EPOCHS"
     )
     per_device_batch_size: Annotated[int, DEVICE_BATCH] = Field(
-        64, description="rows per device per step; global batch = this x world size x accumulation"
+        64,
+        description="unset: the cap on the micro-batch of the default global batch (64 rows a step on any replica "
+        "count); set: rows per device per step, and the global batch = this x world size x accumulation",
     )
     per_device_eval_batch_size: Annotated[int, DEVICE_BATCH] = Field(
         256, description="evaluation needs no gradients or optimizer state, so it fits a larger batch"
     )
     gradient_accumulation_steps: Annotated[int, DEVICE_BATCH] = Field(
-        1, description="micro-batches per optimizer step; raise it only to reach a global batch that does not fit"
+        1,
+        description="micro-batches per optimizer step; set, the global batch = PER_DEVICE_BATCH_SIZE x world size x "
+        "this; raise it only to reach a global batch that does not fit",
     )
     global_batch_size: Annotated[int | None, Field(ge=1, le=MAX_GLOBAL_BATCH)] = Field(
         None,
-        description="unset: the global batch follows the replica count; set: rows per optimizer step on any replica "
-        "count (micro-batch and accumulation derived, PER_DEVICE_BATCH_SIZE their cap), so a restart may come back "
-        "on any count that divides it",
+        description="rows per optimizer step on any replica count (micro-batch and accumulation derived, "
+        "PER_DEVICE_BATCH_SIZE their cap), so a restart may come back on any count that divides it; unset: 64 (one "
+        "GPU's batch) unless PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS is set, then the global batch "
+        "follows the replica count",
     )
     learning_rate: Annotated[float | None, RATE] = Field(
         None,
@@ -311,7 +322,9 @@ class Settings(BaseSettings):
 
     # --- checkpoints, rendezvous, publishing
     save_steps: Annotated[int, STEPS] = Field(
-        100, description="checkpoint every N optimizer steps: ~3 per epoch of SST-2 on 4 replicas, each a few MB"
+        100,
+        description="checkpoint every N optimizer steps: ~10 per epoch of SST-2 at the default global batch (64), "
+        "each a few MB",
     )
     save_total_limit: Annotated[int, Field(ge=1, le=1000)] = Field(
         2, description="checkpoints kept; two, so a restart still has one if the newest is incomplete"
@@ -555,15 +568,23 @@ TRAINING_SETTINGS = DEEPSPEED_SETTINGS | {
 }
 
 
+def batch_follows_replicas(settings: Settings) -> bool:
+    """Whether the global batch is PER_DEVICE_BATCH_SIZE x world size x GRADIENT_ACCUMULATION_STEPS (one of them
+    given, GLOBAL_BATCH_SIZE not): the rule of a user who sized the per-device batch. Otherwise the global batch
+    is fixed whatever the replica count: GLOBAL_BATCH_SIZE, else DEFAULT_GLOBAL_BATCH (utils/plan.py)."""
+    return settings.global_batch_size is None and bool(BATCH_SHAPE & settings.model_fields_set)
+
+
 def training_setting_names(settings: Settings) -> frozenset[str]:
     """TRAINING_SETTINGS, less the DeepSpeed ones unless STRATEGY=deepspeed: they change nothing else, and a
-    DDP or FSDP run keeps the run name and the run folder it had before they existed. Under GLOBAL_BATCH_SIZE,
-    less PER_DEVICE_BATCH_SIZE too: there it only caps the micro-batch (utils/plan.py), and each step averages
-    the same rows whatever it is, as on another replica count. TASK and PROBLEM_TYPE count where they are not the
-    defaults: a resume with another task or problem type is refused, and an SST-2 run keeps its name. (LABEL_NAMES
-    is none: another label order is other label ids, which the checkpoint's key of the tokenized rows refuses.)"""
+    DDP or FSDP run keeps the run name and the run folder it had before they existed. Where the global batch is
+    fixed (GLOBAL_BATCH_SIZE, or the default), less PER_DEVICE_BATCH_SIZE too: there it only caps the micro-batch
+    (utils/plan.py), and each step averages the same rows whatever it is, as on another replica count. TASK and
+    PROBLEM_TYPE count where they are not the defaults: a resume with another task or problem type is refused, and
+    an SST-2 run keeps its name. (LABEL_NAMES is none: another label order is other label ids, which the
+    checkpoint's key of the tokenized rows refuses.)"""
     names = TRAINING_SETTINGS if settings.strategy == "deepspeed" else TRAINING_SETTINGS - DEEPSPEED_SETTINGS
-    if settings.global_batch_size is not None:
+    if not batch_follows_replicas(settings):
         names = names - {"per_device_batch_size"}
     task_names = {"task": settings.task is not None, "problem_type": settings.problem_type != "auto"}
     return names | {name for name, counts in task_names.items() if counts}
