@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Replicas, base_env, rank_record, run_main, start_main, tiny_run_settings, wait_all
+from tests.conftest import (
+    Replicas,
+    base_env,
+    rank_record,
+    run_main,
+    start_main,
+    tiny_run_settings,
+    wait_all,
+    write_fixed_length_data,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -167,3 +176,18 @@ def test_frozen_linears_stored_in_bf16_compute_what_autocast_computed(tiny_bert)
         outputs[label] = (out.logits.detach(), grads)
     assert torch.equal(outputs["cast"][0], outputs["stored"][0])
     assert all(torch.equal(grad, outputs["stored"][1][name]) for name, grad in outputs["cast"][1].items())
+
+
+def test_batches_without_padding_run_the_bucket_s_graph_and_compile_nothing_more(tmp_path, tiny_bert):
+    """MAX_SEQ_LENGTH at the smallest bucket and every row longer: every batch is cut to 16 tokens, none padded.
+    With a 2D mask, transformers drops the mask of a batch without padding (SDPA then takes None): a graph the
+    warm-up had not built, compiled again inside the epoch. The job's 4D mask keeps one graph for the one bucket."""
+    data = write_fixed_length_data(tmp_path / "data", counts=(256, 32), extra_words=lambda rng: rng.randint(14, 20))
+    settings = tiny_run_settings(
+        tiny_bert, data, tmp_path / "out", MAX_STEPS=10, MAX_SEQ_LENGTH=16, TORCH_COMPILE="true", SAVE_STEPS=10
+    )
+    settings.pop("NUM_EPOCHS")
+    result = run_main(base_env(tmp_path, **settings), timeout=COMPILE_TIMEOUT)
+    assert result.code == 0, result.stderr[-3000:]
+    compiled = rank_record(tmp_path / "out", 0)["compile"]
+    assert (compiled["graphs"], compiled["recompiles"], compiled["graph_breaks"]) == (1, 0, 0), compiled

@@ -1,0 +1,234 @@
+"""The captured step (CUDA_GRAPHS, utils/step_capture.py) held to the eager step on the CPU, where the captured
+function runs on its static buffers without a graph: everything but the capture itself.
+
+One process builds the job's own Trainer (as utils/run.py does) for each arm over the same tiny model and data, LoRA
+dropout on, an evaluation every 20 steps: eager and captured, with and without gradient accumulation, and the
+captured run resumed from its step-30 checkpoint. It reports what each step saw: the losses, the weights' checksum,
+the gradients' and input buffers' addresses, the padded lengths, the random state around the warm-up, and every
+host read (a device-to-host sync on a GPU) between a step's begin and its end. The two-replica comparison runs
+apart, in real processes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import Replicas, base_env, rank_record, run_code, tiny_run_settings, wait_all
+from tests.test_compile import losses
+
+STEPS = 60
+BUCKETS = [16, 32, 48]  # the tiny data's padded lengths (tests/test_compile.py)
+
+SCRIPT = """
+import json, random, shutil, sys
+from pathlib import Path
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import TrainerCallback, set_seed
+from utils.data import load_sst2
+from utils.distributed import DistEnv
+from utils.job import Job
+from utils.model import build_model, load_tokenizer, trainable_checksum
+from utils.outputs import RunDir
+from utils.plan import build_plan
+from utils.preemption import Preemption
+from utils.settings import Settings
+from utils.step_capture import CapturedStep
+from utils.trainer import build_trainer
+
+model_dir, data_dir, out, steps = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
+# The reads a GPU answers only by waiting for the device: a tensor's value on the host, a count of its nonzeros.
+HOST_READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "item", "allclose"}
+
+
+class Spy(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in HOST_READS:
+            self.reads.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class Watch(TrainerCallback):
+    \"\"\"What each step saw, from its begin to its end (the optimizer step included, the logging after it not).\"\"\"
+
+    def __init__(self, trainer):
+        self.trainer, self.spy, self.reads = trainer, None, []
+        self.grad_ptrs, self.buffer_ptrs = set(), {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.spy = Spy()
+        self.spy.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.spy.__exit__(None, None, None)
+        self.reads += [(state.global_step, name) for name in self.spy.reads]
+        captured = self.trainer.captured
+        if captured is not None:
+            self.grad_ptrs.add(tuple(p.grad.data_ptr() for p in captured.trainable))
+            for key, bucket in captured.buckets.items():
+                ptrs = tuple(t.data_ptr() for t in bucket.inputs.values())
+                self.buffer_ptrs.setdefault(str(key), set()).add(ptrs)
+
+
+warmups = []
+prepare = CapturedStep.prepare
+
+
+def watched_prepare(self, batches):
+    before = (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    prepare(self, batches)
+    warmups.append((before, (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())))
+
+
+def kept(before, after):  # compared after training: a comparison inside a step would be a host read of its own
+    return torch.equal(before[0], after[0]) and before[1] == after[1] and bool((before[2] == after[2]).all())
+
+
+CapturedStep.prepare = watched_prepare
+
+
+def train(name, resume_from=None, **extra):
+    values = dict(
+        model_name=model_dir, dataset_path=data_dir, output_dir=str(out / name), report_to=("none",),
+        max_steps=steps, eval_steps=20, logging_steps=1, save_steps=30, per_device_batch_size=16,
+        learning_rate=1e-3,
+    )
+    settings = Settings(**{**values, **extra})
+    run = RunDir(Path(settings.output_dir))
+    run.checkpoints.mkdir(parents=True)
+    if resume_from is not None:
+        shutil.copytree(resume_from, run.checkpoints / resume_from.name)
+    job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
+    tokenizer = load_tokenizer(settings)
+    data = load_sst2(settings, tokenizer, run.cache)
+    job = job.with_rows(len(data["train"]))
+    set_seed(settings.seed)
+    model = build_model(settings, False, job.device)
+    lengths = set()
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.add(kwargs["input_ids"].shape[-1]) if module.training else None,
+        with_kwargs=True,
+    )
+    trainer = build_trainer(job, model, tokenizer, data)
+    watch = Watch(trainer)
+    trainer.add_callback(watch)
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    history = trainer.state.log_history
+    return {
+        "losses": {entry["step"]: entry["loss"] for entry in history if "loss" in entry},
+        "checksum": trainable_checksum(trainer.model),
+        "evaluations": sum(1 for entry in history if "eval_loss" in entry),
+        "captured": trainer.captured is not None,
+        "graphs": bool(trainer.captured and trainer.captured.graphs),
+        "shapes": sorted(dict((n, s) for n, s, _ in key)["input_ids"][-1] for key in trainer.captured.buckets)
+        if trainer.captured else [],
+        "lengths": sorted(lengths),
+        "grad_ptrs": len(watch.grad_ptrs),
+        "buffer_ptrs": {key: len(ptrs) for key, ptrs in watch.buffer_ptrs.items()},
+        "host_reads": watch.reads,
+    }
+
+
+result = {
+    "eager": train("eager", cuda_graphs=False),
+    "captured": train("captured", cuda_graphs=True),
+    "eager-accumulation": train("eager-accumulation", cuda_graphs=False, per_device_batch_size=8, gradient_accumulation_steps=2),
+    "captured-accumulation": train("captured-accumulation", cuda_graphs=True, per_device_batch_size=8, gradient_accumulation_steps=2),
+}
+result["captured-resumed"] = train("captured-resumed", resume_from=out / "captured" / "checkpoints" / "checkpoint-30", cuda_graphs=True)
+result["warmups_kept_rng"] = [kept(*states) for states in warmups]
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def arms(tmp_path_factory, tiny_bert, sst2_dir) -> dict:
+    tmp = tmp_path_factory.mktemp("captured")
+    proc = run_code(SCRIPT, base_env(tmp), tiny_bert, sst2_dir, tmp / "out", STEPS, timeout=900)
+    assert proc.code == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    for arm in result.values():
+        if isinstance(arm, dict):
+            arm["losses"] = {int(step): loss for step, loss in arm["losses"].items()}
+    return result
+
+
+def test_the_captured_step_trains_the_eager_step_s_model(arms):
+    eager, captured = arms["eager"], arms["captured"]
+    assert captured["captured"] and not captured["graphs"] and not eager["captured"]
+    # Every step's loss (LoRA dropout on: the same masks drawn) and the trained weights, to the bit.
+    assert sorted(captured["losses"]) == list(range(1, STEPS + 1))
+    assert captured["losses"] == eager["losses"]
+    assert captured["checksum"] == eager["checksum"]
+    assert captured["losses"][1] != captured["losses"][STEPS]  # not a run that stood still
+    assert captured["evaluations"] == eager["evaluations"] >= 2  # evaluations between the steps changed nothing
+
+
+def test_gradient_accumulation_is_the_eager_step_s(arms):
+    eager, captured = arms["eager-accumulation"], arms["captured-accumulation"]
+    assert captured["captured"] and sorted(captured["losses"]) == list(range(1, STEPS + 1))
+    assert captured["losses"] == pytest.approx(eager["losses"], rel=1e-6)
+    assert captured["checksum"] == eager["checksum"]
+
+
+def test_the_captured_step_keeps_its_buffers_and_its_shapes(arms):
+    captured = arms["captured"]
+    # Every .grad the same view of the flat buffer at every step (what a replay writes into).
+    assert captured["grad_ptrs"] == 1, captured["grad_ptrs"]
+    # One set of input buffers per bucket, at the same addresses at every step.
+    assert len(captured["buffer_ptrs"]) == len(BUCKETS) and set(captured["buffer_ptrs"].values()) == {1}
+    assert captured["shapes"] == BUCKETS
+    # Every batch trained came in a bucket's shape: no shape a graph was not captured for.
+    assert set(captured["lengths"]) <= set(BUCKETS) and captured["lengths"], captured["lengths"]
+    # The warm-up before each capture left torch's, Python's and numpy's random state as it found it.
+    assert arms["warmups_kept_rng"] and all(arms["warmups_kept_rng"]), arms["warmups_kept_rng"]
+
+
+def test_a_resumed_captured_run_ends_where_the_uninterrupted_one_did(arms):
+    whole, resumed = arms["captured"], arms["captured-resumed"]
+    after = {step: loss for step, loss in resumed["losses"].items() if step > 30}  # the history holds steps 1-30 too
+    assert sorted(after) == list(range(31, STEPS + 1)) and resumed["captured"]
+    assert after == {step: loss for step, loss in whole["losses"].items() if step > 30}
+    assert resumed["checksum"] == whole["checksum"]
+
+
+@pytest.mark.parametrize("arm", ["eager", "captured", "captured-accumulation"])
+def test_no_training_step_reads_a_device_value_on_the_host(arms, arm):
+    """Between a step's begin and its end (forward, backward, clipping, AdamW, the scheduler, the callbacks) nothing
+    reads a tensor's value on the host; on a GPU each such read waits for the device. The Trainer's logging reads
+    the loss after the step's end, at LOGGING_STEPS. transformers' check of a 2D mask (`padding_mask.all()`) was
+    one at every forward: the job passes a 4D mask of its own."""
+    assert arms[arm]["host_reads"] == [], arms[arm]["host_reads"][:10]
+
+
+@pytest.mark.slow
+def test_two_captured_replicas_exchange_the_gradients_ddp_does(tmp_path, tiny_bert, sst2_dir):
+    """Two replicas with the step captured (the gradients all-reduced by the job, one flat buffer) against two
+    replicas of the eager step (DDP's hooks): the same losses at every step and the same weights on every rank."""
+    settings = tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "unused", MAX_STEPS=8, LOGGING_STEPS=1, SAVE_STEPS=8)
+    settings.pop("NUM_EPOCHS")
+    group = Replicas(tmp_path)
+    outs = {}
+    try:
+        for arm in ("eager", "captured"):
+            outs[arm] = tmp_path / arm
+            arm_settings = {**settings, "OUTPUT_DIR": str(outs[arm]), "CUDA_GRAPHS": str(arm == "captured").lower()}
+            procs = group.start(arm, {**arm_settings, "PER_DEVICE_BATCH_SIZE": "8"})
+            codes = wait_all(procs)
+            assert codes == [0, 0], [(tmp_path / f"{arm}-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
+    finally:
+        group.cleanup()
+    assert losses(outs["captured"]) == pytest.approx(losses(outs["eager"]), rel=1e-6)
+    records = {arm: [rank_record(out, rank) for rank in (0, 1)] for arm, out in outs.items()}
+    assert [r["capture"] is not None for r in records["captured"]] == [True, True]
+    assert [r["capture"] for r in records["eager"]] == [None, None]
+    checksums = {r["trainable_checksum"] for arm in records.values() for r in arm}
+    assert len(checksums) == 1, records
