@@ -47,6 +47,7 @@ from tests.conftest import (
 )
 from tests.hub_stub import HubStub
 from utils.errors import EXIT_BAD_INPUT
+from utils.outputs import RUN_RECORD_FORMAT
 from utils.plan import build_plan
 from utils.settings import load_settings
 
@@ -173,7 +174,8 @@ def foreign_run(tmp: Path, env: dict) -> dict:
     identity = build_plan(load_settings([], environ=env)[0], 1).identity
     out = Path(env["OUTPUT_DIR"])
     out.mkdir(parents=True)
-    (out / "run.json").write_text(json.dumps({"identity": {**identity, "lora_r": 4}}))
+    record = {"format": RUN_RECORD_FORMAT, "identity": {**identity, "lora_r": 4}}  # the job's layout: its run
+    (out / "run.json").write_text(json.dumps(record))
     return {}
 
 
