@@ -181,6 +181,22 @@ def test_a_file_removed_while_the_folder_is_checked_is_not_an_error(tmp_path, mo
         run.check_planted()
 
 
+@pytest.mark.check
+def test_no_nan_or_infinity_is_written_into_a_record(tmp_path):
+    """A NaN metric (a Pearson correlation of constant predictions) is null in metrics.json: Python writes NaN, which
+    no JSON reader takes."""
+    from utils.outputs import RunDir
+
+    run = RunDir(tmp_path)
+    run.write_json(run.metrics, {"eval_pearson": float("nan"), "losses": [1.5, float("inf")], "eval_mse": 0.25})
+
+    def refuse(name):
+        raise ValueError(name)
+
+    written = json.loads(run.metrics.read_text(), parse_constant=refuse)
+    assert written == {"eval_pearson": None, "losses": [1.5, None], "eval_mse": 0.25}
+
+
 # ------------------------------------------------------------------------------- a folder that is not a run of the job
 def someones_folder(out: Path) -> dict[str, bytes]:
     """A folder another tool filled: a Trainer checkpoint with no COMPLETE manifest, a model/ with its weights;

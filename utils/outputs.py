@@ -31,6 +31,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -141,7 +142,13 @@ class RunDir:
             os.close(folder)
 
     def write_json(self, path: Path, payload: dict) -> None:
-        self.write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+        """`payload` as JSON, a NaN or infinite number as null: Python writes them as NaN and Infinity, which no JSON
+        reader takes (an evaluation's Pearson correlation of constant predictions is NaN)."""
+        replaced: list[str] = []
+        text = json.dumps(_finite(payload, "", replaced), indent=2, sort_keys=True, allow_nan=False)
+        if replaced:
+            log.warning("%s: %s not a finite number, written as null", path.name, ", ".join(replaced[:5]))
+        self.write_text(path, text + "\n")
 
     def read_json(self, path: Path) -> dict | None:
         """The JSON object in `path`, None when there is no file; a torn or foreign file is bad input with the fix."""
@@ -221,6 +228,18 @@ class RunDir:
         except BaseException:
             os.close(fd)
             raise
+
+
+def _finite(value, where: str, replaced: list[str]):
+    """`value` with each NaN or infinite float replaced by None, their places added to `replaced`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        replaced.append(where or "the value")
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item, f"{where}.{key}" if where else str(key), replaced) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item, f"{where}[{i}]", replaced) for i, item in enumerate(value)]
+    return value
 
 
 def _unplanted_files(folder: Path) -> list[Path]:

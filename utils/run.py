@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import math
 import signal
 import sys
 from contextlib import contextmanager
@@ -147,6 +148,35 @@ class EvaluationLine(TrainerCallback):
         epoch = f" (epoch {state.epoch:.2f})" if state.epoch is not None else ""
         log.info("step %d/%d%s: %s %s", state.global_step, state.max_steps, epoch, headline(self.metrics), losses)
         self.seen, self.metrics = 0, {}
+
+
+class FiniteLoss(TrainerCallback):
+    """A training loss that is NaN or infinite stops the run (exit 2) at the record that shows it, naming the steps:
+    the weights are lost from there on, and training on ended in exit 0 with `"train_loss": NaN` in metrics.json
+    (seen with regression targets of 3.5e20, finite, whose squared error overflows). The Trainer logs the loss
+    averaged over every rank (logging_nan_inf_filter off), so every rank stops at the same record; `check` does the
+    same for the run's mean loss once training ends, which covers the steps after the last record."""
+
+    def __init__(self):
+        self.last = 0  # the step of the last finite record: the bad loss is in the steps after it
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = state.global_step  # a resume starts past its checkpoint's step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.check((logs or {}).get("loss"), state.global_step)
+
+    def check(self, loss: float | None, step: int) -> None:
+        if loss is None or math.isfinite(loss):
+            self.last = step if loss is not None else self.last
+            return
+        steps = f"step {step}" if step - self.last <= 1 else f"steps {self.last + 1}-{step}"
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the training loss is {loss} in {steps}, so the weights are no longer numbers and the run stops before "
+            "writing metrics.json or a model; check the labels (a regression target as large as 1e20 overflows the "
+            "squared error) or lower LEARNING_RATE, and start again in a new OUTPUT_DIR",
+        )
 
 
 class ProgressBar(ProgressCallback):
@@ -382,6 +412,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     if shows_progress_bars(dist):
         trainer.add_callback(ProgressBar)
     trainer.add_callback(EvaluationLine(len(data) - 1))
+    trainer.add_callback(FiniteLoss())
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
     group.run_on_main(lambda: write_run_record(job.out, settings, job.plan, segments=segments))
@@ -409,6 +440,8 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
                 f"{what} during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(job.out)}",
                 code=128 + signum,
             )
+        with group.agreed():  # the mean loss is each rank's own over the steps after the last record
+            finite_loss(trainer).check(train_result.metrics.get("train_loss"), trainer.state.global_step)
         eval_metrics = trainer.evaluate()
         metrics = {
             **train_result.metrics,
@@ -440,6 +473,10 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         state_dict = full_state_dict(trainer.model, job.strategy)
         record = rank_record(job, ready, state_dict)
     return Trained(trainer, metrics, record, state_dict)
+
+
+def finite_loss(trainer: Trainer) -> FiniteLoss:
+    return next(c for c in trainer.callback_handler.callbacks if isinstance(c, FiniteLoss))
 
 
 def rank_record(job: Job, ready: Ready, state_dict: dict) -> dict:
