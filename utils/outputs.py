@@ -351,7 +351,7 @@ def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Ru
     """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds another run (its
     run.json's identity, utils/identity.py); a finished run also with other label names or base model
     (`check_finished_run`). `push_only` publishes what the volume holds: the replica count, the global batch and
-    the data are not its to check. Reads, writes nothing."""
+    the data are not its to check, and a folder without a finished run is refused. Reads, writes nothing."""
     run = RunDir(Path(settings.output_dir).resolve())
     refuse_foreign(run, settings)  # first: a link in someone else's folder is theirs, not a link planted in ours
     run.check_planted()
@@ -363,6 +363,10 @@ def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Ru
         check_same_run(theirs, plan.identity, f"OUTPUT_DIR={settings.output_dir}", ignore | unrecorded)
     if run.is_finished():
         check_finished_run(run, settings)
+    elif push_only:  # before open_run_dir claims (or creates) the folder: a refused start leaves nothing behind
+        raise JobError(
+            EXIT_BAD_INPUT, f"{run.model} holds no finished model; run the training first (without --push-only)"
+        )
     return run
 
 

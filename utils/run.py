@@ -333,8 +333,12 @@ def run(job: Job) -> int:
     if job.out.is_finished():
         log.info("%s already holds a finished run", job.out.root)
         # Rank 0 finishes what was left (the merge, the push), with the labels, base and run name the run recorded
-        # (metrics.json), whatever this start's settings say; the others are done.
-        return publish_saved(job, hub) if dist.is_main else EXIT_OK
+        # (metrics.json), whatever this start's settings say; the others are done. Under the folder's lock: two
+        # restarts of an unpushed run both merged into the one staging folder and pushed two commits.
+        if not dist.is_main:
+            return EXIT_OK
+        with RunLock(job.out):
+            return publish_saved(job, hub)
     lock = RunLock(job.out)
     group = None
     try:
@@ -572,17 +576,15 @@ def publish_only(job: Job) -> int:
     if not job.dist.is_main:
         return EXIT_OK
     setup_logging(job)
-    log_to_file(job)
     if not (settings.result_model_id or settings.result_merged_model_id):
         raise JobError(
             EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (or RESULT_MERGED_MODEL_ID): the Hub repo to push to"
         )
-    if not out.is_finished():
-        raise JobError(
-            EXIT_BAD_INPUT, f"{out.model} holds no finished model; run the training first (without --push-only)"
-        )
     hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
     for repo_id in filter(None, (settings.result_model_id, settings.result_merged_model_id)):
         hub.check_write_access(repo_id)
-    # What is published follows what was trained: the labels, base and run name in the run's metrics.json.
-    return publish_saved(job, hub)
+    # What is published follows what was trained: the labels, base and run name in the run's metrics.json. Under
+    # the folder's lock, as every start that writes or pushes (a restart publishing the same run is refused meanwhile).
+    with RunLock(out):
+        log_to_file(job)  # once the lock is this job's: a start refused on a folder in use writes none of its logs
+        return publish_saved(job, hub)
