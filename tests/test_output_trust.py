@@ -301,6 +301,26 @@ def test_a_run_from_before_the_identity_is_compared_by_what_its_run_json_recorde
     assert record["format"] == RUN_RECORD_FORMAT and record["identity"]["lora_r"] == lora_r  # recorded as it is now
 
 
+def test_a_checkpoint_of_another_run_is_refused_before_any_checkpoint_is_removed(job_env, tmp_path):
+    """run.json deleted (as its damaged-record refusal suggests), and a start with another LORA_R: the newest complete
+    checkpoint's identity refuses it before the checkpoints a kill cut short are removed, so nothing in checkpoints/
+    changes."""
+    out = tmp_path / "out"
+    env = job_settings(job_env, MAX_STEPS="4", SAVE_STEPS="2")
+    first = run_main(env)
+    assert first.code == 0, first.stderr[-3000:]
+    lora_r = json.loads((out / "run.json").read_text())["identity"]["lora_r"]
+    shutil.rmtree(out / "model")
+    for name in ("metrics.json", "run.json"):
+        (out / name).unlink()
+    (out / "checkpoints" / "checkpoint-5").mkdir()  # a save cut short
+    (out / "checkpoints" / "checkpoint-5" / "optimizer.pt").write_bytes(b"half")
+    before = tree(out / "checkpoints")
+    result = run_main({**env, "LORA_R": str(lora_r // 2)})
+    assert_refusal(result, [str(out / "checkpoints" / "checkpoint-4"), f"LORA_R: {lora_r} -> {lora_r // 2}"])
+    assert tree(out / "checkpoints") == before and not (out / "run.json").exists()
+
+
 def test_a_run_json_of_a_newer_version_of_the_job_is_refused(job_env, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -358,6 +378,10 @@ def test_what_counts_as_a_run_folder_of_the_job(tmp_path):
         folder("their-logs", {"logs/train.log": "x"}, folders=("cache",)),
         folder("their-model", {"model/model.safetensors": "x"}),
     ]
+    (tmp_path / "hard-linked-record").mkdir()
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"format": RUN_RECORD_FORMAT}))  # a job's record, elsewhere
+    os.link(tmp_path / "elsewhere.json", tmp_path / "hard-linked-record" / "run.json")
+    theirs.append(RunDir(tmp_path / "hard-linked-record"))
     (tmp_path / "link-marker").mkdir()
     (tmp_path / "link-marker" / RUN_MARKER).symlink_to(tmp_path / "marked" / RUN_MARKER)
     (tmp_path / "link-marker" / "x").write_text("x")

@@ -381,11 +381,21 @@ def is_run_folder(run: RunDir) -> bool:
         return True
     if not names:
         return True
-    if _is_regular(run.run_record):  # a damaged one, or one with other hard links, is refused here with its fix
-        return foreign_record(run.read_json(run.run_record)) is None
-    if _is_regular(run.root / RUN_MARKER):
+    marked = _is_regular(run.root / RUN_MARKER)
+    if _is_regular(run.run_record):
+        return _record_problem(run, marked) is None
+    if marked:
         return True
     return names <= SKELETON and all(_is_empty_folder(run.root / name) for name in names - {".job.lock"})
+
+
+def _record_problem(run: RunDir, marked: bool) -> str | None:
+    """Why the file run.json is not this job's record (None: it is). Unmarked, one with other hard links is someone
+    else's file (the job's has one name); in a folder the job marked, that is a planted link, refused with its fix by
+    RunDir.open, as a damaged one is."""
+    if not marked and os.lstat(run.run_record).st_nlink > 1:
+        return "it is a file with other hard links"
+    return foreign_record(run.read_json(run.run_record))
 
 
 def foreign_record(record: dict) -> str | None:
@@ -445,7 +455,7 @@ def refuse_foreign(run: RunDir, settings: Settings) -> None:
     names = sorted(set(os.listdir(run.root)) - NOT_CONTENT)
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     if _is_regular(run.run_record):
-        why = f"its run.json is not one the job writes: {foreign_record(run.read_json(run.run_record))}"
+        why = f"its run.json is not one the job writes: {_record_problem(run, _is_regular(run.root / RUN_MARKER))}"
     else:
         why = f"no {RUN_MARKER} or run.json of the job's"
     raise JobError(

@@ -233,6 +233,9 @@ def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
     dropped with a warning, falling back to the previous one; one written by another run (its recorded
     identity, utils/identity.py) is refused (exit 2) with the fix.
     """
+    # The newest one first, before anything is removed: a start refused as another run leaves every checkpoint.
+    if (newest := latest_complete_checkpoint(run)) is not None and (recorded := checkpoint_identity(newest)):
+        check_same_run(recorded, identity, str(run.checkpoints / newest.name))
     for path in discard_incomplete_checkpoints(run):
         log.warning("removed %s: its save never completed (the job was killed while writing it)", path.name)
     latest, damaged = usable_checkpoints(run)
@@ -240,9 +243,18 @@ def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
         log.warning("removed %s: %s; falling back to %s", path.name, problem, getattr(latest, "name", "a fresh start"))
     if latest is None:
         return None
-    if (recorded := checkpoint_resume_key(latest).get("identity")) is not None:  # none: written before identities
+    if (recorded := checkpoint_identity(latest)) is not None:  # none: written before identities
         check_same_run(recorded, identity, str(run.checkpoints / latest.name))
     return str(latest)
+
+
+def checkpoint_identity(checkpoint: Path) -> dict | None:
+    """The identity a complete checkpoint's manifest records; None for one written before identities, or a manifest
+    too damaged to read (`usable_checkpoints` drops that checkpoint)."""
+    try:
+        return checkpoint_resume_key(checkpoint).get("identity")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def resume_point(run: RunDir, identity: dict, world_size: int) -> tuple[str | None, list[dict]]:
