@@ -992,6 +992,8 @@ def test_refused_start_gives_one_error_line_exit_2_and_pushes_nothing(
         assert f"ERROR utils.run: {error} (exit 2)" in rank_log.read_text()
     else:
         assert not rank_log.exists()
+        # A folder the refused start made, and left as it made it, is gone: no claimed empty folder behind.
+        assert setup is not None or not Path(env["OUTPUT_DIR"]).exists()
 
 
 # Root reads a mode-000 file through two capabilities; a job started without them meets the file's mode as the

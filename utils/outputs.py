@@ -56,7 +56,8 @@ COMPLETE_MARKER = "COMPLETE"
 # checkpoints, model/), so it works only in a folder it created or found empty.
 RUN_MARKER = ".run-folder"
 # What the job makes before its first record, all empty: the skeleton of a run killed that early before RUN_MARKER.
-SKELETON = frozenset({"logs", "checkpoints", "cache", ".job.lock"})
+LOCK_NAME = ".job.lock"  # utils/run_lock.py's lock file
+SKELETON = frozenset({"logs", "checkpoints", "cache", LOCK_NAME})
 # A fresh file system's own folder at the root of a volume mounted as OUTPUT_DIR.
 NOT_CONTENT = frozenset({"lost+found"})
 LABELS_FILE = "id2label.json"
@@ -386,7 +387,7 @@ def is_run_folder(run: RunDir) -> bool:
         return _record_problem(run, marked) is None
     if marked:
         return True
-    return names <= SKELETON and all(_is_empty_folder(run.root / name) for name in names - {".job.lock"})
+    return names <= SKELETON and all(_is_empty_folder(run.root / name) for name in names - {LOCK_NAME})
 
 
 def _record_problem(run: RunDir, marked: bool) -> str | None:
@@ -471,6 +472,21 @@ def claim_run_dir(run: RunDir) -> None:
     meanwhile sees it empty or marked, never half-made)."""
     with suppress(FileExistsError), run.open(run.root / RUN_MARKER, "x") as handle:
         handle.write("A run folder of the LoRA fine-tuning job (main.py): it deletes and replaces files here.\n")
+
+
+def discard_unused_claim(run: RunDir) -> None:
+    """Remove OUTPUT_DIR when it holds only what `open_run_dir` made (the marker, empty logs/, checkpoints/, cache/):
+    called for a folder this start created, when the start is refused, so that it leaves nothing behind. The folders
+    go first and only while empty (another rank's file in one keeps it, and with it the marker): never a folder left
+    unmarked with content, which the next start would refuse as someone else's."""
+    with suppress(OSError):
+        names = set(os.listdir(run.root))
+        if not names <= {RUN_MARKER, *(SKELETON - {LOCK_NAME})}:
+            return
+        for name in sorted(names - {RUN_MARKER}):
+            os.rmdir(run.root / name)  # OSError when not empty: kept from here on
+        (run.root / RUN_MARKER).unlink(missing_ok=True)
+        run.root.rmdir()
 
 
 def check_finished_run(run: RunDir, settings: Settings) -> None:

@@ -25,12 +25,11 @@ import uuid
 import psutil
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.outputs import RunDir
+from utils.outputs import LOCK_NAME, RunDir
 from utils.threads import Heartbeat
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".job.lock"
 BEAT_SECONDS = 2.0
 STALE_SECONDS = 3 * BEAT_SECONDS + 1  # three missed beats: a live holder on a busy machine still beats within this
 
