@@ -39,6 +39,7 @@ Exit codes: 0 done (or already done), 2 bad input/settings/credentials or an unr
 import argparse
 import gc
 import json
+import os
 import sys
 import traceback
 from dataclasses import asdict
@@ -47,7 +48,7 @@ from utils.deepspeed_config import deepspeed_overrides, describe_strategy, with_
 from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
-from utils.outputs import check_run_dir, open_run_dir, volume_fault
+from utils.outputs import check_run_dir, discard_unused_claim, open_run_dir, volume_fault
 from utils.plan import Plan, batch_warning, build_plan, check_elastic_range
 from utils.preemption import Preemption
 from utils.settings import Settings, check_push_possible, check_trackers, load_settings
@@ -92,7 +93,7 @@ def asks_for_help(argv: list[str] | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run_dir = None
+    run_dir, created = None, False
     try:
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(dry_run_view(settings, dist, plan), indent=2))
             return 0
         # Unwritable or foreign OUTPUT_DIR: refused before the heavy imports.
+        # A start refused from here on removes the folder it made, if it left it as made (discard_unused_claim).
+        created = not os.path.lexists(settings.output_dir)
         run_dir = open_run_dir(settings, plan, push_only=args.push_only)
 
         from utils.job import Job  # torch: a second to import
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         return publish_only(job) if args.push_only else run(job)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
+        if run_dir is not None and created:
+            discard_unused_claim(run_dir)
         return exc.code
     except Preempted as exc:
         print(

@@ -13,8 +13,9 @@ takes two columns, `--text-column premise,hypothesis`. Each prints as one JSON l
 {"text": ..., "label": "positive", "score": 0.97} (a pair adds "text_pair"; a regression model prints its
 score and no label); no sentences, no lines. A sentence longer than the model takes is cut to the length
 recorded with the model (MAX_SEQ_LENGTH of the run that trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
-Batches run on the GPU when there is one. Bad input (no such model or file, a missing column, bytes that
-are not text, a base model of another size than the adapter's, one text a row for a pair model, and what
+Batches run on the GPU when there is one. FILE is a regular file; a stream (a pipe, a device) comes on standard
+input; either is read up to MAX_INPUT_BYTES (256 MiB). Bad input (no such model or file, a FILE that is a device,
+a FIFO or a folder, more than 256 MiB of input, a missing column, bytes that are not text, a base model of another size than the adapter's, one text a row for a pair model, and what
 training refuses in a file: an empty text in a column, a column named twice) is one `error:` line and
 exit 2, as in main.py.
 """
@@ -26,6 +27,7 @@ import gc
 import io
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -38,6 +40,9 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal en
 
 # A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.
 MAX_BATCH_SIZE = 1024
+# The input is read whole, then held as sentences and their answers: 256 MiB is millions of sentences, and `/dev/zero`
+# or a runaway pipe on standard input stops there instead of at a MemoryError gigabytes later.
+MAX_INPUT_BYTES = 256 * 2**20
 
 
 def batch_size(value: str) -> int:
@@ -145,20 +150,62 @@ def read_sentences(file: Path | None, column: str | None) -> list[str]:
             return []
         if sys.stdin.isatty():
             print("reading sentences from standard input, one per line (Ctrl-D ends)", file=sys.stderr)
-        return split_lines(decode_text(sys.stdin.buffer.read(), "standard input"))
-    try:
-        data = file.read_bytes()
-    except OSError as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"cannot read {file} ({exc.strerror or exc}); give a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file",
-        ) from None
-    text = decode_text(data, str(file))
+        return split_lines(decode_text(read_bounded(sys.stdin.buffer, "standard input"), "standard input"))
+    text = decode_text(read_file(file), str(file))
     if suffix in DIALECTS:
         return read_delimited(text, file, column, suffix)
     if suffix in JSON_SUFFIXES:
         return read_json_records(text, file, column)
     return split_lines(text)
+
+
+def read_file(file: Path) -> bytes:
+    """The bytes of `file`, a regular file within MAX_INPUT_BYTES. Anything else is refused before a byte is read:
+    a device (`/dev/zero` read 5.4 GB before a MemoryError) or a FIFO (no writer: the open blocked for ever; it is
+    opened without waiting for one), a folder; a pipe belongs on standard input, where the bound applies as read."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"cannot read {file} ({exc.strerror or exc}); give a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file",
+        ) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = next((name for test, name in NOT_FILES if test(info.st_mode)), "not a regular file")
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{file} is {kind}, not a file of sentences; give a regular file, or send a stream on standard input "
+            f"(python predict.py MODEL < {file} reads at most {MAX_INPUT_BYTES // 2**20} MiB)",
+        )
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as handle:
+        return read_bounded(handle, str(file), info.st_size)
+
+
+# What a FILE that is not a regular file is, for its refusal.
+NOT_FILES = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (a named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def read_bounded(handle, source: str, size: int = 0) -> bytes:
+    """At most MAX_INPUT_BYTES from `handle` (`size`: what the file says it holds, refused before reading); more is
+    refused naming `source` and the fix: split the input."""
+    data = b"" if size > MAX_INPUT_BYTES else handle.read(MAX_INPUT_BYTES + 1)
+    if size > MAX_INPUT_BYTES or len(data) > MAX_INPUT_BYTES:
+        held = f"holds {size / 2**20:.0f} MiB" if size > MAX_INPUT_BYTES else "goes on past that"
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{source} {held}; predict.py reads at most {MAX_INPUT_BYTES // 2**20} MiB of sentences at a time: split "
+            "the input (split -l 1000000 FILE part-) and run it once for each part",
+        )
+    return data
 
 
 def split_lines(text: str) -> list[str]:

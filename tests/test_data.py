@@ -213,6 +213,44 @@ def test_float_and_boolean_labels_are_0_and_1(tmp_path, tokenizer):
     assert data["train"].features["labels"].dtype == data["validation"].features["labels"].dtype == "int64"
 
 
+def labelled_files(folder: Path, suffix: str, labels: list[str]) -> Path:
+    """train and validation files of `film_rows` sentences with `labels` written as given: bare in a csv, as
+    written (a quoted string, a number) in jsonl."""
+    texts = [text for text, _ in film_rows(len(labels))]
+    if suffix == ".csv":
+        text = delimited(zip(texts, labels, strict=True))
+    else:
+        text = "".join(f'{{"sentence": "{t}", "label": {y}}}\n' for t, y in zip(texts, labels, strict=True))
+    return write_files(folder, {f"train{suffix}": text, f"validation{suffix}": text})
+
+
+@pytest.mark.check
+@pytest.mark.parametrize(
+    "labels, settings",
+    [
+        (["0.0", "1.0"], {}),
+        (["0", "1.0"], {}),
+        (["0.5", "3.25", "-1e1"], {}),
+        (["1.0", "0.0"], {"label_names": "a,b"}),
+    ],
+    ids=["zero-one-floats", "digit-and-float", "scores", "named-ids"],
+)
+def test_labels_read_the_same_from_csv_and_jsonl(labels, settings, tmp_path, tokenizer):
+    """A csv's 1.0/0.0 and a jsonl file's "1.0"/"0.0" (or its 1.0/0.0) are the same labels: the ids 1 and 0 of the
+    same classes, or the same scores (seen: the quoted ones trained as two classes named "0.0" and "1.0")."""
+    labels = labels * 4
+    read = {}
+    for name, suffix, written in [
+        ("csv", ".csv", labels),
+        ("jsonl-strings", ".jsonl", [f'"{label}"' for label in labels]),
+        ("jsonl-numbers", ".jsonl", labels),
+    ]:
+        folder = labelled_files(tmp_path / name, suffix, written)
+        data = load_sst2(settings_for(folder, **settings), tokenizer, tmp_path / name / "cache")
+        read[name] = (data["train"].features["labels"], data["train"]["labels"], data["validation"]["labels"])
+    assert read["jsonl-strings"] == read["csv"] == read["jsonl-numbers"], read
+
+
 def _truncate_arrow(cache: Path) -> str:
     arrow = next(cache.glob("train/*.arrow"))
     arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size * 2 // 3])

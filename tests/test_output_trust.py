@@ -9,7 +9,10 @@ nothing planted reached the Hub, and the exit code and `error:` line the job end
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from tests.conftest import (
     wait_all,
     wait_until,
 )
-from utils.outputs import RUN_MARKER
+from utils.outputs import RUN_MARKER, RUN_RECORD_FORMAT
 
 STOLEN_TOKEN = "hf_" + "s" * 34  # another user's token, kept beside the run folder
 SSH_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n-----END OPENSSH PRIVATE KEY-----\n"
@@ -178,6 +181,22 @@ def test_a_file_removed_while_the_folder_is_checked_is_not_an_error(tmp_path, mo
         run.check_planted()
 
 
+@pytest.mark.check
+def test_no_nan_or_infinity_is_written_into_a_record(tmp_path):
+    """A NaN metric (a Pearson correlation of constant predictions) is null in metrics.json: Python writes NaN, which
+    no JSON reader takes."""
+    from utils.outputs import RunDir
+
+    run = RunDir(tmp_path)
+    run.write_json(run.metrics, {"eval_pearson": float("nan"), "losses": [1.5, float("inf")], "eval_mse": 0.25})
+
+    def refuse(name):
+        raise ValueError(name)
+
+    written = json.loads(run.metrics.read_text(), parse_constant=refuse)
+    assert written == {"eval_pearson": None, "losses": [1.5, None], "eval_mse": 0.25}
+
+
 # ------------------------------------------------------------------------------- a folder that is not a run of the job
 def someones_folder(out: Path) -> dict[str, bytes]:
     """A folder another tool filled: a Trainer checkpoint with no COMPLETE manifest, a model/ with its weights;
@@ -203,6 +222,115 @@ def test_a_folder_that_is_no_run_of_the_job_is_refused_and_left_untouched(job_en
         assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), names)
     assert contents(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoints", "model"]
     assert hub.commits == [] and hub.count("/api/repos/create") == 0
+
+
+# A run.json another tool writes, and one this job wrote before run.json had a format (the keys every version wrote).
+ANOTHER_TOOLS_RECORD = json.dumps({"tool": "another-trainer", "settings": {"lr": 0.1}})
+LEGACY_RECORD = json.dumps({"run_name": "tiny-r8", "settings": {"lora_r": 8}, "versions": {"torch": "2.13.0"}})
+
+
+def tree(out: Path) -> dict[str, str | None]:
+    """Every entry under `out`: a file by the SHA-256 of its bytes, a folder as None, so that a file added,
+    removed or rewritten (even a marker, a lock or an empty logs/) shows."""
+    return {
+        str(path.relative_to(out)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        for path in sorted(out.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "marked"])
+def test_a_folder_with_another_tools_run_json_is_refused_and_left_byte_identical(marked, job_env, hub, tmp_path):
+    """A run.json is the job's mark only when it is one the job writes: another tool's file of that name beside its
+    checkpoint and notes (seen: exit 0, "removed checkpoint-500: its save never completed", model/notes.txt gone)."""
+    out = tmp_path / "out"
+    (out / "checkpoints" / "checkpoint-500").mkdir(parents=True)
+    (out / "checkpoints" / "checkpoint-500" / "optimizer.pt").write_bytes(b"their optimizer state")
+    (out / "model").mkdir()
+    (out / "model" / "notes.txt").write_text("their notes\n")
+    (out / "run.json").write_text(ANOTHER_TOOLS_RECORD)
+    if marked:  # the job's marker does not make another tool's record its own
+        (out / RUN_MARKER).write_text("")
+    before = tree(out)
+    for args in (["--dry-run"], [], ["--push-only"]):
+        names = [f"OUTPUT_DIR={out}", "run.json is not one the job writes", "empty or new folder"]
+        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), names)
+        assert tree(out) == before, args
+    assert hub.commits == [] and hub.count("/api/repos/create") == 0
+
+
+def legacy_run(out: Path, layout: str) -> None:
+    """Turn the unfinished run in `out` into what the job left before the run's identity existed: run.json with the
+    settings (`layout` "training-settings": and the training settings apart) and no identity, plan or format,
+    checkpoints marked without an identity, and no .run-folder (run.json alone marked such a folder)."""
+    record = json.loads((out / "run.json").read_text())
+    identity = record.pop("identity")
+    del record["plan"], record["format"]
+    derived = ("global_batch", "world_size", "data")
+    if layout == "training-settings":
+        record["training_settings"] = {name: value for name, value in identity.items() if name not in derived}
+    (out / "run.json").write_text(json.dumps(record, indent=2))
+    for marker in out.glob("checkpoints/checkpoint-*/COMPLETE"):
+        manifest = json.loads(marker.read_text())
+        del manifest["resume"]["identity"]
+        marker.write_text(json.dumps(manifest))
+    (out / RUN_MARKER).unlink()
+
+
+@pytest.mark.parametrize("layout", ["training-settings", "settings-only"])
+def test_a_run_from_before_the_identity_is_compared_by_what_its_run_json_recorded(layout, job_env, tmp_path):
+    """A run folder from before the identity, restarted with another LORA_R (seen: "resuming from step 6", a size
+    mismatch traceback, and run.json rewritten to the new settings, so that the old ones were refused from then on):
+    refused on what its run.json recorded, nothing in the folder touched; its own settings resume it."""
+    out = tmp_path / "out"
+    env = job_settings(job_env, MAX_STEPS="4", SAVE_STEPS="2")
+    first = run_main(env)
+    assert first.code == 0, first.stderr[-3000:]
+    shutil.rmtree(out / "model")  # stopped after its last checkpoint: not finished, a restart resumes
+    (out / "metrics.json").unlink()
+    legacy_run(out, layout)
+    lora_r = json.loads((out / "run.json").read_text())["settings"]["lora_r"]
+    before = tree(out)
+    for args in (["--dry-run"], []):
+        result = run_main({**env, "LORA_R": str(lora_r // 2)}, *args)
+        assert_refusal(result, [f"OUTPUT_DIR={out}", f"LORA_R: {lora_r} -> {lora_r // 2}", "restore the old settings"])
+        assert tree(out) == before, args
+    resumed = run_main(env)
+    assert resumed.code == 0, resumed.stderr[-3000:]
+    assert "resuming from step 4" in (out / "logs" / "rank-0.log").read_text()
+    record = json.loads((out / "run.json").read_text())
+    assert record["format"] == RUN_RECORD_FORMAT and record["identity"]["lora_r"] == lora_r  # recorded as it is now
+
+
+def test_a_checkpoint_of_another_run_is_refused_before_any_checkpoint_is_removed(job_env, tmp_path):
+    """run.json deleted (as its damaged-record refusal suggests), and a start with another LORA_R: the newest complete
+    checkpoint's identity refuses it before the checkpoints a kill cut short are removed, so nothing in checkpoints/
+    changes."""
+    out = tmp_path / "out"
+    env = job_settings(job_env, MAX_STEPS="4", SAVE_STEPS="2")
+    first = run_main(env)
+    assert first.code == 0, first.stderr[-3000:]
+    lora_r = json.loads((out / "run.json").read_text())["identity"]["lora_r"]
+    shutil.rmtree(out / "model")
+    for name in ("metrics.json", "run.json"):
+        (out / name).unlink()
+    (out / "checkpoints" / "checkpoint-5").mkdir()  # a save cut short
+    (out / "checkpoints" / "checkpoint-5" / "optimizer.pt").write_bytes(b"half")
+    before = tree(out / "checkpoints")
+    result = run_main({**env, "LORA_R": str(lora_r // 2)})
+    assert_refusal(result, [str(out / "checkpoints" / "checkpoint-4"), f"LORA_R: {lora_r} -> {lora_r // 2}"])
+    assert tree(out / "checkpoints") == before and not (out / "run.json").exists()
+
+
+def test_a_run_json_of_a_newer_version_of_the_job_is_refused(job_env, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"format": RUN_RECORD_FORMAT + 1, "identity": {"lora_r": 8}}))
+    before = tree(out)
+    for args in (["--dry-run"], []):
+        assert_refusal(
+            run_main(job_env, *args), [str(out / "run.json"), "newer version", f"format {RUN_RECORD_FORMAT + 1}"]
+        )
+    assert tree(out) == before
 
 
 def test_links_in_a_folder_that_is_no_run_of_the_job_get_the_not_a_run_folder_refusal(job_env, hub, tmp_path):
@@ -236,15 +364,24 @@ def test_what_counts_as_a_run_folder_of_the_job(tmp_path):
         RunDir(tmp_path / "new"),
         folder("empty", folders=("lost+found",)),
         folder("marked", {RUN_MARKER: "", "checkpoints/checkpoint-5/model.safetensors": "x"}),
-        folder("recorded", {"run.json": "{}", "model/README.md": "x"}),
+        folder("recorded", {"run.json": json.dumps({"format": RUN_RECORD_FORMAT}), "model/README.md": "x"}),
+        folder("recorded-before-the-format", {"run.json": LEGACY_RECORD, "model/README.md": "x"}),
         folder("killed-early", {".job.lock": "{}"}, folders=("logs", "checkpoints", "cache")),
     ]
     theirs = [
+        folder("another-tools-record", {"run.json": ANOTHER_TOOLS_RECORD, "checkpoints/checkpoint-500/x": "x"}),
+        folder("another-tools-record-marked", {RUN_MARKER: "", "run.json": ANOTHER_TOOLS_RECORD}),
+        folder("empty-record", {"run.json": "{}", "model/README.md": "x"}),
+        folder("format-as-text", {"run.json": json.dumps({"format": str(RUN_RECORD_FORMAT)})}),
         folder("notes", {"notes.txt": "x"}),
         folder("their-checkpoint", {"checkpoints/checkpoint-500/optimizer.pt": "x"}),
         folder("their-logs", {"logs/train.log": "x"}, folders=("cache",)),
         folder("their-model", {"model/model.safetensors": "x"}),
     ]
+    (tmp_path / "hard-linked-record").mkdir()
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"format": RUN_RECORD_FORMAT}))  # a job's record, elsewhere
+    os.link(tmp_path / "elsewhere.json", tmp_path / "hard-linked-record" / "run.json")
+    theirs.append(RunDir(tmp_path / "hard-linked-record"))
     (tmp_path / "link-marker").mkdir()
     (tmp_path / "link-marker" / RUN_MARKER).symlink_to(tmp_path / "marked" / RUN_MARKER)
     (tmp_path / "link-marker" / "x").write_text("x")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import csv
 import json
+import os
 import random
 import re
 import shlex
@@ -26,6 +27,7 @@ from tests.conftest import (
     REPO,
     REPO_ID,
     STRAY_QUOTE,
+    Result,
     assert_refusal,
     base_env,
     delimited,
@@ -298,7 +300,7 @@ BAD_FILES = {
         (["--batch-size", "1000000000000"], ["--batch-size: 1000000000000", "1 to 1024"]),
         (["--batch-size", "8.5"], ["--batch-size: '8.5'", "1 to 1024"]),
         (["missing.txt"], ["missing.txt", "No such file or directory", "UTF-8"]),
-        (["."], [" . (Is a directory)", "UTF-8"]),
+        (["."], [". is a folder", "regular file"]),
         (["no-column.csv"], ["no-column.csv", "'sentence'", "['text', 'label']", "--text-column"]),
         (["header-only.csv", "--text-column", "review"], ["header-only.csv", "'review'"]),
         (["open-quote.csv"], ["open-quote.csv line 2", "lines 2-3"]),
@@ -343,6 +345,42 @@ def test_each_bad_argument_is_one_error_line_and_exit_2(trained, tmp_path, args,
     write_files(tmp_path / "in", BAD_FILES)
     result = run_predict(base_env(tmp_path), trained / "merged", *args, cwd=tmp_path / "in")
     assert result.stdout == "", result.stderr[-3000:]
+    assert_refusal(result, names)
+
+
+@pytest.mark.parametrize("kind", ["a device", "a FIFO", "a file over the bound", "a device on standard input"])
+def test_an_input_that_is_no_bounded_file_is_refused_at_once(kind, tiny_bert, tmp_path):
+    """FILE is a regular file, or the sentences come on standard input; either is read within MAX_INPUT_BYTES (seen:
+    /dev/zero read 5.4 GB before a MemoryError, a FIFO without a writer blocked for ever). Refused before the model
+    loads: one error line, exit 2, within seconds."""
+    from predict import MAX_INPUT_BYTES
+
+    env, limit = base_env(tmp_path), f"{MAX_INPUT_BYTES // 2**20} MiB"
+    if kind == "a device on standard input":
+        with open("/dev/zero", "rb") as zeros:
+            proc = subprocess.run(
+                [sys.executable, REPO / "predict.py", tiny_bert],
+                stdin=zeros,
+                env=env,
+                capture_output=True,
+                timeout=120,
+            )
+        assert proc.stdout == b""
+        assert_refusal(
+            Result(proc.returncode, "", proc.stderr.decode()), ["standard input goes on past", limit, "split"]
+        )
+        return
+    if kind == "a device":
+        source, names = "/dev/zero", ["/dev/zero is a character device", "standard input", limit]
+    elif kind == "a FIFO":
+        source, names = tmp_path / "sentences.txt", ["sentences.txt is a FIFO", "standard input"]
+        os.mkfifo(source)  # no writer: opening it to read would wait for one
+    else:
+        source, names = tmp_path / "big.txt", ["big.txt holds 257 MiB", limit, "split"]
+        with open(source, "wb") as handle:
+            handle.truncate(MAX_INPUT_BYTES + 2**20)  # sparse: nothing written, nothing to read before the refusal
+    result = run_predict(env, tiny_bert, source, timeout=60)
+    assert result.stdout == ""
     assert_refusal(result, names)
 
 

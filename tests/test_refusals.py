@@ -47,6 +47,7 @@ from tests.conftest import (
 )
 from tests.hub_stub import HubStub
 from utils.errors import EXIT_BAD_INPUT
+from utils.outputs import RUN_RECORD_FORMAT
 from utils.plan import build_plan
 from utils.settings import load_settings
 
@@ -173,7 +174,8 @@ def foreign_run(tmp: Path, env: dict) -> dict:
     identity = build_plan(load_settings([], environ=env)[0], 1).identity
     out = Path(env["OUTPUT_DIR"])
     out.mkdir(parents=True)
-    (out / "run.json").write_text(json.dumps({"identity": {**identity, "lora_r": 4}}))
+    record = {"format": RUN_RECORD_FORMAT, "identity": {**identity, "lora_r": 4}}  # the job's layout: its run
+    (out / "run.json").write_text(json.dumps(record))
     return {}
 
 
@@ -990,6 +992,8 @@ def test_refused_start_gives_one_error_line_exit_2_and_pushes_nothing(
         assert f"ERROR utils.run: {error} (exit 2)" in rank_log.read_text()
     else:
         assert not rank_log.exists()
+        # A folder the refused start made, and left as it made it, is gone: no claimed empty folder behind.
+        assert setup is not None or not Path(env["OUTPUT_DIR"]).exists()
 
 
 # Root reads a mode-000 file through two capabilities; a job started without them meets the file's mode as the

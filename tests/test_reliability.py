@@ -325,6 +325,90 @@ def test_push_only_without_a_finished_model_is_bad_input(job_env, hub, tmp_path)
     assert hub.commits == [] and hub.count("/api/repos/create") == 0
 
 
+def test_push_only_on_a_missing_output_dir_leaves_nothing_behind(job_env, hub, tmp_path):
+    """Refused before the folder is claimed (seen: a claimed, empty OUTPUT_DIR left behind, which the next start
+    took for a run folder of the job's)."""
+    out = tmp_path / "out"
+    for args in (["--push-only", "--dry-run"], ["--push-only"]):
+        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), [str(out / "model"), "--push-only"])
+        assert not out.exists(), sorted(p.name for p in out.rglob("*"))
+    assert hub.commits == [] and hub.count("/api/repos/create") == 0
+
+
+def test_one_publisher_at_a_time_on_a_finished_run(job_env, hub, tmp_path):
+    """Two starts on a finished run that was not pushed yet, the first one's push slowed by a 429 (seen: both exit 0,
+    two commits): the second is refused naming the first, which holds the folder's lock while it pushes; one commit,
+    and no start leaves its lock behind (--push-only and a restart publishing the run hold it the same way)."""
+    out = tmp_path / "out"
+    env = {**job_env, **push_settings(hub), "MAX_STEPS": "4"}
+    env.pop("NUM_EPOCHS")
+    hub.fail("create", 401)  # the first push refused: a finished run on the volume, not pushed
+    first = run_main(env)
+    assert first.code == 3, first.stderr[-3000:]
+    assert not (out / ".job.lock").exists() and hub.commits == []
+
+    hub.retry_after = "10"
+    hub.fail("commit", 429)  # the next push waits 10 s before its commit goes through
+    for args in ([], ["--push-only"]):
+        publisher = start_main(env, *args, log=tmp_path / "publisher.txt")
+        wait_until(
+            lambda: "pushing " in (tmp_path / "publisher.txt").read_text(),
+            "the first publisher's push",
+            [publisher],
+            120,
+            tmp_path / "publisher.txt",
+        )
+        assert (out / ".job.lock").exists()
+        second = run_main(env)  # a restart of the same finished run, while the first one pushes
+        assert_refusal(second, [f"OUTPUT_DIR={out}", "in use by another job", f"pid {publisher.pid}"])
+        assert wait_all([publisher], [tmp_path / "publisher.txt"]) == [0]
+        assert len(hub.commits) == 1 and hub.commits[0]["repo"] == REPO_ID
+        assert not (out / ".job.lock").exists()
+        if not args:  # pushed: --push-only publishes the run again, which the same lock guards
+            hub.commits.clear()
+            hub.fail("commit", 429)
+            run_record = json.loads((out / "run.json").read_text())
+            run_record.pop("pushed")  # as if that push were not recorded: --push-only sends it again
+            (out / "run.json").write_text(json.dumps(run_record))
+    restart = run_main(env)  # pushed and recorded: nothing left to do
+    assert restart.code == 0 and "already holds a finished run" in restart.stderr, restart.stderr[-3000:]
+    assert len(hub.commits) == 1 and not (out / ".job.lock").exists()
+
+
+@pytest.mark.check
+def test_a_lock_taken_over_while_watched_is_refused_naming_its_new_holder(tmp_path):
+    """A lock left by a host that is gone, taken over by another job while this one watches its heartbeat: the
+    refusal names the job that holds it now (seen: the dead holder)."""
+    import threading
+
+    from utils.errors import JobError
+    from utils.outputs import RunDir
+    from utils.run_lock import LOCK_NAME, RunLock
+
+    lock = tmp_path / LOCK_NAME
+    dead = {"job": "a", "host": "node-gone", "pid": 11, "since": "2026-01-01T00:00:00Z", "beat": 7}
+    lock.write_text(json.dumps(dead))
+    stop = threading.Event()
+
+    def new_holder():  # takes the stale lock over a second later, and beats
+        beat = 0
+        while not stop.wait(0.5 if beat else 1.0):
+            beat += 1
+            staged = tmp_path / ".lock.partial"  # whole or not at all, as the job writes it
+            staged.write_text(json.dumps({**dead, "job": "b", "host": "node-new", "pid": 22, "beat": beat}))
+            os.replace(staged, lock)
+
+    thread = threading.Thread(target=new_holder)
+    thread.start()
+    try:
+        with pytest.raises(JobError) as refused:
+            RunLock(RunDir(tmp_path)).acquire()
+    finally:
+        stop.set()
+        thread.join()
+    assert "host node-new, pid 22" in refused.value.message and "node-gone" not in refused.value.message
+
+
 def test_hub_retries_honour_retry_after_and_stop_at_the_bound(hub, hub_in_process, tmp_path):
     from huggingface_hub.errors import HfHubHTTPError
 

@@ -487,6 +487,18 @@ def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_
     assert_refusal(result, [str(fresh / "trial-001"), "not a run folder of this job", "model"])
     assert sorted(p.name for p in (fresh / "trial-001").rglob("*")) == ["model", "model.safetensors"]
 
+    # Nor does another tool's run.json make a trial folder the job's: refused, every byte as it was.
+    theirs = {
+        fresh / "trial-000" / "run.json": b'{"tool": "another-trainer"}',
+        fresh / "trial-000" / "checkpoints" / "checkpoint-500" / "optimizer.pt": b"theirs",
+    }
+    for path, data in theirs.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    result = run_sweep(env, spec, "--run-trial", "0")
+    assert_refusal(result, [str(fresh / "trial-000"), "run.json is not one the job writes"])
+    assert snapshot(fresh / "trial-000") == theirs
+
 
 @pytest.mark.check
 def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_data):

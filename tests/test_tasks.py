@@ -172,6 +172,31 @@ def test_mnli_shaped_pairs_learn_three_classes_on_both_validation_splits(mnli_ru
     assert run["identity"]["task"] == "mnli" and run["identity"]["text_column"] == "premise,hypothesis"
 
 
+@pytest.mark.parametrize("huge_rows", ["every other row", "one row"])
+def test_a_loss_that_overflows_stops_the_run_naming_the_steps(huge_rows, tiny_bert, tmp_path):
+    """Regression targets of 3.5e20 are finite, and their squared error is not (seen: exit 0 with "train_loss": NaN in
+    metrics.json). The run stops with exit 2 naming the steps, at the loss record that shows it (every step is one
+    with LOGGING_STEPS=1) or, where the steps after the last record hold it (the first step is recorded, then none
+    before step 10), once training ends; no metrics.json or model is written."""
+    rng = random.Random(6)
+    every = huge_rows == "every other row"
+    huge = (lambda i: i % 2 == 1) if every else (lambda i: i == 40)
+    rows = [(a, b, 3.5e20 if huge(i) else score) for i, (a, b, score) in enumerate(stsb_rows(rng, 64))]
+    write_csv(tmp_path / "data" / "train.csv", ["sentence1", "sentence2", "label"], rows)
+    write_csv(tmp_path / "data" / "validation.csv", ["sentence1", "sentence2", "label"], stsb_rows(rng, 8))
+    logging = "1" if every else "10"
+    env = task_env(tmp_path, tiny_bert, tmp_path / "data", TASK="stsb", MAX_STEPS=4, LOGGING_STEPS=logging)
+    result = run_main(env)
+    line = assert_refusal(result, ["the training loss is", "LEARNING_RATE", "new OUTPUT_DIR"])
+    out = tmp_path / "out"
+    assert not (out / "metrics.json").exists() and not (out / "model").exists()
+    records = re.findall(r"step (\d+): \{'loss': ([^,]+)", (out / "logs" / "rank-0.log").read_text())
+    if every:
+        assert "in step 1," in line and records == [("1", "inf")], (line, records)
+    else:  # row 40 trains after the first record in this order: the end of training names the steps after it
+        assert "in steps 2-4," in line and records == [("1", records[0][1])] and records[0][1] != "inf", line
+
+
 def test_stsb_shaped_scores_train_a_regression(stsb_run):
     tmp, metrics, _ = stsb_run
     assert metrics["eval_pearson"] > 0.5, metrics

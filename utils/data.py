@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -213,6 +214,7 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
     and labels the job cannot train. The labels leave as the ids of a ClassLabel that holds their names (what the
     model's id2label, the metrics and the card read), or as float32 scores for regression."""
     columns, label = settings.text_columns, settings.label_column
+    raw = DatasetDict({split: _numbers_as_numbers(ds, label) for split, ds in raw.items()})
     for split, ds in raw.items():
         for setting, column in [*(("TEXT_COLUMN", column) for column in columns), ("LABEL_COLUMN", label)]:
             if column not in ds.column_names:
@@ -295,6 +297,25 @@ def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
                 f"the {split} split mixes class ids and words in '{column}' ({', '.join(map(repr, words[:3]))} among ids; "
                 f"the first is row {row + 1}); write every label the same way: ids, or the LABEL_NAMES names",
             )
+
+
+# A number as a csv reader infers one: "1.0", "-2", ".5", "3.5e2" (spaces around it aside); not "nan", "inf" or "1_0".
+NUMBER = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
+
+
+def _numbers_as_numbers(ds: datasets.Dataset, column: str) -> datasets.Dataset:
+    """A text label column whose every value is a number, read as those numbers (float64), as the csv reader reads
+    the same values: JSON keeps what the file quotes, and the labels "1.0"/"0.0" of a jsonl file trained as two
+    classes named "0.0" and "1.0" where a csv's 1.0/0.0 are the ids 1 and 0 (and "3.5" scores as no regression at
+    all). Digits alone ("0"/"1") are read as ids already (`_digits`)."""
+    if column not in ds.column_names or not _is_text(ds.features[column]):
+        return ds  # a missing column: refused below with the fix
+    values = ds.unique(column)
+    if _digits(values) or not all(isinstance(v, str) and NUMBER.fullmatch(v) for v in values):
+        return ds
+    trimmed = pyarrow.compute.utf8_trim_whitespace(ds.with_format("arrow")[column])
+    numbers = pyarrow.compute.cast(trimmed, pyarrow.float64()).combine_chunks()
+    return ds.remove_columns(column).add_column(column, numbers, feature=datasets.Value("float64"))
 
 
 def _warn_unnamed_text(ds: datasets.Dataset, settings: Settings) -> None:

@@ -5,7 +5,7 @@
       model/            adapter + config, tokenizer, id2label.json, inputs.json, training_curves.png, README.md card (rank 0)
       merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
       metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
-      run.json          the settings (secrets masked), the plan, the run's identity, versions, push record (rank 0)
+      run.json          its format, the settings (secrets masked), the plan, the identity, versions, pushes (rank 0)
       checkpoints/      Trainer checkpoints; a COMPLETE manifest (file sizes and hashes, the identity) once one is whole
       logs/rank-R.log   one per rank
       tensorboard/      training curves
@@ -31,6 +31,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -55,10 +56,16 @@ COMPLETE_MARKER = "COMPLETE"
 # checkpoints, model/), so it works only in a folder it created or found empty.
 RUN_MARKER = ".run-folder"
 # What the job makes before its first record, all empty: the skeleton of a run killed that early before RUN_MARKER.
-SKELETON = frozenset({"logs", "checkpoints", "cache", ".job.lock"})
+LOCK_NAME = ".job.lock"  # utils/run_lock.py's lock file
+SKELETON = frozenset({"logs", "checkpoints", "cache", LOCK_NAME})
 # A fresh file system's own folder at the root of a volume mounted as OUTPUT_DIR.
 NOT_CONTENT = frozenset({"lost+found"})
 LABELS_FILE = "id2label.json"
+# run.json's layout, written into every run.json the job writes: a file of that name is this job's record only when
+# it says so (another tool's run.json marks no run folder of this job's). The records from before the key (1) are
+# told by the keys every version of the job wrote (RECORD_KEYS); a newer layout is refused, not guessed at.
+RUN_RECORD_FORMAT = 2
+RECORD_KEYS = {"run_name": str, "settings": dict, "versions": dict}
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -136,7 +143,13 @@ class RunDir:
             os.close(folder)
 
     def write_json(self, path: Path, payload: dict) -> None:
-        self.write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+        """`payload` as JSON, a NaN or infinite number as null: Python writes them as NaN and Infinity, which no JSON
+        reader takes (an evaluation's Pearson correlation of constant predictions is NaN)."""
+        replaced: list[str] = []
+        text = json.dumps(_finite(payload, "", replaced), indent=2, sort_keys=True, allow_nan=False)
+        if replaced:
+            log.warning("%s: %s not a finite number, written as null", path.name, ", ".join(replaced[:5]))
+        self.write_text(path, text + "\n")
 
     def read_json(self, path: Path) -> dict | None:
         """The JSON object in `path`, None when there is no file; a torn or foreign file is bad input with the fix."""
@@ -180,7 +193,7 @@ class RunDir:
         record = self.read_json(self.run_record) or {}
         written = record.setdefault("written", {})
         written[what] = sorted(set(paths) | (set() if replace else set(written.get(what, []))))
-        self.write_json(self.run_record, record)
+        self.write_json(self.run_record, {**record, "format": RUN_RECORD_FORMAT})
 
     def written(self, what: str) -> list[Path] | None:
         names = ((self.read_json(self.run_record) or {}).get("written") or {}).get(what)
@@ -216,6 +229,18 @@ class RunDir:
         except BaseException:
             os.close(fd)
             raise
+
+
+def _finite(value, where: str, replaced: list[str]):
+    """`value` with each NaN or infinite float replaced by None, their places added to `replaced`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        replaced.append(where or "the value")
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item, f"{where}.{key}" if where else str(key), replaced) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item, f"{where}[{i}]", replaced) for i, item in enumerate(value)]
+    return value
 
 
 def _unplanted_files(folder: Path) -> list[Path]:
@@ -327,29 +352,86 @@ def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Ru
     """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds another run (its
     run.json's identity, utils/identity.py); a finished run also with other label names or base model
     (`check_finished_run`). `push_only` publishes what the volume holds: the replica count, the global batch and
-    the data are not its to check. Reads, writes nothing."""
+    the data are not its to check, and a folder without a finished run is refused. Reads, writes nothing."""
     run = RunDir(Path(settings.output_dir).resolve())
     refuse_foreign(run, settings)  # first: a link in someone else's folder is theirs, not a link planted in ours
     run.check_planted()
     record = run.read_json(run.run_record) if run.root.is_dir() else None
-    if record is not None and "identity" in record:
+    if record is not None:
+        check_record_format(run, record)
+        theirs, unrecorded = recorded_identity(record, plan.identity)
         ignore = frozenset({"world_size", "global_batch", "data"}) if push_only else frozenset()
-        check_same_run(record["identity"], plan.identity, f"OUTPUT_DIR={settings.output_dir}", ignore)
+        check_same_run(theirs, plan.identity, f"OUTPUT_DIR={settings.output_dir}", ignore | unrecorded)
     if run.is_finished():
         check_finished_run(run, settings)
+    elif push_only:  # before open_run_dir claims (or creates) the folder: a refused start leaves nothing behind
+        raise JobError(
+            EXIT_BAD_INPUT, f"{run.model} holds no finished model; run the training first (without --push-only)"
+        )
     return run
 
 
 def is_run_folder(run: RunDir) -> bool:
-    """Whether OUTPUT_DIR is new, empty, or a run folder of this job: its RUN_MARKER or run.json (runs from before
-    the marker), or the empty skeleton a start killed before either leaves. Links are not followed."""
+    """Whether OUTPUT_DIR is new, empty, or a run folder of this job: its RUN_MARKER or a run.json of this job's
+    (runs from before the marker), or the empty skeleton a start killed before either leaves. A run.json that is not
+    the job's (`foreign_record`) makes the folder someone else's, marker or not: the job would resume, rewrite and
+    publish what it holds as its own. Links are not followed."""
     try:
         names = {entry.name for entry in os.scandir(run.root)} - NOT_CONTENT
     except (FileNotFoundError, NotADirectoryError):  # open_run_dir creates it, or says why it cannot
         return True
-    if not names or any(_is_regular(run.root / name) for name in (RUN_MARKER, run.run_record.name)):
+    if not names:
         return True
-    return names <= SKELETON and all(_is_empty_folder(run.root / name) for name in names - {".job.lock"})
+    marked = _is_regular(run.root / RUN_MARKER)
+    if _is_regular(run.run_record):
+        return _record_problem(run, marked) is None
+    if marked:
+        return True
+    return names <= SKELETON and all(_is_empty_folder(run.root / name) for name in names - {LOCK_NAME})
+
+
+def _record_problem(run: RunDir, marked: bool) -> str | None:
+    """Why the file run.json is not this job's record (None: it is). Unmarked, one with other hard links is someone
+    else's file (the job's has one name); in a folder the job marked, that is a planted link, refused with its fix by
+    RunDir.open, as a damaged one is."""
+    if not marked and os.lstat(run.run_record).st_nlink > 1:
+        return "it is a file with other hard links"
+    return foreign_record(run.read_json(run.run_record))
+
+
+def foreign_record(record: dict) -> str | None:
+    """Why `record`, a run.json, is not one this job wrote (None: it is). Its layout's `format`, or, for the records
+    written before that key, the keys every version of the job wrote: another tool's run.json
+    (`{"tool": "another-trainer"}`) holds neither."""
+    if "format" in record:
+        fmt = record["format"]
+        good = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt >= RUN_RECORD_FORMAT
+        return None if good else f"its format is {json.dumps(fmt)}, where the job writes {RUN_RECORD_FORMAT}"
+    missing = [key for key, kind in RECORD_KEYS.items() if not isinstance(record.get(key), kind)]
+    return f"it has no {', '.join(missing)}" if missing else None
+
+
+def check_record_format(run: RunDir, record: dict) -> None:
+    """A run.json of a newer version of the job is refused: what it records is not this version's to read."""
+    if record.get("format", RUN_RECORD_FORMAT) > RUN_RECORD_FORMAT:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{run.run_record} was written by a newer version of the job (format {record['format']}; this version "
+            f"reads up to {RUN_RECORD_FORMAT}); run that version on this folder, or set OUTPUT_DIR to a new folder",
+        )
+
+
+def recorded_identity(record: dict, identity: dict) -> tuple[dict, frozenset[str]]:
+    """What run.json says its run was, and the fields of `identity` it does not record (left out of the comparison).
+    Its identity; for a run from before the identity existed, the training settings it recorded (`training_settings`,
+    or those among its `settings`): such a run is refused on what it recorded, before anything in its folder is
+    touched, instead of resumed on a model of another shape with run.json rewritten to the new settings."""
+    if isinstance(record.get("identity"), dict):
+        return record["identity"], frozenset()
+    recorded = record.get("training_settings")
+    recorded = recorded if isinstance(recorded, dict) else record.get("settings")
+    theirs = {name: recorded[name] for name in identity if name in recorded} if isinstance(recorded, dict) else {}
+    return theirs, frozenset(identity) - set(theirs)
 
 
 def _is_regular(path: Path) -> bool:
@@ -373,11 +455,15 @@ def refuse_foreign(run: RunDir, settings: Settings) -> None:
         return
     names = sorted(set(os.listdir(run.root)) - NOT_CONTENT)
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    if _is_regular(run.run_record):
+        why = f"its run.json is not one the job writes: {_record_problem(run, _is_regular(run.root / RUN_MARKER))}"
+    else:
+        why = f"no {RUN_MARKER} or run.json of the job's"
     raise JobError(
         EXIT_BAD_INPUT,
-        f"OUTPUT_DIR={settings.output_dir} is not empty and is not a run folder of this job (it holds {shown}, and no "
-        f"{RUN_MARKER} or run.json); the job deletes and replaces files in its run folder, so it leaves this one "
-        "untouched: use an empty or new folder",
+        f"OUTPUT_DIR={settings.output_dir} is not empty and is not a run folder of this job (it holds {shown}, and "
+        f"{why}); the job deletes and replaces files in its run folder, so it leaves this one untouched: use an "
+        "empty or new folder",
     )
 
 
@@ -386,6 +472,21 @@ def claim_run_dir(run: RunDir) -> None:
     meanwhile sees it empty or marked, never half-made)."""
     with suppress(FileExistsError), run.open(run.root / RUN_MARKER, "x") as handle:
         handle.write("A run folder of the LoRA fine-tuning job (main.py): it deletes and replaces files here.\n")
+
+
+def discard_unused_claim(run: RunDir) -> None:
+    """Remove OUTPUT_DIR when it holds only what `open_run_dir` made (the marker, empty logs/, checkpoints/, cache/):
+    called for a folder this start created, when the start is refused, so that it leaves nothing behind. The folders
+    go first and only while empty (another rank's file in one keeps it, and with it the marker): never a folder left
+    unmarked with content, which the next start would refuse as someone else's."""
+    with suppress(OSError):
+        names = set(os.listdir(run.root))
+        if not names <= {RUN_MARKER, *(SKELETON - {LOCK_NAME})}:
+            return
+        for name in sorted(names - {RUN_MARKER}):
+            os.rmdir(run.root / name)  # OSError when not empty: kept from here on
+        (run.root / RUN_MARKER).unlink(missing_ok=True)
+        run.root.rmdir()
 
 
 def check_finished_run(run: RunDir, settings: Settings) -> None:
@@ -443,7 +544,7 @@ def write_run_record(run: RunDir, settings: Settings, plan: Plan, **extra) -> No
 
 
 def update_run_record(run: RunDir, **fields) -> None:
-    run.write_json(run.run_record, {**(run.read_json(run.run_record) or {}), **fields})
+    run.write_json(run.run_record, {**(run.read_json(run.run_record) or {}), **fields, "format": RUN_RECORD_FORMAT})
 
 
 def mark_checkpoint_complete(run: RunDir, checkpoint: Path, resume_key: dict) -> None:

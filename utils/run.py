@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import math
 import signal
 import sys
 from contextlib import contextmanager
@@ -149,6 +150,35 @@ class EvaluationLine(TrainerCallback):
         self.seen, self.metrics = 0, {}
 
 
+class FiniteLoss(TrainerCallback):
+    """A training loss that is NaN or infinite stops the run (exit 2) at the record that shows it, naming the steps:
+    the weights are lost from there on, and training on ended in exit 0 with `"train_loss": NaN` in metrics.json
+    (seen with regression targets of 3.5e20, finite, whose squared error overflows). The Trainer logs the loss
+    averaged over every rank (logging_nan_inf_filter off), so every rank stops at the same record; `check` does the
+    same for the run's mean loss once training ends, which covers the steps after the last record."""
+
+    def __init__(self):
+        self.last = 0  # the step of the last finite record: the bad loss is in the steps after it
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = state.global_step  # a resume starts past its checkpoint's step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.check((logs or {}).get("loss"), state.global_step)
+
+    def check(self, loss: float | None, step: int) -> None:
+        if loss is None or math.isfinite(loss):
+            self.last = step if loss is not None else self.last
+            return
+        steps = f"step {step}" if step - self.last <= 1 else f"steps {self.last + 1}-{step}"
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the training loss is {loss} in {steps}, so the weights are no longer numbers and the run stops before "
+            "writing metrics.json or a model; check the labels (a regression target as large as 1e20 overflows the "
+            "squared error) or lower LEARNING_RATE, and start again in a new OUTPUT_DIR",
+        )
+
+
 class ProgressBar(ProgressCallback):
     """The Trainer's progress bars without the dict of every log it writes under them (the rank log has those)."""
 
@@ -203,6 +233,9 @@ def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
     dropped with a warning, falling back to the previous one; one written by another run (its recorded
     identity, utils/identity.py) is refused (exit 2) with the fix.
     """
+    # The newest one first, before anything is removed: a start refused as another run leaves every checkpoint.
+    if (newest := latest_complete_checkpoint(run)) is not None and (recorded := checkpoint_identity(newest)):
+        check_same_run(recorded, identity, str(run.checkpoints / newest.name))
     for path in discard_incomplete_checkpoints(run):
         log.warning("removed %s: its save never completed (the job was killed while writing it)", path.name)
     latest, damaged = usable_checkpoints(run)
@@ -210,9 +243,18 @@ def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
         log.warning("removed %s: %s; falling back to %s", path.name, problem, getattr(latest, "name", "a fresh start"))
     if latest is None:
         return None
-    if (recorded := checkpoint_resume_key(latest).get("identity")) is not None:  # none: written before identities
+    if (recorded := checkpoint_identity(latest)) is not None:  # none: written before identities
         check_same_run(recorded, identity, str(run.checkpoints / latest.name))
     return str(latest)
+
+
+def checkpoint_identity(checkpoint: Path) -> dict | None:
+    """The identity a complete checkpoint's manifest records; None for one written before identities, or a manifest
+    too damaged to read (`usable_checkpoints` drops that checkpoint)."""
+    try:
+        return checkpoint_resume_key(checkpoint).get("identity")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def resume_point(run: RunDir, identity: dict, world_size: int) -> tuple[str | None, list[dict]]:
@@ -303,8 +345,12 @@ def run(job: Job) -> int:
     if job.out.is_finished():
         log.info("%s already holds a finished run", job.out.root)
         # Rank 0 finishes what was left (the merge, the push), with the labels, base and run name the run recorded
-        # (metrics.json), whatever this start's settings say; the others are done.
-        return publish_saved(job, hub) if dist.is_main else EXIT_OK
+        # (metrics.json), whatever this start's settings say; the others are done. Under the folder's lock: two
+        # restarts of an unpushed run both merged into the one staging folder and pushed two commits.
+        if not dist.is_main:
+            return EXIT_OK
+        with RunLock(job.out):
+            return publish_saved(job, hub)
     lock = RunLock(job.out)
     group = None
     try:
@@ -387,6 +433,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     if shows_progress_bars(dist):
         trainer.add_callback(ProgressBar)
     trainer.add_callback(EvaluationLine(len(data) - 1))
+    trainer.add_callback(FiniteLoss())
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
     group.run_on_main(lambda: write_run_record(job.out, settings, job.plan, segments=segments))
@@ -414,6 +461,8 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
                 f"{what} during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(job.out)}",
                 code=128 + signum,
             )
+        with group.agreed():  # the mean loss is each rank's own over the steps after the last record
+            finite_loss(trainer).check(train_result.metrics.get("train_loss"), trainer.state.global_step)
         eval_metrics = trainer.evaluate()
         metrics = {
             **train_result.metrics,
@@ -446,6 +495,10 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         state_dict = full_state_dict(trainer.model, job.strategy)
         record = rank_record(job, ready, state_dict)
     return Trained(trainer, metrics, record, state_dict)
+
+
+def finite_loss(trainer: Trainer) -> FiniteLoss:
+    return next(c for c in trainer.callback_handler.callbacks if isinstance(c, FiniteLoss))
 
 
 def rank_record(job: Job, ready: Ready, state_dict: dict) -> dict:
@@ -543,17 +596,15 @@ def publish_only(job: Job) -> int:
     if not job.dist.is_main:
         return EXIT_OK
     setup_logging(job)
-    log_to_file(job)
     if not (settings.result_model_id or settings.result_merged_model_id):
         raise JobError(
             EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (or RESULT_MERGED_MODEL_ID): the Hub repo to push to"
         )
-    if not out.is_finished():
-        raise JobError(
-            EXIT_BAD_INPUT, f"{out.model} holds no finished model; run the training first (without --push-only)"
-        )
     hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
     for repo_id in filter(None, (settings.result_model_id, settings.result_merged_model_id)):
         hub.check_write_access(repo_id)
-    # What is published follows what was trained: the labels, base and run name in the run's metrics.json.
-    return publish_saved(job, hub)
+    # What is published follows what was trained: the labels, base and run name in the run's metrics.json. Under
+    # the folder's lock, as every start that writes or pushes (a restart publishing the same run is refused meanwhile).
+    with RunLock(out):
+        log_to_file(job)  # once the lock is this job's: a start refused on a folder in use writes none of its logs
+        return publish_saved(job, hub)

@@ -1,4 +1,5 @@
-"""One job per OUTPUT_DIR: a lock file with a heartbeat, held by rank 0 for the whole run.
+"""One job per OUTPUT_DIR: a lock file with a heartbeat, held by rank 0 for the whole run, and by every start that
+writes or pushes without training (a finished run's merge and push, --push-only): one publisher at a time.
 
 Two jobs on one folder would train side by side, append to the same rank logs and resume from each
 other's checkpoints. The lock is a file, not an OS lock, because the shared volume may be NFS or a
@@ -24,12 +25,11 @@ import uuid
 import psutil
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.outputs import RunDir
+from utils.outputs import LOCK_NAME, RunDir
 from utils.threads import Heartbeat
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".job.lock"
 BEAT_SECONDS = 2.0
 STALE_SECONDS = 3 * BEAT_SECONDS + 1  # three missed beats: a live holder on a busy machine still beats within this
 
@@ -65,11 +65,11 @@ class RunLock:
                 if self._read() is not None:
                     continue
                 stale = "an unreadable lock file"
-            elif self._holder_alive(holder):
+            elif (live := self._live_holder(holder)) is not None:
                 raise JobError(
                     EXIT_BAD_INPUT,
-                    f"OUTPUT_DIR={self.path.parent} is in use by another job (host {holder.get('host')}, pid {holder.get('pid')}, "
-                    f"since {holder.get('since')}); wait for it to finish or stop it, or give this job another OUTPUT_DIR",
+                    f"OUTPUT_DIR={self.path.parent} is in use by another job (host {live.get('host')}, pid {live.get('pid')}, "
+                    f"since {live.get('since')}); wait for it to finish or stop it, or give this job another OUTPUT_DIR",
                 )
             else:
                 stale = f"the lock of host {holder.get('host')} pid {holder.get('pid')} (no longer running)"
@@ -77,6 +77,13 @@ class RunLock:
             self._write()
             break
         self._heartbeat = Heartbeat(self._beat, BEAT_SECONDS, "output-dir-lock")
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
     def release(self) -> None:
         if self._heartbeat is not None:
@@ -109,22 +116,24 @@ class RunLock:
         except (OSError, ValueError):
             return None
 
-    def _holder_alive(self, holder: dict) -> bool:
+    def _live_holder(self, holder: dict) -> dict | None:
+        """The job that holds the lock now, or None when `holder` is gone. Its record as it reads now: a lock taken
+        over from a dead holder while this job watched it is the new holder's, and the refusal names that one."""
         if holder.get("host") == self.me["host"]:
             pid = holder.get("pid")
             started = _process_started(pid) if isinstance(pid, int) else None
             if started is None or started != holder.get("process_started") or pid == os.getpid():
-                return False  # gone, or the pid now belongs to another process (this one, in a restarted container)
+                return None  # gone, or the pid now belongs to another process (this one, in a restarted container)
         beat = holder.get("beat")
         deadline = time.monotonic() + STALE_SECONDS
         while time.monotonic() < deadline:
             time.sleep(0.5)
             now = self._read()
             if now is None:  # released meanwhile
-                return False
+                return None
             if now.get("job") != holder.get("job") or now.get("beat") != beat:
-                return True
-        return False
+                return now
+        return None
 
     def _beat(self) -> None:
         self.me["beat"] += 1
