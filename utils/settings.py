@@ -302,8 +302,9 @@ class Settings(BaseSettings):
     )
     torch_compile: bool | Literal["auto"] = Field(
         "auto",
-        description="the fast path: torch.compile over a few fixed padded lengths; auto: on a CUDA GPU under ddp, "
-        "off on the CPU (minutes of compiling for no gain there)",
+        description="compiled transformer blocks, one graph per padded length; auto: on a CUDA GPU under ddp where "
+        "the step is not captured (CUDA_GRAPHS replays eager kernels: a cold start without a compile), off on the "
+        "CPU (minutes of compiling for no gain there); true: inside the captured step too",
     )
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto",
