@@ -1,8 +1,8 @@
 """scripts/gpu_checks.sh, the one call a GPU machine gets (docs/performance.md), run here as its smoke run.
 
 The GPU figures can only be taken on a lent GPU, in one call of minutes: a script broken since its last run would
-waste that call. `GPU_CHECKS_SMOKE=1` runs every part on the CPU with the tiny model and a few rows (all but the
-CUDA-graphs arm, which has nothing to run on the CPU; bitsandbytes' 8-bit runs here, so its arms must pass too);
+waste that call. `GPU_CHECKS_SMOKE=1` runs every default part on the CPU with the tiny model and a few rows (the
+captured step runs its function without a graph there; bitsandbytes' 8-bit runs here, so its arms must pass too);
 this holds that every part succeeds and writes every field gpu.json promises, from what each part really ran. The
 arms and fields are written here, not read from the script under test. Timings on a shared CI machine mean
 nothing: none is compared to a bound.
@@ -22,17 +22,19 @@ from tests.conftest import REPO, base_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-# Every arm but the two with CUDA graphs, which have nothing to run on a CPU.
-ARMS = {
-    "eager-bf16",
-    "fast-bf16",
-    "eager-8bit",
-    "fast-8bit",
-    "fast-8bit-threshold-0",
-    "fast-bf16-encoder",
-    "fast-bf16-no-cudnn-attention",
-    "eager-bf16-host-levers-off",
-}
+# The whole jobs (main.py) and the step arms (benchmarks/captured_step.py) of the default parts.
+JOB_ARMS = {"job-bf16", "job-8bit"}
+STEP_ARMS = {
+    "eager-bf16": 16,
+    "captured-bf16": 16,
+    "eager-8bit": 16,
+    "captured-8bit": 16,
+    "eager-8bit-threshold-6": 16,
+    "captured-bf16-b16": 16,
+    "eager-bf16-b16": 16,
+    "captured-bf16-b256": 256,
+    "captured-compiled-bf16": 16,
+}  # each with its batch (the smoke run's is 16)
 FIELDS = {
     "compile_s",
     "steady_epoch_s",
@@ -59,7 +61,6 @@ FIELDS = {
     "peak_memory_mib",
 }
 STEPS_PER_EPOCH = 512 // 16  # the smoke run's rows and batch
-SHORT_STEPS = 20  # the smoke run's short arms
 
 
 def test_the_gpu_checks_run_every_part_to_its_end_on_the_cpu(tmp_path):
@@ -93,49 +94,54 @@ def test_the_gpu_checks_run_every_part_to_its_end_on_the_cpu(tmp_path):
     assert {path.name for path in results.iterdir()} == {"gpu.json", "gpu.txt", "gpu_checks.log", "logs.tar.gz"}
     with tarfile.open(results / "logs.tar.gz") as archive:
         names = archive.getnames()
-    for arm in ARMS:
+    for arm in JOB_ARMS:
         assert f"./arms/{arm}/cold.log" in names and f"./arms/{arm}/cold/logs/rank-0.log" in names, arm
+    for part in ("steps", "steps-8bit", "steps-batch", "steps-compiled", "equivalence"):
+        assert f"./{part}.log" in names and f"./{part}.json" in names, part
     assert not [name for name in names if "/cache/" in name or name.endswith(".safetensors")]
 
-    assert set(report["arms"]) == ARMS
+    # The headline: each step arm's figures, the captured ones from their static buffers (no graph on a CPU).
+    assert set(report["steps"]) == set(STEP_ARMS)
+    for name, arm in report["steps"].items():
+        assert "error" not in arm, (name, arm["error"])
+        assert arm["step_ms"] > 0 and arm["samples_per_s"] > 0 and arm["call"] == 1, name
+        assert arm["batch"] == STEP_ARMS[name] and arm["steps_per_epoch"] == 512 // STEP_ARMS[name], name
+        assert arm["steady_epoch_s"] == pytest.approx(arm["step_ms"] * arm["steps_per_epoch"] / 1000, abs=1e-2)
+        assert arm["captured"] is name.startswith("captured") and arm["cuda_graphs"] is False, name
+        assert arm["quantization"] == ("8bit" if "8bit" in name else "none"), name
+        assert arm["compiled"] is ("compiled" in name), name
+        # MAX_SEQ_LENGTH=32: buckets 16 and 32, one set of static buffers each.
+        assert arm["shapes"] == (2 if arm["captured"] else None), name
+        assert (arm["capture_s"] is not None) is arm["captured"], name
+        assert arm["host_ms"] > 0 and arm["host_top_ops"], name
+        # What only a GPU measures is None on the CPU, never a made-up figure.
+        assert (arm["gpu_busy_ms"], arm["kernels_per_step"], arm["syncs_per_step"]) == (None, None, None), name
+
+    # The numerics: 60 steps eager and captured, without and with dropout, the same losses and weights.
+    equivalence = report["equivalence"]["equivalence"]
+    assert set(equivalence) == {"dropout-0", "dropout-default"}
+    for label, arms in equivalence.items():
+        assert arms["steps"] == 60 and arms["max_relative_difference"] == 0 and arms["same_weights"], (label, arms)
+
+    # The whole jobs: their own records, the bf16 one cold and warm.
+    assert set(report["arms"]) == JOB_ARMS
     for name, arm in report["arms"].items():
         assert set(arm) >= FIELDS, (name, FIELDS - set(arm))
         assert "error" not in arm, (name, arm.get("error"))
         assert arm["steady_step_ms"] > 0 and arm["samples_per_s"] > 0, name
-        assert arm["steps_per_epoch"] == STEPS_PER_EPOCH, name
-        # Both rounded by the job's record (to 1 ms and 1 us).
+        assert (arm["epoch_measured"], arm["steps"], arm["steps_per_epoch"]) == (
+            True,
+            STEPS_PER_EPOCH,
+            STEPS_PER_EPOCH,
+        )
         assert arm["steady_epoch_s"] == pytest.approx(arm["steady_step_ms"] * STEPS_PER_EPOCH / 1000, abs=2e-3), name
-        assert arm["first_step_done_cold_s"] > 0, name
+        assert arm["job_cold_s"] > arm["first_step_done_cold_s"] > 0, name
         assert math.isfinite(arm["final_loss"]) and 0 <= arm["eval_accuracy"] <= 1, name
         assert arm["loss_curve"][0][0] == 1 and arm["loss_curve"][-1][1] == arm["final_loss"], name
-        quantized = "8bit" in name
-        assert (arm["quantization"], arm["bitsandbytes_loaded"]) == (("8bit", True) if quantized else ("none", False))
-        assert arm["cudagraphs"] is False and arm["cudagraph_skips"] == 0, name
+        # On the CPU the defaults are full-precision weights, eager (8-bit and the capture are a GPU's defaults).
+        assert (arm["quantization"], arm["bitsandbytes_loaded"], arm["graphs"]) == ("none", False, 0), name
         assert arm["call"] == 1, name
-        if name.startswith("fast"):  # MAX_SEQ_LENGTH=32: buckets 16 and 32, one graph each, never broken
-            # 8-bit: one more, as bitsandbytes quantizes its weights at their first forward (seen on the CPU).
-            assert (arm["graphs"], arm["recompiles"]) == ((3, 2) if quantized else (2, 1)), name
-            assert arm["compile_s"] > 0, name
-        else:
-            assert (arm["graphs"], arm["compile_s"]) == (0, None), name
-    fast, eager = report["arms"]["fast-bf16"], report["arms"]["eager-bf16"]
-    assert fast["graph_breaks"] == 0
-    # The fast bf16 arm ran whole jobs, cold and warm; the others projected their epoch from their steps.
-    assert (fast["epoch_measured"], fast["steps"]) == (True, STEPS_PER_EPOCH)
-    assert fast["job_cold_s"] > fast["first_step_done_cold_s"] and fast["job_warm_s"] > fast["first_step_done_warm_s"]
-    for name, arm in report["arms"].items():
-        if name != "fast-bf16":
-            assert (arm["epoch_measured"], arm["steps"], arm["job_cold_s"], arm["job_warm_s"]) == (
-                False,
-                SHORT_STEPS,
-                None,
-                None,
-            ), name
-    # Same seed, same rows, same padding: the fast path's first loss is the eager path's (later ones follow another
-    # learning-rate schedule: the short arm decays over its 20 steps).
-    assert fast["loss_curve"][0] == pytest.approx(eager["loss_curve"][0], rel=1e-5)
-
-    assert set(report["profile"]) == {"eager", "fast"}
-    for label, profile in report["profile"].items():  # the step profile of both paths
-        assert "error" not in profile, profile
-        assert profile["torch_compile"] is (label == "fast") and profile["step_ms"] > 0
+    job = report["arms"]["job-bf16"]
+    assert job["job_warm_s"] > job["first_step_done_warm_s"] > 0
+    assert report["arms"]["job-8bit"]["job_warm_s"] is None  # cold only
+    assert report["profile"] == {}  # the earlier fast path's profile is outside the default parts
