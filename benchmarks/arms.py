@@ -117,6 +117,8 @@ def arm_settings(name: str, cfg: dict) -> Settings:
         eval_steps=0,
         report_to=("none",),
         **({"max_seq_length": cfg["max_seq_length"]} if cfg.get("max_seq_length") else {}),
+        # bitsandbytes' outlier threshold for 8-bit weights (INT8_THRESHOLD), where an arm sets one.
+        **({"int8_threshold": cfg["int8_threshold"]} if cfg.get("int8_threshold") is not None else {}),
         **JOB_ARMS.get(name, {"quantization": "none"}),
     )
 
@@ -201,15 +203,6 @@ def run_arm(name: str, cfg: dict) -> dict:
     settings = arm_settings(name, cfg)
     cuda = torch.cuda.is_available()
     build = build_original if name == "original" else build_job_arm
-    if cfg.get("int8_threshold") is not None:
-        # bitsandbytes' outlier threshold (6.0 by default; 0: no outlier columns kept apart), for its speed only.
-        from functools import partial
-
-        from transformers import BitsAndBytesConfig
-
-        import utils.model
-
-        utils.model.BitsAndBytesConfig = partial(BitsAndBytesConfig, llm_int8_threshold=cfg["int8_threshold"])
     trainer, quantize, precision, compiled = build(settings, cuda)
     gc.freeze()  # as main.py does once its imports are done: collections walk the steps' own objects only
     trainer.remove_callback(ProgressCallback)

@@ -87,8 +87,6 @@ ARMS = {
     ),
     "eager-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "false"}, False, 60, []),
     "fast-8bit": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "true"}, False, 90, []),
-    # bitsandbytes' LLM.int8 with no outlier threshold: no outlier columns, no host sync to find them.
-    "fast-8bit-threshold-0": ({"QUANTIZATION": "8bit", "TORCH_COMPILE": "true"}, False, 60, ["--int8-threshold", "0"]),
 }
 # An arm that reuses another's compiled graphs (CUDA graphs wrap the same graphs after they are built).
 GRAPHS_FROM = {"fast-bf16-cudagraphs": "fast-bf16", "fast-bf16-encoder-cudagraphs": "fast-bf16-encoder"}
@@ -114,7 +112,6 @@ PARTS = (
     "fast-bf16-encoder",
     "fast-bf16-encoder-cudagraphs",
     "fast-8bit",
-    "fast-8bit-threshold-0",
     "fast-bf16-cudagraphs",
     "fast-bf16-no-cudnn-attention",
     "eager-bf16-host-levers-off",

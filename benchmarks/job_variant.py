@@ -1,10 +1,7 @@
 """main.py with a lever the job has no setting for, for the GPU benchmark's arms only (benchmarks/gpu_checks.py):
 
-  python benchmarks/job_variant.py [--int8-threshold X] [--compile-region encoder] [--no-cudnn-attention]
-                                   [--no-host-levers] main.py ...
+  python benchmarks/job_variant.py [--compile-region encoder] [--no-cudnn-attention] [--no-host-levers] main.py ...
 
---int8-threshold X        bitsandbytes' LLM.int8 outlier threshold (its default 6.0; 0: no outlier columns kept
-                          apart, so no host sync to find them)
 --compile-region encoder  TORCH_COMPILE compiles the module holding the stack of blocks (BERT's encoder) instead
                           of each block: one graph per bucket instead of twelve calls of one, the shape CUDA
                           graphs capture whole
@@ -23,7 +20,6 @@ import sys
 from pathlib import Path
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--int8-threshold", type=float)
 parser.add_argument("--compile-region", choices=("encoder",))
 parser.add_argument("--no-cudnn-attention", action="store_true")
 parser.add_argument("--no-host-levers", action="store_true")
@@ -38,17 +34,6 @@ from utils.job import leave_out  # noqa: E402
 # first: bitsandbytes only for 8-bit weights.
 if os.environ.get("QUANTIZATION") != "8bit":
     leave_out("bitsandbytes")
-
-if args.int8_threshold is not None:
-    from transformers import BitsAndBytesConfig
-
-    default_init = BitsAndBytesConfig.__init__
-
-    def init_with_threshold(self, *a, **kw):
-        kw.setdefault("llm_int8_threshold", args.int8_threshold)
-        default_init(self, *a, **kw)
-
-    BitsAndBytesConfig.__init__ = init_with_threshold
 
 if args.compile_region == "encoder":
     import utils.trainer

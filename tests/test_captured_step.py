@@ -15,7 +15,16 @@ import json
 
 import pytest
 
-from tests.conftest import Replicas, base_env, rank_record, run_code, tiny_run_settings, wait_all
+from tests.conftest import (
+    Replicas,
+    assert_refusal,
+    base_env,
+    rank_record,
+    run_code,
+    run_main,
+    tiny_run_settings,
+    wait_all,
+)
 from tests.test_compile import losses
 
 STEPS = 60
@@ -232,3 +241,41 @@ def test_two_captured_replicas_exchange_the_gradients_ddp_does(tmp_path, tiny_be
     assert [r["capture"] for r in records["eager"]] == [None, None]
     checksums = {r["trainable_checksum"] for arm in records.values() for r in arm}
     assert len(checksums) == 1, records
+
+
+@pytest.mark.check
+@pytest.mark.parametrize(
+    "given, cuda, captured, compiled",
+    [
+        ({}, True, True, False),  # the default on one GPU (8-bit weights): eager kernels captured, no compile
+        ({"torch_compile": "true", "quantization": "none"}, True, True, True),  # compiled blocks inside the capture
+        # Not captured: TORCH_COMPILE=auto compiles full-precision weights, as before the capture.
+        ({"cuda_graphs": "false", "quantization": "none"}, True, False, True),
+        ({"gradient_checkpointing": "true", "quantization": "none"}, True, False, True),  # recomputed forwards
+        (
+            {"precision": "fp16", "quantization": "none"},
+            True,
+            False,
+            True,
+        ),  # fp16's scaler skips steps on the host's word
+        ({"strategy": "deepspeed"}, True, False, False),  # DeepSpeed's engine steps on its own
+        ({"quantization": "none"}, True, True, False),  # full-precision weights: captured, not compiled
+        ({}, False, False, False),  # the CPU: nothing to gain
+        ({"cuda_graphs": "true"}, False, True, False),  # the CPU on request: the static buffers, no graph
+    ],
+    ids=["gpu", "compiled", "off", "checkpointing", "fp16", "deepspeed", "8bit", "cpu", "cpu-true"],
+)
+def test_cuda_graphs_auto_captures_the_step_where_it_can_run(given, cuda, captured, compiled):
+    from utils.plan import build_plan, with_device
+    from utils.settings import Settings
+
+    settings = Settings(**given)
+    plan = with_device(build_plan(settings, 1), settings, cuda, bf16_supported=True)
+    assert (plan.capture, plan.compile) == (captured, compiled), plan
+
+
+@pytest.mark.parametrize("given", [{"STRATEGY": "deepspeed"}, {"GRADIENT_CHECKPOINTING": "true"}])
+def test_cuda_graphs_true_where_it_cannot_run_is_refused_with_the_fix(tmp_path, given):
+    result = run_main(base_env(tmp_path, CUDA_GRAPHS="true", **given), "--dry-run")
+    line = assert_refusal(result, ["CUDA_GRAPHS"])
+    assert "set CUDA_GRAPHS=auto (off where it cannot run) or false" in line, line

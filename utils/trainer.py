@@ -91,6 +91,7 @@ class JobTrainer(Trainer):
         self.compile_pending = compiled and not captured
         self.capture_pending = captured
         self.captured: CapturedStep | None = None  # CUDA_GRAPHS: the step captured per bucket, from the first step on
+        self._ddp_group = None  # the process group DDP's wrapper reduces over; the captured step's all-reduce uses it
         # Inductor's CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1), which need to be told where a step begins.
         self.cudagraphs = compiled and cudagraphs_enabled()
         self._parameters: int | None = None  # num_parameters(exclude_embeddings=True), counted once
