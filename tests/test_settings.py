@@ -320,6 +320,7 @@ def test_dry_run_shows_the_rates_the_global_batch_gets(tmp_path, world_size, ext
 PATH = "p" * 4097
 OVER_THE_BOUND = {
     "int8_threshold": ("1001", "1000"),
+    "early_stopping_patience": ("1001", "1000"),
     "config_file": (PATH, "4096"),
     "model_name": (PATH, "4096"),
     "dataset_name": ("d" * 256, "255"),
@@ -367,7 +368,7 @@ OVER_THE_BOUND = {
 BOUNDED_BY_TYPE = {
     *("learning_rate_scaling", "train_pooler", "lora_variant", "lora_init", "quantization", "precision", "strategy"),
     *("zero_offload", "gradient_checkpointing", "torch_compile", "hub_private", "merge_adapter", "report_to"),
-    *("label_names", "task", "problem_type", "cuda_graphs"),
+    *("label_names", "task", "problem_type", "cuda_graphs", "load_best_model"),
 }
 # Values the settings derive, each from factors inside their own ranges.
 DERIVED_OVER_THE_BOUND = [

@@ -231,6 +231,18 @@ def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: s
         "train runtime": f"{metrics['train_runtime']:.0f} s" if "train_runtime" in metrics else "?",
         "run name": metrics.get("run_name"),
     }
+    if selected := metrics.get("selected_checkpoint"):
+        # Chosen on the validation split the metrics above are measured on: they flatter it a little.
+        training["model selection"] = (
+            f"the checkpoint of step {selected['step']} of {selected['steps_trained']}, the best "
+            f"{selected['metric']} ({selected['score']:.4f}) on the validation split (LOAD_BEST_MODEL"
+            + (
+                f", early stopping after {settings.early_stopping_patience} evaluations without a better score"
+                if settings.early_stopping_patience
+                else ""
+            )
+            + "); the metrics above are on the same split"
+        )
     repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
     pair = len(settings.text_columns) == 2
     card = ModelCard.from_template(

@@ -621,11 +621,11 @@ def discard_incomplete_checkpoints(run: RunDir) -> list[Path]:
     return removed
 
 
-def prune_checkpoints(run: RunDir, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints. Runs after a new one is marked complete, so the
-    newest complete checkpoint is never deleted before a newer one is whole (the Trainer's own rotation
-    deletes before the new one is finished, and by mtime)."""
-    complete = _checkpoints(run)
+def prune_checkpoints(run: RunDir, keep: int, best: str | None = None) -> None:
+    """Keep the newest `keep` complete checkpoints, and `best` (LOAD_BEST_MODEL's, the model the run ends with)
+    beside them. Runs after a new one is marked complete, so the newest complete checkpoint is never deleted before
+    a newer one is whole (the Trainer's own rotation deletes before the new one is finished, and by mtime)."""
+    complete = [path for path in _checkpoints(run) if best is None or path.name != Path(best).name]
     for path in complete[: max(0, len(complete) - keep)]:
         # The marker goes first: a kill in the middle of the deletion leaves an unmarked checkpoint, which
         # the next start discards quietly, never a marked one with files missing.

@@ -481,6 +481,8 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             # What the model predicts, for the card, id2label.json and predict.py.
             "problem_type": "classification" if ready.labels else "regression",
             "labels": list(ready.labels),
+            # LOAD_BEST_MODEL: the checkpoint the Trainer loaded at the end, the model saved and pushed.
+            **selected_checkpoint(trainer),
             "data": {
                 "train_rows": ready.train_rows,
                 "validation_rows": ready.validation_rows,
@@ -495,6 +497,24 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         state_dict = full_state_dict(trainer.model, job.strategy)
         record = rank_record(job, ready, state_dict)
     return Trained(trainer, metrics, record, state_dict)
+
+
+def selected_checkpoint(trainer: Trainer) -> dict:
+    """metrics.json's `selected_checkpoint` when the model is the best checkpoint's (LOAD_BEST_MODEL): its step, the
+    metric and score that chose it, the steps trained; nothing when it is the last step's."""
+    state, args = trainer.state, trainer.args
+    if not (args.load_best_model_at_end and state.best_model_checkpoint):
+        return {}
+    step = int(Path(state.best_model_checkpoint).name.rsplit("-", 1)[1])
+    metric = args.metric_for_best_model
+    return {
+        "selected_checkpoint": {
+            "step": step,
+            "metric": metric if metric.startswith("eval_") else f"eval_{metric}",
+            "score": state.best_metric,
+            "steps_trained": state.global_step,
+        }
+    }
 
 
 def finite_loss(trainer: Trainer) -> FiniteLoss:

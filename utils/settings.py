@@ -360,6 +360,16 @@ class Settings(BaseSettings):
         None,
         description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end",
     )
+    load_best_model: bool = Field(
+        False,
+        description="the saved and pushed model is the checkpoint of the best validation score (the task's metric, "
+        "see the card), not the last step; a checkpoint at every evaluation, the best one never pruned",
+    )
+    early_stopping_patience: Annotated[int | None, Field(ge=1, le=1000)] = Field(
+        None,
+        description="stop after this many evaluations in a row without a better validation score, and keep the "
+        "best checkpoint (LOAD_BEST_MODEL); unset: train every step",
+    )
     logging_steps: Annotated[int, STEPS] = Field(
         10, description="optimizer steps between training-loss records (console, TensorBoard, trackers, log_history)"
     )
@@ -524,6 +534,16 @@ class Settings(BaseSettings):
                 "whose compiled graphs are not tested here; set TORCH_COMPILE=auto (off under "
                 f"{self.strategy}) or false, or STRATEGY=ddp"
             )
+        if (self.load_best_model or self.early_stopping_patience) and self.eval_steps == 0:
+            asked = (
+                "LOAD_BEST_MODEL=true"
+                if self.load_best_model
+                else f"EARLY_STOPPING_PATIENCE={self.early_stopping_patience}"
+            )
+            raise ValueError(
+                f"{asked} chooses among the evaluations during training, and EVAL_STEPS=0 runs none; unset EVAL_STEPS "
+                "(4 evaluations an epoch) or set it to the interval to evaluate at"
+            )
         if self.cuda_graphs is True and (self.strategy != "ddp" or self.gradient_checkpointing):
             raise ValueError(
                 "CUDA_GRAPHS=true captures the whole step under STRATEGY=ddp without GRADIENT_CHECKPOINTING "
@@ -566,6 +586,7 @@ TRAINING_SETTINGS = DEEPSPEED_SETTINGS | {
     *("train_pooler", "head_learning_rate_ratio", "loraplus_lr_ratio", "quantization", "precision", "strategy"),
     "int8_threshold",
     "max_seq_length",
+    *("load_best_model", "early_stopping_patience"),
 }
 
 

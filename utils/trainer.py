@@ -449,7 +449,8 @@ class Checkpoints(TrainerCallback):
             control.should_save = control.should_training_stop = True
             # The grace period goes to the checkpoint: the Trainer would evaluate first on an evaluation step.
             control.should_evaluate = False
-        if state.global_step >= state.max_steps:
+        if state.global_step >= state.max_steps and not args.load_best_model_at_end:
+            # (LOAD_BEST_MODEL: the last step's evaluation and checkpoint are a candidate like the others.)
             # At the last step the Trainer evaluated, then saved: an evaluation that failed there (a huge
             # PER_DEVICE_EVAL_BATCH_SIZE, out of memory) lost every step since the last checkpoint. The job's final
             # evaluation after training gives the curve its last point; a restart after a failure in it resumes at
@@ -470,7 +471,9 @@ class Checkpoints(TrainerCallback):
         def mark() -> None:
             with self.volume_checked(f"marking {folder.name} complete"):
                 mark_checkpoint_complete(self.run, folder, self.resume_key)
-                prune_checkpoints(self.run, self.keep)
+                prune_checkpoints(
+                    self.run, self.keep, state.best_model_checkpoint if args.load_best_model_at_end else None
+                )
 
         self.collectives.run_on_main(mark)
 
@@ -494,6 +497,40 @@ class Checkpoints(TrainerCallback):
             if fault is None:
                 raise
             raise fault from None
+
+
+class EarlyStopping(TrainerCallback):
+    """EARLY_STOPPING_PATIENCE: training stops once that many evaluations in a row have not beaten the best score
+    before them (the metric the Trainer tracks as best). Counted from the run's own history (trainer_state.json's
+    log_history, which a resume restores), not from a counter of its own: a restart stops where the run would have.
+    Every rank evaluates the same gathered rows, so every rank stops at the same step."""
+
+    def __init__(self, patience: int):
+        self.patience = patience
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if control.should_training_stop or state.global_step >= state.max_steps:
+            return
+        key = args.metric_for_best_model
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        scores = [entry[key] for entry in state.log_history if key in entry and "step" in entry]
+        if not scores:
+            return
+        better = (lambda a, b: a > b) if args.greater_is_better else (lambda a, b: a < b)
+        best_at = 0
+        for index, score in enumerate(scores):
+            if better(score, scores[best_at]):
+                best_at = index
+        if len(scores) - 1 - best_at >= self.patience:
+            control.should_training_stop = True
+            log.warning(
+                "early stopping at step %d: %s has not beaten %.4f (evaluation %d) in %d evaluation(s)",
+                state.global_step,
+                key,
+                scores[best_at],
+                best_at + 1,
+                self.patience,
+            )
 
 
 class RecordedTensorBoard(TensorBoardCallback):
@@ -623,6 +660,8 @@ def training_arguments(job: Job, model) -> TrainingArguments:
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
     best = best_metric(settings, REGRESSION if model.config.problem_type == "regression" else CLASSIFICATION)
+    # LOAD_BEST_MODEL (or early stopping, which keeps the best): a checkpoint at every evaluation, the candidates.
+    load_best = settings.load_best_model or settings.early_stopping_patience is not None
     options = dict(
         output_dir=str(job.out.checkpoints),
         run_name=job.plan.run_name,
@@ -651,15 +690,17 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         # The filter reads every step's loss on the host: one GPU sync per step.
         logging_nan_inf_filter=False,
         save_strategy="steps",
-        save_steps=settings.save_steps,
+        save_steps=eval_every if load_best else settings.save_steps,
         # Checkpoints prunes, counting complete checkpoints only.
         save_total_limit=None,
         # The validation curve; the full evaluation at the end comes after training.
         eval_strategy="steps" if eval_every else "no",
         eval_steps=eval_every or None,
-        # No checkpoint chosen on the split whose accuracy is reported; the task's metric is tracked
-        # (trainer_state.json's best_metric) for the validation curve.
-        load_best_model_at_end=False,
+        # By default no checkpoint is chosen on the split whose accuracy is reported (the last step's model is
+        # saved); the task's metric is tracked (trainer_state.json's best_metric) for the validation curve. With
+        # LOAD_BEST_MODEL the Trainer loads the best checkpoint at the end: chosen on the validation split, which
+        # the card says.
+        load_best_model_at_end=load_best,
         metric_for_best_model=best,
         greater_is_better=best.rsplit("_", 1)[-1] not in LOWER_IS_BETTER,
         report_to=trackers if dist.is_main else "none",
@@ -701,6 +742,8 @@ def build_trainer(
         SamplerEpoch(job.plan.steps_per_epoch),
         Checkpoints(out, group, settings.save_total_limit, key or {"identity": job.plan.identity}, job.preemption),
     ]
+    if settings.early_stopping_patience is not None:
+        callbacks.append(EarlyStopping(settings.early_stopping_patience))
     if dist.is_main and "tensorboard" in settings.report_to:
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / job.plan.run_name))
     if job.cuda:
