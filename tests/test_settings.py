@@ -368,7 +368,7 @@ OVER_THE_BOUND = {
 BOUNDED_BY_TYPE = {
     *("learning_rate_scaling", "train_pooler", "lora_variant", "lora_init", "quantization", "precision", "strategy"),
     *("zero_offload", "gradient_checkpointing", "torch_compile", "hub_private", "merge_adapter", "report_to"),
-    *("label_names", "task", "problem_type", "cuda_graphs", "load_best_model"),
+    *("label_names", "task", "problem_type", "cuda_graphs", "load_best_model", "class_weights"),
 }
 # Values the settings derive, each from factors inside their own ranges.
 DERIVED_OVER_THE_BOUND = [

@@ -70,4 +70,6 @@ def recipe_summary(settings: Settings, loraplus_ratio: float | None) -> str:
         parts.append(f"weight decay {settings.weight_decay:g}")
     if settings.model_dropout != "checkpoint":
         parts.append(f"base-model dropout {settings.model_dropout:g}")
+    if settings.class_weights != "none":
+        parts.append(f"{settings.class_weights} class weights in the loss")
     return ", ".join(parts)

@@ -481,6 +481,8 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             # What the model predicts, for the card, id2label.json and predict.py.
             "problem_type": "classification" if ready.labels else "regression",
             "labels": list(ready.labels),
+            # CLASS_WEIGHTS: each class's weight in the loss, by class id.
+            **({"class_weights": trainer.class_weights.tolist()} if trainer.class_weights is not None else {}),
             # LOAD_BEST_MODEL: the checkpoint the Trainer loaded at the end, the model saved and pushed.
             **selected_checkpoint(trainer),
             "data": {

@@ -160,6 +160,11 @@ class Settings(BaseSettings):
         description="classification (one label per row, cross-entropy) or regression (one float score, MSE); "
         "auto: regression for a float label column with fractions, else classification",
     )
+    class_weights: Literal["none", "balanced"] = Field(
+        "none",
+        description="classification only: balanced weighs each class's loss by rows / (classes x its rows in the "
+        "training split), so a rare class counts as much as a common one; none: every row alike",
+    )
     base_model_id: str | None = Field(
         None,
         description="the base model's Hub id in the adapter config and card, so a pushed adapter loads anywhere; "
@@ -534,6 +539,11 @@ class Settings(BaseSettings):
                 "whose compiled graphs are not tested here; set TORCH_COMPILE=auto (off under "
                 f"{self.strategy}) or false, or STRATEGY=ddp"
             )
+        if self.class_weights != "none" and self.problem_type == "regression":
+            raise ValueError(
+                f"CLASS_WEIGHTS={self.class_weights} weighs classes, and PROBLEM_TYPE=regression has none; "
+                "unset CLASS_WEIGHTS, or set PROBLEM_TYPE=classification"
+            )
         if (self.load_best_model or self.early_stopping_patience) and self.eval_steps == 0:
             asked = (
                 "LOAD_BEST_MODEL=true"
@@ -586,7 +596,7 @@ TRAINING_SETTINGS = DEEPSPEED_SETTINGS | {
     *("train_pooler", "head_learning_rate_ratio", "loraplus_lr_ratio", "quantization", "precision", "strategy"),
     "int8_threshold",
     "max_seq_length",
-    *("load_best_model", "early_stopping_patience"),
+    *("load_best_model", "early_stopping_patience", "class_weights"),
 }
 
 

@@ -77,6 +77,7 @@ class JobTrainer(Trainer):
         buckets: list[int],
         compiled: bool = False,
         captured: bool = False,
+        class_weights: torch.Tensor | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -92,6 +93,7 @@ class JobTrainer(Trainer):
         self.capture_pending = captured
         self.captured: CapturedStep | None = None  # CUDA_GRAPHS: the step captured per bucket, from the first step on
         self._ddp_group = None  # the process group DDP's wrapper reduces over; the captured step's all-reduce uses it
+        self.class_weights = class_weights  # CLASS_WEIGHTS: each class's weight in the loss, on the device
         # Inductor's CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1), which need to be told where a step begins.
         self.cudagraphs = compiled and cudagraphs_enabled()
         self._parameters: int | None = None  # num_parameters(exclude_embeddings=True), counted once
@@ -182,6 +184,20 @@ class JobTrainer(Trainer):
             return self.captured_training_step(model, inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The model's own loss, or with CLASS_WEIGHTS the cross-entropy weighted by class (a per-batch weighted mean,
+        as the model's loss is a per-batch mean, so the Trainer's division by the accumulation steps still holds).
+        The model's forward takes no weights: the logits are scored here."""
+        if self.class_weights is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs["labels"]
+        outputs = model(**{name: value for name, value in inputs.items() if name != "labels"})
+        logits = outputs["logits"]
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), labels.view(-1), weight=self.class_weights
+        )
+        return (loss, outputs) if return_outputs else loss
+
     def captured_training_step(self, model, inputs) -> torch.Tensor:
         """The eager training_step's work with the forward and backward replayed: the loss divided by the
         micro-batches of this optimizer step, the gradients added into .grad, and on the last micro-batch of a step
@@ -271,6 +287,14 @@ class JobTrainer(Trainer):
 
     def _get_eval_sampler(self, eval_dataset):
         return SequentialSampler(eval_dataset)
+
+
+def balanced_class_weights(split: datasets.Dataset, classes: int) -> torch.Tensor:
+    """CLASS_WEIGHTS=balanced: rows / (classes x the class's rows) for each class id, from the split's labels (Arrow,
+    no pass in Python), as scikit-learn's `balanced`. A class without training rows weighs nothing: no row has it."""
+    counts = np.bincount(np.asarray(split.with_format("arrow")["labels"]), minlength=classes)[:classes]
+    weights = np.where(counts > 0, len(split) / (classes * np.maximum(counts, 1)), 0.0)
+    return torch.tensor(weights, dtype=torch.float32)
 
 
 def bucket_batch(inputs: dict, length: int, pad: int) -> dict:
@@ -759,6 +783,18 @@ def build_trainer(
     if job.compiled:
         compile_model(model, job)
     regression = model.config.problem_type == "regression"
+    class_weights = None
+    if settings.class_weights != "none" and regression:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"CLASS_WEIGHTS={settings.class_weights} weighs classes, and the label column '{settings.label_column}' "
+            "holds regression scores; unset CLASS_WEIGHTS, or give class labels",
+        )
+    if settings.class_weights == "balanced":
+        class_weights = balanced_class_weights(data["train"], model.config.num_labels)
+        named = ", ".join(f"{model.config.id2label[i]} {w:.3f}" for i, w in enumerate(class_weights.tolist()))
+        log.info("class weights (balanced) in the loss: %s", named)
+        class_weights = class_weights.to(args.device)
     # `validation` alone, or several (MNLI's matched and mismatched), whose metrics the Trainer prefixes with the name.
     evaluated = {eval_prefix(split): data[split] for split in data if split != "train"}
     return JobTrainer(
@@ -775,6 +811,7 @@ def build_trainer(
         buckets=buckets,
         compiled=job.compiled,
         captured=job.captured,
+        class_weights=class_weights,
     )
 
 
