@@ -47,7 +47,7 @@ def test_one_gpu_trains_8bit_weights_in_bf16_by_default_and_publishes_a_model_th
     assert (metrics["quantization"], metrics["precision"]) == ("8bit", "bf16"), metrics
     assert metrics["eval_accuracy"] > 0.8, metrics  # the CPU run's bar: chance is 0.5 on this balanced task
     log = (out / "logs" / "rank-0.log").read_text()
-    assert "device cuda:0, 8-bit True, precision bf16" in log
+    assert "device cuda:0, weights 8bit, precision bf16" in log
     assert [c["repo"] for c in hub.commits] == [REPO_ID]
     # The merged export of an 8-bit run holds the base in full precision, with no trace of the quantizer.
     assert "quantization_config" not in json.loads((out / "merged" / "config.json").read_text())

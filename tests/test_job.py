@@ -172,7 +172,7 @@ def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_pat
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["quantization"] == "8bit"
     log = (tmp_path / "out" / "logs" / "rank-0.log").read_text()
-    assert "8-bit True" in log
+    assert "weights 8bit" in log
     # The adapter trained on 8-bit weights loads back on the full-precision base and answers as the merged export
     # does (a few steps: not a good model, so its answers are compared, not its labels).
     sentences = ["the cast is superb", "a dull and tedious mess"]
@@ -201,7 +201,7 @@ def test_bf16_full_precision_weights_train_on_the_cpu_through_main(job_env, tmp_
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["quantization"], metrics["precision"]) == ("none", "bf16"), metrics
     assert metrics["eval_accuracy"] > 0.8, metrics  # the fp32 run's bar: chance is 0.5 on this balanced task
-    assert "device cpu, 8-bit False, precision bf16" in (out / "logs" / "rank-0.log").read_text()
+    assert "device cpu, weights none, precision bf16" in (out / "logs" / "rank-0.log").read_text()
     assert trained_plan(out)["precision"] == "bf16"  # what the Trainer read back at the end of training
     with safe_open(str(out / "model" / "adapter_model.safetensors"), framework="pt") as weights:
         assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}

@@ -61,8 +61,8 @@ class Job:
         return self.plan.strategy
 
     @property
-    def quantize(self) -> bool:  # 8-bit base weights (bitsandbytes)
-        return self.plan.quantization == "8bit"
+    def quantize(self) -> bool:  # 8-bit or 4-bit base weights (bitsandbytes)
+        return self.plan.quantization in ("8bit", "4bit")
 
     @property
     def compiled(self) -> bool:  # TORCH_COMPILE (utils/trainer.compile_model), as the plan resolved it for this device

@@ -255,21 +255,34 @@ def _base_dropout(settings: Settings, config: PretrainedConfig) -> dict:
 
 
 def build_model(
-    settings: Settings, quantize_8bit: bool, device: torch.device, labels: tuple[str, ...] | None = None
+    settings: Settings, quantize: bool, device: torch.device, labels: tuple[str, ...] | None = None
 ) -> PeftModel:
-    """AutoModelForSequenceClassification (one output per label, or one score) + LoRA; 8-bit base weights when asked.
+    """AutoModelForSequenceClassification (one output per label, or one score) + LoRA; quantized base weights when
+    `quantize` (the plan's: 4-bit where QUANTIZATION=4bit, else 8-bit).
 
-    8-bit quantizes every Linear, the classifier head too, and LoRA cannot train an int8 head: the head
-    is skipped by the quantizer (`llm_int8_skip_modules`) and saved in full with the adapter.
+    The quantizer would take every Linear, the classifier head too, and LoRA cannot train an int8 or NF4 head: the
+    head is skipped by the quantizer (`llm_int8_skip_modules`, which 4-bit reads too) and saved in full with the
+    adapter.
     """
     with _loading(settings):
         config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
     kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(settings, config)}
-    if quantize_8bit:
+    skipped = [CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
+    if quantize and settings.quantization == "4bit":
+        # QLoRA's recipe: NF4 weights, their scales quantized too, the matmuls computed in bf16 where the GPU has
+        # it (fp32 on the CPU, where bitsandbytes runs 4-bit too).
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        compute = torch.bfloat16 if bf16 else torch.float16 if device.type == "cuda" else torch.float32
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_8bit=True,
-            llm_int8_skip_modules=[CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])],
-            llm_int8_threshold=settings.int8_threshold,
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute,
+            llm_int8_skip_modules=skipped,
+        )
+    elif quantize:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_8bit=True, llm_int8_skip_modules=skipped, llm_int8_threshold=settings.int8_threshold
         )
         # bitsandbytes' int8 matmul warns at every call (72 a step) that it casts its bf16 or fp32 input to fp16:
         # what 8-bit weights do, said once here instead.
@@ -278,12 +291,13 @@ def build_model(
             "8-bit weights: bitsandbytes casts each int8 matmul's input to fp16 (INT8_THRESHOLD=%g)",
             settings.int8_threshold,
         )
+    if quantize:
         # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
     with _loading(settings):
         model = load_base(settings.model_name, settings.label_names if labels is None else labels, head, **kwargs)
-    if quantize_8bit:
+    if quantize:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
 
     targets = lora_targets(settings, model.config.model_type)

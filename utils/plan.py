@@ -346,7 +346,7 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
 def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool) -> Plan:
     """The plan with `auto` precision and quantization resolved for this hardware; impossible asks are bad input."""
     # auto: no 8-bit under DeepSpeed, which casts and shards the weights (an explicit 8bit is refused there).
-    quantize = settings.quantization == "8bit" or (
+    quantize = settings.quantization in ("8bit", "4bit") or (
         settings.quantization == "auto" and cuda and plan.batch.world_size == 1 and plan.strategy != "deepspeed"
     )
     precision = settings.precision
@@ -356,14 +356,17 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
         raise JobError(EXIT_BAD_INPUT, "PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
     if precision == "bf16" and cuda and not bf16_supported:
         raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
+    quantization = (settings.quantization if settings.quantization != "auto" else "8bit") if quantize else "none"
     # auto: the captured step on CUDA wherever it can run (DDP, no recomputed forwards, no fp16 loss scaler, which
-    # skips steps on the host's word). On the CPU a step is arithmetic, not launches: nothing to gain.
+    # skips steps on the host's word). On the CPU a step is arithmetic, not launches: nothing to gain. 4-bit weights
+    # stay eager: their capture has not run on a GPU here.
     capture = settings.cuda_graphs is True or (
         settings.cuda_graphs == "auto"
         and cuda
         and plan.strategy == "ddp"
         and not settings.gradient_checkpointing
         and precision != "fp16"
+        and quantization != "4bit"
     )
     # auto: compiled blocks on CUDA under DDP with full-precision weights, where the step is not captured: a captured
     # step replays eager kernels, a cold start without minutes of compiling (on the CPU compiling takes minutes for
@@ -371,9 +374,7 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
     compiled = settings.torch_compile is True or (
         settings.torch_compile == "auto" and cuda and plan.strategy == "ddp" and not quantize and not capture
     )
-    return replace(
-        plan, precision=precision, quantization="8bit" if quantize else "none", compile=compiled, capture=capture
-    )
+    return replace(plan, precision=precision, quantization=quantization, compile=compiled, capture=capture)
 
 
 def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:

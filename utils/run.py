@@ -377,7 +377,7 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     """The checks that need no peer, then the rendezvous: the process group, with the OUTPUT_DIR lock on rank 0."""
     settings, dist = job.settings, job.dist
     export_env(dist, deepspeed=job.strategy == "deepspeed")
-    log.info("device %s, 8-bit %s, precision %s", job.device, job.quantize, job.plan.precision)
+    log.info("device %s, weights %s, precision %s", job.device, job.plan.quantization, job.plan.precision)
     batch = job.plan.batch
     log.info(
         "global batch %d rows a step (%s): %d replica(s) x %d micro-batch(es) of %d rows",

@@ -267,9 +267,10 @@ class Settings(BaseSettings):
     )
 
     # --- numerics and speed
-    quantization: Literal["auto", "8bit", "none"] = Field(
+    quantization: Literal["auto", "8bit", "4bit", "none"] = Field(
         "auto",
-        description="auto: 8bit when the whole job is one CUDA GPU (it halves weight memory) and STRATEGY is not deepspeed, none otherwise",
+        description="auto: 8bit when the whole job is one CUDA GPU (it halves weight memory) and STRATEGY is not "
+        "deepspeed, none otherwise; 4bit: QLoRA's NF4 weights with double quantization (a quarter of the memory)",
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast where the GPU supports it, else fp32"
@@ -527,11 +528,11 @@ class Settings(BaseSettings):
                 f"ZERO_OFFLOAD=optimizer+parameters offloads the weights, which only ZeRO stage 3 shards "
                 f"(ZERO_STAGE={self.zero_stage}); set ZERO_STAGE=3, or ZERO_OFFLOAD=optimizer"
             )
-        if self.strategy == "deepspeed" and self.quantization == "8bit":
+        if self.strategy == "deepspeed" and self.quantization in ("8bit", "4bit"):
             raise ValueError(
-                "QUANTIZATION=8bit cannot be combined with STRATEGY=deepspeed: DeepSpeed casts and shards the weights, "
-                "which bitsandbytes int8 weights do not survive; use QUANTIZATION=none (or auto: none under deepspeed), "
-                "or STRATEGY=ddp on one GPU for 8-bit"
+                f"QUANTIZATION={self.quantization} cannot be combined with STRATEGY=deepspeed: DeepSpeed casts and "
+                "shards the weights, which bitsandbytes' quantized weights do not survive; use QUANTIZATION=none (or "
+                f"auto: none under deepspeed), or STRATEGY=ddp for {self.quantization}"
             )
         if self.torch_compile is True and self.strategy != "ddp":
             raise ValueError(

@@ -60,8 +60,8 @@ def check_strategy(
     if quantize:
         raise JobError(
             EXIT_BAD_INPUT,
-            "QUANTIZATION=8bit cannot be combined with STRATEGY=fsdp: FSDP cannot shard bitsandbytes int8 weights; "
-            "use QUANTIZATION=none (or auto) with fsdp",
+            f"QUANTIZATION={settings.quantization} cannot be combined with STRATEGY=fsdp: FSDP cannot shard "
+            "bitsandbytes' quantized weights; use QUANTIZATION=none (or auto) with fsdp",
         )
 
 
