@@ -607,9 +607,8 @@ def unknown_share(train: datasets.Dataset, tokenizer) -> tuple[int, int] | None:
         return None
     ids = pyarrow.compute.list_flatten(train.with_format("arrow")["input_ids"])
     special = sorted(set(tokenizer.all_special_ids) - {unk})
-    text = (
-        len(ids) - pyarrow.compute.sum(pyarrow.compute.is_in(ids, value_set=pyarrow.array(special, ids.type))).as_py()
-    )
+    specials = pyarrow.compute.sum(pyarrow.compute.is_in(ids, value_set=pyarrow.array(special, ids.type))).as_py()
+    text = len(ids) - (specials or 0)  # the sum of no values is None
     unknown = pyarrow.compute.sum(pyarrow.compute.equal(ids, unk)).as_py() or 0
     return unknown, text
 

@@ -173,7 +173,8 @@ def file_columns(path: Path, needed: Iterable[str]) -> list[str] | None:
         if FILE_FORMATS[suffix] == "csv":
             with path.open(encoding="utf-8-sig", newline="") as handle:
                 header, _ = read_records(handle, path, suffix)
-            return header
+            # The loader (pandas) names a column without a name by its place
+            return None if header is None else [name or f"Unnamed: {i}" for i, name in enumerate(header)]
         if FILE_FORMATS[suffix] == "parquet":
             import pyarrow.parquet  # only here: a fifth of a second that a csv's --dry-run does not pay
 
