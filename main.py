@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             # What the run checks first on the local disk, in its order (OUTPUT_DIR, the model, the data), by the
             # same functions: the same line, before pods are scheduled. Hub ids are not looked up (no network).
             check_output_writable(settings.output_dir)
-            check_model_folder(settings.model_name)
-            check_dataset(settings)
+            if not args.push_only:  # a push of the saved model reads neither the base model nor the data
+                check_model_folder(settings.model_name)
+                check_dataset(settings)
             if warning := batch_warning(settings, plan.batch):
                 print(f"warning: {warning}", file=sys.stderr)
             print(json.dumps(dry_run_view(settings, dist, plan), indent=2))
