@@ -48,7 +48,8 @@ from utils.deepspeed_config import deepspeed_overrides, describe_strategy, with_
 from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
-from utils.outputs import check_run_dir, discard_unused_claim, open_run_dir, volume_fault
+from utils.local_inputs import check_dataset, check_model_folder
+from utils.outputs import check_output_writable, check_run_dir, discard_unused_claim, open_run_dir, volume_fault
 from utils.plan import Plan, batch_warning, build_plan, check_elastic_range
 from utils.preemption import Preemption
 from utils.settings import Settings, check_push_possible, check_trackers, load_settings
@@ -107,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         settings, dist, args, plan = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings, plan, push_only=args.push_only)
+            # What the run checks first on the local disk, in its order (OUTPUT_DIR, the model, the data), by the
+            # same functions: the same line, before pods are scheduled. Hub ids are not looked up (no network).
+            check_output_writable(settings.output_dir)
+            if not args.push_only:  # a push of the saved model reads neither the base model nor the data
+                check_model_folder(settings.model_name)
+                check_dataset(settings)
             if warning := batch_warning(settings, plan.batch):
                 print(f"warning: {warning}", file=sys.stderr)
             print(json.dumps(dry_run_view(settings, dist, plan), indent=2))

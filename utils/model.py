@@ -27,6 +27,7 @@ from transformers import (
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.local_inputs import check_model_folder, no_tokenizer
 from utils.model_card import INPUTS_NAME, REGRESSION_LABEL, read_label_names
 from utils.recipe import lora_options
 from utils.settings import Settings
@@ -74,12 +75,7 @@ def load_tokenizer(settings: Settings):
     # A folder without tokenizer files still loads: a tokenizer that knows only its special tokens,
     # which turns every word into [UNK] and trains without a word of complaint.
     if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"MODEL_NAME={settings.model_name} has no tokenizer files (its tokenizer knows only {len(tokenizer)} special tokens, so "
-            "every word would be [UNK]); save the base model's tokenizer into it (tokenizer.json or vocab.txt, tokenizer_config.json: "
-            "AutoTokenizer.from_pretrained(base).save_pretrained(folder))",
-        )
+        raise no_tokenizer(settings.model_name)
     # Saved with model/ and merged/ (tokenizer_config.json): whoever loads the model truncates where training
     # did, never past its position embeddings; many folders record no length (1e30), which truncates nothing.
     tokenizer.model_max_length = settings.max_seq_length
@@ -87,7 +83,9 @@ def load_tokenizer(settings: Settings):
 
 
 def check_model(settings: Settings) -> None:
-    """Before any training step: custom code, weights files that cannot be read, and settings the model cannot take."""
+    """Before any training step: a local folder without what a model needs (as --dry-run checks it), custom code,
+    weights files that cannot be read, and settings the model cannot take."""
+    check_model_folder(settings.model_name)
     refuse_custom_code(settings)
     folder = Path(settings.model_name)
     if folder.is_dir():

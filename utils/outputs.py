@@ -525,12 +525,31 @@ def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Run
         run.open(probe, "x").close()
         probe.unlink()
     except OSError as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"OUTPUT_DIR={settings.output_dir} is not writable ({exc.strerror}) by uid {os.getuid()}; "
-            "mount a writable volume there or set OUTPUT_DIR to a writable folder",
-        ) from None
+        raise not_writable(settings.output_dir, exc.strerror) from None
     return run
+
+
+def not_writable(output_dir: str, strerror: str | None) -> JobError:
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"OUTPUT_DIR={output_dir} is not writable ({strerror}) by uid {os.getuid()}; "
+        "mount a writable volume there or set OUTPUT_DIR to a writable folder",
+    )
+
+
+def check_output_writable(output_dir: str) -> None:
+    """What `open_run_dir` would meet creating OUTPUT_DIR's folders, found without writing (for --dry-run): the
+    nearest existing folder on the path must be a folder this uid may write into, on a writable volume."""
+    path = Path(output_dir).absolute()
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        # mkdir's own errors: OUTPUT_DIR itself a file, or a file where a folder above it should be
+        raise not_writable(output_dir, os.strerror(errno.EEXIST if existing == path else errno.ENOTDIR))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        raise not_writable(output_dir, os.strerror(errno.EROFS if read_only else errno.EACCES))
 
 
 def write_run_record(run: RunDir, settings: Settings, plan: Plan, **extra) -> None:
