@@ -189,6 +189,22 @@ def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_pat
         assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}
 
 
+def test_4bit_path_trains_on_the_cpu_and_its_adapter_serves_on_the_full_base(job_env, tmp_path):
+    """QUANTIZATION=4bit (NF4, double quantization): bitsandbytes runs it on the CPU too; the adapter loads back on
+    the full-precision base, as an 8-bit run's does."""
+    result = run_main(job_settings(job_env, QUANTIZATION="4bit", MERGE_ADAPTER="true"))
+    assert result.code == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["quantization"] == "4bit"
+    log = (tmp_path / "out" / "logs" / "rank-0.log").read_text()
+    assert "weights 4bit" in log
+    sentences = ["the cast is superb", "a dull and tedious mess"]
+    adapter = logits_of(tmp_path / "out" / "model", sentences)
+    merged = logits_of(tmp_path / "out" / "merged", sentences, merged=True)
+    assert adapter.flatten().tolist() == pytest.approx(merged.flatten().tolist(), abs=1e-4)
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "merged" / "config.json").read_text())
+
+
 def test_bf16_full_precision_weights_train_on_the_cpu_through_main(job_env, tmp_path):
     """QUANTIZATION=none PRECISION=bf16, which the job accepts without a GPU: test_gpu.py's bf16 case, here. The
     frozen base is stored in bf16 and the steps run under bf16 autocast; the adapter still learns the task and is

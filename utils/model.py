@@ -295,6 +295,12 @@ def build_model(
     head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
     with _loading(settings):
         model = load_base(settings.model_name, settings.label_names if labels is None else labels, head, **kwargs)
+    if quantize and settings.quantization == "4bit" and device.type == "cpu":
+        # bitsandbytes 0.50 repacks a 4-bit weight for its CPU inference kernel at the first forward without gradients
+        # (an evaluation) and leaves it so: the training step after it fails ("a view of a leaf Variable ... in-place").
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     if quantize:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
 
