@@ -20,14 +20,13 @@ import pyarrow.compute
 from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
-from utils.delimited import DIALECTS, read_records
+from utils.delimited import DIALECTS, FILE_FORMATS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.settings import Settings
 from utils.tasks import CLASSIFICATION, REGRESSION, validation_splits
 
 log = logging.getLogger(__name__)
 
-FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # The names after loading; `labels` is what the model's forward takes.
 TEXTS, LABEL = ("text", "text_pair"), "labels"
 # Text is text: only a truly empty cell is missing (pandas would read the sentences `NA`, `null`, `None` and
