@@ -266,3 +266,26 @@ def test_the_identity_holds_what_its_table_and_the_docs_say(tmp_path):
     assert identity_table() in doc, (
         "docs/reliability.md's identity table is stale: paste utils/identity.identity_table()"
     )
+
+
+DOCUMENTED = {  # docs/reliability.md's table of refusals: id -> (first start, second start), EDITS as above
+    "output dir of another run": ({"lora_r": 4}, {"lora_r": 8}),
+    "label names against a finished run": ({"label_names": "negative,positive"}, {"label_names": "positive,negative"}),
+    "the data": ({}, {}),
+    "the base model's weights, replaced in place": ({"model_name": "{tmp}/model"}, {}),
+}
+
+
+@pytest.mark.parametrize("case", DOCUMENTED, ids=list(DOCUMENTED))
+def test_the_documented_refusals_are_the_ones_the_job_prints(tmp_path, case):
+    first, second = (given(tmp_path, values) for values in DOCUMENTED[case])
+    base = volume(tmp_path)
+    said = places(
+        tmp_path,
+        (Settings(**base, **first), 1),
+        (Settings(**{**base, **first, **second}), 1),
+        lambda: EDITS.get(case, lambda tmp: None)(tmp_path),
+    )
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    printed = said["finished run"].replace(f"OUTPUT_DIR={base['output_dir']}", "OUTPUT_DIR=...")
+    assert f"`{printed}`" in doc, printed
