@@ -85,6 +85,10 @@ AS_GIVEN = (
 )
 DEVICE_RESOLVED = ("precision", "quantization", "int8_threshold")  # `auto` until Job.start knows the device
 ZERO = ("strategy", "zero_stage", "zero_offload", "deepspeed")
+# The fields that are None where the run does not use them (MAX_STEPS's None, by contrast, says the epochs decide).
+UNUSED_AS_NONE = frozenset(
+    {"zero_stage", "zero_offload", "deepspeed", "per_device_batch_size", "int8_threshold", "label_names", "epochs"}
+)
 # What from_pretrained reads of a local model folder: its config, tokenizer and weights files (not a README or notes).
 MODEL_FILES = frozenset(
     "config.json tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json vocab.txt vocab.json "
@@ -206,7 +210,10 @@ def compared_fields(theirs: dict, ours: dict) -> set[str]:
     if theirs.get("version") == ours.get("version"):
         names = set(theirs) | set(ours)
     else:
-        names = (set(theirs) & set(ours)) - {"version"}
+        # An older record holds a setting this run leaves out (ZERO_STAGE under DDP, in a run.json's settings) as
+        # given: what this run does not use is no difference.
+        unused = {name for name in UNUSED_AS_NONE if ours.get(name) is None}
+        names = (set(theirs) & set(ours)) - {"version"} - unused
     # Before the device is known (--dry-run, the run folder's first check) `auto` may still become either value.
     for setting, fields in (("precision", {"precision"}), ("quantization", {"quantization", "int8_threshold"})):
         if "auto" in (theirs.get(setting), ours.get(setting)):
