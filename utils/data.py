@@ -20,7 +20,7 @@ import pyarrow.compute
 from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
-from utils.delimited import DIALECTS, FILE_FORMATS, read_records
+from utils.delimited import DIALECTS, FILE_FORMATS, data_files, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.settings import Settings
 from utils.tasks import CLASSIFICATION, REGRESSION, validation_splits
@@ -38,7 +38,7 @@ JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", li
 def _local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
     files = {}
     for split in splits:
-        found = sorted(p for p in folder.iterdir() if p.stem == split and p.suffix.lower() in FILE_FORMATS)
+        found = data_files(folder, (split,))
         if not found:
             present = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
             raise JobError(

@@ -23,6 +23,11 @@ DIALECTS = {".csv": (",", csv.QUOTE_MINIMAL), ".tsv": ("\t", csv.QUOTE_NONE)}
 FIELD_LIMIT = 2**31 - 1
 
 
+def data_files(folder: Path, splits: tuple[str, ...]) -> list[Path]:
+    """The entries of DATASET_PATH the loader reads for `splits` (`train.csv`, not `train.txt`), sorted."""
+    return sorted(p for p in folder.iterdir() if p.stem in splits and p.suffix.lower() in FILE_FORMATS)
+
+
 def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[str] | None, Iterator[tuple[int, list]]]:
     """The header (None for an empty file) and each record after it with the line it starts on (a blank line is no
     record, to the loader either). Refused: a header naming a column twice (the loader would rename one `label.1`

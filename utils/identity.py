@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from utils.delimited import FILE_FORMATS
+from utils.delimited import data_files
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings, batch_follows_replicas
 from utils.tasks import REGRESSION, validation_splits
@@ -188,11 +188,7 @@ def data_digest(settings: Settings) -> dict[str, str] | None:
         paths = [path for path in folder.rglob("*") if path.is_file()]
     else:
         splits = ("train", *validation_splits(settings))  # MNLI: validation_matched and validation_mismatched
-        paths = [
-            path
-            for path in folder.iterdir()
-            if path.is_file() and path.stem in splits and path.suffix.lower() in FILE_FORMATS
-        ]
+        paths = [path for path in data_files(folder, splits) if path.is_file()]
     return {str(path.relative_to(folder)): sha256_file(path) for path in sorted(paths)}
 
 
