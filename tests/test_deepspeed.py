@@ -625,7 +625,9 @@ def test_dry_run_shows_the_deepspeed_config_the_run_uses(tmp_path, job_env, monk
         "fp16": {"enabled": "auto"},
     }
     assert (settings.zero_stage, settings.zero_offload) == (1, "none")
-    assert settings.training_settings()["zero_stage"] == 1
+    from utils.plan import build_plan
+
+    assert build_plan(settings, 1).identity["zero_stage"] == 1  # the run identity records what trains
     # A scheduler and an optimizer block: what the Trainer fills in from the run completed, the step counts
     # left "auto" until the data set's size is known, and ZERO_STAGE/ZERO_OFFLOAD agreeing with the file accepted.
     path = ds_file(

@@ -70,7 +70,7 @@ def test_the_defaults_train_one_global_batch_on_every_count(tmp_path, monkeypatc
         assert warning is None, warning
         assert (plan.learning_rate, plan.loraplus_ratio) == (alone.learning_rate, alone.loraplus_ratio) == (1e-3, 8)
     # One run on any count: the identity names neither the count nor the micro-batch cap (a restart may change both).
-    assert plan.identity["world_size"] is None and "per_device_batch_size" not in plan.identity
+    assert plan.identity["world_size"] is None and plan.identity["per_device_batch_size"] is None
     assert plan.identity["global_batch"] == batch.global_batch
 
 

@@ -373,7 +373,7 @@ def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or
         changed = run_main(env)
     finally:
         (data / "train.csv").write_bytes(original)
-    assert_refusal(changed, [f"OUTPUT_DIR={out}", "data files: train.csv in DATASET_PATH="])
+    assert_refusal(changed, [f"OUTPUT_DIR={out}", "data files: train.csv added, removed or edited"])
 
     # The checkpoints after the SIGINT one damaged after they were marked complete: the SIGINT one is used,
     # with a warning for each.

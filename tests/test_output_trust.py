@@ -388,3 +388,48 @@ def test_what_counts_as_a_run_folder_of_the_job(tmp_path):
     theirs.append(RunDir(tmp_path / "link-marker"))
     assert [run.root.name for run in ours if not is_run_folder(run)] == []
     assert [run.root.name for run in theirs if is_run_folder(run)] == []
+
+
+def replace_weights_in_place(model: Path) -> None:
+    """The base's weights file rewritten with other values of the same names, shapes and dtypes."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    save_file(
+        {name: tensor + 1 if tensor.is_floating_point() else tensor for name, tensor in weights.items()},
+        model / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+
+
+def test_a_checkpoint_is_never_resumed_merged_or_published_over_another_base_or_label_mapping(job_env, tmp_path):
+    """Through main.py: a finished run whose base weights were replaced in place (same shapes) is not merged
+    (MERGE_ADAPTER=true) and a stopped one not resumed on them, nor with the label ids swapped; the same base by
+    another spelling resumes it. Nothing in the folder is touched by a refusal."""
+    model = tmp_path / "model"
+    shutil.copytree(job_env["MODEL_NAME"], model)
+    original = (model / "model.safetensors").read_bytes()
+    out = tmp_path / "out"
+    env = job_settings(job_env, MODEL_NAME=str(model), MAX_STEPS="4", SAVE_STEPS="2", LABEL_NAMES="negative,positive")
+    first = run_main(env)
+    assert first.code == 0, first.stderr[-3000:]
+
+    replace_weights_in_place(model)
+    before = tree(out)
+    merged = run_main({**env, "MERGE_ADAPTER": "true"})
+    assert_refusal(merged, [f"OUTPUT_DIR={out}", "base model: model.safetensors", "restore the base model"])
+    assert tree(out) == before and not (out / "merged").exists()
+
+    shutil.rmtree(out / "model")  # stopped after its last checkpoint: not finished, a restart resumes
+    (out / "metrics.json").unlink()
+    before = tree(out)
+    resumed_on_another_base = run_main(env)
+    assert_refusal(resumed_on_another_base, [f"OUTPUT_DIR={out}", "base model: model.safetensors"])
+    (model / "model.safetensors").write_bytes(original)
+    swapped = run_main({**env, "LABEL_NAMES": "positive,negative"})
+    assert_refusal(swapped, [f"OUTPUT_DIR={out}", "LABEL_NAMES: negative,positive -> positive,negative"])
+    assert tree(out) == before
+
+    respelled = run_main({**env, "MODEL_NAME": f"{os.path.relpath(model)}/"})
+    assert respelled.code == 0, respelled.stderr[-3000:]
+    assert "resuming from step 4" in (out / "logs" / "rank-0.log").read_text()

@@ -14,10 +14,18 @@ from pathlib import Path
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 
+# The data files DATASET_PATH's loader reads, by suffix -> the `datasets` builder: utils/data.py loads them, and the
+# run identity digests these and no other file of the folder (a notes file beside them is not the data).
+FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 DIALECTS = {".csv": (",", csv.QUOTE_MINIMAL), ".tsv": ("\t", csv.QUOTE_NONE)}
 # The csv module refuses a field over 128 KiB (a long review, a document); the loader reads it whole, and the
 # tokenizer truncates it to MAX_SEQ_LENGTH.
 FIELD_LIMIT = 2**31 - 1
+
+
+def data_files(folder: Path, splits: tuple[str, ...]) -> list[Path]:
+    """The entries of DATASET_PATH the loader reads for `splits` (`train.csv`, not `train.txt`), sorted."""
+    return sorted(p for p in folder.iterdir() if p.stem in splits and p.suffix.lower() in FILE_FORMATS)
 
 
 def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[str] | None, Iterator[tuple[int, list]]]:

@@ -12,12 +12,11 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from utils.delimited import read_records
+from utils.delimited import FILE_FORMATS, data_files, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import REPO_ID_PATTERN, Settings
 from utils.tasks import validation_splits
 
-FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # The files a tokenizer is built from (WordPiece, BPE, SentencePiece): a folder without any of them loads a
 # tokenizer that knows only its special tokens.
 TOKENIZER_FILES = (
@@ -113,7 +112,7 @@ def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
     """Each split's one data file in a DATASET_PATH folder of files."""
     files = {}
     for split in splits:
-        found = sorted(p for p in folder.iterdir() if p.stem == split and p.suffix.lower() in FILE_FORMATS)
+        found = data_files(folder, (split,))  # the files the loader reads, and the identity hashes
         if not found:
             raise JobError(
                 EXIT_BAD_INPUT,

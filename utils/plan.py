@@ -51,7 +51,7 @@ from typing import Annotated, Any
 from pydantic import TypeAdapter, ValidationError
 
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.identity import run_identity, run_name
+from utils.identity import run_identity, run_name, with_numerics
 from utils.settings import DEFAULT_GLOBAL_BATCH, MAX_GLOBAL_BATCH, Settings, batch_follows_replicas
 
 REFERENCE_GLOBAL_BATCH = DEFAULT_GLOBAL_BATCH  # one replica with the defaults: where BASE_LEARNING_RATE was measured
@@ -315,11 +315,7 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         )
     rate = resolve_learning_rate(settings, batch)
     deepspeed = settings.strategy == "deepspeed"
-    # A fixed global batch (GLOBAL_BATCH_SIZE, or the default) under DDP: one global order of the rows, which any
-    # replica count continues (not under DeepSpeed, whose checkpoints hold each rank's partition of the optimizer
-    # state).
-    identity = run_identity(settings, batch.global_batch, world_size, elastic=batch.fixed and not deepspeed)
-    return Plan(
+    plan = Plan(
         batch=batch,
         learning_rate=rate,
         learning_rate_source="LEARNING_RATE as set"
@@ -338,9 +334,12 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         warmup_steps=warmup_steps(settings.warmup_ratio, settings.max_steps) if settings.max_steps else None,
         compile=settings.torch_compile,
         capture=settings.cuda_graphs,
-        identity=identity,
-        run_name=run_name(settings, identity),
     )
+    # A fixed global batch (GLOBAL_BATCH_SIZE, or the default) under DDP: one global order of the rows, which any
+    # replica count continues (not under DeepSpeed, whose checkpoints hold each rank's partition of the optimizer
+    # state). The rates as this plan trains at them, however they were given.
+    identity = run_identity(settings, batch.global_batch, world_size, batch.fixed and not deepspeed, plan.rates)
+    return replace(plan, identity=identity, run_name=run_name(settings, identity))
 
 
 def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool) -> Plan:
@@ -374,7 +373,15 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
     compiled = settings.torch_compile is True or (
         settings.torch_compile == "auto" and cuda and plan.strategy == "ddp" and not quantize and not capture
     )
-    return replace(plan, precision=precision, quantization=quantization, compile=compiled, capture=capture)
+    return replace(
+        plan,
+        precision=precision,
+        quantization=quantization,
+        compile=compiled,
+        capture=capture,
+        # What the run trains with is now known: the checkpoints and run.json record it resolved (utils/identity.py).
+        identity=with_numerics(plan.identity, precision, quantization) if plan.identity is not None else None,
+    )
 
 
 def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:

@@ -574,31 +574,10 @@ class Settings(BaseSettings):
         return self
 
     # ---------------------------------------------------------------- views
-    def training_settings(self) -> dict[str, Any]:
-        """The settings that change what is trained: a run folder holding other values is refused."""
-        names = training_setting_names(self)
-        return {name: value for name, value in self.as_dict().items() if name in names}
-
     def as_dict(self) -> dict[str, Any]:
         values = self.model_dump(mode="json")
         values["hf_token"] = "***" if read_token() else None
         return values
-
-
-# Settings that change the result. The others (where to write, where to push, timeouts, speed knobs
-# that leave the maths alone) may differ between a run and its restart. The ZeRO stage and the offload decide
-# what a checkpoint holds (which shards, where the optimizer steps).
-DEEPSPEED_SETTINGS = frozenset({"zero_stage", "zero_offload", "deepspeed_config"})
-TRAINING_SETTINGS = DEEPSPEED_SETTINGS | {
-    *("model_name", "dataset_name", "dataset_config", "dataset_path", "text_column", "label_column", "seed"),
-    *("num_epochs", "max_steps", "per_device_batch_size", "gradient_accumulation_steps", "global_batch_size"),
-    *("learning_rate", "base_learning_rate", "learning_rate_scaling", "warmup_ratio", "weight_decay"),
-    *("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_variant", "lora_init", "model_dropout"),
-    *("train_pooler", "head_learning_rate_ratio", "loraplus_lr_ratio", "quantization", "precision", "strategy"),
-    "int8_threshold",
-    "max_seq_length",
-    *("load_best_model", "early_stopping_patience", "class_weights"),
-}
 
 
 def batch_follows_replicas(settings: Settings) -> bool:
@@ -606,21 +585,6 @@ def batch_follows_replicas(settings: Settings) -> bool:
     given, GLOBAL_BATCH_SIZE not): the rule of a user who sized the per-device batch. Otherwise the global batch
     is fixed whatever the replica count: GLOBAL_BATCH_SIZE, else DEFAULT_GLOBAL_BATCH (utils/plan.py)."""
     return settings.global_batch_size is None and bool(BATCH_SHAPE & settings.model_fields_set)
-
-
-def training_setting_names(settings: Settings) -> frozenset[str]:
-    """TRAINING_SETTINGS, less the DeepSpeed ones unless STRATEGY=deepspeed: they change nothing else, and a
-    DDP or FSDP run keeps the run name and the run folder it had before they existed. Where the global batch is
-    fixed (GLOBAL_BATCH_SIZE, or the default), less PER_DEVICE_BATCH_SIZE too: there it only caps the micro-batch
-    (utils/plan.py), and each step averages the same rows whatever it is, as on another replica count. TASK and
-    PROBLEM_TYPE count where they are not the defaults: a resume with another task or problem type is refused, and
-    an SST-2 run keeps its name. (LABEL_NAMES is none: another label order is other label ids, which the
-    checkpoint's key of the tokenized rows refuses.)"""
-    names = TRAINING_SETTINGS if settings.strategy == "deepspeed" else TRAINING_SETTINGS - DEEPSPEED_SETTINGS
-    if not batch_follows_replicas(settings):
-        names = names - {"per_device_batch_size"}
-    task_names = {"task": settings.task is not None, "problem_type": settings.problem_type != "auto"}
-    return names | {name for name, counts in task_names.items() if counts}
 
 
 def resolve_base_model_id(settings: Settings) -> str | None:
