@@ -20,10 +20,9 @@ import pyarrow.compute
 from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
-from utils.delimited import DIALECTS, FILE_FORMATS, data_files, read_records
+from utils.delimited import DIALECTS, FILE_FORMATS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.local_inputs import (
-    FILE_FORMATS,
     check_columns,
     check_dataset_folder,
     check_splits,
