@@ -367,7 +367,9 @@ REFUSALS = [
     ({"settings": {"task": "stsb"}, "metric": "spearmanr"}, ["spearmanr", "TASK=stsb", "did you mean spearman?"]),
     ({"direction": "up"}, ["direction='up'", "maximize", "minimize"]),
     ({"metrics": "f1"}, ["bad.yaml", "unknown key 'metrics'", "did you mean metric?"]),
-    ({"parallel": True}, ["parallel=True", "valid integer", "at least 1"]),  # strict: `true` is no count
+    ({"parallel": True}, ["parallel=True", "valid integer", "1 to 1000"]),  # strict: `true` is no count
+    # a count past any sweep's trials: accepted once, it was a MemoryError after the folder was claimed
+    ({"parallel": 1000000000000}, ["parallel=1000000000000", "1 to 1000"]),
     (
         {"grid": None, "random": {"learning_rate": {"low": 1e-3, "high": 1e-4}}, "trials": 2},
         ["random.learning_rate", "low=0.001", "high=0.0001"],
@@ -383,6 +385,19 @@ REFUSALS = [
     (
         {"grid": None, "random": {"lora_r": {"low": 0.5, "high": 8, "log": True, "type": "int"}}, "trials": 2},
         ["random.lora_r", "low=0.5"],
+    ),
+    # .nan passes every order check and .inf overflows the draw: each was a traceback
+    (
+        {"grid": None, "random": {"learning_rate": {"low": float("nan"), "high": 1e-3}}, "trials": 2},
+        ["random.learning_rate.low", "nan is not a finite number"],
+    ),
+    (
+        {"grid": None, "random": {"learning_rate": {"low": 1e-5, "high": float("inf")}}, "trials": 2},
+        ["random.learning_rate.high", "inf is not a finite number"],
+    ),
+    (
+        {"grid": None, "random": {"lora_r": {"low": 1, "high": 10**400}}, "trials": 2},
+        ["random.lora_r.high", "(401 digits) is not a finite number"],
     ),
     ({"grid": None, "random": {"lora_r": [4, 8]}}, ["trials: N", "trials=None"]),
     ({"grid": None, "random": {"lora_r": [4, 8]}, "trials": 100000000}, ["trials=100000000", "1 to 1000"]),

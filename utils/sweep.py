@@ -114,7 +114,22 @@ def swept_values(values: list) -> list:
 
 SettingName = Annotated[str, AfterValidator(setting_name)]
 Values = Annotated[list, Field(min_length=1), AfterValidator(swept_values)]
-Number = Annotated[float | int, BeforeValidator(yaml_number)]  # an int stays an int: its exact type
+
+
+def finite(value):
+    """A range's bound the sampler can draw between: .nan compares false with everything (low < high holds for no
+    pair, so no order check catches it), .inf and an int past a float's range overflow the draw."""
+    try:
+        if math.isfinite(value):
+            return value
+    except OverflowError:  # an int too large for a float
+        pass
+    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(repr(value))} digits)"
+    raise ValueError(f"{shown} is not a finite number; give each bound as a number, e.g. low: 1.0e-5")
+
+
+# an int stays an int: its exact type
+Number = Annotated[float | int, BeforeValidator(yaml_number), AfterValidator(finite)]
 
 
 class Range(BaseModel):
@@ -207,7 +222,9 @@ class Spec:
     )
     metric: str = Field("accuracy", min_length=1, description="name a key of the trials' metrics.json")
     direction: Literal["maximize", "minimize"] | None = Field(None, description="use maximize or minimize")
-    parallel: int = Field(1, ge=1, description="give how many trials run at once, at least 1")
+    # No more at once than a sweep may have trials: each runs a process (a thread and a GPU slot locally, an array
+    # throttle in Slurm, Katib's parallelTrialCount); a larger count is a typo that would exhaust memory.
+    parallel: int = Field(1, ge=1, le=MAX_TRIALS, description=f"give how many trials run at once, 1 to {MAX_TRIALS}")
     backend: Literal["local", "slurm", "katib"] = Field("local", description="use one of local, slurm, katib")
     # the Hub repo trials push to as <repo>-<trial>; None: no trial pushes
     push: str | bool | None = Field(
