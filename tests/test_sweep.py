@@ -18,6 +18,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -432,6 +433,37 @@ def test_bad_spec_is_refused_before_any_trial_starts(change, names, tmp_path, ca
     result = sweep_in_process(capsys, write_spec(tmp_path, "bad", **spec))
     assert_refusal(result, names)
     assert not out.exists()  # before anything was run or written
+
+
+# A YAML "billion laughs" under 350 bytes: each line nine times the last, 9^7 values once expanded.
+ALIAS_BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdef", "bcdefg", strict=True)
+)
+
+
+@pytest.mark.check
+def test_a_spec_says_each_key_once_and_writes_its_values_out(tmp_path, capsys, sweep_data):
+    """A key given twice (`grid:` twice, `lora_r` beside `LORA_R`) is refused as the job's recipe reader refuses it:
+    YAML keeps the last without a word. An alias is refused where it stands: nested ones made a 28 MB error line
+    after 16 s. One line each, exit 2, nothing claimed."""
+    out = tmp_path / "sweep"
+    head = f"output_dir: {out}\nsettings:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in sweep_data.items())
+    cases = {
+        "grid-twice": (head + "grid:\n  lora_r: [4]\ngrid:\n  lora_r: [4, 8]\n", ["sets grid twice", "keep one"]),
+        "name-twice": (head + "  LORA_R: 8\n  lora_r: 4\ngrid:\n  seed: [1]\n", ["sets lora_r twice", "lines"]),
+        "in-grid-twice": (head + "grid:\n  lora_r: [4]\n  LORA_R: [8]\n", ["sets lora_r twice", "keep one"]),
+        "bomb": (ALIAS_BOMB + "output_dir: *g\ngrid: {lora_r: [4]}\n", ["line 2", "alias *a", "write the value out"]),
+    }
+    assert len(ALIAS_BOMB) < 350
+    for stem, (text, names) in cases.items():
+        spec = tmp_path / f"{stem}.yaml"
+        spec.write_text(text)
+        for args in ([], ["--dry-run"]):
+            started = time.monotonic()
+            result = sweep_in_process(capsys, spec, *args)
+            line = assert_refusal(result, [f"{spec} ", *names])
+            assert len(result.stderr) < 300 and time.monotonic() - started < 5, line
+    assert not out.exists()
 
 
 @pytest.mark.check

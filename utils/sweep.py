@@ -37,7 +37,7 @@ from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import UnfitFile, read_small_text
 from utils.identity import sha256_file
 from utils.outputs import RunDir
-from utils.settings import FIELDS, SECRET_SETTINGS, env_name, load_settings
+from utils.settings import FIELDS, SECRET_SETTINGS, _KeyTwice, _unique_key_loader, env_name, load_settings
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix, reported_metrics
 from utils.tasks import validation_splits as task_splits
 
@@ -336,13 +336,37 @@ def spec_error(path: Path, exc: ValidationError) -> str:
     return f"{where}={error['input']!r} is invalid: {error['msg']}; {fix}"
 
 
+class _Alias(Exception):
+    """An alias (*name) in a spec: (name, line)."""
+
+
+class SpecLoader(_unique_key_loader(yaml)):  # one rule for a key given twice, in the recipe and in the spec
+    """The recipe reader's loader (a key given twice, `lora_r` beside `LORA_R` too, is refused: YAML keeps the last
+    without a word), refusing aliases as well. A spec is a page written out; nested aliases make a few hundred bytes
+    millions of values (a "billion laughs"), which a check then walks and an error message quotes whole."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Alias(event.anchor, event.start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
 def read_spec(path: Path) -> Spec:
     """Read and check a spec; everything wrong with it is a JobError (exit 2) that says the fix."""
     try:
-        raw = yaml.safe_load(read_small_text(path, SPEC_MAX_BYTES))
+        raw = yaml.load(read_small_text(path, SPEC_MAX_BYTES), Loader=SpecLoader)
     except (OSError, UnfitFile) as exc:
         why = f"cannot be read ({exc.strerror})" if isinstance(exc, OSError) else exc
         raise refused(f"{path} {why}; give the path of a SPEC.yaml (examples/sweeps/ has some)") from None
+    except _KeyTwice as exc:
+        key, first, second = exc.args
+        raise refused(f"{path} sets {key} twice (lines {first} and {second}); keep one") from None
+    except _Alias as exc:
+        name, line = exc.args
+        raise refused(
+            f"{path} line {line}: the alias *{str(name)[:40]} is not read in a spec; write the value out where it is used"
+        ) from None
     except yaml.YAMLError as exc:
         raise refused(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
     if not isinstance(raw, dict) or not all(isinstance(key, str) for key in raw):
