@@ -585,6 +585,41 @@ def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_
     assert_refusal(result, [f"CONFIG_FILE={pushing}", "result_merged_model_id: me/merged", "push: OWNER/NAME"])
 
 
+@pytest.mark.check
+def test_a_state_file_the_sweep_cannot_read_is_refused_before_the_folder_is_claimed(tmp_path, capsys, sweep_data):
+    """A sweep.json of another shape (`{}`, a list, wrong types, not JSON) and a torn or garbage study.db: one line
+    naming the file and the fix, exit 2, the folder byte for byte as it was, sweep.json not rewritten even for a
+    spec that would extend it (a grid grown in its first list)."""
+    out = tmp_path / "sweep"
+    spec = write_spec(tmp_path, "state", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(out))
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0
+    recorded = (out / "sweep.json").read_text()
+    grown = write_spec(tmp_path, "grown", settings=sweep_data, grid={"lora_r": [4, 8]}, output_dir=str(out))
+    for text in ("{}", "[]", '{"trials": [], "recipe": null}', '{"trials": {"trial-000": {"LORA_R": 4}}}', "{not"):
+        (out / "sweep.json").write_text(text)
+        kept = snapshot(out)
+        for args in ([], ["--summarize"], ["--run-trial", "0"]):
+            result = sweep_in_process(capsys, grown, *args)
+            assert_refusal(result, [str(out / "sweep.json"), "restore", "new output_dir"])
+            assert snapshot(out) == kept, (text, args)
+
+    (out / "sweep.json").write_text(recorded)
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="sweep", storage=f"sqlite:///{tmp_path / 'whole.db'}")
+    for _ in range(3):
+        study.tell(study.ask(), 0.5)
+    whole = (tmp_path / "whole.db").read_bytes()
+    for why, data in [("torn", whole[: len(whole) // 2]), ("garbage", b"\x00not a database" * 64)]:
+        (out / "study.db").write_bytes(data)
+        kept = snapshot(out)
+        result = sweep_in_process(capsys, grown)
+        assert_refusal(result, [str(out / "study.db"), "move it aside", "new study"])
+        assert snapshot(out) == kept, why
+        assert "sweep: start" not in result.stdout
+
+
 def test_the_token_is_masked_in_what_the_sweep_prints(tmp_path, sweep_data):
     spec = write_spec(tmp_path, "token", settings=sweep_data, grid={"lora_r": [4]}, metric=FAKE_TOKEN, output_dir=".")
     result = run_sweep(base_env(tmp_path, HF_TOKEN=FAKE_TOKEN), spec)

@@ -53,6 +53,7 @@ HUB_DESTINATIONS = ("RESULT_MODEL_ID", "RESULT_MERGED_MODEL_ID")
 EXPONENT_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # as launchers/slurm/render_sbatch.py
 SWEEP_RECORD = "sweep.json"  # in output_dir: the sweep's identity, and its claim on the folder
+SWEEP_RECORD_MAX_BYTES = 64 << 20  # 1000 trials' settings are well under a megabyte; more is not the sweep's record
 # The sweep owns these: every trial gets its own folder, and pushes only when the spec says so.
 OWNED = {
     "output_dir": "output_dir (at the top of the spec)",
@@ -429,7 +430,7 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
     """Resolve each trial's settings with the job's own model, as its main.py will, so a bad value, a Hub repo from
     the recipe or a metric metrics.json will not hold stops the sweep before any trial starts; set `spec.metric_key`.
     Returns the sweep's identity (each trial's setting variables, this shell's among them, and the recipe's content)
-    for `open_sweep_dir`."""
+    for `check_sweep_dir`."""
     found: dict[str, dict[str, str]] = {}
     keys: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     for trial in trials:
@@ -499,26 +500,22 @@ def trial_metric(spec: Spec, folder: Path) -> float | None:
     return None
 
 
-def open_sweep_dir(spec: Spec, identity: dict) -> None:
-    """Claim output_dir: a new or empty folder, or this same sweep's (sweep.json: the same recipe and, for every trial
-    both name, the same settings; more draws of the same seed extend it). Another tool's folder is refused, as main.py
-    refuses one, since the sweep replaces files there; another sweep's too, so a resume, a `--run-trial` or a summary
-    never shows a result under values it was not trained with."""
+def check_sweep_dir(spec: Spec, identity: dict) -> dict | None:
+    """Whether output_dir may be this sweep's: a new or empty folder, or this same sweep's (sweep.json: the same recipe
+    and, for every trial both name, the same settings; more draws of the same seed extend it). Another tool's folder
+    is refused, as main.py refuses one, since the sweep replaces files there; another sweep's too, so a resume, a
+    `--run-trial` or a summary never shows a result under values it was not trained with. Writes nothing: returns
+    the record `claim_sweep_dir` writes (None: the folder's record stands as it is), so every other check can run
+    between the two and a refusal leaves the folder as it was."""
     out = spec.output_dir
     record = out / SWEEP_RECORD
-    fix = "give this spec a new output_dir, or restore the spec, recipe and setting variables the sweep was made with"
     if record.is_file():
-        try:
-            theirs = json.loads(record.read_text())
-        except (OSError, ValueError) as exc:
-            raise refused(f"{record} cannot be read ({exc}); {fix}") from None
+        theirs = read_sweep_record(record)
         if change := identity_change(theirs, identity):
-            raise refused(f"{out} holds another sweep ({change}); {fix}")
+            raise refused(f"{out} holds another sweep ({change}); {RESTORE}")
         # every trial ever planned here stays recorded: a later spec naming it again is checked against it
         known = {"trials": {**theirs["trials"], **identity["trials"]}, "recipe": identity["recipe"]}
-        if known != theirs:
-            write_sweep_record(record, known)
-        return
+        return known if known != theirs else None
     ours = {SWEEP_RECORD, ".sweep.lock", "lost+found"}
     found = os.listdir(out) if out.is_dir() else []
     if names := sorted(n for n in found if n not in ours and not n.startswith(f".{SWEEP_RECORD}")):
@@ -527,7 +524,39 @@ def open_sweep_dir(spec: Spec, identity: dict) -> None:
             f"output_dir={out} is not empty and is not a folder of this sweep (it holds {shown}, and no {SWEEP_RECORD}); "
             "the sweep deletes and replaces files in its folders, so it leaves this one untouched: use an empty or new folder"
         )
-    write_sweep_record(record, identity)
+    return identity
+
+
+RESTORE = "give this spec a new output_dir, or restore the spec, recipe and setting variables the sweep was made with"
+UNREADABLE = "restore the sweep.json the sweep wrote, or give this spec a new output_dir"
+
+
+def read_sweep_record(record: Path) -> dict:
+    """sweep.json as the sweep writes it ({"trials": {name: {VARIABLE: value}}, "recipe": null or {path, sha256}}),
+    or refused in one line: a record of another shape was not written by this sweep, or was edited."""
+    try:
+        theirs = json.loads(read_small_text(record, SWEEP_RECORD_MAX_BYTES))
+    except (OSError, UnfitFile, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else exc
+        raise refused(f"{record} cannot be read ({why}); {UNREADABLE}") from None
+    trials = theirs.get("trials") if isinstance(theirs, dict) else None
+    recipe = theirs.get("recipe", ...) if isinstance(theirs, dict) else ...
+    if not (
+        isinstance(trials, dict)
+        and all(isinstance(v, dict) and all(isinstance(x, str) for x in v.values()) for v in trials.values())
+        and (recipe is None or isinstance(recipe, dict))
+    ):
+        raise refused(
+            f"{record} is not a record this sweep writes (it holds trials: each trial's settings, and recipe); "
+            f"{UNREADABLE}"
+        )
+    return theirs
+
+
+def claim_sweep_dir(spec: Spec, record: dict | None) -> None:
+    """Write `check_sweep_dir`'s record: the folder is this sweep's from then on."""
+    if record is not None:
+        write_sweep_record(spec.output_dir / SWEEP_RECORD, record)
 
 
 def write_sweep_record(record: Path, identity: dict) -> None:

@@ -18,11 +18,13 @@ import os
 import queue
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 from utils.errors import EXIT_UNEXPECTED
@@ -31,6 +33,7 @@ from utils.sweep_summary import record_trial
 
 REPO = Path(__file__).resolve().parents[1]
 TRIAL_LOG = "trial.log"  # the job's stdout and stderr, appended to by every run of the trial
+STUDY = "study.db"
 
 
 def visible_gpus(environ: dict[str, str]) -> list[str]:
@@ -109,8 +112,26 @@ def run_local(spec: Spec, trials: list[Trial]) -> int:
         return run_study(spec, trials)
 
 
+def check_study(spec: Spec) -> None:
+    """A study.db SQLite cannot read whole (torn by a full disk or a copy, or another file under its name) is refused
+    in one line naming it and the fix, before the sweep claims its folder; Optuna would end in a traceback."""
+    db = spec.output_dir / STUDY
+    if not db.exists():
+        return
+    try:
+        with closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)) as conn:
+            verdict = conn.execute("PRAGMA quick_check").fetchone()[0]
+    except sqlite3.Error as exc:
+        verdict = str(exc)
+    if verdict != "ok":
+        raise refused(
+            f"{db} is not a database the sweep can read ({verdict[:120]}); restore it, or move it aside to start a "
+            "new study: each trial that finished stays complete in its folder (its job finds the run done)"
+        )
+
+
 def open_study(spec: Spec, trials: list[Trial]):
-    """The sweep's study in output_dir (this sweep's: open_sweep_dir refused another's), the trials a stopped sweep
+    """The sweep's study in output_dir (this sweep's: check_sweep_dir refused another's), the trials a stopped sweep
     left running marked failed; with the planned trials not yet complete."""
     import optuna
     from optuna.trial import TrialState
@@ -118,7 +139,7 @@ def open_study(spec: Spec, trials: list[Trial]):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
         study_name="sweep",  # one study per output_dir, whatever the spec's file is called
-        storage=f"sqlite:///{spec.output_dir / 'study.db'}",
+        storage=f"sqlite:///{spec.output_dir / STUDY}",
         load_if_exists=True,
         direction=spec.direction,
         sampler=optuna.samplers.RandomSampler(seed=spec.seed),
@@ -129,7 +150,7 @@ def open_study(spec: Spec, trials: list[Trial]):
     done = {t.user_attrs.get("trial") for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))}
     todo = [t for t in trials if t.name not in done]
     if done:
-        print(f"sweep: {len(done)} trial(s) already complete in {spec.output_dir / 'study.db'}, {len(todo)} to run")
+        print(f"sweep: {len(done)} trial(s) already complete in {spec.output_dir / STUDY}, {len(todo)} to run")
     return study, todo
 
 
