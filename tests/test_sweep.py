@@ -286,6 +286,32 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
 
 
 @pytest.mark.integration
+def test_a_grid_grown_in_its_first_list_extends_the_sweep(tmp_path, sweep_data):
+    """docs/sweeps.md: a grid grown in its first list keeps the trials it had and adds the new ones. The study records
+    each trial's settings beside it, not as Optuna parameters, whose value space may not change (it was
+    `CategoricalDistribution does not support dynamic value space`, exit 1, after sweep.json was rewritten)."""
+    out = tmp_path / "sweep"
+    env = base_env(tmp_path)
+    first = run_sweep(
+        env, write_spec(tmp_path, "grow", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(out))
+    )
+    assert first.code == 0, first.stderr[-3000:]
+    finished = (out / "trial-000" / "metrics.json").read_bytes()
+    grown = write_spec(tmp_path, "grow", settings=sweep_data, grid={"lora_r": [4, 8]}, output_dir=str(out))
+    result = run_sweep(env, grown)
+    assert result.code == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "sweep: start trial-000" not in result.stdout and "sweep: start trial-001" in result.stdout
+    assert (out / "trial-000" / "metrics.json").read_bytes() == finished
+    assert study_states(out / "study.db") == [("trial-000", "COMPLETE"), ("trial-001", "COMPLETE")]
+    assert list(json.loads((out / "sweep.json").read_text())["trials"]) == ["trial-000", "trial-001"]
+    rows = read_csv(out / "summary.csv")
+    assert [(r["trial"], r["lora_r"], r["status"]) for r in rows] == [
+        ("trial-000", "4", "complete"),
+        ("trial-001", "8", "complete"),
+    ]
+
+
+@pytest.mark.integration
 def test_trials_push_only_where_the_spec_says_and_a_failed_push_is_a_failed_trial(tmp_path, sweep_data, hub):
     """RESULT_MODEL_ID and RESULT_MERGED_MODEL_ID in the shell reach no trial (each would push over the last);
     `push: OWNER/NAME` is where each trial pushes. The Hub stand-in refuses the commits: each trial trains, writes

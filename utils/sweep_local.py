@@ -3,7 +3,10 @@
 The study lives in OUTPUT_DIR/study.db (Optuna, SQLite), one Optuna trial per run of a planned trial, named by
 its `trial` user attribute, so a sweep run again after a kill resumes: a COMPLETE trial is never run again; one
 left RUNNING is marked FAIL and run again in its folder, where the job resumes from its last checkpoint. The
-planned settings are enqueued (`enqueue_trial`), so the sampler never picks: the trials are those of `plan_trials`.
+sampler never picks: the trials are those of `plan_trials`, their settings recorded as the `params` user attribute,
+not as Optuna parameters. Optuna ties a parameter to the value space it was first recorded with (a categorical
+list may not change), so a grid grown in a list, which extends the sweep (docs/sweeps.md), could not be recorded;
+sweep.json holds the space the sweep is checked against.
 
 On GPUs each trial gets one (CUDA_VISIBLE_DEVICES). A trial's process dies with the sweep (PR_SET_PDEATHSIG), so a
 killed sweep leaves none training on in the folder the rerun needs. Trials run in a session of their own, so a
@@ -28,7 +31,7 @@ from contextlib import closing
 from pathlib import Path
 
 from utils.errors import EXIT_UNEXPECTED
-from utils.sweep import Spec, Trial, describe, distributions, job_environment, refused, trial_metric
+from utils.sweep import Spec, Trial, describe, job_environment, refused, trial_metric
 from utils.sweep_summary import record_trial
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,7 +166,6 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
     if gpus and spec.parallel > len(gpus):
         raise refused(f"parallel={spec.parallel} but {len(gpus)} GPU(s) here; set parallel: {len(gpus)}")
     study, todo = open_study(spec, trials)
-    spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
     ask_lock = threading.Lock()
     slots: queue.Queue = queue.Queue()
     for slot in gpus[: spec.parallel] or [None] * spec.parallel:
@@ -175,8 +177,9 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
             if STOPPED:
                 return
             with ask_lock:
-                study.enqueue_trial(trial.params, user_attrs={"trial": trial.name})
-                asked = study.ask(spaces)
+                asked = study.ask()
+                asked.set_user_attr("trial", trial.name)
+                asked.set_user_attr("params", trial.params)
             _, value = run_trial(spec, trial, gpu)
             with ask_lock:
                 study.tell(asked, value, state=TrialState.FAIL if value is None else TrialState.COMPLETE)
