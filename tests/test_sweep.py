@@ -813,6 +813,37 @@ def test_slurm_backend_renders_one_array_whose_indexes_are_the_trials(tmp_path, 
     assert beyond.code == 2 and "the sweep has trials 0..5" in beyond.stderr
 
 
+@pytest.mark.check
+def test_values_rendered_into_the_slurm_script_are_quoted_or_refused(tmp_path, capsys, sweep_data):
+    """A newline in the spec's name, slurm.partition, slurm.time or a path would end its #SBATCH or comment line and
+    start a shell line of the user's choosing in the job script: refused in one line, nothing written. A space or a
+    `$(...)` in the name stays one word, quoted as sbatch and bash read it."""
+    out = tmp_path / "sweep"
+
+    def spec(stem: str, **keys) -> Path:
+        keys = {"settings": sweep_data, "grid": {"lora_r": [4]}, "backend": "slurm", "output_dir": str(out), **keys}
+        return write_spec(tmp_path, stem, **keys)
+
+    for stem, keys, names in [
+        ("name", {"name": "lr\ntouch /tmp/owned"}, ["name", "control character", "one line"]),
+        ("partition", {"slurm": {"partition": "gpu\ntouch /tmp/owned"}}, ["slurm.partition", "partition: gpu"]),
+        ("partition-space", {"slurm": {"partition": "gpu $(id)"}}, ["slurm.partition", "Slurm partition name"]),
+        ("time", {"slurm": {"time": "02:00:00\n"}}, ["slurm.time", "HH:MM:SS"]),
+        ("log-dir", {"slurm": {"log_dir": str(tmp_path / "logs\nid")}}, ["slurm.log_dir", "control character"]),
+    ]:
+        assert_refusal(sweep_in_process(capsys, spec(stem, **keys)), names)
+        assert not out.exists(), stem
+    newline_file = tmp_path / "lr\nid.yaml"  # the name, when the spec gives none, is the file's
+    newline_file.write_text(spec("copied").read_text())
+    assert_refusal(sweep_in_process(capsys, newline_file), ["the spec's path", "control character"])
+    assert not out.exists()
+
+    result = sweep_in_process(capsys, spec("spaced", name="lr sweep $(id)", slurm={"partition": "gpu,debug"}))
+    assert result.code == 0, result.stderr
+    script = (out / "sweep.sbatch").read_text()
+    assert "#SBATCH --job-name='lr sweep $(id)'\n" in script and "#SBATCH --partition=gpu,debug\n" in script
+
+
 # ------------------------------------------------------------------------------- katib backend
 def katib_schema() -> dict:
     """Katib's Experiment as its API defines it (the CRD itself accepts anything), unknown fields made errors;

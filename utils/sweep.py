@@ -52,6 +52,9 @@ HUB_DESTINATIONS = ("RESULT_MODEL_ID", "RESULT_MERGED_MODEL_ID")
 # stays the text it is.
 EXPONENT_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # as launchers/slurm/render_sbatch.py
+# Slurm partition names, one or a comma-separated list: what #SBATCH --partition takes, and nothing a shell reads.
+PARTITIONS = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a newline in a rendered script or manifest starts a line of its own
 SWEEP_RECORD = "sweep.json"  # in output_dir: the sweep's identity, and its claim on the folder
 SWEEP_RECORD_MAX_BYTES = 64 << 20  # 1000 trials' settings are well under a megabyte; more is not the sweep's record
 # The sweep owns these: every trial gets its own folder, and pushes only when the spec says so.
@@ -181,13 +184,23 @@ class SlurmOptions(BaseModel):
     log_dir: str | None = None  # None: output_dir/slurm
     signal_lead: int = Field(180, ge=1)  # seconds of SIGTERM before the time limit: the trial checkpoints
 
+    @field_validator("partition")
+    @classmethod
+    def _partition(cls, partition: str | None) -> str | None:
+        if partition is not None and not PARTITIONS.fullmatch(partition):
+            raise ValueError(
+                f"partition={partition!r} is not a Slurm partition name (letters, digits, '_', '.', '-', or a "
+                "comma-separated list of them); write e.g. partition: gpu"
+            )
+        return partition
+
     @field_validator("time", mode="before")
     @classmethod
     def _time_limit(cls, time):
         if isinstance(time, int):  # YAML 1.1 reads an unquoted 1:30:00 as 5400, which Slurm takes as minutes
             raise ValueError(f'time={time} is a number to YAML; quote the limit, e.g. time: "1:30:00"')
-        if isinstance(time, str) and not TIME_LIMIT.match(time):
-            raise ValueError(f"time={time} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
+        if isinstance(time, str) and not TIME_LIMIT.fullmatch(time):
+            raise ValueError(f"time={time!r} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
         return time
 
 
@@ -247,6 +260,14 @@ class Spec:
         if value == "":
             raise ValueError("it is empty; set it to the folder for the trials and the summary")
         return Path(value) if isinstance(value, str) else value
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, name: str | None) -> str | None:
+        # the name goes into the Slurm script, the Katib Experiment and the study: a newline would be a line of its own
+        if name is not None and CONTROL.search(name):
+            raise ValueError(f"{name!r} holds a control character (a newline, a tab); write a name on one line")
+        return name
 
     @field_validator("metric")
     @classmethod
