@@ -646,6 +646,48 @@ def test_a_state_file_the_sweep_cannot_read_is_refused_before_the_folder_is_clai
         assert "sweep: start" not in result.stdout
 
 
+@pytest.mark.check
+def test_a_push_the_job_would_refuse_is_refused_before_the_first_trial(tmp_path, capsys, monkeypatch, sweep_data):
+    """`push:` without a token, with HF_HUB_OFFLINE, or from a local base folder that records no Hub id (no
+    BASE_MODEL_ID): each trial's job refuses it (exit 2) after the sweep started; the sweep refuses it once, first,
+    in the job's words, as --dry-run does, nothing claimed. Katib's trials read the token from the cluster."""
+    out = tmp_path / "sweep"
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE", "BASE_MODEL_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+    def pushing(**settings) -> Path:
+        return write_spec(
+            tmp_path,
+            "push",
+            settings={**sweep_data, **settings},
+            grid={"lora_r": [4, 8]},
+            push="tester/sweep",
+            output_dir=str(out),
+        )
+
+    for args in ([], ["--dry-run"]):
+        refusal = ["push: tester/sweep (trial-000)", "no token is set", "HF_TOKEN", "push: false"]
+        assert_refusal(sweep_in_process(capsys, pushing(), *args), refusal)
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    assert_refusal(
+        sweep_in_process(capsys, pushing()),
+        ["(trial-000)", f"MODEL_NAME={sweep_data['MODEL_NAME']}", "set BASE_MODEL_ID"],
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert_refusal(sweep_in_process(capsys, pushing(base_model_id="bert-base-uncased")), ["HF_HUB_OFFLINE"])
+    assert not out.exists()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    planned = sweep_in_process(capsys, pushing(base_model_id="bert-base-uncased"), "--dry-run")
+    assert planned.code == 0, planned.stderr
+    assert [t["settings"]["RESULT_MODEL_ID"] for t in planned.json()["trials"]] == [
+        "tester/sweep-trial-000",
+        "tester/sweep-trial-001",
+    ]
+    monkeypatch.delenv("HF_TOKEN")
+    katib = write_spec(tmp_path, "katib", grid={"lora_r": [4]}, push="me/x", backend="katib", output_dir="/pvc-home/s")
+    assert sweep_in_process(capsys, katib).code == 0
+
+
 def test_the_token_is_masked_in_what_the_sweep_prints(tmp_path, sweep_data):
     spec = write_spec(tmp_path, "token", settings=sweep_data, grid={"lora_r": [4]}, metric=FAKE_TOKEN, output_dir=".")
     result = run_sweep(base_env(tmp_path, HF_TOKEN=FAKE_TOKEN), spec)

@@ -37,7 +37,15 @@ from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import UnfitFile, read_small_text
 from utils.identity import sha256_file
 from utils.outputs import RunDir
-from utils.settings import FIELDS, SECRET_SETTINGS, _KeyTwice, _unique_key_loader, env_name, load_settings
+from utils.settings import (
+    FIELDS,
+    SECRET_SETTINGS,
+    _KeyTwice,
+    _unique_key_loader,
+    check_push_possible,
+    env_name,
+    load_settings,
+)
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix, reported_metrics
 from utils.tasks import validation_splits as task_splits
 
@@ -449,7 +457,8 @@ def job_environment(spec: Spec, trial: Trial) -> dict[str, str]:
 
 def check_trials(spec: Spec, trials: list[Trial]) -> dict:
     """Resolve each trial's settings with the job's own model, as its main.py will, so a bad value, a Hub repo from
-    the recipe or a metric metrics.json will not hold stops the sweep before any trial starts; set `spec.metric_key`.
+    the recipe, a push the job would refuse (no token, a local base without BASE_MODEL_ID) or a metric metrics.json
+    will not hold stops the sweep before any trial starts; set `spec.metric_key`.
     Returns the sweep's identity (each trial's setting variables, this shell's among them, and the recipe's content)
     for `check_sweep_dir`."""
     found: dict[str, dict[str, str]] = {}
@@ -466,6 +475,14 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
                 raise refused(
                     f"CONFIG_FILE={spec.config} sets {name.lower()}: {value}, so every trial would push to it, each over the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
                 )
+        if spec.push and spec.backend != "katib":  # Katib's trials read the token from the cluster's Secret
+            try:  # as the job refuses the push: every trial would train, then be refused (or fail to push)
+                check_push_possible(settings)
+            except JobError as exc:
+                raise refused(
+                    f"push: {spec.push} ({trial.name}): {exc.message}; or write push: false to keep each trial's model "
+                    "in its folder"
+                ) from None
         names = metric_names(settings)
         key = metric_key(settings, spec.metric, names)
         keys[key] = (names, on_each_split(settings, key))
