@@ -208,18 +208,19 @@ def test_another_sweep_is_refused_on_a_sweeps_folder(grid_sweep, tmp_path):
     changed = write_spec(tmp_path, "changed", **spec)
     for args in ([], ["--summarize"], ["--run-trial", "0"]):
         result = run_sweep(grid_sweep.env, changed, *args)
-        assert_refusal(
-            result, [str(out), "trial-000 ran with LEARNING_RATE=0.001; now LEARNING_RATE=0.0005", "output_dir"]
-        )
+        assert_refusal(result, [str(out), "trial-000: LEARNING_RATE: 0.001 -> 0.0005", "output_dir"])
         assert "sweep: start" not in result.stdout
     spec = yaml.safe_load(grid_sweep.spec.read_text())
     spec["settings"]["MAX_STEPS"] = "4"
     result = run_sweep(grid_sweep.env, write_spec(tmp_path, "longer", **spec))
-    assert_refusal(result, [str(out), "MAX_STEPS=3; now MAX_STEPS=4", "output_dir"])
+    assert_refusal(result, [str(out), "MAX_STEPS: 3 -> 4", "output_dir"])
     result = run_sweep({**grid_sweep.env, "LORA_DROPOUT": "0.2"}, grid_sweep.spec)
-    assert_refusal(result, [str(out), "LORA_DROPOUT=<unset>; now LORA_DROPOUT=0.2", "setting variables"])
+    assert_refusal(result, [str(out), "LORA_DROPOUT: 0.05 -> 0.2", "setting variables"])
     assert snapshot(out) == kept
     assert study_states(out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
+    # a variable the job reads but that trains nothing (main.py resumes under it) is the same sweep
+    result = run_sweep({**grid_sweep.env, "HUB_TIMEOUT": "30"}, grid_sweep.spec, "--summarize")
+    assert result.code == 0, result.stderr
 
 
 @pytest.mark.integration
@@ -552,7 +553,7 @@ def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_
     env = base_env(tmp_path)
     summary = run_sweep(env, spec, "--summarize")  # claims the empty folder: nothing run yet
     assert summary.code == 0 and "2 pending" in summary.stdout
-    assert json.loads((fresh / "sweep.json").read_text())["trials"]["trial-001"]["LORA_R"] == "8"
+    assert json.loads((fresh / "sweep.json").read_text())["trials"]["trial-001"]["lora_r"] == 8
     theirs = fresh / "trial-001" / "model" / "model.safetensors"
     theirs.parent.mkdir(parents=True)
     theirs.write_bytes(b"theirs")
@@ -574,10 +575,12 @@ def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_
 
 
 @pytest.mark.check
-def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_data):
-    """The recipe's content makes the trials' settings as the spec does: an edited recipe is another sweep; more
-    random draws are the same one, extended. A Hub repo in a recipe would have every trial push over the last:
-    refused, as push: is the spec's."""
+def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, monkeypatch, sweep_data):
+    """The sweep's identity is the job's identity of each trial plus the space its draws come from: a recipe edited
+    in what it trains (the spec's `config:` or the shell's CONFIG_FILE) is another sweep, a variable the job reads
+    but trains nothing by (HUB_TIMEOUT) is not; more random draws of one space are the same sweep, extended, draws
+    of another space are not. A Hub repo in a recipe would have every trial push over the last: refused, as push:
+    is the spec's."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("lora_alpha: 16\n")
     out = tmp_path / "out"
@@ -586,11 +589,26 @@ def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_
     )
     assert sweep_in_process(capsys, spec, "--summarize").code == 0
     recipe.write_text("lora_alpha: 32\n")
-    assert_refusal(
-        sweep_in_process(capsys, spec, "--summarize"), [str(out), "its recipe was", str(recipe), "output_dir"]
-    )
+    assert_refusal(sweep_in_process(capsys, spec, "--summarize"), [str(out), "trial-000: LORA_ALPHA: 16 -> 32"])
     recipe.write_text("lora_alpha: 16\n")
     assert sweep_in_process(capsys, spec, "--summarize").code == 0  # restored: the same sweep again
+    assert json.loads((out / "sweep.json").read_text())["recipe"]["path"] == str(recipe)
+
+    # the shell's CONFIG_FILE, which every trial inherits: recorded, and held to what it trains
+    shell_recipe = tmp_path / "shell-recipe.yaml"
+    shell_recipe.write_text("lora_dropout: 0.1\n")
+    monkeypatch.setenv("CONFIG_FILE", str(shell_recipe))
+    inherited = write_spec(
+        tmp_path, "inherits", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(tmp_path / "i")
+    )
+    assert sweep_in_process(capsys, inherited, "--summarize").code == 0
+    assert json.loads((tmp_path / "i" / "sweep.json").read_text())["recipe"]["path"] == str(shell_recipe)
+    shell_recipe.write_text("lora_dropout: 0.3\n")
+    assert_refusal(sweep_in_process(capsys, inherited, "--summarize"), ["trial-000: LORA_DROPOUT: 0.1 -> 0.3"])
+    shell_recipe.write_text("lora_dropout: 0.1\n")
+    monkeypatch.setenv("HUB_TIMEOUT", "30")
+    assert sweep_in_process(capsys, inherited, "--summarize").code == 0
+    monkeypatch.delenv("CONFIG_FILE")
 
     # more draws of the same seed extend the sweep, as more trials extend an Optuna study: the first two are kept
     draws = {"settings": sweep_data, "random": {"learning_rate": {"low": 1e-4, "high": 1e-2}}, "seed": 7}
@@ -601,6 +619,9 @@ def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_
     assert sweep_in_process(capsys, spec, "--summarize").code == 0
     extended = json.loads((tmp_path / "draws" / "sweep.json").read_text())["trials"]
     assert list(extended) == ["trial-000", "trial-001", "trial-002"] and {**extended, **first} == extended
+    draws["random"]["learning_rate"]["high"] = 1e-1  # another space: its draws are other trials
+    spec = write_spec(tmp_path, "draws", trials=3, output_dir=str(tmp_path / "draws"), **draws)
+    assert_refusal(sweep_in_process(capsys, spec, "--summarize"), ["random.learning_rate was", "'high': 0.01"])
 
     pushing = tmp_path / "pushing-recipe.yaml"
     pushing.write_text("result_merged_model_id: me/merged\nmerge_adapter: true\n")
@@ -621,12 +642,15 @@ def test_a_state_file_the_sweep_cannot_read_is_refused_before_the_folder_is_clai
     assert sweep_in_process(capsys, spec, "--summarize").code == 0
     recorded = (out / "sweep.json").read_text()
     grown = write_spec(tmp_path, "grown", settings=sweep_data, grid={"lora_r": [4, 8]}, output_dir=str(out))
-    for text in ("{}", "[]", '{"trials": [], "recipe": null}', '{"trials": {"trial-000": {"LORA_R": 4}}}', "{not"):
+    malformed = ("{}", "[]", '{"trials": [], "space": {}}', '{"trials": {"trial-000": 4}, "space": {}}', "{not")
+    # the last: a record of the sweep.py before the job's identity (each trial's variables), compared by nothing
+    for text in (*malformed, '{"trials": {"trial-000": {"LORA_R": "4"}}, "recipe": null}'):
         (out / "sweep.json").write_text(text)
         kept = snapshot(out)
         for args in ([], ["--summarize"], ["--run-trial", "0"]):
             result = sweep_in_process(capsys, grown, *args)
-            assert_refusal(result, [str(out / "sweep.json"), "restore", "new output_dir"])
+            line = assert_refusal(result, [str(out / "sweep.json"), "new output_dir"])
+            assert ("earlier sweep.py" in line) == (text not in malformed), line
             assert snapshot(out) == kept, (text, args)
 
     (out / "sweep.json").write_text(recorded)

@@ -35,11 +35,11 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import UnfitFile, read_small_text
-from utils.identity import sha256_file
+from utils.identity import identity_changes, sha256_file
 from utils.outputs import RunDir
+from utils.plan import build_plan
 from utils.settings import (
     FIELDS,
-    SECRET_SETTINGS,
     _KeyTwice,
     _unique_key_loader,
     check_push_possible,
@@ -456,24 +456,27 @@ def job_environment(spec: Spec, trial: Trial) -> dict[str, str]:
 
 
 def check_trials(spec: Spec, trials: list[Trial]) -> dict:
-    """Resolve each trial's settings with the job's own model, as its main.py will, so a bad value, a Hub repo from
-    the recipe, a push the job would refuse (no token, a local base without BASE_MODEL_ID) or a metric metrics.json
-    will not hold stops the sweep before any trial starts; set `spec.metric_key`.
-    Returns the sweep's identity (each trial's setting variables, this shell's among them, and the recipe's content)
-    for `check_sweep_dir`."""
-    found: dict[str, dict[str, str]] = {}
+    """Resolve each trial's settings and plan with the job's own code, as its main.py will, so a bad value, a Hub repo
+    from the recipe, a push the job would refuse (no token, a local base without BASE_MODEL_ID) or a metric
+    metrics.json will not hold stops the sweep before any trial starts; set `spec.metric_key`.
+    Returns the sweep's identity (`sweep_identity`) for `check_sweep_dir`."""
+    found: dict[str, dict] = {}
     keys: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    recipe = None
     for trial in trials:
         env = {k: v for k, v in job_environment(spec, trial).items() if k.lower() in FIELDS}
         try:
             settings, _ = load_settings([], environ=env)
+            # each trial is a one-process run of the job (locally, and as a Slurm array task)
+            found[trial.name] = build_plan(settings, 1).identity
         except JobError as exc:
             raise refused(f"{trial.name} ({describe(trial)}): {exc.message}") from None
+        recipe = settings.config_file  # the spec's `config:` or the shell's CONFIG_FILE: the same for every trial
         for name in HUB_DESTINATIONS:
             value = getattr(settings, name.lower())
             if value and value != spec.trial_env(trial).get(name):
                 raise refused(
-                    f"CONFIG_FILE={spec.config} sets {name.lower()}: {value}, so every trial would push to it, each over the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
+                    f"CONFIG_FILE={recipe} sets {name.lower()}: {value}, so every trial would push to it, each over the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
                 )
         if spec.push and spec.backend != "katib":  # Katib's trials read the token from the cluster's Secret
             try:  # as the job refuses the push: every trial would train, then be refused (or fail to push)
@@ -486,14 +489,33 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
         names = metric_names(settings)
         key = metric_key(settings, spec.metric, names)
         keys[key] = (names, on_each_split(settings, key))
-        found[trial.name] = {k: v for k, v in sorted(env.items()) if k.lower() not in SECRET_SETTINGS}
     if len(keys) > 1:
         raise refused(f"metric={spec.metric}: the trials name it differently ({', '.join(keys)}); sweep one task")
     ((key, (names, spec.metric_splits)),) = keys.items()
     spec.metric_key, spec.metric_keys = f"eval_{key}", tuple(f"eval_{name}" for name in names)
-    # read by the job's recipe reader above: a regular file of a page at most
-    digest = spec.config and sha256_file(Path(spec.config).expanduser())
-    return {"trials": found, "recipe": spec.config and {"path": spec.config, "sha256": digest}}
+    return sweep_identity(spec, found, recipe)
+
+
+def sweep_identity(spec: Spec, trials: dict[str, dict], recipe: str | None) -> dict:
+    """What makes two runs of a spec one sweep, as sweep.json records it: the job's identity of each trial
+    (utils/identity.py: what each trial's main.py compares with its folder, so a setting variable the job ignores,
+    such as HUB_TIMEOUT, changes no trial), and, for a random search, the space and seed its trials are drawn from
+    (more trials extend it). A grid's trials are its space: a list grown keeps the trials it had. The recipe the
+    trials read (the spec's `config:` or the shell's CONFIG_FILE) is recorded by path and digest; what it decides
+    is in each trial's identity."""
+    space = (
+        {"random": {name: setting_space(values) for name, values in spec.random.items()}, "seed": spec.seed}
+        if spec.random
+        else {"grid": {name: [*map(setting_value, values)] for name, values in spec.grid.items()}}
+    )
+    # read by the job's recipe reader in check_trials: a regular file of a page at most
+    digest = recipe and sha256_file(Path(recipe).expanduser())
+    identity = {"trials": trials, "space": space, "recipe": recipe and {"path": recipe, "sha256": digest}}
+    return json.loads(json.dumps(identity, default=str))  # as sweep.json holds it: compared as it is read back
+
+
+def setting_space(space) -> list | dict:
+    return space.model_dump() if isinstance(space, Range) else [*map(setting_value, space)]
 
 
 def metric_names(settings) -> tuple[str, ...]:
@@ -552,7 +574,7 @@ def check_sweep_dir(spec: Spec, identity: dict) -> dict | None:
         if change := identity_change(theirs, identity):
             raise refused(f"{out} holds another sweep ({change}); {RESTORE}")
         # every trial ever planned here stays recorded: a later spec naming it again is checked against it
-        known = {"trials": {**theirs["trials"], **identity["trials"]}, "recipe": identity["recipe"]}
+        known = {**identity, "trials": {**theirs["trials"], **identity["trials"]}}
         return known if known != theirs else None
     ours = {SWEEP_RECORD, ".sweep.lock", "lost+found"}
     found = os.listdir(out) if out.is_dir() else []
@@ -570,23 +592,28 @@ UNREADABLE = "restore the sweep.json the sweep wrote, or give this spec a new ou
 
 
 def read_sweep_record(record: Path) -> dict:
-    """sweep.json as the sweep writes it ({"trials": {name: {VARIABLE: value}}, "recipe": null or {path, sha256}}),
+    """sweep.json as the sweep writes it (`sweep_identity`: trials, space, recipe),
     or refused in one line: a record of another shape was not written by this sweep, or was edited."""
     try:
         theirs = json.loads(read_small_text(record, SWEEP_RECORD_MAX_BYTES))
     except (OSError, UnfitFile, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else exc
         raise refused(f"{record} cannot be read ({why}); {UNREADABLE}") from None
-    trials = theirs.get("trials") if isinstance(theirs, dict) else None
-    recipe = theirs.get("recipe", ...) if isinstance(theirs, dict) else ...
+    if isinstance(theirs, dict) and isinstance(theirs.get("trials"), dict) and "space" not in theirs:
+        raise refused(
+            f"{record} was written by an earlier sweep.py (it records each trial's variables, not the job's identity "
+            "of each); finish that sweep with the version that made it, or give this spec a new output_dir"
+        )
     if not (
-        isinstance(trials, dict)
-        and all(isinstance(v, dict) and all(isinstance(x, str) for x in v.values()) for v in trials.values())
-        and (recipe is None or isinstance(recipe, dict))
+        isinstance(theirs, dict)
+        and isinstance(theirs.get("trials"), dict)
+        and all(isinstance(trial, dict) for trial in theirs["trials"].values())
+        and isinstance(theirs.get("space"), dict)
+        and isinstance(theirs.get("recipe", ...), dict | None)
     ):
         raise refused(
-            f"{record} is not a record this sweep writes (it holds trials: each trial's settings, and recipe); "
-            f"{UNREADABLE}"
+            f"{record} is not a record this sweep writes (it holds trials: each trial's identity, space and "
+            f"recipe); {UNREADABLE}"
         )
     return theirs
 
@@ -606,19 +633,23 @@ def write_sweep_record(record: Path, identity: dict) -> None:
 
 
 def identity_change(theirs: dict, ours: dict) -> str | None:
-    """The first input that differs between a sweep's recorded identity and this spec's; None: the same sweep."""
-    if theirs.get("recipe") != ours["recipe"]:
-        old, new = theirs.get("recipe") or {}, ours["recipe"] or {}
-        return (
-            f"its recipe was {old.get('path')} (sha256 {str(old.get('sha256'))[:12]}), "
-            f"now {new.get('path')} (sha256 {str(new.get('sha256'))[:12]})"
+    """The first difference between a sweep's recorded identity and this spec's (`sweep_identity`), in the job's
+    words for a trial (`LORA_DROPOUT: 0.1 -> 0.3`); None: the same sweep, perhaps extended."""
+    if "random" in ours["space"] and theirs["space"] != ours["space"]:  # more draws of another space: another sweep
+        was, now = theirs["space"], ours["space"]
+        if "random" not in was:
+            return "it swept a grid; this spec draws random trials"
+        changed = sorted(
+            k for k in set(was["random"]) | set(now["random"]) if was["random"].get(k) != now["random"].get(k)
         )
-    old_trials = theirs.get("trials", {})
+        if changed:
+            name = changed[0]
+            return f"random.{name} was {was['random'].get(name, '<unset>')}, now {now['random'].get(name, '<unset>')}"
+        return f"seed was {was.get('seed')}, now {now.get('seed')}"
+    if "grid" in ours["space"] and "grid" not in theirs["space"]:
+        return "it drew random trials; this spec sweeps a grid"
     for name, new in ours["trials"].items():
-        old = old_trials.get(name)
-        if old is not None and old != new:
-            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))[:4]
-            was = ", ".join(f"{k}={old.get(k, '<unset>')}" for k in changed)
-            now = ", ".join(f"{k}={new.get(k, '<unset>')}" for k in changed)
-            return f"{name} ran with {was}; now {now}"
+        old = theirs["trials"].get(name)
+        if old is not None and (changes := identity_changes(old, new)):
+            return f"{name}: {'; '.join(changes[:3])}"
     return None
