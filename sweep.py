@@ -27,9 +27,9 @@ from pathlib import Path
 from utils.errors import JobError
 from utils.hub_token import install_masking
 from utils.settings import Parser
-from utils.sweep import check_trials, open_sweep_dir, plan_trials, read_spec, refused
+from utils.sweep import check_sweep_dir, check_trials, claim_sweep_dir, plan_trials, read_spec, refused
 from utils.sweep_katib import write_experiment
-from utils.sweep_local import pass_stop_signal, run_local, run_trial
+from utils.sweep_local import check_study, pass_stop_signal, run_local, run_trial
 from utils.sweep_slurm import render_array
 from utils.sweep_summary import collect_rows, write_summary
 
@@ -76,7 +76,10 @@ def sweep(args: argparse.Namespace) -> int:
         return 0
     if spec.backend == "slurm" and not one and not args.summarize:
         return write_array(spec, len(trials), identity, args)
-    open_sweep_dir(spec, identity)  # the trials' folders, records and summary go there
+    record = check_sweep_dir(spec, identity)  # the trials' folders, records and summary go there
+    if not one and not args.summarize:
+        check_study(spec)
+    claim_sweep_dir(spec, record)  # after every check: a refused start leaves the folder as it was
     if one:
         return run_one_trial(spec, trials[args.run_trial])
     code = 0
@@ -88,8 +91,9 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def write_array(spec, trial_count: int, identity: dict, args: argparse.Namespace) -> int:
+    record = check_sweep_dir(spec, identity)
     script = render_array(spec, trial_count)  # before the folder is claimed: a template fault leaves it untouched
-    open_sweep_dir(spec, identity)
+    claim_sweep_dir(spec, record)
     path = args.output or spec.output_dir / "sweep.sbatch"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)

@@ -18,6 +18,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,18 +208,19 @@ def test_another_sweep_is_refused_on_a_sweeps_folder(grid_sweep, tmp_path):
     changed = write_spec(tmp_path, "changed", **spec)
     for args in ([], ["--summarize"], ["--run-trial", "0"]):
         result = run_sweep(grid_sweep.env, changed, *args)
-        assert_refusal(
-            result, [str(out), "trial-000 ran with LEARNING_RATE=0.001; now LEARNING_RATE=0.0005", "output_dir"]
-        )
+        assert_refusal(result, [str(out), "trial-000: LEARNING_RATE: 0.001 -> 0.0005", "output_dir"])
         assert "sweep: start" not in result.stdout
     spec = yaml.safe_load(grid_sweep.spec.read_text())
     spec["settings"]["MAX_STEPS"] = "4"
     result = run_sweep(grid_sweep.env, write_spec(tmp_path, "longer", **spec))
-    assert_refusal(result, [str(out), "MAX_STEPS=3; now MAX_STEPS=4", "output_dir"])
+    assert_refusal(result, [str(out), "MAX_STEPS: 3 -> 4", "output_dir"])
     result = run_sweep({**grid_sweep.env, "LORA_DROPOUT": "0.2"}, grid_sweep.spec)
-    assert_refusal(result, [str(out), "LORA_DROPOUT=<unset>; now LORA_DROPOUT=0.2", "setting variables"])
+    assert_refusal(result, [str(out), "LORA_DROPOUT: 0.05 -> 0.2", "setting variables"])
     assert snapshot(out) == kept
     assert study_states(out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
+    # a variable the job reads but that trains nothing (main.py resumes under it) is the same sweep
+    result = run_sweep({**grid_sweep.env, "HUB_TIMEOUT": "30"}, grid_sweep.spec, "--summarize")
+    assert result.code == 0, result.stderr
 
 
 @pytest.mark.integration
@@ -282,6 +284,32 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
     assert len(FINAL_LINE.findall(rerun_log)) == 1 and json.loads((out / "trial-001" / "metrics.json").read_text())
     table = [line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| ")]
     assert "trial-002" in table[-1] and "failed" in table[-1]  # unranked trials after the ranked ones
+
+
+@pytest.mark.integration
+def test_a_grid_grown_in_its_first_list_extends_the_sweep(tmp_path, sweep_data):
+    """docs/sweeps.md: a grid grown in its first list keeps the trials it had and adds the new ones. The study records
+    each trial's settings beside it, not as Optuna parameters, whose value space may not change (it was
+    `CategoricalDistribution does not support dynamic value space`, exit 1, after sweep.json was rewritten)."""
+    out = tmp_path / "sweep"
+    env = base_env(tmp_path)
+    first = run_sweep(
+        env, write_spec(tmp_path, "grow", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(out))
+    )
+    assert first.code == 0, first.stderr[-3000:]
+    finished = (out / "trial-000" / "metrics.json").read_bytes()
+    grown = write_spec(tmp_path, "grow", settings=sweep_data, grid={"lora_r": [4, 8]}, output_dir=str(out))
+    result = run_sweep(env, grown)
+    assert result.code == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "sweep: start trial-000" not in result.stdout and "sweep: start trial-001" in result.stdout
+    assert (out / "trial-000" / "metrics.json").read_bytes() == finished
+    assert study_states(out / "study.db") == [("trial-000", "COMPLETE"), ("trial-001", "COMPLETE")]
+    assert list(json.loads((out / "sweep.json").read_text())["trials"]) == ["trial-000", "trial-001"]
+    rows = read_csv(out / "summary.csv")
+    assert [(r["trial"], r["lora_r"], r["status"]) for r in rows] == [
+        ("trial-000", "4", "complete"),
+        ("trial-001", "8", "complete"),
+    ]
 
 
 @pytest.mark.integration
@@ -367,7 +395,9 @@ REFUSALS = [
     ({"settings": {"task": "stsb"}, "metric": "spearmanr"}, ["spearmanr", "TASK=stsb", "did you mean spearman?"]),
     ({"direction": "up"}, ["direction='up'", "maximize", "minimize"]),
     ({"metrics": "f1"}, ["bad.yaml", "unknown key 'metrics'", "did you mean metric?"]),
-    ({"parallel": True}, ["parallel=True", "valid integer", "at least 1"]),  # strict: `true` is no count
+    ({"parallel": True}, ["parallel=True", "valid integer", "1 to 1000"]),  # strict: `true` is no count
+    # a count past any sweep's trials: accepted once, it was a MemoryError after the folder was claimed
+    ({"parallel": 1000000000000}, ["parallel=1000000000000", "1 to 1000"]),
     (
         {"grid": None, "random": {"learning_rate": {"low": 1e-3, "high": 1e-4}}, "trials": 2},
         ["random.learning_rate", "low=0.001", "high=0.0001"],
@@ -383,6 +413,19 @@ REFUSALS = [
     (
         {"grid": None, "random": {"lora_r": {"low": 0.5, "high": 8, "log": True, "type": "int"}}, "trials": 2},
         ["random.lora_r", "low=0.5"],
+    ),
+    # .nan passes every order check and .inf overflows the draw: each was a traceback
+    (
+        {"grid": None, "random": {"learning_rate": {"low": float("nan"), "high": 1e-3}}, "trials": 2},
+        ["random.learning_rate.low", "nan is not a finite number"],
+    ),
+    (
+        {"grid": None, "random": {"learning_rate": {"low": 1e-5, "high": float("inf")}}, "trials": 2},
+        ["random.learning_rate.high", "inf is not a finite number"],
+    ),
+    (
+        {"grid": None, "random": {"lora_r": {"low": 1, "high": 10**400}}, "trials": 2},
+        ["random.lora_r.high", "(401 digits) is not a finite number"],
     ),
     ({"grid": None, "random": {"lora_r": [4, 8]}}, ["trials: N", "trials=None"]),
     ({"grid": None, "random": {"lora_r": [4, 8]}, "trials": 100000000}, ["trials=100000000", "1 to 1000"]),
@@ -417,6 +460,37 @@ def test_bad_spec_is_refused_before_any_trial_starts(change, names, tmp_path, ca
     result = sweep_in_process(capsys, write_spec(tmp_path, "bad", **spec))
     assert_refusal(result, names)
     assert not out.exists()  # before anything was run or written
+
+
+# A YAML "billion laughs" under 350 bytes: each line nine times the last, 9^7 values once expanded.
+ALIAS_BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdef", "bcdefg", strict=True)
+)
+
+
+@pytest.mark.check
+def test_a_spec_says_each_key_once_and_writes_its_values_out(tmp_path, capsys, sweep_data):
+    """A key given twice (`grid:` twice, `lora_r` beside `LORA_R`) is refused as the job's recipe reader refuses it:
+    YAML keeps the last without a word. An alias is refused where it stands: nested ones made a 28 MB error line
+    after 16 s. One line each, exit 2, nothing claimed."""
+    out = tmp_path / "sweep"
+    head = f"output_dir: {out}\nsettings:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in sweep_data.items())
+    cases = {
+        "grid-twice": (head + "grid:\n  lora_r: [4]\ngrid:\n  lora_r: [4, 8]\n", ["sets grid twice", "keep one"]),
+        "name-twice": (head + "  LORA_R: 8\n  lora_r: 4\ngrid:\n  seed: [1]\n", ["sets lora_r twice", "lines"]),
+        "in-grid-twice": (head + "grid:\n  lora_r: [4]\n  LORA_R: [8]\n", ["sets lora_r twice", "keep one"]),
+        "bomb": (ALIAS_BOMB + "output_dir: *g\ngrid: {lora_r: [4]}\n", ["line 2", "alias *a", "write the value out"]),
+    }
+    assert len(ALIAS_BOMB) < 350
+    for stem, (text, names) in cases.items():
+        spec = tmp_path / f"{stem}.yaml"
+        spec.write_text(text)
+        for args in ([], ["--dry-run"]):
+            started = time.monotonic()
+            result = sweep_in_process(capsys, spec, *args)
+            line = assert_refusal(result, [f"{spec} ", *names])
+            assert len(result.stderr) < 300 and time.monotonic() - started < 5, line
+    assert not out.exists()
 
 
 @pytest.mark.check
@@ -479,7 +553,7 @@ def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_
     env = base_env(tmp_path)
     summary = run_sweep(env, spec, "--summarize")  # claims the empty folder: nothing run yet
     assert summary.code == 0 and "2 pending" in summary.stdout
-    assert json.loads((fresh / "sweep.json").read_text())["trials"]["trial-001"]["LORA_R"] == "8"
+    assert json.loads((fresh / "sweep.json").read_text())["trials"]["trial-001"]["lora_r"] == 8
     theirs = fresh / "trial-001" / "model" / "model.safetensors"
     theirs.parent.mkdir(parents=True)
     theirs.write_bytes(b"theirs")
@@ -501,10 +575,12 @@ def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_
 
 
 @pytest.mark.check
-def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_data):
-    """The recipe's content makes the trials' settings as the spec does: an edited recipe is another sweep; more
-    random draws are the same one, extended. A Hub repo in a recipe would have every trial push over the last:
-    refused, as push: is the spec's."""
+def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, monkeypatch, sweep_data):
+    """The sweep's identity is the job's identity of each trial plus the space its draws come from: a recipe edited
+    in what it trains (the spec's `config:` or the shell's CONFIG_FILE) is another sweep, a variable the job reads
+    but trains nothing by (HUB_TIMEOUT) is not; more random draws of one space are the same sweep, extended, draws
+    of another space are not. A Hub repo in a recipe would have every trial push over the last: refused, as push:
+    is the spec's."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("lora_alpha: 16\n")
     out = tmp_path / "out"
@@ -513,11 +589,26 @@ def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_
     )
     assert sweep_in_process(capsys, spec, "--summarize").code == 0
     recipe.write_text("lora_alpha: 32\n")
-    assert_refusal(
-        sweep_in_process(capsys, spec, "--summarize"), [str(out), "its recipe was", str(recipe), "output_dir"]
-    )
+    assert_refusal(sweep_in_process(capsys, spec, "--summarize"), [str(out), "trial-000: LORA_ALPHA: 16 -> 32"])
     recipe.write_text("lora_alpha: 16\n")
     assert sweep_in_process(capsys, spec, "--summarize").code == 0  # restored: the same sweep again
+    assert json.loads((out / "sweep.json").read_text())["recipe"]["path"] == str(recipe)
+
+    # the shell's CONFIG_FILE, which every trial inherits: recorded, and held to what it trains
+    shell_recipe = tmp_path / "shell-recipe.yaml"
+    shell_recipe.write_text("lora_dropout: 0.1\n")
+    monkeypatch.setenv("CONFIG_FILE", str(shell_recipe))
+    inherited = write_spec(
+        tmp_path, "inherits", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(tmp_path / "i")
+    )
+    assert sweep_in_process(capsys, inherited, "--summarize").code == 0
+    assert json.loads((tmp_path / "i" / "sweep.json").read_text())["recipe"]["path"] == str(shell_recipe)
+    shell_recipe.write_text("lora_dropout: 0.3\n")
+    assert_refusal(sweep_in_process(capsys, inherited, "--summarize"), ["trial-000: LORA_DROPOUT: 0.1 -> 0.3"])
+    shell_recipe.write_text("lora_dropout: 0.1\n")
+    monkeypatch.setenv("HUB_TIMEOUT", "30")
+    assert sweep_in_process(capsys, inherited, "--summarize").code == 0
+    monkeypatch.delenv("CONFIG_FILE")
 
     # more draws of the same seed extend the sweep, as more trials extend an Optuna study: the first two are kept
     draws = {"settings": sweep_data, "random": {"learning_rate": {"low": 1e-4, "high": 1e-2}}, "seed": 7}
@@ -528,6 +619,9 @@ def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_
     assert sweep_in_process(capsys, spec, "--summarize").code == 0
     extended = json.loads((tmp_path / "draws" / "sweep.json").read_text())["trials"]
     assert list(extended) == ["trial-000", "trial-001", "trial-002"] and {**extended, **first} == extended
+    draws["random"]["learning_rate"]["high"] = 1e-1  # another space: its draws are other trials
+    spec = write_spec(tmp_path, "draws", trials=3, output_dir=str(tmp_path / "draws"), **draws)
+    assert_refusal(sweep_in_process(capsys, spec, "--summarize"), ["random.learning_rate was", "'high': 0.01"])
 
     pushing = tmp_path / "pushing-recipe.yaml"
     pushing.write_text("result_merged_model_id: me/merged\nmerge_adapter: true\n")
@@ -536,6 +630,86 @@ def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, sweep_
     )
     result = sweep_in_process(capsys, spec)
     assert_refusal(result, [f"CONFIG_FILE={pushing}", "result_merged_model_id: me/merged", "push: OWNER/NAME"])
+
+
+@pytest.mark.check
+def test_a_state_file_the_sweep_cannot_read_is_refused_before_the_folder_is_claimed(tmp_path, capsys, sweep_data):
+    """A sweep.json of another shape (`{}`, a list, wrong types, not JSON) and a torn or garbage study.db: one line
+    naming the file and the fix, exit 2, the folder byte for byte as it was, sweep.json not rewritten even for a
+    spec that would extend it (a grid grown in its first list)."""
+    out = tmp_path / "sweep"
+    spec = write_spec(tmp_path, "state", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(out))
+    assert sweep_in_process(capsys, spec, "--summarize").code == 0
+    recorded = (out / "sweep.json").read_text()
+    grown = write_spec(tmp_path, "grown", settings=sweep_data, grid={"lora_r": [4, 8]}, output_dir=str(out))
+    malformed = ("{}", "[]", '{"trials": [], "space": {}}', '{"trials": {"trial-000": 4}, "space": {}}', "{not")
+    # the last: a record of the sweep.py before the job's identity (each trial's variables), compared by nothing
+    for text in (*malformed, '{"trials": {"trial-000": {"LORA_R": "4"}}, "recipe": null}'):
+        (out / "sweep.json").write_text(text)
+        kept = snapshot(out)
+        for args in ([], ["--summarize"], ["--run-trial", "0"]):
+            result = sweep_in_process(capsys, grown, *args)
+            line = assert_refusal(result, [str(out / "sweep.json"), "new output_dir"])
+            assert ("earlier sweep.py" in line) == (text not in malformed), line
+            assert snapshot(out) == kept, (text, args)
+
+    (out / "sweep.json").write_text(recorded)
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="sweep", storage=f"sqlite:///{tmp_path / 'whole.db'}")
+    for _ in range(3):
+        study.tell(study.ask(), 0.5)
+    whole = (tmp_path / "whole.db").read_bytes()
+    for why, data in [("torn", whole[: len(whole) // 2]), ("garbage", b"\x00not a database" * 64)]:
+        (out / "study.db").write_bytes(data)
+        kept = snapshot(out)
+        result = sweep_in_process(capsys, grown)
+        assert_refusal(result, [str(out / "study.db"), "move it aside", "new study"])
+        assert snapshot(out) == kept, why
+        assert "sweep: start" not in result.stdout
+
+
+@pytest.mark.check
+def test_a_push_the_job_would_refuse_is_refused_before_the_first_trial(tmp_path, capsys, monkeypatch, sweep_data):
+    """`push:` without a token, with HF_HUB_OFFLINE, or from a local base folder that records no Hub id (no
+    BASE_MODEL_ID): each trial's job refuses it (exit 2) after the sweep started; the sweep refuses it once, first,
+    in the job's words, as --dry-run does, nothing claimed. Katib's trials read the token from the cluster."""
+    out = tmp_path / "sweep"
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE", "BASE_MODEL_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+    def pushing(**settings) -> Path:
+        return write_spec(
+            tmp_path,
+            "push",
+            settings={**sweep_data, **settings},
+            grid={"lora_r": [4, 8]},
+            push="tester/sweep",
+            output_dir=str(out),
+        )
+
+    for args in ([], ["--dry-run"]):
+        refusal = ["push: tester/sweep (trial-000)", "no token is set", "HF_TOKEN", "push: false"]
+        assert_refusal(sweep_in_process(capsys, pushing(), *args), refusal)
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    assert_refusal(
+        sweep_in_process(capsys, pushing()),
+        ["(trial-000)", f"MODEL_NAME={sweep_data['MODEL_NAME']}", "set BASE_MODEL_ID"],
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert_refusal(sweep_in_process(capsys, pushing(base_model_id="bert-base-uncased")), ["HF_HUB_OFFLINE"])
+    assert not out.exists()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    planned = sweep_in_process(capsys, pushing(base_model_id="bert-base-uncased"), "--dry-run")
+    assert planned.code == 0, planned.stderr
+    assert [t["settings"]["RESULT_MODEL_ID"] for t in planned.json()["trials"]] == [
+        "tester/sweep-trial-000",
+        "tester/sweep-trial-001",
+    ]
+    monkeypatch.delenv("HF_TOKEN")
+    katib = write_spec(tmp_path, "katib", grid={"lora_r": [4]}, push="me/x", backend="katib", output_dir="/pvc-home/s")
+    assert sweep_in_process(capsys, katib).code == 0
 
 
 def test_the_token_is_masked_in_what_the_sweep_prints(tmp_path, sweep_data):
@@ -703,6 +877,37 @@ def test_slurm_backend_renders_one_array_whose_indexes_are_the_trials(tmp_path, 
     ]
     beyond = sweep_in_process(capsys, spec, "--run-trial", "6")
     assert beyond.code == 2 and "the sweep has trials 0..5" in beyond.stderr
+
+
+@pytest.mark.check
+def test_values_rendered_into_the_slurm_script_are_quoted_or_refused(tmp_path, capsys, sweep_data):
+    """A newline in the spec's name, slurm.partition, slurm.time or a path would end its #SBATCH or comment line and
+    start a shell line of the user's choosing in the job script: refused in one line, nothing written. A space or a
+    `$(...)` in the name stays one word, quoted as sbatch and bash read it."""
+    out = tmp_path / "sweep"
+
+    def spec(stem: str, **keys) -> Path:
+        keys = {"settings": sweep_data, "grid": {"lora_r": [4]}, "backend": "slurm", "output_dir": str(out), **keys}
+        return write_spec(tmp_path, stem, **keys)
+
+    for stem, keys, names in [
+        ("name", {"name": "lr\ntouch /tmp/owned"}, ["name", "control character", "one line"]),
+        ("partition", {"slurm": {"partition": "gpu\ntouch /tmp/owned"}}, ["slurm.partition", "partition: gpu"]),
+        ("partition-space", {"slurm": {"partition": "gpu $(id)"}}, ["slurm.partition", "Slurm partition name"]),
+        ("time", {"slurm": {"time": "02:00:00\n"}}, ["slurm.time", "HH:MM:SS"]),
+        ("log-dir", {"slurm": {"log_dir": str(tmp_path / "logs\nid")}}, ["slurm.log_dir", "control character"]),
+    ]:
+        assert_refusal(sweep_in_process(capsys, spec(stem, **keys)), names)
+        assert not out.exists(), stem
+    newline_file = tmp_path / "lr\nid.yaml"  # the name, when the spec gives none, is the file's
+    newline_file.write_text(spec("copied").read_text())
+    assert_refusal(sweep_in_process(capsys, newline_file), ["the spec's path", "control character"])
+    assert not out.exists()
+
+    result = sweep_in_process(capsys, spec("spaced", name="lr sweep $(id)", slurm={"partition": "gpu,debug"}))
+    assert result.code == 0, result.stderr
+    script = (out / "sweep.sbatch").read_text()
+    assert "#SBATCH --job-name='lr sweep $(id)'\n" in script and "#SBATCH --partition=gpu,debug\n" in script
 
 
 # ------------------------------------------------------------------------------- katib backend

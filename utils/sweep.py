@@ -35,9 +35,17 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import UnfitFile, read_small_text
-from utils.identity import sha256_file
+from utils.identity import identity_changes, sha256_file
 from utils.outputs import RunDir
-from utils.settings import FIELDS, SECRET_SETTINGS, env_name, load_settings
+from utils.plan import build_plan
+from utils.settings import (
+    FIELDS,
+    _KeyTwice,
+    _unique_key_loader,
+    check_push_possible,
+    env_name,
+    load_settings,
+)
 from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix, reported_metrics
 from utils.tasks import validation_splits as task_splits
 
@@ -52,7 +60,11 @@ HUB_DESTINATIONS = ("RESULT_MODEL_ID", "RESULT_MERGED_MODEL_ID")
 # stays the text it is.
 EXPONENT_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # as launchers/slurm/render_sbatch.py
+# Slurm partition names, one or a comma-separated list: what #SBATCH --partition takes, and nothing a shell reads.
+PARTITIONS = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a newline in a rendered script or manifest starts a line of its own
 SWEEP_RECORD = "sweep.json"  # in output_dir: the sweep's identity, and its claim on the folder
+SWEEP_RECORD_MAX_BYTES = 64 << 20  # 1000 trials' settings are well under a megabyte; more is not the sweep's record
 # The sweep owns these: every trial gets its own folder, and pushes only when the spec says so.
 OWNED = {
     "output_dir": "output_dir (at the top of the spec)",
@@ -114,7 +126,22 @@ def swept_values(values: list) -> list:
 
 SettingName = Annotated[str, AfterValidator(setting_name)]
 Values = Annotated[list, Field(min_length=1), AfterValidator(swept_values)]
-Number = Annotated[float | int, BeforeValidator(yaml_number)]  # an int stays an int: its exact type
+
+
+def finite(value):
+    """A range's bound the sampler can draw between: .nan compares false with everything (low < high holds for no
+    pair, so no order check catches it), .inf and an int past a float's range overflow the draw."""
+    try:
+        if math.isfinite(value):
+            return value
+    except OverflowError:  # an int too large for a float
+        pass
+    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(repr(value))} digits)"
+    raise ValueError(f"{shown} is not a finite number; give each bound as a number, e.g. low: 1.0e-5")
+
+
+# an int stays an int: its exact type
+Number = Annotated[float | int, BeforeValidator(yaml_number), AfterValidator(finite)]
 
 
 class Range(BaseModel):
@@ -165,13 +192,23 @@ class SlurmOptions(BaseModel):
     log_dir: str | None = None  # None: output_dir/slurm
     signal_lead: int = Field(180, ge=1)  # seconds of SIGTERM before the time limit: the trial checkpoints
 
+    @field_validator("partition")
+    @classmethod
+    def _partition(cls, partition: str | None) -> str | None:
+        if partition is not None and not PARTITIONS.fullmatch(partition):
+            raise ValueError(
+                f"partition={partition!r} is not a Slurm partition name (letters, digits, '_', '.', '-', or a "
+                "comma-separated list of them); write e.g. partition: gpu"
+            )
+        return partition
+
     @field_validator("time", mode="before")
     @classmethod
     def _time_limit(cls, time):
         if isinstance(time, int):  # YAML 1.1 reads an unquoted 1:30:00 as 5400, which Slurm takes as minutes
             raise ValueError(f'time={time} is a number to YAML; quote the limit, e.g. time: "1:30:00"')
-        if isinstance(time, str) and not TIME_LIMIT.match(time):
-            raise ValueError(f"time={time} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
+        if isinstance(time, str) and not TIME_LIMIT.fullmatch(time):
+            raise ValueError(f"time={time!r} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
         return time
 
 
@@ -207,7 +244,9 @@ class Spec:
     )
     metric: str = Field("accuracy", min_length=1, description="name a key of the trials' metrics.json")
     direction: Literal["maximize", "minimize"] | None = Field(None, description="use maximize or minimize")
-    parallel: int = Field(1, ge=1, description="give how many trials run at once, at least 1")
+    # No more at once than a sweep may have trials: each runs a process (a thread and a GPU slot locally, an array
+    # throttle in Slurm, Katib's parallelTrialCount); a larger count is a typo that would exhaust memory.
+    parallel: int = Field(1, ge=1, le=MAX_TRIALS, description=f"give how many trials run at once, 1 to {MAX_TRIALS}")
     backend: Literal["local", "slurm", "katib"] = Field("local", description="use one of local, slurm, katib")
     # the Hub repo trials push to as <repo>-<trial>; None: no trial pushes
     push: str | bool | None = Field(
@@ -229,6 +268,14 @@ class Spec:
         if value == "":
             raise ValueError("it is empty; set it to the folder for the trials and the summary")
         return Path(value) if isinstance(value, str) else value
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, name: str | None) -> str | None:
+        # the name goes into the Slurm script, the Katib Experiment and the study: a newline would be a line of its own
+        if name is not None and CONTROL.search(name):
+            raise ValueError(f"{name!r} holds a control character (a newline, a tab); write a name on one line")
+        return name
 
     @field_validator("metric")
     @classmethod
@@ -319,13 +366,37 @@ def spec_error(path: Path, exc: ValidationError) -> str:
     return f"{where}={error['input']!r} is invalid: {error['msg']}; {fix}"
 
 
+class _Alias(Exception):
+    """An alias (*name) in a spec: (name, line)."""
+
+
+class SpecLoader(_unique_key_loader(yaml)):  # one rule for a key given twice, in the recipe and in the spec
+    """The recipe reader's loader (a key given twice, `lora_r` beside `LORA_R` too, is refused: YAML keeps the last
+    without a word), refusing aliases as well. A spec is a page written out; nested aliases make a few hundred bytes
+    millions of values (a "billion laughs"), which a check then walks and an error message quotes whole."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Alias(event.anchor, event.start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
 def read_spec(path: Path) -> Spec:
     """Read and check a spec; everything wrong with it is a JobError (exit 2) that says the fix."""
     try:
-        raw = yaml.safe_load(read_small_text(path, SPEC_MAX_BYTES))
+        raw = yaml.load(read_small_text(path, SPEC_MAX_BYTES), Loader=SpecLoader)
     except (OSError, UnfitFile) as exc:
         why = f"cannot be read ({exc.strerror})" if isinstance(exc, OSError) else exc
         raise refused(f"{path} {why}; give the path of a SPEC.yaml (examples/sweeps/ has some)") from None
+    except _KeyTwice as exc:
+        key, first, second = exc.args
+        raise refused(f"{path} sets {key} twice (lines {first} and {second}); keep one") from None
+    except _Alias as exc:
+        name, line = exc.args
+        raise refused(
+            f"{path} line {line}: the alias *{str(name)[:40]} is not read in a spec; write the value out where it is used"
+        ) from None
     except yaml.YAMLError as exc:
         raise refused(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
     if not isinstance(raw, dict) or not all(isinstance(key, str) for key in raw):
@@ -385,35 +456,66 @@ def job_environment(spec: Spec, trial: Trial) -> dict[str, str]:
 
 
 def check_trials(spec: Spec, trials: list[Trial]) -> dict:
-    """Resolve each trial's settings with the job's own model, as its main.py will, so a bad value, a Hub repo from
-    the recipe or a metric metrics.json will not hold stops the sweep before any trial starts; set `spec.metric_key`.
-    Returns the sweep's identity (each trial's setting variables, this shell's among them, and the recipe's content)
-    for `open_sweep_dir`."""
-    found: dict[str, dict[str, str]] = {}
+    """Resolve each trial's settings and plan with the job's own code, as its main.py will, so a bad value, a Hub repo
+    from the recipe, a push the job would refuse (no token, a local base without BASE_MODEL_ID) or a metric
+    metrics.json will not hold stops the sweep before any trial starts; set `spec.metric_key`.
+    Returns the sweep's identity (`sweep_identity`) for `check_sweep_dir`."""
+    found: dict[str, dict] = {}
     keys: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    recipe = None
     for trial in trials:
         env = {k: v for k, v in job_environment(spec, trial).items() if k.lower() in FIELDS}
         try:
             settings, _ = load_settings([], environ=env)
+            # each trial is a one-process run of the job (locally, and as a Slurm array task)
+            found[trial.name] = build_plan(settings, 1).identity
         except JobError as exc:
             raise refused(f"{trial.name} ({describe(trial)}): {exc.message}") from None
+        recipe = settings.config_file  # the spec's `config:` or the shell's CONFIG_FILE: the same for every trial
         for name in HUB_DESTINATIONS:
             value = getattr(settings, name.lower())
             if value and value != spec.trial_env(trial).get(name):
                 raise refused(
-                    f"CONFIG_FILE={spec.config} sets {name.lower()}: {value}, so every trial would push to it, each over the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
+                    f"CONFIG_FILE={recipe} sets {name.lower()}: {value}, so every trial would push to it, each over the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
                 )
+        if spec.push and spec.backend != "katib":  # Katib's trials read the token from the cluster's Secret
+            try:  # as the job refuses the push: every trial would train, then be refused (or fail to push)
+                check_push_possible(settings)
+            except JobError as exc:
+                raise refused(
+                    f"push: {spec.push} ({trial.name}): {exc.message}; or write push: false to keep each trial's model "
+                    "in its folder"
+                ) from None
         names = metric_names(settings)
         key = metric_key(settings, spec.metric, names)
         keys[key] = (names, on_each_split(settings, key))
-        found[trial.name] = {k: v for k, v in sorted(env.items()) if k.lower() not in SECRET_SETTINGS}
     if len(keys) > 1:
         raise refused(f"metric={spec.metric}: the trials name it differently ({', '.join(keys)}); sweep one task")
     ((key, (names, spec.metric_splits)),) = keys.items()
     spec.metric_key, spec.metric_keys = f"eval_{key}", tuple(f"eval_{name}" for name in names)
-    # read by the job's recipe reader above: a regular file of a page at most
-    digest = spec.config and sha256_file(Path(spec.config).expanduser())
-    return {"trials": found, "recipe": spec.config and {"path": spec.config, "sha256": digest}}
+    return sweep_identity(spec, found, recipe)
+
+
+def sweep_identity(spec: Spec, trials: dict[str, dict], recipe: str | None) -> dict:
+    """What makes two runs of a spec one sweep, as sweep.json records it: the job's identity of each trial
+    (utils/identity.py: what each trial's main.py compares with its folder, so a setting variable the job ignores,
+    such as HUB_TIMEOUT, changes no trial), and, for a random search, the space and seed its trials are drawn from
+    (more trials extend it). A grid's trials are its space: a list grown keeps the trials it had. The recipe the
+    trials read (the spec's `config:` or the shell's CONFIG_FILE) is recorded by path and digest; what it decides
+    is in each trial's identity."""
+    space = (
+        {"random": {name: setting_space(values) for name, values in spec.random.items()}, "seed": spec.seed}
+        if spec.random
+        else {"grid": {name: [*map(setting_value, values)] for name, values in spec.grid.items()}}
+    )
+    # read by the job's recipe reader in check_trials: a regular file of a page at most
+    digest = recipe and sha256_file(Path(recipe).expanduser())
+    identity = {"trials": trials, "space": space, "recipe": recipe and {"path": recipe, "sha256": digest}}
+    return json.loads(json.dumps(identity, default=str))  # as sweep.json holds it: compared as it is read back
+
+
+def setting_space(space) -> list | dict:
+    return space.model_dump() if isinstance(space, Range) else [*map(setting_value, space)]
 
 
 def metric_names(settings) -> tuple[str, ...]:
@@ -458,26 +560,22 @@ def trial_metric(spec: Spec, folder: Path) -> float | None:
     return None
 
 
-def open_sweep_dir(spec: Spec, identity: dict) -> None:
-    """Claim output_dir: a new or empty folder, or this same sweep's (sweep.json: the same recipe and, for every trial
-    both name, the same settings; more draws of the same seed extend it). Another tool's folder is refused, as main.py
-    refuses one, since the sweep replaces files there; another sweep's too, so a resume, a `--run-trial` or a summary
-    never shows a result under values it was not trained with."""
+def check_sweep_dir(spec: Spec, identity: dict) -> dict | None:
+    """Whether output_dir may be this sweep's: a new or empty folder, or this same sweep's (sweep.json: the same recipe
+    and, for every trial both name, the same settings; more draws of the same seed extend it). Another tool's folder
+    is refused, as main.py refuses one, since the sweep replaces files there; another sweep's too, so a resume, a
+    `--run-trial` or a summary never shows a result under values it was not trained with. Writes nothing: returns
+    the record `claim_sweep_dir` writes (None: the folder's record stands as it is), so every other check can run
+    between the two and a refusal leaves the folder as it was."""
     out = spec.output_dir
     record = out / SWEEP_RECORD
-    fix = "give this spec a new output_dir, or restore the spec, recipe and setting variables the sweep was made with"
     if record.is_file():
-        try:
-            theirs = json.loads(record.read_text())
-        except (OSError, ValueError) as exc:
-            raise refused(f"{record} cannot be read ({exc}); {fix}") from None
+        theirs = read_sweep_record(record)
         if change := identity_change(theirs, identity):
-            raise refused(f"{out} holds another sweep ({change}); {fix}")
+            raise refused(f"{out} holds another sweep ({change}); {RESTORE}")
         # every trial ever planned here stays recorded: a later spec naming it again is checked against it
-        known = {"trials": {**theirs["trials"], **identity["trials"]}, "recipe": identity["recipe"]}
-        if known != theirs:
-            write_sweep_record(record, known)
-        return
+        known = {**identity, "trials": {**theirs["trials"], **identity["trials"]}}
+        return known if known != theirs else None
     ours = {SWEEP_RECORD, ".sweep.lock", "lost+found"}
     found = os.listdir(out) if out.is_dir() else []
     if names := sorted(n for n in found if n not in ours and not n.startswith(f".{SWEEP_RECORD}")):
@@ -486,7 +584,44 @@ def open_sweep_dir(spec: Spec, identity: dict) -> None:
             f"output_dir={out} is not empty and is not a folder of this sweep (it holds {shown}, and no {SWEEP_RECORD}); "
             "the sweep deletes and replaces files in its folders, so it leaves this one untouched: use an empty or new folder"
         )
-    write_sweep_record(record, identity)
+    return identity
+
+
+RESTORE = "give this spec a new output_dir, or restore the spec, recipe and setting variables the sweep was made with"
+UNREADABLE = "restore the sweep.json the sweep wrote, or give this spec a new output_dir"
+
+
+def read_sweep_record(record: Path) -> dict:
+    """sweep.json as the sweep writes it (`sweep_identity`: trials, space, recipe),
+    or refused in one line: a record of another shape was not written by this sweep, or was edited."""
+    try:
+        theirs = json.loads(read_small_text(record, SWEEP_RECORD_MAX_BYTES))
+    except (OSError, UnfitFile, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else exc
+        raise refused(f"{record} cannot be read ({why}); {UNREADABLE}") from None
+    if isinstance(theirs, dict) and isinstance(theirs.get("trials"), dict) and "space" not in theirs:
+        raise refused(
+            f"{record} was written by an earlier sweep.py (it records each trial's variables, not the job's identity "
+            "of each); finish that sweep with the version that made it, or give this spec a new output_dir"
+        )
+    if not (
+        isinstance(theirs, dict)
+        and isinstance(theirs.get("trials"), dict)
+        and all(isinstance(trial, dict) for trial in theirs["trials"].values())
+        and isinstance(theirs.get("space"), dict)
+        and isinstance(theirs.get("recipe", ...), dict | None)
+    ):
+        raise refused(
+            f"{record} is not a record this sweep writes (it holds trials: each trial's identity, space and "
+            f"recipe); {UNREADABLE}"
+        )
+    return theirs
+
+
+def claim_sweep_dir(spec: Spec, record: dict | None) -> None:
+    """Write `check_sweep_dir`'s record: the folder is this sweep's from then on."""
+    if record is not None:
+        write_sweep_record(spec.output_dir / SWEEP_RECORD, record)
 
 
 def write_sweep_record(record: Path, identity: dict) -> None:
@@ -498,19 +633,23 @@ def write_sweep_record(record: Path, identity: dict) -> None:
 
 
 def identity_change(theirs: dict, ours: dict) -> str | None:
-    """The first input that differs between a sweep's recorded identity and this spec's; None: the same sweep."""
-    if theirs.get("recipe") != ours["recipe"]:
-        old, new = theirs.get("recipe") or {}, ours["recipe"] or {}
-        return (
-            f"its recipe was {old.get('path')} (sha256 {str(old.get('sha256'))[:12]}), "
-            f"now {new.get('path')} (sha256 {str(new.get('sha256'))[:12]})"
+    """The first difference between a sweep's recorded identity and this spec's (`sweep_identity`), in the job's
+    words for a trial (`LORA_DROPOUT: 0.1 -> 0.3`); None: the same sweep, perhaps extended."""
+    if "random" in ours["space"] and theirs["space"] != ours["space"]:  # more draws of another space: another sweep
+        was, now = theirs["space"], ours["space"]
+        if "random" not in was:
+            return "it swept a grid; this spec draws random trials"
+        changed = sorted(
+            k for k in set(was["random"]) | set(now["random"]) if was["random"].get(k) != now["random"].get(k)
         )
-    old_trials = theirs.get("trials", {})
+        if changed:
+            name = changed[0]
+            return f"random.{name} was {was['random'].get(name, '<unset>')}, now {now['random'].get(name, '<unset>')}"
+        return f"seed was {was.get('seed')}, now {now.get('seed')}"
+    if "grid" in ours["space"] and "grid" not in theirs["space"]:
+        return "it drew random trials; this spec sweeps a grid"
     for name, new in ours["trials"].items():
-        old = old_trials.get(name)
-        if old is not None and old != new:
-            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))[:4]
-            was = ", ".join(f"{k}={old.get(k, '<unset>')}" for k in changed)
-            now = ", ".join(f"{k}={new.get(k, '<unset>')}" for k in changed)
-            return f"{name} ran with {was}; now {now}"
+        old = theirs["trials"].get(name)
+        if old is not None and (changes := identity_changes(old, new)):
+            return f"{name}: {'; '.join(changes[:3])}"
     return None

@@ -59,7 +59,7 @@ def trial_job(spec: Spec) -> dict:
 
 
 def render_experiment(spec: Spec, trial_count: int) -> dict:
-    if not K8S_NAME.match(spec.name):
+    if not K8S_NAME.fullmatch(spec.name):
         raise refused(
             f"name={spec.name!r} is not a Kubernetes name (lowercase letters, digits and '-', at most 63, a letter or "
             "digit at each end); Katib names the Experiment and its trials after it: write e.g. name: sst2-sweep"

@@ -3,7 +3,10 @@
 The study lives in OUTPUT_DIR/study.db (Optuna, SQLite), one Optuna trial per run of a planned trial, named by
 its `trial` user attribute, so a sweep run again after a kill resumes: a COMPLETE trial is never run again; one
 left RUNNING is marked FAIL and run again in its folder, where the job resumes from its last checkpoint. The
-planned settings are enqueued (`enqueue_trial`), so the sampler never picks: the trials are those of `plan_trials`.
+sampler never picks: the trials are those of `plan_trials`, their settings recorded as the `params` user attribute,
+not as Optuna parameters. Optuna ties a parameter to the value space it was first recorded with (a categorical
+list may not change), so a grid grown in a list, which extends the sweep (docs/sweeps.md), could not be recorded;
+sweep.json holds the space the sweep is checked against.
 
 On GPUs each trial gets one (CUDA_VISIBLE_DEVICES). A trial's process dies with the sweep (PR_SET_PDEATHSIG), so a
 killed sweep leaves none training on in the folder the rerun needs. Trials run in a session of their own, so a
@@ -18,19 +21,22 @@ import os
 import queue
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 from utils.errors import EXIT_UNEXPECTED
-from utils.sweep import Spec, Trial, describe, distributions, job_environment, refused, trial_metric
+from utils.sweep import Spec, Trial, describe, job_environment, refused, trial_metric
 from utils.sweep_summary import record_trial
 
 REPO = Path(__file__).resolve().parents[1]
 TRIAL_LOG = "trial.log"  # the job's stdout and stderr, appended to by every run of the trial
+STUDY = "study.db"
 
 
 def visible_gpus(environ: dict[str, str]) -> list[str]:
@@ -109,8 +115,26 @@ def run_local(spec: Spec, trials: list[Trial]) -> int:
         return run_study(spec, trials)
 
 
+def check_study(spec: Spec) -> None:
+    """A study.db SQLite cannot read whole (torn by a full disk or a copy, or another file under its name) is refused
+    in one line naming it and the fix, before the sweep claims its folder; Optuna would end in a traceback."""
+    db = spec.output_dir / STUDY
+    if not db.exists():
+        return
+    try:
+        with closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)) as conn:
+            verdict = conn.execute("PRAGMA quick_check").fetchone()[0]
+    except sqlite3.Error as exc:
+        verdict = str(exc)
+    if verdict != "ok":
+        raise refused(
+            f"{db} is not a database the sweep can read ({verdict[:120]}); restore it, or move it aside to start a "
+            "new study: each trial that finished stays complete in its folder (its job finds the run done)"
+        )
+
+
 def open_study(spec: Spec, trials: list[Trial]):
-    """The sweep's study in output_dir (this sweep's: open_sweep_dir refused another's), the trials a stopped sweep
+    """The sweep's study in output_dir (this sweep's: check_sweep_dir refused another's), the trials a stopped sweep
     left running marked failed; with the planned trials not yet complete."""
     import optuna
     from optuna.trial import TrialState
@@ -118,7 +142,7 @@ def open_study(spec: Spec, trials: list[Trial]):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
         study_name="sweep",  # one study per output_dir, whatever the spec's file is called
-        storage=f"sqlite:///{spec.output_dir / 'study.db'}",
+        storage=f"sqlite:///{spec.output_dir / STUDY}",
         load_if_exists=True,
         direction=spec.direction,
         sampler=optuna.samplers.RandomSampler(seed=spec.seed),
@@ -129,7 +153,7 @@ def open_study(spec: Spec, trials: list[Trial]):
     done = {t.user_attrs.get("trial") for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))}
     todo = [t for t in trials if t.name not in done]
     if done:
-        print(f"sweep: {len(done)} trial(s) already complete in {spec.output_dir / 'study.db'}, {len(todo)} to run")
+        print(f"sweep: {len(done)} trial(s) already complete in {spec.output_dir / STUDY}, {len(todo)} to run")
     return study, todo
 
 
@@ -142,7 +166,6 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
     if gpus and spec.parallel > len(gpus):
         raise refused(f"parallel={spec.parallel} but {len(gpus)} GPU(s) here; set parallel: {len(gpus)}")
     study, todo = open_study(spec, trials)
-    spaces = distributions(spec)  # the enqueued values are drawn from these: the study records them as params
     ask_lock = threading.Lock()
     slots: queue.Queue = queue.Queue()
     for slot in gpus[: spec.parallel] or [None] * spec.parallel:
@@ -154,8 +177,9 @@ def run_study(spec: Spec, trials: list[Trial]) -> int:
             if STOPPED:
                 return
             with ask_lock:
-                study.enqueue_trial(trial.params, user_attrs={"trial": trial.name})
-                asked = study.ask(spaces)
+                asked = study.ask()
+                asked.set_user_attr("trial", trial.name)
+                asked.set_user_attr("params", trial.params)
             _, value = run_trial(spec, trial, gpu)
             with ask_lock:
                 study.tell(asked, value, state=TrialState.FAIL if value is None else TrialState.COMPLETE)
