@@ -259,8 +259,8 @@ REFUSALS = [
     case(
         "quantization-unknown",
         "settings",
-        ["QUANTIZATION=4bit", "'auto'", "'8bit'", "'none'"],
-        {"QUANTIZATION": "4bit"},
+        ["QUANTIZATION=2bit", "'auto'", "'8bit'", "'4bit'", "'none'"],
+        {"QUANTIZATION": "2bit"},
     ),
     case(
         "precision-unknown",

@@ -60,7 +60,8 @@ def check_strategy(
     if quantize:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"QUANTIZATION={settings.quantization} cannot be combined with STRATEGY=fsdp: FSDP cannot shard "
+            f"QUANTIZATION={settings.quantization if settings.quantization != 'auto' else '8bit'} cannot be combined "
+            "with STRATEGY=fsdp: FSDP cannot shard "
             "bitsandbytes' quantized weights; use QUANTIZATION=none (or auto) with fsdp",
         )
 
