@@ -84,6 +84,7 @@ def test_dry_run_prints_the_plan_the_run_trained_with(finished_run):
         "warmup_steps": None,
         "steps_per_epoch": None,
         "compile": "auto",
+        "capture": "auto",
     }
     assert planned == {**plan, **later}
     # The tiny run: 2,000 rows in 125 batches of 16 an epoch, 2 epochs; LoRA+ trains B at 8x the rate set.

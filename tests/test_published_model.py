@@ -113,7 +113,7 @@ def test_card_is_validated_names_the_repo_and_holds_every_metric(finished_run):
     )
     # What actually ran, not `auto`.
     assert "| precision | fp32 |" in card and "| quantization | none |" in card and "| learning rate | 0.003 |" in card
-    assert "| global batch | 16 |" in card and "| world size (replicas) | 1 |" in card
+    assert "| global batch | 16 rows a step (" in card and "| world size (replicas) | 1 |" in card
     assert (
         "| recipe | warm-up 0.06 of the steps, LoRA+ (B at x8 the rate), pooler trained with the classifier, base-model dropout 0 |"
         in card

@@ -347,8 +347,10 @@ def test_one_publisher_at_a_time_on_a_finished_run(job_env, hub, tmp_path):
     assert first.code == 3, first.stderr[-3000:]
     assert not (out / ".job.lock").exists() and hub.commits == []
 
-    hub.retry_after = "10"
-    hub.fail("commit", 429)  # the next push waits 10 s before its commit goes through
+    # The next push waits before its commit goes through: long enough for a second start to reach the lock, which
+    # takes seconds on an idle machine and several times that on a loaded one (seen: the push done first at load 7).
+    hub.retry_after = str(round(15 * slowness()))
+    hub.fail("commit", 429)
     for args in ([], ["--push-only"]):
         publisher = start_main(env, *args, log=tmp_path / "publisher.txt")
         wait_until(
