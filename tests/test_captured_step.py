@@ -31,25 +31,18 @@ STEPS = 60
 BUCKETS = [16, 32, 48]  # the tiny data's padded lengths (tests/test_compile.py)
 
 SCRIPT = """
-import json, random, shutil, sys
+import json, random, sys
 from pathlib import Path
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import TrainerCallback, set_seed
-from utils.data import load_sst2
-from utils.distributed import DistEnv
-from utils.job import Job
-from utils.model import build_model, load_tokenizer, trainable_checksum
-from utils.outputs import RunDir
-from utils.plan import build_plan
-from utils.preemption import Preemption
+from transformers import TrainerCallback
+from benchmarks.arms import build_job_arm
+from utils.model import trainable_checksum
 from utils.settings import Settings
 from utils.step_capture import CapturedStep
-from utils.trainer import build_trainer
 
 model_dir, data_dir, out, steps = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
-single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
 # The reads a GPU answers only by waiting for the device: a tensor's value on the host, a count of its nonzeros.
 HOST_READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "item", "allclose"}
 
@@ -110,23 +103,12 @@ def train(name, resume_from=None, **extra):
         max_steps=steps, eval_steps=20, logging_steps=1, save_steps=30, per_device_batch_size=16,
         learning_rate=1e-3,
     )
-    settings = Settings(**{**values, **extra})
-    run = RunDir(Path(settings.output_dir))
-    run.checkpoints.mkdir(parents=True)
-    if resume_from is not None:
-        shutil.copytree(resume_from, run.checkpoints / resume_from.name)
-    job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
-    tokenizer = load_tokenizer(settings)
-    data = load_sst2(settings, tokenizer, run.cache)
-    job = job.with_rows(len(data["train"]))
-    set_seed(settings.seed)
-    model = build_model(settings, False, job.device)
+    trainer, *_ = build_job_arm(Settings(**{**values, **extra}), cuda=False)  # as utils/run.py builds it
     lengths = set()
-    model.register_forward_pre_hook(
+    trainer.model.register_forward_pre_hook(
         lambda module, args, kwargs: lengths.add(kwargs["input_ids"].shape[-1]) if module.training else None,
         with_kwargs=True,
     )
-    trainer = build_trainer(job, model, tokenizer, data)
     watch = Watch(trainer)
     trainer.add_callback(watch)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)

@@ -51,32 +51,15 @@ def test_balanced_class_weights_are_logged_recorded_and_carded(tmp_path, tiny_be
 
 SCRIPT = """
 import json, sys
-from pathlib import Path
 import torch
-from transformers import set_seed
-from utils.data import load_sst2
-from utils.distributed import DistEnv
-from utils.job import Job
-from utils.model import build_model, load_tokenizer
-from utils.outputs import RunDir
-from utils.plan import build_plan
-from utils.preemption import Preemption
+from benchmarks.arms import build_job_arm
 from utils.settings import Settings
-from utils.trainer import build_trainer
 
 model_dir, data_dir, out = sys.argv[1:]
-single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
 settings = Settings(model_name=model_dir, dataset_path=data_dir, output_dir=out, report_to=("none",), max_steps=2,
                     class_weights="balanced", per_device_batch_size=16)
-run = RunDir(Path(out))
-run.checkpoints.mkdir(parents=True)
-job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
-tokenizer = load_tokenizer(settings)
-data = load_sst2(settings, tokenizer, run.cache)
-job = job.with_rows(len(data["train"]))
-set_seed(settings.seed)
-model = build_model(settings, False, job.device)
-trainer = build_trainer(job, model, tokenizer, data)
+trainer, *_ = build_job_arm(settings, cuda=False)  # as utils/run.py builds it
+model, data = trainer.model, {"train": trainer.train_dataset}
 model.eval()  # no dropout: the two losses below see the same logits
 batch = trainer.data_collator([data["train"][i] for i in range(32)])
 with torch.no_grad():
