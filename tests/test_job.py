@@ -165,45 +165,31 @@ def test_two_platform_replicas_train_one_model_in_sync_and_push_it_once(job_env,
     assert hub.count("/api/whoami-v2") == 2
 
 
-def test_8bit_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_path):
+@pytest.mark.parametrize("bits", ["8bit", "4bit"])
+def test_quantized_path_runs_on_the_cpu_and_saves_a_loadable_adapter(job_env, tmp_path, bits):
+    """QUANTIZATION=8bit (LLM.int8) and 4bit (NF4, double quantization): bitsandbytes runs both on the CPU."""
     result = run_main(
-        job_settings(job_env, QUANTIZATION="8bit", MERGE_ADAPTER="true")
+        job_settings(job_env, QUANTIZATION=bits, MERGE_ADAPTER="true")
     )  # a few steps: the path, not a good model
     assert result.code == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
-    assert metrics["quantization"] == "8bit"
+    assert metrics["quantization"] == bits
     log = (tmp_path / "out" / "logs" / "rank-0.log").read_text()
-    assert "weights 8bit" in log
-    # The adapter trained on 8-bit weights loads back on the full-precision base and answers as the merged export
-    # does (a few steps: not a good model, so its answers are compared, not its labels).
+    assert f"weights {bits}" in log
+    # The adapter trained on quantized weights loads back on the full-precision base and answers as the merged
+    # export does (a few steps: not a good model, so its answers are compared, not its labels).
     sentences = ["the cast is superb", "a dull and tedious mess"]
     adapter = logits_of(tmp_path / "out" / "model", sentences)
     merged = logits_of(tmp_path / "out" / "merged", sentences, merged=True)
     assert adapter.shape == merged.shape == (2, 2)
     assert adapter.flatten().tolist() == pytest.approx(merged.flatten().tolist(), abs=1e-4)
-    # The merged export of an 8-bit run: the base reloaded in full precision, no trace of the quantizer.
+    # The merged export of a quantized run: the base reloaded in full precision, no trace of the quantizer.
     from safetensors import safe_open
 
     merged = tmp_path / "out" / "merged"
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
     with safe_open(str(merged / "model.safetensors"), framework="pt") as weights:
         assert {str(weights.get_tensor(name).dtype) for name in weights.keys()} == {"torch.float32"}
-
-
-def test_4bit_path_trains_on_the_cpu_and_its_adapter_serves_on_the_full_base(job_env, tmp_path):
-    """QUANTIZATION=4bit (NF4, double quantization): bitsandbytes runs it on the CPU too; the adapter loads back on
-    the full-precision base, as an 8-bit run's does."""
-    result = run_main(job_settings(job_env, QUANTIZATION="4bit", MERGE_ADAPTER="true"))
-    assert result.code == 0, result.stderr[-3000:]
-    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
-    assert metrics["quantization"] == "4bit"
-    log = (tmp_path / "out" / "logs" / "rank-0.log").read_text()
-    assert "weights 4bit" in log
-    sentences = ["the cast is superb", "a dull and tedious mess"]
-    adapter = logits_of(tmp_path / "out" / "model", sentences)
-    merged = logits_of(tmp_path / "out" / "merged", sentences, merged=True)
-    assert adapter.flatten().tolist() == pytest.approx(merged.flatten().tolist(), abs=1e-4)
-    assert "quantization_config" not in json.loads((tmp_path / "out" / "merged" / "config.json").read_text())
 
 
 def test_bf16_full_precision_weights_train_on_the_cpu_through_main(job_env, tmp_path):
