@@ -22,12 +22,14 @@ from tests.conftest import (
     TIMEOUT,
     Replicas,
     assert_refusal,
+    base_env,
     free_port,
     log_time,
     patiently,
     push_settings,
     rank_env,
     rank_record,
+    run_code,
     slowness,
     start_main,
     training_settings,
@@ -190,3 +192,42 @@ def test_rank1_killed_while_waiting_for_the_model_is_finished_by_restarting_it_a
     assert wait_all(restarted, [tmp_path / "restart-rank1.txt"]) == [0]
     assert (out / "model" / "adapter_config.json").is_file() and (out / "metrics.json").is_file()
     assert len(hub.commits) == 1
+
+
+WAITING_RANK = """
+import sys, threading
+from datetime import timedelta
+from pathlib import Path
+import torch.distributed as td
+from utils.collectives import rendezvous
+from utils.distributed import DistEnv
+
+port, finished_marker, timeout = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+# Rank 0's store, listening, while rank 0 itself is busy saving model/ for the run this rank was lost from: it never
+# comes to this rendezvous.
+store = td.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False)
+dist = DistEnv(rank=1, local_rank=0, world_size=2, node_rank=1, master_addr="127.0.0.1", master_port=port,
+               source="platform")
+if sys.argv[4] == "finishes":  # rank 0 writes metrics.json two seconds in: the run is finished
+    threading.Timer(2.0, finished_marker.write_text, args=("{}",)).start()
+rendezvous(dist, timeout, False, {"run": "one"}, finished=finished_marker.exists)
+print("met")
+"""
+
+
+@pytest.mark.parametrize("outcome", ["finishes", "never"])
+def test_a_restarted_rank_waiting_at_the_rendezvous_exits_as_the_run_did(tmp_path, outcome):
+    """A rank restarted while rank 0 saves model/ (a slow volume) waits at the rendezvous for a rank 0 that will not
+    come back to it. Once the run is finished (metrics.json written), it exits 0 at once, as the run did; a run that
+    does not finish still fails it at RENDEZVOUS_TIMEOUT (exit 1: nothing to restart into)."""
+    timeout = 12
+    proc = run_code(
+        WAITING_RANK, base_env(tmp_path), free_port(), tmp_path / "metrics.json", timeout, outcome, timeout=120
+    )
+    assert "met" not in proc.stdout.split(), proc.stdout
+    if outcome == "finishes":
+        assert proc.code == 0, proc.stderr[-2000:]
+        # Its own words, not the timeout's (which would be exit 1 and "could not meet").
+        assert "rank 1: the run finished while this rank was away (exit 0)" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert proc.code == 1 and "could not meet its 1 peers" in proc.stderr, proc.stderr[-2000:]

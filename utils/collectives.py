@@ -12,7 +12,7 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TypeVar
 
@@ -22,7 +22,7 @@ import torch.distributed as td
 from utils.distributed import DistEnv
 from utils.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobError, Preempted
 from utils.identity import agreement_refusal
-from utils.threads import Heartbeat, watchdog
+from utils.threads import Heartbeat, ended_when, watchdog
 
 T = TypeVar("T")
 
@@ -191,7 +191,12 @@ def _beat(pulse, key: str) -> None:
 
 
 def rendezvous(
-    dist: DistEnv, timeout_s: int, cuda: bool, agreement: dict, on_main: Callable[[], None] | None = None
+    dist: DistEnv,
+    timeout_s: int,
+    cuda: bool,
+    agreement: dict,
+    on_main: Callable[[], None] | None = None,
+    finished: Callable[[], bool] | None = None,
 ) -> Collectives:
     """Meet the other ranks, check that they run the same job, and create the process group.
 
@@ -199,7 +204,9 @@ def rendezvous(
     compares them all, then runs `on_main` (taking the OUTPUT_DIR lock) and posts one verdict that every
     rank follows: replicas started with other settings or another world size all stop with exit 2 and
     the names of what differs, instead of training different models. Everything is bounded by
-    RENDEZVOUS_TIMEOUT on every rank. The process group is then created on the same store, so
+    RENDEZVOUS_TIMEOUT on every rank. `finished`: whether the run this rank belongs to is finished without it (a
+    rank restarted while the others saved model/ waits here for a rank 0 that will not come back to it): then it
+    exits 0, as the run did, instead of failing at the timeout. The process group is then created on the same store, so
     `TrainingArguments(ddp_timeout=...)`, ignored on gloo, is not needed: the timeout bounds every
     collective, DDP's gradient all-reduce included.
     """
@@ -214,7 +221,10 @@ def rendezvous(
         f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {where} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
         f"check that all {dist.world_size} replicas started with the same WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0"
     )
-    with watchdog(timeout_s + WATCHDOG_GRACE, stuck, 1):
+    outcome = nullcontext()
+    if finished is not None and not dist.is_main:
+        outcome = ended_when(finished, f"rank {dist.rank}: the run finished while this rank was away (exit 0)", 0)
+    with watchdog(timeout_s + WATCHDOG_GRACE, stuck, 1), outcome:
         if not dist.is_main:
             _wait_for_rank0(dist, timeout_s, deadline)
         store = None

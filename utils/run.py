@@ -396,7 +396,9 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     check_tracker_uri(settings)
     # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
     agreement = agreement_of(settings, job.plan, dist.world_size)
-    group = rendezvous(dist, settings.rendezvous_timeout, job.cuda, agreement, on_main=lock.acquire)
+    group = rendezvous(
+        dist, settings.rendezvous_timeout, job.cuda, agreement, on_main=lock.acquire, finished=job.out.is_finished
+    )
     log_to_file(job)
     if job.strategy == "deepspeed":
         join_deepspeed(dist, job.cuda)

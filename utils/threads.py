@@ -75,6 +75,31 @@ def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
         done.set()
 
 
+@contextmanager
+def ended_when(condition: Callable[[], bool], message: str, code: int, every: float = 2.0) -> Iterator[None]:
+    """End the process with `code` (saying `message` on stderr) as soon as `condition()` holds, checked every `every`
+    seconds while the block runs: a wait that another process's outcome makes pointless, in native code where no
+    exception reaches it (a store call to a peer that will not come)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(every):
+            try:
+                met = condition()
+            except OSError:  # a volume that does not answer now may later; the block's own bound still holds
+                continue
+            if met:
+                sys.stderr.write(f"{message}\n")
+                sys.stderr.flush()
+                os._exit(code)
+
+    in_background(watch, "ended-when")
+    try:
+        yield
+    finally:
+        done.set()
+
+
 class Heartbeat:
     """`beat()` every `seconds` until `stop`: a watcher that sees the beats stand still knows the process was
     killed, stopped or cut off. `beat` handles its own failures: a missed beat must not end the job."""
