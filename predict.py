@@ -334,6 +334,7 @@ def load_classifier(model: str, base_model: str | None):
             )
         if config is None:  # a merged model: its config.json names the labels
             classifier = pipeline("text-classification", model=model, device=device, **NO_REMOTE_CODE)
+            warn_if_untrained(model, classifier.model.config.id2label)
         else:
             adapted = load_adapter(model, json.loads(Path(config).read_text()), base_model)
             tokenizer = AutoTokenizer.from_pretrained(model, **NO_REMOTE_CODE)
@@ -349,6 +350,20 @@ def load_classifier(model: str, base_model: str | None):
     if isinstance(positions, int):
         classifier.tokenizer.model_max_length = min(classifier.tokenizer.model_max_length, positions)
     return classifier
+
+
+def warn_if_untrained(model: str, id2label: dict) -> None:
+    """A warning on stderr for a full model whose labels are transformers' defaults (LABEL_0, LABEL_1, ...) and that
+    holds no record of a run of this job: most likely a base model, whose head is untrained, so that every answer is
+    chance (seen: LABEL_0 at 0.50 for everything, without a word). A fine-tuned model from elsewhere that never named
+    its labels is warned about too; its answers still come."""
+    if all(name == f"LABEL_{i}" for i, name in id2label.items()) and model_file(model, INPUTS_NAME) is None:
+        print(
+            f"warning: {model} names its labels {', '.join(id2label.values())} (transformers' defaults) and holds no "
+            "record of a training run of this job: if it is a base model, its classification head is untrained and "
+            "its answers are chance; give the trained adapter (OUTPUT_DIR/model) or merged model (OUTPUT_DIR/merged)",
+            file=sys.stderr,
+        )
 
 
 def load_adapter(model: str, adapter: dict, base_model: str | None):

@@ -429,3 +429,15 @@ def test_a_reader_that_stops_reading_ends_it_without_a_traceback(trained, tmp_pa
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=180) == 141, stderr[-3000:]
     assert first["text"] == "a wonderful film 0" and "Traceback" not in stderr and not error_lines(stderr), stderr
+
+
+def test_a_base_model_is_served_with_a_warning_that_its_head_is_untrained(trained, tiny_bert, tmp_path):
+    """A base folder given as MODEL (its labels transformers' LABEL_0, LABEL_1, no record of this job's run) answers,
+    with one warning that its head is untrained; the job's merged model, which names its labels, gets none."""
+    base = run_predict(base_env(tmp_path), tiny_bert, stdin="a wonderful film\n")
+    assert base.code == 0, base.stderr[-2000:]
+    assert [json.loads(line)["label"] for line in base.stdout.splitlines()] in (["LABEL_0"], ["LABEL_1"])
+    warnings = [line for line in base.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "LABEL_0, LABEL_1 (transformers' defaults)" in warnings[0], base.stderr[-2000:]
+    merged = run_predict(base_env(tmp_path), trained / "merged", stdin="a wonderful film\n")
+    assert merged.code == 0 and "warning:" not in merged.stderr, merged.stderr[-2000:]
