@@ -16,6 +16,7 @@ utils/collectives.py's, saving and pushing the model utils/hub.py's. It branches
 
 from __future__ import annotations
 
+import json
 import logging
 import logging.handlers
 import math
@@ -60,6 +61,7 @@ from utils.trainer import JobTrainer, build_trainer, compile_record, seconds_sin
 
 log = logging.getLogger(__name__)
 RANK_LOG_ONLY = {"rank_log_only": True}  # `extra=` of a record the console leaves out
+CONSOLE_ONLY = {"console_only": True}  # `extra=` of a record the rank log leaves out (it has the record whole)
 
 
 def masked(handler: logging.Handler, job: Job) -> logging.Handler:
@@ -80,6 +82,7 @@ def setup_logging(job: Job) -> None:
     console.addFilter(lambda record: not getattr(record, "rank_log_only", False))
     # Records before the rank log exists are held here and written to it first (log_to_file).
     early = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+    early.addFilter(not_console_only)
     logging.basicConfig(level=logging.WARNING, handlers=[console, masked(early, job)], force=True)
     # The rank log tells the run's story, ours and the Trainer's (training, evaluations, checkpoints); the libraries'
     # INFO records (every config.json read in full, weights files, datasets' builder steps, HTTP requests) stay out.
@@ -95,6 +98,10 @@ def setup_logging(job: Job) -> None:
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
         huggingface_hub.utils.disable_progress_bars()
+
+
+def not_console_only(record: logging.LogRecord) -> bool:
+    return not getattr(record, "console_only", False)
 
 
 def shows_progress_bars(dist: DistEnv) -> bool:
@@ -114,6 +121,7 @@ def log_to_file(job: Job) -> None:
     """Every rank also logs to OUTPUT_DIR/logs/rank-R.log: after the rendezvous and the OUTPUT_DIR lock, so a
     job refused on a folder in use never writes into the logs of the job that holds it."""
     handler = masked(RankLogHandler(job.out, job.out.rank_log(job.dist.rank)), job)
+    handler.addFilter(not_console_only)
     root = logging.getLogger()
     for early in [h for h in root.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
         early.setTarget(handler)
@@ -123,11 +131,26 @@ def log_to_file(job: Job) -> None:
 
 
 class LogToRankLog(TrainerCallback):
-    """Each loss, learning rate and evaluation the Trainer logs, in the rank log alone (the console gets one line
-    per evaluation: EvaluationLine)."""
+    """Each loss, learning rate and evaluation the Trainer logs, in the rank log whole; the training loss of each
+    logging step on the console too, one short line (evaluations get theirs: EvaluationLine)."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         log.info("step %d: %s", state.global_step, logs, extra=RANK_LOG_ONLY)
+        logs = logs or {}
+        if "loss" in logs and "train_runtime" not in logs:
+            epoch = f" (epoch {state.epoch:.2f})" if state.epoch is not None else ""
+            rate = f", learning rate {logs['learning_rate']:.3g}" if "learning_rate" in logs else ""
+            norm = f", grad norm {logs['grad_norm']:.3f}" if isinstance(logs.get("grad_norm"), float) else ""
+            log.info(
+                "step %d/%d%s: loss %.4f%s%s",
+                state.global_step,
+                state.max_steps,
+                epoch,
+                logs["loss"],
+                rate,
+                norm,
+                extra=CONSOLE_ONLY,
+            )
 
 
 class EvaluationLine(TrainerCallback):
@@ -344,6 +367,11 @@ def run(job: Job) -> int:
     hub = Hub(read_token(), job.settings.push_timeout, job.settings.hub_timeout)
     if job.out.is_finished():
         log.info("%s already holds a finished run", job.out.root)
+        if dist.is_main:  # what the run ended with, as its own last line said it
+            metrics = json.loads(job.out.metrics.read_text())
+            rate = metrics.get("train_samples_per_second")
+            rate = f" train_samples_per_second={rate:.1f}" if isinstance(rate, (int, float)) else ""
+            print(f"{headline(metrics)}{rate} model={job.out.model}", flush=True)
         # Rank 0 finishes what was left (the merge, the push), with the labels, base and run name the run recorded
         # (metrics.json), whatever this start's settings say; the others are done. Under the folder's lock: two
         # restarts of an unpushed run both merged into the one staging folder and pushed two commits.
