@@ -544,3 +544,19 @@ def test_a_lost_peer_error_during_the_evaluation_bar_starts_its_own_line(replica
     [index] = [i for i, line in enumerate(lines) if line.startswith("error: ")]
     assert "lost contact with its peers" in lines[index]
     assert "%|" in lines[index - 1]  # the bar was on the line the error would have been glued to
+
+
+def test_a_hub_host_that_does_not_resolve_is_said_once_and_refused_within_its_bound(job_env, tmp_path):
+    """HF_ENDPOINT naming a host that does not resolve (a typo, no resolver): one warning, a short bounded retry
+    (NAME_RESOLUTION_SECONDS, not TOKEN_CHECK_SECONDS' two minutes), then one error line that names the host and
+    the fix; nothing trained."""
+    from utils.hub import NAME_RESOLUTION_SECONDS
+
+    env = {**job_env, "HF_ENDPOINT": "http://no-such-hub.invalid", "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_" + "a" * 34}
+    env.update(RESULT_MODEL_ID=REPO_ID, BASE_MODEL_ID="tester/tiny-bert")
+    result = run_main(env)
+    line = assert_refusal(result, ["no-such-hub.invalid", "does not resolve", "HF_ENDPOINT", "RESULT_MODEL_ID"])
+    assert f"retried for {NAME_RESOLUTION_SECONDS} s" in line
+    warnings = [text for text in result.stderr.splitlines() if "Hub whoami failed" in text]
+    assert len(warnings) == 1, warnings  # said once, however many tries
+    assert not (tmp_path / "out" / "model").exists()

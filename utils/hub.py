@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 TOKEN_CHECK_SECONDS = 120  # the token check before training gives up within this: no GPU time waits on a silent Hub
+# A host name that does not resolve: retried this long (a pod's DNS record appears within seconds of its start), said
+# once; past it, a typo in HF_ENDPOINT or no route to a resolver is no reason to keep a job waiting for minutes.
+NAME_RESOLUTION_SECONDS = 15
 CONNECT_SECONDS = 10
 
 
@@ -99,11 +103,24 @@ def _wait(state: RetryCallState) -> float:
     return max(asked or 0.0, _backoff(state))
 
 
+def unresolved(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what it wraps: httpx's ConnectError over the socket's) is a host name that did not resolve."""
+    while exc is not None:
+        if isinstance(exc, socket.gaierror):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _retrying(deadline: float, token: SecretStr | None):
     def stop(state: RetryCallState) -> bool:  # give up rather than sleep past the deadline
+        if unresolved(state.outcome.exception()):
+            return state.seconds_since_start + (state.upcoming_sleep or 0) >= NAME_RESOLUTION_SECONDS
         return time.monotonic() + (state.upcoming_sleep or 0) >= deadline
 
     def log_retry(state: RetryCallState) -> None:
+        if unresolved(state.outcome.exception()) and state.attempt_number > 1:
+            return  # said once: the same name does not resolve again
         failure = describe(state.outcome.exception(), token)
         log.warning(
             f"Hub {getattr(state.fn, '__name__', 'call')} failed ({failure}); "
@@ -144,6 +161,14 @@ class Hub:
         except Exception as exc:
             if _status(exc) in (401, 403):
                 raise JobError(EXIT_BAD_INPUT, f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
+            if unresolved(exc):
+                host = httpx2.URL(constants.ENDPOINT).host
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"the Hub's host {host} (HF_ENDPOINT={constants.ENDPOINT}) does not resolve to an address "
+                    f"(retried for {NAME_RESOLUTION_SECONDS} s); check HF_ENDPOINT and this machine's DNS, or unset "
+                    "RESULT_MODEL_ID to train without pushing (push later with --push-only)",
+                ) from None
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"the Hub at {constants.ENDPOINT} could not be reached to check HF_TOKEN within {seconds:.0f} s ({describe(exc, self._token)}); "
