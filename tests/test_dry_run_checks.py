@@ -34,8 +34,9 @@ def missing_dataset(tmp: Path, env: dict) -> tuple[dict, str]:
 def dataset_is_a_file(tmp: Path, env: dict) -> tuple[dict, str]:
     path = Path(env["DATASET_PATH"]) / "train.csv"
     return {"DATASET_PATH": str(path)}, (
-        f"error: DATASET_PATH={path} is a file, not a folder; put the training rows in a folder as train.csv "
-        "beside validation.csv, and point DATASET_PATH at that folder"
+        f"error: DATASET_PATH={path} is one file, the training rows; set VALIDATION_FILE to the validation rows' "
+        "file, or VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows (or point DATASET_PATH at a folder "
+        "of train and validation files)"
     )
 
 

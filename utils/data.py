@@ -1,7 +1,8 @@
 """SST-2 (or any sentence/label data set shaped like it): load, check, tokenize once per shared volume.
 
-Both sources, the Hub (`nyu-mll/glue`, `sst2`) and a local folder (DATASET_PATH), go through the same
-checks and the same tokenization after loading. Padding is left to the collator: SST-2 sentences
+Both sources, the Hub (`nyu-mll/glue`, `sst2`) and local data (a DATASET_PATH folder or file, or TRAIN_FILE and
+VALIDATION_FILE), go through the same checks and the same tokenization after loading; then VALIDATION_SPLIT and
+MAX_TRAIN_SAMPLES / MAX_EVAL_SAMPLES choose the rows, before tokenizing, so the cache holds only what is trained. Padding is left to the collator: SST-2 sentences
 average ~13 tokens, so padding to MAX_SEQ_LENGTH would make most of each batch padding.
 """
 
@@ -15,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import datasets
+import numpy
 import pyarrow
 import pyarrow.compute
 from datasets import DatasetDict, load_dataset, load_from_disk
@@ -22,15 +24,9 @@ from datasets.fingerprint import Hasher
 
 from utils.delimited import DIALECTS, FILE_FORMATS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
-from utils.local_inputs import (
-    check_columns,
-    check_dataset_folder,
-    check_splits,
-    data_splits,
-    local_files,
-)
+from utils.local_inputs import check_carve, check_columns, check_splits, read_splits, split_files
 from utils.settings import Settings
-from utils.tasks import CLASSIFICATION, REGRESSION
+from utils.tasks import CLASSIFICATION, REGRESSION, validation_splits
 
 log = logging.getLogger(__name__)
 
@@ -136,28 +132,30 @@ def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
 
 
 def load_raw(settings: Settings) -> DatasetDict:
-    """The train and validation splits from DATASET_PATH when set, else from the Hub (TASK=mnli: its two)."""
-    splits = data_splits(settings)
-    if settings.dataset_path:
-        folder = check_dataset_folder(settings.dataset_path)
-        if (folder / "dataset_dict.json").exists():
-            try:
-                loaded = load_from_disk(str(folder))
-            # A torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild.
-            except Exception as exc:
-                raise JobError(
-                    EXIT_BAD_INPUT,
-                    f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {_first_line(exc)}); "
-                    "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
-                ) from None
-        else:
-            files = local_files(folder, splits)
-            suffix = Path(files["train"]).suffix.lower()
-            # One split at a time: loaded together, the validation file was cast to the train file's columns, and
-            # an extra column (unused either way) failed with a CastError naming neither file nor column.
-            loaded = DatasetDict({split: _load_file(Path(p), split, suffix, files) for split, p in files.items()})
-            if FILE_FORMATS[suffix] == "json":
-                _check_json_labels(loaded, files, settings.label_column)
+    """The train and validation splits from the local data when set (DATASET_PATH, or TRAIN_FILE and
+    VALIDATION_FILE), else from the Hub (TASK=mnli: its two); train alone where VALIDATION_SPLIT carves validation."""
+    splits = read_splits(settings)
+    if (files := split_files(settings)) is not None:
+        # One split at a time: loaded together, the validation file was cast to the train file's columns, and
+        # an extra column (unused either way) failed with a CastError naming neither file nor column.
+        loaded = DatasetDict(
+            {split: _load_file(Path(p), split, Path(p).suffix.lower(), files) for split, p in files.items()}
+        )
+        json_files = {s: p for s, p in files.items() if FILE_FORMATS[Path(p).suffix.lower()] == "json"}
+        _check_json_labels(DatasetDict({s: loaded[s] for s in json_files}), json_files, settings.label_column)
+    elif settings.dataset_path:
+        folder = Path(settings.dataset_path)
+        try:
+            loaded = load_from_disk(str(folder))
+        # A torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild.
+        except Exception as exc:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {_first_line(exc)}); "
+                "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
+            ) from None
+        if isinstance(loaded, DatasetDict):
+            check_carve(settings, loaded, f"DATASET_PATH={folder}")
     else:
         try:
             # No loading script from the Hub runs (datasets 4 and later run none at all; said here so a
@@ -172,6 +170,8 @@ def load_raw(settings: Settings) -> DatasetDict:
     if not isinstance(loaded, DatasetDict):
         raise JobError(EXIT_BAD_INPUT, f"{settings.dataset_path} holds one Dataset; save a DatasetDict of the splits")
     check_splits(loaded, splits)
+    if settings.validation_split is not None and not settings.local_data:
+        log.info("VALIDATION_SPLIT=%s: the Hub's validation rows are not read", settings.validation_split)
     return DatasetDict({split: loaded[split] for split in splits})
 
 
@@ -585,9 +585,61 @@ def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
 def load_sst2(settings: Settings, tokenizer, cache_dir: Path) -> DatasetDict:
     """Train and validation splits, checked and tokenized (columns input_ids, attention_mask, ..., labels)."""
     raw = check_and_rename(load_raw(settings), settings)
+    raw = carve_validation(raw, settings.validation_split, settings.seed, validation_splits(settings)[0])
+    raw = sample_rows(raw, settings.max_train_samples, settings.max_eval_samples, settings.seed)
     data = tokenize(raw, tokenizer, settings.max_seq_length, cache_dir, settings.text_columns)
     report_unknown_tokens(data["train"], tokenizer)
     return data
+
+
+def carve_validation(raw: DatasetDict, fraction: float | None, seed: int, split: str) -> DatasetDict:
+    """`fraction` of the training rows held out as the `split` split, drawn with `seed`: whole rows, and every row of
+    one text (the pair, for a pair task) on the same side. A data set that repeats a sentence (SST-2 counts each
+    phrase once per tree it is in; a csv may hold duplicates) would otherwise score the model on rows it trained
+    on. The held-out share is the fraction rounded up to whole texts, at least one row each side."""
+    if fraction is None:
+        return raw
+    train = raw["train"]
+    texts = [name for name in TEXTS if name in train.column_names]
+    groups: dict[tuple, list[int]] = {}
+    for row, key in enumerate(zip(*(train[name] for name in texts), strict=True)):
+        groups.setdefault(key, []).append(row)
+    if len(groups) < 2:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"VALIDATION_SPLIT={fraction} needs two different texts in the training rows, and they hold "
+            f"{len(groups)}; add rows, or give the validation rows with VALIDATION_FILE",
+        )
+    listed = list(groups.values())  # in order of first appearance: the same file gives the same order
+    wanted, held = max(1, round(fraction * len(train))), []
+    for group in numpy.random.default_rng(seed).permutation(len(listed))[: len(listed) - 1]:
+        if len(held) >= wanted:
+            break
+        held.extend(listed[group])
+    held_rows = set(held)
+    kept = [row for row in range(len(train)) if row not in held_rows]
+    log.info(
+        f"VALIDATION_SPLIT={fraction}: {len(held)} of {len(train)} training rows ({len(groups)} distinct texts) "
+        f"held out as the {split} split, seed {seed}"
+    )
+    # In memory: an indices file would be written beside the data, perhaps in the user's read-only folder.
+    return DatasetDict(
+        {"train": train.select(kept, keep_in_memory=True), split: train.select(sorted(held), keep_in_memory=True)}
+    )
+
+
+def sample_rows(raw: DatasetDict, max_train: int | None, max_eval: int | None, seed: int) -> DatasetDict:
+    """At most `max_train` training rows and `max_eval` rows of each validation split, the first after a shuffle
+    with `seed`: a file's first rows are often one class or one source (sorted by label, appended by date), and a
+    quick run on them measures nothing. The rows keep the shuffled order; training shuffles them again anyway."""
+    limited = {}
+    for split, rows in raw.items():
+        limit = max_train if split == "train" else max_eval
+        if limit is not None and limit < len(rows):
+            rows = rows.shuffle(seed=seed, keep_in_memory=True).select(range(limit), keep_in_memory=True)
+            log.info(f"the {split} split limited to {limit} rows, drawn with seed {seed}")
+        limited[split] = rows
+    return DatasetDict(limited)
 
 
 # A tokenizer that fits the text leaves well under 1% of its tokens unknown (bert-base-uncased on English reviews:

@@ -9,7 +9,9 @@ docs/reliability.md's list to that table):
   the same run and weights replaced in place are another; for a Hub id, the id (no revision setting exists, and
   asking the Hub would put a network call before the first step);
 - the data's content (`data`): the SHA-256 of each file the loader reads from DATASET_PATH (the split files of a
-  known suffix, or every file of a save_to_disk folder), never the folder's path; or the Hub data set's names;
+  known suffix, or every file of a save_to_disk folder, or the one file it names), or of TRAIN_FILE and
+  VALIDATION_FILE, never the folder's path; or the Hub data set's names; and which rows of it the run uses
+  (VALIDATION_SPLIT, MAX_TRAIN_SAMPLES, MAX_EVAL_SAMPLES);
 - the label mapping (names in id order) and whether PROBLEM_TYPE asks for a regression;
 - the DeepSpeed config's content under STRATEGY=deepspeed (DEEPSPEED_CONFIG's file, or ZERO_STAGE and ZERO_OFFLOAD);
 - each other training setting as the run resolves it: the learning rates the plan trains at (not whether
@@ -43,8 +45,11 @@ IDENTITY_VERSION = 2
 # named by their variable). The docs and tests read this table.
 FIELDS = {
     "base_model": "base model: the SHA-256 of each weights, config and tokenizer file of a local MODEL_NAME, or its Hub id",
-    "dataset": "DATASET_NAME/DATASET_CONFIG: the Hub data set (none when DATASET_PATH is set)",
-    "data": "data files: the SHA-256 of each file of DATASET_PATH the loader reads",
+    "dataset": "DATASET_NAME/DATASET_CONFIG: the Hub data set (none when DATASET_PATH or TRAIN_FILE is set)",
+    "data": "data files: the SHA-256 of each file of DATASET_PATH the loader reads, or of TRAIN_FILE and VALIDATION_FILE",
+    "validation_split": "VALIDATION_SPLIT",
+    "max_train_samples": "MAX_TRAIN_SAMPLES",
+    "max_eval_samples": "MAX_EVAL_SAMPLES",
     "text_column": "TEXT_COLUMN",
     "label_column": "LABEL_COLUMN",
     "label_names": "LABEL_NAMES: the label mapping, names in id order (none for a regression)",
@@ -86,6 +91,7 @@ AS_GIVEN = (
     *("gradient_accumulation_steps", "warmup_ratio", "weight_decay", "lora_r", "lora_alpha", "lora_dropout"),
     *("lora_variant", "lora_init", "model_dropout", "train_pooler", "strategy", "precision", "quantization"),
     *("load_best_model", "early_stopping_patience", "class_weights"),
+    *("validation_split", "max_train_samples", "max_eval_samples"),
 )
 DEVICE_RESOLVED = ("precision", "quantization", "int8_threshold")  # `auto` until Job.start knows the device
 ZERO = ("strategy", "zero_stage", "zero_offload", "deepspeed")
@@ -113,7 +119,7 @@ def run_identity(
     identity.update(
         version=IDENTITY_VERSION,
         base_model=model_digest(settings.model_name),
-        dataset=None if settings.dataset_path else f"{settings.dataset_name}/{settings.dataset_config}",
+        dataset=None if settings.local_data else f"{settings.dataset_name}/{settings.dataset_config}",
         data=data_digest(settings),
         label_names=None if regression else list(settings.label_names),
         problem=REGRESSION if regression else "auto",
@@ -145,7 +151,7 @@ def run_name(settings: Settings, identity: dict[str, Any]) -> str:
         return settings.run_name
     # The folders' own names, links followed: another spelling of one folder is one name.
     model = Path(os.path.realpath(settings.model_name)).name or "model"
-    data = Path(os.path.realpath(settings.dataset_path)).name if settings.dataset_path else settings.dataset_config
+    data = Path(os.path.realpath(settings.local_data)).stem if settings.local_data else settings.dataset_config
     hashed = {name: value for name, value in identity.items() if name not in DEVICE_RESOLVED}
     return f"{model}-{data}-lora-r{settings.lora_r}-{short_digest(hashed)[:8]}"
 
@@ -178,22 +184,26 @@ def config_content(path: str | None) -> dict | str | None:
     return content if isinstance(content, dict) else sha256_file(file)
 
 
-def data_digest(settings: Settings) -> dict[str, str] | None:
-    """SHA-256 of each file a local DATASET_PATH is read from (the split files of a suffix the loader reads, or every
-    file of a save_to_disk folder), by its path in the folder: the files' bytes, not their dates or the folder's
-    path, so a restored or moved volume is the same data and a notes file beside them changes nothing. None for a
-    Hub data set, which DATASET_NAME and DATASET_CONFIG name."""
-    if not settings.dataset_path:
+def data_digest(settings: Settings) -> dict[str, str | None] | None:
+    """SHA-256 of each file the local data is read from: the split files of a DATASET_PATH folder (of a suffix the
+    loader reads, or every file of a save_to_disk folder) by their path in the folder, or the files TRAIN_FILE,
+    VALIDATION_FILE or a DATASET_PATH that is one file name, by their split. The files' bytes, not their dates or
+    the folder's path, so a restored or moved volume is the same data and a notes file beside them changes nothing.
+    None for a Hub data set, which DATASET_NAME and DATASET_CONFIG name."""
+    if not settings.local_data:
         return None
-    folder = Path(settings.dataset_path)
-    if not folder.is_dir():
+    path = Path(settings.local_data)
+    if settings.train_file or path.is_file():
+        given = {"train": settings.local_data, "validation": settings.validation_file}
+        return {split: sha256_file(Path(p)) if Path(p).is_file() else None for split, p in given.items() if p}
+    if not path.is_dir():
         return {}
-    if (folder / "dataset_dict.json").exists():
-        paths = [path for path in folder.rglob("*") if path.is_file()]
+    if (path / "dataset_dict.json").exists():
+        paths = [file for file in path.rglob("*") if file.is_file()]
     else:
         splits = ("train", *validation_splits(settings))  # MNLI: validation_matched and validation_mismatched
-        paths = [path for path in data_files(folder, splits) if path.is_file()]
-    return {str(path.relative_to(folder)): sha256_file(path) for path in sorted(paths)}
+        paths = [file for file in data_files(path, splits) if file.is_file()]
+    return {str(file.relative_to(path)): sha256_file(file) for file in sorted(paths)}
 
 
 def sha256_file(path: Path) -> str:

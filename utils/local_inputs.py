@@ -1,5 +1,5 @@
 """What a start can check on the local disk without torch, datasets or the network: a MODEL_NAME folder, the
-DATASET_PATH folder, its split files and their columns. `--dry-run` runs these checks, and the real run calls the
+local data (DATASET_PATH, TRAIN_FILE, VALIDATION_FILE), its split files and their columns. `--dry-run` runs these checks, and the real run calls the
 same functions where it loads each thing, so a mistake found early is refused with the line the run would print.
 
 A Hub id (MODEL_NAME, or no DATASET_PATH) is left to the run: checking it needs the network. Imports nothing heavy:
@@ -89,23 +89,38 @@ def no_tokenizer(model_name: str) -> JobError:
     )
 
 
-def check_dataset_folder(dataset_path: str) -> Path:
-    """DATASET_PATH names an existing folder (a file is refused with where to put it)."""
-    folder = Path(dataset_path)
-    if not folder.exists():
+def check_dataset_path(dataset_path: str) -> Path:
+    """DATASET_PATH names an existing folder or file."""
+    path = Path(dataset_path)
+    if not path.exists():
         raise JobError(
             EXIT_BAD_INPUT,
             f"DATASET_PATH={dataset_path} does not exist; point it at the data's folder (train and validation files, "
             "or a save_to_disk DatasetDict), or unset it to load DATASET_NAME from the Hub",
         )
-    if not folder.is_dir():
-        suffix = folder.suffix.lower() if folder.suffix.lower() in FILE_FORMATS else ".csv"
+    return path
+
+
+def check_data_file(setting: str, path: Path, split: str) -> str:
+    """One split's data file: a regular, non-empty file of a format the loader reads."""
+    rows = "training" if split == "train" else split
+    if not path.exists():
+        raise JobError(EXIT_BAD_INPUT, f"{setting}={path} does not exist; point it at the {rows} rows' file")
+    if not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file (a broken link, a pipe?)"
         raise JobError(
             EXIT_BAD_INPUT,
-            f"DATASET_PATH={dataset_path} is a file, not a folder; put the training rows in a folder as train{suffix} "
-            f"beside validation{suffix}, and point DATASET_PATH at that folder",
+            f"{path} is {kind}; the '{split}' split must be one data file: write its rows to {path.name} "
+            "as a file, or move it out of DATASET_PATH",
         )
-    return folder
+    if path.suffix.lower() not in FILE_FORMATS:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{setting}={path} is not a data file the job reads; write the {rows} rows as .csv .tsv .json .jsonl or .parquet",
+        )
+    if path.stat().st_size == 0:
+        raise JobError(EXIT_BAD_INPUT, f"{path} is empty (0 bytes); each split needs at least one row")
+    return str(path)
 
 
 def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
@@ -117,7 +132,12 @@ def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"DATASET_PATH={folder} has no '{split}' split (it holds {_listing(folder)}); add {split}.csv (or .tsv .json .jsonl .parquet) "
-                "or point DATASET_PATH at a save_to_disk DatasetDict",
+                "or point DATASET_PATH at a save_to_disk DatasetDict"
+                + (
+                    ", or set VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows"
+                    if split != "train"
+                    else ""
+                ),
             )
         if len(found) > 1:
             raise JobError(
@@ -125,23 +145,69 @@ def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
                 f"DATASET_PATH={folder} has {len(found)} files for the '{split}' split ({', '.join(p.name for p in found)}); "
                 "which one to train on is ambiguous: keep one and move the others out of the folder",
             )
-        path = found[0]
-        if not path.is_file():
-            kind = "a folder" if path.is_dir() else "not a regular file (a broken link, a pipe?)"
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{path} is {kind}; the '{split}' split must be one data file: write its rows to {path.name} "
-                "as a file, or move it out of DATASET_PATH",
-            )
-        if path.stat().st_size == 0:
-            raise JobError(EXIT_BAD_INPUT, f"{path} is empty (0 bytes); each split needs at least one row")
-        files[split] = str(path)
+        files[split] = check_data_file("DATASET_PATH", found[0], split)
     suffixes = {Path(f).suffix.lower() for f in files.values()}
     if len({FILE_FORMATS[s] for s in suffixes}) > 1:
         raise JobError(
             EXIT_BAD_INPUT,
             f"DATASET_PATH={folder} mixes file formats ({sorted(suffixes)}); use one format for train and validation",
         )
+    return files
+
+
+def read_splits(settings: Settings) -> tuple[str, ...]:
+    """The splits read from the data: train alone when VALIDATION_SPLIT carves the validation rows out of it."""
+    return ("train",) if settings.validation_split is not None else data_splits(settings)
+
+
+def check_carve(settings: Settings, present: Iterable[str], where: str) -> None:
+    """VALIDATION_SPLIT holds rows out of the training rows only where the data has no validation rows of its own: a
+    validation split left unread beside it would be data dropped without a word."""
+    if settings.validation_split is None or not settings.dataset_path:
+        return  # the Hub's data set: its validation split is not the user's to remove, so the carve replaces it
+    if given := sorted(split for split in present if split in validation_splits(settings)):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"VALIDATION_SPLIT={settings.validation_split} carves validation rows out of the training rows, and "
+            f"{where} holds {', '.join(given)} rows already; unset VALIDATION_SPLIT, or remove the validation rows",
+        )
+
+
+def split_files(settings: Settings) -> dict[str, str] | None:
+    """Each split's data file, checked: TRAIN_FILE and VALIDATION_FILE, a DATASET_PATH that is one file (the training
+    rows) with VALIDATION_FILE, or the split files of a DATASET_PATH folder. No validation file where VALIDATION_SPLIT
+    carves it. None for the Hub's data set or a save_to_disk folder (read by `datasets`, checked by check_splits)."""
+    validation = validation_splits(settings)[0]
+    if settings.train_file:
+        train = ("TRAIN_FILE", settings.train_file)
+    elif not settings.dataset_path:
+        return None
+    elif check_dataset_path(settings.dataset_path).is_file():
+        if settings.validation_file is None and settings.validation_split is None:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"DATASET_PATH={settings.dataset_path} is one file, the training rows; set VALIDATION_FILE to the "
+                "validation rows' file, or VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows (or point "
+                "DATASET_PATH at a folder of train and validation files)",
+            )
+        train = ("DATASET_PATH", settings.dataset_path)
+    else:
+        folder = Path(settings.dataset_path)
+        if settings.validation_file:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"VALIDATION_FILE={settings.validation_file} goes with the training rows as one file, and "
+                f"DATASET_PATH={folder} is a folder; point DATASET_PATH (or TRAIN_FILE) at the training file, or unset VALIDATION_FILE",
+            )
+        if (folder / "dataset_dict.json").exists():
+            return None
+        check_carve(
+            settings, {p.stem for p in data_files(folder, validation_splits(settings))}, f"DATASET_PATH={folder}"
+        )
+        return local_files(folder, read_splits(settings))
+    files = {"train": check_data_file(train[0], Path(train[1]), "train")}
+    if settings.validation_file:
+        files[validation] = check_data_file("VALIDATION_FILE", Path(settings.validation_file), validation)
     return files
 
 
@@ -221,21 +287,20 @@ def data_splits(settings: Settings) -> tuple[str, ...]:
 
 
 def check_dataset(settings: Settings) -> None:
-    """What --dry-run checks of DATASET_PATH: the folder, each split's file (or the DatasetDict's splits) and the
-    columns the settings name, by the functions the run's loader calls (utils/data.py)."""
-    if not settings.dataset_path:
-        return  # the Hub's data set: no network here
-    folder = check_dataset_folder(settings.dataset_path)
-    splits, text_columns, label_column = data_splits(settings), settings.text_columns, settings.label_column
+    """What --dry-run checks of the local data: each split's file (or the DatasetDict's splits) and the columns the
+    settings name, by the functions the run's loader calls (utils/data.py)."""
+    text_columns, label_column = settings.text_columns, settings.label_column
     columns: Mapping[str, list[str] | None]
-    if (folder / "dataset_dict.json").exists():
-        if (saved := saved_columns(folder)) is None:
-            return
-        check_splits(saved, splits)
-        columns = saved
-    else:
-        files = local_files(folder, splits)
+    if (files := split_files(settings)) is not None:
         columns = {split: file_columns(Path(p), [*text_columns, label_column]) for split, p in files.items()}
-    for split in splits:
+    elif not settings.dataset_path:
+        return  # the Hub's data set: no network here
+    elif (saved := saved_columns(Path(settings.dataset_path))) is None:
+        return
+    else:
+        check_carve(settings, saved, f"DATASET_PATH={settings.dataset_path}")
+        check_splits(saved, read_splits(settings))
+        columns = saved
+    for split in read_splits(settings):
         if (names := columns.get(split)) is not None:
             check_columns(split, names, text_columns, label_column)

@@ -115,7 +115,7 @@ def plot_training_curves(log_history: list[dict], path: Path) -> bool:
 def data_source(settings: Settings, metrics: dict) -> str:
     """Where the rows came from, as they were: the Hub data set and config, or local data with its counts and fingerprint."""
     data = metrics.get("data", {})
-    if settings.dataset_path:
+    if settings.local_data:
         return f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, fingerprint {data.get('fingerprint', '?')})"
     return f"[{settings.dataset_name}](https://huggingface.co/datasets/{settings.dataset_name}) ({settings.dataset_config})"
 
@@ -192,7 +192,7 @@ def trained_targets(folder: Path, settings: Settings) -> list[str]:
 def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged=False) -> ModelCard:
     """README.md in `folder`, model/ or, `merged`, merged/; `repo_id` None: the card names the folder."""
     base_id = published_base(settings, metrics)
-    hub_data = not settings.dataset_path
+    hub_data = not settings.local_data
     sentiment = ["sentiment-analysis"] if settings.dataset_config == "sst2" and not settings.task else []
     card_data = ModelCardData(
         base_model=base_id,  # None when unknown: the Hub rejects a path here

@@ -44,7 +44,7 @@ from pydantic_settings import (
 
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.hub_token import UnfitFile, mask_urls, read_small_text, read_token, refuse_token_in_settings
-from utils.tasks import GLUE, GLUE_DATASETS, GLUE_UNTRAINABLE
+from utils.tasks import GLUE, GLUE_DATASETS, GLUE_UNTRAINABLE, validation_splits
 from utils.threads import Deadline, within
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
@@ -65,6 +65,7 @@ MAX_GLOBAL_BATCH = 10**6  # rows per optimizer step, however they are made up
 MAX_WAIT_SECONDS = 86400  # a day: the longest any wait of the job may be set to
 MAX_TARGET_MODULES = 256
 MAX_LABELS = 10_000  # classes a classifier head is given; more is a retrieval problem, not this job's
+MAX_ROWS = 10**9  # rows of a data set: far above any file this job can tokenize in memory
 PathStr = Annotated[str, Field(min_length=1, max_length=PATH_MAX)]
 NameStr = Annotated[str, Field(min_length=1, max_length=NAME_MAX)]
 # A numeric bound sits in the field's type, on the whole of it (`Annotated[float | None, RATE]`): inside a
@@ -134,7 +135,29 @@ class Settings(BaseSettings):
     dataset_config: NameStr = Field("sst2", description="configuration of the Hub dataset")
     dataset_path: PathStr | None = Field(
         None,
-        description="local folder that wins over DATASET_NAME: train/validation files (.csv .tsv .json .jsonl .parquet) or a save_to_disk DatasetDict",
+        description="local data that wins over DATASET_NAME: a folder of train/validation files (.csv .tsv .json .jsonl "
+        ".parquet) or a save_to_disk DatasetDict, or one such file (the training rows)",
+    )
+    train_file: PathStr | None = Field(
+        None,
+        description="the training rows as one file (.csv .tsv .json .jsonl .parquet), instead of DATASET_PATH",
+    )
+    validation_file: PathStr | None = Field(
+        None,
+        description="the validation rows as one file, beside TRAIN_FILE (or a DATASET_PATH that is one file)",
+    )
+    # At most half: a larger share leaves less to train on than to score, which is no quick check of a model.
+    validation_split: Annotated[float | None, Field(gt=0, le=0.5)] = Field(
+        None,
+        description="a fraction of the training rows held out for validation (with SEED; rows of one text stay on "
+        "one side), where the data has no validation rows",
+    )
+    # The first N rows after a shuffle with SEED: the head of a file sorted by label would be one class.
+    max_train_samples: Annotated[int | None, Field(ge=1, le=MAX_ROWS)] = Field(
+        None, description="train on N of the training rows, drawn with SEED (a quick run); unset: all"
+    )
+    max_eval_samples: Annotated[int | None, Field(ge=1, le=MAX_ROWS)] = Field(
+        None, description="evaluate on N of each validation split's rows, drawn with SEED; unset: all"
     )
     task: NameStr | None = Field(
         None,
@@ -454,7 +477,7 @@ class Settings(BaseSettings):
         """TASK fills what it decides; a value given beside it that disagrees is refused, not silently overruled."""
         if self.task is None:
             config = self.dataset_config
-            if not self.dataset_path and self.dataset_name in GLUE_DATASETS and config in GLUE_UNTRAINABLE:
+            if not self.local_data and self.dataset_name in GLUE_DATASETS and config in GLUE_UNTRAINABLE:
                 raise ValueError(
                     f"DATASET_CONFIG={self.dataset_config} of {self.dataset_name} cannot be trained: "
                     f"{GLUE_UNTRAINABLE[self.dataset_config]}; set TASK to one of {', '.join(GLUE)}"
@@ -478,10 +501,44 @@ class Settings(BaseSettings):
                     f"TASK={self.task} is {value} and PROBLEM_TYPE={self.problem_type} disagrees; unset PROBLEM_TYPE, "
                     "or leave TASK unset to train your own columns as you describe them"
                 )
-            elif name == "dataset_config" and not self.dataset_path and getattr(self, name) != value:
+            elif name == "dataset_config" and not self.local_data and getattr(self, name) != value:
                 raise ValueError(
                     f"TASK={self.task} trains DATASET_CONFIG={value}, not {self.dataset_config}; unset DATASET_CONFIG"
                 )
+        return self
+
+    @property
+    def local_data(self) -> str | None:
+        """The local data the run reads (DATASET_PATH or TRAIN_FILE), None for the Hub's data set."""
+        return self.dataset_path or self.train_file
+
+    @model_validator(mode="after")
+    def _check_data_files(self) -> Settings:
+        """Where the training and validation rows come from is said one way."""
+        if self.dataset_path and self.train_file:
+            raise ValueError(
+                f"DATASET_PATH={self.dataset_path} and TRAIN_FILE={self.train_file} both name the training rows; "
+                "unset one: DATASET_PATH for a folder (or one file), TRAIN_FILE (with VALIDATION_FILE) for files"
+            )
+        if self.validation_file and not self.local_data:
+            raise ValueError(
+                f"VALIDATION_FILE={self.validation_file} needs the training rows as a file too; set TRAIN_FILE"
+            )
+        if self.validation_file and self.validation_split is not None:
+            raise ValueError(
+                f"VALIDATION_SPLIT={self.validation_split} carves validation rows out of the training rows, and "
+                f"VALIDATION_FILE={self.validation_file} gives them; unset one of them"
+            )
+        if self.train_file and not self.validation_file and self.validation_split is None:
+            raise ValueError(
+                f"TRAIN_FILE={self.train_file} has no validation rows beside it; set VALIDATION_FILE, or "
+                "VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows"
+            )
+        if (self.train_file or self.validation_split is not None) and len(validation_splits(self)) > 1:
+            raise ValueError(
+                f"TASK={self.task} validates on {len(validation_splits(self))} splits ({', '.join(validation_splits(self))}), "
+                "which one file or one fraction cannot give; use DATASET_PATH with a file per split"
+            )
         return self
 
     @property

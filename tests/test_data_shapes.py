@@ -1,0 +1,194 @@
+"""Your own data in the shapes people have it: DATASET_PATH as one file, TRAIN_FILE and VALIDATION_FILE, a
+validation split carved from the training rows (VALIDATION_SPLIT), and MAX_TRAIN_SAMPLES / MAX_EVAL_SAMPLES for a
+quick run. Each through the real entry point: the start-up in this process up to the first training step (`check`),
+or `python main.py` in a process for a whole run and its files."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import base_env, error_lines, run_main, start_in_process, tiny_run_settings
+from utils.errors import EXIT_BAD_INPUT
+
+COPIES, TEXTS = 3, 150  # each text three times: a carve by rows would split some texts across the two sides
+
+
+def sst2_rows(sst2_dir: Path, split: str = "train") -> list[dict]:
+    with open(sst2_dir / f"{split}.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def repeated_rows(folder: Path, sst2_dir: Path) -> Path:
+    """train.csv of TEXTS distinct sentences, each COPIES times, the copies far apart (as a data set that repeats
+    a phrase in several places holds them)."""
+    distinct = list({row["sentence"]: row for row in sst2_rows(sst2_dir)}.values())[:TEXTS]
+    folder.mkdir()
+    path = folder / "train.csv"
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, ["sentence", "label"], extrasaction="ignore")
+        writer.writeheader()
+        for _ in range(COPIES):
+            writer.writerows(distinct)
+    return path
+
+
+def started(monkeypatch, env: dict):
+    start = start_in_process(monkeypatch, env)
+    assert start.code is None, start.stderr[-3000:]
+    return start.ready
+
+
+def rows_of(dataset) -> set[tuple[int, ...]]:
+    return {tuple(ids) for ids in dataset["input_ids"]}
+
+
+@pytest.mark.check
+def test_validation_split_keeps_every_text_on_one_side(monkeypatch, tmp_path, tiny_bert, sst2_dir):
+    train = repeated_rows(tmp_path / "data", sst2_dir)
+    settings = tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", VALIDATION_SPLIT="0.05")
+    env = base_env(tmp_path, **{**settings, "DATASET_PATH": str(train)})
+    ready = started(monkeypatch, env)
+    assert ready.train_rows + ready.validation_rows == COPIES * TEXTS
+    # 5% is 22.5 rows: the whole texts reach it at 24 (8 texts of 3 rows), every copy of a text on one side
+    assert (ready.validation_rows, ready.train_rows) == (24, COPIES * TEXTS - 24)
+    trained, held_out = rows_of(ready.trainer.train_dataset), rows_of(ready.trainer.eval_dataset)
+    assert not trained & held_out
+    assert len(held_out) == 24 // COPIES
+
+    # The same SEED carves the same rows; another carves others.
+    again = started(monkeypatch, env)
+    assert rows_of(again.trainer.eval_dataset) == held_out
+    other = started(monkeypatch, {**env, "SEED": "7", "OUTPUT_DIR": str(tmp_path / "out-7")})
+    assert rows_of(other.trainer.eval_dataset) != held_out
+
+
+@pytest.mark.check
+def test_max_samples_limit_the_rows_drawn_with_the_seed(monkeypatch, tmp_path, tiny_bert, sst2_dir):
+    settings = tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", MAX_TRAIN_SAMPLES="96", MAX_EVAL_SAMPLES="40")
+    ready = started(monkeypatch, base_env(tmp_path, **settings))
+    assert (ready.train_rows, ready.validation_rows) == (96, 40)
+    # Drawn after a shuffle, not the file's head: the first 96 rows of train.csv are not the ones trained.
+    whole = base_env(tmp_path, **{**settings, "OUTPUT_DIR": str(tmp_path / "out-all")})
+    head = started(monkeypatch, {name: value for name, value in whole.items() if not name.startswith("MAX_")})
+    assert (head.train_rows, head.validation_rows) == (2000, 101)
+    first = rows_of(head.trainer.train_dataset.select(range(96)))
+    assert rows_of(ready.trainer.train_dataset) != first
+
+
+def test_one_file_dataset_path_with_a_validation_file_trains_on_the_limits(tmp_path, tiny_bert, sst2_dir):
+    out = tmp_path / "out"
+    settings = tiny_run_settings(
+        tiny_bert,
+        sst2_dir / "train.csv",
+        out,
+        VALIDATION_FILE=sst2_dir / "validation.csv",
+        MAX_TRAIN_SAMPLES=64,
+        MAX_EVAL_SAMPLES=50,
+        NUM_EPOCHS=1,
+    )
+    result = run_main(base_env(tmp_path, **settings))
+    assert result.code == 0, result.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["eval_samples"], metrics["data"]["train_rows"]) == (50, 64)
+    assert json.loads((out / "logs" / "rank-0.json").read_text())["samples_trained"] == 64  # 4 steps of 16
+
+
+def test_train_file_and_validation_file_of_two_formats_train(tmp_path, tiny_bert, sst2_dir):
+    validation = tmp_path / "held-out.jsonl"
+    rows = sst2_rows(sst2_dir, "validation")
+    validation.write_text(
+        "".join(json.dumps({"sentence": r["sentence"], "label": int(r["label"])}) + "\n" for r in rows)
+    )
+    out = tmp_path / "out"
+    settings = tiny_run_settings(tiny_bert, sst2_dir, out, MAX_STEPS=2)
+    del settings["DATASET_PATH"]
+    env = base_env(tmp_path, **settings, TRAIN_FILE=str(sst2_dir / "train.csv"), VALIDATION_FILE=str(validation))
+    result = run_main(env)
+    assert result.code == 0, result.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["eval_samples"], metrics["data"]["train_rows"]) == (len(rows), 2000)
+
+
+def test_a_carved_run_is_one_run_only_with_its_own_fraction(tmp_path, tiny_bert, sst2_dir):
+    """VALIDATION_SPLIT trains, counts the carved rows in metrics.json, and is part of the run's identity: the
+    same OUTPUT_DIR with another fraction is refused, --dry-run as the run would."""
+    train = repeated_rows(tmp_path / "data", sst2_dir)
+    out = tmp_path / "out"
+    settings = tiny_run_settings(tiny_bert, sst2_dir, out, NUM_EPOCHS=1, VALIDATION_SPLIT="0.05")
+    del settings["DATASET_PATH"]
+    env = base_env(tmp_path, **settings, TRAIN_FILE=str(train))
+    result = run_main(env)
+    assert result.code == 0, result.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["eval_samples"], metrics["data"]["train_rows"]) == (24, COPIES * TEXTS - 24)
+
+    for args in (("--dry-run",), ()):
+        refused = run_main({**env, "VALIDATION_SPLIT": "0.1"}, *args, timeout=120)
+        assert refused.code == EXIT_BAD_INPUT, refused.stderr[-3000:]
+        [line] = error_lines(refused.stderr)
+        assert "VALIDATION_SPLIT: 0.05 -> 0.1" in line, line
+
+
+def both_sources(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
+    return {"TRAIN_FILE": str(sst2_dir / "train.csv")}, (
+        f"error: DATASET_PATH={sst2_dir} and TRAIN_FILE={sst2_dir / 'train.csv'} both name the training rows; "
+        "unset one: DATASET_PATH for a folder (or one file), TRAIN_FILE (with VALIDATION_FILE) for files"
+    )
+
+
+def split_beside_a_file(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
+    return {
+        "DATASET_PATH": str(sst2_dir / "train.csv"),
+        "VALIDATION_FILE": str(sst2_dir / "validation.csv"),
+        "VALIDATION_SPLIT": "0.1",
+    }, (
+        f"error: VALIDATION_SPLIT=0.1 carves validation rows out of the training rows, and "
+        f"VALIDATION_FILE={sst2_dir / 'validation.csv'} gives them; unset one of them"
+    )
+
+
+def split_beside_a_folders_validation(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
+    return {"VALIDATION_SPLIT": "0.1"}, (
+        f"error: VALIDATION_SPLIT=0.1 carves validation rows out of the training rows, and DATASET_PATH={sst2_dir} "
+        "holds validation rows already; unset VALIDATION_SPLIT, or remove the validation rows"
+    )
+
+
+def missing_validation_file(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
+    path = tmp / "no-such.csv"
+    return {"DATASET_PATH": str(sst2_dir / "train.csv"), "VALIDATION_FILE": str(path)}, (
+        f"error: VALIDATION_FILE={path} does not exist; point it at the validation rows' file"
+    )
+
+
+def validation_file_without_the_column(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
+    path = tmp / "other.csv"
+    path.write_text("review,label\ngood,1\n")
+    return {"DATASET_PATH": str(sst2_dir / "train.csv"), "VALIDATION_FILE": str(path)}, (
+        "error: the validation split has no column 'sentence' (columns: ['review', 'label']); set TEXT_COLUMN to the "
+        "right one (TEXT_COLUMN=first,second names a sentence pair)"
+    )
+
+
+REFUSALS = {
+    "dataset-path-and-train-file": both_sources,
+    "validation-split-and-file": split_beside_a_file,
+    "validation-split-and-folder-validation": split_beside_a_folders_validation,
+    "validation-file-missing": missing_validation_file,
+    "validation-file-column-wrong": validation_file_without_the_column,
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_dry_run_and_the_run_refuse_a_data_shape_with_one_line(case, tmp_path, tiny_bert, sst2_dir):
+    extra, line = REFUSALS[case](tmp_path, sst2_dir)
+    env = {**base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out")), **extra}
+    for args in (("--dry-run",), ()):
+        result = run_main(env, *args, timeout=180)
+        assert result.code == EXIT_BAD_INPUT, result.stderr[-3000:]
+        assert error_lines(result.stderr) == [line] and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "out" / "run.json").exists()  # a refused start leaves the folder reusable
