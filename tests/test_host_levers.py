@@ -43,6 +43,10 @@ for levers in (False, True):
     modes = []  # (gradients on: a training forward, the LoRA dropout's mode)
     dropout = next(m for name, m in model.named_modules() if name.endswith("lora_dropout.default"))
     dropout.register_forward_pre_hook(lambda module, args: modes.append((torch.is_grad_enabled(), module.training)))
+    # A base module too (from_pretrained hands them over in eval mode): its dropout's mode in the training forwards.
+    base_modes = set()
+    base = model.get_base_model().bert.encoder.layer[0].output.dropout
+    base.register_forward_pre_hook(lambda module, args: base_modes.add(module.training) if torch.is_grad_enabled() else None)
     trainer = build_trainer(job, model, tokenizer, data)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -52,6 +56,7 @@ for levers in (False, True):
         "checksum": trainable_checksum(trainer.model), "modes": sorted(set(modes)),
         "evaluations": sum(1 for entry in trainer.state.log_history if "eval_loss" in entry),
         "patched": "zero_grad" in vars(trainer.model_wrapped),
+        "base_modes": sorted(base_modes),
     }
 print(json.dumps(result))
 """
@@ -69,3 +74,5 @@ def test_the_host_levers_train_the_library_s_model_in_training_mode(tmp_path, ti
     # Every training forward with dropout in training mode, every evaluation forward without: after each
     # evaluation's eval(), the next step's train() reached the modules inside.
     assert job["modes"] == [[False, False], [True, True]], job["modes"]
+    # The base's modules trained in training mode as well (their dropout, bitsandbytes' training path).
+    assert job["base_modes"] == library["base_modes"] == [True], (job["base_modes"], library["base_modes"])

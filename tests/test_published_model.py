@@ -147,8 +147,8 @@ def test_the_rank_log_holds_the_settings_each_logged_loss_the_evaluation_and_the
     record = json.loads((out / "run.json").read_text())
     [shown] = re.findall(r" utils\.run: the run's identity: (\{.*\})$", log, re.M)
     shown = ast.literal_eval(shown)
-    assert shown == record["identity"] and {"model_name", "lora_r", "seed", "global_batch", "data"} <= set(shown)
-    assert all(shown[name] == record["settings"][name] for name in ("model_name", "lora_r", "seed"))
+    assert shown == record["identity"] and {"base_model", "lora_r", "seed", "global_batch", "data"} <= set(shown)
+    assert all(shown[name] == record["settings"][name] for name in ("lora_r", "seed"))
     logged = [
         (int(step), ast.literal_eval(values))
         for step, values in re.findall(r" utils\.run: step (\d+): (\{.*\})$", log, re.M)
@@ -323,7 +323,7 @@ AGAIN_ID, MERGED_AGAIN_ID = "tester/sst2-lora-again", "tester/sst2-merged-again"
 
 
 def test_a_finished_run_publishes_the_label_names_it_was_trained_with(finished_run, hub, tmp_path):
-    """LABEL_NAMES is no training setting: on a finished run, names that contradict model/id2label.json are
+    """On a finished run, LABEL_NAMES that contradict the label mapping it was trained with (its identity) are
     refused (--dry-run, a restart, --push-only), and without them merged/, the card and the push carry the
     recorded ones."""
     out = tmp_path / "out"
@@ -339,8 +339,8 @@ def test_a_finished_run_publishes_the_label_names_it_was_trained_with(finished_r
     flipped = ",".join(reversed(LABELS))
     for args in (["--dry-run"], [], ["--push-only"]):
         result = run_main(env, *args, "--merge-adapter", "true", "--label-names", flipped)
-        # What was asked, where, and what the run was trained with: the names it publishes without LABEL_NAMES.
-        names = [f"LABEL_NAMES={flipped}", f"OUTPUT_DIR={out}", ",".join(LABELS), str(out / "model")]
+        # Where, and the label mapping the run was trained with against the one asked for (the run's identity).
+        names = [f"OUTPUT_DIR={out}", f"LABEL_NAMES: {','.join(LABELS)} -> {flipped}"]
         assert_refusal(result, names)
     assert not (out / "merged").exists() and hub.commits == []
 
@@ -413,7 +413,11 @@ def test_a_finished_run_is_finished_only_for_the_data_it_was_trained_on(unpushed
         csv.writer(handle).writerows(rows)
     for args in (["--dry-run"], []):
         result = run_main(unpushed_run, *args)
-        names = [f"OUTPUT_DIR={unpushed_run['OUTPUT_DIR']}", "train.csv", f"DATASET_PATH={train.parent}"]
+        names = [
+            f"OUTPUT_DIR={unpushed_run['OUTPUT_DIR']}",
+            "data files: train.csv",
+            "restore the data it was trained on",
+        ]
         assert_refusal(result, names)
     pushed = run_main({**unpushed_run, **push_settings(hub)}, "--push-only")
     assert pushed.code == 0, pushed.stderr[-3000:]

@@ -169,7 +169,8 @@ def test_mnli_shaped_pairs_learn_three_classes_on_both_validation_splits(mnli_ru
     # The task's metric (MNLI: matched accuracy) tracked over the evaluations this checkpoint had seen.
     assert len(evaluated) >= 2 and state["best_metric"] == max(evaluated), (state["best_metric"], evaluated)
     run = json.loads((tmp / "out" / "run.json").read_text())
-    assert run["identity"]["task"] == "mnli" and run["identity"]["text_column"] == "premise,hypothesis"
+    # TASK itself is no field of the identity: what it sets is (the columns, the labels, the problem).
+    assert run["settings"]["task"] == "mnli" and run["identity"]["text_column"] == "premise,hypothesis"
 
 
 @pytest.mark.parametrize("huge_rows", ["every other row", "one row"])

@@ -52,7 +52,8 @@ FIELDS = {
     "max_eval_samples": "MAX_EVAL_SAMPLES",
     "text_column": "TEXT_COLUMN",
     "label_column": "LABEL_COLUMN",
-    "label_names": "LABEL_NAMES: the label mapping, names in id order (none for a regression)",
+    "label_names": "LABEL_NAMES: the label mapping given, names in id order (none for a regression or when unset: the "
+    "data's own names then, or those the finished run recorded)",
     "problem": "PROBLEM_TYPE: regression, or auto (classification trains as auto does wherever both train)",
     "seed": "SEED",
     "max_seq_length": "MAX_SEQ_LENGTH",
@@ -121,7 +122,9 @@ def run_identity(
         base_model=model_digest(settings.model_name),
         dataset=None if settings.local_data else f"{settings.dataset_name}/{settings.dataset_config}",
         data=data_digest(settings),
-        label_names=None if regression else list(settings.label_names),
+        # Unset, the mapping is the data's (a ClassLabel's names, a word column's sorted values) or, on a finished
+        # run, the one it recorded: nothing to compare before the data is read.
+        label_names=given_label_names(settings) if not regression else None,
         problem=REGRESSION if regression else "auto",
         epochs=None if settings.max_steps else settings.num_epochs,
         per_device_batch_size=settings.per_device_batch_size if batch_follows_replicas(settings) else None,
@@ -135,6 +138,17 @@ def run_identity(
         int8_threshold=None if settings.quantization == "none" or deepspeed else settings.int8_threshold,
     )
     return identity
+
+
+def given_label_names(settings: Settings) -> list[str] | None:
+    """LABEL_NAMES as given, or None where unset: the default names for ids 0/1, the data's own for words or a
+    ClassLabel, or on a finished run those it recorded (compared_fields: unset against the default names is no
+    difference)."""
+    return list(settings.label_names) if "label_names" in settings.model_fields_set else None
+
+
+def default_label_names() -> list[str]:
+    return [name.strip() for name in Settings.model_fields["label_names"].default.split(",")]
 
 
 def with_numerics(identity: dict[str, Any], precision: str, quantization: str) -> dict[str, Any]:
@@ -153,6 +167,8 @@ def run_name(settings: Settings, identity: dict[str, Any]) -> str:
     model = Path(os.path.realpath(settings.model_name)).name or "model"
     data = Path(os.path.realpath(settings.local_data)).stem if settings.local_data else settings.dataset_config
     hashed = {name: value for name, value in identity.items() if name not in DEVICE_RESOLVED}
+    if hashed.get("label_names") == default_label_names():  # given as the default: the name of the run left unset
+        hashed["label_names"] = None
     return f"{model}-{data}-lora-r{settings.lora_r}-{short_digest(hashed)[:8]}"
 
 
@@ -168,7 +184,16 @@ def model_digest(model_name: str) -> str | dict[str, str]:
     if not folder.is_dir():  # from_pretrained's own test: an existing folder is loaded, anything else is an id
         return model_name
     files = [p for p in folder.iterdir() if p.name in MODEL_FILES or p.name.endswith(MODEL_SUFFIXES)]
-    return {path.name: sha256_file(path) for path in sorted(files) if path.is_file()}
+    return {path.name: readable_digest(path) for path in sorted(files) if path.is_file()}
+
+
+def readable_digest(path: Path) -> str:
+    """sha256_file, or what kept the file from being read (mode 000, a dangling mount): the model's own check, once
+    the model is loaded, refuses such a file with the fix; the identity only has to tell it from a readable one."""
+    try:
+        return sha256_file(path)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or type(exc).__name__})"
 
 
 def config_content(path: str | None) -> dict | str | None:
@@ -195,7 +220,7 @@ def data_digest(settings: Settings) -> dict[str, str | None] | None:
     path = Path(settings.local_data)
     if settings.train_file or path.is_file():
         given = {"train": settings.local_data, "validation": settings.validation_file}
-        return {split: sha256_file(Path(p)) if Path(p).is_file() else None for split, p in given.items() if p}
+        return {split: readable_digest(Path(p)) if Path(p).is_file() else None for split, p in given.items() if p}
     if not path.is_dir():
         return {}
     if (path / "dataset_dict.json").exists():
@@ -203,7 +228,7 @@ def data_digest(settings: Settings) -> dict[str, str | None] | None:
     else:
         splits = ("train", *validation_splits(settings))  # MNLI: validation_matched and validation_mismatched
         paths = [file for file in data_files(path, splits) if file.is_file()]
-    return {str(file.relative_to(path)): sha256_file(file) for file in sorted(paths)}
+    return {str(file.relative_to(path)): readable_digest(file) for file in sorted(paths)}
 
 
 def sha256_file(path: Path) -> str:
@@ -224,6 +249,9 @@ def compared_fields(theirs: dict, ours: dict) -> set[str]:
         # given: what this run does not use is no difference.
         unused = {name for name in UNUSED_AS_NONE if ours.get(name) is None}
         names = (set(theirs) & set(ours)) - {"version"} - unused
+    # LABEL_NAMES unset against given as the default names: one mapping (ids 0/1 are named so when unset).
+    if {str(theirs.get("label_names")), str(ours.get("label_names"))} <= {"None", str(default_label_names())}:
+        names.discard("label_names")
     # Before the device is known (--dry-run, the run folder's first check) `auto` may still become either value.
     for setting, fields in (("precision", {"precision"}), ("quantization", {"quantization", "int8_threshold"})):
         if "auto" in (theirs.get(setting), ours.get(setting)):
@@ -266,6 +294,8 @@ def identity_changes(theirs: dict, ours: dict, ignore: frozenset[str] = frozense
             shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
             changes.append(f"{label}: {shown} added, removed or edited" if files else f"{label}: {shown}")
         else:
+            if name == "label_names":  # unset: the default names, or the data's own
+                was, now = (default_label_names() if value is None else value for value in (was, now))
             changes.append(f"{label}: {_shown(was)} -> {_shown(now)}")
     return changes
 

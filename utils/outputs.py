@@ -361,6 +361,9 @@ def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Ru
         check_record_format(run, record)
         theirs, unrecorded = recorded_identity(record, plan.identity)
         ignore = frozenset({"world_size", "global_batch", "data"}) if push_only else frozenset()
+        if run.is_finished() and plan.identity.get("label_names") is None:
+            # A finished run restarted without LABEL_NAMES publishes the names it recorded (check_finished_run).
+            ignore |= {"label_names"}
         check_same_run(theirs, plan.identity, f"OUTPUT_DIR={settings.output_dir}", ignore | unrecorded)
     if run.is_finished():
         check_finished_run(run, settings)

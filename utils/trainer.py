@@ -132,10 +132,14 @@ class JobTrainer(Trainer):
         the model and the module inside the wrapper already have the mode asked for (evaluation's eval() reaches
         the inner module, which then differs); zero_grad() drops the gradients only the trainable weights have."""
         walk_train, walk_zero_grad, inner = model.train, model.zero_grad, self.model
+        walked = []  # the first call walks: from_pretrained returns the base's modules in eval mode under a wrapper
+        # (peft's) that says training, so the wrappers' modes alone would leave the base's dropout and bitsandbytes'
+        # training path off for the whole run
 
         def train(mode: bool = True):
-            if self.host_levers and model.training == inner.training == mode:
+            if self.host_levers and walked and model.training == inner.training == mode:
                 return model
+            walked.append(mode)
             return walk_train(mode)
 
         def zero_grad(set_to_none: bool = True) -> None:
