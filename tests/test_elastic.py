@@ -262,7 +262,7 @@ def test_a_two_replica_run_continues_on_another_count(
     assert [s["world_size"] for s in record["segments"]] == [2, new_world]
     # Under GLOBAL_BATCH_SIZE the replica count and the micro-batch cap are not the run's: one identity on any count.
     assert record["settings"]["per_device_batch_size"] == cap and record["identity"]["world_size"] is None
-    assert "per_device_batch_size" not in record["identity"]
+    assert record["identity"]["per_device_batch_size"] is None  # every field is held, None where the run ignores it
     card = (out / "model" / "README.md").read_text()
     assert f"steps 1-{resumed_at} on 2, {resumed_at + 1}-{STEPS} on {new_world}" in card
 

@@ -208,7 +208,7 @@ def test_another_sweep_is_refused_on_a_sweeps_folder(grid_sweep, tmp_path):
     changed = write_spec(tmp_path, "changed", **spec)
     for args in ([], ["--summarize"], ["--run-trial", "0"]):
         result = run_sweep(grid_sweep.env, changed, *args)
-        assert_refusal(result, [str(out), "trial-000: LEARNING_RATE: 0.001 -> 0.0005", "output_dir"])
+        assert_refusal(result, [str(out), "trial-000: learning rates: base 0.001 -> 0.0005", "output_dir"])
         assert "sweep: start" not in result.stdout
     spec = yaml.safe_load(grid_sweep.spec.read_text())
     spec["settings"]["MAX_STEPS"] = "4"
