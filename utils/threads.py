@@ -53,6 +53,14 @@ def within(seconds: float, call: Callable[[], T], name: str = "deadline") -> T:
     return box["result"]
 
 
+def end_process(message: str, code: int) -> None:
+    """Say `message` on stderr and end the process with `code` at once, from any thread (the main one may be held in
+    native code that no exception reaches)."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
 @contextmanager
 def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
     """End the process with `code` and `error: message` if the block has not finished after `seconds`.
@@ -64,9 +72,7 @@ def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
 
     def expire() -> None:
         if not done.wait(seconds):
-            sys.stderr.write(f"error: {message}\n")
-            sys.stderr.flush()
-            os._exit(code)
+            end_process(f"error: {message}", code)
 
     in_background(expire, "watchdog")
     try:
@@ -89,9 +95,7 @@ def ended_when(condition: Callable[[], bool], message: str, code: int, every: fl
             except OSError:  # a volume that does not answer now may later; the block's own bound still holds
                 continue
             if met:
-                sys.stderr.write(f"{message}\n")
-                sys.stderr.flush()
-                os._exit(code)
+                end_process(message, code)
 
     in_background(watch, "ended-when")
     try:
