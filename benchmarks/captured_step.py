@@ -108,10 +108,11 @@ def settings_for(args: argparse.Namespace, name: str, overrides: dict, **more) -
     return Settings(**{**values, **overrides, **more})
 
 
-def free(trainer) -> None:
+def fresh_memory() -> None:
+    """The previous arm's model, graphs and optimizer released (the Trainer holds reference cycles) and the peak
+    reset, so an arm's peak memory is its own."""
     import torch
 
-    del trainer
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -123,6 +124,7 @@ def run_speed_arm(args: argparse.Namespace, name: str) -> dict:
     from transformers import ProgressCallback, TrainerCallback
 
     cuda = torch.cuda.is_available()
+    fresh_memory()
     windows = (args.warmup, args.steps, args.sync_steps, args.profiled)
     total = sum(windows)
     settings = settings_for(args, name, ARMS[name], max_steps=total)
@@ -219,7 +221,6 @@ def run_speed_arm(args: argparse.Namespace, name: str) -> dict:
     figures.setdefault("syncs_per_step", None)
     if cuda and figures["gpu_busy_ms"]:
         figures["gpu_busy_share"] = round(figures["gpu_busy_ms"] / figures["step_ms"], 3)
-    free(trainer)
     return figures
 
 
@@ -242,7 +243,8 @@ def run_equivalence(args: argparse.Namespace) -> dict:
             trainer.train()
             curves[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
             checksums[name] = trainable_checksum(trainer.model)
-            free(trainer)
+            del trainer
+            fresh_memory()
         eager, captured = curves["eager"], curves["captured"]
         worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(eager, captured, strict=True))
         report[label] = {
