@@ -81,6 +81,9 @@ FAMILIES = {
     "modernbert": (modernbert, ["Wqkv"]),
 }
 
+# Families whose classifier reads the first token's hidden state with no pooler module of its own.
+NO_POOLER = {"roberta", "electra", "distilbert", "modernbert"}
+
 
 def tiny_model(folder: Path, family: str, tiny_bert: Path) -> Path:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -120,6 +123,14 @@ def test_each_family_trains_with_the_defaults_and_serves_with_predict(family, ti
     assert "eval_accuracy" in json.loads((out / "metrics.json").read_text())
     card = (out / "model" / "README.md").read_text()
     assert f"on {', '.join(sorted(targets))} |" in card  # the layers the adapter adapts, as trained
+    # TRAIN_POOLER (a default) is a wish: the card and the log say what the model had, not what was asked
+    pooler = "pooler" in (adapter.get("modules_to_save") or [])
+    assert pooler == (family not in NO_POOLER)
+    assert ("pooler trained with the classifier" in card) == pooler, card
+    log = (out / "logs" / "rank-0.log").read_text()
+    assert ("has no pooler (its classifier reads the first token)" in log) == (not pooler), log[-3000:]
+    assert "strategy ddp: one process, the whole model" in log and "launcher variables: " in log
+    assert "environment {" not in log and "every rank" not in log
     [command] = re.findall(r"`python predict\.py ([^ `]+) sentences\.txt`", card)
     assert command == str(out / "model")
 

@@ -92,7 +92,7 @@ def test_a_run_preempted_then_killed_resumes_each_time_and_ends_bit_identical_to
     for rank in (0, 1):
         stream = (tmp_path / f"preempted-rank{rank}.txt").read_text()
         assert (
-            f"preempted: SIGTERM during training, checkpoint saved; a restart of all 2 replica(s): the run resumes from checkpoint-{step}"
+            f"preempted: SIGTERM during training, checkpoint saved; a restart of all 2 replicas: the run resumes from checkpoint-{step}"
             in stream
         )
         assert "Traceback" not in stream and not error_lines(stream)

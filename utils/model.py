@@ -326,6 +326,11 @@ def build_model(
     # peft passes over a name that matches nothing when another one matches, and skips modules it trains in
     # full (the head): every name must have given at least one adapter.
     check_target_modules(settings, modules, adapted=model.targeted_module_names, targets=targets)
+    if settings.train_pooler and "pooler" not in (lora.modules_to_save or []):
+        log.info(
+            "TRAIN_POOLER: %s has no pooler (its classifier reads the first token); the classifier alone is trained in full",
+            model.config.model_type,
+        )
     trainable, total = model.get_nb_trainable_parameters()
     log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
     return model

@@ -176,17 +176,21 @@ def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: 
     )
 
 
-def trained_targets(folder: Path, settings: Settings) -> list[str]:
-    """The layers the adapter adapts, as its adapter_config.json records them (the model's own names when
-    LORA_TARGET_MODULES was not given: utils/model.lora_targets); a merged folder reads model/'s beside it."""
+def adapter_config(folder: Path) -> dict:
+    """The adapter's adapter_config.json as peft saved it; a merged folder reads model/'s beside it. {} if none."""
     for config in (folder / "adapter_config.json", folder.parent / "model" / "adapter_config.json"):
         try:
-            targets = json.loads(config.read_text()).get("target_modules")
+            return json.loads(config.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(targets, list):
-            return sorted(targets)
-    return list(settings.lora_target_modules)
+    return {}
+
+
+def trained_targets(folder: Path, settings: Settings) -> list[str]:
+    """The layers the adapter adapts, as its adapter_config.json records them (the model's own names when
+    LORA_TARGET_MODULES was not given: utils/model.lora_targets)."""
+    targets = adapter_config(folder).get("target_modules")
+    return sorted(targets) if isinstance(targets, list) else list(settings.lora_target_modules)
 
 
 def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged=False) -> ModelCard:
@@ -219,7 +223,9 @@ def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: s
     training = {
         "base model": base_id or settings.model_name,
         "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(trained_targets(folder, settings))}",
-        "recipe": recipe_summary(settings, metrics.get("loraplus_ratio")),
+        "recipe": recipe_summary(
+            settings, metrics.get("loraplus_ratio"), "pooler" in (adapter_config(folder).get("modules_to_save") or [])
+        ),
         "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
         "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
         "global batch": global_batch(metrics),

@@ -52,16 +52,17 @@ def describe_recipe(settings: Settings, plan: Plan) -> str:
     return f"learning rate {plan.learning_rate:g} at global batch {plan.batch.global_batch} ({plan.learning_rate_source}); {recipe_summary(settings, plan.loraplus_ratio)}"
 
 
-def recipe_summary(settings: Settings, loraplus_ratio: float | None) -> str:
+def recipe_summary(settings: Settings, loraplus_ratio: float | None, pooler: bool | None = None) -> str:
     """The options around the adapter that shaped the model, for its card and the rank log: what it takes to train it
-    again. `loraplus_ratio`: the plan's, not the rule."""
+    again. `loraplus_ratio`: the plan's, not the rule. `pooler`: whether the saved adapter trained one (its
+    modules_to_save); None before the model is read, when TRAIN_POOLER can only be a wish (RoBERTa has no pooler)."""
     parts = [f"warm-up {settings.warmup_ratio:g} of the steps"]
     if loraplus_ratio not in (None, 1):
         parts.append(f"LoRA+ (B at x{loraplus_ratio:g} the rate)")
     if settings.head_learning_rate_ratio != 1:
         parts.append(f"head at x{settings.head_learning_rate_ratio:g} the rate")
-    if settings.train_pooler:
-        parts.append("pooler trained with the classifier")
+    if pooler or (pooler is None and settings.train_pooler):
+        parts.append("pooler trained with the classifier" + (" where the model has one" if pooler is None else ""))
     if settings.lora_variant != "lora":
         parts.append(settings.lora_variant)
     if settings.lora_init != "default":

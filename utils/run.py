@@ -301,6 +301,11 @@ def close_segments(segments: list[dict], last_step: int) -> list[dict]:
     ]
 
 
+def restart_all(world_size: int) -> str:
+    """What an orchestrator restarts after a preemption: every replica together, or the one process there is."""
+    return f"a restart of all {world_size} replicas" if world_size > 1 else "a restart of the job"
+
+
 def resume_hint(run: RunDir) -> str:
     latest = latest_complete_checkpoint(run)
     return f"the run resumes from {latest.name}" if latest else "no checkpoint is complete yet: the run starts over"
@@ -362,8 +367,9 @@ def run(job: Job) -> int:
     """Train, save and push, on every rank; the exit code."""
     dist = job.dist
     setup_logging(job)
-    where = (dist.rank, dist.world_size, dist.local_rank, dist.node_rank, dist.source, masked_environ())
-    log.info("rank %d of %d (local rank %d, node %d) via %s; environment %s", *where)
+    seen = ", ".join(f"{k}={v}" for k, v in masked_environ().items()) or "none set"
+    where = (dist.rank, dist.world_size, dist.local_rank, dist.node_rank, dist.source, seen)
+    log.info("rank %d of %d (local rank %d, node %d) via %s; launcher variables: %s", *where)
     hub = Hub(read_token(), job.settings.push_timeout, job.settings.hub_timeout)
     if job.out.is_finished():
         log.info("%s already holds a finished run", job.out.root)
@@ -488,7 +494,7 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         if signum:
             what = "SIGTERM" if signum == signal.SIGTERM else "SIGINT (Ctrl-C)"
             raise Preempted(
-                f"{what} during training, checkpoint saved; a restart of all {dist.world_size} replica(s): {resume_hint(job.out)}",
+                f"{what} during training, checkpoint saved; {restart_all(dist.world_size)}: {resume_hint(job.out)}",
                 code=128 + signum,
             )
         with group.agreed():  # the mean loss is each rank's own over the steps after the last record

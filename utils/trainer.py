@@ -627,7 +627,8 @@ class StrategyCheck(TrainerCallback):
             return
         units = count_fsdp_units(model)
         if self.strategy != "fsdp":
-            log.info(f"strategy {self.strategy}: {f'{units} FSDP units' if units else 'a whole model on every rank'}")
+            whole = "a whole model on every rank" if args.world_size > 1 else "one process, the whole model"
+            log.info(f"strategy {self.strategy}: {f'{units} FSDP units' if units else whole}")
         elif not units:
             raise JobError(
                 EXIT_BAD_INPUT,
