@@ -351,3 +351,22 @@ def test_the_base_row_shows_the_lines_predict_prints(finished_run, sst2_dir, tmp
         result = run_predict(base_env(tmp_path), *args, cwd=tmp_path)
         assert result.stdout == ""
         assert_shown(case, shown, refusal(result.code, result.stderr))
+
+
+# ------------------------------------------------------------------------------- lines shown in the prose
+@pytest.mark.check
+def test_the_rendezvous_refusal_shown_is_the_one_the_ranks_print():
+    """The line the doc shows for replicas started differently: rank 1 given WORLD_SIZE=3 and LORA_R=16, rank 0
+    WORLD_SIZE=2 and the default, one RUN_NAME, each rank's agreement made and compared as the rendezvous does."""
+    from utils.identity import agreement_refusal
+    from utils.plan import build_plan
+    from utils.run import agreement_of
+    from utils.settings import load_settings
+
+    def agreement(world: int, **env: str) -> dict:
+        settings, _ = load_settings([], environ={"OUTPUT_DIR": "/pvc-home/output", "RUN_NAME": "sst2", **env})
+        return agreement_of(settings, build_plan(settings, world), world)
+
+    [documented] = re.findall(r"`error: (the replicas were started with other settings [^`]+)`", DOC.read_text())
+    printed = agreement_refusal(agreement(2), {1: agreement(3, LORA_R="16")})
+    assert shows(documented, printed), f"doc:  {documented}\njob:  {printed}"
