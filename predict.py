@@ -171,6 +171,13 @@ def read_file(file: Path) -> bytes:
             f"cannot read {file} ({exc.strerror or exc}); give a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file",
         ) from None
     info = os.fstat(fd)
+    if stat.S_ISDIR(info.st_mode):  # no stream to send on standard input either
+        os.close(fd)
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{file} is a folder, not a file of sentences; give a regular file (UTF-8 text, one sentence a line, or a "
+            ".csv, .tsv, .json or .jsonl file)",
+        )
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         kind = next((name for test, name in NOT_FILES if test(info.st_mode)), "not a regular file")
@@ -184,9 +191,8 @@ def read_file(file: Path) -> bytes:
         return read_bounded(handle, str(file), info.st_size)
 
 
-# What a FILE that is not a regular file is, for its refusal.
+# What a FILE that is neither a regular file nor a folder is, for its refusal.
 NOT_FILES = (
-    (stat.S_ISDIR, "a folder"),
     (stat.S_ISFIFO, "a FIFO (a named pipe)"),
     (stat.S_ISCHR, "a character device"),
     (stat.S_ISBLK, "a block device"),
