@@ -1,0 +1,92 @@
+"""An adapter goes on the base it was trained on, and only on it: model/base_model.json records the base's fingerprint
+(the run identity's SHA-256 of each weights, config and tokenizer file of a local MODEL_NAME), and the merge
+(MERGE_ADAPTER) refuses a base folder whose files changed since, naming it and the fix. Real processes on the tiny
+BERT: one run whose base is replaced while it trains, then its restarts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    Result,
+    assert_refusal,
+    base_env,
+    run_main,
+    start_main,
+    tiny_run_settings,
+    wait_all,
+    wait_until,
+)
+
+SENTENCES = "a wonderful film\na dull film\n"
+
+
+def replace_weights(folder: Path) -> bytes:
+    """`folder`'s model.safetensors replaced by other weights of the same shapes (each moved by 0.01), as a new file
+    (what a copy over it or a download does; a job that loaded the old one keeps what it read); the old bytes."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    original = path.read_bytes()
+    moved = {name: tensor + 0.01 if tensor.is_floating_point() else tensor for name, tensor in load_file(path).items()}
+    staged = folder / "model.safetensors.new"
+    save_file(moved, staged, metadata={"format": "pt"})
+    os.replace(staged, path)
+    return original
+
+
+@dataclass
+class BaseReplaced:
+    out: Path  # OUTPUT_DIR: model/ saved, no merged/
+    base: Path  # MODEL_NAME, a copy of the tiny BERT whose weights were replaced while the run trained
+    original: bytes  # the weights the adapter was trained on
+    env: dict[str, str]
+    first: Result
+
+
+@pytest.fixture(scope="module")
+def base_replaced(tmp_path_factory, tiny_bert, sst2_dir) -> BaseReplaced:
+    """A run with MERGE_ADAPTER whose base's weights are replaced once the run has loaded them: it trains and saves
+    the adapter on the weights it loaded, and its merge meets the new ones."""
+    tmp = tmp_path_factory.mktemp("base-replaced")
+    base = shutil.copytree(tiny_bert, tmp / "base")
+    settings = tiny_run_settings(base, sst2_dir, tmp / "out", MAX_STEPS=20, MERGE_ADAPTER="true")
+    settings.pop("NUM_EPOCHS")
+    env = base_env(tmp, **settings)
+    log = tmp / "run.log"
+    proc = start_main(env, log=log)
+    # Logged once the base's weights are loaded: training, the evaluation and saving model/ are still to come.
+    wait_until(lambda: "trainable parameters" in log.read_text(), "the base model loaded", [proc], log=log)
+    original = replace_weights(base)
+    [code] = wait_all([proc])
+    return BaseReplaced(tmp / "out", base, original, env, Result(code, "", log.read_text()))
+
+
+def test_the_merge_refuses_a_base_replaced_since_the_adapter_was_trained(base_replaced):
+    out, base = base_replaced.out, base_replaced.base
+    # model/ records the weights it was trained on, the ones the run loaded (and fingerprinted) at its start.
+    recorded = json.loads((out / "model" / "base_model.json").read_text())["sha256"]
+    assert recorded["model.safetensors"] == hashlib.sha256(base_replaced.original).hexdigest()
+    assert set(recorded) >= {"config.json", "vocab.txt"}
+    # The run saved its model, then refused the merge: nothing staged or merged.
+    assert_refusal(base_replaced.first, [f"MODEL_NAME={base}", "model.safetensors", "base_model.json", "restore"])
+    assert (out / "model" / "adapter_model.safetensors").is_file() and (out / "metrics.json").is_file()
+    assert not (out / "merged").exists() and not (out / ".merged.partial").exists()
+
+    # A restart that would merge onto the changed base: refused by the run's identity before anything is loaded.
+    again = run_main(base_replaced.env)
+    assert_refusal(again, [f"OUTPUT_DIR={out}", "base model: model.safetensors", "restore the base model"])
+    assert not (out / "merged").exists() and not (out / ".merged.partial").exists()
+
+    # The base restored (the same bytes): the restart merges.
+    (base / "model.safetensors").write_bytes(base_replaced.original)
+    merged = run_main(base_replaced.env)
+    assert merged.code == 0, merged.stderr[-3000:]
+    assert (out / "merged" / "model.safetensors").is_file() and not (out / ".merged.partial").exists()
