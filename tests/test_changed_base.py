@@ -1,7 +1,8 @@
 """An adapter goes on the base it was trained on, and only on it: model/base_model.json records the base's fingerprint
 (the run identity's SHA-256 of each weights, config and tokenizer file of a local MODEL_NAME), and the merge
-(MERGE_ADAPTER) refuses a base folder whose files changed since, naming it and the fix. Real processes on the tiny
-BERT: one run whose base is replaced while it trains, then its restarts."""
+(MERGE_ADAPTER) and predict.py refuse a base folder whose files changed since, naming it and the fix; another copy
+of the same bytes is the same base. Real processes on the tiny BERT: one run whose base is replaced while it trains,
+then restarts and predict.py on its adapter."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.conftest import (
     assert_refusal,
     base_env,
     run_main,
+    run_predict,
     start_main,
     tiny_run_settings,
     wait_all,
@@ -85,8 +87,43 @@ def test_the_merge_refuses_a_base_replaced_since_the_adapter_was_trained(base_re
     assert_refusal(again, [f"OUTPUT_DIR={out}", "base model: model.safetensors", "restore the base model"])
     assert not (out / "merged").exists() and not (out / ".merged.partial").exists()
 
-    # The base restored (the same bytes): the restart merges.
+    # The base restored (the same bytes): the restart merges, and predict.py takes the adapter on its recorded base.
     (base / "model.safetensors").write_bytes(base_replaced.original)
     merged = run_main(base_replaced.env)
     assert merged.code == 0, merged.stderr[-3000:]
     assert (out / "merged" / "model.safetensors").is_file() and not (out / ".merged.partial").exists()
+    answers = run_predict(base_env(out.parent), out / "model", stdin=SENTENCES)
+    assert answers.code == 0 and len(answers.stdout.splitlines()) == 2, answers.stderr[-3000:]
+    assert "note:" not in answers.stderr
+
+
+def test_predict_refuses_a_base_whose_weights_or_config_changed(base_replaced, tiny_bert, tmp_path):
+    out, env = base_replaced.out, base_env(tmp_path)
+    # Another copy of the same bytes is the same base.
+    same = run_predict(env, out / "model", "--base-model", tiny_bert, stdin=SENTENCES)
+    assert same.code == 0 and len(same.stdout.splitlines()) == 2, same.stderr[-3000:]
+
+    # The base the adapter names, its weights replaced in place (other values, the same shapes).
+    adapter, named = tmp_path / "adapter", shutil.copytree(tiny_bert, tmp_path / "named-base")
+    shutil.copytree(out / "model", adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(named)}))
+    replace_weights(named)
+    weights = run_predict(env, adapter, stdin=SENTENCES)
+    assert weights.stdout == ""
+    assert_refusal(weights, [f"the base model {named} is not the one", "model.safetensors", "--base-model"])
+
+    # A base given by --base-model whose config changed (the same shapes).
+    edited = shutil.copytree(tiny_bert, tmp_path / "edited-base")
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-5}))
+    refused = run_predict(env, out / "model", "--base-model", edited, stdin=SENTENCES)
+    assert refused.stdout == ""
+    assert_refusal(refused, [str(edited), "config.json", "--base-model"])
+
+    # An adapter saved before the base was recorded: answered, with a note that the base is not checked.
+    (adapter / "base_model.json").unlink()
+    older = run_predict(env, adapter, "--base-model", tiny_bert, stdin=SENTENCES)
+    assert older.code == 0 and len(older.stdout.splitlines()) == 2, older.stderr[-3000:]
+    notes = [line for line in older.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "base_model.json" in notes[0] and "Traceback" not in older.stderr, older.stderr
