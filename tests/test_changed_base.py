@@ -30,18 +30,16 @@ from tests.conftest import (
 SENTENCES = "a wonderful film\na dull film\n"
 
 
-def replace_weights(folder: Path) -> bytes:
-    """`folder`'s model.safetensors replaced by other weights of the same shapes (each moved by 0.01), as a new file
-    (what a copy over it or a download does; a job that loaded the old one keeps what it read); the old bytes."""
+def other_weights(folder: Path, staged: Path) -> Path:
+    """`folder`'s model.safetensors with each weight moved by 0.01 (other values, the same shapes), written to
+    `staged`: moved over the original (os.replace, a new file, as a copy over it or a download makes), it replaces
+    the base's weights at once, while a job that loaded the old ones keeps what it read."""
     from safetensors.torch import load_file, save_file
 
-    path = folder / "model.safetensors"
-    original = path.read_bytes()
-    moved = {name: tensor + 0.01 if tensor.is_floating_point() else tensor for name, tensor in load_file(path).items()}
-    staged = folder / "model.safetensors.new"
+    tensors = load_file(folder / "model.safetensors")
+    moved = {name: tensor + 0.01 if tensor.is_floating_point() else tensor for name, tensor in tensors.items()}
     save_file(moved, staged, metadata={"format": "pt"})
-    os.replace(staged, path)
-    return original
+    return staged
 
 
 @dataclass
@@ -62,11 +60,14 @@ def base_replaced(tmp_path_factory, tiny_bert, sst2_dir) -> BaseReplaced:
     settings = tiny_run_settings(base, sst2_dir, tmp / "out", MAX_STEPS=20, MERGE_ADAPTER="true")
     settings.pop("NUM_EPOCHS")
     env = base_env(tmp, **settings)
+    original, staged = (base / "model.safetensors").read_bytes(), other_weights(base, tmp / "other.safetensors")
     log = tmp / "run.log"
     proc = start_main(env, log=log)
-    # Logged once the base's weights are loaded: training, the evaluation and saving model/ are still to come.
+    # Logged once the base's weights are loaded: training, the evaluation and saving model/ are still to come, and
+    # the new weights, written beforehand, take their place at once.
     wait_until(lambda: "trainable parameters" in log.read_text(), "the base model loaded", [proc], log=log)
-    original = replace_weights(base)
+    os.replace(staged, base / "model.safetensors")
+    assert f"saved {tmp / 'out' / 'model'}" not in log.read_text(), "the run saved model/ before its base was replaced"
     [code] = wait_all([proc])
     return BaseReplaced(tmp / "out", base, original, env, Result(code, "", log.read_text()))
 
@@ -108,7 +109,7 @@ def test_predict_refuses_a_base_whose_weights_or_config_changed(base_replaced, t
     shutil.copytree(out / "model", adapter)
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(named)}))
-    replace_weights(named)
+    os.replace(other_weights(named, tmp_path / "other.safetensors"), named / "model.safetensors")
     weights = run_predict(env, adapter, stdin=SENTENCES)
     assert weights.stdout == ""
     assert_refusal(weights, [f"the base model {named} is not the one", "model.safetensors", "--base-model"])
