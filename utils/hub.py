@@ -273,7 +273,8 @@ def save_model(
 
 
 def save_merged(run: RunDir, settings: Settings) -> None:
-    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision, whole or not at all."""
+    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision, whole or not at all; refused
+    (exit 2) onto a MODEL_NAME whose files differ from the base model/ records (base_model.json)."""
     # peft and transformers take seconds to import; the Hub client alone needs neither.
     from utils.model import merge_adapter
 
