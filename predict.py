@@ -18,6 +18,8 @@ input; either is read up to MAX_INPUT_BYTES (256 MiB). Bad input (no such model 
 a FIFO or a folder, more than 256 MiB of input, a missing column, bytes that are not text, a base model of another size than the adapter's, one text a row for a pair model, and what
 training refuses in a file: an empty text in a column, a column named twice) is one `error:` line and
 exit 2, as in main.py.
+An adapter answers only on the base it was trained on: a local base folder (the one it names, or --base-model) whose
+weights, config or tokenizer files differ from those its base_model.json records is refused the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model_card import INPUTS_NAME, LABELS_NAME, read_label_names
+from utils.model_card import BASE_NAME, INPUTS_NAME, LABELS_NAME, read_base_fingerprint, read_label_names
 from utils.settings import Parser
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
@@ -374,7 +376,8 @@ def warn_if_untrained(model: str, id2label: dict) -> None:
 
 def load_adapter(model: str, adapter: dict, base_model: str | None):
     """The adapter `model` (its adapter_config.json: `adapter`) on its base, the head sized and named by the labels
-    saved beside it; a base it does not fit is refused (check_adapter_fits)."""
+    saved beside it; a base it does not fit (check_adapter_fits), or a base folder whose files changed since it was
+    trained (check_base_unchanged), is refused."""
     from peft import PeftModel
 
     from utils.model import first_line, load_base
@@ -394,10 +397,42 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
             "pass --base-model with its Hub id or a local copy of it",
         ) from None
     check_adapter_fits(model, adapter, base, base_id)
+    check_base_unchanged(model, base_id)
     try:
         return PeftModel.from_pretrained(base, model)
     except RuntimeError as exc:  # a shape the check above cannot see (a .bin adapter, a new layer kind)
         raise misfit(model, adapter, f"does not fit the base {base_id} ({first_line(exc, 300)})") from None
+
+
+def check_base_unchanged(model: str, base_id: str) -> None:
+    """Refuse a local base folder whose weights, config or tokenizer files are not the ones the adapter was trained
+    on (base_model.json beside it: the run's fingerprint of its base, utils/identity.py): a base of the same shapes
+    with other weights loads without a word and answers wrongly. Its files are hashed once, here. A Hub base is not
+    compared (the adapter records its id alone), nor is the base of an adapter that records no fingerprint (saved
+    before the job recorded it, or by another tool): a note says so."""
+    from utils.identity import base_model_changes
+
+    if not Path(base_id).is_dir():
+        return
+    try:
+        recorded = read_base_fingerprint(model_file(model, BASE_NAME))
+    except Exception:  # a Hub repo that cannot be reached now: its adapter files were read, so nothing is lost
+        return
+    if recorded is None:
+        print(
+            f"note: {model} holds no {BASE_NAME} (saved before the job recorded its base's fingerprint), so the base "
+            f"{base_id} is not checked against the one it was trained on",
+            file=sys.stderr,
+        )
+        return
+    if changed := base_model_changes(recorded, base_id):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the base model {base_id} is not the one the adapter {model} was trained on: its {changed} changed since "
+            f"(added, removed or edited; the adapter's {BASE_NAME} records the SHA-256 of each weights, config and "
+            "tokenizer file of its base); point --base-model at the base it was trained on (an unchanged copy of it), "
+            "or train the adapter again on this base",
+        )
 
 
 def misfit(model: str, adapter: dict, what: str) -> JobError:

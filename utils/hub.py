@@ -33,7 +33,17 @@ from pydantic import SecretStr
 from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
 
 from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
-from utils.model_card import PLOT_NAME, plot_training_curves, published_base, write_label_names, write_model_card
+from utils.identity import base_model_changes
+from utils.model_card import (
+    BASE_NAME,
+    PLOT_NAME,
+    plot_training_curves,
+    published_base,
+    read_base_fingerprint,
+    write_base_fingerprint,
+    write_label_names,
+    write_model_card,
+)
 from utils.outputs import RunDir, replace_dir, update_run_record
 from utils.settings import Settings, resolve_base_model_id
 from utils.threads import Deadline, within
@@ -233,9 +243,18 @@ class Hub:
 
 
 # ------------------------------------------------------------------------------- saving
-def save_model(run: RunDir, settings: Settings, trainer: Trainer, metrics: dict, state_dict: dict | None = None):
-    """Write model/ (adapter, tokenizer, label names, training curves, card) and metrics.json, each whole or not at all.
-    `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's own."""
+def save_model(
+    run: RunDir,
+    settings: Settings,
+    trainer: Trainer,
+    metrics: dict,
+    state_dict: dict | None = None,
+    *,
+    base_fingerprint: dict[str, str] | str,
+):
+    """Write model/ (adapter, tokenizer, label names, base fingerprint, training curves, card) and metrics.json, each
+    whole or not at all. `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's
+    own. `base_fingerprint`: the base as the run's identity holds it (utils/identity.model_digest)."""
     staged = run.make_dir(run.root / ".model.partial", fresh=True)
     model = trainer.model
     # The adapter names its base by Hub id, so it loads anywhere; else by the folder's absolute path, so predict.py
@@ -245,6 +264,7 @@ def save_model(run: RunDir, settings: Settings, trainer: Trainer, metrics: dict,
     model.save_pretrained(staged, state_dict=state_dict)
     trainer.processing_class.save_pretrained(staged)
     write_label_names(staged, settings, metrics)
+    write_base_fingerprint(staged, base_fingerprint)
     plot_training_curves(trainer.state.log_history, staged / PLOT_NAME)
     write_model_card(staged, settings, metrics, settings.result_model_id)
     _replace_with(run, staged, run.model)
@@ -253,10 +273,23 @@ def save_model(run: RunDir, settings: Settings, trainer: Trainer, metrics: dict,
 
 
 def save_merged(run: RunDir, settings: Settings) -> None:
-    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision, whole or not at all."""
+    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision, whole or not at all; refused
+    (exit 2) onto a MODEL_NAME whose files differ from the base model/ records (base_model.json)."""
     # peft and transformers take seconds to import; the Hub client alone needs neither.
     from utils.model import merge_adapter
 
+    # Before anything is staged: the base at MODEL_NAME may have been replaced since the adapter was trained (during
+    # the training, or before a restart that merges), and the merge would load the adapter onto other weights without
+    # a word (the same shapes load).
+    if changed := base_model_changes(read_base_fingerprint(run.model / BASE_NAME), settings.model_name):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name} is not the base model the adapter in {run.model} was trained on: its "
+            f"{changed} changed since (added, removed or edited; {BASE_NAME} there records the SHA-256 of each "
+            "weights, config and tokenizer file the adapter was trained on), so nothing was merged; restore that base "
+            "at MODEL_NAME (or point MODEL_NAME at an unchanged copy of it) and run again to merge, or train again "
+            "on this base in a new OUTPUT_DIR",
+        )
     staged = run.make_dir(run.root / ".merged.partial", fresh=True)
     merge_adapter(settings, run.model, staged)
     write_model_card(staged, settings, run.read_json(run.metrics) or {}, settings.result_merged_model_id, merged=True)

@@ -187,6 +187,19 @@ def model_digest(model_name: str) -> str | dict[str, str]:
     return {path.name: readable_digest(path) for path in sorted(files) if path.is_file()}
 
 
+def base_model_changes(recorded: Any, model_name: str) -> str | None:
+    """`model.safetensors, config.json`: the files of the local folder `model_name` whose bytes differ from
+    `recorded`, the fingerprint model_digest took of the base an adapter was trained on (a file added or removed
+    too); None where they match or nothing can be compared: a Hub id on either side (the identity holds its id
+    alone), or no fingerprint recorded. Every file is hashed once, as the identity hashes it."""
+    if not isinstance(recorded, dict) or not Path(model_name).is_dir():
+        return None
+    changed = _changed_keys(recorded, model_digest(model_name), values=False)
+    if not changed:
+        return None
+    return ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+
+
 def readable_digest(path: Path) -> str:
     """sha256_file, or what kept the file from being read (mode 000, a dangling mount): the model's own check, once
     the model is loaded, refuses such a file with the fix; the identity only has to tell it from a readable one."""

@@ -19,6 +19,9 @@ from utils.settings import Settings, resolve_base_model_id
 PLOT_NAME = "training_curves.png"
 LABELS_NAME = "id2label.json"  # the label names beside an adapter (its config.json would be the base model's)
 INPUTS_NAME = "inputs.json"  # the text columns the model was trained on: one sentence, or a pair (predict.py reads it)
+# The base the adapter was trained on, as the run's identity fingerprints it (utils/identity.model_digest): predict.py
+# and the merge refuse a local base whose files differ from it.
+BASE_NAME = "base_model.json"
 CARD_METRICS = ("accuracy", "f1", "precision", "recall", "matthews_correlation", "pearson", "spearman", "mse")
 CURVE_METRICS = ("eval_accuracy", "eval_matched_accuracy", "eval_pearson")  # the validation curve, the first logged
 REGRESSION_LABEL = "score"  # the one output of a regression model (utils/model.label_config)
@@ -80,6 +83,26 @@ def read_label_names(folder: Path) -> dict[int, str] | None:
         return {int(index): name for index, name in json.loads((folder / LABELS_NAME).read_text()).items()}
     except FileNotFoundError:
         return None
+
+
+def write_base_fingerprint(folder: Path, fingerprint: dict[str, str] | str) -> None:
+    """base_model.json beside an adapter: `{"sha256": {file: digest}}` for a local base folder (each weights, config
+    and tokenizer file by name), `{"hub_id": id}` for a Hub base; the identity's value, never hashed again here."""
+    key = "sha256" if isinstance(fingerprint, dict) else "hub_id"
+    (folder / BASE_NAME).write_text(json.dumps({key: fingerprint}, indent=2, sort_keys=True) + "\n")
+
+
+def read_base_fingerprint(path: str | Path | None) -> dict[str, str] | str | None:
+    """The fingerprint base_model.json at `path` records (write_base_fingerprint); None where there is none: a model
+    saved before the job recorded it, or a file that is not the job's."""
+    try:
+        record = json.loads(Path(path).read_text()) if path else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    fingerprint = record.get("sha256", record.get("hub_id"))
+    return fingerprint if isinstance(fingerprint, dict | str) else None
 
 
 def plot_training_curves(log_history: list[dict], path: Path) -> bool:

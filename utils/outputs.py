@@ -2,7 +2,8 @@
 
     OUTPUT_DIR/
       .run-folder       the job's mark on a folder it claimed: it works only in its own (RUN_MARKER)
-      model/            adapter + config, tokenizer, id2label.json, inputs.json, training_curves.png, README.md card (rank 0)
+      model/            adapter + config, tokenizer, id2label.json, inputs.json, base_model.json, training_curves.png,
+                        README.md card (rank 0)
       merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
       metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
       run.json          its format, the settings (secrets masked), the plan, the identity, versions, pushes (rank 0)

@@ -611,7 +611,9 @@ def save(job: Job, group: Collectives, trained: Trained) -> None:
     try:
         with group.peers_watched(lambda: f"rank 0 was saving model/; {resume_hint(out)}"):
             model = (trained.trainer, trained.metrics, trained.state_dict)
-            group.run_on_main(lambda: save_model(out, job.settings, *model))
+            # The base as the run's identity fingerprinted it at the start: the weights this adapter was trained on.
+            base = job.plan.identity["base_model"]
+            group.run_on_main(lambda: save_model(out, job.settings, *model, base_fingerprint=base))
     except JobError as exc:
         if not (job.dist.is_main and exc.code == EXIT_PREEMPTED and out.is_finished()):
             raise
