@@ -11,9 +11,11 @@ row added to a table without an example made for it here."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,7 +184,9 @@ PREDICT = {
     ],
 }
 # The row whose examples need a trained adapter and a base of another shape (test_the_base_row_...).
-ADAPTER_ROWS = {"a base (`--base-model`) of another shape than the adapter's"}
+SHAPE_ROW = "a base (`--base-model`) of another shape than the adapter's"
+CHANGED_ROW = "a base folder changed since the adapter was trained on it"
+ADAPTER_ROWS = {SHAPE_ROW, CHANGED_ROW}
 
 
 def spec(body: str, *args: str, before: Callable[[Path], object] = lambda d: None) -> Callable[[Path], list[str]]:
@@ -336,11 +340,11 @@ def test_each_example_prints_the_line_its_row_shows(tmp_path, monkeypatch, capsy
         assert_shown(case, table(program)[case][example.line], line, example.placeholders)
 
 
-def test_the_base_row_shows_the_lines_predict_prints(finished_run, sst2_dir, tmp_path):
+def test_the_base_rows_show_the_lines_predict_prints(finished_run, sst2_dir, tiny_bert, tmp_path):
     """The adapter of the suite's finished run (trained on the 64-wide, 2-layer tiny BERT, published as
-    tester/tiny-bert) on a 32-wide base, then on a 3-layer one: predict.py as a process, as a user runs it."""
-    (case,) = ADAPTER_ROWS
-    documented = table("predict.py")[case]
+    tester/tiny-bert) on a 32-wide base, then on a 3-layer one, then on a copy of its base with config.json
+    edited: predict.py as a process, as a user runs it."""
+    case, documented = SHAPE_ROW, table("predict.py")[SHAPE_ROW]
     (tmp_path / "OUTPUT_DIR").mkdir()
     (tmp_path / "OUTPUT_DIR" / "model").symlink_to(finished_run.out / "model")
     written(tmp_path, "sentences.txt", "a wonderful film\n")
@@ -351,6 +355,14 @@ def test_the_base_row_shows_the_lines_predict_prints(finished_run, sst2_dir, tmp
         result = run_predict(base_env(tmp_path), *args, cwd=tmp_path)
         assert result.stdout == ""
         assert_shown(case, shown, refusal(result.code, result.stderr))
+    edited = shutil.copytree(tiny_bert, tmp_path / "edited-base")
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-5}))
+    args = ("OUTPUT_DIR/model", "sentences.txt", "--base-model", "edited-base")
+    result = run_predict(base_env(tmp_path), *args, cwd=tmp_path)
+    assert result.stdout == ""
+    (shown,) = table("predict.py")[CHANGED_ROW]
+    assert_shown(CHANGED_ROW, shown, refusal(result.code, result.stderr))
 
 
 # ------------------------------------------------------------------------------- lines shown in the prose
