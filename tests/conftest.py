@@ -1127,3 +1127,10 @@ def schema_errors(schema: dict, document: dict) -> list[str]:
         f"{'/'.join(map(str, error.absolute_path)) or '/'}: {error.message[:300]}"
         for error in jsonschema.Draft7Validator(schema).iter_errors(document)
     ]
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """Every step's training loss (LOGGING_STEPS=1) from the last checkpoint's trainer_state.json."""
+    last = max((out / "checkpoints").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    history = json.loads((last / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}

@@ -22,10 +22,10 @@ from tests.conftest import (
     rank_record,
     run_code,
     run_main,
+    step_losses,
     tiny_run_settings,
     wait_all,
 )
-from tests.test_compile import losses
 
 STEPS = 60
 BUCKETS = [16, 32, 48]  # the tiny data's padded lengths (tests/test_compile.py)
@@ -217,7 +217,7 @@ def test_two_captured_replicas_exchange_the_gradients_ddp_does(tmp_path, tiny_be
             assert codes == [0, 0], [(tmp_path / f"{arm}-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
     finally:
         group.cleanup()
-    assert losses(outs["captured"]) == pytest.approx(losses(outs["eager"]), rel=1e-6)
+    assert step_losses(outs["captured"]) == pytest.approx(step_losses(outs["eager"]), rel=1e-6)
     records = {arm: [rank_record(out, rank) for rank in (0, 1)] for arm, out in outs.items()}
     assert [r["capture"] is not None for r in records["captured"]] == [True, True]
     assert [r["capture"] for r in records["eager"]] == [None, None]

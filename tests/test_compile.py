@@ -21,6 +21,7 @@ from tests.conftest import (
     rank_record,
     run_main,
     start_main,
+    step_losses,
     tiny_run_settings,
     wait_all,
     write_fixed_length_data,
@@ -34,13 +35,6 @@ BUCKETS = [16, 32, 48]
 # Measured on 2 CPU cores: the compiled losses within 9e-8 (relative) of eager's over 50 steps.
 LOSS_RTOL = 1e-5
 COMPILE_TIMEOUT = 1500  # seconds a compiling run may take on 2 busy cores
-
-
-def losses(out: Path) -> dict[int, float]:
-    """Every step's training loss (LOGGING_STEPS=1) from the last checkpoint's trainer_state.json."""
-    last = max((out / "checkpoints").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
-    history = json.loads((last / "trainer_state.json").read_text())["log_history"]
-    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +56,7 @@ def compiled_and_eager(tmp_path_factory, tiny_bert, sst2_dir) -> dict[str, Path]
 
 
 def test_compiled_and_eager_train_the_same_model(compiled_and_eager):
-    compiled, eager = (losses(compiled_and_eager[arm]) for arm in ("compiled", "eager"))
+    compiled, eager = (step_losses(compiled_and_eager[arm]) for arm in ("compiled", "eager"))
     assert sorted(compiled) == sorted(eager) == list(range(1, STEPS + 1))
     assert compiled == pytest.approx(eager, rel=LOSS_RTOL)
     # Not a run that stood still: the losses move over the steps.
@@ -136,7 +130,7 @@ def test_two_compiled_replicas_train_as_one_process(tmp_path, tiny_bert, sst2_di
         group.cleanup()
     assert single.code == 0, single.stderr[-3000:]
     assert codes == [0, 0], [(tmp_path / f"ddp-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
-    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    assert step_losses(two) == pytest.approx(step_losses(one), rel=1e-5)
     records = [rank_record(one, 0), rank_record(two, 0), rank_record(two, 1)]
     assert [r["compile"]["graphs"] for r in records] == [2, 2, 2]
     assert len({r["trainable_checksum"] for r in records[1:]}) == 1

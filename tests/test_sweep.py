@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.make_demo_assets import write_dataset
+from scripts.make_demo_assets import write_dataset, write_pair_dataset
 from tests.conftest import (
     FAKE_TOKEN,
     K8S,
@@ -44,7 +44,6 @@ from tests.conftest import (
     strict,
     wait_until,
 )
-from tests.test_tasks import write_mnli
 from utils.tasks import headline
 
 SWEEP = REPO / "sweep.py"
@@ -815,7 +814,7 @@ def test_the_docs_mnli_sweep_runs_as_written(tmp_path, tiny_bert):
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
     spec = tmp_path / "mnli-lr.yaml"
     spec.write_text(DOC_SPECS[0])
-    data = write_mnli(tmp_path / "mnli", train=64, validation=24)
+    data = write_pair_dataset(tmp_path / "mnli", "mnli", train_rows=64, validation_rows=24)
     env = base_env(tmp_path, MODEL_NAME=str(tiny_bert), DATASET_PATH=str(data), MAX_STEPS="2", REPORT_TO="none")
     result = run_script("sweep.py", env, spec, cwd=tmp_path, timeout=600)
     assert result.code == 0, result.stderr[-3000:]
