@@ -43,6 +43,7 @@ METRIC_MODULES = {
     False: str(Path(__file__).with_name("classification_metrics.py")),
     True: str(Path(__file__).with_name("regression_metrics.py")),
 }
+PREDICTIONS_FILE = "predictions.jsonl"  # under OUTPUT_DIR/predictions/, beside metrics.json when labelled
 
 
 @dataclass
@@ -374,3 +375,34 @@ def metrics_line(metrics: dict, source: str) -> str:
     """The metrics in one line, as predict.py prints them on stderr."""
     shown = " ".join(f"{name}={value:.4f}" for name, value in metrics.items() if name != "samples")
     return f"metrics on {source} ({metrics['samples']} labelled rows): {shown}"
+
+
+# ------------------------------------------------------------------------------- the job's test split
+def check_test_split(path: Path, text_columns: tuple[str, ...], label_column: str, labels: list[str]) -> Inputs:
+    """The test split read and checked as it will be answered, labels included (`labels`: the class names the data
+    resolved to, `[]` for a regression): at the start, so a bad row is refused before training, not after it."""
+    inputs = read_inputs(path, list(text_columns), label_column)
+    references(inputs, labels, label_column)
+    return inputs
+
+
+def write_test_predictions(run, settings, path: Path) -> dict | None:
+    """Rank 0, model/ saved: `path` answered by the saved model (on its base, full precision: what predict.py
+    serves), written whole or not at all to OUTPUT_DIR/predictions/ (predictions.jsonl, and metrics.json when
+    labelled); the metrics, None when unlabelled."""
+    from utils.model import load_pipeline  # torch and transformers: only a run that has a test split pays them
+    from utils.outputs import replace_dir
+
+    inputs = read_inputs(path, list(settings.text_columns), settings.label_column)
+    classifier = load_pipeline(settings, run.model)
+    labels = model_labels(classifier)
+    labelled = references(inputs, labels, settings.label_column)
+    answers = classify(classifier, inputs.texts, settings.per_device_batch_size)
+    metrics = score_answers(answers, labelled, labels)
+    staged = run.make_dir(run.root / ".predictions.partial", fresh=True)
+    lines = "".join(json.dumps(row, default=str) + "\n" for row in answer_rows(inputs, answers))
+    run.write_text(staged / PREDICTIONS_FILE, lines)
+    if metrics is not None:
+        run.write_json(staged / "metrics.json", {**metrics, "file": str(path)})
+    replace_dir(staged, run.predictions)
+    return metrics
