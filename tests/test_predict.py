@@ -235,9 +235,17 @@ def test_each_line_is_one_answer_split_on_newlines_only(trained, tmp_path, sourc
 
 def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
     """`rows` (sentence, label) as a user writes them in `path`'s format: tsv unquoted, csv by csv.writer,
-    .json a JSON array and .jsonl one object a line (non-ASCII characters as they are, not escaped)."""
+    .json a JSON array and .jsonl one object a line (non-ASCII characters as they are, not escaped), parquet by
+    pyarrow."""
     suffix = path.suffix.lower()
-    if suffix == ".tsv":
+    if suffix == ".parquet":
+        import pyarrow
+        import pyarrow.parquet
+
+        pyarrow.parquet.write_table(
+            pyarrow.table({"sentence": [t for t, _ in rows], "label": [y for _, y in rows]}), path
+        )
+    elif suffix == ".tsv":
         path.write_text(delimited(rows, sep="\t"), newline="")
     elif suffix == ".csv":
         with path.open("w", newline="") as handle:
@@ -251,7 +259,9 @@ def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["VALIDATION.TSV", "Validation.Csv", "validation.JSON", "validation.JsonL"])
+@pytest.mark.parametrize(
+    "name", ["VALIDATION.TSV", "Validation.Csv", "validation.JSON", "validation.JsonL", "validation.Parquet"]
+)
 def test_a_data_file_gives_the_sentences_training_reads_from_it(trained, tmp_path, name):
     """The same file through training's reader (utils/data.py, as DATASET_PATH) and through predict.py: the same
     sentences, in the same order, whatever the case of the suffix."""
