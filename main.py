@@ -48,7 +48,7 @@ from utils.deepspeed_config import deepspeed_overrides, describe_strategy, with_
 from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
 from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.hub_token import install_masking
-from utils.local_inputs import check_dataset, check_model_folder
+from utils.local_inputs import check_dataset, check_model_folder, test_split_file
 from utils.outputs import check_output_writable, check_run_dir, discard_unused_claim, open_run_dir, volume_fault
 from utils.plan import Plan, batch_warning, build_plan, check_elastic_range
 from utils.preemption import Preemption
@@ -82,6 +82,8 @@ def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
         "identity": plan.identity,  # what makes a restart the same run (utils/identity.py)
         "batch": asdict(plan.batch),
         "task": describe_task(settings),  # columns, labels, problem type, metrics
+        # The file answered into OUTPUT_DIR/predictions/ once trained (TEST_FILE, or test.* in DATASET_PATH)
+        "test_split": str(test) if (test := test_split_file(settings)) else None,
         **describe_strategy(settings, plan),  # DeepSpeed: the config with the plan's values
     }
 

@@ -4,20 +4,33 @@
     python predict.py OUTPUT_DIR/merged reviews.csv --text-column review
     python predict.py your-name/bert-sst2-lora < sentences.txt  # a pushed adapter (or merged model) on the Hub
     python predict.py OUTPUT_DIR/model --base-model bert-base-uncased sentences.jsonl
+    python predict.py OUTPUT_DIR/model sentences.jsonl --metrics metrics.json   # labelled rows: their metrics too
 
 MODEL is an adapter folder (adapter_config.json), a merged folder (config.json and weights) or a Hub repo
-id of either. Sentences come from FILE or standard input, in UTF-8: one per line (split on newlines only;
-blank lines skipped), or the --text-column of each record of a .csv, .tsv (unquoted, as training reads it),
-.json or .jsonl file (a JSON array or one object per line), the suffix in any case; a sentence pair model
-takes two columns, `--text-column premise,hypothesis`. Each prints as one JSON line, in input order:
-{"text": ..., "label": "positive", "score": 0.97} (a pair adds "text_pair"; a regression model prints its
-score and no label); no sentences, no lines. A sentence longer than the model takes is cut to the length
-recorded with the model (MAX_SEQ_LENGTH of the run that trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
+id of either. Input comes from FILE or standard input, in UTF-8: one sentence per line (split on newlines only;
+blank lines skipped), or the rows of a .csv, .tsv (unquoted, as training reads it), .json or .jsonl file (a JSON
+array or one object per line) or .parquet file, the suffix in any case: every format DATASET_PATH takes. A file's
+text column(s) are the ones the model was trained on (inputs.json beside it; `sentence` for a model saved before
+that was recorded), or --text-column's (two for a sentence-pair model, `--text-column premise,hypothesis`).
+
+Each input row prints as one JSON line, in input order: {"text": ..., "label": "positive", "score": 0.97}, a pair
+adding "text_pair", a regression model printing its score and no label, and a file's other columns carried
+through under their own names (`{"text": ..., "idx": 3, "label": ..., "score": ...}`); a column named text,
+text_pair, label or score is carried as input_<name> (a labelled file's own label is "input_label"). No rows, no
+lines. When the file has the label column the model was trained with (or --label-column's), the metrics of
+the labelled rows (accuracy, F1, precision, recall, Matthews correlation; Pearson, Spearman, MSE for a
+regression) print as one line on standard error after the answers, `metrics on FILE (N labelled rows): ...`,
+and --metrics FILE writes them as JSON too; a label of -1 (GLUE's test split) or an empty cell is no label.
+The same rows and metrics are what a run writes for its test split (OUTPUT_DIR/predictions/, utils/predictions.py).
+
+A sentence longer than the model takes is cut to the length recorded with the model (MAX_SEQ_LENGTH of the run
+that trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
 Batches run on the GPU when there is one. FILE is a regular file; a stream (a pipe, a device) comes on standard
-input; either is read up to MAX_INPUT_BYTES (256 MiB). Bad input (no such model or file, a FILE that is a device,
-a FIFO or a folder, more than 256 MiB of input, a missing column, bytes that are not text, a base model of another size than the adapter's, one text a row for a pair model, and what
-training refuses in a file: an empty text in a column, a column named twice) is one `error:` line and
-exit 2, as in main.py.
+input; either is read up to 256 MiB. Bad input (no such model or file, a FILE that is a device, a FIFO or a
+folder, more than 256 MiB of input, a missing column, bytes that are not text, a base model of another size than
+the adapter's, one text a row for a pair model, a label the model cannot be scored against, --metrics for a file
+without labels, and what training refuses in a file: a row without text or with a NUL character (utils/texts.py,
+the same words), a column named twice) is one `error:` line and exit 2, as in main.py.
 An adapter answers only on the base it was trained on: a local base folder (the one it names, or --base-model) whose
 weights, config or tokenizer files differ from those its base_model.json records is refused the same way.
 """
@@ -26,25 +39,31 @@ from __future__ import annotations
 
 import argparse
 import gc
-import io
 import json
 import os
-import stat
 import sys
 from pathlib import Path
 
-from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.model_card import BASE_NAME, INPUTS_NAME, LABELS_NAME, read_base_fingerprint, read_label_names
+from utils.predictions import (
+    FORMATS,
+    answer_rows,
+    classify,
+    has_labels,
+    is_table,
+    metrics_line,
+    model_labels,
+    read_inputs,
+    references,
+    score_answers,
+)
 from utils.settings import Parser
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
 
 # A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.
 MAX_BATCH_SIZE = 1024
-# The input is read whole, then held as sentences and their answers: 256 MiB is millions of sentences, and `/dev/zero`
-# or a runaway pipe on standard input stops there instead of at a MemoryError gigabytes later.
-MAX_INPUT_BYTES = 256 * 2**20
 
 
 def batch_size(value: str) -> int:
@@ -62,13 +81,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = Parser(prog="predict.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("model", help="adapter folder, merged folder, or Hub repo id of either")
     parser.add_argument(
-        "file", nargs="?", type=Path, help="stdin if none; one sentence a line, or a .csv/.tsv/.json/.jsonl column"
+        "file",
+        nargs="?",
+        type=Path,
+        help="stdin if none; one sentence a line, or a .csv/.tsv/.json/.jsonl/.parquet file of rows",
     )
     parser.add_argument("--base-model", help="base model (Hub id or folder) of an adapter; default: the one it names")
     parser.add_argument(
         "--text-column",
-        help="the column holding the text in a .csv/.tsv/.json/.jsonl file (default: sentence), or two separated by "
-        "a comma for a sentence-pair model (premise,hypothesis)",
+        help="the column holding the text in a table file (default: the column(s) the model was trained on, as its "
+        "inputs.json records them, else sentence), or two separated by a comma for a sentence-pair model "
+        "(premise,hypothesis)",
+    )
+    parser.add_argument(
+        "--label-column",
+        help="the column holding the true labels, for metrics (default: the one the model was trained on, else label)",
+    )
+    parser.add_argument(
+        "--metrics",
+        type=Path,
+        metavar="FILE",
+        help="also write the metrics of a labelled file to FILE as JSON (they print on stderr either way)",
     )
     parser.add_argument(
         "--batch-size",
@@ -80,35 +113,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-# Formats by suffix, whatever its case, read as training reads DATASET_PATH (.csv and .tsv: utils/delimited.py;
-# tests/test_predict.py checks both read a file alike). Any other suffix is one sentence a line.
-JSON_SUFFIXES = (".json", ".jsonl")
-
-
-def read_inputs(model: str, file: Path | None, column: str | None) -> list[str] | list[dict[str, str]]:
-    """The sentences, or with two columns (`premise,hypothesis`) the pairs as the pipeline takes them
-    (`{"text": ..., "text_pair": ...}`), in the shape the model was trained on."""
-    columns = [name.strip() for name in column.split(",")] if column else []
-    check_input_shape(model, column, len(columns) == 2)
-    if len(columns) != 2:
-        return read_sentences(file, column)
-    if not all(columns) or columns[0] == columns[1]:
+def input_columns(model: str, file: Path | None, column: str | None) -> list[str] | None:
+    """The text column(s) of a table FILE: --text-column, else those the model was trained on (inputs.json beside
+    it), else `sentence`; None for one sentence a line (any other file, or standard input). Refused: a column
+    named for a file read one sentence a line, two for a one-sentence model, one text a row for a pair model."""
+    columns = [name.strip() for name in column.split(",")] if column else None
+    if column is not None and not is_table(file):
+        # A column of a file read one sentence a line: a .csv saved as .txt, whose header would be answered too.
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"--text-column {column} names a column, and {file or 'standard input'} is read one sentence a line; "
+            f"give {FORMATS} as FILE (its suffix says its format), or drop --text-column",
+        )
+    if columns is None and is_table(file):
+        return recorded_input(model, "text_columns") or ["sentence"]  # None: a model saved before it was recorded
+    check_input_shape(model, column, columns is not None and len(columns) == 2)
+    if columns is not None and len(columns) == 2 and (not all(columns) or columns[0] == columns[1]):
         raise JobError(
             EXIT_BAD_INPUT,
             f"--text-column {column} names no pair; give two different columns, e.g. premise,hypothesis",
         )
-    first, second = (read_sentences(file, name) for name in columns)
-    return [{"text": a, "text_pair": b} for a, b in zip(first, second, strict=True)]
+    return columns
+
+
+def recorded_input(model: str, key: str):
+    """What inputs.json beside the model records under `key` (`text_columns`, `label_column`); None where the
+    model has no such record (saved before it was written, another tool's, or a repo that cannot be reached: the
+    model's own load reports that)."""
+    try:
+        path = model_file(model, INPUTS_NAME)
+        return json.loads(Path(path).read_text()).get(key) if path else None
+    except Exception:
+        return None
 
 
 def check_input_shape(model: str, column: str | None, pairs: bool) -> None:
     """One sentence a row for a single-sentence model, two columns for a pair model, as training took them
     (inputs.json beside the model): a pair model given one text answers about half an input, without a word."""
-    try:
-        path = model_file(model, INPUTS_NAME)
-        trained = json.loads(Path(path).read_text())["text_columns"] if path else None
-    except Exception:  # no such repo, offline, a foreign file: the model's own load reports it
-        return
+    trained = recorded_input(model, "text_columns")
     if trained is None or pairs == (len(trained) == 2):  # None: a model saved before it recorded it, or another tool's
         return
     if pairs:
@@ -121,186 +163,8 @@ def check_input_shape(model: str, column: str | None, pairs: bool) -> None:
         EXIT_BAD_INPUT,
         f"{model} takes sentence pairs (trained on {','.join(trained)}), and "
         + (f"--text-column {column} names one column" if column else "one text a row was given")
-        + f"; give a .csv, .tsv, .json or .jsonl file with --text-column {','.join(trained)} (or your two columns)",
+        + f"; give {FORMATS} (it reads the columns {','.join(trained)}, or name yours with --text-column)",
     )
-
-
-def empty_text(file: Path, place: str, column: str) -> JobError:
-    """A row without text in a column: training refuses it (it would answer about [CLS] [SEP])."""
-    return JobError(
-        EXIT_BAD_INPUT,
-        f"{file} {place} has an empty '{column}'; training refuses a row without text, and so does this: "
-        "fill it in or remove the row",
-    )
-
-
-def read_sentences(file: Path | None, column: str | None) -> list[str]:
-    """The sentences of `file` (standard input when None), in order: one per non-blank line of text, or the
-    `column` (default: sentence) of each record of a .csv, .tsv, .json (a JSON array or JSON lines, as training
-    takes) or .jsonl file."""
-    suffix = file.suffix.lower() if file else ""
-    if column is not None and suffix not in (*DIALECTS, *JSON_SUFFIXES):
-        # A column of a file read one sentence a line: a .csv saved as .txt, whose header would be answered too.
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"--text-column {column} names a column, and {file or 'standard input'} is read one sentence a line; "
-            "give a .csv, .tsv, .json or .jsonl file as FILE (its suffix says its format), or drop --text-column",
-        )
-    column = column or "sentence"
-    if file is None:
-        if sys.stdin is None:  # started with standard input closed: nothing to classify
-            return []
-        if sys.stdin.isatty():
-            print("reading sentences from standard input, one per line (Ctrl-D ends)", file=sys.stderr)
-        return split_lines(decode_text(read_bounded(sys.stdin.buffer, "standard input"), "standard input"))
-    text = decode_text(read_file(file), str(file))
-    if suffix in DIALECTS:
-        return read_delimited(text, file, column, suffix)
-    if suffix in JSON_SUFFIXES:
-        return read_json_records(text, file, column)
-    return split_lines(text)
-
-
-def read_file(file: Path) -> bytes:
-    """The bytes of `file`, a regular file within MAX_INPUT_BYTES. Anything else is refused before a byte is read:
-    a device (`/dev/zero` read 5.4 GB before a MemoryError) or a FIFO (no writer: the open blocked for ever; it is
-    opened without waiting for one), a folder; a pipe belongs on standard input, where the bound applies as read."""
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"cannot read {file} ({exc.strerror or exc}); give a UTF-8 text file (one sentence a line), .csv, .tsv, .json or .jsonl file",
-        ) from None
-    info = os.fstat(fd)
-    if stat.S_ISDIR(info.st_mode):  # no stream to send on standard input either
-        os.close(fd)
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{file} is a folder, not a file of sentences; give a regular file (UTF-8 text, one sentence a line, or a "
-            ".csv, .tsv, .json or .jsonl file)",
-        )
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        kind = next((name for test, name in NOT_FILES if test(info.st_mode)), "not a regular file")
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{file} is {kind}, not a file of sentences; give a regular file, or send a stream on standard input "
-            f"(python predict.py MODEL < {file} reads at most {MAX_INPUT_BYTES // 2**20} MiB)",
-        )
-    os.set_blocking(fd, True)
-    with os.fdopen(fd, "rb") as handle:
-        return read_bounded(handle, str(file), info.st_size)
-
-
-# What a FILE that is neither a regular file nor a folder is, for its refusal.
-NOT_FILES = (
-    (stat.S_ISFIFO, "a FIFO (a named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
-def read_bounded(handle, source: str, size: int = 0) -> bytes:
-    """At most MAX_INPUT_BYTES from `handle` (`size`: what the file says it holds, refused before reading); more is
-    refused naming `source` and the fix: split the input."""
-    data = b"" if size > MAX_INPUT_BYTES else handle.read(MAX_INPUT_BYTES + 1)
-    if size > MAX_INPUT_BYTES or len(data) > MAX_INPUT_BYTES:
-        held = f"holds {size / 2**20:.0f} MiB" if size > MAX_INPUT_BYTES else "goes on past that"
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{source} {held}; predict.py reads at most {MAX_INPUT_BYTES // 2**20} MiB of sentences at a time: split "
-            "the input (split -l 1000000 FILE part-) and run it once for each part",
-        )
-    return data
-
-
-def split_lines(text: str) -> list[str]:
-    """The non-blank lines, split on `\n` and `\r\n` only: `str.splitlines` also splits on form feed, NEL,
-    U+2028 and other characters a sentence may hold, and would answer one line several times."""
-    lines = (line.removesuffix("\r") for line in text.split("\n"))
-    return [line for line in lines if line.strip()]
-
-
-def read_delimited(text: str, file: Path, column: str, suffix: str) -> list[str]:
-    """`column` of each record, one record a line, read and refused as training reads the file (utils/delimited.py:
-    a column named twice in the header, a quoted field running over lines, which would merge the rows up to the
-    next quote into one answer)."""
-    header, records = read_records(io.StringIO(text, newline=""), file, suffix)
-    if header is None:
-        return []
-    if column not in header:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{file} has no column '{column}' (its header: {header}); name the text column with --text-column",
-        )
-    index, sentences = header.index(column), []
-    for start, record in records:
-        if index >= len(record):
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{file} line {start} has {len(record)} field(s) and no '{column}' (column {index + 1}); "
-                "give every line a value in each column of the header",
-            )
-        if not record[index].strip():
-            raise empty_text(file, f"line {start}", column)
-        sentences.append(record[index])
-    return sentences
-
-
-def read_json_records(text: str, file: Path, column: str) -> list[str]:
-    """`column` of each object of a JSON array, or of each line of JSON lines: training's loader takes either
-    under both suffixes. A string in an array is itself a sentence (training reads it as the column `text`)."""
-    array = text.lstrip().startswith("[")
-
-    def parse(chunk: str, where: str):
-        try:
-            return json.loads(chunk)
-        except json.JSONDecodeError as exc:
-            detail = f"{exc.msg} on line {exc.lineno}" if array else exc.msg
-            fix = "give a JSON array of objects, or one JSON object per line"
-            raise JobError(EXIT_BAD_INPUT, f"{file} {where} ({detail}); {fix}") from None
-
-    if array:
-        records = [(f"item {n}", record) for n, record in enumerate(parse(text, "is not a JSON array"), start=1)]
-    else:
-        lines = enumerate(text.split("\n"), start=1)
-        records = [(f"line {n}", parse(line, f"line {n} is not JSON")) for n, line in lines if line.strip()]
-    sentences = []
-    for place, record in records:
-        text_value = record.get(column) if isinstance(record, dict) else record
-        if not isinstance(text_value, str):
-            found = f"'{column}' is {json.dumps(text_value)[:60]}" if isinstance(record, dict) else "it is no object"
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{file} {place} has no text in '{column}' ({found}); give each object a '{column}' string, "
-                "or name the text column with --text-column",
-            )
-        if not text_value.strip():
-            raise empty_text(file, place, column)
-        sentences.append(text_value)
-    return sentences
-
-
-def decode_text(data: bytes, source: str) -> str:
-    """`data` as UTF-8 text (a byte-order mark dropped). Bytes that are not text would reach the tokenizer
-    as replacement characters, or crash it (a TypeError on lone surrogates): refused, naming `source`."""
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{source} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-            "give sentences as UTF-8 text, one per line, or a UTF-8 .csv, .tsv, .json or .jsonl file",
-        ) from None
-    if "\x00" in text:  # UTF-16 text, or binary data that happens to decode
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{source} holds NUL bytes (offset {text.index(chr(0))}): binary data or UTF-16, not UTF-8 text; "
-            "give sentences as UTF-8 text, one per line (re-save a UTF-16 file as UTF-8)",
-        )
-    return text
 
 
 def model_file(model: str, name: str) -> str | None:
@@ -500,25 +364,35 @@ def check_adapter_fits(model: str, adapter: dict, base, base_id: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
-        sentences = read_inputs(args.model, args.file, args.text_column)
+        columns = input_columns(args.model, args.file, args.text_column)
+        label_column = args.label_column or recorded_input(args.model, "label_column") or "label"
+        inputs = read_inputs(args.file, columns, label_column)
+        if args.metrics and not has_labels(inputs):
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"--metrics {args.metrics} asks for metrics, and {inputs.source} has no labelled row in "
+                f"'{label_column}'; give a file with the labels, name their column with --label-column, or drop --metrics",
+            )
         classifier = load_classifier(args.model, args.base_model)
+        labels = model_labels(classifier)
+        labelled = references(inputs, labels, label_column)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code
-    if not sentences:  # the pipeline fails on an empty batch; no sentences, no lines
-        return 0
-    scores_only = classifier.model.config.problem_type == "regression"
-    predictions = classifier(sentences, batch_size=args.batch_size, truncation=True)
+    answers = classify(classifier, inputs.texts, args.batch_size)
     try:
-        for text, prediction in zip(sentences, predictions, strict=True):
-            label = {} if scores_only else {"label": prediction["label"]}
-            shown = {**(text if isinstance(text, dict) else {"text": text}), **label}
-            print(json.dumps({**shown, "score": round(float(prediction["score"]), 4)}), flush=True)
+        for row in answer_rows(inputs, answers):
+            print(json.dumps(row, default=str), flush=True)
     except BrokenPipeError:
         # The reader stopped reading (`| head`): end as a Unix tool does on SIGPIPE, without a traceback, and
         # with stdout on /dev/null so that the interpreter's own flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    if (metrics := score_answers(answers, labelled, labels)) is not None:
+        # On stderr: standard output stays one JSON line per input row, for the next tool in a pipe.
+        print(metrics_line(metrics, inputs.source), file=sys.stderr)
+        if args.metrics:
+            args.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
     return 0
 
 

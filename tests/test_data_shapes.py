@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import base_env, error_lines, run_main, start_in_process, tiny_run_settings
+from tests.conftest import base_env, error_lines, run_main, run_predict, start_in_process, tiny_run_settings
 from utils.errors import EXIT_BAD_INPUT
 
 COPIES, TEXTS = 3, 150  # each text three times: a carve by rows would split some texts across the two sides
@@ -174,12 +175,39 @@ def validation_file_without_the_column(tmp: Path, sst2_dir: Path) -> tuple[dict,
     )
 
 
+def missing_test_file(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
+    path = tmp / "no-such.csv"
+    return {"TEST_FILE": str(path)}, f"error: TEST_FILE={path} does not exist; point it at the test rows' file"
+
+
+def a_test_file_without_the_column(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
+    path = tmp / "test.csv"
+    path.write_text("idx,review\n0,good\n")
+    return {"TEST_FILE": str(path)}, (
+        f"error: the test split ({path}) has no column 'sentence' (columns: ['idx', 'review']); give it the text "
+        "column(s) the run trains on (sentence), or move it away to train without answering it"
+    )
+
+
+def a_test_file_beside_a_folders_test(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
+    data = tmp / "data"
+    shutil.copytree(sst2_dir, data)
+    shutil.copy(sst2_dir / "validation.csv", data / "test.csv")
+    return {"DATASET_PATH": str(data), "TEST_FILE": str(sst2_dir / "validation.csv")}, (
+        f"error: TEST_FILE={sst2_dir / 'validation.csv'} and DATASET_PATH={data}'s test.csv both name the test rows; "
+        "unset TEST_FILE to answer test.csv, or move test.csv out of the folder"
+    )
+
+
 REFUSALS = {
     "dataset-path-and-train-file": both_sources,
     "validation-split-and-file": split_beside_a_file,
     "validation-split-and-folder-validation": split_beside_a_folders_validation,
     "validation-file-missing": missing_validation_file,
     "validation-file-column-wrong": validation_file_without_the_column,
+    "test-file-missing": missing_test_file,
+    "test-file-column-wrong": a_test_file_without_the_column,
+    "test-file-and-folder-test": a_test_file_beside_a_folders_test,
 }
 
 
@@ -192,3 +220,84 @@ def test_dry_run_and_the_run_refuse_a_data_shape_with_one_line(case, tmp_path, t
         assert result.code == EXIT_BAD_INPUT, result.stderr[-3000:]
         assert error_lines(result.stderr) == [line] and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "out" / "run.json").exists()  # a refused start leaves the folder reusable
+
+
+# ------------------------------------------------------------------------------- the test split
+def prediction_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_test_split_is_answered_once_trained_as_predict_answers_it(tmp_path, tiny_bert, sst2_dir):
+    """test.csv beside train and validation (its own column order): --dry-run names it; rank 0 answers it once
+    model/ is saved, one line per row in order with the row's other columns carried through, and the metrics of
+    its labels; the same lines predict.py prints for the file from model/; a restart of the finished run leaves them."""
+    data = tmp_path / "data"
+    shutil.copytree(sst2_dir, data)
+    rows = sst2_rows(sst2_dir, "validation")[:30]
+    with open(data / "test.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, ["idx", "label", "sentence"])
+        writer.writeheader()
+        writer.writerows(rows)
+    out = tmp_path / "out"
+    env = base_env(tmp_path, **tiny_run_settings(tiny_bert, data, out, MAX_STEPS=4))
+    dry = run_main(env, "--dry-run", timeout=120)
+    assert dry.code == 0 and dry.json()["test_split"] == str(data / "test.csv"), dry.stderr[-3000:]
+    result = run_main(env)
+    assert result.code == 0, result.stderr[-3000:]
+    lines = prediction_lines(out / "predictions" / "predictions.jsonl")
+    assert [(line["text"], line["idx"], line["input_label"]) for line in lines] == [
+        (row["sentence"], row["idx"], row["label"]) for row in rows
+    ]
+    assert all(line["label"] in ("negative", "positive") and 0.5 <= line["score"] <= 1 for line in lines), lines
+    metrics = json.loads((out / "predictions" / "metrics.json").read_text())
+    right = sum(line["label"] == ("negative", "positive")[int(line["input_label"])] for line in lines)
+    assert (metrics["samples"], metrics["accuracy"]) == (len(rows), round(right / len(rows), 4)), metrics
+    assert metrics["file"] == str(data / "test.csv")
+
+    served = run_predict(base_env(tmp_path), out / "model", data / "test.csv", cwd=tmp_path)
+    assert served.code == 0, served.stderr[-3000:]
+    assert [json.loads(line) for line in served.stdout.splitlines()] == lines
+
+    written = (out / "predictions" / "predictions.jsonl").stat().st_mtime_ns
+    again = run_main(env)
+    assert again.code == 0 and "already holds the answers to the test split" in again.stderr, again.stderr[-3000:]
+    assert (out / "predictions" / "predictions.jsonl").stat().st_mtime_ns == written
+
+
+def test_a_test_file_given_to_a_finished_run_is_answered_without_metrics_when_unlabelled(
+    tmp_path, tiny_bert, sst2_dir
+):
+    """A run without a test split writes no predictions/; TEST_FILE given to the finished run (GLUE's test split:
+    every label -1) is answered by the restart, and with no labelled row it has no metrics."""
+    out = tmp_path / "out"
+    env = base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, out, MAX_STEPS=2))
+    first = run_main(env)
+    assert first.code == 0 and not (out / "predictions").exists(), first.stderr[-3000:]
+    test = tmp_path / "test.jsonl"
+    texts = [row["sentence"] for row in sst2_rows(sst2_dir, "validation")[:5]]
+    test.write_text("".join(json.dumps({"idx": i, "sentence": t, "label": -1}) + "\n" for i, t in enumerate(texts)))
+    again = run_main({**env, "TEST_FILE": str(test)})
+    assert again.code == 0, again.stderr[-3000:]
+    lines = prediction_lines(out / "predictions" / "predictions.jsonl")
+    assert [(line["idx"], line["text"], line["input_label"]) for line in lines] == [
+        (i, t, -1) for i, t in enumerate(texts)
+    ]
+    assert not (out / "predictions" / "metrics.json").exists()
+    assert "(no labels: no metrics)" in again.stderr
+
+
+def test_a_bad_test_row_is_refused_before_training(tmp_path, tiny_bert, sst2_dir):
+    """A test row without text is refused at the start, with the words training uses for its own rows, before a
+    step is trained: not after the run's hours."""
+    test = tmp_path / "test.csv"
+    test.write_text("sentence,label\na wonderful film,1\n ,0\n")
+    out = tmp_path / "out"
+    env = base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, out), TEST_FILE=str(test))
+    result = run_main(env)
+    assert result.code == EXIT_BAD_INPUT, result.stderr[-3000:]
+    assert error_lines(result.stderr) == [
+        f"error: {test} has 1 row(s) with an empty or missing 'sentence' (the first is line 3); a row without text "
+        "would be read as nothing at all: fill in or remove those rows"
+    ]
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert not (out / "run.json").exists()

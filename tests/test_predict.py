@@ -35,6 +35,7 @@ from tests.conftest import (
     run_predict,
     write_files,
 )
+from utils.errors import JobError
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
 REVIEWS = ["a wonderful film", "a dull, tedious mess"]
@@ -59,12 +60,19 @@ def predict(cwd: Path, *args: str, stdin: bytes = b"", **env: str) -> subprocess
     )
 
 
+def is_prediction(line: dict) -> bool:
+    """One answer: its text, a label of the model's, a score, and otherwise only the input's other columns (carried
+    through: in these inputs, `id`, `idx` and a labelled file's own label as `input_label`)."""
+    carried = set(line) - {"text", "label", "score"}
+    return carried <= {"id", "idx", "input_label"} and line["label"] in LABELS and 0.5 <= line["score"] <= 1
+
+
 def answers(result: subprocess.CompletedProcess) -> list[dict]:
-    """The JSON lines on stdout, each checked to be one prediction: {"text", "label", "score"} and nothing else."""
+    """The JSON lines on stdout, each checked to be one prediction (`is_prediction`)."""
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
     for line in lines:
-        assert set(line) == {"text", "label", "score"} and line["label"] in LABELS and 0.5 <= line["score"] <= 1, line
+        assert is_prediction(line), line
     return lines
 
 
@@ -212,7 +220,7 @@ def predicted_texts(tmp_path: Path, folder: Path, *args: str | Path, stdin: str 
     result = run_predict(base_env(tmp_path), folder, *args, stdin=stdin, cwd=tmp_path)
     assert result.code == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    assert all(set(line) == {"text", "label", "score"} and line["label"] in LABELS for line in lines), lines
+    assert all(is_prediction(line) for line in lines), lines
     return [line["text"] for line in lines]
 
 
@@ -227,9 +235,17 @@ def test_each_line_is_one_answer_split_on_newlines_only(trained, tmp_path, sourc
 
 def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
     """`rows` (sentence, label) as a user writes them in `path`'s format: tsv unquoted, csv by csv.writer,
-    .json a JSON array and .jsonl one object a line (non-ASCII characters as they are, not escaped)."""
+    .json a JSON array and .jsonl one object a line (non-ASCII characters as they are, not escaped), parquet by
+    pyarrow."""
     suffix = path.suffix.lower()
-    if suffix == ".tsv":
+    if suffix == ".parquet":
+        import pyarrow
+        import pyarrow.parquet
+
+        pyarrow.parquet.write_table(
+            pyarrow.table({"sentence": [t for t, _ in rows], "label": [y for _, y in rows]}), path
+        )
+    elif suffix == ".tsv":
         path.write_text(delimited(rows, sep="\t"), newline="")
     elif suffix == ".csv":
         with path.open("w", newline="") as handle:
@@ -243,7 +259,9 @@ def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["VALIDATION.TSV", "Validation.Csv", "validation.JSON", "validation.JsonL"])
+@pytest.mark.parametrize(
+    "name", ["VALIDATION.TSV", "Validation.Csv", "validation.JSON", "validation.JsonL", "validation.Parquet"]
+)
 def test_a_data_file_gives_the_sentences_training_reads_from_it(trained, tmp_path, name):
     """The same file through training's reader (utils/data.py, as DATASET_PATH) and through predict.py: the same
     sentences, in the same order, whatever the case of the suffix."""
@@ -312,8 +330,8 @@ BAD_FILES = {
         (["reviews.txt", "--base-model", "tiny-bert"], ["--base-model", "merged"]),
         # What training refuses (utils/data.py), refused here too
         (["twice.csv"], ["twice.csv", "'sentence' 2 times", "['sentence', 'sentence', 'label']"]),
-        (["empty.tsv"], ["empty.tsv line 3", "empty 'sentence'"]),
-        (["empty.jsonl"], ["empty.jsonl line 2", "empty 'sentence'"]),
+        (["empty.tsv"], ["empty.tsv has 1 row(s)", "empty or missing 'sentence'", "line 3", "fill in or remove"]),
+        (["empty.jsonl"], ["empty.jsonl has 1 row(s)", "empty or missing 'sentence'", "line 2"]),
         (
             ["pairs.csv", "--text-column", "premise,hypothesis"],
             ["one sentence a row", "sentence", "premise,hypothesis"],
@@ -353,7 +371,7 @@ def test_an_input_that_is_no_bounded_file_is_refused_at_once(kind, tiny_bert, tm
     """FILE is a regular file, or the sentences come on standard input; either is read within MAX_INPUT_BYTES (seen:
     /dev/zero read 5.4 GB before a MemoryError, a FIFO without a writer blocked for ever). Refused before the model
     loads: one error line, exit 2, within seconds."""
-    from predict import MAX_INPUT_BYTES
+    from utils.predictions import MAX_INPUT_BYTES
 
     env, limit = base_env(tmp_path), f"{MAX_INPUT_BYTES // 2**20} MiB"
     if kind == "a device on standard input":
@@ -441,3 +459,118 @@ def test_a_base_model_is_served_with_a_warning_that_its_head_is_untrained(traine
     assert len(warnings) == 1 and "LABEL_0, LABEL_1 (transformers' defaults)" in warnings[0], base.stderr[-2000:]
     merged = run_predict(base_env(tmp_path), trained / "merged", stdin="a wonderful film\n")
     assert merged.code == 0 and "warning:" not in merged.stderr, merged.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------- columns carried, labels scored
+def predict_lines(tmp_path: Path, model: Path, *args: str | Path) -> tuple[list[dict], Result]:
+    result = run_predict(base_env(tmp_path), model, *args, cwd=tmp_path)
+    assert result.code == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()], result
+
+
+def metric_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("metrics on ")]
+
+
+def test_a_labelled_file_keeps_its_columns_and_gets_the_runs_metrics(trained, sst2_dir, tmp_path):
+    """The run's own validation.csv (sentence, label, idx): each line carries idx and the file's label (as
+    input_label) beside the answer; the metrics of the answers print on stderr and go to --metrics, and they are
+    the run's: its eval_accuracy on the same rows, within one row (the merged model answers in full precision)."""
+    with open(sst2_dir / "validation.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    shutil.copy(sst2_dir / "validation.csv", tmp_path / "validation.csv")
+    lines, result = predict_lines(tmp_path, trained / "merged", "validation.csv", "--metrics", "metrics.json")
+    assert [(line["text"], line["input_label"], line["idx"]) for line in lines] == [
+        (row["sentence"], row["label"], row["idx"]) for row in rows
+    ]
+    assert all(is_prediction(line) for line in lines), lines
+    right = sum(line["label"] == LABELS[int(line["input_label"])] for line in lines)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["samples"] == len(rows) and metrics["accuracy"] == round(right / len(rows), 4), metrics
+    assert set(metrics) == {"accuracy", "f1", "precision", "recall", "matthews_correlation", "samples"}
+    assert abs(metrics["accuracy"] - json.loads((trained / "metrics.json").read_text())["eval_accuracy"]) <= 1 / len(
+        rows
+    )
+    [line] = metric_lines(result.stderr)
+    assert line.startswith(
+        f"metrics on validation.csv ({len(rows)} labelled rows): accuracy={metrics['accuracy']:.4f}"
+    )
+
+
+def test_the_columns_default_to_those_the_model_records(trained, tmp_path):
+    """inputs.json beside the model names its text and label columns: a file of those columns needs no option; a
+    label of -1 (GLUE's test split) is no label; a model recording none reads `sentence`, as before."""
+    model = tmp_path / "model"
+    shutil.copytree(trained / "merged", model)
+    (model / "inputs.json").write_text(json.dumps({"text_columns": ["review"], "label_column": "verdict"}))
+    records = [
+        {"id": 1, "review": "a wonderful film", "verdict": "good", "score": 5},
+        {"id": 2, "review": "a dull , tedious mess", "verdict": -1, "score": 1},
+    ]
+    (tmp_path / "reviews.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    lines, result = predict_lines(tmp_path, model, "reviews.jsonl")
+    carried = [{key: line[key] for key in ("text", "id", "verdict", "input_score")} for line in lines]
+    assert carried == [
+        {"text": r["review"], "id": r["id"], "verdict": r["verdict"], "input_score": r["score"]} for r in records
+    ]
+    assert all(line["label"] in LABELS for line in lines)
+    [line] = metric_lines(result.stderr)
+    assert "(1 labelled rows): accuracy=" in line, result.stderr[-2000:]
+    (model / "inputs.json").unlink()
+    refused = run_predict(base_env(tmp_path), model, "reviews.jsonl", cwd=tmp_path)
+    assert_refusal(
+        refused, ["reviews.jsonl has no column 'sentence'", "['id', 'review', 'verdict', 'score']", "--text-column"]
+    )
+
+
+def test_an_unlabelled_file_gets_no_metrics_and_a_bad_label_is_refused(trained, tmp_path):
+    (tmp_path / "test.tsv").write_text(delimited([("a wonderful film", -1), ("a dull film", -1)], sep="\t"))
+    lines, result = predict_lines(tmp_path, trained / "merged", "test.tsv")
+    assert [line["input_label"] for line in lines] == ["-1", "-1"] and metric_lines(result.stderr) == []
+    asked = run_predict(base_env(tmp_path), trained / "merged", "test.tsv", "--metrics", "m.json", cwd=tmp_path)
+    assert asked.stdout == "" and not (tmp_path / "m.json").exists()
+    assert_refusal(asked, ["--metrics m.json", "test.tsv has no labelled row in 'label'", "--label-column"])
+    (tmp_path / "odd.csv").write_text(delimited([("a wonderful film", 1), ("a dull film", "meh")]))
+    odd = run_predict(base_env(tmp_path), trained / "merged", "odd.csv", cwd=tmp_path)
+    assert odd.stdout == ""
+    assert_refusal(odd, ['odd.csv line 3 has the label "meh"', "0 (bad), 1 (good)", "-1"])
+
+
+# ------------------------------------------------------------------------------- one text rule, training's and this
+def test_training_and_predict_refuse_a_nul_in_a_sentence_in_the_same_words(trained, tmp_path):
+    """A NUL inside a sentence: training trained on it (the tokenizer drops it) while predict.py refused the file;
+    both refuse it now, with the row and the same fix (utils/texts.py)."""
+    from utils.data import check_and_rename, load_raw
+    from utils.settings import Settings
+    from utils.texts import NUL_FIX
+
+    data = tmp_path / "data"
+    rows = [("a wonderful film", 1), ("a dull\x00film", 0), ("the end", 1)]
+    write_files(data, {"train.csv": delimited(rows), "validation.csv": delimited(rows)})
+    settings = Settings(dataset_path=str(data))
+    with pytest.raises(JobError) as refused:
+        check_and_rename(load_raw(settings), settings)
+    assert refused.value.code == 2
+    assert refused.value.message == (
+        f"the train split has 1 row(s) with a NUL character in 'sentence' (the first is row 2); {NUL_FIX}"
+    )
+    shutil.copy(data / "validation.csv", tmp_path / "nul.csv")
+    result = run_predict(base_env(tmp_path), trained / "merged", "nul.csv", cwd=tmp_path)
+    assert result.stdout == ""
+    line = assert_refusal(result, ["nul.csv has 1 row(s) with a NUL character in 'sentence'", "line 3"])
+    assert line.endswith(NUL_FIX), line
+
+
+def test_a_line_of_spaces_in_a_csv_is_skipped_by_training_and_predict_alike(trained, tmp_path):
+    """A csv line of spaces and tabs is no row to the data loader: training refused the file as a quoting error (the
+    csv module counted the line); both skip it now, and read the same sentences."""
+    from utils.data import check_and_rename, load_raw
+    from utils.settings import Settings
+
+    text = "sentence,label\na wonderful film,1\n   \t\na dull film,0\n"
+    data = write_files(tmp_path / "data", {"train.csv": text, "validation.csv": text})
+    settings = Settings(dataset_path=str(data))
+    trained_on = check_and_rename(load_raw(settings), settings)["train"]["text"]
+    assert trained_on == ["a wonderful film", "a dull film"]
+    shutil.copy(data / "train.csv", tmp_path / "spaces.csv")
+    assert predicted_texts(tmp_path, trained / "merged", "spaces.csv") == trained_on

@@ -62,8 +62,10 @@ def test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch(tmp_pa
         "identity",
         "batch",
         "task",
+        "test_split",
         "strategy",
     }  # "deepspeed" too under STRATEGY=deepspeed
+    assert payload["test_split"] is None  # the Hub's data set: no test file is answered
     assert payload["strategy"] == payload["config"]["strategy"] == payload["plan"]["strategy"]
     assert payload["batch"] == payload["plan"]["batch"]
     assert set(FIELDS) | {"hf_token"} == set(payload["config"])
@@ -328,6 +330,7 @@ OVER_THE_BOUND = {
     "dataset_path": (PATH, "4096"),
     "train_file": (PATH, "4096"),
     "validation_file": (PATH, "4096"),
+    "test_file": (PATH, "4096"),
     "validation_split": ("0.51", "(range: above 0 to 0.5)"),
     "max_train_samples": ("1000000001", "(range: 1 to 1000000000)"),
     "max_eval_samples": ("1000000001", "(range: 1 to 1000000000)"),

@@ -427,7 +427,11 @@ def test_predict_labels_mnli_shaped_pairs(mnli_run):
     [
         ([], "the film is good\n", ["takes sentence pairs", "premise,hypothesis", "one text a row"]),
         (["pairs.csv", "--text-column", "premise"], "", ["takes sentence pairs", "--text-column premise"]),
-        (["pairs.csv", "--text-column", "premise,hypothesis"], "", ["pairs.csv line 3", "empty 'hypothesis'"]),
+        (
+            ["pairs.csv", "--text-column", "premise,hypothesis"],
+            "",
+            ["pairs.csv has 1 row(s)", "empty or missing 'hypothesis'", "line 3"],
+        ),
     ],
     ids=["one text on stdin", "one column of a file", "an empty second text"],
 )

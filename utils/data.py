@@ -27,6 +27,7 @@ from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.local_inputs import check_carve, check_columns, check_splits, read_splits, split_files
 from utils.settings import Settings
 from utils.tasks import CLASSIFICATION, REGRESSION, validation_splits
+from utils.texts import check_texts
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,8 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
 
 
 def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
-    """Text the tokenizer can take: a string column, and no row without a sentence (it would train on [CLS] [SEP])."""
+    """Text the tokenizer can take: a string column, and every row's text as utils/texts.py's rule holds it (no row
+    without a sentence, which would train on [CLS] [SEP]; no NUL), the rule predict.py holds its input to."""
     feature = ds.features[column]
     kind = getattr(feature, "dtype", type(feature).__name__)
     if kind not in ("string", "large_string", "null"):
@@ -221,17 +223,7 @@ def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
             EXIT_BAD_INPUT,
             f"the {split} split's column '{column}' holds {kind} values, not text; set TEXT_COLUMN to the column with the sentences",
         )
-    values = ds.with_format("arrow")[column]
-    blank = pyarrow.compute.fill_null(
-        pyarrow.compute.equal(pyarrow.compute.utf8_trim_whitespace(values.cast(pyarrow.large_string())), ""), True
-    )
-    if count := pyarrow.compute.sum(blank).as_py():
-        first = pyarrow.compute.index(blank, True).as_py()
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"the {split} split has {count} row(s) with an empty or missing '{column}' (the first is row {first + 1}); "
-            "fill in or remove those rows",
-        )
+    check_texts(ds.with_format("arrow")[column].to_pylist(), column, f"the {split} split", lambda i: f"row {i + 1}")
 
 
 def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:

@@ -29,9 +29,10 @@ def data_files(folder: Path, splits: tuple[str, ...]) -> list[Path]:
 
 
 def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[str] | None, Iterator[tuple[int, list]]]:
-    """The header (None for an empty file) and each record after it with the line it starts on (a blank line is no
-    record, to the loader either). Refused: a header naming a column twice (the loader would rename one `label.1`
-    and train on the other without a word), and a record running over several lines (a stray quote)."""
+    """The header (None for an empty file) and each record after it with the line it starts on (a blank line, empty
+    or of spaces and tabs only, is no record, to the loader either: utils/texts.py). Refused: a header naming a
+    column twice (the loader would rename one `label.1` and train on the other without a word), and a record running
+    over several lines (a stray quote)."""
     csv.field_size_limit(FIELD_LIMIT)
     delimiter, quoting = DIALECTS[suffix]
     reader = csv.reader(lines, delimiter=delimiter, quoting=quoting)
@@ -54,7 +55,8 @@ def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[st
                     EXIT_BAD_INPUT,
                     f'{path} line {start}: a quoted field runs over lines {start}-{end}, merging {end - start + 1} lines into one row (a stray " at the start of a sentence swallows the rows up to the next quote); close the quote, double a quote inside a quoted field (""), or save the data as .tsv, which is read without quoting',
                 )
-            if record:
+            # The loader (pandas) skips a line of spaces and tabs as blank: counted here, it was refused as a quoting error.
+            if record and not (len(record) == 1 and not record[0].strip(" \t")):
                 yield start, record
 
     return header, records()

@@ -1,5 +1,5 @@
 """What a start can check on the local disk without torch, datasets or the network: a MODEL_NAME folder, the
-local data (DATASET_PATH, TRAIN_FILE, VALIDATION_FILE), its split files and their columns. `--dry-run` runs these checks, and the real run calls the
+local data (DATASET_PATH, TRAIN_FILE, VALIDATION_FILE, TEST_FILE), its split files and their columns. `--dry-run` runs these checks, and the real run calls the
 same functions where it loads each thing, so a mistake found early is refused with the line the run would print.
 
 A Hub id (MODEL_NAME, or no DATASET_PATH) is left to the run: checking it needs the network. Imports nothing heavy:
@@ -211,6 +211,41 @@ def split_files(settings: Settings) -> dict[str, str] | None:
     return files
 
 
+def test_split_file(settings: Settings) -> Path | None:
+    """The test split's file, checked: TEST_FILE, or the one `test.*` file of a DATASET_PATH folder (beside train and
+    validation); None where there is none (the Hub's data set, a save_to_disk folder, or no such file). Its rows are
+    answered once the model is trained (utils/predictions.py)."""
+    folder = Path(settings.dataset_path) if settings.dataset_path else None
+    found = data_files(folder, ("test",)) if folder and folder.is_dir() else []
+    if settings.test_file and found:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"TEST_FILE={settings.test_file} and DATASET_PATH={folder}'s {found[0].name} both name the test rows; "
+            f"unset TEST_FILE to answer {found[0].name}, or move {found[0].name} out of the folder",
+        )
+    if settings.test_file:
+        return Path(check_data_file("TEST_FILE", Path(settings.test_file), "test"))
+    if len(found) > 1:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"DATASET_PATH={folder} has {len(found)} files for the 'test' split ({', '.join(p.name for p in found)}); "
+            "which one to answer is ambiguous: keep one and move the others out of the folder",
+        )
+    return Path(check_data_file("DATASET_PATH", found[0], "test")) if found else None
+
+
+def check_test_columns(path: Path, text_columns: tuple[str, ...]) -> None:
+    """The test split's file has the text column(s) (its label column is optional: without it, no metrics)."""
+    if (names := file_columns(path, text_columns)) is not None:
+        for column in text_columns:
+            if column not in names:
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"the test split ({path}) has no column '{column}' (columns: {names}); give it the text column(s) "
+                    f"the run trains on ({','.join(text_columns)}), or move it away to train without answering it",
+                )
+
+
 def check_splits(present: Iterable[str], splits: tuple[str, ...]) -> None:
     """A save_to_disk DatasetDict (or the Hub's data set) holds every split the run trains and validates on."""
     if missing := [split for split in splits if split not in present]:
@@ -288,8 +323,10 @@ def data_splits(settings: Settings) -> tuple[str, ...]:
 
 def check_dataset(settings: Settings) -> None:
     """What --dry-run checks of the local data: each split's file (or the DatasetDict's splits) and the columns the
-    settings name, by the functions the run's loader calls (utils/data.py)."""
+    settings name, by the functions the run's loader calls (utils/data.py); the test split's file and text columns."""
     text_columns, label_column = settings.text_columns, settings.label_column
+    if (test := test_split_file(settings)) is not None:
+        check_test_columns(test, text_columns)
     columns: Mapping[str, list[str] | None]
     if (files := split_files(settings)) is not None:
         columns = {split: file_columns(Path(p), [*text_columns, label_column]) for split, p in files.items()}

@@ -414,18 +414,37 @@ def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] 
     return digest.hexdigest()[:16]
 
 
-def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
-    """The base with the adapter in `adapter_dir` merged into its weights, saved to `out_dir` (safetensors, tokenizer),
-    the head named by the labels saved beside the adapter (LABEL_NAMES for a model saved before they were).
+def load_adapted(settings: Settings, adapter_dir: Path) -> PeftModel:
+    """The base (MODEL_NAME) in full precision with the adapter in `adapter_dir` on it, the head named by the labels
+    saved beside the adapter (LABEL_NAMES for a model saved before they were): what is merged, and what answers the
+    test split.
 
-    The base is loaded again in full precision whatever training used: merging into 8-bit weights would
-    round the update away, and servers without peft or bitsandbytes load plain float weights.
+    Full precision whatever training used: merging into 8-bit weights would round the update away, and the test
+    split is answered by the model predict.py serves, not by the quantized one trained.
     """
     saved = read_label_names(adapter_dir)
     labels = [saved[index] for index in sorted(saved)] if saved else settings.label_names
     with _loading(settings):
         base = load_base(settings.model_name, labels, (CLASSIFIER, "score"), dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    return PeftModel.from_pretrained(base, str(adapter_dir))
+
+
+def load_pipeline(settings: Settings, adapter_dir: Path):
+    """A text-classification pipeline over `load_adapted`, with the tokenizer saved beside the adapter (its
+    model_max_length: the run's MAX_SEQ_LENGTH), on the GPU when there is one."""
+    from transformers import pipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE)
+    device = 0 if torch.cuda.is_available() else -1
+    return pipeline(
+        "text-classification", model=load_adapted(settings, adapter_dir), tokenizer=tokenizer, device=device
+    )
+
+
+def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
+    """The base with the adapter in `adapter_dir` merged into its weights (`load_adapted`), saved to `out_dir`
+    (safetensors, tokenizer): servers without peft or bitsandbytes load plain float weights."""
+    merged = load_adapted(settings, adapter_dir).merge_and_unload()
     merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
     AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE).save_pretrained(out_dir)
     if (adapter_dir / INPUTS_NAME).is_file():  # what one input is: predict.py reads it from either folder

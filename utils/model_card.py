@@ -18,7 +18,9 @@ from utils.settings import Settings, resolve_base_model_id
 
 PLOT_NAME = "training_curves.png"
 LABELS_NAME = "id2label.json"  # the label names beside an adapter (its config.json would be the base model's)
-INPUTS_NAME = "inputs.json"  # the text columns the model was trained on: one sentence, or a pair (predict.py reads it)
+INPUTS_NAME = (
+    "inputs.json"  # the text column(s) (one sentence, or a pair) and label column trained on: predict.py's defaults
+)
 # The base the adapter was trained on, as the run's identity fingerprints it (utils/identity.model_digest): predict.py
 # and the merge refuse a local base whose files differ from it.
 BASE_NAME = "base_model.json"
@@ -72,10 +74,12 @@ def run_labels(settings: Settings, metrics: dict) -> list[str]:
 def write_label_names(folder: Path, settings: Settings, metrics: dict) -> None:
     """id2label.json beside an adapter: the names predict.py and the card's snippet give the label ids; one
     entry, `score`, for a regression model (a classifier of one class is refused). And inputs.json, what one
-    input is (a sentence, or a pair of the columns named): predict.py takes what training took."""
+    input is (a sentence, or a pair of the columns named) and where its label is: predict.py reads what training
+    read."""
     names = run_labels(settings, metrics) or [REGRESSION_LABEL]
     (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(names)), indent=2) + "\n")
-    (folder / INPUTS_NAME).write_text(json.dumps({"text_columns": list(settings.text_columns)}, indent=2) + "\n")
+    inputs = {"text_columns": list(settings.text_columns), "label_column": settings.label_column}
+    (folder / INPUTS_NAME).write_text(json.dumps(inputs, indent=2) + "\n")
 
 
 def read_label_names(folder: Path) -> dict[int, str] | None:

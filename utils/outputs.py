@@ -6,6 +6,7 @@
                         README.md card (rank 0)
       merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
       metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
+      predictions/      the test split answered: predictions.jsonl, metrics.json when it is labelled    (rank 0)
       run.json          its format, the settings (secrets masked), the plan, the identity, versions, pushes (rank 0)
       checkpoints/      Trainer checkpoints; a COMPLETE manifest (file sizes and hashes, the identity) once one is whole
       logs/rank-R.log   one per rank
@@ -82,6 +83,7 @@ class RunDir:
     logs = property(lambda self: self.root / "logs")
     tensorboard = property(lambda self: self.root / "tensorboard")
     cache = property(lambda self: self.root / "cache")
+    predictions = property(lambda self: self.root / "predictions")
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"

@@ -6,7 +6,8 @@
       set_up(job, group)          tokenizer, data, model, the checkpoint to resume, the Trainer, run.json -> Ready
       train(job, group, ready)    training (a stop signal checkpoints), evaluation, the final barrier -> Trained
       save(job, group, trained)   rank 0 saves model/ inside the group, the others wait for it; then all leave it
-      publish(job, hub, trained)  rank 0 alone merges and pushes; every rank writes its record -> exit code
+      publish(job, hub, trained)  rank 0 alone answers the test split (predictions/), merges and pushes; every
+                                  rank writes its record -> exit code
 
 `job` (utils/job.py) is what the rank knows from the start; each phase takes it and what the phase before
 returned. `publish_only` is --push-only. The Trainer is utils/trainer.py's, the collectives
@@ -42,6 +43,7 @@ from utils.hub import Hub, push_model, save_merged, save_model
 from utils.hub_token import MaskingFilter, read_token
 from utils.identity import check_same_run, short_digest
 from utils.job import Job
+from utils.local_inputs import check_test_columns, test_split_file
 from utils.model import build_model, load_tokenizer, trainable_checksum
 from utils.outputs import (
     RunDir,
@@ -52,6 +54,7 @@ from utils.outputs import (
     write_run_record,
 )
 from utils.plan import Plan, batch_warning
+from utils.predictions import PREDICTIONS_FILE, check_test_split, metrics_line, write_test_predictions
 from utils.recipe import describe_recipe
 from utils.run_lock import RunLock
 from utils.settings import Settings, check_tracker_uri, resolve_base_model_id
@@ -384,6 +387,7 @@ def run(job: Job) -> int:
         if not dist.is_main:
             return EXIT_OK
         with RunLock(job.out):
+            answer_test_split(job)
             return publish_saved(job, hub)
     lock = RunLock(job.out)
     group = None
@@ -446,6 +450,10 @@ def set_up(job: Job, group: Collectives) -> Ready:
     tokenizer = load_tokenizer(settings)
     with group.main_first():  # rank 0 downloads and tokenizes into the shared cache, the others reuse it
         data = load_sst2(settings, tokenizer, job.out.cache)
+        # The test split is answered after training; its rows and labels are checked now, before any step.
+        if (test := test_split_file(settings)) is not None:
+            check_test_columns(test, settings.text_columns)
+            check_test_split(test, settings.text_columns, settings.label_column, list(label_names_of(data)))
     startup["data"] = seconds_since_start()
     # The optimizer steps, now that the rows are known (a global batch larger than the split is refused here).
     job = job.with_rows(len(data["train"]))
@@ -627,10 +635,12 @@ def save(job: Job, group: Collectives, trained: Trained) -> None:
 
 
 def publish(job: Job, hub: Hub, trained: Trained) -> int:
-    """Out of the group, model/ saved: rank 0 merges and pushes it alone; every rank writes its record. The exit code."""
+    """Out of the group, model/ saved: rank 0 answers the test split, merges and pushes alone; every rank writes its
+    record. The exit code."""
     dist, out = job.dist, job.out
     code = EXIT_OK
     if dist.is_main:
+        answer_test_split(job)
         code = publish_saved(job, hub)
         rate = trained.metrics["train_samples_per_second"]
         print(f"{headline(trained.metrics)} train_samples_per_second={rate:.1f} model={out.model}", flush=True)
@@ -640,6 +650,19 @@ def publish(job: Job, hub: Hub, trained: Trained) -> int:
     said = (dist.rank, record["samples_trained"], record["trainable_checksum"], code, out.model)
     log.info("rank %d processed %d training samples; trainable weights checksum %s; exit %d, the model in %s", *said)
     return code
+
+
+def answer_test_split(job: Job) -> None:
+    """Rank 0, model/ saved (by this start or one before it): the test split (TEST_FILE, or test.* in DATASET_PATH)
+    answered into predictions/ by the saved model, unless a start before wrote them; nothing without a test split."""
+    if (test := test_split_file(job.settings)) is None:
+        return
+    if (job.out.predictions / PREDICTIONS_FILE).is_file():
+        log.info("%s already holds the answers to the test split %s", job.out.predictions, test)
+        return
+    metrics = write_test_predictions(job.out, job.settings, test)
+    scored = f"; {metrics_line(metrics, str(test))}" if metrics else " (no labels: no metrics)"
+    log.info("answered the test split %s into %s%s", test, job.out.predictions, scored)
 
 
 def publish_saved(job: Job, hub: Hub) -> int:

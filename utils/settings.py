@@ -146,6 +146,12 @@ class Settings(BaseSettings):
         None,
         description="the validation rows as one file, beside TRAIN_FILE (or a DATASET_PATH that is one file)",
     )
+    # Not part of the run's identity: answering it after training changes nothing that was trained.
+    test_file: PathStr | None = Field(
+        None,
+        description="rows to answer once trained, as one file (.csv .tsv .json .jsonl .parquet; a test.* file in a "
+        "DATASET_PATH folder is read the same way): OUTPUT_DIR/predictions/, with metrics when labelled",
+    )
     # At most half: a larger share leaves less to train on than to score, which is no quick check of a model.
     validation_split: Annotated[float | None, Field(gt=0, le=0.5)] = Field(
         None,
