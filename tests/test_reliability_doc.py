@@ -148,8 +148,11 @@ PREDICT = {
     "input that is not UTF-8 text": [
         Example(lambda d: [model(d)], stdin=b"\xff" + random.Random(0).randbytes(63)),
     ],
-    "input holding NUL bytes": [
+    "input holding NUL characters": [
         Example(lambda d: [model(d), written(d, "sentences.txt", "a wonderful film\n".encode("utf-16-le"))]),
+    ],
+    "metrics asked of a file without labels": [
+        Example(lambda d: [model(d), written(d, "test.tsv", "sentence\tlabel\na film\t-1\n"), "--metrics", "m.json"]),
     ],
     "`--batch-size` outside 1-1,024": [Example(lambda d: [model(d), "--batch-size", "0"])],
     "no file, or a folder, as `FILE`": [
@@ -164,6 +167,7 @@ PREDICT = {
     ],
     "a JSON record without text, a line that is not JSON": [
         Example(lambda d: [model(d), written(d, "no-text.json", '[{"sentence": "a film"}, {"sentence": 3}]')]),
+        Example(lambda d: [model(d), written(d, "reviews.jsonl", '{"review": "a film"}\n')], line=1),
     ],
     "input of another shape than the model's": [
         Example(lambda d: [model(d, PAIRS)], stdin=b"a wonderful film\n"),
@@ -186,7 +190,8 @@ PREDICT = {
 # The row whose examples need a trained adapter and a base of another shape (test_the_base_row_...).
 SHAPE_ROW = "a base (`--base-model`) of another shape than the adapter's"
 CHANGED_ROW = "a base folder changed since the adapter was trained on it"
-ADAPTER_ROWS = {SHAPE_ROW, CHANGED_ROW}
+LABEL_ROW = "a label the model cannot be scored against"  # its labels are read from the loaded model
+ADAPTER_ROWS = {SHAPE_ROW, CHANGED_ROW, LABEL_ROW}
 
 
 def spec(body: str, *args: str, before: Callable[[Path], object] = lambda d: None) -> Callable[[Path], list[str]]:
@@ -340,10 +345,10 @@ def test_each_example_prints_the_line_its_row_shows(tmp_path, monkeypatch, capsy
         assert_shown(case, table(program)[case][example.line], line, example.placeholders)
 
 
-def test_the_base_rows_show_the_lines_predict_prints(finished_run, sst2_dir, tiny_bert, tmp_path):
+def test_the_adapter_rows_show_the_lines_predict_prints(finished_run, sst2_dir, tiny_bert, tmp_path):
     """The adapter of the suite's finished run (trained on the 64-wide, 2-layer tiny BERT, published as
     tester/tiny-bert) on a 32-wide base, then on a 3-layer one, then on a copy of its base with config.json
-    edited: predict.py as a process, as a user runs it."""
+    edited, then scored on a file with a label it does not have: predict.py as a process, as a user runs it."""
     case, documented = SHAPE_ROW, table("predict.py")[SHAPE_ROW]
     (tmp_path / "OUTPUT_DIR").mkdir()
     (tmp_path / "OUTPUT_DIR" / "model").symlink_to(finished_run.out / "model")
@@ -363,6 +368,11 @@ def test_the_base_rows_show_the_lines_predict_prints(finished_run, sst2_dir, tin
     assert result.stdout == ""
     (shown,) = table("predict.py")[CHANGED_ROW]
     assert_shown(CHANGED_ROW, shown, refusal(result.code, result.stderr))
+    written(tmp_path, "odd.csv", "sentence,label\na good film,1\na film,meh\n")
+    result = run_predict(base_env(tmp_path), "OUTPUT_DIR/model", "odd.csv", "--base-model", tiny_bert, cwd=tmp_path)
+    assert result.stdout == ""
+    (shown,) = table("predict.py")[LABEL_ROW]
+    assert_shown(LABEL_ROW, shown, refusal(result.code, result.stderr))
 
 
 # ------------------------------------------------------------------------------- lines shown in the prose
