@@ -21,49 +21,30 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import write_tiny_bert
-from tests.conftest import REPO, base_env, configured, error_lines, run_predict
+from tests.conftest import (
+    REFUSED_AFTER_DRY_RUN,
+    RELIABILITY_DOC,
+    base_env,
+    configured,
+    error_lines,
+    refusal_table,
+    run_predict,
+    settings_alone,
+    shows,
+)
 from utils.errors import EXIT_BAD_INPUT, JobError
 
-DOC = REPO / "docs" / "reliability.md"
-ROW = re.compile(r"^\| (?P<case>[^|]+?) \| (?P<example>.+?) \| (?P<line>``?.+?``?)(?: \(.*\))? \|$")
-SETTING = re.compile(r"^(?:[A-Z][A-Z0-9_]*=[^$\s]+|--[a-z][a-z0-9-]*=[^$\s]+)$")  # no shell variable: a literal
-# Rows of settings that the job refuses once it reads the model, the data or a file the example does not give
-# (tests/test_refusals.py runs those through the real process): not `--dry-run` refusals.
-LATER = {
-    "LoRA targets not in the model",
-    "a LoRA target that is the head",
-    "a LoRA target LoRA cannot adapt",
-    "a second text column that does not exist",
-    "a DeepSpeed setting beside a config that says otherwise",
-}
 LEAST_CHECKED = 15  # the table's runnable rows, so that a parser that stopped matching cannot pass
 
 
-def shows(documented: str, printed: str) -> bool:
-    """Whether `printed` is the line `documented`, each `...` in it standing for any text."""
-    return re.fullmatch(".*?".join(map(re.escape, documented.split("..."))), printed) is not None
-
-
-def code_spans(text: str) -> list[str]:
-    return [match.group(2).strip() for match in re.finditer(r"(``?)(.+?)\1", text)]
-
-
 def runnable_rows() -> list[tuple[str, list[str], str]]:
-    """(case, the example's settings, the documented line) of each row whose example is settings alone: one code
-    span of NAME=value words, then at most a parenthesis."""
-    section = DOC.read_text().split("## Bad input", 1)[1].split("\n### ", 1)[0]
+    """(case, the example's settings, the documented line) of each row whose example is settings alone, but for
+    those refused once the model or data is read (tests/test_refusals.py holds those to their rows)."""
     rows = []
-    for line in section.splitlines():
-        match = ROW.match(line)
-        if not match or match["case"] == "case":
-            continue
-        example = match["example"]
-        spans = code_spans(example)
-        if not spans or re.sub(r"\(.*\)$", "", example).strip() != f"`{spans[0]}`":
-            continue
-        words = spans[0].split()
-        if words and all(SETTING.match(word) for word in words) and match["case"].strip() not in LATER:
-            rows.append((match["case"].strip(), words, code_spans(match["line"])[0]))
+    for case, row in refusal_table("## Bad input").items():
+        words = settings_alone(row.example)
+        if words and case not in REFUSED_AFTER_DRY_RUN:
+            rows.append((case, words, row.lines[0]))
     return rows
 
 
@@ -95,16 +76,8 @@ def test_each_bad_input_row_shows_the_line_the_job_prints(tmp_path, monkeypatch,
 # ------------------------------------------------------------------------------- predict.py and sweep.py
 def table(program: str) -> dict[str, list[str]]:
     """The documented `error:` lines (every code span of the third column) of each row of the table under
-    `### \\`program\\``, by the row's case. Every row of the table is one: a row the parser cannot split fails."""
-    section = DOC.read_text().split(f"\n### `{program}`\n", 1)[1].split("\n#", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        if not line.startswith("| ") or line.startswith(("| case |", "| --- |")):
-            continue
-        cells = line.removeprefix("| ").removesuffix(" |").split(" | ")
-        assert len(cells) == 3 and code_spans(cells[2]), f"a {program} row of other columns: {line}"
-        rows[cells[0]] = code_spans(cells[2])
-    return rows
+    `### \\`program\\``, by the row's case."""
+    return {case: row.lines for case, row in refusal_table(f"### `{program}`").items()}
 
 
 @dataclass
@@ -367,6 +340,8 @@ def test_the_rendezvous_refusal_shown_is_the_one_the_ranks_print():
         settings, _ = load_settings([], environ={"OUTPUT_DIR": "/pvc-home/output", "RUN_NAME": "sst2", **env})
         return agreement_of(settings, build_plan(settings, world), world)
 
-    [documented] = re.findall(r"`error: (the replicas were started with other settings [^`]+)`", DOC.read_text())
+    [documented] = re.findall(
+        r"`error: (the replicas were started with other settings [^`]+)`", RELIABILITY_DOC.read_text()
+    )
     printed = agreement_refusal(agreement(2), {1: agreement(3, LORA_R="16")})
     assert shows(documented, printed), f"doc:  {documented}\njob:  {printed}"
