@@ -6,7 +6,8 @@ tracker checks, the rendezvous, tokenizer, data, model and the checkpoint to res
 them, not in an order the test re-implements. Each case must be refused by the part of the start-up it names
 (`main.configure`, `open_run_dir`, `load_tokenizer` or `build_model`, `load_sst2` or the plan's rows), not earlier
 for another reason, with exit code 2 and one `error:` line that names what is wrong and what fixes it: the setting,
-the value, the file (not how it words them). Then one refused start of the real `python main.py` per layer
+the value, the file; a case docs/reliability.md's "Bad input" table shows names its row (`row=`), and the line
+it prints must be that row's (`assert_documented`). Then one refused start of the real `python main.py` per layer
 (settings, OUTPUT_DIR, numerics, model, data, Hub): exit 2, one `error:` line, no traceback, nothing trained or
 pushed, the token not shown; and
 mode-000 weights, refused to a job that cannot read them (as root, started without the capabilities that read
@@ -181,13 +182,14 @@ def foreign_run(tmp: Path, env: dict) -> dict:
     return {}
 
 
-def recorded_run(change: Callable[[dict], None], finished: bool = False, **then: str):
-    """OUTPUT_DIR holds the job's run.json of a run whose identity is this start's under the settings `then`, as
-    `change` edits it (the data or base it digested, the label names it trained with); `finished`: its model/ (its
-    adapter naming bert-base-uncased as its base) and metrics.json beside it."""
+def recorded_run(change: Callable[[dict], None], finished: bool = False, world: int = 1, **then: str):
+    """OUTPUT_DIR holds the job's run.json of a run whose identity is this start's under the settings `then` on
+    `world` replicas, as `change` edits it (the data or base it digested, the label names it trained with);
+    `finished`: its model/ (its adapter naming bert-base-uncased as its base) and metrics.json beside it."""
 
     def setup(tmp: Path, env: dict) -> dict:
-        identity = json.loads(json.dumps(build_plan(load_settings([], environ={**env, **then})[0], 1).identity))
+        settings = load_settings([], environ={**env, **then})[0]
+        identity = json.loads(json.dumps(build_plan(settings, world).identity))
         change(identity)
         out = Path(env["OUTPUT_DIR"])
         out.mkdir(parents=True)
@@ -1281,6 +1283,13 @@ REFUSALS = [
         ["model.safetensors"],
         setup=recorded_run(edited("base_model", "model.safetensors")),
         row="base model replaced since a run",
+    ),
+    case(
+        "replica-count-of-another-run",
+        "output",
+        ["replica count: 2 -> 1", "restart with 2 replica(s)"],
+        setup=recorded_run(lambda identity: None, world=2),
+        row="resume of another run shape",
     ),
     case(
         "symbolic-link-in-the-run-folder",
