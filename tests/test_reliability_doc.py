@@ -30,6 +30,7 @@ from tests.conftest import (
     REFUSED_AFTER_DRY_RUN,
     RELIABILITY_DOC,
     REPO,
+    REPO_ID,
     assert_documented,
     base_env,
     code_spans,
@@ -339,7 +340,7 @@ def test_the_base_row_shows_the_lines_predict_prints(finished_run, sst2_dir, tmp
 # naming it (`row=`), or a test calling `assert_documented` with it (here and in other modules). Every row must be
 # one of these: a row added without a test that prints its line fails here.
 NAMED = re.compile(r"""(?:\brow=|assert_documented\(\s*)(["'])(?P<row>.+?)\1""")
-LEAST_NAMED = 75  # rows named by a test, so that a NAMED that stopped matching cannot pass
+LEAST_NAMED = 80  # rows named by a test, so that a NAMED that stopped matching cannot pass
 
 
 def rows_named_by_tests() -> set[str]:
@@ -350,7 +351,7 @@ def rows_named_by_tests() -> set[str]:
 def test_every_bad_input_row_is_checked_against_the_job():
     rows = refusal_table("## Bad input")
     at_dry_run = {case for case, *_ in ROWS}
-    named = rows_named_by_tests() - {"row"}  # NAMED's own text above
+    named = rows_named_by_tests()
     assert len(named) >= LEAST_NAMED, sorted(named)
     assert named <= set(rows), f"named by a test, in no row: {named - set(rows)}"
     assert REFUSED_AFTER_DRY_RUN <= named, REFUSED_AFTER_DRY_RUN - named
@@ -474,7 +475,7 @@ def test_lines_the_prose_repeats_from_the_table_are_the_rows_lines():
 def test_the_identity_lines_shown_are_the_ones_a_restart_prints():
     """A restart on 2 replicas of a run of PER_DEVICE_BATCH_SIZE=16 on 1, and of a DeepSpeed run whose config file
     changed its scheduler: each run's identity as the plan derives it, compared as every place compares them."""
-    from utils.identity import check_same_run
+    from utils.identity import agreement_refusal, check_same_run
     from utils.plan import build_plan
     from utils.settings import load_settings
 
@@ -493,6 +494,14 @@ def test_the_identity_lines_shown_are_the_ones_a_restart_prints():
     with pytest.raises(JobError) as refused:
         check_same_run(deepspeed("WarmupDecayLR"), deepspeed("WarmupLR"), "OUTPUT_DIR=/out")
     assert_prose(f"...{prose('... (DEEPSPEED_CONFIG: scheduler.type')}", refused.value.message)
+
+    def stage(zero: int) -> dict:  # ZERO_STAGE, no config file
+        return {**build_plan(settings, 1).identity, "strategy": "deepspeed", "zero_stage": zero}
+
+    with pytest.raises(JobError) as refused:
+        check_same_run(stage(2), stage(3), "OUTPUT_DIR=/out")
+    assert_prose(f"...{prose('holds another run (ZERO_STAGE: 2 -> 3)')}", refused.value.message)
+    assert_prose(f"...{prose('rank 1: ZERO_STAGE: 2 -> 3')}...", agreement_refusal(stage(2), {1: stage(3)}))
 
 
 @pytest.mark.check
@@ -577,11 +586,27 @@ def test_the_checkpoint_lines_shown_are_the_ones_a_restart_logs(tmp_path, caplog
         assert any(shows(f"{documented}...", line) for line in logged), f"doc:  {documented}\njob:  {logged}"
 
 
+@pytest.mark.check
+def test_the_misspelled_setting_warning_shown_is_the_one_a_start_prints(capsys):
+    """What a start prints (utils/settings.warn_misspelled_variables) for LEARNIG_RATE in its environment."""
+    from utils.settings import warn_misspelled_variables
+
+    warn_misspelled_variables({"LEARNIG_RATE": "1e-4"})
+    [printed] = capsys.readouterr().err.splitlines()
+    assert_prose(prose("warning: LEARNIG_RATE is set"), printed)
+
+
+def test_the_failed_push_line_shown_is_the_one_a_run_prints(finished_run):
+    """The suite's finished run, whose first commits the Hub stand-in refused (403): exit 3 and this line first."""
+    assert finished_run.first.code == 3
+    printed = error_lines(finished_run.first.stderr)[0].removeprefix("error: ")
+    where = {"<repo>": REPO_ID, "<OUTPUT_DIR>": str(finished_run.out)}
+    assert_prose(prose("error: push to <repo> failed"), printed, where)
+
+
 def test_the_hub_retry_line_shown_is_the_one_a_push_logs(hub, hub_in_process, tmp_path, caplog):
     """A push (utils/hub.Hub.push_files) whose create_repo the Hub stand-in answers with 503 twice: the second
     retry's line, its jittered wait aside."""
-    from tests.conftest import REPO_ID
-
     config = tmp_path / "adapter_config.json"
     config.write_text("{}")
     hub.fail("create", 503, 503)
