@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import (
     Result,
+    assert_documented,
     assert_refusal,
     base_env,
     run_main,
@@ -79,7 +80,10 @@ def test_the_merge_refuses_a_base_replaced_since_the_adapter_was_trained(base_re
     assert recorded["model.safetensors"] == hashlib.sha256(base_replaced.original).hexdigest()
     assert set(recorded) >= {"config.json", "vocab.txt"}
     # The run saved its model, then refused the merge: nothing staged or merged.
-    assert_refusal(base_replaced.first, [f"MODEL_NAME={base}", "model.safetensors", "base_model.json", "restore"])
+    line = assert_refusal(
+        base_replaced.first, [f"MODEL_NAME={base}", "model.safetensors", "base_model.json", "restore"]
+    )
+    assert_documented("base model replaced while a run trained", line.removeprefix("error: "))
     assert (out / "model" / "adapter_model.safetensors").is_file() and (out / "metrics.json").is_file()
     assert not (out / "merged").exists() and not (out / ".merged.partial").exists()
 

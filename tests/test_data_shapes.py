@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import base_env, error_lines, run_main, run_predict, start_in_process, tiny_run_settings
+from tests.conftest import (
+    assert_documented,
+    base_env,
+    error_lines,
+    run_main,
+    run_predict,
+    start_in_process,
+    tiny_run_settings,
+)
 from utils.errors import EXIT_BAD_INPUT
 
 COPIES, TEXTS = 3, 150  # each text three times: a carve by rows would split some texts across the two sides
@@ -210,6 +218,9 @@ REFUSALS = {
     "test-file-and-folder-test": a_test_file_beside_a_folders_test,
 }
 
+# The line of the "a test split that cannot be answered" row (docs/reliability.md) that each case prints.
+TEST_SPLIT_LINES = {"test-file-column-wrong": 0, "test-file-missing": 1, "test-file-and-folder-test": 2}
+
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_dry_run_and_the_run_refuse_a_data_shape_with_one_line(case, tmp_path, tiny_bert, sst2_dir):
@@ -220,6 +231,8 @@ def test_dry_run_and_the_run_refuse_a_data_shape_with_one_line(case, tmp_path, t
         assert result.code == EXIT_BAD_INPUT, result.stderr[-3000:]
         assert error_lines(result.stderr) == [line] and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "out" / "run.json").exists()  # a refused start leaves the folder reusable
+    if case in TEST_SPLIT_LINES:  # the row docs/reliability.md shows for a test split, this case its line N
+        assert_documented("a test split that cannot be answered", line.removeprefix("error: "), TEST_SPLIT_LINES[case])
 
 
 # ------------------------------------------------------------------------------- the test split

@@ -28,6 +28,7 @@ from tests.conftest import (
     REPO_ID,
     STRAY_QUOTE,
     Result,
+    assert_documented,
     assert_refusal,
     base_env,
     delimited,
@@ -554,6 +555,7 @@ def test_training_and_predict_refuse_a_nul_in_a_sentence_in_the_same_words(train
     assert refused.value.message == (
         f"the train split has 1 row(s) with a NUL character in 'sentence' (the first is row 2); {NUL_FIX}"
     )
+    assert_documented("a NUL in a sentence", refused.value.message)
     shutil.copy(data / "validation.csv", tmp_path / "nul.csv")
     result = run_predict(base_env(tmp_path), trained / "merged", "nul.csv", cwd=tmp_path)
     assert result.stdout == ""

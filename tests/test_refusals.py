@@ -6,7 +6,8 @@ tracker checks, the rendezvous, tokenizer, data, model and the checkpoint to res
 them, not in an order the test re-implements. Each case must be refused by the part of the start-up it names
 (`main.configure`, `open_run_dir`, `load_tokenizer` or `build_model`, `load_sst2` or the plan's rows), not earlier
 for another reason, with exit code 2 and one `error:` line that names what is wrong and what fixes it: the setting,
-the value, the file (not how it words them). Then one refused start of the real `python main.py` per layer
+the value, the file; a case docs/reliability.md's "Bad input" table shows names its row (`row=`), and the line
+it prints must be that row's (`assert_documented`). Then one refused start of the real `python main.py` per layer
 (settings, OUTPUT_DIR, numerics, model, data, Hub): exit 2, one `error:` line, no traceback, nothing trained or
 pushed, the token not shown; and
 mode-000 weights, refused to a job that cannot read them (as root, started without the capabilities that read
@@ -33,12 +34,14 @@ from tests.conftest import (
     REPO,
     REPO_ID,
     STRAY_QUOTE,
+    assert_documented,
     assert_refusal,
     assert_refused_as_bad_input,
     base_env,
     delimited,
     error_lines,
     film_rows,
+    free_port,
     push_settings,
     saved_dataset,
     start_in_process,
@@ -179,6 +182,115 @@ def foreign_run(tmp: Path, env: dict) -> dict:
     return {}
 
 
+def recorded_run(change: Callable[[dict], None], finished: bool = False, world: int = 1, **then: str):
+    """OUTPUT_DIR holds the job's run.json of a run whose identity is this start's under the settings `then` on
+    `world` replicas, as `change` edits it (the data or base it digested, the label names it trained with);
+    `finished`: its model/ (its adapter naming bert-base-uncased as its base) and metrics.json beside it."""
+
+    def setup(tmp: Path, env: dict) -> dict:
+        settings = load_settings([], environ={**env, **then})[0]
+        identity = json.loads(json.dumps(build_plan(settings, world).identity))
+        change(identity)
+        out = Path(env["OUTPUT_DIR"])
+        out.mkdir(parents=True)
+        (out / "run.json").write_text(json.dumps({"format": RUN_RECORD_FORMAT, "identity": identity}))
+        if finished:
+            write_files(
+                out / "model", {"adapter_config.json": json.dumps({"base_model_name_or_path": "bert-base-uncased"})}
+            )
+            (out / "metrics.json").write_text("{}")
+        return {}
+
+    return setup
+
+
+def edited(field: str, name: str) -> Callable[[dict], None]:
+    """The identity's digest of file `name` of `field` (data, base_model) other than the file's now: it was edited."""
+    return lambda identity: identity[field].update({name: "0" * 64})
+
+
+def run_folder_with(plant: Callable[[Path, Path], None]):
+    """OUTPUT_DIR a run folder of the job (its marker) in which `plant(out, tmp)` put what the job did not."""
+
+    def setup(tmp: Path, env: dict) -> dict:
+        out = Path(env["OUTPUT_DIR"])
+        write_files(out, {".run-folder": "A run folder of the LoRA fine-tuning job (main.py)\n"})
+        plant(out, tmp)
+        return {}
+
+    return setup
+
+
+def symlink_in_tensorboard(out: Path, tmp: Path) -> None:
+    (out / "tensorboard" / "run").mkdir(parents=True)
+    (out / "tensorboard" / "run" / "x").symlink_to(write_files(tmp / "cache" / "huggingface", {"token": "hf_..."}))
+
+
+def hard_linked_metrics(out: Path, tmp: Path) -> None:
+    os.link(write_files(tmp / "elsewhere", {"notes.json": "{}"}) / "notes.json", out / "metrics.json")
+
+
+def ds_config(config: object):
+    """DEEPSPEED_CONFIG: ds.json holding `config` (a JSON value, or text as written)."""
+
+    def setup(tmp: Path, env: dict) -> dict:
+        text = config if isinstance(config, str) else json.dumps(config)
+        return {"DEEPSPEED_CONFIG": str(write_files(tmp / "ds", {"ds.json": text}) / "ds.json")}
+
+    return setup
+
+
+def token_fifo(tmp: Path, env: dict) -> dict:
+    os.mkfifo(tmp / "token-pipe")  # no writer: a read would wait for one
+    return {"HF_TOKEN_PATH": str(tmp / "token-pipe")}
+
+
+LISTENING: list = []  # sockets holding a port for the rest of the session, as another process would
+
+
+def port_taken(tmp: Path, env: dict) -> dict:
+    """Rank 0 of two, its MASTER_PORT held by a listening socket."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    LISTENING.append(holder)
+    return {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(holder.getsockname()[1])}
+
+
+def custom_code(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "custom_bert.CustomConfig", "AutoModel": "custom_bert.CustomModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom_bert.py").write_text('raise SystemExit("the folder\'s code ran")\n')
+
+
+def pickled(malicious: bool) -> Callable[[Path], None]:
+    """model.safetensors replaced by pytorch_model.bin: a pickle that calls os.system when unpickled without torch's
+    weights-only guard, or the real weights cut in half."""
+
+    def change(folder: Path) -> None:
+        import torch
+        from safetensors.torch import load_file
+
+        weights = load_file(folder / "model.safetensors")
+        (folder / "model.safetensors").unlink()
+        if malicious:
+
+            class Payload:
+                def __reduce__(self):
+                    return os.system, ("exit 3",)
+
+            torch.save({"bert.embeddings.word_embeddings.weight": Payload()}, folder / "pytorch_model.bin")
+        else:
+            torch.save(weights, folder / "pytorch_model.bin")
+            data = (folder / "pytorch_model.bin").read_bytes()
+            (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+
+    return change
+
+
 def torn_run_record(tmp: Path, env: dict) -> dict:
     out = Path(env["OUTPUT_DIR"])
     out.mkdir(parents=True)
@@ -215,14 +327,22 @@ class Refusal:
     env: dict  # over the tiny run's settings with a push asked for; None removes a variable
     argv: tuple[str, ...] = ()
     setup: Callable[[Path, dict], dict] | None = None  # (tmp, env) -> more environment
+    # The row of docs/reliability.md's "Bad input" table that shows this refusal, by its case, and which of its
+    # lines the message must be (`assert_documented`); `where`'s values name the run's paths as `names` do.
+    row: str | None = None
+    line: int = 0
+    where: tuple[tuple[str, str], ...] = ()
 
 
-def case(id: str, layer: str, names, env=None, argv=(), setup=None, marks=()):
-    return pytest.param(Refusal(id, layer, tuple(names), env or {}, tuple(argv), setup), id=id, marks=marks)
+def case(id: str, layer: str, names, env=None, argv=(), setup=None, marks=(), row=None, line=0, where=None):
+    refusal = Refusal(id, layer, tuple(names), env or {}, tuple(argv), setup, row, line, tuple((where or {}).items()))
+    return pytest.param(refusal, id=id, marks=marks)
 
 
 LAUNCHER = {"WORLD_SIZE": "2", "MASTER_ADDR": "h"}
 NO_TOKEN = {"HF_TOKEN": None}
+DEEPSPEED = {"STRATEGY": "deepspeed"}
+IN_DS_JSON = {"DEEPSPEED_CONFIG=ds.json": "DEEPSPEED_CONFIG={DEEPSPEED_CONFIG}"}
 
 REFUSALS = [
     # settings: values, each named as it was given (variable or flag) with the fix
@@ -297,19 +417,30 @@ REFUSALS = [
         "settings",
         ["RESULT_MODEL_ID=not a/repo id!", "your-name/model-name"],
         {"RESULT_MODEL_ID": "not a/repo id!"},
+        row="malformed repo id",
     ),
     case(
         "num-epochs-inf",
         "settings",
         ["NUM_EPOCHS=inf", "1000"],
         {"NUM_EPOCHS": "inf"},
+        row="endless or absurd length",
     ),
-    case("num-epochs-absurd", "settings", ["NUM_EPOCHS=1e9", "1000"], {"NUM_EPOCHS": "1e9"}),
+    case(
+        "num-epochs-absurd",
+        "settings",
+        ["NUM_EPOCHS=1e9", "1000"],
+        {"NUM_EPOCHS": "1e9"},
+        row="endless or absurd length",
+        line=1,
+    ),
     case(
         "max-steps-absurd",
         "settings",
         ["MAX_STEPS=1000000000", "--max-steps"],
         {"MAX_STEPS": "1000000000"},
+        row="endless or absurd length",
+        line=3,
     ),
     case(
         "lora-r-absurd",
@@ -323,6 +454,7 @@ REFUSALS = [
         "settings",
         ["RUN_NAME=../../x", "OUTPUT_DIR", "'/'", "'..'"],
         {"RUN_NAME": "../../x"},
+        row="run name with a path, or too long",
     ),
     case("run-name-too-long", "settings", ["RUN_NAME=" + "r" * 101, "1-100"], {"RUN_NAME": "r" * 101}),
     # settings: a task the job cannot train, or settings that disagree with TASK (tests/test_tasks.py trains the tasks)
@@ -407,6 +539,8 @@ REFUSALS = [
         "settings",
         ["CONFIG_FILE={CONFIG_FILE}", "lora_r twice", "lines 1 and 3"],
         setup=recipe_with("lora_r: 8\nseed: 1\nlora_r: 16\n"),
+        row="a recipe key given twice",
+        where={"CONFIG_FILE=r.yaml": "CONFIG_FILE={CONFIG_FILE}"},
     ),
     case("token-as-a-flag", "settings", ["--hf-token", "python main.py --help"], argv=["--hf-token", "hf_x"]),
     # settings: who this process is (the launcher's variables)
@@ -441,6 +575,7 @@ REFUSALS = [
         "settings",
         ["WORLD_SIZE=2", "MASTER_ADDR", "MASTER_PORT"],
         {"RANK": "0", "WORLD_SIZE": "2"},
+        row="no rendezvous address",
     ),
     case(
         "master-port-out-of-range",
@@ -454,8 +589,20 @@ REFUSALS = [
         ["PET_NPROC_PER_NODE=4", "torchrun main.py", "nprocPerNode: 1"],
         {"RANK": "0", "WORLD_SIZE": "8", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "4", "MASTER_ADDR": "h"},
     ),
-    case("world-size-without-rank", "settings", ["WORLD_SIZE=4", "RANK (0..WORLD_SIZE-1)"], {"WORLD_SIZE": "4"}),
-    case("rank-without-world-size", "settings", ["RANK=1", "WORLD_SIZE"], {"RANK": "1"}),
+    case(
+        "world-size-without-rank",
+        "settings",
+        ["WORLD_SIZE=4", "RANK (0..WORLD_SIZE-1)"],
+        {"WORLD_SIZE": "4"},
+        row="world size without rank",
+    ),
+    case(
+        "rank-without-world-size",
+        "settings",
+        ["RANK=1", "WORLD_SIZE"],
+        {"RANK": "1"},
+        row="rank without world size",
+    ),
     case("rank-0-without-world-size", "settings", ["RANK=0", "WORLD_SIZE"], {"RANK": "0"}),
     case(
         "node-rank-alone",
@@ -474,6 +621,7 @@ REFUSALS = [
         "settings",
         ["NODE_RANK=2", "MASTER_ADDR=replica-0", "RANK and WORLD_SIZE"],
         {"MASTER_ADDR": "replica-0", "NODE_RANK": "2"},
+        row="rendezvous or node variables alone",
     ),
     case(
         "master-addr-and-port-alone",
@@ -495,13 +643,18 @@ REFUSALS = [
         {**NO_TOKEN, "HF_TOKEN_PATH": "/nonexistent/token"},
     ),
     case(
-        "push-without-token", "settings", ["RESULT_MODEL_ID=tester/sst2-lora", "HF_TOKEN", "HF_TOKEN_PATH"], NO_TOKEN
+        "push-without-token",
+        "settings",
+        ["RESULT_MODEL_ID=tester/sst2-lora", "HF_TOKEN", "HF_TOKEN_PATH"],
+        NO_TOKEN,
+        row="push without a token",
     ),
     case(
         "push-while-offline",
         "settings",
         ["RESULT_MODEL_ID=tester/sst2-lora", "HF_HUB_OFFLINE", "--push-only"],
         {"HF_HUB_OFFLINE": "1"},
+        row="push while offline",
     ),
     # OUTPUT_DIR
     case(
@@ -509,19 +662,33 @@ REFUSALS = [
         "output",
         ["OUTPUT_DIR={OUTPUT_DIR}", "Not a directory", f"uid {os.getuid()}"],
         setup=file_in_the_way,
+        row="unwritable output dir",
+        where={
+            "/pvc-home/output": "{OUTPUT_DIR}",
+            "Read-only file system": "Not a directory",
+            "uid 10000": f"uid {os.getuid()}",
+        },
     ),
     case(
         "output-dir-of-another-run",
         "output",
         ["OUTPUT_DIR={OUTPUT_DIR}", "LORA_R: 4 -> 8"],
         setup=foreign_run,
+        row="output dir of another run",
     ),
-    case("run-json-torn", "output", ["{OUTPUT_DIR}/run.json", "OUTPUT_DIR"], setup=torn_run_record),
+    case(
+        "run-json-torn",
+        "output",
+        ["{OUTPUT_DIR}/run.json", "OUTPUT_DIR"],
+        setup=torn_run_record,
+        row="torn run record",
+    ),
     case(
         "output-dir-of-another-tool",
         "output",
         ["OUTPUT_DIR={OUTPUT_DIR}", "checkpoints, model", ".run-folder", "run.json"],
         setup=another_tools_folder,
+        row="output dir that is no run of the job",
     ),
     # the model folder and its config
     case(
@@ -529,6 +696,7 @@ REFUSALS = [
         "model",
         ["MODEL_NAME={MODEL_NAME}", "tokenizer.json", "vocab.txt"],
         setup=model_copy(without_tokenizer),
+        row="model folder without a tokenizer",
     ),
     case(
         "max-seq-length-above-positions",
@@ -536,24 +704,30 @@ REFUSALS = [
         ["MAX_SEQ_LENGTH=128", "MODEL_NAME={MODEL_NAME}", "max_position_embeddings", "64"],
         {"MAX_SEQ_LENGTH": "128"},
         setup=model_copy(short_positions),
+        row="sequences longer than the model's positions",
     ),
     case(
         "lora-r-above-hidden-size",
         "model",
         ["LORA_R=128", "64", "MODEL_NAME={MODEL_NAME}"],
         {"LORA_R": "128"},
+        row="LoRA rank above the hidden size",
+        where={"1024": "128", "768": "64", "bert-base-uncased": "{MODEL_NAME}"},
     ),
     case(
         "lora-target-typo",
         "model",
         ["LORA_TARGET_MODULES=query,vlaue", "'vlaue'", "(closest: value)", "MODEL_NAME={MODEL_NAME}"],
         {"LORA_TARGET_MODULES": "query,vlaue"},
+        row="LoRA targets not in the model",
+        where={"bert-base-uncased": "{MODEL_NAME}"},
     ),
     case(
         "lora-target-head-only",
         "model",
         ["LORA_TARGET_MODULES=query,classifier", "'classifier'", "query,value"],
         {"LORA_TARGET_MODULES": "query,classifier"},
+        row="a LoRA target that is the head",
     ),
     case(
         "lora-targets-not-in-model",
@@ -566,18 +740,23 @@ REFUSALS = [
         "model",
         ["MODEL_NAME={MODEL_NAME}", "model.safetensors", "incomplete metadata"],
         setup=model_copy(truncated_weights),
+        row="damaged weights file",
     ),
     case(
         "weights-empty",
         "model",
         ["MODEL_NAME={MODEL_NAME}", "model.safetensors is empty"],
         setup=model_copy(empty_weights),
+        row="damaged weights file",
+        line=1,
     ),
     case(
         "weights-dangling-link",
         "model",
         ["MODEL_NAME={MODEL_NAME}", "model.safetensors", "/nonexistent/blobs/0123abcd"],
         setup=model_copy(dangling_weights),
+        row="damaged weights file",
+        line=2,
     ),
     # the data: folders and splits
     case(
@@ -591,12 +770,14 @@ REFUSALS = [
         "data",
         ["DATASET_PATH={DATASET_PATH}", "'validation'", "train.csv", "validation.csv"],
         setup=csv_data(GOOD_ROWS, None),
+        row="missing split",
     ),
     case(
         "split-empty-train",
         "data",
         ["{DATASET_PATH}/train.csv"],
         setup=csv_data([], GOOD_ROWS),
+        row="empty data set",
     ),
     case(
         "split-empty-validation",
@@ -609,18 +790,21 @@ REFUSALS = [
         "data",
         ["{DATASET_PATH}/train.jsonl", "0 bytes"],
         setup=files_data(lambda f: write_files(f, {"train.jsonl": "", "validation.jsonl": JSONL_GOOD})),
+        row="empty data file",
     ),
     case(
         "split-file-is-a-folder",
         "data",
         ["{DATASET_PATH}/train.csv", "'train'", "DATASET_PATH"],
         setup=files_data(lambda f: (write_files(f, {"validation.csv": GOOD_CSV}) / "train.csv").mkdir() or f),
+        row="a split's name on a folder",
     ),
     case(
         "split-file-not-parquet",
         "data",
         ["{DATASET_PATH}/train.parquet", "ArrowInvalid"],
         setup=files_data(lambda f: write_files(f, {"train.parquet": "sentence,label\n", "validation.parquet": "x"})),
+        row="a file not in its format",
     ),
     case(
         "splits-with-other-columns",
@@ -642,18 +826,21 @@ REFUSALS = [
                 },
             )
         ),
+        row="two files for one split",
     ),
     case(
         "data-not-utf8",
         "data",
         ["{DATASET_PATH}/train.csv", "0xe9", "line 3", "iconv"],
         setup=not_utf8,
+        row="data file not UTF-8",
     ),
     case(
         "saved-dataset-torn",
         "data",
         ["DATASET_PATH={DATASET_PATH}", "JSONDecodeError", "DatasetDict.save_to_disk"],
         setup=torn_saved_dataset,
+        row="damaged saved data set",
     ),
     # the data: columns
     case(
@@ -667,18 +854,21 @@ REFUSALS = [
         "data",
         ["'text'", "['sentence', 'label', 'idx']", "TEXT_COLUMN"],
         {"TEXT_COLUMN": "text"},
+        row="missing column",
     ),
     case(
         "text-column-numeric",
         "data",
         ["'sentence'", "int64", "TEXT_COLUMN"],
         setup=csv_data([(1, 1), (2, 0)], [(3, 1)]),
+        row="text column that is not text",
     ),
     case(
         "sentence-empty",
         "data",
         ["2 row(s)", "'sentence'", "row 9"],
         setup=csv_data([*GOOD_ROWS, ("", 1), ("   ", 0)]),
+        row="empty or missing sentence",
     ),
     case(
         "label-column-twice",
@@ -687,6 +877,7 @@ REFUSALS = [
         setup=files_data(
             lambda f: write_files(f, {"train.csv": "sentence,label,label\na film,1,0\n", "validation.csv": GOOD_CSV})
         ),
+        row="a column named twice",
     ),
     case(
         "text-column-twice",
@@ -704,6 +895,7 @@ REFUSALS = [
         "data",
         ["{DATASET_PATH}/train.csv", "line 3", "lines 3-6", ".tsv"],
         setup=files_data(lambda f: write_files(f, {"train.csv": delimited(STRAY_QUOTE), "validation.csv": GOOD_CSV})),
+        row="a quote that merges rows",
     ),
     # the data: labels
     case(
@@ -712,12 +904,15 @@ REFUSALS = [
         ["train", "'label'", "[2]", "0 (negative), 1 (positive)", "LABEL_NAMES"],
         {"LABEL_NAMES": "negative,positive"},
         setup=csv_data([*GOOD_ROWS, ("so-so", 2)]),
+        row="a label id out of range",
     ),
     case(
         "labels-of-the-test-split",
         "data",
         ["validation", "'label'", "[-1]"],
         setup=csv_data(GOOD_ROWS, [("a", -1)]),
+        row="a label id out of range",
+        line=1,
     ),
     case(
         "label-fractional",
@@ -725,6 +920,7 @@ REFUSALS = [
         ["[0.5]", "'label'", "PROBLEM_TYPE=regression"],
         {"PROBLEM_TYPE": "classification"},
         setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
+        row="fractional label under classification",
     ),
     case(
         "label-fraction-with-label-names",
@@ -732,6 +928,8 @@ REFUSALS = [
         ["[0.5]", "'label'", "row 9", "LABEL_NAMES=negative,positive", "PROBLEM_TYPE=regression"],
         {"LABEL_NAMES": "negative,positive"},
         setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
+        row="fractional label under classification",
+        line=1,
     ),
     case(
         "label-names-with-regression",
@@ -744,12 +942,14 @@ REFUSALS = [
         "data",
         ["train", "'label'", "'nan'", "row 9", "LABEL_NAMES"],
         setup=csv_data([*GOOD_ROWS, ("so-so", "nan")]),
+        row="a word among ids",
     ),
     case(
         "label-names-in-train-ids-in-validation",
         "data",
         ["'label'", "names in the train split", "ids in the validation split", "LABEL_NAMES"],
         setup=csv_data([("a wonderful film", "positive"), ("a dull film", "negative")] * 4),
+        row="names in one split, ids in another",
     ),
     case(
         "class-labels-with-task-stsb",
@@ -757,12 +957,14 @@ REFUSALS = [
         ["'label'", "ClassLabel", "['unacceptable', 'acceptable']", "TASK=stsb", "PROBLEM_TYPE=regression"],
         {"TASK": "stsb"},
         setup=files_data(class_label_pairs),
+        row="class labels under a regression `TASK`",
     ),
     case(
         "label-missing",
         "data",
         ["1 row(s)", "'label'"],
         setup=csv_data([*GOOD_ROWS, ("a dull film", "")]),
+        row="missing label",
     ),
     case(
         "labels-words-not-label-names",
@@ -770,6 +972,7 @@ REFUSALS = [
         ["['bad', 'good']", "LABEL_NAMES ['negative', 'positive']"],
         {"LABEL_NAMES": "negative,positive"},
         setup=csv_data([("a wonderful film", "good"), ("a dull film", "bad")]),
+        row="labels as words that are not `LABEL_NAMES`",
     ),
     case(
         "classlabel-names-not-label-names",
@@ -777,12 +980,14 @@ REFUSALS = [
         ["ClassLabel", "['bad', 'good']", "['negative', 'positive']", "LABEL_NAMES=bad,good"],
         {"LABEL_NAMES": "negative,positive"},
         setup=files_data(lambda f: saved_dataset(f, ["bad", "good"])),
+        row="label names that are not `LABEL_NAMES`",
     ),
     case(
         "jsonl-labels-of-three-types",
         "data",
         ["{DATASET_PATH}/train.jsonl", "'label'", "number (1)", 'string ("1")', "boolean (true)"],
         setup=files_data(lambda f: write_files(f, {"train.jsonl": JSONL_MIX, "validation.jsonl": JSONL_MIX})),
+        row="labels of mixed JSON types",
     ),
     # the data: labels of other tasks
     case(
@@ -791,6 +996,7 @@ REFUSALS = [
         ["'good'", "'label'", "['bad', 'good']", "LABEL_COLUMN"],
         {"LABEL_NAMES": "bad,good"},
         setup=csv_data([("a film", "good")] * 4, [("a film", "good"), ("a dull film", "bad")]),
+        row="one class only",
     ),
     case(
         "label-neither-name-nor-id",
@@ -811,6 +1017,8 @@ REFUSALS = [
         ["'hypothesis'", "['sentence', 'label']", "TEXT_COLUMN"],
         {"TEXT_COLUMN": "sentence,hypothesis"},
         setup=csv_data(GOOD_ROWS),
+        row="a second text column that does not exist",
+        where={"hypotesis": "hypothesis"},
     ),
     case(
         "float-label-with-task-mnli",
@@ -826,6 +1034,8 @@ REFUSALS = [
                 },
             )
         ),
+        row="fractional label under classification",
+        line=2,
     ),
     case(
         "regression-target-nan",
@@ -840,13 +1050,292 @@ REFUSALS = [
         ["1 regression target(s)", "'label'", "float32", "row 2", "1e+39"],
         {"TASK": "stsb"},
         setup=files_data(huge_score),
+        row="a regression target that is NaN, or beyond float32",
     ),
     # the data and the settings together
     case(
         "global-batch-above-train-split",
         "data",
-        ["PER_DEVICE_BATCH_SIZE=65536", "GRADIENT_ACCUMULATION_STEPS=1", "65536 rows", "2000"],
-        {"PER_DEVICE_BATCH_SIZE": "65536"},
+        ["PER_DEVICE_BATCH_SIZE=2001", "GRADIENT_ACCUMULATION_STEPS=1", "2001 rows", "2000"],
+        {"PER_DEVICE_BATCH_SIZE": "2001"},
+        row="a global batch larger than the training split",
+    ),
+    # cases the tables of docs/reliability.md show (row=): the settings and the command line
+    case("flag-unknown", "settings", ["--bogus-flag 2"], argv=["--bogus-flag", "2"], row="unknown flag"),
+    case(
+        "local-rank-flag-not-the-launchers",
+        "settings",
+        ["--local_rank=0"],
+        {"LOCAL_RANK": "1"},
+        argv=["--local_rank=0"],
+        row="a `--local_rank` the launcher did not add",
+    ),
+    case(
+        "rendezvous-timeout-absurd",
+        "settings",
+        ["RENDEZVOUS_TIMEOUT=100000000000", "86400"],
+        {"RENDEZVOUS_TIMEOUT": "100000000000"},
+        row="any setting past its range",
+    ),
+    case(
+        "recipe-key-not-a-setting",
+        "settings",
+        ["lora_rank", "lora_r"],
+        setup=recipe_with("lora_rank: 8\n"),
+        row="a bad recipe file",
+        where={"CONFIG_FILE=r.yaml": "CONFIG_FILE={CONFIG_FILE}"},
+    ),
+    case(
+        "recipe-with-a-secret",
+        "settings",
+        ["hf_token", "HF_TOKEN_PATH"],
+        setup=recipe_with("hf_token: hf_in_a_recipe\n"),
+        row="a bad recipe file",
+        line=1,
+    ),
+    case(
+        "recipe-missing",
+        "settings",
+        ["CONFIG_FILE=/nonexistent/r.yaml"],
+        {"CONFIG_FILE": "/nonexistent/r.yaml"},
+        row="a bad recipe file",
+        line=2,
+    ),
+    case(
+        "recipe-not-yaml",
+        "settings",
+        ["line 2"],
+        setup=recipe_with("lora_r: 8\n  seed: 1\n"),
+        row="a bad recipe file",
+        line=3,
+    ),
+    case(
+        "recipe-value-out-of-range",
+        "settings",
+        ["lora_r: 100000"],
+        setup=recipe_with("lora_r: 100000\n"),
+        row="a bad recipe file",
+        line=4,
+        where={"CONFIG_FILE=r.yaml": "CONFIG_FILE={CONFIG_FILE}", "in r.yaml": "in {CONFIG_FILE}"},
+    ),
+    # the token
+    case(
+        "token-path-a-fifo",
+        "settings",
+        ["HF_TOKEN_PATH={HF_TOKEN_PATH}", "FIFO"],
+        NO_TOKEN,
+        setup=token_fifo,
+        row="token path that is no file",
+        where={"/run/token-pipe": "{HF_TOKEN_PATH}"},
+    ),
+    case(
+        "token-with-a-newline",
+        "settings",
+        ["HF_TOKEN", "newline"],
+        {"HF_TOKEN": "hf_abcdefgh\nX: y"},
+        row="token with a newline or control character",
+    ),
+    case(
+        "setting-holding-the-token",
+        "settings",
+        ["RUN_NAME", "HF_TOKEN"],
+        {"RUN_NAME": FAKE_TOKEN},
+        row="a setting holding the token",
+    ),
+    case(
+        "token-refused",
+        "join",
+        ["HF_TOKEN", "HTTP 401"],
+        {"HF_TOKEN": "hf_not_the_right_one"},
+        row="token refused",
+    ),
+    case(
+        "tracker-not-listening",
+        "join",
+        ["MLFLOW_TRACKING_URI=", "ConnectionRefusedError"],
+        {"REPORT_TO": "mlflow"},
+        setup=lambda tmp, env: {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"},  # nothing listens
+        row="tracker that refuses its URI",
+        where={"http://alice:***@mlflow:5000": "{MLFLOW_TRACKING_URI}"},  # the masking: tests/test_secrets_and_code.py
+    ),
+    # the device, the strategy and DeepSpeed
+    case("fp16-on-the-cpu", "device", ["PRECISION=fp16"], {"PRECISION": "fp16"}, row="fp16 without a GPU"),
+    case(
+        "torch-compile-under-deepspeed",
+        "settings",
+        ["TORCH_COMPILE=true"],
+        {**DEEPSPEED, "TORCH_COMPILE": "true"},
+        row="the fast path under DeepSpeed or FSDP",
+    ),
+    case(
+        "deepspeed-config-under-ddp",
+        "settings",
+        ["DEEPSPEED_CONFIG={DEEPSPEED_CONFIG}"],
+        {"STRATEGY": "ddp"},
+        setup=ds_config({"zero_optimization": {"stage": 2}}),
+        row="a DeepSpeed config without DeepSpeed",
+        where=IN_DS_JSON,
+    ),
+    case(
+        "deepspeed-under-accelerate-fsdp",
+        "settings",
+        ["ACCELERATE_USE_FSDP=true"],
+        {**DEEPSPEED, "ACCELERATE_USE_FSDP": "true"},
+        row="DeepSpeed and FSDP at once",
+    ),
+    case(
+        "accelerate-stage-against-zero-stage",
+        "settings",
+        ["ZERO_STAGE=2"],
+        {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ZERO_STAGE": "2"},
+        row="an accelerate DeepSpeed config against the settings",
+    ),
+    case(
+        "deepspeed-config-not-json",
+        "settings",
+        ["DEEPSPEED_CONFIG={DEEPSPEED_CONFIG}"],
+        DEEPSPEED,
+        setup=ds_config("{stage: 2"),
+        row="unreadable or non-JSON DeepSpeed config",
+    ),
+    case(
+        "deepspeed-config-missing",
+        "settings",
+        ["DEEPSPEED_CONFIG=/nowhere.json"],
+        {**DEEPSPEED, "DEEPSPEED_CONFIG": "/nowhere.json"},
+        row="unreadable or non-JSON DeepSpeed config",
+        line=1,
+    ),
+    case(
+        "deepspeed-config-pins-the-micro-batch",
+        "settings",
+        ["train_micro_batch_size_per_gpu: 32"],
+        {**DEEPSPEED, "PER_DEVICE_BATCH_SIZE": "16"},
+        setup=ds_config({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 32}),
+        row="a DeepSpeed config pinning what the settings own",
+        where=IN_DS_JSON,
+    ),
+    case(
+        "deepspeed-config-pins-the-warmup",
+        "settings",
+        ["scheduler.params.warmup_num_steps: 100"],
+        DEEPSPEED,
+        setup=ds_config(
+            {"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}
+        ),
+        row="a DeepSpeed config pinning what transformers fills in later",
+        where=IN_DS_JSON,
+    ),
+    case(
+        "zero-stage-against-the-deepspeed-config",
+        "settings",
+        ["ZERO_STAGE=3"],
+        {**DEEPSPEED, "ZERO_STAGE": "3"},
+        setup=ds_config({"zero_optimization": {"stage": 2}}),
+        row="a DeepSpeed setting beside a config that says otherwise",
+        where=IN_DS_JSON,
+    ),
+    case(
+        "deepspeed-config-offloads-weights-at-stage-2",
+        "settings",
+        ["offload_param"],
+        DEEPSPEED,
+        setup=ds_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}),
+        row="a DeepSpeed config that cannot apply",
+        where=IN_DS_JSON,
+    ),
+    # the rendezvous
+    case(
+        "master-port-taken",
+        "join",
+        ["MASTER_PORT={MASTER_PORT}", "Address already in use"],
+        setup=port_taken,
+        row="rendezvous port taken on rank 0's host",
+        where={"29500": "{MASTER_PORT}", "10.0.0.5": "127.0.0.1"},
+    ),
+    # OUTPUT_DIR: a run recorded there, links planted in it
+    case(
+        "label-names-against-the-run",
+        "output",
+        ["LABEL_NAMES"],
+        {"LABEL_NAMES": "positive,negative"},
+        setup=recorded_run(lambda identity: None, LABEL_NAMES="negative,positive"),
+        row="label names against a finished run",
+    ),
+    case(
+        "base-against-the-finished-run",
+        "output",
+        ["BASE_MODEL_ID=org/other"],
+        {"BASE_MODEL_ID": "org/other"},
+        setup=recorded_run(lambda identity: None, finished=True),
+        row="base against a finished run",
+    ),
+    case(
+        "data-edited-since-the-run",
+        "output",
+        ["train.csv"],
+        setup=recorded_run(edited("data", "train.csv")),
+        row="data changed since a finished run",
+    ),
+    case(
+        "base-weights-edited-since-the-run",
+        "output",
+        ["model.safetensors"],
+        setup=recorded_run(edited("base_model", "model.safetensors")),
+        row="base model replaced since a run",
+    ),
+    case(
+        "replica-count-of-another-run",
+        "output",
+        ["replica count: 2 -> 1", "restart with 2 replica(s)"],
+        setup=recorded_run(lambda identity: None, world=2),
+        row="resume of another run shape",
+    ),
+    case(
+        "symbolic-link-in-the-run-folder",
+        "output",
+        ["tensorboard/run/x"],
+        {"RUN_NAME": "run"},
+        setup=run_folder_with(symlink_in_tensorboard),
+        row="a link planted in the run folder",
+        where={"<run>": "run"},
+    ),
+    case(
+        "hard-link-in-the-run-folder",
+        "output",
+        ["metrics.json"],
+        setup=run_folder_with(hard_linked_metrics),
+        row="a hard link planted in the run folder",
+    ),
+    # the model folder
+    case(
+        "lora-target-not-linear",
+        "model",
+        ["LORA_TARGET_MODULES=LayerNorm"],
+        {"LORA_TARGET_MODULES": "LayerNorm"},
+        row="a LoRA target LoRA cannot adapt",
+    ),
+    case(
+        "model-with-custom-code",
+        "model",
+        ["MODEL_NAME={MODEL_NAME}", "auto_map"],
+        setup=model_copy(custom_code),
+        row="model folder with custom code",
+        where={"/models/custom": "{MODEL_NAME}"},
+    ),
+    case(
+        "pickled-weights-that-run-code",
+        "model",
+        ["pytorch_model.bin"],
+        setup=model_copy(pickled(malicious=True)),
+        row="pickled weights that would run code",
+    ),
+    case(
+        "pickled-weights-damaged",
+        "model",
+        ["pytorch_model.bin"],
+        setup=model_copy(pickled(malicious=False)),
+        row="damaged pickled weights",
     ),
 ]
 
@@ -896,6 +1385,9 @@ def test_refused_by_its_layer_with_the_fix(refusal: Refusal, push_env, monkeypat
     assert message is not None and len(error_lines(start.stderr)) == 1, start.stderr[-3000:]
     missing = [name for name in (name.format_map(env) for name in refusal.names) if name not in message]
     assert not missing, f"{missing} not named in: {message}"
+    if refusal.row is not None:
+        where = [(words, here.format_map(env)) for words, here in refusal.where]
+        assert_documented(refusal.row, message, refusal.line, where)
     assert FAKE_TOKEN not in start.stderr and "Traceback" not in start.stderr
     assert "hf_x" not in message.replace("--hf-token hf_x", "")  # a token typed as a flag is not repeated
     if start.layer == "settings":

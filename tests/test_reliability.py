@@ -23,6 +23,7 @@ from tests.conftest import (
     SAVE_STEPS,
     TIMEOUT,
     Replicas,
+    assert_documented,
     assert_refusal,
     assert_token_absent,
     complete_steps,
@@ -409,6 +410,7 @@ def test_a_lock_taken_over_while_watched_is_refused_naming_its_new_holder(tmp_pa
         stop.set()
         thread.join()
     assert "host node-new, pid 22" in refused.value.message and "node-gone" not in refused.value.message
+    assert_documented("`OUTPUT_DIR` in use", refused.value.message)
 
 
 def test_hub_retries_honour_retry_after_and_stop_at_the_bound(hub, hub_in_process, tmp_path):

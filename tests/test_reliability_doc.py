@@ -6,7 +6,10 @@ made concrete here (the files, the spec) and given to that program's `main`, in 
 need a trained adapter on a base of another shape run predict.py as a process on the suite's finished run. The
 `error:` line printed must be the one the row shows, `...` in the row standing for text the example does not fix
 (a path, a value, the rest of the fix). A message reworded in the code and not in the doc fails here, and so does a
-row added to a table without an example made for it here."""
+row added to a table without an example made for it here. The other "Bad input" rows are checked where their
+refusal is made (tests/test_refusals.py's start-up cases, `assert_documented`), and a row no test names fails here.
+Lines the prose shows (a volume fault, a lost peer, the Hub's retries, a damaged checkpoint) are made by the code
+that prints them, called here with what the doc's example gives it, or are a table row's line, checked there."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,49 +27,34 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import write_tiny_bert
-from tests.conftest import REPO, base_env, configured, error_lines, run_predict
+from tests.conftest import (
+    REFUSED_AFTER_DRY_RUN,
+    RELIABILITY_DOC,
+    REPO,
+    REPO_ID,
+    assert_documented,
+    base_env,
+    code_spans,
+    configured,
+    error_lines,
+    refusal_table,
+    run_predict,
+    settings_alone,
+    shows,
+)
 from utils.errors import EXIT_BAD_INPUT, JobError
 
-DOC = REPO / "docs" / "reliability.md"
-ROW = re.compile(r"^\| (?P<case>[^|]+?) \| (?P<example>.+?) \| (?P<line>``?.+?``?)(?: \(.*\))? \|$")
-SETTING = re.compile(r"^(?:[A-Z][A-Z0-9_]*=[^$\s]+|--[a-z][a-z0-9-]*=[^$\s]+)$")  # no shell variable: a literal
-# Rows of settings that the job refuses once it reads the model, the data or a file the example does not give
-# (tests/test_refusals.py runs those through the real process): not `--dry-run` refusals.
-LATER = {
-    "LoRA targets not in the model",
-    "a LoRA target that is the head",
-    "a LoRA target LoRA cannot adapt",
-    "a second text column that does not exist",
-    "a DeepSpeed setting beside a config that says otherwise",
-}
 LEAST_CHECKED = 15  # the table's runnable rows, so that a parser that stopped matching cannot pass
 
 
-def shows(documented: str, printed: str) -> bool:
-    """Whether `printed` is the line `documented`, each `...` in it standing for any text."""
-    return re.fullmatch(".*?".join(map(re.escape, documented.split("..."))), printed) is not None
-
-
-def code_spans(text: str) -> list[str]:
-    return [match.group(2).strip() for match in re.finditer(r"(``?)(.+?)\1", text)]
-
-
 def runnable_rows() -> list[tuple[str, list[str], str]]:
-    """(case, the example's settings, the documented line) of each row whose example is settings alone: one code
-    span of NAME=value words, then at most a parenthesis."""
-    section = DOC.read_text().split("## Bad input", 1)[1].split("\n### ", 1)[0]
+    """(case, the example's settings, the documented line) of each row whose example is settings alone, but for
+    those refused once the model or data is read (tests/test_refusals.py holds those to their rows)."""
     rows = []
-    for line in section.splitlines():
-        match = ROW.match(line)
-        if not match or match["case"] == "case":
-            continue
-        example = match["example"]
-        spans = code_spans(example)
-        if not spans or re.sub(r"\(.*\)$", "", example).strip() != f"`{spans[0]}`":
-            continue
-        words = spans[0].split()
-        if words and all(SETTING.match(word) for word in words) and match["case"].strip() not in LATER:
-            rows.append((match["case"].strip(), words, code_spans(match["line"])[0]))
+    for case, row in refusal_table("## Bad input").items():
+        words = settings_alone(row.example)
+        if words and case not in REFUSED_AFTER_DRY_RUN:
+            rows.append((case, words, row.lines[0]))
     return rows
 
 
@@ -97,16 +86,8 @@ def test_each_bad_input_row_shows_the_line_the_job_prints(tmp_path, monkeypatch,
 # ------------------------------------------------------------------------------- predict.py and sweep.py
 def table(program: str) -> dict[str, list[str]]:
     """The documented `error:` lines (every code span of the third column) of each row of the table under
-    `### \\`program\\``, by the row's case. Every row of the table is one: a row the parser cannot split fails."""
-    section = DOC.read_text().split(f"\n### `{program}`\n", 1)[1].split("\n#", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        if not line.startswith("| ") or line.startswith(("| case |", "| --- |")):
-            continue
-        cells = line.removeprefix("| ").removesuffix(" |").split(" | ")
-        assert len(cells) == 3 and code_spans(cells[2]), f"a {program} row of other columns: {line}"
-        rows[cells[0]] = code_spans(cells[2])
-    return rows
+    `### \\`program\\``, by the row's case."""
+    return {case: row.lines for case, row in refusal_table(f"### `{program}`").items()}
 
 
 @dataclass
@@ -375,20 +356,296 @@ def test_the_adapter_rows_show_the_lines_predict_prints(finished_run, sst2_dir, 
     assert_shown(LABEL_ROW, shown, refusal(result.code, result.stderr))
 
 
+# ------------------------------------------------------------------------------- rows run elsewhere
+# A "Bad input" row that is not settings alone is checked where its refusal is made: a case of tests/test_refusals.py
+# naming it (`row=`), or a test calling `assert_documented` with it (here and in other modules). Every row must be
+# one of these: a row added without a test that prints its line fails here.
+NAMED = re.compile(r"""(?:\brow=|assert_documented\(\s*)(["'])(?P<row>.+?)\1""")
+LEAST_NAMED = 80  # rows named by a test, so that a NAMED that stopped matching cannot pass
+
+
+def rows_named_by_tests() -> set[str]:
+    return {match["row"] for source in (REPO / "tests").glob("*.py") for match in NAMED.finditer(source.read_text())}
+
+
+@pytest.mark.check
+def test_every_bad_input_row_is_checked_against_the_job():
+    rows = refusal_table("## Bad input")
+    at_dry_run = {case for case, *_ in ROWS}
+    named = rows_named_by_tests()
+    assert len(named) >= LEAST_NAMED, sorted(named)
+    assert named <= set(rows), f"named by a test, in no row: {named - set(rows)}"
+    assert REFUSED_AFTER_DRY_RUN <= named, REFUSED_AFTER_DRY_RUN - named
+    assert not set(rows) - at_dry_run - named, f"rows no test checks: {set(rows) - at_dry_run - named}"
+
+
+@pytest.mark.check
+def test_the_diverging_loss_row_is_the_check_training_runs():
+    """The check the Trainer calls at every loss record (utils/run.FiniteLoss, on every rank alike), given the
+    record the row describes: an infinite loss logged at step 1."""
+    from utils.run import FiniteLoss
+
+    with pytest.raises(JobError) as refused:
+        FiniteLoss().check(float("inf"), 1)
+    assert refused.value.code == EXIT_BAD_INPUT
+    assert_documented("a training loss that is not a number", refused.value.message)
+
+
+@pytest.mark.check
+def test_deepspeed_not_installed_is_refused_at_dry_run(tmp_path, monkeypatch):
+    """`STRATEGY=deepspeed` where the package cannot be imported (an image without it: this process's import of it
+    made to find nothing), at `--dry-run`."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(JobError) as refused:
+        configured(monkeypatch, base_env(tmp_path, STRATEGY="deepspeed"), ["--dry-run"])
+    assert refused.value.code == EXIT_BAD_INPUT
+    assert_documented("DeepSpeed not installed", refused.value.message)
+
+
+def agreement(world: int, **env: str) -> dict:
+    """What a rank given `env` on `world` replicas brings to the rendezvous (utils/run.agreement_of), one RUN_NAME."""
+    from utils.plan import build_plan
+    from utils.run import agreement_of
+    from utils.settings import load_settings
+
+    settings, _ = load_settings([], environ={"OUTPUT_DIR": "/pvc-home/output", "RUN_NAME": "sst2", **env})
+    return agreement_of(settings, build_plan(settings, world), world)
+
+
+@pytest.mark.check
+def test_the_replicas_row_is_what_the_ranks_print():
+    """Two replicas, one given LEARNING_RATE=5e-4 and the other 0.9: rank 1's agreement compared with rank 0's as
+    the rendezvous compares them."""
+    from utils.identity import agreement_refusal
+
+    printed = agreement_refusal(agreement(2, LEARNING_RATE="5e-4"), {1: agreement(2, LEARNING_RATE="0.9")})
+    assert_documented("replicas with different settings", printed)
+
+
 # ------------------------------------------------------------------------------- lines shown in the prose
+def prose(start: str) -> str:
+    """The one code span of docs/reliability.md, the Bad input table's aside, that starts with `start` (a span
+    broken over lines read as one line), without its `error: `."""
+    lines: list[str] = []
+    for line in RELIABILITY_DOC.read_text().splitlines():
+        if (
+            lines
+            and lines[-1].strip()
+            and line.strip()
+            and not line.startswith("| ")
+            and not lines[-1].startswith("| ")
+        ):
+            lines[-1] += " " + line.strip()  # a paragraph, or a list item, as one line
+        else:
+            lines.append(line)
+    table = {shown for row in refusal_table("## Bad input").values() for shown in row.lines}
+    [span] = [span for line in lines for span in code_spans(line) if span.startswith(start) and span not in table]
+    return span.removeprefix("error: ")
+
+
+def assert_prose(documented: str, printed: str, where: dict[str, str] | None = None) -> None:
+    for words, here in (where or {}).items():
+        documented = documented.replace(words, here)
+    assert shows(documented, printed), f"doc:  {documented}\njob:  {printed}"
+
+
+@pytest.mark.check
+def test_the_token_check_that_cannot_reach_the_hub_says_so_as_shown(monkeypatch):
+    """The token check of a start (utils/hub.Hub.check_write_access) against an endpoint where nothing listens,
+    its deadline 1 s (PUSH_TIMEOUT=1, which bounds it): the row and the Hub faults section show its line."""
+    from huggingface_hub import constants
+    from pydantic import SecretStr
+
+    from tests.conftest import free_port
+    from utils.hub import Hub
+
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(JobError) as refused:
+        Hub(SecretStr("hf_" + "x" * 34), max_retry_seconds=1).check_write_access("tester/sst2-lora")
+    printed = refused.value.message
+    assert refused.value.code == EXIT_BAD_INPUT
+    where = {"<endpoint>": endpoint, "within 120 s": "within 1 s"}
+    assert_documented("Hub unreachable at the token check", printed, where=where.items())
+    assert_prose(prose("error: the Hub at"), printed, where)
+
+
+@pytest.mark.check
+def test_lines_the_prose_repeats_from_the_table_are_the_rows_lines():
+    """A line shown twice, in the table and in the prose, is the same line: the row's is checked against the job."""
+    rows = refusal_table("## Bad input")
+    assert prose("error: .../run.json is damaged") == rows["torn run record"].lines[0]
+    link = prose("error: .../tensorboard/<run>/x is a symbolic link")
+    assert shows(rows["a link planted in the run folder"].lines[0], link), link
+    for start, row in (
+        ("... (data files:", "data changed since a finished run"),
+        ("... (base model:", "base model replaced since a run"),
+    ):
+        assert shows(prose(start).replace("...", "OUTPUT_DIR=... holds another run", 1) + "...", rows[row].lines[0])
+    for start, row in (
+        ("OUTPUT_DIR=... is in use by another job", "`OUTPUT_DIR` in use"),
+        ("OUTPUT_DIR=... is not empty and is not a run folder", "output dir that is no run of the job"),
+    ):
+        assert shows(prose(start) + "...", rows[row].lines[0]), start
+    older = prose("OUTPUT_DIR=... holds another run (LORA_R: 8 -> 4)").replace("8 -> 4", "4 -> 8")
+    assert older == rows["output dir of another run"].lines[0]
+
+
+@pytest.mark.check
+def test_the_identity_lines_shown_are_the_ones_a_restart_prints():
+    """A restart on 2 replicas of a run of PER_DEVICE_BATCH_SIZE=16 on 1, and of a DeepSpeed run whose config file
+    changed its scheduler: each run's identity as the plan derives it, compared as every place compares them."""
+    from utils.identity import agreement_refusal, check_same_run
+    from utils.plan import build_plan
+    from utils.settings import load_settings
+
+    settings, _ = load_settings([], environ={"PER_DEVICE_BATCH_SIZE": "16"})
+    with pytest.raises(JobError) as refused:
+        check_same_run(build_plan(settings, 1).identity, build_plan(settings, 2).identity, "OUTPUT_DIR=/out")
+    assert_prose(prose("OUTPUT_DIR=... holds another run (global batch: 16 -> 32"), refused.value.message)
+
+    def deepspeed(scheduler: str) -> dict:
+        return {
+            **build_plan(settings, 1).identity,
+            "strategy": "deepspeed",
+            "deepspeed": {"scheduler": {"type": scheduler}},
+        }
+
+    with pytest.raises(JobError) as refused:
+        check_same_run(deepspeed("WarmupDecayLR"), deepspeed("WarmupLR"), "OUTPUT_DIR=/out")
+    assert_prose(f"...{prose('... (DEEPSPEED_CONFIG: scheduler.type')}", refused.value.message)
+
+    def stage(zero: int) -> dict:  # ZERO_STAGE, no config file
+        return {**build_plan(settings, 1).identity, "strategy": "deepspeed", "zero_stage": zero}
+
+    with pytest.raises(JobError) as refused:
+        check_same_run(stage(2), stage(3), "OUTPUT_DIR=/out")
+    assert_prose(f"...{prose('holds another run (ZERO_STAGE: 2 -> 3)')}", refused.value.message)
+    assert_prose(f"...{prose('rank 1: ZERO_STAGE: 2 -> 3')}...", agreement_refusal(stage(2), {1: stage(3)}))
+
+
+@pytest.mark.check
+@pytest.mark.parametrize(
+    "errno_name, start",
+    [("ENOSPC", "error: OUTPUT_DIR=/pvc-home/output is full"), ("EROFS", "error: OUTPUT_DIR=... turned read-only")],
+)
+def test_the_volume_lines_shown_are_the_ones_a_fault_prints(tmp_path, errno_name, start):
+    """The line a checkpoint save that met a full (or read-only) volume ends with (utils/outputs.volume_fault), the
+    run folder holding complete checkpoint-10 and checkpoint-20 (the doc's full volume resumes from 20)."""
+    import errno
+
+    from utils.outputs import COMPLETE_MARKER, RunDir, volume_fault
+
+    run = RunDir(tmp_path / "output")
+    latest = 20 if errno_name == "ENOSPC" else 10
+    for step in range(10, latest + 1, 10):
+        (run.checkpoints / f"checkpoint-{step}").mkdir(parents=True)
+        (run.checkpoints / f"checkpoint-{step}" / COMPLETE_MARKER).write_text("{}")
+    code = getattr(errno, errno_name)
+    doing = "saving checkpoint-30" if errno_name == "ENOSPC" else "creating checkpoint-20"
+    fault = volume_fault(run, OSError(code, os.strerror(code)), doing)
+    assert fault is not None and fault.code == EXIT_BAD_INPUT
+    assert_prose(prose(start), fault.message, {"/pvc-home/output": str(run.root)})
+
+
+@pytest.mark.check
+def test_the_lost_peer_line_shown_is_the_one_a_rank_prints():
+    """Rank 0 of 4 meeting torch's DistNetworkError in a collective (a lost peer by its type; the doc's example met
+    the RuntimeError gloo raises, a lost peer once the peer's heartbeat stopped), checkpoint-40 the latest."""
+    import torch.distributed as td
+
+    from utils.collectives import Collectives
+    from utils.distributed import DistEnv
+
+    group = Collectives(DistEnv(0, 0, 4, 0, "replica-0", 29500, "platform"), 600)
+    with pytest.raises(JobError) as lost, group.peers_watched(lambda: "the run resumes from checkpoint-40"):
+        raise td.DistNetworkError("Connection reset by peer")
+    assert lost.value.code == 143
+    assert_prose(prose("error: rank 0 lost contact"), lost.value.message, {"(RuntimeError)": "(DistNetworkError)"})
+
+
+@pytest.mark.check
+def test_the_missing_rank_0_line_shown_is_the_one_a_rank_prints():
+    """Rank 1 waiting for a rank 0 that never listens (utils/collectives._wait_for_rank0, what the rendezvous
+    waits in), its deadline 1 s into the doc's RENDEZVOUS_TIMEOUT=600s."""
+    import time
+
+    from tests.conftest import free_port
+    from utils.collectives import _wait_for_rank0
+    from utils.distributed import DistEnv
+
+    port = free_port()
+    with pytest.raises(JobError) as missing:
+        _wait_for_rank0(DistEnv(1, 0, 2, 1, "127.0.0.1", port, "platform"), 600, time.monotonic() + 1)
+    assert missing.value.code == 1
+    assert_prose(prose("error: rank 1 found no rank 0"), missing.value.message, {"<addr>:<port>": f"127.0.0.1:{port}"})
+
+
+@pytest.mark.check
+def test_the_checkpoint_lines_shown_are_the_ones_a_restart_logs(tmp_path, caplog):
+    """A restart (utils/run.resume_checkpoint) over checkpoint-60 cut short, checkpoint-160 complete and
+    checkpoint-180 complete, its optimizer.pt since cut to 100 of its 9541 bytes."""
+    import hashlib
+
+    from utils.outputs import COMPLETE_MARKER, RunDir
+    from utils.run import resume_checkpoint
+
+    run = RunDir(tmp_path / "output")
+    for step, written, now in ((160, 9541, 9541), (180, 9541, 100)):
+        folder = run.checkpoints / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "optimizer.pt").write_bytes(b"o" * now)
+        files = {"optimizer.pt": {"size": written, "sha256": hashlib.sha256(b"o" * written).hexdigest()}}
+        (folder / COMPLETE_MARKER).write_text(json.dumps({"files": files, "resume": {}}))
+    (run.checkpoints / "checkpoint-60").mkdir()
+    with caplog.at_level("WARNING", logger="utils.run"):
+        assert resume_checkpoint(run, {}) == str(run.checkpoints / "checkpoint-160")
+    logged = [record.getMessage() for record in caplog.records]
+    for start in ("removed checkpoint-60", "removed checkpoint-180"):
+        documented = prose(start)
+        assert any(shows(f"{documented}...", line) for line in logged), f"doc:  {documented}\njob:  {logged}"
+
+
+@pytest.mark.check
+def test_the_misspelled_setting_warning_shown_is_the_one_a_start_prints(capsys):
+    """What a start prints (utils/settings.warn_misspelled_variables) for LEARNIG_RATE in its environment."""
+    from utils.settings import warn_misspelled_variables
+
+    warn_misspelled_variables({"LEARNIG_RATE": "1e-4"})
+    [printed] = capsys.readouterr().err.splitlines()
+    assert_prose(prose("warning: LEARNIG_RATE is set"), printed)
+
+
+def test_the_failed_push_line_shown_is_the_one_a_run_prints(finished_run):
+    """The suite's finished run, whose first commits the Hub stand-in refused (403): exit 3 and this line first."""
+    assert finished_run.first.code == 3
+    printed = error_lines(finished_run.first.stderr)[0].removeprefix("error: ")
+    where = {"<repo>": REPO_ID, "<OUTPUT_DIR>": str(finished_run.out)}
+    assert_prose(prose("error: push to <repo> failed"), printed, where)
+
+
+def test_the_hub_retry_line_shown_is_the_one_a_push_logs(hub, hub_in_process, tmp_path, caplog):
+    """A push (utils/hub.Hub.push_files) whose create_repo the Hub stand-in answers with 503 twice: the second
+    retry's line, its jittered wait aside."""
+    config = tmp_path / "adapter_config.json"
+    config.write_text("{}")
+    hub.fail("create", 503, 503)
+    with caplog.at_level("WARNING", logger="utils.hub"):
+        hub_in_process(60).push_files({"adapter_config.json": config}, REPO_ID, True, "upload")
+    documented = prose("Hub create_repo failed").replace("1.7", "...")
+    logged = [record.getMessage() for record in caplog.records]
+    assert any(shows(documented, line) for line in logged), f"doc:  {documented}\njob:  {logged}"
+
+
 @pytest.mark.check
 def test_the_rendezvous_refusal_shown_is_the_one_the_ranks_print():
     """The line the doc shows for replicas started differently: rank 1 given WORLD_SIZE=3 and LORA_R=16, rank 0
     WORLD_SIZE=2 and the default, one RUN_NAME, each rank's agreement made and compared as the rendezvous does."""
     from utils.identity import agreement_refusal
-    from utils.plan import build_plan
-    from utils.run import agreement_of
-    from utils.settings import load_settings
 
-    def agreement(world: int, **env: str) -> dict:
-        settings, _ = load_settings([], environ={"OUTPUT_DIR": "/pvc-home/output", "RUN_NAME": "sst2", **env})
-        return agreement_of(settings, build_plan(settings, world), world)
-
-    [documented] = re.findall(r"`error: (the replicas were started with other settings [^`]+)`", DOC.read_text())
+    [documented] = re.findall(
+        r"`error: (the replicas were started with other settings [^`]+)`", RELIABILITY_DOC.read_text()
+    )
     printed = agreement_refusal(agreement(2), {1: agreement(3, LORA_R="16")})
     assert shows(documented, printed), f"doc:  {documented}\njob:  {printed}"

@@ -391,14 +391,17 @@ def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
     batch = plan.batch
     if batch.global_batch > train_rows:
         fitting = train_rows // (batch.world_size * settings.gradient_accumulation_steps)
+        fewer = ", run fewer replicas" if batch.world_size > 1 else ""  # one process has none to spare
         if batch.fixed and fitting >= 1:
             fix = f"set GLOBAL_BATCH_SIZE to {fitting * batch.world_size} or less, or train on more data"
         elif batch.fixed:
             fix = "run fewer replicas (even 1 row per replica is too many), or train on more data"
         elif fitting >= 1:
-            fix = f"set PER_DEVICE_BATCH_SIZE to {fitting} or less, lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas, or train on more data"
+            fix = f"set PER_DEVICE_BATCH_SIZE to {fitting} or less, lower GRADIENT_ACCUMULATION_STEPS{fewer}, or train on more data"
         else:
-            fix = "lower GRADIENT_ACCUMULATION_STEPS, run fewer replicas (even 1 row per device is too many), or train on more data"
+            fix = (
+                f"lower GRADIENT_ACCUMULATION_STEPS{fewer} (even 1 row per device is too many), or train on more data"
+            )
         raise JobError(
             EXIT_BAD_INPUT,
             f"the global batch is {batch.global_batch} rows ({batch.source}) but the "
