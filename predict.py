@@ -11,7 +11,9 @@ blank lines skipped), or the --text-column of each record of a .csv, .tsv (unquo
 .json or .jsonl file (a JSON array or one object per line), the suffix in any case; a sentence pair model
 takes two columns, `--text-column premise,hypothesis`. Each prints as one JSON line, in input order:
 {"text": ..., "label": "positive", "score": 0.97} (a pair adds "text_pair"; a regression model prints its
-score and no label); no sentences, no lines. A sentence longer than the model takes is cut to the length
+score and no label; a multi-label model prints every label whose sigmoid score is at least --threshold, default
+the THRESHOLD it was trained with, and every label's score: {"text": ..., "labels": ["toxic"], "scores":
+{"toxic": 0.91, "insult": 0.12}}); no sentences, no lines. A sentence longer than the model takes is cut to the length
 recorded with the model (MAX_SEQ_LENGTH of the run that trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
 Batches run on the GPU when there is one. FILE is a regular file; a stream (a pipe, a device) comes on standard
 input; either is read up to MAX_INPUT_BYTES (256 MiB). Bad input (no such model or file, a FILE that is a device,
@@ -37,6 +39,8 @@ from utils.model_card import INPUTS_NAME, LABELS_NAME, read_label_names
 from utils.settings import Parser
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
+MULTI_LABEL = "multi_label_classification"  # transformers' problem_type of a multi-label head
+DEFAULT_THRESHOLD = 0.5  # a logit of 0: for a multi-label model that records no THRESHOLD
 
 # A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.
 MAX_BATCH_SIZE = 1024
@@ -56,6 +60,17 @@ def batch_size(value: str) -> int:
     return size
 
 
+def threshold(value: str) -> float:
+    """--threshold as argparse checks it: a number above 0 and below 1 (THRESHOLD's range), else one `error:` line."""
+    try:
+        score = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number; give a score above 0 and below 1") from None
+    if not 0 < score < 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; give a score above 0 and below 1")
+    return score
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = Parser(prog="predict.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("model", help="adapter folder, merged folder, or Hub repo id of either")
@@ -73,6 +88,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=batch_size,
         default=64,
         help=f"sentences per forward pass, 1 to {MAX_BATCH_SIZE} (default: 64)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=threshold,
+        help="multi-label models: print each label whose sigmoid score is at least this (default: the THRESHOLD the "
+        f"model was trained with, else {DEFAULT_THRESHOLD})",
     )
     # Intermixed: `predict.py MODEL --base-model X FILE` (the README's order) reads FILE as FILE.
     return parser.parse_intermixed_args(argv)
@@ -374,13 +395,15 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
     from utils.model import first_line, load_base
 
     base_id = base_model or adapter["base_model_name_or_path"]
+    # A multi-label head (sigmoid scores) as inputs.json records it: the base's config does not know it.
+    multi_label = trained_record(model).get("problem_type") == MULTI_LABEL
     labels = model_file(model, LABELS_NAME)
     id2label = read_label_names(Path(labels).parent) if labels else None  # None: the base's own head
     # The head the adapter restores as peft loads it (modules_to_save): a base's head of another size is
     # no news to whoever runs this.
     restored = ["classifier", "score", *(adapter.get("modules_to_save") or [])]
     try:
-        base = load_base(base_id, [id2label[i] for i in sorted(id2label)] if id2label else None, restored)
+        base = load_base(base_id, [id2label[i] for i in sorted(id2label)] if id2label else None, restored, multi_label)
     except OSError as exc:
         raise JobError(
             EXIT_BAD_INPUT,
@@ -392,6 +415,16 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
         return PeftModel.from_pretrained(base, model)
     except RuntimeError as exc:  # a shape the check above cannot see (a .bin adapter, a new layer kind)
         raise misfit(model, adapter, f"does not fit the base {base_id} ({first_line(exc, 300)})") from None
+
+
+def trained_record(model: str) -> dict:
+    """inputs.json beside the model (what training took and, for a multi-label model, its threshold); {} where
+    there is none or it cannot be read (a model saved before it was written, or another tool's)."""
+    try:
+        path = model_file(model, INPUTS_NAME)
+        return json.loads(Path(path).read_text()) if path else {}
+    except Exception:  # no such repo, offline, a foreign file: the model's own load reports it
+        return {}
 
 
 def misfit(model: str, adapter: dict, what: str) -> JobError:
@@ -461,18 +494,35 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         sentences = read_inputs(args.model, args.file, args.text_column)
         classifier = load_classifier(args.model, args.base_model)
+        if args.threshold is not None and classifier.model.config.problem_type != MULTI_LABEL:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"--threshold {args.threshold:g} picks the labels of a multi-label model, and {args.model} predicts "
+                "one label (or a score) a row; drop --threshold",
+            )
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code
     if not sentences:  # the pipeline fails on an empty batch; no sentences, no lines
         return 0
-    scores_only = classifier.model.config.problem_type == "regression"
-    predictions = classifier(sentences, batch_size=args.batch_size, truncation=True)
+    config = classifier.model.config
+    scores_only, multi_label = config.problem_type == "regression", config.problem_type == MULTI_LABEL
+    # Multi-label: every label's sigmoid score (top_k=None), the labels at or above the threshold printed.
+    every = {"top_k": None} if multi_label else {}
+    predictions = classifier(sentences, batch_size=args.batch_size, truncation=True, **every)
+    cut = args.threshold or trained_record(args.model).get("threshold", DEFAULT_THRESHOLD)
     try:
         for text, prediction in zip(sentences, predictions, strict=True):
-            label = {} if scores_only else {"label": prediction["label"]}
-            shown = {**(text if isinstance(text, dict) else {"text": text}), **label}
-            print(json.dumps({**shown, "score": round(float(prediction["score"]), 4)}), flush=True)
+            shown = text if isinstance(text, dict) else {"text": text}
+            if multi_label:
+                scores = {entry["label"]: float(entry["score"]) for entry in prediction}
+                scores = {name: scores[name] for name in config.id2label.values()}  # in id order
+                chosen = [name for name, score in scores.items() if score >= cut]  # before rounding
+                answer = {"labels": chosen, "scores": {name: round(score, 4) for name, score in scores.items()}}
+            else:
+                label = {} if scores_only else {"label": prediction["label"]}
+                answer = {**label, "score": round(float(prediction["score"]), 4)}
+            print(json.dumps({**shown, **answer}), flush=True)
     except BrokenPipeError:
         # The reader stopped reading (`| head`): end as a Unix tool does on SIGPIPE, without a traceback, and
         # with stdout on /dev/null so that the interpreter's own flush at exit does not fail again.
