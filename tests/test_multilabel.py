@@ -11,12 +11,15 @@ from __future__ import annotations
 import csv
 import json
 import random
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
-from tests.conftest import assert_refusal, base_env, run_main, run_predict, wait_all
+from tests.conftest import REPO, assert_refusal, base_env, run_main, run_predict, wait_all
 
 NAMES = ("blame", "motion", "praise")  # sorted: the order the data's names take without LABEL_NAMES
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
@@ -182,6 +185,26 @@ def test_predict_prints_every_label_above_the_threshold(lists_run, folder):
     assert low.code == 0, low.stderr[-3000:]
     for p, q in zip(predicted, map(json.loads, low.stdout.splitlines()), strict=True):
         assert set(p["labels"]) <= set(q["labels"]) and q["labels"] == [n for n in NAMES if q["scores"][n] >= 0.05]
+
+
+def test_the_readmes_multi_label_predict_command_runs_as_written(lists_run):
+    tmp = lists_run[0]
+    [command] = [
+        line.split(" #")[0].strip()
+        for line in (REPO / "README.md").read_text().splitlines()
+        if line.startswith("python predict.py") and "--threshold" in line
+    ]
+    cut = float(command.split("--threshold")[1].split()[0])
+    sentences = [s for s, _ in rows(random.Random(22), 6)]
+    (tmp / "comments.txt").write_text("".join(f"{s}\n" for s in sentences))
+    command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
+        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    predicted = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [p["text"] for p in predicted] == sentences
+    assert all(p["labels"] == [n for n in NAMES if p["scores"][n] >= cut] for p in predicted), predicted
 
 
 def test_predict_takes_the_threshold_the_model_was_trained_with(columns_run):
