@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -205,6 +206,29 @@ def test_the_readmes_multi_label_predict_command_runs_as_written(lists_run):
     predicted = [json.loads(line) for line in result.stdout.splitlines()]
     assert [p["text"] for p in predicted] == sentences
     assert all(p["labels"] == [n for n in NAMES if p["scores"][n] >= cut] for p in predicted), predicted
+
+
+@pytest.mark.parametrize("folder", ["model", "merged"])
+def test_the_cards_python_gives_the_scores_predict_prints(lists_run, folder):
+    """The card's snippet, run as written: every label's sigmoid score, as predict.py prints them."""
+    tmp = lists_run[0]
+    sentences = [s for s, _ in rows(random.Random(23), 4)]
+    [code] = re.findall(r"```python\n(.*?)```", (tmp / "out" / folder / "README.md").read_text(), re.S)
+    script = code + "\nimport json, sys\nprint(json.dumps(classifier(json.loads(sys.argv[1]))))"
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(sentences)],
+        capture_output=True,
+        text=True,
+        env=base_env(tmp),
+        cwd=tmp,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = json.loads(result.stdout.splitlines()[-1])
+    printed = run_predict(base_env(tmp), tmp / "out" / folder, stdin="".join(f"{s}\n" for s in sentences), cwd=tmp)
+    assert printed.code == 0, printed.stderr[-3000:]
+    for answer, line in zip(answers, printed.stdout.splitlines(), strict=True):
+        scores = {entry["label"]: entry["score"] for entry in answer}
+        assert scores == pytest.approx(json.loads(line)["scores"], abs=2e-4)
 
 
 def test_predict_takes_the_threshold_the_model_was_trained_with(columns_run):
