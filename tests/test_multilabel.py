@@ -251,6 +251,10 @@ def test_dry_run_shows_the_problem_type_and_threshold(tmp_path, tiny_bert):
     assert task["metrics"] == ["f1_micro", "f1_macro", "subset_accuracy"]
     assert task["metric_for_best_model"] == "f1_micro"
     assert shown.json()["identity"]["problem"] == "multi_label_classification"
+    # THRESHOLD is the run's only where the scores measured at it choose the saved model.
+    assert shown.json()["identity"]["threshold"] is None
+    chosen = run_main({**env, "LOAD_BEST_MODEL": "true"}, "--dry-run")
+    assert chosen.code == 0 and chosen.json()["identity"]["threshold"] == 0.3, chosen.stderr
 
 
 # ------------------------------------------------------------------------------- refusals

@@ -13,7 +13,7 @@ docs/reliability.md's list to that table):
   VALIDATION_FILE, never the folder's path; or the Hub data set's names; and which rows of it the run uses
   (VALIDATION_SPLIT, MAX_TRAIN_SAMPLES, MAX_EVAL_SAMPLES);
 - the label mapping (names in id order), a multi-label problem's 0/1 columns, and whether PROBLEM_TYPE asks for a
-  regression or a multi-label problem;
+  regression or a multi-label problem (and its THRESHOLD where the scores measured at it choose the saved model);
 - the DeepSpeed config's content under STRATEGY=deepspeed (DEEPSPEED_CONFIG's file, or ZERO_STAGE and ZERO_OFFLOAD);
 - each other training setting as the run resolves it: the learning rates the plan trains at (not whether
   LEARNING_RATE was given), the epochs only where MAX_STEPS does not decide, LORA_TARGET_MODULES as a set, the
@@ -56,6 +56,8 @@ FIELDS = {
     "label_names": "LABEL_NAMES: the label mapping given, names in id order (none for a regression or when unset: the "
     "data's own names then, or those the finished run recorded)",
     "label_columns": "LABEL_COLUMNS: a multi-label problem's 0/1 columns (none when unset)",
+    "threshold": "THRESHOLD: a multi-label problem's, only where it chooses the saved model (LOAD_BEST_MODEL or "
+    "EARLY_STOPPING_PATIENCE)",
     "problem": "PROBLEM_TYPE: regression, multi_label_classification, or auto (classification trains as auto does "
     "wherever both train)",
     "seed": "SEED",
@@ -102,7 +104,7 @@ ZERO = ("strategy", "zero_stage", "zero_offload", "deepspeed")
 # The fields that are None where the run does not use them (MAX_STEPS's None, by contrast, says the epochs decide).
 UNUSED_AS_NONE = frozenset(
     {"zero_stage", "zero_offload", "deepspeed", "per_device_batch_size", "int8_threshold", "label_names", "epochs"}
-    | {"label_columns"}
+    | {"label_columns", "threshold"}
 )
 # What from_pretrained reads of a local model folder: its config, tokenizer and weights files (not a README or notes).
 MODEL_FILES = frozenset(
@@ -120,6 +122,8 @@ def run_identity(
     where their runs do."""
     deepspeed = settings.strategy == "deepspeed"
     regression = settings.problem_type == REGRESSION
+    multi_label = settings.problem_type == MULTI_LABEL
+    choosing = settings.load_best_model or settings.early_stopping_patience is not None
     identity = {name: getattr(settings, name) for name in AS_GIVEN}
     identity.update(
         version=IDENTITY_VERSION,
@@ -130,6 +134,9 @@ def run_identity(
         # run, the one it recorded: nothing to compare before the data is read.
         label_names=given_label_names(settings) if not regression else None,
         label_columns=list(settings.label_columns) or None,
+        # The scores LOAD_BEST_MODEL and early stopping compare are measured at it: a restart at another would pick
+        # among checkpoints scored two ways. Otherwise it changes only what is reported.
+        threshold=settings.threshold if multi_label and choosing else None,
         problem=settings.problem_type if settings.problem_type in (REGRESSION, MULTI_LABEL) else "auto",
         epochs=None if settings.max_steps else settings.num_epochs,
         per_device_batch_size=settings.per_device_batch_size if batch_follows_replicas(settings) else None,
