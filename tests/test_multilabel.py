@@ -309,6 +309,24 @@ def test_a_label_column_of_lists_without_the_problem_type_is_refused(tmp_path, t
     refused_start(tmp_path, env, ["'tags'", "PROBLEM_TYPE=multi_label_classification"])
 
 
+@pytest.mark.check
+def test_joined_names_trained_one_label_a_row_are_warned_about(tmp_path, caplog):
+    """A multi-label csv trained without the problem type: each combination a class, and a warning with the fix."""
+    import logging
+
+    from utils.data import check_and_rename, load_raw
+    from utils.settings import Settings
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split in ("train", "validation"):
+        (folder / f"{split}.csv").write_text("sentence,tags\na,praise\nb,blame|praise\nc,blame\n")
+    settings = Settings(dataset_path=str(folder), label_column="tags")
+    with caplog.at_level(logging.WARNING, logger="utils.data"):
+        check_and_rename(load_raw(settings), settings)
+    assert "(row 2: 'blame|praise')" in caplog.text and "PROBLEM_TYPE=multi_label_classification" in caplog.text
+
+
 def test_class_ids_in_the_label_column_are_refused(tmp_path, tiny_bert, sst2_dir):
     env = multi_env(tmp_path, tiny_bert, sst2_dir)
     refused_start(tmp_path, env, ["'label'", "int64", "LABEL_COLUMNS"])

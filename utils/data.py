@@ -25,7 +25,7 @@ from datasets.fingerprint import Hasher
 from utils.delimited import DIALECTS, FILE_FORMATS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.local_inputs import check_carve, check_columns, check_splits, read_splits, split_files
-from utils.multi_label import multi_hot_labels
+from utils.multi_label import SEPARATOR, multi_hot_labels
 from utils.settings import Settings
 from utils.tasks import CLASSIFICATION, MULTI_LABEL, REGRESSION, validation_splits
 
@@ -214,6 +214,7 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
         feature = datasets.Value("float32")
         labelled = {s: _scores(ds, s, label) for s, ds in raw.items()}
     else:
+        _warn_joined_names(raw["train"], label)
         names = resolve_label_names(raw, settings)
         feature = datasets.ClassLabel(names=list(names))
         labelled = {s: _labels_as_ids(ds, s, label, names) for s, ds in raw.items()}
@@ -307,6 +308,21 @@ def _warn_unnamed_text(ds: datasets.Dataset, settings: Settings) -> None:
         log.warning(
             f"the data has another text column '{others[0]}' that no setting names: only '{column}' is trained on. "
             f"For sentence pairs set TEXT_COLUMN={column},{others[0]}"
+        )
+
+
+def _warn_joined_names(ds: datasets.Dataset, column: str) -> None:
+    """Text labels joined by `|` (`toxic|insult`), the way a multi-label csv writes them, trained one label a row:
+    each combination becomes a class of its own. Warned, not refused: a class name may hold the character."""
+    if not _is_text(ds.features[column]):
+        return
+    joined = pyarrow.compute.match_substring(ds.with_format("arrow")[column], SEPARATOR)
+    if pyarrow.compute.any(joined).as_py():
+        first = pyarrow.compute.index(joined, True).as_py()
+        log.warning(
+            f"the train split's '{column}' holds labels joined by '{SEPARATOR}' (row {first + 1}: "
+            f"{ds[first][column]!r}), each trained as one class: for rows with several labels set "
+            "PROBLEM_TYPE=multi_label_classification"
         )
 
 
