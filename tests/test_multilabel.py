@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
-from tests.conftest import REPO, assert_refusal, base_env, run_main, run_predict, wait_all
+from tests.conftest import REPO, assert_refusal, base_env, run_main, run_predict, tiny_run_settings, wait_all
 
 NAMES = ("blame", "motion", "praise")  # sorted: the order the data's names take without LABEL_NAMES
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
@@ -237,6 +237,15 @@ def test_predict_takes_the_threshold_the_model_was_trained_with(columns_run):
     assert result.code == 0, result.stderr[-3000:]
     [p] = [json.loads(line) for line in result.stdout.splitlines()]
     assert p["labels"] == [name for name in NAMES if p["scores"][name] >= 0.4]
+
+
+def test_predict_refuses_a_threshold_for_a_single_label_model(tmp_path, tiny_bert, sst2_dir):
+    settings = tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", MAX_STEPS=2, REPORT_TO="none")
+    result = run_main(base_env(tmp_path, **settings))
+    assert result.code == 0, result.stderr[-3000:]
+    refused = run_predict(base_env(tmp_path), tmp_path / "out" / "model", "--threshold", "0.3", stdin="a good film\n")
+    assert refused.stdout == ""
+    assert_refusal(refused, ["--threshold 0.3", "drop --threshold"])
 
 
 # ------------------------------------------------------------------------------- dry run
