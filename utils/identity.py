@@ -133,7 +133,7 @@ def run_identity(
         # Unset, the mapping is the data's (a ClassLabel's names, a word column's sorted values) or, on a finished
         # run, the one it recorded: nothing to compare before the data is read.
         label_names=given_label_names(settings) if not regression else None,
-        label_columns=list(settings.label_columns) or None,
+        label_columns=list(settings.label_columns) if settings.label_columns else None,
         # The scores LOAD_BEST_MODEL and early stopping compare are measured at it: a restart at another would pick
         # among checkpoints scored two ways. Otherwise it changes only what is reported.
         threshold=settings.threshold if multi_label and choosing else None,

@@ -28,7 +28,7 @@ SEPARATOR = "|"  # between the names in a csv/tsv cell
 
 
 def multi_hot_labels(
-    raw: DatasetDict, label_column: str, label_columns: tuple[str, ...], label_names: tuple[str, ...] | None
+    raw: DatasetDict, label_column: str, label_columns: tuple[str, ...] | None, label_names: tuple[str, ...] | None
 ) -> tuple[tuple[str, ...], dict[str, pyarrow.Array]]:
     """The label names in id order and each split's multi-hot vectors (a fixed-size list of float32 per row).
     `label_names`: LABEL_NAMES when given, else None (the training rows' names)."""

@@ -185,10 +185,8 @@ class Settings(BaseSettings):
         "LABEL_COLUMN holding each row's list of names, `|`-separated in a csv/tsv, or LABEL_COLUMNS); "
         "auto: regression for a float label column with fractions, else classification",
     )
-    # A tuple of names, the empty default written as the others are (comma-separated).
-    label_columns: Names[NameStr] = Field(
-        "",
-        max_length=MAX_LABELS,
+    label_columns: Annotated[Names[NameStr] | None, Field(min_length=1, max_length=MAX_LABELS)] = Field(
+        None,
         description="multi_label_classification: several 0/1 columns, one per label (toxic,obscene,insult), whose "
         "names are the label names; unset: LABEL_COLUMN holds each row's label names",
     )

@@ -111,7 +111,7 @@ def describe_task(settings) -> dict:
         "task": settings.task,
         "text_columns": list(settings.text_columns),
         "label_column": settings.label_column,
-        "label_columns": list(settings.label_columns),
+        "label_columns": list(settings.label_columns or ()),
         "label_names": [] if kind == REGRESSION else labels,
         "problem_type": problem,
         # Multi-label: the sigmoid score at which a label is predicted (metrics, best model, predict.py).
