@@ -139,6 +139,20 @@ def test_the_threshold_decides_what_counts_as_predicted():
     assert half["loss"] == pytest.approx((np.log1p(np.exp(-0.5)) + np.log1p(np.exp(0.5))) / 2)
 
 
+def test_a_length_bucket_leaves_the_multi_hot_labels_whole():
+    """The GPU paths' warm-up batches (compiled or captured step) pad each tensor of the sequence's length to a
+    bucket: 16 labels in a batch of 16 tokens are labels still."""
+    import torch
+
+    from utils.trainer import bucket_batch
+
+    batch = {"input_ids": torch.ones(2, 16, dtype=torch.long), "attention_mask": torch.ones(2, 16)}
+    batch["labels"] = torch.eye(2, 16)
+    padded = bucket_batch(batch, 32, pad=0)
+    assert padded["input_ids"].shape == padded["attention_mask"].shape == (2, 32)
+    assert torch.equal(padded["labels"], batch["labels"])
+
+
 # ------------------------------------------------------------------------------- both forms, trained
 def test_label_lists_train_a_multi_label_model(lists_run):
     tmp, metrics = lists_run

@@ -306,11 +306,13 @@ def bucket_batch(inputs: dict, length: int, pad: int) -> dict:
     """`inputs` cut or padded to `length` tokens, its last column padding, as a bucket's batches end: cut to a shorter
     bucket, the first batch's longest rows would have no padding left, a batch no real one is (in transformers,
     without padding the attention runs without a mask). Every tensor whose last dimension is the sequence (the ids,
-    the 2D or 4D masks) is cut; the filler is the pad token for the ids, 0 (masked) for the rest."""
+    the 2D or 4D masks) is cut; the filler is the pad token for the ids, 0 (masked) for the rest. The labels never
+    are: a multi-label batch's (rows x labels) would be taken for the sequence where the labels are as many as its
+    tokens."""
     tokens = inputs["input_ids"].shape[-1]
     batch = {}
     for name, value in inputs.items():
-        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[-1] == tokens:
+        if name != "labels" and torch.is_tensor(value) and value.dim() >= 2 and value.shape[-1] == tokens:
             filler = pad if name == "input_ids" else 0
             value = value[..., : length - 1]
             value = torch.nn.functional.pad(value, (0, length - value.shape[-1]), value=filler)
