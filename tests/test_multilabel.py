@@ -355,6 +355,21 @@ def test_class_ids_in_the_label_column_are_refused(tmp_path, tiny_bert, sst2_dir
     refused_start(tmp_path, env, ["'label'", "int64", "LABEL_COLUMNS"])
 
 
+def test_the_step_on_static_buffers_trains_as_the_eager_step(tmp_path, tiny_bert):
+    """CUDA_GRAPHS=true on the CPU runs the captured step's code on its static buffers (float multi-hot labels
+    among them): the same losses, step by step, as the eager step."""
+    data = write_lists(tmp_path / "data", train=96, validation=8)
+    losses = {}
+    for captured in ("true", "false"):
+        out = tmp_path / f"out-{captured}"
+        extra = dict(OUTPUT_DIR=out, MAX_STEPS=4, LOGGING_STEPS=1, LORA_DROPOUT=0, CUDA_GRAPHS=captured)
+        result = run_main(multi_env(tmp_path, tiny_bert, data, **extra))
+        assert result.code == 0, result.stderr[-3000:]
+        state = json.loads((out / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
+        losses[captured] = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+    assert len(losses["true"]) == 4 and losses["true"] == pytest.approx(losses["false"], rel=1e-6), losses
+
+
 # ------------------------------------------------------------------------------- two replicas
 @pytest.mark.slow
 def test_two_replicas_train_and_evaluate_the_whole_split(tmp_path, tiny_bert, replicas):
