@@ -37,9 +37,9 @@ from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.model_card import INPUTS_NAME, LABELS_NAME, read_label_names
 from utils.settings import Parser
+from utils.tasks import MULTI_LABEL
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
-MULTI_LABEL = "multi_label_classification"  # transformers' problem_type of a multi-label head
 DEFAULT_THRESHOLD = 0.5  # a logit of 0: for a multi-label model that records no THRESHOLD
 
 # A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.

@@ -15,6 +15,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from utils.recipe import recipe_summary
 from utils.settings import Settings, resolve_base_model_id
+from utils.tasks import MULTI_LABEL
 
 PLOT_NAME = "training_curves.png"
 LABELS_NAME = "id2label.json"  # the label names beside an adapter (its config.json would be the base model's)
@@ -23,9 +24,8 @@ LABELS_NAME = "id2label.json"  # the label names beside an adapter (its config.j
 INPUTS_NAME = "inputs.json"
 CARD_METRICS = ("accuracy", "f1", "precision", "recall", "matthews_correlation", "pearson", "spearman", "mse")
 CARD_METRICS += ("f1_micro", "f1_macro")  # multi-label (subset_accuracy is an accuracy)
-# the validation curve, the first logged
+# The validation curve: the first of these logged is drawn.
 CURVE_METRICS = ("eval_accuracy", "eval_matched_accuracy", "eval_pearson", "eval_f1_micro")
-MULTI_LABEL = "multi_label_classification"  # metrics.json's problem_type of a multi-label run (utils/tasks.py)
 REGRESSION_LABEL = "score"  # the one output of a regression model (utils/model.label_config)
 
 CARD_TEMPLATE = """---
