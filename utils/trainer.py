@@ -690,7 +690,8 @@ def multi_label_metrics(threshold: float):
     def compute(eval_pred):
         logits = np.asarray(eval_pred.predictions, dtype=np.float64)
         references = np.asarray(eval_pred.label_ids, dtype=np.float64)
-        predicted = 1.0 / (1.0 + np.exp(-logits)) >= threshold
+        # sigmoid(logit) >= threshold, as the logit against the threshold's own (no overflow for a large logit).
+        predicted = logits >= np.log(threshold / (1 - threshold))
         scores = metric.compute(predictions=predicted.astype(np.int32), references=references.astype(np.int32))
         # BCEWithLogitsLoss, written so that a large logit does not overflow the exponential.
         loss = float(np.mean(np.maximum(logits, 0) - logits * references + np.log1p(np.exp(-np.abs(logits)))))
