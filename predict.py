@@ -14,7 +14,9 @@ text column(s) are the ones the model was trained on (inputs.json beside it; `se
 that was recorded), or --text-column's (two for a sentence-pair model, `--text-column premise,hypothesis`).
 
 Each input row prints as one JSON line, in input order: {"text": ..., "label": "positive", "score": 0.97}, a pair
-adding "text_pair", a regression model printing its score and no label, and a file's other columns carried
+adding "text_pair", a regression model printing its score and no label, a multi-label model every label whose
+sigmoid score is at least --threshold (default: the THRESHOLD it was trained with) and every label's score,
+{"text": ..., "labels": ["toxic"], "scores": {"toxic": 0.91, "insult": 0.12}}, and a file's other columns carried
 through under their own names (`{"text": ..., "idx": 3, "label": ..., "score": ...}`); a column named text,
 text_pair, label or score is carried as input_<name> (a labelled file's own label is "input_label"). No rows, no
 lines. When the file has the label column the model was trained with (or --label-column's), the metrics of
@@ -47,6 +49,7 @@ from pathlib import Path
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.model_card import BASE_NAME, INPUTS_NAME, LABELS_NAME, read_base_fingerprint, read_label_names
 from utils.predictions import (
+    DEFAULT_THRESHOLD,
     FORMATS,
     answer_rows,
     classify,
@@ -59,6 +62,7 @@ from utils.predictions import (
     score_answers,
 )
 from utils.settings import Parser
+from utils.tasks import MULTI_LABEL
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
 
@@ -75,6 +79,17 @@ def batch_size(value: str) -> int:
     if not 1 <= size <= MAX_BATCH_SIZE:
         raise argparse.ArgumentTypeError(f"{size} is out of range; give 1 to {MAX_BATCH_SIZE}")
     return size
+
+
+def threshold(value: str) -> float:
+    """--threshold as argparse checks it: a number above 0 and below 1 (THRESHOLD's range), else one `error:` line."""
+    try:
+        score = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number; give a score above 0 and below 1") from None
+    if not 0 < score < 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; give a score above 0 and below 1")
+    return score
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,6 +123,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=batch_size,
         default=64,
         help=f"sentences per forward pass, 1 to {MAX_BATCH_SIZE} (default: 64)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=threshold,
+        help="multi-label models: print each label whose sigmoid score is at least this (default: the THRESHOLD the "
+        f"model was trained with, else {DEFAULT_THRESHOLD})",
     )
     # Intermixed: `predict.py MODEL --base-model X FILE` (the README's order) reads FILE as FILE.
     return parser.parse_intermixed_args(argv)
@@ -247,13 +268,15 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
     from utils.model import first_line, load_base
 
     base_id = base_model or adapter["base_model_name_or_path"]
+    # A multi-label head (sigmoid scores) as inputs.json records it: the base's config does not know it.
+    multi_label = recorded_input(model, "problem_type") == MULTI_LABEL
     labels = model_file(model, LABELS_NAME)
     id2label = read_label_names(Path(labels).parent) if labels else None  # None: the base's own head
     # The head the adapter restores as peft loads it (modules_to_save): a base's head of another size is
     # no news to whoever runs this.
     restored = ["classifier", "score", *(adapter.get("modules_to_save") or [])]
     try:
-        base = load_base(base_id, [id2label[i] for i in sorted(id2label)] if id2label else None, restored)
+        base = load_base(base_id, [id2label[i] for i in sorted(id2label)] if id2label else None, restored, multi_label)
     except OSError as exc:
         raise JobError(
             EXIT_BAD_INPUT,
@@ -375,11 +398,26 @@ def main(argv: list[str] | None = None) -> int:
             )
         classifier = load_classifier(args.model, args.base_model)
         labels = model_labels(classifier)
-        labelled = references(inputs, labels, label_column)
+        multi_label = classifier.model.config.problem_type == MULTI_LABEL
+        if args.threshold is not None and not multi_label:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"--threshold {args.threshold:g} picks the labels of a multi-label model, and {args.model} predicts "
+                "one label (or a score) a row; drop --threshold",
+            )
+        if args.metrics and multi_label:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"--metrics {args.metrics}: predict.py scores single-label and regression models; a multi-label "
+                "model's scores are its run's metrics.json (eval_f1_micro, eval_f1_macro, eval_subset_accuracy); "
+                "drop --metrics",
+            )
+        labelled = [] if multi_label else references(inputs, labels, label_column)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.code
-    answers = classify(classifier, inputs.texts, args.batch_size)
+    cut = args.threshold if args.threshold is not None else recorded_input(args.model, "threshold")
+    answers = classify(classifier, inputs.texts, args.batch_size, cut)
     try:
         for row in answer_rows(inputs, answers):
             print(json.dumps(row, default=str), flush=True)

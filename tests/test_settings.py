@@ -336,6 +336,8 @@ OVER_THE_BOUND = {
     "max_eval_samples": ("1000000001", "(range: 1 to 1000000000)"),
     "text_column": ("t" * 256, "255"),
     "label_column": ("l" * 256, "255"),
+    "label_columns": (",".join(["c"] * 10001), "10000"),
+    "threshold": ("1", "(range: above 0 to below 1)"),
     "base_model_id": ("me/" + "b" * 97, "your-name/model-name"),
     "output_dir": (PATH, "4096"),
     "run_name": ("r" * 101, "1-100"),

@@ -25,8 +25,9 @@ from datasets.fingerprint import Hasher
 from utils.delimited import DIALECTS, FILE_FORMATS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError, volume_state
 from utils.local_inputs import check_carve, check_columns, check_splits, read_splits, split_files
+from utils.multi_label import SEPARATOR, multi_hot_labels
 from utils.settings import Settings
-from utils.tasks import CLASSIFICATION, REGRESSION, validation_splits
+from utils.tasks import CLASSIFICATION, MULTI_LABEL, REGRESSION, validation_splits
 from utils.texts import check_texts
 
 log = logging.getLogger(__name__)
@@ -179,22 +180,42 @@ def load_raw(settings: Settings) -> DatasetDict:
 def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
     """Keep the text column(s) and the label under fixed names (`text`, `text_pair`, `labels`); refuse empty splits
     and labels the job cannot train. The labels leave as the ids of a ClassLabel that holds their names (what the
-    model's id2label, the metrics and the card read), or as float32 scores for regression."""
+    model's id2label, the metrics and the card read), as float32 scores for regression, or as float32 multi-hot
+    vectors for a multi-label problem (utils/multi_label.py), their names in the feature (`label_names_of`)."""
     columns, label = settings.text_columns, settings.label_column
-    raw = DatasetDict({split: _numbers_as_numbers(ds, label) for split, ds in raw.items()})
+    multi = settings.problem_type == MULTI_LABEL
+    if not multi:
+        raw = DatasetDict({split: _numbers_as_numbers(ds, label) for split, ds in raw.items()})
     for split, ds in raw.items():
-        check_columns(split, ds.column_names, columns, label)
+        check_columns(split, ds.column_names, columns, settings.label_source_columns)
         if len(ds) == 0:
             raise JobError(EXIT_BAD_INPUT, f"the {split} split is empty; it needs at least one row")
         for column in columns:
             _check_text(ds, split, column)
-        _check_label_values(ds, split, label)
+        if not multi:
+            _check_label_values(ds, split, label)
     _warn_unnamed_text(raw["train"], settings)
+    if multi:
+        given = settings.label_names if "label_names" in settings.model_fields_set else None
+        names, vectors = multi_hot_labels(raw, label, settings.label_columns, given)
+        # The names ride in the id of the vectors' values, which datasets keeps through map, select and
+        # save_to_disk: the checked and the cached data say what each position is, as a ClassLabel does.
+        feature = datasets.List(datasets.Value("float32", id=json.dumps(names)), length=len(names))
+        texts = dict(zip(columns, TEXTS, strict=False))
+        return DatasetDict(
+            {
+                split: ds.select_columns(list(columns))
+                .add_column(LABEL, vectors[split], feature=feature)
+                .rename_columns(texts)
+                for split, ds in raw.items()
+            }
+        )
     problem = resolve_problem_type(raw["train"], settings)
     if problem == REGRESSION:
         feature = datasets.Value("float32")
         labelled = {s: _scores(ds, s, label) for s, ds in raw.items()}
     else:
+        _warn_joined_names(raw["train"], label)
         names = resolve_label_names(raw, settings)
         feature = datasets.ClassLabel(names=list(names))
         labelled = {s: _labels_as_ids(ds, s, label, names) for s, ds in raw.items()}
@@ -282,6 +303,21 @@ def _warn_unnamed_text(ds: datasets.Dataset, settings: Settings) -> None:
         )
 
 
+def _warn_joined_names(ds: datasets.Dataset, column: str) -> None:
+    """Text labels joined by `|` (`toxic|insult`), the way a multi-label csv writes them, trained one label a row:
+    each combination becomes a class of its own. Warned, not refused: a class name may hold the character."""
+    if not _is_text(ds.features[column]):
+        return
+    joined = pyarrow.compute.match_substring(ds.with_format("arrow")[column], SEPARATOR)
+    if pyarrow.compute.any(joined).as_py():
+        first = pyarrow.compute.index(joined, True).as_py()
+        log.warning(
+            f"the train split's '{column}' holds labels joined by '{SEPARATOR}' (row {first + 1}: "
+            f"{ds[first][column]!r}), each trained as one class: for rows with several labels set "
+            "PROBLEM_TYPE=multi_label_classification"
+        )
+
+
 def _is_float(feature) -> bool:
     return getattr(feature, "dtype", None) in ("float16", "float32", "float64")
 
@@ -298,6 +334,12 @@ def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
     column = settings.label_column
     feature = train.features[column]
     named = "label_names" in settings.model_fields_set
+    if isinstance(feature, datasets.List | datasets.LargeList):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the train split's '{column}' lists labels per row (a multi-label problem), and PROBLEM_TYPE="
+            f"{settings.problem_type} trains one label per row; set PROBLEM_TYPE=multi_label_classification",
+        )
     if settings.problem_type == REGRESSION and named:
         given = f"TASK={settings.task}" if settings.task else f"PROBLEM_TYPE={settings.problem_type}"
         raise JobError(
@@ -676,4 +718,6 @@ def report_unknown_tokens(train: datasets.Dataset, tokenizer) -> None:
 def label_names_of(data: DatasetDict) -> tuple[str, ...]:
     """The class names in id order the checked data carries, or `()` for regression (float scores)."""
     feature = data["train"].features[LABEL]
+    if isinstance(feature, datasets.List) and feature.feature.id:  # multi-hot vectors (check_and_rename)
+        return tuple(json.loads(feature.feature.id))
     return tuple(feature.names) if isinstance(feature, datasets.ClassLabel) else ()

@@ -12,7 +12,8 @@ docs/reliability.md's list to that table):
   known suffix, or every file of a save_to_disk folder, or the one file it names), or of TRAIN_FILE and
   VALIDATION_FILE, never the folder's path; or the Hub data set's names; and which rows of it the run uses
   (VALIDATION_SPLIT, MAX_TRAIN_SAMPLES, MAX_EVAL_SAMPLES);
-- the label mapping (names in id order) and whether PROBLEM_TYPE asks for a regression;
+- the label mapping (names in id order), a multi-label problem's 0/1 columns, and whether PROBLEM_TYPE asks for a
+  regression or a multi-label problem (and its THRESHOLD where the scores measured at it choose the saved model);
 - the DeepSpeed config's content under STRATEGY=deepspeed (DEEPSPEED_CONFIG's file, or ZERO_STAGE and ZERO_OFFLOAD);
 - each other training setting as the run resolves it: the learning rates the plan trains at (not whether
   LEARNING_RATE was given), the epochs only where MAX_STEPS does not decide, LORA_TARGET_MODULES as a set, the
@@ -37,7 +38,7 @@ from typing import Any
 from utils.delimited import data_files
 from utils.errors import EXIT_BAD_INPUT, JobError
 from utils.settings import Settings, batch_follows_replicas
-from utils.tasks import REGRESSION, validation_splits
+from utils.tasks import MULTI_LABEL, REGRESSION, validation_splits
 
 # Bumped when a field's meaning changes: an identity another version recorded is compared on the fields both hold.
 IDENTITY_VERSION = 2
@@ -54,7 +55,11 @@ FIELDS = {
     "label_column": "LABEL_COLUMN",
     "label_names": "LABEL_NAMES: the label mapping given, names in id order (none for a regression or when unset: the "
     "data's own names then, or those the finished run recorded)",
-    "problem": "PROBLEM_TYPE: regression, or auto (classification trains as auto does wherever both train)",
+    "label_columns": "LABEL_COLUMNS: a multi-label problem's 0/1 columns (none when unset)",
+    "threshold": "THRESHOLD: a multi-label problem's, only where it chooses the saved model (LOAD_BEST_MODEL or "
+    "EARLY_STOPPING_PATIENCE)",
+    "problem": "PROBLEM_TYPE: regression, multi_label_classification, or auto (classification trains as auto does "
+    "wherever both train)",
     "seed": "SEED",
     "max_seq_length": "MAX_SEQ_LENGTH",
     "max_steps": "MAX_STEPS",
@@ -99,6 +104,7 @@ ZERO = ("strategy", "zero_stage", "zero_offload", "deepspeed")
 # The fields that are None where the run does not use them (MAX_STEPS's None, by contrast, says the epochs decide).
 UNUSED_AS_NONE = frozenset(
     {"zero_stage", "zero_offload", "deepspeed", "per_device_batch_size", "int8_threshold", "label_names", "epochs"}
+    | {"label_columns", "threshold"}
 )
 # What from_pretrained reads of a local model folder: its config, tokenizer and weights files (not a README or notes).
 MODEL_FILES = frozenset(
@@ -116,6 +122,8 @@ def run_identity(
     where their runs do."""
     deepspeed = settings.strategy == "deepspeed"
     regression = settings.problem_type == REGRESSION
+    multi_label = settings.problem_type == MULTI_LABEL
+    choosing = settings.load_best_model or settings.early_stopping_patience is not None
     identity = {name: getattr(settings, name) for name in AS_GIVEN}
     identity.update(
         version=IDENTITY_VERSION,
@@ -125,7 +133,11 @@ def run_identity(
         # Unset, the mapping is the data's (a ClassLabel's names, a word column's sorted values) or, on a finished
         # run, the one it recorded: nothing to compare before the data is read.
         label_names=given_label_names(settings) if not regression else None,
-        problem=REGRESSION if regression else "auto",
+        label_columns=list(settings.label_columns) if settings.label_columns else None,
+        # The scores LOAD_BEST_MODEL and early stopping compare are measured at it: a restart at another would pick
+        # among checkpoints scored two ways. Otherwise it changes only what is reported.
+        threshold=settings.threshold if multi_label and choosing else None,
+        problem=settings.problem_type if settings.problem_type in (REGRESSION, MULTI_LABEL) else "auto",
         epochs=None if settings.max_steps else settings.num_epochs,
         per_device_batch_size=settings.per_device_batch_size if batch_follows_replicas(settings) else None,
         global_batch=global_batch,

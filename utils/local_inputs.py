@@ -252,9 +252,16 @@ def check_splits(present: Iterable[str], splits: tuple[str, ...]) -> None:
         raise JobError(EXIT_BAD_INPUT, f"the data set has no {missing} split (it has {sorted(present)}); provide it")
 
 
-def check_columns(split: str, column_names: list[str], text_columns: tuple[str, ...], label_column: str) -> None:
-    """The split has the text column(s) and the label column the settings name."""
-    for setting, column in [*(("TEXT_COLUMN", column) for column in text_columns), ("LABEL_COLUMN", label_column)]:
+def check_columns(
+    split: str, column_names: list[str], text_columns: tuple[str, ...], label_columns: tuple[str, ...]
+) -> None:
+    """The split has the text column(s) and the label column(s) the settings name (LABEL_COLUMNS: a multi-label
+    problem's 0/1 columns, two or more)."""
+    label_setting = "LABEL_COLUMNS" if len(label_columns) > 1 else "LABEL_COLUMN"
+    for setting, column in [
+        *(("TEXT_COLUMN", column) for column in text_columns),
+        *((label_setting, column) for column in label_columns),
+    ]:
         if column not in column_names:
             raise JobError(
                 EXIT_BAD_INPUT,
@@ -324,12 +331,12 @@ def data_splits(settings: Settings) -> tuple[str, ...]:
 def check_dataset(settings: Settings) -> None:
     """What --dry-run checks of the local data: each split's file (or the DatasetDict's splits) and the columns the
     settings name, by the functions the run's loader calls (utils/data.py); the test split's file and text columns."""
-    text_columns, label_column = settings.text_columns, settings.label_column
+    text_columns, label_columns = settings.text_columns, settings.label_source_columns
     if (test := test_split_file(settings)) is not None:
         check_test_columns(test, text_columns)
     columns: Mapping[str, list[str] | None]
     if (files := split_files(settings)) is not None:
-        columns = {split: file_columns(Path(p), [*text_columns, label_column]) for split, p in files.items()}
+        columns = {split: file_columns(Path(p), [*text_columns, *label_columns]) for split, p in files.items()}
     elif not settings.dataset_path:
         return  # the Hub's data set: no network here
     elif (saved := saved_columns(Path(settings.dataset_path))) is None:
@@ -340,4 +347,4 @@ def check_dataset(settings: Settings) -> None:
         columns = saved
     for split in read_splits(settings):
         if (names := columns.get(split)) is not None:
-            check_columns(split, names, text_columns, label_column)
+            check_columns(split, names, text_columns, label_columns)

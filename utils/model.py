@@ -31,6 +31,7 @@ from utils.local_inputs import check_model_folder, no_tokenizer
 from utils.model_card import INPUTS_NAME, REGRESSION_LABEL, read_label_names
 from utils.recipe import lora_options
 from utils.settings import Settings
+from utils.tasks import MULTI_LABEL
 
 log = logging.getLogger(__name__)
 
@@ -184,29 +185,34 @@ def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) 
     )
 
 
-def label_config(names: Sequence[str]) -> dict:
+def label_config(names: Sequence[str], multi_label: bool = False) -> dict:
     """The classifier's size and label names, so a pipeline over the saved model says 'positive', not 'LABEL_1'.
-    `names`: the class names in id order, `()` or `[score]` for regression (one output trained with MSE)."""
+    `names`: the class names in id order, `()` or `[score]` for regression (one output trained with MSE);
+    `multi_label`: one sigmoid output per label, trained with binary cross-entropy on multi-hot labels."""
     regression = list(names) in ([], [REGRESSION_LABEL])
     names = [REGRESSION_LABEL] if regression else list(names)
+    problem = "regression" if regression else MULTI_LABEL if multi_label else "single_label_classification"
     return {
         "num_labels": len(names),
-        "problem_type": "regression" if regression else "single_label_classification",
+        "problem_type": problem,
         "id2label": dict(enumerate(names)),
         "label2id": {name: index for index, name in enumerate(names)},
     }
 
 
-def load_base(name: str, labels: Sequence[str] | None, restored: Iterable[str], **kwargs) -> torch.nn.Module:
-    """AutoModelForSequenceClassification of `name` with a head for `labels` (None: the checkpoint's own), no code
-    of its own run. OSError or ValueError when the model cannot be loaded.
+def load_base(
+    name: str, labels: Sequence[str] | None, restored: Iterable[str], multi_label: bool = False, **kwargs
+) -> torch.nn.Module:
+    """AutoModelForSequenceClassification of `name` with a head for `labels` (None: the checkpoint's own; a
+    multi-label head where `multi_label`), no code of its own run. OSError or ValueError when the model cannot be
+    loaded.
 
     A base whose head has another size (a 2-label checkpoint under a 3-class task) gets from_pretrained's leave
     to start a new one: training trains it from scratch, an adapter restores its own. Only then: a mismatch
     anywhere else stays an error. transformers' LOAD REPORT is held back when every weight it names missing or
     resized belongs to a module in `restored` (a head trained in full): its table, with terminal colours, said
     nothing wrong on every N-class or regression model. A report naming any other weight is shown as it was."""
-    heads = label_config(labels) if labels is not None else {}
+    heads = label_config(labels, multi_label) if labels is not None else {}
     if heads and AutoConfig.from_pretrained(name, **NO_REMOTE_CODE).num_labels != heads["num_labels"]:
         heads["ignore_mismatched_sizes"] = True
     held: list[logging.LogRecord] = []
@@ -294,7 +300,9 @@ def build_model(
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
     with _loading(settings):
-        model = load_base(settings.model_name, settings.label_names if labels is None else labels, head, **kwargs)
+        multi_label = settings.problem_type == MULTI_LABEL
+        names = settings.label_names if labels is None else labels
+        model = load_base(settings.model_name, names, head, multi_label, **kwargs)
     if quantize and settings.quantization == "4bit" and device.type == "cpu":
         # bitsandbytes 0.50 repacks a 4-bit weight for its CPU inference kernel at the first forward without gradients
         # (an evaluation) and leaves it so: the training step after it fails ("a view of a leaf Variable ... in-place").
@@ -425,7 +433,8 @@ def load_adapted(settings: Settings, adapter_dir: Path) -> PeftModel:
     saved = read_label_names(adapter_dir)
     labels = [saved[index] for index in sorted(saved)] if saved else settings.label_names
     with _loading(settings):
-        base = load_base(settings.model_name, labels, (CLASSIFIER, "score"), dtype=torch.float32)
+        multi_label = settings.problem_type == MULTI_LABEL
+        base = load_base(settings.model_name, labels, (CLASSIFIER, "score"), multi_label, dtype=torch.float32)
     return PeftModel.from_pretrained(base, str(adapter_dir))
 
 

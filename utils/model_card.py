@@ -15,17 +15,20 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from utils.recipe import recipe_summary
 from utils.settings import Settings, resolve_base_model_id
+from utils.tasks import MULTI_LABEL
 
 PLOT_NAME = "training_curves.png"
 LABELS_NAME = "id2label.json"  # the label names beside an adapter (its config.json would be the base model's)
-INPUTS_NAME = (
-    "inputs.json"  # the text column(s) (one sentence, or a pair) and label column trained on: predict.py's defaults
-)
+# The text column(s) (one sentence, or a pair) and label column trained on, predict.py's defaults, and for a
+# multi-label model its problem type and THRESHOLD, which the base's config beside an adapter does not know.
+INPUTS_NAME = "inputs.json"
 # The base the adapter was trained on, as the run's identity fingerprints it (utils/identity.model_digest): predict.py
 # and the merge refuse a local base whose files differ from it.
 BASE_NAME = "base_model.json"
 CARD_METRICS = ("accuracy", "f1", "precision", "recall", "matthews_correlation", "pearson", "spearman", "mse")
-CURVE_METRICS = ("eval_accuracy", "eval_matched_accuracy", "eval_pearson")  # the validation curve, the first logged
+CARD_METRICS += ("f1_micro", "f1_macro")  # multi-label (subset_accuracy is an accuracy)
+# The validation curve: the first of these logged is drawn.
+CURVE_METRICS = ("eval_accuracy", "eval_matched_accuracy", "eval_pearson", "eval_f1_micro")
 REGRESSION_LABEL = "score"  # the one output of a regression model (utils/model.label_config)
 
 CARD_TEMPLATE = """---
@@ -79,6 +82,8 @@ def write_label_names(folder: Path, settings: Settings, metrics: dict) -> None:
     names = run_labels(settings, metrics) or [REGRESSION_LABEL]
     (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(names)), indent=2) + "\n")
     inputs = {"text_columns": list(settings.text_columns), "label_column": settings.label_column}
+    if metrics.get("problem_type") == MULTI_LABEL:
+        inputs |= {"problem_type": MULTI_LABEL, "threshold": metrics["threshold"]}
     (folder / INPUTS_NAME).write_text(json.dumps(inputs, indent=2) + "\n")
 
 
@@ -154,6 +159,11 @@ def task_summary(settings: Settings, metrics: dict) -> str:
     task = f"GLUE {settings.task.upper()}: " if settings.task else ""
     if not labels:
         return f"{task}{pairs}regression (one score, {settings.label_column})"
+    if metrics.get("problem_type") == MULTI_LABEL:
+        return (
+            f"{pairs}multi-label classification into any of {len(labels)} labels ({' / '.join(labels)}), each "
+            f"predicted where its sigmoid score is at least {metrics['threshold']:g}"
+        )
     if not settings.task and not pairs and len(labels) == 2:
         return f"binary sentiment classification ({' / '.join(labels)})"
     return f"{task}{pairs}classification into {len(labels)} classes ({' / '.join(labels)})"
@@ -179,23 +189,29 @@ def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: 
         else '"a gripping, beautifully acted film"'
     )
     answer = '[{"label": "score", "score": <the predicted score>}]' if not labels else '[{"label": ..., "score": ...}]'
+    multi = metrics.get("problem_type") == MULTI_LABEL
+    # Multi-label: every label's sigmoid score (top_k=None), each a label of the text at or above the threshold.
+    every = ", top_k=None" if multi else ""
+    if multi:
+        answer = f"every label with its sigmoid score; the text has those at or above {metrics['threshold']:g}"
     if merged:
         return (
-            f'from transformers import pipeline\n\nclassifier = pipeline("text-classification", model="{repo_or_path}")\n'
+            f'from transformers import pipeline\n\nclassifier = pipeline("text-classification", model="{repo_or_path}"{every})\n'
             f"classifier({example})  # {answer}"
         )
     id2label = dict(enumerate(labels or [REGRESSION_LABEL]))
     label2id = {name: index for index, name in id2label.items()}
-    problem = ', "problem_type": "regression"' if not labels else ""
+    problem = ', "problem_type": "regression"' if not labels else f', "problem_type": "{MULTI_LABEL}"' if multi else ""
     # A base checkpoint with a head of two outputs (most have none) would refuse a head of another size.
     resized = ', "ignore_mismatched_sizes": True' if len(id2label) != 2 else ""
     what = "label names and that it is a regression" if not labels else "label names"
+    what = f"label names and that it is {MULTI_LABEL}" if multi else what
     head = " (its head, of another size, comes with the adapter)" if resized else ""
     return (
         "from transformers import pipeline\n\n"
         f"# The base model's config knows no {what}: pass them (also in {LABELS_NAME} beside the adapter){head}.\n"
         f'config = {{"id2label": {id2label}, "label2id": {label2id}{problem}{resized}}}\n'
-        f'classifier = pipeline("text-classification", model="{repo_or_path}", model_kwargs=config)\n'
+        f'classifier = pipeline("text-classification", model="{repo_or_path}", model_kwargs=config{every})\n'
         f"classifier({example})  # {answer}\n\n"
         "# or, as a PEFT model:\n"
         "from peft import AutoPeftModelForSequenceClassification\n"
@@ -260,6 +276,7 @@ def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: s
         "precision": metrics.get("precision", "?"),
         "quantization": metrics.get("quantization", "?"),
         "max sequence length": settings.max_seq_length,
+        **({"threshold": f"{metrics['threshold']:g} (sigmoid score)"} if "threshold" in metrics else {}),
         "seed": settings.seed,
         "train runtime": f"{metrics['train_runtime']:.0f} s" if "train_runtime" in metrics else "?",
         "run name": metrics.get("run_name"),

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.tasks import MULTI_LABEL
 from utils.texts import NUL, check_texts, nul_refusal
 
 # The input is read whole, then held as sentences and their answers: 256 MiB is millions of sentences, and `/dev/zero`
@@ -37,8 +38,16 @@ MAX_INPUT_BYTES = 256 * 2**20
 JSON_SUFFIXES = (".json", ".jsonl")
 TABLE_SUFFIXES = (*DIALECTS, *JSON_SUFFIXES, ".parquet")
 FORMATS = "a .csv, .tsv, .json, .jsonl or .parquet file"
-ANSWER_KEYS = ("text", "text_pair", "label", "score")  # what each line says; an input column by these names is renamed
+ANSWER_KEYS = (
+    "text",
+    "text_pair",
+    "label",
+    "score",
+    "labels",
+    "scores",
+)  # what each line says; an input column by these names is renamed
 UNLABELLED = -1  # GLUE's test splits label every row -1: no label
+DEFAULT_THRESHOLD = 0.5  # a logit of 0: for a multi-label model that records no THRESHOLD
 METRIC_MODULES = {
     False: str(Path(__file__).with_name("classification_metrics.py")),
     True: str(Path(__file__).with_name("regression_metrics.py")),
@@ -269,11 +278,24 @@ def decode_text(data: bytes, source: str) -> str:
 
 
 # ------------------------------------------------------------------------------- answers
-def classify(classifier, texts: list, batch_size: int) -> list[dict]:
-    """The pipeline's answer to each text, in order: `{"label", "score"}`, or `{"score"}` for a regression model."""
+def classify(classifier, texts: list, batch_size: int, threshold: float | None = None) -> list[dict]:
+    """The pipeline's answer to each text, in order: `{"label", "score"}`, `{"score"}` for a regression model, or
+    for a multi-label model `{"labels", "scores"}`: every label whose sigmoid score is at least `threshold` (None:
+    DEFAULT_THRESHOLD), and each label's score, in id order."""
     if not texts:  # the pipeline fails on an empty batch
         return []
-    scores_only = classifier.model.config.problem_type == "regression"
+    config = classifier.model.config
+    if config.problem_type == MULTI_LABEL:
+        cut = DEFAULT_THRESHOLD if threshold is None else threshold
+        answers = classifier(texts, batch_size=batch_size, truncation=True, top_k=None)  # every label's sigmoid
+        names = [config.id2label[i] for i in sorted(config.id2label)]
+        rows = []
+        for answer in answers:
+            scores = {entry["label"]: float(entry["score"]) for entry in answer}
+            chosen = [name for name in names if scores[name] >= cut]  # before rounding
+            rows.append({"labels": chosen, "scores": {name: round(scores[name], 4) for name in names}})
+        return rows
+    scores_only = config.problem_type == "regression"
     answers = classifier(texts, batch_size=batch_size, truncation=True)
     return [
         {**({} if scores_only else {"label": answer["label"]}), "score": round(float(answer["score"]), 4)}
@@ -402,8 +424,11 @@ def write_test_predictions(run, settings, path: Path) -> dict | None:
     inputs = read_inputs(path, list(settings.text_columns), settings.label_column)
     classifier = load_pipeline(settings, run.model)
     labels = model_labels(classifier)
-    labelled = references(inputs, labels, settings.label_column)
-    answers = classify(classifier, inputs.texts, settings.per_device_batch_size)
+    # A multi-label test split is answered, not scored: its labels are lists or several columns (metrics.json has
+    # the validation's F1 and subset accuracy).
+    multi_label = classifier.model.config.problem_type == MULTI_LABEL
+    labelled = [] if multi_label else references(inputs, labels, settings.label_column)
+    answers = classify(classifier, inputs.texts, settings.per_device_batch_size, settings.threshold)
     metrics = score_answers(answers, labelled, labels)
     staged = run.make_dir(run.root / ".predictions.partial", fresh=True)
     lines = "".join(json.dumps(row, default=str) + "\n" for row in answer_rows(inputs, answers))

@@ -59,7 +59,7 @@ from utils.recipe import describe_recipe
 from utils.run_lock import RunLock
 from utils.settings import Settings, check_tracker_uri, resolve_base_model_id
 from utils.strategy import check_strategy, full_state_dict
-from utils.tasks import headline
+from utils.tasks import MULTI_LABEL, headline
 from utils.trainer import JobTrainer, build_trainer, compile_record, seconds_since_start
 
 log = logging.getLogger(__name__)
@@ -523,7 +523,15 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             "run_name": plan.run_name,
             "base_model_id": resolve_base_model_id(settings),  # the Hub id the card and the pushed adapter name
             # What the model predicts, for the card, id2label.json and predict.py.
-            "problem_type": "classification" if ready.labels else "regression",
+            "problem_type": (
+                MULTI_LABEL
+                if settings.problem_type == MULTI_LABEL
+                else "classification"
+                if ready.labels
+                else "regression"
+            ),
+            # Multi-label: the sigmoid score at which a label counts as predicted, in the metrics and predict.py.
+            **({"threshold": settings.threshold} if settings.problem_type == MULTI_LABEL else {}),
             "labels": list(ready.labels),
             # CLASS_WEIGHTS: each class's weight in the loss, by class id.
             **({"class_weights": trainer.class_weights.tolist()} if trainer.class_weights is not None else {}),

@@ -184,10 +184,23 @@ class Settings(BaseSettings):
         description="the labels' names in id order (id2label), comma-separated or a JSON list; unset: the data's (a "
         "ClassLabel's names, or a text label column's sorted values), and negative,positive for two unnamed ids 0/1",
     )
-    problem_type: Literal["auto", "classification", "regression"] = Field(
+    problem_type: Literal["auto", "classification", "regression", "multi_label_classification"] = Field(
         "auto",
-        description="classification (one label per row, cross-entropy) or regression (one float score, MSE); "
+        description="classification (one label per row, cross-entropy), regression (one float score, MSE) or "
+        "multi_label_classification (any number of labels per row, a sigmoid and binary cross-entropy per label: "
+        "LABEL_COLUMN holding each row's list of names, `|`-separated in a csv/tsv, or LABEL_COLUMNS); "
         "auto: regression for a float label column with fractions, else classification",
+    )
+    label_columns: Annotated[Names[NameStr] | None, Field(min_length=1, max_length=MAX_LABELS)] = Field(
+        None,
+        description="multi_label_classification: several 0/1 columns, one per label (toxic,obscene,insult), whose "
+        "names are the label names; unset: LABEL_COLUMN holds each row's label names",
+    )
+    threshold: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.5,
+        description="multi_label_classification: a label is predicted where its sigmoid score is at least this, in "
+        "the metrics, LOAD_BEST_MODEL's choice and predict.py's default; 0.5 is a logit of 0, the point the "
+        "binary cross-entropy trains each label's decision around",
     )
     class_weights: Literal["none", "balanced"] = Field(
         "none",
@@ -551,6 +564,60 @@ class Settings(BaseSettings):
     def text_columns(self) -> tuple[str, ...]:
         return tuple(self.text_column.split(","))
 
+    @property
+    def label_source_columns(self) -> tuple[str, ...]:
+        """The columns the labels are read from: LABEL_COLUMNS' 0/1 columns, else LABEL_COLUMN."""
+        return self.label_columns or (self.label_column,)
+
+    def _refuse_multi_label_conflicts(self) -> None:
+        """What only a multi-label problem reads, given to another, and what a multi-label problem cannot take."""
+        multi = self.problem_type == "multi_label_classification"
+        given = self.model_fields_set
+        if self.label_columns and not multi:
+            raise ValueError(
+                f"LABEL_COLUMNS={','.join(self.label_columns)} names the 0/1 columns of a multi-label problem, and "
+                f"PROBLEM_TYPE={self.problem_type}; set PROBLEM_TYPE=multi_label_classification, or unset LABEL_COLUMNS"
+            )
+        # Given as its default it changes nothing: accepted, as every default given outright is.
+        if self.threshold != FIELDS["threshold"].default and not multi:
+            raise ValueError(
+                f"THRESHOLD={self.threshold:g} decides which labels a multi-label model predicts, and "
+                f"PROBLEM_TYPE={self.problem_type} predicts one class (or a score); unset THRESHOLD, or set "
+                "PROBLEM_TYPE=multi_label_classification"
+            )
+        if not multi:
+            return
+        if self.class_weights != "none":
+            raise ValueError(
+                f"CLASS_WEIGHTS={self.class_weights} weighs the classes of a softmax, and PROBLEM_TYPE="
+                "multi_label_classification trains a yes/no per label (each its own binary cross-entropy); unset "
+                "CLASS_WEIGHTS"
+            )
+        if not self.label_columns:
+            return
+        if len(self.label_columns) < 2:
+            raise ValueError(
+                f"LABEL_COLUMNS={','.join(self.label_columns)} names one column: a multi-label problem has at least "
+                "two labels; name every 0/1 column (toxic,obscene,insult), or for one yes/no label set "
+                "LABEL_COLUMN to it and leave PROBLEM_TYPE unset"
+            )
+        if twice := sorted({name for name in self.label_columns if self.label_columns.count(name) > 1}):
+            raise ValueError(f"LABEL_COLUMNS names '{twice[0]}' twice; name each 0/1 column once")
+        if shared := [name for name in self.label_columns if name in self.text_columns]:
+            raise ValueError(
+                f"TEXT_COLUMN and LABEL_COLUMNS both name the column '{shared[0]}'; the text and the labels must be "
+                "different columns: fix TEXT_COLUMN or LABEL_COLUMNS"
+            )
+        for name, fix in (
+            ("label_column", "the labels are LABEL_COLUMNS' columns"),
+            ("label_names", "the label names are LABEL_COLUMNS' column names"),
+        ):
+            if name in given:
+                shown = getattr(self, name) if name == "label_column" else ",".join(self.label_names)
+                raise ValueError(
+                    f"{name.upper()}={shown} and LABEL_COLUMNS are both set, and {fix}; unset {name.upper()}"
+                )
+
     @field_validator("report_to")
     @classmethod
     def _check_trackers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -603,6 +670,7 @@ class Settings(BaseSettings):
                 "whose compiled graphs are not tested here; set TORCH_COMPILE=auto (off under "
                 f"{self.strategy}) or false, or STRATEGY=ddp"
             )
+        self._refuse_multi_label_conflicts()
         if self.class_weights != "none" and self.problem_type == "regression":
             raise ValueError(
                 f"CLASS_WEIGHTS={self.class_weights} weighs classes, and PROBLEM_TYPE=regression has none; "

@@ -10,11 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
+MULTI_LABEL = "multi_label_classification"  # transformers' own name, which selects its sigmoid and BCE loss
 # What each problem reports, first the metric the Trainer tracks as best (`metric_for_best_model`) when no task
 # names one. F1, precision and recall are the positive class's for two labels and macro averages for more.
+# Multi-label: F1 over every (row, label) decision (micro), the mean of each label's F1 (macro: a rare label counts
+# as much as a common one), and the share of rows whose whole set of labels is right; micro F1 is tracked, as
+# the one that moves with every decision rather than with whole rows.
 METRICS = {
     CLASSIFICATION: ("accuracy", "f1", "precision", "recall", "matthews_correlation"),
     REGRESSION: ("pearson", "spearman", "mse"),
+    MULTI_LABEL: ("f1_micro", "f1_macro", "subset_accuracy"),
 }
 LOWER_IS_BETTER = frozenset({"mse"})
 
@@ -90,10 +95,14 @@ def best_metric(settings, problem_type: str) -> str:
 def describe_task(settings) -> dict:
     """What `--dry-run` shows: the task as the settings resolve it (labels: from the data when not named)."""
     problem, named = settings.problem_type, "label_names" in settings.model_fields_set
-    kind = REGRESSION if problem == REGRESSION else CLASSIFICATION
+    kind = problem if problem in (REGRESSION, MULTI_LABEL) else CLASSIFICATION
     labels = f"from the data (two unnamed ids: {','.join(settings.label_names)})"
+    if kind == MULTI_LABEL:
+        labels = "from the data (the names its rows list, sorted)"
     if named or settings.task:
         labels = list(settings.label_names)
+    if settings.label_columns:
+        labels = list(settings.label_columns)
     if problem == "auto":
         problem = "classification" + (
             " (LABEL_NAMES names the classes)" if named else ", or regression for a float label column"
@@ -102,8 +111,11 @@ def describe_task(settings) -> dict:
         "task": settings.task,
         "text_columns": list(settings.text_columns),
         "label_column": settings.label_column,
+        "label_columns": list(settings.label_columns or ()),
         "label_names": [] if kind == REGRESSION else labels,
         "problem_type": problem,
+        # Multi-label: the sigmoid score at which a label is predicted (metrics, best model, predict.py).
+        "threshold": settings.threshold if kind == MULTI_LABEL else None,
         "validation_splits": list(validation_splits(settings)),
         "metrics": list(reported_metrics(settings, kind)),
         "metric_for_best_model": best_metric(settings, kind),
@@ -113,6 +125,9 @@ def describe_task(settings) -> dict:
 def headline(metrics: dict) -> str:
     """The evaluation in one line, `eval_accuracy=0.9125` (and every split's for MNLI), as the job prints it."""
     shown = [
-        key for name in ("accuracy", "pearson") for key in metrics if key.startswith("eval_") and key.endswith(name)
+        key
+        for name in ("accuracy", "pearson", "f1_micro")
+        for key in metrics
+        if key.startswith("eval_") and key.endswith(name)
     ]
     return " ".join(f"{key}={metrics[key]:.4f}" for key in shown)

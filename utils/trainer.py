@@ -39,11 +39,12 @@ from utils.recipe import optimizer_groups
 from utils.rng import rng_preserved
 from utils.step_capture import CapturedStep, four_d_mask, takes_4d_mask
 from utils.strategy import count_fsdp_units, trainer_options
-from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, best_metric, eval_prefix
+from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, MULTI_LABEL, REGRESSION, best_metric, eval_prefix
 
 log = logging.getLogger(__name__)
 METRICS_MODULE = str(Path(__file__).with_name("classification_metrics.py"))
 REGRESSION_METRICS_MODULE = str(Path(__file__).with_name("regression_metrics.py"))
+MULTI_LABEL_METRICS_MODULE = str(Path(__file__).with_name("multi_label_metrics.py"))
 # A validation curve with a handful of points; SST-2's 872 rows take seconds on a GPU.
 EVALUATIONS_PER_EPOCH = 4
 
@@ -305,11 +306,13 @@ def bucket_batch(inputs: dict, length: int, pad: int) -> dict:
     """`inputs` cut or padded to `length` tokens, its last column padding, as a bucket's batches end: cut to a shorter
     bucket, the first batch's longest rows would have no padding left, a batch no real one is (in transformers,
     without padding the attention runs without a mask). Every tensor whose last dimension is the sequence (the ids,
-    the 2D or 4D masks) is cut; the filler is the pad token for the ids, 0 (masked) for the rest."""
+    the 2D or 4D masks) is cut; the filler is the pad token for the ids, 0 (masked) for the rest. The labels never
+    are: a multi-label batch's (rows x labels) would be taken for the sequence where the labels are as many as its
+    tokens."""
     tokens = inputs["input_ids"].shape[-1]
     batch = {}
     for name, value in inputs.items():
-        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[-1] == tokens:
+        if name != "labels" and torch.is_tensor(value) and value.dim() >= 2 and value.shape[-1] == tokens:
             filler = pad if name == "input_ids" else 0
             value = value[..., : length - 1]
             value = torch.nn.functional.pad(value, (0, length - value.shape[-1]), value=filler)
@@ -679,6 +682,30 @@ def regression_metrics():
     return compute
 
 
+def multi_label_metrics(threshold: float):
+    """compute_metrics for a multi-label model: micro and macro F1 and subset accuracy of the labels whose sigmoid
+    score is at least `threshold` (THRESHOLD; the offline module), the row count, and the mean binary cross-entropy
+    per label, the model's loss."""
+    metric = evaluate.load(MULTI_LABEL_METRICS_MODULE)
+
+    def compute(eval_pred):
+        logits = np.asarray(eval_pred.predictions, dtype=np.float64)
+        references = np.asarray(eval_pred.label_ids, dtype=np.float64)
+        # sigmoid(logit) >= threshold, as the logit against the threshold's own (no overflow for a large logit).
+        predicted = logits >= np.log(threshold / (1 - threshold))
+        scores = metric.compute(predictions=predicted.astype(np.int32), references=references.astype(np.int32))
+        # BCEWithLogitsLoss, written so that a large logit does not overflow the exponential.
+        loss = float(np.mean(np.maximum(logits, 0) - logits * references + np.log1p(np.exp(-np.abs(logits)))))
+        return {**scores, "samples": len(references), "loss": loss}
+
+    return compute
+
+
+def problem_of(config) -> str:
+    """The problem a model's config says it solves, in utils/tasks.py's names (what its metrics are chosen by)."""
+    return {"regression": REGRESSION, MULTI_LABEL: MULTI_LABEL}.get(config.problem_type, CLASSIFICATION)
+
+
 # ------------------------------------------------------------------------------- building it
 def training_arguments(job: Job, model) -> TrainingArguments:
     """The TrainingArguments the plan (completed with the step count: Job.with_rows) and the settings give."""
@@ -688,7 +715,7 @@ def training_arguments(job: Job, model) -> TrainingArguments:
     eval_every = max(1, steps // EVALUATIONS_PER_EPOCH) if settings.eval_steps is None else settings.eval_steps
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
-    best = best_metric(settings, REGRESSION if model.config.problem_type == "regression" else CLASSIFICATION)
+    best = best_metric(settings, problem_of(model.config))
     # LOAD_BEST_MODEL (or early stopping, which keeps the best): a checkpoint at every evaluation, the candidates.
     load_best = settings.load_best_model or settings.early_stopping_patience is not None
     options = dict(
@@ -787,7 +814,8 @@ def build_trainer(
         store_frozen_linears_in_bf16(model)
     if job.compiled:
         compile_model(model, job)
-    regression = model.config.problem_type == "regression"
+    problem = problem_of(model.config)
+    regression = problem == REGRESSION
     class_weights = None
     if settings.class_weights != "none" and regression:
         raise JobError(
@@ -809,7 +837,11 @@ def build_trainer(
         eval_dataset=data["validation"] if set(data) == {"train", "validation"} else evaluated,
         data_collator=partial(pad_to_bucket, collators, mask_4d=takes_4d_mask(model.config)),
         processing_class=tokenizer,
-        compute_metrics=regression_metrics() if regression else classification_metrics(model.config.num_labels),
+        compute_metrics={
+            REGRESSION: regression_metrics,
+            MULTI_LABEL: partial(multi_label_metrics, settings.threshold),
+            CLASSIFICATION: partial(classification_metrics, model.config.num_labels),
+        }[problem](),
         callbacks=callbacks,
         plan=job.plan,
         startup=startup,
