@@ -112,12 +112,12 @@ def columns_run(tmp_path_factory, tiny_bert):
 def test_the_metric_counts_every_decision_each_label_and_whole_rows():
     import evaluate
 
-    from utils.trainer import MULTI_LABEL_METRICS_MODULE
+    from utils.tasks import METRIC_MODULES, MULTI_LABEL
 
     # Row 0: label 0 right, label 2 predicted wrongly; row 1 exact; row 2: label 1 predicted wrongly; row 3: label 2
     # missed. TP 3 (label 0 twice, label 1 once), FP 2, FN 1: micro F1 = 6 / 9. Per label F1: 1, 2/3 (TP 1, FP 1),
     # 0 (FP 1, FN 1): macro 5/9. One row of four exactly right.
-    scores = evaluate.load(MULTI_LABEL_METRICS_MODULE).compute(
+    scores = evaluate.load(METRIC_MODULES[MULTI_LABEL]).compute(
         predictions=[[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 0]],
         references=[[1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 1]],
     )

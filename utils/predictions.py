@@ -27,7 +27,7 @@ from pathlib import Path
 
 from utils.delimited import DIALECTS, read_records
 from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.tasks import MULTI_LABEL
+from utils.tasks import CLASSIFICATION, METRIC_MODULES, MULTI_LABEL, REGRESSION
 from utils.texts import NUL, check_texts, nul_refusal
 
 # The input is read whole, then held as sentences and their answers: 256 MiB is millions of sentences, and `/dev/zero`
@@ -48,10 +48,6 @@ ANSWER_KEYS = (
 )  # what each line says; an input column by these names is renamed
 UNLABELLED = -1  # GLUE's test splits label every row -1: no label
 DEFAULT_THRESHOLD = 0.5  # a logit of 0: for a multi-label model that records no THRESHOLD
-METRIC_MODULES = {
-    False: str(Path(__file__).with_name("classification_metrics.py")),
-    True: str(Path(__file__).with_name("regression_metrics.py")),
-}
 PREDICTIONS_FILE = "predictions.jsonl"  # under OUTPUT_DIR/predictions/, beside metrics.json when labelled
 
 
@@ -387,7 +383,7 @@ def score_answers(answers: list[dict], labelled: list[tuple[int, float | int]], 
         return None
     import evaluate
 
-    metric = evaluate.load(METRIC_MODULES[not labels])
+    metric = evaluate.load(METRIC_MODULES[CLASSIFICATION if labels else REGRESSION])
     rows = [index for index, _ in labelled]
     truth = [reference for _, reference in labelled]
     if labels:

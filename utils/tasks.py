@@ -8,6 +8,7 @@ Imports nothing heavy: settings and `--dry-run` read it before torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
 MULTI_LABEL = "multi_label_classification"  # transformers' own name, which selects its sigmoid and BCE loss
@@ -22,6 +23,13 @@ METRICS = {
     MULTI_LABEL: ("f1_micro", "f1_macro", "subset_accuracy"),
 }
 LOWER_IS_BETTER = frozenset({"mse"})
+# The `evaluate` module that computes each problem's METRICS: a script kept beside this file, which `evaluate.load`
+# takes by path (by name it would download one from the Hub).
+METRIC_MODULES = {
+    CLASSIFICATION: str(Path(__file__).with_name("classification_metrics.py")),
+    REGRESSION: str(Path(__file__).with_name("regression_metrics.py")),
+    MULTI_LABEL: str(Path(__file__).with_name("multi_label_metrics.py")),
+}
 
 
 @dataclass(frozen=True)

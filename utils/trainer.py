@@ -39,12 +39,17 @@ from utils.recipe import optimizer_groups
 from utils.rng import rng_preserved
 from utils.step_capture import CapturedStep, four_d_mask, takes_4d_mask
 from utils.strategy import count_fsdp_units, trainer_options
-from utils.tasks import CLASSIFICATION, LOWER_IS_BETTER, MULTI_LABEL, REGRESSION, best_metric, eval_prefix
+from utils.tasks import (
+    CLASSIFICATION,
+    LOWER_IS_BETTER,
+    METRIC_MODULES,
+    MULTI_LABEL,
+    REGRESSION,
+    best_metric,
+    eval_prefix,
+)
 
 log = logging.getLogger(__name__)
-METRICS_MODULE = str(Path(__file__).with_name("classification_metrics.py"))
-REGRESSION_METRICS_MODULE = str(Path(__file__).with_name("regression_metrics.py"))
-MULTI_LABEL_METRICS_MODULE = str(Path(__file__).with_name("multi_label_metrics.py"))
 # A validation curve with a handful of points; SST-2's 872 rows take seconds on a GPU.
 EVALUATIONS_PER_EPOCH = 4
 
@@ -651,7 +656,7 @@ class StrategyCheck(TrainerCallback):
 def classification_metrics(num_labels: int = 2):
     """compute_metrics for the Trainer: accuracy, F1, precision, recall, Matthews correlation (the offline metric
     module; F1, precision and recall macro-averaged over more than two classes) and the row count."""
-    metric = evaluate.load(METRICS_MODULE)
+    metric = evaluate.load(METRIC_MODULES[CLASSIFICATION])
 
     def compute(eval_pred):
         # Score against the labels that come back with the predictions, never the dataset's order. The Trainer
@@ -671,7 +676,7 @@ def classification_metrics(num_labels: int = 2):
 
 def regression_metrics():
     """compute_metrics for a regression model (one score): Pearson, Spearman, MSE (the offline module) and the row count."""
-    metric = evaluate.load(REGRESSION_METRICS_MODULE)
+    metric = evaluate.load(METRIC_MODULES[REGRESSION])
 
     def compute(eval_pred):
         predictions = np.asarray(eval_pred.predictions, dtype=np.float64).reshape(-1)
@@ -686,7 +691,7 @@ def multi_label_metrics(threshold: float):
     """compute_metrics for a multi-label model: micro and macro F1 and subset accuracy of the labels whose sigmoid
     score is at least `threshold` (THRESHOLD; the offline module), the row count, and the mean binary cross-entropy
     per label, the model's loss."""
-    metric = evaluate.load(MULTI_LABEL_METRICS_MODULE)
+    metric = evaluate.load(METRIC_MODULES[MULTI_LABEL])
 
     def compute(eval_pred):
         logits = np.asarray(eval_pred.predictions, dtype=np.float64)
