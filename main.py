@@ -1,7 +1,7 @@
 """LoRA fine-tuning of BERT on GLUE SST-2: one script for one process, N replicas, or any launcher.
 
 Every replica runs this same file; it works out its rank from whatever started it
-(utils/distributed.py), trains with the HF Trainer (Accelerate DDP underneath), waits for the
+(utils/config/distributed.py), trains with the HF Trainer (Accelerate DDP underneath), waits for the
 others, and rank 0 writes the model to OUTPUT_DIR and pushes it to RESULT_MODEL_ID.
 
 Launch it:
@@ -44,16 +44,22 @@ import sys
 import traceback
 from dataclasses import asdict
 
-from utils.deepspeed_config import deepspeed_overrides, describe_strategy, with_deepspeed
-from utils.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
-from utils.errors import EXIT_UNEXPECTED, JobError, Preempted
-from utils.hub_token import install_masking
-from utils.local_inputs import check_dataset, check_model_folder, test_split_file
-from utils.outputs import check_output_writable, check_run_dir, discard_unused_claim, open_run_dir, volume_fault
-from utils.plan import Plan, batch_warning, build_plan, check_elastic_range
-from utils.preemption import Preemption
-from utils.settings import Settings, check_push_possible, check_trackers, load_settings
-from utils.tasks import describe_task
+from utils.cluster.preemption import Preemption
+from utils.common.errors import EXIT_UNEXPECTED, JobError, Preempted
+from utils.common.hub_token import install_masking
+from utils.config.deepspeed_config import deepspeed_overrides, describe_strategy, with_deepspeed
+from utils.config.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
+from utils.config.local_inputs import check_dataset, check_model_folder, test_split_file
+from utils.config.plan import Plan, batch_warning, build_plan, check_elastic_range
+from utils.config.settings import Settings, check_push_possible, check_trackers, load_settings
+from utils.config.tasks import describe_task
+from utils.run_folder.outputs import (
+    check_output_writable,
+    check_run_dir,
+    discard_unused_claim,
+    open_run_dir,
+    volume_fault,
+)
 
 
 def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, Plan]:
@@ -79,7 +85,7 @@ def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
         "config": {**settings.as_dict(), "run_name": plan.run_name},
         "distributed": dist.as_dict(),
         "plan": plan.as_dict(),  # what the run trains with; run.json records it completed
-        "identity": plan.identity,  # what makes a restart the same run (utils/identity.py)
+        "identity": plan.identity,  # what makes a restart the same run (utils/config/identity.py)
         "batch": asdict(plan.batch),
         "task": describe_task(settings),  # columns, labels, problem type, metrics
         # The file answered into OUTPUT_DIR/predictions/ once trained (TEST_FILE, or test.* in DATASET_PATH)
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         created = not os.path.lexists(settings.output_dir)
         run_dir = open_run_dir(settings, plan, push_only=args.push_only)
 
-        from utils.job import Job  # torch: a second to import
+        from utils.cluster.job import Job  # torch: a second to import
 
         job = Job.start(settings, dist, run_dir, plan, preemption=preemption, masker=masker)  # device and numerics
         job.leave_unused_libraries_out()  # DeepSpeed and bitsandbytes only for a run that uses them

@@ -23,7 +23,7 @@ lines. When the file has the label column the model was trained with (or --label
 the labelled rows (accuracy, F1, precision, recall, Matthews correlation; Pearson, Spearman, MSE for a
 regression) print as one line on standard error after the answers, `metrics on FILE (N labelled rows): ...`,
 and --metrics FILE writes them as JSON too; a label of -1 (GLUE's test split) or an empty cell is no label.
-The same rows and metrics are what a run writes for its test split (OUTPUT_DIR/predictions/, utils/predictions.py).
+The same rows and metrics are what a run writes for its test split (OUTPUT_DIR/predictions/, utils/training/predictions.py).
 
 A sentence longer than the model takes is cut to the length recorded with the model (MAX_SEQ_LENGTH of the run
 that trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
@@ -31,7 +31,7 @@ Batches run on the GPU when there is one. FILE is a regular file; a stream (a pi
 input; either is read up to 256 MiB. Bad input (no such model or file, a FILE that is a device, a FIFO or a
 folder, more than 256 MiB of input, a missing column, bytes that are not text, a base model of another size than
 the adapter's, one text a row for a pair model, a label the model cannot be scored against, --metrics for a file
-without labels, and what training refuses in a file: a row without text or with a NUL character (utils/texts.py,
+without labels, and what training refuses in a file: a row without text or with a NUL character (utils/common/texts.py,
 the same words), a column named twice) is one `error:` line and exit 2, as in main.py.
 An adapter answers only on the base it was trained on: a local base folder (the one it names, or --base-model) whose
 weights, config or tokenizer files differ from those its base_model.json records is refused the same way.
@@ -46,9 +46,18 @@ import os
 import sys
 from pathlib import Path
 
-from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.model_card import BASE_NAME, INPUTS_NAME, LABELS_NAME, read_base_fingerprint, read_label_names
-from utils.predictions import (
+from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.config.settings import Parser
+from utils.config.tasks import MULTI_LABEL
+from utils.run_folder.model_files import (
+    BASE_NAME,
+    INPUTS_NAME,
+    model_file,
+    read_base_fingerprint,
+    read_label_names,
+    recorded_input,
+)
+from utils.training.predictions import (
     DEFAULT_THRESHOLD,
     FORMATS,
     answer_rows,
@@ -61,8 +70,6 @@ from utils.predictions import (
     references,
     score_answers,
 )
-from utils.settings import Parser
-from utils.tasks import MULTI_LABEL
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
 
@@ -157,17 +164,6 @@ def input_columns(model: str, file: Path | None, column: str | None) -> list[str
     return columns
 
 
-def recorded_input(model: str, key: str):
-    """What inputs.json beside the model records under `key` (`text_columns`, `label_column`); None where the
-    model has no such record (saved before it was written, another tool's, or a repo that cannot be reached: the
-    model's own load reports that)."""
-    try:
-        path = model_file(model, INPUTS_NAME)
-        return json.loads(Path(path).read_text()).get(key) if path else None
-    except Exception:
-        return None
-
-
 def check_input_shape(model: str, column: str | None, pairs: bool) -> None:
     """One sentence a row for a single-sentence model, two columns for a pair model, as training took them
     (inputs.json beside the model): a pair model given one text answers about half an input, without a word."""
@@ -188,22 +184,9 @@ def check_input_shape(model: str, column: str | None, pairs: bool) -> None:
     )
 
 
-def model_file(model: str, name: str) -> str | None:
-    """`name` in the model folder, or in its Hub repo (downloaded once into the cache); None where it has none."""
-    if Path(model).is_dir():
-        return str(Path(model, name)) if Path(model, name).is_file() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    try:
-        return hf_hub_download(model, name)
-    except EntryNotFoundError:
-        return None
-
-
 def load_classifier(model: str, base_model: str | None):
     """A text-classification pipeline over the adapter (on its base) or the merged model."""
-    from utils.job import leave_out
+    from utils.cluster.job import leave_out
 
     # The adapter goes on a full-precision base and a merged model holds no quantizer: neither DeepSpeed nor
     # bitsandbytes has a part in serving, and left out they cost nothing at start (a third of its CPU).
@@ -212,7 +195,7 @@ def load_classifier(model: str, base_model: str | None):
     from transformers import AutoTokenizer, pipeline
     from transformers.utils import find_adapter_config_file
 
-    from utils.model import NO_REMOTE_CODE, first_line
+    from utils.training.model import NO_REMOTE_CODE, first_line
 
     # What the imports built lives as long as the process: frozen, it is out of the garbage collector's sight, and
     # the collections loading the model sets off walk the model's own objects (a fifth of a short call's CPU).
@@ -265,13 +248,12 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
     trained (check_base_unchanged), is refused."""
     from peft import PeftModel
 
-    from utils.model import first_line, load_base
+    from utils.training.model import first_line, load_base
 
     base_id = base_model or adapter["base_model_name_or_path"]
     # A multi-label head (sigmoid scores) as inputs.json records it: the base's config does not know it.
     multi_label = recorded_input(model, "problem_type") == MULTI_LABEL
-    labels = model_file(model, LABELS_NAME)
-    id2label = read_label_names(Path(labels).parent) if labels else None  # None: the base's own head
+    id2label = read_label_names(model)  # None: the base's own head
     # The head the adapter restores as peft loads it (modules_to_save): a base's head of another size is
     # no news to whoever runs this.
     restored = ["classifier", "score", *(adapter.get("modules_to_save") or [])]
@@ -293,18 +275,15 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
 
 def check_base_unchanged(model: str, base_id: str) -> None:
     """Refuse a local base folder whose weights, config or tokenizer files are not the ones the adapter was trained
-    on (base_model.json beside it: the run's fingerprint of its base, utils/identity.py): a base of the same shapes
+    on (base_model.json beside it: the run's fingerprint of its base, utils/config/identity.py): a base of the same shapes
     with other weights loads without a word and answers wrongly. Its files are hashed once, here. A Hub base is not
     compared (the adapter records its id alone), nor is the base of an adapter that records no fingerprint (saved
     before the job recorded it, or by another tool): a note says so."""
-    from utils.identity import base_model_changes
+    from utils.config.identity import base_model_changes
 
     if not Path(base_id).is_dir():
         return
-    try:
-        recorded = read_base_fingerprint(model_file(model, BASE_NAME))
-    except Exception:  # a Hub repo that cannot be reached now: its adapter files were read, so nothing is lost
-        return
+    recorded = read_base_fingerprint(model)  # None too for a Hub repo that cannot be reached now
     if recorded is None:
         print(
             f"note: {model} holds no {BASE_NAME} (saved before the job recorded its base's fingerprint), so the base "
@@ -337,7 +316,7 @@ def check_adapter_fits(model: str, adapter: dict, base, base_id: str) -> None:
         return
     from safetensors import safe_open
 
-    from utils.model import matches_target
+    from utils.training.model import matches_target
 
     trained_on = adapter["base_model_name_or_path"]
     shapes = {name: tuple(param.shape) for name, param in base.named_parameters()}

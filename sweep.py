@@ -24,14 +24,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from utils.errors import JobError
-from utils.hub_token import install_masking
-from utils.settings import Parser
-from utils.sweep import check_sweep_dir, check_trials, claim_sweep_dir, plan_trials, read_spec, refused
-from utils.sweep_katib import write_experiment
-from utils.sweep_local import check_study, pass_stop_signal, run_local, run_trial
-from utils.sweep_slurm import render_array
-from utils.sweep_summary import collect_rows, write_summary
+from utils.common.errors import JobError
+from utils.common.hub_token import install_masking
+from utils.config.settings import Parser
+from utils.sweeps.katib import write_experiment
+from utils.sweeps.local import check_study, pass_stop_signal, run_local, run_trial
+from utils.sweeps.slurm import render_array
+from utils.sweeps.spec import check_sweep_dir, check_trials, claim_sweep_dir, plan_trials, read_spec, refused
+from utils.sweeps.summary import collect_rows, write_summary
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from benchmarks.processes import REPO, clean_env, free_port
-from utils.settings import Settings
+from utils.config.settings import Settings
 
 WARMUP_CALLS, TIMED_CALLS = 10, 50
 

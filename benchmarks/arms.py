@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from benchmarks.processes import REPO, clean_env, cpu_name
-from utils.settings import Settings
+from utils.config.settings import Settings
 
 # The settings each arm of the job's own Trainer changes from the job's defaults.
 JOB_ARMS = {
@@ -127,14 +127,14 @@ def build_job_arm(settings: Settings, cuda: bool):
     """(Trainer, 8-bit?, precision, compiled?): the job's own Trainer, built as utils/run.py builds it on one process."""
     from transformers import set_seed
 
-    from utils.data import load_sst2
-    from utils.distributed import detect_env
-    from utils.job import Job
-    from utils.model import build_model, load_tokenizer
-    from utils.outputs import open_run_dir
-    from utils.plan import build_plan
-    from utils.preemption import Preemption
-    from utils.trainer import build_trainer
+    from utils.cluster.job import Job
+    from utils.cluster.preemption import Preemption
+    from utils.config.distributed import detect_env
+    from utils.config.plan import build_plan
+    from utils.run_folder.outputs import open_run_dir
+    from utils.training.data import load_sst2
+    from utils.training.model import build_model, load_tokenizer
+    from utils.training.trainer import build_trainer
 
     # One process, planned as main.py plans it; Job.start reads `cuda` from torch too. The stop-signal handler
     # is not installed: a benchmark stops at Ctrl-C.
@@ -153,8 +153,8 @@ def build_original(settings: Settings, cuda: bool):
     import torch
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
 
-    from utils.data import load_sst2
-    from utils.model import build_model, load_tokenizer
+    from utils.training.data import load_sst2
+    from utils.training.model import build_model, load_tokenizer
 
     cache = Path(settings.output_dir) / "cache"
     cache.mkdir(parents=True, exist_ok=True)
@@ -196,7 +196,7 @@ def run_arm(name: str, cfg: dict) -> dict:
     import transformers
     from transformers import ProgressCallback, TrainerCallback
 
-    from utils.trainer import compile_record, token_counts
+    from utils.training.trainer import compile_record, token_counts
 
     transformers.utils.logging.set_verbosity_error()
     warmup, steps = cfg["warmup"], cfg["steps"]

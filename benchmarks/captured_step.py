@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.arms import build_job_arm  # noqa: E402
-from utils.settings import Settings  # noqa: E402
+from utils.config.settings import Settings  # noqa: E402
 
 EAGER = {"quantization": "none", "cuda_graphs": False, "torch_compile": False}
 CAPTURED = {"quantization": "none", "cuda_graphs": True, "torch_compile": False}
@@ -131,7 +131,7 @@ def run_speed_arm(args: argparse.Namespace, name: str) -> dict:
     trainer, quantize, precision, compiled = build_job_arm(settings, cuda)
     trainer.remove_callback(ProgressCallback)
     if name == STAND_IN:
-        from utils.step_capture import CapturedStep
+        from utils.training.step_capture import CapturedStep
 
         # The replay's place: its loss, a scalar the graph would have written; the copy-in stays (CapturedStep.run).
         CapturedStep._forward_backward = lambda self, inputs: self.divisor.clone()
@@ -227,7 +227,7 @@ def run_speed_arm(args: argparse.Namespace, name: str) -> dict:
 def run_equivalence(args: argparse.Namespace) -> dict:
     import torch
 
-    from utils.model import trainable_checksum
+    from utils.training.model import trainable_checksum
 
     cuda = torch.cuda.is_available()
     report: dict = {}

@@ -28,7 +28,7 @@ args, rest = parser.parse_known_args()
 sys.argv = [args.script, *rest]
 sys.path[0] = str(Path(args.script).resolve().parent)  # as `python main.py` would have it: the repository's modules
 
-from utils.job import leave_out  # noqa: E402
+from utils.cluster.job import leave_out  # noqa: E402
 
 # As the job does before transformers is imported (Job.leave_unused_libraries_out), which the levers below import
 # first: bitsandbytes only for 8-bit weights.
@@ -36,9 +36,9 @@ if os.environ.get("QUANTIZATION") != "8bit":
     leave_out("bitsandbytes")
 
 if args.compile_region == "encoder":
-    import utils.trainer
+    import utils.training.trainer
 
-    blocks_of = utils.trainer.repeated_blocks
+    blocks_of = utils.training.trainer.repeated_blocks
 
     def encoder_of(model):
         blocks = blocks_of(model)
@@ -48,7 +48,7 @@ if args.compile_region == "encoder":
             if any(child is blocks[0] for grandchildren in module.children() for child in grandchildren.children())
         )
 
-    utils.trainer.repeated_blocks = encoder_of
+    utils.training.trainer.repeated_blocks = encoder_of
 
 if args.no_cudnn_attention:
     import torch
@@ -56,7 +56,7 @@ if args.no_cudnn_attention:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 if args.no_host_levers:
-    from utils.trainer import JobTrainer
+    from utils.training.trainer import JobTrainer
 
     JobTrainer.host_levers = False
 

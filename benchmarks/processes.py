@@ -10,8 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from utils.distributed import LAUNCHER_VARIABLES
-from utils.settings import FIELDS, env_name
+from utils.config.distributed import LAUNCHER_VARIABLES
+from utils.config.settings import FIELDS, env_name
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -69,7 +69,7 @@ def main() -> None:
         "steps": args.steps,
         "epoch": False,
     }
-    from utils.settings import Settings
+    from utils.config.settings import Settings
 
     fields = dict(item.split("=", 1) for item in args.set)
     settings = Settings(**{**arm_settings("defaults", cfg).model_dump(), **fields})  # validated as any setting

@@ -69,7 +69,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SHARED_SST2 = REPO.parent / "shared" / "data" / "sst2"  # GLUE SST-2's training split, beside the checkout
-DATA_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".parquet")  # what DATASET_PATH reads (utils/data.py)
+DATA_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".parquet")  # what DATASET_PATH reads (utils/training/data.py)
 
 
 def fail(message: str) -> None:
@@ -431,10 +431,10 @@ def full_ft_worker(cfg: dict) -> None:
         set_seed,
     )
 
-    from utils.data import load_sst2
-    from utils.model import load_tokenizer
-    from utils.settings import Settings
-    from utils.trainer import classification_metrics
+    from utils.config.settings import Settings
+    from utils.training.data import load_sst2
+    from utils.training.model import load_tokenizer
+    from utils.training.trainer import classification_metrics
 
     out = Path(cfg["out"])
     settings = Settings(model_name=cfg["model"], dataset_path=cfg["data"], seed=cfg["seed"], output_dir=str(out))

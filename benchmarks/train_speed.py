@@ -22,7 +22,7 @@ Arms, each in its own child process (benchmarks/arms.py), one after the other:
                  the memory saving costs in speed (QUANTIZATION=none is the setting that buys it back)
   compiled       the defaults with TORCH_COMPILE=true (not run unless asked: minutes of compiling)
 
-The job's arms are the job's own code (utils.model.build_model, utils.data.load_sst2, utils.trainer.build_trainer)
+The job's arms are the job's own code (utils.training.model.build_model, utils.training.data.load_sst2, utils.training.trainer.build_trainer)
 given settings only; the original is a plain `transformers.Trainer` on the same model and data builders, with a
 collator that pads to MAX_SEQ_LENGTH. Each arm trains `--warmup` steps, then `--steps` timed steps (the
 original's batches all have one shape, so `--original-steps` can be smaller on a slow machine without changing

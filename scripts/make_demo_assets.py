@@ -101,7 +101,7 @@ def pair_rows(task: str, rng: random.Random, count: int):
             yield first, f"it {rng.choice(VERBS)} {' and '.join(adjectives)}", 5 * positive / 4, idx
 
 
-PAIR_TASKS = {  # the columns and validation splits GLUE gives each task (utils/tasks.py reads the same names)
+PAIR_TASKS = {  # the columns and validation splits GLUE gives each task (utils/config/tasks.py reads the same names)
     "mnli": (["premise", "hypothesis", "label", "idx"], ("validation_matched", "validation_mismatched")),
     "stsb": (["sentence1", "sentence2", "label", "idx"], ("validation",)),
 }

@@ -1,4 +1,4 @@
-"""Write docs/settings.md's settings table from the settings' own Field descriptions (utils/settings.py), so the
+"""Write docs/settings.md's settings table from the settings' own Field descriptions (utils/config/settings.py), so the
 help is written once: `python scripts/settings_doc.py`. tests/test_settings.py fails while the committed table
 differs from what this writes."""
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils.settings import FIELDS, env_name, flag_name  # noqa: E402
+from utils.config.settings import FIELDS, env_name, flag_name  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
-BEGIN = "<!-- settings table: written by scripts/settings_doc.py from utils/settings.py's descriptions -->"
+BEGIN = "<!-- settings table: written by scripts/settings_doc.py from utils/config/settings.py's descriptions -->"
 END = "<!-- end of the settings table -->"
-# Not a setting: read only from the environment, never a flag (utils/hub_token.py).
+# Not a setting: read only from the environment, never a flag (utils/common/hub_token.py).
 TOKEN_ROW = "| `HF_TOKEN` or `HF_TOKEN_PATH` | none (env only) | unset | the Hub token, or a mounted file holding it |"
 
 

@@ -54,8 +54,8 @@ from scripts.make_demo_assets import (  # noqa: E402
     write_tiny_bert,
 )
 from tests.hub_stub import HubStub  # noqa: E402
-from utils.distributed import LAUNCHER_VARIABLES  # noqa: E402
-from utils.errors import EXIT_BAD_INPUT  # noqa: E402
+from utils.common.errors import EXIT_BAD_INPUT  # noqa: E402
+from utils.config.distributed import LAUNCHER_VARIABLES  # noqa: E402
 
 # Variables a launcher or the developer's shell may have set; a test starts from none of them.
 LAUNCHER_VARS = (*LAUNCHER_VARIABLES, "HF_TOKEN", "HF_TOKEN_PATH", "RESULT_MODEL_ID", "OUTPUT_DIR")
@@ -259,12 +259,12 @@ STARTUP_LAYERS = (
     ("main", "install_masking", "settings"),  # HF_TOKEN or HF_TOKEN_PATH, read before the other settings
     ("main", "configure", "settings"),
     ("main", "open_run_dir", "output"),
-    ("utils.job", "Job.start", "device"),
+    ("utils.cluster.job", "Job.start", "device"),
     ("utils.run", "join", "join"),
     ("utils.run", "set_up", "set_up"),
     ("utils.run", "load_tokenizer", "model"),
     ("utils.run", "load_sst2", "data"),
-    ("utils.job", "Job.with_rows", "data"),
+    ("utils.cluster.job", "Job.with_rows", "data"),
     ("utils.run", "build_model", "model"),
 )
 
@@ -283,8 +283,8 @@ def start_in_process(monkeypatch, env: dict[str, str], argv: list[str] | tuple =
 
     import main
     import utils.run
-    from utils.errors import JobError
-    from utils.preemption import Preemption
+    from utils.cluster.preemption import Preemption
+    from utils.common.errors import JobError
 
     for name in list(os.environ):
         if name not in env:
@@ -466,7 +466,7 @@ def hub_in_process(hub, monkeypatch):
     from huggingface_hub import constants
     from pydantic import SecretStr
 
-    from utils.hub import Hub
+    from utils.publishing.hub import Hub
 
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # read from HF_ENDPOINT when huggingface_hub is imported
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -1092,7 +1092,7 @@ def docker_user() -> tuple[int, int]:
 
 def shared_output_dir() -> str:
     """OUTPUT_DIR's default where the shared volume is mounted, as the code computes it."""
-    from utils.settings import SHARED_VOLUME, default_output_dir
+    from utils.config.settings import SHARED_VOLUME, default_output_dir
 
     real_isdir = os.path.isdir
     with mock.patch("os.path.isdir", lambda path: path == SHARED_VOLUME or real_isdir(path)):

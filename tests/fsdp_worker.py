@@ -25,11 +25,11 @@ from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model  # noqa: E402
 from transformers import TrainingArguments  # noqa: E402
 
-from utils.errors import JobError  # noqa: E402
-from utils.model import build_model, trainable_checksum  # noqa: E402
-from utils.settings import Settings  # noqa: E402
-from utils.strategy import count_fsdp_units, full_state_dict, trainer_options  # noqa: E402
-from utils.trainer import StrategyCheck  # noqa: E402
+from utils.common.errors import JobError  # noqa: E402
+from utils.config.settings import Settings  # noqa: E402
+from utils.config.strategy import count_fsdp_units, full_state_dict, trainer_options  # noqa: E402
+from utils.training.model import build_model, trainable_checksum  # noqa: E402
+from utils.training.trainer import StrategyCheck  # noqa: E402
 
 
 def main(model_dir: str, results: Path) -> None:

@@ -1,4 +1,4 @@
-"""The captured step (CUDA_GRAPHS, utils/step_capture.py) held to the eager step on the CPU, where the captured
+"""The captured step (CUDA_GRAPHS, utils/training/step_capture.py) held to the eager step on the CPU, where the captured
 function runs on its static buffers without a graph: everything but the capture itself.
 
 One process builds the job's own Trainer (as utils/run.py does) for each arm over the same tiny model and data, LoRA
@@ -38,9 +38,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 from benchmarks.arms import build_job_arm
-from utils.model import trainable_checksum
-from utils.settings import Settings
-from utils.step_capture import CapturedStep
+from utils.training.model import trainable_checksum
+from utils.config.settings import Settings
+from utils.training.step_capture import CapturedStep
 
 model_dir, data_dir, out, steps = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
 # The reads a GPU answers only by waiting for the device: a tensor's value on the host, a count of its nonzeros.
@@ -248,8 +248,8 @@ def test_two_captured_replicas_exchange_the_gradients_ddp_does(tmp_path, tiny_be
     ids=["gpu", "compiled", "off", "checkpointing", "fp16", "deepspeed", "8bit", "cpu", "cpu-true"],
 )
 def test_cuda_graphs_auto_captures_the_step_where_it_can_run(given, cuda, captured, compiled):
-    from utils.plan import build_plan, with_device
-    from utils.settings import Settings
+    from utils.config.plan import build_plan, with_device
+    from utils.config.settings import Settings
 
     settings = Settings(**given)
     plan = with_device(build_plan(settings, 1), settings, cuda, bf16_supported=True)

@@ -53,7 +53,7 @@ SCRIPT = """
 import json, sys
 import torch
 from benchmarks.arms import build_job_arm
-from utils.settings import Settings
+from utils.config.settings import Settings
 
 model_dir, data_dir, out = sys.argv[1:]
 settings = Settings(model_name=model_dir, dataset_path=data_dir, output_dir=out, report_to=("none",), max_steps=2,

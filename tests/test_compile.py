@@ -143,9 +143,9 @@ def test_frozen_linears_stored_in_bf16_compute_what_autocast_computed(tiny_bert)
 
     import torch
 
-    from utils.model import build_model
-    from utils.settings import Settings
-    from utils.trainer import store_frozen_linears_in_bf16
+    from utils.config.settings import Settings
+    from utils.training.model import build_model
+    from utils.training.trainer import store_frozen_linears_in_bf16
 
     settings = Settings(model_name=str(tiny_bert), lora_dropout=0, model_dropout=0)
     cast_each_step = build_model(settings, False, torch.device("cpu"))

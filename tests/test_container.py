@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, docker_user, shared_output_dir, unavailable
-from utils.settings import SHARED_VOLUME
+from utils.config.settings import SHARED_VOLUME
 
 SMOKE = REPO / "scripts" / "container_smoke.sh"
 TOOLS_UNAVAILABLE = 77  # the script's exit code when buildah/podman cannot be installed

@@ -15,9 +15,9 @@ import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from tests.conftest import SPLIT_SIZES, STRAY_QUOTE, delimited, film_rows, saved_dataset, write_files
-from utils.data import load_sst2
-from utils.model import load_tokenizer
-from utils.settings import Settings
+from utils.config.settings import Settings
+from utils.training.data import load_sst2
+from utils.training.model import load_tokenizer
 
 GLUE_FEATURES = Features(
     {"sentence": Value("string"), "label": ClassLabel(names=["negative", "positive"]), "idx": Value("int32")}
@@ -156,7 +156,7 @@ def test_labels_are_mapped_by_the_names_the_data_gives(case, tmp_path, tokenizer
     named, plain, logged = NAMED_LABELS[case]
     data = named(tmp_path / "named")
     given = files_of(data)
-    with caplog.at_level(logging.INFO, logger="utils.data"):
+    with caplog.at_level(logging.INFO, logger="utils.training.data"):
         mapped = load_sst2(settings_for(data), tokenizer, tmp_path / "cache-named")
     assert files_of(data) == given  # nothing written into the user's data folder
     assert logged in caplog.text
@@ -282,7 +282,7 @@ def test_damaged_tokenized_cache_is_rebuilt_with_a_warning(damage, tmp_path, tok
     shutil.copytree(tmp_path / "first", cache_dir)
     [cache] = list(cache_dir.glob("tokenized-*"))
     kind = damage(cache)
-    with caplog.at_level(logging.WARNING, logger="utils.data"):
+    with caplog.at_level(logging.WARNING, logger="utils.training.data"):
         again = load_sst2(settings, tokenizer, cache_dir)
     [warning] = [record.getMessage() for record in caplog.records if "is damaged" in record.getMessage()]
     assert f"tokenized cache {cache} is damaged ({kind}" in warning and "tokenizing again" in warning

@@ -21,7 +21,7 @@ from tests.conftest import (
     start_in_process,
     tiny_run_settings,
 )
-from utils.errors import EXIT_BAD_INPUT
+from utils.common.errors import EXIT_BAD_INPUT
 
 COPIES, TEXTS = 3, 150  # each text three times: a carve by rows would split some texts across the two sides
 

@@ -332,7 +332,7 @@ def dry_run(tmp_path: Path, job_env: dict[str, str], **extra: str):
 def configured_dry_run(monkeypatch, job_env: dict[str, str], **extra: str):
     """What `main.py --dry-run` resolves (main.configure), in this process: (settings, dist, args, the strategy as
     --dry-run prints it)."""
-    from utils.deepspeed_config import describe_strategy
+    from utils.config.deepspeed_config import describe_strategy
 
     settings, dist, args, plan = configured(
         monkeypatch, {**job_env, **{k: str(v) for k, v in extra.items()}}, ["--dry-run"]
@@ -343,7 +343,7 @@ def configured_dry_run(monkeypatch, job_env: dict[str, str], **extra: str):
 def refused_in_process(monkeypatch, capsys, job_env: dict[str, str], **extra: str) -> str:
     """main.configure, which `main.py --dry-run` runs before anything else, in this process: the bad-input
     error (exit 2) main.py prints as its one `error:` line, nothing printed on the way. Its message."""
-    from utils.errors import JobError
+    from utils.common.errors import JobError
 
     with pytest.raises(JobError) as refused:
         configured_dry_run(monkeypatch, job_env, **extra)
@@ -625,7 +625,7 @@ def test_dry_run_shows_the_deepspeed_config_the_run_uses(tmp_path, job_env, monk
         "fp16": {"enabled": "auto"},
     }
     assert (settings.zero_stage, settings.zero_offload) == (1, "none")
-    from utils.plan import build_plan
+    from utils.config.plan import build_plan
 
     assert build_plan(settings, 1).identity["zero_stage"] == 1  # the run identity records what trains
     # A scheduler and an optimizer block: what the Trainer fills in from the run completed, the step counts
@@ -787,9 +787,9 @@ def test_what_transformers_compares_with_its_arguments_is_compared_at_dry_run(tm
     from transformers import TrainingArguments
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    from utils import deepspeed_config
-    from utils.plan import build_plan
-    from utils.settings import Settings
+    from utils.config import deepspeed_config
+    from utils.config.plan import build_plan
+    from utils.config.settings import Settings
 
     source = inspect.getsource(HfTrainerDeepSpeedConfig.trainer_config_process) + inspect.getsource(
         HfTrainerDeepSpeedConfig.trainer_config_finalize
@@ -833,7 +833,7 @@ def test_a_config_with_only_a_stage_trains_records_its_stage_and_a_changed_one_i
     )
     record = json.loads((out / "run.json").read_text())
     assert (record["identity"]["zero_stage"], record["identity"]["zero_offload"]) == (1, "none")
-    from utils.outputs import RunDir, checkpoint_resume_key
+    from utils.run_folder.outputs import RunDir, checkpoint_resume_key
 
     checkpoint = out / "checkpoints" / f"checkpoint-{max(complete_steps(out))}"
     key = checkpoint_resume_key(checkpoint)["identity"]
@@ -843,7 +843,7 @@ def test_a_config_with_only_a_stage_trains_records_its_stage_and_a_changed_one_i
     restart = run_main(base_env(tmp_path, **settings), timeout=120)
     assert_refusal(restart, [f"OUTPUT_DIR={out}", "ZERO_STAGE: 1 -> 3"])
 
-    from utils.errors import JobError
+    from utils.common.errors import JobError
     from utils.run import resume_checkpoint
 
     with pytest.raises(JobError) as refused:

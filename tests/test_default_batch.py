@@ -1,5 +1,5 @@
 """The default global batch: with no batch setting given, 64 rows a step (one GPU's batch) on every replica count,
-so more replicas train the same model faster (utils/plan.py's rule). PER_DEVICE_BATCH_SIZE or
+so more replicas train the same model faster (utils/config/plan.py's rule). PER_DEVICE_BATCH_SIZE or
 GRADIENT_ACCUMULATION_STEPS given keeps the per-device rule (the global batch follows the count); a count that
 cannot share 64 rows equally trains the nearest multiple of the count, and says so.
 
@@ -33,8 +33,8 @@ from tests.conftest import (
     wait_all,
     write_fixed_length_data,
 )
-from utils.errors import JobError
-from utils.plan import batch_warning
+from utils.common.errors import JobError
+from utils.config.plan import batch_warning
 
 DEFAULT = 64
 # The multiple of each count that cannot share 64 rows equally nearest to 64: what the default becomes there.

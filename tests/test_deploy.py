@@ -42,8 +42,8 @@ from tests.conftest import (
     shared_output_dir,
     yaml_docs,
 )
-from utils.distributed import DEFAULT_PORT
-from utils.settings import FIELDS, SHARED_VOLUME, env_name
+from utils.config.distributed import DEFAULT_PORT
+from utils.config.settings import FIELDS, SHARED_VOLUME, env_name
 
 CONFIG_YAML = REPO / "config.yaml"
 KUBERNETES_VERSION = "1.30"  # an API version current clusters serve; the manifests use nothing newer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import base_env, error_lines, run_main, saved_dataset, tiny_run_settings, write_files
-from utils.errors import EXIT_BAD_INPUT
+from utils.common.errors import EXIT_BAD_INPUT
 
 MODEL_FIX = (
     "point MODEL_NAME at a folder holding the model's config.json, tokenizer and weights "

@@ -2,7 +2,7 @@
 the same model, and a run checkpointed on 2 replicas continues on 1 or on 4.
 
 Unlike tests/test_ddp_numerics.py, the sentences here have many lengths and the training split is not a
-multiple of the global batch: the one global order (utils/trainer.py GlobalOrderSampler) must make step k's
+multiple of the global batch: the one global order (utils/training/trainer.py GlobalOrderSampler) must make step k's
 rows the same on every count by itself, and leave the same remainder out of each epoch. Dropout is off, so
 nothing random is drawn during training (each rank draws its own dropout masks).
 """

@@ -47,7 +47,7 @@ from tests.conftest import (
     wait_for,
     wait_until,
 )
-from utils.preemption import STOP_GRACE
+from utils.cluster.preemption import STOP_GRACE
 
 SECRET = "hf_fault_secret_0123456789abcdef"
 
@@ -60,7 +60,7 @@ SECRET = "hf_fault_secret_0123456789abcdef"
 def assert_configure_refuses(monkeypatch, env: dict[str, str], names: list[str], hidden: list[str]) -> list[str]:
     """main.configure, with and without --dry-run: exit 2, a message naming each of `names` and holding none of
     `hidden`."""
-    from utils.errors import JobError
+    from utils.common.errors import JobError
 
     messages = []
     for argv in ([], ["--dry-run"]):
@@ -134,7 +134,7 @@ def test_every_form_of_the_token_is_masked_in_what_the_job_prints():
     sys.path.insert(0, str(REPO))
     from pydantic import SecretStr
 
-    from utils.hub_token import Masker
+    from utils.common.hub_token import Masker
 
     token = "hf_Ab+c/d=e%f_0123456789"
     mask = Masker(SecretStr(token))
@@ -452,9 +452,9 @@ def test_a_peer_lost_before_training_is_143_on_the_survivor(replicas, tmp_path, 
 CLASSIFY = r"""
 import os, sys
 sys.path.insert(0, {repo!r})
-from utils.collectives import rendezvous
-from utils.distributed import DistEnv
-from utils.errors import JobError
+from utils.cluster.collectives import rendezvous
+from utils.config.distributed import DistEnv
+from utils.common.errors import JobError
 rank, what = int(sys.argv[1]), sys.argv[2]
 dist = DistEnv(rank, 0, 2, rank, "127.0.0.1", int(sys.argv[3]), "platform")
 group = rendezvous(dist, 20, False, {{"same": 1}})
@@ -552,7 +552,7 @@ def test_a_hub_host_that_does_not_resolve_is_said_once_and_refused_within_its_bo
     """HF_ENDPOINT naming a host that does not resolve (a typo, no resolver): one warning, a short bounded retry
     (NAME_RESOLUTION_SECONDS, not TOKEN_CHECK_SECONDS' two minutes), then one error line that names the host and
     the fix; nothing trained."""
-    from utils.hub import NAME_RESOLUTION_SECONDS
+    from utils.publishing.hub import NAME_RESOLUTION_SECONDS
 
     env = {**job_env, "HF_ENDPOINT": "http://no-such-hub.invalid", "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_" + "a" * 34}
     env.update(RESULT_MODEL_ID=REPO_ID, BASE_MODEL_ID="tester/tiny-bert")

@@ -13,15 +13,15 @@ import json, sys
 from pathlib import Path
 import torch
 from transformers import set_seed
-from utils.distributed import DistEnv
-from utils.data import load_sst2
-from utils.job import Job
-from utils.model import build_model, load_tokenizer, trainable_checksum
-from utils.outputs import RunDir
-from utils.plan import build_plan
-from utils.preemption import Preemption
-from utils.settings import Settings
-from utils.trainer import JobTrainer, build_trainer
+from utils.config.distributed import DistEnv
+from utils.training.data import load_sst2
+from utils.cluster.job import Job
+from utils.training.model import build_model, load_tokenizer, trainable_checksum
+from utils.run_folder.outputs import RunDir
+from utils.config.plan import build_plan
+from utils.cluster.preemption import Preemption
+from utils.config.settings import Settings
+from utils.training.trainer import JobTrainer, build_trainer
 
 model_dir, data_dir, out = sys.argv[1:]
 single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")

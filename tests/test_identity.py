@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from utils.errors import JobError
-from utils.identity import FIELDS, agreement_refusal, identity_table
-from utils.outputs import RunDir, check_run_dir, mark_checkpoint_complete, write_run_record
-from utils.plan import build_plan, with_device
-from utils.settings import Settings
+from utils.common.errors import JobError
+from utils.config.identity import FIELDS, agreement_refusal, identity_table
+from utils.config.plan import build_plan, with_device
+from utils.config.settings import Settings
+from utils.run_folder.outputs import RunDir, check_run_dir, mark_checkpoint_complete, write_run_record
 
 pytestmark = pytest.mark.check
 

@@ -231,7 +231,7 @@ WRONG_TOKEN = "hf_wrong_token_abcdef"
 def test_a_token_that_cannot_push_is_bad_input(hub, hub_in_process, token, role, scopes, says):
     """The Hub check the job runs before loading anything (`Hub.check_write_access`), in this process; a
     refused start through main.py (nothing trained, nothing pushed) is tests/test_refusals.py's `hub` case."""
-    from utils.errors import EXIT_BAD_INPUT, JobError
+    from utils.common.errors import EXIT_BAD_INPUT, JobError
 
     hub.role, hub.scopes = role, scopes if scopes is not None else hub.scopes
     with pytest.raises(JobError) as refused:

@@ -2,28 +2,28 @@
 
 Each test names the library and its version when it fails, and what in the job stops working.
 
-transformers' Trainer: JobTrainer (utils/trainer.py) overrides three private methods. `_get_train_sampler` and
+transformers' Trainer: JobTrainer (utils/training/trainer.py) overrides three private methods. `_get_train_sampler` and
 `_get_eval_sampler`: the public route (`train_sampling_strategy="group_by_length"` with a `length` column)
 measures every row again, draws each epoch's order from the global RNG (a resume in epoch 2 or later trains
 other batches) and reorders evaluation. `_save_checkpoint`: a save a full volume cut short must end every rank
 alike. A library upgrade can rename those methods, stop calling them, or change what the loaders do around
 them; the job would then train other batches, evaluate reordered rows or fail as a traceback without a word.
 The progress callback's `training_bar` is closed by the job before an error line (utils/run.py), and
-`_no_split_modules` names the blocks FSDP shards (utils/strategy.py); `_attn_implementation` is how the
+`_no_split_modules` names the blocks FSDP shards (utils/config/strategy.py); `_attn_implementation` is how the
 benchmarks read the attention the model runs.
 
-pydantic-settings: load_settings (utils/settings.py) reads any mapping as the environment by overriding
+pydantic-settings: load_settings (utils/config/settings.py) reads any mapping as the environment by overriding
 `EnvSettingsSource._load_env_vars`, builds Settings from its own sources with `Settings(_build_sources=...)`,
 and hands `CliSettingsSource` its environment source (`_env_settings_source`) for `--help`.
 
 huggingface_hub: every Hub request gets a timeout through a client made by `utils._http.default_client_factory`
-(utils/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/data.py).
+(utils/publishing/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/training/data.py).
 
 accelerate, transformers and peft: a run that does not use DeepSpeed or 8-bit weights leaves those libraries out
-by setting them to None in sys.modules (utils/job.py), which the three must take for "not installed".
+by setting them to None in sys.modules (utils/cluster/job.py), which the three must take for "not installed".
 
 Why these are hand-written: for the tokenized cache, the push's retries and deadline, the masking of secrets,
-and utils/collectives.py's rendezvous, heartbeat, watchdog and rank-0-first collectives, a test shows the case
+and utils/cluster/collectives.py's rendezvous, heartbeat, watchdog and rank-0-first collectives, a test shows the case
 the library beside them gets wrong (docs/development.md lists them); when the library learns it, the test says
 so and the job's code can go.
 
@@ -52,7 +52,7 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer
 
 from tests.conftest import base_env, free_port, start_in_process
-from utils.trainer import GlobalOrderSampler, epoch_sampler
+from utils.training.trainer import GlobalOrderSampler, epoch_sampler
 
 SEED = 42
 BATCH = 8
@@ -143,7 +143,9 @@ def test_the_overridden_private_methods_keep_their_names_and_signatures():
         ),
     ):
         method = getattr(Trainer, name, None)
-        assert method is not None, f"Trainer.{name} is gone: JobTrainer's override is never called (utils/trainer.py)"
+        assert method is not None, (
+            f"Trainer.{name} is gone: JobTrainer's override is never called (utils/training/trainer.py)"
+        )
         assert list(inspect.signature(method).parameters) == parameters, (
             f"Trainer.{name} now takes {inspect.signature(method)}: check JobTrainer's override against it"
         )
@@ -220,13 +222,13 @@ def test_bert_declares_its_block_as_not_to_be_split(tiny_bert):
     import transformers
     from transformers import AutoModelForSequenceClassification
 
-    from utils.strategy import wrap_classes
+    from utils.config.strategy import wrap_classes
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
     declared = getattr(model, "_no_split_modules", None) or []
     assert "BertLayer" in declared, (
         f"transformers {transformers.__version__}: {type(model).__name__}._no_split_modules is {declared!r}, without "
-        "BertLayer; utils/strategy.py wrap_classes picks FSDP's units from it (falling back to every repeated block)"
+        "BertLayer; utils/config/strategy.py wrap_classes picks FSDP's units from it (falling back to every repeated block)"
     )
     assert wrap_classes(model) == ["BertLayer"]
 
@@ -235,14 +237,14 @@ def test_bert_declares_its_block_as_not_to_be_split(tiny_bert):
 def test_the_attention_asked_for_is_the_one_the_model_runs(tiny_bert):
     import transformers
 
-    from utils.model import build_model
-    from utils.settings import Settings
+    from utils.config.settings import Settings
+    from utils.training.model import build_model
 
     model = build_model(Settings(model_name=str(tiny_bert)), False, torch.device("cpu"))
     attention = getattr(model.get_base_model().config, "_attn_implementation", None)
     assert attention == "sdpa", (
         f"transformers {transformers.__version__}: the model built with attn_implementation='sdpa' reports "
-        f"config._attn_implementation={attention!r}; utils/model.py asks for SDPA by name and benchmarks/arms.py "
+        f"config._attn_implementation={attention!r}; utils/training/model.py asks for SDPA by name and benchmarks/arms.py "
         "reads it there"
     )
 
@@ -255,12 +257,12 @@ def test_the_environment_source_reads_what_load_env_vars_returns(monkeypatch):
     import pydantic_settings
     from pydantic_settings import EnvSettingsSource
 
-    from utils.settings import _Environment
+    from utils.config.settings import _Environment
 
     where = f"pydantic-settings {pydantic_settings.__version__}"
     hook = getattr(EnvSettingsSource, "_load_env_vars", None)
     assert hook is not None and list(inspect.signature(hook).parameters) == ["self"], (
-        f"{where}: EnvSettingsSource._load_env_vars is gone or takes other arguments; utils/settings.py _Environment "
+        f"{where}: EnvSettingsSource._load_env_vars is gone or takes other arguments; utils/config/settings.py _Environment "
         "overrides it to read a mapping instead of os.environ"
     )
     monkeypatch.setenv("NUM_EPOCHS", "7")
@@ -268,7 +270,7 @@ def test_the_environment_source_reads_what_load_env_vars_returns(monkeypatch):
     read = _Environment({"NUM_EPOCHS": "3", "SEED": "   "})()
     assert read == {"num_epochs": "3"}, (
         f"{where}: an environment source over {{NUM_EPOCHS: 3, SEED: blank}} with NUM_EPOCHS=7 LORA_R=4 in os.environ "
-        f"read {read}; utils/settings.py relies on it reading the mapping alone"
+        f"read {read}; utils/config/settings.py relies on it reading the mapping alone"
     )
 
 
@@ -279,11 +281,11 @@ def test_settings_are_built_from_exactly_the_sources_given(monkeypatch):
     import pydantic_settings
     from pydantic_settings import BaseSettings
 
-    from utils.settings import Settings, _Environment
+    from utils.config.settings import Settings, _Environment
 
     where = f"pydantic-settings {pydantic_settings.__version__}"
     assert "_build_sources" in inspect.signature(BaseSettings.__init__).parameters, (
-        f"{where}: BaseSettings no longer takes _build_sources; utils/settings.py load_settings builds Settings from "
+        f"{where}: BaseSettings no longer takes _build_sources; utils/config/settings.py load_settings builds Settings from "
         "its own flag and environment sources with it"
     )
     monkeypatch.setenv("LORA_R", "4")
@@ -303,11 +305,11 @@ def test_the_flag_source_takes_the_environment_source_and_reports_the_flags_give
     import pydantic_settings
     from pydantic_settings import CliSettingsSource
 
-    from utils.settings import Settings, _Environment, _parser
+    from utils.config.settings import Settings, _Environment, _parser
 
     where = f"pydantic-settings {pydantic_settings.__version__}"
     assert "_env_settings_source" in inspect.signature(CliSettingsSource.__init__).parameters, (
-        f"{where}: CliSettingsSource no longer takes _env_settings_source; utils/settings.py load_settings passes "
+        f"{where}: CliSettingsSource no longer takes _env_settings_source; utils/config/settings.py load_settings passes "
         "its environment source so --help names the variables"
     )
     parser = _parser()
@@ -323,13 +325,15 @@ def test_hub_requests_get_the_timeout_through_the_default_client_factory():
     import huggingface_hub
     from huggingface_hub import get_session, set_client_factory
 
-    from utils.hub import use_request_timeout
+    from utils.publishing.hub import use_request_timeout
 
     where = f"huggingface_hub {huggingface_hub.__version__}"
     try:
         from huggingface_hub.utils._http import default_client_factory
     except ImportError:
-        pytest.fail(f"{where}: utils._http.default_client_factory moved; utils/hub.py builds its client with it")
+        pytest.fail(
+            f"{where}: utils._http.default_client_factory moved; utils/publishing/hub.py builds its client with it"
+        )
     hooks = default_client_factory().event_hooks
     try:
         use_request_timeout(7.0)
@@ -349,8 +353,8 @@ def test_a_splits_fingerprint_follows_its_data(tmp_path):
     """The tokenized cache on the shared volume is keyed on `_fingerprint`: the same files give the same key on
     every replica and restart, other rows another."""
     from tests.conftest import delimited, film_rows, write_files
-    from utils.data import load_raw
-    from utils.settings import Settings
+    from utils.config.settings import Settings
+    from utils.training.data import load_raw
 
     where = f"datasets {datasets.__version__}"
     folder = write_files(
@@ -360,7 +364,7 @@ def test_a_splits_fingerprint_follows_its_data(tmp_path):
     first, again = load_raw(settings), load_raw(settings)
     prints = [getattr(first["train"], "_fingerprint", None), getattr(again["train"], "_fingerprint", None)]
     assert isinstance(prints[0], str) and prints[0] == prints[1], (
-        f"{where}: the same csv read twice has fingerprints {prints}; utils/data.py cache_key would tokenize again "
+        f"{where}: the same csv read twice has fingerprints {prints}; utils/training/data.py cache_key would tokenize again "
         "on every start (or fail)"
     )
     (folder / "train.csv").write_text(delimited(film_rows(9)))
@@ -374,13 +378,13 @@ def test_a_splits_fingerprint_follows_its_data(tmp_path):
 
 
 def test_the_tokenized_cache_follows_the_tokenizer_where_datasets_cache_does_not(tmp_path, tiny_bert):
-    """utils/data.py tokenize: datasets caches a map of in-memory data (what the label checks leave) nowhere the
+    """utils/training/data.py tokenize: datasets caches a map of in-memory data (what the label checks leave) nowhere the
     other ranks could read it, and a map given a file on the volume reuses that file whatever tokenized it."""
     import copy
 
-    from utils.data import tokenize
-    from utils.model import load_tokenizer
-    from utils.settings import Settings
+    from utils.config.settings import Settings
+    from utils.training.data import tokenize
+    from utils.training.model import load_tokenizer
 
     where = f"datasets {datasets.__version__}"
     rows = {"text": ["a zebra film", "a dull zebra"], "labels": [1, 0]}  # as the label checks leave them
@@ -394,14 +398,14 @@ def test_the_tokenized_cache_follows_the_tokenizer_where_datasets_cache_does_not
         return lambda batch: tokenizer(batch["text"])
 
     assert raw.map(encode_with(old), batched=True)["train"].cache_files == [], (
-        f"{where}: a map of in-memory rows is now cached on disk; see whether utils/data.py tokenize can use it"
+        f"{where}: a map of in-memory rows is now cached on disk; see whether utils/training/data.py tokenize can use it"
     )
     files = {split: str(tmp_path / "library" / f"{split}.arrow") for split in raw}
     (tmp_path / "library").mkdir()
     raw.map(encode_with(old), batched=True, cache_file_names=files)
     reused = raw.map(encode_with(new), batched=True, cache_file_names=files)
     assert reused["train"]["input_ids"] != wanted, (
-        f"{where}: a map given cache_file_names now notices another tokenizer; utils/data.py tokenize can leave its "
+        f"{where}: a map given cache_file_names now notices another tokenizer; utils/training/data.py tokenize can leave its "
         "key and reuse to datasets"
     )
 
@@ -416,7 +420,7 @@ def test_the_tokenized_cache_follows_the_tokenizer_where_datasets_cache_does_not
 def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_hub_does_not(
     hub, hub_in_process, tmp_path
 ):
-    """utils/hub.py Hub.push_files: huggingface_hub retries a commit but not create_repo, and no call of it has a
+    """utils/publishing/hub.py Hub.push_files: huggingface_hub retries a commit but not create_repo, and no call of it has a
     total deadline (a Hub that accepts the connection and never answers holds it for ever)."""
     import contextlib
     import threading
@@ -425,7 +429,7 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
-    from utils.threads import Deadline
+    from utils.common.threads import Deadline
 
     where = f"huggingface_hub {huggingface_hub.__version__}"
     folder = tmp_path / "model"
@@ -437,7 +441,7 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
     hub.fail("create", 503)
     try:
         library.create_repo("user/model", exist_ok=True)
-        pytest.fail(f"{where}: create_repo now retries a 503; see whether utils/hub.py's retries can go")
+        pytest.fail(f"{where}: create_repo now retries a 503; see whether utils/publishing/hub.py's retries can go")
     except HfHubHTTPError:
         pass
     hub.fail("create", 503)
@@ -454,12 +458,12 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
     with pytest.raises(Deadline):  # the job's deadline ended the wait: the library raises no such thing
         hub_in_process(2).push_files(files, "user/model", True, "upload")
     assert waiting.is_alive(), (
-        f"{where}: upload_folder now gives up on a silent Hub; see whether the push's `within` (utils/threads.py) can go"
+        f"{where}: upload_folder now gives up on a silent Hub; see whether the push's `within` (utils/common/threads.py) can go"
     )
 
 
 def test_secrets_in_what_huggingface_hub_raises_are_masked_by_the_job_alone(hub):
-    """utils/hub_token.py: huggingface_hub names the endpoint in its errors with the credentials inside it, and
+    """utils/common/hub_token.py: huggingface_hub names the endpoint in its errors with the credentials inside it, and
     logging prints what it is given; MaskedStream and MaskingFilter are what keep it out of stderr and the logs."""
     import io
     import logging
@@ -468,7 +472,7 @@ def test_secrets_in_what_huggingface_hub_raises_are_masked_by_the_job_alone(hub)
     from huggingface_hub import HfApi
     from pydantic import SecretStr
 
-    from utils.hub_token import MaskedStream, Masker, MaskingFilter, url_secrets
+    from utils.common.hub_token import MaskedStream, Masker, MaskingFilter, url_secrets
 
     where = f"huggingface_hub {huggingface_hub.__version__}"
     password = "s3cret-mirror-password"
@@ -632,7 +636,7 @@ def test_a_store_client_waits_past_its_timeout_for_a_rank_0_not_listening_yet():
         thread.join()
     assert len(took) == len(tries) and max(took) > 1.5 * timeout, (
         f"torch {torch.__version__}: a store client with a {timeout:.0f} s timeout gave up after {sorted(took)} s; "
-        "it keeps to its timeout now, and utils/collectives.py _wait_for_rank0 can go"
+        "it keeps to its timeout now, and utils/cluster/collectives.py _wait_for_rank0 can go"
     )
 
 
@@ -651,13 +655,13 @@ def test_a_taken_port_fails_the_store_with_the_type_of_an_unreachable_rank_0():
         torch.distributed.TCPStore("127.0.0.1", free_port(), None, False, timedelta(seconds=0.1))
     assert type(taken.value) is type(unreachable.value), (
         f"torch {torch.__version__}: a taken port now fails with {type(taken.value).__name__}, an unreachable rank 0 "
-        f"with {type(unreachable.value).__name__}; utils/collectives.py _refuse_port_taken can tell them by type"
+        f"with {type(unreachable.value).__name__}; utils/cluster/collectives.py _refuse_port_taken can tell them by type"
     )
 
 
 @pytest.mark.integration  # two or three peer processes importing torch each
 def test_a_store_call_to_a_stopped_rank_0_outlives_its_timeout(tmp_path, peers):
-    """Why utils/collectives.py runs its rendezvous and heartbeat probe under a `watchdog` (utils/threads.py): a
+    """Why utils/cluster/collectives.py runs its rendezvous and heartbeat probe under a `watchdog` (utils/common/threads.py): a
     store call to a rank 0 that is stopped (not dead: SIGSTOP, a frozen node) stays in native code past its own
     timeout, where no Python signal handler reaches it."""
     peers += start_peers(tmp_path, "stopped-store", [2, 2])
@@ -681,7 +685,7 @@ def test_gloo_creates_the_group_with_a_peer_started_with_another_world_size(tmp_
     seen = said(peers[0], "observed")["observed"]
     assert seen in ({"joined": True}, {}), (
         f"torch {torch.__version__}: init_process_group (1 s timeout) with a peer of another world size: {seen} "
-        "within 4 s; if that is a refusal naming the world size, utils/collectives.py rendezvous can leave it to torch"
+        "within 4 s; if that is a refusal naming the world size, utils/cluster/collectives.py rendezvous can leave it to torch"
     )
 
 
@@ -699,7 +703,7 @@ def test_monitored_barrier_cannot_tell_a_stopped_peer_from_one_waiting_elsewhere
     named = set(re.findall(r"\b[12]\b", seen.get("message", "")))
     assert seen["failed"] == "RuntimeError" and named == {"1", "2"}, (
         f"torch {torch.__version__}: monitored_barrier with rank 1 stopped and rank 2 waiting in a barrier: {seen}; "
-        "if it now names the stopped rank alone, it can replace the heartbeat in utils/collectives.py"
+        "if it now names the stopped rank alone, it can replace the heartbeat in utils/cluster/collectives.py"
     )
 
 
@@ -718,7 +722,7 @@ def test_accelerates_main_process_first_does_not_carry_rank_0s_refusal(tmp_path,
     assert peers[0].wait(timeout=60) == 2
     assert seen["stopped"] is not None and "REFUSED-ON-RANK-0" not in seen.get("message", ""), (
         f"accelerate {accelerate.__version__}: rank 1 in main_process_first after rank 0 refused: {seen}; if rank 0's "
-        "reason now reaches the others, utils/collectives.py main_first can use it"
+        "reason now reaches the others, utils/cluster/collectives.py main_first can use it"
     )
 
 
@@ -743,7 +747,7 @@ print(json.dumps({
 
 
 def test_a_library_left_out_of_sys_modules_counts_as_not_installed(tmp_path):
-    """A run under DDP or FSDP leaves DeepSpeed out, one without 8-bit weights bitsandbytes (utils/job.py), by
+    """A run under DDP or FSDP leaves DeepSpeed out, one without 8-bit weights bitsandbytes (utils/cluster/job.py), by
     setting them to None in sys.modules. Accelerate, transformers and peft must then take them for not installed
     and import neither; should one import a library directly instead of asking, every such run fails at start."""
     import accelerate
@@ -772,7 +776,7 @@ def test_a_deprecation_in_the_jobs_code_fails_the_job_processes_the_tests_start(
     while one inside a library stays the library's to fix."""
     warn = "import warnings; warnings.warn_explicit('going away', {category}, 'x.py', 1, module={module!r}); print('went on')"
     for module, code, says in [
-        ("utils.trainer", 1, f"{category}: going away"),
+        ("utils.training.trainer", 1, f"{category}: going away"),
         ("transformers.trainer", 0, "went on"),
     ]:
         result = subprocess.run(
@@ -786,7 +790,7 @@ def test_a_deprecation_in_the_jobs_code_fails_the_job_processes_the_tests_start(
 
 
 def test_the_compiler_internals_the_fast_path_reads_are_there():
-    """TORCH_COMPILE (utils/trainer.py) sets inductor's `fallback_random` (dropout masks drawn as eager draws them)
+    """TORCH_COMPILE (utils/training/trainer.py) sets inductor's `fallback_random` (dropout masks drawn as eager draws them)
     and reads dynamo's `counters` and `calculate_time_spent` for logs/rank-R.json: torch internals, as of 2.13."""
     import torch
     import torch._inductor.config

@@ -1,6 +1,6 @@
 """The metrics a run reports, on cases worked by hand: the expected values below were computed on paper from the
-confusion matrix or the ranks (shown beside each), not by the formulas of utils/classification_metrics.py and
-utils/regression_metrics.py. They go through the compute_metrics the Trainer is given (utils/trainer.py), logits
+confusion matrix or the ranks (shown beside each), not by the formulas of utils/training/classification_metrics.py and
+utils/training/regression_metrics.py. They go through the compute_metrics the Trainer is given (utils/training/trainer.py), logits
 and all, so argmax, the label count and the offline metric modules are checked together."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from transformers import EvalPrediction
 
-from utils.trainer import classification_metrics, regression_metrics
+from utils.training.trainer import classification_metrics, regression_metrics
 
 pytestmark = pytest.mark.check
 

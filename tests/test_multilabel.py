@@ -112,7 +112,7 @@ def columns_run(tmp_path_factory, tiny_bert):
 def test_the_metric_counts_every_decision_each_label_and_whole_rows():
     import evaluate
 
-    from utils.tasks import METRIC_MODULES, MULTI_LABEL
+    from utils.config.tasks import METRIC_MODULES, MULTI_LABEL
 
     # Row 0: label 0 right, label 2 predicted wrongly; row 1 exact; row 2: label 1 predicted wrongly; row 3: label 2
     # missed. TP 3 (label 0 twice, label 1 once), FP 2, FN 1: micro F1 = 6 / 9. Per label F1: 1, 2/3 (TP 1, FP 1),
@@ -128,7 +128,7 @@ def test_the_threshold_decides_what_counts_as_predicted():
     import numpy as np
     from transformers import EvalPrediction
 
-    from utils.trainer import multi_label_metrics
+    from utils.training.trainer import multi_label_metrics
 
     # Sigmoid scores 0.62 and 0.38 (logits +-0.5) on a row labelled [1, 1]: at 0.5 one of two labels, at 0.3 both.
     logits, labels = np.array([[0.5, -0.5]]), np.array([[1.0, 1.0]])
@@ -144,7 +144,7 @@ def test_a_length_bucket_leaves_the_multi_hot_labels_whole():
     bucket: 16 labels in a batch of 16 tokens are labels still."""
     import torch
 
-    from utils.trainer import bucket_batch
+    from utils.training.trainer import bucket_batch
 
     batch = {"input_ids": torch.ones(2, 16, dtype=torch.long), "attention_mask": torch.ones(2, 16)}
     batch["labels"] = torch.eye(2, 16)
@@ -337,15 +337,15 @@ def test_joined_names_trained_one_label_a_row_are_warned_about(tmp_path, caplog)
     """A multi-label csv trained without the problem type: each combination a class, and a warning with the fix."""
     import logging
 
-    from utils.data import check_and_rename, load_raw
-    from utils.settings import Settings
+    from utils.config.settings import Settings
+    from utils.training.data import check_and_rename, load_raw
 
     folder = tmp_path / "data"
     folder.mkdir()
     for split in ("train", "validation"):
         (folder / f"{split}.csv").write_text("sentence,tags\na,praise\nb,blame|praise\nc,blame\n")
     settings = Settings(dataset_path=str(folder), label_column="tags")
-    with caplog.at_level(logging.WARNING, logger="utils.data"):
+    with caplog.at_level(logging.WARNING, logger="utils.training.data"):
         check_and_rename(load_raw(settings), settings)
     assert "(row 2: 'blame|praise')" in caplog.text and "PROBLEM_TYPE=multi_label_classification" in caplog.text
 

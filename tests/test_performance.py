@@ -30,8 +30,8 @@ def test_the_projected_gradient_bytes_are_what_the_job_trains(tiny_bert, fields)
     from transformers import AutoConfig
 
     from benchmarks.allreduce import lora_grad_bytes
-    from utils.model import build_model
-    from utils.settings import Settings
+    from utils.config.settings import Settings
+    from utils.training.model import build_model
 
     settings = Settings(model_name=str(tiny_bert), **fields)
     model = build_model(settings, False, torch.device("cpu"))

@@ -36,7 +36,7 @@ from tests.conftest import (
     run_predict,
     write_files,
 )
-from utils.errors import JobError
+from utils.common.errors import JobError
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
 REVIEWS = ["a wonderful film", "a dull, tedious mess"]
@@ -269,10 +269,10 @@ def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
     "name", ["VALIDATION.TSV", "Validation.Csv", "validation.JSON", "validation.JsonL", "validation.Parquet"]
 )
 def test_a_data_file_gives_the_sentences_training_reads_from_it(trained, tmp_path, name):
-    """The same file through training's reader (utils/data.py, as DATASET_PATH) and through predict.py: the same
+    """The same file through training's reader (utils/training/data.py, as DATASET_PATH) and through predict.py: the same
     sentences, in the same order, whatever the case of the suffix."""
-    from utils.data import load_raw
-    from utils.settings import Settings
+    from utils.config.settings import Settings
+    from utils.training.data import load_raw
 
     suffix = Path(name).suffix.lower()
     rows = [row for row in ROWS if suffix == ".tsv" or not row[0].startswith('"')]  # a csv quotes its own
@@ -334,7 +334,7 @@ BAD_FILES = {
         (["reviews.txt", "--text-column", "review"], ["--text-column review", "reviews.txt"]),
         (["--text-column", "review"], ["--text-column review", "standard input"]),
         (["reviews.txt", "--base-model", "tiny-bert"], ["--base-model", "merged"]),
-        # What training refuses (utils/data.py), refused here too
+        # What training refuses (utils/training/data.py), refused here too
         (["twice.csv"], ["twice.csv", "'sentence' 2 times", "['sentence', 'sentence', 'label']"]),
         (["empty.tsv"], ["empty.tsv has 1 row(s)", "empty or missing 'sentence'", "line 3", "fill in or remove"]),
         (["empty.jsonl"], ["empty.jsonl has 1 row(s)", "empty or missing 'sentence'", "line 2"]),
@@ -377,7 +377,7 @@ def test_an_input_that_is_no_bounded_file_is_refused_at_once(kind, tiny_bert, tm
     """FILE is a regular file, or the sentences come on standard input; either is read within MAX_INPUT_BYTES (seen:
     /dev/zero read 5.4 GB before a MemoryError, a FIFO without a writer blocked for ever). Refused before the model
     loads: one error line, exit 2, within seconds."""
-    from utils.predictions import MAX_INPUT_BYTES
+    from utils.training.predictions import MAX_INPUT_BYTES
 
     env, limit = base_env(tmp_path), f"{MAX_INPUT_BYTES // 2**20} MiB"
     if kind == "a device on standard input":
@@ -545,10 +545,10 @@ def test_an_unlabelled_file_gets_no_metrics_and_a_bad_label_is_refused(trained, 
 # ------------------------------------------------------------------------------- one text rule, training's and this
 def test_training_and_predict_refuse_a_nul_in_a_sentence_in_the_same_words(trained, tmp_path):
     """A NUL inside a sentence: training trained on it (the tokenizer drops it) while predict.py refused the file;
-    both refuse it now, with the row and the same fix (utils/texts.py)."""
-    from utils.data import check_and_rename, load_raw
-    from utils.settings import Settings
-    from utils.texts import NUL_FIX
+    both refuse it now, with the row and the same fix (utils/common/texts.py)."""
+    from utils.common.texts import NUL_FIX
+    from utils.config.settings import Settings
+    from utils.training.data import check_and_rename, load_raw
 
     data = tmp_path / "data"
     rows = [("a wonderful film", 1), ("a dull\x00film", 0), ("the end", 1)]
@@ -571,8 +571,8 @@ def test_training_and_predict_refuse_a_nul_in_a_sentence_in_the_same_words(train
 def test_a_line_of_spaces_in_a_csv_is_skipped_by_training_and_predict_alike(trained, tmp_path):
     """A csv line of spaces and tabs is no row to the data loader: training refused the file as a quoting error (the
     csv module counted the line); both skip it now, and read the same sentences."""
-    from utils.data import check_and_rename, load_raw
-    from utils.settings import Settings
+    from utils.config.settings import Settings
+    from utils.training.data import check_and_rename, load_raw
 
     text = "sentence,label\na wonderful film,1\n   \t\na dull film,0\n"
     data = write_files(tmp_path / "data", {"train.csv": text, "validation.csv": text})

@@ -1,4 +1,4 @@
-"""The recipe's options do what their settings say (utils/recipe.py): the head trained in full beside the
+"""The recipe's options do what their settings say (utils/config/recipe.py): the head trained in full beside the
 adapters (TRAIN_POOLER, DistilBERT's pre_classifier), the rates of the optimizer the job's Trainer really builds
 (LoRA+, HEAD_LEARNING_RATE_RATIO, no decay on biases), and the base model's dropout (MODEL_DROPOUT). And what the
 job derives is held to the checks a value typed in gets, so no run ends with nothing trained: the rate the batch
@@ -26,9 +26,9 @@ from tests.conftest import (
     wait_all,
     write_files,
 )
-from utils.model import build_model
-from utils.settings import Settings
-from utils.tasks import GLUE
+from utils.config.settings import Settings
+from utils.config.tasks import GLUE
+from utils.training.model import build_model
 
 RATE = 1e-3
 
@@ -267,8 +267,8 @@ def test_a_shipped_recipe_pins_nothing_that_breaks_another_task(recipe, tmp_path
 @pytest.mark.check
 def test_relative_paths_in_a_recipe_resolve_against_the_working_directory(tmp_path, monkeypatch, sst2_dir):
     """The documented base (docs/settings.md, Recipe files): the directory the job starts in, not the recipe's."""
-    from utils.data import load_raw
-    from utils.outputs import open_run_dir
+    from utils.run_folder.outputs import open_run_dir
+    from utils.training.data import load_raw
 
     shutil.copytree(sst2_dir, tmp_path / "data")
     recipe = write_files(tmp_path / "recipes", {"r.yaml": "dataset_path: data\noutput_dir: out\n"}) / "r.yaml"

@@ -40,8 +40,8 @@ from tests.conftest import (
     wait_for,
     wait_until,
 )
-from utils.collectives import PROBE_SECONDS, WATCHDOG_GRACE
-from utils.outputs import RUN_MARKER
+from utils.cluster.collectives import PROBE_SECONDS, WATCHDOG_GRACE
+from utils.run_folder.outputs import RUN_MARKER
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +213,8 @@ HEARTBEAT_RANK1 = """
 import sys, time
 from datetime import timedelta
 import torch.distributed as td
-from utils.collectives import BEAT_CALL_SECONDS, Collectives
-from utils.distributed import DistEnv
+from utils.cluster.collectives import BEAT_CALL_SECONDS, Collectives
+from utils.config.distributed import DistEnv
 port = int(sys.argv[1])
 store = lambda seconds: td.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=seconds))
 dist = DistEnv(rank=1, local_rank=0, world_size=2, node_rank=1, master_addr="127.0.0.1", master_port=port, source="env")
@@ -237,7 +237,7 @@ STORE_RANK0 = """
 import signal
 from datetime import timedelta
 import torch.distributed as td
-from utils.collectives import BEAT_KEY
+from utils.cluster.collectives import BEAT_KEY
 store = td.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
 print(store.port, flush=True)
 store.wait([BEAT_KEY.format(rank=1)])
@@ -384,9 +384,9 @@ def test_a_lock_taken_over_while_watched_is_refused_naming_its_new_holder(tmp_pa
     refusal names the job that holds it now (seen: the dead holder)."""
     import threading
 
-    from utils.errors import JobError
-    from utils.outputs import RunDir
-    from utils.run_lock import LOCK_NAME, RunLock
+    from utils.cluster.run_lock import LOCK_NAME, RunLock
+    from utils.common.errors import JobError
+    from utils.run_folder.outputs import RunDir
 
     lock = tmp_path / LOCK_NAME
     dead = {"job": "a", "host": "node-gone", "pid": 11, "since": "2026-01-01T00:00:00Z", "beat": 7}

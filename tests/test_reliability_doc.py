@@ -42,7 +42,7 @@ from tests.conftest import (
     settings_alone,
     shows,
 )
-from utils.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import EXIT_BAD_INPUT, JobError
 
 LEAST_CHECKED = 15  # the table's runnable rows, so that a parser that stopped matching cannot pass
 
@@ -115,8 +115,8 @@ def model(folder: Path, text_column: str = "sentence") -> str:
     """OUTPUT_DIR/model as predict.py reads it before loading any weight: the record of what one input is (and the
     label names), written by the job's own writer as a run of TEXT_COLUMN=`text_column` saves it beside the adapter.
     Every example below but the base's is refused before the weights would load."""
-    from utils.model_card import write_label_names
-    from utils.settings import load_settings
+    from utils.config.settings import load_settings
+    from utils.publishing.model_card import write_label_names
 
     (folder / "OUTPUT_DIR" / "model").mkdir(parents=True)
     settings, _ = load_settings([], environ={"TEXT_COLUMN": text_column})
@@ -404,9 +404,9 @@ def test_deepspeed_not_installed_is_refused_at_dry_run(tmp_path, monkeypatch):
 
 def agreement(world: int, **env: str) -> dict:
     """What a rank given `env` on `world` replicas brings to the rendezvous (utils/run.agreement_of), one RUN_NAME."""
-    from utils.plan import build_plan
+    from utils.config.plan import build_plan
+    from utils.config.settings import load_settings
     from utils.run import agreement_of
-    from utils.settings import load_settings
 
     settings, _ = load_settings([], environ={"OUTPUT_DIR": "/pvc-home/output", "RUN_NAME": "sst2", **env})
     return agreement_of(settings, build_plan(settings, world), world)
@@ -416,7 +416,7 @@ def agreement(world: int, **env: str) -> dict:
 def test_the_replicas_row_is_what_the_ranks_print():
     """Two replicas, one given LEARNING_RATE=5e-4 and the other 0.9: rank 1's agreement compared with rank 0's as
     the rendezvous compares them."""
-    from utils.identity import agreement_refusal
+    from utils.config.identity import agreement_refusal
 
     printed = agreement_refusal(agreement(2, LEARNING_RATE="5e-4"), {1: agreement(2, LEARNING_RATE="0.9")})
     assert_documented("replicas with different settings", printed)
@@ -457,7 +457,7 @@ def test_the_token_check_that_cannot_reach_the_hub_says_so_as_shown(monkeypatch)
     from pydantic import SecretStr
 
     from tests.conftest import free_port
-    from utils.hub import Hub
+    from utils.publishing.hub import Hub
 
     endpoint = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
@@ -496,9 +496,9 @@ def test_lines_the_prose_repeats_from_the_table_are_the_rows_lines():
 def test_the_identity_lines_shown_are_the_ones_a_restart_prints():
     """A restart on 2 replicas of a run of PER_DEVICE_BATCH_SIZE=16 on 1, and of a DeepSpeed run whose config file
     changed its scheduler: each run's identity as the plan derives it, compared as every place compares them."""
-    from utils.identity import agreement_refusal, check_same_run
-    from utils.plan import build_plan
-    from utils.settings import load_settings
+    from utils.config.identity import agreement_refusal, check_same_run
+    from utils.config.plan import build_plan
+    from utils.config.settings import load_settings
 
     settings, _ = load_settings([], environ={"PER_DEVICE_BATCH_SIZE": "16"})
     with pytest.raises(JobError) as refused:
@@ -535,7 +535,7 @@ def test_the_volume_lines_shown_are_the_ones_a_fault_prints(tmp_path, errno_name
     run folder holding complete checkpoint-10 and checkpoint-20 (the doc's full volume resumes from 20)."""
     import errno
 
-    from utils.outputs import COMPLETE_MARKER, RunDir, volume_fault
+    from utils.run_folder.outputs import COMPLETE_MARKER, RunDir, volume_fault
 
     run = RunDir(tmp_path / "output")
     latest = 20 if errno_name == "ENOSPC" else 10
@@ -555,8 +555,8 @@ def test_the_lost_peer_line_shown_is_the_one_a_rank_prints():
     the RuntimeError gloo raises, a lost peer once the peer's heartbeat stopped), checkpoint-40 the latest."""
     import torch.distributed as td
 
-    from utils.collectives import Collectives
-    from utils.distributed import DistEnv
+    from utils.cluster.collectives import Collectives
+    from utils.config.distributed import DistEnv
 
     group = Collectives(DistEnv(0, 0, 4, 0, "replica-0", 29500, "platform"), 600)
     with pytest.raises(JobError) as lost, group.peers_watched(lambda: "the run resumes from checkpoint-40"):
@@ -572,8 +572,8 @@ def test_the_missing_rank_0_line_shown_is_the_one_a_rank_prints():
     import time
 
     from tests.conftest import free_port
-    from utils.collectives import _wait_for_rank0
-    from utils.distributed import DistEnv
+    from utils.cluster.collectives import _wait_for_rank0
+    from utils.config.distributed import DistEnv
 
     port = free_port()
     with pytest.raises(JobError) as missing:
@@ -588,8 +588,8 @@ def test_the_checkpoint_lines_shown_are_the_ones_a_restart_logs(tmp_path, caplog
     checkpoint-180 complete, its optimizer.pt since cut to 100 of its 9541 bytes."""
     import hashlib
 
-    from utils.outputs import COMPLETE_MARKER, RunDir
     from utils.run import resume_checkpoint
+    from utils.run_folder.outputs import COMPLETE_MARKER, RunDir
 
     run = RunDir(tmp_path / "output")
     for step, written, now in ((160, 9541, 9541), (180, 9541, 100)):
@@ -610,7 +610,7 @@ def test_the_checkpoint_lines_shown_are_the_ones_a_restart_logs(tmp_path, caplog
 @pytest.mark.check
 def test_the_misspelled_setting_warning_shown_is_the_one_a_start_prints(capsys):
     """What a start prints (utils/settings.warn_misspelled_variables) for LEARNIG_RATE in its environment."""
-    from utils.settings import warn_misspelled_variables
+    from utils.config.settings import warn_misspelled_variables
 
     warn_misspelled_variables({"LEARNIG_RATE": "1e-4"})
     [printed] = capsys.readouterr().err.splitlines()
@@ -631,7 +631,7 @@ def test_the_hub_retry_line_shown_is_the_one_a_push_logs(hub, hub_in_process, tm
     config = tmp_path / "adapter_config.json"
     config.write_text("{}")
     hub.fail("create", 503, 503)
-    with caplog.at_level("WARNING", logger="utils.hub"):
+    with caplog.at_level("WARNING", logger="utils.publishing.hub"):
         hub_in_process(60).push_files({"adapter_config.json": config}, REPO_ID, True, "upload")
     documented = prose("Hub create_repo failed").replace("1.7", "...")
     logged = [record.getMessage() for record in caplog.records]
@@ -642,7 +642,7 @@ def test_the_hub_retry_line_shown_is_the_one_a_push_logs(hub, hub_in_process, tm
 def test_the_rendezvous_refusal_shown_is_the_one_the_ranks_print():
     """The line the doc shows for replicas started differently: rank 1 given WORLD_SIZE=3 and LORA_R=16, rank 0
     WORLD_SIZE=2 and the default, one RUN_NAME, each rank's agreement made and compared as the rendezvous does."""
-    from utils.identity import agreement_refusal
+    from utils.config.identity import agreement_refusal
 
     [documented] = re.findall(
         r"`error: (the replicas were started with other settings [^`]+)`", RELIABILITY_DOC.read_text()

@@ -36,7 +36,7 @@ from tests.conftest import (
     wait_all,
     wait_until,
 )
-from utils.collectives import BEAT_CALL_SECONDS, PROBE_SECONDS, WATCHDOG_GRACE
+from utils.cluster.collectives import BEAT_CALL_SECONDS, PROBE_SECONDS, WATCHDOG_GRACE
 
 # One epoch of a small data set: 10 optimizer steps (160 rows per rank, batch 16), and the checkpoint the Trainer
 # saves at the last step. (A MAX_STEPS that ends mid-epoch is not used here: transformers 5.23, resumed from the
@@ -199,8 +199,8 @@ import sys, threading
 from datetime import timedelta
 from pathlib import Path
 import torch.distributed as td
-from utils.collectives import rendezvous
-from utils.distributed import DistEnv
+from utils.cluster.collectives import rendezvous
+from utils.config.distributed import DistEnv
 
 port, finished_marker, timeout = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 # Rank 0's store, listening, while rank 0 itself is busy saving model/ for the run this rank was lost from: it never

@@ -180,9 +180,9 @@ def test_pickled_weights_that_would_run_code_or_are_damaged_are_refused_in_one_l
     """The model check the job runs before training (`check_model`, first thing in load_tokenizer), in this
     process (a payload that ran would leave its marker here too); a refused start through main.py at the model
     layer is tests/test_refusals.py's `model` case."""
-    from utils.errors import EXIT_BAD_INPUT, JobError
-    from utils.model import check_model
-    from utils.settings import Settings
+    from utils.common.errors import EXIT_BAD_INPUT, JobError
+    from utils.config.settings import Settings
+    from utils.training.model import check_model
 
     marker = tmp_path / "payload-ran"
     model = pickled_weights(tiny_bert, tmp_path / "model", marker, how)

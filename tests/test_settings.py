@@ -22,8 +22,8 @@ from tests.conftest import (
     run_main,
     start_main,
 )
-from utils.errors import EXIT_BAD_INPUT, JobError
-from utils.settings import FIELDS, FLAG_ALIASES, Settings, describe_range, env_name, flag_name, load_settings
+from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.config.settings import FIELDS, FLAG_ALIASES, Settings, describe_range, env_name, flag_name, load_settings
 
 # Settings parsing and --dry-run, no training: `make check` runs the tests marked `check` (in this process); the
 # ones that start main.py (--help, --dry-run's own output, a refused start) hold the process to the same answers.
@@ -633,7 +633,7 @@ def test_every_flag_is_taken_with_underscores(tmp_path):
     typed = [
         (f"--{name}", ",".join(map(str, value)) if isinstance(value, list) else str(value).lower())
         for name, value in defaults.items()
-        # Given at all, a batch setting picks the per-device batch rule over the default global batch (utils/plan.py).
+        # Given at all, a batch setting picks the per-device batch rule over the default global batch (utils/config/plan.py).
         if name in FIELDS and value is not None and name not in ("run_name", *BATCH_GIVEN)
     ]
     assert len(typed) > 30

@@ -27,9 +27,9 @@ from tests.conftest import (
     start_main,
     wait_all,
 )
-from utils.distributed import DistEnv, launcher_options
-from utils.errors import JobError
-from utils.settings import Settings
+from utils.common.errors import JobError
+from utils.config.distributed import DistEnv, launcher_options
+from utils.config.settings import Settings
 
 TWO = DistEnv(
     rank=0, local_rank=0, world_size=2, node_rank=0, master_addr="10.0.0.1", master_port=29500, source="torchrun"
@@ -45,8 +45,8 @@ def refusal(
     precision: str = "bf16",
     **launcher,
 ) -> str | None:
-    from utils.deepspeed_config import check_launcher
-    from utils.strategy import check_strategy
+    from utils.config.deepspeed_config import check_launcher
+    from utils.config.strategy import check_strategy
 
     options = {"fsdp": False, "deepspeed": False, "mixed_precision": None, **launcher}
     try:
@@ -105,8 +105,8 @@ def test_accelerate_config_cannot_change_the_strategy_or_precision_behind_the_se
 
 @pytest.mark.check
 def test_fsdp_units_are_the_repeated_transformer_blocks(tiny_bert):
-    from utils.model import build_model
-    from utils.strategy import trainer_options, wrap_classes
+    from utils.config.strategy import trainer_options, wrap_classes
+    from utils.training.model import build_model
 
     settings = Settings(model_name=str(tiny_bert), strategy="fsdp")
     model = build_model(settings, False, torch.device("cpu"))

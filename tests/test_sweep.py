@@ -44,7 +44,7 @@ from tests.conftest import (
     strict,
     wait_until,
 )
-from utils.tasks import headline
+from utils.config.tasks import headline
 
 SWEEP = REPO / "sweep.py"
 KATIB_API = SCHEMAS / "katib.v1beta1.swagger.json"

@@ -301,8 +301,8 @@ def test_the_evaluation_loss_is_the_whole_splits_on_two_replicas(tmp_path, tiny_
 # ------------------------------------------------------------------------------- refusals and warnings
 def checked_data(tmp: Path, tiny_bert: Path, env: dict[str, str]):
     """The settings a start resolves from `env`, then the data checks (`check_and_rename(load_raw(...))`)."""
-    from utils.data import check_and_rename, load_raw
-    from utils.settings import load_settings
+    from utils.config.settings import load_settings
+    from utils.training.data import check_and_rename, load_raw
 
     settings, _ = load_settings([], {"MODEL_NAME": str(tiny_bert), "OUTPUT_DIR": str(tmp / "out"), **env})
     return check_and_rename(load_raw(settings), settings)
@@ -343,7 +343,7 @@ def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
     the warning for a second text column no setting names."""
     import logging
 
-    from utils.data import label_names_of
+    from utils.training.data import label_names_of
 
     data = tmp_path / "words"
     rows = [("a", "high"), ("b", "low"), ("c", "mid"), ("d", "low")]
@@ -363,7 +363,7 @@ def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
     assert ids["train"]["labels"] == [0, 1, 0, 1] and label_names_of(ids) == ("negative", "positive")
 
     pairs = write_mnli(tmp_path / "pairs", train=12, validation=6, splits=("validation",))
-    with caplog.at_level(logging.WARNING, logger="utils.data"):
+    with caplog.at_level(logging.WARNING, logger="utils.training.data"):
         checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(pairs), "TEXT_COLUMN": "premise"})
     assert "another text column 'hypothesis' that no setting names" in caplog.text
     assert "set TEXT_COLUMN=premise,hypothesis" in caplog.text
@@ -491,7 +491,7 @@ def test_the_tokenized_cache_is_keyed_on_the_text_columns(tmp_path, tiny_bert):
     """Premise alone and premise with hypothesis are other token rows: neither may load the other's cache."""
     from transformers import AutoTokenizer
 
-    from utils.data import tokenize
+    from utils.training.data import tokenize
 
     pairs = write_mnli(tmp_path / "pairs", train=12, validation=6, splits=("validation",))
     tokenizer = AutoTokenizer.from_pretrained(tiny_bert)

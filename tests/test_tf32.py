@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 
 torch.cuda.get_device_capability = lambda device=None: (9, 0)  # an H100, as the set-up asks torch
-from utils.distributed import DistEnv
-from utils.data import load_sst2
-from utils.job import Job
-from utils.model import build_model, load_tokenizer
-from utils.outputs import RunDir
-from utils.plan import build_plan
-from utils.preemption import Preemption
-from utils.settings import Settings
-from utils.trainer import build_trainer
+from utils.config.distributed import DistEnv
+from utils.training.data import load_sst2
+from utils.cluster.job import Job
+from utils.training.model import build_model, load_tokenizer
+from utils.run_folder.outputs import RunDir
+from utils.config.plan import build_plan
+from utils.cluster.preemption import Preemption
+from utils.config.settings import Settings
+from utils.training.trainer import build_trainer
 
 model_dir, data_dir, out = sys.argv[1:]
 settings = Settings(model_name=model_dir, dataset_path=data_dir, output_dir=out, report_to=("none",))

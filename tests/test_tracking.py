@@ -106,8 +106,8 @@ TRACKER_CHECK_TEST_SECONDS = 2  # the bound the check is given here; the job's o
 def test_tracking_uris_mlflow_cannot_use_are_bad_input_with_the_fix(monkeypatch, silent_server, uri, says):
     """The check main.py runs before loading (`check_tracker_uri`), in this process: one case per way MLflow
     refuses a URI, each a JobError with exit 2, the fix, and the password in the URI masked."""
-    from utils.errors import EXIT_BAD_INPUT, JobError
-    from utils.settings import Settings, check_tracker_uri
+    from utils.common.errors import EXIT_BAD_INPUT, JobError
+    from utils.config.settings import Settings, check_tracker_uri
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri.format(port=free_port(), silent=silent_server))
     with pytest.raises(JobError) as refused:  # given up on (MLflow alone retries for minutes)

@@ -9,9 +9,9 @@
       publish(job, hub, trained)  rank 0 alone answers the test split (predictions/), merges and pushes; every
                                   rank writes its record -> exit code
 
-`job` (utils/job.py) is what the rank knows from the start; each phase takes it and what the phase before
-returned. `publish_only` is --push-only. The Trainer is utils/trainer.py's, the collectives
-utils/collectives.py's, saving and pushing the model utils/hub.py's. It branches on `job.dist.is_main`
+`job` (utils/cluster/job.py) is what the rank knows from the start; each phase takes it and what the phase before
+returned. `publish_only` is --push-only. The Trainer is utils/training/trainer.py's, the collectives
+utils/cluster/collectives.py's, saving and pushing the model utils/publishing/hub.py's. It branches on `job.dist.is_main`
 (rank 0 writes and pushes) but reads no launcher variable itself.
 """
 
@@ -35,17 +35,21 @@ import transformers
 from transformers import Trainer, TrainerCallback, set_seed
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from utils.collectives import Collectives, rendezvous
-from utils.data import label_names_of, load_sst2
-from utils.distributed import DistEnv, export_env, launcher_options, masked_environ
-from utils.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, JobError, Preempted
-from utils.hub import Hub, push_model, save_merged, save_model
-from utils.hub_token import MaskingFilter, read_token
-from utils.identity import check_same_run, short_digest
-from utils.job import Job
-from utils.local_inputs import check_test_columns, test_split_file
-from utils.model import build_model, load_tokenizer, trainable_checksum
-from utils.outputs import (
+from utils.cluster.collectives import Collectives, rendezvous
+from utils.cluster.job import Job
+from utils.cluster.run_lock import RunLock
+from utils.common.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, JobError, Preempted
+from utils.common.hub_token import MaskingFilter, read_token
+from utils.config.distributed import DistEnv, export_env, launcher_options, masked_environ
+from utils.config.identity import check_same_run, short_digest
+from utils.config.local_inputs import check_test_columns, test_split_file
+from utils.config.plan import Plan, batch_warning
+from utils.config.recipe import describe_recipe
+from utils.config.settings import Settings, check_tracker_uri, resolve_base_model_id
+from utils.config.strategy import check_strategy, full_state_dict
+from utils.config.tasks import MULTI_LABEL, headline
+from utils.publishing.hub import Hub, push_model, save_merged, save_model
+from utils.run_folder.outputs import (
     RunDir,
     checkpoint_resume_key,
     discard_incomplete_checkpoints,
@@ -53,14 +57,10 @@ from utils.outputs import (
     usable_checkpoints,
     write_run_record,
 )
-from utils.plan import Plan, batch_warning
-from utils.predictions import PREDICTIONS_FILE, check_test_split, metrics_line, write_test_predictions
-from utils.recipe import describe_recipe
-from utils.run_lock import RunLock
-from utils.settings import Settings, check_tracker_uri, resolve_base_model_id
-from utils.strategy import check_strategy, full_state_dict
-from utils.tasks import MULTI_LABEL, headline
-from utils.trainer import JobTrainer, build_trainer, compile_record, seconds_since_start
+from utils.training.data import label_names_of, load_sst2
+from utils.training.model import build_model, load_tokenizer, trainable_checksum
+from utils.training.predictions import PREDICTIONS_FILE, check_test_split, metrics_line, write_test_predictions
+from utils.training.trainer import JobTrainer, build_trainer, compile_record, seconds_since_start
 
 log = logging.getLogger(__name__)
 RANK_LOG_ONLY = {"rank_log_only": True}  # `extra=` of a record the console leaves out
@@ -257,7 +257,7 @@ def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
 
     Checkpoints a kill cut short are dropped; one marked complete whose files were damaged since is
     dropped with a warning, falling back to the previous one; one written by another run (its recorded
-    identity, utils/identity.py) is refused (exit 2) with the fix.
+    identity, utils/config/identity.py) is refused (exit 2) with the fix.
     """
     # The newest one first, before anything is removed: a start refused as another run leaves every checkpoint.
     if (newest := latest_complete_checkpoint(run)) is not None and (recorded := checkpoint_identity(newest)):
@@ -514,7 +514,7 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             # What actually ran, for the card: the resolved rate and numerics, not `auto`.
             "world_size": dist.world_size,
             "global_batch": plan.batch.global_batch,
-            "global_batch_source": plan.batch.source,  # why that batch (utils/plan.py), for the card
+            "global_batch_source": plan.batch.source,  # why that batch (utils/config/plan.py), for the card
             "segments": close_segments(ready.key["segments"], trainer.state.global_step),
             "learning_rate": plan.learning_rate,
             "loraplus_ratio": plan.loraplus_ratio,
@@ -540,7 +540,7 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
             "data": {
                 "train_rows": ready.train_rows,
                 "validation_rows": ready.validation_rows,
-                "fingerprint": short_digest(job.plan.identity["data"]),  # of the data files (utils/identity.py)
+                "fingerprint": short_digest(job.plan.identity["data"]),  # of the data files (utils/config/identity.py)
             },
         }
         # The console has had the final evaluation's line (EvaluationLine).

@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from utils.errors import JobError  # noqa: E402
-from utils.settings import FIELDS, SHARED_VOLUME, env_name, find_misspelled_variables, load_settings  # noqa: E402
+from utils.common.errors import JobError  # noqa: E402
+from utils.config.settings import FIELDS, SHARED_VOLUME, env_name, find_misspelled_variables, load_settings  # noqa: E402
 
 TEMPLATE = Path(__file__).with_name("train.sbatch.template")
 PLACEHOLDER = re.compile(r"@([A-Z_]+)@")

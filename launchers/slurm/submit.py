@@ -26,8 +26,8 @@ import submitit
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from utils.errors import JobError  # noqa: E402
-from utils.settings import load_settings  # noqa: E402
+from utils.common.errors import JobError  # noqa: E402
+from utils.config.settings import load_settings  # noqa: E402
 
 
 class Train(submitit.helpers.Checkpointable):

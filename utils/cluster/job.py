@@ -1,0 +1,93 @@
+"""What a rank knows once it has started: one frozen object, built once, read by every phase of the run.
+
+main.py resolves the settings, the ranks and the plan without torch (`main.configure`); `Job.start` adds what
+needs it, the device, and completes the plan with the numerics the hardware allows (utils/plan.with_device),
+so utils/run.py's phases (set-up, train, publish) and the Trainer utils/training/trainer.py builds take one argument
+instead of a bundle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+
+from utils.cluster.preemption import Preemption
+from utils.common.hub_token import Masker
+from utils.config.deepspeed_config import check_config
+from utils.config.distributed import DistEnv
+from utils.config.plan import Plan, with_device, with_rows
+from utils.config.settings import Settings
+from utils.run_folder.outputs import RunDir
+
+# Notices about what the job neither uses nor can change, silenced for main.py and predict.py (both import this first):
+# peft 0.21 still asks transformers 5 for `is_gradient_checkpointing`, which warns on every model built or loaded;
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+# bitsandbytes looks for an optional 4-bit CPU kernel (package `kernels`) as it loads; the 8-bit path never calls it.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+@dataclass(frozen=True)
+class Job:
+    settings: Settings  # as the user gave them; what they resolve to is the plan's
+    dist: DistEnv  # this process's rank, world size and rendezvous address
+    out: RunDir  # OUTPUT_DIR, checked to be this job's
+    cuda: bool
+    device: torch.device
+    plan: Plan  # what the run trains with (utils/config/plan.py), its numerics resolved for this device
+    preemption: Preemption  # the stop-signal handler (main.py installs it); training defers signals through it
+    masker: Masker | None = None  # the token masking on stdout/stderr, for the log handlers too
+
+    @classmethod
+    def start(
+        cls, settings: Settings, dist: DistEnv, out: RunDir, plan: Plan, *, preemption: Preemption, masker=None
+    ) -> Job:
+        cuda = torch.cuda.is_available()
+        plan = with_device(plan, settings, cuda, cuda and torch.cuda.is_bf16_supported())
+        if plan.deepspeed is not None and settings.deepspeed_config is not None:
+            check_config(plan.deepspeed, settings, plan)  # a precision the file pins, now that PRECISION is resolved
+        device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
+        return cls(settings, dist, out, cuda, device, plan, preemption, masker)
+
+    def with_rows(self, train_rows: int) -> Job:
+        return replace(self, plan=with_rows(self.plan, self.settings, train_rows))
+
+    @property
+    def strategy(self) -> str:
+        return self.plan.strategy
+
+    @property
+    def quantize(self) -> bool:  # 8-bit or 4-bit base weights (bitsandbytes)
+        return self.plan.quantization in ("8bit", "4bit")
+
+    @property
+    def compiled(self) -> bool:  # TORCH_COMPILE (utils/trainer.compile_model), as the plan resolved it for this device
+        return self.plan.compile is True
+
+    @property
+    def captured(
+        self,
+    ) -> bool:  # CUDA_GRAPHS (utils/training/step_capture.py), as the plan resolved it for this device
+        return self.plan.capture is True
+
+    def leave_unused_libraries_out(self) -> None:
+        """`leave_out` what the plan does not use; before transformers is imported."""
+        unused = {"deepspeed": self.strategy != "deepspeed", "bitsandbytes": not self.quantize}
+        leave_out(*(name for name, left_out in unused.items() if left_out))
+        if self.strategy == "deepspeed" and not self.cuda:  # else DeepSpeed probes for a GPU and warns it found none
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def leave_out(*libraries: str) -> None:
+    """Make installed libraries this process will not use look not installed. Installed, each is imported by the
+    stack whether it is used or not: Accelerate imports DeepSpeed (and MLflow behind it) to recognise its engine,
+    peft imports bitsandbytes, which compiles wrappers with torch.compile as it loads: about 2 s of CPU at every
+    start, and their notices in the log. None in sys.modules is Python's "not installed": an import fails,
+    `importlib.util.find_spec` says it is missing, which is how Accelerate, transformers and peft ask
+    (tests/test_library_contract.py holds them to it). Before transformers is imported."""
+    for name in libraries:
+        sys.modules.setdefault(name, None)

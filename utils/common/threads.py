@@ -1,0 +1,124 @@
+"""The job's background threads, all started by `in_background`: a call given a deadline (`within`), a watchdog
+over the main thread (`watchdog`), a heartbeat (`Heartbeat`).
+
+Daemon threads, so one stuck in a call that never returns (a silent server, a native wait) never holds the
+process's exit. The standard library only: utils/config/settings.py uses it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Deadline(TimeoutError):
+    """A call did not return within its deadline; it was left running in its thread, to end with the process."""
+
+
+def in_background(call: Callable[[], object], name: str) -> threading.Event:
+    """Set once `call()`, run in a daemon thread, has returned or raised."""
+    ended = threading.Event()
+
+    def target() -> None:
+        try:
+            call()
+        finally:
+            ended.set()
+
+    threading.Thread(target=target, daemon=True, name=name).start()
+    return ended
+
+
+def within(seconds: float, call: Callable[[], T], name: str = "deadline") -> T:
+    """`call()`'s result (its exception raised here), or Deadline after `seconds` while the call still runs: for
+    library calls that can wait for ever (huggingface_hub's client has no timeout of its own, nor MLflow's retries)."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["result"] = call()
+        except BaseException as exc:  # raised in the caller's thread
+            box["error"] = exc
+
+    if not in_background(target, name).wait(max(0.0, seconds)):
+        raise Deadline(f"no answer within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def end_process(message: str, code: int) -> None:
+    """Say `message` on stderr and end the process with `code` at once, from any thread (the main one may be held in
+    native code that no exception reaches)."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@contextmanager
+def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
+    """End the process with `code` and `error: message` if the block has not finished after `seconds`.
+
+    torch's store calls to a stopped rank 0 wait in native code past their own timeouts (seen: 100 s on a
+    20 s timeout; tests/test_library_contract.py), where no Python signal handler or exception reaches them.
+    """
+    done = threading.Event()
+
+    def expire() -> None:
+        if not done.wait(seconds):
+            end_process(f"error: {message}", code)
+
+    in_background(expire, "watchdog")
+    try:
+        yield
+    finally:
+        done.set()
+
+
+@contextmanager
+def ended_when(condition: Callable[[], bool], message: str, code: int, every: float = 2.0) -> Iterator[None]:
+    """End the process with `code` (saying `message` on stderr) as soon as `condition()` holds, checked every `every`
+    seconds while the block runs: a wait that another process's outcome makes pointless, in native code where no
+    exception reaches it (a store call to a peer that will not come)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(every):
+            try:
+                met = condition()
+            except OSError:  # a volume that does not answer now may later; the block's own bound still holds
+                continue
+            if met:
+                end_process(message, code)
+
+    in_background(watch, "ended-when")
+    try:
+        yield
+    finally:
+        done.set()
+
+
+class Heartbeat:
+    """`beat()` every `seconds` until `stop`: a watcher that sees the beats stand still knows the process was
+    killed, stopped or cut off. `beat` handles its own failures: a missed beat must not end the job."""
+
+    def __init__(self, beat: Callable[[], None], seconds: float, name: str):
+        self._stopping = threading.Event()
+
+        def beating() -> None:
+            while not self._stopping.wait(seconds):
+                beat()
+
+        self._stopped = in_background(beating, name)
+
+    def stop(self, wait: float) -> None:
+        """Stop, and wait up to `wait` seconds for a beat in flight: a daemon thread still inside a native call when
+        the interpreter shuts down aborts the exit (SIGABRT) instead of exiting with the code the job chose."""
+        self._stopping.set()
+        self._stopped.wait(wait)

@@ -1,0 +1,1 @@
+"""The configuration: the settings (defaults < environment < flags), the task table, the launcher environment, the plan derived from them once, the run identity, the strategy and DeepSpeed files. Imports only utils.common."""

@@ -1,0 +1,350 @@
+"""What a start can check on the local disk without torch, datasets or the network: a MODEL_NAME folder, the
+local data (DATASET_PATH, TRAIN_FILE, VALIDATION_FILE, TEST_FILE), its split files and their columns. `--dry-run` runs these checks, and the real run calls the
+same functions where it loads each thing, so a mistake found early is refused with the line the run would print.
+
+A Hub id (MODEL_NAME, or no DATASET_PATH) is left to the run: checking it needs the network. Imports nothing heavy:
+pyarrow.parquet (a fifth of a second) only to read a parquet file's schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from utils.common.delimited import FILE_FORMATS, data_files, read_records
+from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.config.settings import REPO_ID_PATTERN, Settings
+from utils.config.tasks import validation_splits
+
+# The files a tokenizer is built from (WordPiece, BPE, SentencePiece): a folder without any of them loads a
+# tokenizer that knows only its special tokens.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "spm.model",
+    "sentencepiece.bpe.model",
+)
+MODEL_FIX = (
+    "point MODEL_NAME at a folder holding the model's config.json, tokenizer and weights "
+    "(e.g. `hf download MODEL --local-dir FOLDER`), or give a Hub id"
+)
+
+
+def _listing(folder: Path) -> str:
+    return ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+
+
+def is_local_model(model_name: str) -> bool:
+    """Whether MODEL_NAME means a folder: one exists by that name, or the name cannot be a Hub id (an absolute or
+    relative path, more than one `/`). `org/name` with no such folder is a Hub id, which only the network can check."""
+    return (
+        Path(model_name).expanduser().exists()
+        or model_name.startswith(("/", ".", "~"))
+        or not REPO_ID_PATTERN.match(model_name)
+    )
+
+
+def check_model_folder(model_name: str) -> None:
+    """A local MODEL_NAME is a folder with a config.json that parses and a tokenizer's files."""
+    if not is_local_model(model_name):
+        return
+    folder = Path(model_name).expanduser()
+    if not folder.exists():
+        raise JobError(
+            EXIT_BAD_INPUT, f"MODEL_NAME={model_name} does not exist (no such folder, and no Hub id); {MODEL_FIX}"
+        )
+    if not folder.is_dir():
+        raise JobError(EXIT_BAD_INPUT, f"MODEL_NAME={model_name} is a file, not a folder; {MODEL_FIX}")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise JobError(
+            EXIT_BAD_INPUT, f"MODEL_NAME={model_name} has no config.json (it holds {_listing(folder)}); {MODEL_FIX}"
+        )
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+        if not isinstance(parsed, dict):
+            raise ValueError(f"it holds a JSON {type(parsed).__name__}, not an object")
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={model_name}: its config.json cannot be read as a JSON object ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); copy the model's files there again "
+            "(e.g. `hf download MODEL --local-dir FOLDER`)",
+        ) from None
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise no_tokenizer(model_name)
+
+
+def no_tokenizer(model_name: str) -> JobError:
+    """The refusal of a model without a tokenizer, found from its files (here) or from what loaded (utils/training/model.py)."""
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"MODEL_NAME={model_name} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so every word would "
+        "be [UNK]; save the base model's tokenizer into it (tokenizer.json or vocab.txt, tokenizer_config.json: "
+        "AutoTokenizer.from_pretrained(base).save_pretrained(folder))",
+    )
+
+
+def check_dataset_path(dataset_path: str) -> Path:
+    """DATASET_PATH names an existing folder or file."""
+    path = Path(dataset_path)
+    if not path.exists():
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"DATASET_PATH={dataset_path} does not exist; point it at the data's folder (train and validation files, "
+            "or a save_to_disk DatasetDict), or unset it to load DATASET_NAME from the Hub",
+        )
+    return path
+
+
+def check_data_file(setting: str, path: Path, split: str) -> str:
+    """One split's data file: a regular, non-empty file of a format the loader reads."""
+    rows = "training" if split == "train" else split
+    if not path.exists():
+        raise JobError(EXIT_BAD_INPUT, f"{setting}={path} does not exist; point it at the {rows} rows' file")
+    if not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file (a broken link, a pipe?)"
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{path} is {kind}; the '{split}' split must be one data file: write its rows to {path.name} "
+            "as a file, or move it out of DATASET_PATH",
+        )
+    if path.suffix.lower() not in FILE_FORMATS:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{setting}={path} is not a data file the job reads; write the {rows} rows as .csv .tsv .json .jsonl or .parquet",
+        )
+    if path.stat().st_size == 0:
+        raise JobError(EXIT_BAD_INPUT, f"{path} is empty (0 bytes); each split needs at least one row")
+    return str(path)
+
+
+def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
+    """Each split's one data file in a DATASET_PATH folder of files."""
+    files = {}
+    for split in splits:
+        found = data_files(folder, (split,))  # the files the loader reads, and the identity hashes
+        if not found:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"DATASET_PATH={folder} has no '{split}' split (it holds {_listing(folder)}); add {split}.csv (or .tsv .json .jsonl .parquet) "
+                "or point DATASET_PATH at a save_to_disk DatasetDict"
+                + (
+                    ", or set VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows"
+                    if split != "train"
+                    else ""
+                ),
+            )
+        if len(found) > 1:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"DATASET_PATH={folder} has {len(found)} files for the '{split}' split ({', '.join(p.name for p in found)}); "
+                "which one to train on is ambiguous: keep one and move the others out of the folder",
+            )
+        files[split] = check_data_file("DATASET_PATH", found[0], split)
+    suffixes = {Path(f).suffix.lower() for f in files.values()}
+    if len({FILE_FORMATS[s] for s in suffixes}) > 1:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"DATASET_PATH={folder} mixes file formats ({sorted(suffixes)}); use one format for train and validation",
+        )
+    return files
+
+
+def read_splits(settings: Settings) -> tuple[str, ...]:
+    """The splits read from the data: train alone when VALIDATION_SPLIT carves the validation rows out of it."""
+    return ("train",) if settings.validation_split is not None else data_splits(settings)
+
+
+def check_carve(settings: Settings, present: Iterable[str], where: str) -> None:
+    """VALIDATION_SPLIT holds rows out of the training rows only where the data has no validation rows of its own: a
+    validation split left unread beside it would be data dropped without a word."""
+    if settings.validation_split is None or not settings.dataset_path:
+        return  # the Hub's data set: its validation split is not the user's to remove, so the carve replaces it
+    if given := sorted(split for split in present if split in validation_splits(settings)):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"VALIDATION_SPLIT={settings.validation_split} carves validation rows out of the training rows, and "
+            f"{where} holds {', '.join(given)} rows already; unset VALIDATION_SPLIT, or remove the validation rows",
+        )
+
+
+def split_files(settings: Settings) -> dict[str, str] | None:
+    """Each split's data file, checked: TRAIN_FILE and VALIDATION_FILE, a DATASET_PATH that is one file (the training
+    rows) with VALIDATION_FILE, or the split files of a DATASET_PATH folder. No validation file where VALIDATION_SPLIT
+    carves it. None for the Hub's data set or a save_to_disk folder (read by `datasets`, checked by check_splits)."""
+    validation = validation_splits(settings)[0]
+    if settings.train_file:
+        train = ("TRAIN_FILE", settings.train_file)
+    elif not settings.dataset_path:
+        return None
+    elif check_dataset_path(settings.dataset_path).is_file():
+        if settings.validation_file is None and settings.validation_split is None:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"DATASET_PATH={settings.dataset_path} is one file, the training rows; set VALIDATION_FILE to the "
+                "validation rows' file, or VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows (or point "
+                "DATASET_PATH at a folder of train and validation files)",
+            )
+        train = ("DATASET_PATH", settings.dataset_path)
+    else:
+        folder = Path(settings.dataset_path)
+        if settings.validation_file:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"VALIDATION_FILE={settings.validation_file} goes with the training rows as one file, and "
+                f"DATASET_PATH={folder} is a folder; point DATASET_PATH (or TRAIN_FILE) at the training file, or unset VALIDATION_FILE",
+            )
+        if (folder / "dataset_dict.json").exists():
+            return None
+        check_carve(
+            settings, {p.stem for p in data_files(folder, validation_splits(settings))}, f"DATASET_PATH={folder}"
+        )
+        return local_files(folder, read_splits(settings))
+    files = {"train": check_data_file(train[0], Path(train[1]), "train")}
+    if settings.validation_file:
+        files[validation] = check_data_file("VALIDATION_FILE", Path(settings.validation_file), validation)
+    return files
+
+
+def test_split_file(settings: Settings) -> Path | None:
+    """The test split's file, checked: TEST_FILE, or the one `test.*` file of a DATASET_PATH folder (beside train and
+    validation); None where there is none (the Hub's data set, a save_to_disk folder, or no such file). Its rows are
+    answered once the model is trained (utils/training/predictions.py)."""
+    folder = Path(settings.dataset_path) if settings.dataset_path else None
+    found = data_files(folder, ("test",)) if folder and folder.is_dir() else []
+    if settings.test_file and found:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"TEST_FILE={settings.test_file} and DATASET_PATH={folder}'s {found[0].name} both name the test rows; "
+            f"unset TEST_FILE to answer {found[0].name}, or move {found[0].name} out of the folder",
+        )
+    if settings.test_file:
+        return Path(check_data_file("TEST_FILE", Path(settings.test_file), "test"))
+    if len(found) > 1:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"DATASET_PATH={folder} has {len(found)} files for the 'test' split ({', '.join(p.name for p in found)}); "
+            "which one to answer is ambiguous: keep one and move the others out of the folder",
+        )
+    return Path(check_data_file("DATASET_PATH", found[0], "test")) if found else None
+
+
+def check_test_columns(path: Path, text_columns: tuple[str, ...]) -> None:
+    """The test split's file has the text column(s) (its label column is optional: without it, no metrics)."""
+    if (names := file_columns(path, text_columns)) is not None:
+        for column in text_columns:
+            if column not in names:
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"the test split ({path}) has no column '{column}' (columns: {names}); give it the text column(s) "
+                    f"the run trains on ({','.join(text_columns)}), or move it away to train without answering it",
+                )
+
+
+def check_splits(present: Iterable[str], splits: tuple[str, ...]) -> None:
+    """A save_to_disk DatasetDict (or the Hub's data set) holds every split the run trains and validates on."""
+    if missing := [split for split in splits if split not in present]:
+        raise JobError(EXIT_BAD_INPUT, f"the data set has no {missing} split (it has {sorted(present)}); provide it")
+
+
+def check_columns(
+    split: str, column_names: list[str], text_columns: tuple[str, ...], label_columns: tuple[str, ...]
+) -> None:
+    """The split has the text column(s) and the label column(s) the settings name (LABEL_COLUMNS: a multi-label
+    problem's 0/1 columns, two or more)."""
+    label_setting = "LABEL_COLUMNS" if len(label_columns) > 1 else "LABEL_COLUMN"
+    for setting, column in [
+        *(("TEXT_COLUMN", column) for column in text_columns),
+        *((label_setting, column) for column in label_columns),
+    ]:
+        if column not in column_names:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the {split} split has no column '{column}' (columns: {column_names}); set {setting} to the right one"
+                + (" (TEXT_COLUMN=first,second names a sentence pair)" if setting == "TEXT_COLUMN" else ""),
+            )
+
+
+def file_columns(path: Path, needed: Iterable[str]) -> list[str] | None:
+    """The columns the loader will read from one split's file, in its order, from the file's head where that
+    settles them: a csv/tsv header, the keys of the first JSON record (all records' keys, in order of first
+    appearance, when a needed one is not among them), a parquet schema. None when the file cannot be read so
+    cheaply: the run's own reading refuses it then, naming what is wrong."""
+    suffix = path.suffix.lower()
+    try:
+        if FILE_FORMATS[suffix] == "csv":
+            with path.open(encoding="utf-8-sig", newline="") as handle:
+                header, _ = read_records(handle, path, suffix)
+            # The loader (pandas) names a column without a name by its place
+            return None if header is None else [name or f"Unnamed: {i}" for i, name in enumerate(header)]
+        if FILE_FORMATS[suffix] == "parquet":
+            import pyarrow.parquet  # only here: a fifth of a second that a csv's --dry-run does not pay
+
+            return list(pyarrow.parquet.read_schema(path).names)
+        with path.open(encoding="utf-8-sig") as handle:
+            first = next((line for line in handle if line.strip()), "")
+        if not first.lstrip().startswith("["):
+            keys = list(json.loads(first))
+            if set(needed) <= set(keys):
+                return keys
+            text = path.read_text(encoding="utf-8-sig")
+            records = map(json.loads, filter(str.strip, text.splitlines()))
+        else:
+            records = json.loads(path.read_text(encoding="utf-8-sig"))
+        columns: dict[str, None] = {}
+        for record in records:
+            columns.update(dict.fromkeys(record))
+        return list(columns)
+    except JobError:  # a header naming a column twice: refused as the run's reader refuses it
+        raise
+    except Exception:  # not UTF-8, not JSON, not parquet (ArrowInvalid): the run's loader refuses it with its reason
+        return None
+
+
+def saved_columns(folder: Path) -> dict[str, list[str] | None] | None:
+    """The splits of a save_to_disk DatasetDict and each one's columns, from its JSON files (None where they
+    cannot be read: a damaged copy is refused by the run's loader, naming the damage)."""
+    try:
+        splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    columns: dict[str, list[str] | None] = {}
+    for split in splits:
+        try:
+            info = json.loads((folder / split / "dataset_info.json").read_text(encoding="utf-8"))
+            columns[split] = list(info["features"])
+        except (OSError, ValueError, KeyError, TypeError):
+            columns[split] = None
+    return columns
+
+
+def data_splits(settings: Settings) -> tuple[str, ...]:
+    """The splits a run reads: train, and the task's validation split(s) (MNLI has two)."""
+    return ("train", *validation_splits(settings))
+
+
+def check_dataset(settings: Settings) -> None:
+    """What --dry-run checks of the local data: each split's file (or the DatasetDict's splits) and the columns the
+    settings name, by the functions the run's loader calls (utils/training/data.py); the test split's file and text columns."""
+    text_columns, label_columns = settings.text_columns, settings.label_source_columns
+    if (test := test_split_file(settings)) is not None:
+        check_test_columns(test, text_columns)
+    columns: Mapping[str, list[str] | None]
+    if (files := split_files(settings)) is not None:
+        columns = {split: file_columns(Path(p), [*text_columns, *label_columns]) for split, p in files.items()}
+    elif not settings.dataset_path:
+        return  # the Hub's data set: no network here
+    elif (saved := saved_columns(Path(settings.dataset_path))) is None:
+        return
+    else:
+        check_carve(settings, saved, f"DATASET_PATH={settings.dataset_path}")
+        check_splits(saved, read_splits(settings))
+        columns = saved
+    for split in read_splits(settings):
+        if (names := columns.get(split)) is not None:
+            check_columns(split, names, text_columns, label_columns)

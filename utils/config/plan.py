@@ -1,0 +1,414 @@
+"""The plan: every value a run derives from its settings, computed here once and only read elsewhere.
+
+`build_plan` (main.configure, every rank, no torch) resolves the batches, the learning rates, the steps when
+MAX_STEPS sets them and the strategy; `with_device` (Job.start) and `with_rows` (utils/run.set_up) complete what
+the hardware and the data tell, once each. `--dry-run` prints it, run.json records it completed; the Trainer's
+arguments, the DeepSpeed config, the logs and the model card read it.
+
+The global batch (rows per optimizer step), one of three rules (`plan_batches`; --dry-run, run.json and the model
+card say which as the batch's `source`):
+
+- GLOBAL_BATCH_SIZE set: that many rows on any replica count. A count that cannot share it in equal parts is
+  refused (exit 2) with the counts that can and the nearest batches this count can share: the user chose the
+  number, so it is never changed.
+- nothing set (the default): 64, one GPU's batch, on any count that divides it (1, 2, 4 and 8: every count
+  config.yaml and k8s/ deploy), so more replicas train the same model faster: 4 replicas take 16 rows each.
+  A count that does not divide 64 (3, 5, 6, 7) trains the multiple of the count nearest 64 (63, 65, 66, 63):
+  equal shares are what make every micro-batch full and every rank's gradient weigh the same, and a refusal
+  would stop a launch the defaults ran before. It is no silent change: the source names it, and the start
+  warns (`batch_warning`). An elastic range is held to one batch for all its counts (`check_elastic_range`).
+- PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS set (GLOBAL_BATCH_SIZE not): PER_DEVICE_BATCH_SIZE x world
+  size x GRADIENT_ACCUMULATION_STEPS, the per-device rule: the global batch follows the replica count, so another
+  count is another run (a restart on another count is refused).
+
+Under the first two the replica count is a deployment detail: a replica computes its share (global batch / world
+size) in micro-batches of at most PER_DEVICE_BATCH_SIZE rows (64 unless set), accumulating as many as it takes.
+With one global order of the rows (utils/training/trainer.py's GlobalOrderSampler) 1, 2 and 4 replicas train the same
+model up to floating-point summation order, and a run can resume on any count that divides the global batch;
+PER_DEVICE_BATCH_SIZE is then a memory cap a restart may lower (set beside GLOBAL_BATCH_SIZE: alone it switches to
+the per-device rule). An elastic launcher (PET_NNODES=2:4) must be able to share the global batch on every count
+of its range, or the job dies after the loss it was made to survive: `check_elastic_range` refuses such a start at
+once.
+
+The learning rate follows the global batch, so one global batch trains at one rate on 1 to 8 replicas:
+
+    learning_rate = BASE_LEARNING_RATE x (global batch / 64) ** 0.25     (LEARNING_RATE_SCALING=fourth-root)
+    loraplus_lr_ratio = 8 x min(1, (64 / global batch) ** 0.5), never below 1
+
+64 is the reference batch (one replica with the defaults), where both were tuned. Adam's update size does not
+grow with the batch, so fewer, larger steps need a larger rate: on real SST-2 on 4 replicas `sqrt` (Malladi et
+al. 2022) overshot, the fourth root and B at 4x came level with one replica (docs/quality.md). Values set by
+hand are used exactly; a rate the rule resolves passes LEARNING_RATE's own bounds. The head trains at
+HEAD_LEARNING_RATE_RATIO x the rate, B at the LoRA+ ratio x (Hayou et al. 2024; utils/recipe.optimizer_groups).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Annotated, Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.config.identity import run_identity, run_name, with_numerics
+from utils.config.settings import DEFAULT_GLOBAL_BATCH, MAX_GLOBAL_BATCH, Settings, batch_follows_replicas
+
+REFERENCE_GLOBAL_BATCH = DEFAULT_GLOBAL_BATCH  # one replica with the defaults: where BASE_LEARNING_RATE was measured
+REFERENCE_LORAPLUS_RATIO = 8.0  # the LoRA+ ratio measured best at the reference batch (docs/quality.md)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch: int  # rows per optimizer step, over all replicas
+    micro_batch: int  # rows per forward/backward on one replica
+    accumulation: int  # micro-batches per optimizer step on one replica
+    world_size: int
+    fixed: bool  # the same global batch on any replica count (GLOBAL_BATCH_SIZE, or the default)
+    source: str  # where the global batch came from, in the settings' names: what --dry-run and the card say
+
+
+@dataclass(frozen=True)
+class Plan:
+    batch: BatchPlan
+    learning_rate: float  # the base rate: LoRA's A matrices and what is neither head nor B
+    learning_rate_source: str  # where the rate came from, in the settings' names
+    loraplus_ratio: float  # B at this x the rate
+    head_ratio: float  # the head at this x the rate
+    max_steps: int | None  # MAX_STEPS, else the epochs decide
+    num_epochs: float
+    strategy: str
+    zero_stage: int | None  # DeepSpeed only
+    zero_offload: str | None
+    precision: str  # fp32, bf16 or fp16; `auto` until the device is known
+    quantization: str  # 8bit or none; `auto` until the device is known
+    steps: int | None  # optimizer steps: MAX_STEPS, else known once the rows are
+    warmup_steps: int | None
+    steps_per_epoch: int | None = None  # known once the rows are
+    identity: dict[str, Any] | None = None  # what makes two starts one run (utils/config/identity.py)
+    run_name: str | None = None  # RUN_NAME, else derived from the identity
+    # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in
+    # (utils/deepspeed_config.with_deepspeed).
+    deepspeed: dict[str, Any] | None = None
+    # TORCH_COMPILE: the fast path (utils/trainer.compile_model), a speed switch only; `auto` until the device is known.
+    compile: bool | str = "auto"
+    # CUDA_GRAPHS: the step captured per length bucket (utils/training/step_capture.py), a speed switch only; `auto` until the
+    # device is known.
+    capture: bool | str = "auto"
+
+    @property
+    def rates(self) -> dict[str, float]:
+        """The learning rate of each optimizer group (utils/recipe.optimizer_groups)."""
+        rate = self.learning_rate
+        return {"base": rate, "head": rate * self.head_ratio, "lora_B": rate * self.loraplus_ratio}
+
+    def as_dict(self) -> dict:
+        """What --dry-run prints and run.json records (the DeepSpeed config has a key of its own)."""
+        shown = asdict(self)
+        del shown["deepspeed"], shown["identity"]
+        return {**shown, "rates": self.rates}
+
+
+def replica_counts(global_batch: int) -> list[int]:
+    return [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+
+
+def largest_micro_batch(share: int, cap: int) -> int:
+    """The largest micro-batch of at most `cap` rows that divides a replica's `share`: every micro-batch is
+    full, so each optimizer step averages exactly the same rows with the same weights on any count."""
+    divisors = (d for small in range(1, math.isqrt(share) + 1) if share % small == 0 for d in (small, share // small))
+    return max(d for d in divisors if d <= cap)
+
+
+def splits_well(global_batch: int, world_sizes: list[int], cap: int) -> bool:
+    """Every count divides `global_batch`, and none computes its share in micro-batches under half of what the
+    cap (or the share, when smaller) allows."""
+    shares = [global_batch // world for world in world_sizes if global_batch % world == 0]
+    return len(shares) == len(world_sizes) and all(2 * largest_micro_batch(s, cap) >= min(s, cap) for s in shares)
+
+
+def nearby_global_batches(global_batch: int, world_sizes: list[int], cap: int) -> str:
+    """The nearest global batch below and above `global_batch` that every count in `world_sizes` shares in
+    well-filled micro-batches (`splits_well`), as "992 or 999": what to suggest instead of one that is not."""
+    step = math.lcm(*world_sizes)
+    if step > 4 * global_batch:
+        return str(step)  # the smallest batch every count shares is far from the one asked for: no search around it
+    start = global_batch // step * step
+    # A suggestion, not a search: 100 steps from the value asked for, a batch helps no one.
+    below, above = range(start, max(start - 101 * step, 0), -step), range(start + step, start + 102 * step, step)
+    found = [next((size for size in sizes if splits_well(size, world_sizes, cap)), 0) for sizes in (below, above)]
+    return " or ".join(str(size) for size in found if size and size != global_batch) or str(step)
+
+
+def plan_batches(settings: Settings, world_size: int) -> BatchPlan:
+    """The plan for `world_size` replicas; a replica count that cannot divide GLOBAL_BATCH_SIZE is bad input."""
+    if batch_follows_replicas(settings):
+        micro, accumulation = settings.per_device_batch_size, settings.gradient_accumulation_steps
+        source = f"{_per_device_terms(settings, world_size)}: the global batch follows the replica count"
+        return BatchPlan(micro * world_size * accumulation, micro, accumulation, world_size, False, source)
+    total, source = fixed_global_batch(settings, world_size)
+    share = total // world_size
+    micro = largest_micro_batch(share, settings.per_device_batch_size)
+    return BatchPlan(total, micro, share // micro, world_size, fixed=True, source=source)
+
+
+def fixed_global_batch(settings: Settings, world_size: int) -> tuple[int, str]:
+    """The global batch `world_size` replicas train when it does not follow the count, and why (the module's rule)."""
+    total = settings.global_batch_size
+    if total is not None:
+        if total % world_size:
+            counts = ", ".join(map(str, replica_counts(total)))
+            sizes = nearby_global_batches(total, [world_size], settings.per_device_batch_size)
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"GLOBAL_BATCH_SIZE={total} cannot be shared by {world_size} replicas; run on one of {counts} "
+                f"replica(s), or set a GLOBAL_BATCH_SIZE that {world_size} divides, e.g. {sizes}",
+            )
+        return total, f"GLOBAL_BATCH_SIZE={total}, on any replica count"
+    if DEFAULT_GLOBAL_BATCH % world_size == 0:
+        return DEFAULT_GLOBAL_BATCH, (
+            f"the default, {DEFAULT_GLOBAL_BATCH} (one GPU's batch) on any replica count that divides it "
+            "(GLOBAL_BATCH_SIZE, PER_DEVICE_BATCH_SIZE and GRADIENT_ACCUMULATION_STEPS unset)"
+        )
+    nearest = max(world_size, round(DEFAULT_GLOBAL_BATCH / world_size) * world_size)
+    return nearest, (
+        f"the default {DEFAULT_GLOBAL_BATCH} made {nearest}, the nearest multiple of {world_size} replicas, which "
+        f"cannot share {DEFAULT_GLOBAL_BATCH} rows equally (set GLOBAL_BATCH_SIZE to choose the batch)"
+    )
+
+
+def batch_warning(settings: Settings, plan: BatchPlan) -> str | None:
+    """A warning for a global batch that is not what the user would expect: the default rounded for this count
+    (another model than one GPU's, a little), or micro-batches far smaller than the cap (`micro_batch_warning`)."""
+    if plan.fixed and settings.global_batch_size is None and plan.global_batch != DEFAULT_GLOBAL_BATCH:
+        return (
+            f"the global batch is {plan.global_batch} rows, not the default {DEFAULT_GLOBAL_BATCH}: {plan.world_size} "
+            f"replicas cannot share {DEFAULT_GLOBAL_BATCH} rows equally, so this run differs a little from one GPU's "
+            f"(its learning rate follows {plan.global_batch}); run on 1, 2, 4 or 8 replicas for the default, or set "
+            f"GLOBAL_BATCH_SIZE (e.g. {plan.global_batch}) to make the choice yours"
+        )
+    return micro_batch_warning(settings, plan)
+
+
+def micro_batch_warning(settings: Settings, plan: BatchPlan) -> str | None:
+    """A warning when GLOBAL_BATCH_SIZE leaves this count far smaller micro-batches than PER_DEVICE_BATCH_SIZE
+    allows (997, a prime, on one replica: 997 micro-batches of 1 a step): the same model, many times slower."""
+    if not plan.fixed or splits_well(plan.global_batch, [plan.world_size], settings.per_device_batch_size):
+        return None
+    share = plan.global_batch // plan.world_size
+    better = nearby_global_batches(plan.global_batch, [plan.world_size], settings.per_device_batch_size)
+    return (
+        f"GLOBAL_BATCH_SIZE={plan.global_batch} on {plan.world_size} replica(s) is {share} rows a replica, which only "
+        f"micro-batches of {plan.micro_batch} divide under PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} "
+        f"({plan.accumulation} forward passes a step); the model is the same but the run is slower: "
+        f"GLOBAL_BATCH_SIZE={better} would keep micro-batches of at least half PER_DEVICE_BATCH_SIZE"
+    )
+
+
+def check_elastic_range(settings: Settings, counts: range, variable: str) -> None:
+    """Refuse (exit 2) an elastic range of replica counts (`variable` as the launcher set it) the global batch
+    cannot follow: one of them reached after a loss would be refused on every restart, and the job would end
+    there instead of going on."""
+    if len(counts) < 2:
+        return
+    cap = settings.per_device_batch_size
+    if batch_follows_replicas(settings):
+        sizes = nearby_global_batches(cap * counts[-1] * settings.gradient_accumulation_steps, list(counts), cap)
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{variable} lets the job go on with {counts[0]} to {counts[-1]} replicas, but with PER_DEVICE_BATCH_SIZE or "
+            "GRADIENT_ACCUMULATION_STEPS set and no GLOBAL_BATCH_SIZE the global batch follows the replica count, so a "
+            f"restart on another count after a loss is refused; set GLOBAL_BATCH_SIZE to a multiple of every count, "
+            f"e.g. {sizes}",
+        )
+    total = settings.global_batch_size or DEFAULT_GLOBAL_BATCH
+    named = f"GLOBAL_BATCH_SIZE={total}" if settings.global_batch_size else f"the default global batch ({total})"
+    refused = [world for world in counts if total % world]
+    if refused:
+        sizes = nearby_global_batches(total, list(counts), cap)
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{named} cannot be shared by {', '.join(map(str, refused))} replica(s), a count {variable} "
+            "lets the job go on with after a loss (every restart there would be refused); set GLOBAL_BATCH_SIZE to a "
+            f"multiple of every count from {counts[0]} to {counts[-1]}, e.g. {sizes}, or narrow the range",
+        )
+
+
+# ------------------------------------------------------------------------------- the learning rate
+def scaled_learning_rate(settings: Settings, global_batch: int, rule: str | None = None) -> float:
+    """BASE_LEARNING_RATE at the reference batch, scaled to `global_batch` by `rule` (LEARNING_RATE_SCALING)."""
+    ratio = global_batch / REFERENCE_GLOBAL_BATCH
+    factor = {"fourth-root": ratio**0.25, "sqrt": math.sqrt(ratio), "linear": ratio, "none": 1.0}[
+        rule or settings.learning_rate_scaling
+    ]
+    return float(f"{settings.base_learning_rate * factor:.6g}")  # a readable number in logs, run.json and the card
+
+
+def resolve_learning_rate(settings: Settings, batch: BatchPlan) -> float:
+    """The rate this job trains at: LEARNING_RATE exactly when the user set it, else the scaling rule's rate,
+    checked against LEARNING_RATE's bounds (a JobError naming the rule, the batch and the fix)."""
+    if settings.learning_rate is not None:
+        return settings.learning_rate
+    global_batch = batch.global_batch
+    rate = scaled_learning_rate(settings, global_batch)
+    refusal = _learning_rate_refusal(rate)
+    if refusal:
+        rules = ", ".join(
+            f"LEARNING_RATE_SCALING={rule} gives {value:g}"
+            for rule in ("fourth-root", "none")
+            if rule != settings.learning_rate_scaling
+            and not _learning_rate_refusal(value := scaled_learning_rate(settings, global_batch, rule))
+        )
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LEARNING_RATE_SCALING={settings.learning_rate_scaling} resolves the learning rate to {rate:g} at global batch "
+            f"{global_batch} ({batch.source}; BASE_LEARNING_RATE "
+            f"{settings.base_learning_rate:g} at batch {REFERENCE_GLOBAL_BATCH}), which LEARNING_RATE's own check refuses "
+            f"({refusal}); set LEARNING_RATE to the rate to train at, or another rule ({rules})",
+        )
+    return rate
+
+
+def resolve_loraplus_ratio(settings: Settings, global_batch: int) -> float:
+    if settings.loraplus_lr_ratio is not None:
+        return settings.loraplus_lr_ratio
+    shrink = min(1.0, (REFERENCE_GLOBAL_BATCH / global_batch) ** 0.5)
+    return max(1.0, float(f"{REFERENCE_LORAPLUS_RATIO * shrink:.6g}"))
+
+
+def _learning_rate_refusal(rate: float) -> str | None:
+    """Why LEARNING_RATE would refuse `rate` (None: it takes it). The bounds are the field's own, so a rate
+    the rule resolves and a rate typed by hand can never be held to different ones."""
+    try:
+        TypeAdapter(Annotated[(float, *Settings.model_fields["learning_rate"].metadata)]).validate_python(rate)
+    except ValidationError as exc:
+        return exc.errors()[0]["msg"].lower()
+    return None
+
+
+def _per_device_terms(settings: Settings, world_size: int) -> str:
+    return (
+        f"PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} x {world_size} replica(s) "
+        f"x GRADIENT_ACCUMULATION_STEPS={settings.gradient_accumulation_steps}"
+    )
+
+
+def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
+    """Warm-up steps for a run of `total_steps`: WARMUP_RATIO of them rounded up, as the Trainer counts them,
+    but never all of them. A linear warm-up trains its first step at rate 0, so a 1-step run (MAX_STEPS=1,
+    or one step an epoch) whose only step is warm-up would change no weight at all."""
+    return max(0, min(math.ceil(total_steps * warmup_ratio), total_steps - 1))
+
+
+# ------------------------------------------------------------------------------- building and completing the plan
+def build_plan(settings: Settings, world_size: int) -> Plan:
+    """The plan for `world_size` replicas, from the settings alone (no torch); bad input raises JobError."""
+    batch = plan_batches(settings, world_size)
+    # Each factor has its range, but their product (x the replica count) could reach sizes no data set and no
+    # sampler index is made for: held to GLOBAL_BATCH_SIZE's own bound.
+    if batch.global_batch > MAX_GLOBAL_BATCH:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the global batch is {batch.global_batch} rows ({batch.source}), above the "
+            f"{MAX_GLOBAL_BATCH} a global batch may be (GLOBAL_BATCH_SIZE's range, 1 to {MAX_GLOBAL_BATCH}); lower "
+            "PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS, or set GLOBAL_BATCH_SIZE",
+        )
+    rate = resolve_learning_rate(settings, batch)
+    deepspeed = settings.strategy == "deepspeed"
+    plan = Plan(
+        batch=batch,
+        learning_rate=rate,
+        learning_rate_source="LEARNING_RATE as set"
+        if settings.learning_rate is not None
+        else f"BASE_LEARNING_RATE {settings.base_learning_rate:g} x {settings.learning_rate_scaling} scaling from batch {REFERENCE_GLOBAL_BATCH}",
+        loraplus_ratio=resolve_loraplus_ratio(settings, batch.global_batch),
+        head_ratio=settings.head_learning_rate_ratio,
+        max_steps=settings.max_steps,
+        num_epochs=settings.num_epochs,
+        strategy=settings.strategy,
+        zero_stage=settings.zero_stage if deepspeed else None,
+        zero_offload=settings.zero_offload if deepspeed else None,
+        precision=settings.precision,
+        quantization=settings.quantization,
+        steps=settings.max_steps,
+        warmup_steps=warmup_steps(settings.warmup_ratio, settings.max_steps) if settings.max_steps else None,
+        compile=settings.torch_compile,
+        capture=settings.cuda_graphs,
+    )
+    # A fixed global batch (GLOBAL_BATCH_SIZE, or the default) under DDP: one global order of the rows, which any
+    # replica count continues (not under DeepSpeed, whose checkpoints hold each rank's partition of the optimizer
+    # state). The rates as this plan trains at them, however they were given.
+    identity = run_identity(settings, batch.global_batch, world_size, batch.fixed and not deepspeed, plan.rates)
+    return replace(plan, identity=identity, run_name=run_name(settings, identity))
+
+
+def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool) -> Plan:
+    """The plan with `auto` precision and quantization resolved for this hardware; impossible asks are bad input."""
+    # auto: no 8-bit under DeepSpeed, which casts and shards the weights (an explicit 8bit is refused there).
+    quantize = settings.quantization in ("8bit", "4bit") or (
+        settings.quantization == "auto" and cuda and plan.batch.world_size == 1 and plan.strategy != "deepspeed"
+    )
+    precision = settings.precision
+    if precision == "auto":
+        precision = "bf16" if cuda and bf16_supported else "fp32"
+    if precision == "fp16" and not cuda:
+        raise JobError(EXIT_BAD_INPUT, "PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
+    if precision == "bf16" and cuda and not bf16_supported:
+        raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
+    quantization = (settings.quantization if settings.quantization != "auto" else "8bit") if quantize else "none"
+    # auto: the captured step on CUDA wherever it can run (DDP, no recomputed forwards, no fp16 loss scaler, which
+    # skips steps on the host's word). On the CPU a step is arithmetic, not launches: nothing to gain. 4-bit weights
+    # stay eager: their capture has not run on a GPU here.
+    capture = settings.cuda_graphs is True or (
+        settings.cuda_graphs == "auto"
+        and cuda
+        and plan.strategy == "ddp"
+        and not settings.gradient_checkpointing
+        and precision != "fp16"
+        and quantization != "4bit"
+    )
+    # auto: compiled blocks on CUDA under DDP with full-precision weights, where the step is not captured: a captured
+    # step replays eager kernels, a cold start without minutes of compiling (on the CPU compiling takes minutes for
+    # no gain; bitsandbytes' int8 matmul breaks the graphs: 195 ms a step compiled against 112 eager on an H200).
+    compiled = settings.torch_compile is True or (
+        settings.torch_compile == "auto" and cuda and plan.strategy == "ddp" and not quantize and not capture
+    )
+    return replace(
+        plan,
+        precision=precision,
+        quantization=quantization,
+        compile=compiled,
+        capture=capture,
+        # What the run trains with is now known: the checkpoints and run.json record it resolved (utils/config/identity.py).
+        identity=with_numerics(plan.identity, precision, quantization) if plan.identity is not None else None,
+    )
+
+
+def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
+    """The plan with the optimizer steps the Trainer will count over `train_rows` training rows, and the
+    warm-up. A global batch larger than the split is bad input: one step would want more rows than exist.
+    Every rank holds the same rows, so every rank reaches the same decision without a collective."""
+    batch = plan.batch
+    if batch.global_batch > train_rows:
+        fitting = train_rows // (batch.world_size * settings.gradient_accumulation_steps)
+        fewer = ", run fewer replicas" if batch.world_size > 1 else ""  # one process has none to spare
+        if batch.fixed and fitting >= 1:
+            fix = f"set GLOBAL_BATCH_SIZE to {fitting * batch.world_size} or less, or train on more data"
+        elif batch.fixed:
+            fix = "run fewer replicas (even 1 row per replica is too many), or train on more data"
+        elif fitting >= 1:
+            fix = f"set PER_DEVICE_BATCH_SIZE to {fitting} or less, lower GRADIENT_ACCUMULATION_STEPS{fewer}, or train on more data"
+        else:
+            fix = (
+                f"lower GRADIENT_ACCUMULATION_STEPS{fewer} (even 1 row per device is too many), or train on more data"
+            )
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the global batch is {batch.global_batch} rows ({batch.source}) but the "
+            f"training split has only {train_rows}: a step would take more rows than there are; {fix}",
+        )
+    per_epoch = max(train_rows // batch.global_batch, 1)  # whole global batches only (GlobalOrderSampler)
+    steps = plan.max_steps or math.ceil(plan.num_epochs * per_epoch)
+    return replace(
+        plan, steps_per_epoch=per_epoch, steps=steps, warmup_steps=warmup_steps(settings.warmup_ratio, steps)
+    )

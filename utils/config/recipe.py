@@ -1,0 +1,76 @@
+"""The training recipe around the adapter: which weights train at which rate, and the LoRA options.
+
+The rates themselves (the learning rate that follows the global batch, the LoRA+ and head ratios) are the
+plan's (utils/config/plan.py). peft's create_loraplus_optimizer puts the head's weights at 1x and its biases at the
+B rate, which is why the groups are made here. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from utils.config.plan import Plan
+from utils.config.settings import Settings
+
+# The task head, trained in full: BERT's classifier and the pooler it reads, DistilBERT's pre_classifier.
+HEAD_MODULES = ("classifier", "pre_classifier", "pooler")
+
+
+def optimizer_groups(named_parameters: Iterable, rates: dict[str, float], weight_decay: float) -> list[dict]:
+    """AdamW parameter groups at the plan's `rates`: adapters' B at "lora_B", the head at "head", the rest (A) at "base".
+
+    Biases and LayerNorm weights (1-D tensors) never take weight decay, as in the Trainer's own grouping.
+    """
+    groups: dict[tuple[str, bool], list] = {}
+    for name, param in named_parameters:
+        if not param.requires_grad:
+            continue
+        head = any(f".{module}." in f".{name}" for module in HEAD_MODULES)
+        kind = "head" if head else "lora_B" if "lora_B" in name else "other"
+        groups.setdefault((kind, param.ndim > 1), []).append(param)
+    return [
+        {"params": params, "lr": rates.get(kind, rates["base"]), "weight_decay": weight_decay if decays else 0.0}
+        for (kind, decays), params in sorted(groups.items())
+    ]
+
+
+def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
+    """LoraConfig keyword arguments beyond the adapter's shape: the pooler trained beside the classifier,
+    rsLoRA / DoRA, and the initialisation. `module_names`: the model's named_modules() names."""
+    options: dict = {"use_rslora": settings.lora_variant == "rslora", "use_dora": settings.lora_variant == "dora"}
+    if settings.lora_init != "default":
+        options["init_lora_weights"] = settings.lora_init
+    # peft adds the classifier itself for SEQ_CLS, matching by suffix, so DistilBERT's pre_classifier trains too.
+    # Models whose classifier reads no pooler (RoBERTa, DistilBERT) have none to train: nothing to add then.
+    if settings.train_pooler and any(name.rsplit(".", 1)[-1] == "pooler" for name in module_names):
+        options["modules_to_save"] = ["pooler"]
+    return options
+
+
+def describe_recipe(settings: Settings, plan: Plan) -> str:
+    """One log line: the rate used, where it came from, and the options around the adapter (recipe_summary)."""
+    return f"learning rate {plan.learning_rate:g} at global batch {plan.batch.global_batch} ({plan.learning_rate_source}); {recipe_summary(settings, plan.loraplus_ratio)}"
+
+
+def recipe_summary(settings: Settings, loraplus_ratio: float | None, pooler: bool | None = None) -> str:
+    """The options around the adapter that shaped the model, for its card and the rank log: what it takes to train it
+    again. `loraplus_ratio`: the plan's, not the rule. `pooler`: whether the saved adapter trained one (its
+    modules_to_save); None before the model is read, when TRAIN_POOLER can only be a wish (RoBERTa has no pooler)."""
+    parts = [f"warm-up {settings.warmup_ratio:g} of the steps"]
+    if loraplus_ratio not in (None, 1):
+        parts.append(f"LoRA+ (B at x{loraplus_ratio:g} the rate)")
+    if settings.head_learning_rate_ratio != 1:
+        parts.append(f"head at x{settings.head_learning_rate_ratio:g} the rate")
+    if pooler or (pooler is None and settings.train_pooler):
+        parts.append("pooler trained with the classifier" + (" where the model has one" if pooler is None else ""))
+    if settings.lora_variant != "lora":
+        parts.append(settings.lora_variant)
+    if settings.lora_init != "default":
+        parts.append(f"{settings.lora_init} initialisation")
+    if settings.weight_decay:
+        parts.append(f"weight decay {settings.weight_decay:g}")
+    if settings.model_dropout != "checkpoint":
+        parts.append(f"base-model dropout {settings.model_dropout:g}")
+    if settings.class_weights != "none":
+        parts.append(f"{settings.class_weights} class weights in the loss")
+    return ", ".join(parts)

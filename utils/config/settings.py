@@ -1,0 +1,1256 @@
+"""Every setting of the job, in one typed model: built-in defaults < recipe file < environment < command-line flags.
+
+The platform's `config_map` arrives as environment variables, so each setting has an UPPER_SNAKE env
+name and a `--kebab-case` flag. The Hub token is the exception: it is read only from `HF_TOKEN` or
+the file named by `HF_TOKEN_PATH` (as huggingface_hub does), never from a flag, because flags end up
+in `ps`, shell history and job specs.
+
+A recipe (`--config FILE.yaml` or CONFIG_FILE) holds settings by their field names; unlike the environment,
+which holds other programs' variables too, anything else in it is refused.
+
+This module imports nothing heavy (pydantic and pydantic-settings only): `--help` and `--dry-run`
+must answer in well under a second, before torch or transformers are imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import socket
+import sys
+import textwrap
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    CliSuppress,
+    EnvSettingsSource,
+    InitSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    YamlConfigSettingsSource,
+)
+
+from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.hub_token import UnfitFile, mask_urls, read_small_text, read_token, refuse_token_in_settings
+from utils.common.threads import Deadline, within
+from utils.config.tasks import GLUE, GLUE_DATASETS, GLUE_UNTRAINABLE, validation_splits
+
+SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
+# The repo id grammar the Hub enforces: an optional namespace, then a name of letters, digits, -, _, .
+REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+# RUN_NAME names a folder under OUTPUT_DIR/tensorboard: no separators, no '..', no hidden names, and
+# short enough for the event files inside it to stay below the 255-byte file-name limit.
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]{0,99}$")
+
+# The ranges of the settings (docs/settings.md): generous, never below a real use, but finite, so that nothing
+# --dry-run accepts can overflow later (a thread wait, a timedelta, numpy's seed, an allocation).
+PATH_MAX = 4096  # Linux's PATH_MAX
+NAME_MAX = 255  # a column, module or Hub name
+MAX_STEPS = 10**8  # optimizer steps: years of steps
+MAX_INTERVAL = 10**9  # steps between checkpoints, evaluations, log records: above MAX_STEPS, so "never" can be said
+MAX_DEVICE_BATCH = 65536  # rows per device per step (and micro-batches per step): far above any memory
+MAX_GLOBAL_BATCH = 10**6  # rows per optimizer step, however they are made up
+MAX_WAIT_SECONDS = 86400  # a day: the longest any wait of the job may be set to
+MAX_TARGET_MODULES = 256
+MAX_LABELS = 10_000  # classes a classifier head is given; more is a retrieval problem, not this job's
+MAX_ROWS = 10**9  # rows of a data set: far above any file this job can tokenize in memory
+PathStr = Annotated[str, Field(min_length=1, max_length=PATH_MAX)]
+NameStr = Annotated[str, Field(min_length=1, max_length=NAME_MAX)]
+# A numeric bound sits in the field's type, on the whole of it (`Annotated[float | None, RATE]`): inside a
+# `| None` branch describe_range would not find it.
+RATE, FRACTION, RATIO = Field(gt=0, lt=1), Field(ge=0, lt=1), Field(gt=0, le=1000)
+DEVICE_BATCH, STEPS = Field(ge=1, le=MAX_DEVICE_BATCH), Field(ge=1, le=MAX_INTERVAL)
+T = TypeVar("T")
+
+# Rows per optimizer step when no batch setting is given: one GPU's batch, where the recipe was tuned
+# (docs/quality.md), kept on every replica count so that more replicas train the same model faster (utils/config/plan.py).
+DEFAULT_GLOBAL_BATCH = 64
+# Either of these given (and GLOBAL_BATCH_SIZE not): the global batch is their product x the replica count.
+BATCH_SHAPE = frozenset({"per_device_batch_size", "gradient_accumulation_steps"})
+
+
+def split_commas(value: Any) -> Any:
+    return tuple(name.strip() for name in value.split(",") if name.strip()) if isinstance(value, str) else value
+
+
+# Comma-separated in env and flags (`query,value`), not JSON lists (NoDecode). Their defaults are written the same
+# way, so --help shows the format to type; validate_default splits them.
+Names = Annotated[tuple[T, ...], NoDecode, BeforeValidator(split_commas)]
+
+
+def default_output_dir() -> str:
+    # On the platform the shared volume is the only place every replica (and a restart) can see.
+    return f"{SHARED_VOLUME}/output" if os.path.isdir(SHARED_VOLUME) else "./output"
+
+
+class Settings(BaseSettings):
+    """The job's settings. Each field's description is its `--help` text: why the default is what it is."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        frozen=True,
+        str_strip_whitespace=True,
+        allow_inf_nan=False,  # every float is bounded: nan is refused as what it is, not as "less than 1"
+        # the comma-separated defaults below become tuples as any given value does
+        validate_default=True,
+        # MODEL_NAME reaches model_name: env names are the field names upper-cased, with no prefix (the
+        # platform's config_map uses the bare names)
+        case_sensitive=False,
+        # Off: an empty flag (`--result-model-id "$UNSET"`) is refused, not read as unset; a blank
+        # environment variable (a blank config_map entry) is unset: _Environment drops it.
+        env_ignore_empty=False,
+        # Read by the CliSettingsSource load_settings builds on its own parser (prog, the refusal of abbreviated
+        # flags and the one-line errors are that parser's).
+        cli_kebab_case=True,
+        cli_show_env_vars=True,
+        # booleans take a value (`--hub-private false`), as their env variables do
+        cli_implicit_flags=False,
+    )
+
+    # --- where the settings come from
+    # Shown once in --help, as --config (_parser); --config-file still works, unlisted.
+    config_file: CliSuppress[PathStr | None] = Field(
+        None,
+        description="a YAML recipe of settings by their --dry-run names; env and flags win over it (also --config)",
+    )
+
+    # --- what to train on
+    model_name: PathStr = Field(
+        "bert-base-uncased",
+        description="Hub id or local folder of the base model (a folder on the shared volume for air-gapped clusters)",
+    )
+    dataset_name: NameStr = Field("nyu-mll/glue", description="Hub dataset id, used when DATASET_PATH is unset")
+    dataset_config: NameStr = Field("sst2", description="configuration of the Hub dataset")
+    dataset_path: PathStr | None = Field(
+        None,
+        description="local data that wins over DATASET_NAME: a folder of train/validation files (.csv .tsv .json .jsonl "
+        ".parquet) or a save_to_disk DatasetDict, or one such file (the training rows)",
+    )
+    train_file: PathStr | None = Field(
+        None,
+        description="the training rows as one file (.csv .tsv .json .jsonl .parquet), instead of DATASET_PATH",
+    )
+    validation_file: PathStr | None = Field(
+        None,
+        description="the validation rows as one file, beside TRAIN_FILE (or a DATASET_PATH that is one file)",
+    )
+    # Not part of the run's identity: answering it after training changes nothing that was trained.
+    test_file: PathStr | None = Field(
+        None,
+        description="rows to answer once trained, as one file (.csv .tsv .json .jsonl .parquet; a test.* file in a "
+        "DATASET_PATH folder is read the same way): OUTPUT_DIR/predictions/, with metrics when labelled",
+    )
+    # At most half: a larger share leaves less to train on than to score, which is no quick check of a model.
+    validation_split: Annotated[float | None, Field(gt=0, le=0.5)] = Field(
+        None,
+        description="a fraction of the training rows held out for validation (with SEED; rows of one text stay on "
+        "one side), where the data has no validation rows",
+    )
+    # The first N rows after a shuffle with SEED: the head of a file sorted by label would be one class.
+    max_train_samples: Annotated[int | None, Field(ge=1, le=MAX_ROWS)] = Field(
+        None, description="train on N of the training rows, drawn with SEED (a quick run); unset: all"
+    )
+    max_eval_samples: Annotated[int | None, Field(ge=1, le=MAX_ROWS)] = Field(
+        None, description="evaluate on N of each validation split's rows, drawn with SEED; unset: all"
+    )
+    task: NameStr | None = Field(
+        None,
+        description=f"a GLUE task ({'|'.join(GLUE)}): sets DATASET_CONFIG, the columns, labels, problem type, metrics and "
+        "validation split(s); settings given beside it must agree with it",
+    )
+    # _check_text_columns bounds each of its one or two names
+    text_column: str = Field(
+        "sentence",
+        description="the text column (SST-2's name), or two, comma-separated, for a sentence pair (premise,hypothesis)",
+    )
+    label_column: NameStr = Field(
+        "label", description="the label column: a class id, a class name, or a float score (regression)"
+    )
+    label_names: Names[Annotated[str, Field(max_length=NAME_MAX)]] = Field(
+        "negative,positive",
+        max_length=MAX_LABELS,
+        description="the labels' names in id order (id2label), comma-separated or a JSON list; unset: the data's (a "
+        "ClassLabel's names, or a text label column's sorted values), and negative,positive for two unnamed ids 0/1",
+    )
+    problem_type: Literal["auto", "classification", "regression", "multi_label_classification"] = Field(
+        "auto",
+        description="classification (one label per row, cross-entropy), regression (one float score, MSE) or "
+        "multi_label_classification (any number of labels per row, a sigmoid and binary cross-entropy per label: "
+        "LABEL_COLUMN holding each row's list of names, `|`-separated in a csv/tsv, or LABEL_COLUMNS); "
+        "auto: regression for a float label column with fractions, else classification",
+    )
+    label_columns: Annotated[Names[NameStr] | None, Field(min_length=1, max_length=MAX_LABELS)] = Field(
+        None,
+        description="multi_label_classification: several 0/1 columns, one per label (toxic,obscene,insult), whose "
+        "names are the label names; unset: LABEL_COLUMN holds each row's label names",
+    )
+    threshold: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.5,
+        description="multi_label_classification: a label is predicted where its sigmoid score is at least this, in "
+        "the metrics, LOAD_BEST_MODEL's choice and predict.py's default; 0.5 is a logit of 0, the point the "
+        "binary cross-entropy trains each label's decision around",
+    )
+    class_weights: Literal["none", "balanced"] = Field(
+        "none",
+        description="classification only: balanced weighs each class's loss by rows / (classes x its rows in the "
+        "training split), so a rare class counts as much as a common one; none: every row alike",
+    )
+    base_model_id: str | None = Field(
+        None,
+        description="the base model's Hub id in the adapter config and card, so a pushed adapter loads anywhere; "
+        "unset: MODEL_NAME when a Hub id, else the one its folder records (a Hub cache snapshot)",
+    )
+
+    # --- where results go
+    output_dir: PathStr = Field(
+        default_factory=default_output_dir,
+        description=f"one run per folder; {SHARED_VOLUME}/output when {SHARED_VOLUME} exists, else ./output",
+    )
+    run_name: str | None = Field(
+        None,
+        description="run name; unset: derived from the training settings, so every replica and restart agree",
+    )
+
+    # --- how long and how big
+    num_epochs: Annotated[float, RATIO] = Field(
+        1.0, description="passes over the training split; one pass is enough for LoRA on SST-2"
+    )
+    max_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = Field(
+        None, description="optimizer steps; when set it wins over NUM_EPOCHS"
+    )
+    per_device_batch_size: Annotated[int, DEVICE_BATCH] = Field(
+        64,
+        description="unset: the cap on the micro-batch of the default global batch (64 rows a step on any replica "
+        "count); set: rows per device per step, and the global batch = this x world size x accumulation",
+    )
+    per_device_eval_batch_size: Annotated[int, DEVICE_BATCH] = Field(
+        256, description="evaluation needs no gradients or optimizer state, so it fits a larger batch"
+    )
+    gradient_accumulation_steps: Annotated[int, DEVICE_BATCH] = Field(
+        1,
+        description="micro-batches per optimizer step; set, the global batch = PER_DEVICE_BATCH_SIZE x world size x "
+        "this; raise it only to reach a global batch that does not fit",
+    )
+    global_batch_size: Annotated[int | None, Field(ge=1, le=MAX_GLOBAL_BATCH)] = Field(
+        None,
+        description="rows per optimizer step on any replica count (micro-batch and accumulation derived, "
+        "PER_DEVICE_BATCH_SIZE their cap), so a restart may come back on any count that divides it; unset: 64 (one "
+        "GPU's batch) unless PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS is set, then the global batch "
+        "follows the replica count",
+    )
+    learning_rate: Annotated[float | None, RATE] = Field(
+        None,
+        description="unset: BASE_LEARNING_RATE scaled by LEARNING_RATE_SCALING; set: this on any replica count",
+    )
+    base_learning_rate: Annotated[float, RATE] = Field(
+        1e-3,
+        description="the rate at a global batch of 64 (one replica, the defaults), where it was tuned on SST-2 with LoRA+ (docs/quality.md)",
+    )
+    learning_rate_scaling: Literal["fourth-root", "sqrt", "linear", "none"] = Field(
+        "fourth-root",
+        description="how the rate follows the global batch: x (global batch / 64) ** 0.25 trained 4 replicas within a point of one; sqrt overshot (docs/quality.md)",
+    )
+    weight_decay: Annotated[float, FRACTION] = Field(
+        0.0, description="AdamW decoupled weight decay; one epoch of LoRA does not overfit SST-2"
+    )
+    warmup_ratio: Annotated[float, FRACTION] = Field(
+        0.06,
+        description="fraction of steps with a rising learning rate, as in the RoBERTa/LoRA GLUE recipes; never all "
+        "of them (a warm-up step starts at rate 0)",
+    )
+
+    # --- LoRA
+    lora_r: Annotated[int, Field(ge=1, le=4096)] = Field(
+        8, description="adapter rank; 8 is the LoRA paper's GLUE setting (at most the model's width)"
+    )
+    lora_alpha: Annotated[int, Field(ge=1, le=65536)] = Field(16, description="adapter scale alpha/r = 2")
+    lora_dropout: Annotated[float, FRACTION] = Field(0.05, description="light regularisation of the adapter input")
+    lora_target_modules: Names[NameStr] = Field(
+        "query,value",
+        max_length=MAX_TARGET_MODULES,
+        description="comma-separated module names to adapt; query,value as in the LoRA paper; a name that adapts no "
+        "layer of the model is refused with the closest names",
+    )
+    train_pooler: bool = Field(
+        True,
+        description="train BERT's pooler with the classifier (both are the head); sentence-embedding checkpoints never trained theirs (docs/quality.md)",
+    )
+    head_learning_rate_ratio: Annotated[float, RATIO] = Field(
+        1.0, description="the head (classifier, pooler) trains at this x the learning rate"
+    )
+    loraplus_lr_ratio: Annotated[float | None, RATIO] = Field(
+        None,
+        description="LoRA+: each adapter's B matrix trains at this x the learning rate; 1 is plain LoRA. Unset: 8 at a global "
+        "batch of 64 or less, 8 x (64 / global batch) ** 0.5 above it, never below 1 (4 at 256: 4 replicas level with one, "
+        "docs/quality.md)",
+    )
+    lora_variant: Literal["lora", "rslora", "dora"] = Field(
+        "lora", description="rslora: scale alpha/sqrt(r) instead of alpha/r; dora: weight-decomposed LoRA (slower)"
+    )
+    lora_init: Literal["default", "gaussian", "pissa", "olora"] = Field(
+        "default", description="adapter initialisation (peft init_lora_weights); default: B=0, A Kaiming-uniform"
+    )
+    model_dropout: Annotated[float, FRACTION] | Literal["checkpoint"] = Field(
+        0.0,
+        description="dropout in the frozen base model (BERT's hidden and attention dropout, which its classifier's "
+        "follows); 0 trained better on SST-2 in one epoch (docs/quality.md); checkpoint: the checkpoint's (BERT: 0.1)",
+    )
+
+    # --- numerics and speed
+    quantization: Literal["auto", "8bit", "4bit", "none"] = Field(
+        "auto",
+        description="auto: 8bit when the whole job is one CUDA GPU (it halves weight memory) and STRATEGY is not "
+        "deepspeed, none otherwise; 4bit: QLoRA's NF4 weights with double quantization (a quarter of the memory)",
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: bf16 autocast where the GPU supports it, else fp32"
+    )
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
+        "ddp",
+        description="ddp: a whole model per GPU (BERT-base with LoRA fits one many times over: fastest); fsdp: "
+        "weights, gradients and optimizer state sharded per transformer block, for a base model too big for one GPU "
+        "(2+ CUDA GPUs); deepspeed: DeepSpeed ZeRO (ZERO_STAGE, ZERO_OFFLOAD or DEEPSPEED_CONFIG), on GPUs or the CPU",
+    )
+    zero_stage: Annotated[int, Field(ge=1, le=3)] = Field(
+        2,
+        description="STRATEGY=deepspeed: ZeRO stage; 1 shards optimizer state, 2 also gradients (as fast as DDP, "
+        "less memory: the default), 3 also the weights",
+    )
+    zero_offload: Literal["none", "optimizer", "optimizer+parameters"] = Field(
+        "none",
+        description="STRATEGY=deepspeed: keep optimizer state (and, at ZERO_STAGE=3 only, the weights) in host memory "
+        "and step on the CPU (DeepSpeedCPUAdam): a larger base model on a smaller GPU, slower steps",
+    )
+    deepspeed_config: PathStr | None = Field(
+        None,
+        description="STRATEGY=deepspeed: your own ds_config.json; its stage and offload become ZERO_STAGE and "
+        "ZERO_OFFLOAD; what the settings own (batch, rate, schedule, clipping, precision) must be 'auto', absent or agree",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="saves activation memory that BERT-base LoRA does not need, at ~30% more compute"
+    )
+    max_seq_length: Annotated[int, Field(ge=8, le=512)] = Field(
+        128,
+        description="truncation length; SST-2 sentences average ~13 tokens and batches are padded only to their longest row",
+    )
+    dataloader_num_workers: Annotated[int, Field(ge=0, le=256)] = Field(
+        2, description="collating runs beside the GPU step instead of before it"
+    )
+    torch_compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="compiled transformer blocks, one graph per padded length; auto: on a CUDA GPU under ddp where "
+        "the step is not captured (CUDA_GRAPHS replays eager kernels: a cold start without a compile), off on the "
+        "CPU (minutes of compiling for no gain there); true: inside the captured step too",
+    )
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto",
+        description="each length bucket's forward and backward captured once as a CUDA graph and replayed (the "
+        "host launches one graph, not ~1,100 kernels a step); auto: on a CUDA GPU under ddp without gradient "
+        "checkpointing or fp16; true on the CPU runs the same step on its static buffers, without a graph",
+    )
+    int8_threshold: Annotated[float, Field(ge=0, le=1000)] = Field(
+        0.0,
+        description="bitsandbytes' LLM.int8 outlier threshold for 8-bit weights; 0: no outlier columns kept apart, "
+        "so no host sync per matmul and a step CUDA graphs can capture (bitsandbytes' own default is 6.0)",
+    )
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = Field(
+        42, description="seeds data order, LoRA init and dropout: the same seed gives the same run"
+    )
+
+    # --- checkpoints, rendezvous, publishing
+    save_steps: Annotated[int, STEPS] = Field(
+        100,
+        description="checkpoint every N optimizer steps: ~10 per epoch of SST-2 at the default global batch (64), "
+        "each a few MB",
+    )
+    save_total_limit: Annotated[int, Field(ge=1, le=1000)] = Field(
+        2, description="checkpoints kept; two, so a restart still has one if the newest is incomplete"
+    )
+    rendezvous_timeout: Annotated[int, Field(ge=10, le=MAX_WAIT_SECONDS)] = Field(
+        600,
+        description="seconds a rank waits for its peers in any collective before failing; covers rank 0 downloading "
+        "and tokenizing while the others wait",
+    )
+    result_model_id: str | None = Field(
+        None, description="Hub repo to push model/ to (needs HF_TOKEN); unset: the model stays on the volume"
+    )
+    hub_timeout: Annotated[float, Field(gt=0, le=600)] = Field(
+        30,
+        description="seconds one Hub request may take to connect or to send a byte back; a Hub that accepts and never answers fails here, then is retried",
+    )
+    push_timeout: Annotated[float, Field(gt=0, le=MAX_WAIT_SECONDS)] = Field(
+        600,
+        description="seconds the push (retries and uploads in flight included) may take before exit 3; the token check before training gets min(120, this)",
+    )
+    hub_private: bool = Field(True, description="a new Hub repo is private unless asked otherwise")
+    merge_adapter: bool = Field(
+        False,
+        description="also write OUTPUT_DIR/merged: the base with the adapter merged in, full precision, for servers without peft",
+    )
+    result_merged_model_id: str | None = Field(
+        None, description="Hub repo to push merged/ to (needs MERGE_ADAPTER=true and HF_TOKEN)"
+    )
+
+    # --- evaluation and tracking
+    eval_steps: Annotated[int | None, Field(ge=0, le=MAX_INTERVAL)] = Field(
+        None,
+        description="evaluate on the validation split every N optimizer steps; unset: 4 times an epoch (seconds each on a GPU); 0: only at the end",
+    )
+    load_best_model: bool = Field(
+        False,
+        description="the saved and pushed model is the checkpoint of the best validation score (the task's metric, "
+        "see the card), not the last step; a checkpoint at every evaluation, the best one never pruned",
+    )
+    early_stopping_patience: Annotated[int | None, Field(ge=1, le=1000)] = Field(
+        None,
+        description="stop after this many evaluations in a row without a better validation score, and keep the "
+        "best checkpoint (LOAD_BEST_MODEL); unset: train every step",
+    )
+    logging_steps: Annotated[int, STEPS] = Field(
+        10, description="optimizer steps between training-loss records (console, TensorBoard, trackers, log_history)"
+    )
+    report_to: Names[Literal["tensorboard", "mlflow", "wandb", "trackio", "none"]] = Field(
+        "tensorboard",
+        description="comma-separated trackers rank 0 reports to: tensorboard (under OUTPUT_DIR/tensorboard), mlflow, "
+        "wandb, trackio, or none; each reads its own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, ...)",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, **_: Any
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # `Settings(**values)` is exactly those values and the defaults (the library's env, dotenv and secrets
+        # sources dropped): a test or a benchmark must not pick up the environment it runs in. load_settings
+        # passes the environment and flag sources itself.
+        return (init_settings,)
+
+    @field_validator("label_names", mode="before")
+    @classmethod
+    def _read_label_names(cls, value: Any) -> Any:
+        if not (isinstance(value, str) and value.strip().startswith("[")):
+            return value
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f'it is not a JSON list ({exc.msg}); write it as ["a","b","c"] or a,b,c') from None
+        if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+            raise ValueError('a JSON list of label names holds strings only, e.g. ["a","b","c"]')
+        return tuple(name.strip() for name in value)
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _check_modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("name at least one module, e.g. query,value")
+        return value
+
+    @field_validator("label_names")
+    @classmethod
+    def _check_label_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(value) < 2:
+            raise ValueError("name at least two labels, label 0 first, e.g. negative,positive")
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"labels need two different names, e.g. negative,positive ({repeated[0]!r} names more than one)"
+            )
+        return value
+
+    @field_validator("text_column")
+    @classmethod
+    def _check_text_columns(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",")]
+        if not 1 <= len(names) <= 2 or not all(names):
+            raise ValueError("name one text column, or two, comma-separated, for sentence pairs (premise,hypothesis)")
+        if any(len(name) > NAME_MAX for name in names):
+            raise ValueError(f"a column name has at most {NAME_MAX} characters")
+        if len(names) == 2 and names[0] == names[1]:
+            raise ValueError(f"a pair needs two different columns ('{names[0]}' is named twice)")
+        return ",".join(names)
+
+    @field_validator("task")
+    @classmethod
+    def _check_task(cls, value: str | None) -> str | None:
+        if value is not None and value.lower() not in GLUE:
+            why = f" ({GLUE_UNTRAINABLE[value.lower()]})" if value.lower() in GLUE_UNTRAINABLE else ""
+            raise ValueError(
+                f"the job trains the GLUE tasks {', '.join(GLUE)}{why}; for other data leave TASK unset and set "
+                "DATASET_PATH (or DATASET_NAME) with TEXT_COLUMN and LABEL_COLUMN"
+            )
+        return None if value is None else value.lower()
+
+    @model_validator(mode="after")
+    def _apply_task(self) -> Settings:
+        """TASK fills what it decides; a value given beside it that disagrees is refused, not silently overruled."""
+        if self.task is None:
+            config = self.dataset_config
+            if not self.local_data and self.dataset_name in GLUE_DATASETS and config in GLUE_UNTRAINABLE:
+                raise ValueError(
+                    f"DATASET_CONFIG={self.dataset_config} of {self.dataset_name} cannot be trained: "
+                    f"{GLUE_UNTRAINABLE[self.dataset_config]}; set TASK to one of {', '.join(GLUE)}"
+                )
+            return self
+        task = GLUE[self.task]
+        decided = {
+            "dataset_config": task.dataset_config,
+            "text_column": ",".join(task.text_columns),
+            "label_column": task.label_column,
+            "problem_type": task.problem_type,
+        }
+        if task.label_names:
+            decided["label_names"] = task.label_names
+        given = self.model_fields_set
+        for name, value in decided.items():
+            if name not in given:
+                object.__setattr__(self, name, value)
+            elif name == "problem_type" and getattr(self, name) != value:
+                raise ValueError(
+                    f"TASK={self.task} is {value} and PROBLEM_TYPE={self.problem_type} disagrees; unset PROBLEM_TYPE, "
+                    "or leave TASK unset to train your own columns as you describe them"
+                )
+            elif name == "dataset_config" and not self.local_data and getattr(self, name) != value:
+                raise ValueError(
+                    f"TASK={self.task} trains DATASET_CONFIG={value}, not {self.dataset_config}; unset DATASET_CONFIG"
+                )
+        return self
+
+    @property
+    def local_data(self) -> str | None:
+        """The local data the run reads (DATASET_PATH or TRAIN_FILE), None for the Hub's data set."""
+        return self.dataset_path or self.train_file
+
+    @model_validator(mode="after")
+    def _check_data_files(self) -> Settings:
+        """Where the training and validation rows come from is said one way."""
+        if self.dataset_path and self.train_file:
+            raise ValueError(
+                f"DATASET_PATH={self.dataset_path} and TRAIN_FILE={self.train_file} both name the training rows; "
+                "unset one: DATASET_PATH for a folder (or one file), TRAIN_FILE (with VALIDATION_FILE) for files"
+            )
+        if self.validation_file and not self.local_data:
+            raise ValueError(
+                f"VALIDATION_FILE={self.validation_file} needs the training rows as a file too; set TRAIN_FILE"
+            )
+        if self.validation_file and self.validation_split is not None:
+            raise ValueError(
+                f"VALIDATION_SPLIT={self.validation_split} carves validation rows out of the training rows, and "
+                f"VALIDATION_FILE={self.validation_file} gives them; unset one of them"
+            )
+        if self.train_file and not self.validation_file and self.validation_split is None:
+            raise ValueError(
+                f"TRAIN_FILE={self.train_file} has no validation rows beside it; set VALIDATION_FILE, or "
+                "VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows"
+            )
+        if (self.train_file or self.validation_split is not None) and len(validation_splits(self)) > 1:
+            raise ValueError(
+                f"TASK={self.task} validates on {len(validation_splits(self))} splits ({', '.join(validation_splits(self))}), "
+                "which one file or one fraction cannot give; use DATASET_PATH with a file per split"
+            )
+        return self
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        return tuple(self.text_column.split(","))
+
+    @property
+    def label_source_columns(self) -> tuple[str, ...]:
+        """The columns the labels are read from: LABEL_COLUMNS' 0/1 columns, else LABEL_COLUMN."""
+        return self.label_columns or (self.label_column,)
+
+    def _refuse_multi_label_conflicts(self) -> None:
+        """What only a multi-label problem reads, given to another, and what a multi-label problem cannot take."""
+        multi = self.problem_type == "multi_label_classification"
+        given = self.model_fields_set
+        if self.label_columns and not multi:
+            raise ValueError(
+                f"LABEL_COLUMNS={','.join(self.label_columns)} names the 0/1 columns of a multi-label problem, and "
+                f"PROBLEM_TYPE={self.problem_type}; set PROBLEM_TYPE=multi_label_classification, or unset LABEL_COLUMNS"
+            )
+        # Given as its default it changes nothing: accepted, as every default given outright is.
+        if self.threshold != FIELDS["threshold"].default and not multi:
+            raise ValueError(
+                f"THRESHOLD={self.threshold:g} decides which labels a multi-label model predicts, and "
+                f"PROBLEM_TYPE={self.problem_type} predicts one class (or a score); unset THRESHOLD, or set "
+                "PROBLEM_TYPE=multi_label_classification"
+            )
+        if not multi:
+            return
+        if self.class_weights != "none":
+            raise ValueError(
+                f"CLASS_WEIGHTS={self.class_weights} weighs the classes of a softmax, and PROBLEM_TYPE="
+                "multi_label_classification trains a yes/no per label (each its own binary cross-entropy); unset "
+                "CLASS_WEIGHTS"
+            )
+        if not self.label_columns:
+            return
+        if len(self.label_columns) < 2:
+            raise ValueError(
+                f"LABEL_COLUMNS={','.join(self.label_columns)} names one column: a multi-label problem has at least "
+                "two labels; name every 0/1 column (toxic,obscene,insult), or for one yes/no label set "
+                "LABEL_COLUMN to it and leave PROBLEM_TYPE unset"
+            )
+        if twice := sorted({name for name in self.label_columns if self.label_columns.count(name) > 1}):
+            raise ValueError(f"LABEL_COLUMNS names '{twice[0]}' twice; name each 0/1 column once")
+        if shared := [name for name in self.label_columns if name in self.text_columns]:
+            raise ValueError(
+                f"TEXT_COLUMN and LABEL_COLUMNS both name the column '{shared[0]}'; the text and the labels must be "
+                "different columns: fix TEXT_COLUMN or LABEL_COLUMNS"
+            )
+        for name, fix in (
+            ("label_column", "the labels are LABEL_COLUMNS' columns"),
+            ("label_names", "the label names are LABEL_COLUMNS' column names"),
+        ):
+            if name in given:
+                shown = getattr(self, name) if name == "label_column" else ",".join(self.label_names)
+                raise ValueError(
+                    f"{name.upper()}={shown} and LABEL_COLUMNS are both set, and {fix}; unset {name.upper()}"
+                )
+
+    @field_validator("report_to")
+    @classmethod
+    def _check_trackers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value or ("none" in value and len(value) > 1):
+            raise ValueError("name trackers (tensorboard,mlflow,...) or none alone")
+        return tuple(dict.fromkeys(value))
+
+    @field_validator("run_name")
+    @classmethod
+    def _check_run_name(cls, value: str | None) -> str | None:
+        if value is not None and (not RUN_NAME_PATTERN.match(value) or ".." in value):
+            raise ValueError(
+                "it names a folder under OUTPUT_DIR: use 1-100 letters, digits, '-', '_', '.', '+', '=' (no '/' or '..')"
+            )
+        return value
+
+    @field_validator("result_model_id", "result_merged_model_id", "base_model_id")
+    @classmethod
+    def _check_repo_id(cls, value: str | None) -> str | None:
+        if value is not None and (not REPO_ID_PATTERN.match(value) or "--" in value or ".." in value):
+            raise ValueError("must look like 'your-name/model-name' (letters, digits, '-', '_', '.')")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_conflicts(self) -> Settings:
+        if self.label_column in self.text_columns:
+            raise ValueError(
+                f"TEXT_COLUMN and LABEL_COLUMN both name the column '{self.label_column}'; the text and the label must be "
+                "two different columns: fix TEXT_COLUMN or LABEL_COLUMN"
+            )
+        if self.global_batch_size is not None and self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"GLOBAL_BATCH_SIZE={self.global_batch_size} derives the accumulation from the replica count, so "
+                f"GRADIENT_ACCUMULATION_STEPS={self.gradient_accumulation_steps} cannot also be set: unset one of them"
+            )
+        if self.zero_offload == "optimizer+parameters" and self.zero_stage != 3 and self.deepspeed_config is None:
+            raise ValueError(
+                f"ZERO_OFFLOAD=optimizer+parameters offloads the weights, which only ZeRO stage 3 shards "
+                f"(ZERO_STAGE={self.zero_stage}); set ZERO_STAGE=3, or ZERO_OFFLOAD=optimizer"
+            )
+        if self.strategy == "deepspeed" and self.quantization in ("8bit", "4bit"):
+            raise ValueError(
+                f"QUANTIZATION={self.quantization} cannot be combined with STRATEGY=deepspeed: DeepSpeed casts and "
+                "shards the weights, which bitsandbytes' quantized weights do not survive; use QUANTIZATION=none (or "
+                f"auto: none under deepspeed), or STRATEGY=ddp for {self.quantization}"
+            )
+        if self.torch_compile is True and self.strategy != "ddp":
+            raise ValueError(
+                f"TORCH_COMPILE=true runs under STRATEGY=ddp only: {self.strategy} wraps the model in its own engine, "
+                "whose compiled graphs are not tested here; set TORCH_COMPILE=auto (off under "
+                f"{self.strategy}) or false, or STRATEGY=ddp"
+            )
+        self._refuse_multi_label_conflicts()
+        if self.class_weights != "none" and self.problem_type == "regression":
+            raise ValueError(
+                f"CLASS_WEIGHTS={self.class_weights} weighs classes, and PROBLEM_TYPE=regression has none; "
+                "unset CLASS_WEIGHTS, or set PROBLEM_TYPE=classification"
+            )
+        if (self.load_best_model or self.early_stopping_patience) and self.eval_steps == 0:
+            asked = (
+                "LOAD_BEST_MODEL=true"
+                if self.load_best_model
+                else f"EARLY_STOPPING_PATIENCE={self.early_stopping_patience}"
+            )
+            raise ValueError(
+                f"{asked} chooses among the evaluations during training, and EVAL_STEPS=0 runs none; unset EVAL_STEPS "
+                "(4 evaluations an epoch) or set it to the interval to evaluate at"
+            )
+        if self.cuda_graphs is True and (self.strategy != "ddp" or self.gradient_checkpointing):
+            raise ValueError(
+                "CUDA_GRAPHS=true captures the whole step under STRATEGY=ddp without GRADIENT_CHECKPOINTING "
+                f"(STRATEGY={self.strategy}, GRADIENT_CHECKPOINTING={str(self.gradient_checkpointing).lower()}); "
+                "set CUDA_GRAPHS=auto (off where it cannot run) or false"
+            )
+        if self.deepspeed_config is not None and self.strategy != "deepspeed":
+            raise ValueError(
+                f"DEEPSPEED_CONFIG={self.deepspeed_config} is a DeepSpeed config but STRATEGY={self.strategy}; "
+                "set STRATEGY=deepspeed, or unset DEEPSPEED_CONFIG"
+            )
+        if self.result_merged_model_id and not self.merge_adapter:
+            raise ValueError(
+                f"RESULT_MERGED_MODEL_ID={self.result_merged_model_id} pushes the merged model, which only MERGE_ADAPTER=true writes: "
+                "set MERGE_ADAPTER=true, or unset RESULT_MERGED_MODEL_ID"
+            )
+        return self
+
+    # ---------------------------------------------------------------- views
+    def as_dict(self) -> dict[str, Any]:
+        values = self.model_dump(mode="json")
+        values["hf_token"] = "***" if read_token() else None
+        return values
+
+
+def batch_follows_replicas(settings: Settings) -> bool:
+    """Whether the global batch is PER_DEVICE_BATCH_SIZE x world size x GRADIENT_ACCUMULATION_STEPS (one of them
+    given, GLOBAL_BATCH_SIZE not): the rule of a user who sized the per-device batch. Otherwise the global batch
+    is fixed whatever the replica count: GLOBAL_BATCH_SIZE, else DEFAULT_GLOBAL_BATCH (utils/config/plan.py)."""
+    return settings.global_batch_size is None and bool(BATCH_SHAPE & settings.model_fields_set)
+
+
+def resolve_base_model_id(settings: Settings) -> str | None:
+    """The Hub id the base model goes by, so a pushed adapter loads on machines that never saw MODEL_NAME's folder.
+
+    BASE_MODEL_ID when set; MODEL_NAME when it is a Hub id (no local folder of that name); for a local
+    folder, the id it records: a Hub cache snapshot (`.../models--ORG--NAME/snapshots/REV`). A plain
+    folder (`hf download ... --local-dir`, save_pretrained) records none: None. config.json's
+    `_name_or_path` is not trusted: it names what the weights were loaded from before they were saved,
+    which for a fine-tuned checkpoint is another model.
+    """
+    if settings.base_model_id:
+        return settings.base_model_id
+    path = Path(settings.model_name).expanduser()
+    if not path.exists():
+        return settings.model_name if REPO_ID_PATTERN.match(settings.model_name) else None
+    # abspath, not resolve: links are not followed, the path is the record
+    cached = [part for part in Path(os.path.abspath(path)).parts if part.startswith("models--")]
+    return cached[-1].removeprefix("models--").replace("--", "/") if cached else None
+
+
+def check_push_possible(settings: Settings) -> None:
+    """A push that cannot happen (no token, offline mode, an adapter nobody could load) is bad input now,
+    before any import, data or GPU time."""
+    repos = {"RESULT_MODEL_ID": settings.result_model_id, "RESULT_MERGED_MODEL_ID": settings.result_merged_model_id}
+    pushes = " and ".join(f"{name}={value}" for name, value in repos.items() if value)
+    if pushes and read_token() is None:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{pushes} ask(s) for a push but no token is set; "
+            "set HF_TOKEN (or HF_TOKEN_PATH to a file holding it), or unset them to keep the model on the volume",
+        )
+    if pushes and os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{pushes} ask(s) for a push but HF_HUB_OFFLINE is set; "
+            "unset HF_HUB_OFFLINE where the Hub is reachable, or unset them (push later with --push-only)",
+        )
+    if settings.result_model_id and resolve_base_model_id(settings) is None:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name} is a local folder that does not record the base model's Hub id, and an adapter "
+            f"pushed to {settings.result_model_id} would name this path as its base (nobody else could load it); "
+            "set BASE_MODEL_ID to the Hub id these weights came from (e.g. bert-base-uncased)",
+        )
+
+
+TRACKER_PACKAGES = {"mlflow": "mlflow-skinny", "wandb": "wandb", "trackio": "trackio"}  # module: pip name
+
+
+def check_trackers(settings: Settings) -> None:
+    """A tracker whose package is missing is bad input now, not a traceback when the Trainer starts."""
+    import importlib.util
+
+    for name in settings.report_to:
+        package = TRACKER_PACKAGES.get(name)
+        if package and importlib.util.find_spec(name) is None:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"REPORT_TO={','.join(settings.report_to)} needs the {package} package, which is not installed; "
+                f"pip install {package} (in the image: add it to requirements.txt), or drop {name} from REPORT_TO",
+            )
+
+
+# MLflow's client retries a silent server for minutes (7 retries, exponential back-off): the check gives up sooner.
+TRACKER_CHECK_SECONDS = 30
+
+
+def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECONDS) -> None:
+    """REPORT_TO=mlflow: MLflow accepts MLFLOW_TRACKING_URI and its store answers, within `timeout_s`, like the
+    Hub token before data and model load. Otherwise MLflow refuses it at the Trainer's first log call, after
+    loading, as a traceback (or retries a dead server for minutes). Read-only, so every rank may run it: a
+    server is asked for one experiment (MLflow's public client resolves the store, refusing a scheme it has none
+    for); a database store (sqlite, postgresql, ...) is not opened, since opening it creates and migrates it."""
+    if "mlflow" not in settings.report_to:
+        return
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()  # MLFLOW_TRACKING_URI, or MLflow's own default
+    shown = (
+        f"MLFLOW_TRACKING_URI={mask_urls(uri)}" if os.environ.get("MLFLOW_TRACKING_URI") else f"MLflow's default {uri}"
+    )
+    fix = (
+        "set MLFLOW_TRACKING_URI to a running MLflow tracking server (e.g. http://mlflow.example:5000) or a "
+        "database file (e.g. sqlite:////pvc-home/mlflow.db), or drop mlflow from REPORT_TO"
+    )
+
+    def refused(why: str) -> JobError:
+        return JobError(EXIT_BAD_INPUT, mask_urls(f"REPORT_TO=mlflow but {why}; {fix}"))
+
+    def cause(exc: BaseException) -> str:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        first = first if len(first) <= 300 else first[:300] + " ..."
+        return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+    parts = urllib.parse.urlsplit(uri)
+    scheme = parts.scheme.split("+")[0]
+    if scheme in ("sqlite", "postgresql", "mysql", "mssql"):
+        return
+    if scheme in ("http", "https"):
+        if not parts.hostname:
+            raise refused(f"{shown} names no host")
+        proxied = urllib.request.getproxies().get(scheme) and not urllib.request.proxy_bypass(parts.hostname)
+        if not proxied:  # a refused connection answers at once; MLflow's client would retry it for minutes
+            try:
+                port = parts.port or (443 if scheme == "https" else 80)
+                socket.create_connection((parts.hostname, port), timeout=min(10.0, timeout_s)).close()
+            except (OSError, ValueError) as exc:
+                raise refused(f"no tracking server answers at {shown} ({cause(exc)})") from None
+
+    def probe() -> None:
+        try:
+            client = mlflow.MlflowClient(tracking_uri=uri)  # resolves the store: an unknown scheme fails here
+        except BaseException as exc:  # whatever MLflow raises there is a refusal
+            raise refused(f"MLflow has no tracking store for {shown} ({cause(exc)})") from None
+        try:
+            client.search_experiments(max_results=1)
+        except BaseException as exc:
+            raise refused(f"MLflow refuses {shown} ({cause(exc)})") from None
+
+    try:
+        within(timeout_s, probe, "tracker-check")
+    except Deadline:
+        raise refused(f"the tracking server at {shown} did not answer within {timeout_s:g} s") from None
+
+
+# ------------------------------------------------------------------------------- parsing
+FIELDS = Settings.model_fields
+
+
+def env_name(field: str) -> str:
+    # the name the env source matches (case_sensitive=False, no env_prefix), as config_map and --help write it
+    return field.upper()
+
+
+def flag_name(field: str) -> str:
+    # the flag CliSettingsSource makes of the field (cli_kebab_case=True)
+    return "--" + field.replace("_", "-")
+
+
+# The names run_glue and the HF Trainer (and Axolotl, torchtune) give settings this job has under names of its own:
+# people type them from those tools' commands and READMEs. Each is the job's flag, with dashes or underscores alike
+# (`--learning_rate` is `--learning-rate` for every flag, with no entry here).
+FLAG_ALIASES = {
+    "--model-name-or-path": "--model-name",  # run_glue
+    "--task-name": "--task",  # run_glue
+    "--num-train-epochs": "--num-epochs",  # the Trainer
+    "--per-device-train-batch-size": "--per-device-batch-size",  # the Trainer
+    "--hub-model-id": "--result-model-id",  # the Trainer
+    "--hub-private-repo": "--hub-private",  # the Trainer
+    "--lora-rank": "--lora-r",  # torchtune
+    "--sequence-len": "--max-seq-length",  # Axolotl
+    "--micro-batch-size": "--per-device-batch-size",  # Axolotl
+}
+# run_glue's and the Trainer's flags with no counterpart of that name here: refused with what to do instead, not
+# with a similar name that means something else (--eval-strategy is no --strategy, --local-rank no --lora-rank).
+NO_COUNTERPART = {
+    "--do-train": "this job always trains; leave it out",
+    "--do-eval": "this job always evaluates on the validation split(s); leave it out",
+    "--overwrite-output-dir": "an OUTPUT_DIR holding the same run is resumed, one holding another run is refused, "
+    "never overwritten; give a new --output-dir",
+    "--local-rank": "the launcher's LOCAL_RANK says it, and the deepspeed launcher's own --local_rank is taken off; "
+    "leave it out",
+    "--eval-strategy": "evaluations run every --eval-steps steps and after training",
+    "--evaluation-strategy": "evaluations run every --eval-steps steps and after training",
+    "--save-strategy": "checkpoints are saved every --save-steps steps",
+    "--bf16": "use --precision bf16 (auto picks bf16 where the GPU has it)",
+    "--fp16": "use --precision fp16 (auto picks bf16 where the GPU has it)",
+    "--warmup-steps": "use --warmup-ratio, the share of the steps warmed up",
+    "--train-file": "use --dataset-path, a folder holding train.* and validation.* files",
+    "--validation-file": "use --dataset-path, a folder holding train.* and validation.* files",
+}
+FLAG_CUTOFF = 0.75  # difflib's ratio: --lerning-rate -> --learning-rate 0.97, --epochs -> --num-epochs 0.8
+
+
+def kebab_flag(name: str) -> str:
+    """`--name` with dashes, the way the job spells its flags (`--learning_rate` -> `--learning-rate`)."""
+    return "--" + name.lstrip("-").replace("_", "-")
+
+
+class Parser(argparse.ArgumentParser):
+    """main.py's, predict.py's and sweep.py's: a command line argparse refuses is bad input like any other, one `error:` line
+    and exit 2 (JobError), not its usage block. Flags are taken with underscores too (`--text_column`), and an
+    unknown flag is answered with the closest one, as a misspelt environment variable is (main.py's parser also
+    knows FLAG_ALIASES and NO_COUNTERPART)."""
+
+    aliases: Mapping[str, str] = {}
+    no_counterpart: Mapping[str, str] = {}
+
+    def error(self, message: str):
+        raise JobError(EXIT_BAD_INPUT, f"{message}; see `python {self.prog} --help`")
+
+    # argparse's two, on the command line with its flags spelt the parser's way, and a hint for an unknown argument.
+    def parse_args(self, args=None, namespace=None):
+        return self._parsed(self.parse_known_args, args, namespace)
+
+    def parse_intermixed_args(self, args=None, namespace=None):
+        return self._parsed(self.parse_known_intermixed_args, args, namespace)
+
+    def _parsed(self, parse, args, namespace) -> argparse.Namespace:
+        parsed, unknown = parse(self.normalize(sys.argv[1:] if args is None else list(args)), namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown[0])}")
+        return parsed
+
+    def normalize(self, argv: list[str]) -> list[str]:
+        """`argv` with each flag that is a known one spelt another way (underscores, an alias; `--flag=value` too)
+        written as the flag: what argparse and the settings source then read. Values and unknown flags stay as typed."""
+        takes_value = {flag for flag, action in self._option_string_actions.items() if action.nargs != 0}
+        normalized: list[str] = []
+        value_next = False  # the argument after a flag that takes one is its value, even one starting with --
+        for index, arg in enumerate(argv):
+            if arg == "--":
+                return normalized + argv[index:]
+            if not value_next and arg.startswith("--"):
+                name, equals, value = arg.partition("=")
+                flag = self.aliases.get(kebab_flag(name), kebab_flag(name))
+                respelt = name not in self._option_string_actions and flag in self._option_string_actions
+                arg = f"{flag}{equals}{value}" if respelt else arg
+                value_next = not equals and arg in takes_value
+            else:
+                value_next = False
+            normalized.append(arg)
+        return normalized
+
+    def hint(self, arg: str) -> str:
+        """` (did you mean --flag?)` for an unknown `arg`, or why it has no counterpart, or ''. A bare `name=value`
+        (Axolotl's and torchtune's overrides) gets the flag to type instead."""
+        name, equals, value = arg.partition("=")
+        flag = kebab_flag(name)
+        if flag in self.no_counterpart:
+            return f" ({name}: {self.no_counterpart[flag]})"
+        flags = [known for known in self._option_string_actions if known.startswith("--")]
+        close = difflib.get_close_matches(flag, [*flags, *self.aliases], n=1, cutoff=FLAG_CUTOFF)
+        if not close:
+            return ""
+        meant = self.aliases.get(close[0], close[0])
+        if name.startswith("-"):
+            return f" (did you mean {meant}?)"
+        return f" (a setting is given as a flag: {meant} {value})" if equals else ""
+
+
+class _Environment(EnvSettingsSource):
+    """The environment source over any mapping: os.environ for the job, `--set` values render_sbatch never exports."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self._environ = environ
+        super().__init__(Settings)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # A variable holding only blanks is as unset as an empty one (a blank config_map entry).
+        return {name.lower(): value for name, value in self._environ.items() if value.strip()}
+
+
+def _parser() -> Parser:
+    # allow_abbrev=False: `--learn 1e-3` is refused, never read as --learning-rate.
+    parser = Parser(
+        prog="main.py",
+        description="LoRA fine-tuning of BERT for text classification (GLUE SST-2 unless TASK or DATASET_PATH says otherwise), on one process or many. Every setting is a flag, an "
+        "environment variable or a key of a recipe file (--config; flags win over the environment, the environment "
+        "over the file); the Hub token comes only from HF_TOKEN or HF_TOKEN_PATH.",
+        epilog=textwrap.fill(
+            "The names run_glue, the Trainer, Axolotl and torchtune give these settings work too, with underscores "
+            "or dashes: "
+            + ", ".join(f"--{alias[2:].replace('-', '_')} ({flag})" for alias, flag in FLAG_ALIASES.items())
+            + "; and every flag above with underscores (--learning_rate).",
+            width=100,
+            break_on_hyphens=False,
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.aliases, parser.no_counterpart = FLAG_ALIASES, NO_COUNTERPART
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the resolved settings and distributed env as JSON, then exit"
+    )
+    parser.add_argument(
+        "--config",
+        dest="config_file",  # the same setting as --config-file and CONFIG_FILE
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="a recipe: a YAML file of settings by their names (as --dry-run shows them); sets CONFIG_FILE",
+    )
+    parser.add_argument(
+        "--push-only",
+        action="store_true",
+        help="push an existing OUTPUT_DIR/model to RESULT_MODEL_ID without training",
+    )
+    return parser
+
+
+# ------------------------------------------------------------------------------- a recipe file
+RECIPE_MAX_BYTES = 1 << 20  # a recipe is a page of settings; more is the wrong file (and /dev/zero never ends)
+SECRET_SETTINGS = ("hf_token", "hf_token_path")
+
+
+class _Recipe(YamlConfigSettingsSource):
+    """A recipe (`--config`, CONFIG_FILE): pydantic-settings' YAML source, minus what it lets pass. It skips a file
+    that is missing or not regular and keeps the last of a key given twice; a recipe is the user's own, so each is
+    refused with the fix instead, and it is read without blocking and bounded (a FIFO, /dev/zero). A name that is no
+    setting is the model's refusal (extra="forbid"); load_settings names the closest setting."""
+
+    def __init__(self, path: str | None):
+        super().__init__(Settings, yaml_file=path)
+
+    @staticmethod
+    def _existing_files(files) -> list[Path]:
+        # A path past PATH_MAX is not opened: CONFIG_FILE's max_length refuses it, naming the flag and variable.
+        return [Path(files)] if files and len(files) <= PATH_MAX else []
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
+        import yaml  # only when a recipe is given
+
+        def refused(why: str) -> JobError:
+            return JobError(EXIT_BAD_INPUT, f"CONFIG_FILE={self.yaml_file_path} {why}")
+
+        fix = "point --config or CONFIG_FILE at a YAML file of settings"
+        try:
+            values = yaml.load(read_small_text(file_path, RECIPE_MAX_BYTES), Loader=_unique_key_loader(yaml))
+        except FileNotFoundError:
+            raise refused(f"does not exist; {fix} (e.g. recipes/sst2.yaml)") from None
+        except OSError as exc:
+            raise refused(f"cannot be read ({exc.strerror}); make it readable, or {fix}") from None
+        except UnfitFile as exc:
+            raise refused(f"{exc}; {fix}") from None
+        except _KeyTwice as exc:
+            raise refused(f"sets {exc.args[0]} twice (lines {exc.args[1]} and {exc.args[2]}); keep one") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise refused(f"is not valid YAML{where} ({problem}); write one `name: value` a line") from None
+        if not isinstance(values, dict | None):
+            raise refused(f"holds a YAML {type(values).__name__}, not a mapping of settings; {fix}")
+        for keys, what, role in OTHER_FILES:
+            if keys & set(values or {}):
+                raise refused(f"is {what}, not a recipe: {role}; {fix}, such as those in recipes/ (recipes/sst2.yaml)")
+        for key in values or {}:
+            if not isinstance(key, str):  # the source matches names as text
+                raise _not_a_setting(self.yaml_file_path, str(key))
+            if key.lower() in SECRET_SETTINGS:
+                raise refused(
+                    f"holds {key}: a secret does not belong in a recipe (it ends up in job specs and repositories); "
+                    "remove it and set HF_TOKEN, or HF_TOKEN_PATH to a mounted file holding the token"
+                )
+            if key.lower() == "config_file":
+                raise refused(f"names another recipe ({key}); put the settings in this file instead")
+        return values or {}
+
+
+# The repo's other YAML files, which people hand to --config: each named by the keys only it has, and where it goes.
+OTHER_FILES = (
+    (
+        {"resources", "replicas"},
+        "the managed platform's job file (resources, replicas, config_map)",
+        "the platform starts the replicas from it and gives each its config_map as environment variables",
+    ),
+    ({"apiVersion"}, "a Kubernetes manifest (k8s/)", "kubectl applies it"),
+    (
+        {"compute_environment", "distributed_type"},
+        "an accelerate config (launchers/accelerate/)",
+        "`accelerate launch --config_file` takes it",
+    ),
+)
+
+
+def _not_a_setting(path: str | None, key: str) -> JobError:
+    close = difflib.get_close_matches(key.lower(), list(FIELDS), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"CONFIG_FILE={path} holds {key}, which is not a setting{hint}; fix the name, or remove it "
+        "(`python main.py --help` lists the settings)",
+    )
+
+
+class _KeyTwice(Exception):
+    """A mapping key given twice in a recipe: (key, first line, second line)."""
+
+
+def _unique_key_loader(yaml):
+    """yaml's SafeLoader, refusing a key given twice (LORA_R and lora_r too: the source matches names in any case).
+    PyYAML and the YAML source keep the last without a word, so the value a reader sees first would not be trained."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            lines = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                key = key.lower() if isinstance(key, str) else key
+                if key in lines:
+                    raise _KeyTwice(key, lines[key], key_node.start_mark.line + 1)
+                lines[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+# ------------------------------------------------------------------------------- misspelled variables
+# What launchers, schedulers, the platform, the libraries and a shell set: never taken for a misspelled setting.
+FOREIGN_PREFIXES = (
+    *("PET_", "SLURM", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "MPI_", "I_MPI_", "KUBERNETES_", "TORCH"),
+    *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "DATASETS_", "ACCELERATE_", "DS_", "BNB_", "TRITON_"),
+    *("NCCL_", "GLOO_", "FI_", "UCX_", "CUDA", "CUDNN_", "CUBLAS", "NVIDIA_", "NV_", "ROCR_", "HIP_", "HSA_", "XLA_"),
+    *("OMP_", "MKL_", "KMP_", "OPENBLAS_", "PYTHON", "PIP_", "UV_", "VIRTUAL_ENV", "CONDA", "LD_", "LC_", "XDG_"),
+    *("MLFLOW_", "WANDB_", "TRACKIO_", "TENSORBOARD", "SSH_", "GIT_", "OTEL_", "AWS_", "GOOGLE_", "AZURE_", "DOCKER"),
+)
+FOREIGN_NAMES = (
+    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+    *("ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAX_JOBS", "HF_TOKEN"),
+    *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TERM", "LANG", "TZ", "TMPDIR"),
+    *("COLUMNS", "LINES", "SHLVL", "MAIL", "EDITOR", "PAGER", "DISPLAY", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"),
+    *("ALL_PROXY", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"),
+)
+# The shape of the job's own names: a variable starting like these is meant for the job.
+JOB_PREFIXES = (
+    *("LORA_", "LORAPLUS_", "ZERO_", "GRADIENT_", "LEARNING_", "WARMUP_", "RENDEZVOUS_", "RESULT_", "PUSH_"),
+    *("MERGE_", "DATALOADER_", "PER_DEVICE_", "GLOBAL_BATCH", "BASE_LEARNING", "HEAD_LEARNING", "NUM_EPOCH"),
+)
+SPELLING_CUTOFF = 0.8  # difflib's ratio: LEARNIG_RATE -> LEARNING_RATE 0.96, LORA_RANK -> LORA_R 0.8
+
+
+def find_misspelled_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(variable, the setting it probably means) for each set variable that is no setting but has the job's
+    names' shape or a close spelling of one. The environment holds other programs' variables too (the
+    platform's config_map, the user's shell), so these are warned about, not refused."""
+    settings = [env_name(field) for field in FIELDS]
+    found = []
+    for name, value in environ.items():
+        if not value.strip() or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name) or name.lower() in FIELDS:
+            continue
+        if name in FOREIGN_NAMES or name.startswith(FOREIGN_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, settings, n=1, cutoff=SPELLING_CUTOFF)
+        if not close and name.startswith(JOB_PREFIXES):
+            close = difflib.get_close_matches(name, settings, n=1, cutoff=0)
+        if close:
+            found.append((name, close[0]))
+    return sorted(found)
+
+
+def warn_misspelled_variables(environ: Mapping[str, str]) -> None:
+    for name, setting in find_misspelled_variables(environ):
+        print(
+            f"warning: {name} is set but is no setting of this job, so it is ignored; did you mean {setting}? "
+            f"(rename it, or unset it: `python main.py --help` lists the settings)",
+            file=sys.stderr,
+        )
+
+
+def is_word_branch(error: dict, field: str) -> bool:
+    """An error of `field`'s `Literal[...]` branch of a union (its loc: the field, then `literal[...]`)."""
+    loc = error["loc"]
+    return len(loc) > 1 and str(loc[0]) == field and str(loc[1]).startswith("literal[")
+
+
+def describe_range(field: str) -> str:
+    """` (range: LOW to HIGH)` of a setting with numeric bounds (docs/settings.md lists every range; pydantic's own
+    message already names a text's or a list's longest length), else ''."""
+    bounds = [
+        (name, getattr(item, name, None)) for item in FIELDS[field].metadata for name in ("ge", "gt", "le", "lt")
+    ]
+    shown = {
+        name: str(value) if isinstance(value, int) else f"{value:g}" for name, value in bounds if value is not None
+    }
+    if not shown:
+        return ""
+    low = shown["ge"] if "ge" in shown else f"above {shown['gt']}" if "gt" in shown else "any"
+    high = shown["le"] if "le" in shown else f"below {shown['lt']}" if "lt" in shown else "any"
+    return f" (range: {low} to {high})"
+
+
+def load_settings(
+    argv: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Callable[[Settings], dict[str, Any]] | None = None,
+) -> tuple[Settings, argparse.Namespace]:
+    """Resolve defaults < recipe file < env < flags and validate; bad values raise JobError with the fix.
+    `overrides`: what the launcher chooses given the user's settings (utils/deepspeed_config.deepspeed_overrides),
+    merged over them here, so the settings are read once, as they train.
+
+    Returns the settings and the parsed command line (its `dry_run` and `push_only`)."""
+    environ = os.environ if environ is None else environ
+    env = _Environment(environ)
+    parser = _parser()
+    flags = CliSettingsSource(Settings, root_parser=parser, _env_settings_source=env)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)  # --help ends here
+    warn_misspelled_variables(environ)
+    recipe: dict[str, Any] = {}
+    path = None
+    try:
+        flags(parsed_args=args)
+        given_flags, given_env = flags(), env()
+        path = given_flags.get("config_file") or given_env.get("config_file")
+        path = path.strip() if isinstance(path, str) and path.strip() else None
+        from_file = _Recipe(path)
+        recipe = from_file()
+        # The path the file was read from wins over every source (a flag over CONFIG_FILE): what --dry-run records.
+        chosen = InitSettingsSource(Settings, init_kwargs={"config_file": path} if path else {})
+        sources = (chosen, flags, env, from_file)
+        settings = Settings(_build_sources=(sources, {}))  # the first source wins
+        if chosen_by_launcher := overrides(settings) if overrides else None:
+            launcher = InitSettingsSource(Settings, init_kwargs=chosen_by_launcher)
+            settings = Settings(_build_sources=((launcher, *sources), {}))
+    except SettingsError as exc:
+        raise JobError(EXIT_BAD_INPUT, f"{exc}; see `python main.py --help`") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else ""
+        reason = first["msg"].removeprefix("Value error, ")
+        # A union with words (`bool | Literal["auto"]`): pydantic reports each branch apart; the words are choices too.
+        words = [e["msg"].removeprefix("Input should be ") for e in exc.errors()[1:] if is_word_branch(e, field)]
+        reason += f", or {' or '.join(words)}" if words else ""
+        if first["type"] == "extra_forbidden":  # no other source reads a name that is no setting
+            raise _not_a_setting(path, field) from None
+        if field not in FIELDS:  # a check across settings: its message names them and the fix
+            raise JobError(EXIT_BAD_INPUT, reason) from None
+        # Name the flag, variable or recipe key the bad value came from, as it was typed.
+        if field in given_flags:
+            source, raw = flag_name(field), given_flags[field]
+        elif field in given_env:
+            source, raw = env_name(field), given_env[field]
+        elif field in recipe:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"{field}: {recipe[field]!s} in CONFIG_FILE={path} is invalid: {reason}{describe_range(field)}; fix {field} in {path} "
+                f"(or set {env_name(field)} or {flag_name(field)}, which win over the file)",
+            ) from None
+        else:
+            source, raw = env_name(field), "<default>"
+        # a 5000-character path is not repeated whole
+        raw = str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
+        ) from None
+    refuse_token_in_settings(settings.model_dump(mode="json"))  # also reads the token: a bad one is refused now
+    return settings, args

@@ -1,0 +1,142 @@
+"""How the model is spread over the ranks: STRATEGY=ddp (the default), fsdp or deepspeed, and the checks that keep
+a run from ever training with another strategy than the one asked for.
+
+DDP keeps a whole copy of the model on every GPU and all-reduces gradients: BERT-base with LoRA fits one
+GPU many times over, so this is the fastest choice. FSDP (PyTorch FSDP2 through the Trainer/Accelerate)
+shards weights, gradients and optimizer state across the GPUs, one unit per transformer block, for users
+who swap in a base model too big for one GPU.
+
+DeepSpeed ZeRO (stages 1-3, optionally offloading to host memory) is the sharded strategy that also runs on
+the CPU (its CPU accelerator over gloo), so it is tested end to end there; its config is
+utils/config/deepspeed_config.py's.
+
+The trap this module exists for: the Trainer and Accelerate drop FSDP without a word on the CPU, and on a
+single process, and train plain DDP (or nothing distributed) instead. So `check_strategy` refuses, before
+anything is loaded, every combination where FSDP cannot happen, and the Trainer's `StrategyCheck` callback
+(utils/training/trainer.py) stops the run at the start of training unless the model really is FSDP-wrapped
+(`count_fsdp_units`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.config.distributed import DistEnv
+from utils.config.settings import Settings
+
+
+def check_strategy(
+    settings: Settings, dist: DistEnv, cuda: bool, quantize: bool, precision: str, launcher: Mapping[str, object]
+) -> None:
+    """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked. An accelerate
+    config's strategy was checked as the settings were read (utils/deepspeed_config.deepspeed_overrides); its
+    precision (`launcher`: utils/distributed.launcher_options) waits for PRECISION to resolve."""
+    mixed = launcher.get("mixed_precision")
+    if mixed and mixed != "no" and mixed != precision:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"the accelerate config sets mixed_precision: {mixed} but PRECISION resolves to {precision}; the job's PRECISION "
+            f"decides: set PRECISION={mixed}, or mixed_precision: 'no' in the config",
+        )
+    if settings.strategy != "fsdp":
+        return
+    if not cuda:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "STRATEGY=fsdp needs CUDA GPUs: on the CPU the Trainer and Accelerate drop FSDP without a warning and train "
+            "plain DDP instead; use STRATEGY=ddp here",
+        )
+    if dist.world_size < 2:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            "STRATEGY=fsdp shards the model across processes, but this job is one process (world size 1), where the "
+            "Trainer trains without FSDP; use STRATEGY=ddp, or start one process per GPU (torchrun --nproc-per-node N)",
+        )
+    if quantize:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"QUANTIZATION={settings.quantization if settings.quantization != 'auto' else '8bit'} cannot be combined "
+            "with STRATEGY=fsdp: FSDP cannot shard "
+            "bitsandbytes' quantized weights; use QUANTIZATION=none (or auto) with fsdp",
+        )
+
+
+def wrap_classes(model: torch.nn.Module) -> list[str]:
+    """The transformer block classes FSDP makes its units: the repeated blocks (an nn.ModuleList's items) that the
+    model also declares must stay whole on one device (`_no_split_modules`). BERT: BertLayer.
+
+    Not every `_no_split_modules` class: BERT lists BertEmbeddings too, and Accelerate shards the input
+    embedding as a unit of its own, which fails inside an already sharded BertEmbeddings.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lists = (module for module in base.modules() if isinstance(module, torch.nn.ModuleList))
+    repeated = {type(block).__name__ for blocks in lists for block in blocks}
+    declared = set(getattr(base, "_no_split_modules", None) or [])
+    names = sorted(repeated & declared if declared else repeated)
+    if not names:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{type(base).__name__} has no repeated transformer blocks to shard (no nn.ModuleList of {sorted(declared) or 'blocks'}), "
+            "so STRATEGY=fsdp cannot choose its units; use STRATEGY=ddp for this model",
+        )
+    return names
+
+
+def trainer_options(
+    settings: Settings, model: torch.nn.Module, deepspeed: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """TrainingArguments for the strategy: nothing extra for DDP; FSDP2 wrapping per transformer block for fsdp;
+    for deepspeed the plan's config `deepspeed`, copied: the Trainer fills in its "auto" values in place."""
+    if settings.strategy == "deepspeed":
+        return {"deepspeed": copy.deepcopy(deepspeed)}
+    if settings.strategy != "fsdp":
+        return {}
+    return {
+        "fsdp": True,
+        "fsdp_config": {
+            "version": 2,  # per-parameter sharding: LoRA's trainable and the frozen weights can share a unit
+            "transformer_layer_cls_to_wrap": wrap_classes(model),  # BERT: BertLayer
+            "reshard_after_forward": True,  # full sharding (ZeRO-3 like): the point of FSDP is the memory
+            "state_dict_type": "FULL_STATE_DICT",  # checkpoints hold whole tensors: resumable on another GPU count
+            "cpu_ram_efficient_loading": False,  # every rank loads the (small) base model itself
+        },
+    }
+
+
+def count_fsdp_units(model: torch.nn.Module) -> int:
+    """How many modules FSDP wraps (FSDP2's fully_shard, or the older wrapper class)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return sum(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules())
+
+
+def full_state_dict(model: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:
+    """FSDP: the whole, unsharded weights for saving, gathered by every rank and held on rank 0 (CPU).
+    DeepSpeed: the trainable weights (what the adapter holds) in fp32, whole, on every rank: the optimizer's
+    fp32 copy, gathered from the ZeRO-3 shards (the module's own copy is bf16 under PRECISION=bf16, and empty
+    under ZeRO-3 outside a forward pass). A weight that comes back empty is a bug, never a saved adapter.
+
+    A collective: call it on every rank before leaving the process group. DDP: None (each rank holds them).
+    """
+    if strategy == "deepspeed":
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        weights = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                full = safe_get_full_fp32_param(param)
+                weights[name] = (param if full is None else full).detach().float().cpu().clone()
+        empty = sorted(name for name, tensor in weights.items() if tensor.numel() == 0)
+        if empty:
+            raise RuntimeError(f"DeepSpeed returned {len(empty)} trainable weight(s) empty, e.g. {empty[0]}")
+        return weights
+    if strategy != "fsdp":
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

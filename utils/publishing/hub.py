@@ -1,0 +1,384 @@
+"""The model's way out: model/ (and merged/) saved on the volume, and the Hub client that checks the token and pushes them.
+
+Saving: rank 0 writes model/ (adapter, tokenizer, label names, training curves, card) and metrics.json,
+and with MERGE_ADAPTER merged/, each whole or not at all; `push_model` sends each to its repo once,
+recording the push in run.json so a restart or `--push-only` never pushes the same model twice.
+
+huggingface_hub does not retry `create_repo` or a commit on HTTP 503, so transient failures (5xx,
+429, dropped connections, timeouts) are retried here with exponential backoff and jitter (tenacity),
+bounded in total time. Permanent ones (401, 403, 404, a bad repo id) fail at once. The token is
+passed explicitly and never formatted into a message.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import io
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+import httpx2
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from pydantic import SecretStr
+from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
+
+from utils.common.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
+from utils.common.threads import Deadline, within
+from utils.config.identity import base_model_changes
+from utils.config.settings import Settings, resolve_base_model_id
+from utils.publishing.model_card import (
+    PLOT_NAME,
+    plot_training_curves,
+    published_base,
+    write_label_names,
+    write_model_card,
+)
+from utils.run_folder.model_files import BASE_NAME, read_base_fingerprint, write_base_fingerprint
+from utils.run_folder.outputs import RunDir, replace_dir, update_run_record
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+log = logging.getLogger(__name__)
+
+TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+TOKEN_CHECK_SECONDS = 120  # the token check before training gives up within this: no GPU time waits on a silent Hub
+# A host name that does not resolve: retried this long (a pod's DNS record appears within seconds of its start), said
+# once; past it, a typo in HF_ENDPOINT or no route to a resolver is no reason to keep a job waiting for minutes.
+NAME_RESOLUTION_SECONDS = 15
+CONNECT_SECONDS = 10
+
+
+def use_request_timeout(seconds: float) -> None:
+    """Give every request huggingface_hub makes a connect and read timeout (its own client has none, so
+    a Hub that accepts the connection and never answers would block a call for ever)."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    def client_with_timeout() -> httpx2.Client:
+        client = default_client_factory()
+        client.timeout = httpx2.Timeout(seconds, connect=min(CONNECT_SECONDS, seconds))
+        return client
+
+    set_client_factory(client_with_timeout)
+
+
+def _status(exc: BaseException) -> int | None:
+    return getattr(getattr(exc, "response", None), "status_code", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, HfHubHTTPError):
+        return _status(exc) in TRANSIENT_STATUS
+    # The total deadline spent leaves nothing to retry with; OfflineModeIsEnabled is a ConnectionError, but
+    # HF_HUB_OFFLINE=1 will not change by waiting.
+    if isinstance(exc, (Deadline, OfflineModeIsEnabled)):
+        return False
+    return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """Seconds the Hub asked us to wait (429/503 `Retry-After`: seconds or an HTTP date), if it did."""
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    value = headers.get("Retry-After") if headers is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        try:
+            return max(0.0, (email.utils.parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
+        except (TypeError, ValueError):
+            return None
+
+
+_backoff = wait_random_exponential(multiplier=1, max=60)  # 1 s, 2 s, 4 s ... with full jitter, capped at a minute
+
+
+def _wait(state: RetryCallState) -> float:
+    """Exponential back-off with jitter, but never sooner than the Hub's Retry-After."""
+    asked = retry_after(state.outcome.exception()) if state.outcome and state.outcome.failed else None
+    return max(asked or 0.0, _backoff(state))
+
+
+def unresolved(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what it wraps: httpx's ConnectError over the socket's) is a host name that did not resolve."""
+    while exc is not None:
+        if isinstance(exc, socket.gaierror):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _retrying(deadline: float, token: SecretStr | None):
+    def stop(state: RetryCallState) -> bool:  # give up rather than sleep past the deadline
+        if unresolved(state.outcome.exception()):
+            return state.seconds_since_start + (state.upcoming_sleep or 0) >= NAME_RESOLUTION_SECONDS
+        return time.monotonic() + (state.upcoming_sleep or 0) >= deadline
+
+    def log_retry(state: RetryCallState) -> None:
+        if unresolved(state.outcome.exception()) and state.attempt_number > 1:
+            return  # said once: the same name does not resolve again
+        failure = describe(state.outcome.exception(), token)
+        log.warning(
+            f"Hub {getattr(state.fn, '__name__', 'call')} failed ({failure}); "
+            f"attempt {state.attempt_number}, retrying in {state.upcoming_sleep:.1f} s"
+        )
+
+    return retry(retry=retry_if_exception(is_transient), wait=_wait, stop=stop, before_sleep=log_retry, reraise=True)
+
+
+def describe(exc: BaseException, token: SecretStr | None = None) -> str:
+    """A one-line account of a Hub failure, with the token (should any message echo it) masked."""
+    status = _status(exc)
+    if status in (401, 403):
+        return f"the Hub refused HF_TOKEN (HTTP {status}); create a token with write access at https://huggingface.co/settings/tokens and set HF_TOKEN"
+    detail = (str(exc).strip().splitlines() or [""])[0][:200]
+    if token is not None and token.get_secret_value():
+        detail = detail.replace(token.get_secret_value(), "***")
+    what = f"the Hub answered HTTP {status}" if status is not None else f"{type(exc).__name__} talking to the Hub"
+    return f"{what}: {detail}" if detail else what
+
+
+class Hub:
+    def __init__(self, token: SecretStr | None, max_retry_seconds: float, request_timeout: float | None = None):
+        """`max_retry_seconds` (PUSH_TIMEOUT) bounds a whole push: only rank 0 is still running then, so no
+        collective can time out while it waits out a Hub incident or a rate limit."""
+        if request_timeout is not None:
+            use_request_timeout(request_timeout)
+        self._token = token
+        self._api = HfApi(token=token.get_secret_value() if token else False)
+        self._max_retry_seconds = max_retry_seconds
+
+    def check_write_access(self, repo_id: str) -> str:
+        """Fail before any GPU time, within TOKEN_CHECK_SECONDS, when the token is wrong or read-only, or the Hub
+        does not answer (a push without a token: utils/settings.check_push_possible, before this)."""
+        seconds = min(TOKEN_CHECK_SECONDS, self._max_retry_seconds)
+        try:
+            me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami), "hub-call")
+        except Exception as exc:
+            if _status(exc) in (401, 403):
+                raise JobError(EXIT_BAD_INPUT, f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
+            if unresolved(exc):
+                host = httpx2.URL(constants.ENDPOINT).host
+                raise JobError(
+                    EXIT_BAD_INPUT,
+                    f"the Hub's host {host} (HF_ENDPOINT={constants.ENDPOINT}) does not resolve to an address "
+                    f"(retried for {NAME_RESOLUTION_SECONDS} s); check HF_ENDPOINT and this machine's DNS, or unset "
+                    "RESULT_MODEL_ID to train without pushing (push later with --push-only)",
+                ) from None
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"the Hub at {constants.ENDPOINT} could not be reached to check HF_TOKEN within {seconds:.0f} s ({describe(exc, self._token)}); "
+                "check HF_ENDPOINT and the network route to the Hub, or unset RESULT_MODEL_ID to train without pushing (push later with --push-only)",
+            ) from None
+        access = me.get("auth", {}).get("accessToken", {})
+        role = access.get("role")
+        # A fine-grained token writes where a scope grants repo.write on the namespace or on the repo itself.
+        places = (repo_id.split("/")[0] if "/" in repo_id else me.get("name"), repo_id)
+        scopes = (access.get("fineGrained") or {}).get("scoped", [])
+        writes = any(
+            s.get("entity", {}).get("name") in places and "repo.write" in s.get("permissions", []) for s in scopes
+        )
+        if role == "read" or (role == "fineGrained" and not writes):
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f"HF_TOKEN of '{me.get('name')}' cannot write to RESULT_MODEL_ID={repo_id} ({role} token); "
+                "create a token with write access to that namespace at https://huggingface.co/settings/tokens",
+            )
+        log.info("HF_TOKEN belongs to '%s' (%s)", me.get("name"), role or "unknown role")
+        return me.get("name", "")
+
+    def describe(self, exc: BaseException) -> str:
+        return describe(exc, self._token)
+
+    def push_files(
+        self,
+        files: dict[str, Path],
+        repo_id: str,
+        private: bool,
+        message: str,
+        card: ModelCard | None = None,
+        open_file: Callable[[Path], BinaryIO] | None = None,
+    ) -> str:
+        """create_repo (exist_ok), the card's metadata checked by the Hub, then every file in one commit
+        (`files`: path in the repo -> local file, read through `open_file` when given); each call retried on
+        transient failures, all within one total deadline that the request in flight counts towards too.
+        Returns the commit URL."""
+        deadline = time.monotonic() + self._max_retry_seconds
+        retrying = _retrying(deadline, self._token)
+
+        def commit() -> str:
+            # Fresh operations for every attempt: create_commit records upload state on them.
+            with ExitStack() as opened:
+                operations = [
+                    CommitOperationAdd(
+                        path_in_repo=path,
+                        path_or_fileobj=opened.enter_context(open_file(local)) if open_file else str(local),
+                    )
+                    for path, local in sorted(files.items())
+                ]
+                info = self._api.create_commit(repo_id=repo_id, operations=operations, commit_message=message)
+            return str(info.commit_url if hasattr(info, "commit_url") else info)
+
+        def push() -> str:
+            retrying(self._api.create_repo)(repo_id=repo_id, private=private, exist_ok=True)
+            if card is not None:  # the Hub's own check of its YAML: a card it would reject fails here, not on the page
+                retrying(card.validate)(repo_type="model")
+            return retrying(commit)()
+
+        return within(self._max_retry_seconds, push, "hub-call")
+
+
+# ------------------------------------------------------------------------------- saving
+def save_model(
+    run: RunDir,
+    settings: Settings,
+    trainer: Trainer,
+    metrics: dict,
+    state_dict: dict | None = None,
+    *,
+    base_fingerprint: dict[str, str] | str,
+):
+    """Write model/ (adapter, tokenizer, label names, base fingerprint, training curves, card) and metrics.json, each
+    whole or not at all. `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's
+    own. `base_fingerprint`: the base as the run's identity holds it (utils/identity.model_digest)."""
+    staged = run.make_dir(run.root / ".model.partial", fresh=True)
+    model = trainer.model
+    # The adapter names its base by Hub id, so it loads anywhere; else by the folder's absolute path, so predict.py
+    # finds it from any working directory (a relative MODEL_NAME names a folder only from where the run started).
+    base = resolve_base_model_id(settings) or os.path.abspath(os.path.expanduser(settings.model_name))
+    model.peft_config["default"].base_model_name_or_path = base
+    model.save_pretrained(staged, state_dict=state_dict)
+    trainer.processing_class.save_pretrained(staged)
+    write_label_names(staged, settings, metrics)
+    write_base_fingerprint(staged, base_fingerprint)
+    plot_training_curves(trainer.state.log_history, staged / PLOT_NAME)
+    write_model_card(staged, settings, metrics, settings.result_model_id)
+    _replace_with(run, staged, run.model)
+    run.write_json(run.metrics, metrics)  # last: a finished run is one with metrics.json (RunDir.is_finished)
+    log.info("saved %s and %s", run.model, run.metrics)
+
+
+def save_merged(run: RunDir, settings: Settings) -> None:
+    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision, whole or not at all; refused
+    (exit 2) onto a MODEL_NAME whose files differ from the base model/ records (base_model.json)."""
+    # peft and transformers take seconds to import; the Hub client alone needs neither.
+    from utils.training.model import merge_adapter
+
+    # Before anything is staged: the base at MODEL_NAME may have been replaced since the adapter was trained (during
+    # the training, or before a restart that merges), and the merge would load the adapter onto other weights without
+    # a word (the same shapes load).
+    if changed := base_model_changes(read_base_fingerprint(run.model), settings.model_name):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name} is not the base model the adapter in {run.model} was trained on: its "
+            f"{changed} changed since (added, removed or edited; {BASE_NAME} there records the SHA-256 of each "
+            "weights, config and tokenizer file the adapter was trained on), so nothing was merged; restore that base "
+            "at MODEL_NAME (or point MODEL_NAME at an unchanged copy of it) and run again to merge, or train again "
+            "on this base in a new OUTPUT_DIR",
+        )
+    staged = run.make_dir(run.root / ".merged.partial", fresh=True)
+    merge_adapter(settings, run.model, staged)
+    write_model_card(staged, settings, run.read_json(run.metrics) or {}, settings.result_merged_model_id, merged=True)
+    _replace_with(run, staged, run.merged)
+    log.info("saved %s (adapter merged into the base, full precision)", run.merged)
+
+
+def _replace_with(run: RunDir, staged: Path, folder: Path) -> None:
+    """`folder` replaced whole by `staged`, its files recorded: what a push of it may send is only what was just
+    written there."""
+    files = run.files_in(staged)
+    replace_dir(staged, folder)
+    run.record_written(folder.name, [f"{folder.name}/{name}" for name in files], replace=True)
+
+
+# ------------------------------------------------------------------------------- pushing
+PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what was pushed where
+
+
+def files_to_push(run: RunDir, metrics: dict, folder: Path) -> dict[str, Path]:
+    """Path in the repo -> file on the volume: `folder`'s files, metrics.json, the masked run.json, and this run's
+    TensorBoard events under runs/ (the Hub's training-metrics tab). The files the job recorded as it wrote them,
+    never a walk of the folders (which would take whatever a neighbour planted there)."""
+    recorded = run.written(folder.name)
+    if recorded is None:  # a model saved before the job recorded its files: the folder as written, links refused
+        recorded = [folder / name for name in run.files_in(folder)]
+    files = {str(path.relative_to(folder)): path for path in recorded}
+    files |= {"metrics.json": run.metrics, "run.json": run.run_record}
+    events = run.tensorboard / metrics["run_name"]
+    files |= {
+        f"runs/{metrics['run_name']}/{path.relative_to(events)}": path
+        for path in run.written("tensorboard") or []
+        if path.parent == events
+    }
+    return files
+
+
+def adapter_config_for_hub(run: RunDir, settings: Settings, metrics: dict) -> dict[Path, bytes]:
+    """model/adapter_config.json as pushed, when it must differ from the volume's copy: trained from a local
+    folder, the adapter names that folder as its base, which loads on the cluster (predict.py on model/) but
+    nowhere else. The pushed copy names the Hub id the card names (BASE_MODEL_ID, or the id MODEL_NAME's
+    folder records), so what the Hub serves loads off the cluster; the volume's copy is kept."""
+    path = run.model / "adapter_config.json"
+    config = run.read_json(path) or {}
+    base = published_base(settings, metrics)
+    if not base or config.get("base_model_name_or_path") in (None, base):
+        return {}
+    log.info(
+        f"the pushed adapter_config.json names its base {base}, as the card does ({path} keeps "
+        f"{config['base_model_name_or_path']}, for use on this cluster)"
+    )
+    return {path: (json.dumps({**config, "base_model_name_or_path": base}, indent=2, sort_keys=True) + "\n").encode()}
+
+
+def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
+    """Push model/ to RESULT_MODEL_ID (and merged/ to RESULT_MERGED_MODEL_ID) unless already pushed; exit 3
+    if a push fails after retries (the model stays on the volume)."""
+    code = EXIT_OK
+    metrics = run.read_json(run.metrics) or {}
+    for merged, repo_id in ((False, settings.result_model_id), (True, settings.result_merged_model_id)):
+        pushed = (run.read_json(run.run_record) or {}).get(PUSH_RECORD[merged]) or {}
+        if not repo_id or pushed.get("repo_id") == repo_id:
+            continue
+        folder = run.merged if merged else run.model
+        files = files_to_push(run, metrics, folder)
+        # Each file must still be the job's own: one planted since it was written (a link, or a hard link to
+        # a file elsewhere) is refused before the card is written or anything is sent.
+        for path in files.values():
+            run.check_owned(path)
+        # The card again, now naming the repo it is pushed to (after --push-only too).
+        card = write_model_card(folder, settings, metrics, repo_id, merged=merged)
+        sent = {} if merged else adapter_config_for_hub(run, settings, metrics)
+        log.info("pushing %s to %s", folder, repo_id)
+        try:
+            url = hub.push_files(
+                files,
+                repo_id,
+                settings.hub_private,
+                f"Upload {metrics['run_name']}",
+                card=card,
+                # Read through descriptors opened without following a link: what was checked is what is sent.
+                open_file=lambda path, sent=sent: io.BytesIO(sent[path]) if path in sent else run.open(path, "rb"),
+            )
+        except JobError:  # a file planted since the check above: refused, not a failed push to retry
+            raise
+        except Exception as exc:
+            log.error("push to %s failed: %s", repo_id, hub.describe(exc))
+            fix = f"the model is in {folder}: rerun with --push-only"
+            print(f"error: push to {repo_id} failed ({hub.describe(exc)}); {fix}", file=sys.stderr)
+            code = EXIT_PUSH_FAILED
+            continue
+        update_run_record(run, **{PUSH_RECORD[merged]: {"repo_id": repo_id, "commit": url}})
+        log.info("pushed to %s", url)
+    return code

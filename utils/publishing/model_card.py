@@ -1,0 +1,300 @@
+"""The model card (README.md), its training-curve plot and the label names: what a user of the pushed model reads.
+
+Its metadata (`ModelCardData`) carries the base model's Hub id and the validation metrics (`model-index`), which
+the Hub shows beside the model. Written when the model is saved and again at push time, with the real repo id.
+Everything it says comes from what a run leaves on the volume (`metrics.json`, the settings), so a `--push-only`
+after a restart writes the same card.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from utils.config.recipe import recipe_summary
+from utils.config.settings import Settings, resolve_base_model_id
+from utils.config.tasks import MULTI_LABEL
+from utils.run_folder.model_files import INPUTS_NAME, LABELS_NAME, REGRESSION_LABEL
+
+PLOT_NAME = "training_curves.png"
+CARD_METRICS = ("accuracy", "f1", "precision", "recall", "matthews_correlation", "pearson", "spearman", "mse")
+CARD_METRICS += ("f1_micro", "f1_macro")  # multi-label (subset_accuracy is an accuracy)
+# The validation curve: the first of these logged is drawn.
+CURVE_METRICS = ("eval_accuracy", "eval_matched_accuracy", "eval_pearson", "eval_f1_micro")
+
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+{{ what }} fine-tuned for {{ task }} on {{ data_source }}.
+
+| metric (validation {{ splits }}, {{ eval_samples }} rows) | value |
+| --- | --- |
+{{ metrics_rows }}
+{% if plot %}
+![Training loss and validation accuracy]({{ plot }})
+{% endif %}
+## Use
+
+```python
+{{ usage }}
+```
+
+Or without code: `{{ predict_command }}` (from the training job's repository)
+prints one JSON line per {{ row }}.
+
+## Training
+
+| setting | value |
+| --- | --- |
+{{ training_rows }}
+"""
+
+
+def published_base(settings: Settings, metrics: dict) -> str | None:
+    """The Hub id the base goes by: the one the run trained from (metrics.json), else BASE_MODEL_ID or the id
+    MODEL_NAME's folder records now (a run trained from a plain folder is published once the id is given)."""
+    return metrics.get("base_model_id") or resolve_base_model_id(settings)
+
+
+def run_labels(settings: Settings, metrics: dict) -> list[str]:
+    """The class names in id order the run trained with (metrics.json records what the data resolved to), `[]`
+    for regression; LABEL_NAMES for a run recorded before the labels were."""
+    return list(metrics.get("labels", settings.label_names))
+
+
+def write_label_names(folder: Path, settings: Settings, metrics: dict) -> None:
+    """id2label.json beside an adapter: the names predict.py and the card's snippet give the label ids; one
+    entry, `score`, for a regression model (a classifier of one class is refused). And inputs.json, what one
+    input is (a sentence, or a pair of the columns named) and where its label is: predict.py reads what training
+    read."""
+    names = run_labels(settings, metrics) or [REGRESSION_LABEL]
+    (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(names)), indent=2) + "\n")
+    inputs = {"text_columns": list(settings.text_columns), "label_column": settings.label_column}
+    if metrics.get("problem_type") == MULTI_LABEL:
+        inputs |= {"problem_type": MULTI_LABEL, "threshold": metrics["threshold"]}
+    (folder / INPUTS_NAME).write_text(json.dumps(inputs, indent=2) + "\n")
+
+
+def plot_training_curves(log_history: list[dict], path: Path) -> bool:
+    """Training loss and validation accuracy (MNLI: on the matched split; a regression: Pearson) against the
+    optimizer step, as a PNG; False when nothing was logged."""
+    losses = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
+    logged = {key for entry in log_history for key in entry}
+    curve = next((key for key in CURVE_METRICS if key in logged), "eval_accuracy")
+    what = "validation " + curve.removeprefix("eval_").replace("_", " ")
+    accuracies = [(entry["step"], entry[curve]) for entry in log_history if curve in entry]
+    if not losses and not accuracies:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a training node
+    import matplotlib.pyplot as plt
+
+    fig, loss_axis = plt.subplots(figsize=(7, 3.5), dpi=100)
+    if losses:
+        loss_axis.plot(*zip(*losses, strict=True), color="tab:blue", label="training loss")
+    loss_axis.set_xlabel("optimizer step")
+    loss_axis.set_ylabel("training loss", color="tab:blue")
+    if accuracies:
+        accuracy_axis = loss_axis.twinx()
+        accuracy_axis.plot(*zip(*accuracies, strict=True), color="tab:orange", marker="o", label=what)
+        accuracy_axis.set_ylabel(what, color="tab:orange")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def data_source(settings: Settings, metrics: dict) -> str:
+    """Where the rows came from, as they were: the Hub data set and config, or local data with its counts and fingerprint."""
+    data = metrics.get("data", {})
+    if settings.local_data:
+        return f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, fingerprint {data.get('fingerprint', '?')})"
+    return f"[{settings.dataset_name}](https://huggingface.co/datasets/{settings.dataset_name}) ({settings.dataset_config})"
+
+
+def task_summary(settings: Settings, metrics: dict) -> str:
+    """What the model does, in words: `binary sentiment classification (negative / positive)` for SST-2."""
+    labels = run_labels(settings, metrics)
+    pairs = "sentence-pair " if len(settings.text_columns) == 2 else ""
+    task = f"GLUE {settings.task.upper()}: " if settings.task else ""
+    if not labels:
+        return f"{task}{pairs}regression (one score, {settings.label_column})"
+    if metrics.get("problem_type") == MULTI_LABEL:
+        return (
+            f"{pairs}multi-label classification into any of {len(labels)} labels ({' / '.join(labels)}), each "
+            f"predicted where its sigmoid score is at least {metrics['threshold']:g}"
+        )
+    if not settings.task and not pairs and len(labels) == 2:
+        return f"binary sentiment classification ({' / '.join(labels)})"
+    return f"{task}{pairs}classification into {len(labels)} classes ({' / '.join(labels)})"
+
+
+def card_metrics(metrics: dict) -> list[str]:
+    """The evaluation metrics metrics.json holds, less `eval_`: `accuracy`, or `matched_accuracy` per MNLI split."""
+    return [
+        key.removeprefix("eval_")
+        for key in metrics
+        if key.startswith("eval_") and any(key.endswith(name) for name in CARD_METRICS)
+    ]
+
+
+def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: dict) -> str:
+    """The card's Python for this model: its input (a sentence, or a pair as `text`/`text_pair`) and, for an
+    adapter, what the base's config does not know: the label names, and for a regression `problem_type`, without
+    which the pipeline answers with a sigmoid of the score."""
+    labels = run_labels(settings, metrics)
+    example = (
+        '{"text": "A man is playing a guitar.", "text_pair": "A person plays music."}'
+        if len(settings.text_columns) == 2
+        else '"a gripping, beautifully acted film"'
+    )
+    answer = '[{"label": "score", "score": <the predicted score>}]' if not labels else '[{"label": ..., "score": ...}]'
+    multi = metrics.get("problem_type") == MULTI_LABEL
+    # Multi-label: every label's sigmoid score (top_k=None), each a label of the text at or above the threshold.
+    every = ", top_k=None" if multi else ""
+    if multi:
+        answer = f"every label with its sigmoid score; the text has those at or above {metrics['threshold']:g}"
+    if merged:
+        return (
+            f'from transformers import pipeline\n\nclassifier = pipeline("text-classification", model="{repo_or_path}"{every})\n'
+            f"classifier({example})  # {answer}"
+        )
+    id2label = dict(enumerate(labels or [REGRESSION_LABEL]))
+    label2id = {name: index for index, name in id2label.items()}
+    problem = ', "problem_type": "regression"' if not labels else f', "problem_type": "{MULTI_LABEL}"' if multi else ""
+    # A base checkpoint with a head of two outputs (most have none) would refuse a head of another size.
+    resized = ', "ignore_mismatched_sizes": True' if len(id2label) != 2 else ""
+    what = "label names and that it is a regression" if not labels else "label names"
+    what = f"label names and that it is {MULTI_LABEL}" if multi else what
+    head = " (its head, of another size, comes with the adapter)" if resized else ""
+    return (
+        "from transformers import pipeline\n\n"
+        f"# The base model's config knows no {what}: pass them (also in {LABELS_NAME} beside the adapter){head}.\n"
+        f'config = {{"id2label": {id2label}, "label2id": {label2id}{problem}{resized}}}\n'
+        f'classifier = pipeline("text-classification", model="{repo_or_path}", model_kwargs=config{every})\n'
+        f"classifier({example})  # {answer}\n\n"
+        "# or, as a PEFT model:\n"
+        "from peft import AutoPeftModelForSequenceClassification\n"
+        f'model = AutoPeftModelForSequenceClassification.from_pretrained("{repo_or_path}", **config)'
+    )
+
+
+def adapter_config(folder: Path) -> dict:
+    """The adapter's adapter_config.json as peft saved it; a merged folder reads model/'s beside it. {} if none."""
+    for config in (folder / "adapter_config.json", folder.parent / "model" / "adapter_config.json"):
+        try:
+            return json.loads(config.read_text())
+        except (OSError, ValueError):
+            continue
+    return {}
+
+
+def trained_targets(folder: Path, settings: Settings) -> list[str]:
+    """The layers the adapter adapts, as its adapter_config.json records them (the model's own names when
+    LORA_TARGET_MODULES was not given: utils/model.lora_targets)."""
+    targets = adapter_config(folder).get("target_modules")
+    return sorted(targets) if isinstance(targets, list) else list(settings.lora_target_modules)
+
+
+def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged=False) -> ModelCard:
+    """README.md in `folder`, model/ or, `merged`, merged/; `repo_id` None: the card names the folder."""
+    base_id = published_base(settings, metrics)
+    hub_data = not settings.local_data
+    sentiment = ["sentiment-analysis"] if settings.dataset_config == "sst2" and not settings.task else []
+    card_data = ModelCardData(
+        base_model=base_id,  # None when unknown: the Hub rejects a path here
+        library_name="transformers" if merged else "peft",
+        pipeline_tag="text-classification",
+        tags=["lora", "text-classification", *sentiment, *([] if merged else ["peft"])],
+        datasets=[settings.dataset_name] if hub_data else None,
+        model_name=metrics.get("run_name"),
+        eval_results=[
+            EvalResult(
+                task_type="text-classification",
+                dataset_type=settings.dataset_name if hub_data else "local",
+                dataset_name=f"GLUE {settings.dataset_config.upper()}" if hub_data else "local data",
+                dataset_config=settings.dataset_config if hub_data else None,
+                dataset_split="validation",
+                metric_type=name,
+                metric_value=round(metrics[f"eval_{name}"], 4),
+            )
+            for name in card_metrics(metrics)
+        ],
+    )
+    link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{settings.model_name}`"
+    what = f"{link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {link},"
+    training = {
+        "base model": base_id or settings.model_name,
+        "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(trained_targets(folder, settings))}",
+        "recipe": recipe_summary(
+            settings, metrics.get("loraplus_ratio"), "pooler" in (adapter_config(folder).get("modules_to_save") or [])
+        ),
+        "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
+        "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
+        "global batch": global_batch(metrics),
+        "world size (replicas)": replica_counts(metrics),
+        "precision": metrics.get("precision", "?"),
+        "quantization": metrics.get("quantization", "?"),
+        "max sequence length": settings.max_seq_length,
+        **({"threshold": f"{metrics['threshold']:g} (sigmoid score)"} if "threshold" in metrics else {}),
+        "seed": settings.seed,
+        "train runtime": f"{metrics['train_runtime']:.0f} s" if "train_runtime" in metrics else "?",
+        "run name": metrics.get("run_name"),
+    }
+    if selected := metrics.get("selected_checkpoint"):
+        # Chosen on the validation split the metrics above are measured on: they flatter it a little.
+        training["model selection"] = (
+            f"the checkpoint of step {selected['step']} of {selected['steps_trained']}, the best "
+            f"{selected['metric']} ({selected['score']:.4f}) on the validation split (LOAD_BEST_MODEL"
+            + (
+                f", early stopping after {settings.early_stopping_patience} evaluations without a better score"
+                if settings.early_stopping_patience
+                else ""
+            )
+            + "); the metrics above are on the same split"
+        )
+    repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
+    pair = len(settings.text_columns) == 2
+    card = ModelCard.from_template(
+        card_data,
+        template_str=CARD_TEMPLATE,
+        model_name=metrics.get("run_name"),
+        what=what,
+        task=task_summary(settings, metrics),
+        data_source=data_source(settings, metrics),
+        splits="splits" if "eval_samples" not in metrics and "data" in metrics else "split",
+        eval_samples=metrics.get("eval_samples", metrics.get("data", {}).get("validation_rows", "?")),
+        # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
+        metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in card_metrics(metrics)),
+        plot=PLOT_NAME if (folder / PLOT_NAME).exists() else None,
+        usage=usage_snippet(repo_or_path, settings, merged, metrics),
+        predict_command=f"python predict.py {repo_or_path} "
+        + (f"pairs.jsonl --text-column {settings.text_column}" if pair else "sentences.txt"),
+        row="pair" if pair else "sentence",
+        training_rows="\n".join(f"| {key} | {value} |" for key, value in training.items()),
+    )
+    card.save(folder / "README.md")
+    return card
+
+
+def global_batch(metrics: dict) -> str:
+    """The rows each optimizer step averaged and why: "64 (the default, ... on any replica count that divides it)"."""
+    rows, source = metrics.get("global_batch", "?"), metrics.get("global_batch_source")
+    return f"{rows} rows a step ({source})" if source else str(rows)
+
+
+def replica_counts(metrics: dict) -> str:
+    """The replica count, or for a run resumed on another count (GLOBAL_BATCH_SIZE) which count trained which
+    steps: "steps 1-120 on 4, 121-263 on 2"."""
+    segments = metrics.get("segments") or []
+    if len({segment["world_size"] for segment in segments}) < 2:
+        return str(metrics.get("world_size", "?"))
+    return "steps " + ", ".join(
+        f"{segment['steps'][0]}-{segment['steps'][1]} on {segment['world_size']}" for segment in segments
+    )

@@ -1,0 +1,1 @@
+"""Training: data, model, the Trainer, metrics, predictions. Imports the cluster and below."""

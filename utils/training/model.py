@@ -1,0 +1,460 @@
+"""The model: a sequence classifier (one output per label, or one score) wrapped in LoRA, optionally in 8-bit."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import stat
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
+from safetensors import safe_open
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PretrainedConfig,
+)
+from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.config.local_inputs import check_model_folder, no_tokenizer
+from utils.config.recipe import lora_options
+from utils.config.settings import Settings
+from utils.config.tasks import MULTI_LABEL
+from utils.run_folder.model_files import INPUTS_NAME, REGRESSION_LABEL, read_label_names
+
+log = logging.getLogger(__name__)
+
+CLASSIFIER = "classifier"  # the head of every family here: kept in full precision and trained alongside the adapters
+# LoRA's GLUE targets, the query and value projections, by each architecture's own names when LORA_TARGET_MODULES is
+# not given: peft's table (BERT, RoBERTa, ELECTRA: query,value; DeBERTa-v2/v3: query_proj,value_proj), and these
+# for the families it lacks. ModernBERT fuses query, key and value into one layer, adapted whole.
+QUERY_VALUE = {"distilbert": ("q_lin", "v_lin"), "modernbert": ("Wqkv",)}
+# Where model configs keep their dropout: BERT, RoBERTa and DeBERTa use the first two, DistilBERT the last two.
+DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout")
+# Every load of a model, tokenizer or config: no code from a model folder or repo runs, and transformers never
+# stops to ask on stdin whether it may (it does when this is left unset).
+NO_REMOTE_CODE = {"trust_remote_code": False}
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The start of an error's message for a one-line refusal (its type's name when it has none)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
+@contextmanager
+def _loading(settings: Settings) -> Iterator[None]:
+    """Loading MODEL_NAME (config, tokenizer or weights) fails as one refusal line, never a traceback; a Hub repo's
+    pytorch_model.bin, downloaded only by from_pretrained, included."""
+    try:
+        yield
+    except pickle.UnpicklingError as exc:
+        raise _unsafe_weights(settings, "pytorch_model.bin", exc) from None
+    except (OSError, ValueError) as exc:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"cannot load MODEL_NAME={settings.model_name} ({type(exc).__name__}: {first_line(exc)}); "
+            "give a Hub id or a local folder holding config.json and the weights (on an offline cluster, a folder on the shared volume)",
+        ) from None
+
+
+def load_tokenizer(settings: Settings):
+    """The model's tokenizer, after the model folder and its config are checked against the settings."""
+    check_model(settings)
+    with _loading(settings):
+        tokenizer = AutoTokenizer.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+    # A folder without tokenizer files still loads: a tokenizer that knows only its special tokens,
+    # which turns every word into [UNK] and trains without a word of complaint.
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
+        raise no_tokenizer(settings.model_name)
+    # Saved with model/ and merged/ (tokenizer_config.json): whoever loads the model truncates where training
+    # did, never past its position embeddings; many folders record no length (1e30), which truncates nothing.
+    tokenizer.model_max_length = settings.max_seq_length
+    return tokenizer
+
+
+def check_model(settings: Settings) -> None:
+    """Before any training step: a local folder without what a model needs (as --dry-run checks it), custom code,
+    weights files that cannot be read, and settings the model cannot take."""
+    check_model_folder(settings.model_name)
+    refuse_custom_code(settings)
+    folder = Path(settings.model_name)
+    if folder.is_dir():
+        for path in sorted(folder.iterdir()):
+            if path.name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+                _check_weights_file(settings, path)
+    with _loading(settings):
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and settings.max_seq_length > positions:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MAX_SEQ_LENGTH={settings.max_seq_length} but MODEL_NAME={settings.model_name} has position embeddings for {positions} tokens "
+            f"(max_position_embeddings); set MAX_SEQ_LENGTH to {positions} or less",
+        )
+    hidden = getattr(config, "hidden_size", None)
+    if isinstance(hidden, int) and settings.lora_r > hidden:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LORA_R={settings.lora_r} is above the hidden size {hidden} of MODEL_NAME={settings.model_name}: an adapter of that rank "
+            f"is larger than the layer it adapts; set LORA_R to {hidden} or less (8 or 16 is usual)",
+        )
+
+
+def refuse_custom_code(settings: Settings) -> None:
+    """A model whose config.json or tokenizer_config.json maps its classes to Python files of its own (`auto_map`)
+    is refused before anything of it is imported: the job runs only the code it ships with.
+
+    Both files are read as JSON, which runs nothing. Loading with trust_remote_code=False would still take
+    such a model when transformers knows its model_type, silently with transformers' own classes instead
+    of the ones the folder asks for.
+    """
+    with _loading(settings):
+        config, _ = PretrainedConfig.get_config_dict(settings.model_name)
+        tokenizer_config = get_tokenizer_config(settings.model_name)
+    found = {
+        name: data["auto_map"]
+        for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config))
+        if data.get("auto_map")
+    }
+    if found:
+        names = " and ".join(found)
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name} needs custom code: auto_map in {names} names Python files of its own "
+            f"({json.dumps(list(found.values()))[:160]}), and the job never runs code from a model; use a model that "
+            f"transformers supports itself (e.g. bert-base-uncased), or delete auto_map from {names} if the model_type "
+            "is one transformers knows",
+        )
+
+
+def _check_weights_file(settings: Settings, path: Path) -> None:
+    """A weights file the loader would report as missing ('No such file') or fail on with a traceback. A pickled
+    one loads only through torch's weights-only unpickler, as transformers loads it, onto the meta device (no
+    tensor data is read): one it refuses (a pickle that would call a function, e.g. os.system) is refused here."""
+    problem, fix = None, " and make them readable by the job"
+    if path.is_symlink() and not path.exists():
+        problem = f"is a link to {os.readlink(path)}, which does not exist"
+    elif not path.is_file():
+        problem = "is not a regular file"
+    elif not os.access(path, os.R_OK):
+        problem = f"is not readable by uid {os.getuid()} (mode {stat.filemode(path.stat().st_mode)})"
+    elif path.stat().st_size == 0:
+        problem = "is empty"
+    elif path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass  # the header and the tensor offsets are checked against the file's size
+        except Exception as exc:  # SafetensorError: a truncated, torn or foreign file
+            problem = f"is damaged or truncated ({first_line(exc, 120)})"
+    elif path.name.startswith("pytorch_model") and path.suffix == ".bin":  # what transformers unpickles as weights
+        try:
+            torch.load(path, map_location="meta", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise _unsafe_weights(settings, path.name, exc) from None
+        except Exception as exc:  # RuntimeError from torch's zip reader, EOFError ...: a truncated or foreign file
+            problem = f"is damaged or not a PyTorch weights file ({type(exc).__name__}: {first_line(exc, 120)})"
+            fix = ", preferably its model.safetensors from a trusted source"
+    if problem:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"MODEL_NAME={settings.model_name}: the weights file {path.name} {problem}; copy the model's files there "
+            f"again (e.g. `hf download MODEL --local-dir FOLDER`){fix}",
+        )
+
+
+def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) -> JobError:
+    """A pickle torch's weights-only loader refused: it asks to run code (the line naming what it would call)."""
+    lines = str(exc).splitlines()
+    what = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
+    return JobError(
+        EXIT_BAD_INPUT,
+        f"MODEL_NAME={settings.model_name}: the weights file {name} is a pickle that would run code when loaded "
+        f"({what.strip()[:160]}), which the job refuses; use safetensors weights (model.safetensors) of the model "
+        "from a trusted source",
+    )
+
+
+def label_config(names: Sequence[str], multi_label: bool = False) -> dict:
+    """The classifier's size and label names, so a pipeline over the saved model says 'positive', not 'LABEL_1'.
+    `names`: the class names in id order, `()` or `[score]` for regression (one output trained with MSE);
+    `multi_label`: one sigmoid output per label, trained with binary cross-entropy on multi-hot labels."""
+    regression = list(names) in ([], [REGRESSION_LABEL])
+    names = [REGRESSION_LABEL] if regression else list(names)
+    problem = "regression" if regression else MULTI_LABEL if multi_label else "single_label_classification"
+    return {
+        "num_labels": len(names),
+        "problem_type": problem,
+        "id2label": dict(enumerate(names)),
+        "label2id": {name: index for index, name in enumerate(names)},
+    }
+
+
+def load_base(
+    name: str, labels: Sequence[str] | None, restored: Iterable[str], multi_label: bool = False, **kwargs
+) -> torch.nn.Module:
+    """AutoModelForSequenceClassification of `name` with a head for `labels` (None: the checkpoint's own; a
+    multi-label head where `multi_label`), no code of its own run. OSError or ValueError when the model cannot be
+    loaded.
+
+    A base whose head has another size (a 2-label checkpoint under a 3-class task) gets from_pretrained's leave
+    to start a new one: training trains it from scratch, an adapter restores its own. Only then: a mismatch
+    anywhere else stays an error. transformers' LOAD REPORT is held back when every weight it names missing or
+    resized belongs to a module in `restored` (a head trained in full): its table, with terminal colours, said
+    nothing wrong on every N-class or regression model. A report naming any other weight is shown as it was."""
+    heads = label_config(labels, multi_label) if labels is not None else {}
+    if heads and AutoConfig.from_pretrained(name, **NO_REMOTE_CODE).num_labels != heads["num_labels"]:
+        heads["ignore_mismatched_sizes"] = True
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    source = logging.getLogger("transformers.modeling_utils")
+    source.addFilter(hold)
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            name, output_loading_info=True, **heads, **NO_REMOTE_CODE, **kwargs
+        )
+    finally:
+        source.removeFilter(hold)
+    reported = [*info["missing_keys"], *(key for key, *_ in info["mismatched_keys"])]
+    if any(not set(key.split(".")) & set(restored) for key in reported):
+        for record in held:
+            source.handle(record)
+    return model
+
+
+def _base_dropout(settings: Settings, config: PretrainedConfig) -> dict:
+    """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none for `checkpoint`.
+
+    One epoch of LoRA underfits SST-2 rather than overfits it (docs/quality.md): the base model's own dropout,
+    made for pre-training and full fine-tuning, then only slows what the adapter learns. The adapter keeps
+    its own LORA_DROPOUT.
+    """
+    if settings.model_dropout == "checkpoint":
+        return {}
+    dropout = {
+        name: settings.model_dropout for name in DROPOUT_ATTRIBUTES if isinstance(getattr(config, name, None), float)
+    }
+    if not dropout:
+        log.warning(
+            f"MODEL_DROPOUT={settings.model_dropout:g}: the config of {settings.model_name} has none of "
+            f"{', '.join(DROPOUT_ATTRIBUTES)}; its dropout is left as it is"
+        )
+    return dropout
+
+
+def build_model(
+    settings: Settings, quantize: bool, device: torch.device, labels: tuple[str, ...] | None = None
+) -> PeftModel:
+    """AutoModelForSequenceClassification (one output per label, or one score) + LoRA; quantized base weights when
+    `quantize` (the plan's: 4-bit where QUANTIZATION=4bit, else 8-bit).
+
+    The quantizer would take every Linear, the classifier head too, and LoRA cannot train an int8 or NF4 head: the
+    head is skipped by the quantizer (`llm_int8_skip_modules`, which 4-bit reads too) and saved in full with the
+    adapter.
+    """
+    with _loading(settings):
+        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+    kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(settings, config)}
+    skipped = [CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
+    if quantize and settings.quantization == "4bit":
+        # QLoRA's recipe: NF4 weights, their scales quantized too, the matmuls computed in bf16 where the GPU has
+        # it (fp32 on the CPU, where bitsandbytes runs 4-bit too).
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        compute = torch.bfloat16 if bf16 else torch.float16 if device.type == "cuda" else torch.float32
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute,
+            llm_int8_skip_modules=skipped,
+        )
+    elif quantize:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_8bit=True, llm_int8_skip_modules=skipped, llm_int8_threshold=settings.int8_threshold
+        )
+        # bitsandbytes' int8 matmul warns at every call (72 a step) that it casts its bf16 or fp32 input to fp16:
+        # what 8-bit weights do, said once here instead.
+        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+        log.info(
+            "8-bit weights: bitsandbytes casts each int8 matmul's input to fp16 (INT8_THRESHOLD=%g)",
+            settings.int8_threshold,
+        )
+    if quantize:
+        # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
+        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
+    with _loading(settings):
+        multi_label = settings.problem_type == MULTI_LABEL
+        names = settings.label_names if labels is None else labels
+        model = load_base(settings.model_name, names, head, multi_label, **kwargs)
+    if quantize and settings.quantization == "4bit" and device.type == "cpu":
+        # bitsandbytes 0.50 repacks a 4-bit weight for its CPU inference kernel at the first forward without gradients
+        # (an evaluation) and leaves it so: the training step after it fails ("a view of a leaf Variable ... in-place").
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+    if quantize:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
+
+    targets = lora_targets(settings, model.config.model_type)
+    modules = dict(model.named_modules())
+    lora = LoraConfig(
+        task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
+        r=settings.lora_r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=list(targets),
+        **lora_options(settings, modules),  # pooler, rsLoRA/DoRA, init
+    )
+    check_target_modules(settings, modules, adapted=None, targets=targets)
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:  # names that match modules LoRA cannot adapt (a LayerNorm, say)
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LORA_TARGET_MODULES={','.join(targets)}: peft cannot adapt them in {settings.model_name} "
+            f"({first_line(exc)}); name linear layers: {', '.join(linear_layer_names(modules))}",
+        ) from None
+    # peft passes over a name that matches nothing when another one matches, and skips modules it trains in
+    # full (the head): every name must have given at least one adapter.
+    check_target_modules(settings, modules, adapted=model.targeted_module_names, targets=targets)
+    if settings.train_pooler and "pooler" not in (lora.modules_to_save or []):
+        log.info(
+            "TRAIN_POOLER: %s has no pooler (its classifier reads the first token); the classifier alone is trained in full",
+            model.config.model_type,
+        )
+    trainable, total = model.get_nb_trainable_parameters()
+    log.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+    return model
+
+
+def lora_targets(settings: Settings, model_type: str) -> tuple[str, ...]:
+    """The layers LoRA adapts: LORA_TARGET_MODULES when given; else the query and value projections by the names
+    of this architecture (BERT's `query,value` matches nothing in DistilBERT or ModernBERT)."""
+    if "lora_target_modules" in settings.model_fields_set:
+        return settings.lora_target_modules
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    targets = tuple(QUERY_VALUE.get(model_type) or PEFT_TARGETS.get(model_type) or settings.lora_target_modules)
+    if targets != settings.lora_target_modules:
+        log.info("LORA_TARGET_MODULES unset: adapting %s, the query and value of %s", ",".join(targets), model_type)
+    return targets
+
+
+def attention(config: PretrainedConfig) -> str:
+    """SDPA where the architecture offers it (asked for by name, so a library change cannot silently fall back to
+    materialised score matrices without fused kernels), else the eager attention (DeBERTa-v2/v3 has no SDPA)."""
+    try:
+        supports = AutoModelForSequenceClassification._model_mapping[type(config)]._supports_sdpa
+    except KeyError:
+        return "sdpa"  # from_pretrained says what is wrong with the model
+    if not supports:
+        log.info("%s offers no SDPA attention: the eager attention is used", config.model_type)
+    return "sdpa" if supports else "eager"
+
+
+def linear_layer_names(modules: dict[str, torch.nn.Module]) -> list[str]:
+    """The last part of the name of every linear layer: what LORA_TARGET_MODULES names (query, value, dense, ...)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, torch.nn.Linear)})
+
+
+def matches_target(target: str, names: Iterable[str]) -> bool:
+    """peft's rule for a list of target_modules: a module's whole name, or its end after a dot."""
+    return any(name == target or name.endswith(f".{target}") for name in names)
+
+
+def check_target_modules(
+    settings: Settings, modules: dict[str, torch.nn.Module], adapted: list[str] | None, targets: tuple[str, ...]
+) -> None:
+    """Every name in `targets` (lora_targets) must match a module of the model (`adapted` None), or an adapted one.
+
+    A typo (`query,vlaue`) would otherwise train `query` alone, exit 0, and record `vlaue` in adapter_config.json.
+    """
+    linear = linear_layer_names(modules)
+    problems = []
+    for target in targets:
+        if not matches_target(target, modules):
+            close = difflib.get_close_matches(target.rsplit(".", 1)[-1], linear, n=3, cutoff=0.5)
+            problems.append(f"'{target}' matches no module" + (f" (closest: {', '.join(close)})" if close else ""))
+        elif adapted is not None and not matches_target(target, adapted):
+            problems.append(f"'{target}' matches only modules that take no adapter (the head, trained in full)")
+    if problems:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LORA_TARGET_MODULES={','.join(targets)}: {'; '.join(problems)} in MODEL_NAME={settings.model_name}, "
+            f"whose linear layers are named {', '.join(linear)}; set LORA_TARGET_MODULES to the layers to adapt "
+            "(BERT's are query,value)",
+        )
+
+
+def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> str:
+    """A hash of the trainable weights: identical on every rank when DDP (or FSDP) really synchronised them.
+
+    Under FSDP each weight is a sharded DTensor: it is gathered whole first, a collective, so every rank
+    must call this at the same point, before leaving the process group.
+    """
+    if weights is None:  # else the trainable weights gathered already (DeepSpeed: utils/strategy.full_state_dict)
+        weights = {
+            name: param.full_tensor() if hasattr(param, "full_tensor") else param
+            for name, param in sorted(model.named_parameters())
+            if param.requires_grad
+        }
+    digest = hashlib.sha256()
+    for name, tensor in sorted(weights.items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def load_adapted(settings: Settings, adapter_dir: Path) -> PeftModel:
+    """The base (MODEL_NAME) in full precision with the adapter in `adapter_dir` on it, the head named by the labels
+    saved beside the adapter (LABEL_NAMES for a model saved before they were): what is merged, and what answers the
+    test split.
+
+    Full precision whatever training used: merging into 8-bit weights would round the update away, and the test
+    split is answered by the model predict.py serves, not by the quantized one trained.
+    """
+    saved = read_label_names(adapter_dir)
+    labels = [saved[index] for index in sorted(saved)] if saved else settings.label_names
+    with _loading(settings):
+        multi_label = settings.problem_type == MULTI_LABEL
+        base = load_base(settings.model_name, labels, (CLASSIFIER, "score"), multi_label, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir))
+
+
+def load_pipeline(settings: Settings, adapter_dir: Path):
+    """A text-classification pipeline over `load_adapted`, with the tokenizer saved beside the adapter (its
+    model_max_length: the run's MAX_SEQ_LENGTH), on the GPU when there is one."""
+    from transformers import pipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE)
+    device = 0 if torch.cuda.is_available() else -1
+    return pipeline(
+        "text-classification", model=load_adapted(settings, adapter_dir), tokenizer=tokenizer, device=device
+    )
+
+
+def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
+    """The base with the adapter in `adapter_dir` merged into its weights (`load_adapted`), saved to `out_dir`
+    (safetensors, tokenizer): servers without peft or bitsandbytes load plain float weights."""
+    merged = load_adapted(settings, adapter_dir).merge_and_unload()
+    merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
+    AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE).save_pretrained(out_dir)
+    if (adapter_dir / INPUTS_NAME).is_file():  # what one input is: predict.py reads it from either folder
+        shutil.copyfile(adapter_dir / INPUTS_NAME, out_dir / INPUTS_NAME)
