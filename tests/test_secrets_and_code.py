@@ -181,13 +181,12 @@ def test_pickled_weights_that_would_run_code_or_are_damaged_are_refused_in_one_l
     process (a payload that ran would leave its marker here too); a refused start through main.py at the model
     layer is tests/test_refusals.py's `model` case."""
     from utils.common.errors import EXIT_BAD_INPUT, JobError
-    from utils.config.settings import Settings
     from utils.training.model import check_model
 
     marker = tmp_path / "payload-ran"
     model = pickled_weights(tiny_bert, tmp_path / "model", marker, how)
     with pytest.raises(JobError) as refused:
-        check_model(Settings(model_name=str(model)))
+        check_model(str(model), max_seq_length=128, lora_r=8)
     error = refused.value.message
     assert refused.value.code == EXIT_BAD_INPUT and "\n" not in error
     assert says in error and "safetensors" in error and str(model) in error, error

@@ -36,6 +36,7 @@ from utils.common.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobEr
 from utils.common.threads import Deadline, within
 from utils.config.identity import base_model_changes
 from utils.config.settings import Settings, resolve_base_model_id
+from utils.config.tasks import MULTI_LABEL
 from utils.publishing.model_card import (
     PLOT_NAME,
     plot_training_curves,
@@ -289,7 +290,8 @@ def save_merged(run: RunDir, settings: Settings) -> None:
             "on this base in a new OUTPUT_DIR",
         )
     staged = run.make_dir(run.root / ".merged.partial", fresh=True)
-    merge_adapter(settings, run.model, staged)
+    multi_label = settings.problem_type == MULTI_LABEL
+    merge_adapter(settings.model_name, run.model, settings.label_names, multi_label, staged)
     write_model_card(staged, settings, run.read_json(run.metrics) or {}, settings.result_merged_model_id, merged=True)
     _replace_with(run, staged, run.merged)
     log.info("saved %s (adapter merged into the base, full precision)", run.merged)

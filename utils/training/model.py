@@ -53,25 +53,25 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 
 
 @contextmanager
-def _loading(settings: Settings) -> Iterator[None]:
+def _loading(model_name: str) -> Iterator[None]:
     """Loading MODEL_NAME (config, tokenizer or weights) fails as one refusal line, never a traceback; a Hub repo's
     pytorch_model.bin, downloaded only by from_pretrained, included."""
     try:
         yield
     except pickle.UnpicklingError as exc:
-        raise _unsafe_weights(settings, "pytorch_model.bin", exc) from None
+        raise _unsafe_weights(model_name, "pytorch_model.bin", exc) from None
     except (OSError, ValueError) as exc:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"cannot load MODEL_NAME={settings.model_name} ({type(exc).__name__}: {first_line(exc)}); "
+            f"cannot load MODEL_NAME={model_name} ({type(exc).__name__}: {first_line(exc)}); "
             "give a Hub id or a local folder holding config.json and the weights (on an offline cluster, a folder on the shared volume)",
         ) from None
 
 
 def load_tokenizer(settings: Settings):
     """The model's tokenizer, after the model folder and its config are checked against the settings."""
-    check_model(settings)
-    with _loading(settings):
+    check_model(settings.model_name, settings.max_seq_length, settings.lora_r)
+    with _loading(settings.model_name):
         tokenizer = AutoTokenizer.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
     # A folder without tokenizer files still loads: a tokenizer that knows only its special tokens,
     # which turns every word into [UNK] and trains without a word of complaint.
@@ -83,35 +83,35 @@ def load_tokenizer(settings: Settings):
     return tokenizer
 
 
-def check_model(settings: Settings) -> None:
+def check_model(model_name: str, max_seq_length: int, lora_r: int) -> None:
     """Before any training step: a local folder without what a model needs (as --dry-run checks it), custom code,
     weights files that cannot be read, and settings the model cannot take."""
-    check_model_folder(settings.model_name)
-    refuse_custom_code(settings)
-    folder = Path(settings.model_name)
+    check_model_folder(model_name)
+    refuse_custom_code(model_name)
+    folder = Path(model_name)
     if folder.is_dir():
         for path in sorted(folder.iterdir()):
             if path.name.endswith((".safetensors", ".bin", ".pt", ".pth")):
-                _check_weights_file(settings, path)
-    with _loading(settings):
-        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+                _check_weights_file(model_name, path)
+    with _loading(model_name):
+        config = AutoConfig.from_pretrained(model_name, **NO_REMOTE_CODE)
     positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(positions, int) and settings.max_seq_length > positions:
+    if isinstance(positions, int) and max_seq_length > positions:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"MAX_SEQ_LENGTH={settings.max_seq_length} but MODEL_NAME={settings.model_name} has position embeddings for {positions} tokens "
+            f"MAX_SEQ_LENGTH={max_seq_length} but MODEL_NAME={model_name} has position embeddings for {positions} tokens "
             f"(max_position_embeddings); set MAX_SEQ_LENGTH to {positions} or less",
         )
     hidden = getattr(config, "hidden_size", None)
-    if isinstance(hidden, int) and settings.lora_r > hidden:
+    if isinstance(hidden, int) and lora_r > hidden:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"LORA_R={settings.lora_r} is above the hidden size {hidden} of MODEL_NAME={settings.model_name}: an adapter of that rank "
+            f"LORA_R={lora_r} is above the hidden size {hidden} of MODEL_NAME={model_name}: an adapter of that rank "
             f"is larger than the layer it adapts; set LORA_R to {hidden} or less (8 or 16 is usual)",
         )
 
 
-def refuse_custom_code(settings: Settings) -> None:
+def refuse_custom_code(model_name: str) -> None:
     """A model whose config.json or tokenizer_config.json maps its classes to Python files of its own (`auto_map`)
     is refused before anything of it is imported: the job runs only the code it ships with.
 
@@ -119,9 +119,9 @@ def refuse_custom_code(settings: Settings) -> None:
     such a model when transformers knows its model_type, silently with transformers' own classes instead
     of the ones the folder asks for.
     """
-    with _loading(settings):
-        config, _ = PretrainedConfig.get_config_dict(settings.model_name)
-        tokenizer_config = get_tokenizer_config(settings.model_name)
+    with _loading(model_name):
+        config, _ = PretrainedConfig.get_config_dict(model_name)
+        tokenizer_config = get_tokenizer_config(model_name)
     found = {
         name: data["auto_map"]
         for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config))
@@ -131,14 +131,14 @@ def refuse_custom_code(settings: Settings) -> None:
         names = " and ".join(found)
         raise JobError(
             EXIT_BAD_INPUT,
-            f"MODEL_NAME={settings.model_name} needs custom code: auto_map in {names} names Python files of its own "
+            f"MODEL_NAME={model_name} needs custom code: auto_map in {names} names Python files of its own "
             f"({json.dumps(list(found.values()))[:160]}), and the job never runs code from a model; use a model that "
             f"transformers supports itself (e.g. bert-base-uncased), or delete auto_map from {names} if the model_type "
             "is one transformers knows",
         )
 
 
-def _check_weights_file(settings: Settings, path: Path) -> None:
+def _check_weights_file(model_name: str, path: Path) -> None:
     """A weights file the loader would report as missing ('No such file') or fail on with a traceback. A pickled
     one loads only through torch's weights-only unpickler, as transformers loads it, onto the meta device (no
     tensor data is read): one it refuses (a pickle that would call a function, e.g. os.system) is refused here."""
@@ -161,25 +161,25 @@ def _check_weights_file(settings: Settings, path: Path) -> None:
         try:
             torch.load(path, map_location="meta", weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise _unsafe_weights(settings, path.name, exc) from None
+            raise _unsafe_weights(model_name, path.name, exc) from None
         except Exception as exc:  # RuntimeError from torch's zip reader, EOFError ...: a truncated or foreign file
             problem = f"is damaged or not a PyTorch weights file ({type(exc).__name__}: {first_line(exc, 120)})"
             fix = ", preferably its model.safetensors from a trusted source"
     if problem:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"MODEL_NAME={settings.model_name}: the weights file {path.name} {problem}; copy the model's files there "
+            f"MODEL_NAME={model_name}: the weights file {path.name} {problem}; copy the model's files there "
             f"again (e.g. `hf download MODEL --local-dir FOLDER`){fix}",
         )
 
 
-def _unsafe_weights(settings: Settings, name: str, exc: pickle.UnpicklingError) -> JobError:
+def _unsafe_weights(model_name: str, name: str, exc: pickle.UnpicklingError) -> JobError:
     """A pickle torch's weights-only loader refused: it asks to run code (the line naming what it would call)."""
     lines = str(exc).splitlines()
     what = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
     return JobError(
         EXIT_BAD_INPUT,
-        f"MODEL_NAME={settings.model_name}: the weights file {name} is a pickle that would run code when loaded "
+        f"MODEL_NAME={model_name}: the weights file {name} is a pickle that would run code when loaded "
         f"({what.strip()[:160]}), which the job refuses; use safetensors weights (model.safetensors) of the model "
         "from a trusted source",
     )
@@ -238,21 +238,19 @@ def load_base(
     return model
 
 
-def _base_dropout(settings: Settings, config: PretrainedConfig) -> dict:
+def _base_dropout(model_dropout: float | str, model_name: str, config: PretrainedConfig) -> dict:
     """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none for `checkpoint`.
 
     One epoch of LoRA underfits SST-2 rather than overfits it (docs/quality.md): the base model's own dropout,
     made for pre-training and full fine-tuning, then only slows what the adapter learns. The adapter keeps
     its own LORA_DROPOUT.
     """
-    if settings.model_dropout == "checkpoint":
+    if model_dropout == "checkpoint":
         return {}
-    dropout = {
-        name: settings.model_dropout for name in DROPOUT_ATTRIBUTES if isinstance(getattr(config, name, None), float)
-    }
+    dropout = {name: model_dropout for name in DROPOUT_ATTRIBUTES if isinstance(getattr(config, name, None), float)}
     if not dropout:
         log.warning(
-            f"MODEL_DROPOUT={settings.model_dropout:g}: the config of {settings.model_name} has none of "
+            f"MODEL_DROPOUT={model_dropout:g}: the config of {model_name} has none of "
             f"{', '.join(DROPOUT_ATTRIBUTES)}; its dropout is left as it is"
         )
     return dropout
@@ -262,44 +260,17 @@ def build_model(
     settings: Settings, quantize: bool, device: torch.device, labels: tuple[str, ...] | None = None
 ) -> PeftModel:
     """AutoModelForSequenceClassification (one output per label, or one score) + LoRA; quantized base weights when
-    `quantize` (the plan's: 4-bit where QUANTIZATION=4bit, else 8-bit).
-
-    The quantizer would take every Linear, the classifier head too, and LoRA cannot train an int8 or NF4 head: the
-    head is skipped by the quantizer (`llm_int8_skip_modules`, which 4-bit reads too) and saved in full with the
-    adapter.
-    """
-    with _loading(settings):
+    `quantize` (the plan's: 4-bit where QUANTIZATION=4bit, else 8-bit)."""
+    with _loading(settings.model_name):
         config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
-    kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(settings, config)}
-    skipped = [CLASSIFIER, *(["pooler.dense"] if settings.train_pooler else [])]
-    if quantize and settings.quantization == "4bit":
-        # QLoRA's recipe: NF4 weights, their scales quantized too, the matmuls computed in bf16 where the GPU has
-        # it (fp32 on the CPU, where bitsandbytes runs 4-bit too).
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        compute = torch.bfloat16 if bf16 else torch.float16 if device.type == "cuda" else torch.float32
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute,
-            llm_int8_skip_modules=skipped,
-        )
-    elif quantize:
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_8bit=True, llm_int8_skip_modules=skipped, llm_int8_threshold=settings.int8_threshold
-        )
-        # bitsandbytes' int8 matmul warns at every call (72 a step) that it casts its bf16 or fp32 input to fp16:
-        # what 8-bit weights do, said once here instead.
-        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-        log.info(
-            "8-bit weights: bitsandbytes casts each int8 matmul's input to fp16 (INT8_THRESHOLD=%g)",
-            settings.int8_threshold,
-        )
+    kwargs: dict = {
+        "attn_implementation": attention(config),
+        **_base_dropout(settings.model_dropout, settings.model_name, config),
+    }
     if quantize:
-        # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
-        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+        kwargs |= quantized_loading(settings.quantization, settings.int8_threshold, settings.train_pooler, device)
     head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
-    with _loading(settings):
+    with _loading(settings.model_name):
         multi_label = settings.problem_type == MULTI_LABEL
         names = settings.label_names if labels is None else labels
         model = load_base(settings.model_name, names, head, multi_label, **kwargs)
@@ -311,8 +282,49 @@ def build_model(
                 module.support_avx512bf16_for_cpu = False
     if quantize:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
+    return add_lora(model, settings)
 
-    targets = lora_targets(settings, model.config.model_type)
+
+def quantized_loading(quantization: str, int8_threshold: float, train_pooler: bool, device: torch.device) -> dict:
+    """from_pretrained keyword arguments for quantized base weights, pinned to this rank's device.
+
+    The quantizer would take every Linear, the classifier head too, and LoRA cannot train an int8 or NF4 head: the
+    head is skipped by the quantizer (`llm_int8_skip_modules`, which 4-bit reads too) and saved in full with the
+    adapter.
+    """
+    skipped = [CLASSIFIER, *(["pooler.dense"] if train_pooler else [])]
+    if quantization == "4bit":
+        # QLoRA's recipe: NF4 weights, their scales quantized too, the matmuls computed in bf16 where the GPU has
+        # it (fp32 on the CPU, where bitsandbytes runs 4-bit too).
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        compute = torch.bfloat16 if bf16 else torch.float16 if device.type == "cuda" else torch.float32
+        config = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute,
+            llm_int8_skip_modules=skipped,
+        )
+    else:
+        config = BitsAndBytesConfig(
+            load_in_8bit=True, llm_int8_skip_modules=skipped, llm_int8_threshold=int8_threshold
+        )
+        # bitsandbytes' int8 matmul warns at every call (72 a step) that it casts its bf16 or fp32 input to fp16:
+        # what 8-bit weights do, said once here instead.
+        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+        log.info(
+            "8-bit weights: bitsandbytes casts each int8 matmul's input to fp16 (INT8_THRESHOLD=%g)", int8_threshold
+        )
+    # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
+    return {"quantization_config": config, "device_map": {"": device.index if device.type == "cuda" else "cpu"}}
+
+
+def add_lora(model: torch.nn.Module, settings: Settings) -> PeftModel:
+    """The LoRA adapter on `model` as the settings ask for it (rank, alpha, dropout, targets, the recipe's options),
+    every target name checked to have given an adapter."""
+    targets = lora_targets(
+        settings.lora_target_modules, "lora_target_modules" in settings.model_fields_set, model.config.model_type
+    )
     modules = dict(model.named_modules())
     lora = LoraConfig(
         task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
@@ -322,7 +334,7 @@ def build_model(
         target_modules=list(targets),
         **lora_options(settings, modules),  # pooler, rsLoRA/DoRA, init
     )
-    check_target_modules(settings, modules, adapted=None, targets=targets)
+    check_target_modules(settings.model_name, modules, adapted=None, targets=targets)
     try:
         model = get_peft_model(model, lora)
     except ValueError as exc:  # names that match modules LoRA cannot adapt (a LayerNorm, say)
@@ -333,7 +345,7 @@ def build_model(
         ) from None
     # peft passes over a name that matches nothing when another one matches, and skips modules it trains in
     # full (the head): every name must have given at least one adapter.
-    check_target_modules(settings, modules, adapted=model.targeted_module_names, targets=targets)
+    check_target_modules(settings.model_name, modules, adapted=model.targeted_module_names, targets=targets)
     if settings.train_pooler and "pooler" not in (lora.modules_to_save or []):
         log.info(
             "TRAIN_POOLER: %s has no pooler (its classifier reads the first token); the classifier alone is trained in full",
@@ -344,15 +356,15 @@ def build_model(
     return model
 
 
-def lora_targets(settings: Settings, model_type: str) -> tuple[str, ...]:
-    """The layers LoRA adapts: LORA_TARGET_MODULES when given; else the query and value projections by the names
+def lora_targets(target_modules: tuple[str, ...], given: bool, model_type: str) -> tuple[str, ...]:
+    """The layers LoRA adapts: LORA_TARGET_MODULES when `given`; else the query and value projections by the names
     of this architecture (BERT's `query,value` matches nothing in DistilBERT or ModernBERT)."""
-    if "lora_target_modules" in settings.model_fields_set:
-        return settings.lora_target_modules
+    if given:
+        return target_modules
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
 
-    targets = tuple(QUERY_VALUE.get(model_type) or PEFT_TARGETS.get(model_type) or settings.lora_target_modules)
-    if targets != settings.lora_target_modules:
+    targets = tuple(QUERY_VALUE.get(model_type) or PEFT_TARGETS.get(model_type) or target_modules)
+    if targets != target_modules:
         log.info("LORA_TARGET_MODULES unset: adapting %s, the query and value of %s", ",".join(targets), model_type)
     return targets
 
@@ -380,7 +392,7 @@ def matches_target(target: str, names: Iterable[str]) -> bool:
 
 
 def check_target_modules(
-    settings: Settings, modules: dict[str, torch.nn.Module], adapted: list[str] | None, targets: tuple[str, ...]
+    model_name: str, modules: dict[str, torch.nn.Module], adapted: list[str] | None, targets: tuple[str, ...]
 ) -> None:
     """Every name in `targets` (lora_targets) must match a module of the model (`adapted` None), or an adapted one.
 
@@ -397,7 +409,7 @@ def check_target_modules(
     if problems:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"LORA_TARGET_MODULES={','.join(targets)}: {'; '.join(problems)} in MODEL_NAME={settings.model_name}, "
+            f"LORA_TARGET_MODULES={','.join(targets)}: {'; '.join(problems)} in MODEL_NAME={model_name}, "
             f"whose linear layers are named {', '.join(linear)}; set LORA_TARGET_MODULES to the layers to adapt "
             "(BERT's are query,value)",
         )
@@ -422,23 +434,22 @@ def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] 
     return digest.hexdigest()[:16]
 
 
-def load_adapted(settings: Settings, adapter_dir: Path) -> PeftModel:
+def load_adapted(model_name: str, adapter_dir: Path, labels: Sequence[str], multi_label: bool) -> PeftModel:
     """The base (MODEL_NAME) in full precision with the adapter in `adapter_dir` on it, the head named by the labels
-    saved beside the adapter (LABEL_NAMES for a model saved before they were): what is merged, and what answers the
+    saved beside the adapter (`labels` for a model saved before they were): what is merged, and what answers the
     test split.
 
     Full precision whatever training used: merging into 8-bit weights would round the update away, and the test
     split is answered by the model predict.py serves, not by the quantized one trained.
     """
     saved = read_label_names(adapter_dir)
-    labels = [saved[index] for index in sorted(saved)] if saved else settings.label_names
-    with _loading(settings):
-        multi_label = settings.problem_type == MULTI_LABEL
-        base = load_base(settings.model_name, labels, (CLASSIFIER, "score"), multi_label, dtype=torch.float32)
+    labels = [saved[index] for index in sorted(saved)] if saved else labels
+    with _loading(model_name):
+        base = load_base(model_name, labels, (CLASSIFIER, "score"), multi_label, dtype=torch.float32)
     return PeftModel.from_pretrained(base, str(adapter_dir))
 
 
-def load_pipeline(settings: Settings, adapter_dir: Path):
+def load_pipeline(model_name: str, adapter_dir: Path, labels: Sequence[str], multi_label: bool):
     """A text-classification pipeline over `load_adapted`, with the tokenizer saved beside the adapter (its
     model_max_length: the run's MAX_SEQ_LENGTH), on the GPU when there is one."""
     from transformers import pipeline
@@ -446,14 +457,17 @@ def load_pipeline(settings: Settings, adapter_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE)
     device = 0 if torch.cuda.is_available() else -1
     return pipeline(
-        "text-classification", model=load_adapted(settings, adapter_dir), tokenizer=tokenizer, device=device
+        "text-classification",
+        model=load_adapted(model_name, adapter_dir, labels, multi_label),
+        tokenizer=tokenizer,
+        device=device,
     )
 
 
-def merge_adapter(settings: Settings, adapter_dir: Path, out_dir: Path) -> None:
+def merge_adapter(model_name: str, adapter_dir: Path, labels: Sequence[str], multi_label: bool, out_dir: Path) -> None:
     """The base with the adapter in `adapter_dir` merged into its weights (`load_adapted`), saved to `out_dir`
     (safetensors, tokenizer): servers without peft or bitsandbytes load plain float weights."""
-    merged = load_adapted(settings, adapter_dir).merge_and_unload()
+    merged = load_adapted(model_name, adapter_dir, labels, multi_label).merge_and_unload()
     merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
     AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE).save_pretrained(out_dir)
     if (adapter_dir / INPUTS_NAME).is_file():  # what one input is: predict.py reads it from either folder

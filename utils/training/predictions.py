@@ -415,12 +415,12 @@ def write_test_predictions(run, settings, path: Path) -> dict | None:
     serves), written whole or not at all to OUTPUT_DIR/predictions/ (predictions.jsonl, and metrics.json when
     labelled); the metrics, None when unlabelled."""
     from utils.run_folder.outputs import replace_dir
-    from utils.training.model import (
-        load_pipeline,  # torch and transformers: only a run that has a test split pays them
-    )
+    from utils.training.model import load_pipeline  # torch and transformers: only a run with a test split pays them
 
     inputs = read_inputs(path, list(settings.text_columns), settings.label_column)
-    classifier = load_pipeline(settings, run.model)
+    classifier = load_pipeline(
+        settings.model_name, run.model, settings.label_names, settings.problem_type == MULTI_LABEL
+    )
     labels = model_labels(classifier)
     # A multi-label test split is answered, not scored: its labels are lists or several columns (metrics.json has
     # the validation's F1 and subset accuracy).
