@@ -57,6 +57,9 @@ from utils.config.settings import DEFAULT_GLOBAL_BATCH, MAX_GLOBAL_BATCH, Settin
 REFERENCE_GLOBAL_BATCH = DEFAULT_GLOBAL_BATCH  # one replica with the defaults: where BASE_LEARNING_RATE was measured
 REFERENCE_LORAPLUS_RATIO = 8.0  # the LoRA+ ratio measured best at the reference batch (docs/quality.md)
 
+# A validation curve with a handful of points; SST-2's 872 rows take seconds on a GPU.
+EVALUATIONS_PER_EPOCH = 4
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -85,6 +88,7 @@ class Plan:
     steps: int | None  # optimizer steps: MAX_STEPS, else known once the rows are
     warmup_steps: int | None
     steps_per_epoch: int | None = None  # known once the rows are
+    eval_every: int | None = None  # optimizer steps between evaluations (0: none during training); known with the rows
     identity: dict[str, Any] | None = None  # what makes two starts one run (utils/config/identity.py)
     run_name: str | None = None  # RUN_NAME, else derived from the identity
     # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in
@@ -409,6 +413,13 @@ def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
         )
     per_epoch = max(train_rows // batch.global_batch, 1)  # whole global batches only (GlobalOrderSampler)
     steps = plan.max_steps or math.ceil(plan.num_epochs * per_epoch)
+    # EVAL_STEPS, else EVALUATIONS_PER_EPOCH an epoch (or a MAX_STEPS run, if shorter).
+    evaluated = min(per_epoch, plan.max_steps or per_epoch)
+    eval_every = max(1, evaluated // EVALUATIONS_PER_EPOCH) if settings.eval_steps is None else settings.eval_steps
     return replace(
-        plan, steps_per_epoch=per_epoch, steps=steps, warmup_steps=warmup_steps(settings.warmup_ratio, steps)
+        plan,
+        steps_per_epoch=per_epoch,
+        steps=steps,
+        warmup_steps=warmup_steps(settings.warmup_ratio, steps),
+        eval_every=eval_every,
     )

@@ -205,9 +205,39 @@ def trained_targets(folder: Path, settings: Settings) -> list[str]:
 def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged=False) -> ModelCard:
     """README.md in `folder`, model/ or, `merged`, merged/; `repo_id` None: the card names the folder."""
     base_id = published_base(settings, metrics)
+    link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{settings.model_name}`"
+    what = f"{link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {link},"
+    repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
+    pair = len(settings.text_columns) == 2
+    card = ModelCard.from_template(
+        card_metadata(settings, metrics, base_id, merged),
+        template_str=CARD_TEMPLATE,
+        model_name=metrics.get("run_name"),
+        what=what,
+        task=task_summary(settings, metrics),
+        data_source=data_source(settings, metrics),
+        splits="splits" if "eval_samples" not in metrics and "data" in metrics else "split",
+        eval_samples=metrics.get("eval_samples", metrics.get("data", {}).get("validation_rows", "?")),
+        # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
+        metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in card_metrics(metrics)),
+        plot=PLOT_NAME if (folder / PLOT_NAME).exists() else None,
+        usage=usage_snippet(repo_or_path, settings, merged, metrics),
+        predict_command=f"python predict.py {repo_or_path} "
+        + (f"pairs.jsonl --text-column {settings.text_column}" if pair else "sentences.txt"),
+        row="pair" if pair else "sentence",
+        training_rows="\n".join(
+            f"| {key} | {value} |" for key, value in training_table(folder, settings, metrics, base_id).items()
+        ),
+    )
+    card.save(folder / "README.md")
+    return card
+
+
+def card_metadata(settings: Settings, metrics: dict, base_id: str | None, merged: bool) -> ModelCardData:
+    """The card's YAML header: the base model, the tags, and the validation metrics the Hub shows (model-index)."""
     hub_data = not settings.local_data
     sentiment = ["sentiment-analysis"] if settings.dataset_config == "sst2" and not settings.task else []
-    card_data = ModelCardData(
+    return ModelCardData(
         base_model=base_id,  # None when unknown: the Hub rejects a path here
         library_name="transformers" if merged else "peft",
         pipeline_tag="text-classification",
@@ -227,8 +257,10 @@ def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: s
             for name in card_metrics(metrics)
         ],
     )
-    link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{settings.model_name}`"
-    what = f"{link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {link},"
+
+
+def training_table(folder: Path, settings: Settings, metrics: dict, base_id: str | None) -> dict:
+    """The card's Training table: what the run trained with, as it resolved it (metrics.json) where it recorded it."""
     training = {
         "base model": base_id or settings.model_name,
         "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(trained_targets(folder, settings))}",
@@ -259,28 +291,7 @@ def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: s
             )
             + "); the metrics above are on the same split"
         )
-    repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
-    pair = len(settings.text_columns) == 2
-    card = ModelCard.from_template(
-        card_data,
-        template_str=CARD_TEMPLATE,
-        model_name=metrics.get("run_name"),
-        what=what,
-        task=task_summary(settings, metrics),
-        data_source=data_source(settings, metrics),
-        splits="splits" if "eval_samples" not in metrics and "data" in metrics else "split",
-        eval_samples=metrics.get("eval_samples", metrics.get("data", {}).get("validation_rows", "?")),
-        # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
-        metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in card_metrics(metrics)),
-        plot=PLOT_NAME if (folder / PLOT_NAME).exists() else None,
-        usage=usage_snippet(repo_or_path, settings, merged, metrics),
-        predict_command=f"python predict.py {repo_or_path} "
-        + (f"pairs.jsonl --text-column {settings.text_column}" if pair else "sentences.txt"),
-        row="pair" if pair else "sentence",
-        training_rows="\n".join(f"| {key} | {value} |" for key, value in training.items()),
-    )
-    card.save(folder / "README.md")
-    return card
+    return training
 
 
 def global_batch(metrics: dict) -> str:

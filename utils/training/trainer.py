@@ -50,8 +50,6 @@ from utils.run_folder.outputs import RunDir, mark_checkpoint_complete, prune_che
 from utils.training.step_capture import CapturedStep, four_d_mask, takes_4d_mask
 
 log = logging.getLogger(__name__)
-# A validation curve with a handful of points; SST-2's 872 rows take seconds on a GPU.
-EVALUATIONS_PER_EPOCH = 4
 
 
 # ------------------------------------------------------------------------------- the Trainer
@@ -715,14 +713,8 @@ def problem_of(config) -> str:
 def training_arguments(job: Job, model) -> TrainingArguments:
     """The TrainingArguments the plan (completed with the step count: Job.with_rows) and the settings give."""
     settings, dist, cuda, plan = job.settings, job.dist, job.cuda, job.plan
-    # EVAL_STEPS (0: none during training), or EVALUATIONS_PER_EPOCH an epoch (or a MAX_STEPS run, if shorter).
-    steps = min(plan.steps_per_epoch, plan.max_steps or plan.steps_per_epoch)
-    eval_every = max(1, steps // EVALUATIONS_PER_EPOCH) if settings.eval_steps is None else settings.eval_steps
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
     trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
-    best = best_metric(settings, problem_of(model.config))
-    # LOAD_BEST_MODEL (or early stopping, which keeps the best): a checkpoint at every evaluation, the candidates.
-    load_best = settings.load_best_model or settings.early_stopping_patience is not None
     options = dict(
         output_dir=str(job.out.checkpoints),
         run_name=job.plan.run_name,
@@ -750,20 +742,6 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         logging_first_step=True,
         # The filter reads every step's loss on the host: one GPU sync per step.
         logging_nan_inf_filter=False,
-        save_strategy="steps",
-        save_steps=eval_every if load_best else settings.save_steps,
-        # Checkpoints prunes, counting complete checkpoints only.
-        save_total_limit=None,
-        # The validation curve; the full evaluation at the end comes after training.
-        eval_strategy="steps" if eval_every else "no",
-        eval_steps=eval_every or None,
-        # By default no checkpoint is chosen on the split whose accuracy is reported (the last step's model is
-        # saved); the task's metric is tracked (trainer_state.json's best_metric) for the validation curve. With
-        # LOAD_BEST_MODEL the Trainer loads the best checkpoint at the end: chosen on the validation split, which
-        # the card says.
-        load_best_model_at_end=load_best,
-        metric_for_best_model=best,
-        greater_is_better=best.rsplit("_", 1)[-1] not in LOWER_IS_BETTER,
         report_to=trackers if dist.is_main else "none",
         seed=settings.seed,
         # Without it, CPU ranks would not form a DDP group but each train alone.
@@ -778,8 +756,33 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         log_level="passive",  # utils/run.setup_logging decides which library records reach the logs
         log_level_replica="passive",
     )
+    # LOAD_BEST_MODEL (or early stopping, which keeps the best): a checkpoint at every evaluation, the candidates.
+    load_best = settings.load_best_model or settings.early_stopping_patience is not None
+    best = best_metric(settings, problem_of(model.config))
+    options.update(evaluation_options(plan.eval_every, best, load_best, settings.save_steps))
     options.update(trainer_options(settings, model, plan.deepspeed))
     return TrainingArguments(**options)
+
+
+def evaluation_options(eval_every: int, best: str, load_best: bool, save_steps: int) -> dict:
+    """When the Trainer evaluates and checkpoints (the plan's interval, SAVE_STEPS), and which checkpoint it keeps
+    (`best`, the metric tracked; the best one at the end where `load_best`)."""
+    return dict(
+        save_strategy="steps",
+        save_steps=eval_every if load_best else save_steps,
+        # Checkpoints prunes, counting complete checkpoints only.
+        save_total_limit=None,
+        # The validation curve; the full evaluation at the end comes after training.
+        eval_strategy="steps" if eval_every else "no",
+        eval_steps=eval_every or None,
+        # By default no checkpoint is chosen on the split whose accuracy is reported (the last step's model is
+        # saved); the task's metric is tracked (trainer_state.json's best_metric) for the validation curve. With
+        # LOAD_BEST_MODEL the Trainer loads the best checkpoint at the end: chosen on the validation split, which
+        # the card says.
+        load_best_model_at_end=load_best,
+        metric_for_best_model=best,
+        greater_is_better=best.rsplit("_", 1)[-1] not in LOWER_IS_BETTER,
+    )
 
 
 def build_trainer(
