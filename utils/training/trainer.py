@@ -794,12 +794,11 @@ def build_trainer(
     `group`: the process group from the rendezvous; a single process may leave it out.
     """
     settings, dist, out = job.settings, job.dist, job.out
-    if group is None:
-        if dist.is_distributed:
-            raise ValueError(
-                "a distributed job passes build_trainer the Collectives of utils.cluster.collectives.rendezvous"
-            )
-        group = Collectives(dist, settings.rendezvous_timeout)
+    if group is None and dist.is_distributed:
+        raise ValueError(
+            "a distributed job passes build_trainer the Collectives of utils.cluster.collectives.rendezvous"
+        )
+    group = group or Collectives(dist, settings.rendezvous_timeout)
     args = training_arguments(job, model)
     startup = StepClock(args.device)
     callbacks: list[TrainerCallback] = [
@@ -814,30 +813,15 @@ def build_trainer(
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / job.plan.run_name))
     if job.cuda:
         use_tf32_matmuls()
-    # Every path pads to the same length buckets: the same rows and the same padded shapes (so the same dropout
-    # masks) compiled or eager; a bucket is a static shape for the compiled graphs, and a multiple of 8.
-    # Evaluation batches use the same collator: the longest row of any split.
-    longest = max(pyarrow.compute.max(token_counts(split)).as_py() for split in data.values())
-    buckets = length_buckets(settings.max_seq_length, longest)
-    collators = {n: DataCollatorWithPadding(tokenizer, padding="max_length", max_length=n) for n in buckets}
+    buckets, collator = bucket_collator(tokenizer, data, settings.max_seq_length, takes_4d_mask(model.config))
     if job.plan.precision == "bf16" and not job.quantize and job.strategy == "ddp":
         store_frozen_linears_in_bf16(model)
     if job.compiled:
         compile_model(model, job)
     problem = problem_of(model.config)
-    regression = problem == REGRESSION
-    class_weights = None
-    if settings.class_weights != "none" and regression:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"CLASS_WEIGHTS={settings.class_weights} weighs classes, and the label column '{settings.label_column}' "
-            "holds regression scores; unset CLASS_WEIGHTS, or give class labels",
-        )
-    if settings.class_weights == "balanced":
-        class_weights = balanced_class_weights(data["train"], model.config.num_labels)
-        named = ", ".join(f"{model.config.id2label[i]} {w:.3f}" for i, w in enumerate(class_weights.tolist()))
-        log.info("class weights (balanced) in the loss: %s", named)
-        class_weights = class_weights.to(args.device)
+    class_weights = loss_class_weights(
+        settings.class_weights, settings.label_column, problem, data["train"], model.config
+    )
     # `validation` alone, or several (MNLI's matched and mismatched), whose metrics the Trainer prefixes with the name.
     evaluated = {eval_prefix(split): data[split] for split in data if split != "train"}
     return JobTrainer(
@@ -845,7 +829,7 @@ def build_trainer(
         args=args,
         train_dataset=data["train"],
         eval_dataset=data["validation"] if set(data) == {"train", "validation"} else evaluated,
-        data_collator=partial(pad_to_bucket, collators, mask_4d=takes_4d_mask(model.config)),
+        data_collator=collator,
         processing_class=tokenizer,
         compute_metrics={
             REGRESSION: regression_metrics,
@@ -858,8 +842,37 @@ def build_trainer(
         buckets=buckets,
         compiled=job.compiled,
         captured=job.captured,
-        class_weights=class_weights,
+        class_weights=class_weights.to(args.device) if class_weights is not None else None,
     )
+
+
+def bucket_collator(tokenizer, data, max_length: int, mask_4d: bool) -> tuple[list[int], partial]:
+    """The length buckets and the collator padding each batch to its bucket.
+
+    Every path pads to the same length buckets: the same rows and the same padded shapes (so the same dropout
+    masks) compiled or eager; a bucket is a static shape for the compiled graphs, and a multiple of 8.
+    Evaluation batches use the same collator: the longest row of any split.
+    """
+    longest = max(pyarrow.compute.max(token_counts(split)).as_py() for split in data.values())
+    buckets = length_buckets(max_length, longest)
+    collators = {n: DataCollatorWithPadding(tokenizer, padding="max_length", max_length=n) for n in buckets}
+    return buckets, partial(pad_to_bucket, collators, mask_4d=mask_4d)
+
+
+def loss_class_weights(asked: str, label_column: str, problem: str, train, config) -> torch.Tensor | None:
+    """CLASS_WEIGHTS: each class's weight in the loss (balanced: inverse to its share of the train rows), or None."""
+    if asked != "none" and problem == REGRESSION:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"CLASS_WEIGHTS={asked} weighs classes, and the label column '{label_column}' "
+            "holds regression scores; unset CLASS_WEIGHTS, or give class labels",
+        )
+    if asked != "balanced":
+        return None
+    weights = balanced_class_weights(train, config.num_labels)
+    named = ", ".join(f"{config.id2label[i]} {w:.3f}" for i, w in enumerate(weights.tolist()))
+    log.info("class weights (balanced) in the loss: %s", named)
+    return weights
 
 
 # ------------------------------------------------------------------------------- the fast path
