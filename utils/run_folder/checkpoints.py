@@ -14,6 +14,7 @@ from utils.config.identity import sha256_file
 from utils.run_folder.layout import RunDir, fsync_tree
 
 COMPLETE_MARKER = "COMPLETE"
+# Not transformers' get_last_checkpoint: it takes a checkpoint a kill cut short (no COMPLETE), and imports torch.
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
