@@ -53,13 +53,9 @@ from utils.config.local_inputs import check_dataset, check_model_folder, test_sp
 from utils.config.plan import Plan, batch_warning, build_plan, check_elastic_range
 from utils.config.settings import Settings, check_push_possible, check_trackers, load_settings
 from utils.config.tasks import describe_task
-from utils.run_folder.outputs import (
-    check_output_writable,
-    check_run_dir,
-    discard_unused_claim,
-    open_run_dir,
-    volume_fault,
-)
+from utils.run_folder.checkpoints import volume_fault
+from utils.run_folder.layout import check_output_writable
+from utils.run_folder.record import check_run_dir, discard_unused_claim, open_run_dir
 
 
 def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, Plan]:

@@ -131,7 +131,7 @@ def build_job_arm(settings: Settings, cuda: bool):
     from utils.cluster.preemption import Preemption
     from utils.config.distributed import detect_env
     from utils.config.plan import build_plan
-    from utils.run_folder.outputs import open_run_dir
+    from utils.run_folder.record import open_run_dir
     from utils.training.data import load_sst2
     from utils.training.model import build_model, load_tokenizer
     from utils.training.trainer import build_trainer

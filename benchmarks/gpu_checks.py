@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.processes import clean_env  # noqa: E402
 from benchmarks.report import SST2_TRAIN_ROWS  # noqa: E402
 from scripts.make_demo_assets import write_dataset, write_tiny_bert  # noqa: E402
-from utils.run_folder.outputs import RUN_MARKER  # noqa: E402
+from utils.run_folder.record import RUN_MARKER  # noqa: E402
 
 SHORT_STEPS = 100  # an arm that projects its epoch (1,052 steps) from the 99 steady steps after its first
 # Each arm: (settings beside the defaults, a whole epoch?, seconds it may take on an H100 at most, the lever

@@ -833,7 +833,8 @@ def test_a_config_with_only_a_stage_trains_records_its_stage_and_a_changed_one_i
     )
     record = json.loads((out / "run.json").read_text())
     assert (record["identity"]["zero_stage"], record["identity"]["zero_offload"]) == (1, "none")
-    from utils.run_folder.outputs import RunDir, checkpoint_resume_key
+    from utils.run_folder.checkpoints import checkpoint_resume_key
+    from utils.run_folder.layout import RunDir
 
     checkpoint = out / "checkpoints" / f"checkpoint-{max(complete_steps(out))}"
     key = checkpoint_resume_key(checkpoint)["identity"]

@@ -17,7 +17,7 @@ from utils.config.distributed import DistEnv
 from utils.training.data import load_sst2
 from utils.cluster.job import Job
 from utils.training.model import build_model, load_tokenizer, trainable_checksum
-from utils.run_folder.outputs import RunDir
+from utils.run_folder.layout import RunDir
 from utils.config.plan import build_plan
 from utils.cluster.preemption import Preemption
 from utils.config.settings import Settings

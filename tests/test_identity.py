@@ -15,7 +15,9 @@ from utils.common.errors import JobError
 from utils.config.identity import FIELDS, agreement_refusal, identity_table
 from utils.config.plan import build_plan, with_device
 from utils.config.settings import Settings
-from utils.run_folder.outputs import RunDir, check_run_dir, mark_checkpoint_complete, write_run_record
+from utils.run_folder.checkpoints import mark_checkpoint_complete
+from utils.run_folder.layout import RunDir
+from utils.run_folder.record import check_run_dir, write_run_record
 
 pytestmark = pytest.mark.check
 

@@ -22,10 +22,10 @@ huggingface_hub: every Hub request gets a timeout through a client made by `util
 accelerate, transformers and peft: a run that does not use DeepSpeed or 8-bit weights leaves those libraries out
 by setting them to None in sys.modules (utils/cluster/job.py), which the three must take for "not installed".
 
-Why these are hand-written: for the tokenized cache, the push's retries and deadline, the masking of secrets,
-and utils/cluster/collectives.py's rendezvous, heartbeat, watchdog and rank-0-first collectives, a test shows the case
-the library beside them gets wrong (docs/development.md lists them); when the library learns it, the test says
-so and the job's code can go.
+Why these are hand-written: for the tokenized cache, the checkpoint listing, the push's retries and deadline, the
+masking of secrets, and utils/cluster/collectives.py's rendezvous, heartbeat, watchdog and rank-0-first collectives, a
+test shows the case the library beside them gets wrong (docs/development.md lists them); when the library learns it,
+the test says so and the job's code can go.
 
 Python's warnings: a library announces such a change with a DeprecationWarning or FutureWarning first;
 the last test checks that one attributed to the job's code fails the job processes the tests start.
@@ -415,6 +415,34 @@ def test_the_tokenized_cache_follows_the_tokenizer_where_datasets_cache_does_not
     assert tokenized["train"]["input_ids"] == wanted
     assert all(Path(f["filename"]).is_relative_to(cache) for f in tokenized["train"].cache_files)
     assert len(list(cache.glob("tokenized-*"))) == 2
+
+
+@pytest.mark.check
+def test_a_resume_lists_the_trainers_checkpoints_but_only_complete_ones_where_get_last_checkpoint_does_not(tmp_path):
+    """utils/run_folder/checkpoints.py `_checkpoints`: the folders the Trainer names `PREFIX_CHECKPOINT_DIR`-step,
+    of which the job resumes only from one it marked COMPLETE; transformers' get_last_checkpoint takes the newest,
+    a save a kill cut short (its files there, no COMPLETE manifest) too."""
+    import transformers
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+    from utils.run_folder.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint
+    from utils.run_folder.layout import RunDir
+
+    where = f"transformers {transformers.__version__}"
+    run = RunDir(tmp_path)
+    whole, cut_short = (run.checkpoints / f"{PREFIX_CHECKPOINT_DIR}-{step}" for step in (10, 20))
+    for folder in (whole, cut_short):
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text("{}")
+    (whole / COMPLETE_MARKER).write_text("{}")
+    assert latest_complete_checkpoint(run) == whole, (
+        f"{where}: the Trainer's checkpoint folders are no longer named {PREFIX_CHECKPOINT_DIR}-<step>; "
+        "utils/run_folder/checkpoints.py CHECKPOINT_RE finds none, and a restart would start over"
+    )
+    assert get_last_checkpoint(str(run.checkpoints)) == str(cut_short), (
+        f"{where}: get_last_checkpoint now passes over a checkpoint cut short; see whether "
+        "utils/run_folder/checkpoints.py `_checkpoints` can use it"
+    )
 
 
 def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_hub_does_not(

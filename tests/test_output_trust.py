@@ -30,7 +30,7 @@ from tests.conftest import (
     wait_all,
     wait_until,
 )
-from utils.run_folder.outputs import RUN_MARKER, RUN_RECORD_FORMAT
+from utils.run_folder.record import RUN_MARKER, RUN_RECORD_FORMAT
 
 STOLEN_TOKEN = "hf_" + "s" * 34  # another user's token, kept beside the run folder
 SSH_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n-----END OPENSSH PRIVATE KEY-----\n"
@@ -167,16 +167,14 @@ def test_a_file_removed_while_the_folder_is_checked_is_not_an_error(tmp_path, mo
     and goes: a name listed and gone before its lstat is nothing planted. (Seen in CI: rank 1 exited 1 with a
     FileNotFoundError traceback, and rank 0 waited out RENDEZVOUS_TIMEOUT for it.)"""
     from utils.common.errors import JobError
-    from utils.run_folder.outputs import RunDir
+    from utils.run_folder.layout import RunDir
 
     run = RunDir(tmp_path / "out")
     run.logs.mkdir(parents=True)
     (run.logs / "rank-0.log").write_text("")
     listing = [(top, folders, [*files, ".write-test-12345"]) for top, folders, files in os.walk(run.root)]
     with monkeypatch.context() as patch:
-        patch.setattr(
-            "utils.run_folder.outputs.os.walk", lambda root: iter(listing)
-        )  # the probe, listed, then removed
+        patch.setattr("utils.run_folder.layout.os.walk", lambda root: iter(listing))  # the probe, listed, then removed
         run.check_planted()
     os.symlink(tmp_path, run.logs / "planted")  # and a link that is there is still refused
     with pytest.raises(JobError, match="planted"):
@@ -187,7 +185,7 @@ def test_a_file_removed_while_the_folder_is_checked_is_not_an_error(tmp_path, mo
 def test_no_nan_or_infinity_is_written_into_a_record(tmp_path):
     """A NaN metric (a Pearson correlation of constant predictions) is null in metrics.json: Python writes NaN, which
     no JSON reader takes."""
-    from utils.run_folder.outputs import RunDir
+    from utils.run_folder.layout import RunDir
 
     run = RunDir(tmp_path)
     run.write_json(run.metrics, {"eval_pearson": float("nan"), "losses": [1.5, float("inf")], "eval_mse": 0.25})
@@ -350,7 +348,8 @@ def test_links_in_a_folder_that_is_no_run_of_the_job_get_the_not_a_run_folder_re
 def test_what_counts_as_a_run_folder_of_the_job(tmp_path):
     """New, empty (but for a file system's lost+found), marked by the job, holding run.json, or the empty
     skeleton of a start killed before its marker existed: a run folder. Anything else is someone else's."""
-    from utils.run_folder.outputs import RunDir, is_run_folder
+    from utils.run_folder.layout import RunDir
+    from utils.run_folder.record import is_run_folder
 
     def folder(name: str, files: dict[str, str] | None = None, folders: tuple[str, ...] = ()) -> RunDir:
         root = tmp_path / name

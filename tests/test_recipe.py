@@ -267,7 +267,7 @@ def test_a_shipped_recipe_pins_nothing_that_breaks_another_task(recipe, tmp_path
 @pytest.mark.check
 def test_relative_paths_in_a_recipe_resolve_against_the_working_directory(tmp_path, monkeypatch, sst2_dir):
     """The documented base (docs/settings.md, Recipe files): the directory the job starts in, not the recipe's."""
-    from utils.run_folder.outputs import open_run_dir
+    from utils.run_folder.record import open_run_dir
     from utils.training.data import load_raw
 
     shutil.copytree(sst2_dir, tmp_path / "data")

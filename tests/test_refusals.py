@@ -52,7 +52,7 @@ from tests.hub_stub import HubStub
 from utils.common.errors import EXIT_BAD_INPUT
 from utils.config.plan import build_plan
 from utils.config.settings import load_settings
-from utils.run_folder.outputs import RUN_RECORD_FORMAT
+from utils.run_folder.record import RUN_RECORD_FORMAT
 
 GOOD_ROWS = [("a wonderful film", 1), ("a dull film", 0)] * 4
 GOOD_CSV = delimited(film_rows(8))

@@ -41,7 +41,7 @@ from tests.conftest import (
     wait_until,
 )
 from utils.cluster.collectives import PROBE_SECONDS, WATCHDOG_GRACE
-from utils.run_folder.outputs import RUN_MARKER
+from utils.run_folder.record import RUN_MARKER
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +386,7 @@ def test_a_lock_taken_over_while_watched_is_refused_naming_its_new_holder(tmp_pa
 
     from utils.cluster.run_lock import LOCK_NAME, RunLock
     from utils.common.errors import JobError
-    from utils.run_folder.outputs import RunDir
+    from utils.run_folder.layout import RunDir
 
     lock = tmp_path / LOCK_NAME
     dead = {"job": "a", "host": "node-gone", "pid": 11, "since": "2026-01-01T00:00:00Z", "beat": 7}

@@ -531,11 +531,13 @@ def test_the_identity_lines_shown_are_the_ones_a_restart_prints():
     [("ENOSPC", "error: OUTPUT_DIR=/pvc-home/output is full"), ("EROFS", "error: OUTPUT_DIR=... turned read-only")],
 )
 def test_the_volume_lines_shown_are_the_ones_a_fault_prints(tmp_path, errno_name, start):
-    """The line a checkpoint save that met a full (or read-only) volume ends with (utils/outputs.volume_fault), the
-    run folder holding complete checkpoint-10 and checkpoint-20 (the doc's full volume resumes from 20)."""
+    """The line a checkpoint save that met a full (or read-only) volume ends with (utils/run_folder/checkpoints.py
+    volume_fault), the run folder holding complete checkpoint-10 and checkpoint-20 (the doc's full volume resumes
+    from 20)."""
     import errno
 
-    from utils.run_folder.outputs import COMPLETE_MARKER, RunDir, volume_fault
+    from utils.run_folder.checkpoints import COMPLETE_MARKER, volume_fault
+    from utils.run_folder.layout import RunDir
 
     run = RunDir(tmp_path / "output")
     latest = 20 if errno_name == "ENOSPC" else 10
@@ -589,7 +591,8 @@ def test_the_checkpoint_lines_shown_are_the_ones_a_restart_logs(tmp_path, caplog
     import hashlib
 
     from utils.run import resume_checkpoint
-    from utils.run_folder.outputs import COMPLETE_MARKER, RunDir
+    from utils.run_folder.checkpoints import COMPLETE_MARKER
+    from utils.run_folder.layout import RunDir
 
     run = RunDir(tmp_path / "output")
     for step, written, now in ((160, 9541, 9541), (180, 9541, 100)):

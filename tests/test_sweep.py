@@ -573,6 +573,20 @@ def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_
     assert snapshot(fresh / "trial-000") == theirs
 
 
+def test_a_link_planted_at_the_sweeps_lock_is_refused_not_written_through(tmp_path, capsys, sweep_data):
+    """The local sweep's lock file is opened as the job opens its own (utils/run_folder/layout.py): a link a
+    neighbour planted at .sweep.lock is refused before any trial, the file it points to left as it was."""
+    out = tmp_path / "sweep"
+    out.mkdir()
+    theirs = tmp_path / "notes.txt"
+    theirs.write_text("mine\n")
+    (out / ".sweep.lock").symlink_to(theirs)
+    spec = write_spec(tmp_path, "s", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(out))
+    result = sweep_in_process(capsys, spec)
+    assert_refusal(result, [str(out / ".sweep.lock"), "symbolic link"])
+    assert theirs.read_text() == "mine\n" and not (out / "trial-000").exists()
+
+
 @pytest.mark.check
 def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, monkeypatch, sweep_data):
     """The sweep's identity is the job's identity of each trial plus the space its draws come from: a recipe edited

@@ -36,7 +36,7 @@ from tests.conftest import (
     wait_until,
 )
 from utils.common.errors import volume_state
-from utils.run_folder.outputs import checkpoint_damage
+from utils.run_folder.checkpoints import checkpoint_damage
 
 SAVE_EVERY = 5  # optimizer steps between checkpoints: a fault meets a save within a second
 LONG_RUN = 100_000  # MAX_STEPS far beyond the test: the fault, not the end of training, stops the job

@@ -49,14 +49,14 @@ from utils.config.settings import Settings, check_tracker_uri, resolve_base_mode
 from utils.config.strategy import check_strategy, full_state_dict
 from utils.config.tasks import MULTI_LABEL, headline
 from utils.publishing.hub import Hub, push_model, save_merged, save_model
-from utils.run_folder.outputs import (
-    RunDir,
+from utils.run_folder.checkpoints import (
     checkpoint_resume_key,
     discard_incomplete_checkpoints,
     latest_complete_checkpoint,
     usable_checkpoints,
-    write_run_record,
 )
+from utils.run_folder.layout import RunDir
+from utils.run_folder.record import write_run_record
 from utils.training.data import label_names_of, load_sst2
 from utils.training.model import build_model, load_tokenizer, trainable_checksum
 from utils.training.predictions import PREDICTIONS_FILE, check_test_split, metrics_line, write_test_predictions

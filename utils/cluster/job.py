@@ -22,7 +22,7 @@ from utils.config.deepspeed_config import check_config
 from utils.config.distributed import DistEnv
 from utils.config.plan import Plan, with_device, with_rows
 from utils.config.settings import Settings
-from utils.run_folder.outputs import RunDir
+from utils.run_folder.layout import RunDir
 
 # Notices about what the job neither uses nor can change, silenced for main.py and predict.py (both import this first):
 # peft 0.21 still asks transformers 5 for `is_gradient_checkpointing`, which warns on every model built or loaded;

@@ -26,7 +26,7 @@ import psutil
 
 from utils.common.errors import EXIT_BAD_INPUT, JobError
 from utils.common.threads import Heartbeat
-from utils.run_folder.outputs import LOCK_NAME, RunDir
+from utils.run_folder.layout import LOCK_NAME, RunDir
 
 log = logging.getLogger(__name__)
 

@@ -44,8 +44,9 @@ from utils.publishing.model_card import (
     write_label_names,
     write_model_card,
 )
+from utils.run_folder.layout import RunDir, replace_dir
 from utils.run_folder.model_files import BASE_NAME, read_base_fingerprint, write_base_fingerprint
-from utils.run_folder.outputs import RunDir, replace_dir, update_run_record
+from utils.run_folder.record import record_written, update_run_record, written_files
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -302,7 +303,7 @@ def _replace_with(run: RunDir, staged: Path, folder: Path) -> None:
     written there."""
     files = run.files_in(staged)
     replace_dir(staged, folder)
-    run.record_written(folder.name, [f"{folder.name}/{name}" for name in files], replace=True)
+    record_written(run, folder.name, [f"{folder.name}/{name}" for name in files], replace=True)
 
 
 # ------------------------------------------------------------------------------- pushing
@@ -313,7 +314,7 @@ def files_to_push(run: RunDir, metrics: dict, folder: Path) -> dict[str, Path]:
     """Path in the repo -> file on the volume: `folder`'s files, metrics.json, the masked run.json, and this run's
     TensorBoard events under runs/ (the Hub's training-metrics tab). The files the job recorded as it wrote them,
     never a walk of the folders (which would take whatever a neighbour planted there)."""
-    recorded = run.written(folder.name)
+    recorded = written_files(run, folder.name)
     if recorded is None:  # a model saved before the job recorded its files: the folder as written, links refused
         recorded = [folder / name for name in run.files_in(folder)]
     files = {str(path.relative_to(folder)): path for path in recorded}
@@ -321,7 +322,7 @@ def files_to_push(run: RunDir, metrics: dict, folder: Path) -> dict[str, Path]:
     events = run.tensorboard / metrics["run_name"]
     files |= {
         f"runs/{metrics['run_name']}/{path.relative_to(events)}": path
-        for path in run.written("tensorboard") or []
+        for path in written_files(run, "tensorboard") or []
         if path.parent == events
     }
     return files

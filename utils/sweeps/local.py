@@ -31,6 +31,7 @@ from contextlib import closing
 from pathlib import Path
 
 from utils.common.errors import EXIT_UNEXPECTED
+from utils.run_folder.layout import RunDir
 from utils.sweeps.spec import Spec, Trial, describe, job_environment, refused, trial_metric
 from utils.sweeps.summary import record_trial
 
@@ -104,8 +105,10 @@ def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, fl
 
 
 def run_local(spec: Spec, trials: list[Trial]) -> int:
-    # One sweep per output_dir: a second would rerun the first one's RUNNING trials beside it.
-    with open(spec.output_dir / ".sweep.lock", "w") as lock:
+    # One sweep per output_dir: a second would rerun the first one's RUNNING trials beside it. An OS lock, not the
+    # job's heartbeat lock (utils/cluster/run_lock.py): a local sweep's trials all run on this host. Opened as the
+    # job opens its own files: a link planted at the lock's name is refused, never truncated through.
+    with RunDir(spec.output_dir).open(spec.output_dir / ".sweep.lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

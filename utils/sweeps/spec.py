@@ -47,7 +47,7 @@ from utils.config.settings import (
 )
 from utils.config.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix, reported_metrics
 from utils.config.tasks import validation_splits as task_splits
-from utils.run_folder.outputs import RunDir
+from utils.run_folder.layout import RunDir
 
 # Each trial is a training run, and Slurm's default MaxArraySize (1001) takes array indexes 0-1000: a bigger
 # sweep is a typo (trials: 100000000) or a grid nobody means to pay for.

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from utils.run_folder.outputs import RunDir, claim_run_dir, refuse_foreign
+from utils.run_folder.layout import RunDir
+from utils.run_folder.record import claim_run_dir, refuse_foreign
 from utils.sweeps.spec import Spec, Trial, setting_value, trial_metric
 
 TRIAL_RECORD = "trial.json"

@@ -414,7 +414,7 @@ def write_test_predictions(run, settings, path: Path) -> dict | None:
     """Rank 0, model/ saved: `path` answered by the saved model (on its base, full precision: what predict.py
     serves), written whole or not at all to OUTPUT_DIR/predictions/ (predictions.jsonl, and metrics.json when
     labelled); the metrics, None when unlabelled."""
-    from utils.run_folder.outputs import replace_dir
+    from utils.run_folder.layout import replace_dir
     from utils.training.model import load_pipeline  # torch and transformers: only a run with a test split pays them
 
     inputs = read_inputs(path, list(settings.text_columns), settings.label_column)

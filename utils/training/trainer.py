@@ -46,7 +46,9 @@ from utils.config.tasks import (
     best_metric,
     eval_prefix,
 )
-from utils.run_folder.outputs import RunDir, mark_checkpoint_complete, prune_checkpoints, volume_fault
+from utils.run_folder.checkpoints import mark_checkpoint_complete, prune_checkpoints, volume_fault
+from utils.run_folder.layout import RunDir
+from utils.run_folder.record import record_written
 from utils.training.step_capture import CapturedStep, four_d_mask, takes_4d_mask
 
 log = logging.getLogger(__name__)
@@ -569,7 +571,7 @@ class EarlyStopping(TrainerCallback):
 
 class RecordedTensorBoard(TensorBoardCallback):
     """The Trainer's TensorBoard callback writing into a folder of the job's own, and recording the event file
-    each of its writers creates (RunDir.record_written): a push sends those files, never whatever else is in
+    each of its writers creates (record.py record_written): a push sends those files, never whatever else is in
     the folder. It reopens a writer for the final evaluation: a second event file, recorded too."""
 
     def __init__(self, run: RunDir, folder: Path):
@@ -604,7 +606,7 @@ class RecordedTensorBoard(TensorBoardCallback):
         events = [path for path in folder.iterdir() if path.name.endswith(suffix)]
         for path in events:
             self.run.check_owned(path)
-        self.run.record_written("tensorboard", [str(path.relative_to(self.run.root)) for path in events])
+        record_written(self.run, "tensorboard", [str(path.relative_to(self.run.root)) for path in events])
 
 
 class StrategyCheck(TrainerCallback):

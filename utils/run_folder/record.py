@@ -1,0 +1,243 @@
+"""The run record (OUTPUT_DIR/run.json) and the claim on the folder: whether OUTPUT_DIR is the job's, and holds
+this run (its identity, utils/config/identity.py) or a finished run these settings agree with."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from contextlib import suppress
+from importlib import metadata
+from pathlib import Path
+
+from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.config.identity import check_same_run
+from utils.config.plan import Plan
+from utils.config.settings import REPO_ID_PATTERN, Settings
+from utils.run_folder.layout import LOCK_NAME, RunDir, not_writable
+from utils.run_folder.model_files import LABELS_NAME
+
+PACKAGES = ("torch", "transformers", "datasets", "accelerate", "peft", "bitsandbytes", "evaluate", "huggingface-hub")
+# Written first into a folder the job claims: the job deletes and replaces files in its run folder (unfinished
+# checkpoints, model/), so it works only in a folder it created or found empty.
+RUN_MARKER = ".run-folder"
+# What the job makes before its first record, all empty: the skeleton of a run killed that early before RUN_MARKER.
+SKELETON = frozenset({"logs", "checkpoints", "cache", LOCK_NAME})
+# A fresh file system's own folder at the root of a volume mounted as OUTPUT_DIR.
+NOT_CONTENT = frozenset({"lost+found"})
+# run.json's layout, written into every run.json the job writes: a file of that name is this job's record only when
+# it says so (another tool's run.json marks no run folder of this job's). The records from before the key (1) are
+# told by the keys every version of the job wrote (RECORD_KEYS); a newer layout is refused, not guessed at.
+RUN_RECORD_FORMAT = 2
+RECORD_KEYS = {"run_name": str, "settings": dict, "versions": dict}
+
+
+def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> RunDir:
+    """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds another run (its
+    run.json's identity, utils/config/identity.py); a finished run also with other label names or base model
+    (`check_finished_run`). `push_only` publishes what the volume holds: the replica count, the global batch and
+    the data are not its to check, and a folder without a finished run is refused. Reads, writes nothing."""
+    run = RunDir(Path(settings.output_dir).resolve())
+    refuse_foreign(run, settings)  # first: a link in someone else's folder is theirs, not a link planted in ours
+    run.check_planted()
+    record = run.read_json(run.run_record) if run.root.is_dir() else None
+    if record is not None:
+        check_record_format(run, record)
+        theirs, unrecorded = recorded_identity(record, plan.identity)
+        ignore = frozenset({"world_size", "global_batch", "data"}) if push_only else frozenset()
+        if run.is_finished() and plan.identity.get("label_names") is None:
+            # A finished run restarted without LABEL_NAMES publishes the names it recorded (check_finished_run).
+            ignore |= {"label_names"}
+        check_same_run(theirs, plan.identity, f"OUTPUT_DIR={settings.output_dir}", ignore | unrecorded)
+    if run.is_finished():
+        check_finished_run(run, settings)
+    elif push_only:  # before open_run_dir claims (or creates) the folder: a refused start leaves nothing behind
+        raise JobError(
+            EXIT_BAD_INPUT, f"{run.model} holds no finished model; run the training first (without --push-only)"
+        )
+    return run
+
+
+def is_run_folder(run: RunDir) -> bool:
+    """Whether OUTPUT_DIR is new, empty, or a run folder of this job: its RUN_MARKER or a run.json of this job's
+    (runs from before the marker), or the empty skeleton a start killed before either leaves. A run.json that is not
+    the job's (`foreign_record`) makes the folder someone else's, marker or not: the job would resume, rewrite and
+    publish what it holds as its own. Links are not followed."""
+    try:
+        names = {entry.name for entry in os.scandir(run.root)} - NOT_CONTENT
+    except (FileNotFoundError, NotADirectoryError):  # open_run_dir creates it, or says why it cannot
+        return True
+    if not names:
+        return True
+    marked = _is_regular(run.root / RUN_MARKER)
+    if _is_regular(run.run_record):
+        return _record_problem(run, marked) is None
+    if marked:
+        return True
+    return names <= SKELETON and all(_is_empty_folder(run.root / name) for name in names - {LOCK_NAME})
+
+
+def _record_problem(run: RunDir, marked: bool) -> str | None:
+    """Why the file run.json is not this job's record (None: it is). Unmarked, one with other hard links is someone
+    else's file (the job's has one name); in a folder the job marked, that is a planted link, refused with its fix by
+    RunDir.open, as a damaged one is."""
+    if not marked and os.lstat(run.run_record).st_nlink > 1:
+        return "it is a file with other hard links"
+    return foreign_record(run.read_json(run.run_record))
+
+
+def foreign_record(record: dict) -> str | None:
+    """Why `record`, a run.json, is not one this job wrote (None: it is). Its layout's `format`, or, for the records
+    written before that key, the keys every version of the job wrote: another tool's run.json
+    (`{"tool": "another-trainer"}`) holds neither."""
+    if "format" in record:
+        fmt = record["format"]
+        good = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt >= RUN_RECORD_FORMAT
+        return None if good else f"its format is {json.dumps(fmt)}, where the job writes {RUN_RECORD_FORMAT}"
+    missing = [key for key, kind in RECORD_KEYS.items() if not isinstance(record.get(key), kind)]
+    return f"it has no {', '.join(missing)}" if missing else None
+
+
+def check_record_format(run: RunDir, record: dict) -> None:
+    """A run.json of a newer version of the job is refused: what it records is not this version's to read."""
+    if record.get("format", RUN_RECORD_FORMAT) > RUN_RECORD_FORMAT:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{run.run_record} was written by a newer version of the job (format {record['format']}; this version "
+            f"reads up to {RUN_RECORD_FORMAT}); run that version on this folder, or set OUTPUT_DIR to a new folder",
+        )
+
+
+def recorded_identity(record: dict, identity: dict) -> tuple[dict, frozenset[str]]:
+    """What run.json says its run was, and the fields of `identity` it does not record (left out of the comparison).
+    Its identity; for a run from before the identity existed, the training settings it recorded (`training_settings`,
+    or those among its `settings`): such a run is refused on what it recorded, before anything in its folder is
+    touched, instead of resumed on a model of another shape with run.json rewritten to the new settings."""
+    if isinstance(record.get("identity"), dict):
+        return record["identity"], frozenset()
+    recorded = record.get("training_settings")
+    recorded = recorded if isinstance(recorded, dict) else record.get("settings")
+    theirs = {name: recorded[name] for name in identity if name in recorded} if isinstance(recorded, dict) else {}
+    return theirs, frozenset(identity) - set(theirs)
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_empty_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and not os.listdir(path)
+    except OSError:
+        return False
+
+
+def refuse_foreign(run: RunDir, settings: Settings) -> None:
+    """A non-empty OUTPUT_DIR that is not a run of this job is refused, untouched: resuming, the job would delete
+    a checkpoint it did not write as one cut short, and replace a model/ folder it did not save."""
+    if is_run_folder(run):
+        return
+    names = sorted(set(os.listdir(run.root)) - NOT_CONTENT)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    if _is_regular(run.run_record):
+        why = f"its run.json is not one the job writes: {_record_problem(run, _is_regular(run.root / RUN_MARKER))}"
+    else:
+        why = f"no {RUN_MARKER} or run.json of the job's"
+    raise JobError(
+        EXIT_BAD_INPUT,
+        f"OUTPUT_DIR={settings.output_dir} is not empty and is not a run folder of this job (it holds {shown}, and "
+        f"{why}); the job deletes and replaces files in its run folder, so it leaves this one untouched: use an "
+        "empty or new folder",
+    )
+
+
+def claim_run_dir(run: RunDir) -> None:
+    """Mark OUTPUT_DIR as this job's, before anything else is written into it (another rank checking the folder
+    meanwhile sees it empty or marked, never half-made)."""
+    with suppress(FileExistsError), run.open(run.root / RUN_MARKER, "x") as handle:
+        handle.write("A run folder of the LoRA fine-tuning job (main.py): it deletes and replaces files here.\n")
+
+
+def discard_unused_claim(run: RunDir) -> None:
+    """Remove OUTPUT_DIR when it holds only what `open_run_dir` made (the marker, empty logs/, checkpoints/, cache/):
+    called for a folder this start created, when the start is refused, so that it leaves nothing behind. The folders
+    go first and only while empty (another rank's file in one keeps it, and with it the marker): never a folder left
+    unmarked with content, which the next start would refuse as someone else's."""
+    with suppress(OSError):
+        names = set(os.listdir(run.root))
+        if not names <= {RUN_MARKER, *(SKELETON - {LOCK_NAME})}:
+            return
+        for name in sorted(names - {RUN_MARKER}):
+            os.rmdir(run.root / name)  # OSError when not empty: kept from here on
+        (run.root / RUN_MARKER).unlink(missing_ok=True)
+        run.root.rmdir()
+
+
+def check_finished_run(run: RunDir, settings: Settings) -> None:
+    """What a finished run publishes comes from its own records (model/id2label.json, adapter_config.json): a
+    setting given now that contradicts them is refused with the recorded value and the fix."""
+    names = run.read_json(run.model / LABELS_NAME)
+    recorded = tuple(name for _, name in sorted((int(i), name) for i, name in names.items())) if names else None
+    if recorded and "label_names" in settings.model_fields_set and tuple(settings.label_names) != recorded:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"LABEL_NAMES={','.join(settings.label_names)} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: "
+            f"its model was trained with {','.join(recorded)} (label 0 first, {run.model / LABELS_NAME}); unset LABEL_NAMES (or "
+            "label_names in the --config file) to publish the names it was trained with, or use a new OUTPUT_DIR to train with these",
+        )
+    trained_base = (run.read_json(run.model / "adapter_config.json") or {}).get("base_model_name_or_path")
+    if not trained_base or not REPO_ID_PATTERN.match(trained_base) or Path(trained_base).expanduser().exists():
+        return  # no base recorded, or a local folder: no Hub id to contradict
+    if settings.base_model_id and settings.base_model_id != trained_base:
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"BASE_MODEL_ID={settings.base_model_id} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: its "
+            f"adapter names {trained_base} as its base ({run.model / 'adapter_config.json'}); unset BASE_MODEL_ID, or "
+            "use a new OUTPUT_DIR to train on that base",
+        )
+
+
+def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> RunDir:
+    """Create OUTPUT_DIR's folders, claimed as this job's, after refusing one `check_run_dir` refuses."""
+    run = check_run_dir(settings, plan, push_only=push_only)
+    try:
+        run.root.mkdir(parents=True, exist_ok=True)  # OUTPUT_DIR itself, and the folders above it, are the user's
+        claim_run_dir(run)
+        for folder in (run.logs, run.checkpoints, run.cache):
+            run.make_dir(folder)
+        probe = run.logs / f".write-test-{os.getpid()}"
+        run.open(probe, "x").close()
+        probe.unlink()
+    except OSError as exc:
+        raise not_writable(settings.output_dir, exc.strerror) from None
+    return run
+
+
+def write_run_record(run: RunDir, settings: Settings, plan: Plan, **extra) -> None:
+    """run.json: the settings as given, the plan (completed), the run's identity, the package versions."""
+    versions = dict.fromkeys(PACKAGES)  # None: not installed
+    for name in PACKAGES:
+        with suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    settings_and_plan = dict(settings=settings.as_dict(), plan=plan.as_dict(), identity=plan.identity)
+    update_run_record(run, run_name=plan.run_name, **settings_and_plan, versions=versions, **extra)
+
+
+def update_run_record(run: RunDir, **fields) -> None:
+    run.write_json(run.run_record, {**(run.read_json(run.run_record) or {}), **fields, "format": RUN_RECORD_FORMAT})
+
+
+def record_written(run: RunDir, what: str, paths: list[str], replace: bool = False) -> None:
+    """Add files the job wrote (relative to the root) to what a push may send (run.json `written`)."""
+    record = run.read_json(run.run_record) or {}
+    written = record.setdefault("written", {})
+    written[what] = sorted(set(paths) | (set() if replace else set(written.get(what, []))))
+    run.write_json(run.run_record, {**record, "format": RUN_RECORD_FORMAT})
+
+
+def written_files(run: RunDir, what: str) -> list[Path] | None:
+    names = ((run.read_json(run.run_record) or {}).get("written") or {}).get(what)
+    return None if names is None else [run.root / name for name in names]
