@@ -216,11 +216,7 @@ def rendezvous(
         return Collectives(dist, timeout_s)
     timeout = timedelta(seconds=timeout_s)
     deadline = time.monotonic() + timeout_s
-    where = f"{dist.master_addr}:{dist.master_port}"
-    stuck = (
-        f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {where} within RENDEZVOUS_TIMEOUT={timeout_s}s; "
-        f"check that all {dist.world_size} replicas started with the same WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0"
-    )
+    stuck = _stuck(dist, timeout_s)
     outcome = nullcontext()
     if finished is not None and not dist.is_main:
         outcome = ended_when(finished, f"rank {dist.rank}: the run finished while this rank was away (exit 0)", 0)
@@ -252,6 +248,15 @@ def rendezvous(
         # would otherwise sync the GPU stream at every step.
         control = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
     return Collectives(dist, timeout_s, beat_store, control, pulse)
+
+
+def _stuck(dist: DistEnv, timeout_s: int) -> str:
+    """What a rank that could not meet its peers says, and where to look."""
+    return (
+        f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {dist.master_addr}:{dist.master_port} "
+        f"within RENDEZVOUS_TIMEOUT={timeout_s}s; check that all {dist.world_size} replicas started with the same "
+        "WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0"
+    )
 
 
 def _agree(
