@@ -22,7 +22,7 @@ huggingface_hub: every Hub request gets a timeout through a client made by `util
 accelerate, transformers and peft: a run that does not use DeepSpeed or 8-bit weights leaves those libraries out
 by setting them to None in sys.modules (utils/cluster/job.py), which the three must take for "not installed".
 
-Why these are hand-written: for the tokenized cache, the checkpoint listing, the push's retries and deadline, the
+Why these are hand-written: for the tokenized cache, the label mapping, the checkpoint listing, the push's retries and deadline, the
 masking of secrets, and utils/cluster/collectives.py's rendezvous, heartbeat, watchdog and rank-0-first collectives, a
 test shows the case the library beside them gets wrong (docs/development.md lists them); when the library learns it,
 the test says so and the job's code can go.
@@ -834,3 +834,18 @@ def test_the_compiler_internals_the_fast_path_reads_are_there():
     assert counters["stats"]["unique_graphs"] == 2 and counters["frames"]["total"] == 2, f"{where}: {dict(counters)}"
     assert not counters["graph_break"], f"{where}: {dict(counters['graph_break'])}"
     assert calculate_time_spent()["total_wall_time"] > 0, f"{where}: {calculate_time_spent()}"
+
+
+@pytest.mark.check
+def test_label_names_map_by_name_where_datasets_class_encoding_does_not(tmp_path):
+    """The label mapping (utils/training/data.py `resolve_label_names`, `_labels_as_ids`) matches names case and
+    spaces aside, and keeps the data in memory. datasets' own, as of this version: `class_encode_column` makes
+    `Positive ` and `positive` two classes, and `align_labels_with_mapping` fails on a ClassLabel whose names carry
+    a space (KeyError); both run a map, which writes its cache beside the data (a read-only volume refuses it)."""
+    where = f"datasets {datasets.__version__}"
+    texts = datasets.Dataset.from_dict({"label": ["positive", "Positive ", "negative"]})
+    assert len(texts.class_encode_column("label").features["label"].names) == 3, f"{where} now folds case and spaces"
+    named = datasets.Features({"label": datasets.ClassLabel(names=[" Positive", "negative"])})
+    classes = datasets.Dataset.from_dict({"label": [0, 1, 1]}, features=named)
+    with pytest.raises(KeyError):
+        classes.align_labels_with_mapping({"negative": 0, "positive": 1}, "label")

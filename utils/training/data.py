@@ -412,6 +412,8 @@ def _digits(values) -> bool:
     return bool(values) and all(isinstance(v, str) and v.strip().lstrip("-").isdigit() for v in values)
 
 
+# Hand-written beside datasets' class_encode_column and align_labels_with_mapping, which tell `Positive ` from
+# `positive` and write a cache beside the data (tests/test_library_contract.py says when they no longer do).
 def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]:
     """The class names in id order. LABEL_NAMES when given (or TASK's), in its order; else the data's: a
     ClassLabel's names, or a text label column's distinct values over all splits, sorted (case and spaces
