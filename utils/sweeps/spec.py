@@ -33,7 +33,7 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line
 from utils.common.hub_token import UnfitFile, read_small_text
 from utils.config.identity import identity_changes, sha256_file
 from utils.config.plan import build_plan
@@ -398,7 +398,7 @@ def read_spec(path: Path) -> Spec:
             f"{path} line {line}: the alias *{str(name)[:40]} is not read in a spec; write the value out where it is used"
         ) from None
     except yaml.YAMLError as exc:
-        raise refused(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
+        raise refused(f"{path} is not valid YAML ({first_line(exc, None, '')}); fix the file") from None
     if not isinstance(raw, dict) or not all(isinstance(key, str) for key in raw):
         raise refused(f"{path}: a sweep spec is a mapping (settings, grid, random, metric, ...); see docs/sweeps.md")
     try:
