@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.hub_token import MASK
 
 DEFAULT_PORT = 29500  # torch's own default, used when only the address is given
 # Every variable a launcher uses to tell a process who it is (platform, torchrun, Kubeflow, Slurm).
@@ -263,9 +264,6 @@ def export_env(dist: DistEnv, deepspeed: bool = False) -> None:
 
 
 def masked_environ() -> dict[str, str]:
-    """The launcher variables this rank saw, for its log; anything that looks like a secret is masked."""
+    """The launcher variables this rank saw, for its log; HF_TOKEN, the one secret among them, shown as set only."""
     keys = (*LAUNCHER_VARIABLES, "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_TOKEN", "HF_TOKEN_PATH")
-    secret = re.compile("TOKEN|SECRET|PASSWORD|KEY", re.I)
-    return {
-        k: ("***" if secret.search(k) and k != "HF_TOKEN_PATH" else os.environ[k]) for k in keys if k in os.environ
-    }
+    return {k: MASK if k == "HF_TOKEN" else os.environ[k] for k in keys if k in os.environ}
