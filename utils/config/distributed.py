@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from utils.common.errors import EXIT_BAD_INPUT, JobError
 from utils.common.hub_token import MASK
 
+# Slurm's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (the batch script and the sweep's array).
+SLURM_TIME_LIMIT = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}")
 DEFAULT_PORT = 29500  # torch's own default, used when only the address is given
 # Every variable a launcher uses to tell a process who it is (platform, torchrun, Kubeflow, Slurm).
 LAUNCHER_VARIABLES = tuple(
