@@ -195,7 +195,8 @@ def load_classifier(model: str, base_model: str | None):
     from transformers import AutoTokenizer, pipeline
     from transformers.utils import find_adapter_config_file
 
-    from utils.training.model import NO_REMOTE_CODE, first_line
+    from utils.common.errors import first_line
+    from utils.training.model import NO_REMOTE_CODE
 
     # What the imports built lives as long as the process: frozen, it is out of the garbage collector's sight, and
     # the collections loading the model sets off walk the model's own objects (a fifth of a short call's CPU).
@@ -248,7 +249,8 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
     trained (check_base_unchanged), is refused."""
     from peft import PeftModel
 
-    from utils.training.model import first_line, load_base
+    from utils.common.errors import first_line
+    from utils.training.model import load_base
 
     base_id = base_model or adapter["base_model_name_or_path"]
     # A multi-label head (sigmoid scores) as inputs.json records it: the base's config does not know it.

@@ -22,10 +22,10 @@ huggingface_hub: every Hub request gets a timeout through a client made by `util
 accelerate, transformers and peft: a run that does not use DeepSpeed or 8-bit weights leaves those libraries out
 by setting them to None in sys.modules (utils/cluster/job.py), which the three must take for "not installed".
 
-Why these are hand-written: for the tokenized cache, the label mapping, the checkpoint listing, the push's retries and deadline, the
-masking of secrets, and utils/cluster/collectives.py's rendezvous, heartbeat, watchdog and rank-0-first collectives, a
-test shows the case the library beside them gets wrong (docs/development.md lists them); when the library learns it,
-the test says so and the job's code can go.
+Why these are hand-written: for the tokenized cache, the label mapping, the checkpoint listing, the push's retries
+and deadline, the Hub's Retry-After, the reading and masking of secrets, and utils/cluster/collectives.py's
+rendezvous, heartbeat, watchdog and rank-0-first collectives, a test shows the case the library beside them gets
+wrong (docs/development.md lists them); when the library learns it, the test says so and the job's code can go.
 
 Python's warnings: a library announces such a change with a DeprecationWarning or FutureWarning first;
 the last test checks that one attributed to the job's code fails the job processes the tests start.
@@ -524,6 +524,47 @@ def test_secrets_in_what_huggingface_hub_raises_are_masked_by_the_job_alone(hub)
         logger.removeHandler(handler)
     for text in (stream.getvalue(), logged.getvalue()):
         assert password not in text and "alice:***@" in text
+
+
+@pytest.mark.check
+def test_the_hubs_retry_after_as_an_http_date_is_read_by_the_job_alone():
+    """utils/publishing/hub.py retry_after: huggingface_hub reads a Retry-After of whole seconds, not the HTTP date
+    the header may also hold, so a rate-limited push would retry before the Hub said it may."""
+    import email.utils
+    from types import SimpleNamespace
+
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    from utils.publishing.hub import retry_after
+
+    where = f"huggingface_hub {huggingface_hub.__version__}"
+    date = email.utils.formatdate(time.time() + 120, usegmt=True)
+    parse = getattr(_http, "_parse_retry_after", None)
+    if parse is not None and parse({"Retry-After": date}) is not None:
+        pytest.fail(
+            f"{where} now reads an HTTP-date Retry-After; see whether utils/publishing/hub.py's retry_after can go"
+        )
+    asked = retry_after(SimpleNamespace(response=SimpleNamespace(headers={"Retry-After": date})))
+    assert asked is not None and 100 < asked <= 120
+
+
+@pytest.mark.check
+def test_a_token_of_two_lines_is_refused_by_the_job_where_get_token_joins_them(monkeypatch):
+    """utils/common/hub_token.py read_token: huggingface_hub.get_token takes HF_TOKEN with its line breaks removed,
+    two lines (a token pasted twice, a token and a comment) as one token, which the Hub then refuses as invalid."""
+    import huggingface_hub
+
+    from utils.common.errors import JobError
+    from utils.common.hub_token import read_token
+
+    where = f"huggingface_hub {huggingface_hub.__version__}"
+    monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_firstlinetoken\nhf_secondline")
+    if huggingface_hub.get_token() != "hf_firstlinetokenhf_secondline":
+        pytest.fail(f"{where}: get_token no longer joins HF_TOKEN's lines; see whether read_token can use it")
+    with pytest.raises(JobError, match="holds a newline"):
+        read_token()
 
 
 # ------------------------------------------------------------------------------- torch.distributed, accelerate

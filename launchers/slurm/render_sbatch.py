@@ -27,12 +27,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from utils.common.errors import JobError  # noqa: E402
+from utils.config.distributed import SLURM_TIME_LIMIT  # noqa: E402
 from utils.config.settings import FIELDS, SHARED_VOLUME, env_name, find_misspelled_variables, load_settings  # noqa: E402
 
 TEMPLATE = Path(__file__).with_name("train.sbatch.template")
 PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
-# Slurm's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
-TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 SECRETS = ("HF_TOKEN",)
 CONTAINER_WORKDIR = "/app"  # the Dockerfile's WORKDIR: main.py lives there in the image
@@ -120,7 +119,7 @@ def render(args: argparse.Namespace) -> str:
     for name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_lead"):
         if getattr(args, name) < 1:
             raise JobError(2, f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
-    if not TIME_LIMIT.match(args.time):
+    if not SLURM_TIME_LIMIT.fullmatch(args.time):
         raise JobError(2, f"--time={args.time} is not a Slurm time limit; use minutes, HH:MM:SS or D-HH:MM:SS")
     if args.shared_dir and not args.container:
         raise JobError(

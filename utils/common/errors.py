@@ -25,6 +25,11 @@ class JobError(Exception):
         self.code, self.message = code, message
 
 
+def first_line(exc: BaseException, limit: int | None = 200, blank: str | None = None) -> str:
+    """The start of an error's message for a one-line refusal; `blank` (its type's name when None) when it has none."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__ if blank is None else blank])[0][:limit]
+
+
 class Preempted(BaseException):
     """SIGTERM (preemption, eviction) or SIGINT: leave with 128 + the signal so the orchestrator restarts the job.
     A BaseException, like KeyboardInterrupt: raised from the signal handler, no library's `except Exception` eats it."""

@@ -50,6 +50,7 @@ URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?:(?P<user>
 URL_SECRET_QUERY = re.compile(rf"(?P<name>[?&;]{SECRET_PARAMETER}=)[^&;#\s\"'<>]+", re.IGNORECASE)
 
 
+# Not huggingface_hub.get_token: it joins a token's lines into one and reads a stored login the job must not use.
 def read_token() -> SecretStr | None:
     """HF_TOKEN, else the file HF_TOKEN_PATH names (as huggingface_hub reads them); None when neither is set.
     A value that cannot be a token is bad input, reported without showing it."""

@@ -25,7 +25,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.hub_token import MASK
 
+# Slurm's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (the batch script and the sweep's array).
+SLURM_TIME_LIMIT = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}")
 DEFAULT_PORT = 29500  # torch's own default, used when only the address is given
 # Every variable a launcher uses to tell a process who it is (platform, torchrun, Kubeflow, Slurm).
 LAUNCHER_VARIABLES = tuple(
@@ -263,9 +266,6 @@ def export_env(dist: DistEnv, deepspeed: bool = False) -> None:
 
 
 def masked_environ() -> dict[str, str]:
-    """The launcher variables this rank saw, for its log; anything that looks like a secret is masked."""
+    """The launcher variables this rank saw, for its log; HF_TOKEN, the one secret among them, shown as set only."""
     keys = (*LAUNCHER_VARIABLES, "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_TOKEN", "HF_TOKEN_PATH")
-    secret = re.compile("TOKEN|SECRET|PASSWORD|KEY", re.I)
-    return {
-        k: ("***" if secret.search(k) and k != "HF_TOKEN_PATH" else os.environ[k]) for k in keys if k in os.environ
-    }
+    return {k: MASK if k == "HF_TOKEN" else os.environ[k] for k in keys if k in os.environ}

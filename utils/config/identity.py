@@ -257,11 +257,8 @@ def data_digest(settings: Settings) -> dict[str, str | None] | None:
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def compared_fields(theirs: dict, ours: dict) -> set[str]:

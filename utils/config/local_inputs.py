@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from utils.common.delimited import FILE_FORMATS, data_files, read_records
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line
 from utils.config.settings import REPO_ID_PATTERN, Settings
 from utils.config.tasks import validation_splits
 
@@ -72,7 +72,7 @@ def check_model_folder(model_name: str) -> None:
         raise JobError(
             EXIT_BAD_INPUT,
             f"MODEL_NAME={model_name}: its config.json cannot be read as a JSON object ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); copy the model's files there again "
+            f"{first_line(exc, 120, '')}); copy the model's files there again "
             "(e.g. `hf download MODEL --local-dir FOLDER`)",
         ) from None
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):

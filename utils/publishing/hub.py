@@ -32,7 +32,8 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from pydantic import SecretStr
 from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
 
-from utils.common.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError
+from utils.common.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError, first_line
+from utils.common.hub_token import Masker, url_secrets
 from utils.common.threads import Deadline, within
 from utils.config.identity import base_model_changes
 from utils.config.settings import Settings, resolve_base_model_id
@@ -89,6 +90,7 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
 
 
+# huggingface_hub's own parser (utils._http._parse_retry_after, private) reads whole seconds only, never an HTTP date.
 def retry_after(exc: BaseException) -> float | None:
     """Seconds the Hub asked us to wait (429/503 `Retry-After`: seconds or an HTTP date), if it did."""
     headers = getattr(getattr(exc, "response", None), "headers", None)
@@ -145,9 +147,7 @@ def describe(exc: BaseException, token: SecretStr | None = None) -> str:
     status = _status(exc)
     if status in (401, 403):
         return f"the Hub refused HF_TOKEN (HTTP {status}); create a token with write access at https://huggingface.co/settings/tokens and set HF_TOKEN"
-    detail = (str(exc).strip().splitlines() or [""])[0][:200]
-    if token is not None and token.get_secret_value():
-        detail = detail.replace(token.get_secret_value(), "***")
+    detail = Masker(token, url_secrets())(first_line(exc, 200, ""))
     what = f"the Hub answered HTTP {status}" if status is not None else f"{type(exc).__name__} talking to the Hub"
     return f"{what}: {detail}" if detail else what
 

@@ -33,8 +33,9 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line
 from utils.common.hub_token import UnfitFile, read_small_text
+from utils.config.distributed import SLURM_TIME_LIMIT
 from utils.config.identity import identity_changes, sha256_file
 from utils.config.plan import build_plan
 from utils.config.settings import (
@@ -59,7 +60,6 @@ HUB_DESTINATIONS = ("RESULT_MODEL_ID", "RESULT_MERGED_MODEL_ID")
 # YAML 1.1 reads 1e-3 as a string (it wants 1.0e-3); a sweep means the number. Only that form: a quoted "001"
 # stays the text it is.
 EXPONENT_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # as launchers/slurm/render_sbatch.py
 # Slurm partition names, one or a comma-separated list: what #SBATCH --partition takes, and nothing a shell reads.
 PARTITIONS = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a newline in a rendered script or manifest starts a line of its own
@@ -207,7 +207,7 @@ class SlurmOptions(BaseModel):
     def _time_limit(cls, time):
         if isinstance(time, int):  # YAML 1.1 reads an unquoted 1:30:00 as 5400, which Slurm takes as minutes
             raise ValueError(f'time={time} is a number to YAML; quote the limit, e.g. time: "1:30:00"')
-        if isinstance(time, str) and not TIME_LIMIT.fullmatch(time):
+        if isinstance(time, str) and not SLURM_TIME_LIMIT.fullmatch(time):
             raise ValueError(f"time={time!r} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
         return time
 
@@ -398,7 +398,7 @@ def read_spec(path: Path) -> Spec:
             f"{path} line {line}: the alias *{str(name)[:40]} is not read in a spec; write the value out where it is used"
         ) from None
     except yaml.YAMLError as exc:
-        raise refused(f"{path} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
+        raise refused(f"{path} is not valid YAML ({first_line(exc, None, '')}); fix the file") from None
     if not isinstance(raw, dict) or not all(isinstance(key, str) for key in raw):
         raise refused(f"{path}: a sweep spec is a mapping (settings, grid, random, metric, ...); see docs/sweeps.md")
     try:

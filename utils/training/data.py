@@ -23,7 +23,7 @@ from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
 from utils.common.delimited import DIALECTS, FILE_FORMATS, read_records
-from utils.common.errors import EXIT_BAD_INPUT, JobError, volume_state
+from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line, volume_state
 from utils.common.texts import check_texts
 from utils.config.local_inputs import check_carve, check_columns, check_splits, read_splits, split_files
 from utils.config.settings import Settings
@@ -114,10 +114,6 @@ def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> da
     return loaded
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0][:160] if str(exc) else ""
-
-
 FORMAT_HINTS = {
     "csv": "a header line, then one row per line",
     "json": "one JSON object per line (.jsonl) or a JSON array of objects",
@@ -128,7 +124,7 @@ FORMAT_HINTS = {
 def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
     return JobError(
         EXIT_BAD_INPUT,
-        f"cannot read {path} as {path.suffix[1:]} ({type(cause).__name__}: {_first_line(cause)}); write it again as "
+        f"cannot read {path} as {path.suffix[1:]} ({type(cause).__name__}: {first_line(cause, 160, '')}); write it again as "
         f"{path.suffix[1:]}: {FORMAT_HINTS[fmt]}",
     )
 
@@ -153,7 +149,7 @@ def load_raw(settings: Settings) -> DatasetDict:
         except Exception as exc:
             raise JobError(
                 EXIT_BAD_INPUT,
-                f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {_first_line(exc)}); "
+                f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {first_line(exc, 160, '')}); "
                 "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
             ) from None
         if isinstance(loaded, DatasetDict):
@@ -167,7 +163,7 @@ def load_raw(settings: Settings) -> DatasetDict:
             raise JobError(
                 EXIT_BAD_INPUT,
                 f"cannot load DATASET_NAME={settings.dataset_name} DATASET_CONFIG={settings.dataset_config} from the Hub "
-                f"({type(exc).__name__}: {_first_line(exc)}); check the names, or on an offline cluster set DATASET_PATH to a local copy",
+                f"({type(exc).__name__}: {first_line(exc, 160, '')}); check the names, or on an offline cluster set DATASET_PATH to a local copy",
             ) from None
     if not isinstance(loaded, DatasetDict):
         raise JobError(EXIT_BAD_INPUT, f"{settings.dataset_path} holds one Dataset; save a DatasetDict of the splits")
@@ -612,7 +608,7 @@ def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
         return cached
     except Exception as exc:  # FileNotFoundError, JSONDecodeError, ArrowInvalid, KeyError: damaged either way
         log.warning(
-            f"tokenized cache {target} is damaged ({type(exc).__name__}: {_first_line(exc)}); tokenizing again"
+            f"tokenized cache {target} is damaged ({type(exc).__name__}: {first_line(exc, 160, '')}); tokenizing again"
         )
         shutil.rmtree(target, ignore_errors=True)
         return None

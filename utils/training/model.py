@@ -26,7 +26,7 @@ from transformers import (
 )
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line
 from utils.config.local_inputs import check_model_folder, no_tokenizer
 from utils.config.recipe import lora_options
 from utils.config.settings import Settings
@@ -45,11 +45,6 @@ DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dr
 # Every load of a model, tokenizer or config: no code from a model folder or repo runs, and transformers never
 # stops to ask on stdin whether it may (it does when this is left unset).
 NO_REMOTE_CODE = {"trust_remote_code": False}
-
-
-def first_line(exc: BaseException, limit: int = 200) -> str:
-    """The start of an error's message for a one-line refusal (its type's name when it has none)."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
 
 
 @contextmanager

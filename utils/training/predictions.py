@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from utils.common.delimited import DIALECTS, read_records
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line
 from utils.common.texts import NUL, check_texts, nul_refusal
 from utils.config.tasks import CLASSIFICATION, METRIC_MODULES, MULTI_LABEL, REGRESSION
 
@@ -199,7 +199,7 @@ def parquet_rows(data: bytes, file: Path) -> list[tuple[str, dict]]:
     except pyarrow.ArrowException as exc:
         raise JobError(
             EXIT_BAD_INPUT,
-            f"cannot read {file} as parquet ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); write it "
+            f"cannot read {file} as parquet ({type(exc).__name__}: {first_line(exc, 160, '')}); write it "
             "again as parquet, e.g. with pandas' DataFrame.to_parquet",
         ) from None
     return [(f"row {n}", record) for n, record in enumerate(table.to_pylist(), start=1)]
