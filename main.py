@@ -51,7 +51,9 @@ from utils.config.deepspeed_config import deepspeed_overrides, describe_strategy
 from utils.config.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
 from utils.config.local_inputs import check_dataset, check_model_folder, test_split_file
 from utils.config.plan import Plan, batch_warning, build_plan, check_elastic_range
-from utils.config.settings import Settings, check_push_possible, check_trackers, load_settings
+from utils.config.preflight import check_push_possible, check_trackers
+from utils.config.settings import Settings
+from utils.config.sources import load_settings
 from utils.config.tasks import describe_task
 from utils.run_folder.outputs import (
     check_output_writable,

@@ -44,8 +44,9 @@ from utils.config.distributed import DistEnv, export_env, launcher_options, mask
 from utils.config.identity import check_same_run, short_digest
 from utils.config.local_inputs import check_test_columns, test_split_file
 from utils.config.plan import Plan, batch_warning
+from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
-from utils.config.settings import Settings, check_tracker_uri, resolve_base_model_id
+from utils.config.settings import Settings, resolve_base_model_id
 from utils.config.strategy import check_strategy, full_state_dict
 from utils.config.tasks import MULTI_LABEL, headline
 from utils.publishing.hub import Hub, push_model, save_merged, save_model
