@@ -12,7 +12,7 @@ import urllib.parse
 import urllib.request
 
 from utils.common.errors import EXIT_BAD_INPUT, JobError
-from utils.common.hub_token import mask_urls, read_token
+from utils.common.hub_token import mask_urls
 from utils.common.threads import Deadline, within
 from utils.config.settings import Settings, resolve_base_model_id
 
@@ -22,7 +22,7 @@ def check_push_possible(settings: Settings) -> None:
     before any import, data or GPU time."""
     repos = {"RESULT_MODEL_ID": settings.result_model_id, "RESULT_MERGED_MODEL_ID": settings.result_merged_model_id}
     pushes = " and ".join(f"{name}={value}" for name, value in repos.items() if value)
-    if pushes and read_token() is None:
+    if pushes and settings.hub_token is None:
         raise JobError(
             EXIT_BAD_INPUT,
             f"{pushes} ask(s) for a push but no token is set; "

@@ -17,10 +17,9 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from utils.common.hub_token import read_token
 from utils.config.tasks import GLUE, GLUE_DATASETS, GLUE_UNTRAINABLE, validation_splits
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
@@ -403,6 +402,11 @@ class Settings(BaseSettings):
         "wandb, trackio, or none; each reads its own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, ...)",
     )
 
+    # The Hub token, no setting (never a flag or a recipe key): read once, as load_settings reads the settings, and
+    # kept here so the push, its preflight and --dry-run's "***" ask the same value without reading it again.
+    # Settings built directly (tests, benchmarks) have none.
+    _hub_token: SecretStr | None = PrivateAttr(None)
+
     @classmethod
     def settings_customise_sources(
         cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, **_: Any
@@ -681,9 +685,14 @@ class Settings(BaseSettings):
         return self
 
     # ---------------------------------------------------------------- views
+    @property
+    def hub_token(self) -> SecretStr | None:
+        """HF_TOKEN (or HF_TOKEN_PATH's file) as load_settings read and checked it; None when neither is set."""
+        return self._hub_token
+
     def as_dict(self) -> dict[str, Any]:
         values = self.model_dump(mode="json")
-        values["hf_token"] = "***" if read_token() else None
+        values["hf_token"] = "***" if self._hub_token else None
         return values
 
 

@@ -32,7 +32,7 @@ from pydantic_settings import (
 )
 
 from utils.common.errors import EXIT_BAD_INPUT, JobError
-from utils.common.hub_token import UnfitFile, read_small_text, refuse_token_in_settings
+from utils.common.hub_token import UnfitFile, read_small_text, read_token, refuse_token_in_settings
 from utils.config.settings import FIELDS, PATH_MAX, Settings, env_name, flag_name
 
 # The names run_glue and the HF Trainer (and Axolotl, torchtune) give settings this job has under names of its own:
@@ -431,5 +431,7 @@ def load_settings(
             EXIT_BAD_INPUT,
             f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
         ) from None
-    refuse_token_in_settings(settings.model_dump(mode="json"))  # also reads the token: a bad one is refused now
+    token = read_token()  # a bad one is refused now; read once, the settings keep it
+    refuse_token_in_settings(settings.model_dump(mode="json"), token)
+    settings._hub_token = token
     return settings, args
