@@ -223,7 +223,7 @@ def readable_digest(path: Path) -> str:
 
 def config_content(path: str | None) -> dict | str | None:
     """DEEPSPEED_CONFIG's content, parsed (its spacing and key order are not the run); the SHA-256 of its bytes when
-    it is not a JSON object, which utils/deepspeed_config.load_config refuses with the fix before anything runs."""
+    it is not a JSON object, which utils/config/deepspeed_config.read_deepspeed_config refuses with the fix before anything runs."""
     if path is None:
         return None
     file = Path(path).expanduser()
