@@ -65,6 +65,26 @@ def split_commas(value: Any) -> Any:
 Names = Annotated[tuple[T, ...], NoDecode, BeforeValidator(split_commas)]
 
 
+# Which STRATEGY runs what, where not every one does: the one table the settings' refusals, the plan's `auto` choices
+# and the run identity (utils/config/plan.py, identity.py) and the FSDP preflight (utils/config/strategy.py) read.
+RUNS_UNDER = {
+    # bitsandbytes' quantized weights survive neither DeepSpeed's casting and sharding nor FSDP's sharding; FSDP's
+    # refusal waits for the device (utils/config/strategy.py), where FSDP on the CPU or one process is said first
+    "quantized weights": ("ddp",),
+    "compiled blocks": ("ddp",),  # the other strategies wrap the model in engines whose compiled graphs are not tested
+    "captured step": ("ddp",),  # one rank's whole forward and backward, replayed; the engines keep their own hooks
+    "a DeepSpeed config": ("deepspeed",),  # DEEPSPEED_CONFIG, ZERO_STAGE, ZERO_OFFLOAD
+    # one global order of the rows that any replica count continues: DeepSpeed's checkpoints hold each rank's
+    # partition of the optimizer state
+    "another replica count": ("ddp", "fsdp"),
+}
+
+
+def runs_under(strategy: str, what: str) -> bool:
+    """Whether STRATEGY=`strategy` runs `what` (a row of RUNS_UNDER)."""
+    return strategy in RUNS_UNDER[what]
+
+
 def default_output_dir() -> str:
     # On the platform the shared volume is the only place every replica (and a restart) can see.
     return f"{SHARED_VOLUME}/output" if os.path.isdir(SHARED_VOLUME) else "./output"
@@ -638,13 +658,15 @@ class Settings(BaseSettings):
                 f"ZERO_OFFLOAD=optimizer+parameters offloads the weights, which only ZeRO stage 3 shards "
                 f"(ZERO_STAGE={self.zero_stage}); set ZERO_STAGE=3, or ZERO_OFFLOAD=optimizer"
             )
-        if self.strategy == "deepspeed" and self.quantization in ("8bit", "4bit"):
+        # FSDP's refusal waits for the device (RUNS_UNDER)
+        quantized = self.quantization in ("8bit", "4bit")
+        if quantized and not runs_under(self.strategy, "quantized weights") and self.strategy != "fsdp":
             raise ValueError(
                 f"QUANTIZATION={self.quantization} cannot be combined with STRATEGY=deepspeed: DeepSpeed casts and "
                 "shards the weights, which bitsandbytes' quantized weights do not survive; use QUANTIZATION=none (or "
                 f"auto: none under deepspeed), or STRATEGY=ddp for {self.quantization}"
             )
-        if self.torch_compile is True and self.strategy != "ddp":
+        if self.torch_compile is True and not runs_under(self.strategy, "compiled blocks"):
             raise ValueError(
                 f"TORCH_COMPILE=true runs under STRATEGY=ddp only: {self.strategy} wraps the model in its own engine, "
                 "whose compiled graphs are not tested here; set TORCH_COMPILE=auto (off under "
@@ -666,13 +688,15 @@ class Settings(BaseSettings):
                 f"{asked} chooses among the evaluations during training, and EVAL_STEPS=0 runs none; unset EVAL_STEPS "
                 "(4 evaluations an epoch) or set it to the interval to evaluate at"
             )
-        if self.cuda_graphs is True and (self.strategy != "ddp" or self.gradient_checkpointing):
+        if self.cuda_graphs is True and (
+            not runs_under(self.strategy, "captured step") or self.gradient_checkpointing
+        ):
             raise ValueError(
                 "CUDA_GRAPHS=true captures the whole step under STRATEGY=ddp without GRADIENT_CHECKPOINTING "
                 f"(STRATEGY={self.strategy}, GRADIENT_CHECKPOINTING={str(self.gradient_checkpointing).lower()}); "
                 "set CUDA_GRAPHS=auto (off where it cannot run) or false"
             )
-        if self.deepspeed_config is not None and self.strategy != "deepspeed":
+        if self.deepspeed_config is not None and not runs_under(self.strategy, "a DeepSpeed config"):
             raise ValueError(
                 f"DEEPSPEED_CONFIG={self.deepspeed_config} is a DeepSpeed config but STRATEGY={self.strategy}; "
                 "set STRATEGY=deepspeed, or unset DEEPSPEED_CONFIG"
