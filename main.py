@@ -47,11 +47,13 @@ from dataclasses import asdict
 from utils.cluster.preemption import Preemption
 from utils.common.errors import EXIT_UNEXPECTED, JobError, Preempted
 from utils.common.hub_token import install_masking
-from utils.config.deepspeed_config import deepspeed_overrides, describe_strategy, with_deepspeed
+from utils.config.deepspeed_config import DeepSpeedChoices, describe_strategy, with_deepspeed
 from utils.config.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
 from utils.config.local_inputs import check_dataset, check_model_folder, test_split_file
 from utils.config.plan import Plan, batch_warning, build_plan, check_elastic_range
-from utils.config.settings import Settings, check_push_possible, check_trackers, load_settings
+from utils.config.preflight import check_push_possible, check_trackers
+from utils.config.settings import Settings
+from utils.config.sources import load_settings
 from utils.config.tasks import describe_task
 from utils.run_folder.checkpoints import volume_fault
 from utils.run_folder.layout import check_output_writable
@@ -62,14 +64,14 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     """Everything decided before torch is imported, on every rank alike: the settings (defaults < recipe file < env <
     flags, and what an accelerate config or DEEPSPEED_CONFIG chooses), who this process is, the plan; every check
     that needs neither torch nor the network. Bad input raises JobError (exit 2) with the fix."""
-    launcher = launcher_options()
-    settings, args = load_settings(  # less the `deepspeed` launcher's --local_rank
-        launcher_argv(argv), overrides=lambda given: deepspeed_overrides(given, launcher)
-    )
+    deepspeed = DeepSpeedChoices(launcher_options())  # reads DEEPSPEED_CONFIG, once, as the settings are read
+    settings, args = load_settings(
+        launcher_argv(argv), overrides=deepspeed
+    )  # less the `deepspeed` launcher's --local_rank
     dist = detect_env()
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
-    plan = with_deepspeed(build_plan(settings, dist.world_size), settings)  # DeepSpeed: its config, read and checked
+    plan = with_deepspeed(build_plan(settings, dist.world_size), settings, deepspeed.file)  # DeepSpeed: checked
     check_push_possible(settings)
     check_trackers(settings)
     return settings, dist, args, plan

@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 
 from utils.common.errors import EXIT_BAD_INPUT, JobError
-from utils.config.settings import Parser
+from utils.config.sources import Parser
 from utils.config.tasks import MULTI_LABEL
 from utils.run_folder.model_files import (
     BASE_NAME,

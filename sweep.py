@@ -26,7 +26,7 @@ from pathlib import Path
 
 from utils.common.errors import JobError
 from utils.common.hub_token import install_masking
-from utils.config.settings import Parser
+from utils.config.sources import Parser
 from utils.sweeps.katib import write_experiment
 from utils.sweeps.local import check_study, pass_stop_signal, run_local, run_trial
 from utils.sweeps.slurm import render_array

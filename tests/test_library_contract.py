@@ -12,7 +12,7 @@ The progress callback's `training_bar` is closed by the job before an error line
 `_no_split_modules` names the blocks FSDP shards (utils/config/strategy.py); `_attn_implementation` is how the
 benchmarks read the attention the model runs.
 
-pydantic-settings: load_settings (utils/config/settings.py) reads any mapping as the environment by overriding
+pydantic-settings: load_settings (utils/config/sources.py) reads any mapping as the environment by overriding
 `EnvSettingsSource._load_env_vars`, builds Settings from its own sources with `Settings(_build_sources=...)`,
 and hands `CliSettingsSource` its environment source (`_env_settings_source`) for `--help`.
 
@@ -257,12 +257,12 @@ def test_the_environment_source_reads_what_load_env_vars_returns(monkeypatch):
     import pydantic_settings
     from pydantic_settings import EnvSettingsSource
 
-    from utils.config.settings import _Environment
+    from utils.config.sources import _Environment
 
     where = f"pydantic-settings {pydantic_settings.__version__}"
     hook = getattr(EnvSettingsSource, "_load_env_vars", None)
     assert hook is not None and list(inspect.signature(hook).parameters) == ["self"], (
-        f"{where}: EnvSettingsSource._load_env_vars is gone or takes other arguments; utils/config/settings.py _Environment "
+        f"{where}: EnvSettingsSource._load_env_vars is gone or takes other arguments; utils/config/sources.py _Environment "
         "overrides it to read a mapping instead of os.environ"
     )
     monkeypatch.setenv("NUM_EPOCHS", "7")
@@ -270,7 +270,7 @@ def test_the_environment_source_reads_what_load_env_vars_returns(monkeypatch):
     read = _Environment({"NUM_EPOCHS": "3", "SEED": "   "})()
     assert read == {"num_epochs": "3"}, (
         f"{where}: an environment source over {{NUM_EPOCHS: 3, SEED: blank}} with NUM_EPOCHS=7 LORA_R=4 in os.environ "
-        f"read {read}; utils/config/settings.py relies on it reading the mapping alone"
+        f"read {read}; utils/config/sources.py relies on it reading the mapping alone"
     )
 
 
@@ -281,11 +281,12 @@ def test_settings_are_built_from_exactly_the_sources_given(monkeypatch):
     import pydantic_settings
     from pydantic_settings import BaseSettings
 
-    from utils.config.settings import Settings, _Environment
+    from utils.config.settings import Settings
+    from utils.config.sources import _Environment
 
     where = f"pydantic-settings {pydantic_settings.__version__}"
     assert "_build_sources" in inspect.signature(BaseSettings.__init__).parameters, (
-        f"{where}: BaseSettings no longer takes _build_sources; utils/config/settings.py load_settings builds Settings from "
+        f"{where}: BaseSettings no longer takes _build_sources; utils/config/sources.py load_settings builds Settings from "
         "its own flag and environment sources with it"
     )
     monkeypatch.setenv("LORA_R", "4")
@@ -305,11 +306,12 @@ def test_the_flag_source_takes_the_environment_source_and_reports_the_flags_give
     import pydantic_settings
     from pydantic_settings import CliSettingsSource
 
-    from utils.config.settings import Settings, _Environment, _parser
+    from utils.config.settings import Settings
+    from utils.config.sources import _Environment, _parser
 
     where = f"pydantic-settings {pydantic_settings.__version__}"
     assert "_env_settings_source" in inspect.signature(CliSettingsSource.__init__).parameters, (
-        f"{where}: CliSettingsSource no longer takes _env_settings_source; utils/config/settings.py load_settings passes "
+        f"{where}: CliSettingsSource no longer takes _env_settings_source; utils/config/sources.py load_settings passes "
         "its environment source so --help names the variables"
     )
     parser = _parser()

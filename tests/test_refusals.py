@@ -51,7 +51,7 @@ from tests.conftest import (
 from tests.hub_stub import HubStub
 from utils.common.errors import EXIT_BAD_INPUT
 from utils.config.plan import build_plan
-from utils.config.settings import load_settings
+from utils.config.sources import load_settings
 from utils.run_folder.record import RUN_RECORD_FORMAT
 
 GOOD_ROWS = [("a wonderful film", 1), ("a dull film", 0)] * 4

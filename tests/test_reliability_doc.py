@@ -115,7 +115,7 @@ def model(folder: Path, text_column: str = "sentence") -> str:
     """OUTPUT_DIR/model as predict.py reads it before loading any weight: the record of what one input is (and the
     label names), written by the job's own writer as a run of TEXT_COLUMN=`text_column` saves it beside the adapter.
     Every example below but the base's is refused before the weights would load."""
-    from utils.config.settings import load_settings
+    from utils.config.sources import load_settings
     from utils.publishing.model_card import write_label_names
 
     (folder / "OUTPUT_DIR" / "model").mkdir(parents=True)
@@ -405,7 +405,7 @@ def test_deepspeed_not_installed_is_refused_at_dry_run(tmp_path, monkeypatch):
 def agreement(world: int, **env: str) -> dict:
     """What a rank given `env` on `world` replicas brings to the rendezvous (utils/run.agreement_of), one RUN_NAME."""
     from utils.config.plan import build_plan
-    from utils.config.settings import load_settings
+    from utils.config.sources import load_settings
     from utils.run import agreement_of
 
     settings, _ = load_settings([], environ={"OUTPUT_DIR": "/pvc-home/output", "RUN_NAME": "sst2", **env})
@@ -498,7 +498,7 @@ def test_the_identity_lines_shown_are_the_ones_a_restart_prints():
     changed its scheduler: each run's identity as the plan derives it, compared as every place compares them."""
     from utils.config.identity import agreement_refusal, check_same_run
     from utils.config.plan import build_plan
-    from utils.config.settings import load_settings
+    from utils.config.sources import load_settings
 
     settings, _ = load_settings([], environ={"PER_DEVICE_BATCH_SIZE": "16"})
     with pytest.raises(JobError) as refused:
@@ -613,7 +613,7 @@ def test_the_checkpoint_lines_shown_are_the_ones_a_restart_logs(tmp_path, caplog
 @pytest.mark.check
 def test_the_misspelled_setting_warning_shown_is_the_one_a_start_prints(capsys):
     """What a start prints (utils/settings.warn_misspelled_variables) for LEARNIG_RATE in its environment."""
-    from utils.config.settings import warn_misspelled_variables
+    from utils.config.sources import warn_misspelled_variables
 
     warn_misspelled_variables({"LEARNIG_RATE": "1e-4"})
     [printed] = capsys.readouterr().err.splitlines()

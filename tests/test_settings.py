@@ -23,7 +23,8 @@ from tests.conftest import (
     start_main,
 )
 from utils.common.errors import EXIT_BAD_INPUT, JobError
-from utils.config.settings import FIELDS, FLAG_ALIASES, Settings, describe_range, env_name, flag_name, load_settings
+from utils.config.settings import FIELDS, Settings, env_name, flag_name
+from utils.config.sources import FLAG_ALIASES, describe_range, load_settings
 
 # Settings parsing and --dry-run, no training: `make check` runs the tests marked `check` (in this process); the
 # ones that start main.py (--help, --dry-run's own output, a refused start) hold the process to the same answers.

@@ -301,7 +301,7 @@ def test_the_evaluation_loss_is_the_whole_splits_on_two_replicas(tmp_path, tiny_
 # ------------------------------------------------------------------------------- refusals and warnings
 def checked_data(tmp: Path, tiny_bert: Path, env: dict[str, str]):
     """The settings a start resolves from `env`, then the data checks (`check_and_rename(load_raw(...))`)."""
-    from utils.config.settings import load_settings
+    from utils.config.sources import load_settings
     from utils.training.data import check_and_rename, load_raw
 
     settings, _ = load_settings([], {"MODEL_NAME": str(tiny_bert), "OUTPUT_DIR": str(tmp / "out"), **env})

@@ -107,7 +107,8 @@ def test_tracking_uris_mlflow_cannot_use_are_bad_input_with_the_fix(monkeypatch,
     """The check main.py runs before loading (`check_tracker_uri`), in this process: one case per way MLflow
     refuses a URI, each a JobError with exit 2, the fix, and the password in the URI masked."""
     from utils.common.errors import EXIT_BAD_INPUT, JobError
-    from utils.config.settings import Settings, check_tracker_uri
+    from utils.config.preflight import check_tracker_uri
+    from utils.config.settings import Settings
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri.format(port=free_port(), silent=silent_server))
     with pytest.raises(JobError) as refused:  # given up on (MLflow alone retries for minutes)

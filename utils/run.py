@@ -39,13 +39,14 @@ from utils.cluster.collectives import Collectives, rendezvous
 from utils.cluster.job import Job
 from utils.cluster.run_lock import RunLock
 from utils.common.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, JobError, Preempted
-from utils.common.hub_token import MaskingFilter, read_token
+from utils.common.hub_token import MaskingFilter
 from utils.config.distributed import DistEnv, export_env, launcher_options, masked_environ
 from utils.config.identity import check_same_run, short_digest
 from utils.config.local_inputs import check_test_columns, test_split_file
 from utils.config.plan import Plan, batch_warning
+from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
-from utils.config.settings import Settings, check_tracker_uri, resolve_base_model_id
+from utils.config.settings import Settings, resolve_base_model_id
 from utils.config.strategy import check_strategy, full_state_dict
 from utils.config.tasks import MULTI_LABEL, headline
 from utils.publishing.hub import Hub, push_model, save_merged, save_model
@@ -373,7 +374,7 @@ def run(job: Job) -> int:
     seen = ", ".join(f"{k}={v}" for k, v in masked_environ().items()) or "none set"
     where = (dist.rank, dist.world_size, dist.local_rank, dist.node_rank, dist.source, seen)
     log.info("rank %d of %d (local rank %d, node %d) via %s; launcher variables: %s", *where)
-    hub = Hub(read_token(), job.settings.push_timeout, job.settings.hub_timeout)
+    hub = Hub(job.settings.hub_token, job.settings.push_timeout, job.settings.hub_timeout)
     if job.out.is_finished():
         log.info("%s already holds a finished run", job.out.root)
         if dist.is_main:  # what the run ended with, as its own last line said it
@@ -691,7 +692,7 @@ def publish_only(job: Job) -> int:
         raise JobError(
             EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (or RESULT_MERGED_MODEL_ID): the Hub repo to push to"
         )
-    hub = Hub(read_token(), settings.push_timeout, settings.hub_timeout)
+    hub = Hub(settings.hub_token, settings.push_timeout, settings.hub_timeout)
     for repo_id in filter(None, (settings.result_model_id, settings.result_merged_model_id)):
         hub.check_write_access(repo_id)
     # What is published follows what was trained: the labels, base and run name in the run's metrics.json. Under

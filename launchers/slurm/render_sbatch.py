@@ -28,7 +28,8 @@ sys.path.insert(0, str(REPO))
 
 from utils.common.errors import JobError  # noqa: E402
 from utils.config.distributed import SLURM_TIME_LIMIT  # noqa: E402
-from utils.config.settings import FIELDS, SHARED_VOLUME, env_name, find_misspelled_variables, load_settings  # noqa: E402
+from utils.config.settings import FIELDS, SHARED_VOLUME, env_name  # noqa: E402
+from utils.config.sources import find_misspelled_variables, load_settings  # noqa: E402
 
 TEMPLATE = Path(__file__).with_name("train.sbatch.template")
 PLACEHOLDER = re.compile(r"@([A-Z_]+)@")

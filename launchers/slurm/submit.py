@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from utils.common.errors import JobError  # noqa: E402
-from utils.config.settings import load_settings  # noqa: E402
+from utils.config.sources import load_settings  # noqa: E402
 
 
 class Train(submitit.helpers.Checkpointable):

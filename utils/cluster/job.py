@@ -18,7 +18,7 @@ import torch
 
 from utils.cluster.preemption import Preemption
 from utils.common.hub_token import Masker
-from utils.config.deepspeed_config import check_config
+from utils.config.deepspeed_config import check_pinned
 from utils.config.distributed import DistEnv
 from utils.config.plan import Plan, with_device, with_rows
 from utils.config.settings import Settings
@@ -49,7 +49,7 @@ class Job:
         cuda = torch.cuda.is_available()
         plan = with_device(plan, settings, cuda, cuda and torch.cuda.is_bf16_supported())
         if plan.deepspeed is not None and settings.deepspeed_config is not None:
-            check_config(plan.deepspeed, settings, plan)  # a precision the file pins, now that PRECISION is resolved
+            check_pinned(plan.deepspeed, settings, plan)  # a precision the file pins, now that PRECISION is resolved
         device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
         return cls(settings, dist, out, cuda, device, plan, preemption, masker)
 

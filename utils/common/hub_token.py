@@ -241,11 +241,11 @@ def _mask_streams(masker: Masker) -> None:
         setattr(sys, name, MaskedStream(stream, masker))
 
 
-def refuse_token_in_settings(values: dict[str, Any]) -> None:
+def refuse_token_in_settings(values: dict[str, Any], token: SecretStr | None) -> None:
     """A setting that holds the token would put it in folder names, run.json, the model card and the
     trackers: refuse it by name, without showing it."""
-    token = Masker(read_token())
-    holding = [name for name, value in values.items() if name != "hf_token" and token.holds_secret(str(value))]
+    masker = Masker(token)
+    holding = [name for name, value in values.items() if name != "hf_token" and masker.holds_secret(str(value))]
     if holding:
         names = ", ".join(name.upper() for name in holding)
         raise JobError(

@@ -2,7 +2,7 @@
 over the main thread (`watchdog`), a heartbeat (`Heartbeat`).
 
 Daemon threads, so one stuck in a call that never returns (a silent server, a native wait) never holds the
-process's exit. The standard library only: utils/config/settings.py uses it before torch is imported.
+process's exit. The standard library only: utils/config/preflight.py uses it before torch is imported.
 """
 
 from __future__ import annotations

@@ -104,8 +104,9 @@ def build_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-def load_config(path: str) -> dict[str, Any]:
-    """DEEPSPEED_CONFIG read and parsed; a missing, unreadable or non-JSON file is bad input."""
+def read_deepspeed_config(path: str) -> dict[str, Any]:
+    """DEEPSPEED_CONFIG read, parsed and its ZeRO stage and offload checked: the one read of the file, as the settings
+    are read (DeepSpeedChoices); the plan takes this result. A missing, unreadable or non-JSON file is bad input."""
     try:
         config = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -114,6 +115,7 @@ def load_config(path: str) -> dict[str, Any]:
         problem = f"is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
     else:
         if isinstance(config, dict):
+            check_zero(config, f"DEEPSPEED_CONFIG={path}")
             return config
         problem = f"holds a JSON {type(config).__name__}, not an object"
     raise JobError(
@@ -157,7 +159,30 @@ def owned_values(settings: Settings, plan: Plan) -> dict[str, Any]:
 
 
 def check_config(config: Mapping[str, Any], settings: Settings, plan: Plan) -> None:
-    """Refuse a user's config that pins a value the plan resolves otherwise, or that cannot apply."""
+    """Refuse a user's config that pins a value the plan resolves otherwise, or that cannot apply (its ZeRO block was
+    checked as it was read)."""
+    where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
+    check_pinned(config, settings, plan)
+    check_scheduler(config, where)
+    for path in _auto_paths(config):
+        if path not in OWNED and path not in FILLED_ELSEWHERE:
+            raise JobError(
+                EXIT_BAD_INPUT,
+                f'{where} sets {path}: "auto", which neither the job nor the Trainer fills in (DeepSpeed would read '
+                f'the word "auto" as its value); write a value for {path}, or drop it for DeepSpeed\'s default',
+            )
+    if "optimizer" in config and (plan.loraplus_ratio != 1 or plan.head_ratio != 1):
+        raise JobError(
+            EXIT_BAD_INPUT,
+            f"{where} has an optimizer block, which replaces the job's AdamW and with it the recipe's per-group rates "
+            f"(LORAPLUS_LR_RATIO={plan.loraplus_ratio:g}, HEAD_LEARNING_RATE_RATIO={plan.head_ratio:g}); "
+            "drop the optimizer block (the job's AdamW runs under DeepSpeed), or set both ratios to 1",
+        )
+
+
+def check_pinned(config: Mapping[str, Any], settings: Settings, plan: Plan) -> None:
+    """Refuse a value the file pins that the plan resolves otherwise: at --dry-run, and again in Job.start once the
+    precision is known (the rest of the file does not change with the device)."""
     where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
     owned = owned_values(settings, plan)
     for field in ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"):
@@ -178,22 +203,6 @@ def check_config(config: Mapping[str, Any], settings: Settings, plan: Plan) -> N
                 f"{where} pins {field}: {json.dumps(theirs)} but the job's settings resolve it to {json.dumps(ours)}; "
                 f'write "auto" for {field} in the file (the job fills it in){fix}',
             )
-    check_zero(config, where)
-    check_scheduler(config, where)
-    for path in _auto_paths(config):
-        if path not in OWNED and path not in FILLED_ELSEWHERE:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f'{where} sets {path}: "auto", which neither the job nor the Trainer fills in (DeepSpeed would read '
-                f'the word "auto" as its value); write a value for {path}, or drop it for DeepSpeed\'s default',
-            )
-    if "optimizer" in config and (plan.loraplus_ratio != 1 or plan.head_ratio != 1):
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{where} has an optimizer block, which replaces the job's AdamW and with it the recipe's per-group rates "
-            f"(LORAPLUS_LR_RATIO={plan.loraplus_ratio:g}, HEAD_LEARNING_RATE_RATIO={plan.head_ratio:g}); "
-            "drop the optimizer block (the job's AdamW runs under DeepSpeed), or set both ratios to 1",
-        )
 
 
 def _same(theirs: Any, ours: Any) -> bool:
@@ -293,9 +302,10 @@ def complete_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     return completed
 
 
-def with_deepspeed(plan: Plan, settings: Settings) -> Plan:
-    """The plan with the DeepSpeed config the run hands the Trainer, for STRATEGY=deepspeed: checked against the plan
-    here, and again in Job.start once the precision is known."""
+def with_deepspeed(plan: Plan, settings: Settings, file: Mapping[str, Any] | None) -> Plan:
+    """The plan with the DeepSpeed config the run hands the Trainer, for STRATEGY=deepspeed: DEEPSPEED_CONFIG's `file`
+    as DeepSpeedChoices read it, completed and checked against the plan here, and its pins again in Job.start once
+    the precision is known."""
     if plan.strategy != "deepspeed":
         return plan
     if importlib.util.find_spec("deepspeed") is None:
@@ -306,7 +316,7 @@ def with_deepspeed(plan: Plan, settings: Settings) -> Plan:
         )
     if settings.deepspeed_config is None:
         return replace(plan, deepspeed=build_config(settings))
-    config = complete_config(load_config(settings.deepspeed_config), f"DEEPSPEED_CONFIG={settings.deepspeed_config}")
+    config = complete_config(file, f"DEEPSPEED_CONFIG={settings.deepspeed_config}")
     check_config(config, settings, plan)
     return replace(plan, deepspeed=config)
 
@@ -386,10 +396,26 @@ def launcher_choices(launcher: Mapping[str, object]) -> dict[str, Any]:
     return chosen
 
 
-def deepspeed_overrides(settings: Settings, launcher: Mapping[str, object]) -> dict[str, Any]:
+class DeepSpeedChoices:
+    """load_settings' `overrides` (deepspeed_overrides), keeping the DEEPSPEED_CONFIG it read in `file` for the plan
+    (with_deepspeed): the file is read and checked once, as the settings are read."""
+
+    def __init__(self, launcher: Mapping[str, object]):
+        self.launcher = launcher
+        self.file: dict[str, Any] | None = None  # DEEPSPEED_CONFIG's content, as read_deepspeed_config returned it
+
+    def __call__(self, settings: Settings) -> dict[str, Any]:
+        chosen, self.file = deepspeed_overrides(settings, self.launcher)
+        return chosen
+
+
+def deepspeed_overrides(
+    settings: Settings, launcher: Mapping[str, object]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """What the accelerate config (`launcher_choices`) and then DEEPSPEED_CONFIG's ZeRO stage and offload choose, as
     settings load_settings merges over the user's: run.json, the identity and the checkpoints record what trains, and
-    a file edited before a restart is refused like any changed setting; one given beside them that differs, exit 2."""
+    a file edited before a restart is refused like any changed setting; one given beside them that differs, exit 2.
+    With the file as read (read_deepspeed_config), None when there is none."""
     check_launcher(settings, launcher)
     chosen = launcher_choices(launcher)
     explicit = settings.model_fields_set
@@ -402,10 +428,9 @@ def deepspeed_overrides(settings: Settings, launcher: Mapping[str, object]) -> d
             )
     path = chosen.get("deepspeed_config", settings.deepspeed_config)
     if chosen.get("strategy", settings.strategy) != "deepspeed" or path is None:
-        return chosen
+        return chosen, None
     where = f"DEEPSPEED_CONFIG={path}"
-    config = load_config(path)
-    check_zero(config, where)
+    config = read_deepspeed_config(path)
     by_file = {"zero_stage": zero_stage(config), "zero_offload": OFFLOAD_SETTING[offloads(config)]}
     what = {
         "zero_stage": "ZeRO stage {} (zero_optimization.stage)",
@@ -420,4 +445,4 @@ def deepspeed_overrides(settings: Settings, launcher: Mapping[str, object]) -> d
                 f"{who}{name.upper()}={ours} but {where} sets {what[name].format(value)}; the file decides what "
                 f"trains: unset {name.upper()} (or set it to {value}), or change the file",
             )
-    return {**chosen, **by_file}
+    return {**chosen, **by_file}, config

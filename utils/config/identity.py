@@ -37,7 +37,7 @@ from typing import Any
 
 from utils.common.delimited import data_files
 from utils.common.errors import EXIT_BAD_INPUT, JobError
-from utils.config.settings import Settings, batch_follows_replicas
+from utils.config.settings import Settings, batch_follows_replicas, runs_under
 from utils.config.tasks import MULTI_LABEL, REGRESSION, validation_splits
 
 # Bumped when a field's meaning changes: an identity another version recorded is compared on the fields both hold.
@@ -120,7 +120,7 @@ def run_identity(
     """The key two starts must share to be one run (JSON-ready: run.json and the checkpoints hold it as is). Every
     field is always present (None where the run does not use it), so two identities of this version differ exactly
     where their runs do."""
-    deepspeed = settings.strategy == "deepspeed"
+    deepspeed = runs_under(settings.strategy, "a DeepSpeed config")
     regression = settings.problem_type == REGRESSION
     multi_label = settings.problem_type == MULTI_LABEL
     choosing = settings.load_best_model or settings.early_stopping_patience is not None
@@ -223,7 +223,7 @@ def readable_digest(path: Path) -> str:
 
 def config_content(path: str | None) -> dict | str | None:
     """DEEPSPEED_CONFIG's content, parsed (its spacing and key order are not the run); the SHA-256 of its bytes when
-    it is not a JSON object, which utils/deepspeed_config.load_config refuses with the fix before anything runs."""
+    it is not a JSON object, which utils/config/deepspeed_config.read_deepspeed_config refuses with the fix before anything runs."""
     if path is None:
         return None
     file = Path(path).expanduser()

@@ -52,7 +52,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from utils.common.errors import EXIT_BAD_INPUT, JobError
 from utils.config.identity import run_identity, run_name, with_numerics
-from utils.config.settings import DEFAULT_GLOBAL_BATCH, MAX_GLOBAL_BATCH, Settings, batch_follows_replicas
+from utils.config.settings import DEFAULT_GLOBAL_BATCH, MAX_GLOBAL_BATCH, Settings, batch_follows_replicas, runs_under
 
 REFERENCE_GLOBAL_BATCH = DEFAULT_GLOBAL_BATCH  # one replica with the defaults: where BASE_LEARNING_RATE was measured
 REFERENCE_LORAPLUS_RATIO = 8.0  # the LoRA+ ratio measured best at the reference batch (docs/quality.md)
@@ -318,7 +318,7 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
             "PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS, or set GLOBAL_BATCH_SIZE",
         )
     rate = resolve_learning_rate(settings, batch)
-    deepspeed = settings.strategy == "deepspeed"
+    deepspeed = runs_under(settings.strategy, "a DeepSpeed config")
     plan = Plan(
         batch=batch,
         learning_rate=rate,
@@ -342,15 +342,19 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
     # A fixed global batch (GLOBAL_BATCH_SIZE, or the default) under DDP: one global order of the rows, which any
     # replica count continues (not under DeepSpeed, whose checkpoints hold each rank's partition of the optimizer
     # state). The rates as this plan trains at them, however they were given.
-    identity = run_identity(settings, batch.global_batch, world_size, batch.fixed and not deepspeed, plan.rates)
+    elastic = batch.fixed and runs_under(settings.strategy, "another replica count")
+    identity = run_identity(settings, batch.global_batch, world_size, elastic, plan.rates)
     return replace(plan, identity=identity, run_name=run_name(settings, identity))
 
 
 def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool) -> Plan:
     """The plan with `auto` precision and quantization resolved for this hardware; impossible asks are bad input."""
-    # auto: no 8-bit under DeepSpeed, which casts and shards the weights (an explicit 8bit is refused there).
+    # auto: 8-bit only where quantized weights run (an explicit 8bit is refused elsewhere).
     quantize = settings.quantization in ("8bit", "4bit") or (
-        settings.quantization == "auto" and cuda and plan.batch.world_size == 1 and plan.strategy != "deepspeed"
+        settings.quantization == "auto"
+        and cuda
+        and plan.batch.world_size == 1
+        and runs_under(plan.strategy, "quantized weights")
     )
     precision = settings.precision
     if precision == "auto":
@@ -366,7 +370,7 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
     capture = settings.cuda_graphs is True or (
         settings.cuda_graphs == "auto"
         and cuda
-        and plan.strategy == "ddp"
+        and runs_under(plan.strategy, "captured step")
         and not settings.gradient_checkpointing
         and precision != "fp16"
         and quantization != "4bit"
@@ -375,7 +379,11 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
     # step replays eager kernels, a cold start without minutes of compiling (on the CPU compiling takes minutes for
     # no gain; bitsandbytes' int8 matmul breaks the graphs: 195 ms a step compiled against 112 eager on an H200).
     compiled = settings.torch_compile is True or (
-        settings.torch_compile == "auto" and cuda and plan.strategy == "ddp" and not quantize and not capture
+        settings.torch_compile == "auto"
+        and cuda
+        and runs_under(plan.strategy, "compiled blocks")
+        and not quantize
+        and not capture
     )
     return replace(
         plan,

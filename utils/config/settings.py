@@ -1,12 +1,9 @@
-"""Every setting of the job, in one typed model: built-in defaults < recipe file < environment < command-line flags.
+"""Every setting of the job, in one typed model: each field with its default, range and `--help` text, and the rules
+across fields. Where the values come from (recipe, environment, flags) is utils/config/sources.py; the checks that
+look beyond the settings (a token for a push, a tracker's package and server) are utils/config/preflight.py.
 
-The platform's `config_map` arrives as environment variables, so each setting has an UPPER_SNAKE env
-name and a `--kebab-case` flag. The Hub token is the exception: it is read only from `HF_TOKEN` or
-the file named by `HF_TOKEN_PATH` (as huggingface_hub does), never from a flag, because flags end up
-in `ps`, shell history and job specs.
-
-A recipe (`--config FILE.yaml` or CONFIG_FILE) holds settings by their field names; unlike the environment,
-which holds other programs' variables too, anything else in it is refused.
+The Hub token is no setting: it is read only from `HF_TOKEN` or the file named by `HF_TOKEN_PATH` (as huggingface_hub
+does), never from a flag, because flags end up in `ps`, shell history and job specs.
 
 This module imports nothing heavy (pydantic and pydantic-settings only): `--help` and `--dry-run`
 must answer in well under a second, before torch or transformers are imported.
@@ -14,37 +11,15 @@ must answer in well under a second, before torch or transformers are imported.
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import json
 import os
 import re
-import socket
-import sys
-import textwrap
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    CliSettingsSource,
-    CliSuppress,
-    EnvSettingsSource,
-    InitSettingsSource,
-    NoDecode,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    SettingsError,
-    YamlConfigSettingsSource,
-)
+from pydantic import BeforeValidator, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, CliSuppress, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
-from utils.common.hub_token import UnfitFile, mask_urls, read_small_text, read_token, refuse_token_in_settings
-from utils.common.threads import Deadline, within
 from utils.config.tasks import GLUE, GLUE_DATASETS, GLUE_UNTRAINABLE, validation_splits
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
@@ -90,6 +65,26 @@ def split_commas(value: Any) -> Any:
 Names = Annotated[tuple[T, ...], NoDecode, BeforeValidator(split_commas)]
 
 
+# Which STRATEGY runs what, where not every one does: the one table the settings' refusals, the plan's `auto` choices
+# and the run identity (utils/config/plan.py, identity.py) and the FSDP preflight (utils/config/strategy.py) read.
+RUNS_UNDER = {
+    # bitsandbytes' quantized weights survive neither DeepSpeed's casting and sharding nor FSDP's sharding; FSDP's
+    # refusal waits for the device (utils/config/strategy.py), where FSDP on the CPU or one process is said first
+    "quantized weights": ("ddp",),
+    "compiled blocks": ("ddp",),  # the other strategies wrap the model in engines whose compiled graphs are not tested
+    "captured step": ("ddp",),  # one rank's whole forward and backward, replayed; the engines keep their own hooks
+    "a DeepSpeed config": ("deepspeed",),  # DEEPSPEED_CONFIG, ZERO_STAGE, ZERO_OFFLOAD
+    # one global order of the rows that any replica count continues: DeepSpeed's checkpoints hold each rank's
+    # partition of the optimizer state
+    "another replica count": ("ddp", "fsdp"),
+}
+
+
+def runs_under(strategy: str, what: str) -> bool:
+    """Whether STRATEGY=`strategy` runs `what` (a row of RUNS_UNDER)."""
+    return strategy in RUNS_UNDER[what]
+
+
 def default_output_dir() -> str:
     # On the platform the shared volume is the only place every replica (and a restart) can see.
     return f"{SHARED_VOLUME}/output" if os.path.isdir(SHARED_VOLUME) else "./output"
@@ -120,7 +115,7 @@ class Settings(BaseSettings):
     )
 
     # --- where the settings come from
-    # Shown once in --help, as --config (_parser); --config-file still works, unlisted.
+    # Shown once in --help, as --config (sources._parser); --config-file still works, unlisted.
     config_file: CliSuppress[PathStr | None] = Field(
         None,
         description="a YAML recipe of settings by their --dry-run names; env and flags win over it (also --config)",
@@ -427,6 +422,11 @@ class Settings(BaseSettings):
         "wandb, trackio, or none; each reads its own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, ...)",
     )
 
+    # The Hub token, no setting (never a flag or a recipe key): read once, as load_settings reads the settings, and
+    # kept here so the push, its preflight and --dry-run's "***" ask the same value without reading it again.
+    # Settings built directly (tests, benchmarks) have none.
+    _hub_token: SecretStr | None = PrivateAttr(None)
+
     @classmethod
     def settings_customise_sources(
         cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, **_: Any
@@ -658,13 +658,15 @@ class Settings(BaseSettings):
                 f"ZERO_OFFLOAD=optimizer+parameters offloads the weights, which only ZeRO stage 3 shards "
                 f"(ZERO_STAGE={self.zero_stage}); set ZERO_STAGE=3, or ZERO_OFFLOAD=optimizer"
             )
-        if self.strategy == "deepspeed" and self.quantization in ("8bit", "4bit"):
+        # FSDP's refusal waits for the device (RUNS_UNDER)
+        quantized = self.quantization in ("8bit", "4bit")
+        if quantized and not runs_under(self.strategy, "quantized weights") and self.strategy != "fsdp":
             raise ValueError(
                 f"QUANTIZATION={self.quantization} cannot be combined with STRATEGY=deepspeed: DeepSpeed casts and "
                 "shards the weights, which bitsandbytes' quantized weights do not survive; use QUANTIZATION=none (or "
                 f"auto: none under deepspeed), or STRATEGY=ddp for {self.quantization}"
             )
-        if self.torch_compile is True and self.strategy != "ddp":
+        if self.torch_compile is True and not runs_under(self.strategy, "compiled blocks"):
             raise ValueError(
                 f"TORCH_COMPILE=true runs under STRATEGY=ddp only: {self.strategy} wraps the model in its own engine, "
                 "whose compiled graphs are not tested here; set TORCH_COMPILE=auto (off under "
@@ -686,13 +688,15 @@ class Settings(BaseSettings):
                 f"{asked} chooses among the evaluations during training, and EVAL_STEPS=0 runs none; unset EVAL_STEPS "
                 "(4 evaluations an epoch) or set it to the interval to evaluate at"
             )
-        if self.cuda_graphs is True and (self.strategy != "ddp" or self.gradient_checkpointing):
+        if self.cuda_graphs is True and (
+            not runs_under(self.strategy, "captured step") or self.gradient_checkpointing
+        ):
             raise ValueError(
                 "CUDA_GRAPHS=true captures the whole step under STRATEGY=ddp without GRADIENT_CHECKPOINTING "
                 f"(STRATEGY={self.strategy}, GRADIENT_CHECKPOINTING={str(self.gradient_checkpointing).lower()}); "
                 "set CUDA_GRAPHS=auto (off where it cannot run) or false"
             )
-        if self.deepspeed_config is not None and self.strategy != "deepspeed":
+        if self.deepspeed_config is not None and not runs_under(self.strategy, "a DeepSpeed config"):
             raise ValueError(
                 f"DEEPSPEED_CONFIG={self.deepspeed_config} is a DeepSpeed config but STRATEGY={self.strategy}; "
                 "set STRATEGY=deepspeed, or unset DEEPSPEED_CONFIG"
@@ -705,9 +709,14 @@ class Settings(BaseSettings):
         return self
 
     # ---------------------------------------------------------------- views
+    @property
+    def hub_token(self) -> SecretStr | None:
+        """HF_TOKEN (or HF_TOKEN_PATH's file) as load_settings read and checked it; None when neither is set."""
+        return self._hub_token
+
     def as_dict(self) -> dict[str, Any]:
         values = self.model_dump(mode="json")
-        values["hf_token"] = "***" if read_token() else None
+        values["hf_token"] = "***" if self._hub_token else None
         return values
 
 
@@ -737,112 +746,6 @@ def resolve_base_model_id(settings: Settings) -> str | None:
     return cached[-1].removeprefix("models--").replace("--", "/") if cached else None
 
 
-def check_push_possible(settings: Settings) -> None:
-    """A push that cannot happen (no token, offline mode, an adapter nobody could load) is bad input now,
-    before any import, data or GPU time."""
-    repos = {"RESULT_MODEL_ID": settings.result_model_id, "RESULT_MERGED_MODEL_ID": settings.result_merged_model_id}
-    pushes = " and ".join(f"{name}={value}" for name, value in repos.items() if value)
-    if pushes and read_token() is None:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{pushes} ask(s) for a push but no token is set; "
-            "set HF_TOKEN (or HF_TOKEN_PATH to a file holding it), or unset them to keep the model on the volume",
-        )
-    if pushes and os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{pushes} ask(s) for a push but HF_HUB_OFFLINE is set; "
-            "unset HF_HUB_OFFLINE where the Hub is reachable, or unset them (push later with --push-only)",
-        )
-    if settings.result_model_id and resolve_base_model_id(settings) is None:
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"MODEL_NAME={settings.model_name} is a local folder that does not record the base model's Hub id, and an adapter "
-            f"pushed to {settings.result_model_id} would name this path as its base (nobody else could load it); "
-            "set BASE_MODEL_ID to the Hub id these weights came from (e.g. bert-base-uncased)",
-        )
-
-
-TRACKER_PACKAGES = {"mlflow": "mlflow-skinny", "wandb": "wandb", "trackio": "trackio"}  # module: pip name
-
-
-def check_trackers(settings: Settings) -> None:
-    """A tracker whose package is missing is bad input now, not a traceback when the Trainer starts."""
-    import importlib.util
-
-    for name in settings.report_to:
-        package = TRACKER_PACKAGES.get(name)
-        if package and importlib.util.find_spec(name) is None:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"REPORT_TO={','.join(settings.report_to)} needs the {package} package, which is not installed; "
-                f"pip install {package} (in the image: add it to requirements.txt), or drop {name} from REPORT_TO",
-            )
-
-
-# MLflow's client retries a silent server for minutes (7 retries, exponential back-off): the check gives up sooner.
-TRACKER_CHECK_SECONDS = 30
-
-
-def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECONDS) -> None:
-    """REPORT_TO=mlflow: MLflow accepts MLFLOW_TRACKING_URI and its store answers, within `timeout_s`, like the
-    Hub token before data and model load. Otherwise MLflow refuses it at the Trainer's first log call, after
-    loading, as a traceback (or retries a dead server for minutes). Read-only, so every rank may run it: a
-    server is asked for one experiment (MLflow's public client resolves the store, refusing a scheme it has none
-    for); a database store (sqlite, postgresql, ...) is not opened, since opening it creates and migrates it."""
-    if "mlflow" not in settings.report_to:
-        return
-    import mlflow
-
-    uri = mlflow.get_tracking_uri()  # MLFLOW_TRACKING_URI, or MLflow's own default
-    shown = (
-        f"MLFLOW_TRACKING_URI={mask_urls(uri)}" if os.environ.get("MLFLOW_TRACKING_URI") else f"MLflow's default {uri}"
-    )
-    fix = (
-        "set MLFLOW_TRACKING_URI to a running MLflow tracking server (e.g. http://mlflow.example:5000) or a "
-        "database file (e.g. sqlite:////pvc-home/mlflow.db), or drop mlflow from REPORT_TO"
-    )
-
-    def refused(why: str) -> JobError:
-        return JobError(EXIT_BAD_INPUT, mask_urls(f"REPORT_TO=mlflow but {why}; {fix}"))
-
-    def cause(exc: BaseException) -> str:
-        first = (str(exc).strip().splitlines() or [""])[0]
-        first = first if len(first) <= 300 else first[:300] + " ..."
-        return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-    parts = urllib.parse.urlsplit(uri)
-    scheme = parts.scheme.split("+")[0]
-    if scheme in ("sqlite", "postgresql", "mysql", "mssql"):
-        return
-    if scheme in ("http", "https"):
-        if not parts.hostname:
-            raise refused(f"{shown} names no host")
-        proxied = urllib.request.getproxies().get(scheme) and not urllib.request.proxy_bypass(parts.hostname)
-        if not proxied:  # a refused connection answers at once; MLflow's client would retry it for minutes
-            try:
-                port = parts.port or (443 if scheme == "https" else 80)
-                socket.create_connection((parts.hostname, port), timeout=min(10.0, timeout_s)).close()
-            except (OSError, ValueError) as exc:
-                raise refused(f"no tracking server answers at {shown} ({cause(exc)})") from None
-
-    def probe() -> None:
-        try:
-            client = mlflow.MlflowClient(tracking_uri=uri)  # resolves the store: an unknown scheme fails here
-        except BaseException as exc:  # whatever MLflow raises there is a refusal
-            raise refused(f"MLflow has no tracking store for {shown} ({cause(exc)})") from None
-        try:
-            client.search_experiments(max_results=1)
-        except BaseException as exc:
-            raise refused(f"MLflow refuses {shown} ({cause(exc)})") from None
-
-    try:
-        within(timeout_s, probe, "tracker-check")
-    except Deadline:
-        raise refused(f"the tracking server at {shown} did not answer within {timeout_s:g} s") from None
-
-
-# ------------------------------------------------------------------------------- parsing
 FIELDS = Settings.model_fields
 
 
@@ -854,403 +757,3 @@ def env_name(field: str) -> str:
 def flag_name(field: str) -> str:
     # the flag CliSettingsSource makes of the field (cli_kebab_case=True)
     return "--" + field.replace("_", "-")
-
-
-# The names run_glue and the HF Trainer (and Axolotl, torchtune) give settings this job has under names of its own:
-# people type them from those tools' commands and READMEs. Each is the job's flag, with dashes or underscores alike
-# (`--learning_rate` is `--learning-rate` for every flag, with no entry here).
-FLAG_ALIASES = {
-    "--model-name-or-path": "--model-name",  # run_glue
-    "--task-name": "--task",  # run_glue
-    "--num-train-epochs": "--num-epochs",  # the Trainer
-    "--per-device-train-batch-size": "--per-device-batch-size",  # the Trainer
-    "--hub-model-id": "--result-model-id",  # the Trainer
-    "--hub-private-repo": "--hub-private",  # the Trainer
-    "--lora-rank": "--lora-r",  # torchtune
-    "--sequence-len": "--max-seq-length",  # Axolotl
-    "--micro-batch-size": "--per-device-batch-size",  # Axolotl
-}
-# run_glue's and the Trainer's flags with no counterpart of that name here: refused with what to do instead, not
-# with a similar name that means something else (--eval-strategy is no --strategy, --local-rank no --lora-rank).
-NO_COUNTERPART = {
-    "--do-train": "this job always trains; leave it out",
-    "--do-eval": "this job always evaluates on the validation split(s); leave it out",
-    "--overwrite-output-dir": "an OUTPUT_DIR holding the same run is resumed, one holding another run is refused, "
-    "never overwritten; give a new --output-dir",
-    "--local-rank": "the launcher's LOCAL_RANK says it, and the deepspeed launcher's own --local_rank is taken off; "
-    "leave it out",
-    "--eval-strategy": "evaluations run every --eval-steps steps and after training",
-    "--evaluation-strategy": "evaluations run every --eval-steps steps and after training",
-    "--save-strategy": "checkpoints are saved every --save-steps steps",
-    "--bf16": "use --precision bf16 (auto picks bf16 where the GPU has it)",
-    "--fp16": "use --precision fp16 (auto picks bf16 where the GPU has it)",
-    "--warmup-steps": "use --warmup-ratio, the share of the steps warmed up",
-    "--train-file": "use --dataset-path, a folder holding train.* and validation.* files",
-    "--validation-file": "use --dataset-path, a folder holding train.* and validation.* files",
-}
-FLAG_CUTOFF = 0.75  # difflib's ratio: --lerning-rate -> --learning-rate 0.97, --epochs -> --num-epochs 0.8
-
-
-def kebab_flag(name: str) -> str:
-    """`--name` with dashes, the way the job spells its flags (`--learning_rate` -> `--learning-rate`)."""
-    return "--" + name.lstrip("-").replace("_", "-")
-
-
-class Parser(argparse.ArgumentParser):
-    """main.py's, predict.py's and sweep.py's: a command line argparse refuses is bad input like any other, one `error:` line
-    and exit 2 (JobError), not its usage block. Flags are taken with underscores too (`--text_column`), and an
-    unknown flag is answered with the closest one, as a misspelt environment variable is (main.py's parser also
-    knows FLAG_ALIASES and NO_COUNTERPART)."""
-
-    aliases: Mapping[str, str] = {}
-    no_counterpart: Mapping[str, str] = {}
-
-    def error(self, message: str):
-        raise JobError(EXIT_BAD_INPUT, f"{message}; see `python {self.prog} --help`")
-
-    # argparse's two, on the command line with its flags spelt the parser's way, and a hint for an unknown argument.
-    def parse_args(self, args=None, namespace=None):
-        return self._parsed(self.parse_known_args, args, namespace)
-
-    def parse_intermixed_args(self, args=None, namespace=None):
-        return self._parsed(self.parse_known_intermixed_args, args, namespace)
-
-    def _parsed(self, parse, args, namespace) -> argparse.Namespace:
-        parsed, unknown = parse(self.normalize(sys.argv[1:] if args is None else list(args)), namespace)
-        if unknown:
-            self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown[0])}")
-        return parsed
-
-    def normalize(self, argv: list[str]) -> list[str]:
-        """`argv` with each flag that is a known one spelt another way (underscores, an alias; `--flag=value` too)
-        written as the flag: what argparse and the settings source then read. Values and unknown flags stay as typed."""
-        takes_value = {flag for flag, action in self._option_string_actions.items() if action.nargs != 0}
-        normalized: list[str] = []
-        value_next = False  # the argument after a flag that takes one is its value, even one starting with --
-        for index, arg in enumerate(argv):
-            if arg == "--":
-                return normalized + argv[index:]
-            if not value_next and arg.startswith("--"):
-                name, equals, value = arg.partition("=")
-                flag = self.aliases.get(kebab_flag(name), kebab_flag(name))
-                respelt = name not in self._option_string_actions and flag in self._option_string_actions
-                arg = f"{flag}{equals}{value}" if respelt else arg
-                value_next = not equals and arg in takes_value
-            else:
-                value_next = False
-            normalized.append(arg)
-        return normalized
-
-    def hint(self, arg: str) -> str:
-        """` (did you mean --flag?)` for an unknown `arg`, or why it has no counterpart, or ''. A bare `name=value`
-        (Axolotl's and torchtune's overrides) gets the flag to type instead."""
-        name, equals, value = arg.partition("=")
-        flag = kebab_flag(name)
-        if flag in self.no_counterpart:
-            return f" ({name}: {self.no_counterpart[flag]})"
-        flags = [known for known in self._option_string_actions if known.startswith("--")]
-        close = difflib.get_close_matches(flag, [*flags, *self.aliases], n=1, cutoff=FLAG_CUTOFF)
-        if not close:
-            return ""
-        meant = self.aliases.get(close[0], close[0])
-        if name.startswith("-"):
-            return f" (did you mean {meant}?)"
-        return f" (a setting is given as a flag: {meant} {value})" if equals else ""
-
-
-class _Environment(EnvSettingsSource):
-    """The environment source over any mapping: os.environ for the job, `--set` values render_sbatch never exports."""
-
-    def __init__(self, environ: Mapping[str, str]):
-        self._environ = environ
-        super().__init__(Settings)
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        # A variable holding only blanks is as unset as an empty one (a blank config_map entry).
-        return {name.lower(): value for name, value in self._environ.items() if value.strip()}
-
-
-def _parser() -> Parser:
-    # allow_abbrev=False: `--learn 1e-3` is refused, never read as --learning-rate.
-    parser = Parser(
-        prog="main.py",
-        description="LoRA fine-tuning of BERT for text classification (GLUE SST-2 unless TASK or DATASET_PATH says otherwise), on one process or many. Every setting is a flag, an "
-        "environment variable or a key of a recipe file (--config; flags win over the environment, the environment "
-        "over the file); the Hub token comes only from HF_TOKEN or HF_TOKEN_PATH.",
-        epilog=textwrap.fill(
-            "The names run_glue, the Trainer, Axolotl and torchtune give these settings work too, with underscores "
-            "or dashes: "
-            + ", ".join(f"--{alias[2:].replace('-', '_')} ({flag})" for alias, flag in FLAG_ALIASES.items())
-            + "; and every flag above with underscores (--learning_rate).",
-            width=100,
-            break_on_hyphens=False,
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    parser.aliases, parser.no_counterpart = FLAG_ALIASES, NO_COUNTERPART
-    parser.add_argument(
-        "--dry-run", action="store_true", help="print the resolved settings and distributed env as JSON, then exit"
-    )
-    parser.add_argument(
-        "--config",
-        dest="config_file",  # the same setting as --config-file and CONFIG_FILE
-        metavar="FILE",
-        default=argparse.SUPPRESS,
-        help="a recipe: a YAML file of settings by their names (as --dry-run shows them); sets CONFIG_FILE",
-    )
-    parser.add_argument(
-        "--push-only",
-        action="store_true",
-        help="push an existing OUTPUT_DIR/model to RESULT_MODEL_ID without training",
-    )
-    return parser
-
-
-# ------------------------------------------------------------------------------- a recipe file
-RECIPE_MAX_BYTES = 1 << 20  # a recipe is a page of settings; more is the wrong file (and /dev/zero never ends)
-SECRET_SETTINGS = ("hf_token", "hf_token_path")
-
-
-class _Recipe(YamlConfigSettingsSource):
-    """A recipe (`--config`, CONFIG_FILE): pydantic-settings' YAML source, minus what it lets pass. It skips a file
-    that is missing or not regular and keeps the last of a key given twice; a recipe is the user's own, so each is
-    refused with the fix instead, and it is read without blocking and bounded (a FIFO, /dev/zero). A name that is no
-    setting is the model's refusal (extra="forbid"); load_settings names the closest setting."""
-
-    def __init__(self, path: str | None):
-        super().__init__(Settings, yaml_file=path)
-
-    @staticmethod
-    def _existing_files(files) -> list[Path]:
-        # A path past PATH_MAX is not opened: CONFIG_FILE's max_length refuses it, naming the flag and variable.
-        return [Path(files)] if files and len(files) <= PATH_MAX else []
-
-    def _read_file(self, file_path: Path) -> dict[str, Any]:
-        import yaml  # only when a recipe is given
-
-        def refused(why: str) -> JobError:
-            return JobError(EXIT_BAD_INPUT, f"CONFIG_FILE={self.yaml_file_path} {why}")
-
-        fix = "point --config or CONFIG_FILE at a YAML file of settings"
-        try:
-            values = yaml.load(read_small_text(file_path, RECIPE_MAX_BYTES), Loader=_unique_key_loader(yaml))
-        except FileNotFoundError:
-            raise refused(f"does not exist; {fix} (e.g. recipes/sst2.yaml)") from None
-        except OSError as exc:
-            raise refused(f"cannot be read ({exc.strerror}); make it readable, or {fix}") from None
-        except UnfitFile as exc:
-            raise refused(f"{exc}; {fix}") from None
-        except _KeyTwice as exc:
-            raise refused(f"sets {exc.args[0]} twice (lines {exc.args[1]} and {exc.args[2]}); keep one") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            problem = getattr(exc, "problem", None) or type(exc).__name__
-            raise refused(f"is not valid YAML{where} ({problem}); write one `name: value` a line") from None
-        if not isinstance(values, dict | None):
-            raise refused(f"holds a YAML {type(values).__name__}, not a mapping of settings; {fix}")
-        for keys, what, role in OTHER_FILES:
-            if keys & set(values or {}):
-                raise refused(f"is {what}, not a recipe: {role}; {fix}, such as those in recipes/ (recipes/sst2.yaml)")
-        for key in values or {}:
-            if not isinstance(key, str):  # the source matches names as text
-                raise _not_a_setting(self.yaml_file_path, str(key))
-            if key.lower() in SECRET_SETTINGS:
-                raise refused(
-                    f"holds {key}: a secret does not belong in a recipe (it ends up in job specs and repositories); "
-                    "remove it and set HF_TOKEN, or HF_TOKEN_PATH to a mounted file holding the token"
-                )
-            if key.lower() == "config_file":
-                raise refused(f"names another recipe ({key}); put the settings in this file instead")
-        return values or {}
-
-
-# The repo's other YAML files, which people hand to --config: each named by the keys only it has, and where it goes.
-OTHER_FILES = (
-    (
-        {"resources", "replicas"},
-        "the managed platform's job file (resources, replicas, config_map)",
-        "the platform starts the replicas from it and gives each its config_map as environment variables",
-    ),
-    ({"apiVersion"}, "a Kubernetes manifest (k8s/)", "kubectl applies it"),
-    (
-        {"compute_environment", "distributed_type"},
-        "an accelerate config (launchers/accelerate/)",
-        "`accelerate launch --config_file` takes it",
-    ),
-)
-
-
-def _not_a_setting(path: str | None, key: str) -> JobError:
-    close = difflib.get_close_matches(key.lower(), list(FIELDS), n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return JobError(
-        EXIT_BAD_INPUT,
-        f"CONFIG_FILE={path} holds {key}, which is not a setting{hint}; fix the name, or remove it "
-        "(`python main.py --help` lists the settings)",
-    )
-
-
-class _KeyTwice(Exception):
-    """A mapping key given twice in a recipe: (key, first line, second line)."""
-
-
-def _unique_key_loader(yaml):
-    """yaml's SafeLoader, refusing a key given twice (LORA_R and lora_r too: the source matches names in any case).
-    PyYAML and the YAML source keep the last without a word, so the value a reader sees first would not be trained."""
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            lines = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                key = key.lower() if isinstance(key, str) else key
-                if key in lines:
-                    raise _KeyTwice(key, lines[key], key_node.start_mark.line + 1)
-                lines[key] = key_node.start_mark.line + 1
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
-
-
-# ------------------------------------------------------------------------------- misspelled variables
-# What launchers, schedulers, the platform, the libraries and a shell set: never taken for a misspelled setting.
-FOREIGN_PREFIXES = (
-    *("PET_", "SLURM", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "MPI_", "I_MPI_", "KUBERNETES_", "TORCH"),
-    *("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "DATASETS_", "ACCELERATE_", "DS_", "BNB_", "TRITON_"),
-    *("NCCL_", "GLOO_", "FI_", "UCX_", "CUDA", "CUDNN_", "CUBLAS", "NVIDIA_", "NV_", "ROCR_", "HIP_", "HSA_", "XLA_"),
-    *("OMP_", "MKL_", "KMP_", "OPENBLAS_", "PYTHON", "PIP_", "UV_", "VIRTUAL_ENV", "CONDA", "LD_", "LC_", "XDG_"),
-    *("MLFLOW_", "WANDB_", "TRACKIO_", "TENSORBOARD", "SSH_", "GIT_", "OTEL_", "AWS_", "GOOGLE_", "AZURE_", "DOCKER"),
-)
-FOREIGN_NAMES = (
-    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE"),
-    *("ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAX_JOBS", "HF_TOKEN"),
-    *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TERM", "LANG", "TZ", "TMPDIR"),
-    *("COLUMNS", "LINES", "SHLVL", "MAIL", "EDITOR", "PAGER", "DISPLAY", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"),
-    *("ALL_PROXY", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"),
-)
-# The shape of the job's own names: a variable starting like these is meant for the job.
-JOB_PREFIXES = (
-    *("LORA_", "LORAPLUS_", "ZERO_", "GRADIENT_", "LEARNING_", "WARMUP_", "RENDEZVOUS_", "RESULT_", "PUSH_"),
-    *("MERGE_", "DATALOADER_", "PER_DEVICE_", "GLOBAL_BATCH", "BASE_LEARNING", "HEAD_LEARNING", "NUM_EPOCH"),
-)
-SPELLING_CUTOFF = 0.8  # difflib's ratio: LEARNIG_RATE -> LEARNING_RATE 0.96, LORA_RANK -> LORA_R 0.8
-
-
-def find_misspelled_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
-    """(variable, the setting it probably means) for each set variable that is no setting but has the job's
-    names' shape or a close spelling of one. The environment holds other programs' variables too (the
-    platform's config_map, the user's shell), so these are warned about, not refused."""
-    settings = [env_name(field) for field in FIELDS]
-    found = []
-    for name, value in environ.items():
-        if not value.strip() or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name) or name.lower() in FIELDS:
-            continue
-        if name in FOREIGN_NAMES or name.startswith(FOREIGN_PREFIXES):
-            continue
-        close = difflib.get_close_matches(name, settings, n=1, cutoff=SPELLING_CUTOFF)
-        if not close and name.startswith(JOB_PREFIXES):
-            close = difflib.get_close_matches(name, settings, n=1, cutoff=0)
-        if close:
-            found.append((name, close[0]))
-    return sorted(found)
-
-
-def warn_misspelled_variables(environ: Mapping[str, str]) -> None:
-    for name, setting in find_misspelled_variables(environ):
-        print(
-            f"warning: {name} is set but is no setting of this job, so it is ignored; did you mean {setting}? "
-            f"(rename it, or unset it: `python main.py --help` lists the settings)",
-            file=sys.stderr,
-        )
-
-
-def is_word_branch(error: dict, field: str) -> bool:
-    """An error of `field`'s `Literal[...]` branch of a union (its loc: the field, then `literal[...]`)."""
-    loc = error["loc"]
-    return len(loc) > 1 and str(loc[0]) == field and str(loc[1]).startswith("literal[")
-
-
-def describe_range(field: str) -> str:
-    """` (range: LOW to HIGH)` of a setting with numeric bounds (docs/settings.md lists every range; pydantic's own
-    message already names a text's or a list's longest length), else ''."""
-    bounds = [
-        (name, getattr(item, name, None)) for item in FIELDS[field].metadata for name in ("ge", "gt", "le", "lt")
-    ]
-    shown = {
-        name: str(value) if isinstance(value, int) else f"{value:g}" for name, value in bounds if value is not None
-    }
-    if not shown:
-        return ""
-    low = shown["ge"] if "ge" in shown else f"above {shown['gt']}" if "gt" in shown else "any"
-    high = shown["le"] if "le" in shown else f"below {shown['lt']}" if "lt" in shown else "any"
-    return f" (range: {low} to {high})"
-
-
-def load_settings(
-    argv: list[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    overrides: Callable[[Settings], dict[str, Any]] | None = None,
-) -> tuple[Settings, argparse.Namespace]:
-    """Resolve defaults < recipe file < env < flags and validate; bad values raise JobError with the fix.
-    `overrides`: what the launcher chooses given the user's settings (utils/deepspeed_config.deepspeed_overrides),
-    merged over them here, so the settings are read once, as they train.
-
-    Returns the settings and the parsed command line (its `dry_run` and `push_only`)."""
-    environ = os.environ if environ is None else environ
-    env = _Environment(environ)
-    parser = _parser()
-    flags = CliSettingsSource(Settings, root_parser=parser, _env_settings_source=env)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)  # --help ends here
-    warn_misspelled_variables(environ)
-    recipe: dict[str, Any] = {}
-    path = None
-    try:
-        flags(parsed_args=args)
-        given_flags, given_env = flags(), env()
-        path = given_flags.get("config_file") or given_env.get("config_file")
-        path = path.strip() if isinstance(path, str) and path.strip() else None
-        from_file = _Recipe(path)
-        recipe = from_file()
-        # The path the file was read from wins over every source (a flag over CONFIG_FILE): what --dry-run records.
-        chosen = InitSettingsSource(Settings, init_kwargs={"config_file": path} if path else {})
-        sources = (chosen, flags, env, from_file)
-        settings = Settings(_build_sources=(sources, {}))  # the first source wins
-        if chosen_by_launcher := overrides(settings) if overrides else None:
-            launcher = InitSettingsSource(Settings, init_kwargs=chosen_by_launcher)
-            settings = Settings(_build_sources=((launcher, *sources), {}))
-    except SettingsError as exc:
-        raise JobError(EXIT_BAD_INPUT, f"{exc}; see `python main.py --help`") from None
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else ""
-        reason = first["msg"].removeprefix("Value error, ")
-        # A union with words (`bool | Literal["auto"]`): pydantic reports each branch apart; the words are choices too.
-        words = [e["msg"].removeprefix("Input should be ") for e in exc.errors()[1:] if is_word_branch(e, field)]
-        reason += f", or {' or '.join(words)}" if words else ""
-        if first["type"] == "extra_forbidden":  # no other source reads a name that is no setting
-            raise _not_a_setting(path, field) from None
-        if field not in FIELDS:  # a check across settings: its message names them and the fix
-            raise JobError(EXIT_BAD_INPUT, reason) from None
-        # Name the flag, variable or recipe key the bad value came from, as it was typed.
-        if field in given_flags:
-            source, raw = flag_name(field), given_flags[field]
-        elif field in given_env:
-            source, raw = env_name(field), given_env[field]
-        elif field in recipe:
-            raise JobError(
-                EXIT_BAD_INPUT,
-                f"{field}: {recipe[field]!s} in CONFIG_FILE={path} is invalid: {reason}{describe_range(field)}; fix {field} in {path} "
-                f"(or set {env_name(field)} or {flag_name(field)}, which win over the file)",
-            ) from None
-        else:
-            source, raw = env_name(field), "<default>"
-        # a 5000-character path is not repeated whole
-        raw = str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
-        raise JobError(
-            EXIT_BAD_INPUT,
-            f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
-        ) from None
-    refuse_token_in_settings(settings.model_dump(mode="json"))  # also reads the token: a bad one is refused now
-    return settings, args

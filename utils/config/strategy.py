@@ -27,7 +27,7 @@ import torch
 
 from utils.common.errors import EXIT_BAD_INPUT, JobError
 from utils.config.distributed import DistEnv
-from utils.config.settings import Settings
+from utils.config.settings import Settings, runs_under
 
 
 def check_strategy(
@@ -57,7 +57,7 @@ def check_strategy(
             "STRATEGY=fsdp shards the model across processes, but this job is one process (world size 1), where the "
             "Trainer trains without FSDP; use STRATEGY=ddp, or start one process per GPU (torchrun --nproc-per-node N)",
         )
-    if quantize:
+    if quantize and not runs_under(settings.strategy, "quantized weights"):
         raise JobError(
             EXIT_BAD_INPUT,
             f"QUANTIZATION={settings.quantization if settings.quantization != 'auto' else '8bit'} cannot be combined "

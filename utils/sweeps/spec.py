@@ -38,14 +38,9 @@ from utils.common.hub_token import UnfitFile, read_small_text
 from utils.config.distributed import SLURM_TIME_LIMIT
 from utils.config.identity import identity_changes, sha256_file
 from utils.config.plan import build_plan
-from utils.config.settings import (
-    FIELDS,
-    _KeyTwice,
-    _unique_key_loader,
-    check_push_possible,
-    env_name,
-    load_settings,
-)
+from utils.config.preflight import check_push_possible
+from utils.config.settings import FIELDS, env_name
+from utils.config.sources import _KeyTwice, _unique_key_loader, load_settings
 from utils.config.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval_prefix, reported_metrics
 from utils.config.tasks import validation_splits as task_splits
 from utils.run_folder.layout import RunDir
