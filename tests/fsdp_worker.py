@@ -27,8 +27,8 @@ from transformers import TrainingArguments  # noqa: E402
 
 from utils.common.errors import JobError  # noqa: E402
 from utils.config.settings import Settings  # noqa: E402
-from utils.config.strategy import count_fsdp_units, full_state_dict, trainer_options  # noqa: E402
 from utils.training.model import build_model, trainable_checksum  # noqa: E402
+from utils.training.strategy import count_fsdp_units, full_state_dict, trainer_options  # noqa: E402
 from utils.training.trainer import StrategyCheck  # noqa: E402
 
 

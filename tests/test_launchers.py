@@ -152,7 +152,7 @@ def test_an_accelerate_config_launches_and_leaves_training_to_the_job(name, mach
     STRATEGY and ZERO_STAGE set instead), and every PRECISION the job can resolve is accepted beside it: the job's
     settings own precision and batches, not the config."""
     from utils.config.distributed import launcher_options
-    from utils.config.strategy import check_strategy
+    from utils.training.strategy import check_strategy
 
     environments = launched_environments(tmp_path, LAUNCHERS / "accelerate" / name, machines=machines)
     for rank, env in enumerate(environments):

@@ -70,6 +70,24 @@ def test_no_module_imports_itself_back():
         pytest.fail(f"an import circle: {' -> '.join(exc.args[1])}")
 
 
+# The layers `--dry-run` and `--help` stand on: the heavy libraries (seconds to import, docs/development.md) are
+# imported inside the functions that need them, never at a module's top.
+LIGHT = ("common", "config", "run_folder")
+HEAVY = ("torch", "transformers", "peft", "datasets", "accelerate", "bitsandbytes", "evaluate", "deepspeed")
+
+
+@pytest.mark.check
+def test_the_light_layers_import_no_heavy_library_at_the_top():
+    heavy = []
+    for layer in LIGHT:
+        for path in sorted((REPO / "utils" / layer).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                heavy += [f"{module_name(path)} imports {n}" for n in names if n.split(".")[0] in HEAVY]
+    assert not heavy, "\n".join(heavy)
+
+
 @pytest.mark.check
 def test_the_layering_check_sees_an_upward_import(tmp_path, monkeypatch):
     """The check above can fail: a config module that imports training is reported."""

@@ -9,7 +9,7 @@ other batches) and reorders evaluation. `_save_checkpoint`: a save a full volume
 alike. A library upgrade can rename those methods, stop calling them, or change what the loaders do around
 them; the job would then train other batches, evaluate reordered rows or fail as a traceback without a word.
 The progress callback's `training_bar` is closed by the job before an error line (utils/run.py), and
-`_no_split_modules` names the blocks FSDP shards (utils/config/strategy.py); `_attn_implementation` is how the
+`_no_split_modules` names the blocks FSDP shards (utils/training/strategy.py); `_attn_implementation` is how the
 benchmarks read the attention the model runs.
 
 pydantic-settings: load_settings (utils/config/sources.py) reads any mapping as the environment by overriding
@@ -222,13 +222,13 @@ def test_bert_declares_its_block_as_not_to_be_split(tiny_bert):
     import transformers
     from transformers import AutoModelForSequenceClassification
 
-    from utils.config.strategy import wrap_classes
+    from utils.training.strategy import wrap_classes
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
     declared = getattr(model, "_no_split_modules", None) or []
     assert "BertLayer" in declared, (
         f"transformers {transformers.__version__}: {type(model).__name__}._no_split_modules is {declared!r}, without "
-        "BertLayer; utils/config/strategy.py wrap_classes picks FSDP's units from it (falling back to every repeated block)"
+        "BertLayer; utils/training/strategy.py wrap_classes picks FSDP's units from it (falling back to every repeated block)"
     )
     assert wrap_classes(model) == ["BertLayer"]
 

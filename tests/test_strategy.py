@@ -46,7 +46,7 @@ def refusal(
     **launcher,
 ) -> str | None:
     from utils.config.deepspeed_config import check_launcher
-    from utils.config.strategy import check_strategy
+    from utils.training.strategy import check_strategy
 
     options = {"fsdp": False, "deepspeed": False, "mixed_precision": None, **launcher}
     try:
@@ -105,8 +105,8 @@ def test_accelerate_config_cannot_change_the_strategy_or_precision_behind_the_se
 
 @pytest.mark.check
 def test_fsdp_units_are_the_repeated_transformer_blocks(tiny_bert):
-    from utils.config.strategy import trainer_options, wrap_classes
     from utils.training.model import build_model
+    from utils.training.strategy import trainer_options, wrap_classes
 
     settings = Settings(model_name=str(tiny_bert), strategy="fsdp")
     model = build_model(settings, False, torch.device("cpu"))

@@ -47,7 +47,6 @@ from utils.config.plan import Plan, batch_warning
 from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
 from utils.config.settings import Settings, resolve_base_model_id
-from utils.config.strategy import check_strategy, full_state_dict
 from utils.config.tasks import MULTI_LABEL, headline
 from utils.publishing.hub import Hub, push_model, save_merged, save_model
 from utils.run_folder.checkpoints import (
@@ -61,6 +60,7 @@ from utils.run_folder.record import write_run_record
 from utils.training.data import label_names_of, load_sst2
 from utils.training.model import build_model, load_tokenizer, trainable_checksum
 from utils.training.predictions import PREDICTIONS_FILE, check_test_split, metrics_line, write_test_predictions
+from utils.training.strategy import check_strategy, full_state_dict
 from utils.training.trainer import JobTrainer, build_trainer, compile_record, seconds_since_start
 
 log = logging.getLogger(__name__)

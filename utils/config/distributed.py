@@ -213,7 +213,7 @@ def launcher_argv(argv: list[str] | None = None) -> list[str]:
 
 def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     """Training options a launcher put in the environment: `accelerate launch` exports its config file as
-    ACCELERATE_* variables, which the Trainer would follow over the job's own settings (utils/config/strategy.py
+    ACCELERATE_* variables, which the Trainer would follow over the job's own settings (utils/training/strategy.py
     refuses the ones that disagree)."""
     env = os.environ if environ is None else environ
     flag = lambda name: env.get(name, "").strip().lower() in ("1", "true", "yes")  # noqa: E731

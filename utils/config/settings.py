@@ -66,10 +66,10 @@ Names = Annotated[tuple[T, ...], NoDecode, BeforeValidator(split_commas)]
 
 
 # Which STRATEGY runs what, where not every one does: the one table the settings' refusals, the plan's `auto` choices
-# and the run identity (utils/config/plan.py, identity.py) and the FSDP preflight (utils/config/strategy.py) read.
+# and the run identity (utils/config/plan.py, identity.py) and the FSDP preflight (utils/training/strategy.py) read.
 RUNS_UNDER = {
     # bitsandbytes' quantized weights survive neither DeepSpeed's casting and sharding nor FSDP's sharding; FSDP's
-    # refusal waits for the device (utils/config/strategy.py), where FSDP on the CPU or one process is said first
+    # refusal waits for the device (utils/training/strategy.py), where FSDP on the CPU or one process is said first
     "quantized weights": ("ddp",),
     "compiled blocks": ("ddp",),  # the other strategies wrap the model in engines whose compiled graphs are not tested
     "captured step": ("ddp",),  # one rank's whole forward and backward, replayed; the engines keep their own hooks

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from utils.common.rng import rng_preserved
+from utils.training.rng import rng_preserved
 
 log = logging.getLogger(__name__)
 # Runs of the whole step before a capture: the first builds cuBLAS handles, cuDNN's attention plans and the

@@ -32,11 +32,9 @@ from utils.cluster.collectives import Collectives
 from utils.cluster.job import Job
 from utils.cluster.preemption import SIGNALS, Preemption
 from utils.common.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_threads, volume_state
-from utils.common.rng import rng_preserved
 from utils.config.deepspeed_config import offloads, zero_stage
 from utils.config.plan import Plan
 from utils.config.recipe import optimizer_groups
-from utils.config.strategy import count_fsdp_units, trainer_options
 from utils.config.tasks import (
     CLASSIFICATION,
     LOWER_IS_BETTER,
@@ -49,7 +47,9 @@ from utils.config.tasks import (
 from utils.run_folder.checkpoints import mark_checkpoint_complete, prune_checkpoints, volume_fault
 from utils.run_folder.layout import RunDir
 from utils.run_folder.record import record_written
+from utils.training.rng import rng_preserved
 from utils.training.step_capture import CapturedStep, four_d_mask, takes_4d_mask
+from utils.training.strategy import count_fsdp_units, trainer_options
 
 log = logging.getLogger(__name__)
 
@@ -611,7 +611,7 @@ class RecordedTensorBoard(TensorBoardCallback):
 
 class StrategyCheck(TrainerCallback):
     """At the start of training, after the Trainer prepared the model: stop unless it is wrapped as asked
-    (the Trainer and Accelerate drop FSDP without a word where it cannot run: utils/config/strategy.py)."""
+    (the Trainer and Accelerate drop FSDP without a word where it cannot run: utils/training/strategy.py)."""
 
     def __init__(self, strategy: str):
         self.strategy = strategy
