@@ -46,7 +46,7 @@ import os
 import sys
 from pathlib import Path
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput, JobError
 from utils.config.sources import Parser
 from utils.config.tasks import MULTI_LABEL
 from utils.run_folder.model_files import (
@@ -148,8 +148,7 @@ def input_columns(model: str, file: Path | None, column: str | None) -> list[str
     columns = [name.strip() for name in column.split(",")] if column else None
     if column is not None and not is_table(file):
         # A column of a file read one sentence a line: a .csv saved as .txt, whose header would be answered too.
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"--text-column {column} names a column, and {file or 'standard input'} is read one sentence a line; "
             f"give {FORMATS} as FILE (its suffix says its format), or drop --text-column",
         )
@@ -157,8 +156,7 @@ def input_columns(model: str, file: Path | None, column: str | None) -> list[str
         return recorded_input(model, "text_columns") or ["sentence"]  # None: a model saved before it was recorded
     check_input_shape(model, column, columns is not None and len(columns) == 2)
     if columns is not None and len(columns) == 2 and (not all(columns) or columns[0] == columns[1]):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"--text-column {column} names no pair; give two different columns, e.g. premise,hypothesis",
         )
     return columns
@@ -171,13 +169,11 @@ def check_input_shape(model: str, column: str | None, pairs: bool) -> None:
     if trained is None or pairs == (len(trained) == 2):  # None: a model saved before it recorded it, or another tool's
         return
     if pairs:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{model} takes one sentence a row (trained on {trained[0]}), and --text-column {column} names a pair; "
             "name one column",
         )
-    raise JobError(
-        EXIT_BAD_INPUT,
+    raise BadInput(
         f"{model} takes sentence pairs (trained on {','.join(trained)}), and "
         + (f"--text-column {column} names one column" if column else "one text a row was given")
         + f"; give {FORMATS} (it reads the columns {','.join(trained)}, or name yours with --text-column)",
@@ -205,8 +201,7 @@ def load_classifier(model: str, base_model: str | None):
     try:
         config = find_adapter_config_file(model)
         if config is None and base_model:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"--base-model is for an adapter, and {model} is a merged model, which holds its base; drop --base-model",
             )
         if config is None:  # a merged model: its config.json names the labels
@@ -217,8 +212,7 @@ def load_classifier(model: str, base_model: str | None):
             tokenizer = AutoTokenizer.from_pretrained(model, **NO_REMOTE_CODE)
             classifier = pipeline("text-classification", model=adapted, tokenizer=tokenizer, device=device)
     except (OSError, ValueError) as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"cannot load {model} ({first_line(exc, 300)}); give an adapter folder, a merged folder or a Hub repo id (with --base-model if the adapter's base is elsewhere)",
         ) from None
     # Truncate no further than the model has positions: the job records MAX_SEQ_LENGTH with the model
@@ -262,8 +256,7 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
     try:
         base = load_base(base_id, [id2label[i] for i in sorted(id2label)] if id2label else None, restored, multi_label)
     except OSError as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"cannot load {base_id}, the base model of the adapter {model} ({first_line(exc, 300)}); "
             "pass --base-model with its Hub id or a local copy of it",
         ) from None
@@ -294,8 +287,7 @@ def check_base_unchanged(model: str, base_id: str) -> None:
         )
         return
     if changed := base_model_changes(recorded, base_id):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the base model {base_id} is not the one the adapter {model} was trained on: its {changed} changed since "
             f"(added, removed or edited; the adapter's {BASE_NAME} records the SHA-256 of each weights, config and "
             "tokenizer file of its base); point --base-model at the base it was trained on (an unchanged copy of it), "
@@ -305,7 +297,7 @@ def check_base_unchanged(model: str, base_id: str) -> None:
 
 def misfit(model: str, adapter: dict, what: str) -> JobError:
     fix = f"pass --base-model with {adapter['base_model_name_or_path']}, or a local copy of it"
-    return JobError(EXIT_BAD_INPUT, f"the adapter {model} {what}; {fix}")
+    return BadInput(f"the adapter {model} {what}; {fix}")
 
 
 def check_adapter_fits(model: str, adapter: dict, base, base_id: str) -> None:
@@ -372,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         label_column = args.label_column or recorded_input(args.model, "label_column") or "label"
         inputs = read_inputs(args.file, columns, label_column)
         if args.metrics and not has_labels(inputs):
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"--metrics {args.metrics} asks for metrics, and {inputs.source} has no labelled row in "
                 f"'{label_column}'; give a file with the labels, name their column with --label-column, or drop --metrics",
             )
@@ -381,14 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         labels = model_labels(classifier)
         multi_label = classifier.model.config.problem_type == MULTI_LABEL
         if args.threshold is not None and not multi_label:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"--threshold {args.threshold:g} picks the labels of a multi-label model, and {args.model} predicts "
                 "one label (or a score) a row; drop --threshold",
             )
         if args.metrics and multi_label:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"--metrics {args.metrics}: predict.py scores single-label and regression models; a multi-label "
                 "model's scores are its run's metrics.json (eval_f1_micro, eval_f1_macro, eval_subset_accuracy); "
                 "drop --metrics",

@@ -38,7 +38,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from utils.cluster.collectives import Collectives, rendezvous
 from utils.cluster.job import Job
 from utils.cluster.run_lock import RunLock
-from utils.common.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, JobError, Preempted
+from utils.common.errors import EXIT_OK, EXIT_PREEMPTED, BadInput, JobError, Preempted
 from utils.common.hub_token import MaskingFilter
 from utils.config.distributed import DistEnv, export_env, launcher_options, masked_environ
 from utils.config.identity import check_same_run, short_digest
@@ -198,8 +198,7 @@ class FiniteLoss(TrainerCallback):
             self.last = step if loss is not None else self.last
             return
         steps = f"step {step}" if step - self.last <= 1 else f"steps {self.last + 1}-{step}"
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the training loss is {loss} in {steps}, so the weights are no longer numbers and the run stops before "
             "writing metrics.json or a model; check the labels (a regression target as large as 1e20 overflows the "
             "squared error) or lower LEARNING_RATE, and start again in a new OUTPUT_DIR",
@@ -689,9 +688,7 @@ def publish_only(job: Job) -> int:
         return EXIT_OK
     setup_logging(job)
     if not (settings.result_model_id or settings.result_merged_model_id):
-        raise JobError(
-            EXIT_BAD_INPUT, "--push-only needs RESULT_MODEL_ID (or RESULT_MERGED_MODEL_ID): the Hub repo to push to"
-        )
+        raise BadInput("--push-only needs RESULT_MODEL_ID (or RESULT_MERGED_MODEL_ID): the Hub repo to push to")
     hub = Hub(settings.hub_token, settings.push_timeout, settings.hub_timeout)
     for repo_id in filter(None, (settings.result_model_id, settings.result_merged_model_id)):
         hub.check_write_access(repo_id)

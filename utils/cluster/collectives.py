@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as td
 
-from utils.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobError, Preempted
+from utils.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, BadInput, JobError, Preempted
 from utils.common.threads import Heartbeat, ended_when, watchdog
 from utils.config.distributed import DistEnv
 from utils.config.identity import agreement_refusal
@@ -326,8 +326,7 @@ def _refuse_port_taken(dist: DistEnv) -> None:
         try:
             probe.bind(("", dist.master_port))
         except OSError as exc:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"rank 0 cannot listen on MASTER_PORT={dist.master_port} on its host ({dist.master_addr}:{dist.master_port}: "
                 f"{exc.strerror or exc}); another process holds that port (an earlier run still ending, another job): "
                 "set MASTER_PORT to a free port, the same on every replica",
@@ -353,8 +352,7 @@ def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
             break
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     if not resolved:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"MASTER_ADDR={dist.master_addr} did not resolve to an address within RENDEZVOUS_TIMEOUT={timeout_s}s; "
             "set MASTER_ADDR to the host name or IP of the rank-0 replica",
         )

@@ -24,7 +24,7 @@ import uuid
 
 import psutil
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput, JobError
 from utils.common.threads import Heartbeat
 from utils.run_folder.layout import LOCK_NAME, RunDir
 
@@ -66,8 +66,7 @@ class RunLock:
                     continue
                 stale = "an unreadable lock file"
             elif (live := self._live_holder(holder)) is not None:
-                raise JobError(
-                    EXIT_BAD_INPUT,
+                raise BadInput(
                     f"OUTPUT_DIR={self.path.parent} is in use by another job (host {live.get('host')}, pid {live.get('pid')}, "
                     f"since {live.get('since')}); wait for it to finish or stop it, or give this job another OUTPUT_DIR",
                 )

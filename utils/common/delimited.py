@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput
 
 # The data files DATASET_PATH's loader reads, by suffix -> the `datasets` builder: utils/training/data.py loads them, and the
 # run identity digests these and no other file of the folder (a notes file beside them is not the data).
@@ -41,8 +41,7 @@ def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[st
         repeated = [(name, times) for name, times in Counter(header).items() if times > 1]
         if repeated:
             name, times = repeated[0]
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{path} names the column '{name}' {times} times in its header ({suffix[1:]}: {header}); which one holds the data is ambiguous: rename or remove the extra column",
             )
 
@@ -51,8 +50,7 @@ def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[st
         for record in reader:
             start, end = end + 1, reader.line_num
             if end > start and record:
-                raise JobError(
-                    EXIT_BAD_INPUT,
+                raise BadInput(
                     f'{path} line {start}: a quoted field runs over lines {start}-{end}, merging {end - start + 1} lines into one row (a stray " at the start of a sentence swallows the rows up to the next quote); close the quote, double a quote inside a quoted field (""), or save the data as .tsv, which is read without quoting',
                 )
             # The loader (pandas) skips a line of spaces and tabs as blank: counted here, it was refused as a quoting error.

@@ -25,6 +25,13 @@ class JobError(Exception):
         self.code, self.message = code, message
 
 
+class BadInput(JobError):
+    """Bad input, settings or credentials (exit 2): permanent, restarting will not help; the message says the fix."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_BAD_INPUT, message)
+
+
 def first_line(exc: BaseException, limit: int | None = 200, blank: str | None = None) -> str:
     """The start of an error's message for a one-line refusal; `blank` (its type's name when None) when it has none."""
     return (str(exc).strip().splitlines() or [type(exc).__name__ if blank is None else blank])[0][:limit]
@@ -105,8 +112,7 @@ def volume_error(state: str, folder: str | os.PathLike, doing: str, resume: str)
     if state == "full":
         what = "is full (no space left on its volume)"
         fix = "free space there (e.g. remove other runs' folders) or give the job a larger volume (shared_volume size in config.yaml, the PVC's storage in k8s/)"
-    return JobError(
-        EXIT_BAD_INPUT,
+    return BadInput(
         f"OUTPUT_DIR={folder} {what} while {doing}; {fix}, then start the job again: {resume} (exit {EXIT_BAD_INPUT}: a restart before that fails the same way)",
     )
 

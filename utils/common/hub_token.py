@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from pydantic import SecretStr
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput, JobError
 
 MASK = "***"
 # A Hub token is one printable ASCII word (hf_ + letters and digits). Anything else (a newline, a tab,
@@ -62,23 +62,19 @@ def read_token() -> SecretStr | None:
             token = read_small_text(path, MAX_TOKEN_FILE_BYTES).strip()
         except (OSError, UnfitFile) as exc:
             why = f"cannot be read ({exc.strerror})" if isinstance(exc, OSError) else str(exc)
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"HF_TOKEN_PATH={path} {why}; point it at a regular file holding the Hub token alone, on one line "
                 "(a mounted Secret's key is one), or set HF_TOKEN",
             ) from None
     if not token:
         return None
     if not TOKEN_PATTERN.fullmatch(token):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{source} holds a newline, space, control or non-ASCII character (the value is not shown); "
             "it must hold the Hub token alone, on one line: copy it again from https://huggingface.co/settings/tokens",
         )
     if len(token) < MIN_TOKEN_LENGTH:
-        raise JobError(
-            EXIT_BAD_INPUT, f"{source} is {len(token)} characters long, too short for a Hub token; set the whole token"
-        )
+        raise BadInput(f"{source} is {len(token)} characters long, too short for a Hub token; set the whole token")
     return SecretStr(token)
 
 
@@ -248,7 +244,6 @@ def refuse_token_in_settings(values: dict[str, Any], token: SecretStr | None) ->
     holding = [name for name, value in values.items() if name != "hf_token" and masker.holds_secret(str(value))]
     if holding:
         names = ", ".join(name.upper() for name in holding)
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{names} {'holds' if len(holding) == 1 else 'hold'} the Hub token; the token belongs only in HF_TOKEN or HF_TOKEN_PATH: set {names} to something else",
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput, JobError
 
 NUL = "\x00"
 NUL_FIX = (
@@ -30,8 +30,7 @@ def check_texts(values: Sequence, column: str, source: str, place: Callable[[int
     `line 4`)."""
     empty = [i for i, value in enumerate(values) if not isinstance(value, str) or not value.strip()]
     if empty:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{source} has {len(empty)} row(s) with an empty or missing '{column}' (the first is {place(empty[0])}); "
             "a row without text would be read as nothing at all: fill in or remove those rows",
         )
@@ -43,4 +42,4 @@ def check_texts(values: Sequence, column: str, source: str, place: Callable[[int
 
 def nul_refusal(source: str, where: str) -> JobError:
     """A NUL in text, refused with the fix: `where` says which rows, or which line of a file before it is split."""
-    return JobError(EXIT_BAD_INPUT, f"{source} has {where}; {NUL_FIX}")
+    return BadInput(f"{source} has {where}; {NUL_FIX}")

@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput
 from utils.config.plan import Plan
 from utils.config.settings import Settings
 
@@ -118,8 +118,7 @@ def read_deepspeed_config(path: str) -> dict[str, Any]:
             check_zero(config, f"DEEPSPEED_CONFIG={path}")
             return config
         problem = f"holds a JSON {type(config).__name__}, not an object"
-    raise JobError(
-        EXIT_BAD_INPUT,
+    raise BadInput(
         f"DEEPSPEED_CONFIG={path} {problem}; set DEEPSPEED_CONFIG to a readable ds_config.json, or unset it to let "
         "ZERO_STAGE and ZERO_OFFLOAD build one",
     )
@@ -166,14 +165,12 @@ def check_config(config: Mapping[str, Any], settings: Settings, plan: Plan) -> N
     check_scheduler(config, where)
     for path in _auto_paths(config):
         if path not in OWNED and path not in FILLED_ELSEWHERE:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f'{where} sets {path}: "auto", which neither the job nor the Trainer fills in (DeepSpeed would read '
                 f'the word "auto" as its value); write a value for {path}, or drop it for DeepSpeed\'s default',
             )
     if "optimizer" in config and (plan.loraplus_ratio != 1 or plan.head_ratio != 1):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{where} has an optimizer block, which replaces the job's AdamW and with it the recipe's per-group rates "
             f"(LORAPLUS_LR_RATIO={plan.loraplus_ratio:g}, HEAD_LEARNING_RATE_RATIO={plan.head_ratio:g}); "
             "drop the optimizer block (the job's AdamW runs under DeepSpeed), or set both ratios to 1",
@@ -188,8 +185,7 @@ def check_pinned(config: Mapping[str, Any], settings: Settings, plan: Plan) -> N
     for field in ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"):
         theirs = _get(config, field)
         if field not in owned and theirs not in (None, "auto"):
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{where} pins {field}: {json.dumps(theirs)}, but without MAX_STEPS the run's step count follows the "
                 f'data set\'s size, known only once it is loaded; write "auto" for {field} in the file (the job '
                 "fills it in), or set MAX_STEPS",
@@ -198,8 +194,7 @@ def check_pinned(config: Mapping[str, Any], settings: Settings, plan: Plan) -> N
         theirs = _get(config, field)
         if theirs not in (None, "auto") and not _same(theirs, ours):
             fix = f", or change {OWNED[field]}" if OWNED.get(field) else f" or {json.dumps(ours)}: the job's own value"
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{where} pins {field}: {json.dumps(theirs)} but the job's settings resolve it to {json.dumps(ours)}; "
                 f'write "auto" for {field} in the file (the job fills it in){fix}',
             )
@@ -226,22 +221,19 @@ def check_zero(config: Mapping[str, Any], where: str) -> None:
     zero = config.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
     if stage not in (1, 2, 3) or isinstance(stage, bool):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{where} sets zero_optimization.stage: {json.dumps(stage)}; STRATEGY=deepspeed trains with ZeRO stage 1, 2 "
             'or 3: set "zero_optimization": {"stage": 2} (or 1, 3), or use STRATEGY=ddp for plain data parallelism',
         )
     optimizer_offloaded, parameters_offloaded = offloads(config)
     if parameters_offloaded and stage != 3:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{where} offloads the weights (zero_optimization.offload_param.device: "
             f"{_get(config, 'zero_optimization.offload_param.device')}) at stage {stage}, but only ZeRO stage 3 "
             "shards and offloads weights; set zero_optimization.stage to 3, or drop offload_param",
         )
     if parameters_offloaded and not optimizer_offloaded:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{where} offloads the weights (zero_optimization.offload_param) but not the optimizer state; offload "
             "both (add offload_optimizer with the same device: ZERO_OFFLOAD=optimizer+parameters), or drop offload_param",
         )
@@ -253,19 +245,17 @@ def check_scheduler(config: Mapping[str, Any], where: str) -> None:
         return
     kind = _get(config, "scheduler.type")
     if kind not in SCHEDULERS:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{where} sets scheduler.type: {json.dumps(kind)}, which does not warm up to the job's learning rate; drop "
             f"the scheduler block (the job's linear warm-up by WARMUP_RATIO and decay), or use one of {', '.join(SCHEDULERS)}",
         )
     params = _get(config, "scheduler.params") or {}
     if not isinstance(params, Mapping):
-        raise JobError(EXIT_BAD_INPUT, f"{where} sets scheduler.params to a {type(params).__name__}; write an object")
+        raise BadInput(f"{where} sets scheduler.params to a {type(params).__name__}; write an object")
     taken, _ = SCHEDULERS[kind]
     unknown = sorted(set(params) - taken)
     if unknown:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{where} gives the {kind} scheduler scheduler.params.{unknown[0]}, which it does not take; drop it (it takes "
             f"{', '.join(sorted(taken))})",
         )
@@ -276,15 +266,12 @@ def complete_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     settings (DeepSpeed's own defaults would fail its batch assertion, clip nothing, or warm up to another rate)."""
     for block in ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16"):
         if block in config and not isinstance(config[block], Mapping):
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{where} sets {block} to {json.dumps(config[block])}, where DeepSpeed reads an object; write "
                 f'"{block}": {{...}}' + (' ({"enabled": "auto"} for the job\'s PRECISION)' if "16" in block else ""),
             )
     if "bfloat16" in config:  # DeepSpeed's older name, which transformers does not check against PRECISION
-        raise JobError(
-            EXIT_BAD_INPUT, f'{where} sets "bfloat16"; rename it to "bf16" ({{"enabled": "auto"}} follows PRECISION)'
-        )
+        raise BadInput(f'{where} sets "bfloat16"; rename it to "bf16" ({{"enabled": "auto"}} follows PRECISION)')
     completed = copy.deepcopy(dict(config))
     scheduled = SCHEDULERS.get(_get(completed, "scheduler.type"), ((), ()))[1]
     for field in OWNED:
@@ -309,8 +296,7 @@ def with_deepspeed(plan: Plan, settings: Settings, file: Mapping[str, Any] | Non
     if plan.strategy != "deepspeed":
         return plan
     if importlib.util.find_spec("deepspeed") is None:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"STRATEGY=deepspeed needs the deepspeed package, which is not installed; pip install {DEEPSPEED_PIN} "
             "(DS_BUILD_OPS=0: its ops compile on first use), or use STRATEGY=ddp",
         )
@@ -351,15 +337,13 @@ def describe_strategy(settings: Settings, plan: Plan) -> dict[str, Any]:
 def check_launcher(settings: Settings, launcher: Mapping[str, object]) -> None:
     """What makes Accelerate drop or mix a strategy without a word: refused (exit 2) before anything loads."""
     if launcher.get("fsdp"):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the accelerate config asks for FSDP (ACCELERATE_USE_FSDP=true) while STRATEGY={settings.strategy}; one run "
             "shards one way, and the job sets FSDP up itself: launch with a MULTI_GPU config "
             "(launchers/accelerate/multi-gpu.yaml) and set STRATEGY=fsdp",
         )
     if launcher.get("cpu") and settings.strategy == "deepspeed":
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             "ACCELERATE_USE_CPU=true (accelerate launch --cpu, use_cpu: true) makes Accelerate drop DeepSpeed without "
             "a warning and train plain DDP; launch without --cpu (use_cpu: false): on a machine without CUDA the job "
             "runs DeepSpeed on the CPU by itself",
@@ -376,15 +360,13 @@ def launcher_choices(launcher: Mapping[str, object]) -> dict[str, Any]:
         return {"strategy": "deepspeed", "deepspeed_config": str(launcher["deepspeed_config_file"])}
     devices = (launcher.get("offload_optimizer_device"), launcher.get("offload_param_device"))
     if "nvme" in devices:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             "the accelerate config offloads to NVMe, which ZERO_OFFLOAD does not set up; write the offload into a "
             "ds_config.json and pass it as DEEPSPEED_CONFIG (deepspeed_config_file in the accelerate config)",
         )
     on_cpu = tuple(device == "cpu" for device in devices)
     if on_cpu == (False, True):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             "the accelerate config offloads the weights but not the optimizer state; set "
             "offload_optimizer_device: cpu too (ZERO_OFFLOAD=optimizer+parameters), or offload_param_device: none",
         )
@@ -421,8 +403,7 @@ def deepspeed_overrides(
     explicit = settings.model_fields_set
     for name, value in chosen.items():
         if name in explicit and getattr(settings, name) != value:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"the accelerate config asks for DeepSpeed with {name} {value} but {name.upper()}={getattr(settings, name)}; "
                 f"the two must agree: set {name.upper()}={value}, unset it, or launch with another accelerate config",
             )
@@ -440,8 +421,7 @@ def deepspeed_overrides(
         ours = chosen.get(name, getattr(settings, name))
         if (name in explicit or name in chosen) and ours != value:
             who = "the accelerate config asks for " if name in chosen else ""
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{who}{name.upper()}={ours} but {where} sets {what[name].format(value)}; the file decides what "
                 f"trains: unset {name.upper()} (or set it to {value}), or change the file",
             )

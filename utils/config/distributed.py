@@ -24,7 +24,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput
 from utils.common.hub_token import MASK
 
 # Slurm's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (the batch script and the sweep's array).
@@ -64,15 +64,14 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
     raw = environ.get(name, "").strip()
     if not raw:
         if default is None:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{name} is not set; the launcher must set it (or unset the other rank variables to run as one process)",
             )
         return default
     try:
         return int(raw)
     except ValueError:
-        raise JobError(EXIT_BAD_INPUT, f"{name}={raw!r} is not an integer; set it to a whole number") from None
+        raise BadInput(f"{name}={raw!r} is not an integer; set it to a whole number") from None
 
 
 def first_host(nodelist: str) -> str:
@@ -96,8 +95,7 @@ def first_host(nodelist: str) -> str:
     except hostlist.BadHostlist:
         hosts = []
     if not hosts:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"SLURM_JOB_NODELIST={nodelist!r} is not a node list; set MASTER_ADDR to the first node's address",
         )
     return hosts[0]
@@ -108,20 +106,17 @@ def _refuse_partial_rank_variables(env: Mapping[str, str]) -> None:
     train alone into the same folder. What one process has anyway (WORLD_SIZE=1, LOCAL_RANK=0, NODE_RANK=0) passes."""
     value = lambda name: env.get(name, "").strip()  # noqa: E731
     if value("WORLD_SIZE") and value("WORLD_SIZE") != "1" and not value("RANK"):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"WORLD_SIZE={value('WORLD_SIZE')} is set but RANK is not; set RANK (0..WORLD_SIZE-1) on every replica, or unset WORLD_SIZE to run as one process",
         )
     if value("RANK") and not value("WORLD_SIZE"):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"RANK={value('RANK')} is set but WORLD_SIZE is not; set WORLD_SIZE (the number of replicas) on every replica, or unset RANK to run as one process",
         )
     stray = [f"{name}={value(name)}" for name in ("NODE_RANK", "LOCAL_RANK") if value(name) not in ("", "0")]
     stray += [f"{name}={value(name)}" for name in ("MASTER_ADDR", "MASTER_PORT") if value(name)]
     if stray:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set but RANK and WORLD_SIZE are not, so this replica would train alone; set RANK and WORLD_SIZE as well (or start it with torchrun), or unset them to run as one process",
         )
 
@@ -141,15 +136,13 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     elif has("PET_NODE_RANK") or has("PET_NNODES"):
         source = "pytorchjob"
         if not has("RANK"):  # Kubeflow Trainer v2 sets only torchrun's PET_* variables, never RANK
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 "PET_NNODES/PET_NODE_RANK are set but RANK is not: under Kubeflow Trainer v2 (TrainJob) start the container with `torchrun main.py`, which turns PET_* into ranks (k8s/trainer-v2/trainjob.yaml)",
             )
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         nproc = env.get("PET_NPROC_PER_NODE", "1").strip() or "1"
         if nproc != "1":
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"PET_NPROC_PER_NODE={nproc} but the pod started main.py without torchrun, so RANK is the pod index, not the process rank; start the container with `torchrun main.py` (k8s/multi-gpu-per-pod) or set nprocPerNode: 1",
             )
         local_rank, node_rank = 0, _int(env, "PET_NODE_RANK", rank)  # one process per pod
@@ -167,22 +160,19 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         return DistEnv(0, 0, 1, 0, None, None, "single")
 
     if world < 1:
-        raise JobError(EXIT_BAD_INPUT, f"world size is {world} ({source}); it must be at least 1")
+        raise BadInput(f"world size is {world} ({source}); it must be at least 1")
     if not 0 <= rank < world:
-        raise JobError(EXIT_BAD_INPUT, f"WORLD_SIZE={world} but RANK={rank} ({source}); RANK must be 0..{world - 1}")
+        raise BadInput(f"WORLD_SIZE={world} but RANK={rank} ({source}); RANK must be 0..{world - 1}")
     if local_rank < 0 or node_rank < 0:
-        raise JobError(
-            EXIT_BAD_INPUT, f"LOCAL_RANK={local_rank} and NODE_RANK={node_rank} ({source}) must not be negative"
-        )
+        raise BadInput(f"LOCAL_RANK={local_rank} and NODE_RANK={node_rank} ({source}) must not be negative")
     addr = (addr or "").strip() or None
     if world > 1 and addr is None:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"WORLD_SIZE={world} ({source}) but MASTER_ADDR is not set; set MASTER_ADDR (and MASTER_PORT, default {DEFAULT_PORT}) to the address of the rank-0 replica, e.g. in the job's config_map",
         )
     port = _int(env, "MASTER_PORT", DEFAULT_PORT) if addr else None
     if world > 1 and not 0 < port < 65536:
-        raise JobError(EXIT_BAD_INPUT, f"MASTER_PORT={port} is not a TCP port; use 1..65535 (default {DEFAULT_PORT})")
+        raise BadInput(f"MASTER_PORT={port} is not a TCP port; use 1..65535 (default {DEFAULT_PORT})")
     return DistEnv(rank, local_rank, world, node_rank, addr, port, source)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from utils.common.delimited import data_files
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput
 from utils.config.settings import Settings, batch_follows_replicas, runs_under
 from utils.config.tasks import MULTI_LABEL, REGRESSION, validation_splits
 
@@ -350,8 +350,7 @@ def check_same_run(theirs: dict, ours: dict, where: str, ignore: frozenset[str] 
         fix = "restore the base model it was trained on (MODEL_NAME's weights, config and tokenizer files) to resume"
     else:
         fix = "restore the old settings to resume"
-    raise JobError(
-        EXIT_BAD_INPUT,
+    raise BadInput(
         f"{where} holds another run ({'; '.join(changes)}); {fix}, or use a new OUTPUT_DIR to start over",
     )
 

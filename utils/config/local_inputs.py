@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from utils.common.delimited import FILE_FORMATS, data_files, read_records
-from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line
+from utils.common.errors import BadInput, JobError, first_line
 from utils.config.settings import REPO_ID_PATTERN, Settings
 from utils.config.tasks import validation_splits
 
@@ -54,23 +54,18 @@ def check_model_folder(model_name: str) -> None:
         return
     folder = Path(model_name).expanduser()
     if not folder.exists():
-        raise JobError(
-            EXIT_BAD_INPUT, f"MODEL_NAME={model_name} does not exist (no such folder, and no Hub id); {MODEL_FIX}"
-        )
+        raise BadInput(f"MODEL_NAME={model_name} does not exist (no such folder, and no Hub id); {MODEL_FIX}")
     if not folder.is_dir():
-        raise JobError(EXIT_BAD_INPUT, f"MODEL_NAME={model_name} is a file, not a folder; {MODEL_FIX}")
+        raise BadInput(f"MODEL_NAME={model_name} is a file, not a folder; {MODEL_FIX}")
     config = folder / "config.json"
     if not config.is_file():
-        raise JobError(
-            EXIT_BAD_INPUT, f"MODEL_NAME={model_name} has no config.json (it holds {_listing(folder)}); {MODEL_FIX}"
-        )
+        raise BadInput(f"MODEL_NAME={model_name} has no config.json (it holds {_listing(folder)}); {MODEL_FIX}")
     try:
         parsed = json.loads(config.read_text(encoding="utf-8"))
         if not isinstance(parsed, dict):
             raise ValueError(f"it holds a JSON {type(parsed).__name__}, not an object")
     except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"MODEL_NAME={model_name}: its config.json cannot be read as a JSON object ({type(exc).__name__}: "
             f"{first_line(exc, 120, '')}); copy the model's files there again "
             "(e.g. `hf download MODEL --local-dir FOLDER`)",
@@ -81,8 +76,7 @@ def check_model_folder(model_name: str) -> None:
 
 def no_tokenizer(model_name: str) -> JobError:
     """The refusal of a model without a tokenizer, found from its files (here) or from what loaded (utils/training/model.py)."""
-    return JobError(
-        EXIT_BAD_INPUT,
+    return BadInput(
         f"MODEL_NAME={model_name} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so every word would "
         "be [UNK]; save the base model's tokenizer into it (tokenizer.json or vocab.txt, tokenizer_config.json: "
         "AutoTokenizer.from_pretrained(base).save_pretrained(folder))",
@@ -93,8 +87,7 @@ def check_dataset_path(dataset_path: str) -> Path:
     """DATASET_PATH names an existing folder or file."""
     path = Path(dataset_path)
     if not path.exists():
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"DATASET_PATH={dataset_path} does not exist; point it at the data's folder (train and validation files, "
             "or a save_to_disk DatasetDict), or unset it to load DATASET_NAME from the Hub",
         )
@@ -105,21 +98,19 @@ def check_data_file(setting: str, path: Path, split: str) -> str:
     """One split's data file: a regular, non-empty file of a format the loader reads."""
     rows = "training" if split == "train" else split
     if not path.exists():
-        raise JobError(EXIT_BAD_INPUT, f"{setting}={path} does not exist; point it at the {rows} rows' file")
+        raise BadInput(f"{setting}={path} does not exist; point it at the {rows} rows' file")
     if not path.is_file():
         kind = "a folder" if path.is_dir() else "not a regular file (a broken link, a pipe?)"
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{path} is {kind}; the '{split}' split must be one data file: write its rows to {path.name} "
             "as a file, or move it out of DATASET_PATH",
         )
     if path.suffix.lower() not in FILE_FORMATS:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{setting}={path} is not a data file the job reads; write the {rows} rows as .csv .tsv .json .jsonl or .parquet",
         )
     if path.stat().st_size == 0:
-        raise JobError(EXIT_BAD_INPUT, f"{path} is empty (0 bytes); each split needs at least one row")
+        raise BadInput(f"{path} is empty (0 bytes); each split needs at least one row")
     return str(path)
 
 
@@ -129,8 +120,7 @@ def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
     for split in splits:
         found = data_files(folder, (split,))  # the files the loader reads, and the identity hashes
         if not found:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"DATASET_PATH={folder} has no '{split}' split (it holds {_listing(folder)}); add {split}.csv (or .tsv .json .jsonl .parquet) "
                 "or point DATASET_PATH at a save_to_disk DatasetDict"
                 + (
@@ -140,16 +130,14 @@ def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
                 ),
             )
         if len(found) > 1:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"DATASET_PATH={folder} has {len(found)} files for the '{split}' split ({', '.join(p.name for p in found)}); "
                 "which one to train on is ambiguous: keep one and move the others out of the folder",
             )
         files[split] = check_data_file("DATASET_PATH", found[0], split)
     suffixes = {Path(f).suffix.lower() for f in files.values()}
     if len({FILE_FORMATS[s] for s in suffixes}) > 1:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"DATASET_PATH={folder} mixes file formats ({sorted(suffixes)}); use one format for train and validation",
         )
     return files
@@ -166,8 +154,7 @@ def check_carve(settings: Settings, present: Iterable[str], where: str) -> None:
     if settings.validation_split is None or not settings.dataset_path:
         return  # the Hub's data set: its validation split is not the user's to remove, so the carve replaces it
     if given := sorted(split for split in present if split in validation_splits(settings)):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"VALIDATION_SPLIT={settings.validation_split} carves validation rows out of the training rows, and "
             f"{where} holds {', '.join(given)} rows already; unset VALIDATION_SPLIT, or remove the validation rows",
         )
@@ -184,8 +171,7 @@ def split_files(settings: Settings) -> dict[str, str] | None:
         return None
     elif check_dataset_path(settings.dataset_path).is_file():
         if settings.validation_file is None and settings.validation_split is None:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"DATASET_PATH={settings.dataset_path} is one file, the training rows; set VALIDATION_FILE to the "
                 "validation rows' file, or VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows (or point "
                 "DATASET_PATH at a folder of train and validation files)",
@@ -194,8 +180,7 @@ def split_files(settings: Settings) -> dict[str, str] | None:
     else:
         folder = Path(settings.dataset_path)
         if settings.validation_file:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"VALIDATION_FILE={settings.validation_file} goes with the training rows as one file, and "
                 f"DATASET_PATH={folder} is a folder; point DATASET_PATH (or TRAIN_FILE) at the training file, or unset VALIDATION_FILE",
             )
@@ -218,16 +203,14 @@ def test_split_file(settings: Settings) -> Path | None:
     folder = Path(settings.dataset_path) if settings.dataset_path else None
     found = data_files(folder, ("test",)) if folder and folder.is_dir() else []
     if settings.test_file and found:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"TEST_FILE={settings.test_file} and DATASET_PATH={folder}'s {found[0].name} both name the test rows; "
             f"unset TEST_FILE to answer {found[0].name}, or move {found[0].name} out of the folder",
         )
     if settings.test_file:
         return Path(check_data_file("TEST_FILE", Path(settings.test_file), "test"))
     if len(found) > 1:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"DATASET_PATH={folder} has {len(found)} files for the 'test' split ({', '.join(p.name for p in found)}); "
             "which one to answer is ambiguous: keep one and move the others out of the folder",
         )
@@ -239,8 +222,7 @@ def check_test_columns(path: Path, text_columns: tuple[str, ...]) -> None:
     if (names := file_columns(path, text_columns)) is not None:
         for column in text_columns:
             if column not in names:
-                raise JobError(
-                    EXIT_BAD_INPUT,
+                raise BadInput(
                     f"the test split ({path}) has no column '{column}' (columns: {names}); give it the text column(s) "
                     f"the run trains on ({','.join(text_columns)}), or move it away to train without answering it",
                 )
@@ -249,7 +231,7 @@ def check_test_columns(path: Path, text_columns: tuple[str, ...]) -> None:
 def check_splits(present: Iterable[str], splits: tuple[str, ...]) -> None:
     """A save_to_disk DatasetDict (or the Hub's data set) holds every split the run trains and validates on."""
     if missing := [split for split in splits if split not in present]:
-        raise JobError(EXIT_BAD_INPUT, f"the data set has no {missing} split (it has {sorted(present)}); provide it")
+        raise BadInput(f"the data set has no {missing} split (it has {sorted(present)}); provide it")
 
 
 def check_columns(
@@ -263,8 +245,7 @@ def check_columns(
         *((label_setting, column) for column in label_columns),
     ]:
         if column not in column_names:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"the {split} split has no column '{column}' (columns: {column_names}); set {setting} to the right one"
                 + (" (TEXT_COLUMN=first,second names a sentence pair)" if setting == "TEXT_COLUMN" else ""),
             )

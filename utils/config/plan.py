@@ -50,7 +50,7 @@ from typing import Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput
 from utils.config.identity import run_identity, run_name, with_numerics
 from utils.config.settings import DEFAULT_GLOBAL_BATCH, MAX_GLOBAL_BATCH, Settings, batch_follows_replicas, runs_under
 
@@ -163,8 +163,7 @@ def fixed_global_batch(settings: Settings, world_size: int) -> tuple[int, str]:
         if total % world_size:
             counts = ", ".join(map(str, replica_counts(total)))
             sizes = nearby_global_batches(total, [world_size], settings.per_device_batch_size)
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"GLOBAL_BATCH_SIZE={total} cannot be shared by {world_size} replicas; run on one of {counts} "
                 f"replica(s), or set a GLOBAL_BATCH_SIZE that {world_size} divides, e.g. {sizes}",
             )
@@ -218,8 +217,7 @@ def check_elastic_range(settings: Settings, counts: range, variable: str) -> Non
     cap = settings.per_device_batch_size
     if batch_follows_replicas(settings):
         sizes = nearby_global_batches(cap * counts[-1] * settings.gradient_accumulation_steps, list(counts), cap)
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{variable} lets the job go on with {counts[0]} to {counts[-1]} replicas, but with PER_DEVICE_BATCH_SIZE or "
             "GRADIENT_ACCUMULATION_STEPS set and no GLOBAL_BATCH_SIZE the global batch follows the replica count, so a "
             f"restart on another count after a loss is refused; set GLOBAL_BATCH_SIZE to a multiple of every count, "
@@ -230,8 +228,7 @@ def check_elastic_range(settings: Settings, counts: range, variable: str) -> Non
     refused = [world for world in counts if total % world]
     if refused:
         sizes = nearby_global_batches(total, list(counts), cap)
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{named} cannot be shared by {', '.join(map(str, refused))} replica(s), a count {variable} "
             "lets the job go on with after a loss (every restart there would be refused); set GLOBAL_BATCH_SIZE to a "
             f"multiple of every count from {counts[0]} to {counts[-1]}, e.g. {sizes}, or narrow the range",
@@ -263,8 +260,7 @@ def resolve_learning_rate(settings: Settings, batch: BatchPlan) -> float:
             if rule != settings.learning_rate_scaling
             and not _learning_rate_refusal(value := scaled_learning_rate(settings, global_batch, rule))
         )
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"LEARNING_RATE_SCALING={settings.learning_rate_scaling} resolves the learning rate to {rate:g} at global batch "
             f"{global_batch} ({batch.source}; BASE_LEARNING_RATE "
             f"{settings.base_learning_rate:g} at batch {REFERENCE_GLOBAL_BATCH}), which LEARNING_RATE's own check refuses "
@@ -311,8 +307,7 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
     # Each factor has its range, but their product (x the replica count) could reach sizes no data set and no
     # sampler index is made for: held to GLOBAL_BATCH_SIZE's own bound.
     if batch.global_batch > MAX_GLOBAL_BATCH:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the global batch is {batch.global_batch} rows ({batch.source}), above the "
             f"{MAX_GLOBAL_BATCH} a global batch may be (GLOBAL_BATCH_SIZE's range, 1 to {MAX_GLOBAL_BATCH}); lower "
             "PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS, or set GLOBAL_BATCH_SIZE",
@@ -360,9 +355,9 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
     if precision == "auto":
         precision = "bf16" if cuda and bf16_supported else "fp32"
     if precision == "fp16" and not cuda:
-        raise JobError(EXIT_BAD_INPUT, "PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
+        raise BadInput("PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
     if precision == "bf16" and cuda and not bf16_supported:
-        raise JobError(EXIT_BAD_INPUT, "PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
+        raise BadInput("PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
     quantization = (settings.quantization if settings.quantization != "auto" else "8bit") if quantize else "none"
     # auto: the captured step on CUDA wherever it can run (DDP, no recomputed forwards, no fp16 loss scaler, which
     # skips steps on the host's word). On the CPU a step is arithmetic, not launches: nothing to gain. 4-bit weights
@@ -414,8 +409,7 @@ def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
             fix = (
                 f"lower GRADIENT_ACCUMULATION_STEPS{fewer} (even 1 row per device is too many), or train on more data"
             )
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the global batch is {batch.global_batch} rows ({batch.source}) but the "
             f"training split has only {train_rows}: a step would take more rows than there are; {fix}",
         )

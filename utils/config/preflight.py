@@ -11,7 +11,7 @@ import socket
 import urllib.parse
 import urllib.request
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput, JobError
 from utils.common.hub_token import mask_urls
 from utils.common.threads import Deadline, within
 from utils.config.settings import Settings, resolve_base_model_id
@@ -23,20 +23,17 @@ def check_push_possible(settings: Settings) -> None:
     repos = {"RESULT_MODEL_ID": settings.result_model_id, "RESULT_MERGED_MODEL_ID": settings.result_merged_model_id}
     pushes = " and ".join(f"{name}={value}" for name, value in repos.items() if value)
     if pushes and settings.hub_token is None:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{pushes} ask(s) for a push but no token is set; "
             "set HF_TOKEN (or HF_TOKEN_PATH to a file holding it), or unset them to keep the model on the volume",
         )
     if pushes and os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{pushes} ask(s) for a push but HF_HUB_OFFLINE is set; "
             "unset HF_HUB_OFFLINE where the Hub is reachable, or unset them (push later with --push-only)",
         )
     if settings.result_model_id and resolve_base_model_id(settings) is None:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"MODEL_NAME={settings.model_name} is a local folder that does not record the base model's Hub id, and an adapter "
             f"pushed to {settings.result_model_id} would name this path as its base (nobody else could load it); "
             "set BASE_MODEL_ID to the Hub id these weights came from (e.g. bert-base-uncased)",
@@ -53,8 +50,7 @@ def check_trackers(settings: Settings) -> None:
     for name in settings.report_to:
         package = TRACKER_PACKAGES.get(name)
         if package and importlib.util.find_spec(name) is None:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"REPORT_TO={','.join(settings.report_to)} needs the {package} package, which is not installed; "
                 f"pip install {package} (in the image: add it to requirements.txt), or drop {name} from REPORT_TO",
             )
@@ -84,7 +80,7 @@ def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECON
     )
 
     def refused(why: str) -> JobError:
-        return JobError(EXIT_BAD_INPUT, mask_urls(f"REPORT_TO=mlflow but {why}; {fix}"))
+        return BadInput(mask_urls(f"REPORT_TO=mlflow but {why}; {fix}"))
 
     def cause(exc: BaseException) -> str:
         first = (str(exc).strip().splitlines() or [""])[0]

@@ -31,7 +31,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput, JobError
 from utils.common.hub_token import UnfitFile, read_small_text, read_token, refuse_token_in_settings
 from utils.config.settings import FIELDS, PATH_MAX, Settings, env_name, flag_name
 
@@ -85,7 +85,7 @@ class Parser(argparse.ArgumentParser):
     no_counterpart: Mapping[str, str] = {}
 
     def error(self, message: str):
-        raise JobError(EXIT_BAD_INPUT, f"{message}; see `python {self.prog} --help`")
+        raise BadInput(f"{message}; see `python {self.prog} --help`")
 
     # argparse's two, on the command line with its flags spelt the parser's way, and a hint for an unknown argument.
     def parse_args(self, args=None, namespace=None):
@@ -209,7 +209,7 @@ class _Recipe(YamlConfigSettingsSource):
         import yaml  # only when a recipe is given
 
         def refused(why: str) -> JobError:
-            return JobError(EXIT_BAD_INPUT, f"CONFIG_FILE={self.yaml_file_path} {why}")
+            return BadInput(f"CONFIG_FILE={self.yaml_file_path} {why}")
 
         fix = "point --config or CONFIG_FILE at a YAML file of settings"
         try:
@@ -264,8 +264,7 @@ OTHER_FILES = (
 def _not_a_setting(path: str | None, key: str) -> JobError:
     close = difflib.get_close_matches(key.lower(), list(FIELDS), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    return JobError(
-        EXIT_BAD_INPUT,
+    return BadInput(
         f"CONFIG_FILE={path} holds {key}, which is not a setting{hint}; fix the name, or remove it "
         "(`python main.py --help` lists the settings)",
     )
@@ -400,7 +399,7 @@ def load_settings(
             launcher = InitSettingsSource(Settings, init_kwargs=chosen_by_launcher)
             settings = Settings(_build_sources=((launcher, *sources), {}))
     except SettingsError as exc:
-        raise JobError(EXIT_BAD_INPUT, f"{exc}; see `python main.py --help`") from None
+        raise BadInput(f"{exc}; see `python main.py --help`") from None
     except ValidationError as exc:
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else ""
@@ -411,15 +410,14 @@ def load_settings(
         if first["type"] == "extra_forbidden":  # no other source reads a name that is no setting
             raise _not_a_setting(path, field) from None
         if field not in FIELDS:  # a check across settings: its message names them and the fix
-            raise JobError(EXIT_BAD_INPUT, reason) from None
+            raise BadInput(reason) from None
         # Name the flag, variable or recipe key the bad value came from, as it was typed.
         if field in given_flags:
             source, raw = flag_name(field), given_flags[field]
         elif field in given_env:
             source, raw = env_name(field), given_env[field]
         elif field in recipe:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{field}: {recipe[field]!s} in CONFIG_FILE={path} is invalid: {reason}{describe_range(field)}; fix {field} in {path} "
                 f"(or set {env_name(field)} or {flag_name(field)}, which win over the file)",
             ) from None
@@ -427,8 +425,7 @@ def load_settings(
             source, raw = env_name(field), "<default>"
         # a 5000-character path is not repeated whole
         raw = str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
         ) from None
     token = read_token()  # a bad one is refused now; read once, the settings keep it

@@ -32,7 +32,7 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from pydantic import SecretStr
 from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
 
-from utils.common.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PUSH_FAILED, JobError, first_line
+from utils.common.errors import EXIT_OK, EXIT_PUSH_FAILED, BadInput, JobError, first_line
 from utils.common.hub_token import Masker, url_secrets
 from utils.common.threads import Deadline, within
 from utils.config.identity import base_model_changes
@@ -170,17 +170,15 @@ class Hub:
             me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami), "hub-call")
         except Exception as exc:
             if _status(exc) in (401, 403):
-                raise JobError(EXIT_BAD_INPUT, f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
+                raise BadInput(f"checking HF_TOKEN failed: {describe(exc, self._token)}") from None
             if unresolved(exc):
                 host = httpx2.URL(constants.ENDPOINT).host
-                raise JobError(
-                    EXIT_BAD_INPUT,
+                raise BadInput(
                     f"the Hub's host {host} (HF_ENDPOINT={constants.ENDPOINT}) does not resolve to an address "
                     f"(retried for {NAME_RESOLUTION_SECONDS} s); check HF_ENDPOINT and this machine's DNS, or unset "
                     "RESULT_MODEL_ID to train without pushing (push later with --push-only)",
                 ) from None
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"the Hub at {constants.ENDPOINT} could not be reached to check HF_TOKEN within {seconds:.0f} s ({describe(exc, self._token)}); "
                 "check HF_ENDPOINT and the network route to the Hub, or unset RESULT_MODEL_ID to train without pushing (push later with --push-only)",
             ) from None
@@ -193,8 +191,7 @@ class Hub:
             s.get("entity", {}).get("name") in places and "repo.write" in s.get("permissions", []) for s in scopes
         )
         if role == "read" or (role == "fineGrained" and not writes):
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"HF_TOKEN of '{me.get('name')}' cannot write to RESULT_MODEL_ID={repo_id} ({role} token); "
                 "create a token with write access to that namespace at https://huggingface.co/settings/tokens",
             )
@@ -282,8 +279,7 @@ def save_merged(run: RunDir, settings: Settings) -> None:
     # the training, or before a restart that merges), and the merge would load the adapter onto other weights without
     # a word (the same shapes load).
     if changed := base_model_changes(read_base_fingerprint(run.model), settings.model_name):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"MODEL_NAME={settings.model_name} is not the base model the adapter in {run.model} was trained on: its "
             f"{changed} changed since (added, removed or edited; {BASE_NAME} there records the SHA-256 of each "
             "weights, config and tokenizer file the adapter was trained on), so nothing was merged; restore that base "

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput, JobError
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +151,7 @@ class RunDir:
         if what is None:
             return payload
         # run.json is what tells this run from another one's folder: guessing would risk resuming foreign checkpoints.
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{path} is damaged ({what}); if this folder holds only this run, delete {path.name} and start again "
             "(checkpoints and the tokenized cache are kept and reused), otherwise set OUTPUT_DIR to a new folder",
         )
@@ -255,8 +254,7 @@ def planted(path: Path) -> JobError:
         what = "is a file where the job keeps a folder"
     else:
         what = "is not a regular file"
-    return JobError(
-        EXIT_BAD_INPUT,
+    return BadInput(
         f"{path} {what}; the job writes and publishes only files it created itself, never through a link: "
         f"remove it (rm {'-r ' if info and stat.S_ISDIR(info.st_mode) else ''}{shlex.quote(str(path))}; {kept}) "
         "and start again",
@@ -323,8 +321,7 @@ def replace_dir(staged: Path, final: Path) -> None:
 
 
 def not_writable(output_dir: str, strerror: str | None) -> JobError:
-    return JobError(
-        EXIT_BAD_INPUT,
+    return BadInput(
         f"OUTPUT_DIR={output_dir} is not writable ({strerror}) by uid {os.getuid()}; "
         "mount a writable volume there or set OUTPUT_DIR to a writable folder",
     )

@@ -10,7 +10,7 @@ from contextlib import suppress
 from importlib import metadata
 from pathlib import Path
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput
 from utils.config.identity import check_same_run
 from utils.config.plan import Plan
 from utils.config.settings import REPO_ID_PATTERN, Settings
@@ -52,9 +52,7 @@ def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Ru
     if run.is_finished():
         check_finished_run(run, settings)
     elif push_only:  # before open_run_dir claims (or creates) the folder: a refused start leaves nothing behind
-        raise JobError(
-            EXIT_BAD_INPUT, f"{run.model} holds no finished model; run the training first (without --push-only)"
-        )
+        raise BadInput(f"{run.model} holds no finished model; run the training first (without --push-only)")
     return run
 
 
@@ -101,8 +99,7 @@ def foreign_record(record: dict) -> str | None:
 def check_record_format(run: RunDir, record: dict) -> None:
     """A run.json of a newer version of the job is refused: what it records is not this version's to read."""
     if record.get("format", RUN_RECORD_FORMAT) > RUN_RECORD_FORMAT:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{run.run_record} was written by a newer version of the job (format {record['format']}; this version "
             f"reads up to {RUN_RECORD_FORMAT}); run that version on this folder, or set OUTPUT_DIR to a new folder",
         )
@@ -146,8 +143,7 @@ def refuse_foreign(run: RunDir, settings: Settings) -> None:
         why = f"its run.json is not one the job writes: {_record_problem(run, _is_regular(run.root / RUN_MARKER))}"
     else:
         why = f"no {RUN_MARKER} or run.json of the job's"
-    raise JobError(
-        EXIT_BAD_INPUT,
+    raise BadInput(
         f"OUTPUT_DIR={settings.output_dir} is not empty and is not a run folder of this job (it holds {shown}, and "
         f"{why}); the job deletes and replaces files in its run folder, so it leaves this one untouched: use an "
         "empty or new folder",
@@ -182,8 +178,7 @@ def check_finished_run(run: RunDir, settings: Settings) -> None:
     names = run.read_json(run.model / LABELS_NAME)
     recorded = tuple(name for _, name in sorted((int(i), name) for i, name in names.items())) if names else None
     if recorded and "label_names" in settings.model_fields_set and tuple(settings.label_names) != recorded:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"LABEL_NAMES={','.join(settings.label_names)} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: "
             f"its model was trained with {','.join(recorded)} (label 0 first, {run.model / LABELS_NAME}); unset LABEL_NAMES (or "
             "label_names in the --config file) to publish the names it was trained with, or use a new OUTPUT_DIR to train with these",
@@ -192,8 +187,7 @@ def check_finished_run(run: RunDir, settings: Settings) -> None:
     if not trained_base or not REPO_ID_PATTERN.match(trained_base) or Path(trained_base).expanduser().exists():
         return  # no base recorded, or a local folder: no Hub id to contradict
     if settings.base_model_id and settings.base_model_id != trained_base:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"BASE_MODEL_ID={settings.base_model_id} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: its "
             f"adapter names {trained_base} as its base ({run.model / 'adapter_config.json'}); unset BASE_MODEL_ID, or "
             "use a new OUTPUT_DIR to train on that base",

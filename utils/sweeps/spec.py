@@ -33,7 +33,7 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line
+from utils.common.errors import BadInput, JobError, first_line
 from utils.common.hub_token import UnfitFile, read_small_text
 from utils.config.distributed import SLURM_TIME_LIMIT
 from utils.config.identity import identity_changes, sha256_file
@@ -69,7 +69,7 @@ OWNED = {
 
 
 def refused(message: str) -> JobError:
-    return JobError(EXIT_BAD_INPUT, message)
+    return BadInput(message)
 
 
 def setting_value(value) -> str:

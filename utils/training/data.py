@@ -23,7 +23,7 @@ from datasets import DatasetDict, load_dataset, load_from_disk
 from datasets.fingerprint import Hasher
 
 from utils.common.delimited import DIALECTS, FILE_FORMATS, read_records
-from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line, volume_state
+from utils.common.errors import BadInput, JobError, first_line, volume_state
 from utils.common.texts import check_texts
 from utils.config.local_inputs import check_carve, check_columns, check_splits, read_splits, split_files
 from utils.config.settings import Settings
@@ -70,8 +70,7 @@ def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) 
                 if value is not None:
                     seen.setdefault(JSON_TYPES.get(type(value), type(value).__name__), json.dumps(value))
             kinds = ", ".join(f"{kind} ({example})" for kind, example in seen.items())
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{files[split]} mixes label types in '{column}': {kinds}; write every label the same way: "
                 "the numbers 0/1, true/false, or the LABEL_NAMES names as strings",
             )
@@ -88,26 +87,25 @@ def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> da
             with path.open(encoding="utf-8-sig", newline="") as handle:
                 records = sum(1 for _ in read_records(handle, path, suffix)[1])
         except UnicodeDecodeError as exc:
-            raise JobError(EXIT_BAD_INPUT, _not_utf8(files, exc)) from None
+            raise BadInput(_not_utf8(files, exc)) from None
     try:
         loaded = load_dataset(fmt, data_files={split: str(path)}, split=split, trust_remote_code=False, **kwargs)
     except datasets.exceptions.DatasetGenerationError as exc:
         cause = exc.__cause__ or exc
         if isinstance(cause, UnicodeDecodeError):
-            raise JobError(EXIT_BAD_INPUT, _not_utf8(files, cause)) from None
+            raise BadInput(_not_utf8(files, cause)) from None
         if "the first 0 values" not in str(cause):  # else a header and no rows: every column's type is unknown
             raise _unreadable(path, fmt, cause) from None
-        raise JobError(EXIT_BAD_INPUT, f"{path} has a header but no rows; each split needs at least one row") from None
+        raise BadInput(f"{path} has a header but no rows; each split needs at least one row") from None
     except (pyarrow.ArrowException, StopIteration) as exc:  # a file that is no parquet / JSON at all
         raise _unreadable(path, fmt, exc) from None
     except ValueError as exc:
         if "corresponds to no data" not in str(exc):
             raise
         what = "has a header but no rows" if fmt == "csv" else "holds no rows"
-        raise JobError(EXIT_BAD_INPUT, f"{path} {what}; each split needs at least one row") from None
+        raise BadInput(f"{path} {what}; each split needs at least one row") from None
     if records is not None and len(loaded) != records:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{path} holds {records} records, one per line, but was read as {len(loaded)} rows; "
             "check its quoting (a field that opens with a quote must close it, and a quote inside a quoted field is doubled)",
         )
@@ -122,8 +120,7 @@ FORMAT_HINTS = {
 
 
 def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
-    return JobError(
-        EXIT_BAD_INPUT,
+    return BadInput(
         f"cannot read {path} as {path.suffix[1:]} ({type(cause).__name__}: {first_line(cause, 160, '')}); write it again as "
         f"{path.suffix[1:]}: {FORMAT_HINTS[fmt]}",
     )
@@ -147,8 +144,7 @@ def load_raw(settings: Settings) -> DatasetDict:
             loaded = load_from_disk(str(folder))
         # A torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild.
         except Exception as exc:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {first_line(exc, 160, '')}); "
                 "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
             ) from None
@@ -160,13 +156,12 @@ def load_raw(settings: Settings) -> DatasetDict:
             # version that still could never asks or does).
             loaded = load_dataset(settings.dataset_name, settings.dataset_config, trust_remote_code=False)
         except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"cannot load DATASET_NAME={settings.dataset_name} DATASET_CONFIG={settings.dataset_config} from the Hub "
                 f"({type(exc).__name__}: {first_line(exc, 160, '')}); check the names, or on an offline cluster set DATASET_PATH to a local copy",
             ) from None
     if not isinstance(loaded, DatasetDict):
-        raise JobError(EXIT_BAD_INPUT, f"{settings.dataset_path} holds one Dataset; save a DatasetDict of the splits")
+        raise BadInput(f"{settings.dataset_path} holds one Dataset; save a DatasetDict of the splits")
     check_splits(loaded, splits)
     if settings.validation_split is not None and not settings.local_data:
         log.info("VALIDATION_SPLIT=%s: the Hub's validation rows are not read", settings.validation_split)
@@ -185,7 +180,7 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
     for split, ds in raw.items():
         check_columns(split, ds.column_names, columns, settings.label_source_columns)
         if len(ds) == 0:
-            raise JobError(EXIT_BAD_INPUT, f"the {split} split is empty; it needs at least one row")
+            raise BadInput(f"the {split} split is empty; it needs at least one row")
         for column in columns:
             _check_text(ds, split, column)
         if not multi:
@@ -222,8 +217,7 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
     }
     if problem != REGRESSION and len(set(checked["train"].unique(LABEL))) < 2:
         only = feature.names[checked["train"][0][LABEL]]
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the train split has one class only ('{only}' in '{label}', of {list(feature.names)}): a classifier "
             "learns nothing from it; add rows of the other classes, or check LABEL_COLUMN",
         )
@@ -236,8 +230,7 @@ def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
     feature = ds.features[column]
     kind = getattr(feature, "dtype", type(feature).__name__)
     if kind not in ("string", "large_string", "null"):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split's column '{column}' holds {kind} values, not text; set TEXT_COLUMN to the column with the sentences",
         )
     check_texts(ds.with_format("arrow")[column].to_pylist(), column, f"the {split} split", lambda i: f"row {i + 1}")
@@ -247,13 +240,11 @@ def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
     """A label column the job can read: one type, no row without a label."""
     if isinstance(ds.features[column], datasets.Json):
         kinds = sorted({JSON_TYPES.get(type(v), type(v).__name__) for v in ds[column] if v is not None})
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split mixes label types in '{column}' ({', '.join(kinds)}); write every label the same way, as 0/1",
         )
     if missing := ds.with_format("arrow")[column].null_count:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split has {missing} row(s) without a label in '{column}'; give every row a label 0 or 1, or remove it",
         )
     if _is_text(ds.features[column]):
@@ -261,8 +252,7 @@ def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
         words = sorted(v for v in values if not _digits([v]))
         if words and len(words) < len(values):
             row = next(i for i, v in enumerate(ds.with_format("arrow")[column].to_pylist()) if v in words)
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"the {split} split mixes class ids and words in '{column}' ({', '.join(map(repr, words[:3]))} among ids; "
                 f"the first is row {row + 1}); write every label the same way: ids, or the LABEL_NAMES names",
             )
@@ -331,22 +321,19 @@ def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
     feature = train.features[column]
     named = "label_names" in settings.model_fields_set
     if isinstance(feature, datasets.List | datasets.LargeList):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the train split's '{column}' lists labels per row (a multi-label problem), and PROBLEM_TYPE="
             f"{settings.problem_type} trains one label per row; set PROBLEM_TYPE=multi_label_classification",
         )
     if settings.problem_type == REGRESSION and named:
         given = f"TASK={settings.task}" if settings.task else f"PROBLEM_TYPE={settings.problem_type}"
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"LABEL_NAMES={','.join(settings.label_names)} names classes, and {given} trains scores (a regression); "
             f"unset LABEL_NAMES to train scores, or unset {given.split('=')[0]} to train the classes",
         )
     if settings.problem_type == REGRESSION:
         if isinstance(feature, datasets.ClassLabel) and "problem_type" not in settings.model_fields_set:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"the train split's '{column}' holds classes (a ClassLabel of {feature.names}), and TASK={settings.task} "
                 "trains scores (a regression); point DATASET_PATH at the task's own scores, or set PROBLEM_TYPE=regression "
                 "to train the class ids as scores",
@@ -368,7 +355,7 @@ def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
         fix = f"LABEL_NAMES={','.join(settings.label_names)} names classes: fix the row, or unset LABEL_NAMES and set PROBLEM_TYPE=regression to train scores"
     else:
         fix = "set PROBLEM_TYPE=regression to train scores, or give class ids or names"
-    raise JobError(EXIT_BAD_INPUT, _not_ids("train", train, column, odd, fix))
+    raise BadInput(_not_ids("train", train, column, odd, fix))
 
 
 def _is_id(value) -> bool:
@@ -386,8 +373,7 @@ def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
     as float32, the dtype they train in: 1e39 is finite in float64 and infinite once cast."""
     kind = getattr(ds.features[column], "dtype", type(ds.features[column]).__name__)
     if kind not in ("bool", "int8", "int16", "int32", "int64", "float16", "float32", "float64"):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split's '{column}' holds {kind} values; regression needs a number per row: give scores, "
             "or set PROBLEM_TYPE=classification for class names",
         )
@@ -395,8 +381,7 @@ def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
     bad = pyarrow.compute.invert(pyarrow.compute.is_finite(values))
     if count := pyarrow.compute.sum(bad).as_py():
         first = pyarrow.compute.index(bad, True).as_py()
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split has {count} regression target(s) in '{column}' that are NaN or infinite as float32, the "
             f"dtype training uses (the first is row {first + 1}: {ds[first][column]!r}; float32 ends at 3.4e38); "
             "fill in, rescale or remove those rows",
@@ -424,8 +409,7 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
             f"{kind} in the {split} split ({', '.join(map(repr, sorted(map(str, raw[split].unique(column)))[:3]))})"
             for split, kind in kinds.items()
         )
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the labels in '{column}' are {shown}: which id is which name cannot be told; write every split's labels "
             "the same way, or set LABEL_NAMES (label 0 first) to name the ids",
         )
@@ -472,16 +456,14 @@ def _labels_as_ids(ds: datasets.Dataset, split: str, column: str, label_names: t
             ds = _text_labels_by_name(ds, split, column, values, label_names)
         elif odd:
             fix = "fill in or fix those rows, or set PROBLEM_TYPE=regression to train scores"
-            raise JobError(EXIT_BAD_INPUT, _not_ids(split, ds, column, odd, fix))
+            raise BadInput(_not_ids(split, ds, column, odd, fix))
         elif _is_text(feature) or _is_float(feature) or getattr(feature, "dtype", None) == "bool":
             ds = _cast_label(ds, column, datasets.Value("int64"))
     if bad := sorted(i for i in set(ds.unique(column)) if not 0 <= i < len(label_names)):
         names = ", ".join(f"{i} ({name})" for i, name in enumerate(label_names))
         fix = ": name every class in LABEL_NAMES (label 0 first), or relabel the data"
         fix = " (GLUE's test split, labelled -1, cannot be used for training or validation)" if -1 in bad else fix
-        raise JobError(
-            EXIT_BAD_INPUT, f"the {split} split has labels {bad[:5]} in '{column}'; labels must be ids {names}{fix}"
-        )
+        raise BadInput(f"the {split} split has labels {bad[:5]} in '{column}'; labels must be ids {names}{fix}")
     return ds
 
 
@@ -509,8 +491,7 @@ def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLab
         return ds  # ClassLabel(num_classes=2): unnamed, the ids are the data
     theirs, ours = [_name_key(n) for n in names], [_name_key(n) for n in label_names]
     if sorted(theirs) != sorted(ours):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split's '{column}' is a ClassLabel named {names}, and LABEL_NAMES is {list(label_names)}: "
             f"the names do not match, so which label is which cannot be told; set LABEL_NAMES={','.join(names)} "
             f"if those are the classes (id 0 first), or relabel the data as {list(label_names)}",
@@ -529,8 +510,7 @@ def _class_label_by_name(ds, split: str, column: str, feature: datasets.ClassLab
 def _text_labels_by_name(ds, split: str, column: str, values: list[str], label_names: tuple[str, ...]):
     ours = [_name_key(n) for n in label_names]
     if unknown := sorted(v for v in values if _name_key(v) not in ours):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split has text labels {unknown[:5]} in '{column}' that are not LABEL_NAMES {list(label_names)}; "
             "labels must be ids or those names: add them to LABEL_NAMES (label 0 first), or relabel the data",
         )
@@ -637,8 +617,7 @@ def carve_validation(raw: DatasetDict, fraction: float | None, seed: int, split:
     for row, key in enumerate(zip(*(train[name] for name in texts), strict=True)):
         groups.setdefault(key, []).append(row)
     if len(groups) < 2:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"VALIDATION_SPLIT={fraction} needs two different texts in the training rows, and they hold "
             f"{len(groups)}; add rows, or give the validation rows with VALIDATION_FILE",
         )

@@ -26,7 +26,7 @@ from transformers import (
 )
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line
+from utils.common.errors import BadInput, JobError, first_line
 from utils.config.local_inputs import check_model_folder, no_tokenizer
 from utils.config.recipe import lora_options
 from utils.config.settings import Settings
@@ -56,8 +56,7 @@ def _loading(model_name: str) -> Iterator[None]:
     except pickle.UnpicklingError as exc:
         raise _unsafe_weights(model_name, "pytorch_model.bin", exc) from None
     except (OSError, ValueError) as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"cannot load MODEL_NAME={model_name} ({type(exc).__name__}: {first_line(exc)}); "
             "give a Hub id or a local folder holding config.json and the weights (on an offline cluster, a folder on the shared volume)",
         ) from None
@@ -92,15 +91,13 @@ def check_model(model_name: str, max_seq_length: int, lora_r: int) -> None:
         config = AutoConfig.from_pretrained(model_name, **NO_REMOTE_CODE)
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and max_seq_length > positions:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"MAX_SEQ_LENGTH={max_seq_length} but MODEL_NAME={model_name} has position embeddings for {positions} tokens "
             f"(max_position_embeddings); set MAX_SEQ_LENGTH to {positions} or less",
         )
     hidden = getattr(config, "hidden_size", None)
     if isinstance(hidden, int) and lora_r > hidden:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"LORA_R={lora_r} is above the hidden size {hidden} of MODEL_NAME={model_name}: an adapter of that rank "
             f"is larger than the layer it adapts; set LORA_R to {hidden} or less (8 or 16 is usual)",
         )
@@ -124,8 +121,7 @@ def refuse_custom_code(model_name: str) -> None:
     }
     if found:
         names = " and ".join(found)
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"MODEL_NAME={model_name} needs custom code: auto_map in {names} names Python files of its own "
             f"({json.dumps(list(found.values()))[:160]}), and the job never runs code from a model; use a model that "
             f"transformers supports itself (e.g. bert-base-uncased), or delete auto_map from {names} if the model_type "
@@ -161,8 +157,7 @@ def _check_weights_file(model_name: str, path: Path) -> None:
             problem = f"is damaged or not a PyTorch weights file ({type(exc).__name__}: {first_line(exc, 120)})"
             fix = ", preferably its model.safetensors from a trusted source"
     if problem:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"MODEL_NAME={model_name}: the weights file {path.name} {problem}; copy the model's files there "
             f"again (e.g. `hf download MODEL --local-dir FOLDER`){fix}",
         )
@@ -172,8 +167,7 @@ def _unsafe_weights(model_name: str, name: str, exc: pickle.UnpicklingError) -> 
     """A pickle torch's weights-only loader refused: it asks to run code (the line naming what it would call)."""
     lines = str(exc).splitlines()
     what = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
-    return JobError(
-        EXIT_BAD_INPUT,
+    return BadInput(
         f"MODEL_NAME={model_name}: the weights file {name} is a pickle that would run code when loaded "
         f"({what.strip()[:160]}), which the job refuses; use safetensors weights (model.safetensors) of the model "
         "from a trusted source",
@@ -333,8 +327,7 @@ def add_lora(model: torch.nn.Module, settings: Settings) -> PeftModel:
     try:
         model = get_peft_model(model, lora)
     except ValueError as exc:  # names that match modules LoRA cannot adapt (a LayerNorm, say)
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"LORA_TARGET_MODULES={','.join(targets)}: peft cannot adapt them in {settings.model_name} "
             f"({first_line(exc)}); name linear layers: {', '.join(linear_layer_names(modules))}",
         ) from None
@@ -402,8 +395,7 @@ def check_target_modules(
         elif adapted is not None and not matches_target(target, adapted):
             problems.append(f"'{target}' matches only modules that take no adapter (the head, trained in full)")
     if problems:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"LORA_TARGET_MODULES={','.join(targets)}: {'; '.join(problems)} in MODEL_NAME={model_name}, "
             f"whose linear layers are named {', '.join(linear)}; set LORA_TARGET_MODULES to the layers to adapt "
             "(BERT's are query,value)",

@@ -22,7 +22,7 @@ import pyarrow
 import pyarrow.compute
 from datasets import DatasetDict
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput
 
 SEPARATOR = "|"  # between the names in a csv/tsv cell
 
@@ -52,8 +52,7 @@ def _listed_names(ds: datasets.Dataset, split: str, column: str) -> tuple[numpy.
     elif not (
         pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind) or pyarrow.types.is_fixed_size_list(kind)
     ):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split's '{column}' holds {kind} values, and PROBLEM_TYPE=multi_label_classification reads "
             f"each row's label names there: write them as a JSON list (or separated by {SEPARATOR} in a csv/tsv "
             "cell), or set LABEL_COLUMNS to the 0/1 columns, one per label",
@@ -64,8 +63,7 @@ def _listed_names(ds: datasets.Dataset, split: str, column: str) -> tuple[numpy.
     if isinstance(inner, datasets.ClassLabel):  # ids of a ClassLabel: by their names
         flat = pyarrow.compute.take(pyarrow.array(inner.names), flat)
     elif not (pyarrow.types.is_string(flat.type) or pyarrow.types.is_large_string(flat.type)):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split's '{column}' lists {flat.type} values, not label names; write each row's labels as "
             'a list of names (["toxic", "insult"]), or set LABEL_COLUMNS to the 0/1 columns, one per label',
         )
@@ -77,8 +75,7 @@ def _listed_names(ds: datasets.Dataset, split: str, column: str) -> tuple[numpy.
 def _names_seen(listed: tuple[numpy.ndarray, pyarrow.Array], column: str) -> tuple[str, ...]:
     names = tuple(sorted(pyarrow.compute.unique(listed[1]).to_pylist()))
     if len(names) < 2:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the train split's '{column}' lists {len(names)} label name(s) ({', '.join(names) or 'none'}): a "
             "multi-label problem has at least two labels; check LABEL_COLUMN, or name every label in LABEL_NAMES",
         )
@@ -101,8 +98,7 @@ def _vectors(
             else "a label no training row has cannot be learned: add training rows with it, remove it, or list "
             "every label in LABEL_NAMES"
         )
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the {split} split's '{column}' names labels {odd[:5]} that are not among {where} (the first in row "
             f"{rows[first] + 1}); {fix}",
         )
@@ -119,8 +115,7 @@ def _from_columns(ds: datasets.Dataset, split: str, columns: tuple[str, ...]) ->
         values = table[column]
         kind = values.type
         if not (pyarrow.types.is_integer(kind) or pyarrow.types.is_floating(kind) or pyarrow.types.is_boolean(kind)):
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"the {split} split's '{column}' (of LABEL_COLUMNS) holds {kind} values; each of LABEL_COLUMNS holds "
                 f"0 or 1 per row (1: the row has that label): fix the column, or for label names listed in one "
                 "column unset LABEL_COLUMNS and set LABEL_COLUMN to it",
@@ -130,8 +125,7 @@ def _from_columns(ds: datasets.Dataset, split: str, columns: tuple[str, ...]) ->
         if bad.any():
             first = int(numpy.flatnonzero(bad)[0])
             shown = "no value" if numpy.isnan(numbers[first]) else f"{numbers[first]:g}"
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"the {split} split's '{column}' (of LABEL_COLUMNS) holds {shown} in row {first + 1} "
                 f"({int(bad.sum())} row(s) not 0 or 1); each of LABEL_COLUMNS holds 0 or 1 per row (1: the row has "
                 "that label): fix those rows",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from utils.common.delimited import DIALECTS, read_records
-from utils.common.errors import EXIT_BAD_INPUT, JobError, first_line
+from utils.common.errors import BadInput, first_line
 from utils.common.texts import NUL, check_texts, nul_refusal
 from utils.config.tasks import CLASSIFICATION, METRIC_MODULES, MULTI_LABEL, REGRESSION
 
@@ -110,8 +110,7 @@ def table_inputs(rows: list[tuple[str, object]], file: Path, columns: list[str],
     for column in columns:
         if objects and not any(column in record for record in objects):  # a column no row has: name the right one
             names = list(dict.fromkeys(name for record in objects for name in record))
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{file} has no column '{column}' (its columns: {names[:20]}); name the text column with --text-column",
             )
         column_values = []
@@ -123,8 +122,7 @@ def table_inputs(rows: list[tuple[str, object]], file: Path, columns: list[str],
                     if isinstance(record, dict)
                     else "it is no object"
                 )
-                raise JobError(
-                    EXIT_BAD_INPUT,
+                raise BadInput(
                     f"{file} {place} has no text in '{column}' ({found}); give each row a '{column}' string, "
                     "or name the text column with --text-column",
                 )
@@ -152,8 +150,7 @@ def delimited_rows(text: str, file: Path, suffix: str, columns: list[str] | None
         raise nul_refusal(str(file), "a NUL character in its header (line 1)")
     for column in columns or ["sentence"]:
         if column not in header:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{file} has no column '{column}' (its header: {header}); name the text column with --text-column",
             )
     needed = max(header.index(column) for column in columns or ["sentence"])
@@ -161,8 +158,7 @@ def delimited_rows(text: str, file: Path, suffix: str, columns: list[str] | None
     for start, record in records:
         if needed >= len(record):
             column = header[needed]
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{file} line {start} has {len(record)} field(s) and no '{column}' (column {needed + 1}); "
                 "give every line a value in each column of the header",
             )
@@ -181,7 +177,7 @@ def json_rows(text: str, file: Path) -> list[tuple[str, object]]:
         except json.JSONDecodeError as exc:
             detail = f"{exc.msg} on line {exc.lineno}" if array else exc.msg
             fix = "give a JSON array of objects, or one JSON object per line"
-            raise JobError(EXIT_BAD_INPUT, f"{file} {where} ({detail}); {fix}") from None
+            raise BadInput(f"{file} {where} ({detail}); {fix}") from None
 
     if array:
         return [(f"item {n}", record) for n, record in enumerate(parse(text, "is not a JSON array"), start=1)]
@@ -197,8 +193,7 @@ def parquet_rows(data: bytes, file: Path) -> list[tuple[str, dict]]:
     try:
         table = pyarrow.parquet.read_table(io.BytesIO(data))
     except pyarrow.ArrowException as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"cannot read {file} as parquet ({type(exc).__name__}: {first_line(exc, 160, '')}); write it "
             "again as parquet, e.g. with pandas' DataFrame.to_parquet",
         ) from None
@@ -212,23 +207,20 @@ def read_file(file: Path) -> bytes:
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"cannot read {file} ({exc.strerror or exc}); give a UTF-8 text file (one sentence a line), or {FORMATS}",
         ) from None
     info = os.fstat(fd)
     if stat.S_ISDIR(info.st_mode):  # no stream to send on standard input either
         os.close(fd)
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{file} is a folder, not a file of sentences; give a regular file (UTF-8 text, one sentence a line, or "
             f"{FORMATS})",
         )
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         kind = next((name for test, name in NOT_FILES if test(info.st_mode)), "not a regular file")
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{file} is {kind}, not a file of sentences; give a regular file, or send a stream on standard input "
             f"(python predict.py MODEL < {file} reads at most {MAX_INPUT_BYTES // 2**20} MiB)",
         )
@@ -252,8 +244,7 @@ def read_bounded(handle, source: str, size: int = 0) -> bytes:
     data = b"" if size > MAX_INPUT_BYTES else handle.read(MAX_INPUT_BYTES + 1)
     if size > MAX_INPUT_BYTES or len(data) > MAX_INPUT_BYTES:
         held = f"holds {size / 2**20:.0f} MiB" if size > MAX_INPUT_BYTES else "goes on past that"
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{source} {held}; at most {MAX_INPUT_BYTES // 2**20} MiB of sentences are read at a time: split "
             "the input (split -l 1000000 FILE part-) and answer each part (python predict.py MODEL PART)",
         )
@@ -266,8 +257,7 @@ def decode_text(data: bytes, source: str) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{source} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
             f"give sentences as UTF-8 text, one per line, or a UTF-8 {FORMATS.removeprefix('a ')}",
         ) from None
@@ -354,8 +344,7 @@ def references(inputs: Inputs, labels: list[str], column: str) -> list[tuple[int
             found.append((index, names[raw.casefold()]))
         else:
             known = ", ".join(f"{i} ({name})" for i, name in enumerate(labels)) if labels else "a number (a score)"
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 f"{inputs.source} {inputs.places[index]} has the label {json.dumps(value, default=str)} in "
                 f"'{column}', which the model cannot be scored against: its labels are {known}; fix the row, "
                 "give -1 (or nothing) for a row without a label, or name the label column",

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from utils.common.errors import EXIT_BAD_INPUT, JobError
+from utils.common.errors import BadInput
 from utils.config.distributed import DistEnv
 from utils.config.settings import Settings, runs_under
 
@@ -38,28 +38,24 @@ def check_strategy(
     precision (`launcher`: utils/distributed.launcher_options) waits for PRECISION to resolve."""
     mixed = launcher.get("mixed_precision")
     if mixed and mixed != "no" and mixed != precision:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"the accelerate config sets mixed_precision: {mixed} but PRECISION resolves to {precision}; the job's PRECISION "
             f"decides: set PRECISION={mixed}, or mixed_precision: 'no' in the config",
         )
     if settings.strategy != "fsdp":
         return
     if not cuda:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             "STRATEGY=fsdp needs CUDA GPUs: on the CPU the Trainer and Accelerate drop FSDP without a warning and train "
             "plain DDP instead; use STRATEGY=ddp here",
         )
     if dist.world_size < 2:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             "STRATEGY=fsdp shards the model across processes, but this job is one process (world size 1), where the "
             "Trainer trains without FSDP; use STRATEGY=ddp, or start one process per GPU (torchrun --nproc-per-node N)",
         )
     if quantize and not runs_under(settings.strategy, "quantized weights"):
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"QUANTIZATION={settings.quantization if settings.quantization != 'auto' else '8bit'} cannot be combined "
             "with STRATEGY=fsdp: FSDP cannot shard "
             "bitsandbytes' quantized weights; use QUANTIZATION=none (or auto) with fsdp",
@@ -79,8 +75,7 @@ def wrap_classes(model: torch.nn.Module) -> list[str]:
     declared = set(getattr(base, "_no_split_modules", None) or [])
     names = sorted(repeated & declared if declared else repeated)
     if not names:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"{type(base).__name__} has no repeated transformer blocks to shard (no nn.ModuleList of {sorted(declared) or 'blocks'}), "
             "so STRATEGY=fsdp cannot choose its units; use STRATEGY=ddp for this model",
         )

@@ -31,7 +31,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_group
 from utils.cluster.collectives import Collectives
 from utils.cluster.job import Job
 from utils.cluster.preemption import SIGNALS, Preemption
-from utils.common.errors import EXIT_BAD_INPUT, JobError, quiet_volume_faults_in_threads, volume_state
+from utils.common.errors import BadInput, JobError, quiet_volume_faults_in_threads, volume_state
 from utils.config.deepspeed_config import offloads, zero_stage
 from utils.config.plan import Plan
 from utils.config.recipe import optimizer_groups
@@ -622,8 +622,7 @@ class StrategyCheck(TrainerCallback):
             from accelerate.utils import DistributedType
 
             if AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
-                raise JobError(
-                    EXIT_BAD_INPUT,
+                raise BadInput(
                     f"STRATEGY=deepspeed but Accelerate set the run up as {AcceleratorState().distributed_type.value} "
                     "(it would train without DeepSpeed); launch without --cpu / ACCELERATE_USE_CPU",
                 )
@@ -638,8 +637,7 @@ class StrategyCheck(TrainerCallback):
             whole = "a whole model on every rank" if args.world_size > 1 else "one process, the whole model"
             log.info(f"strategy {self.strategy}: {f'{units} FSDP units' if units else whole}")
         elif not units:
-            raise JobError(
-                EXIT_BAD_INPUT,
+            raise BadInput(
                 "STRATEGY=fsdp but the Trainer did not shard the model (it would train plain DDP); "
                 "FSDP needs one process per CUDA GPU and a MULTI_GPU launch",
             )
@@ -864,8 +862,7 @@ def bucket_collator(tokenizer, data, max_length: int, mask_4d: bool) -> tuple[li
 def loss_class_weights(asked: str, label_column: str, problem: str, train, config) -> torch.Tensor | None:
     """CLASS_WEIGHTS: each class's weight in the loss (balanced: inverse to its share of the train rows), or None."""
     if asked != "none" and problem == REGRESSION:
-        raise JobError(
-            EXIT_BAD_INPUT,
+        raise BadInput(
             f"CLASS_WEIGHTS={asked} weighs classes, and the label column '{label_column}' "
             "holds regression scores; unset CLASS_WEIGHTS, or give class labels",
         )
