@@ -63,7 +63,14 @@ LAUNCHER_VARS = (*LAUNCHER_VARIABLES, "HF_TOKEN", "HF_TOKEN_PATH", "RESULT_MODEL
 # pytest.ini's filter (a deprecation attributed to this repo's code is an error) reaches this process only; the job
 # processes the tests start get it through PYTHONWARNINGS, which matches module names exactly, so each module is
 # listed. main.py runs as __main__, which is left out: every launcher's own script is __main__ too.
-REPO_MODULES = ("main", "predict", "utils", *sorted(f"utils.{p.stem}" for p in (REPO / "utils").glob("[!_]*.py")))
+REPO_MODULES = (
+    "main",
+    "predict",
+    *sorted(
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for p in (REPO / "utils").rglob("*.py")
+    ),
+)
 REPO_WARNINGS = ",".join(
     f"error::{category}:{module}" for category in ("DeprecationWarning", "FutureWarning") for module in REPO_MODULES
 )
