@@ -174,7 +174,7 @@ def test_a_tokenizer_that_does_not_know_the_data_is_warned_with_the_share(tiny_b
 
     log = (out / "logs" / "rank-0.log").read_text()
     share = f"{unknown / len(ids):.1%}"
-    warning = re.search(r" WARNING utils\.data: (.*)", log)
+    warning = re.search(r" WARNING utils\.training\.data: (.*)", log)
     assert warning, log
     assert warning[1].startswith(
         f"{share} of the training rows' tokens are the unknown token [UNK] ({unknown} of {len(ids)}; above 5%)"
