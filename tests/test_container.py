@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, docker_user, shared_output_dir, unavailable
+from tests.support.deploy import docker_user, shared_output_dir
+from tests.support.env import REPO, unavailable
 from utils.config.settings import SHARED_VOLUME
 
 SMOKE = REPO / "scripts" / "container_smoke.sh"

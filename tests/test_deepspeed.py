@@ -24,26 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    Replicas,
-    adapter_weights,
-    assert_refusal,
-    base_env,
-    complete_steps,
-    configured,
-    first_divergence,
-    free_port,
-    push_settings,
-    rank_env,
-    rank_record,
-    run_main,
-    run_predict,
-    start_main,
-    wait_all,
-    wait_for,
-    write_fixed_length_data,
-)
+from tests.support.data import write_fixed_length_data
+from tests.support.env import REPO, base_env, free_port, push_settings, rank_env
+from tests.support.harness import configured
+from tests.support.numerics import adapter_weights, first_divergence
+from tests.support.outcomes import assert_refusal, complete_steps, rank_record
+from tests.support.processes import Replicas, run_main, run_predict, start_main, wait_all, wait_for
 
 # Compiled once per venv, never per test run: CI pays the compile at most once.
 EXTENSIONS = Path(sys.prefix) / "torch-extensions"

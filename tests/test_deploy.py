@@ -22,26 +22,24 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from tests.conftest import (
+from tests.support.deploy import (
     DOCKERFILE,
-    FAKE_TOKEN,
     K8S,
-    REPO,
     SCHEMAS,
     config_maps,
-    configured,
     container_env,
     crd_schemas,
     docker_env,
     docker_user,
     dockerfile,
     kustomize,
-    pod_env,
-    run_main,
     schema_errors,
     shared_output_dir,
     yaml_docs,
 )
+from tests.support.env import FAKE_TOKEN, REPO, pod_env
+from tests.support.harness import configured
+from tests.support.processes import run_main
 from utils.config.distributed import DEFAULT_PORT
 from utils.config.settings import FIELDS, SHARED_VOLUME, env_name
 

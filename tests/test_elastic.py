@@ -20,31 +20,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import (
-    LOSS_RTOL,
-    REPO,
-    WEIGHT_ATOL,
-    WEIGHT_RTOL,
-    Replicas,
-    adapter_weights,
-    base_env,
-    complete_steps,
-    config_maps,
-    container_env,
-    error_lines,
-    first_divergence,
-    free_port,
-    kustomize,
-    pod_env,
-    push_settings,
-    rank_env,
-    run_main,
-    start_main,
-    wait_all,
-    wait_for,
-    wait_until,
-    write_fixed_length_data,
-)
+from tests.support.data import write_fixed_length_data
+from tests.support.deploy import config_maps, container_env, kustomize
+from tests.support.env import REPO, base_env, free_port, pod_env, push_settings, rank_env
+from tests.support.numerics import LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, adapter_weights, first_divergence
+from tests.support.outcomes import complete_steps, error_lines
+from tests.support.processes import Replicas, run_main, start_main, wait_all, wait_for, wait_until
 
 GLOBAL_BATCH, MICRO = 16, 4  # 1 replica: 4 micro-batches a step, 2: 2, 4: 1
 EPOCHS, STEPS_PER_EPOCH = 2, 4

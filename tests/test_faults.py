@@ -21,28 +21,26 @@ import psutil
 import pytest
 
 from scripts.make_demo_assets import write_dataset
-from tests.conftest import (
+from tests.support.env import (
     REPO,
     REPO_ID,
     TIMEOUT,
-    Result,
-    assert_refusal,
-    assert_token_absent,
     base_env,
-    complete_steps,
-    configured,
     free_port,
     job_settings,
-    log_time,
-    patiently,
     push_settings,
     rank_env,
-    rank_record,
+    training_settings,
+)
+from tests.support.harness import configured
+from tests.support.outcomes import assert_refusal, assert_token_absent, complete_steps, log_time, rank_record
+from tests.support.processes import (
+    Result,
+    patiently,
     run_main,
     slowness,
     start_main,
     start_main_on_terminal,
-    training_settings,
     wait_all,
     wait_for,
     wait_until,

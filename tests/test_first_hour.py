@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, base_env, start_main_on_terminal, tiny_run_settings
+from tests.support.env import REPO, base_env, tiny_run_env
+from tests.support.processes import start_main_on_terminal
 
 EVALUATION_LINE = re.compile(r"INFO utils\.run: step (\d+)/(\d+) \(epoch [\d.]+\): eval_\S+=[\d.]+ ", re.M)
 PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's `42%|████▏     | 47/111`
@@ -95,7 +96,7 @@ def test_make_demo_trains_a_pair_task_offline_with_one_line_per_evaluation(tmp_p
 
 
 def test_a_terminal_gets_progress_bars(tmp_path, tiny_bert, sst2_dir):
-    env = base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", MAX_STEPS=6, EVAL_STEPS=3))
+    env = tiny_run_env(tmp_path, tiny_bert, sst2_dir, MAX_STEPS=6, EVAL_STEPS=3)
     proc = start_main_on_terminal(env, tmp_path / "terminal.txt")
     assert proc.wait(timeout=300) == 0
     proc.copied.join(timeout=30)

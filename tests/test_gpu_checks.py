@@ -18,7 +18,7 @@ import tarfile
 
 import pytest
 
-from tests.conftest import REPO, base_env
+from tests.support.env import REPO, base_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

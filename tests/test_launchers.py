@@ -22,29 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    ACCELERATE,
-    K8S,
-    REPO,
-    STEPS,
-    TORCHRUN,
-    base_env,
-    config_maps,
-    configured,
-    container_env,
-    crd_schema,
-    free_port,
-    job_settings,
-    kustomize,
-    load_manifest,
-    pod_env,
-    rank_report,
-    run_main,
-    schema_errors,
-    start,
-    wait_all,
-    wait_until,
-)
+from tests.support.deploy import K8S, config_maps, container_env, crd_schema, kustomize, load_manifest, schema_errors
+from tests.support.env import REPO, STEPS, base_env, free_port, job_settings, pod_env
+from tests.support.harness import configured
+from tests.support.outcomes import rank_report
+from tests.support.processes import ACCELERATE, TORCHRUN, run_main, start, wait_all, wait_until
 
 LAUNCHERS = REPO / "launchers"
 

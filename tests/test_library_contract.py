@@ -51,7 +51,8 @@ import torch
 from torch.utils.data import SequentialSampler
 from transformers import Trainer
 
-from tests.conftest import base_env, free_port, start_in_process
+from tests.support.env import base_env, free_port
+from tests.support.harness import start_in_process
 from utils.training.trainer import GlobalOrderSampler, epoch_sampler
 
 SEED = 42
@@ -352,7 +353,7 @@ def test_hub_requests_get_the_timeout_through_the_default_client_factory():
 def test_a_splits_fingerprint_follows_its_data(tmp_path):
     """The tokenized cache on the shared volume is keyed on `_fingerprint`: the same files give the same key on
     every replica and restart, other rows another."""
-    from tests.conftest import delimited, film_rows, write_files
+    from tests.support.data import delimited, film_rows, write_files
     from utils.config.settings import Settings
     from utils.training.data import load_raw
 

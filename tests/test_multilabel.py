@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
-from tests.conftest import REPO, assert_refusal, base_env, run_main, run_predict, tiny_run_settings, wait_all
+from tests.support.env import REPO, base_env, tiny_run_settings
+from tests.support.outcomes import assert_refusal
+from tests.support.processes import run_main, run_predict, wait_all
 
 NAMES = ("blame", "motion", "praise")  # sorted: the order the data's names take without LABEL_NAMES
-RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
+RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/support/env.tiny_run_settings)
 
 
 def rows(rng: random.Random, count: int):

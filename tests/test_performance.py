@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, base_env
+from tests.support.env import REPO, base_env
 
 
 @pytest.mark.parametrize(

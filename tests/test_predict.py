@@ -19,23 +19,11 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import write_tiny_bert
-from tests.conftest import (
-    BASE_ID,
-    LABELS,
-    MAX_SEQ_LENGTH,
-    MERGED_ID,
-    REPO,
-    REPO_ID,
-    STRAY_QUOTE,
-    Result,
-    assert_documented,
-    assert_refusal,
-    base_env,
-    delimited,
-    error_lines,
-    run_predict,
-    write_files,
-)
+from tests.support.data import STRAY_QUOTE, delimited, write_files
+from tests.support.docs import assert_documented
+from tests.support.env import BASE_ID, LABELS, MAX_SEQ_LENGTH, MERGED_ID, REPO, REPO_ID, base_env
+from tests.support.outcomes import assert_refusal, error_lines
+from tests.support.processes import Result, run_predict
 from utils.common.errors import JobError
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]

@@ -20,23 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import (
-    BASE_ID,
-    LABELS,
-    MERGED_ID,
-    REPO,
-    REPO_ID,
-    Result,
-    assert_refusal,
-    assert_token_absent,
-    base_env,
-    error_lines,
-    push_settings,
-    rank_record,
-    run_main,
-    run_predict,
-)
-from tests.hub_stub import HubStub
+from tests.support.env import BASE_ID, LABELS, MERGED_ID, REPO, REPO_ID, base_env, push_settings
+from tests.support.hub_stub import HubStub
+from tests.support.outcomes import assert_refusal, assert_token_absent, error_lines, rank_record
+from tests.support.processes import Result, run_main, run_predict
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
 

@@ -17,9 +17,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import REPO, base_env, error_lines
 
 from scripts.make_demo_assets import synthetic_sentence
+from tests.support.env import REPO, base_env
+from tests.support.outcomes import error_lines
 
 BENCH = REPO / "benchmarks" / "quality.py"
 

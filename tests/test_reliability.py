@@ -17,29 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    REPO_ID,
-    SAVE_STEPS,
-    TIMEOUT,
-    Replicas,
-    assert_documented,
+from tests.support.docs import assert_documented
+from tests.support.env import REPO, REPO_ID, SAVE_STEPS, TIMEOUT, push_settings, training_settings
+from tests.support.outcomes import (
     assert_refusal,
     assert_token_absent,
     complete_steps,
     error_lines,
     log_time,
-    patiently,
-    push_settings,
     rank_record,
-    run_main,
-    slowness,
-    start_main,
-    training_settings,
-    wait_all,
-    wait_for,
-    wait_until,
 )
+from tests.support.processes import Replicas, patiently, run_main, slowness, start_main, wait_all, wait_for, wait_until
 from utils.cluster.collectives import PROBE_SECONDS, WATCHDOG_GRACE
 from utils.run_folder.outputs import RUN_MARKER
 

@@ -17,25 +17,9 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import write_dataset
-from tests.conftest import (
-    REPO_ID,
-    TIMEOUT,
-    Replicas,
-    assert_refusal,
-    base_env,
-    free_port,
-    log_time,
-    patiently,
-    push_settings,
-    rank_env,
-    rank_record,
-    run_code,
-    slowness,
-    start_main,
-    training_settings,
-    wait_all,
-    wait_until,
-)
+from tests.support.env import REPO_ID, TIMEOUT, base_env, free_port, push_settings, rank_env, training_settings
+from tests.support.outcomes import assert_refusal, log_time, rank_record
+from tests.support.processes import Replicas, patiently, run_code, slowness, start_main, wait_all, wait_until
 from utils.cluster.collectives import BEAT_CALL_SECONDS, PROBE_SECONDS, WATCHDOG_GRACE
 
 # One epoch of a small data set: 10 optimizer steps (160 rows per rank, batch 16), and the checkpoint the Trainer

@@ -15,15 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    assert_refused_as_bad_input,
-    assert_token_absent,
-    error_lines,
-    free_port,
-    push_settings,
-    run_main,
-)
+from tests.support.env import REPO, free_port, push_settings
+from tests.support.outcomes import assert_refused_as_bad_input, assert_token_absent, error_lines
+from tests.support.processes import run_main
 
 PASSWORD = "s3cret-pass-0123"  # alice's password in every URL below
 PROXY_PASSWORD = "pr0xy-pass-4567"

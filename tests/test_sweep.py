@@ -26,24 +26,10 @@ import pytest
 import yaml
 
 from scripts.make_demo_assets import write_dataset, write_pair_dataset
-from tests.conftest import (
-    FAKE_TOKEN,
-    K8S,
-    MERGED_ID,
-    REPO,
-    REPO_ID,
-    SCHEMAS,
-    Result,
-    assert_refusal,
-    base_env,
-    crd_schema,
-    load_manifest,
-    push_settings,
-    run_script,
-    schema_errors,
-    strict,
-    wait_until,
-)
+from tests.support.deploy import K8S, SCHEMAS, crd_schema, load_manifest, schema_errors, strict
+from tests.support.env import FAKE_TOKEN, MERGED_ID, REPO, REPO_ID, base_env, push_settings
+from tests.support.outcomes import assert_refusal
+from tests.support.processes import Result, run_script, wait_until
 from utils.config.tasks import headline
 
 SWEEP = REPO / "sweep.py"

@@ -22,19 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    TIMEOUT,
-    assert_refusal,
-    base_env,
-    complete_steps,
-    error_lines,
-    job_settings,
-    run_main,
-    start_main,
-    tiny_run_settings,
-    unavailable,
-    wait_until,
-)
+from tests.support.env import TIMEOUT, base_env, job_settings, tiny_run_settings, unavailable
+from tests.support.outcomes import assert_refusal, complete_steps, error_lines
+from tests.support.processes import run_main, start_main, wait_until
 from utils.common.errors import volume_state
 from utils.run_folder.outputs import checkpoint_damage
 
