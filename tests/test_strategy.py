@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -168,9 +167,7 @@ def test_fsdp_shards_the_lora_model_trains_it_in_sync_and_saves_it_whole(tiny_be
         str(tiny_bert),
         str(tmp_path),
     ]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=open(log, "w"), stderr=subprocess.STDOUT
-    )
+    proc = start(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, log=log)
     wait_all([proc], [log], timeout=240)
     reports = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
     for report in reports:

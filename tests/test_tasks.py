@@ -15,7 +15,6 @@ import math
 import random
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, SUBJECTS, VERBS
 from tests.support.env import REPO, base_env, tiny_run_env
 from tests.support.outcomes import assert_refusal, rank_record
-from tests.support.processes import run_main, run_predict, train_one_and_two, wait_all
+from tests.support.processes import run_command, run_main, run_predict, train_one_and_two, wait_all
 
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/support/env.tiny_run_settings)
 MNLI_NAMES = ("entailment", "neutral", "contradiction")
@@ -380,7 +379,7 @@ def run_as_written(command: str, tmp: Path) -> list[dict]:
     command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
         "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
     )
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
+    result = run_command(["bash", "-c", command], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
     return [json.loads(line) for line in result.stdout.splitlines()]
@@ -401,9 +400,7 @@ def card_answers(tmp: Path, inputs: list) -> list[dict]:
     card = (tmp / "out" / "model" / "README.md").read_text()
     [code] = re.findall(r"```python\n(.*?)```", card, re.S)
     script = code + "\nimport json, sys\nprint(json.dumps(classifier(json.loads(sys.argv[1]))))"
-    result = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(inputs)], capture_output=True, text=True, env=base_env(tmp), cwd=tmp
-    )
+    result = run_command([sys.executable, "-c", script, json.dumps(inputs)], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 

@@ -18,6 +18,9 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+
+# Test modules take these from here: what they name of a process (its type, its streams), never starting one.
+from subprocess import DEVNULL, PIPE, STDOUT, CompletedProcess, Popen, TimeoutExpired
 from typing import TypeVar
 from unittest import mock
 
@@ -54,9 +57,9 @@ def run_python(
     """`python argv...`, waited for `timeout` idle-machine seconds (`patiently`), killed past them."""
     proc = subprocess.Popen(
         [sys.executable, *argv],
-        stdin=None if stdin is None else subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdin=None if stdin is None else PIPE,
+        stdout=PIPE,
+        stderr=PIPE,
         env=env,
         cwd=cwd,
         text=True,
@@ -89,7 +92,7 @@ def run_predict(
     return run_script("predict.py", env, *args, stdin=stdin, cwd=cwd, timeout=timeout)
 
 
-def start_main_on_terminal(env: dict[str, str], log: Path, columns: int = 100) -> subprocess.Popen:
+def start_main_on_terminal(env: dict[str, str], log: Path, columns: int = 100) -> Popen:
     """Start `python main.py` with stdout and stderr on a pseudo-terminal `columns` wide (what a person at a terminal
     sees: the job draws progress bars there), copied to `log` as it comes; `.copied` is the copy's thread."""
     leader, follower = pty.openpty()
@@ -117,11 +120,11 @@ def start_main_on_terminal(env: dict[str, str], log: Path, columns: int = 100) -
     return proc
 
 
-def start_main(env: dict[str, str], *args: str, log: Path | None = None) -> subprocess.Popen:
+def start_main(env: dict[str, str], *args: str, log: Path | None = None) -> Popen:
     """Start `python main.py` without waiting (for multi-rank runs); output goes to `log`."""
-    out = open(log, "w") if log else subprocess.DEVNULL
+    out = open(log, "w") if log else DEVNULL
     return subprocess.Popen(
-        [sys.executable, str(REPO / "main.py"), *args], env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+        [sys.executable, str(REPO / "main.py"), *args], env=env, cwd=REPO, stdout=out, stderr=STDOUT
     )
 
 
@@ -146,7 +149,7 @@ class Replicas:
     def __init__(self, tmp: Path):
         self.tmp, self.started, self.streams = tmp, [], []
 
-    def start(self, tag: str, settings: dict[str, str], world: int = 2, ranks=(0, 1)) -> list[subprocess.Popen]:
+    def start(self, tag: str, settings: dict[str, str], world: int = 2, ranks=(0, 1)) -> list[Popen]:
         port = free_port()
         procs = []
         for rank in ranks:
@@ -221,13 +224,13 @@ def patiently(wait: Callable[[float], T], timeout: float) -> T:
     while True:
         try:
             return wait(max(start + limit - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:
+        except TimeoutExpired:
             if time.monotonic() - start >= (limit := stretched(timeout, limit)):
                 raise
 
 
 def wait_all(
-    procs: list[subprocess.Popen],
+    procs: list[Popen],
     logs: list[Path] | Callable[[], list[Path]] | None = None,
     timeout: float = 300,
 ) -> list[int]:
@@ -252,7 +255,7 @@ def wait_all(
 def wait_until(
     condition: Callable[[], object],
     what: str,
-    procs: list[subprocess.Popen] | tuple = (),
+    procs: list[Popen] | tuple = (),
     timeout: float = 300,
     log: Path | None = None,
     every: float = 0.05,
@@ -274,7 +277,7 @@ def wait_until(
     return value
 
 
-def wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+def wait_for(path: Path, procs: list[Popen], timeout: float = 300) -> None:
     """Wait until `path` exists; fail early if a replica exits first."""
     wait_until(path.exists, f"{path}", procs, timeout)
 
@@ -285,12 +288,15 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
-def start(cmd: list[str], env: dict[str, str], log: Path, **kwargs) -> subprocess.Popen:
-    """Start a launcher command (torchrun, accelerate launch, a batch script) in the repo; output goes to `log`."""
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, **kwargs)
+def start(cmd: list, env: dict[str, str] | None = None, log: Path | None = None, cwd: Path = REPO, **kwargs) -> Popen:
+    """Start `cmd` (a launcher, torchrun, a batch script, a test's own Python) in `cwd` without waiting for it; its
+    output (stdout and stderr) goes to `log`, or where `kwargs` send it (stdout=PIPE...)."""
+    if log is not None:
+        kwargs = {"stdout": open(log, "w"), "stderr": STDOUT, **kwargs}
+    return subprocess.Popen(cmd, env=env, cwd=cwd, **kwargs)
 
 
-def start_mlflow_server(mlflow: Path, store: Path, port: int, log: Path) -> subprocess.Popen:
+def start_mlflow_server(mlflow: Path, store: Path, port: int, log: Path) -> Popen:
     """`mlflow server` as users run it (sqlite backend in `store`, `port`), output to `log`, in a process group of
     its own: `stop_process_group` ends its workers with it."""
     return subprocess.Popen(
@@ -301,27 +307,27 @@ def start_mlflow_server(mlflow: Path, store: Path, port: int, log: Path) -> subp
             *("--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
         ],
         stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
+        stderr=STDOUT,
         # No job runner: its queue consumers (MLflow's own background jobs) take seconds of CPU and serve no run.
         env={**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         start_new_session=True,
     )
 
 
-def stop_process_group(proc: subprocess.Popen, grace: float = 15) -> None:
+def stop_process_group(proc: Popen, grace: float = 15) -> None:
     """SIGTERM to `proc`'s process group, SIGKILL after `grace` seconds."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
+    except TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
 def run_command(
-    argv: list[str | Path], env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float | None = None, **kwargs
-) -> subprocess.CompletedProcess:
-    """A one-off tool (bash, git, ruff, mount...) run to its end, its output captured as text; `kwargs` go to
-    subprocess.run (input=, text=False...)."""
+    argv: list, env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float | None = None, **kwargs
+) -> CompletedProcess:
+    """`argv` (a tool: bash, make, hadolint, mount; or a Python the test picks) run to its end in `cwd`, its output
+    captured as text; `kwargs` go to subprocess.run (input=, text=False, capture_output=False)."""
     options = {"capture_output": True, "text": True, **kwargs}
-    return subprocess.run([str(arg) for arg in argv], env=env, cwd=cwd, timeout=timeout, check=False, **options)
+    return subprocess.run(argv, env=env, cwd=cwd, timeout=timeout, check=False, **options)
