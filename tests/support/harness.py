@@ -36,79 +36,36 @@ class ReachedTraining(BaseException):
 @dataclass
 class InProcessStart:
     code: int | None  # main()'s exit code; None: it reached the first training step
-    layer: (
-        str | None
-    )  # the part of the start-up whose call refused: settings, output, device, join, model, data, set_up
+    layer: str | None  # the part of the start-up that refused (JobError.stage): settings, output, device, join, ...
     error: str | None  # the `error:` line's message
     stderr: str
     ready: object | None  # utils.run.Ready, when it reached training
 
 
-# Where a refusal is attributed: the innermost of these calls it leaves (main.py's and utils/run.py's own names).
-STARTUP_LAYERS = (
-    ("main", "install_masking", "settings"),  # HF_TOKEN or HF_TOKEN_PATH, read before the other settings
-    ("main", "configure", "settings"),
-    ("main", "open_run_dir", "output"),
-    ("utils.cluster.job", "Job.start", "device"),
-    ("utils.run", "join", "join"),
-    ("utils.run", "set_up", "set_up"),
-    ("utils.run", "load_tokenizer", "model"),
-    ("utils.run", "load_sst2", "data"),
-    ("utils.cluster.job", "Job.with_rows", "data"),
-    ("utils.run", "build_model", "model"),
-)
-
-
 def start_in_process(monkeypatch, env: dict[str, str], argv: list[str] | tuple = ()) -> InProcessStart:
     """`main.main(argv)` in this process, whose environment is exactly `env`, up to the first training step: the
     job's own start-up in its order (settings, OUTPUT_DIR, device and numerics, the strategy, Hub and tracker checks,
-    the rendezvous, tokenizer, data, model, the checkpoint to resume, the Trainer, run.json), nothing re-implemented.
-    Training is replaced by a stop. What a start changes in the process (its stop-signal handlers, masked streams,
-    logging, exported variables, libraries left out, the frozen heap) is undone or kept out, so that `make check`
-    stays one process."""
+    the rendezvous, tokenizer, data, model, the checkpoint to resume, the Trainer, run.json), nothing re-implemented;
+    it stops where training would begin (main's `before_training`), and a refusal names its part (`refused`). What a
+    start changes in the process (its stop-signal handlers, masked streams, logging, exported variables, libraries
+    left out, the frozen heap) is undone or kept out, so that `make check` stays one process."""
     import gc
     import io
     from contextlib import redirect_stderr, redirect_stdout
-    from importlib import import_module
 
     import main
-    import utils.run
     from utils.cluster.preemption import Preemption
-    from utils.common.errors import JobError
 
     for name in list(os.environ):
         if name not in env:
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
-    refused: list[tuple[str, JobError]] = []
+    refusals = []
 
-    def spied(call, layer):
-        def spy(*args, **kwargs):
-            try:
-                return call(*args, **kwargs)
-            except JobError as exc:
-                if not any(exc is seen for _, seen in refused):
-                    refused.append((layer, exc))
-                raise
-
-        return spy
-
-    for module, name, layer in STARTUP_LAYERS:
-        owner = import_module(module)
-        if "." in name:
-            cls, method = name.split(".")
-            owner, name = getattr(owner, cls), method
-            call = getattr(owner, name)  # bound for a classmethod, a function for a method
-            wrapped = spied(call, layer)
-            monkeypatch.setattr(owner, name, staticmethod(wrapped) if hasattr(call, "__self__") else wrapped)
-        else:
-            monkeypatch.setattr(owner, name, spied(getattr(owner, name), layer))
-
-    def stop(job, group, ready):
+    def stop(ready):
         raise ReachedTraining(ready)
 
-    monkeypatch.setattr(utils.run, "train", stop)
     monkeypatch.setattr(Preemption, "install", lambda self: None)  # no signal reaches this process's test
     monkeypatch.setattr(gc, "freeze", lambda: None)
     environ = dict(os.environ)
@@ -121,7 +78,7 @@ def start_in_process(monkeypatch, env: dict[str, str], argv: list[str] | tuple =
     ready = None
     try:
         with redirect_stdout(out), redirect_stderr(err):
-            code = main.main(list(argv))
+            code = main.main(list(argv), before_training=stop, refused=refusals.append)
     except ReachedTraining as reached:
         code, ready = None, reached.ready
     finally:
@@ -139,7 +96,7 @@ def start_in_process(monkeypatch, env: dict[str, str], argv: list[str] | tuple =
             logging.getLogger(name).setLevel(was)
         transformers_log.handlers[:], transformers_log.propagate = library
     errors = error_lines(err.getvalue())
-    layer = refused[0][0] if refused else None
+    layer = refusals[0].stage if refusals else None
     return InProcessStart(code, layer, errors[0].removeprefix("error: ") if errors else None, err.getvalue(), ready)
 
 
