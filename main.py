@@ -42,10 +42,11 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 
 from utils.cluster.preemption import Preemption
-from utils.common.errors import EXIT_UNEXPECTED, JobError, Preempted
+from utils.common.errors import EXIT_UNEXPECTED, JobError, Preempted, stage
 from utils.common.hub_token import install_masking
 from utils.config.deepspeed_config import DeepSpeedChoices, describe_strategy, with_deepspeed
 from utils.config.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
@@ -99,19 +100,28 @@ def asks_for_help(argv: list[str] | None) -> bool:
     return any(arg in ("-h", "--help") for arg in args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    *,
+    before_training: Callable[[object], None] | None = None,
+    refused: Callable[[JobError], None] | None = None,
+) -> int:
+    """The job: its exit code. `before_training` (given what the start-up built, where training would begin) and
+    `refused` (given the JobError reported) let tests/support/harness.py run the start-up in the tests' own process,
+    stop it at the first training step and learn which part refused (JobError.stage), without patching the job."""
     run_dir, created = None, False
     try:
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
-        try:
-            # A malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr.
-            masker = install_masking()
-        except JobError:
-            if not asks_for_help(argv):
-                raise
-            masker = None  # --help prints the help and exits while the settings are read, with the value masked
-        settings, dist, args, plan = configure(argv)
+        with stage("settings"):
+            try:
+                # A malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr.
+                masker = install_masking()
+            except JobError:
+                if not asks_for_help(argv):
+                    raise
+                masker = None  # --help prints the help and exits while the settings are read, with the value masked
+            settings, dist, args, plan = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             check_run_dir(settings, plan, push_only=args.push_only)
             # What the run checks first on the local disk, in its order (OUTPUT_DIR, the model, the data), by the
@@ -127,11 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         # Unwritable or foreign OUTPUT_DIR: refused before the heavy imports.
         # A start refused from here on removes the folder it made, if it left it as made (discard_unused_claim).
         created = not os.path.lexists(settings.output_dir)
-        run_dir = open_run_dir(settings, plan, push_only=args.push_only)
+        with stage("output"):
+            run_dir = open_run_dir(settings, plan, push_only=args.push_only)
 
         from utils.cluster.job import Job  # torch: a second to import
 
-        job = Job.start(settings, dist, run_dir, plan, preemption=preemption, masker=masker)  # device and numerics
+        with stage("device"):  # the device and numerics
+            job = Job.start(settings, dist, run_dir, plan, preemption=preemption, masker=masker)
         job.leave_unused_libraries_out()  # DeepSpeed and bitsandbytes only for a run that uses them
         from utils.run import publish_only, run  # transformers, peft: seconds to import
 
@@ -139,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         # collector's sight, and each collection (the Trainer asks for some, a run's allocations set off others)
         # walks the run's own objects only. A fifth of a short run's CPU; on a GPU, host time the steps wait on.
         gc.freeze()
-        return publish_only(job) if args.push_only else run(job)
+        return publish_only(job) if args.push_only else run(job, before_training)
     except JobError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
+        if refused is not None:
+            refused(exc)
         if run_dir is not None and created:
             discard_unused_claim(run_dir)
         return exc.code

@@ -15,17 +15,10 @@ import json
 
 import pytest
 
-from tests.conftest import (
-    Replicas,
-    assert_refusal,
-    base_env,
-    rank_record,
-    run_code,
-    run_main,
-    step_losses,
-    tiny_run_settings,
-    wait_all,
-)
+from tests.support.env import base_env, tiny_run_settings
+from tests.support.numerics import step_losses
+from tests.support.outcomes import assert_refusal, rank_record
+from tests.support.processes import Replicas, run_code, run_main, wait_all
 
 STEPS = 60
 BUCKETS = [16, 32, 48]  # the tiny data's padded lengths (tests/test_compile.py)

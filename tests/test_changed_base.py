@@ -15,18 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    Result,
-    assert_documented,
-    assert_refusal,
-    base_env,
-    run_main,
-    run_predict,
-    start_main,
-    tiny_run_settings,
-    wait_all,
-    wait_until,
-)
+from tests.support.docs import assert_documented
+from tests.support.env import base_env, tiny_run_settings
+from tests.support.outcomes import assert_refusal
+from tests.support.processes import Result, run_main, run_predict, start_main, wait_all, wait_until
 
 SENTENCES = "a wonderful film\na dull film\n"
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NEGATIVE, NOUNS, POSITIVE, VERBS, base_env, run_code, run_main, tiny_run_settings
+from scripts.make_demo_assets import NEGATIVE, NOUNS, POSITIVE, VERBS
+from tests.support.env import base_env, tiny_run_settings
+from tests.support.processes import run_code, run_main
 
 pytestmark = pytest.mark.slow
 TRAIN_POSITIVE, TRAIN_NEGATIVE = 270, 30  # 9 to 1

@@ -15,17 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    Replicas,
-    base_env,
-    rank_record,
-    run_main,
-    start_main,
-    step_losses,
-    tiny_run_settings,
-    wait_all,
-    write_fixed_length_data,
-)
+from tests.support.data import write_fixed_length_data
+from tests.support.env import base_env, tiny_run_settings
+from tests.support.numerics import step_losses
+from tests.support.outcomes import rank_record
+from tests.support.processes import Replicas, run_main, start_main, wait_all
 
 pytestmark = pytest.mark.integration
 
@@ -120,7 +114,7 @@ def test_two_compiled_replicas_train_as_one_process(tmp_path, tiny_bert, sst2_di
     settings.pop("NUM_EPOCHS")
     one, two = tmp_path / "one", tmp_path / "two"
     group = Replicas(tmp_path)
-    try:  # conftest's train_one_and_two, with time for the compiles on a loaded machine
+    try:  # tests/support's train_one_and_two, with time for the compiles on a loaded machine
         procs = group.start("ddp", {**settings, "OUTPUT_DIR": str(two), "PER_DEVICE_BATCH_SIZE": "8"})
         single = run_main(
             base_env(tmp_path, **{**settings, "OUTPUT_DIR": one, "PER_DEVICE_BATCH_SIZE": 16}), timeout=COMPILE_TIMEOUT

@@ -6,12 +6,13 @@ ZeRO-2 on 2 ranks in the same image."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, docker_user, shared_output_dir, unavailable
+from tests.support.deploy import docker_user, shared_output_dir
+from tests.support.env import REPO, unavailable
+from tests.support.processes import run_command
 from utils.config.settings import SHARED_VOLUME
 
 SMOKE = REPO / "scripts" / "container_smoke.sh"
@@ -22,7 +23,7 @@ TOOLS_UNAVAILABLE = 77  # the script's exit code when buildah/podman cannot be i
 @pytest.mark.slow
 def test_image_builds_and_trains_read_only_as_its_user(tmp_path):
     volume = tmp_path / "pvc-home"
-    proc = subprocess.run(["bash", str(SMOKE), str(volume)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    proc = run_command(["bash", str(SMOKE), str(volume)], cwd=REPO, timeout=1800)
     if proc.returncode == TOOLS_UNAVAILABLE:
         unavailable(f"container tools unavailable: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
-from tests.conftest import SPLIT_SIZES, STRAY_QUOTE, delimited, film_rows, saved_dataset, write_files
+from tests.support.data import SPLIT_SIZES, STRAY_QUOTE, delimited, film_rows, saved_dataset, write_files
 from utils.config.settings import Settings
 from utils.training.data import load_sst2
 from utils.training.model import load_tokenizer

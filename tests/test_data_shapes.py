@@ -12,15 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    assert_documented,
-    base_env,
-    error_lines,
-    run_main,
-    run_predict,
-    start_in_process,
-    tiny_run_settings,
-)
+from tests.support.docs import assert_documented
+from tests.support.env import base_env, tiny_run_env, tiny_run_settings
+from tests.support.harness import start_in_process
+from tests.support.outcomes import error_lines
+from tests.support.processes import run_main, run_predict
 from utils.common.errors import EXIT_BAD_INPUT
 
 COPIES, TEXTS = 3, 150  # each text three times: a carve by rows would split some texts across the two sides
@@ -225,7 +221,7 @@ TEST_SPLIT_LINES = {"test-file-column-wrong": 0, "test-file-missing": 1, "test-f
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_dry_run_and_the_run_refuse_a_data_shape_with_one_line(case, tmp_path, tiny_bert, sst2_dir):
     extra, line = REFUSALS[case](tmp_path, sst2_dir)
-    env = {**base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out")), **extra}
+    env = {**tiny_run_env(tmp_path, tiny_bert, sst2_dir), **extra}
     for args in (("--dry-run",), ()):
         result = run_main(env, *args, timeout=180)
         assert result.code == EXIT_BAD_INPUT, result.stderr[-3000:]

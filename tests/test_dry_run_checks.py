@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import base_env, error_lines, run_main, saved_dataset, tiny_run_settings, write_files
+from tests.support.data import saved_dataset, write_files
+from tests.support.env import base_env, tiny_run_env, tiny_run_settings
+from tests.support.outcomes import error_lines
+from tests.support.processes import run_main
 from utils.common.errors import EXIT_BAD_INPUT
 
 MODEL_FIX = (
@@ -116,7 +119,7 @@ CASES = {
 
 
 def env_for(tmp: Path, tiny_bert: Path, sst2_dir: Path, case: str) -> tuple[dict, str]:
-    env = base_env(tmp, **tiny_run_settings(tiny_bert, sst2_dir, tmp / "out"))
+    env = tiny_run_env(tmp, tiny_bert, sst2_dir)
     extra, line = CASES[case](tmp, env)
     return {**env, **extra}, line
 
@@ -131,7 +134,7 @@ def test_dry_run_refuses_a_local_input_with_one_line(case, tiny_bert, sst2_dir, 
 
 
 def test_dry_run_of_good_local_inputs_passes_and_imports_no_torch(tiny_bert, sst2_dir, tmp_path):
-    env = base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out"), PYTHONVERBOSE="1")
+    env = tiny_run_env(tmp_path, tiny_bert, sst2_dir, PYTHONVERBOSE="1")
     result = run_main(env, "--dry-run", timeout=60)
     assert result.code == 0, result.stderr[-3000:]
     assert result.json()["config"]["dataset_path"] == str(sst2_dir)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,31 +19,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import (
-    LOSS_RTOL,
-    REPO,
-    WEIGHT_ATOL,
-    WEIGHT_RTOL,
-    Replicas,
-    adapter_weights,
-    base_env,
-    complete_steps,
-    config_maps,
-    container_env,
-    error_lines,
-    first_divergence,
-    free_port,
-    kustomize,
-    pod_env,
-    push_settings,
-    rank_env,
-    run_main,
-    start_main,
-    wait_all,
-    wait_for,
-    wait_until,
-    write_fixed_length_data,
-)
+from tests.support.data import write_fixed_length_data
+from tests.support.deploy import config_maps, container_env, kustomize
+from tests.support.env import REPO, base_env, free_port, pod_env, push_settings, rank_env
+from tests.support.numerics import LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, adapter_weights, first_divergence
+from tests.support.outcomes import complete_steps, error_lines
+from tests.support.processes import Popen, Replicas, run_main, start, start_main, wait_all, wait_for, wait_until
 
 GLOBAL_BATCH, MICRO = 16, 4  # 1 replica: 4 micro-batches a step, 2: 2, 4: 1
 EPOCHS, STEPS_PER_EPOCH = 2, 4
@@ -130,12 +110,12 @@ def mixed_data(tmp_path_factory) -> Path:
     return write_mixed_length_data(tmp_path_factory.mktemp("elastic") / "data")
 
 
-def replica_processes(procs: list[subprocess.Popen]) -> list[psutil.Process]:
+def replica_processes(procs: list[Popen]) -> list[psutil.Process]:
     roots = [psutil.Process(proc.pid) for proc in procs]
     return [*roots, *(child for root in roots for child in root.children(recursive=True))]
 
 
-def freeze(procs: list[subprocess.Popen]) -> None:
+def freeze(procs: list[Popen]) -> None:
     """SIGSTOP every replica (and any child) and wait until each is stopped: from then on nothing of theirs
     reaches the disk, so their OUTPUT_DIR holds exactly what a SIGKILL at this instant would leave."""
     stopped = replica_processes(procs)
@@ -149,7 +129,7 @@ def freeze(procs: list[subprocess.Popen]) -> None:
     )
 
 
-def thaw(procs: list[subprocess.Popen]) -> None:
+def thaw(procs: list[Popen]) -> None:
     for process in replica_processes(procs):
         process.send_signal(signal.SIGCONT)
 
@@ -321,7 +301,7 @@ def test_a_restart_on_another_count_without_a_global_batch_names_the_count(tmp_p
     )
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: Popen) -> None:
     """SIGKILL a torchrun agent and its workers (torchrun starts them in sessions of their own)."""
     try:
         root = psutil.Process(proc.pid)
@@ -383,12 +363,11 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
     try:
         for log, is_host in zip(logs, (True, False), strict=True):
             agents.append(
-                subprocess.Popen(
+                start(
                     agent(is_host),
                     env=env,
                     cwd=REPO,
-                    stdout=open(log, "w"),
-                    stderr=subprocess.STDOUT,
+                    log=log,
                     start_new_session=True,
                 )
             )

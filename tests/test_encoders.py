@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import base_env, run_main, run_predict
+from tests.support.env import base_env
+from tests.support.processes import run_main, run_predict
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess"]
 WIDTH = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import urllib.parse
 from dataclasses import dataclass
@@ -21,28 +20,29 @@ import psutil
 import pytest
 
 from scripts.make_demo_assets import write_dataset
-from tests.conftest import (
+from tests.support.env import (
     REPO,
     REPO_ID,
     TIMEOUT,
-    Result,
-    assert_refusal,
-    assert_token_absent,
     base_env,
-    complete_steps,
-    configured,
     free_port,
     job_settings,
-    log_time,
-    patiently,
     push_settings,
     rank_env,
-    rank_record,
+    training_settings,
+)
+from tests.support.harness import configured
+from tests.support.outcomes import assert_refusal, assert_token_absent, complete_steps, log_time, rank_record
+from tests.support.processes import (
+    PIPE,
+    STDOUT,
+    Result,
+    patiently,
     run_main,
     slowness,
+    start,
     start_main,
     start_main_on_terminal,
-    training_settings,
     wait_all,
     wait_for,
     wait_until,
@@ -485,11 +485,11 @@ def test_failures_are_classified_by_type_and_heartbeat_not_by_message(what, expe
     port = free_port()
     env = base_env(tmp_path)
     procs = [
-        subprocess.Popen(
+        start(
             [sys.executable, str(script), str(rank), what, str(port)],
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stdout=PIPE,
+            stderr=STDOUT,
             text=True,
         )
         for rank in (0, 1)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO, base_env, start_main_on_terminal, tiny_run_settings
+from tests.support.env import REPO, base_env, tiny_run_env
+from tests.support.processes import CompletedProcess, run_command, start_main_on_terminal
 
 EVALUATION_LINE = re.compile(r"INFO utils\.run: step (\d+)/(\d+) \(epoch [\d.]+\): eval_\S+=[\d.]+ ", re.M)
 PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's `42%|████▏     | 47/111`
@@ -28,10 +28,10 @@ TASKS = {
 }
 
 
-def make_demo(tmp, task: str) -> subprocess.CompletedProcess:
+def make_demo(tmp, task: str) -> CompletedProcess:
     """`make demo TASK=task`, as the README gives it, with its outputs under `tmp` and this interpreter's venv."""
     venv = sys.prefix  # the venv this test runs in is the demo's: -o, never rebuilt from here
-    return subprocess.run(
+    return run_command(
         [
             "make",
             "-o",
@@ -44,8 +44,6 @@ def make_demo(tmp, task: str) -> subprocess.CompletedProcess:
         ],
         cwd=REPO,
         env=base_env(tmp),
-        capture_output=True,
-        text=True,
         timeout=600,
     )
 
@@ -95,7 +93,7 @@ def test_make_demo_trains_a_pair_task_offline_with_one_line_per_evaluation(tmp_p
 
 
 def test_a_terminal_gets_progress_bars(tmp_path, tiny_bert, sst2_dir):
-    env = base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", MAX_STEPS=6, EVAL_STEPS=3))
+    env = tiny_run_env(tmp_path, tiny_bert, sst2_dir, MAX_STEPS=6, EVAL_STEPS=3)
     proc = start_main_on_terminal(env, tmp_path / "terminal.txt")
     assert proc.wait(timeout=300) == 0
     proc.copied.join(timeout=30)
@@ -110,7 +108,7 @@ def test_a_terminal_gets_progress_bars(tmp_path, tiny_bert, sst2_dir):
 def test_make_help_lists_every_target_on_one_line():
     # As a user types it: not as a make run inside `make test`, which would print "Entering directory" lines.
     env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
-    result = subprocess.run(["make", "help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    result = run_command(["make", "help"], cwd=REPO, env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     targets = re.search(r"^\.PHONY: (.*)$", (REPO / "Makefile").read_text(), re.M)[1].split()
     listed = [re.match(r"  make (\S+) +\S", line)[1] for line in result.stdout.splitlines()]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO_ID, base_env, push_settings, run_main, run_predict, tiny_run_settings
+from tests.support.env import REPO_ID, push_settings, tiny_run_env
+from tests.support.processes import run_main, run_predict
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,11 +22,7 @@ pytestmark = [
 SENTENCES = ["the film is wonderful and moving", "the script is awful and boring"]
 
 
-def gpu_env(tmp: Path, tiny_bert: Path, sst2_dir: Path, **extra: str) -> dict[str, str]:
-    """A one-process run of the tiny model that sees GPU 0 (the CPU tests' environment hides every GPU)."""
-    env = base_env(tmp, **tiny_run_settings(tiny_bert, sst2_dir, tmp / "out"), **extra)
-    env["CUDA_VISIBLE_DEVICES"] = "0"
-    return env
+GPU_0 = {"CUDA_VISIBLE_DEVICES": "0"}  # the tiny run sees GPU 0 (the CPU tests' environment hides every GPU)
 
 
 def labels(model: Path, *args: str, env: dict[str, str]) -> list[str]:
@@ -38,7 +35,7 @@ def labels(model: Path, *args: str, env: dict[str, str]) -> list[str]:
 def test_one_gpu_trains_8bit_weights_in_bf16_by_default_and_publishes_a_model_that_serves(
     tmp_path, tiny_bert, sst2_dir, hub
 ):
-    env = gpu_env(tmp_path, tiny_bert, sst2_dir, MERGE_ADAPTER="true", **push_settings(hub))
+    env = tiny_run_env(tmp_path, tiny_bert, sst2_dir, **GPU_0, MERGE_ADAPTER="true", **push_settings(hub))
     result = run_main(env)
     assert result.code == 0, result.stderr[-3000:]
     out = tmp_path / "out"
@@ -60,7 +57,7 @@ def test_one_gpu_trains_8bit_weights_in_bf16_by_default_and_publishes_a_model_th
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_one_gpu_trains_full_precision_weights_under_mixed_precision(tmp_path, tiny_bert, sst2_dir, precision):
     """QUANTIZATION=none is the speed setting for one GPU; fp16 goes through the Trainer's loss scaling."""
-    result = run_main(gpu_env(tmp_path, tiny_bert, sst2_dir, QUANTIZATION="none", PRECISION=precision))
+    result = run_main(tiny_run_env(tmp_path, tiny_bert, sst2_dir, **GPU_0, QUANTIZATION="none", PRECISION=precision))
     assert result.code == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert (metrics["quantization"], metrics["precision"]) == ("none", precision), metrics
@@ -70,7 +67,7 @@ def test_one_gpu_trains_full_precision_weights_under_mixed_precision(tmp_path, t
 def test_one_gpu_captures_each_length_bucket_s_step_once_and_replays_it(tmp_path, tiny_bert, sst2_dir):
     """CUDA_GRAPHS=auto on one GPU: every bucket's forward and backward captured before the first step, one CUDA
     graph each, none inside the epoch; the run trains as the CPU's does."""
-    result = run_main(gpu_env(tmp_path, tiny_bert, sst2_dir, QUANTIZATION="none"))
+    result = run_main(tiny_run_env(tmp_path, tiny_bert, sst2_dir, **GPU_0, QUANTIZATION="none"))
     assert result.code == 0, result.stderr[-3000:]
     out = tmp_path / "out"
     record = json.loads((out / "logs" / "rank-0.json").read_text())

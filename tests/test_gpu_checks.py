@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import tarfile
 
 import pytest
 
-from tests.conftest import REPO, base_env
+from tests.support.env import REPO, base_env
+from tests.support.processes import run_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -66,12 +66,10 @@ STEPS_PER_EPOCH = 512 // 16  # the smoke run's rows and batch
 def test_the_gpu_checks_run_every_part_to_its_end_on_the_cpu(tmp_path):
     results = tmp_path / "results"
     env = base_env(tmp_path, GPU_CHECKS_SMOKE="1", PYTHON=sys.executable, TMPDIR=str(tmp_path))  # its work dir too
-    proc = subprocess.run(
+    proc = run_command(
         ["bash", "scripts/gpu_checks.sh", str(results)],
         env=env,
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=2400,  # the smoke run's own clock, 4x the GPU call's, and the start
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

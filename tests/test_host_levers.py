@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import base_env, run_code
+from tests.support.env import base_env
+from tests.support.processes import run_code
 
 SCRIPT = """
 import json, sys

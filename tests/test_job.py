@@ -9,17 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    REPO_ID,
-    free_port,
-    job_settings,
-    push_settings,
-    rank_env,
-    rank_record,
-    run_main,
-    start_main,
-    trained_plan,
-)
+from tests.support.env import REPO_ID, free_port, job_settings, push_settings, rank_env
+from tests.support.outcomes import rank_record, trained_plan
+from tests.support.processes import run_main, start_main
 
 
 def logits_of(model_dir: Path, sentences: list[str], base: Path | None = None, merged: bool = False):

@@ -16,37 +16,31 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
+from tests.support.deploy import K8S, config_maps, container_env, crd_schema, kustomize, load_manifest, schema_errors
+from tests.support.env import REPO, STEPS, base_env, free_port, job_settings, pod_env
+from tests.support.harness import configured
+from tests.support.outcomes import rank_report
+from tests.support.processes import (
     ACCELERATE,
-    K8S,
-    REPO,
-    STEPS,
+    DEVNULL,
+    PIPE,
+    STDOUT,
     TORCHRUN,
-    base_env,
-    config_maps,
-    configured,
-    container_env,
-    crd_schema,
-    free_port,
-    job_settings,
-    kustomize,
-    load_manifest,
-    pod_env,
-    rank_report,
+    CompletedProcess,
+    run_command,
     run_main,
-    schema_errors,
     start,
     wait_all,
     wait_until,
 )
 
 LAUNCHERS = REPO / "launchers"
+FAKE_SLURM = REPO / "tests" / "support" / "fake_slurm"  # srun and scontrol stand-ins, put first on PATH
 
 
 def assert_one_model(out: Path, reports: list[dict]) -> None:
@@ -121,13 +115,13 @@ def launched_environments(tmp_path: Path, config: Path, *args: str, machines: in
         machine_args = ["--machine_rank", str(machine), "--main_process_ip", "127.0.0.1"] if machines > 1 else []
         cmd = [*ACCELERATE, "--config_file", str(config), "--num_processes", "2", "--main_process_port", str(port)]
         procs.append(
-            subprocess.Popen(
+            start(
                 [*cmd, *machine_args, *args, str(script), str(out)],
                 # RUN_NAME left to be derived: the same name whether STRATEGY came from the config or by hand
                 env=base_env(tmp_path, OUTPUT_DIR=tmp_path / "out"),
                 cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                stdout=PIPE,
+                stderr=STDOUT,
                 text=True,
             )
         )
@@ -260,7 +254,7 @@ def accelerate_dry_run(tmp_path: Path, config: Path, **settings) -> tuple[int, l
         "--dry-run",
     ]
     env = base_env(tmp_path, OUTPUT_DIR=tmp_path / "out", **settings)
-    result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_command(cmd, env=env, cwd=REPO, timeout=300)
     stdout, stderr = (
         [log.read_text() for log in sorted(logs.glob(f"*/attempt_0/*/{name}"))]
         for name in ("stdout.log", "stderr.log")
@@ -298,9 +292,7 @@ def test_deepspeed_launcher_processes_resolve_to_their_ranks_and_nodes(tmp_path)
     port, logs = free_port(), tmp_path / "rank-logs"
     cmd = [*DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), "--enable_each_rank_log", str(logs)]
     env = base_env(tmp_path, STRATEGY="deepspeed", ZERO_STAGE="3", OUTPUT_DIR=tmp_path / "out")
-    result = subprocess.run(
-        [*cmd, "main.py", "--dry-run"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    result = run_command([*cmd, "main.py", "--dry-run"], env=env, cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "--local_rank=1" in result.stdout + result.stderr  # the launcher did append it
     answers = dry_run_answers("".join(log.read_text() for log in sorted(logs.glob("*_rank*.log"))))
@@ -419,11 +411,9 @@ def test_slurm_tasks_of_a_2_node_x_4_gpu_allocation_resolve_to_ranks_0_to_7(tmp_
     }
 
 
-def render_sbatch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def render_sbatch(*args: str) -> CompletedProcess:
+    return run_command(
         [sys.executable, str(LAUNCHERS / "slurm" / "render_sbatch.py"), *args],
-        capture_output=True,
-        text=True,
         cwd=REPO,
     )
 
@@ -453,7 +443,7 @@ def test_rendered_batch_script_passes_bash_n_and_holds_the_allocation(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     script = target.read_text()
-    assert subprocess.run(["bash", "-n", str(target)], capture_output=True).returncode == 0
+    assert run_command(["bash", "-n", str(target)]).returncode == 0
     assert not re.search(r"@[A-Z_]+@", script)  # every placeholder filled
     expected = {
         "nodes": "2",
@@ -496,62 +486,8 @@ def test_render_refuses_bad_input_with_one_error_line(args, message):
     assert result.stderr.startswith("error: ") and message in result.stderr and "hf_abc" not in result.stderr
 
 
-FAKE_SRUN = """#!/usr/bin/env python3
-# Stands in for Slurm's srun inside a batch job: starts SLURM_NTASKS tasks with the per-task variables and
-# writes each task's output to --output (%x %j %t expanded). Like srun it passes SIGTERM on to the tasks and
-# SIGKILLs what is left KillWait seconds later, ends the other tasks when one fails (--kill-on-bad-exit),
-# and exits with the worst task's code (128 + N for a task killed by signal N).
-import os, signal, subprocess, sys, time
-KILL_WAIT = 10  # Slurm's KillWait (30 s by default)
-args = sys.argv[1:]
-pattern, kill_on_bad_exit = None, False
-while args and args[0].startswith("--"):
-    option = args.pop(0)
-    if option.startswith("--output="):
-        pattern = option.split("=", 1)[1]
-    elif option.startswith("--kill-on-bad-exit"):
-        kill_on_bad_exit = option != "--kill-on-bad-exit=0"
-per_node = int(os.environ["SLURM_NTASKS_PER_NODE"])
-procs = []
-for task in range(int(os.environ["SLURM_NTASKS"])):
-    env = dict(os.environ, SLURM_PROCID=str(task), SLURM_LOCALID=str(task % per_node), SLURM_NODEID=str(task // per_node))
-    out = pattern.replace("%x", os.environ["SLURM_JOB_NAME"]).replace("%j", os.environ["SLURM_JOB_ID"]).replace("%t", str(task))
-    procs.append(subprocess.Popen(args, env=env, stdout=open(out, "a"), stderr=subprocess.STDOUT))
-kill_at = None
-def terminate(*_):
-    global kill_at
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    kill_at = kill_at or time.monotonic() + KILL_WAIT
-signal.signal(signal.SIGTERM, terminate)
-while any(p.poll() is None for p in procs):
-    if kill_on_bad_exit and kill_at is None and any(p.poll() not in (None, 0) for p in procs):
-        terminate()
-    if kill_at is not None and time.monotonic() > kill_at:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    time.sleep(0.2)
-sys.exit(max(128 - p.returncode if p.returncode < 0 else p.returncode for p in procs))
-"""
-
-FAKE_SCONTROL = """#!/bin/bash
-# Stands in for scontrol: `show hostnames LIST` prints this machine; `requeue ID` is recorded.
-case "$1" in
-  show) echo localhost ;;
-  requeue) echo "$2" >> "$SCONTROL_LOG" ;;
-esac
-"""
-
-
 def slurm_job(job_env: dict[str, str], tmp_path: Path, **settings: str) -> tuple[Path, dict[str, str]]:
     """The rendered batch script for 1 node x 2 tasks, and the environment Slurm would run it in."""
-    fake = tmp_path / "fake-slurm"
-    fake.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (fake / name).write_text(text)
-        (fake / name).chmod(0o755)
     env = job_settings(job_env, **settings)
     names = dict.fromkeys(
         ("MODEL_NAME", "DATASET_PATH", "OUTPUT_DIR", "MAX_STEPS", "PER_DEVICE_BATCH_SIZE", "LEARNING_RATE", *settings)
@@ -583,13 +519,13 @@ def slurm_job(job_env: dict[str, str], tmp_path: Path, **settings: str) -> tuple
         MASTER_PORT=str(free_port()),
         SCONTROL_LOG=str(tmp_path / "requeued"),
     )
-    return script, {**base_env(tmp_path), **slurm, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    return script, {**base_env(tmp_path), **slurm, "PATH": f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}"}
 
 
 @pytest.mark.slow
 def test_batch_script_runs_the_job_one_task_per_gpu(job_env, tmp_path):
     script, env = slurm_job(job_env, tmp_path)
-    result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = run_command(["bash", str(script)], env=env, cwd=tmp_path, timeout=300)
     task_logs = sorted((tmp_path / "slurm-logs").glob("sst2-lora-4242-task*.out"))
     assert result.returncode == 0, result.stderr + "".join(log.read_text()[-2000:] for log in task_logs)
     assert [log.name for log in task_logs] == ["sst2-lora-4242-task0.out", "sst2-lora-4242-task1.out"]
@@ -605,9 +541,7 @@ def test_batch_script_runs_the_job_one_task_per_gpu(job_env, tmp_path):
 def test_batch_script_requeues_the_job_near_the_time_limit(job_env, tmp_path):
     """Slurm's USR1 (--signal=B:USR1@lead): the tasks get SIGTERM, end >= 128, and the script requeues the job."""
     script, env = slurm_job(job_env, tmp_path, MAX_STEPS="100000")
-    proc = subprocess.Popen(
-        ["bash", str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = start(["bash", str(script)], env=env, cwd=tmp_path, stdout=PIPE, stderr=STDOUT, text=True)
     try:
         logs = [tmp_path / "out" / "logs" / f"rank-{r}.log" for r in (0, 1)]
         wait_until(
@@ -660,7 +594,7 @@ def test_submitit_runs_the_job_with_its_torch_environment(job_env, tmp_path):
 
 
 def test_submitit_refuses_bad_settings_before_submitting(tmp_path):
-    result = subprocess.run(
+    result = run_command(
         [
             sys.executable,
             str(LAUNCHERS / "slurm" / "submit.py"),
@@ -673,8 +607,6 @@ def test_submitit_refuses_bad_settings_before_submitting(tmp_path):
             "zero",
         ],
         env=base_env(tmp_path),
-        capture_output=True,
-        text=True,
         cwd=REPO,
     )
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "--num-epochs" in result.stderr
@@ -707,12 +639,12 @@ def run_pods(command: list[str], pod_envs: list[dict[str, str]], tmp_path: Path)
             "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
         }
         procs.append(
-            subprocess.Popen(
+            start(
                 command,
                 env={**env, **extra},
                 cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                stdout=PIPE,
+                stderr=STDOUT,
                 text=True,
             )
         )
@@ -815,9 +747,7 @@ def test_pod_wrapper_turns_sigterm_into_the_restart_code(tmp_path):
         READY=str(tmp_path / "ready-"),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )
-    proc = subprocess.Popen(
-        command, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    proc = start(command, env=env, cwd=tmp_path, start_new_session=True, stdout=DEVNULL, stderr=DEVNULL)
     try:
         wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in (0, 1)), "ready files", [proc], 60)
         os.killpg(proc.pid, signal.SIGTERM)  # what dumb-init does with the kubelet's SIGTERM

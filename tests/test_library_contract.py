@@ -38,7 +38,6 @@ import json
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -51,7 +50,9 @@ import torch
 from torch.utils.data import SequentialSampler
 from transformers import Trainer
 
-from tests.conftest import base_env, free_port, start_in_process
+from tests.support.env import base_env, free_port
+from tests.support.harness import start_in_process
+from tests.support.processes import DEVNULL, PIPE, Popen, run_command, start
 from utils.training.trainer import GlobalOrderSampler, epoch_sampler
 
 SEED = 42
@@ -354,7 +355,7 @@ def test_hub_requests_get_the_timeout_through_the_default_client_factory():
 def test_a_splits_fingerprint_follows_its_data(tmp_path):
     """The tokenized cache on the shared volume is keyed on `_fingerprint`: the same files give the same key on
     every replica and restart, other rows another."""
-    from tests.conftest import delimited, film_rows, write_files
+    from tests.support.data import delimited, film_rows, write_files
     from utils.config.settings import Settings
     from utils.training.data import load_raw
 
@@ -646,25 +647,25 @@ os._exit(0)
 """
 
 
-def start_peers(tmp: Path, scenario: str, worlds: list[int]) -> list[subprocess.Popen]:
+def start_peers(tmp: Path, scenario: str, worlds: list[int]) -> list[Popen]:
     """One process per rank of `scenario`, rank r started with WORLD_SIZE worlds[r]."""
     port = free_port()
     # Without the autoload, torch would import bitsandbytes (a backend it registers) in every peer.
     env = base_env(tmp, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     return [
-        subprocess.Popen(
+        start(
             [sys.executable, "-c", PEER, scenario, str(rank), str(world), str(port)],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stdin=PIPE,
+            stdout=PIPE,
+            stderr=DEVNULL,
             text=True,
         )
         for rank, world in enumerate(worlds)
     ]
 
 
-def said(proc: subprocess.Popen, key: str) -> dict:
+def said(proc: Popen, key: str) -> dict:
     """The next line of `proc` that holds `key` (its lines are JSON objects), or the test fails if it ends first."""
     for line in proc.stdout:
         fields = json.loads(line) if line.startswith("{") else {}
@@ -675,7 +676,7 @@ def said(proc: subprocess.Popen, key: str) -> dict:
 
 @pytest.fixture
 def peers():
-    started: list[subprocess.Popen] = []
+    started: list[Popen] = []
     yield started
     for proc in started:
         proc.send_signal(signal.SIGCONT)
@@ -683,7 +684,7 @@ def peers():
         proc.wait()
 
 
-def go(proc: subprocess.Popen) -> None:
+def go(proc: Popen) -> None:
     proc.stdin.write("go\n")
     proc.stdin.flush()
 
@@ -826,9 +827,7 @@ def test_a_library_left_out_of_sys_modules_counts_as_not_installed(tmp_path):
     import transformers
 
     where = f"accelerate {accelerate.__version__}, transformers {transformers.__version__}, peft {peft.__version__}"
-    result = subprocess.run(
-        [sys.executable, "-c", LEFT_OUT], env=base_env(tmp_path), capture_output=True, text=True, check=False
-    )
+    result = run_command([sys.executable, "-c", LEFT_OUT], env=base_env(tmp_path))
     assert result.returncode == 0, f"{where}: importing the stack without them fails:\n{result.stderr[-3000:]}"
     seen = json.loads(result.stdout.splitlines()[-1])
     assert seen == {
@@ -850,12 +849,9 @@ def test_a_deprecation_in_the_jobs_code_fails_the_job_processes_the_tests_start(
         ("utils.training.trainer", 1, f"{category}: going away"),
         ("transformers.trainer", 0, "went on"),
     ]:
-        result = subprocess.run(
+        result = run_command(
             [sys.executable, "-c", warn.format(category=category, module=module)],
             env=base_env(tmp_path),
-            capture_output=True,
-            text=True,
-            check=False,
         )
         assert result.returncode == code and says in result.stderr + result.stdout, (module, result.stderr)
 

@@ -10,17 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    adapter_weights,
-    base_env,
-    complete_steps,
-    rank_record,
-    run_main,
-    start_main,
-    tiny_run_settings,
-    wait_all,
-    wait_for,
-)
+from tests.support.env import base_env, tiny_run_settings
+from tests.support.numerics import adapter_weights
+from tests.support.outcomes import complete_steps, rank_record
+from tests.support.processes import run_main, start_main, wait_all, wait_for
 
 pytestmark = pytest.mark.slow
 

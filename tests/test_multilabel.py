@@ -13,17 +13,18 @@ import json
 import random
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
-from tests.conftest import REPO, assert_refusal, base_env, run_main, run_predict, tiny_run_settings, wait_all
+from tests.support.env import REPO, base_env, tiny_run_settings
+from tests.support.outcomes import assert_refusal
+from tests.support.processes import run_command, run_main, run_predict, wait_all
 
 NAMES = ("blame", "motion", "praise")  # sorted: the order the data's names take without LABEL_NAMES
-RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
+RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/support/env.tiny_run_settings)
 
 
 def rows(rng: random.Random, count: int):
@@ -215,7 +216,7 @@ def test_the_readmes_multi_label_predict_command_runs_as_written(lists_run):
     command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
         "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
     )
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
+    result = run_command(["bash", "-c", command], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     predicted = [json.loads(line) for line in result.stdout.splitlines()]
     assert [p["text"] for p in predicted] == sentences
@@ -229,10 +230,8 @@ def test_the_cards_python_gives_the_scores_predict_prints(lists_run, folder):
     sentences = [s for s, _ in rows(random.Random(23), 4)]
     [code] = re.findall(r"```python\n(.*?)```", (tmp / "out" / folder / "README.md").read_text(), re.S)
     script = code + "\nimport json, sys\nprint(json.dumps(classifier(json.loads(sys.argv[1]))))"
-    result = subprocess.run(
+    result = run_command(
         [sys.executable, "-c", script, json.dumps(sentences)],
-        capture_output=True,
-        text=True,
         env=base_env(tmp),
         cwd=tmp,
     )

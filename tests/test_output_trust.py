@@ -18,18 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    REPO_ID,
-    assert_refusal,
-    assert_refused_as_bad_input,
-    job_settings,
-    log_time,
-    push_settings,
-    run_main,
-    start_main,
-    wait_all,
-    wait_until,
-)
+from tests.support.env import REPO_ID, job_settings, push_settings
+from tests.support.outcomes import assert_refusal, assert_refused_as_bad_input, log_time
+from tests.support.processes import run_main, start_main, wait_all, wait_until
 from utils.run_folder.record import RUN_MARKER, RUN_RECORD_FORMAT
 
 STOLEN_TOKEN = "hf_" + "s" * 34  # another user's token, kept beside the run folder

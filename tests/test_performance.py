@@ -9,13 +9,13 @@ benchmark derives without measuring (bert-base's gradient bytes) are checked aga
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, base_env
+from tests.support.env import REPO, base_env
+from tests.support.processes import run_command
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert, sst2_dir):
         "--json",
         str(out),
     ]
-    proc = subprocess.run(command, env=base_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_command(command, env=base_env(tmp_path), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
 
@@ -132,7 +132,7 @@ def test_strategy_benchmark_runs_small_on_the_cpu(tmp_path, tiny_bert):
     ]
     # The DeepSpeed ops `make ops` compiled into the venv before the suite: no warm-up run to compile them.
     env = base_env(tmp_path, TORCH_EXTENSIONS_DIR=Path(sys.prefix) / "torch-extensions")
-    proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    proc = run_command(command, env=env, cwd=REPO, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
 

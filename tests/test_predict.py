@@ -12,30 +12,17 @@ import random
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import write_tiny_bert
-from tests.conftest import (
-    BASE_ID,
-    LABELS,
-    MAX_SEQ_LENGTH,
-    MERGED_ID,
-    REPO,
-    REPO_ID,
-    STRAY_QUOTE,
-    Result,
-    assert_documented,
-    assert_refusal,
-    base_env,
-    delimited,
-    error_lines,
-    run_predict,
-    write_files,
-)
+from tests.support.data import STRAY_QUOTE, delimited, write_files
+from tests.support.docs import assert_documented
+from tests.support.env import BASE_ID, LABELS, MAX_SEQ_LENGTH, MERGED_ID, REPO, REPO_ID, base_env
+from tests.support.outcomes import assert_refusal, error_lines
+from tests.support.processes import PIPE, CompletedProcess, Result, run_command, run_predict, start
 from utils.common.errors import JobError
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
@@ -50,14 +37,14 @@ def trained(finished_run) -> Path:
     return finished_run.out
 
 
-def predict(cwd: Path, *args: str, stdin: bytes = b"", **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def predict(cwd: Path, *args: str, stdin: bytes = b"", **env: str) -> CompletedProcess:
+    return run_command(
         [sys.executable, str(REPO / "predict.py"), *map(str, args)],
         input=stdin,
-        capture_output=True,
         env=base_env(cwd, **env),
         cwd=cwd,
         timeout=180,
+        text=False,
     )
 
 
@@ -68,7 +55,7 @@ def is_prediction(line: dict) -> bool:
     return carried <= {"id", "idx", "input_label"} and line["label"] in LABELS and 0.5 <= line["score"] <= 1
 
 
-def answers(result: subprocess.CompletedProcess) -> list[dict]:
+def answers(result: CompletedProcess) -> list[dict]:
     """The JSON lines on stdout, each checked to be one prediction (`is_prediction`)."""
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
@@ -160,7 +147,7 @@ def test_the_docs_show_predict_commands():
     assert len([c for c in DOCUMENTED if "OUTPUT_DIR" in c or HUB_REPO in c]) >= 3, DOCUMENTED
 
 
-def run_as_written(command: str, cwd: Path, out: Path, base: Path, hub) -> subprocess.CompletedProcess:
+def run_as_written(command: str, cwd: Path, out: Path, base: Path, hub) -> CompletedProcess:
     """`command` in bash, as a user would paste it, in a folder holding sentences.txt, reviews.csv and
     sentences.jsonl. Offline, the placeholders become local paths: OUTPUT_DIR the finished run, the base
     model's Hub id (or a copy of it on the volume) the tiny model folder. A Hub repo id cannot be reached
@@ -177,12 +164,12 @@ def run_as_written(command: str, cwd: Path, out: Path, base: Path, hub) -> subpr
     command = command.replace(
         "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
     )
-    return subprocess.run(
+    return run_command(
         ["bash", "-c", command],
-        capture_output=True,
         env=base_env(cwd, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0"),
         cwd=cwd,
         timeout=180,
+        text=False,
     )
 
 
@@ -382,12 +369,8 @@ def test_an_input_that_is_no_bounded_file_is_refused_at_once(kind, tiny_bert, tm
     env, limit = base_env(tmp_path), f"{MAX_INPUT_BYTES // 2**20} MiB"
     if kind == "a device on standard input":
         with open("/dev/zero", "rb") as zeros:
-            proc = subprocess.run(
-                [sys.executable, REPO / "predict.py", tiny_bert],
-                stdin=zeros,
-                env=env,
-                capture_output=True,
-                timeout=120,
+            proc = run_command(
+                [sys.executable, REPO / "predict.py", tiny_bert], stdin=zeros, env=env, timeout=120, text=False
             )
         assert proc.stdout == b""
         assert_refusal(
@@ -441,10 +424,10 @@ def test_a_reader_that_stops_reading_ends_it_without_a_traceback(trained, tmp_pa
     """`predict.py ... | head -1`: the answers left (more than a pipe holds) find no reader; exit 141 as a Unix tool
     ended by SIGPIPE, and nothing on stderr but the libraries' progress."""
     (tmp_path / "sentences.txt").write_text("".join(f"a wonderful film {i}\n" for i in range(3000)))
-    proc = subprocess.Popen(
+    proc = start(
         [sys.executable, str(REPO / "predict.py"), str(trained / "merged"), "sentences.txt"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=PIPE,
+        stderr=PIPE,
         env=base_env(tmp_path),
         cwd=tmp_path,
     )

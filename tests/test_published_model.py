@@ -13,30 +13,16 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import (
-    BASE_ID,
-    LABELS,
-    MERGED_ID,
-    REPO,
-    REPO_ID,
-    Result,
-    assert_refusal,
-    assert_token_absent,
-    base_env,
-    error_lines,
-    push_settings,
-    rank_record,
-    run_main,
-    run_predict,
-)
-from tests.hub_stub import HubStub
+from tests.support.env import BASE_ID, LABELS, MERGED_ID, REPO, REPO_ID, base_env, push_settings
+from tests.support.hub_stub import HubStub
+from tests.support.outcomes import assert_refusal, assert_token_absent, error_lines, rank_record
+from tests.support.processes import Result, run_command, run_main, run_predict
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
 
@@ -194,9 +180,7 @@ def test_merged_model_loads_without_peft_and_predicts_as_the_adapter(finished_ru
         f"t = AutoTokenizer.from_pretrained({str(out / 'merged')!r})\n"
         f"print(m(**t({SENTENCES!r}, return_tensors='pt', padding=True)).logits.softmax(-1)[:, 1].tolist())"
     )
-    plain = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=base_env(tmp_path), timeout=120
-    )
+    plain = run_command([sys.executable, "-c", script], env=base_env(tmp_path), timeout=120)
     assert plain.returncode == 0, plain.stderr[-2000:]
     merged_scores = json.loads(plain.stdout.strip().splitlines()[-1])
     adapter = [
@@ -249,10 +233,8 @@ def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(finished_r
         f"m = AutoPeftModelForSequenceClassification.from_pretrained({REPO_ID!r})\n"
         "print(m.peft_config['default'].base_model_name_or_path)"
     )
-    loaded = subprocess.run(
+    loaded = run_command(
         [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
         env=base_env(tmp_path, **elsewhere),
         cwd=tmp_path,
         timeout=180,
@@ -433,7 +415,7 @@ def test_every_file_and_folder_the_job_writes_follows_the_umask(job_env, tmp_pat
     env = {**job_env, "MAX_STEPS": "2", "SAVE_STEPS": "1", "MERGE_ADAPTER": "true", "EVAL_STEPS": "1"}
     env.pop("NUM_EPOCHS", None)
     command = f"umask 027 && exec {shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'main.py'))}"
-    result = subprocess.run(["bash", "-c", command], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_command(["bash", "-c", command], env=env, cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = Path(env["OUTPUT_DIR"])
     written = [out, *out.rglob("*")]

@@ -11,15 +11,16 @@ from __future__ import annotations
 import csv
 import json
 import random
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import REPO, base_env, error_lines
 
 from scripts.make_demo_assets import synthetic_sentence
+from tests.support.env import REPO, base_env
+from tests.support.outcomes import error_lines
+from tests.support.processes import CompletedProcess, run_command
 
 BENCH = REPO / "benchmarks" / "quality.py"
 
@@ -70,13 +71,11 @@ def inside(short: str, long: str) -> bool:
     return f" {short} " in f" {long} "
 
 
-def run_bench(tmp: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def run_bench(tmp: Path, *args: str, timeout: int = 120) -> CompletedProcess:
+    return run_command(
         [sys.executable, str(BENCH), *args],
         env=base_env(tmp),
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=timeout,
     )
 

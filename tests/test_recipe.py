@@ -15,17 +15,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from tests.conftest import (
-    REPO,
-    assert_refusal,
-    base_env,
-    configured,
-    run_main,
-    start_in_process,
-    tiny_run_settings,
-    wait_all,
-    write_files,
-)
+from tests.support.data import write_files
+from tests.support.env import REPO, base_env, tiny_run_env, tiny_run_settings
+from tests.support.harness import configured, start_in_process
+from tests.support.outcomes import assert_refusal
+from tests.support.processes import run_main, wait_all
 from utils.config.settings import Settings
 from utils.config.tasks import GLUE
 from utils.training.model import build_model
@@ -39,7 +33,7 @@ def pooler_runs(tmp_path_factory, tiny_bert, sst2_dir):
     outs = {}
     for name, extra in (("trained", {}), ("frozen", {"TRAIN_POOLER": "false"})):
         tmp = tmp_path_factory.mktemp(name)
-        result = run_main(base_env(tmp, **tiny_run_settings(tiny_bert, sst2_dir, tmp / "out", NUM_EPOCHS=1, **extra)))
+        result = run_main(tiny_run_env(tmp, tiny_bert, sst2_dir, NUM_EPOCHS=1, **extra))
         assert result.code == 0, result.stderr[-3000:]
         outs[name] = tmp / "out"
     return outs

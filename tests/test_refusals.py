@@ -1,7 +1,7 @@
 """Bad input: every refusal before the first training step, with the fix in its message.
 
 One table, run in this process through the job's own start-up: `main.main()` up to the first training step
-(`start_in_process` in tests/conftest.py), so settings, OUTPUT_DIR, the device and numerics, the strategy, Hub and
+(`start_in_process` in tests/support/harness.py), so settings, OUTPUT_DIR, the device and numerics, the strategy, Hub and
 tracker checks, the rendezvous, tokenizer, data, model and the checkpoint to resume come in the order a start meets
 them, not in an order the test re-implements. Each case must be refused by the part of the start-up it names
 (`main.configure`, `open_run_dir`, `load_tokenizer` or `build_model`, `load_sst2` or the plan's rows), not earlier
@@ -20,7 +20,6 @@ import csv
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,27 +27,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
+from tests.support.data import STRAY_QUOTE, delimited, film_rows, saved_dataset, write_files
+from tests.support.docs import assert_documented
+from tests.support.env import (
     BASE_ID,
     FAKE_TOKEN,
     REPO,
     REPO_ID,
-    STRAY_QUOTE,
-    assert_documented,
-    assert_refusal,
-    assert_refused_as_bad_input,
     base_env,
-    delimited,
-    error_lines,
-    film_rows,
     free_port,
     push_settings,
-    saved_dataset,
-    start_in_process,
-    tiny_run_settings,
-    write_files,
+    tiny_run_env,
 )
-from tests.hub_stub import HubStub
+from tests.support.harness import start_in_process
+from tests.support.hub_stub import HubStub
+from tests.support.outcomes import assert_refusal, assert_refused_as_bad_input, error_lines
+from tests.support.processes import run_command
 from utils.common.errors import EXIT_BAD_INPUT
 from utils.config.plan import build_plan
 from utils.config.sources import load_settings
@@ -1361,9 +1355,10 @@ def push_env(tmp_path, tiny_bert, sst2_dir, token_hub, monkeypatch) -> dict[str,
 
     monkeypatch.setattr(constants, "ENDPOINT", token_hub.url)  # read from HF_ENDPOINT when huggingface_hub is imported
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    return base_env(
+    return tiny_run_env(
         tmp_path,
-        **tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out"),
+        tiny_bert,
+        sst2_dir,
         HF_HUB_OFFLINE="0",
         HF_TOKEN=FAKE_TOKEN,
         RESULT_MODEL_ID=REPO_ID,
@@ -1408,9 +1403,9 @@ def test_the_tables_run_without_a_fault_reaches_the_first_training_step(push_env
 @pytest.mark.check
 def test_a_check_test_cannot_start_the_job(tmp_path):
     """The table stays in `make check`'s one process: a test marked `check` that starts main.py (or any Python)
-    fails there, in tests/conftest.py, before the process starts."""
+    fails there, in tests/support/processes.py, before the process starts."""
     with pytest.raises(pytest.fail.Exception, match="a test marked `check` started .*python"):
-        subprocess.run([sys.executable, str(REPO / "main.py"), "--dry-run"], env=base_env(tmp_path), check=False)
+        run_command([sys.executable, str(REPO / "main.py"), "--dry-run"], env=base_env(tmp_path))
 
 
 # ------------------------------------------------------------------------------- through main.py
@@ -1505,11 +1500,11 @@ def test_unreadable_weights_are_refused_naming_the_uid(tiny_bert, sst2_dir, tmp_
     """Mode-000 weights, through main.py: one error line naming the file, its mode and the job's uid."""
     shutil.copytree(tiny_bert, tmp_path / "model")
     (tmp_path / "model" / "model.safetensors").chmod(0)
-    env = base_env(tmp_path, **tiny_run_settings(tmp_path / "model", sst2_dir, tmp_path / "out"))
+    env = tiny_run_env(tmp_path, tmp_path / "model", sst2_dir)
     command = [sys.executable, str(REPO / "main.py")]
     if os.geteuid() == 0:
         command = [sys.executable, "-c", WITHOUT_FILE_CAPABILITIES, *command[1:]]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+    result = run_command(command, env=env, cwd=REPO, timeout=180)
     assert result.returncode == 2, result.stderr[-3000:]
     assert_refusal(
         result.stderr, [f"MODEL_NAME={tmp_path / 'model'}", "model.safetensors", f"uid {os.getuid()}", "----------"]

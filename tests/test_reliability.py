@@ -10,32 +10,30 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    REPO_ID,
-    SAVE_STEPS,
-    TIMEOUT,
-    Replicas,
-    assert_documented,
+from tests.support.docs import assert_documented
+from tests.support.env import REPO, REPO_ID, SAVE_STEPS, TIMEOUT, push_settings, training_settings
+from tests.support.outcomes import (
     assert_refusal,
     assert_token_absent,
     complete_steps,
     error_lines,
     log_time,
-    patiently,
-    push_settings,
     rank_record,
+)
+from tests.support.processes import (
+    PIPE,
+    Replicas,
+    patiently,
     run_main,
     slowness,
+    start,
     start_main,
-    training_settings,
     wait_all,
     wait_for,
     wait_until,
@@ -263,15 +261,15 @@ def beat_waiting(port: int, pid: int) -> bool:
 
 def test_an_error_exit_while_a_heartbeat_waits_on_a_silent_rank0_keeps_its_exit_code():
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    rank0 = subprocess.Popen([sys.executable, "-c", STORE_RANK0], stdout=subprocess.PIPE, text=True, env=env)
+    rank0 = start([sys.executable, "-c", STORE_RANK0], stdout=PIPE, text=True, env=env)
     rank1 = None
     try:
         port = int(rank0.stdout.readline().strip())
-        rank1 = subprocess.Popen(
+        rank1 = start(
             [sys.executable, "-c", HEARTBEAT_RANK1, str(port)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdin=PIPE,
+            stdout=PIPE,
+            stderr=PIPE,
             text=True,
             env=env,
         )

@@ -27,21 +27,19 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import write_tiny_bert
-from tests.conftest import (
+from tests.support.docs import (
     REFUSED_AFTER_DRY_RUN,
     RELIABILITY_DOC,
-    REPO,
-    REPO_ID,
     assert_documented,
-    base_env,
     code_spans,
-    configured,
-    error_lines,
     refusal_table,
-    run_predict,
     settings_alone,
     shows,
 )
+from tests.support.env import REPO, REPO_ID, base_env
+from tests.support.harness import configured
+from tests.support.outcomes import error_lines
+from tests.support.processes import run_predict
 from utils.common.errors import EXIT_BAD_INPUT, JobError
 
 LEAST_CHECKED = 15  # the table's runnable rows, so that a parser that stopped matching cannot pass
@@ -456,7 +454,7 @@ def test_the_token_check_that_cannot_reach_the_hub_says_so_as_shown(monkeypatch)
     from huggingface_hub import constants
     from pydantic import SecretStr
 
-    from tests.conftest import free_port
+    from tests.support.env import free_port
     from utils.publishing.hub import Hub
 
     endpoint = f"http://127.0.0.1:{free_port()}"
@@ -573,7 +571,7 @@ def test_the_missing_rank_0_line_shown_is_the_one_a_rank_prints():
     waits in), its deadline 1 s into the doc's RENDEZVOUS_TIMEOUT=600s."""
     import time
 
-    from tests.conftest import free_port
+    from tests.support.env import free_port
     from utils.cluster.collectives import _wait_for_rank0
     from utils.config.distributed import DistEnv
 

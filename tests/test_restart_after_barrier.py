@@ -10,32 +10,15 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import write_dataset
-from tests.conftest import (
-    REPO_ID,
-    TIMEOUT,
-    Replicas,
-    assert_refusal,
-    base_env,
-    free_port,
-    log_time,
-    patiently,
-    push_settings,
-    rank_env,
-    rank_record,
-    run_code,
-    slowness,
-    start_main,
-    training_settings,
-    wait_all,
-    wait_until,
-)
+from tests.support.env import REPO_ID, TIMEOUT, base_env, free_port, push_settings, rank_env, training_settings
+from tests.support.outcomes import assert_refusal, log_time, rank_record
+from tests.support.processes import Popen, Replicas, patiently, run_code, slowness, start_main, wait_all, wait_until
 from utils.cluster.collectives import BEAT_CALL_SECONDS, PROBE_SECONDS, WATCHDOG_GRACE
 
 # One epoch of a small data set: 10 optimizer steps (160 rows per rank, batch 16), and the checkpoint the Trainer
@@ -51,7 +34,7 @@ def small_data(tmp_path_factory) -> Path:
     )
 
 
-def container_code(proc: subprocess.Popen) -> int:
+def container_code(proc: Popen) -> int:
     """The exit code Kubernetes reports: 128 + N for a process ended by signal N."""
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
@@ -61,7 +44,7 @@ def restarted_by_policy(codes: dict[int, int]) -> tuple[int, ...]:
     return tuple(rank for rank, code in sorted(codes.items()) if code >= 128)
 
 
-def poll_until(condition, procs: list[subprocess.Popen], what: str, timeout: float = 300) -> None:
+def poll_until(condition, procs: list[Popen], what: str, timeout: float = 300) -> None:
     """Wait (polling every 2 ms, so a moment that lasts a fraction of a second is caught) until `condition()`."""
     wait_until(condition, what, procs, timeout, every=0.002)
 

@@ -9,21 +9,14 @@ import base64
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    assert_refused_as_bad_input,
-    assert_token_absent,
-    error_lines,
-    free_port,
-    push_settings,
-    run_main,
-)
+from tests.support.env import REPO, free_port, push_settings
+from tests.support.outcomes import assert_refused_as_bad_input, assert_token_absent, error_lines
+from tests.support.processes import run_command, run_main
 
 PASSWORD = "s3cret-pass-0123"  # alice's password in every URL below
 PROXY_PASSWORD = "pr0xy-pass-4567"
@@ -111,13 +104,11 @@ def test_a_model_folder_with_custom_code_is_refused_without_running_it_or_asking
     marker = tmp_path / "custom-code-ran"
     model = custom_code_model(tiny_bert, tmp_path / "custom-model", marker)
     # "y" on stdin is what made transformers run the folder's code when it was asked whether it might.
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, str(REPO / "main.py"), "--model-name", str(model)],
         env=job_env,
         cwd=REPO,
         input="y\n",
-        capture_output=True,
-        text=True,
         timeout=180,  # a prompt waiting for an answer would fail here
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -130,13 +121,11 @@ def test_a_model_folder_with_custom_code_is_refused_without_running_it_or_asking
 
     # predict.py, given the same folder as a merged model, does not run it either.
     (tmp_path / "sentences.txt").write_text("a superb film\n")
-    predict = subprocess.run(
+    predict = run_command(
         [sys.executable, str(REPO / "predict.py"), str(model), str(tmp_path / "sentences.txt")],
         env=job_env,
         cwd=REPO,
         input="y\n",
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert predict.returncode == 2, predict.stderr[-3000:]

@@ -12,16 +12,10 @@ import re
 
 import pytest
 
-from tests.conftest import (
-    assert_refusal,
-    base_env,
-    configured,
-    free_port,
-    patiently,
-    rank_env,
-    run_main,
-    start_main,
-)
+from tests.support.env import base_env, free_port, rank_env
+from tests.support.harness import configured
+from tests.support.outcomes import assert_refusal
+from tests.support.processes import patiently, run_main, start_main
 from utils.common.errors import EXIT_BAD_INPUT, JobError
 from utils.config.settings import FIELDS, Settings, env_name, flag_name
 from utils.config.sources import FLAG_ALIASES, describe_range, load_settings
@@ -479,7 +473,7 @@ def test_recipe_file_sits_between_the_defaults_and_the_environment(tmp_path):
 
 @pytest.mark.check
 def test_the_sst2_recipe_is_the_defaults(tmp_path):
-    from tests.conftest import REPO
+    from tests.support.env import REPO
 
     recipe, defaults = dry_run(tmp_path, "--config", str(REPO / "recipes" / "sst2.yaml")), dry_run(tmp_path)
     assert {**recipe["config"], "config_file": None} == defaults["config"]
@@ -570,7 +564,7 @@ def test_help_answers_whatever_hf_token_holds_and_never_shows_it(tmp_path):
 
 @pytest.mark.check
 def test_settings_doc_states_every_range_the_code_holds():
-    from tests.conftest import REPO
+    from tests.support.env import REPO
 
     doc = (REPO / "docs" / "settings.md").read_text()
     ranges = {env_name(f): describe_range(f).removeprefix(" (range: ").removesuffix(")") for f in FIELDS}
@@ -584,7 +578,7 @@ def test_the_shipped_config_maps_start_without_a_token_and_warn_about_nothing(tm
     volume; a RESULT_MODEL_ID left in would stop every replica at once (exit 2)."""
     import yaml
 
-    from tests.conftest import REPO
+    from tests.support.env import REPO
 
     platform = yaml.safe_load((REPO / "config.yaml").read_text())["config_map"]
     kubernetes = yaml.safe_load((REPO / "k8s" / "base" / "configmap.yaml").read_text())["data"]
@@ -680,7 +674,7 @@ def test_an_unknown_flag_is_one_error_line_from_the_process(tmp_path):
     ],
 )
 def test_another_yaml_file_of_the_repo_given_as_a_recipe_is_named_as_what_it_is(tmp_path, path, names):
-    from tests.conftest import REPO
+    from tests.support.env import REPO
 
     with pytest.raises(JobError) as refused:
         dry_run(tmp_path, "--config", str(REPO / path))
@@ -691,7 +685,7 @@ def test_another_yaml_file_of_the_repo_given_as_a_recipe_is_named_as_what_it_is(
 
 @pytest.mark.check
 def test_the_settings_doc_names_every_flag_alias():
-    from tests.conftest import REPO
+    from tests.support.env import REPO
 
     doc = (REPO / "docs" / "settings.md").read_text()
     missing = [alias for alias in FLAG_ALIASES if f"`--{alias[2:].replace('-', '_')}`" not in doc]

@@ -2,7 +2,7 @@
 
 The Trainer and Accelerate drop FSDP on the CPU without a word (seen with transformers 5.23, accelerate 1.15), so on this
 machine the job must refuse STRATEGY=fsdp (exit 2 on every rank, nothing trained). The FSDP machinery itself
-is checked on the CPU with the preparation Accelerate runs on GPUs (tests/fsdp_worker.py), and end to end on
+is checked on the CPU with the preparation Accelerate runs on GPUs (tests/support/fsdp_worker.py), and end to end on
 CUDA GPUs where there are two.
 """
 
@@ -10,23 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
-from tests.conftest import (
-    ACCELERATE,
-    REPO,
-    TORCHRUN,
-    free_port,
-    job_settings,
-    rank_env,
-    rank_report,
-    start,
-    start_main,
-    wait_all,
-)
+from tests.support.env import REPO, free_port, job_settings, rank_env
+from tests.support.outcomes import rank_report
+from tests.support.processes import ACCELERATE, TORCHRUN, start, start_main, wait_all
 from utils.common.errors import JobError
 from utils.config.distributed import DistEnv, launcher_options
 from utils.config.settings import Settings
@@ -163,7 +153,7 @@ def test_accelerate_fsdp_launch_is_refused_not_run_as_ddp(job_env, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_shards_the_lora_model_trains_it_in_sync_and_saves_it_whole(tiny_bert, tmp_path):
-    """The job's FSDP options through Accelerate's FSDP2 preparation, on the CPU (tests/fsdp_worker.py)."""
+    """The job's FSDP options through Accelerate's FSDP2 preparation, on the CPU (tests/support/fsdp_worker.py)."""
     from peft import AutoPeftModelForSequenceClassification
 
     log = tmp_path / "worker.txt"
@@ -173,13 +163,11 @@ def test_fsdp_shards_the_lora_model_trains_it_in_sync_and_saves_it_whole(tiny_be
         "2",
         "--master-port",
         str(free_port()),
-        str(REPO / "tests" / "fsdp_worker.py"),
+        str(REPO / "tests" / "support" / "fsdp_worker.py"),
         str(tiny_bert),
         str(tmp_path),
     ]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=open(log, "w"), stderr=subprocess.STDOUT
-    )
+    proc = start(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, log=log)
     wait_all([proc], [log], timeout=240)
     reports = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
     for report in reports:

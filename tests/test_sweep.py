@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import sqlite3
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -26,24 +25,10 @@ import pytest
 import yaml
 
 from scripts.make_demo_assets import write_dataset, write_pair_dataset
-from tests.conftest import (
-    FAKE_TOKEN,
-    K8S,
-    MERGED_ID,
-    REPO,
-    REPO_ID,
-    SCHEMAS,
-    Result,
-    assert_refusal,
-    base_env,
-    crd_schema,
-    load_manifest,
-    push_settings,
-    run_script,
-    schema_errors,
-    strict,
-    wait_until,
-)
+from tests.support.deploy import K8S, SCHEMAS, crd_schema, load_manifest, schema_errors, strict
+from tests.support.env import FAKE_TOKEN, MERGED_ID, REPO, REPO_ID, base_env, push_settings
+from tests.support.outcomes import assert_refusal
+from tests.support.processes import STDOUT, Result, run_command, run_script, start, wait_until
 from utils.config.tasks import headline
 
 SWEEP = REPO / "sweep.py"
@@ -238,9 +223,7 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
     env = base_env(tmp_path)
     log = tmp_path / "first.log"
     with open(log, "w") as first_log:
-        first = subprocess.Popen(
-            [sys.executable, str(SWEEP), str(spec)], env=env, cwd=REPO, stdout=first_log, stderr=subprocess.STDOUT
-        )
+        first = start([sys.executable, str(SWEEP), str(spec)], env=env, cwd=REPO, stdout=first_log, stderr=STDOUT)
         try:
             wait_until(
                 lambda: study_states(out / "study.db") == [("trial-000", "COMPLETE"), ("trial-001", "RUNNING")],
@@ -353,7 +336,7 @@ def test_sigterm_and_ctrl_c_stop_the_sweep_once_the_running_trial_is_told(tmp_pa
         log = tmp_path / f"sweep-{code}.log"
         started = trial_log.read_text().count("first training step") if trial_log.exists() else 0
         with open(log, "w") as handle:
-            sweep = subprocess.Popen(
+            sweep = start(
                 [sys.executable, str(SWEEP), str(spec)], env=base_env(tmp_path), cwd=REPO, stdout=handle, stderr=handle
             )
             try:
@@ -872,7 +855,7 @@ def test_slurm_backend_renders_one_array_whose_indexes_are_the_trials(tmp_path, 
     result = sweep_in_process(capsys, spec)
     assert result.code == 0, result.stderr
     script = (out / "sweep.sbatch").read_text()
-    assert subprocess.run(["bash", "-n", str(out / "sweep.sbatch")], capture_output=True).returncode == 0
+    assert run_command(["bash", "-n", str(out / "sweep.sbatch")]).returncode == 0
     assert not re.search(r"@[A-Z_]+@", script)
     directives = re.findall(r"^#SBATCH (\S+)$", script, re.M)
     for expected in ("--array=0-5%2", "--gpus-per-task=1", "--time=00:30:00", "--partition=gpu", "--requeue"):

@@ -15,25 +15,17 @@ import math
 import random
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, SUBJECTS, VERBS
-from tests.conftest import (
-    REPO,
-    assert_refusal,
-    base_env,
-    rank_record,
-    run_main,
-    run_predict,
-    train_one_and_two,
-    wait_all,
-)
+from tests.support.env import REPO, base_env, tiny_run_env
+from tests.support.outcomes import assert_refusal, rank_record
+from tests.support.processes import run_command, run_main, run_predict, train_one_and_two, wait_all
 
-RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/conftest.tiny_run_settings)
+RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/support/env.tiny_run_settings)
 MNLI_NAMES = ("entailment", "neutral", "contradiction")
 # The hypothesis word that decides an MNLI-shaped row's class: three per class, learned within a short run.
 MARKERS = {"entailment": POSITIVE[:3], "neutral": NOUNS[:3], "contradiction": NEGATIVE[:3]}
@@ -99,18 +91,6 @@ def cola_rows(rng: random.Random, count: int):
         yield " ".join(words), label
 
 
-def task_env(tmp: Path, tiny_bert: Path, data: Path, **extra) -> dict[str, str]:
-    return base_env(
-        tmp,
-        MODEL_NAME=str(tiny_bert),
-        DATASET_PATH=str(data),
-        OUTPUT_DIR=str(tmp / "out"),
-        LEARNING_RATE=RATE,
-        REPORT_TO="none",
-        **{k: str(v) for k, v in {"PER_DEVICE_BATCH_SIZE": 16, **extra}.items()},
-    )
-
-
 def trained(tmp: Path, env: dict[str, str]) -> tuple[dict, object]:
     result = run_main(env)
     assert result.code == 0, result.stderr[-3000:]
@@ -121,7 +101,9 @@ def trained(tmp: Path, env: dict[str, str]) -> tuple[dict, object]:
 def mnli_run(tmp_path_factory, tiny_bert):
     tmp = tmp_path_factory.mktemp("mnli")
     data = write_mnli(tmp / "data", train=320, validation=60)
-    return tmp, *trained(tmp, task_env(tmp, tiny_bert, data, TASK="mnli", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8))
+    return tmp, *trained(
+        tmp, tiny_run_env(tmp, tiny_bert, data, REPORT_TO="none", TASK="mnli", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +114,10 @@ def stsb_run(tmp_path_factory, tiny_bert):
     write_csv(tmp / "data" / "train.csv", header, stsb_rows(rng, 320))
     write_csv(tmp / "data" / "validation.csv", header, stsb_rows(rng, 60))
     return tmp, *trained(
-        tmp, task_env(tmp, tiny_bert, tmp / "data", TASK="stsb", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8)
+        tmp,
+        tiny_run_env(
+            tmp, tiny_bert, tmp / "data", REPORT_TO="none", TASK="stsb", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8
+        ),
     )
 
 
@@ -143,7 +128,10 @@ def cola_run(tmp_path_factory, tiny_bert):
     write_csv(tmp / "data" / "train.csv", ["sentence", "label"], cola_rows(rng, 320))
     write_csv(tmp / "data" / "validation.csv", ["sentence", "label"], cola_rows(rng, 60))
     return tmp, *trained(
-        tmp, task_env(tmp, tiny_bert, tmp / "data", TASK="cola", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8)
+        tmp,
+        tiny_run_env(
+            tmp, tiny_bert, tmp / "data", REPORT_TO="none", TASK="cola", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8
+        ),
     )
 
 
@@ -186,7 +174,9 @@ def test_a_loss_that_overflows_stops_the_run_naming_the_steps(huge_rows, tiny_be
     write_csv(tmp_path / "data" / "train.csv", ["sentence1", "sentence2", "label"], rows)
     write_csv(tmp_path / "data" / "validation.csv", ["sentence1", "sentence2", "label"], stsb_rows(rng, 8))
     logging = "1" if every else "10"
-    env = task_env(tmp_path, tiny_bert, tmp_path / "data", TASK="stsb", MAX_STEPS=4, LOGGING_STEPS=logging)
+    env = tiny_run_env(
+        tmp_path, tiny_bert, tmp_path / "data", REPORT_TO="none", TASK="stsb", MAX_STEPS=4, LOGGING_STEPS=logging
+    )
     result = run_main(env)
     line = assert_refusal(result, ["the training loss is", "LEARNING_RATE", "new OUTPUT_DIR"])
     out = tmp_path / "out"
@@ -216,7 +206,14 @@ def test_cola_shaped_task_reports_matthews_correlation(cola_run):
 
 def test_a_resume_with_another_task_is_refused(mnli_run, tiny_bert):
     tmp, _, _ = mnli_run
-    env = task_env(tmp, tiny_bert, tmp / "data", TEXT_COLUMN="premise", LABEL_NAMES="entailment,neutral,contradiction")
+    env = tiny_run_env(
+        tmp,
+        tiny_bert,
+        tmp / "data",
+        REPORT_TO="none",
+        TEXT_COLUMN="premise",
+        LABEL_NAMES="entailment,neutral,contradiction",
+    )
     result = run_main(env, "--dry-run")
     assert_refusal(result, [f"OUTPUT_DIR={env['OUTPUT_DIR']}", " -> "])  # the folder, and what changed in it
 
@@ -382,7 +379,7 @@ def run_as_written(command: str, tmp: Path) -> list[dict]:
     command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
         "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
     )
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=base_env(tmp), cwd=tmp)
+    result = run_command(["bash", "-c", command], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
     return [json.loads(line) for line in result.stdout.splitlines()]
@@ -403,9 +400,7 @@ def card_answers(tmp: Path, inputs: list) -> list[dict]:
     card = (tmp / "out" / "model" / "README.md").read_text()
     [code] = re.findall(r"```python\n(.*?)```", card, re.S)
     script = code + "\nimport json, sys\nprint(json.dumps(classifier(json.loads(sys.argv[1]))))"
-    result = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(inputs)], capture_output=True, text=True, env=base_env(tmp), cwd=tmp
-    )
+    result = run_command([sys.executable, "-c", script, json.dumps(inputs)], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 

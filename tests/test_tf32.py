@@ -6,7 +6,8 @@ of its own, and both getters must still answer, with TF32 on."""
 
 from __future__ import annotations
 
-from tests.conftest import base_env, run_code
+from tests.support.env import base_env
+from tests.support.processes import run_code
 
 SCRIPT = """
 import dataclasses, sys

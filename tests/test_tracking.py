@@ -12,14 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    FAKE_TOKEN,
-    TIMEOUT,
-    assert_refused_as_bad_input,
-    free_port,
-    tiny_run_settings,
-    wait_all,
-)
+from tests.support.env import FAKE_TOKEN, TIMEOUT, free_port, tiny_run_settings
+from tests.support.outcomes import assert_refused_as_bad_input
+from tests.support.processes import wait_all
 
 URL_SECRET = "s3cret-in-url"  # a password inside MLFLOW_TRACKING_URI: it authenticates, and is shown nowhere
 

@@ -15,26 +15,15 @@ import errno
 import os
 import re
 import shutil
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    TIMEOUT,
-    assert_refusal,
-    base_env,
-    complete_steps,
-    error_lines,
-    job_settings,
-    run_main,
-    start_main,
-    tiny_run_settings,
-    unavailable,
-    wait_until,
-)
+from tests.support.env import TIMEOUT, base_env, job_settings, tiny_run_settings, unavailable
+from tests.support.outcomes import assert_refusal, complete_steps, error_lines
+from tests.support.processes import Popen, run_command, run_main, start_main, wait_until
 from utils.common.errors import volume_state
 from utils.run_folder.checkpoints import checkpoint_damage
 
@@ -46,13 +35,13 @@ def mount(*args: str) -> None:
     """`mount ARGS`, or skip the test where this machine does not let it mount (not root, no such file system)."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         unavailable("mounting a test volume needs root and mount(8)")
-    done = subprocess.run(["mount", *args], capture_output=True, text=True)
+    done = run_command(["mount", *args])
     if done.returncode != 0:
         unavailable(f"mounting a test volume is not permitted here: mount {' '.join(args)}: {done.stderr.strip()}")
 
 
 def unmount(target: Path) -> None:
-    subprocess.run(["umount", "-l", str(target)], capture_output=True)
+    run_command(["umount", "-l", str(target)])
 
 
 def fill(volume: Path) -> None:
@@ -72,7 +61,7 @@ def long_run(tiny_bert: Path, sst2_dir: Path, out: Path, **extra) -> dict[str, s
     return settings
 
 
-def wait_for_complete_checkpoint(out: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+def wait_for_complete_checkpoint(out: Path, procs: list[Popen], timeout: float = 300) -> None:
     wait_until(lambda: complete_steps(out), f"complete checkpoint in {out}", procs, timeout, every=0.1)
 
 
@@ -138,14 +127,12 @@ def failing_ext4(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     image, out = tmp_path / "volume.ext4", tmp_path / "out"
     with open(image, "wb") as handle:
         handle.truncate(64 << 20)
-    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    made = run_command(["mkfs.ext4", "-q", "-F", str(image)])
     assert made.returncode == 0, made.stderr
     out.mkdir()
     mount("-o", "loop,errors=remount-ro", str(image), str(out))
     try:
-        device = Path(
-            subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(out)], capture_output=True, text=True).stdout.strip()
-        )
+        device = Path(run_command(["findmnt", "-n", "-o", "SOURCE", str(out)]).stdout.strip())
         trigger = Path("/sys/fs/ext4") / device.name / "trigger_fs_error"
         if not trigger.exists():
             unavailable(f"{trigger} is missing: this kernel cannot make an ext4 volume fail on request")

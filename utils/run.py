@@ -23,6 +23,7 @@ import logging.handlers
 import math
 import signal
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from utils.cluster.collectives import Collectives, rendezvous
 from utils.cluster.job import Job
 from utils.cluster.run_lock import RunLock
-from utils.common.errors import EXIT_OK, EXIT_PREEMPTED, BadInput, JobError, Preempted
+from utils.common.errors import EXIT_OK, EXIT_PREEMPTED, BadInput, JobError, Preempted, stage
 from utils.common.hub_token import MaskingFilter
 from utils.config.distributed import DistEnv, export_env, launcher_options, masked_environ
 from utils.config.identity import check_same_run, short_digest
@@ -366,8 +367,9 @@ class Trained:
     state_dict: dict  # the full trainable state (gathered under FSDP / DeepSpeed)
 
 
-def run(job: Job) -> int:
-    """Train, save and push, on every rank; the exit code."""
+def run(job: Job, before_training: Callable[[Ready], None] | None = None) -> int:
+    """Train, save and push, on every rank; the exit code. `before_training` is given what `set_up` built (main.py's
+    caller may stop the run there)."""
     dist = job.dist
     setup_logging(job)
     seen = ", ".join(f"{k}={v}" for k, v in masked_environ().items()) or "none set"
@@ -392,9 +394,12 @@ def run(job: Job) -> int:
     lock = RunLock(job.out)
     group = None
     try:
-        group = join(job, hub, lock)
+        with stage("join"):
+            group = join(job, hub, lock)
         with group.peers_watched(lambda: resume_hint(job.out)):
             ready = set_up(job, group)
+            if before_training is not None:
+                before_training(ready)
             trained = train(job, group, ready)
         save(job, group, trained)
         # No rank enters a collective after this: rank 0 may merge and upload for minutes.
@@ -447,8 +452,10 @@ def set_up(job: Job, group: Collectives) -> Ready:
     """Tokenizer, data, model, the checkpoint to resume from and the Trainer, on every rank; run.json on rank 0."""
     settings, dist = job.settings, job.dist
     startup = {"imports_and_rendezvous": seconds_since_start()}
-    tokenizer = load_tokenizer(settings)
-    with group.main_first():  # rank 0 downloads and tokenizes into the shared cache, the others reuse it
+    with stage("model"):
+        tokenizer = load_tokenizer(settings)
+    # Rank 0 downloads and tokenizes into the shared cache, the others reuse it.
+    with group.main_first(), stage("data"):
         data = load_sst2(settings, tokenizer, job.out.cache)
         # The test split is answered after training; its rows and labels are checked now, before any step.
         if (test := test_split_file(settings)) is not None:
@@ -456,11 +463,12 @@ def set_up(job: Job, group: Collectives) -> Ready:
             check_test_split(test, settings.text_columns, settings.label_column, list(label_names_of(data)))
     startup["data"] = seconds_since_start()
     # The optimizer steps, now that the rows are known (a global batch larger than the split is refused here).
-    job = job.with_rows(len(data["train"]))
+    with stage("data"):
+        job = job.with_rows(len(data["train"]))
     # Before the model: LoRA init and dropout are the same on every restart.
     set_seed(settings.seed)
     labels = label_names_of(data)  # the classes the data resolved to (none: regression)
-    with group.agreed():  # a model refused on one rank stops all with its message
+    with group.agreed(), stage("model"):  # a model refused on one rank stops all with its message
         model = build_model(settings, job.quantize, job.device, labels)
     startup["model"] = seconds_since_start()  # the CUDA context included: the weights are moved to the GPU here
 

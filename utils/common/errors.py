@@ -23,6 +23,19 @@ class JobError(Exception):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+        self.stage: str | None = None  # the part of the start-up that refused it (`stage`); None: no part named
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """Names the part of the start-up (settings, output, device, join, model, data) a JobError raised inside comes
+    from; the innermost part names it. The job never reads it: tests/test_refusals.py holds each refusal to the part
+    that must refuse it, so a check that moves later in the start-up (after the model loads, say) fails there."""
+    try:
+        yield
+    except JobError as exc:
+        exc.stage = exc.stage or name
+        raise
 
 
 class BadInput(JobError):

@@ -6,7 +6,7 @@ job's own TrainingArguments (utils/strategy.trainer_options), on the job's LoRA 
 Then the parts of the job that must work on sharded weights: the wrap check, training steps with the job's
 fused AdamW, the gathered checksum, and the gathered save of the adapter.
 
-    torchrun --nproc-per-node 2 tests/fsdp_worker.py MODEL_DIR RESULTS_DIR
+    torchrun --nproc-per-node 2 tests/support/fsdp_worker.py MODEL_DIR RESULTS_DIR
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
