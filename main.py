@@ -66,9 +66,7 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     flags, and what an accelerate config or DEEPSPEED_CONFIG chooses), who this process is, the plan; every check
     that needs neither torch nor the network. Bad input raises JobError (exit 2) with the fix."""
     deepspeed = DeepSpeedChoices(launcher_options())  # reads DEEPSPEED_CONFIG, once, as the settings are read
-    settings, args = load_settings(
-        launcher_argv(argv), overrides=deepspeed
-    )  # less the `deepspeed` launcher's --local_rank
+    settings, args = load_settings(launcher_argv(argv), overrides=deepspeed)  # less `deepspeed`'s --local_rank
     dist = detect_env()
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
@@ -76,6 +74,21 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     check_push_possible(settings)
     check_trackers(settings)
     return settings, dist, args, plan
+
+
+def dry_run(settings: Settings, dist: DistEnv, plan: Plan, push_only: bool) -> int:
+    """`--dry-run`: what the run checks first on the local disk, in its order (OUTPUT_DIR, the model, the data), by
+    the same functions, so the same line comes before pods are scheduled; then the resolved view on stdout. Hub ids
+    are not looked up (no network)."""
+    check_run_dir(settings, plan, push_only=push_only)
+    check_output_writable(settings.output_dir)
+    if not push_only:  # a push of the saved model reads neither the base model nor the data
+        check_model_folder(settings.model_name)
+        check_dataset(settings)
+    if warning := batch_warning(settings, plan.batch):
+        print(f"warning: {warning}", file=sys.stderr)
+    print(json.dumps(dry_run_view(settings, dist, plan), indent=2))
+    return 0
 
 
 def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
@@ -91,6 +104,17 @@ def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
         "test_split": str(test) if (test := test_split_file(settings)) else None,
         **describe_strategy(settings, plan),  # DeepSpeed: the config with the plan's values
     }
+
+
+def masking(argv: list[str] | None):
+    """HF_TOKEN's every form masked on stdout and stderr from here on; a malformed token refused, except where the
+    command line asks for --help, which answers with the value masked (the Masker, None then)."""
+    try:
+        return install_masking()
+    except JobError:
+        if not asks_for_help(argv):
+            raise
+        return None
 
 
 def asks_for_help(argv: list[str] | None) -> bool:
@@ -114,26 +138,10 @@ def main(
         preemption = Preemption()
         preemption.install()  # before the heavy imports: SIGTERM during them must still end in 143
         with stage("settings"):
-            try:
-                # A malformed HF_TOKEN is refused, and every form of it is masked on stdout/stderr.
-                masker = install_masking()
-            except JobError:
-                if not asks_for_help(argv):
-                    raise
-                masker = None  # --help prints the help and exits while the settings are read, with the value masked
+            masker = masking(argv)
             settings, dist, args, plan = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
-            check_run_dir(settings, plan, push_only=args.push_only)
-            # What the run checks first on the local disk, in its order (OUTPUT_DIR, the model, the data), by the
-            # same functions: the same line, before pods are scheduled. Hub ids are not looked up (no network).
-            check_output_writable(settings.output_dir)
-            if not args.push_only:  # a push of the saved model reads neither the base model nor the data
-                check_model_folder(settings.model_name)
-                check_dataset(settings)
-            if warning := batch_warning(settings, plan.batch):
-                print(f"warning: {warning}", file=sys.stderr)
-            print(json.dumps(dry_run_view(settings, dist, plan), indent=2))
-            return 0
+            return dry_run(settings, dist, plan, push_only=args.push_only)
         # Unwritable or foreign OUTPUT_DIR: refused before the heavy imports.
         # A start refused from here on removes the folder it made, if it left it as made (discard_unused_claim).
         created = not os.path.lexists(settings.output_dir)
@@ -147,9 +155,8 @@ def main(
         job.leave_unused_libraries_out()  # DeepSpeed and bitsandbytes only for a run that uses them
         from utils.run import publish_only, run  # transformers, peft: seconds to import
 
-        # The millions of objects the imports made live as long as the process: frozen, they are out of the garbage
-        # collector's sight, and each collection (the Trainer asks for some, a run's allocations set off others)
-        # walks the run's own objects only. A fifth of a short run's CPU; on a GPU, host time the steps wait on.
+        # The imports' millions of objects live as long as the process: frozen, each collection walks the run's own
+        # objects only (a fifth of a short run's CPU; on a GPU, host time the steps wait on).
         gc.freeze()
         return publish_only(job) if args.push_only else run(job, before_training)
     except JobError as exc:

@@ -48,7 +48,7 @@ from utils.config.plan import Plan, batch_warning
 from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
 from utils.config.settings import Settings, resolve_base_model_id
-from utils.config.tasks import MULTI_LABEL, headline
+from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, headline
 from utils.publishing.hub import Hub, push_model, save_merged, save_model
 from utils.run_folder.checkpoints import (
     checkpoint_resume_key,
@@ -58,7 +58,7 @@ from utils.run_folder.checkpoints import (
 )
 from utils.run_folder.layout import RunDir
 from utils.run_folder.record import write_run_record
-from utils.training.data import label_names_of, load_sst2
+from utils.training.data import label_names_of, load_sst2, problem_type_of
 from utils.training.model import build_model, load_tokenizer, trainable_checksum
 from utils.training.predictions import PREDICTIONS_FILE, check_test_split, metrics_line, write_test_predictions
 from utils.training.strategy import check_strategy, full_state_dict
@@ -354,6 +354,7 @@ class Ready:
     validation_rows: int
     plan: Plan  # the job's, completed with the step count
     labels: tuple[str, ...] = ()  # the class names in id order; none: regression
+    problem_type: str = CLASSIFICATION  # what the data trains (utils/training/data.problem_type_of)
     startup: dict | None = None  # seconds after process start each set-up phase ended (logs/rank-R.json)
 
 
@@ -496,12 +497,13 @@ def set_up(job: Job, group: Collectives) -> Ready:
     startup["trainer"] = seconds_since_start()
     seconds = {phase: round(s, 2) for phase, s in startup.items()}
     log.info("start-up, seconds after process start: %s", seconds, extra=RANK_LOG_ONLY)
-    return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, job.plan, labels, startup=startup)
+    problem = problem_type_of(data)
+    return Ready(trainer, checkpoint, key, len(data["train"]), validation_rows, job.plan, labels, problem, startup)
 
 
 def train(job: Job, group: Collectives, ready: Ready) -> Trained:
     """Training and evaluation, on every rank; the final barrier included."""
-    settings, dist, trainer, plan = job.settings, job.dist, ready.trainer, ready.plan
+    dist, trainer = job.dist, ready.trainer
     with progress_bar_closed_on_error(trainer), tracker_run(job):
         # A stop signal now checkpoints at the next step all ranks agree on.
         with job.preemption.deferred():
@@ -516,41 +518,7 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         with group.agreed():  # the mean loss is each rank's own over the steps after the last record
             finite_loss(trainer).check(train_result.metrics.get("train_loss"), trainer.state.global_step)
         eval_metrics = trainer.evaluate()
-        metrics = {
-            **train_result.metrics,
-            **eval_metrics,
-            # What actually ran, for the card: the resolved rate and numerics, not `auto`.
-            "world_size": dist.world_size,
-            "global_batch": plan.batch.global_batch,
-            "global_batch_source": plan.batch.source,  # why that batch (utils/config/plan.py), for the card
-            "segments": close_segments(ready.key["segments"], trainer.state.global_step),
-            "learning_rate": plan.learning_rate,
-            "loraplus_ratio": plan.loraplus_ratio,
-            "quantization": plan.quantization,
-            "precision": plan.precision,
-            "run_name": plan.run_name,
-            "base_model_id": resolve_base_model_id(settings),  # the Hub id the card and the pushed adapter name
-            # What the model predicts, for the card, id2label.json and predict.py.
-            "problem_type": (
-                MULTI_LABEL
-                if settings.problem_type == MULTI_LABEL
-                else "classification"
-                if ready.labels
-                else "regression"
-            ),
-            # Multi-label: the sigmoid score at which a label counts as predicted, in the metrics and predict.py.
-            **({"threshold": settings.threshold} if settings.problem_type == MULTI_LABEL else {}),
-            "labels": list(ready.labels),
-            # CLASS_WEIGHTS: each class's weight in the loss, by class id.
-            **({"class_weights": trainer.class_weights.tolist()} if trainer.class_weights is not None else {}),
-            # LOAD_BEST_MODEL: the checkpoint the Trainer loaded at the end, the model saved and pushed.
-            **selected_checkpoint(trainer),
-            "data": {
-                "train_rows": ready.train_rows,
-                "validation_rows": ready.validation_rows,
-                "fingerprint": short_digest(job.plan.identity["data"]),  # of the data files (utils/config/identity.py)
-            },
-        }
+        metrics = run_metrics(job, ready, {**train_result.metrics, **eval_metrics})
         # The console has had the final evaluation's line (EvaluationLine).
         log.info("eval %s on %d rows", headline(metrics), ready.validation_rows, extra=RANK_LOG_ONLY)
         trainer.accelerator.wait_for_everyone()
@@ -559,6 +527,39 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         state_dict = full_state_dict(trainer.model, job.strategy)
         record = rank_record(job, ready, state_dict)
     return Trained(trainer, metrics, record, state_dict)
+
+
+def run_metrics(job: Job, ready: Ready, measured: dict) -> dict:
+    """metrics.json: what training and evaluation `measured`, and what actually ran, for the card and predict.py."""
+    trainer, plan, settings = ready.trainer, ready.plan, job.settings
+    return {
+        **measured,
+        # What actually ran, for the card: the resolved rate and numerics, not `auto`.
+        "world_size": job.dist.world_size,
+        "global_batch": plan.batch.global_batch,
+        "global_batch_source": plan.batch.source,  # why that batch (utils/config/plan.py), for the card
+        "segments": close_segments(ready.key["segments"], trainer.state.global_step),
+        "learning_rate": plan.learning_rate,
+        "loraplus_ratio": plan.loraplus_ratio,
+        "quantization": plan.quantization,
+        "precision": plan.precision,
+        "run_name": plan.run_name,
+        "base_model_id": resolve_base_model_id(settings),  # the Hub id the card and the pushed adapter name
+        # What the model predicts, for the card, id2label.json and predict.py.
+        "problem_type": ready.problem_type,
+        # Multi-label: the sigmoid score at which a label counts as predicted, in the metrics and predict.py.
+        **({"threshold": settings.threshold} if ready.problem_type == MULTI_LABEL else {}),
+        "labels": list(ready.labels),
+        # CLASS_WEIGHTS: each class's weight in the loss, by class id.
+        **({"class_weights": trainer.class_weights.tolist()} if trainer.class_weights is not None else {}),
+        # LOAD_BEST_MODEL: the checkpoint the Trainer loaded at the end, the model saved and pushed.
+        **selected_checkpoint(trainer),
+        "data": {
+            "train_rows": ready.train_rows,
+            "validation_rows": ready.validation_rows,
+            "fingerprint": short_digest(job.plan.identity["data"]),  # of the data files (utils/config/identity.py)
+        },
+    }
 
 
 def selected_checkpoint(trainer: Trainer) -> dict:

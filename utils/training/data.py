@@ -692,6 +692,15 @@ def report_unknown_tokens(train: datasets.Dataset, tokenizer) -> None:
         )
 
 
+def problem_type_of(data: DatasetDict) -> str:
+    """What the checked data trains, read from its label feature (check_and_rename decided it, once): multi-hot
+    vectors, class ids or scores."""
+    feature = data["train"].features[LABEL]
+    if isinstance(feature, datasets.List):
+        return MULTI_LABEL
+    return CLASSIFICATION if isinstance(feature, datasets.ClassLabel) else REGRESSION
+
+
 def label_names_of(data: DatasetDict) -> tuple[str, ...]:
     """The class names in id order the checked data carries, or `()` for regression (float scores)."""
     feature = data["train"].features[LABEL]
