@@ -653,6 +653,32 @@ class Settings(BaseSettings):
                 f"GLOBAL_BATCH_SIZE={self.global_batch_size} derives the accumulation from the replica count, so "
                 f"GRADIENT_ACCUMULATION_STEPS={self.gradient_accumulation_steps} cannot also be set: unset one of them"
             )
+        self._refuse_strategy_conflicts()
+        self._refuse_multi_label_conflicts()
+        if self.class_weights != "none" and self.problem_type == "regression":
+            raise ValueError(
+                f"CLASS_WEIGHTS={self.class_weights} weighs classes, and PROBLEM_TYPE=regression has none; "
+                "unset CLASS_WEIGHTS, or set PROBLEM_TYPE=classification"
+            )
+        if (self.load_best_model or self.early_stopping_patience) and self.eval_steps == 0:
+            asked = (
+                "LOAD_BEST_MODEL=true"
+                if self.load_best_model
+                else f"EARLY_STOPPING_PATIENCE={self.early_stopping_patience}"
+            )
+            raise ValueError(
+                f"{asked} chooses among the evaluations during training, and EVAL_STEPS=0 runs none; unset EVAL_STEPS "
+                "(4 evaluations an epoch) or set it to the interval to evaluate at"
+            )
+        if self.result_merged_model_id and not self.merge_adapter:
+            raise ValueError(
+                f"RESULT_MERGED_MODEL_ID={self.result_merged_model_id} pushes the merged model, which only MERGE_ADAPTER=true writes: "
+                "set MERGE_ADAPTER=true, or unset RESULT_MERGED_MODEL_ID"
+            )
+        return self
+
+    def _refuse_strategy_conflicts(self) -> None:
+        """What STRATEGY cannot run (RUNS_UNDER): quantized weights, compiled blocks, the captured step, a config."""
         if self.zero_offload == "optimizer+parameters" and self.zero_stage != 3 and self.deepspeed_config is None:
             raise ValueError(
                 f"ZERO_OFFLOAD=optimizer+parameters offloads the weights, which only ZeRO stage 3 shards "
@@ -672,22 +698,6 @@ class Settings(BaseSettings):
                 "whose compiled graphs are not tested here; set TORCH_COMPILE=auto (off under "
                 f"{self.strategy}) or false, or STRATEGY=ddp"
             )
-        self._refuse_multi_label_conflicts()
-        if self.class_weights != "none" and self.problem_type == "regression":
-            raise ValueError(
-                f"CLASS_WEIGHTS={self.class_weights} weighs classes, and PROBLEM_TYPE=regression has none; "
-                "unset CLASS_WEIGHTS, or set PROBLEM_TYPE=classification"
-            )
-        if (self.load_best_model or self.early_stopping_patience) and self.eval_steps == 0:
-            asked = (
-                "LOAD_BEST_MODEL=true"
-                if self.load_best_model
-                else f"EARLY_STOPPING_PATIENCE={self.early_stopping_patience}"
-            )
-            raise ValueError(
-                f"{asked} chooses among the evaluations during training, and EVAL_STEPS=0 runs none; unset EVAL_STEPS "
-                "(4 evaluations an epoch) or set it to the interval to evaluate at"
-            )
         if self.cuda_graphs is True and (
             not runs_under(self.strategy, "captured step") or self.gradient_checkpointing
         ):
@@ -701,12 +711,6 @@ class Settings(BaseSettings):
                 f"DEEPSPEED_CONFIG={self.deepspeed_config} is a DeepSpeed config but STRATEGY={self.strategy}; "
                 "set STRATEGY=deepspeed, or unset DEEPSPEED_CONFIG"
             )
-        if self.result_merged_model_id and not self.merge_adapter:
-            raise ValueError(
-                f"RESULT_MERGED_MODEL_ID={self.result_merged_model_id} pushes the merged model, which only MERGE_ADAPTER=true writes: "
-                "set MERGE_ADAPTER=true, or unset RESULT_MERGED_MODEL_ID"
-            )
-        return self
 
     # ---------------------------------------------------------------- views
     @property

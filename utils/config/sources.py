@@ -383,6 +383,8 @@ def load_settings(
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)  # --help ends here
     warn_misspelled_variables(environ)
     recipe: dict[str, Any] = {}
+    given_flags: dict[str, Any] = {}
+    given_env: dict[str, Any] = {}
     path = None
     try:
         flags(parsed_args=args)
@@ -401,34 +403,40 @@ def load_settings(
     except SettingsError as exc:
         raise BadInput(f"{exc}; see `python main.py --help`") from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else ""
-        reason = first["msg"].removeprefix("Value error, ")
-        # A union with words (`bool | Literal["auto"]`): pydantic reports each branch apart; the words are choices too.
-        words = [e["msg"].removeprefix("Input should be ") for e in exc.errors()[1:] if is_word_branch(e, field)]
-        reason += f", or {' or '.join(words)}" if words else ""
-        if first["type"] == "extra_forbidden":  # no other source reads a name that is no setting
-            raise _not_a_setting(path, field) from None
-        if field not in FIELDS:  # a check across settings: its message names them and the fix
-            raise BadInput(reason) from None
-        # Name the flag, variable or recipe key the bad value came from, as it was typed.
-        if field in given_flags:
-            source, raw = flag_name(field), given_flags[field]
-        elif field in given_env:
-            source, raw = env_name(field), given_env[field]
-        elif field in recipe:
-            raise BadInput(
-                f"{field}: {recipe[field]!s} in CONFIG_FILE={path} is invalid: {reason}{describe_range(field)}; fix {field} in {path} "
-                f"(or set {env_name(field)} or {flag_name(field)}, which win over the file)",
-            ) from None
-        else:
-            source, raw = env_name(field), "<default>"
-        # a 5000-character path is not repeated whole
-        raw = str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
-        raise BadInput(
-            f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
-        ) from None
+        raise _invalid(exc, path, {"flag": given_flags, "env": given_env, "recipe": recipe}) from None
     token = read_token()  # a bad one is refused now; read once, the settings keep it
     refuse_token_in_settings(settings.model_dump(mode="json"), token)
     settings._hub_token = token
     return settings, args
+
+
+def _invalid(exc: ValidationError, path: str | None, given: dict[str, dict[str, Any]]) -> JobError:
+    """The refusal of a value pydantic rejected, naming the flag, variable or recipe key it came from as it was typed
+    (`given`: what each source gave)."""
+    first = exc.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else ""
+    reason = first["msg"].removeprefix("Value error, ")
+    # A union with words (`bool | Literal["auto"]`): pydantic reports each branch apart; the words are choices too.
+    words = [e["msg"].removeprefix("Input should be ") for e in exc.errors()[1:] if is_word_branch(e, field)]
+    reason += f", or {' or '.join(words)}" if words else ""
+    if first["type"] == "extra_forbidden":  # no other source reads a name that is no setting
+        return _not_a_setting(path, field)
+    if field not in FIELDS:  # a check across settings: its message names them and the fix
+        return BadInput(reason)
+    # Name the flag, variable or recipe key the bad value came from, as it was typed.
+    if field in given["flag"]:
+        source, raw = flag_name(field), given["flag"][field]
+    elif field in given["env"]:
+        source, raw = env_name(field), given["env"][field]
+    elif field in (recipe := given["recipe"]):
+        return BadInput(
+            f"{field}: {recipe[field]!s} in CONFIG_FILE={path} is invalid: {reason}{describe_range(field)}; fix {field} in {path} "
+            f"(or set {env_name(field)} or {flag_name(field)}, which win over the file)",
+        )
+    else:
+        source, raw = env_name(field), "<default>"
+    # a 5000-character path is not repeated whole
+    raw = str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
+    return BadInput(
+        f"{source}={raw!s} is invalid: {reason}{describe_range(field)}; fix {env_name(field)} or {flag_name(field)}",
+    )
