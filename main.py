@@ -71,7 +71,7 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
     plan = with_deepspeed(build_plan(settings, dist.world_size), settings, deepspeed.file)  # DeepSpeed: checked
-    check_push_possible(settings)
+    check_push_possible(settings, plan.base_model_id)
     check_trackers(settings)
     return settings, dist, args, plan
 

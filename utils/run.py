@@ -47,7 +47,7 @@ from utils.config.local_inputs import check_test_columns, test_split_file
 from utils.config.plan import Plan, batch_warning
 from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
-from utils.config.settings import Settings, resolve_base_model_id
+from utils.config.settings import Settings
 from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, headline
 from utils.publishing.hub import Hub, push_model, save_merged, save_model
 from utils.run_folder.checkpoints import (
@@ -544,7 +544,7 @@ def run_metrics(job: Job, ready: Ready, measured: dict) -> dict:
         "quantization": plan.quantization,
         "precision": plan.precision,
         "run_name": plan.run_name,
-        "base_model_id": resolve_base_model_id(settings),  # the Hub id the card and the pushed adapter name
+        "base_model_id": plan.base_model_id,  # the Hub id the card and the pushed adapter name
         # What the model predicts, for the card, id2label.json and predict.py.
         "problem_type": ready.problem_type,
         # Multi-label: the sigmoid score at which a label counts as predicted, in the metrics and predict.py.

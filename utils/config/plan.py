@@ -52,7 +52,14 @@ from pydantic import TypeAdapter, ValidationError
 
 from utils.common.errors import BadInput
 from utils.config.identity import run_identity, run_name, with_numerics
-from utils.config.settings import DEFAULT_GLOBAL_BATCH, MAX_GLOBAL_BATCH, Settings, batch_follows_replicas, runs_under
+from utils.config.settings import (
+    DEFAULT_GLOBAL_BATCH,
+    MAX_GLOBAL_BATCH,
+    Settings,
+    batch_follows_replicas,
+    resolve_base_model_id,
+    runs_under,
+)
 
 REFERENCE_GLOBAL_BATCH = DEFAULT_GLOBAL_BATCH  # one replica with the defaults: where BASE_LEARNING_RATE was measured
 REFERENCE_LORAPLUS_RATIO = 8.0  # the LoRA+ ratio measured best at the reference batch (docs/quality.md)
@@ -91,6 +98,7 @@ class Plan:
     eval_every: int | None = None  # optimizer steps between evaluations (0: none during training); known with the rows
     identity: dict[str, Any] | None = None  # what makes two starts one run (utils/config/identity.py)
     run_name: str | None = None  # RUN_NAME, else derived from the identity
+    base_model_id: str | None = None  # the Hub id the adapter and card name as the base (resolve_base_model_id)
     # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in
     # (utils/deepspeed_config.with_deepspeed).
     deepspeed: dict[str, Any] | None = None
@@ -333,6 +341,7 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         warmup_steps=warmup_steps(settings.warmup_ratio, settings.max_steps) if settings.max_steps else None,
         compile=settings.torch_compile,
         capture=settings.cuda_graphs,
+        base_model_id=resolve_base_model_id(settings),
     )
     # A fixed global batch (GLOBAL_BATCH_SIZE, or the default) under DDP: one global order of the rows, which any
     # replica count continues (not under DeepSpeed, whose checkpoints hold each rank's partition of the optimizer

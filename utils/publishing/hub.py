@@ -36,7 +36,7 @@ from utils.common.errors import EXIT_OK, EXIT_PUSH_FAILED, BadInput, JobError, f
 from utils.common.hub_token import Masker, url_secrets
 from utils.common.threads import Deadline, within
 from utils.config.identity import base_model_changes
-from utils.config.settings import Settings, resolve_base_model_id
+from utils.config.settings import Settings
 from utils.config.tasks import MULTI_LABEL
 from utils.publishing.model_card import (
     PLOT_NAME,
@@ -256,7 +256,7 @@ def save_model(
     model = trainer.model
     # The adapter names its base by Hub id, so it loads anywhere; else by the folder's absolute path, so predict.py
     # finds it from any working directory (a relative MODEL_NAME names a folder only from where the run started).
-    base = resolve_base_model_id(settings) or os.path.abspath(os.path.expanduser(settings.model_name))
+    base = published_base(settings, metrics) or os.path.abspath(os.path.expanduser(settings.model_name))
     model.peft_config["default"].base_model_name_or_path = base
     model.save_pretrained(staged, state_dict=state_dict)
     trainer.processing_class.save_pretrained(staged)

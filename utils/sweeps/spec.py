@@ -463,7 +463,8 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
         try:
             settings, _ = load_settings([], environ=env)
             # each trial is a one-process run of the job (locally, and as a Slurm array task)
-            found[trial.name] = build_plan(settings, 1).identity
+            plan = build_plan(settings, 1)
+            found[trial.name] = plan.identity
         except JobError as exc:
             raise refused(f"{trial.name} ({describe(trial)}): {exc.message}") from None
         recipe = settings.config_file  # the spec's `config:` or the shell's CONFIG_FILE: the same for every trial
@@ -475,7 +476,7 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
                 )
         if spec.push and spec.backend != "katib":  # Katib's trials read the token from the cluster's Secret
             try:  # as the job refuses the push: every trial would train, then be refused (or fail to push)
-                check_push_possible(settings)
+                check_push_possible(settings, plan.base_model_id)
             except JobError as exc:
                 raise refused(
                     f"push: {spec.push} ({trial.name}): {exc.message}; or write push: false to keep each trial's model "
