@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.data import write_fixed_length_data
-from tests.support.env import REPO, base_env, free_port, push_settings, rank_env
+from tests.support.env import REPO, base_env, free_port, push_settings, rank_env, tiny_run_settings
 from tests.support.harness import configured
 from tests.support.numerics import adapter_weights, first_divergence
 from tests.support.outcomes import assert_refusal, complete_steps, rank_record
@@ -53,14 +53,11 @@ ARMS = {  # test id -> (ZERO_STAGE, ZERO_OFFLOAD)
 
 
 def comparison_settings(tiny_bert: Path, data: Path, out: Path, **extra) -> dict[str, str]:
-    settings = dict(
-        MODEL_NAME=tiny_bert,
-        DATASET_PATH=data,
-        OUTPUT_DIR=out,
+    """One epoch, every step logged, dropout off: the strategies' losses compared step by step; `extra` wins."""
+    compared = dict(
         NUM_EPOCHS=1,
         PER_DEVICE_BATCH_SIZE=BATCH,
         PER_DEVICE_EVAL_BATCH_SIZE=VALIDATION_ROWS // 2,
-        LEARNING_RATE="3e-3",
         LORA_DROPOUT=0,
         MODEL_DROPOUT=0,
         LOGGING_STEPS=1,
@@ -70,7 +67,7 @@ def comparison_settings(tiny_bert: Path, data: Path, out: Path, **extra) -> dict
         RENDEZVOUS_TIMEOUT=600,  # the first DeepSpeed start compiles its ops for minutes
         TORCH_EXTENSIONS_DIR=EXTENSIONS,
     )
-    return {k: str(v) for k, v in {**settings, **extra}.items()}
+    return tiny_run_settings(tiny_bert, data, out, **{**compared, **extra})
 
 
 def train_two(tmp: Path, tag: str, settings: dict[str, str], timeout: float = 900) -> Path:
