@@ -71,8 +71,14 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
     plan = with_deepspeed(build_plan(settings, dist.world_size), settings, deepspeed.file)  # DeepSpeed: checked
-    check_push_possible(settings, plan.base_model_id)
-    check_trackers(settings)
+    check_push_possible(
+        settings.result_model_id,
+        settings.result_merged_model_id,
+        settings.hub_token,
+        settings.model_name,
+        plan.base_model_id,
+    )
+    check_trackers(settings.report_to)
     return settings, dist, args, plan
 
 

@@ -251,7 +251,7 @@ def data_digest(settings: Settings) -> dict[str, str | None] | None:
     if (path / "dataset_dict.json").exists():
         paths = [file for file in path.rglob("*") if file.is_file()]
     else:
-        splits = ("train", *validation_splits(settings))  # MNLI: validation_matched and validation_mismatched
+        splits = ("train", *validation_splits(settings.task))  # MNLI: validation_matched and validation_mismatched
         paths = [file for file in data_files(path, splits) if file.is_file()]
     return {str(file.relative_to(path)): readable_digest(file) for file in sorted(paths)}
 

@@ -553,9 +553,9 @@ class Settings(BaseSettings):
                 f"TRAIN_FILE={self.train_file} has no validation rows beside it; set VALIDATION_FILE, or "
                 "VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows"
             )
-        if (self.train_file or self.validation_split is not None) and len(validation_splits(self)) > 1:
+        if (self.train_file or self.validation_split is not None) and len(validation_splits(self.task)) > 1:
             raise ValueError(
-                f"TASK={self.task} validates on {len(validation_splits(self))} splits ({', '.join(validation_splits(self))}), "
+                f"TASK={self.task} validates on {len(validation_splits(self.task))} splits ({', '.join(validation_splits(self.task))}), "
                 "which one file or one fraction cannot give; use DATASET_PATH with a file per split"
             )
         return self
