@@ -70,7 +70,9 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     dist = detect_env()
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
-    plan = with_deepspeed(build_plan(settings, dist.world_size), settings, deepspeed.file)  # DeepSpeed: checked
+    plan = with_deepspeed(  # DeepSpeed: checked
+        build_plan(settings, dist.world_size), deepspeed.file, settings.deepspeed_config, settings.weight_decay
+    )
     check_push_possible(
         settings.result_model_id,
         settings.result_merged_model_id,
@@ -108,7 +110,7 @@ def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
         "task": describe_task(settings),  # columns, labels, problem type, metrics
         # The file answered into OUTPUT_DIR/predictions/ once trained (TEST_FILE, or test.* in DATASET_PATH)
         "test_split": str(test) if (test := test_split_file(settings)) else None,
-        **describe_strategy(settings, plan),  # DeepSpeed: the config with the plan's values
+        **describe_strategy(plan, settings.weight_decay),  # DeepSpeed: the config with the plan's values
     }
 
 

@@ -49,7 +49,8 @@ class Job:
         cuda = torch.cuda.is_available()
         plan = with_device(plan, settings, cuda, cuda and torch.cuda.is_bf16_supported())
         if plan.deepspeed is not None and settings.deepspeed_config is not None:
-            check_pinned(plan.deepspeed, settings, plan)  # a precision the file pins, now that PRECISION is resolved
+            # A precision the file pins, now that PRECISION is resolved.
+            check_pinned(plan.deepspeed, plan, settings.deepspeed_config, settings.weight_decay)
         device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
         return cls(settings, dist, out, cuda, device, plan, preemption, masker)
 
