@@ -93,7 +93,7 @@ def dry_run(settings: Settings, dist: DistEnv, plan: Plan, push_only: bool) -> i
     if not push_only:  # a push of the saved model reads neither the base model nor the data
         check_model_folder(settings.model_name)
         check_dataset(settings)
-    if warning := batch_warning(settings, plan.batch):
+    if warning := batch_warning(plan.batch, settings.global_batch_size, settings.per_device_batch_size):
         print(f"warning: {warning}", file=sys.stderr)
     print(json.dumps(dry_run_view(settings, dist, plan), indent=2))
     return 0

@@ -429,7 +429,7 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     )
     log.info(describe_recipe(settings, job.plan))
     log.info("the run's identity: %s", job.plan.identity, extra=RANK_LOG_ONLY)
-    if warning := batch_warning(settings, job.plan.batch):
+    if warning := batch_warning(job.plan.batch, settings.global_batch_size, settings.per_device_batch_size):
         log.warning(warning)
     # E.g. fsdp on the CPU: exit 2, never DDP.
     check_strategy(settings, dist, job.cuda, job.quantize, job.plan.precision, launcher_options())
