@@ -70,9 +70,17 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     dist = detect_env()
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
-    plan = with_deepspeed(build_plan(settings, dist.world_size), settings, deepspeed.file)  # DeepSpeed: checked
-    check_push_possible(settings, plan.base_model_id)
-    check_trackers(settings)
+    plan = with_deepspeed(  # DeepSpeed: checked
+        build_plan(settings, dist.world_size), deepspeed.file, settings.deepspeed_config, settings.weight_decay
+    )
+    check_push_possible(
+        settings.result_model_id,
+        settings.result_merged_model_id,
+        settings.hub_token,
+        settings.model_name,
+        plan.base_model_id,
+    )
+    check_trackers(settings.report_to)
     return settings, dist, args, plan
 
 
@@ -85,7 +93,7 @@ def dry_run(settings: Settings, dist: DistEnv, plan: Plan, push_only: bool) -> i
     if not push_only:  # a push of the saved model reads neither the base model nor the data
         check_model_folder(settings.model_name)
         check_dataset(settings)
-    if warning := batch_warning(settings, plan.batch):
+    if warning := batch_warning(plan.batch, settings.global_batch_size, settings.per_device_batch_size):
         print(f"warning: {warning}", file=sys.stderr)
     print(json.dumps(dry_run_view(settings, dist, plan), indent=2))
     return 0
@@ -102,7 +110,7 @@ def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
         "task": describe_task(settings),  # columns, labels, problem type, metrics
         # The file answered into OUTPUT_DIR/predictions/ once trained (TEST_FILE, or test.* in DATASET_PATH)
         "test_split": str(test) if (test := test_split_file(settings)) else None,
-        **describe_strategy(settings, plan),  # DeepSpeed: the config with the plan's values
+        **describe_strategy(plan, settings.weight_decay),  # DeepSpeed: the config with the plan's values
     }
 
 

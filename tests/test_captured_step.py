@@ -245,7 +245,9 @@ def test_cuda_graphs_auto_captures_the_step_where_it_can_run(given, cuda, captur
     from utils.config.settings import Settings
 
     settings = Settings(**given)
-    plan = with_device(build_plan(settings, 1), settings, cuda, bf16_supported=True)
+    plan = with_device(
+        build_plan(settings, 1), cuda, bf16_supported=True, gradient_checkpointing=settings.gradient_checkpointing
+    )
     assert (plan.capture, plan.compile) == (captured, compiled), plan
 
 

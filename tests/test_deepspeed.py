@@ -317,7 +317,7 @@ def configured_dry_run(monkeypatch, job_env: dict[str, str], **extra: str):
     settings, dist, args, plan = configured(
         monkeypatch, {**job_env, **{k: str(v) for k, v in extra.items()}}, ["--dry-run"]
     )
-    return settings, dist, args, describe_strategy(settings, plan)
+    return settings, dist, args, describe_strategy(plan, settings.weight_decay)
 
 
 def refused_in_process(monkeypatch, capsys, job_env: dict[str, str], **extra: str) -> str:
@@ -773,7 +773,7 @@ def test_what_transformers_compares_with_its_arguments_is_compared_at_dry_run(tm
     compared = set(re.findall(r'self\.fill_match\(\s*"([^"]+)"', source))
     assert "scheduler.params.warmup_num_steps" in compared, source  # the pattern still finds them
     settings = Settings(max_steps=10, precision="fp32")
-    owned = deepspeed_config.owned_values(settings, build_plan(settings, 1))
+    owned = deepspeed_config.owned_values(build_plan(settings, 1), settings.weight_decay)
     assert compared <= set(owned), f"compared by transformers, not by the job: {sorted(compared - set(owned))}"
 
     defaults = TrainingArguments(output_dir=str(tmp_path), use_cpu=True)

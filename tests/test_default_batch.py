@@ -49,7 +49,7 @@ def test_the_defaults_train_one_global_batch_on_every_count(tmp_path, monkeypatc
     assert (batch.micro_batch, batch.accumulation) == (batch.global_batch // world, 1)  # 4 replicas: 16 rows each
     # Where the batch came from, as --dry-run, run.json and the card show it.
     assert batch.source.startswith("the default"), batch.source
-    warning = batch_warning(settings, batch)
+    warning = batch_warning(batch, settings.global_batch_size, settings.per_device_batch_size)
     if world in ROUNDED:
         assert f"{ROUNDED[world]}, the nearest multiple of {world} replicas" in batch.source, batch.source
         assert warning and f"the global batch is {ROUNDED[world]} rows, not the default 64" in warning, warning

@@ -56,7 +56,7 @@ def deepspeed_file(path: Path, scheduler: str = "WarmupDecayLR") -> Path:
 
 def on_device(settings: Settings, plan):
     """The plan as Job.start completes it on this machine's CPU: what run.json and the checkpoints record."""
-    return with_device(plan, settings, cuda=False, bf16_supported=False)
+    return with_device(plan, cuda=False, bf16_supported=False, gradient_checkpointing=settings.gradient_checkpointing)
 
 
 def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int], edit=None) -> dict[str, str | None]:

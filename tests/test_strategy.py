@@ -40,7 +40,7 @@ def refusal(
 
     options = {"fsdp": False, "deepspeed": False, "mixed_precision": None, **launcher}
     try:
-        check_launcher(settings, options)  # as the settings are read (deepspeed_config.deepspeed_overrides)
+        check_launcher(settings.strategy, options)  # as the settings are read (deepspeed_config.deepspeed_overrides)
         check_strategy(settings, dist, cuda, quantize, precision, options)
     except JobError as exc:
         assert exc.code == 2

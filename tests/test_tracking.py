@@ -103,11 +103,10 @@ def test_tracking_uris_mlflow_cannot_use_are_bad_input_with_the_fix(monkeypatch,
     refuses a URI, each a JobError with exit 2, the fix, and the password in the URI masked."""
     from utils.common.errors import EXIT_BAD_INPUT, JobError
     from utils.config.preflight import check_tracker_uri
-    from utils.config.settings import Settings
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri.format(port=free_port(), silent=silent_server))
     with pytest.raises(JobError) as refused:  # given up on (MLflow alone retries for minutes)
-        check_tracker_uri(Settings(report_to=("mlflow",)), timeout_s=TRACKER_CHECK_TEST_SECONDS)
+        check_tracker_uri(("mlflow",), timeout_s=TRACKER_CHECK_TEST_SECONDS)
     assert refused.value.code == EXIT_BAD_INPUT
     assert says in refused.value.message, refused.value.message
     assert "set MLFLOW_TRACKING_URI to a running MLflow tracking server" in refused.value.message

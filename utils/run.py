@@ -429,7 +429,7 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     )
     log.info(describe_recipe(settings, job.plan))
     log.info("the run's identity: %s", job.plan.identity, extra=RANK_LOG_ONLY)
-    if warning := batch_warning(settings, job.plan.batch):
+    if warning := batch_warning(job.plan.batch, settings.global_batch_size, settings.per_device_batch_size):
         log.warning(warning)
     # E.g. fsdp on the CPU: exit 2, never DDP.
     check_strategy(settings, dist, job.cuda, job.quantize, job.plan.precision, launcher_options())
@@ -437,7 +437,7 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     if settings.result_model_id:
         hub.check_write_access(settings.result_model_id)
     # Likewise a tracker that refuses its URI: exit 2 now, not a traceback after data and model are loaded.
-    check_tracker_uri(settings)
+    check_tracker_uri(settings.report_to)
     # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
     agreement = agreement_of(settings, job.plan, dist.world_size)
     group = rendezvous(

@@ -47,14 +47,24 @@ class Job:
         cls, settings: Settings, dist: DistEnv, out: RunDir, plan: Plan, *, preemption: Preemption, masker=None
     ) -> Job:
         cuda = torch.cuda.is_available()
-        plan = with_device(plan, settings, cuda, cuda and torch.cuda.is_bf16_supported())
+        plan = with_device(plan, cuda, cuda and torch.cuda.is_bf16_supported(), settings.gradient_checkpointing)
         if plan.deepspeed is not None and settings.deepspeed_config is not None:
-            check_pinned(plan.deepspeed, settings, plan)  # a precision the file pins, now that PRECISION is resolved
+            # A precision the file pins, now that PRECISION is resolved.
+            check_pinned(plan.deepspeed, plan, settings.deepspeed_config, settings.weight_decay)
         device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
         return cls(settings, dist, out, cuda, device, plan, preemption, masker)
 
     def with_rows(self, train_rows: int) -> Job:
-        return replace(self, plan=with_rows(self.plan, self.settings, train_rows))
+        return replace(
+            self,
+            plan=with_rows(
+                self.plan,
+                train_rows,
+                self.settings.gradient_accumulation_steps,
+                self.settings.eval_steps,
+                self.settings.warmup_ratio,
+            ),
+        )
 
     @property
     def strategy(self) -> str:

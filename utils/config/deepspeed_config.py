@@ -86,13 +86,13 @@ OFFLOADS = {"none": (False, False), "optimizer": (True, False), "optimizer+param
 OFFLOAD_SETTING = {where: setting for setting, where in OFFLOADS.items()}
 
 
-def build_config(settings: Settings) -> dict[str, Any]:
+def build_config(zero_stage: int, zero_offload: str) -> dict[str, Any]:
     """The config the job builds from ZERO_STAGE and ZERO_OFFLOAD; "auto" where the Trainer fills in the settings."""
-    zero: dict[str, Any] = {"stage": settings.zero_stage}
-    for block, offloaded in zip(("offload_optimizer", "offload_param"), OFFLOADS[settings.zero_offload], strict=True):
+    zero: dict[str, Any] = {"stage": zero_stage}
+    for block, offloaded in zip(("offload_optimizer", "offload_param"), OFFLOADS[zero_offload], strict=True):
         if offloaded:
             zero[block] = {"device": "cpu", "pin_memory": True}
-    if settings.zero_stage == 3:
+    if zero_stage == 3:
         # The adapter is gathered from the shards by the job itself (utils/strategy.full_state_dict), trainable
         # weights only; gathering the whole 16-bit model at every checkpoint would cost the memory ZeRO-3 saves.
         zero["stage3_gather_16bit_weights_on_model_save"] = False
@@ -133,7 +133,7 @@ def _get(config: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
-def owned_values(settings: Settings, plan: Plan) -> dict[str, Any]:
+def owned_values(plan: Plan, weight_decay: float) -> dict[str, Any]:
     """Config field -> the plan's value (the precision and the step counts once known)."""
     rate = plan.learning_rate
     owned: dict[str, Any] = {
@@ -144,7 +144,7 @@ def owned_values(settings: Settings, plan: Plan) -> dict[str, Any]:
         "optimizer.params.lr": rate,
         "optimizer.params.betas": ADAM_BETAS,
         "optimizer.params.eps": ADAM_EPSILON,
-        "optimizer.params.weight_decay": settings.weight_decay,
+        "optimizer.params.weight_decay": weight_decay,
         "scheduler.params.warmup_max_lr": rate,
     }
     if plan.max_steps:  # else the step counts follow the data set's size, known once it is loaded
@@ -157,11 +157,11 @@ def owned_values(settings: Settings, plan: Plan) -> dict[str, Any]:
     return owned
 
 
-def check_config(config: Mapping[str, Any], settings: Settings, plan: Plan) -> None:
-    """Refuse a user's config that pins a value the plan resolves otherwise, or that cannot apply (its ZeRO block was
-    checked as it was read)."""
-    where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
-    check_pinned(config, settings, plan)
+def check_config(config: Mapping[str, Any], plan: Plan, deepspeed_config: str, weight_decay: float) -> None:
+    """Refuse a user's config (DEEPSPEED_CONFIG's) that pins a value the plan resolves otherwise, or that cannot apply
+    (its ZeRO block was checked as it was read)."""
+    where = f"DEEPSPEED_CONFIG={deepspeed_config}"
+    check_pinned(config, plan, deepspeed_config, weight_decay)
     check_scheduler(config, where)
     for path in _auto_paths(config):
         if path not in OWNED and path not in FILLED_ELSEWHERE:
@@ -177,11 +177,11 @@ def check_config(config: Mapping[str, Any], settings: Settings, plan: Plan) -> N
         )
 
 
-def check_pinned(config: Mapping[str, Any], settings: Settings, plan: Plan) -> None:
-    """Refuse a value the file pins that the plan resolves otherwise: at --dry-run, and again in Job.start once the
-    precision is known (the rest of the file does not change with the device)."""
-    where = f"DEEPSPEED_CONFIG={settings.deepspeed_config}"
-    owned = owned_values(settings, plan)
+def check_pinned(config: Mapping[str, Any], plan: Plan, deepspeed_config: str, weight_decay: float) -> None:
+    """Refuse a value the file (DEEPSPEED_CONFIG's) pins that the plan resolves otherwise: at --dry-run, and again in
+    Job.start once the precision is known (the rest of the file does not change with the device)."""
+    where = f"DEEPSPEED_CONFIG={deepspeed_config}"
+    owned = owned_values(plan, weight_decay)
     for field in ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"):
         theirs = _get(config, field)
         if field not in owned and theirs not in (None, "auto"):
@@ -289,7 +289,9 @@ def complete_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     return completed
 
 
-def with_deepspeed(plan: Plan, settings: Settings, file: Mapping[str, Any] | None) -> Plan:
+def with_deepspeed(
+    plan: Plan, file: Mapping[str, Any] | None, deepspeed_config: str | None, weight_decay: float
+) -> Plan:
     """The plan with the DeepSpeed config the run hands the Trainer, for STRATEGY=deepspeed: DEEPSPEED_CONFIG's `file`
     as DeepSpeedChoices read it, completed and checked against the plan here, and its pins again in Job.start once
     the precision is known."""
@@ -300,10 +302,10 @@ def with_deepspeed(plan: Plan, settings: Settings, file: Mapping[str, Any] | Non
             f"STRATEGY=deepspeed needs the deepspeed package, which is not installed; pip install {DEEPSPEED_PIN} "
             "(DS_BUILD_OPS=0: its ops compile on first use), or use STRATEGY=ddp",
         )
-    if settings.deepspeed_config is None:
-        return replace(plan, deepspeed=build_config(settings))
-    config = complete_config(file, f"DEEPSPEED_CONFIG={settings.deepspeed_config}")
-    check_config(config, settings, plan)
+    if deepspeed_config is None:
+        return replace(plan, deepspeed=build_config(plan.zero_stage, plan.zero_offload))
+    config = complete_config(file, f"DEEPSPEED_CONFIG={deepspeed_config}")
+    check_config(config, plan, deepspeed_config, weight_decay)
     return replace(plan, deepspeed=config)
 
 
@@ -319,13 +321,13 @@ def offloads(config: Mapping[str, Any]) -> tuple[bool, bool]:
     )
 
 
-def describe_strategy(settings: Settings, plan: Plan) -> dict[str, Any]:
+def describe_strategy(plan: Plan, weight_decay: float) -> dict[str, Any]:
     """--dry-run's view: the strategy, and for deepspeed the plan's config with the plan's values filled in
     (precision stays "auto" until the hardware is known; the schedule's step counts until the data is)."""
     if plan.deepspeed is None:
         return {"strategy": plan.strategy}
     config = copy.deepcopy(plan.deepspeed)
-    for field, value in owned_values(settings, plan).items():
+    for field, value in owned_values(plan, weight_decay).items():
         parent, _, leaf = field.rpartition(".")
         holder = _get(config, parent) if parent else config
         if isinstance(holder, dict) and holder.get(leaf) == "auto":
@@ -334,15 +336,15 @@ def describe_strategy(settings: Settings, plan: Plan) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- what the launcher and the file choose
-def check_launcher(settings: Settings, launcher: Mapping[str, object]) -> None:
+def check_launcher(strategy: str, launcher: Mapping[str, object]) -> None:
     """What makes Accelerate drop or mix a strategy without a word: refused (exit 2) before anything loads."""
     if launcher.get("fsdp"):
         raise BadInput(
-            f"the accelerate config asks for FSDP (ACCELERATE_USE_FSDP=true) while STRATEGY={settings.strategy}; one run "
+            f"the accelerate config asks for FSDP (ACCELERATE_USE_FSDP=true) while STRATEGY={strategy}; one run "
             "shards one way, and the job sets FSDP up itself: launch with a MULTI_GPU config "
             "(launchers/accelerate/multi-gpu.yaml) and set STRATEGY=fsdp",
         )
-    if launcher.get("cpu") and settings.strategy == "deepspeed":
+    if launcher.get("cpu") and strategy == "deepspeed":
         raise BadInput(
             "ACCELERATE_USE_CPU=true (accelerate launch --cpu, use_cpu: true) makes Accelerate drop DeepSpeed without "
             "a warning and train plain DDP; launch without --cpu (use_cpu: false): on a machine without CUDA the job "
@@ -398,7 +400,7 @@ def deepspeed_overrides(
     settings load_settings merges over the user's: run.json, the identity and the checkpoints record what trains, and
     a file edited before a restart is refused like any changed setting; one given beside them that differs, exit 2.
     With the file as read (read_deepspeed_config), None when there is none."""
-    check_launcher(settings, launcher)
+    check_launcher(settings.strategy, launcher)
     chosen = launcher_choices(launcher)
     explicit = settings.model_fields_set
     for name, value in chosen.items():

@@ -37,7 +37,7 @@ from typing import Any
 
 from utils.common.delimited import data_files
 from utils.common.errors import BadInput
-from utils.config.settings import Settings, batch_follows_replicas, runs_under
+from utils.config.settings import Settings, runs_under
 from utils.config.tasks import MULTI_LABEL, REGRESSION, validation_splits
 
 # Bumped when a field's meaning changes: an identity another version recorded is compared on the fields both hold.
@@ -122,6 +122,7 @@ def run_identity(
     where their runs do."""
     deepspeed = runs_under(settings.strategy, "a DeepSpeed config")
     regression = settings.problem_type == REGRESSION
+    named = "label_names" in settings.model_fields_set  # LABEL_NAMES given (unset: the default names for ids 0/1)
     multi_label = settings.problem_type == MULTI_LABEL
     choosing = settings.load_best_model or settings.early_stopping_patience is not None
     identity = {name: getattr(settings, name) for name in AS_GIVEN}
@@ -129,17 +130,18 @@ def run_identity(
         version=IDENTITY_VERSION,
         base_model=model_digest(settings.model_name),
         dataset=None if settings.local_data else f"{settings.dataset_name}/{settings.dataset_config}",
-        data=data_digest(settings),
+        data=data_digest(settings.local_data, settings.train_file, settings.validation_file, settings.task),
         # Unset, the mapping is the data's (a ClassLabel's names, a word column's sorted values) or, on a finished
-        # run, the one it recorded: nothing to compare before the data is read.
-        label_names=given_label_names(settings) if not regression else None,
+        # run, the one it recorded: nothing to compare before the data is read (compared_fields: unset against the
+        # default names for ids 0/1 is no difference).
+        label_names=list(settings.label_names) if named and not regression else None,
         label_columns=list(settings.label_columns) if settings.label_columns else None,
         # The scores LOAD_BEST_MODEL and early stopping compare are measured at it: a restart at another would pick
         # among checkpoints scored two ways. Otherwise it changes only what is reported.
         threshold=settings.threshold if multi_label and choosing else None,
         problem=settings.problem_type if settings.problem_type in (REGRESSION, MULTI_LABEL) else "auto",
         epochs=None if settings.max_steps else settings.num_epochs,
-        per_device_batch_size=settings.per_device_batch_size if batch_follows_replicas(settings) else None,
+        per_device_batch_size=settings.per_device_batch_size if settings.batch_follows_replicas else None,
         global_batch=global_batch,
         world_size=None if elastic else world_size,
         rates=rates,
@@ -152,13 +154,6 @@ def run_identity(
     return identity
 
 
-def given_label_names(settings: Settings) -> list[str] | None:
-    """LABEL_NAMES as given, or None where unset: the default names for ids 0/1, the data's own for words or a
-    ClassLabel, or on a finished run those it recorded (compared_fields: unset against the default names is no
-    difference)."""
-    return list(settings.label_names) if "label_names" in settings.model_fields_set else None
-
-
 def default_label_names() -> list[str]:
     return [name.strip() for name in Settings.model_fields["label_names"].default.split(",")]
 
@@ -169,19 +164,17 @@ def with_numerics(identity: dict[str, Any], precision: str, quantization: str) -
     return {**identity, "precision": precision, "quantization": quantization, "int8_threshold": threshold}
 
 
-def run_name(settings: Settings, identity: dict[str, Any]) -> str:
-    """RUN_NAME when set, else the model, the data, the rank and the identity's hash: the same on every replica
-    and after every restart of one run, another for another run. The hash leaves out what the device resolves
-    (DEVICE_RESOLVED), so --dry-run, before the device is known, names the run as the training does."""
-    if settings.run_name:
-        return settings.run_name
+def run_name(identity: dict[str, Any], model_name: str, local_data: str | None, dataset_config: str) -> str:
+    """The name of a run RUN_NAME leaves unset: the model, the data, the rank and the identity's hash: the same on
+    every replica and after every restart of one run, another for another run. The hash leaves out what the device
+    resolves (DEVICE_RESOLVED), so --dry-run, before the device is known, names the run as the training does."""
     # The folders' own names, links followed: another spelling of one folder is one name.
-    model = Path(os.path.realpath(settings.model_name)).name or "model"
-    data = Path(os.path.realpath(settings.local_data)).stem if settings.local_data else settings.dataset_config
+    model = Path(os.path.realpath(model_name)).name or "model"
+    data = Path(os.path.realpath(local_data)).stem if local_data else dataset_config
     hashed = {name: value for name, value in identity.items() if name not in DEVICE_RESOLVED}
     if hashed.get("label_names") == default_label_names():  # given as the default: the name of the run left unset
         hashed["label_names"] = None
-    return f"{model}-{data}-lora-r{settings.lora_r}-{short_digest(hashed)[:8]}"
+    return f"{model}-{data}-lora-r{identity['lora_r']}-{short_digest(hashed)[:8]}"
 
 
 def short_digest(value: Any) -> str:
@@ -234,24 +227,26 @@ def config_content(path: str | None) -> dict | str | None:
     return content if isinstance(content, dict) else sha256_file(file)
 
 
-def data_digest(settings: Settings) -> dict[str, str | None] | None:
+def data_digest(
+    local_data: str | None, train_file: str | None, validation_file: str | None, task: str | None
+) -> dict[str, str | None] | None:
     """SHA-256 of each file the local data is read from: the split files of a DATASET_PATH folder (of a suffix the
     loader reads, or every file of a save_to_disk folder) by their path in the folder, or the files TRAIN_FILE,
     VALIDATION_FILE or a DATASET_PATH that is one file name, by their split. The files' bytes, not their dates or
     the folder's path, so a restored or moved volume is the same data and a notes file beside them changes nothing.
     None for a Hub data set, which DATASET_NAME and DATASET_CONFIG name."""
-    if not settings.local_data:
+    if not local_data:
         return None
-    path = Path(settings.local_data)
-    if settings.train_file or path.is_file():
-        given = {"train": settings.local_data, "validation": settings.validation_file}
+    path = Path(local_data)
+    if train_file or path.is_file():
+        given = {"train": local_data, "validation": validation_file}
         return {split: readable_digest(Path(p)) if Path(p).is_file() else None for split, p in given.items() if p}
     if not path.is_dir():
         return {}
     if (path / "dataset_dict.json").exists():
         paths = [file for file in path.rglob("*") if file.is_file()]
     else:
-        splits = ("train", *validation_splits(settings))  # MNLI: validation_matched and validation_mismatched
+        splits = ("train", *validation_splits(task))  # MNLI: validation_matched and validation_mismatched
         paths = [file for file in data_files(path, splits) if file.is_file()]
     return {str(file.relative_to(path)): readable_digest(file) for file in sorted(paths)}
 

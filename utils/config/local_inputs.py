@@ -153,7 +153,7 @@ def check_carve(settings: Settings, present: Iterable[str], where: str) -> None:
     validation split left unread beside it would be data dropped without a word."""
     if settings.validation_split is None or not settings.dataset_path:
         return  # the Hub's data set: its validation split is not the user's to remove, so the carve replaces it
-    if given := sorted(split for split in present if split in validation_splits(settings)):
+    if given := sorted(split for split in present if split in validation_splits(settings.task)):
         raise BadInput(
             f"VALIDATION_SPLIT={settings.validation_split} carves validation rows out of the training rows, and "
             f"{where} holds {', '.join(given)} rows already; unset VALIDATION_SPLIT, or remove the validation rows",
@@ -164,7 +164,7 @@ def split_files(settings: Settings) -> dict[str, str] | None:
     """Each split's data file, checked: TRAIN_FILE and VALIDATION_FILE, a DATASET_PATH that is one file (the training
     rows) with VALIDATION_FILE, or the split files of a DATASET_PATH folder. No validation file where VALIDATION_SPLIT
     carves it. None for the Hub's data set or a save_to_disk folder (read by `datasets`, checked by check_splits)."""
-    validation = validation_splits(settings)[0]
+    validation = validation_splits(settings.task)[0]
     if settings.train_file:
         train = ("TRAIN_FILE", settings.train_file)
     elif not settings.dataset_path:
@@ -187,7 +187,7 @@ def split_files(settings: Settings) -> dict[str, str] | None:
         if (folder / "dataset_dict.json").exists():
             return None
         check_carve(
-            settings, {p.stem for p in data_files(folder, validation_splits(settings))}, f"DATASET_PATH={folder}"
+            settings, {p.stem for p in data_files(folder, validation_splits(settings.task))}, f"DATASET_PATH={folder}"
         )
         return local_files(folder, read_splits(settings))
     files = {"train": check_data_file(train[0], Path(train[1]), "train")}
@@ -306,7 +306,7 @@ def saved_columns(folder: Path) -> dict[str, list[str] | None] | None:
 
 def data_splits(settings: Settings) -> tuple[str, ...]:
     """The splits a run reads: train, and the task's validation split(s) (MNLI has two)."""
-    return ("train", *validation_splits(settings))
+    return ("train", *validation_splits(settings.task))
 
 
 def check_dataset(settings: Settings) -> None:

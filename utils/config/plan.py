@@ -56,7 +56,6 @@ from utils.config.settings import (
     DEFAULT_GLOBAL_BATCH,
     MAX_GLOBAL_BATCH,
     Settings,
-    batch_follows_replicas,
     resolve_base_model_id,
     runs_under,
 )
@@ -152,25 +151,35 @@ def nearby_global_batches(global_batch: int, world_sizes: list[int], cap: int) -
     return " or ".join(str(size) for size in found if size and size != global_batch) or str(step)
 
 
-def plan_batches(settings: Settings, world_size: int) -> BatchPlan:
-    """The plan for `world_size` replicas; a replica count that cannot divide GLOBAL_BATCH_SIZE is bad input."""
-    if batch_follows_replicas(settings):
-        micro, accumulation = settings.per_device_batch_size, settings.gradient_accumulation_steps
-        source = f"{_per_device_terms(settings, world_size)}: the global batch follows the replica count"
+def plan_batches(
+    world_size: int,
+    global_batch_size: int | None,
+    per_device_batch_size: int,
+    gradient_accumulation_steps: int,
+    follows_replicas: bool,
+) -> BatchPlan:
+    """The plan for `world_size` replicas under the rule `follows_replicas` (Settings.batch_follows_replicas) names;
+    a replica count that cannot divide GLOBAL_BATCH_SIZE is bad input."""
+    if follows_replicas:
+        micro, accumulation = per_device_batch_size, gradient_accumulation_steps
+        source = (
+            f"PER_DEVICE_BATCH_SIZE={micro} x {world_size} replica(s) x GRADIENT_ACCUMULATION_STEPS={accumulation}: "
+            "the global batch follows the replica count"
+        )
         return BatchPlan(micro * world_size * accumulation, micro, accumulation, world_size, False, source)
-    total, source = fixed_global_batch(settings, world_size)
+    total, source = fixed_global_batch(world_size, global_batch_size, per_device_batch_size)
     share = total // world_size
-    micro = largest_micro_batch(share, settings.per_device_batch_size)
+    micro = largest_micro_batch(share, per_device_batch_size)
     return BatchPlan(total, micro, share // micro, world_size, fixed=True, source=source)
 
 
-def fixed_global_batch(settings: Settings, world_size: int) -> tuple[int, str]:
+def fixed_global_batch(world_size: int, global_batch_size: int | None, per_device_batch_size: int) -> tuple[int, str]:
     """The global batch `world_size` replicas train when it does not follow the count, and why (the module's rule)."""
-    total = settings.global_batch_size
+    total = global_batch_size
     if total is not None:
         if total % world_size:
             counts = ", ".join(map(str, replica_counts(total)))
-            sizes = nearby_global_batches(total, [world_size], settings.per_device_batch_size)
+            sizes = nearby_global_batches(total, [world_size], per_device_batch_size)
             raise BadInput(
                 f"GLOBAL_BATCH_SIZE={total} cannot be shared by {world_size} replicas; run on one of {counts} "
                 f"replica(s), or set a GLOBAL_BATCH_SIZE that {world_size} divides, e.g. {sizes}",
@@ -188,29 +197,29 @@ def fixed_global_batch(settings: Settings, world_size: int) -> tuple[int, str]:
     )
 
 
-def batch_warning(settings: Settings, plan: BatchPlan) -> str | None:
+def batch_warning(plan: BatchPlan, global_batch_size: int | None, per_device_batch_size: int) -> str | None:
     """A warning for a global batch that is not what the user would expect: the default rounded for this count
     (another model than one GPU's, a little), or micro-batches far smaller than the cap (`micro_batch_warning`)."""
-    if plan.fixed and settings.global_batch_size is None and plan.global_batch != DEFAULT_GLOBAL_BATCH:
+    if plan.fixed and global_batch_size is None and plan.global_batch != DEFAULT_GLOBAL_BATCH:
         return (
             f"the global batch is {plan.global_batch} rows, not the default {DEFAULT_GLOBAL_BATCH}: {plan.world_size} "
             f"replicas cannot share {DEFAULT_GLOBAL_BATCH} rows equally, so this run differs a little from one GPU's "
             f"(its learning rate follows {plan.global_batch}); run on 1, 2, 4 or 8 replicas for the default, or set "
             f"GLOBAL_BATCH_SIZE (e.g. {plan.global_batch}) to make the choice yours"
         )
-    return micro_batch_warning(settings, plan)
+    return micro_batch_warning(plan, per_device_batch_size)
 
 
-def micro_batch_warning(settings: Settings, plan: BatchPlan) -> str | None:
+def micro_batch_warning(plan: BatchPlan, per_device_batch_size: int) -> str | None:
     """A warning when GLOBAL_BATCH_SIZE leaves this count far smaller micro-batches than PER_DEVICE_BATCH_SIZE
     allows (997, a prime, on one replica: 997 micro-batches of 1 a step): the same model, many times slower."""
-    if not plan.fixed or splits_well(plan.global_batch, [plan.world_size], settings.per_device_batch_size):
+    if not plan.fixed or splits_well(plan.global_batch, [plan.world_size], per_device_batch_size):
         return None
     share = plan.global_batch // plan.world_size
-    better = nearby_global_batches(plan.global_batch, [plan.world_size], settings.per_device_batch_size)
+    better = nearby_global_batches(plan.global_batch, [plan.world_size], per_device_batch_size)
     return (
         f"GLOBAL_BATCH_SIZE={plan.global_batch} on {plan.world_size} replica(s) is {share} rows a replica, which only "
-        f"micro-batches of {plan.micro_batch} divide under PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} "
+        f"micro-batches of {plan.micro_batch} divide under PER_DEVICE_BATCH_SIZE={per_device_batch_size} "
         f"({plan.accumulation} forward passes a step); the model is the same but the run is slower: "
         f"GLOBAL_BATCH_SIZE={better} would keep micro-batches of at least half PER_DEVICE_BATCH_SIZE"
     )
@@ -223,7 +232,7 @@ def check_elastic_range(settings: Settings, counts: range, variable: str) -> Non
     if len(counts) < 2:
         return
     cap = settings.per_device_batch_size
-    if batch_follows_replicas(settings):
+    if settings.batch_follows_replicas:
         sizes = nearby_global_batches(cap * counts[-1] * settings.gradient_accumulation_steps, list(counts), cap)
         raise BadInput(
             f"{variable} lets the job go on with {counts[0]} to {counts[-1]} replicas, but with PER_DEVICE_BATCH_SIZE or "
@@ -244,42 +253,42 @@ def check_elastic_range(settings: Settings, counts: range, variable: str) -> Non
 
 
 # ------------------------------------------------------------------------------- the learning rate
-def scaled_learning_rate(settings: Settings, global_batch: int, rule: str | None = None) -> float:
+def scaled_learning_rate(base_learning_rate: float, global_batch: int, rule: str) -> float:
     """BASE_LEARNING_RATE at the reference batch, scaled to `global_batch` by `rule` (LEARNING_RATE_SCALING)."""
     ratio = global_batch / REFERENCE_GLOBAL_BATCH
-    factor = {"fourth-root": ratio**0.25, "sqrt": math.sqrt(ratio), "linear": ratio, "none": 1.0}[
-        rule or settings.learning_rate_scaling
-    ]
-    return float(f"{settings.base_learning_rate * factor:.6g}")  # a readable number in logs, run.json and the card
+    factor = {"fourth-root": ratio**0.25, "sqrt": math.sqrt(ratio), "linear": ratio, "none": 1.0}[rule]
+    return float(f"{base_learning_rate * factor:.6g}")  # a readable number in logs, run.json and the card
 
 
-def resolve_learning_rate(settings: Settings, batch: BatchPlan) -> float:
+def resolve_learning_rate(
+    batch: BatchPlan, learning_rate: float | None, base_learning_rate: float, learning_rate_scaling: str
+) -> float:
     """The rate this job trains at: LEARNING_RATE exactly when the user set it, else the scaling rule's rate,
     checked against LEARNING_RATE's bounds (a JobError naming the rule, the batch and the fix)."""
-    if settings.learning_rate is not None:
-        return settings.learning_rate
+    if learning_rate is not None:
+        return learning_rate
     global_batch = batch.global_batch
-    rate = scaled_learning_rate(settings, global_batch)
+    rate = scaled_learning_rate(base_learning_rate, global_batch, learning_rate_scaling)
     refusal = _learning_rate_refusal(rate)
     if refusal:
         rules = ", ".join(
             f"LEARNING_RATE_SCALING={rule} gives {value:g}"
             for rule in ("fourth-root", "none")
-            if rule != settings.learning_rate_scaling
-            and not _learning_rate_refusal(value := scaled_learning_rate(settings, global_batch, rule))
+            if rule != learning_rate_scaling
+            and not _learning_rate_refusal(value := scaled_learning_rate(base_learning_rate, global_batch, rule))
         )
         raise BadInput(
-            f"LEARNING_RATE_SCALING={settings.learning_rate_scaling} resolves the learning rate to {rate:g} at global batch "
+            f"LEARNING_RATE_SCALING={learning_rate_scaling} resolves the learning rate to {rate:g} at global batch "
             f"{global_batch} ({batch.source}; BASE_LEARNING_RATE "
-            f"{settings.base_learning_rate:g} at batch {REFERENCE_GLOBAL_BATCH}), which LEARNING_RATE's own check refuses "
+            f"{base_learning_rate:g} at batch {REFERENCE_GLOBAL_BATCH}), which LEARNING_RATE's own check refuses "
             f"({refusal}); set LEARNING_RATE to the rate to train at, or another rule ({rules})",
         )
     return rate
 
 
-def resolve_loraplus_ratio(settings: Settings, global_batch: int) -> float:
-    if settings.loraplus_lr_ratio is not None:
-        return settings.loraplus_lr_ratio
+def resolve_loraplus_ratio(loraplus_lr_ratio: float | None, global_batch: int) -> float:
+    if loraplus_lr_ratio is not None:
+        return loraplus_lr_ratio
     shrink = min(1.0, (REFERENCE_GLOBAL_BATCH / global_batch) ** 0.5)
     return max(1.0, float(f"{REFERENCE_LORAPLUS_RATIO * shrink:.6g}"))
 
@@ -294,13 +303,6 @@ def _learning_rate_refusal(rate: float) -> str | None:
     return None
 
 
-def _per_device_terms(settings: Settings, world_size: int) -> str:
-    return (
-        f"PER_DEVICE_BATCH_SIZE={settings.per_device_batch_size} x {world_size} replica(s) "
-        f"x GRADIENT_ACCUMULATION_STEPS={settings.gradient_accumulation_steps}"
-    )
-
-
 def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
     """Warm-up steps for a run of `total_steps`: WARMUP_RATIO of them rounded up, as the Trainer counts them,
     but never all of them. A linear warm-up trains its first step at rate 0, so a 1-step run (MAX_STEPS=1,
@@ -311,7 +313,13 @@ def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
 # ------------------------------------------------------------------------------- building and completing the plan
 def build_plan(settings: Settings, world_size: int) -> Plan:
     """The plan for `world_size` replicas, from the settings alone (no torch); bad input raises JobError."""
-    batch = plan_batches(settings, world_size)
+    batch = plan_batches(
+        world_size,
+        settings.global_batch_size,
+        settings.per_device_batch_size,
+        settings.gradient_accumulation_steps,
+        settings.batch_follows_replicas,
+    )
     # Each factor has its range, but their product (x the replica count) could reach sizes no data set and no
     # sampler index is made for: held to GLOBAL_BATCH_SIZE's own bound.
     if batch.global_batch > MAX_GLOBAL_BATCH:
@@ -320,7 +328,9 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
             f"{MAX_GLOBAL_BATCH} a global batch may be (GLOBAL_BATCH_SIZE's range, 1 to {MAX_GLOBAL_BATCH}); lower "
             "PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS, or set GLOBAL_BATCH_SIZE",
         )
-    rate = resolve_learning_rate(settings, batch)
+    rate = resolve_learning_rate(
+        batch, settings.learning_rate, settings.base_learning_rate, settings.learning_rate_scaling
+    )
     deepspeed = runs_under(settings.strategy, "a DeepSpeed config")
     plan = Plan(
         batch=batch,
@@ -328,7 +338,7 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         learning_rate_source="LEARNING_RATE as set"
         if settings.learning_rate is not None
         else f"BASE_LEARNING_RATE {settings.base_learning_rate:g} x {settings.learning_rate_scaling} scaling from batch {REFERENCE_GLOBAL_BATCH}",
-        loraplus_ratio=resolve_loraplus_ratio(settings, batch.global_batch),
+        loraplus_ratio=resolve_loraplus_ratio(settings.loraplus_lr_ratio, batch.global_batch),
         head_ratio=settings.head_learning_rate_ratio,
         max_steps=settings.max_steps,
         num_epochs=settings.num_epochs,
@@ -341,49 +351,51 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         warmup_steps=warmup_steps(settings.warmup_ratio, settings.max_steps) if settings.max_steps else None,
         compile=settings.torch_compile,
         capture=settings.cuda_graphs,
-        base_model_id=resolve_base_model_id(settings),
+        base_model_id=resolve_base_model_id(settings.base_model_id, settings.model_name),
     )
     # A fixed global batch (GLOBAL_BATCH_SIZE, or the default) under DDP: one global order of the rows, which any
     # replica count continues (not under DeepSpeed, whose checkpoints hold each rank's partition of the optimizer
     # state). The rates as this plan trains at them, however they were given.
     elastic = batch.fixed and runs_under(settings.strategy, "another replica count")
     identity = run_identity(settings, batch.global_batch, world_size, elastic, plan.rates)
-    return replace(plan, identity=identity, run_name=run_name(settings, identity))
+    name = settings.run_name or run_name(identity, settings.model_name, settings.local_data, settings.dataset_config)
+    return replace(plan, identity=identity, run_name=name)
 
 
-def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool) -> Plan:
-    """The plan with `auto` precision and quantization resolved for this hardware; impossible asks are bad input."""
+def with_device(plan: Plan, cuda: bool, bf16_supported: bool, gradient_checkpointing: bool) -> Plan:
+    """The plan build_plan made with its `auto` precision, quantization, compile and capture resolved for this
+    hardware; impossible asks are bad input."""
     # auto: 8-bit only where quantized weights run (an explicit 8bit is refused elsewhere).
-    quantize = settings.quantization in ("8bit", "4bit") or (
-        settings.quantization == "auto"
+    quantize = plan.quantization in ("8bit", "4bit") or (
+        plan.quantization == "auto"
         and cuda
         and plan.batch.world_size == 1
         and runs_under(plan.strategy, "quantized weights")
     )
-    precision = settings.precision
+    precision = plan.precision
     if precision == "auto":
         precision = "bf16" if cuda and bf16_supported else "fp32"
     if precision == "fp16" and not cuda:
         raise BadInput("PRECISION=fp16 needs a CUDA GPU; use PRECISION=auto or fp32 on the CPU")
     if precision == "bf16" and cuda and not bf16_supported:
         raise BadInput("PRECISION=bf16 but this GPU has no bf16; use PRECISION=fp16 or auto")
-    quantization = (settings.quantization if settings.quantization != "auto" else "8bit") if quantize else "none"
+    quantization = (plan.quantization if plan.quantization != "auto" else "8bit") if quantize else "none"
     # auto: the captured step on CUDA wherever it can run (DDP, no recomputed forwards, no fp16 loss scaler, which
     # skips steps on the host's word). On the CPU a step is arithmetic, not launches: nothing to gain. 4-bit weights
     # stay eager: their capture has not run on a GPU here.
-    capture = settings.cuda_graphs is True or (
-        settings.cuda_graphs == "auto"
+    capture = plan.capture is True or (
+        plan.capture == "auto"
         and cuda
         and runs_under(plan.strategy, "captured step")
-        and not settings.gradient_checkpointing
+        and not gradient_checkpointing
         and precision != "fp16"
         and quantization != "4bit"
     )
     # auto: compiled blocks on CUDA under DDP with full-precision weights, where the step is not captured: a captured
     # step replays eager kernels, a cold start without minutes of compiling (on the CPU compiling takes minutes for
     # no gain; bitsandbytes' int8 matmul breaks the graphs: 195 ms a step compiled against 112 eager on an H200).
-    compiled = settings.torch_compile is True or (
-        settings.torch_compile == "auto"
+    compiled = plan.compile is True or (
+        plan.compile == "auto"
         and cuda
         and runs_under(plan.strategy, "compiled blocks")
         and not quantize
@@ -400,13 +412,15 @@ def with_device(plan: Plan, settings: Settings, cuda: bool, bf16_supported: bool
     )
 
 
-def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
+def with_rows(
+    plan: Plan, train_rows: int, gradient_accumulation_steps: int, eval_steps: int | None, warmup_ratio: float
+) -> Plan:
     """The plan with the optimizer steps the Trainer will count over `train_rows` training rows, and the
     warm-up. A global batch larger than the split is bad input: one step would want more rows than exist.
     Every rank holds the same rows, so every rank reaches the same decision without a collective."""
     batch = plan.batch
     if batch.global_batch > train_rows:
-        fitting = train_rows // (batch.world_size * settings.gradient_accumulation_steps)
+        fitting = train_rows // (batch.world_size * gradient_accumulation_steps)
         fewer = ", run fewer replicas" if batch.world_size > 1 else ""  # one process has none to spare
         if batch.fixed and fitting >= 1:
             fix = f"set GLOBAL_BATCH_SIZE to {fitting * batch.world_size} or less, or train on more data"
@@ -426,11 +440,11 @@ def with_rows(plan: Plan, settings: Settings, train_rows: int) -> Plan:
     steps = plan.max_steps or math.ceil(plan.num_epochs * per_epoch)
     # EVAL_STEPS, else EVALUATIONS_PER_EPOCH an epoch (or a MAX_STEPS run, if shorter).
     evaluated = min(per_epoch, plan.max_steps or per_epoch)
-    eval_every = max(1, evaluated // EVALUATIONS_PER_EPOCH) if settings.eval_steps is None else settings.eval_steps
+    eval_every = max(1, evaluated // EVALUATIONS_PER_EPOCH) if eval_steps is None else eval_steps
     return replace(
         plan,
         steps_per_epoch=per_epoch,
         steps=steps,
-        warmup_steps=warmup_steps(settings.warmup_ratio, steps),
+        warmup_steps=warmup_steps(warmup_ratio, steps),
         eval_every=eval_every,
     )

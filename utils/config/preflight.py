@@ -11,18 +11,25 @@ import socket
 import urllib.parse
 import urllib.request
 
+from pydantic import SecretStr
+
 from utils.common.errors import BadInput, JobError
 from utils.common.hub_token import mask_urls
 from utils.common.threads import Deadline, within
-from utils.config.settings import Settings
 
 
-def check_push_possible(settings: Settings, base_model_id: str | None) -> None:
+def check_push_possible(
+    result_model_id: str | None,
+    result_merged_model_id: str | None,
+    hub_token: SecretStr | None,
+    model_name: str,
+    base_model_id: str | None,
+) -> None:
     """A push that cannot happen (no token, offline mode, an adapter nobody could load) is bad input now,
     before any import, data or GPU time. `base_model_id`: the plan's (None: a folder that records no Hub id)."""
-    repos = {"RESULT_MODEL_ID": settings.result_model_id, "RESULT_MERGED_MODEL_ID": settings.result_merged_model_id}
+    repos = {"RESULT_MODEL_ID": result_model_id, "RESULT_MERGED_MODEL_ID": result_merged_model_id}
     pushes = " and ".join(f"{name}={value}" for name, value in repos.items() if value)
-    if pushes and settings.hub_token is None:
+    if pushes and hub_token is None:
         raise BadInput(
             f"{pushes} ask(s) for a push but no token is set; "
             "set HF_TOKEN (or HF_TOKEN_PATH to a file holding it), or unset them to keep the model on the volume",
@@ -32,10 +39,10 @@ def check_push_possible(settings: Settings, base_model_id: str | None) -> None:
             f"{pushes} ask(s) for a push but HF_HUB_OFFLINE is set; "
             "unset HF_HUB_OFFLINE where the Hub is reachable, or unset them (push later with --push-only)",
         )
-    if settings.result_model_id and base_model_id is None:
+    if result_model_id and base_model_id is None:
         raise BadInput(
-            f"MODEL_NAME={settings.model_name} is a local folder that does not record the base model's Hub id, and an adapter "
-            f"pushed to {settings.result_model_id} would name this path as its base (nobody else could load it); "
+            f"MODEL_NAME={model_name} is a local folder that does not record the base model's Hub id, and an adapter "
+            f"pushed to {result_model_id} would name this path as its base (nobody else could load it); "
             "set BASE_MODEL_ID to the Hub id these weights came from (e.g. bert-base-uncased)",
         )
 
@@ -43,15 +50,15 @@ def check_push_possible(settings: Settings, base_model_id: str | None) -> None:
 TRACKER_PACKAGES = {"mlflow": "mlflow-skinny", "wandb": "wandb", "trackio": "trackio"}  # module: pip name
 
 
-def check_trackers(settings: Settings) -> None:
-    """A tracker whose package is missing is bad input now, not a traceback when the Trainer starts."""
+def check_trackers(report_to: tuple[str, ...]) -> None:
+    """A tracker REPORT_TO names whose package is missing is bad input now, not a traceback when the Trainer starts."""
     import importlib.util
 
-    for name in settings.report_to:
+    for name in report_to:
         package = TRACKER_PACKAGES.get(name)
         if package and importlib.util.find_spec(name) is None:
             raise BadInput(
-                f"REPORT_TO={','.join(settings.report_to)} needs the {package} package, which is not installed; "
+                f"REPORT_TO={','.join(report_to)} needs the {package} package, which is not installed; "
                 f"pip install {package} (in the image: add it to requirements.txt), or drop {name} from REPORT_TO",
             )
 
@@ -60,13 +67,13 @@ def check_trackers(settings: Settings) -> None:
 TRACKER_CHECK_SECONDS = 30
 
 
-def check_tracker_uri(settings: Settings, timeout_s: float = TRACKER_CHECK_SECONDS) -> None:
+def check_tracker_uri(report_to: tuple[str, ...], timeout_s: float = TRACKER_CHECK_SECONDS) -> None:
     """REPORT_TO=mlflow: MLflow accepts MLFLOW_TRACKING_URI and its store answers, within `timeout_s`, like the
     Hub token before data and model load. Otherwise MLflow refuses it at the Trainer's first log call, after
     loading, as a traceback (or retries a dead server for minutes). Read-only, so every rank may run it: a
     server is asked for one experiment (MLflow's public client resolves the store, refusing a scheme it has none
     for); a database store (sqlite, postgresql, ...) is not opened, since opening it creates and migrates it."""
-    if "mlflow" not in settings.report_to:
+    if "mlflow" not in report_to:
         return
     import mlflow
 

@@ -34,15 +34,15 @@ def optimizer_groups(named_parameters: Iterable, rates: dict[str, float], weight
     ]
 
 
-def lora_options(settings: Settings, module_names: Iterable[str]) -> dict:
-    """LoraConfig keyword arguments beyond the adapter's shape: the pooler trained beside the classifier,
-    rsLoRA / DoRA, and the initialisation. `module_names`: the model's named_modules() names."""
-    options: dict = {"use_rslora": settings.lora_variant == "rslora", "use_dora": settings.lora_variant == "dora"}
-    if settings.lora_init != "default":
-        options["init_lora_weights"] = settings.lora_init
+def lora_options(module_names: Iterable[str], lora_variant: str, lora_init: str, train_pooler: bool) -> dict:
+    """LoraConfig keyword arguments beyond the adapter's shape: the pooler trained beside the classifier (TRAIN_POOLER),
+    rsLoRA / DoRA (LORA_VARIANT), and the initialisation (LORA_INIT). `module_names`: the model's named_modules() names."""
+    options: dict = {"use_rslora": lora_variant == "rslora", "use_dora": lora_variant == "dora"}
+    if lora_init != "default":
+        options["init_lora_weights"] = lora_init
     # peft adds the classifier itself for SEQ_CLS, matching by suffix, so DistilBERT's pre_classifier trains too.
     # Models whose classifier reads no pooler (RoBERTa, DistilBERT) have none to train: nothing to add then.
-    if settings.train_pooler and any(name.rsplit(".", 1)[-1] == "pooler" for name in module_names):
+    if train_pooler and any(name.rsplit(".", 1)[-1] == "pooler" for name in module_names):
         options["modules_to_save"] = ["pooler"]
     return options
 

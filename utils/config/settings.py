@@ -553,9 +553,9 @@ class Settings(BaseSettings):
                 f"TRAIN_FILE={self.train_file} has no validation rows beside it; set VALIDATION_FILE, or "
                 "VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows"
             )
-        if (self.train_file or self.validation_split is not None) and len(validation_splits(self)) > 1:
+        if (self.train_file or self.validation_split is not None) and len(validation_splits(self.task)) > 1:
             raise ValueError(
-                f"TASK={self.task} validates on {len(validation_splits(self))} splits ({', '.join(validation_splits(self))}), "
+                f"TASK={self.task} validates on {len(validation_splits(self.task))} splits ({', '.join(validation_splits(self.task))}), "
                 "which one file or one fraction cannot give; use DATASET_PATH with a file per split"
             )
         return self
@@ -568,6 +568,13 @@ class Settings(BaseSettings):
     def label_source_columns(self) -> tuple[str, ...]:
         """The columns the labels are read from: LABEL_COLUMNS' 0/1 columns, else LABEL_COLUMN."""
         return self.label_columns or (self.label_column,)
+
+    @property
+    def batch_follows_replicas(self) -> bool:
+        """Whether the global batch is PER_DEVICE_BATCH_SIZE x world size x GRADIENT_ACCUMULATION_STEPS (one of them
+        given, GLOBAL_BATCH_SIZE not): the rule of a user who sized the per-device batch. Otherwise the global batch
+        is fixed whatever the replica count: GLOBAL_BATCH_SIZE, else DEFAULT_GLOBAL_BATCH (utils/config/plan.py)."""
+        return self.global_batch_size is None and bool(BATCH_SHAPE & self.model_fields_set)
 
     def _refuse_multi_label_conflicts(self) -> None:
         """What only a multi-label problem reads, given to another, and what a multi-label problem cannot take."""
@@ -724,14 +731,7 @@ class Settings(BaseSettings):
         return values
 
 
-def batch_follows_replicas(settings: Settings) -> bool:
-    """Whether the global batch is PER_DEVICE_BATCH_SIZE x world size x GRADIENT_ACCUMULATION_STEPS (one of them
-    given, GLOBAL_BATCH_SIZE not): the rule of a user who sized the per-device batch. Otherwise the global batch
-    is fixed whatever the replica count: GLOBAL_BATCH_SIZE, else DEFAULT_GLOBAL_BATCH (utils/config/plan.py)."""
-    return settings.global_batch_size is None and bool(BATCH_SHAPE & settings.model_fields_set)
-
-
-def resolve_base_model_id(settings: Settings) -> str | None:
+def resolve_base_model_id(base_model_id: str | None, model_name: str) -> str | None:
     """The Hub id the base model goes by, so a pushed adapter loads on machines that never saw MODEL_NAME's folder.
 
     BASE_MODEL_ID when set; MODEL_NAME when it is a Hub id (no local folder of that name); for a local
@@ -740,11 +740,11 @@ def resolve_base_model_id(settings: Settings) -> str | None:
     `_name_or_path` is not trusted: it names what the weights were loaded from before they were saved,
     which for a fine-tuned checkpoint is another model.
     """
-    if settings.base_model_id:
-        return settings.base_model_id
-    path = Path(settings.model_name).expanduser()
+    if base_model_id:
+        return base_model_id
+    path = Path(model_name).expanduser()
     if not path.exists():
-        return settings.model_name if REPO_ID_PATTERN.match(settings.model_name) else None
+        return model_name if REPO_ID_PATTERN.match(model_name) else None
     # abspath, not resolve: links are not followed, the path is the record
     cached = [part for part in Path(os.path.abspath(path)).parts if part.startswith("models--")]
     return cached[-1].removeprefix("models--").replace("--", "/") if cached else None

@@ -75,9 +75,9 @@ GLUE_UNTRAINABLE = {"ax": "the diagnostic set has a test split only"} | dict.fro
 )
 
 
-def validation_splits(settings) -> tuple[str, ...]:
-    """The splits evaluated at the end: the task's, else `validation`."""
-    return GLUE[settings.task].validation_splits if settings.task else ("validation",)
+def validation_splits(task: str | None) -> tuple[str, ...]:
+    """The splits evaluated at the end: TASK's, else `validation`."""
+    return GLUE[task].validation_splits if task else ("validation",)
 
 
 def eval_prefix(split: str) -> str:
@@ -85,19 +85,19 @@ def eval_prefix(split: str) -> str:
     return split.removeprefix("validation").strip("_")
 
 
-def reported_metrics(settings, problem_type: str) -> tuple[str, ...]:
+def reported_metrics(task: str | None, problem_type: str) -> tuple[str, ...]:
     """The metrics a run reports, as metrics.json names them less `eval_`, the task's first."""
-    names = GLUE[settings.task].metrics if settings.task else ()
+    names = GLUE[task].metrics if task else ()
     names = tuple(dict.fromkeys((*names, *METRICS[problem_type])))
-    prefixes = [eval_prefix(split) for split in validation_splits(settings)]
+    prefixes = [eval_prefix(split) for split in validation_splits(task)]
     return tuple(f"{prefix}_{name}" if prefix else name for prefix in prefixes for name in names)
 
 
-def best_metric(settings, problem_type: str) -> str:
+def best_metric(task: str | None, problem_type: str) -> str:
     """The metric trainer_state.json tracks as best (`metric_for_best_model`): the task's first, on its first split.
     Tracked only: the model kept is the last step's, none is picked on the split whose metrics are reported."""
-    name = GLUE[settings.task].metrics[0] if settings.task else METRICS[problem_type][0]
-    prefix = eval_prefix(validation_splits(settings)[0])
+    name = GLUE[task].metrics[0] if task else METRICS[problem_type][0]
+    prefix = eval_prefix(validation_splits(task)[0])
     return f"{prefix}_{name}" if prefix else name
 
 
@@ -125,9 +125,9 @@ def describe_task(settings) -> dict:
         "problem_type": problem,
         # Multi-label: the sigmoid score at which a label is predicted (metrics, best model, predict.py).
         "threshold": settings.threshold if kind == MULTI_LABEL else None,
-        "validation_splits": list(validation_splits(settings)),
-        "metrics": list(reported_metrics(settings, kind)),
-        "metric_for_best_model": best_metric(settings, kind),
+        "validation_splits": list(validation_splits(settings.task)),
+        "metrics": list(reported_metrics(settings.task, kind)),
+        "metric_for_best_model": best_metric(settings.task, kind),
     }
 
 

@@ -58,7 +58,7 @@ prints one JSON line per {{ row }}.
 def published_base(settings: Settings, metrics: dict) -> str | None:
     """The Hub id the base goes by: the one the run trained from (metrics.json), else BASE_MODEL_ID or the id
     MODEL_NAME's folder records now (a run trained from a plain folder is published once the id is given)."""
-    return metrics.get("base_model_id") or resolve_base_model_id(settings)
+    return metrics.get("base_model_id") or resolve_base_model_id(settings.base_model_id, settings.model_name)
 
 
 def run_labels(settings: Settings, metrics: dict) -> list[str]:

@@ -476,7 +476,13 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
                 )
         if spec.push and spec.backend != "katib":  # Katib's trials read the token from the cluster's Secret
             try:  # as the job refuses the push: every trial would train, then be refused (or fail to push)
-                check_push_possible(settings, plan.base_model_id)
+                check_push_possible(
+                    settings.result_model_id,
+                    settings.result_merged_model_id,
+                    settings.hub_token,
+                    settings.model_name,
+                    plan.base_model_id,
+                )
             except JobError as exc:
                 raise refused(
                     f"push: {spec.push} ({trial.name}): {exc.message}; or write push: false to keep each trial's model "
@@ -518,15 +524,15 @@ def metric_names(settings) -> tuple[str, ...]:
     """What a run with these settings writes to metrics.json, less `eval_` (MNLI's matched_accuracy, ...). Without TASK
     or PROBLEM_TYPE the data decides classification or regression, so either problem's metrics may be named."""
     problems = (settings.problem_type,) if settings.problem_type != "auto" else (CLASSIFICATION, REGRESSION)
-    names = [name for problem in problems for name in reported_metrics(settings, problem)]
-    names += [f"{prefix}_loss" if prefix else "loss" for prefix in map(eval_prefix, task_splits(settings))]
+    names = [name for problem in problems for name in reported_metrics(settings.task, problem)]
+    names += [f"{prefix}_loss" if prefix else "loss" for prefix in map(eval_prefix, task_splits(settings.task))]
     return tuple(dict.fromkeys(names))
 
 
 def metric_key(settings, metric: str, names: tuple[str, ...]) -> str:
     """The spec's `metric` as metrics.json names it (less `eval_`). Without a split, on MNLI, it means the first
     split's (`accuracy` is `matched_accuracy`): the metric the job tracks as best."""
-    first = eval_prefix(task_splits(settings)[0])
+    first = eval_prefix(task_splits(settings.task)[0])
     for name in (metric, f"{first}_{metric}" if first else metric):
         if name in names:
             return name
@@ -538,7 +544,7 @@ def metric_key(settings, metric: str, names: tuple[str, ...]) -> str:
 
 def on_each_split(settings, key: str) -> tuple[str, ...]:
     """MNLI's `matched_accuracy` -> eval_matched_accuracy, eval_mismatched_accuracy: the metric on every split."""
-    prefixes = [eval_prefix(split) for split in task_splits(settings)]
+    prefixes = [eval_prefix(split) for split in task_splits(settings.task)]
     base = next((key.removeprefix(f"{p}_") for p in prefixes if p and key.startswith(f"{p}_")), key)
     return tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes)
 

@@ -597,7 +597,7 @@ def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
 def load_sst2(settings: Settings, tokenizer, cache_dir: Path) -> DatasetDict:
     """Train and validation splits, checked and tokenized (columns input_ids, attention_mask, ..., labels)."""
     raw = check_and_rename(load_raw(settings), settings)
-    raw = carve_validation(raw, settings.validation_split, settings.seed, validation_splits(settings)[0])
+    raw = carve_validation(raw, settings.validation_split, settings.seed, validation_splits(settings.task)[0])
     raw = sample_rows(raw, settings.max_train_samples, settings.max_eval_samples, settings.seed)
     data = tokenize(raw, tokenizer, settings.max_seq_length, cache_dir, settings.text_columns)
     report_unknown_tokens(data["train"], tokenizer)

@@ -321,7 +321,8 @@ def add_lora(model: torch.nn.Module, settings: Settings) -> PeftModel:
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
         target_modules=list(targets),
-        **lora_options(settings, modules),  # pooler, rsLoRA/DoRA, init
+        # pooler, rsLoRA/DoRA, init
+        **lora_options(modules, settings.lora_variant, settings.lora_init, settings.train_pooler),
     )
     check_target_modules(settings.model_name, modules, adapted=None, targets=targets)
     try:

@@ -758,7 +758,7 @@ def training_arguments(job: Job, model) -> TrainingArguments:
     )
     # LOAD_BEST_MODEL (or early stopping, which keeps the best): a checkpoint at every evaluation, the candidates.
     load_best = settings.load_best_model or settings.early_stopping_patience is not None
-    best = best_metric(settings, problem_of(model.config))
+    best = best_metric(settings.task, problem_of(model.config))
     options.update(evaluation_options(plan.eval_every, best, load_best, settings.save_steps))
     options.update(trainer_options(settings, model, plan.deepspeed))
     return TrainingArguments(**options)
