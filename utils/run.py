@@ -247,10 +247,10 @@ def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
     deepspeed.init_distributed(dist_backend=td.get_backend(), auto_mpi_discovery=False)
 
 
-def agreement_of(settings: Settings, plan: Plan, world_size: int) -> dict:
+def agreement_of(plan: Plan, world_size: int, output_dir: str) -> dict:
     """What every rank of one start must share, compared at the rendezvous (identity.agreement_refusal): the run's
-    identity, its replica count (elastic runs too: one start, one count), its name and folder."""
-    return {**plan.identity, "world_size": world_size, "run_name": plan.run_name, "output_dir": settings.output_dir}
+    identity, its replica count (elastic runs too: one start, one count), its name and folder (OUTPUT_DIR as given)."""
+    return {**plan.identity, "world_size": world_size, "run_name": plan.run_name, "output_dir": output_dir}
 
 
 def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
@@ -439,7 +439,7 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     # Likewise a tracker that refuses its URI: exit 2 now, not a traceback after data and model are loaded.
     check_tracker_uri(settings)
     # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
-    agreement = agreement_of(settings, job.plan, dist.world_size)
+    agreement = agreement_of(job.plan, dist.world_size, settings.output_dir)
     group = rendezvous(
         dist, settings.rendezvous_timeout, job.cuda, agreement, on_main=lock.acquire, finished=job.out.is_finished
     )
@@ -489,7 +489,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     trainer.add_callback(FiniteLoss())
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
-    group.run_on_main(lambda: write_run_record(job.out, settings, job.plan, segments=segments))
+    group.run_on_main(lambda: write_run_record(job.out, settings.as_dict(), job.plan, segments=segments))
     if checkpoint:
         step = checkpoint.rsplit("-", 1)[-1]
         log.info("resuming from step %s (%s): the steps before it are not trained again", step, checkpoint)
