@@ -47,7 +47,6 @@ from utils.config.local_inputs import check_test_columns, test_split_file
 from utils.config.plan import Plan, batch_warning
 from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
-from utils.config.settings import Settings
 from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, headline
 from utils.publishing.hub import Hub, push_model, save_merged, save_model
 from utils.run_folder.checkpoints import (
@@ -459,7 +458,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     with group.main_first(), stage("data"):
         data = load_sst2(settings, tokenizer, job.out.cache)
         # The test split is answered after training; its rows and labels are checked now, before any step.
-        if (test := test_split_file(settings)) is not None:
+        if (test := test_split_file(settings.dataset_path, settings.test_file)) is not None:
             check_test_columns(test, settings.text_columns)
             check_test_split(test, settings.text_columns, settings.label_column, list(label_names_of(data)))
     startup["data"] = seconds_since_start()
@@ -672,7 +671,7 @@ def publish(job: Job, hub: Hub, trained: Trained) -> int:
 def answer_test_split(job: Job) -> None:
     """Rank 0, model/ saved (by this start or one before it): the test split (TEST_FILE, or test.* in DATASET_PATH)
     answered into predictions/ by the saved model, unless a start before wrote them; nothing without a test split."""
-    if (test := test_split_file(job.settings)) is None:
+    if (test := test_split_file(job.settings.dataset_path, job.settings.test_file)) is None:
         return
     if (job.out.predictions / PREDICTIONS_FILE).is_file():
         log.info("%s already holds the answers to the test split %s", job.out.predictions, test)
