@@ -150,16 +150,13 @@ def read_splits(validation_split: float | None, validation: tuple[str, ...]) -> 
 
 
 def check_carve(
-    present: Iterable[str],
-    where: str,
-    validation_split: float | None,
-    dataset_path: str | None,
-    validation: tuple[str, ...],
+    present: Iterable[str], where: str, validation_split: float | None, validation: tuple[str, ...]
 ) -> None:
     """VALIDATION_SPLIT holds rows out of the training rows only where the data has no validation rows of its own: a
-    validation split left unread beside it would be data dropped without a word."""
-    if validation_split is None or not dataset_path:
-        return  # the Hub's data set: its validation split is not the user's to remove, so the carve replaces it
+    validation split left unread beside it would be data dropped without a word. Checked for DATASET_PATH only: the
+    Hub data set's validation split is not the user's to remove, so the carve replaces it."""
+    if validation_split is None:
+        return
     if given := sorted(split for split in present if split in validation):
         raise BadInput(
             f"VALIDATION_SPLIT={validation_split} carves validation rows out of the training rows, and "
@@ -200,7 +197,7 @@ def split_files(
         if (folder / "dataset_dict.json").exists():
             return None
         present = {p.stem for p in data_files(folder, validation)}
-        check_carve(present, f"DATASET_PATH={folder}", validation_split, dataset_path, validation)
+        check_carve(present, f"DATASET_PATH={folder}", validation_split, validation)
         return local_files(folder, read_splits(validation_split, validation))
     files = {"train": check_data_file(train[0], Path(train[1]), "train")}
     if validation_file:
@@ -333,7 +330,7 @@ def check_dataset(settings: Settings) -> None:
     elif (saved := saved_columns(Path(dataset_path))) is None:
         return
     else:
-        check_carve(saved, f"DATASET_PATH={dataset_path}", carve, dataset_path, validation)
+        check_carve(saved, f"DATASET_PATH={dataset_path}", carve, validation)
         check_splits(saved, read_splits(carve, validation))
         columns = saved
     for split in read_splits(carve, validation):

@@ -157,13 +157,7 @@ def load_raw(settings: Settings) -> DatasetDict:
                 "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
             ) from None
         if isinstance(loaded, DatasetDict):
-            check_carve(
-                loaded,
-                f"DATASET_PATH={folder}",
-                settings.validation_split,
-                settings.dataset_path,
-                validation_splits(settings),
-            )
+            check_carve(loaded, f"DATASET_PATH={folder}", settings.validation_split, validation_splits(settings))
     else:
         try:
             # No loading script from the Hub runs (datasets 4 and later run none at all; said here so a
