@@ -109,7 +109,7 @@ def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
         "batch": asdict(plan.batch),
         "task": describe_task(settings),  # columns, labels, problem type, metrics
         # The file answered into OUTPUT_DIR/predictions/ once trained (TEST_FILE, or test.* in DATASET_PATH)
-        "test_split": str(test) if (test := test_split_file(settings)) else None,
+        "test_split": str(test) if (test := test_split_file(settings.dataset_path, settings.test_file)) else None,
         **describe_strategy(plan, settings.weight_decay),  # DeepSpeed: the config with the plan's values
     }
 

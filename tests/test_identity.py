@@ -74,14 +74,15 @@ def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int],
     out = tmp / "out"
     out.mkdir()
     run = RunDir(out)
-    write_run_record(run, settings_a, plan_a, segments=[])
+    write_run_record(run, settings_a.as_dict(), plan_a, segments=[])
     checkpoint = out / "checkpoints" / "checkpoint-10"
     checkpoint.mkdir(parents=True)
     (checkpoint / "trainer_state.json").write_text("{}")
     mark_checkpoint_complete(run, checkpoint, {"identity": plan_a.identity, "segments": []})
     said = {
         "rendezvous": agreement_refusal(
-            agreement_of(settings_a, plan_a, world_a), {1: agreement_of(settings_b, plan_b, world_b)}
+            agreement_of(plan_a, world_a, settings_a.output_dir),
+            {1: agreement_of(plan_b, world_b, settings_b.output_dir)},
         ),
         "run.json": refusal(lambda: check_run_dir(settings_b, before_device)),
         "checkpoint": refusal(lambda: resume_checkpoint(run, plan_b.identity)),

@@ -407,7 +407,7 @@ def agreement(world: int, **env: str) -> dict:
     from utils.run import agreement_of
 
     settings, _ = load_settings([], environ={"OUTPUT_DIR": "/pvc-home/output", "RUN_NAME": "sst2", **env})
-    return agreement_of(settings, build_plan(settings, world), world)
+    return agreement_of(build_plan(settings, world), world, settings.output_dir)
 
 
 @pytest.mark.check

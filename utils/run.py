@@ -47,7 +47,6 @@ from utils.config.local_inputs import check_test_columns, test_split_file
 from utils.config.plan import Plan, batch_warning
 from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
-from utils.config.settings import Settings
 from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, headline
 from utils.publishing.hub import Hub, push_model, save_merged, save_model
 from utils.run_folder.checkpoints import (
@@ -247,10 +246,10 @@ def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
     deepspeed.init_distributed(dist_backend=td.get_backend(), auto_mpi_discovery=False)
 
 
-def agreement_of(settings: Settings, plan: Plan, world_size: int) -> dict:
+def agreement_of(plan: Plan, world_size: int, output_dir: str) -> dict:
     """What every rank of one start must share, compared at the rendezvous (identity.agreement_refusal): the run's
-    identity, its replica count (elastic runs too: one start, one count), its name and folder."""
-    return {**plan.identity, "world_size": world_size, "run_name": plan.run_name, "output_dir": settings.output_dir}
+    identity, its replica count (elastic runs too: one start, one count), its name and folder (OUTPUT_DIR as given)."""
+    return {**plan.identity, "world_size": world_size, "run_name": plan.run_name, "output_dir": output_dir}
 
 
 def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
@@ -439,7 +438,7 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     # Likewise a tracker that refuses its URI: exit 2 now, not a traceback after data and model are loaded.
     check_tracker_uri(settings.report_to)
     # Same settings and world size on every rank, one job per OUTPUT_DIR; then the process group.
-    agreement = agreement_of(settings, job.plan, dist.world_size)
+    agreement = agreement_of(job.plan, dist.world_size, settings.output_dir)
     group = rendezvous(
         dist, settings.rendezvous_timeout, job.cuda, agreement, on_main=lock.acquire, finished=job.out.is_finished
     )
@@ -459,7 +458,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     with group.main_first(), stage("data"):
         data = load_sst2(settings, tokenizer, job.out.cache)
         # The test split is answered after training; its rows and labels are checked now, before any step.
-        if (test := test_split_file(settings)) is not None:
+        if (test := test_split_file(settings.dataset_path, settings.test_file)) is not None:
             check_test_columns(test, settings.text_columns)
             check_test_split(test, settings.text_columns, settings.label_column, list(label_names_of(data)))
     startup["data"] = seconds_since_start()
@@ -489,7 +488,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     trainer.add_callback(FiniteLoss())
     # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
     # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
-    group.run_on_main(lambda: write_run_record(job.out, settings, job.plan, segments=segments))
+    group.run_on_main(lambda: write_run_record(job.out, settings.as_dict(), job.plan, segments=segments))
     if checkpoint:
         step = checkpoint.rsplit("-", 1)[-1]
         log.info("resuming from step %s (%s): the steps before it are not trained again", step, checkpoint)
@@ -672,7 +671,7 @@ def publish(job: Job, hub: Hub, trained: Trained) -> int:
 def answer_test_split(job: Job) -> None:
     """Rank 0, model/ saved (by this start or one before it): the test split (TEST_FILE, or test.* in DATASET_PATH)
     answered into predictions/ by the saved model, unless a start before wrote them; nothing without a test split."""
-    if (test := test_split_file(job.settings)) is None:
+    if (test := test_split_file(job.settings.dataset_path, job.settings.test_file)) is None:
         return
     if (job.out.predictions / PREDICTIONS_FILE).is_file():
         log.info("%s already holds the answers to the test split %s", job.out.predictions, test)

@@ -143,72 +143,81 @@ def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
     return files
 
 
-def read_splits(settings: Settings) -> tuple[str, ...]:
-    """The splits read from the data: train alone when VALIDATION_SPLIT carves the validation rows out of it."""
-    return ("train",) if settings.validation_split is not None else data_splits(settings)
+def read_splits(validation_split: float | None, validation: tuple[str, ...]) -> tuple[str, ...]:
+    """The splits read from the data: train and the task's validation split(s) (`validation`: tasks.validation_splits,
+    MNLI has two), or train alone when VALIDATION_SPLIT carves the validation rows out of it."""
+    return ("train",) if validation_split is not None else ("train", *validation)
 
 
-def check_carve(settings: Settings, present: Iterable[str], where: str) -> None:
+def check_carve(
+    present: Iterable[str], where: str, validation_split: float | None, validation: tuple[str, ...]
+) -> None:
     """VALIDATION_SPLIT holds rows out of the training rows only where the data has no validation rows of its own: a
-    validation split left unread beside it would be data dropped without a word."""
-    if settings.validation_split is None or not settings.dataset_path:
-        return  # the Hub's data set: its validation split is not the user's to remove, so the carve replaces it
-    if given := sorted(split for split in present if split in validation_splits(settings.task)):
+    validation split left unread beside it would be data dropped without a word. Checked for DATASET_PATH only: the
+    Hub data set's validation split is not the user's to remove, so the carve replaces it."""
+    if validation_split is None:
+        return
+    if given := sorted(split for split in present if split in validation):
         raise BadInput(
-            f"VALIDATION_SPLIT={settings.validation_split} carves validation rows out of the training rows, and "
+            f"VALIDATION_SPLIT={validation_split} carves validation rows out of the training rows, and "
             f"{where} holds {', '.join(given)} rows already; unset VALIDATION_SPLIT, or remove the validation rows",
         )
 
 
-def split_files(settings: Settings) -> dict[str, str] | None:
+def split_files(
+    dataset_path: str | None,
+    train_file: str | None,
+    validation_file: str | None,
+    validation_split: float | None,
+    validation: tuple[str, ...],
+) -> dict[str, str] | None:
     """Each split's data file, checked: TRAIN_FILE and VALIDATION_FILE, a DATASET_PATH that is one file (the training
     rows) with VALIDATION_FILE, or the split files of a DATASET_PATH folder. No validation file where VALIDATION_SPLIT
-    carves it. None for the Hub's data set or a save_to_disk folder (read by `datasets`, checked by check_splits)."""
-    validation = validation_splits(settings.task)[0]
-    if settings.train_file:
-        train = ("TRAIN_FILE", settings.train_file)
-    elif not settings.dataset_path:
+    carves it. None for the Hub's data set or a save_to_disk folder (read by `datasets`, checked by check_splits).
+    `validation`: the task's validation split(s) (tasks.validation_splits); VALIDATION_FILE holds the first's rows."""
+    if train_file:
+        train = ("TRAIN_FILE", train_file)
+    elif not dataset_path:
         return None
-    elif check_dataset_path(settings.dataset_path).is_file():
-        if settings.validation_file is None and settings.validation_split is None:
+    elif check_dataset_path(dataset_path).is_file():
+        if validation_file is None and validation_split is None:
             raise BadInput(
-                f"DATASET_PATH={settings.dataset_path} is one file, the training rows; set VALIDATION_FILE to the "
+                f"DATASET_PATH={dataset_path} is one file, the training rows; set VALIDATION_FILE to the "
                 "validation rows' file, or VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows (or point "
                 "DATASET_PATH at a folder of train and validation files)",
             )
-        train = ("DATASET_PATH", settings.dataset_path)
+        train = ("DATASET_PATH", dataset_path)
     else:
-        folder = Path(settings.dataset_path)
-        if settings.validation_file:
+        folder = Path(dataset_path)
+        if validation_file:
             raise BadInput(
-                f"VALIDATION_FILE={settings.validation_file} goes with the training rows as one file, and "
+                f"VALIDATION_FILE={validation_file} goes with the training rows as one file, and "
                 f"DATASET_PATH={folder} is a folder; point DATASET_PATH (or TRAIN_FILE) at the training file, or unset VALIDATION_FILE",
             )
         if (folder / "dataset_dict.json").exists():
             return None
-        check_carve(
-            settings, {p.stem for p in data_files(folder, validation_splits(settings.task))}, f"DATASET_PATH={folder}"
-        )
-        return local_files(folder, read_splits(settings))
+        present = {p.stem for p in data_files(folder, validation)}
+        check_carve(present, f"DATASET_PATH={folder}", validation_split, validation)
+        return local_files(folder, read_splits(validation_split, validation))
     files = {"train": check_data_file(train[0], Path(train[1]), "train")}
-    if settings.validation_file:
-        files[validation] = check_data_file("VALIDATION_FILE", Path(settings.validation_file), validation)
+    if validation_file:
+        files[validation[0]] = check_data_file("VALIDATION_FILE", Path(validation_file), validation[0])
     return files
 
 
-def test_split_file(settings: Settings) -> Path | None:
+def test_split_file(dataset_path: str | None, test_file: str | None) -> Path | None:
     """The test split's file, checked: TEST_FILE, or the one `test.*` file of a DATASET_PATH folder (beside train and
     validation); None where there is none (the Hub's data set, a save_to_disk folder, or no such file). Its rows are
     answered once the model is trained (utils/training/predictions.py)."""
-    folder = Path(settings.dataset_path) if settings.dataset_path else None
+    folder = Path(dataset_path) if dataset_path else None
     found = data_files(folder, ("test",)) if folder and folder.is_dir() else []
-    if settings.test_file and found:
+    if test_file and found:
         raise BadInput(
-            f"TEST_FILE={settings.test_file} and DATASET_PATH={folder}'s {found[0].name} both name the test rows; "
+            f"TEST_FILE={test_file} and DATASET_PATH={folder}'s {found[0].name} both name the test rows; "
             f"unset TEST_FILE to answer {found[0].name}, or move {found[0].name} out of the folder",
         )
-    if settings.test_file:
-        return Path(check_data_file("TEST_FILE", Path(settings.test_file), "test"))
+    if test_file:
+        return Path(check_data_file("TEST_FILE", Path(test_file), "test"))
     if len(found) > 1:
         raise BadInput(
             f"DATASET_PATH={folder} has {len(found)} files for the 'test' split ({', '.join(p.name for p in found)}); "
@@ -304,28 +313,30 @@ def saved_columns(folder: Path) -> dict[str, list[str] | None] | None:
     return columns
 
 
-def data_splits(settings: Settings) -> tuple[str, ...]:
-    """The splits a run reads: train, and the task's validation split(s) (MNLI has two)."""
-    return ("train", *validation_splits(settings.task))
-
-
 def check_dataset(settings: Settings) -> None:
     """What --dry-run checks of the local data: each split's file (or the DatasetDict's splits) and the columns the
     settings name, by the functions the run's loader calls (utils/training/data.py); the test split's file and text columns."""
     text_columns, label_columns = settings.text_columns, settings.label_source_columns
-    if (test := test_split_file(settings)) is not None:
+    dataset_path, carve, validation = (
+        settings.dataset_path,
+        settings.validation_split,
+        validation_splits(settings.task),
+    )
+    if (test := test_split_file(dataset_path, settings.test_file)) is not None:
         check_test_columns(test, text_columns)
     columns: Mapping[str, list[str] | None]
-    if (files := split_files(settings)) is not None:
+    if (
+        files := split_files(dataset_path, settings.train_file, settings.validation_file, carve, validation)
+    ) is not None:
         columns = {split: file_columns(Path(p), [*text_columns, *label_columns]) for split, p in files.items()}
-    elif not settings.dataset_path:
+    elif not dataset_path:
         return  # the Hub's data set: no network here
-    elif (saved := saved_columns(Path(settings.dataset_path))) is None:
+    elif (saved := saved_columns(Path(dataset_path))) is None:
         return
     else:
-        check_carve(settings, saved, f"DATASET_PATH={settings.dataset_path}")
-        check_splits(saved, read_splits(settings))
+        check_carve(saved, f"DATASET_PATH={dataset_path}", carve, validation)
+        check_splits(saved, read_splits(carve, validation))
         columns = saved
-    for split in read_splits(settings):
+    for split in read_splits(carve, validation):
         if (names := columns.get(split)) is not None:
             check_columns(split, names, text_columns, label_columns)

@@ -38,7 +38,8 @@ def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Ru
     (`check_finished_run`). `push_only` publishes what the volume holds: the replica count, the global batch and
     the data are not its to check, and a folder without a finished run is refused. Reads, writes nothing."""
     run = RunDir(Path(settings.output_dir).resolve())
-    refuse_foreign(run, settings)  # first: a link in someone else's folder is theirs, not a link planted in ours
+    # First: a link in someone else's folder is theirs, not a link planted in ours.
+    refuse_foreign(run, settings.output_dir)
     run.check_planted()
     record = run.read_json(run.run_record) if run.root.is_dir() else None
     if record is not None:
@@ -50,7 +51,8 @@ def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Ru
             ignore |= {"label_names"}
         check_same_run(theirs, plan.identity, f"OUTPUT_DIR={settings.output_dir}", ignore | unrecorded)
     if run.is_finished():
-        check_finished_run(run, settings)
+        given = list(settings.label_names) if "label_names" in settings.model_fields_set else None  # unset: recorded
+        check_finished_run(run, settings.output_dir, given, settings.base_model_id)
     elif push_only:  # before open_run_dir claims (or creates) the folder: a refused start leaves nothing behind
         raise BadInput(f"{run.model} holds no finished model; run the training first (without --push-only)")
     return run
@@ -132,7 +134,7 @@ def _is_empty_folder(path: Path) -> bool:
         return False
 
 
-def refuse_foreign(run: RunDir, settings: Settings) -> None:
+def refuse_foreign(run: RunDir, output_dir: str | Path) -> None:
     """A non-empty OUTPUT_DIR that is not a run of this job is refused, untouched: resuming, the job would delete
     a checkpoint it did not write as one cut short, and replace a model/ folder it did not save."""
     if is_run_folder(run):
@@ -144,7 +146,7 @@ def refuse_foreign(run: RunDir, settings: Settings) -> None:
     else:
         why = f"no {RUN_MARKER} or run.json of the job's"
     raise BadInput(
-        f"OUTPUT_DIR={settings.output_dir} is not empty and is not a run folder of this job (it holds {shown}, and "
+        f"OUTPUT_DIR={output_dir} is not empty and is not a run folder of this job (it holds {shown}, and "
         f"{why}); the job deletes and replaces files in its run folder, so it leaves this one untouched: use an "
         "empty or new folder",
     )
@@ -172,23 +174,24 @@ def discard_unused_claim(run: RunDir) -> None:
         run.root.rmdir()
 
 
-def check_finished_run(run: RunDir, settings: Settings) -> None:
+def check_finished_run(run: RunDir, output_dir: str, label_names: list[str] | None, base_model_id: str | None) -> None:
     """What a finished run publishes comes from its own records (model/id2label.json, adapter_config.json): a
-    setting given now that contradicts them is refused with the recorded value and the fix."""
+    setting given now (`label_names`: LABEL_NAMES only where given) that contradicts them is refused with the
+    recorded value and the fix."""
     names = run.read_json(run.model / LABELS_NAME)
     recorded = tuple(name for _, name in sorted((int(i), name) for i, name in names.items())) if names else None
-    if recorded and "label_names" in settings.model_fields_set and tuple(settings.label_names) != recorded:
+    if recorded and label_names is not None and tuple(label_names) != recorded:
         raise BadInput(
-            f"LABEL_NAMES={','.join(settings.label_names)} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: "
+            f"LABEL_NAMES={','.join(label_names)} contradicts the finished run in OUTPUT_DIR={output_dir}: "
             f"its model was trained with {','.join(recorded)} (label 0 first, {run.model / LABELS_NAME}); unset LABEL_NAMES (or "
             "label_names in the --config file) to publish the names it was trained with, or use a new OUTPUT_DIR to train with these",
         )
     trained_base = (run.read_json(run.model / "adapter_config.json") or {}).get("base_model_name_or_path")
     if not trained_base or not REPO_ID_PATTERN.match(trained_base) or Path(trained_base).expanduser().exists():
         return  # no base recorded, or a local folder: no Hub id to contradict
-    if settings.base_model_id and settings.base_model_id != trained_base:
+    if base_model_id and base_model_id != trained_base:
         raise BadInput(
-            f"BASE_MODEL_ID={settings.base_model_id} contradicts the finished run in OUTPUT_DIR={settings.output_dir}: its "
+            f"BASE_MODEL_ID={base_model_id} contradicts the finished run in OUTPUT_DIR={output_dir}: its "
             f"adapter names {trained_base} as its base ({run.model / 'adapter_config.json'}); unset BASE_MODEL_ID, or "
             "use a new OUTPUT_DIR to train on that base",
         )
@@ -210,13 +213,14 @@ def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Run
     return run
 
 
-def write_run_record(run: RunDir, settings: Settings, plan: Plan, **extra) -> None:
-    """run.json: the settings as given, the plan (completed), the run's identity, the package versions."""
+def write_run_record(run: RunDir, as_given: dict, plan: Plan, **extra) -> None:
+    """run.json: the settings as given (Settings.as_dict), the plan (completed), the run's identity, the package
+    versions."""
     versions = dict.fromkeys(PACKAGES)  # None: not installed
     for name in PACKAGES:
         with suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
-    settings_and_plan = dict(settings=settings.as_dict(), plan=plan.as_dict(), identity=plan.identity)
+    settings_and_plan = dict(settings=as_given, plan=plan.as_dict(), identity=plan.identity)
     update_run_record(run, run_name=plan.run_name, **settings_and_plan, versions=versions, **extra)
 
 

@@ -488,9 +488,14 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
                     f"push: {spec.push} ({trial.name}): {exc.message}; or write push: false to keep each trial's model "
                     "in its folder"
                 ) from None
-        names = metric_names(settings)
-        key = metric_key(settings, spec.metric, names)
-        keys[key] = (names, on_each_split(settings, key))
+        # Without TASK or PROBLEM_TYPE the data decides classification or regression: either's metrics may be named.
+        problems = (settings.problem_type,) if settings.problem_type != "auto" else (CLASSIFICATION, REGRESSION)
+        splits = task_splits(settings)
+        names = metric_names(
+            [name for problem in problems for name in reported_metrics(settings.task, problem)], splits
+        )
+        key = metric_key(spec.metric, names, splits, settings.task, settings.problem_type)
+        keys[key] = (names, on_each_split(key, splits))
     if len(keys) > 1:
         raise refused(f"metric={spec.metric}: the trials name it differently ({', '.join(keys)}); sweep one task")
     ((key, (names, spec.metric_splits)),) = keys.items()
@@ -520,31 +525,31 @@ def setting_space(space) -> list | dict:
     return space.model_dump() if isinstance(space, Range) else [*map(setting_value, space)]
 
 
-def metric_names(settings) -> tuple[str, ...]:
-    """What a run with these settings writes to metrics.json, less `eval_` (MNLI's matched_accuracy, ...). Without TASK
-    or PROBLEM_TYPE the data decides classification or regression, so either problem's metrics may be named."""
-    problems = (settings.problem_type,) if settings.problem_type != "auto" else (CLASSIFICATION, REGRESSION)
-    names = [name for problem in problems for name in reported_metrics(settings.task, problem)]
-    names += [f"{prefix}_loss" if prefix else "loss" for prefix in map(eval_prefix, task_splits(settings.task))]
+def metric_names(reported: list[str], splits: tuple[str, ...]) -> tuple[str, ...]:
+    """What a run writes to metrics.json, less `eval_` (MNLI's matched_accuracy, ...): the metrics it reports
+    (tasks.reported_metrics) and its loss on each validation split (`splits`: tasks.validation_splits)."""
+    names = [*reported, *(f"{prefix}_loss" if prefix else "loss" for prefix in map(eval_prefix, splits))]
     return tuple(dict.fromkeys(names))
 
 
-def metric_key(settings, metric: str, names: tuple[str, ...]) -> str:
+def metric_key(
+    metric: str, names: tuple[str, ...], splits: tuple[str, ...], task: str | None, problem_type: str
+) -> str:
     """The spec's `metric` as metrics.json names it (less `eval_`). Without a split, on MNLI, it means the first
     split's (`accuracy` is `matched_accuracy`): the metric the job tracks as best."""
-    first = eval_prefix(task_splits(settings.task)[0])
+    first = eval_prefix(splits[0])
     for name in (metric, f"{first}_{metric}" if first else metric):
         if name in names:
             return name
     close = difflib.get_close_matches(metric, names, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    task = f"TASK={settings.task}" if settings.task else f"PROBLEM_TYPE={settings.problem_type}"
-    raise refused(f"metric={metric!r} is not a metric the trials write ({task}){hint}; use one of {', '.join(names)}")
+    kind = f"TASK={task}" if task else f"PROBLEM_TYPE={problem_type}"
+    raise refused(f"metric={metric!r} is not a metric the trials write ({kind}){hint}; use one of {', '.join(names)}")
 
 
-def on_each_split(settings, key: str) -> tuple[str, ...]:
+def on_each_split(key: str, splits: tuple[str, ...]) -> tuple[str, ...]:
     """MNLI's `matched_accuracy` -> eval_matched_accuracy, eval_mismatched_accuracy: the metric on every split."""
-    prefixes = [eval_prefix(split) for split in task_splits(settings.task)]
+    prefixes = [eval_prefix(split) for split in splits]
     base = next((key.removeprefix(f"{p}_") for p in prefixes if p and key.startswith(f"{p}_")), key)
     return tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes)
 

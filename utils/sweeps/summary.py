@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from utils.run_folder.layout import RunDir
 from utils.run_folder.record import claim_run_dir, refuse_foreign
@@ -32,8 +31,8 @@ def record_trial(spec: Spec, trial: Trial, **fields) -> Path:
     """Write (or update) the trial's record in its folder, which it returns: settings, then its outcome."""
     folder = spec.output_dir / trial.name
     run = RunDir(folder.resolve())
-    # main.py's own refusal of a folder another tool wrote (it needs the folder's name only): left as it is.
-    refuse_foreign(run, SimpleNamespace(output_dir=folder))
+    # main.py's own refusal of a folder another tool wrote: left as it is.
+    refuse_foreign(run, folder)
     folder.mkdir(parents=True, exist_ok=True)
     # The trial's folder is its run's OUTPUT_DIR: marked as the job's before the sweep's own files go in, or
     # main.py would refuse it as someone else's folder.

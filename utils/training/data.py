@@ -129,8 +129,16 @@ def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
 def load_raw(settings: Settings) -> DatasetDict:
     """The train and validation splits from the local data when set (DATASET_PATH, or TRAIN_FILE and
     VALIDATION_FILE), else from the Hub (TASK=mnli: its two); train alone where VALIDATION_SPLIT carves validation."""
-    splits = read_splits(settings)
-    if (files := split_files(settings)) is not None:
+    splits = read_splits(settings.validation_split, validation_splits(settings.task))
+    if (
+        files := split_files(
+            settings.dataset_path,
+            settings.train_file,
+            settings.validation_file,
+            settings.validation_split,
+            validation_splits(settings.task),
+        )
+    ) is not None:
         # One split at a time: loaded together, the validation file was cast to the train file's columns, and
         # an extra column (unused either way) failed with a CastError naming neither file nor column.
         loaded = DatasetDict(
@@ -149,7 +157,7 @@ def load_raw(settings: Settings) -> DatasetDict:
                 "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
             ) from None
         if isinstance(loaded, DatasetDict):
-            check_carve(settings, loaded, f"DATASET_PATH={folder}")
+            check_carve(loaded, f"DATASET_PATH={folder}", settings.validation_split, validation_splits(settings.task))
     else:
         try:
             # No loading script from the Hub runs (datasets 4 and later run none at all; said here so a
