@@ -490,7 +490,7 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
                 ) from None
         # Without TASK or PROBLEM_TYPE the data decides classification or regression: either's metrics may be named.
         problems = (settings.problem_type,) if settings.problem_type != "auto" else (CLASSIFICATION, REGRESSION)
-        splits = task_splits(settings)
+        splits = task_splits(settings.task)
         names = metric_names(
             [name for problem in problems for name in reported_metrics(settings.task, problem)], splits
         )
