@@ -140,7 +140,7 @@ def build_job_arm(settings: Settings, cuda: bool):
     # is not installed: a benchmark stops at Ctrl-C.
     plan = build_plan(settings, 1)
     job = Job.start(settings, detect_env({}), open_run_dir(settings, plan), plan, preemption=Preemption())
-    tokenizer = load_tokenizer(settings)
+    tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     data = load_sst2(settings, tokenizer, job.out.cache)
     job = job.with_rows(len(data["train"]))
     set_seed(settings.seed)
@@ -158,7 +158,7 @@ def build_original(settings: Settings, cuda: bool):
 
     cache = Path(settings.output_dir) / "cache"
     cache.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(settings)
+    tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     data = load_sst2(settings, tokenizer, cache)
     set_seed(settings.seed)
     model = build_model(settings, False, torch.device("cuda", 0) if cuda else torch.device("cpu"))

@@ -438,7 +438,7 @@ def full_ft_worker(cfg: dict) -> None:
 
     out = Path(cfg["out"])
     settings = Settings(model_name=cfg["model"], dataset_path=cfg["data"], seed=cfg["seed"], output_dir=str(out))
-    tokenizer = load_tokenizer(settings)
+    tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     data = load_sst2(settings, tokenizer, out / "cache")
     set_seed(cfg["seed"])
     model = AutoModelForSequenceClassification.from_pretrained(cfg["model"], num_labels=2)

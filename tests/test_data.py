@@ -33,7 +33,7 @@ def glue_like(rows: int, labelled: bool = True) -> Dataset:
 
 @pytest.fixture
 def tokenizer(tiny_bert):
-    return load_tokenizer(Settings(model_name=str(tiny_bert)))
+    return load_tokenizer(str(tiny_bert), max_seq_length=128, lora_r=8)
 
 
 def settings_for(path, **extra) -> Settings:

@@ -36,7 +36,7 @@ for levers in (False, True):
     run = RunDir(Path(settings.output_dir))
     run.checkpoints.mkdir(parents=True)
     job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
-    tokenizer = load_tokenizer(settings)
+    tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     data = load_sst2(settings, tokenizer, run.cache)
     job = job.with_rows(len(data["train"]))
     set_seed(settings.seed)

@@ -162,7 +162,13 @@ def test_an_accelerate_config_launches_and_leaves_training_to_the_job(name, mach
         assert not launcher_options()["cpu"], f"{name}: Accelerate would train on the CPU beside the GPUs"
         for precision in ("fp32", "bf16", "fp16"):  # check_strategy raises JobError on a launcher that disagrees
             check_strategy(
-                settings, dist, cuda=False, quantize=False, precision=precision, launcher=launcher_options()
+                settings.strategy,
+                settings.quantization,
+                dist,
+                cuda=False,
+                quantize=False,
+                precision=precision,
+                launcher=launcher_options(),
             )
 
 

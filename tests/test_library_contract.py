@@ -385,14 +385,13 @@ def test_the_tokenized_cache_follows_the_tokenizer_where_datasets_cache_does_not
     other ranks could read it, and a map given a file on the volume reuses that file whatever tokenized it."""
     import copy
 
-    from utils.config.settings import Settings
     from utils.training.data import tokenize
     from utils.training.model import load_tokenizer
 
     where = f"datasets {datasets.__version__}"
     rows = {"text": ["a zebra film", "a dull zebra"], "labels": [1, 0]}  # as the label checks leave them
     raw = datasets.DatasetDict({split: datasets.Dataset.from_dict(rows) for split in ("train", "validation")})
-    old = load_tokenizer(Settings(model_name=str(tiny_bert)))
+    old = load_tokenizer(str(tiny_bert), max_seq_length=128, lora_r=8)
     new = copy.deepcopy(old)
     new.add_tokens(["zebra"])  # a tokenizer that learned a word: other ids for the same rows
     wanted = new(rows["text"])["input_ids"]

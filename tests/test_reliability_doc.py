@@ -118,7 +118,9 @@ def model(folder: Path, text_column: str = "sentence") -> str:
 
     (folder / "OUTPUT_DIR" / "model").mkdir(parents=True)
     settings, _ = load_settings([], environ={"TEXT_COLUMN": text_column})
-    write_label_names(folder / "OUTPUT_DIR" / "model", settings, {})
+    write_label_names(
+        folder / "OUTPUT_DIR" / "model", {}, settings.label_names, settings.text_columns, settings.label_column
+    )
     return "OUTPUT_DIR/model"
 
 

@@ -41,7 +41,7 @@ def refusal(
     options = {"fsdp": False, "deepspeed": False, "mixed_precision": None, **launcher}
     try:
         check_launcher(settings.strategy, options)  # as the settings are read (deepspeed_config.deepspeed_overrides)
-        check_strategy(settings, dist, cuda, quantize, precision, options)
+        check_strategy(settings.strategy, settings.quantization, dist, cuda, quantize, precision, options)
     except JobError as exc:
         assert exc.code == 2
         return exc.message
@@ -101,9 +101,9 @@ def test_fsdp_units_are_the_repeated_transformer_blocks(tiny_bert):
     settings = Settings(model_name=str(tiny_bert), strategy="fsdp")
     model = build_model(settings, False, torch.device("cpu"))
     assert wrap_classes(model) == ["BertLayer"]  # not BertEmbeddings: Accelerate shards the input embedding itself
-    options = trainer_options(settings, model)
+    options = trainer_options(settings.strategy, model)
     assert options["fsdp"] is True and options["fsdp_config"]["version"] == 2
-    assert trainer_options(Settings(model_name=str(tiny_bert)), model) == {}  # ddp: the Trainer's defaults
+    assert trainer_options("ddp", model) == {}  # ddp: the Trainer's defaults
     with pytest.raises(JobError, match="STRATEGY=ddp"):
         wrap_classes(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 

@@ -31,7 +31,7 @@ single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=No
 run = RunDir(Path(out))
 run.checkpoints.mkdir(parents=True)
 job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
-tokenizer = load_tokenizer(settings)
+tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
 data = load_sst2(settings, tokenizer, run.cache)
 job = dataclasses.replace(job.with_rows(len(data["train"])), cuda=True)  # the model stays on the CPU
 trainer = build_trainer(job, build_model(settings, False, job.device), tokenizer, data, key={})

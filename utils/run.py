@@ -431,7 +431,9 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     if warning := batch_warning(job.plan.batch, settings.global_batch_size, settings.per_device_batch_size):
         log.warning(warning)
     # E.g. fsdp on the CPU: exit 2, never DDP.
-    check_strategy(settings, dist, job.cuda, job.quantize, job.plan.precision, launcher_options())
+    check_strategy(
+        settings.strategy, settings.quantization, dist, job.cuda, job.quantize, job.plan.precision, launcher_options()
+    )
     # On every rank, before the rendezvous: a silent Hub keeps no peer waiting in a collective.
     if settings.result_model_id:
         hub.check_write_access(settings.result_model_id)
@@ -453,7 +455,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     settings, dist = job.settings, job.dist
     startup = {"imports_and_rendezvous": seconds_since_start()}
     with stage("model"):
-        tokenizer = load_tokenizer(settings)
+        tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     # Rank 0 downloads and tokenizes into the shared cache, the others reuse it.
     with group.main_first(), stage("data"):
         data = load_sst2(settings, tokenizer, job.out.cache)

@@ -39,7 +39,10 @@ def main(model_dir: str, results: Path) -> None:
     torch.manual_seed(0)  # the same LoRA init on both ranks, as set_seed does in the job
     model = build_model(settings, False, torch.device("cpu"))
     args = TrainingArguments(
-        output_dir=str(results / "trainer"), use_cpu=True, report_to="none", **trainer_options(settings, model)
+        output_dir=str(results / "trainer"),
+        use_cpu=True,
+        report_to="none",
+        **trainer_options(settings.strategy, model),
     )
 
     refused = None

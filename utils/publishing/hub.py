@@ -260,7 +260,7 @@ def save_model(
     model.peft_config["default"].base_model_name_or_path = base
     model.save_pretrained(staged, state_dict=state_dict)
     trainer.processing_class.save_pretrained(staged)
-    write_label_names(staged, settings, metrics)
+    write_label_names(staged, metrics, settings.label_names, settings.text_columns, settings.label_column)
     write_base_fingerprint(staged, base_fingerprint)
     plot_training_curves(trainer.state.log_history, staged / PLOT_NAME)
     write_model_card(staged, settings, metrics, settings.result_model_id)
@@ -324,14 +324,13 @@ def files_to_push(run: RunDir, metrics: dict, folder: Path) -> dict[str, Path]:
     return files
 
 
-def adapter_config_for_hub(run: RunDir, settings: Settings, metrics: dict) -> dict[Path, bytes]:
+def adapter_config_for_hub(run: RunDir, base: str | None) -> dict[Path, bytes]:
     """model/adapter_config.json as pushed, when it must differ from the volume's copy: trained from a local
     folder, the adapter names that folder as its base, which loads on the cluster (predict.py on model/) but
     nowhere else. The pushed copy names the Hub id the card names (BASE_MODEL_ID, or the id MODEL_NAME's
-    folder records), so what the Hub serves loads off the cluster; the volume's copy is kept."""
+    folder records: `base`, published_base), so what the Hub serves loads off the cluster; the volume's copy is kept."""
     path = run.model / "adapter_config.json"
     config = run.read_json(path) or {}
-    base = published_base(settings, metrics)
     if not base or config.get("base_model_name_or_path") in (None, base):
         return {}
     log.info(
@@ -358,7 +357,7 @@ def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
             run.check_owned(path)
         # The card again, now naming the repo it is pushed to (after --push-only too).
         card = write_model_card(folder, settings, metrics, repo_id, merged=merged)
-        sent = {} if merged else adapter_config_for_hub(run, settings, metrics)
+        sent = {} if merged else adapter_config_for_hub(run, published_base(settings, metrics))
         log.info("pushing %s to %s", folder, repo_id)
         try:
             url = hub.push_files(

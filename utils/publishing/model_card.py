@@ -61,20 +61,22 @@ def published_base(settings: Settings, metrics: dict) -> str | None:
     return metrics.get("base_model_id") or resolve_base_model_id(settings.base_model_id, settings.model_name)
 
 
-def run_labels(settings: Settings, metrics: dict) -> list[str]:
+def run_labels(metrics: dict, label_names: tuple[str, ...]) -> list[str]:
     """The class names in id order the run trained with (metrics.json records what the data resolved to), `[]`
-    for regression; LABEL_NAMES for a run recorded before the labels were."""
-    return list(metrics.get("labels", settings.label_names))
+    for regression; `label_names` (LABEL_NAMES) for a run recorded before the labels were."""
+    return list(metrics.get("labels", label_names))
 
 
-def write_label_names(folder: Path, settings: Settings, metrics: dict) -> None:
+def write_label_names(
+    folder: Path, metrics: dict, label_names: tuple[str, ...], text_columns: tuple[str, ...], label_column: str
+) -> None:
     """id2label.json beside an adapter: the names predict.py and the card's snippet give the label ids; one
     entry, `score`, for a regression model (a classifier of one class is refused). And inputs.json, what one
     input is (a sentence, or a pair of the columns named) and where its label is: predict.py reads what training
     read."""
-    names = run_labels(settings, metrics) or [REGRESSION_LABEL]
+    names = run_labels(metrics, label_names) or [REGRESSION_LABEL]
     (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(names)), indent=2) + "\n")
-    inputs = {"text_columns": list(settings.text_columns), "label_column": settings.label_column}
+    inputs = {"text_columns": list(text_columns), "label_column": label_column}
     if metrics.get("problem_type") == MULTI_LABEL:
         inputs |= {"problem_type": MULTI_LABEL, "threshold": metrics["threshold"]}
     (folder / INPUTS_NAME).write_text(json.dumps(inputs, indent=2) + "\n")
@@ -110,27 +112,28 @@ def plot_training_curves(log_history: list[dict], path: Path) -> bool:
     return True
 
 
-def data_source(settings: Settings, metrics: dict) -> str:
-    """Where the rows came from, as they were: the Hub data set and config, or local data with its counts and fingerprint."""
+def data_source(metrics: dict, hub_dataset: str | None, dataset_config: str) -> str:
+    """Where the rows came from, as they were: the Hub data set (`hub_dataset`, None for local data) and config, or
+    local data with its counts and fingerprint."""
     data = metrics.get("data", {})
-    if settings.local_data:
+    if hub_dataset is None:
         return f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, fingerprint {data.get('fingerprint', '?')})"
-    return f"[{settings.dataset_name}](https://huggingface.co/datasets/{settings.dataset_name}) ({settings.dataset_config})"
+    return f"[{hub_dataset}](https://huggingface.co/datasets/{hub_dataset}) ({dataset_config})"
 
 
-def task_summary(settings: Settings, metrics: dict) -> str:
-    """What the model does, in words: `binary sentiment classification (negative / positive)` for SST-2."""
-    labels = run_labels(settings, metrics)
-    pairs = "sentence-pair " if len(settings.text_columns) == 2 else ""
-    task = f"GLUE {settings.task.upper()}: " if settings.task else ""
+def task_summary(metrics: dict, labels: list[str], pair: bool, task_name: str | None, label_column: str) -> str:
+    """What the model does, in words: `binary sentiment classification (negative / positive)` for SST-2. `labels`:
+    run_labels; `pair`: two text columns; `task_name`: TASK."""
+    pairs = "sentence-pair " if pair else ""
+    task = f"GLUE {task_name.upper()}: " if task_name else ""
     if not labels:
-        return f"{task}{pairs}regression (one score, {settings.label_column})"
+        return f"{task}{pairs}regression (one score, {label_column})"
     if metrics.get("problem_type") == MULTI_LABEL:
         return (
             f"{pairs}multi-label classification into any of {len(labels)} labels ({' / '.join(labels)}), each "
             f"predicted where its sigmoid score is at least {metrics['threshold']:g}"
         )
-    if not settings.task and not pairs and len(labels) == 2:
+    if not task_name and not pairs and len(labels) == 2:
         return f"binary sentiment classification ({' / '.join(labels)})"
     return f"{task}{pairs}classification into {len(labels)} classes ({' / '.join(labels)})"
 
@@ -144,14 +147,13 @@ def card_metrics(metrics: dict) -> list[str]:
     ]
 
 
-def usage_snippet(repo_or_path: str, settings: Settings, merged: bool, metrics: dict) -> str:
+def usage_snippet(repo_or_path: str, labels: list[str], pair: bool, merged: bool, metrics: dict) -> str:
     """The card's Python for this model: its input (a sentence, or a pair as `text`/`text_pair`) and, for an
     adapter, what the base's config does not know: the label names, and for a regression `problem_type`, without
     which the pipeline answers with a sigmoid of the score."""
-    labels = run_labels(settings, metrics)
     example = (
         '{"text": "A man is playing a guitar.", "text_pair": "A person plays music."}'
-        if len(settings.text_columns) == 2
+        if pair
         else '"a gripping, beautifully acted film"'
     )
     answer = '[{"label": "score", "score": <the predicted score>}]' if not labels else '[{"label": ..., "score": ...}]'
@@ -195,11 +197,11 @@ def adapter_config(folder: Path) -> dict:
     return {}
 
 
-def trained_targets(folder: Path, settings: Settings) -> list[str]:
+def trained_targets(folder: Path, lora_target_modules: tuple[str, ...]) -> list[str]:
     """The layers the adapter adapts, as its adapter_config.json records them (the model's own names when
     LORA_TARGET_MODULES was not given: utils/model.lora_targets)."""
     targets = adapter_config(folder).get("target_modules")
-    return sorted(targets) if isinstance(targets, list) else list(settings.lora_target_modules)
+    return sorted(targets) if isinstance(targets, list) else list(lora_target_modules)
 
 
 def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged=False) -> ModelCard:
@@ -209,61 +211,12 @@ def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: s
     what = f"{link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {link},"
     repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
     pair = len(settings.text_columns) == 2
-    card = ModelCard.from_template(
-        card_metadata(settings, metrics, base_id, merged),
-        template_str=CARD_TEMPLATE,
-        model_name=metrics.get("run_name"),
-        what=what,
-        task=task_summary(settings, metrics),
-        data_source=data_source(settings, metrics),
-        splits="splits" if "eval_samples" not in metrics and "data" in metrics else "split",
-        eval_samples=metrics.get("eval_samples", metrics.get("data", {}).get("validation_rows", "?")),
-        # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
-        metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in card_metrics(metrics)),
-        plot=PLOT_NAME if (folder / PLOT_NAME).exists() else None,
-        usage=usage_snippet(repo_or_path, settings, merged, metrics),
-        predict_command=f"python predict.py {repo_or_path} "
-        + (f"pairs.jsonl --text-column {settings.text_column}" if pair else "sentences.txt"),
-        row="pair" if pair else "sentence",
-        training_rows="\n".join(
-            f"| {key} | {value} |" for key, value in training_table(folder, settings, metrics, base_id).items()
-        ),
-    )
-    card.save(folder / "README.md")
-    return card
-
-
-def card_metadata(settings: Settings, metrics: dict, base_id: str | None, merged: bool) -> ModelCardData:
-    """The card's YAML header: the base model, the tags, and the validation metrics the Hub shows (model-index)."""
-    hub_data = not settings.local_data
-    sentiment = ["sentiment-analysis"] if settings.dataset_config == "sst2" and not settings.task else []
-    return ModelCardData(
-        base_model=base_id,  # None when unknown: the Hub rejects a path here
-        library_name="transformers" if merged else "peft",
-        pipeline_tag="text-classification",
-        tags=["lora", "text-classification", *sentiment, *([] if merged else ["peft"])],
-        datasets=[settings.dataset_name] if hub_data else None,
-        model_name=metrics.get("run_name"),
-        eval_results=[
-            EvalResult(
-                task_type="text-classification",
-                dataset_type=settings.dataset_name if hub_data else "local",
-                dataset_name=f"GLUE {settings.dataset_config.upper()}" if hub_data else "local data",
-                dataset_config=settings.dataset_config if hub_data else None,
-                dataset_split="validation",
-                metric_type=name,
-                metric_value=round(metrics[f"eval_{name}"], 4),
-            )
-            for name in card_metrics(metrics)
-        ],
-    )
-
-
-def training_table(folder: Path, settings: Settings, metrics: dict, base_id: str | None) -> dict:
-    """The card's Training table: what the run trained with, as it resolved it (metrics.json) where it recorded it."""
+    labels = run_labels(metrics, settings.label_names)
+    hub_dataset = None if settings.local_data else settings.dataset_name
+    # The Training table: what the run trained with, as it resolved it (metrics.json) where it recorded it.
     training = {
         "base model": base_id or settings.model_name,
-        "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(trained_targets(folder, settings))}",
+        "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(trained_targets(folder, settings.lora_target_modules))}",
         "recipe": recipe_summary(
             settings, metrics.get("loraplus_ratio"), "pooler" in (adapter_config(folder).get("modules_to_save") or [])
         ),
@@ -280,18 +233,71 @@ def training_table(folder: Path, settings: Settings, metrics: dict, base_id: str
         "run name": metrics.get("run_name"),
     }
     if selected := metrics.get("selected_checkpoint"):
-        # Chosen on the validation split the metrics above are measured on: they flatter it a little.
-        training["model selection"] = (
-            f"the checkpoint of step {selected['step']} of {selected['steps_trained']}, the best "
-            f"{selected['metric']} ({selected['score']:.4f}) on the validation split (LOAD_BEST_MODEL"
-            + (
-                f", early stopping after {settings.early_stopping_patience} evaluations without a better score"
-                if settings.early_stopping_patience
-                else ""
+        training["model selection"] = model_selection(selected, settings.early_stopping_patience)
+    card = ModelCard.from_template(
+        card_metadata(metrics, base_id, merged, hub_dataset, settings.dataset_config, settings.task),
+        template_str=CARD_TEMPLATE,
+        model_name=metrics.get("run_name"),
+        what=what,
+        task=task_summary(metrics, labels, pair, settings.task, settings.label_column),
+        data_source=data_source(metrics, hub_dataset, settings.dataset_config),
+        splits="splits" if "eval_samples" not in metrics and "data" in metrics else "split",
+        eval_samples=metrics.get("eval_samples", metrics.get("data", {}).get("validation_rows", "?")),
+        # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
+        metrics_rows="\n".join(f"| {name} | {metrics[f'eval_{name}']:.4f} |" for name in card_metrics(metrics)),
+        plot=PLOT_NAME if (folder / PLOT_NAME).exists() else None,
+        usage=usage_snippet(repo_or_path, labels, pair, merged, metrics),
+        predict_command=f"python predict.py {repo_or_path} "
+        + (f"pairs.jsonl --text-column {settings.text_column}" if pair else "sentences.txt"),
+        row="pair" if pair else "sentence",
+        training_rows="\n".join(f"| {key} | {value} |" for key, value in training.items()),
+    )
+    card.save(folder / "README.md")
+    return card
+
+
+def card_metadata(
+    metrics: dict, base_id: str | None, merged: bool, hub_dataset: str | None, dataset_config: str, task: str | None
+) -> ModelCardData:
+    """The card's YAML header: the base model, the tags, and the validation metrics the Hub shows (model-index).
+    `hub_dataset`: DATASET_NAME, None for local data."""
+    hub_data = hub_dataset is not None
+    sentiment = ["sentiment-analysis"] if dataset_config == "sst2" and not task else []
+    return ModelCardData(
+        base_model=base_id,  # None when unknown: the Hub rejects a path here
+        library_name="transformers" if merged else "peft",
+        pipeline_tag="text-classification",
+        tags=["lora", "text-classification", *sentiment, *([] if merged else ["peft"])],
+        datasets=[hub_dataset] if hub_data else None,
+        model_name=metrics.get("run_name"),
+        eval_results=[
+            EvalResult(
+                task_type="text-classification",
+                dataset_type=hub_dataset if hub_data else "local",
+                dataset_name=f"GLUE {dataset_config.upper()}" if hub_data else "local data",
+                dataset_config=dataset_config if hub_data else None,
+                dataset_split="validation",
+                metric_type=name,
+                metric_value=round(metrics[f"eval_{name}"], 4),
             )
-            + "); the metrics above are on the same split"
+            for name in card_metrics(metrics)
+        ],
+    )
+
+
+def model_selection(selected: dict, early_stopping_patience: int | None) -> str:
+    """The Training table's row for a run that kept its best checkpoint (LOAD_BEST_MODEL, or early stopping)."""
+    # Chosen on the validation split the metrics above are measured on: they flatter it a little.
+    return (
+        f"the checkpoint of step {selected['step']} of {selected['steps_trained']}, the best "
+        f"{selected['metric']} ({selected['score']:.4f}) on the validation split (LOAD_BEST_MODEL"
+        + (
+            f", early stopping after {early_stopping_patience} evaluations without a better score"
+            if early_stopping_patience
+            else ""
         )
-    return training
+        + "); the metrics above are on the same split"
+    )
 
 
 def global_batch(metrics: dict) -> str:

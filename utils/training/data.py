@@ -183,6 +183,7 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
     vectors for a multi-label problem (utils/training/multi_label.py), their names in the feature (`label_names_of`)."""
     columns, label = settings.text_columns, settings.label_column
     multi = settings.problem_type == MULTI_LABEL
+    given = settings.label_names if "label_names" in settings.model_fields_set else None  # LABEL_NAMES, if set
     if not multi:
         raw = DatasetDict({split: _numbers_as_numbers(ds, label) for split, ds in raw.items()})
     for split, ds in raw.items():
@@ -193,9 +194,8 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
             _check_text(ds, split, column)
         if not multi:
             _check_label_values(ds, split, label)
-    _warn_unnamed_text(raw["train"], settings)
+    _warn_unnamed_text(raw["train"], columns, label)
     if multi:
-        given = settings.label_names if "label_names" in settings.model_fields_set else None
         names, vectors = multi_hot_labels(raw, label, settings.label_columns, given)
         # The names ride in the id of the vectors' values, which datasets keeps through map, select and
         # save_to_disk: the checked and the cached data say what each position is, as a ClassLabel does.
@@ -209,13 +209,14 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
                 for split, ds in raw.items()
             }
         )
-    problem = resolve_problem_type(raw["train"], settings)
+    problem_given = "problem_type" in settings.model_fields_set
+    problem = resolve_problem_type(raw["train"], label, settings.problem_type, problem_given, settings.task, given)
     if problem == REGRESSION:
         feature = datasets.Value("float32")
         labelled = {s: _scores(ds, s, label) for s, ds in raw.items()}
     else:
         _warn_joined_names(raw["train"], label)
-        names = resolve_label_names(raw, settings)
+        names = resolve_label_names(raw, label, settings.label_names, given is not None or bool(settings.task))
         feature = datasets.ClassLabel(names=list(names))
         labelled = {s: _labels_as_ids(ds, s, label, names) for s, ds in raw.items()}
     renamed = dict(zip([*columns, label], [*TEXTS[: len(columns)], LABEL], strict=True))
@@ -285,12 +286,12 @@ def _numbers_as_numbers(ds: datasets.Dataset, column: str) -> datasets.Dataset:
     return ds.remove_columns(column).add_column(column, numbers, feature=datasets.Value("float64"))
 
 
-def _warn_unnamed_text(ds: datasets.Dataset, settings: Settings) -> None:
+def _warn_unnamed_text(ds: datasets.Dataset, text_columns: tuple[str, ...], label_column: str) -> None:
     """One text column named while the data holds another (MNLI's hypothesis): training on half of each pair
     runs, and learns little, without a word. Warned, not refused: the other column may be a note or a source."""
-    column, used = settings.text_column, {*settings.text_columns, settings.label_column}
+    column, used = text_columns[0], {*text_columns, label_column}
     others = [name for name, feature in ds.features.items() if name not in used and _is_text(feature)]
-    if others and len(settings.text_columns) == 1:
+    if others and len(text_columns) == 1:
         log.warning(
             f"the data has another text column '{others[0]}' that no setting names: only '{column}' is trained on. "
             f"For sentence pairs set TEXT_COLUMN={column},{others[0]}"
@@ -320,29 +321,36 @@ def _is_text(feature) -> bool:
     return getattr(feature, "dtype", None) in ("string", "large_string")
 
 
-def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
+def resolve_problem_type(
+    train: datasets.Dataset,
+    column: str,
+    problem_type: str,
+    problem_type_given: bool,
+    task: str | None,
+    given_names: tuple[str, ...] | None,
+) -> str:
     """PROBLEM_TYPE when set (TASK sets it); auto: regression for a float label column that holds fractions
     (STS-B's 0-5 scores), else classification (a float column of 0.0/1.0 is a csv export of two classes).
     LABEL_NAMES given means classes: a fraction is then a bad row, never a reason to train scores. Class labels
-    (a ClassLabel) are trained as scores only when PROBLEM_TYPE=regression is said outright, not by TASK."""
-    column = settings.label_column
+    (a ClassLabel) are trained as scores only when PROBLEM_TYPE=regression is said outright (`problem_type_given`),
+    not by TASK. `given_names`: LABEL_NAMES when set, else None."""
     feature = train.features[column]
-    named = "label_names" in settings.model_fields_set
+    named = given_names is not None
     if isinstance(feature, datasets.List | datasets.LargeList):
         raise BadInput(
             f"the train split's '{column}' lists labels per row (a multi-label problem), and PROBLEM_TYPE="
-            f"{settings.problem_type} trains one label per row; set PROBLEM_TYPE=multi_label_classification",
+            f"{problem_type} trains one label per row; set PROBLEM_TYPE=multi_label_classification",
         )
-    if settings.problem_type == REGRESSION and named:
-        given = f"TASK={settings.task}" if settings.task else f"PROBLEM_TYPE={settings.problem_type}"
+    if problem_type == REGRESSION and named:
+        given = f"TASK={task}" if task else f"PROBLEM_TYPE={problem_type}"
         raise BadInput(
-            f"LABEL_NAMES={','.join(settings.label_names)} names classes, and {given} trains scores (a regression); "
+            f"LABEL_NAMES={','.join(given_names)} names classes, and {given} trains scores (a regression); "
             f"unset LABEL_NAMES to train scores, or unset {given.split('=')[0]} to train the classes",
         )
-    if settings.problem_type == REGRESSION:
-        if isinstance(feature, datasets.ClassLabel) and "problem_type" not in settings.model_fields_set:
+    if problem_type == REGRESSION:
+        if isinstance(feature, datasets.ClassLabel) and not problem_type_given:
             raise BadInput(
-                f"the train split's '{column}' holds classes (a ClassLabel of {feature.names}), and TASK={settings.task} "
+                f"the train split's '{column}' holds classes (a ClassLabel of {feature.names}), and TASK={task} "
                 "trains scores (a regression); point DATASET_PATH at the task's own scores, or set PROBLEM_TYPE=regression "
                 "to train the class ids as scores",
             )
@@ -351,16 +359,16 @@ def resolve_problem_type(train: datasets.Dataset, settings: Settings) -> str:
     odd = sorted((v for v in values if not _is_id(v)), key=str)
     if not odd:
         return CLASSIFICATION
-    if settings.problem_type == "auto" and not named:
+    if problem_type == "auto" and not named:
         log.info(
             f"the label column '{column}' holds fractions: trained as a regression (one score, MSE); "
             "PROBLEM_TYPE=classification trains classes"
         )
         return REGRESSION
-    if settings.task:
-        fix = f"TASK={settings.task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
+    if task:
+        fix = f"TASK={task} is a classification task: point DATASET_PATH at its own labels (ids or names)"
     elif named:
-        fix = f"LABEL_NAMES={','.join(settings.label_names)} names classes: fix the row, or unset LABEL_NAMES and set PROBLEM_TYPE=regression to train scores"
+        fix = f"LABEL_NAMES={','.join(given_names)} names classes: fix the row, or unset LABEL_NAMES and set PROBLEM_TYPE=regression to train scores"
     else:
         fix = "set PROBLEM_TYPE=regression to train scores, or give class ids or names"
     raise BadInput(_not_ids("train", train, column, odd, fix))
@@ -403,14 +411,14 @@ def _digits(values) -> bool:
 
 # Hand-written beside datasets' class_encode_column and align_labels_with_mapping, which tell `Positive ` from
 # `positive` and write a cache beside the data (tests/test_library_contract.py says when they no longer do).
-def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]:
+def resolve_label_names(raw: DatasetDict, column: str, label_names: tuple[str, ...], decided: bool) -> tuple[str, ...]:
     """The class names in id order. LABEL_NAMES when given (or TASK's), in its order; else the data's: a
     ClassLabel's names, or a text label column's distinct values over all splits, sorted (case and spaces
     aside), except that the default names negative/positive keep their order in any case; ids with no names
-    (0/1, "0"/"1"): LABEL_NAMES's default for two, the ids as names for more."""
-    if "label_names" in settings.model_fields_set or settings.task:
-        return settings.label_names
-    column = settings.label_column
+    (0/1, "0"/"1"): LABEL_NAMES's default for two, the ids as names for more. `decided`: LABEL_NAMES given, or
+    TASK's names."""
+    if decided:
+        return label_names
     kinds = {split: _label_kind(ds.features[column], ds.unique(column)) for split, ds in raw.items()}
     if len(set(kinds.values())) > 1:
         shown = " and ".join(
@@ -422,10 +430,10 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
             "the same way, or set LABEL_NAMES (label 0 first) to name the ids",
         )
     feature = raw["train"].features[column]
-    default = {_name_key(n) for n in settings.label_names}
+    default = {_name_key(n) for n in label_names}
     if isinstance(feature, datasets.ClassLabel) and feature.names != [str(i) for i in range(len(feature.names))]:
         # SST-2's two names in any order: the default order (label 1 is the positive class F1 is scored on).
-        return settings.label_names if {_name_key(n) for n in feature.names} == default else tuple(feature.names)
+        return label_names if {_name_key(n) for n in feature.names} == default else tuple(feature.names)
     if kinds["train"] == "names":
         values = set()
         for ds in raw.values():
@@ -435,10 +443,10 @@ def resolve_label_names(raw: DatasetDict, settings: Settings) -> tuple[str, ...]
         for value in sorted(values):
             by_key.setdefault(_name_key(value), value.strip())
         if set(by_key) == default:
-            return settings.label_names  # the default names, whatever their case: the default order
+            return label_names  # the default names, whatever their case: the default order
         return tuple(by_key[key] for key in sorted(by_key))
     count = max((int(v) for v in raw["train"].unique(column)), default=-1) + 1
-    return settings.label_names if count <= 2 else tuple(str(i) for i in range(count))
+    return label_names if count <= 2 else tuple(str(i) for i in range(count))
 
 
 def _label_kind(feature, values) -> str:

@@ -62,18 +62,18 @@ def _loading(model_name: str) -> Iterator[None]:
         ) from None
 
 
-def load_tokenizer(settings: Settings):
+def load_tokenizer(model_name: str, max_seq_length: int, lora_r: int):
     """The model's tokenizer, after the model folder and its config are checked against the settings."""
-    check_model(settings.model_name, settings.max_seq_length, settings.lora_r)
-    with _loading(settings.model_name):
-        tokenizer = AutoTokenizer.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
+    check_model(model_name, max_seq_length, lora_r)
+    with _loading(model_name):
+        tokenizer = AutoTokenizer.from_pretrained(model_name, **NO_REMOTE_CODE)
     # A folder without tokenizer files still loads: a tokenizer that knows only its special tokens,
     # which turns every word into [UNK] and trains without a word of complaint.
     if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
-        raise no_tokenizer(settings.model_name)
+        raise no_tokenizer(model_name)
     # Saved with model/ and merged/ (tokenizer_config.json): whoever loads the model truncates where training
     # did, never past its position embeddings; many folders record no length (1e30), which truncates nothing.
-    tokenizer.model_max_length = settings.max_seq_length
+    tokenizer.model_max_length = max_seq_length
     return tokenizer
 
 
@@ -271,7 +271,19 @@ def build_model(
                 module.support_avx512bf16_for_cpu = False
     if quantize:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
-    return add_lora(model, settings)
+    targets = lora_targets(
+        settings.lora_target_modules, "lora_target_modules" in settings.model_fields_set, model.config.model_type
+    )
+    lora = LoraConfig(
+        task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
+        r=settings.lora_r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=list(targets),
+        # pooler, rsLoRA/DoRA, init
+        **lora_options(dict(model.named_modules()), settings.lora_variant, settings.lora_init, settings.train_pooler),
+    )
+    return add_lora(model, lora, targets, settings.model_name, settings.train_pooler)
 
 
 def quantized_loading(quantization: str, int8_threshold: float, train_pooler: bool, device: torch.device) -> dict:
@@ -308,34 +320,24 @@ def quantized_loading(quantization: str, int8_threshold: float, train_pooler: bo
     return {"quantization_config": config, "device_map": {"": device.index if device.type == "cuda" else "cpu"}}
 
 
-def add_lora(model: torch.nn.Module, settings: Settings) -> PeftModel:
-    """The LoRA adapter on `model` as the settings ask for it (rank, alpha, dropout, targets, the recipe's options),
-    every target name checked to have given an adapter."""
-    targets = lora_targets(
-        settings.lora_target_modules, "lora_target_modules" in settings.model_fields_set, model.config.model_type
-    )
+def add_lora(
+    model: torch.nn.Module, lora: LoraConfig, targets: tuple[str, ...], model_name: str, train_pooler: bool
+) -> PeftModel:
+    """The LoRA adapter `lora` on `model`, every name in `targets` (lora_targets, in their order: peft keeps a set)
+    checked to have given an adapter."""
     modules = dict(model.named_modules())
-    lora = LoraConfig(
-        task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
-        r=settings.lora_r,
-        lora_alpha=settings.lora_alpha,
-        lora_dropout=settings.lora_dropout,
-        target_modules=list(targets),
-        # pooler, rsLoRA/DoRA, init
-        **lora_options(modules, settings.lora_variant, settings.lora_init, settings.train_pooler),
-    )
-    check_target_modules(settings.model_name, modules, adapted=None, targets=targets)
+    check_target_modules(model_name, modules, adapted=None, targets=targets)
     try:
         model = get_peft_model(model, lora)
     except ValueError as exc:  # names that match modules LoRA cannot adapt (a LayerNorm, say)
         raise BadInput(
-            f"LORA_TARGET_MODULES={','.join(targets)}: peft cannot adapt them in {settings.model_name} "
+            f"LORA_TARGET_MODULES={','.join(targets)}: peft cannot adapt them in {model_name} "
             f"({first_line(exc)}); name linear layers: {', '.join(linear_layer_names(modules))}",
         ) from None
     # peft passes over a name that matches nothing when another one matches, and skips modules it trains in
     # full (the head): every name must have given at least one adapter.
-    check_target_modules(settings.model_name, modules, adapted=model.targeted_module_names, targets=targets)
-    if settings.train_pooler and "pooler" not in (lora.modules_to_save or []):
+    check_target_modules(model_name, modules, adapted=model.targeted_module_names, targets=targets)
+    if train_pooler and "pooler" not in (lora.modules_to_save or []):
         log.info(
             "TRAIN_POOLER: %s has no pooler (its classifier reads the first token); the classifier alone is trained in full",
             model.config.model_type,

@@ -27,11 +27,17 @@ import torch
 
 from utils.common.errors import BadInput
 from utils.config.distributed import DistEnv
-from utils.config.settings import Settings, runs_under
+from utils.config.settings import runs_under
 
 
 def check_strategy(
-    settings: Settings, dist: DistEnv, cuda: bool, quantize: bool, precision: str, launcher: Mapping[str, object]
+    strategy: str,
+    quantization: str,
+    dist: DistEnv,
+    cuda: bool,
+    quantize: bool,
+    precision: str,
+    launcher: Mapping[str, object],
 ) -> None:
     """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked. An accelerate
     config's strategy was checked as the settings were read (utils/deepspeed_config.deepspeed_overrides); its
@@ -42,7 +48,7 @@ def check_strategy(
             f"the accelerate config sets mixed_precision: {mixed} but PRECISION resolves to {precision}; the job's PRECISION "
             f"decides: set PRECISION={mixed}, or mixed_precision: 'no' in the config",
         )
-    if settings.strategy != "fsdp":
+    if strategy != "fsdp":
         return
     if not cuda:
         raise BadInput(
@@ -54,9 +60,9 @@ def check_strategy(
             "STRATEGY=fsdp shards the model across processes, but this job is one process (world size 1), where the "
             "Trainer trains without FSDP; use STRATEGY=ddp, or start one process per GPU (torchrun --nproc-per-node N)",
         )
-    if quantize and not runs_under(settings.strategy, "quantized weights"):
+    if quantize and not runs_under(strategy, "quantized weights"):
         raise BadInput(
-            f"QUANTIZATION={settings.quantization if settings.quantization != 'auto' else '8bit'} cannot be combined "
+            f"QUANTIZATION={quantization if quantization != 'auto' else '8bit'} cannot be combined "
             "with STRATEGY=fsdp: FSDP cannot shard "
             "bitsandbytes' quantized weights; use QUANTIZATION=none (or auto) with fsdp",
         )
@@ -83,13 +89,13 @@ def wrap_classes(model: torch.nn.Module) -> list[str]:
 
 
 def trainer_options(
-    settings: Settings, model: torch.nn.Module, deepspeed: Mapping[str, Any] | None = None
+    strategy: str, model: torch.nn.Module, deepspeed: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """TrainingArguments for the strategy: nothing extra for DDP; FSDP2 wrapping per transformer block for fsdp;
     for deepspeed the plan's config `deepspeed`, copied: the Trainer fills in its "auto" values in place."""
-    if settings.strategy == "deepspeed":
+    if strategy == "deepspeed":
         return {"deepspeed": copy.deepcopy(deepspeed)}
-    if settings.strategy != "fsdp":
+    if strategy != "fsdp":
         return {}
     return {
         "fsdp": True,

@@ -760,7 +760,7 @@ def training_arguments(job: Job, model) -> TrainingArguments:
     load_best = settings.load_best_model or settings.early_stopping_patience is not None
     best = best_metric(settings.task, problem_of(model.config))
     options.update(evaluation_options(plan.eval_every, best, load_best, settings.save_steps))
-    options.update(trainer_options(settings, model, plan.deepspeed))
+    options.update(trainer_options(settings.strategy, model, plan.deepspeed))
     return TrainingArguments(**options)
 
 
