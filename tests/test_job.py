@@ -75,12 +75,14 @@ def test_dry_run_prints_the_plan_the_run_trained_with(finished_run):
         "steps": None,
         "warmup_steps": None,
         "steps_per_epoch": None,
+        "eval_every": None,
         "compile": "auto",
         "capture": "auto",
     }
     assert planned == {**plan, **later}
     # The tiny run: 2,000 rows in 125 batches of 16 an epoch, 2 epochs; LoRA+ trains B at 8x the rate set.
     assert (plan["steps_per_epoch"], plan["steps"], plan["warmup_steps"]) == (125, 250, 15)
+    assert plan["eval_every"] == 125 // 4  # EVALUATIONS_PER_EPOCH
     assert (plan["precision"], plan["quantization"], plan["rates"]["lora_B"]) == ("fp32", "none", 8 * 3e-3)
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["global_batch"], metrics["learning_rate"]) == (
