@@ -291,7 +291,7 @@ def run_arm(name: str, cfg: dict) -> dict:
         "sampler": trainer.args.train_sampling_strategy,
         "padding": f"max_length {settings.max_seq_length}"
         if name == "original"
-        else "length buckets (utils/trainer.length_buckets)",
+        else "length buckets (utils/training/trainer.length_buckets)",
         "optim": str(getattr(optim, "value", optim)),
         "tf32": cuda and tf32_matmuls(),
         "attention": config._attn_implementation,

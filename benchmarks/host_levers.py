@@ -12,7 +12,7 @@ included:
   _clip_grad_norm         every optimizer step: every parameter, most with no gradient
   model.zero_grad()       every optimizer step: every parameter
 
-utils/trainer.JobTrainer does each once or over the trainable parameters only (`host_levers`). This measures, on
+utils/training/trainer.JobTrainer does each once or over the trainable parameters only (`host_levers`). This measures, on
 the job's own Trainer (the speed benchmark's `defaults` arm) after a few steps: each call, the library's way
 against the job's (median over --calls calls, on the wrapped model the Trainer steps), and the steady step time
 with the levers off and on, in alternating blocks of --steps steps on the same Trainer (first step excluded).

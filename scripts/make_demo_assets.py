@@ -185,7 +185,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--layers", type=int, help="model: encoder layers (default 2, or 12 with --base)")
     args = parser.parse_args()
-    # Building a tiny BERT needs neither: left out as main.py leaves them out (utils/job.leave_out), their imports'
+    # Building a tiny BERT needs neither: left out as main.py leaves them out (utils/cluster/job.leave_out), their imports'
     # CPU and notices (bitsandbytes' missing optional 4-bit CPU kernel) go with them.
     for name in ("bitsandbytes", "deepspeed"):
         sys.modules.setdefault(name, None)

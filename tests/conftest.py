@@ -124,7 +124,7 @@ def hub():
 
 @pytest.fixture
 def hub_in_process(hub, monkeypatch):
-    """The job's Hub class (utils/hub.Hub) in this process, pointed at the stand-in: `hub_in_process(seconds,
+    """The job's Hub class (utils/publishing/hub.Hub) in this process, pointed at the stand-in: `hub_in_process(seconds,
     token=None)` gives one that retries for up to `seconds` with `token` (default: the stand-in's own)."""
     from huggingface_hub import constants
     from pydantic import SecretStr

@@ -62,7 +62,7 @@ def on_device(settings: Settings, plan):
 def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int], edit=None) -> dict[str, str | None]:
     """What each place says when a start with `second` (settings, replica count) finds the run `first` made
     (`edit`: what changed on the volume between the two). As in a real start, the run folder is checked before the
-    device is known (`auto` unresolved), the rendezvous and the checkpoint after (utils/job.Job.start)."""
+    device is known (`auto` unresolved), the rendezvous and the checkpoint after (utils/cluster/job.Job.start)."""
     from utils.run import agreement_of, resume_checkpoint
 
     (settings_a, world_a), (settings_b, world_b) = first, second
@@ -267,7 +267,7 @@ def test_the_identity_holds_what_its_table_and_the_docs_say(tmp_path):
     assert set(build_plan(settings, 1).identity) - {"version"} == set(FIELDS)
     doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
     assert identity_table() in doc, (
-        "docs/reliability.md's identity table is stale: paste utils/identity.identity_table()"
+        "docs/reliability.md's identity table is stale: paste utils/config/identity.identity_table()"
     )
 
 

@@ -451,7 +451,7 @@ def assert_prose(documented: str, printed: str, where: dict[str, str] | None = N
 
 @pytest.mark.check
 def test_the_token_check_that_cannot_reach_the_hub_says_so_as_shown(monkeypatch):
-    """The token check of a start (utils/hub.Hub.check_write_access) against an endpoint where nothing listens,
+    """The token check of a start (utils/publishing/hub.Hub.check_write_access) against an endpoint where nothing listens,
     its deadline 1 s (PUSH_TIMEOUT=1, which bounds it): the row and the Hub faults section show its line."""
     from huggingface_hub import constants
     from pydantic import SecretStr
@@ -569,7 +569,7 @@ def test_the_lost_peer_line_shown_is_the_one_a_rank_prints():
 
 @pytest.mark.check
 def test_the_missing_rank_0_line_shown_is_the_one_a_rank_prints():
-    """Rank 1 waiting for a rank 0 that never listens (utils/collectives._wait_for_rank0, what the rendezvous
+    """Rank 1 waiting for a rank 0 that never listens (utils/cluster/collectives._wait_for_rank0, what the rendezvous
     waits in), its deadline 1 s into the doc's RENDEZVOUS_TIMEOUT=600s."""
     import time
 
@@ -612,7 +612,7 @@ def test_the_checkpoint_lines_shown_are_the_ones_a_restart_logs(tmp_path, caplog
 
 @pytest.mark.check
 def test_the_misspelled_setting_warning_shown_is_the_one_a_start_prints(capsys):
-    """What a start prints (utils/settings.warn_misspelled_variables) for LEARNIG_RATE in its environment."""
+    """What a start prints (utils/config/sources.warn_misspelled_variables) for LEARNIG_RATE in its environment."""
     from utils.config.sources import warn_misspelled_variables
 
     warn_misspelled_variables({"LEARNIG_RATE": "1e-4"})
@@ -629,7 +629,7 @@ def test_the_failed_push_line_shown_is_the_one_a_run_prints(finished_run):
 
 
 def test_the_hub_retry_line_shown_is_the_one_a_push_logs(hub, hub_in_process, tmp_path, caplog):
-    """A push (utils/hub.Hub.push_files) whose create_repo the Hub stand-in answers with 503 twice: the second
+    """A push (utils/publishing/hub.Hub.push_files) whose create_repo the Hub stand-in answers with 503 twice: the second
     retry's line, its jittered wait aside."""
     config = tmp_path / "adapter_config.json"
     config.write_text("{}")

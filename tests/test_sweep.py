@@ -746,7 +746,7 @@ def test_metrics_are_the_tasks_own_and_checked_before_any_trial(tmp_path, capsys
         "objectiveMetricName": "eval_matched_accuracy",
         "additionalMetricNames": ["eval_mismatched_accuracy"],
     }
-    # the collector's pattern reads both from the line the job prints (utils/tasks.headline)
+    # the collector's pattern reads both from the line the job prints (utils/config/tasks.headline)
     line = headline({"eval_matched_accuracy": 0.71, "eval_mismatched_accuracy": 0.69, "eval_matched_f1": 0.7})
     (pattern,) = mnli["spec"]["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
     assert dict(re.findall(pattern, line)) == {"eval_matched_accuracy": "0.7100", "eval_mismatched_accuracy": "0.6900"}

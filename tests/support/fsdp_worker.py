@@ -2,7 +2,7 @@
 
 Accelerate never applies FSDP on the CPU (the trap STRATEGY=fsdp guards against), so this runs the FSDP2
 preparation the Trainer's Accelerator runs on GPUs, `fsdp2_prepare_model`, with the plugin built from the
-job's own TrainingArguments (utils/strategy.trainer_options), on the job's LoRA model (utils/model.build_model).
+job's own TrainingArguments (utils/training/strategy.trainer_options), on the job's LoRA model (utils/training/model.build_model).
 Then the parts of the job that must work on sharded weights: the wrap check, training steps with the job's
 fused AdamW, the gathered checksum, and the gathered save of the adapter.
 
@@ -89,7 +89,7 @@ def main(model_dir: str, results: Path) -> None:
         "state_keys": len(state),
     }
     if rank == 0:
-        model.save_pretrained(results / "adapter", state_dict=state)  # what utils/hub.save_model does
+        model.save_pretrained(results / "adapter", state_dict=state)  # what utils/publishing/hub.save_model does
         lora = {name: tensor for name, tensor in state.items() if "lora_" in name}
         report["lora_b_trained"] = all(float(t.abs().sum()) > 0 for name, t in lora.items() if "lora_B" in name)
         report["gathered_lora"] = {name: tensor.tolist() for name, tensor in lora.items()}

@@ -1,7 +1,7 @@
 """What a rank knows once it has started: one frozen object, built once, read by every phase of the run.
 
 main.py resolves the settings, the ranks and the plan without torch (`main.configure`); `Job.start` adds what
-needs it, the device, and completes the plan with the numerics the hardware allows (utils/plan.with_device),
+needs it, the device, and completes the plan with the numerics the hardware allows (utils/config/plan.with_device),
 so utils/run.py's phases (set-up, train, publish) and the Trainer utils/training/trainer.py builds take one argument
 instead of a bundle.
 """
@@ -75,7 +75,9 @@ class Job:
         return self.plan.quantization in ("8bit", "4bit")
 
     @property
-    def compiled(self) -> bool:  # TORCH_COMPILE (utils/trainer.compile_model), as the plan resolved it for this device
+    def compiled(
+        self,
+    ) -> bool:  # TORCH_COMPILE (utils/training/trainer.compile_model), as the plan resolved it for this device
         return self.plan.compile is True
 
     @property

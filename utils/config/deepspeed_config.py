@@ -93,7 +93,7 @@ def build_config(zero_stage: int, zero_offload: str) -> dict[str, Any]:
         if offloaded:
             zero[block] = {"device": "cpu", "pin_memory": True}
     if zero_stage == 3:
-        # The adapter is gathered from the shards by the job itself (utils/strategy.full_state_dict), trainable
+        # The adapter is gathered from the shards by the job itself (utils/training/strategy.full_state_dict), trainable
         # weights only; gathering the whole 16-bit model at every checkpoint would cost the memory ZeRO-3 saves.
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     return {
@@ -354,7 +354,7 @@ def check_launcher(strategy: str, launcher: Mapping[str, object]) -> None:
 
 def launcher_choices(launcher: Mapping[str, object]) -> dict[str, Any]:
     """The settings an `accelerate launch` DeepSpeed config stands for: STRATEGY=deepspeed, and DEEPSPEED_CONFIG, or
-    ZERO_STAGE and ZERO_OFFLOAD. The Trainer then gets the job's config alone (utils/distributed.export_env drops
+    ZERO_STAGE and ZERO_OFFLOAD. The Trainer then gets the job's config alone (utils/config/distributed.export_env drops
     the launcher's DeepSpeed variables)."""
     if not launcher.get("deepspeed"):
         return {}

@@ -159,7 +159,7 @@ def default_label_names() -> list[str]:
 
 
 def with_numerics(identity: dict[str, Any], precision: str, quantization: str) -> dict[str, Any]:
-    """The identity with the precision and quantization `auto` resolved to on this device (utils/plan.with_device)."""
+    """The identity with the precision and quantization `auto` resolved to on this device (utils/config/plan.with_device)."""
     threshold = identity.get("int8_threshold") if quantization == "8bit" else None
     return {**identity, "precision": precision, "quantization": quantization, "int8_threshold": threshold}
 

@@ -39,7 +39,7 @@ The learning rate follows the global batch, so one global batch trains at one ra
 grow with the batch, so fewer, larger steps need a larger rate: on real SST-2 on 4 replicas `sqrt` (Malladi et
 al. 2022) overshot, the fourth root and B at 4x came level with one replica (docs/quality.md). Values set by
 hand are used exactly; a rate the rule resolves passes LEARNING_RATE's own bounds. The head trains at
-HEAD_LEARNING_RATE_RATIO x the rate, B at the LoRA+ ratio x (Hayou et al. 2024; utils/recipe.optimizer_groups).
+HEAD_LEARNING_RATE_RATIO x the rate, B at the LoRA+ ratio x (Hayou et al. 2024; utils/config/recipe.optimizer_groups).
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ class Plan:
     run_name: str | None = None  # RUN_NAME, else derived from the identity
     base_model_id: str | None = None  # the Hub id the adapter and card name as the base (resolve_base_model_id)
     # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in
-    # (utils/deepspeed_config.with_deepspeed).
+    # (utils/config/deepspeed_config.with_deepspeed).
     deepspeed: dict[str, Any] | None = None
-    # TORCH_COMPILE: the fast path (utils/trainer.compile_model), a speed switch only; `auto` until the device is known.
+    # TORCH_COMPILE: the fast path (utils/training/trainer.compile_model), a speed switch only; `auto` until the device is known.
     compile: bool | str = "auto"
     # CUDA_GRAPHS: the step captured per length bucket (utils/training/step_capture.py), a speed switch only; `auto` until the
     # device is known.
@@ -109,7 +109,7 @@ class Plan:
 
     @property
     def rates(self) -> dict[str, float]:
-        """The learning rate of each optimizer group (utils/recipe.optimizer_groups)."""
+        """The learning rate of each optimizer group (utils/config/recipe.optimizer_groups)."""
         rate = self.learning_rate
         return {"base": rate, "head": rate * self.head_ratio, "lora_B": rate * self.loraplus_ratio}
 

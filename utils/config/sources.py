@@ -372,7 +372,7 @@ def load_settings(
     overrides: Callable[[Settings], dict[str, Any]] | None = None,
 ) -> tuple[Settings, argparse.Namespace]:
     """Resolve defaults < recipe file < env < flags and validate; bad values raise JobError with the fix.
-    `overrides`: what the launcher chooses given the user's settings (utils/deepspeed_config.deepspeed_overrides),
+    `overrides`: what the launcher chooses given the user's settings (utils/config/deepspeed_config.deepspeed_overrides),
     merged over them here, so the settings are read once, as they train.
 
     Returns the settings and the parsed command line (its `dry_run` and `push_only`)."""

@@ -164,7 +164,7 @@ class Hub:
 
     def check_write_access(self, repo_id: str) -> str:
         """Fail before any GPU time, within TOKEN_CHECK_SECONDS, when the token is wrong or read-only, or the Hub
-        does not answer (a push without a token: utils/settings.check_push_possible, before this)."""
+        does not answer (a push without a token: utils/config/preflight.check_push_possible, before this)."""
         seconds = min(TOKEN_CHECK_SECONDS, self._max_retry_seconds)
         try:
             me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami), "hub-call")
@@ -251,7 +251,7 @@ def save_model(
 ):
     """Write model/ (adapter, tokenizer, label names, base fingerprint, training curves, card) and metrics.json, each
     whole or not at all. `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's
-    own. `base_fingerprint`: the base as the run's identity holds it (utils/identity.model_digest)."""
+    own. `base_fingerprint`: the base as the run's identity holds it (utils/config/identity.model_digest)."""
     staged = run.make_dir(run.root / ".model.partial", fresh=True)
     model = trainer.model
     # The adapter names its base by Hub id, so it loads anywhere; else by the folder's absolute path, so predict.py

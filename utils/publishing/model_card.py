@@ -199,7 +199,7 @@ def adapter_config(folder: Path) -> dict:
 
 def trained_targets(folder: Path, lora_target_modules: tuple[str, ...]) -> list[str]:
     """The layers the adapter adapts, as its adapter_config.json records them (the model's own names when
-    LORA_TARGET_MODULES was not given: utils/model.lora_targets)."""
+    LORA_TARGET_MODULES was not given: utils/training/model.lora_targets)."""
     targets = adapter_config(folder).get("target_modules")
     return sorted(targets) if isinstance(targets, list) else list(lora_target_modules)
 

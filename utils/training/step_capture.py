@@ -3,7 +3,7 @@
 A step of BERT-base LoRA is about 1,100 small kernels, each launched from Python through peft, transformers,
 autocast and autograd: on an H200 the GPU was busy 7 ms of a 45 ms step, waiting on the host. Captured as a CUDA
 graph, the forward and backward of a micro-batch is one launch. The batches come in a few padded shapes (the length
-buckets, utils/trainer.length_buckets), so one graph per bucket serves the whole run.
+buckets, utils/training/trainer.length_buckets), so one graph per bucket serves the whole run.
 
 What a graph needs and this module keeps:
 - static inputs: one set of buffers per bucket, which each step's batch is copied into;

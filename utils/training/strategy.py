@@ -40,8 +40,8 @@ def check_strategy(
     launcher: Mapping[str, object],
 ) -> None:
     """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked. An accelerate
-    config's strategy was checked as the settings were read (utils/deepspeed_config.deepspeed_overrides); its
-    precision (`launcher`: utils/distributed.launcher_options) waits for PRECISION to resolve."""
+    config's strategy was checked as the settings were read (utils/config/deepspeed_config.deepspeed_overrides); its
+    precision (`launcher`: utils/config/distributed.launcher_options) waits for PRECISION to resolve."""
     mixed = launcher.get("mixed_precision")
     if mixed and mixed != "no" and mixed != precision:
         raise BadInput(

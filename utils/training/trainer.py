@@ -904,7 +904,7 @@ def use_tf32_matmuls() -> None:
 def pad_to_bucket(collators: dict[int, DataCollatorWithPadding], features: list[dict], mask_4d: bool = False) -> dict:
     """A batch padded to the smallest bucket (`collators`, smallest first) that holds its longest row: static
     shapes, a graph per bucket. `mask_4d`: its attention mask as the 4D mask the model takes as it is
-    (utils/step_capture.four_d_mask: no host read of the mask at each forward), made here, beside the GPU step."""
+    (utils/training/step_capture.four_d_mask: no host read of the mask at each forward), made here, beside the GPU step."""
     longest = max(len(row["input_ids"]) for row in features)
     bucket = next((length for length in collators if length >= longest), max(collators))
     batch = collators[bucket](features)
