@@ -2,11 +2,12 @@
 
 Each test names the library and its version when it fails, and what in the job stops working.
 
-transformers' Trainer: JobTrainer (utils/training/trainer.py) overrides three private methods. `_get_train_sampler` and
+transformers' Trainer: JobTrainer (utils/training/trainer.py) overrides five private methods. `_get_train_sampler` and
 `_get_eval_sampler`: the public route (`train_sampling_strategy="group_by_length"` with a `length` column)
 measures every row again, draws each epoch's order from the global RNG (a resume in epoch 2 or later trains
 other batches) and reorders evaluation. `_save_checkpoint`: a save a full volume cut short must end every rank
-alike. A library upgrade can rename those methods, stop calling them, or change what the loaders do around
+alike. `_run_epoch`: a resume at the last step must train no step past it. `_clip_grad_norm`: clipping over the
+trainable weights only, not a scan of every frozen one each step. A library upgrade can rename those methods, stop calling them, or change what the loaders do around
 them; the job would then train other batches, evaluate reordered rows or fail as a traceback without a word.
 The progress callback's `training_bar` is closed by the job before an error line (utils/run.py), and
 `_no_split_modules` names the blocks FSDP shards (utils/training/strategy.py); `_attn_implementation` is how the
@@ -125,6 +126,7 @@ def test_the_overridden_private_methods_keep_their_names_and_signatures():
         ("_get_train_sampler", ["self", "train_dataset"]),
         ("_get_eval_sampler", ["self", "eval_dataset"]),
         ("_save_checkpoint", ["self", "model", "trial"]),
+        ("_clip_grad_norm", ["self", "model"]),
         (
             "_run_epoch",
             [

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 class JobTrainer(Trainer):
     """The HF Trainer, counting the rows this rank trained on and keeping evaluation in dataset order.
 
-    Four private methods are overridden, because the public route does not give what the job needs
+    Five private methods are overridden, because the public route does not give what the job needs
     (transformers 5.23, checked by tests/test_library_contract.py):
 
     - training: `train_sampling_strategy="group_by_length"` with a precomputed `length` column is the public
@@ -73,6 +73,10 @@ class JobTrainer(Trainer):
     - resume at the last step: a checkpoint of step MAX_STEPS (a run stopped in its final evaluation or before
       model/ was saved) resumed inside an epoch, and the library trains one step before it checks for the
       end: the restart trained a step past MAX_STEPS. The override runs no epoch once the last step is trained.
+    - clipping (`_clip_grad_norm`, DDP): over the trainable weights only; the library scans every parameter each step.
+
+    And, with the host levers on, the wrapped model's `train` and `zero_grad` are replaced on the instance
+    (`_walk_less`): the library walks every module of the frozen base at each step.
     """
 
     def __init__(
