@@ -73,13 +73,7 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     plan = with_deepspeed(  # DeepSpeed: checked
         build_plan(settings, dist.world_size), deepspeed.file, settings.deepspeed_config, settings.weight_decay
     )
-    check_push_possible(
-        settings.result_model_id,
-        settings.result_merged_model_id,
-        settings.hub_token,
-        settings.model_name,
-        plan.base_model_id,
-    )
+    check_push_possible(settings, plan.base_model_id)
     check_trackers(settings.report_to)
     return settings, dist, args, plan
 

@@ -11,25 +11,18 @@ import socket
 import urllib.parse
 import urllib.request
 
-from pydantic import SecretStr
-
 from utils.common.errors import BadInput, JobError
 from utils.common.hub_token import mask_urls
 from utils.common.threads import Deadline, within
+from utils.config.settings import Settings
 
 
-def check_push_possible(
-    result_model_id: str | None,
-    result_merged_model_id: str | None,
-    hub_token: SecretStr | None,
-    model_name: str,
-    base_model_id: str | None,
-) -> None:
+def check_push_possible(settings: Settings, base_model_id: str | None) -> None:
     """A push that cannot happen (no token, offline mode, an adapter nobody could load) is bad input now,
     before any import, data or GPU time. `base_model_id`: the plan's (None: a folder that records no Hub id)."""
-    repos = {"RESULT_MODEL_ID": result_model_id, "RESULT_MERGED_MODEL_ID": result_merged_model_id}
+    repos = {"RESULT_MODEL_ID": settings.result_model_id, "RESULT_MERGED_MODEL_ID": settings.result_merged_model_id}
     pushes = " and ".join(f"{name}={value}" for name, value in repos.items() if value)
-    if pushes and hub_token is None:
+    if pushes and settings.hub_token is None:
         raise BadInput(
             f"{pushes} ask(s) for a push but no token is set; "
             "set HF_TOKEN (or HF_TOKEN_PATH to a file holding it), or unset them to keep the model on the volume",
@@ -39,10 +32,10 @@ def check_push_possible(
             f"{pushes} ask(s) for a push but HF_HUB_OFFLINE is set; "
             "unset HF_HUB_OFFLINE where the Hub is reachable, or unset them (push later with --push-only)",
         )
-    if result_model_id and base_model_id is None:
+    if settings.result_model_id and base_model_id is None:
         raise BadInput(
-            f"MODEL_NAME={model_name} is a local folder that does not record the base model's Hub id, and an adapter "
-            f"pushed to {result_model_id} would name this path as its base (nobody else could load it); "
+            f"MODEL_NAME={settings.model_name} is a local folder that does not record the base model's Hub id, and an adapter "
+            f"pushed to {settings.result_model_id} would name this path as its base (nobody else could load it); "
             "set BASE_MODEL_ID to the Hub id these weights came from (e.g. bert-base-uncased)",
         )
 

@@ -476,13 +476,7 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
                 )
         if spec.push and spec.backend != "katib":  # Katib's trials read the token from the cluster's Secret
             try:  # as the job refuses the push: every trial would train, then be refused (or fail to push)
-                check_push_possible(
-                    settings.result_model_id,
-                    settings.result_merged_model_id,
-                    settings.hub_token,
-                    settings.model_name,
-                    plan.base_model_id,
-                )
+                check_push_possible(settings, plan.base_model_id)
             except JobError as exc:
                 raise refused(
                     f"push: {spec.push} ({trial.name}): {exc.message}; or write push: false to keep each trial's model "
