@@ -75,15 +75,13 @@ class Job:
         return self.plan.quantization in ("8bit", "4bit")
 
     @property
-    def compiled(
-        self,
-    ) -> bool:  # TORCH_COMPILE (utils/training/trainer.compile_model), as the plan resolved it for this device
+    def compiled(self) -> bool:
+        """TORCH_COMPILE (utils/training/trainer.compile_model), as the plan resolved it for this device."""
         return self.plan.compile is True
 
     @property
-    def captured(
-        self,
-    ) -> bool:  # CUDA_GRAPHS (utils/training/step_capture.py), as the plan resolved it for this device
+    def captured(self) -> bool:
+        """CUDA_GRAPHS (utils/training/step_capture.py), as the plan resolved it for this device."""
         return self.plan.capture is True
 
     def leave_unused_libraries_out(self) -> None:

@@ -411,9 +411,8 @@ def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] 
     Under FSDP each weight is a sharded DTensor: it is gathered whole first, a collective, so every rank
     must call this at the same point, before leaving the process group.
     """
-    if (
-        weights is None
-    ):  # else the trainable weights gathered already (DeepSpeed: utils/training/strategy.full_state_dict)
+    # `weights`: the trainable weights gathered already (DeepSpeed: utils/training/strategy.full_state_dict).
+    if weights is None:
         weights = {
             name: param.full_tensor() if hasattr(param, "full_tensor") else param
             for name, param in sorted(model.named_parameters())

@@ -407,13 +407,11 @@ def write_test_predictions(run, settings, path: Path) -> dict | None:
     from utils.training.model import load_pipeline  # torch and transformers: only a run with a test split pays them
 
     inputs = read_inputs(path, list(settings.text_columns), settings.label_column)
-    classifier = load_pipeline(
-        settings.model_name, run.model, settings.label_names, settings.problem_type == MULTI_LABEL
-    )
+    multi_label = settings.problem_type == MULTI_LABEL  # the head load_pipeline builds, sigmoid scores
+    classifier = load_pipeline(settings.model_name, run.model, settings.label_names, multi_label)
     labels = model_labels(classifier)
     # A multi-label test split is answered, not scored: its labels are lists or several columns (metrics.json has
     # the validation's F1 and subset accuracy).
-    multi_label = classifier.model.config.problem_type == MULTI_LABEL
     labelled = [] if multi_label else references(inputs, labels, settings.label_column)
     answers = classify(classifier, inputs.texts, settings.per_device_batch_size, settings.threshold)
     metrics = score_answers(answers, labelled, labels)
