@@ -11,6 +11,7 @@ must answer in well under a second, before torch or transformers are imported.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -724,6 +725,11 @@ class Settings(BaseSettings):
     def hub_token(self) -> SecretStr | None:
         """HF_TOKEN (or HF_TOKEN_PATH's file) as load_settings read and checked it; None when neither is set."""
         return self._hub_token
+
+    def select(self, concern: type[T]) -> T:
+        """The fields one concern reads (a dataclass whose fields are named as the settings are), so the code of
+        that concern takes what it reads and never the whole Settings."""
+        return concern(**{field.name: getattr(self, field.name) for field in dataclasses.fields(concern)})
 
     def as_dict(self) -> dict[str, Any]:
         values = self.model_dump(mode="json")
