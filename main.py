@@ -50,7 +50,7 @@ from utils.common.errors import EXIT_UNEXPECTED, JobError, Preempted, stage
 from utils.common.hub_token import install_masking
 from utils.config.deepspeed_config import DeepSpeedChoices, describe_strategy, with_deepspeed
 from utils.config.distributed import DistEnv, detect_env, elastic_range, launcher_argv, launcher_options
-from utils.config.local_inputs import check_dataset, check_model_folder, test_split_file
+from utils.config.local_inputs import LocalData, check_dataset, check_model_folder, test_split_file
 from utils.config.plan import Plan, batch_warning, build_plan, check_elastic_range
 from utils.config.preflight import check_push_possible, check_trackers
 from utils.config.settings import Settings
@@ -82,11 +82,12 @@ def dry_run(settings: Settings, dist: DistEnv, plan: Plan, push_only: bool) -> i
     """`--dry-run`: what the run checks first on the local disk, in its order (OUTPUT_DIR, the model, the data), by
     the same functions, so the same line comes before pods are scheduled; then the resolved view on stdout. Hub ids
     are not looked up (no network)."""
-    check_run_dir(settings, plan, push_only=push_only)
+    given_names = list(settings.label_names) if "label_names" in settings.model_fields_set else None
+    check_run_dir(settings.output_dir, plan, given_names, settings.base_model_id, push_only=push_only)
     check_output_writable(settings.output_dir)
     if not push_only:  # a push of the saved model reads neither the base model nor the data
         check_model_folder(settings.model_name)
-        check_dataset(settings)
+        check_dataset(settings.select(LocalData))
     if warning := batch_warning(plan.batch, settings.global_batch_size, settings.per_device_batch_size):
         print(f"warning: {warning}", file=sys.stderr)
     print(json.dumps(dry_run_view(settings, dist, plan), indent=2))
@@ -148,12 +149,14 @@ def main(
         # A start refused from here on removes the folder it made, if it left it as made (discard_unused_claim).
         created = not os.path.lexists(settings.output_dir)
         with stage("output"):
-            run_dir = open_run_dir(settings, plan, push_only=args.push_only)
+            given_names = list(settings.label_names) if "label_names" in settings.model_fields_set else None
+            run_dir = open_run_dir(settings.output_dir, plan, given_names, settings.base_model_id, args.push_only)
 
-        from utils.cluster.job import Job  # torch: a second to import
+        from utils.cluster.job import Job, PlanInputs  # torch: a second to import
 
         with stage("device"):  # the device and numerics
-            job = Job.start(settings, dist, run_dir, plan, preemption=preemption, masker=masker)
+            inputs = settings.select(PlanInputs)
+            job = Job.start(settings, inputs, dist, run_dir, plan, preemption=preemption, masker=masker)
         job.leave_unused_libraries_out()  # DeepSpeed and bitsandbytes only for a run that uses them
         from utils.run import publish_only, run  # transformers, peft: seconds to import
 

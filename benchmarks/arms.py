@@ -127,7 +127,7 @@ def build_job_arm(settings: Settings, cuda: bool):
     """(Trainer, 8-bit?, precision, compiled?): the job's own Trainer, built as utils/run.py builds it on one process."""
     from transformers import set_seed
 
-    from utils.cluster.job import Job
+    from utils.cluster.job import Job, PlanInputs
     from utils.cluster.preemption import Preemption
     from utils.config.distributed import detect_env
     from utils.config.plan import build_plan
@@ -139,7 +139,9 @@ def build_job_arm(settings: Settings, cuda: bool):
     # One process, planned as main.py plans it; Job.start reads `cuda` from torch too. The stop-signal handler
     # is not installed: a benchmark stops at Ctrl-C.
     plan = build_plan(settings, 1)
-    job = Job.start(settings, detect_env({}), open_run_dir(settings, plan), plan, preemption=Preemption())
+    given_names = list(settings.label_names) if "label_names" in settings.model_fields_set else None
+    run_dir = open_run_dir(settings.output_dir, plan, given_names, settings.base_model_id)
+    job = Job.start(settings, settings.select(PlanInputs), detect_env({}), run_dir, plan, preemption=Preemption())
     tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     data = load_sst2(settings, tokenizer, job.out.cache)
     job = job.with_rows(len(data["train"]))

@@ -16,7 +16,7 @@ import torch
 from transformers import set_seed
 from utils.config.distributed import DistEnv
 from utils.training.data import load_sst2
-from utils.cluster.job import Job
+from utils.cluster.job import Job, PlanInputs
 from utils.training.model import build_model, load_tokenizer, trainable_checksum
 from utils.run_folder.layout import RunDir
 from utils.config.plan import build_plan
@@ -35,7 +35,7 @@ for levers in (False, True):
     )
     run = RunDir(Path(settings.output_dir))
     run.checkpoints.mkdir(parents=True)
-    job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
+    job = Job.start(settings, settings.select(PlanInputs), single, run, build_plan(settings, 1), preemption=Preemption())
     tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     data = load_sst2(settings, tokenizer, run.cache)
     job = job.with_rows(len(data["train"]))

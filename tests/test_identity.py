@@ -70,6 +70,7 @@ def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int],
     if edit:
         edit()
     before_device = build_plan(settings_b, world_b)
+    given_b = list(settings_b.label_names) if "label_names" in settings_b.model_fields_set else None
     plan_b = on_device(settings_b, before_device)
     out = tmp / "out"
     out.mkdir()
@@ -84,13 +85,17 @@ def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int],
             agreement_of(plan_a, world_a, settings_a.output_dir),
             {1: agreement_of(plan_b, world_b, settings_b.output_dir)},
         ),
-        "run.json": refusal(lambda: check_run_dir(settings_b, before_device)),
+        "run.json": refusal(
+            lambda: check_run_dir(settings_b.output_dir, before_device, given_b, settings_b.base_model_id)
+        ),
         "checkpoint": refusal(lambda: resume_checkpoint(run, plan_b.identity)),
     }
     (out / "model").mkdir()
     (out / "model" / "adapter_config.json").write_text("{}")
     (out / "metrics.json").write_text("{}")
-    said["finished run"] = refusal(lambda: check_run_dir(settings_b, before_device))
+    said["finished run"] = refusal(
+        lambda: check_run_dir(settings_b.output_dir, before_device, given_b, settings_b.base_model_id)
+    )
     said["run name"] = None if plan_a.run_name == plan_b.run_name else f"{plan_a.run_name} -> {plan_b.run_name}"
     return said
 

@@ -271,5 +271,5 @@ def test_relative_paths_in_a_recipe_resolve_against_the_working_directory(tmp_pa
     settings, _, _, plan = configured(monkeypatch, base_env(tmp_path), ["--config", str(recipe)])
     rows = len((sst2_dir / "train.csv").read_text().splitlines()) - 1  # one sentence a line, after the header
     assert load_raw(settings)["train"].num_rows == rows
-    open_run_dir(settings, plan)
+    open_run_dir(settings.output_dir, plan, None, settings.base_model_id)
     assert (tmp_path / "out").is_dir() and not (tmp_path / "recipes" / "out").exists()

@@ -17,7 +17,7 @@ import torch
 torch.cuda.get_device_capability = lambda device=None: (9, 0)  # an H100, as the set-up asks torch
 from utils.config.distributed import DistEnv
 from utils.training.data import load_sst2
-from utils.cluster.job import Job
+from utils.cluster.job import Job, PlanInputs
 from utils.training.model import build_model, load_tokenizer
 from utils.run_folder.layout import RunDir
 from utils.config.plan import build_plan
@@ -30,7 +30,7 @@ settings = Settings(model_name=model_dir, dataset_path=data_dir, output_dir=out,
 single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
 run = RunDir(Path(out))
 run.checkpoints.mkdir(parents=True)
-job = Job.start(settings, single, run, build_plan(settings, 1), preemption=Preemption())
+job = Job.start(settings, settings.select(PlanInputs), single, run, build_plan(settings, 1), preemption=Preemption())
 tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
 data = load_sst2(settings, tokenizer, run.cache)
 job = dataclasses.replace(job.with_rows(len(data["train"])), cuda=True)  # the model stays on the CPU

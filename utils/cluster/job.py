@@ -1,9 +1,7 @@
 """What a rank knows once it has started: one frozen object, built once, read by every phase of the run.
 
-main.py resolves the settings, the ranks and the plan without torch (`main.configure`); `Job.start` adds what
-needs it, the device, and completes the plan with the numerics the hardware allows (utils/config/plan.with_device),
-so utils/run.py's phases (set-up, train, publish) and the Trainer utils/training/trainer.py builds take one argument
-instead of a bundle.
+main.py resolves the settings, the ranks and the plan without torch (`main.configure`); `Job.start` adds the device
+and completes the plan with the numerics the hardware allows (utils/config/plan.with_device).
 """
 
 from __future__ import annotations
@@ -32,39 +30,55 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True)
+class PlanInputs:
+    """The settings that complete the plan once the device (Job.start) and the training rows (Job.with_rows) are known."""
+
+    gradient_checkpointing: bool
+    deepspeed_config: str | None
+    weight_decay: float
+    gradient_accumulation_steps: int
+    eval_steps: int | None
+    warmup_ratio: float
+
+
+@dataclass(frozen=True)
 class Job:
-    settings: Settings  # as the user gave them; what they resolve to is the plan's
+    settings: Settings  # as the user gave them, for utils/run.py; what they resolve to is the plan's
     dist: DistEnv  # this process's rank, world size and rendezvous address
     out: RunDir  # OUTPUT_DIR, checked to be this job's
     cuda: bool
     device: torch.device
     plan: Plan  # what the run trains with (utils/config/plan.py), its numerics resolved for this device
+    inputs: PlanInputs
     preemption: Preemption  # the stop-signal handler (main.py installs it); training defers signals through it
     masker: Masker | None = None  # the token masking on stdout/stderr, for the log handlers too
 
     @classmethod
     def start(
-        cls, settings: Settings, dist: DistEnv, out: RunDir, plan: Plan, *, preemption: Preemption, masker=None
+        cls,
+        settings: Settings,
+        inputs: PlanInputs,
+        dist: DistEnv,
+        out: RunDir,
+        plan: Plan,
+        *,
+        preemption: Preemption,
+        masker=None,
     ) -> Job:
         cuda = torch.cuda.is_available()
-        plan = with_device(plan, cuda, cuda and torch.cuda.is_bf16_supported(), settings.gradient_checkpointing)
-        if plan.deepspeed is not None and settings.deepspeed_config is not None:
+        plan = with_device(plan, cuda, cuda and torch.cuda.is_bf16_supported(), inputs.gradient_checkpointing)
+        if plan.deepspeed is not None and inputs.deepspeed_config is not None:
             # A precision the file pins, now that PRECISION is resolved.
-            check_pinned(plan.deepspeed, plan, settings.deepspeed_config, settings.weight_decay)
+            check_pinned(plan.deepspeed, plan, inputs.deepspeed_config, inputs.weight_decay)
         device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
-        return cls(settings, dist, out, cuda, device, plan, preemption, masker)
+        return cls(settings, dist, out, cuda, device, plan, inputs, preemption, masker)
 
     def with_rows(self, train_rows: int) -> Job:
-        return replace(
-            self,
-            plan=with_rows(
-                self.plan,
-                train_rows,
-                self.settings.gradient_accumulation_steps,
-                self.settings.eval_steps,
-                self.settings.warmup_ratio,
-            ),
+        inputs = self.inputs
+        plan = with_rows(
+            self.plan, train_rows, inputs.gradient_accumulation_steps, inputs.eval_steps, inputs.warmup_ratio
         )
+        return replace(self, plan=plan)
 
     @property
     def strategy(self) -> str:
@@ -75,13 +89,11 @@ class Job:
         return self.plan.quantization in ("8bit", "4bit")
 
     @property
-    def compiled(self) -> bool:
-        """TORCH_COMPILE (utils/training/trainer.compile_model), as the plan resolved it for this device."""
+    def compiled(self) -> bool:  # TORCH_COMPILE, as the plan resolved it for this device
         return self.plan.compile is True
 
     @property
-    def captured(self) -> bool:
-        """CUDA_GRAPHS (utils/training/step_capture.py), as the plan resolved it for this device."""
+    def captured(self) -> bool:  # CUDA_GRAPHS, as the plan resolved it for this device
         return self.plan.capture is True
 
     def leave_unused_libraries_out(self) -> None:
@@ -93,11 +105,10 @@ class Job:
 
 
 def leave_out(*libraries: str) -> None:
-    """Make installed libraries this process will not use look not installed. Installed, each is imported by the
-    stack whether it is used or not: Accelerate imports DeepSpeed (and MLflow behind it) to recognise its engine,
-    peft imports bitsandbytes, which compiles wrappers with torch.compile as it loads: about 2 s of CPU at every
-    start, and their notices in the log. None in sys.modules is Python's "not installed": an import fails,
-    `importlib.util.find_spec` says it is missing, which is how Accelerate, transformers and peft ask
-    (tests/test_library_contract.py holds them to it). Before transformers is imported."""
+    """Make installed libraries this process will not use look not installed (None in sys.modules: an import fails,
+    `importlib.util.find_spec` says missing, as Accelerate, transformers and peft ask; tests/test_library_contract.py).
+    Installed, the stack imports them anyway: Accelerate imports DeepSpeed (and MLflow) to recognise its engine, peft
+    imports bitsandbytes, which torch.compiles wrappers as it loads: about 2 s of CPU a start, and their notices in the
+    log. Before transformers is imported."""
     for name in libraries:
         sys.modules.setdefault(name, None)

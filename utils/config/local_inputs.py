@@ -1,20 +1,18 @@
-"""What a start can check on the local disk without torch, datasets or the network: a MODEL_NAME folder, the
-local data (DATASET_PATH, TRAIN_FILE, VALIDATION_FILE, TEST_FILE), its split files and their columns. `--dry-run` runs these checks, and the real run calls the
-same functions where it loads each thing, so a mistake found early is refused with the line the run would print.
-
-A Hub id (MODEL_NAME, or no DATASET_PATH) is left to the run: checking it needs the network. Imports nothing heavy:
-pyarrow.parquet (a fifth of a second) only to read a parquet file's schema.
+"""What a start can check on the local disk without torch, datasets or the network: a MODEL_NAME folder, the local
+data, its split files and their columns. `--dry-run` and the run call the same functions, so a mistake found early is
+refused with the line the run would print. A Hub id is left to the run: checking it needs the network.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from utils.common.delimited import FILE_FORMATS, data_files, read_records
 from utils.common.errors import BadInput, JobError, first_line
-from utils.config.settings import REPO_ID_PATTERN, Settings
+from utils.config.settings import REPO_ID_PATTERN
 from utils.config.tasks import validation_splits
 
 # The files a tokenizer is built from (WordPiece, BPE, SentencePiece): a folder without any of them loads a
@@ -39,8 +37,7 @@ def _listing(folder: Path) -> str:
 
 
 def is_local_model(model_name: str) -> bool:
-    """Whether MODEL_NAME means a folder: one exists by that name, or the name cannot be a Hub id (an absolute or
-    relative path, more than one `/`). `org/name` with no such folder is a Hub id, which only the network can check."""
+    """Whether MODEL_NAME means a folder: one exists by that name, or the name cannot be a Hub id."""
     return (
         Path(model_name).expanduser().exists()
         or model_name.startswith(("/", ".", "~"))
@@ -75,7 +72,6 @@ def check_model_folder(model_name: str) -> None:
 
 
 def no_tokenizer(model_name: str) -> JobError:
-    """The refusal of a model without a tokenizer, found from its files (here) or from what loaded (utils/training/model.py)."""
     return BadInput(
         f"MODEL_NAME={model_name} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so every word would "
         "be [UNK]; save the base model's tokenizer into it (tokenizer.json or vocab.txt, tokenizer_config.json: "
@@ -84,7 +80,6 @@ def no_tokenizer(model_name: str) -> JobError:
 
 
 def check_dataset_path(dataset_path: str) -> Path:
-    """DATASET_PATH names an existing folder or file."""
     path = Path(dataset_path)
     if not path.exists():
         raise BadInput(
@@ -95,7 +90,6 @@ def check_dataset_path(dataset_path: str) -> Path:
 
 
 def check_data_file(setting: str, path: Path, split: str) -> str:
-    """One split's data file: a regular, non-empty file of a format the loader reads."""
     rows = "training" if split == "train" else split
     if not path.exists():
         raise BadInput(f"{setting}={path} does not exist; point it at the {rows} rows' file")
@@ -115,19 +109,16 @@ def check_data_file(setting: str, path: Path, split: str) -> str:
 
 
 def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
-    """Each split's one data file in a DATASET_PATH folder of files."""
     files = {}
     for split in splits:
         found = data_files(folder, (split,))  # the files the loader reads, and the identity hashes
         if not found:
+            carve = (
+                ", or set VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows" if split != "train" else ""
+            )
             raise BadInput(
                 f"DATASET_PATH={folder} has no '{split}' split (it holds {_listing(folder)}); add {split}.csv (or .tsv .json .jsonl .parquet) "
-                "or point DATASET_PATH at a save_to_disk DatasetDict"
-                + (
-                    ", or set VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows"
-                    if split != "train"
-                    else ""
-                ),
+                f"or point DATASET_PATH at a save_to_disk DatasetDict{carve}",
             )
         if len(found) > 1:
             raise BadInput(
@@ -144,17 +135,16 @@ def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
 
 
 def read_splits(validation_split: float | None, validation: tuple[str, ...]) -> tuple[str, ...]:
-    """The splits read from the data: train and the task's validation split(s) (`validation`: tasks.validation_splits,
-    MNLI has two), or train alone when VALIDATION_SPLIT carves the validation rows out of it."""
+    """The splits read from the data: train and the task's validation split(s), or train alone when VALIDATION_SPLIT
+    carves the validation rows out of it."""
     return ("train",) if validation_split is not None else ("train", *validation)
 
 
 def check_carve(
     present: Iterable[str], where: str, validation_split: float | None, validation: tuple[str, ...]
 ) -> None:
-    """VALIDATION_SPLIT holds rows out of the training rows only where the data has no validation rows of its own: a
-    validation split left unread beside it would be data dropped without a word. Checked for DATASET_PATH only: the
-    Hub data set's validation split is not the user's to remove, so the carve replaces it."""
+    """VALIDATION_SPLIT carves only where the data has no validation rows of its own (those would be dropped without a
+    word). For DATASET_PATH only: the Hub data set's validation split is not the user's to remove."""
     if validation_split is None:
         return
     if given := sorted(split for split in present if split in validation):
@@ -171,10 +161,9 @@ def split_files(
     validation_split: float | None,
     validation: tuple[str, ...],
 ) -> dict[str, str] | None:
-    """Each split's data file, checked: TRAIN_FILE and VALIDATION_FILE, a DATASET_PATH that is one file (the training
-    rows) with VALIDATION_FILE, or the split files of a DATASET_PATH folder. No validation file where VALIDATION_SPLIT
-    carves it. None for the Hub's data set or a save_to_disk folder (read by `datasets`, checked by check_splits).
-    `validation`: the task's validation split(s) (tasks.validation_splits); VALIDATION_FILE holds the first's rows."""
+    """Each split's data file, checked: TRAIN_FILE (or a DATASET_PATH file) with VALIDATION_FILE (the first validation
+    split's rows) unless VALIDATION_SPLIT carves, or a DATASET_PATH folder's split files. None for the Hub's data set
+    or a save_to_disk folder (read by `datasets`, checked by check_splits)."""
     if train_file:
         train = ("TRAIN_FILE", train_file)
     elif not dataset_path:
@@ -206,9 +195,8 @@ def split_files(
 
 
 def test_split_file(dataset_path: str | None, test_file: str | None) -> Path | None:
-    """The test split's file, checked: TEST_FILE, or the one `test.*` file of a DATASET_PATH folder (beside train and
-    validation); None where there is none (the Hub's data set, a save_to_disk folder, or no such file). Its rows are
-    answered once the model is trained (utils/training/predictions.py)."""
+    """The test split's file, checked: TEST_FILE, or the one `test.*` file of a DATASET_PATH folder; None where there
+    is none. Its rows are answered once the model is trained (utils/training/predictions.py)."""
     folder = Path(dataset_path) if dataset_path else None
     found = data_files(folder, ("test",)) if folder and folder.is_dir() else []
     if test_file and found:
@@ -246,8 +234,7 @@ def check_splits(present: Iterable[str], splits: tuple[str, ...]) -> None:
 def check_columns(
     split: str, column_names: list[str], text_columns: tuple[str, ...], label_columns: tuple[str, ...]
 ) -> None:
-    """The split has the text column(s) and the label column(s) the settings name (LABEL_COLUMNS: a multi-label
-    problem's 0/1 columns, two or more)."""
+    """The split has the text column(s) and the label column(s) (LABEL_COLUMNS: a multi-label problem's 0/1 columns)."""
     label_setting = "LABEL_COLUMNS" if len(label_columns) > 1 else "LABEL_COLUMN"
     for setting, column in [
         *(("TEXT_COLUMN", column) for column in text_columns),
@@ -261,10 +248,9 @@ def check_columns(
 
 
 def file_columns(path: Path, needed: Iterable[str]) -> list[str] | None:
-    """The columns the loader will read from one split's file, in its order, from the file's head where that
-    settles them: a csv/tsv header, the keys of the first JSON record (all records' keys, in order of first
-    appearance, when a needed one is not among them), a parquet schema. None when the file cannot be read so
-    cheaply: the run's own reading refuses it then, naming what is wrong."""
+    """The columns the loader will read from one split's file, in order: a csv/tsv header, the first JSON record's keys
+    (all records' keys when a needed one is missing), a parquet schema. None when the file cannot be read so cheaply:
+    the run's loader refuses it, naming what is wrong."""
     suffix = path.suffix.lower()
     try:
         if FILE_FORMATS[suffix] == "csv":
@@ -297,8 +283,8 @@ def file_columns(path: Path, needed: Iterable[str]) -> list[str] | None:
 
 
 def saved_columns(folder: Path) -> dict[str, list[str] | None] | None:
-    """The splits of a save_to_disk DatasetDict and each one's columns, from its JSON files (None where they
-    cannot be read: a damaged copy is refused by the run's loader, naming the damage)."""
+    """A save_to_disk DatasetDict's splits and their columns, from its JSON files (None where unreadable: the run's
+    loader names the damage)."""
     try:
         splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -313,26 +299,32 @@ def saved_columns(folder: Path) -> dict[str, list[str] | None] | None:
     return columns
 
 
-def check_dataset(settings: Settings) -> None:
-    """What --dry-run checks of the local data: each split's file (or the DatasetDict's splits) and the columns the
-    settings name, by the functions the run's loader calls (utils/training/data.py); the test split's file and text columns."""
-    text_columns, label_columns = settings.text_columns, settings.label_source_columns
-    dataset_path, carve, validation = (
-        settings.dataset_path,
-        settings.validation_split,
-        validation_splits(settings.task),
-    )
-    if (test := test_split_file(dataset_path, settings.test_file)) is not None:
+@dataclass(frozen=True)
+class LocalData:
+    """The settings that name the local data and the columns read from it (Settings.select builds it)."""
+
+    dataset_path: str | None
+    train_file: str | None
+    validation_file: str | None
+    test_file: str | None
+    validation_split: float | None
+    task: str | None
+    text_columns: tuple[str, ...]
+    label_source_columns: tuple[str, ...]
+
+
+def check_dataset(data: LocalData) -> None:
+    """What --dry-run checks of the local data, by the functions the run's loader calls (utils/training/data.py): each
+    split's file (or the DatasetDict's splits) and the columns named; the test split's file and text columns."""
+    text_columns, label_columns = data.text_columns, data.label_source_columns
+    dataset_path, carve, validation = data.dataset_path, data.validation_split, validation_splits(data.task)
+    if (test := test_split_file(dataset_path, data.test_file)) is not None:
         check_test_columns(test, text_columns)
     columns: Mapping[str, list[str] | None]
-    if (
-        files := split_files(dataset_path, settings.train_file, settings.validation_file, carve, validation)
-    ) is not None:
+    if (files := split_files(dataset_path, data.train_file, data.validation_file, carve, validation)) is not None:
         columns = {split: file_columns(Path(p), [*text_columns, *label_columns]) for split, p in files.items()}
-    elif not dataset_path:
-        return  # the Hub's data set: no network here
-    elif (saved := saved_columns(Path(dataset_path))) is None:
-        return
+    elif not dataset_path or (saved := saved_columns(Path(dataset_path))) is None:
+        return  # the Hub's data set (no network here), or a DatasetDict its loader refuses
     else:
         check_carve(saved, f"DATASET_PATH={dataset_path}", carve, validation)
         check_splits(saved, read_splits(carve, validation))

@@ -13,7 +13,7 @@ from pathlib import Path
 from utils.common.errors import BadInput
 from utils.config.identity import check_same_run
 from utils.config.plan import Plan
-from utils.config.settings import REPO_ID_PATTERN, Settings
+from utils.config.settings import REPO_ID_PATTERN
 from utils.run_folder.layout import LOCK_NAME, RunDir, not_writable
 from utils.run_folder.model_files import LABELS_NAME
 
@@ -25,21 +25,21 @@ RUN_MARKER = ".run-folder"
 SKELETON = frozenset({"logs", "checkpoints", "cache", LOCK_NAME})
 # A fresh file system's own folder at the root of a volume mounted as OUTPUT_DIR.
 NOT_CONTENT = frozenset({"lost+found"})
-# run.json's layout, written into every run.json the job writes: a file of that name is this job's record only when
-# it says so (another tool's run.json marks no run folder of this job's). The records from before the key (1) are
-# told by the keys every version of the job wrote (RECORD_KEYS); a newer layout is refused, not guessed at.
+# run.json's layout, in every run.json the job writes: another tool's run.json marks no run folder of this job's.
+# Records from before the key are told by the keys every version wrote (RECORD_KEYS); a newer layout is refused.
 RUN_RECORD_FORMAT = 2
 RECORD_KEYS = {"run_name": str, "settings": dict, "versions": dict}
 
 
-def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> RunDir:
-    """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds another run (its
-    run.json's identity, utils/config/identity.py); a finished run also with other label names or base model
-    (`check_finished_run`). `push_only` publishes what the volume holds: the replica count, the global batch and
-    the data are not its to check, and a folder without a finished run is refused. Reads, writes nothing."""
-    run = RunDir(Path(settings.output_dir).resolve())
+def check_run_dir(
+    output_dir: str, plan: Plan, label_names: list[str] | None, base_model_id: str | None, push_only: bool = False
+) -> RunDir:
+    """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds another run; a
+    finished run also with other label names (LABEL_NAMES where given, else None) or base model. `push_only` publishes
+    what the volume holds: the replica count, global batch and data are not its to check. Writes nothing."""
+    run = RunDir(Path(output_dir).resolve())
     # First: a link in someone else's folder is theirs, not a link planted in ours.
-    refuse_foreign(run, settings.output_dir)
+    refuse_foreign(run, output_dir)
     run.check_planted()
     record = run.read_json(run.run_record) if run.root.is_dir() else None
     if record is not None:
@@ -49,20 +49,17 @@ def check_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Ru
         if run.is_finished() and plan.identity.get("label_names") is None:
             # A finished run restarted without LABEL_NAMES publishes the names it recorded (check_finished_run).
             ignore |= {"label_names"}
-        check_same_run(theirs, plan.identity, f"OUTPUT_DIR={settings.output_dir}", ignore | unrecorded)
+        check_same_run(theirs, plan.identity, f"OUTPUT_DIR={output_dir}", ignore | unrecorded)
     if run.is_finished():
-        given = list(settings.label_names) if "label_names" in settings.model_fields_set else None  # unset: recorded
-        check_finished_run(run, settings.output_dir, given, settings.base_model_id)
+        check_finished_run(run, output_dir, label_names, base_model_id)
     elif push_only:  # before open_run_dir claims (or creates) the folder: a refused start leaves nothing behind
         raise BadInput(f"{run.model} holds no finished model; run the training first (without --push-only)")
     return run
 
 
 def is_run_folder(run: RunDir) -> bool:
-    """Whether OUTPUT_DIR is new, empty, or a run folder of this job: its RUN_MARKER or a run.json of this job's
-    (runs from before the marker), or the empty skeleton a start killed before either leaves. A run.json that is not
-    the job's (`foreign_record`) makes the folder someone else's, marker or not: the job would resume, rewrite and
-    publish what it holds as its own. Links are not followed."""
+    """Whether OUTPUT_DIR is new, empty, or a run folder of this job: its RUN_MARKER or run.json, or the empty skeleton
+    a start killed before either leaves. A run.json not the job's makes the folder someone else's, marker or not."""
     try:
         names = {entry.name for entry in os.scandir(run.root)} - NOT_CONTENT
     except (FileNotFoundError, NotADirectoryError):  # open_run_dir creates it, or says why it cannot
@@ -79,17 +76,15 @@ def is_run_folder(run: RunDir) -> bool:
 
 def _record_problem(run: RunDir, marked: bool) -> str | None:
     """Why the file run.json is not this job's record (None: it is). Unmarked, one with other hard links is someone
-    else's file (the job's has one name); in a folder the job marked, that is a planted link, refused with its fix by
-    RunDir.open, as a damaged one is."""
+    else's (in a marked folder, RunDir.open refuses it as a planted link)."""
     if not marked and os.lstat(run.run_record).st_nlink > 1:
         return "it is a file with other hard links"
     return foreign_record(run.read_json(run.run_record))
 
 
 def foreign_record(record: dict) -> str | None:
-    """Why `record`, a run.json, is not one this job wrote (None: it is). Its layout's `format`, or, for the records
-    written before that key, the keys every version of the job wrote: another tool's run.json
-    (`{"tool": "another-trainer"}`) holds neither."""
+    """Why `record`, a run.json, is not one this job wrote (None: it is): its `format`, or the keys every version of
+    the job wrote."""
     if "format" in record:
         fmt = record["format"]
         good = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt >= RUN_RECORD_FORMAT
@@ -108,10 +103,8 @@ def check_record_format(run: RunDir, record: dict) -> None:
 
 
 def recorded_identity(record: dict, identity: dict) -> tuple[dict, frozenset[str]]:
-    """What run.json says its run was, and the fields of `identity` it does not record (left out of the comparison).
-    Its identity; for a run from before the identity existed, the training settings it recorded (`training_settings`,
-    or those among its `settings`): such a run is refused on what it recorded, before anything in its folder is
-    touched, instead of resumed on a model of another shape with run.json rewritten to the new settings."""
+    """What run.json says its run was (its identity, or for an older run the training settings it recorded), and the
+    fields of `identity` it does not record (left out of the comparison)."""
     if isinstance(record.get("identity"), dict):
         return record["identity"], frozenset()
     recorded = record.get("training_settings")
@@ -135,8 +128,7 @@ def _is_empty_folder(path: Path) -> bool:
 
 
 def refuse_foreign(run: RunDir, output_dir: str | Path) -> None:
-    """A non-empty OUTPUT_DIR that is not a run of this job is refused, untouched: resuming, the job would delete
-    a checkpoint it did not write as one cut short, and replace a model/ folder it did not save."""
+    """A non-empty OUTPUT_DIR that is not a run of this job is refused, untouched: the job deletes and replaces files."""
     if is_run_folder(run):
         return
     names = sorted(set(os.listdir(run.root)) - NOT_CONTENT)
@@ -153,17 +145,14 @@ def refuse_foreign(run: RunDir, output_dir: str | Path) -> None:
 
 
 def claim_run_dir(run: RunDir) -> None:
-    """Mark OUTPUT_DIR as this job's, before anything else is written into it (another rank checking the folder
-    meanwhile sees it empty or marked, never half-made)."""
+    """Mark OUTPUT_DIR as this job's before anything else is written (another rank sees it empty or marked)."""
     with suppress(FileExistsError), run.open(run.root / RUN_MARKER, "x") as handle:
         handle.write("A run folder of the LoRA fine-tuning job (main.py): it deletes and replaces files here.\n")
 
 
 def discard_unused_claim(run: RunDir) -> None:
-    """Remove OUTPUT_DIR when it holds only what `open_run_dir` made (the marker, empty logs/, checkpoints/, cache/):
-    called for a folder this start created, when the start is refused, so that it leaves nothing behind. The folders
-    go first and only while empty (another rank's file in one keeps it, and with it the marker): never a folder left
-    unmarked with content, which the next start would refuse as someone else's."""
+    """Remove OUTPUT_DIR, created by a start that was refused, when it holds only what `open_run_dir` made. The
+    folders go first and only while empty: never a folder left unmarked with content (the next start's refusal)."""
     with suppress(OSError):
         names = set(os.listdir(run.root))
         if not names <= {RUN_MARKER, *(SKELETON - {LOCK_NAME})}:
@@ -175,9 +164,8 @@ def discard_unused_claim(run: RunDir) -> None:
 
 
 def check_finished_run(run: RunDir, output_dir: str, label_names: list[str] | None, base_model_id: str | None) -> None:
-    """What a finished run publishes comes from its own records (model/id2label.json, adapter_config.json): a
-    setting given now (`label_names`: LABEL_NAMES only where given) that contradicts them is refused with the
-    recorded value and the fix."""
+    """What a finished run publishes comes from its own records: a setting given now (`label_names`: None where
+    LABEL_NAMES is unset) that contradicts them is refused."""
     names = run.read_json(run.model / LABELS_NAME)
     recorded = tuple(name for _, name in sorted((int(i), name) for i, name in names.items())) if names else None
     if recorded and label_names is not None and tuple(label_names) != recorded:
@@ -197,9 +185,11 @@ def check_finished_run(run: RunDir, output_dir: str, label_names: list[str] | No
         )
 
 
-def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> RunDir:
+def open_run_dir(
+    output_dir: str, plan: Plan, label_names: list[str] | None, base_model_id: str | None, push_only: bool = False
+) -> RunDir:
     """Create OUTPUT_DIR's folders, claimed as this job's, after refusing one `check_run_dir` refuses."""
-    run = check_run_dir(settings, plan, push_only=push_only)
+    run = check_run_dir(output_dir, plan, label_names, base_model_id, push_only)
     try:
         run.root.mkdir(parents=True, exist_ok=True)  # OUTPUT_DIR itself, and the folders above it, are the user's
         claim_run_dir(run)
@@ -209,13 +199,12 @@ def open_run_dir(settings: Settings, plan: Plan, push_only: bool = False) -> Run
         run.open(probe, "x").close()
         probe.unlink()
     except OSError as exc:
-        raise not_writable(settings.output_dir, exc.strerror) from None
+        raise not_writable(output_dir, exc.strerror) from None
     return run
 
 
 def write_run_record(run: RunDir, as_given: dict, plan: Plan, **extra) -> None:
-    """run.json: the settings as given (Settings.as_dict), the plan (completed), the run's identity, the package
-    versions."""
+    """run.json: the settings as given (Settings.as_dict), the completed plan, its identity, the package versions."""
     versions = dict.fromkeys(PACKAGES)  # None: not installed
     for name in PACKAGES:
         with suppress(metadata.PackageNotFoundError):
