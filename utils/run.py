@@ -48,7 +48,8 @@ from utils.config.plan import Plan, batch_warning
 from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
 from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, headline
-from utils.publishing.hub import Hub, push_model, save_merged, save_model
+from utils.publishing.hub import Hub, PushTargets, push_model, save_merged, save_model
+from utils.publishing.model_card import CardFacts
 from utils.run_folder.checkpoints import (
     checkpoint_resume_key,
     discard_incomplete_checkpoints,
@@ -639,7 +640,8 @@ def save(job: Job, group: Collectives, trained: Trained) -> None:
             model = (trained.trainer, trained.metrics, trained.state_dict)
             # The base as the run's identity fingerprinted it at the start: the weights this adapter was trained on.
             base = job.plan.identity["base_model"]
-            group.run_on_main(lambda: save_model(out, job.settings, *model, base_fingerprint=base))
+            card, repo_id = job.settings.select(CardFacts), job.settings.result_model_id
+            group.run_on_main(lambda: save_model(out, card, job.plan, *model, base_fingerprint=base, repo_id=repo_id))
     except JobError as exc:
         if not (job.dist.is_main and exc.code == EXIT_PREEMPTED and out.is_finished()):
             raise
@@ -686,9 +688,10 @@ def answer_test_split(job: Job) -> None:
 def publish_saved(job: Job, hub: Hub) -> int:
     """Rank 0, model/ saved (by this start or one before it): merged/ when MERGE_ADAPTER asks for it and it is
     missing (it is written only after model/ is complete, so one present belongs to this model/), then the push."""
-    if job.settings.merge_adapter and not job.out.merged.is_dir():
-        save_merged(job.out, job.settings)
-    return push_model(job.out, job.settings, hub)
+    settings, card = job.settings, job.settings.select(CardFacts)
+    if settings.merge_adapter and not job.out.merged.is_dir():
+        save_merged(job.out, card, job.plan, settings.problem_type, settings.result_merged_model_id)
+    return push_model(job.out, card, job.plan, settings.select(PushTargets), hub)
 
 
 def publish_only(job: Job) -> int:

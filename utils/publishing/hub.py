@@ -1,13 +1,9 @@
-"""The model's way out: model/ (and merged/) saved on the volume, and the Hub client that checks the token and pushes them.
+"""The model's way out: model/ (and merged/) saved on the volume, each whole or not at all, and the Hub client that
+checks the token and pushes each once (run.json records the push, so a restart or `--push-only` never repeats it).
 
-Saving: rank 0 writes model/ (adapter, tokenizer, label names, training curves, card) and metrics.json,
-and with MERGE_ADAPTER merged/, each whole or not at all; `push_model` sends each to its repo once,
-recording the push in run.json so a restart or `--push-only` never pushes the same model twice.
-
-huggingface_hub does not retry `create_repo` or a commit on HTTP 503, so transient failures (5xx,
-429, dropped connections, timeouts) are retried here with exponential backoff and jitter (tenacity),
-bounded in total time. Permanent ones (401, 403, 404, a bad repo id) fail at once. The token is
-passed explicitly and never formatted into a message.
+huggingface_hub does not retry `create_repo` or a commit on HTTP 503: transient failures (5xx, 429, dropped
+connections, timeouts) are retried here with jittered backoff, bounded in total time; permanent ones fail at once.
+The token is passed explicitly and never formatted into a message.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -36,10 +33,11 @@ from utils.common.errors import EXIT_OK, EXIT_PUSH_FAILED, BadInput, JobError, f
 from utils.common.hub_token import Masker, url_secrets
 from utils.common.threads import Deadline, within
 from utils.config.identity import base_model_changes
-from utils.config.settings import Settings
+from utils.config.plan import Plan
 from utils.config.tasks import MULTI_LABEL
 from utils.publishing.model_card import (
     PLOT_NAME,
+    CardFacts,
     plot_training_curves,
     published_base,
     write_label_names,
@@ -63,8 +61,8 @@ CONNECT_SECONDS = 10
 
 
 def use_request_timeout(seconds: float) -> None:
-    """Give every request huggingface_hub makes a connect and read timeout (its own client has none, so
-    a Hub that accepts the connection and never answers would block a call for ever)."""
+    """A connect and read timeout on every request huggingface_hub makes (its client has none: a Hub that accepts the
+    connection and never answers would block a call for ever)."""
     from huggingface_hub import set_client_factory
     from huggingface_hub.utils._http import default_client_factory
 
@@ -116,7 +114,7 @@ def _wait(state: RetryCallState) -> float:
 
 
 def unresolved(exc: BaseException | None) -> bool:
-    """Whether `exc` (or what it wraps: httpx's ConnectError over the socket's) is a host name that did not resolve."""
+    """Whether `exc` (or what it wraps) is a host name that did not resolve."""
     while exc is not None:
         if isinstance(exc, socket.gaierror):
             return True
@@ -154,8 +152,7 @@ def describe(exc: BaseException, token: SecretStr | None = None) -> str:
 
 class Hub:
     def __init__(self, token: SecretStr | None, max_retry_seconds: float, request_timeout: float | None = None):
-        """`max_retry_seconds` (PUSH_TIMEOUT) bounds a whole push: only rank 0 is still running then, so no
-        collective can time out while it waits out a Hub incident or a rate limit."""
+        """`max_retry_seconds` (PUSH_TIMEOUT) bounds a whole push (rank 0 alone then: no collective waits on it)."""
         if request_timeout is not None:
             use_request_timeout(request_timeout)
         self._token = token
@@ -210,10 +207,9 @@ class Hub:
         card: ModelCard | None = None,
         open_file: Callable[[Path], BinaryIO] | None = None,
     ) -> str:
-        """create_repo (exist_ok), the card's metadata checked by the Hub, then every file in one commit
-        (`files`: path in the repo -> local file, read through `open_file` when given); each call retried on
-        transient failures, all within one total deadline that the request in flight counts towards too.
-        Returns the commit URL."""
+        """create_repo, the card's metadata checked by the Hub, then every file in one commit (`files`: path in the
+        repo -> local file, read through `open_file` when given); each call retried, all within one deadline. Returns
+        the commit URL."""
         deadline = time.monotonic() + self._max_retry_seconds
         retrying = _retrying(deadline, self._token)
 
@@ -242,61 +238,58 @@ class Hub:
 # ------------------------------------------------------------------------------- saving
 def save_model(
     run: RunDir,
-    settings: Settings,
+    card: CardFacts,
+    plan: Plan,
     trainer: Trainer,
     metrics: dict,
     state_dict: dict | None = None,
     *,
     base_fingerprint: dict[str, str] | str,
+    repo_id: str | None,
 ):
-    """Write model/ (adapter, tokenizer, label names, base fingerprint, training curves, card) and metrics.json, each
-    whole or not at all. `state_dict`: the gathered whole weights when the model is sharded (FSDP); None: the model's
-    own. `base_fingerprint`: the base as the run's identity holds it (utils/config/identity.model_digest)."""
+    """Write model/ (adapter, tokenizer, label names, base fingerprint, training curves, card) and metrics.json.
+    `state_dict`: the gathered weights of a sharded model; None: the model's own. `base_fingerprint`: the run
+    identity's (utils/config/identity.model_digest). `repo_id`: RESULT_MODEL_ID, which the card names."""
     staged = run.make_dir(run.root / ".model.partial", fresh=True)
     model = trainer.model
     # The adapter names its base by Hub id, so it loads anywhere; else by the folder's absolute path, so predict.py
     # finds it from any working directory (a relative MODEL_NAME names a folder only from where the run started).
-    base = published_base(settings, metrics) or os.path.abspath(os.path.expanduser(settings.model_name))
+    base = published_base(metrics, plan) or os.path.abspath(os.path.expanduser(card.model_name))
     model.peft_config["default"].base_model_name_or_path = base
     model.save_pretrained(staged, state_dict=state_dict)
     trainer.processing_class.save_pretrained(staged)
-    write_label_names(staged, metrics, settings.label_names, settings.text_columns, settings.label_column)
+    write_label_names(staged, metrics, card.label_names, card.text_columns, card.label_column)
     write_base_fingerprint(staged, base_fingerprint)
     plot_training_curves(trainer.state.log_history, staged / PLOT_NAME)
-    write_model_card(staged, settings, metrics, settings.result_model_id)
+    write_model_card(staged, card, plan, metrics, repo_id)
     _replace_with(run, staged, run.model)
     run.write_json(run.metrics, metrics)  # last: a finished run is one with metrics.json (RunDir.is_finished)
     log.info("saved %s and %s", run.model, run.metrics)
 
 
-def save_merged(run: RunDir, settings: Settings) -> None:
-    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision, whole or not at all; refused
-    (exit 2) onto a MODEL_NAME whose files differ from the base model/ records (base_model.json)."""
-    # peft and transformers take seconds to import; the Hub client alone needs neither.
-    from utils.training.model import merge_adapter
+def save_merged(run: RunDir, card: CardFacts, plan: Plan, problem_type: str, repo_id: str | None) -> None:
+    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision. `repo_id`:
+    RESULT_MERGED_MODEL_ID, which the card names."""
+    from utils.training.model import merge_adapter  # seconds to import; the Hub client alone needs none of it
 
-    # Before anything is staged: the base at MODEL_NAME may have been replaced since the adapter was trained (during
-    # the training, or before a restart that merges), and the merge would load the adapter onto other weights without
-    # a word (the same shapes load).
-    if changed := base_model_changes(read_base_fingerprint(run.model), settings.model_name):
+    # The base at MODEL_NAME may have been replaced since the adapter was trained, and the same shapes would load.
+    if changed := base_model_changes(read_base_fingerprint(run.model), card.model_name):
         raise BadInput(
-            f"MODEL_NAME={settings.model_name} is not the base model the adapter in {run.model} was trained on: its "
+            f"MODEL_NAME={card.model_name} is not the base model the adapter in {run.model} was trained on: its "
             f"{changed} changed since (added, removed or edited; {BASE_NAME} there records the SHA-256 of each "
             "weights, config and tokenizer file the adapter was trained on), so nothing was merged; restore that base "
             "at MODEL_NAME (or point MODEL_NAME at an unchanged copy of it) and run again to merge, or train again "
             "on this base in a new OUTPUT_DIR",
         )
     staged = run.make_dir(run.root / ".merged.partial", fresh=True)
-    multi_label = settings.problem_type == MULTI_LABEL
-    merge_adapter(settings.model_name, run.model, settings.label_names, multi_label, staged)
-    write_model_card(staged, settings, run.read_json(run.metrics) or {}, settings.result_merged_model_id, merged=True)
+    merge_adapter(card.model_name, run.model, card.label_names, problem_type == MULTI_LABEL, staged)
+    write_model_card(staged, card, plan, run.read_json(run.metrics) or {}, repo_id, merged=True)
     _replace_with(run, staged, run.merged)
     log.info("saved %s (adapter merged into the base, full precision)", run.merged)
 
 
 def _replace_with(run: RunDir, staged: Path, folder: Path) -> None:
-    """`folder` replaced whole by `staged`, its files recorded: what a push of it may send is only what was just
-    written there."""
+    """`folder` replaced whole by `staged`, its files recorded: a push of it sends only what was just written."""
     files = run.files_in(staged)
     replace_dir(staged, folder)
     record_written(run, folder.name, [f"{folder.name}/{name}" for name in files], replace=True)
@@ -308,8 +301,7 @@ PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what wa
 
 def files_to_push(run: RunDir, metrics: dict, folder: Path) -> dict[str, Path]:
     """Path in the repo -> file on the volume: `folder`'s files, metrics.json, the masked run.json, and this run's
-    TensorBoard events under runs/ (the Hub's training-metrics tab). The files the job recorded as it wrote them,
-    never a walk of the folders (which would take whatever a neighbour planted there)."""
+    TensorBoard events (the Hub's training-metrics tab); those the job recorded writing, never what a walk finds."""
     recorded = written_files(run, folder.name)
     if recorded is None:  # a model saved before the job recorded its files: the folder as written, links refused
         recorded = [folder / name for name in run.files_in(folder)]
@@ -325,10 +317,8 @@ def files_to_push(run: RunDir, metrics: dict, folder: Path) -> dict[str, Path]:
 
 
 def adapter_config_for_hub(run: RunDir, base: str | None) -> dict[Path, bytes]:
-    """model/adapter_config.json as pushed, when it must differ from the volume's copy: trained from a local
-    folder, the adapter names that folder as its base, which loads on the cluster (predict.py on model/) but
-    nowhere else. The pushed copy names the Hub id the card names (BASE_MODEL_ID, or the id MODEL_NAME's
-    folder records: `base`, published_base), so what the Hub serves loads off the cluster; the volume's copy is kept."""
+    """model/adapter_config.json as pushed, when it must differ from the volume's: one trained from a local folder
+    names that folder as its base, which loads only on the cluster; the pushed copy names `base`, the card's Hub id."""
     path = run.model / "adapter_config.json"
     config = run.read_json(path) or {}
     if not base or config.get("base_model_name_or_path") in (None, base):
@@ -340,32 +330,40 @@ def adapter_config_for_hub(run: RunDir, base: str | None) -> dict[Path, bytes]:
     return {path: (json.dumps({**config, "base_model_name_or_path": base}, indent=2, sort_keys=True) + "\n").encode()}
 
 
-def push_model(run: RunDir, settings: Settings, hub: Hub) -> int:
+@dataclass(frozen=True)
+class PushTargets:
+    """Where the models go (Settings.select builds it)."""
+
+    result_model_id: str | None
+    result_merged_model_id: str | None
+    hub_private: bool
+
+
+def push_model(run: RunDir, card: CardFacts, plan: Plan, targets: PushTargets, hub: Hub) -> int:
     """Push model/ to RESULT_MODEL_ID (and merged/ to RESULT_MERGED_MODEL_ID) unless already pushed; exit 3
     if a push fails after retries (the model stays on the volume)."""
     code = EXIT_OK
     metrics = run.read_json(run.metrics) or {}
-    for merged, repo_id in ((False, settings.result_model_id), (True, settings.result_merged_model_id)):
+    for merged, repo_id in ((False, targets.result_model_id), (True, targets.result_merged_model_id)):
         pushed = (run.read_json(run.run_record) or {}).get(PUSH_RECORD[merged]) or {}
         if not repo_id or pushed.get("repo_id") == repo_id:
             continue
         folder = run.merged if merged else run.model
         files = files_to_push(run, metrics, folder)
-        # Each file must still be the job's own: one planted since it was written (a link, or a hard link to
-        # a file elsewhere) is refused before the card is written or anything is sent.
+        # A file planted since it was written (a link, a hard link) is refused before anything is written or sent.
         for path in files.values():
             run.check_owned(path)
         # The card again, now naming the repo it is pushed to (after --push-only too).
-        card = write_model_card(folder, settings, metrics, repo_id, merged=merged)
-        sent = {} if merged else adapter_config_for_hub(run, published_base(settings, metrics))
+        written = write_model_card(folder, card, plan, metrics, repo_id, merged=merged)
+        sent = {} if merged else adapter_config_for_hub(run, published_base(metrics, plan))
         log.info("pushing %s to %s", folder, repo_id)
         try:
             url = hub.push_files(
                 files,
                 repo_id,
-                settings.hub_private,
+                targets.hub_private,
                 f"Upload {metrics['run_name']}",
-                card=card,
+                card=written,
                 # Read through descriptors opened without following a link: what was checked is what is sent.
                 open_file=lambda path, sent=sent: io.BytesIO(sent[path]) if path in sent else run.open(path, "rb"),
             )

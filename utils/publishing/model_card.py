@@ -1,20 +1,19 @@
 """The model card (README.md), its training-curve plot and the label names: what a user of the pushed model reads.
 
-Its metadata (`ModelCardData`) carries the base model's Hub id and the validation metrics (`model-index`), which
-the Hub shows beside the model. Written when the model is saved and again at push time, with the real repo id.
-Everything it says comes from what a run leaves on the volume (`metrics.json`, the settings), so a `--push-only`
-after a restart writes the same card.
+Written when the model is saved and again at push time, with the real repo id, from what the run left on the volume
+(metrics.json) and the settings, so a `--push-only` after a restart writes the same card.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from utils.config.plan import Plan
 from utils.config.recipe import recipe_summary
-from utils.config.settings import Settings, resolve_base_model_id
 from utils.config.tasks import MULTI_LABEL
 from utils.run_folder.model_files import INPUTS_NAME, LABELS_NAME, REGRESSION_LABEL
 
@@ -55,25 +54,55 @@ prints one JSON line per {{ row }}.
 """
 
 
-def published_base(settings: Settings, metrics: dict) -> str | None:
-    """The Hub id the base goes by: the one the run trained from (metrics.json), else BASE_MODEL_ID or the id
-    MODEL_NAME's folder records now (a run trained from a plain folder is published once the id is given)."""
-    return metrics.get("base_model_id") or resolve_base_model_id(settings.base_model_id, settings.model_name)
+@dataclass(frozen=True)
+class CardFacts:
+    """The settings the card and the label files read (Settings.select builds it; the last eight are recipe_summary's).
+    What the plan derives (the base's Hub id, the rate, the steps) is read from the plan."""
+
+    model_name: str
+    output_dir: str
+    local_data: str | None
+    dataset_name: str
+    dataset_config: str
+    task: str | None
+    text_column: str
+    text_columns: tuple[str, ...]
+    label_column: str
+    label_names: tuple[str, ...]
+    lora_r: int
+    lora_alpha: int
+    lora_dropout: float
+    lora_target_modules: tuple[str, ...]
+    max_seq_length: int
+    seed: int
+    early_stopping_patience: int | None
+    warmup_ratio: float
+    head_learning_rate_ratio: float
+    train_pooler: bool
+    lora_variant: str
+    lora_init: str
+    weight_decay: float
+    model_dropout: float | str
+    class_weights: str
+
+
+def published_base(metrics: dict, plan: Plan) -> str | None:
+    """The Hub id the base goes by: the one the run trained from (metrics.json), else the plan's (BASE_MODEL_ID or
+    the id MODEL_NAME's folder records now: a run trained from a plain folder is published once the id is given)."""
+    return metrics.get("base_model_id") or plan.base_model_id
 
 
 def run_labels(metrics: dict, label_names: tuple[str, ...]) -> list[str]:
-    """The class names in id order the run trained with (metrics.json records what the data resolved to), `[]`
-    for regression; `label_names` (LABEL_NAMES) for a run recorded before the labels were."""
+    """The class names in id order the run trained with (metrics.json), `[]` for regression; LABEL_NAMES for a run
+    recorded before the labels were."""
     return list(metrics.get("labels", label_names))
 
 
 def write_label_names(
     folder: Path, metrics: dict, label_names: tuple[str, ...], text_columns: tuple[str, ...], label_column: str
 ) -> None:
-    """id2label.json beside an adapter: the names predict.py and the card's snippet give the label ids; one
-    entry, `score`, for a regression model (a classifier of one class is refused). And inputs.json, what one
-    input is (a sentence, or a pair of the columns named) and where its label is: predict.py reads what training
-    read."""
+    """id2label.json beside an adapter (the names predict.py and the card's snippet give the label ids; `score` for a
+    regression), and inputs.json: what one input is and where its label is, so predict.py reads what training read."""
     names = run_labels(metrics, label_names) or [REGRESSION_LABEL]
     (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(names)), indent=2) + "\n")
     inputs = {"text_columns": list(text_columns), "label_column": label_column}
@@ -83,8 +112,8 @@ def write_label_names(
 
 
 def plot_training_curves(log_history: list[dict], path: Path) -> bool:
-    """Training loss and validation accuracy (MNLI: on the matched split; a regression: Pearson) against the
-    optimizer step, as a PNG; False when nothing was logged."""
+    """Training loss and the validation curve (CURVE_METRICS) against the optimizer step, as a PNG; False when nothing
+    was logged."""
     losses = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
     logged = {key for entry in log_history for key in entry}
     curve = next((key for key in CURVE_METRICS if key in logged), "eval_accuracy")
@@ -113,8 +142,8 @@ def plot_training_curves(log_history: list[dict], path: Path) -> bool:
 
 
 def data_source(metrics: dict, hub_dataset: str | None, dataset_config: str) -> str:
-    """Where the rows came from, as they were: the Hub data set (`hub_dataset`, None for local data) and config, or
-    local data with its counts and fingerprint."""
+    """Where the rows came from: the Hub data set (`hub_dataset`, None for local data), or local data's counts and
+    fingerprint."""
     data = metrics.get("data", {})
     if hub_dataset is None:
         return f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, fingerprint {data.get('fingerprint', '?')})"
@@ -122,8 +151,7 @@ def data_source(metrics: dict, hub_dataset: str | None, dataset_config: str) -> 
 
 
 def task_summary(metrics: dict, labels: list[str], pair: bool, task_name: str | None, label_column: str) -> str:
-    """What the model does, in words: `binary sentiment classification (negative / positive)` for SST-2. `labels`:
-    run_labels; `pair`: two text columns; `task_name`: TASK."""
+    """What the model does, in words: `binary sentiment classification (negative / positive)` for SST-2."""
     pairs = "sentence-pair " if pair else ""
     task = f"GLUE {task_name.upper()}: " if task_name else ""
     if not labels:
@@ -148,9 +176,8 @@ def card_metrics(metrics: dict) -> list[str]:
 
 
 def usage_snippet(repo_or_path: str, labels: list[str], pair: bool, merged: bool, metrics: dict) -> str:
-    """The card's Python for this model: its input (a sentence, or a pair as `text`/`text_pair`) and, for an
-    adapter, what the base's config does not know: the label names, and for a regression `problem_type`, without
-    which the pipeline answers with a sigmoid of the score."""
+    """The card's Python for this model; for an adapter with what the base's config does not know: the label names,
+    and a regression's `problem_type`, without which the pipeline answers with a sigmoid of the score."""
     example = (
         '{"text": "A man is playing a guitar.", "text_pair": "A person plays music."}'
         if pair
@@ -158,8 +185,7 @@ def usage_snippet(repo_or_path: str, labels: list[str], pair: bool, merged: bool
     )
     answer = '[{"label": "score", "score": <the predicted score>}]' if not labels else '[{"label": ..., "score": ...}]'
     multi = metrics.get("problem_type") == MULTI_LABEL
-    # Multi-label: every label's sigmoid score (top_k=None), each a label of the text at or above the threshold.
-    every = ", top_k=None" if multi else ""
+    every = ", top_k=None" if multi else ""  # every label's sigmoid score
     if multi:
         answer = f"every label with its sigmoid score; the text has those at or above {metrics['threshold']:g}"
     if merged:
@@ -188,7 +214,7 @@ def usage_snippet(repo_or_path: str, labels: list[str], pair: bool, merged: bool
 
 
 def adapter_config(folder: Path) -> dict:
-    """The adapter's adapter_config.json as peft saved it; a merged folder reads model/'s beside it. {} if none."""
+    """adapter_config.json as peft saved it (a merged folder's: model/'s beside it); {} if none."""
     for config in (folder / "adapter_config.json", folder.parent / "model" / "adapter_config.json"):
         try:
             return json.loads(config.read_text())
@@ -198,49 +224,50 @@ def adapter_config(folder: Path) -> dict:
 
 
 def trained_targets(folder: Path, lora_target_modules: tuple[str, ...]) -> list[str]:
-    """The layers the adapter adapts, as its adapter_config.json records them (the model's own names when
-    LORA_TARGET_MODULES was not given: utils/training/model.lora_targets)."""
+    """The layers the adapter adapts, as its adapter_config.json records them (LORA_TARGET_MODULES may be unset)."""
     targets = adapter_config(folder).get("target_modules")
     return sorted(targets) if isinstance(targets, list) else list(lora_target_modules)
 
 
-def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: str | None, merged=False) -> ModelCard:
+def write_model_card(
+    folder: Path, card: CardFacts, plan: Plan, metrics: dict, repo_id: str | None, merged=False
+) -> ModelCard:
     """README.md in `folder`, model/ or, `merged`, merged/; `repo_id` None: the card names the folder."""
-    base_id = published_base(settings, metrics)
-    link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{settings.model_name}`"
+    base_id = published_base(metrics, plan)
+    link = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{card.model_name}`"
     what = f"{link} with a LoRA adapter merged into its weights," if merged else f"A LoRA adapter for {link},"
-    repo_or_path = repo_id or f"{settings.output_dir}/{'merged' if merged else 'model'}"
-    pair = len(settings.text_columns) == 2
-    labels = run_labels(metrics, settings.label_names)
-    hub_dataset = None if settings.local_data else settings.dataset_name
+    repo_or_path = repo_id or f"{card.output_dir}/{'merged' if merged else 'model'}"
+    pair = len(card.text_columns) == 2
+    labels = run_labels(metrics, card.label_names)
+    hub_dataset = None if card.local_data else card.dataset_name
     # The Training table: what the run trained with, as it resolved it (metrics.json) where it recorded it.
     training = {
-        "base model": base_id or settings.model_name,
-        "adapter": f"LoRA r={settings.lora_r}, alpha={settings.lora_alpha}, dropout {settings.lora_dropout:g}, on {', '.join(trained_targets(folder, settings.lora_target_modules))}",
+        "base model": base_id or card.model_name,
+        "adapter": f"LoRA r={card.lora_r}, alpha={card.lora_alpha}, dropout {card.lora_dropout:g}, on {', '.join(trained_targets(folder, card.lora_target_modules))}",
         "recipe": recipe_summary(
-            settings, metrics.get("loraplus_ratio"), "pooler" in (adapter_config(folder).get("modules_to_save") or [])
+            card, metrics.get("loraplus_ratio"), "pooler" in (adapter_config(folder).get("modules_to_save") or [])
         ),
-        "epochs": f"{settings.num_epochs:g}" if settings.max_steps is None else f"{settings.max_steps} steps",
-        "learning rate": f"{metrics.get('learning_rate', settings.learning_rate):g}",
+        "epochs": f"{plan.num_epochs:g}" if plan.max_steps is None else f"{plan.max_steps} steps",
+        "learning rate": f"{metrics.get('learning_rate', plan.learning_rate):g}",
         "global batch": global_batch(metrics),
         "world size (replicas)": replica_counts(metrics),
         "precision": metrics.get("precision", "?"),
         "quantization": metrics.get("quantization", "?"),
-        "max sequence length": settings.max_seq_length,
+        "max sequence length": card.max_seq_length,
         **({"threshold": f"{metrics['threshold']:g} (sigmoid score)"} if "threshold" in metrics else {}),
-        "seed": settings.seed,
+        "seed": card.seed,
         "train runtime": f"{metrics['train_runtime']:.0f} s" if "train_runtime" in metrics else "?",
         "run name": metrics.get("run_name"),
     }
     if selected := metrics.get("selected_checkpoint"):
-        training["model selection"] = model_selection(selected, settings.early_stopping_patience)
-    card = ModelCard.from_template(
-        card_metadata(metrics, base_id, merged, hub_dataset, settings.dataset_config, settings.task),
+        training["model selection"] = model_selection(selected, card.early_stopping_patience)
+    written = ModelCard.from_template(
+        card_metadata(metrics, base_id, merged, hub_dataset, card.dataset_config, card.task),
         template_str=CARD_TEMPLATE,
         model_name=metrics.get("run_name"),
         what=what,
-        task=task_summary(metrics, labels, pair, settings.task, settings.label_column),
-        data_source=data_source(metrics, hub_dataset, settings.dataset_config),
+        task=task_summary(metrics, labels, pair, card.task, card.label_column),
+        data_source=data_source(metrics, hub_dataset, card.dataset_config),
         splits="splits" if "eval_samples" not in metrics and "data" in metrics else "split",
         eval_samples=metrics.get("eval_samples", metrics.get("data", {}).get("validation_rows", "?")),
         # Rows joined here, not by a template loop: a blank line inside a table ends it on the Hub.
@@ -248,19 +275,18 @@ def write_model_card(folder: Path, settings: Settings, metrics: dict, repo_id: s
         plot=PLOT_NAME if (folder / PLOT_NAME).exists() else None,
         usage=usage_snippet(repo_or_path, labels, pair, merged, metrics),
         predict_command=f"python predict.py {repo_or_path} "
-        + (f"pairs.jsonl --text-column {settings.text_column}" if pair else "sentences.txt"),
+        + (f"pairs.jsonl --text-column {card.text_column}" if pair else "sentences.txt"),
         row="pair" if pair else "sentence",
         training_rows="\n".join(f"| {key} | {value} |" for key, value in training.items()),
     )
-    card.save(folder / "README.md")
-    return card
+    written.save(folder / "README.md")
+    return written
 
 
 def card_metadata(
     metrics: dict, base_id: str | None, merged: bool, hub_dataset: str | None, dataset_config: str, task: str | None
 ) -> ModelCardData:
-    """The card's YAML header: the base model, the tags, and the validation metrics the Hub shows (model-index).
-    `hub_dataset`: DATASET_NAME, None for local data."""
+    """The card's YAML header: the base model, the tags, and the validation metrics the Hub shows (model-index)."""
     hub_data = hub_dataset is not None
     sentiment = ["sentiment-analysis"] if dataset_config == "sst2" and not task else []
     return ModelCardData(
@@ -286,29 +312,24 @@ def card_metadata(
 
 
 def model_selection(selected: dict, early_stopping_patience: int | None) -> str:
-    """The Training table's row for a run that kept its best checkpoint (LOAD_BEST_MODEL, or early stopping)."""
-    # Chosen on the validation split the metrics above are measured on: they flatter it a little.
+    """The Training table's row for a run that kept its best checkpoint, chosen on the split the metrics above are
+    measured on (they flatter it a little)."""
+    stopping = f", early stopping after {early_stopping_patience} evaluations without a better score"
     return (
         f"the checkpoint of step {selected['step']} of {selected['steps_trained']}, the best "
         f"{selected['metric']} ({selected['score']:.4f}) on the validation split (LOAD_BEST_MODEL"
-        + (
-            f", early stopping after {early_stopping_patience} evaluations without a better score"
-            if early_stopping_patience
-            else ""
-        )
-        + "); the metrics above are on the same split"
+        f"{stopping if early_stopping_patience else ''}); the metrics above are on the same split"
     )
 
 
 def global_batch(metrics: dict) -> str:
-    """The rows each optimizer step averaged and why: "64 (the default, ... on any replica count that divides it)"."""
+    """The rows each optimizer step averaged, and why."""
     rows, source = metrics.get("global_batch", "?"), metrics.get("global_batch_source")
     return f"{rows} rows a step ({source})" if source else str(rows)
 
 
 def replica_counts(metrics: dict) -> str:
-    """The replica count, or for a run resumed on another count (GLOBAL_BATCH_SIZE) which count trained which
-    steps: "steps 1-120 on 4, 121-263 on 2"."""
+    """The replica count, or for a run resumed on another count which trained which steps: "steps 1-120 on 4, ..."."""
     segments = metrics.get("segments") or []
     if len({segment["world_size"] for segment in segments}) < 2:
         return str(metrics.get("world_size", "?"))
