@@ -1,9 +1,8 @@
 """A sweep's spec (SPEC.yaml) and its trials: read, checked against the job's own settings, planned.
 
-Every trial is planned before the first one starts, the same way on every backend (a grid's product in the spec's
-order, or `trials` draws of Optuna's RandomSampler seeded with `seed`), so trial-003 is the same settings whether
-the local runner, a Slurm array index or `--dry-run` names it. Grid and random in one spec are refused: the grid's
-product times `trials` draws would be a sweep of a size nobody asked for. Optuna is imported only to draw.
+Every trial is planned before the first starts, the same way on every backend (a grid's product in the spec's order,
+or `trials` draws of Optuna's RandomSampler seeded with `seed`), so trial-003 is the same settings whether the local
+runner, a Slurm array index or `--dry-run` names it.
 """
 
 from __future__ import annotations
@@ -49,18 +48,15 @@ from utils.run_folder.layout import RunDir
 # sweep is a typo (trials: 100000000) or a grid nobody means to pay for.
 MAX_TRIALS = 1000
 SPEC_MAX_BYTES = 1 << 20  # a spec is a page of YAML; more is the wrong file (and /dev/zero never ends)
-# The Hub repos a run pushes to: a trial pushes only where the spec's `push:` says, never to a repo from the shell,
-# the recipe or `settings:` (every trial would push over the last one).
+# A trial pushes only where the spec's `push:` says, never to these from the shell or the recipe (each over the last).
 HUB_DESTINATIONS = ("RESULT_MODEL_ID", "RESULT_MERGED_MODEL_ID")
-# YAML 1.1 reads 1e-3 as a string (it wants 1.0e-3); a sweep means the number. Only that form: a quoted "001"
-# stays the text it is.
+# YAML 1.1 reads 1e-3 as a string (it wants 1.0e-3); a sweep means the number. A quoted "001" stays text.
 EXPONENT_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 # Slurm partition names, one or a comma-separated list: what #SBATCH --partition takes, and nothing a shell reads.
 PARTITIONS = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a newline in a rendered script or manifest starts a line of its own
 SWEEP_RECORD = "sweep.json"  # in output_dir: the sweep's identity, and its claim on the folder
 SWEEP_RECORD_MAX_BYTES = 64 << 20  # 1000 trials' settings are well under a megabyte; more is not the sweep's record
-# The sweep owns these: every trial gets its own folder, and pushes only when the spec says so.
 OWNED = {
     "output_dir": "output_dir (at the top of the spec)",
     "result_model_id": "push: OWNER/NAME",
@@ -81,13 +77,11 @@ def setting_value(value) -> str:
     return str(value)
 
 
-def as_environment(values: dict) -> dict[str, str]:
-    """{learning_rate: 1e-4} -> {LEARNING_RATE: "0.0001"}: settings as the job reads them from the environment."""
+def as_environment(values: dict) -> dict[str, str]:  # {learning_rate: 1e-4} -> {LEARNING_RATE: "0.0001"}
     return {env_name(name): setting_value(value) for name, value in values.items()}
 
 
 def yaml_number(value):
-    """1e-3 as the number YAML 1.1 did not read it as; every other value as written."""
     return float(value) if isinstance(value, str) and EXPONENT_NUMBER.match(value.strip()) else value
 
 
@@ -124,8 +118,8 @@ Values = Annotated[list, Field(min_length=1), AfterValidator(swept_values)]
 
 
 def finite(value):
-    """A range's bound the sampler can draw between: .nan compares false with everything (low < high holds for no
-    pair, so no order check catches it), .inf and an int past a float's range overflow the draw."""
+    """A range's bound the sampler can draw between: .nan passes every order check (it compares false), .inf and an
+    int past a float's range overflow the draw."""
     try:
         if math.isfinite(value):
             return value
@@ -135,7 +129,6 @@ def finite(value):
     raise ValueError(f"{shown} is not a finite number; give each bound as a number, e.g. low: 1.0e-5")
 
 
-# an int stays an int: its exact type
 Number = Annotated[float | int, BeforeValidator(yaml_number), AfterValidator(finite)]
 
 
@@ -216,9 +209,9 @@ class Trial:
 
 @pydantic_dataclass(config=ConfigDict(extra="forbid", strict=True))
 class Spec:
-    """A sweep spec: its keys, each of its type and range (strict: `true` is no count, `"8"` no number), each
-    description the fix its refusal names; the rules across keys in `_rules`. The fields without init are no keys
-    of the file: read_spec sets `path`, check_trials the metric's names in metrics.json."""
+    """A sweep spec: its keys, each strictly of its type (`true` is no count, `"8"` no number), each description the
+    fix its refusal names; the rules across keys in `_rules`. The fields without init are set by read_spec (`path`)
+    and check_trials (the metric's names in metrics.json)."""
 
     output_dir: Path = Field(description="set it to the folder for the trials and the summary")
     name: str | None = Field(None, min_length=1, description="name the sweep, e.g. name: lr-rank")
@@ -239,8 +232,7 @@ class Spec:
     )
     metric: str = Field("accuracy", min_length=1, description="name a key of the trials' metrics.json")
     direction: Literal["maximize", "minimize"] | None = Field(None, description="use maximize or minimize")
-    # No more at once than a sweep may have trials: each runs a process (a thread and a GPU slot locally, an array
-    # throttle in Slurm, Katib's parallelTrialCount); a larger count is a typo that would exhaust memory.
+    # Each runs a process: a larger count than a sweep's trials is a typo that would exhaust memory.
     parallel: int = Field(1, ge=1, le=MAX_TRIALS, description=f"give how many trials run at once, 1 to {MAX_TRIALS}")
     backend: Literal["local", "slurm", "katib"] = Field("local", description="use one of local, slurm, katib")
     # the Hub repo trials push to as <repo>-<trial>; None: no trial pushes
@@ -443,11 +435,22 @@ def draw_random(spec: Spec) -> list[dict]:
 
 
 def job_environment(spec: Spec, trial: Trial) -> dict[str, str]:
-    """The environment of one trial's `python main.py`, for the check, the sweep's identity and the run alike: this
-    shell's (the job reads its setting variables too) less the Hub repos, with the trial's settings over it."""
+    """The environment of one trial's `python main.py` (checked, identified and run alike): this shell's less the Hub
+    repos, with the trial's settings over it."""
     env = {name: value for name, value in os.environ.items() if name not in HUB_DESTINATIONS}
     env.update(spec.trial_env(trial))
     return env
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What the sweep reads of a trial's resolved settings (Settings.select builds it)."""
+
+    config_file: str | None  # the spec's `config:` or the shell's CONFIG_FILE: the same for every trial
+    result_model_id: str | None
+    result_merged_model_id: str | None
+    task: str | None
+    problem_type: str
 
 
 def check_trials(spec: Spec, trials: list[Trial]) -> dict:
@@ -467,9 +470,10 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
             found[trial.name] = plan.identity
         except JobError as exc:
             raise refused(f"{trial.name} ({describe(trial)}): {exc.message}") from None
-        recipe = settings.config_file  # the spec's `config:` or the shell's CONFIG_FILE: the same for every trial
+        resolved = settings.select(Resolved)
+        recipe = resolved.config_file
         for name in HUB_DESTINATIONS:
-            value = getattr(settings, name.lower())
+            value = getattr(resolved, name.lower())
             if value and value != spec.trial_env(trial).get(name):
                 raise refused(
                     f"CONFIG_FILE={recipe} sets {name.lower()}: {value}, so every trial would push to it, each over the last; remove it from the recipe (write push: OWNER/NAME in the spec to push each trial)"
@@ -482,14 +486,8 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
                     f"push: {spec.push} ({trial.name}): {exc.message}; or write push: false to keep each trial's model "
                     "in its folder"
                 ) from None
-        # Without TASK or PROBLEM_TYPE the data decides classification or regression: either's metrics may be named.
-        problems = (settings.problem_type,) if settings.problem_type != "auto" else (CLASSIFICATION, REGRESSION)
-        splits = task_splits(settings.task)
-        names = metric_names(
-            [name for problem in problems for name in reported_metrics(settings.task, problem)], splits
-        )
-        key = metric_key(spec.metric, names, splits, settings.task, settings.problem_type)
-        keys[key] = (names, on_each_split(key, splits))
+        key, names, on_splits = metric_of(spec.metric, resolved.task, resolved.problem_type)
+        keys[key] = (names, on_splits)
     if len(keys) > 1:
         raise refused(f"metric={spec.metric}: the trials name it differently ({', '.join(keys)}); sweep one task")
     ((key, (names, spec.metric_splits)),) = keys.items()
@@ -498,12 +496,10 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
 
 
 def sweep_identity(spec: Spec, trials: dict[str, dict], recipe: str | None) -> dict:
-    """What makes two runs of a spec one sweep, as sweep.json records it: the job's identity of each trial
-    (utils/config/identity.py: what each trial's main.py compares with its folder, so a setting variable the job ignores,
-    such as HUB_TIMEOUT, changes no trial), and, for a random search, the space and seed its trials are drawn from
-    (more trials extend it). A grid's trials are its space: a list grown keeps the trials it had. The recipe the
-    trials read (the spec's `config:` or the shell's CONFIG_FILE) is recorded by path and digest; what it decides
-    is in each trial's identity."""
+    """What makes two runs of a spec one sweep, as sweep.json records it: the job's identity of each trial (so a
+    setting the job ignores, such as HUB_TIMEOUT, changes no trial), a random search's space and seed (more trials
+    extend it; a grid's trials are its space), and the recipe's path and digest (what it decides is in each trial's
+    identity)."""
     space = (
         {"random": {name: setting_space(values) for name, values in spec.random.items()}, "seed": spec.seed}
         if spec.random
@@ -519,22 +515,19 @@ def setting_space(space) -> list | dict:
     return space.model_dump() if isinstance(space, Range) else [*map(setting_value, space)]
 
 
-def metric_names(reported: list[str], splits: tuple[str, ...]) -> tuple[str, ...]:
-    """What a run writes to metrics.json, less `eval_` (MNLI's matched_accuracy, ...): the metrics it reports
-    (tasks.reported_metrics) and its loss on each validation split (`splits`: tasks.validation_splits)."""
-    names = [*reported, *(f"{prefix}_loss" if prefix else "loss" for prefix in map(eval_prefix, splits))]
-    return tuple(dict.fromkeys(names))
-
-
-def metric_key(
-    metric: str, names: tuple[str, ...], splits: tuple[str, ...], task: str | None, problem_type: str
-) -> str:
-    """The spec's `metric` as metrics.json names it (less `eval_`). Without a split, on MNLI, it means the first
-    split's (`accuracy` is `matched_accuracy`): the metric the job tracks as best."""
+def metric_of(metric: str, task: str | None, problem_type: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """The spec's `metric` as metrics.json names it (less `eval_`), every name metrics.json holds (the metrics the run
+    reports, its loss on each validation split), and the metric's key on each split. Without a split, on MNLI,
+    `metric` is the first split's (`accuracy` is `matched_accuracy`): the metric the job tracks as best. Without TASK
+    or PROBLEM_TYPE the data decides classification or regression: either's metrics may be named."""
+    problems = (problem_type,) if problem_type != "auto" else (CLASSIFICATION, REGRESSION)
+    splits = task_splits(task)
+    reported = [name for problem in problems for name in reported_metrics(task, problem)]
+    names = tuple(dict.fromkeys([*reported, *(f"{p}_loss" if p else "loss" for p in map(eval_prefix, splits))]))
     first = eval_prefix(splits[0])
     for name in (metric, f"{first}_{metric}" if first else metric):
         if name in names:
-            return name
+            return name, names, on_each_split(name, splits)
     close = difflib.get_close_matches(metric, names, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     kind = f"TASK={task}" if task else f"PROBLEM_TYPE={problem_type}"
@@ -562,12 +555,10 @@ def trial_metric(spec: Spec, folder: Path) -> float | None:
 
 
 def check_sweep_dir(spec: Spec, identity: dict) -> dict | None:
-    """Whether output_dir may be this sweep's: a new or empty folder, or this same sweep's (sweep.json: the same recipe
-    and, for every trial both name, the same settings; more draws of the same seed extend it). Another tool's folder
-    is refused, as main.py refuses one, since the sweep replaces files there; another sweep's too, so a resume, a
-    `--run-trial` or a summary never shows a result under values it was not trained with. Writes nothing: returns
-    the record `claim_sweep_dir` writes (None: the folder's record stands as it is), so every other check can run
-    between the two and a refusal leaves the folder as it was."""
+    """Whether output_dir may be this sweep's: a new or empty folder, or this same sweep's (the same recipe and, for
+    every trial both name, the same identity), so no result shows under values it was not trained with. Writes
+    nothing: returns the record `claim_sweep_dir` writes (None: the folder's stands), so a refusal in between leaves
+    the folder as it was."""
     out = spec.output_dir
     record = out / SWEEP_RECORD
     if record.is_file():
@@ -593,8 +584,8 @@ UNREADABLE = "restore the sweep.json the sweep wrote, or give this spec a new ou
 
 
 def read_sweep_record(record: Path) -> dict:
-    """sweep.json as the sweep writes it (`sweep_identity`: trials, space, recipe),
-    or refused in one line: a record of another shape was not written by this sweep, or was edited."""
+    """sweep.json as `sweep_identity` made it, or refused: a record of another shape was not this sweep's, or was
+    edited."""
     try:
         theirs = json.loads(read_small_text(record, SWEEP_RECORD_MAX_BYTES))
     except (OSError, UnfitFile, ValueError) as exc:
@@ -621,21 +612,20 @@ def read_sweep_record(record: Path) -> dict:
 
 def claim_sweep_dir(spec: Spec, record: dict | None) -> None:
     """Write `check_sweep_dir`'s record: the folder is this sweep's from then on."""
-    if record is not None:
-        write_sweep_record(spec.output_dir / SWEEP_RECORD, record)
-
-
-def write_sweep_record(record: Path, identity: dict) -> None:
+    if record is None:
+        return
     try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        RunDir(record.parent).write_json(record, identity)
+        spec.output_dir.mkdir(parents=True, exist_ok=True)
+        RunDir(spec.output_dir).write_json(spec.output_dir / SWEEP_RECORD, record)
     except OSError as exc:
-        raise refused(f"output_dir={record.parent} is not writable ({exc.strerror}); give a writable folder") from None
+        raise refused(
+            f"output_dir={spec.output_dir} is not writable ({exc.strerror}); give a writable folder"
+        ) from None
 
 
 def identity_change(theirs: dict, ours: dict) -> str | None:
-    """The first difference between a sweep's recorded identity and this spec's (`sweep_identity`), in the job's
-    words for a trial (`LORA_DROPOUT: 0.1 -> 0.3`); None: the same sweep, perhaps extended."""
+    """The first difference between a sweep's recorded identity and this spec's, in the job's words for a trial
+    (`LORA_DROPOUT: 0.1 -> 0.3`); None: the same sweep, perhaps extended."""
     if "random" in ours["space"] and theirs["space"] != ours["space"]:  # more draws of another space: another sweep
         was, now = theirs["space"], ours["space"]
         if "random" not in was:
