@@ -109,6 +109,6 @@ def leave_out(*libraries: str) -> None:
     `importlib.util.find_spec` says missing, as Accelerate, transformers and peft ask; tests/test_library_contract.py).
     Installed, the stack imports them anyway: Accelerate imports DeepSpeed (and MLflow) to recognise its engine, peft
     imports bitsandbytes, which torch.compiles wrappers as it loads: about 2 s of CPU a start, and their notices in the
-    log. Before transformers is imported."""
+    log."""
     for name in libraries:
         sys.modules.setdefault(name, None)

@@ -88,9 +88,9 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
 
 
-# huggingface_hub's own parser (utils._http._parse_retry_after, private) reads whole seconds only, never an HTTP date.
 def retry_after(exc: BaseException) -> float | None:
-    """Seconds the Hub asked us to wait (429/503 `Retry-After`: seconds or an HTTP date), if it did."""
+    """Seconds the Hub asked us to wait (429/503 `Retry-After`: seconds or an HTTP date), if it did. huggingface_hub's
+    own parser (private) reads whole seconds only."""
     headers = getattr(getattr(exc, "response", None), "headers", None)
     value = headers.get("Retry-After") if headers is not None else None
     if not value:
