@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from utils.common.errors import BadInput, JobError
+from utils.common.errors import BadInput, JobError, first_line
 from utils.config.sources import Parser
 from utils.config.tasks import MULTI_LABEL
 from utils.run_folder.model_files import (
@@ -50,7 +50,6 @@ from utils.training.predictions import (
 )
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
-
 # A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.
 MAX_BATCH_SIZE = 1024
 
@@ -129,11 +128,10 @@ def input_columns(model: str, file: Path | None, column: str | None) -> list[str
         )
     if columns is None and is_table(file):
         return recorded_input(model, "text_columns") or ["sentence"]  # None: a model saved before it was recorded
-    check_input_shape(model, column, columns is not None and len(columns) == 2)
-    if columns is not None and len(columns) == 2 and (not all(columns) or columns[0] == columns[1]):
-        raise BadInput(
-            f"--text-column {column} names no pair; give two different columns, e.g. premise,hypothesis",
-        )
+    pair = columns is not None and len(columns) == 2
+    check_input_shape(model, column, pair)
+    if pair and (not all(columns) or columns[0] == columns[1]):
+        raise BadInput(f"--text-column {column} names no pair; give two different columns, e.g. premise,hypothesis")
     return columns
 
 
@@ -164,7 +162,6 @@ def load_classifier(model: str, base_model: str | None):
     from transformers import AutoTokenizer, pipeline
     from transformers.utils import find_adapter_config_file
 
-    from utils.common.errors import first_line
     from utils.training.model import NO_REMOTE_CODE
 
     # Frozen, the imports' objects are out of the collector's sight (a fifth of a short call's CPU), as in main.py.
@@ -211,7 +208,6 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
     saved beside it."""
     from peft import PeftModel
 
-    from utils.common.errors import first_line
     from utils.training.model import load_base
 
     base_id = base_model or adapter["base_model_name_or_path"]

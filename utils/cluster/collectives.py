@@ -35,8 +35,7 @@ WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck i
 
 
 class Collectives:
-    """This process's share of the job's process group. Every collective is bounded by RENDEZVOUS_TIMEOUT
-    (`timeout_s`), DDP's all-reduce included."""
+    """This process's share of the job's process group; every collective bounded by RENDEZVOUS_TIMEOUT (`timeout_s`)."""
 
     def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None, pulse=None):
         self.dist = dist
@@ -190,7 +189,11 @@ def rendezvous(
         return Collectives(dist, timeout_s)
     timeout = timedelta(seconds=timeout_s)
     deadline = time.monotonic() + timeout_s
-    stuck = _stuck(dist, timeout_s)
+    stuck = (
+        f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {dist.master_addr}:{dist.master_port} "
+        f"within RENDEZVOUS_TIMEOUT={timeout_s}s; check that all {dist.world_size} replicas started with the same "
+        "WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0"
+    )
     outcome = nullcontext()
     if finished is not None and not dist.is_main:
         outcome = ended_when(finished, f"rank {dist.rank}: the run finished while this rank was away (exit 0)", 0)
@@ -221,14 +224,6 @@ def rendezvous(
         # Control messages (the stop flag, barriers) over gloo: on NCCL they would sync the GPU stream every step.
         control = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
     return Collectives(dist, timeout_s, beat_store, control, pulse)
-
-
-def _stuck(dist: DistEnv, timeout_s: int) -> str:
-    return (
-        f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {dist.master_addr}:{dist.master_port} "
-        f"within RENDEZVOUS_TIMEOUT={timeout_s}s; check that all {dist.world_size} replicas started with the same "
-        "WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0"
-    )
 
 
 def _agree(

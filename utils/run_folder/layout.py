@@ -3,20 +3,18 @@
     OUTPUT_DIR/
       .run-folder       the job's mark on a folder it claimed: it works only in its own (record.py RUN_MARKER)
       .job.lock         one job at a time (utils/cluster/run_lock.py)
-      model/            adapter + config, tokenizer, id2label.json, inputs.json, base_model.json, training_curves.png,
-                        README.md card (rank 0)
-      merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
-      metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
-      predictions/      the test split answered: predictions.jsonl, metrics.json when it is labelled    (rank 0)
-      run.json          its format, the settings (secrets masked), the plan, the identity, versions, pushes (rank 0;
-                        record.py)
-      checkpoints/      Trainer checkpoints; a COMPLETE manifest (file sizes and hashes, the identity) once one is whole
-                        (checkpoints.py)
+      model/            adapter, tokenizer, id2label.json, inputs.json, base_model.json, curves, README.md card
+      merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision
+      metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran
+      predictions/      the test split answered: predictions.jsonl, metrics.json when it is labelled
+      run.json          the settings (secrets masked), the plan, the identity, versions, pushes (record.py)
+      checkpoints/      Trainer checkpoints, each with a COMPLETE manifest once whole (checkpoints.py)
       logs/rank-R.log   one per rank
       tensorboard/      training curves
       cache/            tokenized data, keyed by tokenizer, max length and data fingerprint
 
-Files other ranks or a restart read are written beside their final name, then renamed: whole or not at all.
+Rank 0 writes model/, merged/, metrics.json, predictions/ and run.json. Files other ranks or a restart read are
+written beside their final name, then renamed: whole or not at all.
 
 The folder is on a shared volume, so a neighbour could plant a symbolic link (logs/ -> elsewhere) or a hard
 link to a file outside (metrics.json): followed, the job would append to, overwrite or push that file. So every

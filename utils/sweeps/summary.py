@@ -111,11 +111,8 @@ def plot_summary(spec: Spec, rows: list[Row], path: Path) -> None:
             ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
         ax.scatter(xs, [r.value for r in done])
         # a log range, or a grid of rates (1e-4, 1e-3, 1e-2), reads on a log axis; a grid of ranks (4, 8) need not
-        if (
-            numeric
-            and xs
-            and (getattr(spec.random.get(name), "log", False) or min(xs) > 0 and max(xs) >= 100 * min(xs))
-        ):
+        wide = getattr(spec.random.get(name), "log", False) or min(xs, default=0) > 0 and max(xs) >= 100 * min(xs)
+        if numeric and xs and wide:
             ax.set_xscale("log")
         ax.set_xlabel(name)
         ax.set_ylabel(spec.metric)
