@@ -35,7 +35,7 @@ WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck i
 
 
 class Collectives:
-    """This process's share of the job's process group; every collective bounded by RENDEZVOUS_TIMEOUT (`timeout_s`)."""
+    """This process's share of the job's process group; every collective bounded by `timeout_s`."""
 
     def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None, pulse=None):
         self.dist = dist
@@ -50,7 +50,7 @@ class Collectives:
 
     def leave(self) -> None:
         """Stop the heartbeat and drop the group locally (no collective), so rank 0 can merge and upload for as long
-        as it needs; also on an error's way out: a heartbeat in a store call at shutdown turns the exit into SIGABRT."""
+        as it needs; also on an error's way out: a heartbeat in a store call at shutdown makes the exit SIGABRT."""
         if self._heartbeat is not None:
             self._heartbeat.stop(wait=BEAT_CALL_SECONDS + BEAT_SECONDS)
         if td.is_available() and td.is_initialized():

@@ -27,7 +27,7 @@ def data_files(folder: Path, splits: tuple[str, ...]) -> list[Path]:
 
 def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[str] | None, Iterator[tuple[int, list]]]:
     """The header (None for an empty file) and each record after it with the line it starts on. Refused: a column
-    named twice (the loader would train on one `label.1` without a word), a record over several lines (a stray quote)."""
+    named twice (the loader would train on one `label.1` silently), a record over several lines (a stray quote)."""
     csv.field_size_limit(FIELD_LIMIT)
     delimiter, quoting = DIALECTS[suffix]
     reader = csv.reader(lines, delimiter=delimiter, quoting=quoting)

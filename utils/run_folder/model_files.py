@@ -52,7 +52,7 @@ def read_label_names(model: str | Path) -> dict[int, str] | None:
 
 
 def write_base_fingerprint(folder: Path, fingerprint: dict[str, str] | str) -> None:
-    """base_model.json beside an adapter: `{"sha256": {file: digest}}` for a local base, `{"hub_id": id}` for a Hub one."""
+    """base_model.json beside an adapter: `{"sha256": {file: digest}}` (a local base) or `{"hub_id": id}`."""
     key = "sha256" if isinstance(fingerprint, dict) else "hub_id"
     (folder / BASE_NAME).write_text(json.dumps({key: fingerprint}, indent=2, sort_keys=True) + "\n")
 

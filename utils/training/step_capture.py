@@ -36,7 +36,7 @@ def takes_4d_mask(config) -> bool:
 
 def four_d_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """The 2D padding mask as SDPA's boolean (batch, 1, 1, length) one: given a 2D mask, transformers reads
-    `mask.all()` on the host at every forward (a sync each step), and drops it where there is no padding (another graph)."""
+    `mask.all()` on the host at every forward (a sync each step) and drops a mask without padding (another graph)."""
     return attention_mask[:, None, None, :].bool()
 
 
