@@ -1,8 +1,7 @@
 """LoRA fine-tuning of BERT on GLUE SST-2: one script for one process, N replicas, or any launcher.
 
-Every replica runs this same file; it works out its rank from whatever started it
-(utils/config/distributed.py), trains with the HF Trainer (Accelerate DDP underneath), waits for the
-others, and rank 0 writes the model to OUTPUT_DIR and pushes it to RESULT_MODEL_ID.
+Every replica runs this file: it works out its rank from whatever started it, trains with the HF Trainer, and
+rank 0 writes the model to OUTPUT_DIR and pushes it to RESULT_MODEL_ID.
 
 Launch it:
     python main.py                                   # one process (one GPU: 8-bit LoRA)
@@ -62,9 +61,8 @@ from utils.run_folder.record import check_run_dir, discard_unused_claim, open_ru
 
 
 def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argparse.Namespace, Plan]:
-    """Everything decided before torch is imported, on every rank alike: the settings (defaults < recipe file < env <
-    flags, and what an accelerate config or DEEPSPEED_CONFIG chooses), who this process is, the plan; every check
-    that needs neither torch nor the network. Bad input raises JobError (exit 2) with the fix."""
+    """Everything decided before torch is imported, on every rank alike (settings: defaults < recipe < env < flags),
+    and every check that needs neither torch nor the network."""
     deepspeed = DeepSpeedChoices(launcher_options())  # reads DEEPSPEED_CONFIG, once, as the settings are read
     settings, args = load_settings(launcher_argv(argv), overrides=deepspeed)  # less `deepspeed`'s --local_rank
     dist = detect_env()
@@ -79,9 +77,8 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
 
 
 def dry_run(settings: Settings, dist: DistEnv, plan: Plan, push_only: bool) -> int:
-    """`--dry-run`: what the run checks first on the local disk, in its order (OUTPUT_DIR, the model, the data), by
-    the same functions, so the same line comes before pods are scheduled; then the resolved view on stdout. Hub ids
-    are not looked up (no network)."""
+    """`--dry-run`: the run's first local-disk checks, by the same functions, so the same line comes before pods are
+    scheduled; then the resolved view on stdout (no network)."""
     given_names = list(settings.label_names) if "label_names" in settings.model_fields_set else None
     check_run_dir(settings.output_dir, plan, given_names, settings.base_model_id, push_only=push_only)
     check_output_writable(settings.output_dir)
@@ -110,8 +107,7 @@ def dry_run_view(settings: Settings, dist: DistEnv, plan: Plan) -> dict:
 
 
 def masking(argv: list[str] | None):
-    """HF_TOKEN's every form masked on stdout and stderr from here on; a malformed token refused, except where the
-    command line asks for --help, which answers with the value masked (the Masker, None then)."""
+    """The token masked on stdout and stderr from here on; a malformed one refused, except for --help (None then)."""
     try:
         return install_masking()
     except JobError:
@@ -121,7 +117,6 @@ def masking(argv: list[str] | None):
 
 
 def asks_for_help(argv: list[str] | None) -> bool:
-    """Whether the command line asks for --help, which always answers, whatever else is wrong."""
     args = sys.argv[1:] if argv is None else argv
     args = args[: args.index("--")] if "--" in args else args
     return any(arg in ("-h", "--help") for arg in args)
@@ -145,7 +140,6 @@ def main(
             settings, dist, args, plan = configure(argv)
         if args.dry_run:  # every check above and this one need neither the network nor torch
             return dry_run(settings, dist, plan, push_only=args.push_only)
-        # Unwritable or foreign OUTPUT_DIR: refused before the heavy imports.
         # A start refused from here on removes the folder it made, if it left it as made (discard_unused_claim).
         created = not os.path.lexists(settings.output_dir)
         with stage("output"):
@@ -160,8 +154,7 @@ def main(
         job.leave_unused_libraries_out()  # DeepSpeed and bitsandbytes only for a run that uses them
         from utils.run import publish_only, run  # transformers, peft: seconds to import
 
-        # The imports' millions of objects live as long as the process: frozen, each collection walks the run's own
-        # objects only (a fifth of a short run's CPU; on a GPU, host time the steps wait on).
+        # Frozen, the imports' millions of objects are out of each collection's walk (a fifth of a short run's CPU).
         gc.freeze()
         return publish_only(job) if args.push_only else run(job, before_training)
     except JobError as exc:

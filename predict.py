@@ -6,35 +6,13 @@
     python predict.py OUTPUT_DIR/model --base-model bert-base-uncased sentences.jsonl
     python predict.py OUTPUT_DIR/model sentences.jsonl --metrics metrics.json   # labelled rows: their metrics too
 
-MODEL is an adapter folder (adapter_config.json), a merged folder (config.json and weights) or a Hub repo
-id of either. Input comes from FILE or standard input, in UTF-8: one sentence per line (split on newlines only;
-blank lines skipped), or the rows of a .csv, .tsv (unquoted, as training reads it), .json or .jsonl file (a JSON
-array or one object per line) or .parquet file, the suffix in any case: every format DATASET_PATH takes. A file's
-text column(s) are the ones the model was trained on (inputs.json beside it; `sentence` for a model saved before
-that was recorded), or --text-column's (two for a sentence-pair model, `--text-column premise,hypothesis`).
-
-Each input row prints as one JSON line, in input order: {"text": ..., "label": "positive", "score": 0.97}, a pair
-adding "text_pair", a regression model printing its score and no label, a multi-label model every label whose
-sigmoid score is at least --threshold (default: the THRESHOLD it was trained with) and every label's score,
-{"text": ..., "labels": ["toxic"], "scores": {"toxic": 0.91, "insult": 0.12}}, and a file's other columns carried
-through under their own names (`{"text": ..., "idx": 3, "label": ..., "score": ...}`); a column named text,
-text_pair, label or score is carried as input_<name> (a labelled file's own label is "input_label"). No rows, no
-lines. When the file has the label column the model was trained with (or --label-column's), the metrics of
-the labelled rows (accuracy, F1, precision, recall, Matthews correlation; Pearson, Spearman, MSE for a
-regression) print as one line on standard error after the answers, `metrics on FILE (N labelled rows): ...`,
-and --metrics FILE writes them as JSON too; a label of -1 (GLUE's test split) or an empty cell is no label.
-The same rows and metrics are what a run writes for its test split (OUTPUT_DIR/predictions/, utils/training/predictions.py).
-
-A sentence longer than the model takes is cut to the length recorded with the model (MAX_SEQ_LENGTH of the run
-that trained it), else to the model's position embeddings. Options may come before or after MODEL and FILE.
-Batches run on the GPU when there is one. FILE is a regular file; a stream (a pipe, a device) comes on standard
-input; either is read up to 256 MiB. Bad input (no such model or file, a FILE that is a device, a FIFO or a
-folder, more than 256 MiB of input, a missing column, bytes that are not text, a base model of another size than
-the adapter's, one text a row for a pair model, a label the model cannot be scored against, --metrics for a file
-without labels, and what training refuses in a file: a row without text or with a NUL character (utils/common/texts.py,
-the same words), a column named twice) is one `error:` line and exit 2, as in main.py.
-An adapter answers only on the base it was trained on: a local base folder (the one it names, or --base-model) whose
-weights, config or tokenizer files differ from those its base_model.json records is refused the same way.
+MODEL is an adapter folder (adapter_config.json), a merged folder or a Hub repo id of either. Input (FILE or
+standard input, UTF-8) is one sentence a line, or the rows of a .csv/.tsv/.json/.jsonl/.parquet file, read by the
+text column(s) the model was trained on (inputs.json beside it) unless --text-column names others. Each row prints
+as one JSON line in input order, a file's other columns carried through (a clashing name as input_<name>); a file
+with the label column prints its labelled rows' metrics on stderr (--metrics FILE writes them as JSON), as a run
+writes its test split (utils/training/predictions.py). README.md "Using the model" shows every output shape. Bad
+input is one `error:` line and exit 2, as in main.py: an adapter answers only on the base it was trained on.
 """
 
 from __future__ import annotations
@@ -46,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from utils.common.errors import BadInput, JobError
+from utils.common.errors import BadInput, JobError, first_line
 from utils.config.sources import Parser
 from utils.config.tasks import MULTI_LABEL
 from utils.run_folder.model_files import (
@@ -72,13 +50,11 @@ from utils.training.predictions import (
 )
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
-
 # A batch pads to its longest sentence: 1,024 sentences of 512 tokens already hold gigabytes of attention scores.
 MAX_BATCH_SIZE = 1024
 
 
 def batch_size(value: str) -> int:
-    """--batch-size as argparse checks it: a whole number from 1 to MAX_BATCH_SIZE, else one `error:` line."""
     try:
         size = int(value)
     except ValueError:
@@ -89,7 +65,6 @@ def batch_size(value: str) -> int:
 
 
 def threshold(value: str) -> float:
-    """--threshold as argparse checks it: a number above 0 and below 1 (THRESHOLD's range), else one `error:` line."""
     try:
         score = float(value)
     except ValueError:
@@ -142,9 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def input_columns(model: str, file: Path | None, column: str | None) -> list[str] | None:
-    """The text column(s) of a table FILE: --text-column, else those the model was trained on (inputs.json beside
-    it), else `sentence`; None for one sentence a line (any other file, or standard input). Refused: a column
-    named for a file read one sentence a line, two for a one-sentence model, one text a row for a pair model."""
+    """The text column(s) of a table FILE: --text-column, else those the model was trained on, else `sentence`;
+    None for one sentence a line."""
     columns = [name.strip() for name in column.split(",")] if column else None
     if column is not None and not is_table(file):
         # A column of a file read one sentence a line: a .csv saved as .txt, whose header would be answered too.
@@ -154,17 +128,15 @@ def input_columns(model: str, file: Path | None, column: str | None) -> list[str
         )
     if columns is None and is_table(file):
         return recorded_input(model, "text_columns") or ["sentence"]  # None: a model saved before it was recorded
-    check_input_shape(model, column, columns is not None and len(columns) == 2)
-    if columns is not None and len(columns) == 2 and (not all(columns) or columns[0] == columns[1]):
-        raise BadInput(
-            f"--text-column {column} names no pair; give two different columns, e.g. premise,hypothesis",
-        )
+    pair = columns is not None and len(columns) == 2
+    check_input_shape(model, column, pair)
+    if pair and (not all(columns) or columns[0] == columns[1]):
+        raise BadInput(f"--text-column {column} names no pair; give two different columns, e.g. premise,hypothesis")
     return columns
 
 
 def check_input_shape(model: str, column: str | None, pairs: bool) -> None:
-    """One sentence a row for a single-sentence model, two columns for a pair model, as training took them
-    (inputs.json beside the model): a pair model given one text answers about half an input, without a word."""
+    """Inputs shaped as training took them: a pair model given one text answers about half an input, without a word."""
     trained = recorded_input(model, "text_columns")
     if trained is None or pairs == (len(trained) == 2):  # None: a model saved before it recorded it, or another tool's
         return
@@ -184,18 +156,15 @@ def load_classifier(model: str, base_model: str | None):
     """A text-classification pipeline over the adapter (on its base) or the merged model."""
     from utils.cluster.job import leave_out
 
-    # The adapter goes on a full-precision base and a merged model holds no quantizer: neither DeepSpeed nor
-    # bitsandbytes has a part in serving, and left out they cost nothing at start (a third of its CPU).
+    # Serving needs neither DeepSpeed nor bitsandbytes; left out, they cost nothing at start (a third of its CPU).
     leave_out("deepspeed", "bitsandbytes")
     import torch
     from transformers import AutoTokenizer, pipeline
     from transformers.utils import find_adapter_config_file
 
-    from utils.common.errors import first_line
     from utils.training.model import NO_REMOTE_CODE
 
-    # What the imports built lives as long as the process: frozen, it is out of the garbage collector's sight, and
-    # the collections loading the model sets off walk the model's own objects (a fifth of a short call's CPU).
+    # Frozen, the imports' objects are out of the collector's sight (a fifth of a short call's CPU), as in main.py.
     gc.freeze()
     device = 0 if torch.cuda.is_available() else -1
     try:
@@ -215,8 +184,7 @@ def load_classifier(model: str, base_model: str | None):
         raise BadInput(
             f"cannot load {model} ({first_line(exc, 300)}); give an adapter folder, a merged folder or a Hub repo id (with --base-model if the adapter's base is elsewhere)",
         ) from None
-    # Truncate no further than the model has positions: the job records MAX_SEQ_LENGTH with the model
-    # (tokenizer_config.json); a folder without it says 1e30, and a longer sentence fails inside the model.
+    # A folder without a recorded MAX_SEQ_LENGTH says 1e30: cut to the model's positions, or a long sentence fails.
     positions = getattr(classifier.model.config, "max_position_embeddings", None)
     if isinstance(positions, int):
         classifier.tokenizer.model_max_length = min(classifier.tokenizer.model_max_length, positions)
@@ -224,10 +192,8 @@ def load_classifier(model: str, base_model: str | None):
 
 
 def warn_if_untrained(model: str, id2label: dict) -> None:
-    """A warning on stderr for a full model whose labels are transformers' defaults (LABEL_0, LABEL_1, ...) and that
-    holds no record of a run of this job: most likely a base model, whose head is untrained, so that every answer is
-    chance (seen: LABEL_0 at 0.50 for everything, without a word). A fine-tuned model from elsewhere that never named
-    its labels is warned about too; its answers still come."""
+    """Warn about a full model with transformers' default label names and no record of a run of this job: most
+    likely a base model, whose untrained head answers by chance (seen: LABEL_0 at 0.50 for everything)."""
     if all(name == f"LABEL_{i}" for i, name in id2label.items()) and model_file(model, INPUTS_NAME) is None:
         print(
             f"warning: {model} names its labels {', '.join(id2label.values())} (transformers' defaults) and holds no "
@@ -239,19 +205,16 @@ def warn_if_untrained(model: str, id2label: dict) -> None:
 
 def load_adapter(model: str, adapter: dict, base_model: str | None):
     """The adapter `model` (its adapter_config.json: `adapter`) on its base, the head sized and named by the labels
-    saved beside it; a base it does not fit (check_adapter_fits), or a base folder whose files changed since it was
-    trained (check_base_unchanged), is refused."""
+    saved beside it."""
     from peft import PeftModel
 
-    from utils.common.errors import first_line
     from utils.training.model import load_base
 
     base_id = base_model or adapter["base_model_name_or_path"]
     # A multi-label head (sigmoid scores) as inputs.json records it: the base's config does not know it.
     multi_label = recorded_input(model, "problem_type") == MULTI_LABEL
     id2label = read_label_names(model)  # None: the base's own head
-    # The head the adapter restores as peft loads it (modules_to_save): a base's head of another size is
-    # no news to whoever runs this.
+    # The head peft restores (modules_to_save): a base's head of another size is no news to whoever runs this.
     restored = ["classifier", "score", *(adapter.get("modules_to_save") or [])]
     try:
         base = load_base(base_id, [id2label[i] for i in sorted(id2label)] if id2label else None, restored, multi_label)
@@ -269,11 +232,8 @@ def load_adapter(model: str, adapter: dict, base_model: str | None):
 
 
 def check_base_unchanged(model: str, base_id: str) -> None:
-    """Refuse a local base folder whose weights, config or tokenizer files are not the ones the adapter was trained
-    on (base_model.json beside it: the run's fingerprint of its base, utils/config/identity.py): a base of the same shapes
-    with other weights loads without a word and answers wrongly. Its files are hashed once, here. A Hub base is not
-    compared (the adapter records its id alone), nor is the base of an adapter that records no fingerprint (saved
-    before the job recorded it, or by another tool): a note says so."""
+    """Refuse a local base folder whose files differ from the fingerprint base_model.json records: a base of the
+    same shapes with other weights loads without a word and answers wrongly. A Hub base records its id alone."""
     from utils.config.identity import base_model_changes
 
     if not Path(base_id).is_dir():
@@ -301,10 +261,8 @@ def misfit(model: str, adapter: dict, what: str) -> JobError:
 
 
 def check_adapter_fits(model: str, adapter: dict, base, base_id: str) -> None:
-    """Refuse a base the adapter was not trained on, before peft loads it: each tensor of
-    adapter_model.safetensors is checked against the base's weight it adapts or replaces (another width is a
-    traceback listing every tensor), and each module of the base the adapter's target_modules name must hold
-    its weights (a deeper base loads with a warning and answers with layers the training never adapted)."""
+    """Refuse a base the adapter was not trained on, before peft loads it: another width is a traceback listing
+    every tensor, and a deeper base loads with a warning and answers with layers the training never adapted."""
     weights = None if adapter.get("fan_in_fan_out") else model_file(model, "adapter_model.safetensors")
     if weights is None:  # no safetensors file, or (out, in) stored transposed: peft's own load checks it
         return
@@ -392,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in answer_rows(inputs, answers):
             print(json.dumps(row, default=str), flush=True)
     except BrokenPipeError:
-        # The reader stopped reading (`| head`): end as a Unix tool does on SIGPIPE, without a traceback, and
-        # with stdout on /dev/null so that the interpreter's own flush at exit does not fail again.
+        # `| head` stopped reading: end as a Unix tool does, stdout on /dev/null so the flush at exit cannot fail.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     if (metrics := score_answers(answers, labelled, labels)) is not None:

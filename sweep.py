@@ -108,7 +108,7 @@ def write_array(spec, trial_count: int, identity: dict, args: argparse.Namespace
 
 
 def run_one_trial(spec, trial) -> int:
-    """One trial in this process's care; SIGTERM (Slurm's time limit) and Ctrl-C are passed on, so the job checkpoints."""
+    """One trial; SIGTERM (Slurm's time limit) and Ctrl-C are passed on, so the job checkpoints."""
     (row,) = collect_rows(spec, [trial])
     if row.status == "complete":  # an array run again: what finished stays as it is
         print(f"sweep: {trial.name} is already complete, {spec.metric}={row.value:.4f}; not run again", flush=True)

@@ -12,7 +12,7 @@ Job settings are given as `--set NAME=VALUE` (any `python main.py --help` settin
 variables such as HF_HOME) and checked here, so a typo fails now rather than after hours in the queue: a name
 that is no setting but is spelt like one (LORA_RR) is refused with the setting it probably means.
 The Hub token is refused: a batch script is stored in Slurm's spool; export HF_TOKEN when submitting.
-Imports nothing heavy (the settings module only).
+Imports nothing heavy (the settings and the sweep's template filler).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from utils.common.errors import JobError  # noqa: E402
 from utils.config.distributed import SLURM_TIME_LIMIT  # noqa: E402
 from utils.config.settings import FIELDS, SHARED_VOLUME, env_name  # noqa: E402
 from utils.config.sources import find_misspelled_variables, load_settings  # noqa: E402
+from utils.sweeps.slurm import fill_template  # noqa: E402
 
 TEMPLATE = Path(__file__).with_name("train.sbatch.template")
-PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
 ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 SECRETS = ("HF_TOKEN",)
 CONTAINER_WORKDIR = "/app"  # the Dockerfile's WORKDIR: main.py lives there in the image
@@ -165,11 +165,7 @@ def render(args: argparse.Namespace) -> str:
         "SRUN_EXTRA": srun_extra,
         "PYTHON": python,
     }
-    text = TEMPLATE.read_text()
-    missing = sorted(set(PLACEHOLDER.findall(text)) - set(values))
-    if missing:  # the template and this script must agree; a literal @NAME@ would reach the cluster
-        raise RuntimeError(f"template placeholders without a value: {missing}")
-    return PLACEHOLDER.sub(lambda match: values[match.group(1)], text)
+    return fill_template(TEMPLATE, values)
 
 
 def main(argv: list[str] | None = None) -> int:

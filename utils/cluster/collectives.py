@@ -1,9 +1,6 @@
-"""The job's process group: the rendezvous that creates it, and the collectives the job runs outside the Trainer.
-
-`rendezvous` meets the other ranks, compares their settings and returns a `Collectives`, which lives until
-`leave`, once rank 0 has saved model/; a single process gets one with no group, whose collectives just run the
-step. Why each part is not torch.distributed's or Accelerate's: docs/development.md. Only utils/run.py reaches
-this module, after the checks: torch at the top.
+"""The job's process group: `rendezvous` meets the other ranks, compares their settings and returns a `Collectives`
+(a single process's has no group), which lives until `leave`. Why not torch.distributed's or Accelerate's own:
+docs/development.md.
 """
 
 from __future__ import annotations
@@ -38,25 +35,22 @@ WATCHDOG_GRACE = 5  # seconds past RENDEZVOUS_TIMEOUT after which a rank stuck i
 
 
 class Collectives:
-    """This process's share of the job's process group. Every collective is bounded by RENDEZVOUS_TIMEOUT
-    (`timeout_s`), DDP's all-reduce included."""
+    """This process's share of the job's process group; every collective bounded by `timeout_s`."""
 
     def __init__(self, dist: DistEnv, timeout_s: int, beat_store=None, control=None, pulse=None):
         self.dist = dist
         self.timeout_s = timeout_s
         self._beat_store = beat_store  # a client of rank 0's store: the peers' heartbeats (None: no group)
         self._control = control  # the gloo group for small control messages on NCCL jobs (None: the default group)
-        self._heartbeat = None  # beats through `pulse`, another client, with a BEAT_CALL_SECONDS timeout
+        self._heartbeat = None  # beats through `pulse`, a client with a BEAT_CALL_SECONDS timeout
         if pulse is not None:
             self._heartbeat = Heartbeat(
                 lambda: _beat(pulse, BEAT_KEY.format(rank=dist.rank)), BEAT_SECONDS, "heartbeat"
             )
 
     def leave(self) -> None:
-        """Once rank 0 has saved model/: stop the heartbeat and drop the group locally (no collective), so rank 0
-        can merge and upload for as long as it needs. Also on the way out with an error: a heartbeat still in a
-        store call when the interpreter shuts down would turn the exit code into SIGABRT. A store that answers
-        does so in milliseconds; one that does not (its rank stopped) gives up within BEAT_CALL_SECONDS."""
+        """Stop the heartbeat and drop the group locally (no collective), so rank 0 can merge and upload for as long
+        as it needs; also on an error's way out: a heartbeat in a store call at shutdown makes the exit SIGABRT."""
         if self._heartbeat is not None:
             self._heartbeat.stop(wait=BEAT_CALL_SECONDS + BEAT_SECONDS)
         if td.is_available() and td.is_initialized():
@@ -69,10 +63,8 @@ class Collectives:
 
     @contextmanager
     def main_first(self) -> Iterator[None]:
-        """The block runs on rank 0 first (it downloads and tokenizes into the shared cache), then on the others.
-        Rank 0 tells them how it ended, which Accelerate's `main_process_first` (a barrier) does not carry
-        (tests/test_library_contract.py): a failure there stops every rank at once with its code and message
-        (the others never run the block), instead of leaving them in a barrier until the timeout."""
+        """The block runs on rank 0 first (it fills the shared cache), then on the others. Unlike Accelerate's
+        `main_process_first` (a barrier), a failure on rank 0 stops every rank at once with its code and message."""
         if not self.dist.is_distributed:
             yield
         elif self.dist.is_main:
@@ -91,7 +83,7 @@ class Collectives:
             yield
 
     def run_on_main(self, step: Callable[[], T]) -> T | None:
-        """`step` on rank 0 only, the others waiting for its outcome (`main_first`): its result on rank 0, None elsewhere."""
+        """`step` on rank 0 only, the others waiting for its outcome: its result on rank 0, None elsewhere."""
         with self.main_first():
             return step() if self.dist.is_main else None
 
@@ -118,7 +110,7 @@ class Collectives:
             raise JobError(*failed[0])
 
     def max_over_ranks(self, value: int) -> int:
-        """The largest of every rank's `value`, on every rank: a decision all ranks share."""
+        """The largest of every rank's `value`, on every rank."""
         if not self.dist.is_distributed:
             return value
         tensor = torch.tensor([int(value)], dtype=torch.int32)
@@ -130,15 +122,9 @@ class Collectives:
             td.barrier(group=self._control)
 
     def is_lost_peer(self, exc: BaseException) -> bool:
-        """Whether `exc` means a peer died, stopped answering or was cut off, told by type and by evidence.
-
-        torch's DistNetworkError and DistStoreError (the store, held by rank 0, is gone) and timeouts are a
-        lost peer by type. gloo reports a closed connection or a silent peer as a plain RuntimeError, the
-        same type as a real crash, so for those the heartbeat decides: the failure is a lost peer only if a
-        peer's heartbeat did not move for PROBE_SECONDS, or the store is gone. Anything else (a CUDA error, an
-        illegal memory access, a bug) is a crash, exit 1, which `restartPolicy: ExitCode` rightly does not restart
-        for ever.
-        """
+        """Whether `exc` means a peer died, stopped answering or was cut off. gloo reports a lost peer as a plain
+        RuntimeError, like a real crash, so the heartbeat decides those: a peer's beat that stood still for
+        PROBE_SECONDS, or a store gone. Anything else is a crash, exit 1, which is rightly not restarted for ever."""
         if not self.dist.is_distributed:
             return False
         if isinstance(exc, (td.DistNetworkError, td.DistStoreError, TimeoutError)):
@@ -156,21 +142,15 @@ class Collectives:
 
     @contextmanager
     def peers_watched(self, resume_hint: Callable[[], str]) -> Iterator[None]:
-        """Turn a failure caused by a lost peer, anywhere between rendezvous and model/ saved, into one
-        clear error line and exit 143.
-
-        143, as after SIGTERM: the usual cause is a replica preempted or killed (a node lost, an OOM kill),
-        and the cure is the same, restart every replica and resume from the last checkpoint. With exit 1,
-        `restartPolicy: ExitCode` would end the whole job at the first lost node.
-        """
+        """A failure caused by a lost peer as one error line and exit 143: as after SIGTERM, the cure is to restart
+        every replica and resume (with exit 1, `restartPolicy: ExitCode` would end the job at the first lost node)."""
         try:
             yield
         except JobError:
             raise
         except Exception as exc:
             lost, replicas = f"rank {self.dist.rank} lost contact with", f"restart all {self.dist.world_size} replicas"
-            # The heartbeat probe asks rank 0's store, which answers in milliseconds, or, rank 0 stopped, never:
-            # past its own timeout, in native code.
+            # The probe asks rank 0's store, which, rank 0 stopped, never answers: past its timeout, in native code.
             silent = f"{lost} rank 0, whose store stopped answering; {replicas}"
             with watchdog(PROBE_SECONDS + BEAT_CALL_SECONDS + WATCHDOG_GRACE, silent, EXIT_PREEMPTED):
                 if not self.is_lost_peer(exc):
@@ -183,11 +163,10 @@ class Collectives:
 
 
 def _beat(pulse, key: str) -> None:
-    """Bump this rank's counter in rank 0's store: how a peer tells alive from lost."""
     try:
         pulse.add(key, 1)
-    except Exception:  # rank 0, which holds the store, is gone or silent: the main thread finds out,
-        pass  # and a store that is only slow is beaten again at the next beat
+    except Exception:  # rank 0 gone or silent: the main thread finds out; a slow store gets the next beat
+        pass
 
 
 def rendezvous(
@@ -198,17 +177,11 @@ def rendezvous(
     on_main: Callable[[], None] | None = None,
     finished: Callable[[], bool] | None = None,
 ) -> Collectives:
-    """Meet the other ranks, check that they run the same job, and create the process group.
-
-    Every rank posts `agreement` (world size, training settings, run name) in rank 0's TCP store; rank 0
-    compares them all, then runs `on_main` (taking the OUTPUT_DIR lock) and posts one verdict that every
-    rank follows: replicas started with other settings or another world size all stop with exit 2 and
-    the names of what differs, instead of training different models. Everything is bounded by
-    RENDEZVOUS_TIMEOUT on every rank. `finished`: whether the run this rank belongs to is finished without it (a
-    rank restarted while the others saved model/ waits here for a rank 0 that will not come back to it): then it
-    exits 0, as the run did, instead of failing at the timeout. The process group is then created on the same store, so
-    `TrainingArguments(ddp_timeout=...)`, ignored on gloo, is not needed: the timeout bounds every
-    collective, DDP's gradient all-reduce included.
+    """Meet the other ranks, check that they run the same job, and create the process group, all within
+    RENDEZVOUS_TIMEOUT. Rank 0 compares every rank's `agreement`, runs `on_main` (the OUTPUT_DIR lock) and posts one
+    verdict all follow: replicas with other settings all stop with exit 2 naming what differs. `finished`: whether
+    the run ended without this rank (restarted as the others saved model/): it exits 0 then, not at the timeout.
+    The group shares the store's timeout, which bounds every collective (ddp_timeout is ignored on gloo).
     """
     if not dist.is_distributed:
         if on_main is not None:
@@ -216,7 +189,11 @@ def rendezvous(
         return Collectives(dist, timeout_s)
     timeout = timedelta(seconds=timeout_s)
     deadline = time.monotonic() + timeout_s
-    stuck = _stuck(dist, timeout_s)
+    stuck = (
+        f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {dist.master_addr}:{dist.master_port} "
+        f"within RENDEZVOUS_TIMEOUT={timeout_s}s; check that all {dist.world_size} replicas started with the same "
+        "WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0"
+    )
     outcome = nullcontext()
     if finished is not None and not dist.is_main:
         outcome = ended_when(finished, f"rank {dist.rank}: the run finished while this rank was away (exit 0)", 0)
@@ -244,35 +221,23 @@ def rendezvous(
             world_size=dist.world_size,
             timeout=timeout,
         )
-        # Small control messages (the stop flag, checkpoint barriers) go over gloo: on an NCCL job they
-        # would otherwise sync the GPU stream at every step.
+        # Control messages (the stop flag, barriers) over gloo: on NCCL they would sync the GPU stream every step.
         control = td.new_group(backend="gloo", timeout=timeout) if td.get_backend() != "gloo" else None
     return Collectives(dist, timeout_s, beat_store, control, pulse)
-
-
-def _stuck(dist: DistEnv, timeout_s: int) -> str:
-    """What a rank that could not meet its peers says, and where to look."""
-    return (
-        f"rank {dist.rank} could not meet its {dist.world_size - 1} peers at {dist.master_addr}:{dist.master_port} "
-        f"within RENDEZVOUS_TIMEOUT={timeout_s}s; check that all {dist.world_size} replicas started with the same "
-        "WORLD_SIZE and that MASTER_ADDR/MASTER_PORT point at rank 0"
-    )
 
 
 def _agree(
     dist: DistEnv, store, agreement: dict, timeout_s: int, deadline: float, on_main: Callable[[], None] | None
 ) -> None:
-    """Post this rank's `agreement` and follow rank 0's verdict on them all (`_judge`): a JobError, the same on
-    every rank, when they differ or `on_main` refused."""
+    """Post this rank's `agreement` and follow rank 0's verdict: the same JobError on every rank, or none."""
     mine = json.dumps(agreement, sort_keys=True, default=str)
     store.set(AGREEMENT_KEY.format(rank=dist.rank), mine)
     if dist.is_main:
-        # As the others see it, through JSON; one comparison, the run identity's (utils/config/identity.py).
+        # As the others see it, through JSON.
         verdict = _judge(dist, store, json.loads(mine), timeout_s, deadline, on_main)
         store.set(VERDICT_KEY, json.dumps(verdict))
         if verdict is not None:
-            # The store lives in this process: the ranks that joined read the verdict first, or they would fail on a
-            # closed store instead.
+            # The store lives in this process: the ranks that joined read the verdict before it closes.
             joined = sum(store.check([AGREEMENT_KEY.format(rank=rank)]) for rank in range(1, dist.world_size))
             read_by = time.monotonic() + READ_SECONDS
             try:
@@ -318,9 +283,7 @@ def _judge(
 
 
 def _refuse_port_taken(dist: DistEnv) -> None:
-    """Rank 0 could not open the rendezvous store: when MASTER_PORT cannot be listened on here (another process
-    holds it, or it needs privileges), say so, exit 2. Told by binding the port and reading the errno, not by
-    the store's message; a port that is free again leaves the failure to the caller."""
+    """Rank 0 could not open the store: a MASTER_PORT it cannot bind is bad input, told by the errno of a bind."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: a port in TIME_WAIT is free
         try:
@@ -334,12 +297,8 @@ def _refuse_port_taken(dist: DistEnv) -> None:
 
 
 def _wait_for_rank0(dist: DistEnv, timeout_s: int, deadline: float) -> None:
-    """Wait until rank 0's rendezvous port answers, at most until `deadline`.
-
-    torch's store client retries with a random back-off that can exceed the timeout itself (seen: a
-    15 s timeout failing after 41 s); polling first keeps a missing rank 0 within RENDEZVOUS_TIMEOUT.
-    A host name that does not resolve yet (a pod whose DNS record is not published) is retried too.
-    """
+    """Wait until rank 0's port answers, at most until `deadline`: torch's store client backs off past its own
+    timeout (seen: 15 s failing after 41 s). A name that does not resolve yet (a new pod's DNS) is retried too."""
     while True:
         try:
             with socket.create_connection(

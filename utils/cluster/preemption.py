@@ -1,20 +1,10 @@
-"""SIGTERM (preemption, pod eviction, `docker stop`) and SIGINT (Ctrl-C): checkpoint, then exit 143 (130) on every rank.
+"""SIGTERM (preemption, eviction) and SIGINT (Ctrl-C): checkpoint, then exit 143 (130) on every rank.
 
-The orchestrator sends SIGTERM to one replica or to all of them, then SIGKILL after a grace period:
-
-- before training and after it (data, model, evaluation, upload), there is nothing worth saving that
-  the last checkpoint does not hold: the signal raises `Preempted` at once;
-- during training, the handler only records the request. At the end of every optimizer step all
-  ranks agree (one all-reduce of a flag) whether any of them was asked to stop; if so they all save
-  a checkpoint at that same step, stop, and raise `Preempted`. A replica signalled alone thus takes
-  its peers with it at a step boundary, instead of leaving them in a collective with a dead peer.
-
-transformers' `enable_jit_checkpoint` was not used: it decides per rank (one signalled rank saves alone
-while its peers wait in the next all-reduce), waits 3 s before acting, and returns from `train()` as
-if training had finished, so the run would go on to publish a half-trained model.
-
-main.py installs the handler before torch is imported (a container's PID 1 ignores SIGTERM unless a handler is
-installed), so this module imports nothing heavy.
+Outside training the signal raises `Preempted` at once: the last checkpoint holds all worth saving. In training
+the handler only records it; after every optimizer step all ranks agree (one all-reduce) whether any was asked to
+stop, and then all checkpoint at that step and stop, so a replica signalled alone takes its peers with it.
+Not transformers' `enable_jit_checkpoint`: it decides per rank and returns from `train()` as if finished, so a
+half-trained model would be published. Imports nothing heavy: main.py installs the handler before torch.
 """
 
 from __future__ import annotations
@@ -32,10 +22,8 @@ from utils.common.errors import Preempted
 
 log = logging.getLogger(__name__)
 
-# After a stop signal, the seconds a rank has to leave on its own before it is ended with the same code:
-# a rank waiting in native code (a store or gloo wait, the Rust tokenizer) never runs the Python handler.
-# Outside training there is nothing to save, so little; in training, time for the agreed checkpoint.
-# Both well inside Kubernetes' default 30 s grace period before SIGKILL.
+# Seconds a rank has to leave after a stop signal before it is ended with the same code (one in native code never
+# runs the handler): in training, time for the agreed checkpoint; both inside Kubernetes' 30 s grace period.
 STOP_GRACE = {False: 3.0, True: 20.0}
 SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)"}
 
@@ -51,9 +39,8 @@ class Preemption:
     def install(self) -> None:
         for signum in SIGNALS:
             signal.signal(signum, self._on_signal)
-        # Python runs signal handlers only between bytecodes of the main thread. The wake-up socket gets
-        # a byte from the C-level handler at once, and a watcher thread ends the process if the main
-        # thread does not leave within the grace period.
+        # Python handlers run only between the main thread's bytecodes: the C-level handler writes the wake-up
+        # socket at once, and a watcher ends the process if the main thread does not leave within the grace.
         reader, writer = socket.socketpair()
         writer.setblocking(False)
         signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
@@ -84,8 +71,8 @@ class Preemption:
             os._exit(128 + signum)
 
     def follow(self, signum: int) -> None:
-        """Take the stop all ranks agreed on as this rank's own: a rank stopped by its peer leaves with the peer's code.
-        No lock: the handler takes it on this same (main) thread, and would wait for ever for a lock held here."""
+        """Take the stop all ranks agreed on as this rank's own (the peer's code). No lock: the handler runs on this
+        same thread, and would wait for ever for a lock held here."""
         self.signum = max(self.signum, signum)
 
     @contextmanager

@@ -1,16 +1,9 @@
-"""One job per OUTPUT_DIR: a lock file with a heartbeat, held by rank 0 for the whole run, and by every start that
-writes or pushes without training (a finished run's merge and push, --push-only): one publisher at a time.
+"""One job per OUTPUT_DIR: a lock file with a heartbeat, held by rank 0 for the whole run and by every start that
+publishes without training. A file, not `flock`, which NFS and cloud file systems do not share across hosts.
 
-Two jobs on one folder would train side by side, append to the same rank logs and resume from each
-other's checkpoints. The lock is a file, not an OS lock, because the shared volume may be NFS or a
-cloud file system where `flock` is not shared across hosts. Its holder rewrites it every
-BEAT_SECONDS. A second job finds it and decides at once or after watching it briefly:
-
-- held on this host by a process that no longer exists (or a newer process under the same pid, as in
-  a restarted container): stale, taken over at once;
-- otherwise the heartbeat tells: it moves, the holder is alive and the new job is refused (exit 2,
-  naming the holder); it stands still for STALE_SECONDS, the holder was killed, stopped or lost its
-  node, and the lock is taken over. A restart after a kill is therefore never locked out.
+A second job takes over a lock held on this host by a process that no longer exists (or a newer one under the
+same pid) at once; otherwise it watches the heartbeat: moving, the job is refused (exit 2, naming the holder);
+still for STALE_SECONDS, the lock is taken over, so a restart after a kill is never locked out.
 """
 
 from __future__ import annotations
@@ -43,7 +36,7 @@ def _process_started(pid: int) -> float | None:
 
 class RunLock:
     def __init__(self, run: RunDir):
-        # Opened through the run folder: a link planted at the lock's name is refused, never written through.
+        # Opened through the run folder: a link planted at the lock's name is refused.
         self.run = run
         self.path = run.root / LOCK_NAME
         self.me = {
@@ -92,8 +85,7 @@ class RunLock:
             try:
                 self.path.unlink(missing_ok=True)
             except OSError as exc:
-                # Called on the way out, often of a failure: a volume that turned read-only must not replace the
-                # real error with its own. A lock left behind is stale once this process is gone.
+                # On the way out of a failure, a read-only volume's error must not replace the real one.
                 log.warning("could not remove %s (%s); the next start takes it over", self.path, exc.strerror)
 
     def _create(self) -> bool:
@@ -116,8 +108,7 @@ class RunLock:
             return None
 
     def _live_holder(self, holder: dict) -> dict | None:
-        """The job that holds the lock now, or None when `holder` is gone. Its record as it reads now: a lock taken
-        over from a dead holder while this job watched it is the new holder's, and the refusal names that one."""
+        """The job that holds the lock now (a new holder's record, if one took over meanwhile), or None when gone."""
         if holder.get("host") == self.me["host"]:
             pid = holder.get("pid")
             started = _process_started(pid) if isinstance(pid, int) else None

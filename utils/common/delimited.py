@@ -1,8 +1,5 @@
-"""How a .csv or .tsv file is read, by training (DATASET_PATH, utils/training/data.py) and predict.py alike: one dialect
-per suffix, and the same refusals, so a file predict.py answers is a file training would take.
-
-SST-2's TSV is unquoted text: read with quoting on, a `"` opening a sentence swallows the rows up to the next
-quote. Imports nothing heavy (predict.py reads its input before it loads a model).
+"""How a .csv or .tsv file is read, by training and predict.py alike: one dialect per suffix (SST-2's TSV is
+unquoted: with quoting on, a `"` opening a sentence swallows the rows up to the next quote), the same refusals.
 """
 
 from __future__ import annotations
@@ -29,10 +26,8 @@ def data_files(folder: Path, splits: tuple[str, ...]) -> list[Path]:
 
 
 def read_records(lines: Iterable[str], path: Path, suffix: str) -> tuple[list[str] | None, Iterator[tuple[int, list]]]:
-    """The header (None for an empty file) and each record after it with the line it starts on (a blank line, empty
-    or of spaces and tabs only, is no record, to the loader either: utils/common/texts.py). Refused: a header naming a
-    column twice (the loader would rename one `label.1` and train on the other without a word), and a record running
-    over several lines (a stray quote)."""
+    """The header (None for an empty file) and each record after it with the line it starts on. Refused: a column
+    named twice (the loader would train on one `label.1` silently), a record over several lines (a stray quote)."""
     csv.field_size_limit(FIELD_LIMIT)
     delimiter, quoting = DIALECTS[suffix]
     reader = csv.reader(lines, delimiter=delimiter, quoting=quoting)

@@ -28,9 +28,8 @@ class JobError(Exception):
 
 @contextlib.contextmanager
 def stage(name: str):
-    """Names the part of the start-up (settings, output, device, join, model, data) a JobError raised inside comes
-    from; the innermost part names it. The job never reads it: tests/test_refusals.py holds each refusal to the part
-    that must refuse it, so a check that moves later in the start-up (after the model loads, say) fails there."""
+    """Names the part of the start-up (the innermost) a JobError raised inside comes from: tests/test_refusals.py
+    holds each refusal to its part, so a check that moves later in the start-up fails there."""
     try:
         yield
     except JobError as exc:
@@ -39,7 +38,7 @@ def stage(name: str):
 
 
 class BadInput(JobError):
-    """Bad input, settings or credentials (exit 2): permanent, restarting will not help; the message says the fix."""
+    """Bad input, settings or credentials (exit 2): restarting will not help; the message says the fix."""
 
     def __init__(self, message: str):
         super().__init__(EXIT_BAD_INPUT, message)
@@ -51,17 +50,16 @@ def first_line(exc: BaseException, limit: int | None = 200, blank: str | None = 
 
 
 class Preempted(BaseException):
-    """SIGTERM (preemption, eviction) or SIGINT: leave with 128 + the signal so the orchestrator restarts the job.
-    A BaseException, like KeyboardInterrupt: raised from the signal handler, no library's `except Exception` eats it."""
+    """SIGTERM or SIGINT: leave with 128 + the signal so the orchestrator restarts the job. A BaseException, like
+    KeyboardInterrupt: no library's `except Exception` eats it."""
 
     def __init__(self, message: str, code: int = EXIT_PREEMPTED):
         super().__init__(message)
         self.message, self.code = message, code  # 128 + the signal: 143 after SIGTERM, 130 after SIGINT
 
 
-# A full, over-quota or read-only volume will not heal by itself: a restart would fail the same way (or, with
-# `restartPolicy: ExitCode`, loop). Exit 2, like bad input: someone frees space or repairs the volume, then
-# starts the job again, and it resumes from the last complete checkpoint.
+# A full or read-only volume will not heal by itself (a restart would fail the same way, or loop): exit 2, like
+# bad input; once someone repairs it, the job resumes from the last complete checkpoint.
 VOLUME_ERRNOS = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EROFS: "read-only"}
 # Free space below this, right after a failed write, means the write filled the volume (a partial file is
 # left taking the rest): torch.save and safetensors report ENOSPC as a RuntimeError or their own error type.
@@ -71,11 +69,8 @@ IO_ERROR_LOOKS = 30  # 3 s: how long an EIO waits to see the volume turn read-on
 
 def volume_state(exc: BaseException, folder: str | os.PathLike) -> str | None:
     """Whether `exc` came from OUTPUT_DIR's volume filling up or turning read-only: "full", "read-only" or None.
-
-    Told by the errno anywhere in the exception's chain, or, for libraries that hide it (torch.save raises
-    `RuntimeError: ... file write failed`), by the volume itself right after the failure: a file it will not
-    create, mounted read-only, or no space left. Never by the words of a message.
-    """
+    Told by an errno in the exception's chain, or, where a library hides it (torch.save), by the volume itself right
+    after the failure; never by the words of a message."""
     seen: set[int] = set()
     cause: BaseException | None = exc
     io_error = False
@@ -103,9 +98,8 @@ def volume_state(exc: BaseException, folder: str | os.PathLike) -> str | None:
 
 
 def _refuses_new_files(folder: str | os.PathLike) -> str | None:
-    """What creating an empty file in `folder` meets now: "read-only", "full", or None. Since Linux 6.9 an ext4
-    volume that failed (errors=remount-ro) refuses every write with EROFS but no longer tells statvfs it is
-    read-only (its mount options say `emergency_ro`)."""
+    """What creating an empty file in `folder` meets now: since Linux 6.9 a failed ext4 volume refuses writes with
+    EROFS but no longer tells statvfs it is read-only."""
     probe = os.path.join(folder, f".volume-probe-{os.getpid()}-{threading.get_ident()}")
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -131,8 +125,8 @@ def volume_error(state: str, folder: str | os.PathLike, doing: str, resume: str)
 
 
 def quiet_volume_faults_in_threads() -> None:
-    """Let a background writer thread die of a full or read-only volume without a traceback: TensorBoard's event
-    writer re-raises its write error in its thread and hands it to the training thread, which reports it once."""
+    """Let a background writer thread die of a full or read-only volume without a traceback: TensorBoard's writer
+    hands the error to the training thread too, which reports it once."""
     default = threading.excepthook
     if getattr(default, "quiet_volume_faults", False):
         return

@@ -1,12 +1,8 @@
 """The Hub token and the other secrets the job is given: read, checked, and masked in everything it prints or logs.
 
-The token is never formatted into a message on purpose, but libraries do it for us: an exception about
-a header shows the token `repr`-escaped, a URL shows it percent-encoded, a setting (RUN_NAME) can hold
-it by mistake. So the job refuses a token that could not be a header value before anything uses it,
-refuses settings that contain it, and masks every form of it in stdout, stderr and the rank logs, with the
-credentials inside the URLs it is given and any `scheme://user:password@` or `?token=` in printed text.
-
-Imports nothing heavy: main.py installs the masking before torch is imported.
+Libraries print the token for us: an exception shows it `repr`-escaped, a URL percent-encoded, a setting can hold
+it by mistake. So a token that could not be a header value is refused, a setting holding it is refused, and
+every form of it (and any URL credential) is masked in stdout, stderr and the rank logs. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -28,14 +24,12 @@ from pydantic import SecretStr
 from utils.common.errors import BadInput, JobError
 
 MASK = "***"
-# A Hub token is one printable ASCII word (hf_ + letters and digits). Anything else (a newline, a tab,
-# a second line of the token file) cannot go in an HTTP header and would only ever be echoed back.
+# One printable ASCII word: anything else cannot go in an HTTP header and would only ever be echoed back.
 TOKEN_PATTERN = re.compile(r"[\x21-\x7e]+")
 MIN_TOKEN_LENGTH = 8  # Hub tokens are 37 characters; a shorter value is a mistake, and masking it would garble output
 MAX_TOKEN_FILE_BYTES = 4096  # a token file holds one line; more is the wrong file (and /dev/zero never ends)
 
-# Variables holding URLs that libraries print back (the Hub client its endpoint in errors, MLflow links to its
-# runs, HTTP clients their proxy): the credentials inside them are secrets.
+# Variables holding URLs that libraries print back: the credentials inside them are secrets.
 URL_VARIABLES = (
     *("HF_ENDPOINT", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "WANDB_BASE_URL", "HTTP_PROXY", "HTTPS_PROXY"),
     *("ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"),
@@ -52,8 +46,7 @@ URL_SECRET_QUERY = re.compile(rf"(?P<name>[?&;]{SECRET_PARAMETER}=)[^&;#\s\"'<>]
 
 # Not huggingface_hub.get_token: it joins a token's lines into one and reads a stored login the job must not use.
 def read_token() -> SecretStr | None:
-    """HF_TOKEN, else the file HF_TOKEN_PATH names (as huggingface_hub reads them); None when neither is set.
-    A value that cannot be a token is bad input, reported without showing it."""
+    """HF_TOKEN, else the file HF_TOKEN_PATH names; None when neither is set. A bad value is refused unshown."""
     token, source = os.environ.get("HF_TOKEN", "").strip(), "HF_TOKEN"
     path = os.environ.get("HF_TOKEN_PATH", "").strip()
     if not token and path:
@@ -79,13 +72,12 @@ def read_token() -> SecretStr | None:
 
 
 class UnfitFile(ValueError):
-    """A path that names no small text file; the message says what it is instead."""
+    """A path that names no small text file; the message says what it is."""
 
 
 def read_small_text(path: str | Path, limit: int) -> str:
-    """The text of a regular file of at most `limit` bytes (the token file, a recipe, a sweep spec). Opened without
-    blocking and refused unless regular: a FIFO would wait for a writer for ever, /dev/zero never end. Raises
-    OSError as the system says it (missing, unreadable), UnfitFile for anything else."""
+    """The text of a regular file of at most `limit` bytes: a FIFO would block for ever, /dev/zero never end.
+    Raises OSError as the system says it, UnfitFile for anything else."""
     fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
@@ -103,8 +95,7 @@ def read_small_text(path: str | Path, limit: int) -> str:
 
 
 def any_form_of(secrets: Iterable[str]) -> re.Pattern | None:
-    """Every way each secret can appear in text: raw, repr/JSON-escaped, percent-encoded; the longest first, so a
-    form holding another is masked whole."""
+    """Every way each secret can appear in text (raw, escaped, percent-encoded), longest first: masked whole."""
     forms: set[str] = set()
     for secret in secrets:
         quoted = (urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret, safe=""))
@@ -113,9 +104,8 @@ def any_form_of(secrets: Iterable[str]) -> re.Pattern | None:
 
 
 def url_secrets(environ: dict[str, str] | None = None) -> list[str]:
-    """The credentials inside the URLs of URL_VARIABLES (a password, a user name standing alone as a token, a
-    secret query parameter, and the Basic-auth header a client makes of user:password), and the values of
-    SECRET_VARIABLES: what else the job must never print."""
+    """What else the job must never print: the credentials inside the URLs of URL_VARIABLES (the Basic-auth header
+    a client makes of user:password too), and the values of SECRET_VARIABLES."""
     environ = os.environ if environ is None else environ
     secrets = [environ[name].strip() for name in SECRET_VARIABLES if environ.get(name, "").strip()]
     for name in URL_VARIABLES:
@@ -168,9 +158,8 @@ OWN_LINE_PREFIXES = ("error: ", "preempted: ")
 
 
 class MaskedStream:
-    """A text stream that masks secrets in everything written to it (tracebacks, warnings, progress bars). It
-    keeps `error:` lines whole: a progress bar leaves the cursor at the end of its line (it redraws with a
-    carriage return), and an error printed then would be glued to the bar, so it gets a newline first."""
+    """A text stream that masks secrets in everything written to it. An `error:` line after a progress bar (which
+    leaves the cursor at its line's end) gets a newline first, not to be glued to the bar."""
 
     def __init__(self, stream: TextIO, masker: Masker):
         self._stream, self._mask = stream, masker
@@ -213,8 +202,8 @@ class MaskingFilter(logging.Filter):
 
 
 def install_masking() -> Masker:
-    """Mask the token (read and checked here) and the credentials in URLs on this process's stdout and stderr; the
-    Masker returned is for the log handlers the run adds later (the rank logs are files, not stderr)."""
+    """Mask the token (read and checked here) and URL credentials on stdout and stderr; the Masker is for the rank
+    logs' handlers."""
     try:
         token = read_token()
     except JobError:
@@ -238,8 +227,7 @@ def _mask_streams(masker: Masker) -> None:
 
 
 def refuse_token_in_settings(values: dict[str, Any], token: SecretStr | None) -> None:
-    """A setting that holds the token would put it in folder names, run.json, the model card and the
-    trackers: refuse it by name, without showing it."""
+    """A setting holding the token would put it in folder names, run.json, the card: refused by name, unshown."""
     masker = Masker(token)
     holding = [name for name, value in values.items() if name != "hf_token" and masker.holds_secret(str(value))]
     if holding:

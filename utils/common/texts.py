@@ -1,14 +1,6 @@
-"""The rule a row's text is held to wherever it is read: training's splits (utils/training/data.py), the test split and
-predict.py's input, so a text one of them refuses the others refuse too, in the same words.
-
-- A cell with no text (empty, missing, or only whitespace) is refused, naming the first such row: the model
-  would be trained on, or answer about, `[CLS] [SEP]` alone.
-- A NUL character in a text is refused, naming the first such row: it is no text (binary data, or UTF-16 read
-  as UTF-8), and a tokenizer drops it without a word.
-- A blank line is no row at all, skipped: in a file of one sentence a line, a line of whitespace only; in a .csv
-  or .tsv, a line of spaces and tabs only, as the data loader skips it (utils/common/delimited.py).
-
-Imports nothing heavy: predict.py checks its input before it loads a model.
+"""The rule a row's text is held to wherever it is read (training's splits, the test split, predict.py's input), in
+the same words: a cell with no text is refused (the model would see `[CLS] [SEP]` alone), as is a NUL (binary
+data, or UTF-16 read as UTF-8, which a tokenizer drops without a word); a blank line is no row. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -25,9 +17,8 @@ NUL_FIX = (
 
 
 def check_texts(values: Sequence, column: str, source: str, place: Callable[[int], str]) -> None:
-    """Refuse the first of `values` (a column's texts, in row order) that has no text or holds a NUL. `source`
-    names where they come from (`the train split`, `reviews.csv`), `place(i)` the row at index i (`row 3`,
-    `line 4`)."""
+    """Refuse the first of `values` (a column's texts) that has no text or holds a NUL; `source` names where they
+    come from (`reviews.csv`), `place(i)` the row at index i (`line 4`)."""
     empty = [i for i, value in enumerate(values) if not isinstance(value, str) or not value.strip()]
     if empty:
         raise BadInput(

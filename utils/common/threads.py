@@ -1,8 +1,5 @@
-"""The job's background threads, all started by `in_background`: a call given a deadline (`within`), a watchdog
-over the main thread (`watchdog`), a heartbeat (`Heartbeat`).
-
-Daemon threads, so one stuck in a call that never returns (a silent server, a native wait) never holds the
-process's exit. The standard library only: utils/config/preflight.py uses it before torch is imported.
+"""The job's background threads: a call given a deadline (`within`), watchdogs over the main thread, a heartbeat.
+Daemon threads, so one stuck in a call that never returns never holds the process's exit. Standard library only.
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ def in_background(call: Callable[[], object], name: str) -> threading.Event:
 
 
 def within(seconds: float, call: Callable[[], T], name: str = "deadline") -> T:
-    """`call()`'s result (its exception raised here), or Deadline after `seconds` while the call still runs: for
-    library calls that can wait for ever (huggingface_hub's client has no timeout of its own, nor MLflow's retries)."""
+    """`call()`'s result (or exception), or Deadline after `seconds`: for library calls that can wait for ever."""
     box: dict = {}
 
     def target() -> None:
@@ -54,8 +50,7 @@ def within(seconds: float, call: Callable[[], T], name: str = "deadline") -> T:
 
 
 def end_process(message: str, code: int) -> None:
-    """Say `message` on stderr and end the process with `code` at once, from any thread (the main one may be held in
-    native code that no exception reaches)."""
+    """Say `message` on stderr and end the process with `code` at once, from any thread."""
     sys.stderr.write(f"{message}\n")
     sys.stderr.flush()
     os._exit(code)
@@ -63,11 +58,8 @@ def end_process(message: str, code: int) -> None:
 
 @contextmanager
 def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
-    """End the process with `code` and `error: message` if the block has not finished after `seconds`.
-
-    torch's store calls to a stopped rank 0 wait in native code past their own timeouts (seen: 100 s on a
-    20 s timeout; tests/test_library_contract.py), where no Python signal handler or exception reaches them.
-    """
+    """End the process with `code` and `error: message` if the block has not finished after `seconds`: torch's
+    store calls to a stopped rank 0 wait in native code past their own timeouts (seen: 100 s on a 20 s one)."""
     done = threading.Event()
 
     def expire() -> None:
@@ -83,9 +75,8 @@ def watchdog(seconds: float, message: str, code: int) -> Iterator[None]:
 
 @contextmanager
 def ended_when(condition: Callable[[], bool], message: str, code: int, every: float = 2.0) -> Iterator[None]:
-    """End the process with `code` (saying `message` on stderr) as soon as `condition()` holds, checked every `every`
-    seconds while the block runs: a wait that another process's outcome makes pointless, in native code where no
-    exception reaches it (a store call to a peer that will not come)."""
+    """End the process with `code` (saying `message`) as soon as `condition()` holds, checked every `every` seconds
+    while the block runs: a native wait that another process's outcome makes pointless."""
     done = threading.Event()
 
     def watch() -> None:
@@ -105,8 +96,7 @@ def ended_when(condition: Callable[[], bool], message: str, code: int, every: fl
 
 
 class Heartbeat:
-    """`beat()` every `seconds` until `stop`: a watcher that sees the beats stand still knows the process was
-    killed, stopped or cut off. `beat` handles its own failures: a missed beat must not end the job."""
+    """`beat()` every `seconds` until `stop`; `beat` handles its own failures: a missed beat must not end the job."""
 
     def __init__(self, beat: Callable[[], None], seconds: float, name: str):
         self._stopping = threading.Event()
@@ -118,7 +108,6 @@ class Heartbeat:
         self._stopped = in_background(beating, name)
 
     def stop(self, wait: float) -> None:
-        """Stop, and wait up to `wait` seconds for a beat in flight: a daemon thread still inside a native call when
-        the interpreter shuts down aborts the exit (SIGABRT) instead of exiting with the code the job chose."""
+        """Stop, and wait up to `wait` seconds for a beat in flight: one in a native call at shutdown is SIGABRT."""
         self._stopping.set()
         self._stopped.wait(wait)

@@ -19,13 +19,8 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def mark_checkpoint_complete(run: RunDir, checkpoint: Path, resume_key: dict) -> None:
-    """Declare a checkpoint whole; call it once every rank has written its part (its RNG state).
-
-    The marker is a manifest: every file's size and SHA-256, so a resume can tell a checkpoint damaged
-    after it was marked (a truncated optimizer state, a deleted file), and `resume_key`: the run's identity
-    (utils/config/identity.py), so a restart that would continue another run is refused instead of silently skipping
-    or repeating rows, and the stretches of the run so far.
-    """
+    """Declare a checkpoint whole, once every rank has written its part. The manifest holds every file's size and
+    SHA-256 (a resume tells one damaged since) and `resume_key`, so a restart of another run is refused."""
     fsync_tree(checkpoint)
     files = {
         str(path.relative_to(checkpoint)): {"size": path.stat().st_size, "sha256": sha256_file(path)}
@@ -72,8 +67,7 @@ def latest_complete_checkpoint(run: RunDir) -> Path | None:
 
 
 def usable_checkpoints(run: RunDir) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest complete checkpoint whose files are intact, and the damaged ones found newer than it
-    (removed: a later save of the same step must not mix with their files)."""
+    """The newest intact complete checkpoint, and the damaged ones newer than it (removed)."""
     damaged = []
     for path in reversed(_checkpoints(run)):
         problem = checkpoint_damage(path)
@@ -93,20 +87,18 @@ def discard_incomplete_checkpoints(run: RunDir) -> list[Path]:
 
 
 def prune_checkpoints(run: RunDir, keep: int, best: str | None = None) -> None:
-    """Keep the newest `keep` complete checkpoints, and `best` (LOAD_BEST_MODEL's, the model the run ends with)
-    beside them. Runs after a new one is marked complete, so the newest complete checkpoint is never deleted before
-    a newer one is whole (the Trainer's own rotation deletes before the new one is finished, and by mtime)."""
+    """Keep the newest `keep` complete checkpoints, and `best` (LOAD_BEST_MODEL's). Unlike the Trainer's rotation,
+    it runs after a new one is whole, so the newest complete one is never deleted first."""
     complete = [path for path in _checkpoints(run) if best is None or path.name != Path(best).name]
     for path in complete[: max(0, len(complete) - keep)]:
-        # The marker goes first: a kill in the middle of the deletion leaves an unmarked checkpoint, which
-        # the next start discards quietly, never a marked one with files missing.
+        # The marker first: a kill mid-deletion leaves an unmarked checkpoint, never a marked one with files missing.
         (path / COMPLETE_MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
 
 
 def volume_fault(run: RunDir, exc: BaseException, doing: str) -> JobError | None:
-    """The one-line error (exit 2) when `exc` means OUTPUT_DIR's volume is full or turned read-only, naming the
-    checkpoint a restart resumes from once the volume is fixed; None for any other failure."""
+    """The error (exit 2) when `exc` means OUTPUT_DIR's volume is full or read-only, naming the checkpoint a
+    restart resumes from; None for any other failure."""
     state = volume_state(exc, run.root)
     if state is None:
         return None

@@ -3,31 +3,24 @@
     OUTPUT_DIR/
       .run-folder       the job's mark on a folder it claimed: it works only in its own (record.py RUN_MARKER)
       .job.lock         one job at a time (utils/cluster/run_lock.py)
-      model/            adapter + config, tokenizer, id2label.json, inputs.json, base_model.json, training_curves.png,
-                        README.md card (rank 0)
-      merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision         (rank 0)
-      metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran (rank 0)
-      predictions/      the test split answered: predictions.jsonl, metrics.json when it is labelled    (rank 0)
-      run.json          its format, the settings (secrets masked), the plan, the identity, versions, pushes (rank 0;
-                        record.py)
-      checkpoints/      Trainer checkpoints; a COMPLETE manifest (file sizes and hashes, the identity) once one is whole
-                        (checkpoints.py)
+      model/            adapter, tokenizer, id2label.json, inputs.json, base_model.json, curves, README.md card
+      merged/           with MERGE_ADAPTER: the base with the adapter merged in, full precision
+      metrics.json      eval_accuracy/f1/precision/recall, eval_samples, world_size, train_*, what ran
+      predictions/      the test split answered: predictions.jsonl, metrics.json when it is labelled
+      run.json          the settings (secrets masked), the plan, the identity, versions, pushes (record.py)
+      checkpoints/      Trainer checkpoints, each with a COMPLETE manifest once whole (checkpoints.py)
       logs/rank-R.log   one per rank
       tensorboard/      training curves
       cache/            tokenized data, keyed by tokenizer, max length and data fingerprint
 
-Files other ranks or a restart read appear whole or not at all: written beside their final name on
-the same volume, then renamed.
+Rank 0 writes model/, merged/, metrics.json, predictions/ and run.json. Files other ranks or a restart read are
+written beside their final name, then renamed: whole or not at all.
 
-The job writes only regular files it created, inside OUTPUT_DIR, and publishes only those. The folder is on
-a shared volume and RUN_NAME is predictable (--dry-run prints it), so a neighbour could plant a symbolic
-link (logs/ -> elsewhere, tensorboard/RUN/x -> a folder holding a token) or a hard link to a file outside
-(metrics.json): followed, the job would append its log to that file, overwrite it, or push it to the Hub.
-So every file the job opens here is reached from OUTPUT_DIR one folder at a time without following a
-link, and must be a regular file with no other hard link; what is planted is refused (exit 2) with the
-path and the fix. `check_planted` refuses what is there before the run; the write itself refuses what is
-planted during it. What a push sends is the list of files the job recorded as it wrote them
-(record.py `record_written`), never a walk of the folders.
+The folder is on a shared volume, so a neighbour could plant a symbolic link (logs/ -> elsewhere) or a hard
+link to a file outside (metrics.json): followed, the job would append to, overwrite or push that file. So every
+file is reached from OUTPUT_DIR one folder at a time without following a link, and must be a regular file with
+no other hard link; what is planted is refused (exit 2) with the fix. A push sends the files the job recorded as
+it wrote them (record.py `record_written`), never a walk of the folders.
 """
 
 from __future__ import annotations
@@ -77,9 +70,8 @@ class RunDir:
         return self.metrics.is_file() and (self.model / "adapter_config.json").is_file()
 
     def open(self, path: Path, mode: str = "r") -> IO:
-        """`path` (under the root) opened for reading ("r", "rb"), appending ("a"), writing ("w", "wb") or
-        creating ("x"), its folders created as needed; a link on the way or a file with other hard links is
-        refused (JobError, exit 2) before a byte is read or written."""
+        """`path` (under the root) opened ("r", "rb", "a", "w", "wb", "x"), its folders created as needed; a link
+        on the way or a file with other hard links is refused before a byte is read or written."""
         flags = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "w": os.O_WRONLY | os.O_CREAT}
         flags["x"] = flags["w"] | os.O_EXCL
         # O_NONBLOCK: a FIFO planted under the name must not block the open; regular files ignore it.
@@ -128,8 +120,8 @@ class RunDir:
             os.close(folder)
 
     def write_json(self, path: Path, payload: dict) -> None:
-        """`payload` as JSON, a NaN or infinite number as null: Python writes them as NaN and Infinity, which no JSON
-        reader takes (an evaluation's Pearson correlation of constant predictions is NaN)."""
+        """`payload` as JSON, a NaN or infinite number as null: no JSON reader takes Python's NaN (an evaluation's
+        Pearson correlation of constant predictions)."""
         replaced: list[str] = []
         text = json.dumps(_finite(payload, "", replaced), indent=2, sort_keys=True, allow_nan=False)
         if replaced:
@@ -157,8 +149,7 @@ class RunDir:
         )
 
     def make_dir(self, path: Path, fresh: bool = False) -> Path:
-        """`path` as a real folder of the job's (with `fresh`, emptied first); a link at its name or on the way
-        is refused, except at a `fresh` folder's own name, which is set aside: the job discards that folder anyway."""
+        """`path` as a real folder of the job's (with `fresh`, emptied first: a link at its own name is removed)."""
         if fresh:
             with suppress(FileNotFoundError):
                 if stat.S_ISDIR(os.lstat(path).st_mode):
@@ -205,7 +196,6 @@ class RunDir:
 
 
 def _finite(value, where: str, replaced: list[str]):
-    """`value` with each NaN or infinite float replaced by None, their places added to `replaced`."""
     if isinstance(value, float) and not math.isfinite(value):
         replaced.append(where or "the value")
         return None
@@ -217,8 +207,7 @@ def _finite(value, where: str, replaced: list[str]):
 
 
 def _unplanted_files(folder: Path) -> list[Path]:
-    """The regular files under `folder`; a symbolic link or a file with other hard links anywhere in it is refused.
-    os.walk never descends into a linked folder."""
+    """The regular files under `folder`; a link anywhere in it is refused."""
     files = []
     for current, folders, names in os.walk(folder):
         for name in sorted([*folders, *names]):
@@ -278,15 +267,9 @@ def process_umask() -> int:
 
 
 def fsync_tree(folder: Path) -> None:
-    """Flush a folder's files to the volume before a rename or a marker declares them whole, each with the mode
-    the umask gives a new file.
-
-    A killed process loses nothing the kernel already has; a node that goes down (a preempted VM) loses
-    what is not yet on disk, and the marker must not outlive the files it vouches for. Links are not
-    followed (a planted one is refused where it would be read or published). The mode: safetensors writes
-    its files 0600 whatever the umask, so the model and checkpoints on a shared volume were unreadable to
-    the rest of the group (a teammate, predict.py run by another user); every folder the job saves passes here.
-    """
+    """Flush a folder's files to disk before a rename or a marker declares them whole (a node that goes down loses
+    what is not on disk), each with the mode the umask gives a new file: safetensors writes 0600 whatever the umask,
+    which would hide the model from the rest of the group on a shared volume."""
     file_mode = FILE_MODE & ~process_umask()
     for current, _, files in os.walk(folder):
         for path in [*(Path(current) / name for name in sorted(files)), Path(current)]:
@@ -298,8 +281,7 @@ def fsync_tree(folder: Path) -> None:
                 raise
             try:
                 info = os.fstat(fd)
-                # Only a file of the job's own with no other name: a hard link planted in a checkpoint folder
-                # must not have its mode opened up.
+                # Only the job's own files: a planted hard link must not have its mode opened up.
                 ours = stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.geteuid()
                 if ours and stat.S_IMODE(info.st_mode) != file_mode:
                     os.fchmod(fd, file_mode)
@@ -328,8 +310,7 @@ def not_writable(output_dir: str, strerror: str | None) -> JobError:
 
 
 def check_output_writable(output_dir: str) -> None:
-    """What `open_run_dir` would meet creating OUTPUT_DIR's folders, found without writing (for --dry-run): the
-    nearest existing folder on the path must be a folder this uid may write into, on a writable volume."""
+    """What `open_run_dir` would meet creating OUTPUT_DIR, found without writing (for --dry-run)."""
     path = Path(output_dir).absolute()
     existing = path
     while not os.path.lexists(existing) and existing != existing.parent:

@@ -1,7 +1,5 @@
-"""The files the job keeps beside a saved model, and the one place that reads them back: the label names, what one
-input is, and the base the adapter was trained on. The model card writes them; training, the merge, the push and
-predict.py read them, for a folder on the volume or a Hub repo alike.
-"""
+"""The files the job keeps beside a saved model (the label names, what one input is, the adapter's base), and the
+one place that reads them back, from a folder or a Hub repo alike."""
 
 from __future__ import annotations
 
@@ -32,9 +30,8 @@ def model_file(model: str | Path, name: str) -> str | None:
 
 
 def read_model_json(model: str | Path, name: str) -> dict | None:
-    """The JSON object `name` beside the model; None where there is none or it is not an object: a model saved
-    before the job recorded it, another tool's, or a repo that cannot be reached (the model's own load reports
-    that)."""
+    """The JSON object `name` beside the model; None where there is none (an older or another tool's model, or a
+    repo out of reach: the model's own load reports that)."""
     try:
         path = model_file(model, name)
         record = json.loads(Path(path).read_text()) if path else None
@@ -55,8 +52,7 @@ def read_label_names(model: str | Path) -> dict[int, str] | None:
 
 
 def write_base_fingerprint(folder: Path, fingerprint: dict[str, str] | str) -> None:
-    """base_model.json beside an adapter: `{"sha256": {file: digest}}` for a local base folder (each weights, config
-    and tokenizer file by name), `{"hub_id": id}` for a Hub base; the identity's value, never hashed again here."""
+    """base_model.json beside an adapter: `{"sha256": {file: digest}}` (a local base) or `{"hub_id": id}`."""
     key = "sha256" if isinstance(fingerprint, dict) else "hub_id"
     (folder / BASE_NAME).write_text(json.dumps({key: fingerprint}, indent=2, sort_keys=True) + "\n")
 

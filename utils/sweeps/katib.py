@@ -1,15 +1,7 @@
-"""The katib backend: a Katib Experiment (kubeflow.org/v1beta1) whose trial is the job's own PyTorchJob.
-
-The trial template is k8s/pytorchjob.yaml as deployed (same image, ConfigMap, Secret, volumes, replicas), with
-each container's `env` (which wins over the ConfigMap) holding the trial's settings as every backend builds them,
-the swept ones `${trialParameters.NAME}`, and RESULT_MODEL_ID blank (unset to the job) unless the spec pushes.
-Katib picks the values itself: `grid` -> algorithm grid, `random` -> random (random_state = seed).
-
-Metrics come from the trial's standard output (Katib's StdOut collector on the master pod): rank 0's last line
-starts with the task's headline (`utils.config.tasks.headline`: `eval_accuracy=0.9967`, MNLI's
-`eval_matched_accuracy=... eval_mismatched_accuracy=...`), which the metricsFormat below reads as name/value pairs.
-Katib wraps the container's command to capture it, so the template names the image's command where the deployed
-manifest leaves it to the ENTRYPOINT. A metric that line does not carry is refused with the fix.
+"""The katib backend: a Katib Experiment (kubeflow.org/v1beta1) whose trial is k8s/pytorchjob.yaml as deployed,
+each container's `env` holding the trial's settings (the swept ones `${trialParameters.NAME}`). Katib picks the
+values (grid or random) and reads the metric from rank 0's last stdout line, the task's headline
+(`eval_accuracy=0.9967`); it wraps the container's command to do so, so the template names the image's command.
 """
 
 from __future__ import annotations
@@ -111,8 +103,7 @@ def render_experiment(spec: Spec, trial_count: int) -> dict:
 
 
 class QuotingDumper(yaml.SafeDumper):
-    """Quotes every string a YAML 1.2 reader (kubectl's) would take for a number: PyYAML, a YAML 1.1 writer,
-    leaves `1e-05` bare, which the API server would read as a float where Katib's API wants a string."""
+    """Quotes every string a YAML 1.2 reader (kubectl's) takes for a number: PyYAML (1.1) leaves `1e-05` bare."""
 
     def represent_str(self, value: str):
         return self.represent_scalar("tag:yaml.org,2002:str", value, style="'" if NUMBER.match(value) else None)

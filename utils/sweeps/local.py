@@ -1,16 +1,10 @@
-"""The local backend: the sweep's trials on this machine, `parallel` at a time, each `python main.py` in a process.
+"""The local backend: the sweep's trials on this machine, `parallel` at a time (one GPU each), each `python main.py`.
 
-The study lives in OUTPUT_DIR/study.db (Optuna, SQLite), one Optuna trial per run of a planned trial, named by
-its `trial` user attribute, so a sweep run again after a kill resumes: a COMPLETE trial is never run again; one
-left RUNNING is marked FAIL and run again in its folder, where the job resumes from its last checkpoint. The
-sampler never picks: the trials are those of `plan_trials`, their settings recorded as the `params` user attribute,
-not as Optuna parameters. Optuna ties a parameter to the value space it was first recorded with (a categorical
-list may not change), so a grid grown in a list, which extends the sweep (docs/sweeps.md), could not be recorded;
-sweep.json holds the space the sweep is checked against.
-
-On GPUs each trial gets one (CUDA_VISIBLE_DEVICES). A trial's process dies with the sweep (PR_SET_PDEATHSIG), so a
-killed sweep leaves none training on in the folder the rerun needs. Trials run in a session of their own, so a
-terminal's Ctrl-C reaches the sweep alone, which tells each running trial once (it checkpoints and exits).
+The study is OUTPUT_DIR/study.db (Optuna), one trial per run, named by its `trial` user attribute, so a sweep run
+again resumes: a COMPLETE trial is never rerun, a RUNNING one is marked FAIL and rerun (the job resumes from its
+checkpoint). The trials are `plan_trials`'s, their settings a user attribute, not Optuna parameters: Optuna ties a
+parameter to its first value space, so a grown grid could not be recorded. A trial dies with the sweep
+(PR_SET_PDEATHSIG) and runs in its own session, so Ctrl-C reaches the sweep alone, which tells each trial once.
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ STUDY = "study.db"
 
 
 def visible_gpus(environ: dict[str, str]) -> list[str]:
-    """The GPUs trials may take: CUDA_VISIBLE_DEVICES as set, else what nvidia-smi lists; none on a CPU machine."""
+    """CUDA_VISIBLE_DEVICES as set, else what nvidia-smi lists; none on a CPU machine."""
     if "CUDA_VISIBLE_DEVICES" in environ:
         return [g for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
     if not shutil.which("nvidia-smi"):
@@ -56,8 +50,7 @@ SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C (SIGINT)"}
 
 
 def pass_stop_signal(signum, frame) -> None:
-    """SIGTERM to the sweep (a scheduler's stop, Slurm's time limit) or Ctrl-C goes on to each running trial: it
-    checkpoints and exits 143 (130), and the next run of the sweep resumes it. No trial starts after it."""
+    """SIGTERM or Ctrl-C goes on to each running trial (it checkpoints and exits); no trial starts after it."""
     if not STOPPED:
         STOPPED.append(signum)
     for proc in list(LIVE):
@@ -105,9 +98,8 @@ def run_trial(spec: Spec, trial: Trial, gpu: str | None = None) -> tuple[int, fl
 
 
 def run_local(spec: Spec, trials: list[Trial]) -> int:
-    # One sweep per output_dir: a second would rerun the first one's RUNNING trials beside it. An OS lock, not the
-    # job's heartbeat lock (utils/cluster/run_lock.py): a local sweep's trials all run on this host. Opened as the
-    # job opens its own files: a link planted at the lock's name is refused, never truncated through.
+    # One sweep per output_dir, or a second would rerun the first one's RUNNING trials. An OS lock, not the job's
+    # heartbeat lock: a local sweep runs on one host. Opened as the job opens its files: a planted link is refused.
     with RunDir(spec.output_dir).open(spec.output_dir / ".sweep.lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -119,8 +111,7 @@ def run_local(spec: Spec, trials: list[Trial]) -> int:
 
 
 def check_study(spec: Spec) -> None:
-    """A study.db SQLite cannot read whole (torn by a full disk or a copy, or another file under its name) is refused
-    in one line naming it and the fix, before the sweep claims its folder; Optuna would end in a traceback."""
+    """Refuse a study.db SQLite cannot read whole, in one line with the fix: Optuna would end in a traceback."""
     db = spec.output_dir / STUDY
     if not db.exists():
         return
@@ -137,8 +128,7 @@ def check_study(spec: Spec) -> None:
 
 
 def open_study(spec: Spec, trials: list[Trial]):
-    """The sweep's study in output_dir (this sweep's: check_sweep_dir refused another's), the trials a stopped sweep
-    left running marked failed; with the planned trials not yet complete."""
+    """The sweep's study, the trials a stopped sweep left running marked failed, and the trials still to run."""
     import optuna
     from optuna.trial import TrialState
 

@@ -1,7 +1,5 @@
-"""The slurm backend: the sweep as one job array rendered from launchers/slurm/sweep.sbatch.template.
-
-Array task I runs `python sweep.py SPEC --run-trial I`: trial I of `plan_trials`, which every task computes
-the same way from the spec, so no task needs a shared study. The spec's `slurm:` block sets its resources (utils/sweeps/spec.py SlurmOptions).
+"""The slurm backend: the sweep as one job array rendered from launchers/slurm/sweep.sbatch.template. Task I runs
+`python sweep.py SPEC --run-trial I`, trial I of `plan_trials` as every task computes it: no shared study.
 """
 
 from __future__ import annotations
@@ -15,6 +13,14 @@ from utils.sweeps.spec import CONTROL, Spec, refused
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "launchers" / "slurm" / "sweep.sbatch.template"
 PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
+
+
+def fill_template(template: Path, values: dict[str, str]) -> str:
+    """`template`'s text with each @NAME@ replaced by values[NAME] (launchers/slurm/render_sbatch.py's too)."""
+    text = template.read_text()
+    if missing := sorted(set(PLACEHOLDER.findall(text)) - set(values)):  # never a literal @NAME@ on the cluster
+        raise RuntimeError(f"template placeholders without a value: {missing}")
+    return PLACEHOLDER.sub(lambda match: values[match.group(1)], text)
 
 
 def render_array(spec: Spec, trial_count: int) -> str:
@@ -46,5 +52,4 @@ def render_array(spec: Spec, trial_count: int) -> str:
         "WORKDIR": shlex.quote(str(REPO)),
         "ACTIVATE": f"source {shlex.quote(str(venv / 'bin' / 'activate'))}",
     }
-    # a placeholder of the template without a value here is a KeyError: a literal @NAME@ never reaches the cluster
-    return PLACEHOLDER.sub(lambda match: values[match.group(1)], TEMPLATE.read_text())
+    return fill_template(TEMPLATE, values)

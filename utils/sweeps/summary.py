@@ -1,10 +1,6 @@
-"""A sweep's answer, built from its trial folders alone (so every backend gets the same one):
-OUTPUT_DIR/summary.csv (a row per trial), summary.md (the table sorted by the metric, the best trial's
-settings) and summary.png (the metric against each swept setting).
-
-A trial folder holds `trial.json` (its settings, then the outcome of its last run) and, once the job finished, the
-job's own `metrics.json`. The status is the last run's: `complete` (exit 0 and the metric in metrics.json),
-`failed`, `pending` (never started) or `running` (still running, or killed: the next run of the sweep reruns it).
+"""A sweep's answer, from its trial folders alone (every backend gets the same): summary.csv, summary.md (sorted by
+the metric, the best trial's settings) and summary.png. A trial's status is its last run's, in `trial.json`:
+complete (exit 0 and the metric in metrics.json), failed, pending, or running (or killed: rerun next time).
 """
 
 from __future__ import annotations
@@ -31,12 +27,9 @@ def record_trial(spec: Spec, trial: Trial, **fields) -> Path:
     """Write (or update) the trial's record in its folder, which it returns: settings, then its outcome."""
     folder = spec.output_dir / trial.name
     run = RunDir(folder.resolve())
-    # main.py's own refusal of a folder another tool wrote: left as it is.
-    refuse_foreign(run, folder)
+    refuse_foreign(run, folder)  # main.py's own refusal of a folder another tool wrote
     folder.mkdir(parents=True, exist_ok=True)
-    # The trial's folder is its run's OUTPUT_DIR: marked as the job's before the sweep's own files go in, or
-    # main.py would refuse it as someone else's folder.
-    claim_run_dir(run)
+    claim_run_dir(run)  # the trial's OUTPUT_DIR, marked the job's before the sweep's files go in
     record = run.read_json(run.root / TRIAL_RECORD) or {}
     record.update(trial=trial.name, index=trial.index, params=trial.params, settings=spec.trial_env(trial), **fields)
     run.write_json(run.root / TRIAL_RECORD, record)
@@ -118,11 +111,8 @@ def plot_summary(spec: Spec, rows: list[Row], path: Path) -> None:
             ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
         ax.scatter(xs, [r.value for r in done])
         # a log range, or a grid of rates (1e-4, 1e-3, 1e-2), reads on a log axis; a grid of ranks (4, 8) need not
-        if (
-            numeric
-            and xs
-            and (getattr(spec.random.get(name), "log", False) or min(xs) > 0 and max(xs) >= 100 * min(xs))
-        ):
+        wide = getattr(spec.random.get(name), "log", False) or min(xs, default=0) > 0 and max(xs) >= 100 * min(xs)
+        if numeric and xs and wide:
             ax.set_xscale("log")
         ax.set_xlabel(name)
         ax.set_ylabel(spec.metric)

@@ -1,17 +1,8 @@
-"""Multi-label data (PROBLEM_TYPE=multi_label_classification): each row's set of labels as a float32 multi-hot
-vector, 1.0 where the row has the label, which transformers' multi_label_classification head trains on with one
-binary cross-entropy per label.
+"""Multi-label data (PROBLEM_TYPE=multi_label_classification): each row's labels as a float32 multi-hot vector.
 
-The labels are written one of two ways, and anything else is refused with the fix:
-
-- one column (LABEL_COLUMN) listing each row's label names: a JSON list in .json/.jsonl/.parquet files and
-  save_to_disk data (a list of a ClassLabel's ids too, as the Hub's multi-label sets store them), the names
-  separated by `|` in a .csv/.tsv cell (`toxic|insult`: a comma would be the csv's own separator); an empty cell,
-  `[]` or null is a row with none of the labels;
-- several 0/1 columns (LABEL_COLUMNS), one per label, each named by its column.
-
-The names in id order: LABEL_COLUMNS; else LABEL_NAMES; else the names the training rows list, sorted. In Arrow
-and numpy throughout: no pass over the rows in Python.
+The labels are one column (LABEL_COLUMN) listing each row's names (a JSON list, a list of ClassLabel ids, or
+`toxic|insult` in a .csv/.tsv cell), or several 0/1 columns (LABEL_COLUMNS), one per label. The names in id
+order: LABEL_COLUMNS, else LABEL_NAMES, else the training rows' names sorted. In Arrow and numpy throughout.
 """
 
 from __future__ import annotations
@@ -43,8 +34,7 @@ def multi_hot_labels(
 
 
 def _listed_names(ds: datasets.Dataset, split: str, column: str) -> tuple[numpy.ndarray, pyarrow.Array]:
-    """Each name a row lists and the row it is in, names stripped; empty names and null rows (none of the labels)
-    dropped."""
+    """Each name a row lists (stripped, empty ones dropped) and the row it is in."""
     values = ds.with_format("arrow")[column].combine_chunks()
     kind, feature = values.type, ds.features[column]
     if pyarrow.types.is_null(kind) or pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind):

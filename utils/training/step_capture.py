@@ -1,21 +1,11 @@
 """The training step's forward and backward captured once per length bucket and replayed (CUDA_GRAPHS).
 
-A step of BERT-base LoRA is about 1,100 small kernels, each launched from Python through peft, transformers,
-autocast and autograd: on an H200 the GPU was busy 7 ms of a 45 ms step, waiting on the host. Captured as a CUDA
-graph, the forward and backward of a micro-batch is one launch. The batches come in a few padded shapes (the length
-buckets, utils/training/trainer.length_buckets), so one graph per bucket serves the whole run.
-
-What a graph needs and this module keeps:
-- static inputs: one set of buffers per bucket, which each step's batch is copied into;
-- static gradients: every trainable weight's `.grad` is a view of one flat buffer that every replay adds into,
-  kept for the whole run (zero_grad zeroes it in place); under DDP it is exchanged in one all-reduce after the
-  replay, DDP's own arithmetic (divided by the replica count, then summed), instead of DDP's hooks;
-- the random state: the warm-up before a capture runs with the generators saved and restored, and a replay draws
-  its dropout masks from the same generator as the eager step.
-
-What stays eager, outside the graph: clipping, fused AdamW, the scheduler, callbacks and logging (the Trainer's
-own, after the replay), and evaluation. On the CPU (CUDA_GRAPHS=true) the same function runs on the same static
-buffers without a graph: the tests hold it to the eager step there.
+A BERT-base LoRA step is about 1,100 small kernels launched from Python: on an H200 the GPU was busy 7 ms of a
+45 ms step. As a CUDA graph a micro-batch is one launch, and the length buckets (utils/training/trainer.py) give a
+few shapes, one graph each. A graph needs static inputs (buffers per bucket), static gradients (every `.grad` a
+view of one flat buffer, all-reduced after the replay instead of DDP's hooks) and the random state kept across
+its warm-up. Clipping, the optimizer, the scheduler and evaluation stay eager. On the CPU the same function runs
+on the same buffers without a graph: the tests hold it to the eager step there.
 """
 
 from __future__ import annotations
@@ -45,9 +35,8 @@ def takes_4d_mask(config) -> bool:
 
 
 def four_d_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The 2D padding mask (batch, length) as the boolean (batch, 1, 1, length) mask SDPA takes. Given a 2D mask,
-    transformers reads `mask.all()` on the host at every forward to drop the mask of a batch without padding (a
-    device-to-host sync each step), and a batch without padding then runs attention without a mask: another graph."""
+    """The 2D padding mask as SDPA's boolean (batch, 1, 1, length) one: given a 2D mask, transformers reads
+    `mask.all()` on the host at every forward (a sync each step) and drops a mask without padding (another graph)."""
     return attention_mask[:, None, None, :].bool()
 
 
@@ -59,9 +48,8 @@ class Bucket:
 
 
 class CapturedStep:
-    """Forward and backward of one micro-batch as a function of static buffers, one set (and one CUDA graph) per
-    input shape. `loss_of(inputs)` is the eager step's own loss (the Trainer's compute_loss on the unwrapped model);
-    `trainable` the weights that take gradients. `graphs`: capture CUDA graphs (else call the function directly)."""
+    """Forward and backward of one micro-batch on static buffers, one set (and one CUDA graph) per input shape.
+    `loss_of(inputs)` is the eager step's own loss; `graphs`: capture CUDA graphs (else call the function directly)."""
 
     def __init__(
         self,
@@ -74,16 +62,14 @@ class CapturedStep:
         if len(dtypes) != 1:
             raise ValueError(f"the trainable weights come in several dtypes {sorted(map(str, dtypes))}: one expected")
         self.loss_of, self.trainable, self.device, self.graphs = loss_of, trainable, device, graphs
-        # Every .grad a view of one buffer: the graph writes the same addresses at every replay, and DDP's exchange is
-        # one all-reduce of it.
+        # Every .grad a view of one buffer: the same addresses at every replay, and one all-reduce under DDP.
         self.flat = torch.zeros(sum(p.numel() for p in trainable), dtype=dtypes.pop(), device=device)
         self.grads, offset = [], 0
         for parameter in trainable:
             self.grads.append(self.flat[offset : offset + parameter.numel()].view_as(parameter))
             offset += parameter.numel()
         self.attach_grads()
-        # The micro-batches of this optimizer step (the loss is divided by it, as the eager step divides it), a device
-        # value the graph reads, filled before each replay.
+        # The micro-batches of this optimizer step, which the loss is divided by: a device value the graph reads.
         self.divisor = torch.ones((), device=device)
         self.buckets: dict[tuple, Bucket] = {}
         self.capture_s = 0.0
@@ -93,7 +79,6 @@ class CapturedStep:
             parameter.grad = grad
 
     def zero_grad(self) -> None:
-        """The Trainer's zero_grad after each optimizer step: the buffer zeroed in place, the views kept."""
         self.flat.zero_()
 
     @staticmethod
@@ -103,8 +88,7 @@ class CapturedStep:
         )
 
     def prepare(self, batches: list[dict]) -> None:
-        """Static buffers and, on CUDA, a graph for each batch's shape, before the first step trains: each warmed
-        up, then captured, with the random state and the gradients as they were before."""
+        """Static buffers and, on CUDA, a graph for each batch's shape, warmed up and captured before training."""
         started = time.perf_counter()
         for batch in batches:
             if self.key(batch) not in self.buckets:
@@ -141,7 +125,6 @@ class CapturedStep:
         return bucket
 
     def _forward_backward(self, inputs: dict) -> torch.Tensor:
-        """The eager step's arithmetic: its loss divided by the micro-batches, the gradients added into .grad."""
         loss = self.loss_of(inputs) / self.divisor
         grads = torch.autograd.grad(loss, self.trainable, allow_unused=True)
         used = [(mine, new) for mine, new in zip(self.grads, grads, strict=True) if new is not None]
@@ -153,8 +136,7 @@ class CapturedStep:
             bucket.inputs[name].copy_(value, non_blocking=True)
 
     def run(self, batch: dict, micro_batches: int) -> torch.Tensor:
-        """One micro-batch's forward and backward: the batch copied into its bucket's buffers, the graph replayed
-        (or the function called); its loss, as the eager step returns it."""
+        """One micro-batch's forward and backward on its bucket's buffers; its loss, as the eager step returns it."""
         bucket = self.buckets.get(self.key(batch))
         if bucket is None:  # a shape no warm-up batch had: prepared now (a log line says so)
             log.warning("a batch of a new shape %s: preparing its step inside the epoch", self.key(batch))
@@ -169,7 +151,7 @@ class CapturedStep:
         return self._forward_backward(bucket.inputs)
 
     def record(self) -> dict:
-        """logs/rank-R.json's `capture`: the shapes prepared, as CUDA graphs or not, and the seconds it took."""
+        """logs/rank-R.json's `capture`."""
         return {
             "graphs": self.graphs,
             "shapes": [dict((name, list(shape)) for name, shape, _ in key) for key in self.buckets],
@@ -177,7 +159,6 @@ class CapturedStep:
         }
 
     def all_reduce(self, group) -> None:
-        """The gradients averaged over the replicas in one all-reduce, as DDP's reducer does it: divided by the
-        replica count, then summed."""
+        """The gradients averaged over the replicas as DDP's reducer does it: divided, then summed."""
         self.flat.div_(torch.distributed.get_world_size(group))
         torch.distributed.all_reduce(self.flat, group=group)

@@ -1,20 +1,10 @@
-"""How the model is spread over the ranks: STRATEGY=ddp (the default), fsdp or deepspeed, and the checks that keep
-a run from ever training with another strategy than the one asked for.
+"""How the model is spread over the ranks: STRATEGY=ddp (the default: BERT-base LoRA fits one GPU many times
+over), fsdp (FSDP2, one unit per transformer block, for a base too big for one GPU) or deepspeed (ZeRO, which
+also runs on the CPU; config: utils/config/deepspeed_config.py).
 
-DDP keeps a whole copy of the model on every GPU and all-reduces gradients: BERT-base with LoRA fits one
-GPU many times over, so this is the fastest choice. FSDP (PyTorch FSDP2 through the Trainer/Accelerate)
-shards weights, gradients and optimizer state across the GPUs, one unit per transformer block, for users
-who swap in a base model too big for one GPU.
-
-DeepSpeed ZeRO (stages 1-3, optionally offloading to host memory) is the sharded strategy that also runs on
-the CPU (its CPU accelerator over gloo), so it is tested end to end there; its config is
-utils/config/deepspeed_config.py's.
-
-The trap this module exists for: the Trainer and Accelerate drop FSDP without a word on the CPU, and on a
-single process, and train plain DDP (or nothing distributed) instead. So `check_strategy` refuses, before
-anything is loaded, every combination where FSDP cannot happen, and the Trainer's `StrategyCheck` callback
-(utils/training/trainer.py) stops the run at the start of training unless the model really is FSDP-wrapped
-(`count_fsdp_units`).
+The trap: the Trainer and Accelerate drop FSDP without a word on the CPU and on one process. So `check_strategy`
+refuses those before anything loads, and the Trainer's `StrategyCheck` callback stops a run whose model is not
+really FSDP-wrapped (`count_fsdp_units`).
 """
 
 from __future__ import annotations
@@ -39,9 +29,8 @@ def check_strategy(
     precision: str,
     launcher: Mapping[str, object],
 ) -> None:
-    """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked. An accelerate
-    config's strategy was checked as the settings were read (utils/config/deepspeed_config.deepspeed_overrides); its
-    precision (`launcher`: utils/config/distributed.launcher_options) waits for PRECISION to resolve."""
+    """Refuse (exit 2, on every rank alike) what would silently train differently from what was asked; an
+    accelerate config's precision (`launcher`) waits here for PRECISION to resolve."""
     mixed = launcher.get("mixed_precision")
     if mixed and mixed != "no" and mixed != precision:
         raise BadInput(
@@ -69,12 +58,8 @@ def check_strategy(
 
 
 def wrap_classes(model: torch.nn.Module) -> list[str]:
-    """The transformer block classes FSDP makes its units: the repeated blocks (an nn.ModuleList's items) that the
-    model also declares must stay whole on one device (`_no_split_modules`). BERT: BertLayer.
-
-    Not every `_no_split_modules` class: BERT lists BertEmbeddings too, and Accelerate shards the input
-    embedding as a unit of its own, which fails inside an already sharded BertEmbeddings.
-    """
+    """FSDP's units: the repeated blocks (an nn.ModuleList's items) also in `_no_split_modules` (BERT: BertLayer).
+    Not all of those: BERT lists BertEmbeddings, and Accelerate shards the input embedding as a unit of its own."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     lists = (module for module in base.modules() if isinstance(module, torch.nn.ModuleList))
     repeated = {type(block).__name__ for blocks in lists for block in blocks}
@@ -117,13 +102,9 @@ def count_fsdp_units(model: torch.nn.Module) -> int:
 
 
 def full_state_dict(model: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor] | None:
-    """FSDP: the whole, unsharded weights for saving, gathered by every rank and held on rank 0 (CPU).
-    DeepSpeed: the trainable weights (what the adapter holds) in fp32, whole, on every rank: the optimizer's
-    fp32 copy, gathered from the ZeRO-3 shards (the module's own copy is bf16 under PRECISION=bf16, and empty
-    under ZeRO-3 outside a forward pass). A weight that comes back empty is a bug, never a saved adapter.
-
-    A collective: call it on every rank before leaving the process group. DDP: None (each rank holds them).
-    """
+    """The whole weights for saving; a collective, on every rank. FSDP: held on rank 0 (CPU). DeepSpeed: the
+    trainable ones in fp32 from the optimizer's copy (the module's is bf16, and empty under ZeRO-3 outside a
+    forward). DDP: None (each rank holds them)."""
     if strategy == "deepspeed":
         from deepspeed.utils import safe_get_full_fp32_param
 
