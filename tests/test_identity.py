@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.docs import RELIABILITY_DOC
 from utils.common.errors import JobError
 from utils.config.identity import FIELDS, agreement_refusal, identity_table
 from utils.config.plan import build_plan, with_device
@@ -150,21 +151,23 @@ def volume(tmp: Path) -> dict[str, str]:
     return {"dataset_path": str(data_folder(tmp / "data")), "output_dir": str(tmp / "out")}
 
 
-def given(tmp: Path, values: dict) -> dict:
-    return {
-        name: value.replace("{tmp}", str(tmp)) if isinstance(value, str) else value for name, value in values.items()
-    }
+def compared(tmp: Path, first: dict, second: dict, worlds=(1, 1), change: str = "") -> dict[str, str | None]:
+    """`places` for a start of {**`volume`, **first, **second} on worlds[1] replicas finding the run of {**`volume`,
+    **first} on worlds[0], EDITS[change] made between the two; `{tmp}` in a value stands for `tmp`."""
+
+    def given(values: dict) -> dict:
+        return {name: v.replace("{tmp}", str(tmp)) if isinstance(v, str) else v for name, v in values.items()}
+
+    base, first, second = volume(tmp), given(first), given(second)
+    edit = EDITS.get(change, lambda tmp: None)
+    starts = (Settings(**base, **first), worlds[0]), (Settings(**{**base, **first, **second}), worlds[1])
+    return places(tmp, *starts, lambda: edit(tmp))
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=list(CHANGES))
 def test_each_change_of_the_identity_is_refused_alike_in_every_place(tmp_path, change):
-    first, second, (world_a, world_b), named = CHANGES[change]
-    base, first, second = volume(tmp_path), given(tmp_path, first), given(tmp_path, second)
-    first_start, second_start = (
-        (Settings(**base, **first), world_a),
-        (Settings(**{**base, **first, **second}), world_b),
-    )
-    said = places(tmp_path, first_start, second_start, lambda: EDITS.get(change, lambda tmp: None)(tmp_path))
+    first, second, worlds, named = CHANGES[change]
+    said = compared(tmp_path, first, second, worlds, change)
     assert said.pop("run name"), "another run must get another RUN_NAME"
     for place, message in said.items():
         assert message is not None and named in message, (place, message)
@@ -205,17 +208,10 @@ ACCEPTED = {  # id -> (first, second, replica counts): one run, whatever changed
 
 @pytest.mark.parametrize("change", ACCEPTED, ids=list(ACCEPTED))
 def test_what_leaves_the_run_alone_is_accepted_alike_in_every_place(tmp_path, change):
-    first, second, (world_a, world_b) = ACCEPTED[change]
-    base, first, second = volume(tmp_path), given(tmp_path, first), given(tmp_path, second)
+    first, second, worlds = ACCEPTED[change]
     (tmp_path / "copy").mkdir()
-    edit = EDITS.get(change, lambda tmp: None)
-    said = places(
-        tmp_path,
-        (Settings(**base, **first), world_a),
-        (Settings(**{**base, **first, **second}), world_b),
-        lambda: edit(tmp_path),
-    )
-    if world_a != world_b:
+    said = compared(tmp_path, first, second, worlds, change)
+    if worlds[0] != worlds[1]:
         # The ranks of one start still agree on their count: a rendezvous of 2 and 4 would never complete.
         assert "replica count: 2 -> 4" in said.pop("rendezvous")
     assert said == dict.fromkeys(said), said
@@ -265,8 +261,7 @@ def test_the_identity_holds_what_its_table_and_the_docs_say(tmp_path):
     lists the table as it is: neither can drift from the key."""
     settings = Settings(**volume(tmp_path))
     assert set(build_plan(settings, 1).identity) - {"version"} == set(FIELDS)
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
-    assert identity_table() in doc, (
+    assert identity_table() in RELIABILITY_DOC.read_text(), (
         "docs/reliability.md's identity table is stale: paste utils/config/identity.identity_table()"
     )
 
@@ -281,14 +276,6 @@ DOCUMENTED = {  # docs/reliability.md's table of refusals: id -> (first start, s
 
 @pytest.mark.parametrize("case", DOCUMENTED, ids=list(DOCUMENTED))
 def test_the_documented_refusals_are_the_ones_the_job_prints(tmp_path, case):
-    first, second = (given(tmp_path, values) for values in DOCUMENTED[case])
-    base = volume(tmp_path)
-    said = places(
-        tmp_path,
-        (Settings(**base, **first), 1),
-        (Settings(**{**base, **first, **second}), 1),
-        lambda: EDITS.get(case, lambda tmp: None)(tmp_path),
-    )
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
-    printed = said["finished run"].replace(f"OUTPUT_DIR={base['output_dir']}", "OUTPUT_DIR=...")
-    assert f"`{printed}`" in doc, printed
+    said = compared(tmp_path, *DOCUMENTED[case], change=case)
+    printed = said["finished run"].replace(f"OUTPUT_DIR={tmp_path / 'out'}", "OUTPUT_DIR=...")
+    assert f"`{printed}`" in RELIABILITY_DOC.read_text(), printed

@@ -1,7 +1,8 @@
 """Settings precedence, `--help`, and what `--dry-run` shows under every launcher's environment.
 
-What main.py resolves before torch (`main.configure`, what `--dry-run` prints) is checked in this process;
-`--help` and one `--dry-run` run the real entry point. Bad values are tests/test_refusals.py's.
+What main.py resolves before torch (`main.configure`, what `--dry-run` prints) is checked in this process (`make
+check`); `--help`, `--dry-run`'s own output and a refused start run the real entry point. Bad values are
+tests/test_refusals.py's.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from utils.common.errors import EXIT_BAD_INPUT, JobError
 from utils.config.settings import FIELDS, Settings, env_name, flag_name
 from utils.config.sources import FLAG_ALIASES, describe_range, load_settings
 
-# Settings parsing and --dry-run, no training: `make check` runs the tests marked `check` (in this process); the
-# ones that start main.py (--help, --dry-run's own output, a refused start) hold the process to the same answers.
-
 
 def dry_run(tmp_path, *args: str, **env: str) -> dict:
     """The settings and ranks `python main.py --dry-run` prints, as main.configure resolves them for it, in this
@@ -34,6 +32,15 @@ def dry_run(tmp_path, *args: str, **env: str) -> dict:
         settings, dist, _, plan = configured(patch, base_env(tmp_path, **env), ["--dry-run", *args])
         shown = dry_run_view(settings, dist, plan)  # reads the token: inside `env`
     return json.loads(json.dumps(shown))
+
+
+def refusal(tmp_path, *args: str, **env: str) -> str:
+    """The one-line message `dry_run` is refused with, exit 2."""
+    with pytest.raises(JobError) as refused:
+        dry_run(tmp_path, *args, **env)
+    message = refused.value.message
+    assert refused.value.code == EXIT_BAD_INPUT and "\n" not in message, message
+    return message
 
 
 @pytest.mark.check
@@ -50,16 +57,8 @@ def test_dry_run_lists_every_setting_masks_the_token_and_imports_no_torch(tmp_pa
     result = run_main(env, "--dry-run")
     assert result.code == 0
     payload = result.json()
-    assert set(payload) == {
-        "config",
-        "distributed",
-        "plan",
-        "identity",
-        "batch",
-        "task",
-        "test_split",
-        "strategy",
-    }  # "deepspeed" too under STRATEGY=deepspeed
+    # "deepspeed" too under STRATEGY=deepspeed
+    assert set(payload) == {"config", "distributed", "plan", "identity", "batch", "task", "test_split", "strategy"}
     assert payload["test_split"] is None  # the Hub's data set: no test file is answered
     assert payload["strategy"] == payload["config"]["strategy"] == payload["plan"]["strategy"]
     assert payload["batch"] == payload["plan"]["batch"]
@@ -129,15 +128,8 @@ def test_settings_in_code_never_read_the_environment(monkeypatch):
 @pytest.mark.check
 def test_run_name_is_derived_the_same_everywhere_and_changes_with_training_settings(tmp_path):
     first = dry_run(tmp_path, RANK="0", WORLD_SIZE="2", MASTER_ADDR="h")["config"]["run_name"]
-    again = dry_run(
-        tmp_path,
-        RANK="1",
-        WORLD_SIZE="2",
-        MASTER_ADDR="h",
-        RESULT_MODEL_ID="me/x",
-        HF_TOKEN="hf_dry_run_token_0123",
-        HF_HUB_OFFLINE="0",
-    )["config"]["run_name"]
+    push = dict(RESULT_MODEL_ID="me/x", HF_TOKEN="hf_dry_run_token_0123", HF_HUB_OFFLINE="0")
+    again = dry_run(tmp_path, RANK="1", WORLD_SIZE="2", MASTER_ADDR="h", **push)["config"]["run_name"]
     other = dry_run(tmp_path, LORA_R="16")["config"]["run_name"]
     assert first == again != other
     assert dry_run(tmp_path, RUN_NAME="mine")["config"]["run_name"] == "mine"
@@ -148,80 +140,25 @@ def test_output_dir_default_is_local_without_the_shared_volume(tmp_path):
     assert dry_run(tmp_path)["config"]["output_dir"] == "./output"
 
 
-LAUNCHERS = [
-    # (environment, expected distributed block)
-    ({}, dict(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")),
-    (
-        dict(RANK="3", WORLD_SIZE="4", NODE_RANK="3", MASTER_ADDR="job-0", MASTER_PORT="23456"),
-        dict(
-            rank=3, local_rank=0, world_size=4, node_rank=3, master_addr="job-0", master_port=23456, source="platform"
-        ),
-    ),
-    (
-        dict(
-            RANK="2",
-            WORLD_SIZE="4",
-            MASTER_ADDR="sst2-master-0",
-            MASTER_PORT="23456",
-            PET_NODE_RANK="2",
-            PET_NNODES="4",
-            PET_NPROC_PER_NODE="1",
-        ),
-        dict(
-            rank=2,
-            local_rank=0,
-            world_size=4,
-            node_rank=2,
-            master_addr="sst2-master-0",
-            master_port=23456,
-            source="pytorchjob",
-        ),
-    ),
-    (
-        dict(
-            RANK="5",
-            LOCAL_RANK="1",
-            WORLD_SIZE="8",
-            GROUP_RANK="1",
-            LOCAL_WORLD_SIZE="4",
-            TORCHELASTIC_RUN_ID="x",
-            MASTER_ADDR="10.0.0.1",
-            MASTER_PORT="29400",
-            SLURM_PROCID="1",
-            SLURM_NTASKS="2",
-        ),
-        dict(
-            rank=5,
-            local_rank=1,
-            world_size=8,
-            node_rank=1,
-            master_addr="10.0.0.1",
-            master_port=29400,
-            source="torchrun",
-        ),
-    ),
-    (
-        dict(
-            SLURM_PROCID="6",
-            SLURM_NTASKS="8",
-            SLURM_LOCALID="2",
-            SLURM_NODEID="1",
-            SLURM_JOB_NODELIST="gpu-[01-04,07]",
-        ),
-        dict(rank=6, local_rank=2, world_size=8, node_rank=1, master_addr="gpu-01", master_port=29500, source="slurm"),
-    ),
-    (
-        dict(
-            SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node7,node9"
-        ),
-        dict(rank=0, local_rank=0, world_size=2, node_rank=0, master_addr="node7", master_port=29500, source="slurm"),
-    ),
+DISTRIBUTED = ("rank", "local_rank", "world_size", "node_rank", "master_addr", "master_port", "source")
+# fmt: off
+LAUNCHERS = [  # (environment, the distributed block's DISTRIBUTED values), a table: one launcher a row or two
+    ({}, (0, 0, 1, 0, None, None, "single")),
+    (dict(RANK="3", WORLD_SIZE="4", NODE_RANK="3", MASTER_ADDR="job-0", MASTER_PORT="23456"),
+     (3, 0, 4, 3, "job-0", 23456, "platform")),
+    (dict(RANK="2", WORLD_SIZE="4", MASTER_ADDR="sst2-master-0", MASTER_PORT="23456", PET_NODE_RANK="2",
+          PET_NNODES="4", PET_NPROC_PER_NODE="1"), (2, 0, 4, 2, "sst2-master-0", 23456, "pytorchjob")),
+    (dict(RANK="5", LOCAL_RANK="1", WORLD_SIZE="8", GROUP_RANK="1", LOCAL_WORLD_SIZE="4", TORCHELASTIC_RUN_ID="x",
+          MASTER_ADDR="10.0.0.1", MASTER_PORT="29400", SLURM_PROCID="1", SLURM_NTASKS="2"),
+     (5, 1, 8, 1, "10.0.0.1", 29400, "torchrun")),
+    (dict(SLURM_PROCID="6", SLURM_NTASKS="8", SLURM_LOCALID="2", SLURM_NODEID="1",
+          SLURM_JOB_NODELIST="gpu-[01-04,07]"), (6, 2, 8, 1, "gpu-01", 29500, "slurm")),
+    (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node7,node9"),
+     (0, 0, 2, 0, "node7", 29500, "slurm")),
     # Half a launcher's variables that one process has anyway: still one process.
-    (
-        dict(WORLD_SIZE="1", LOCAL_RANK="0", NODE_RANK="0"),
-        dict(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single"),
-    ),
+    (dict(WORLD_SIZE="1", LOCAL_RANK="0", NODE_RANK="0"), (0, 0, 1, 0, None, None, "single")),
 ]
+# fmt: on
 
 # Slurm node lists (no scontrol here, so python-hostlist reads them): suffixes, several bracket
 # groups, zero-padding, comma lists inside and outside brackets.
@@ -259,9 +196,9 @@ def test_slurm_node_list_is_expanded_by_scontrol_where_it_exists(tmp_path):
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("env, expected", LAUNCHERS, ids=[e["source"] + str(i) for i, (_, e) in enumerate(LAUNCHERS)])
+@pytest.mark.parametrize("env, expected", LAUNCHERS, ids=[e[-1] + str(i) for i, (_, e) in enumerate(LAUNCHERS)])
 def test_each_launcher_resolves_to_the_right_ranks(tmp_path, env, expected):
-    assert dry_run(tmp_path, **env)["distributed"] == expected
+    assert dry_run(tmp_path, **env)["distributed"] == dict(zip(DISTRIBUTED, expected, strict=True))
 
 
 @pytest.mark.check
@@ -376,23 +313,17 @@ BOUNDED_BY_TYPE = {
     *("label_names", "task", "problem_type", "cuda_graphs", "load_best_model", "class_weights"),
 }
 # Values the settings derive, each from factors inside their own ranges.
+# fmt: off
 DERIVED_OVER_THE_BOUND = [
-    pytest.param(
-        {"PER_DEVICE_BATCH_SIZE": "65536", "GRADIENT_ACCUMULATION_STEPS": "16"},
-        ["1048576", "PER_DEVICE_BATCH_SIZE=65536", "GRADIENT_ACCUMULATION_STEPS=16", "1000000"],
-        id="global-batch",
-    ),
-    pytest.param(
-        {"PER_DEVICE_BATCH_SIZE": "65536", "RANK": "0", "WORLD_SIZE": "16", "MASTER_ADDR": "h"},
-        ["1048576", "PER_DEVICE_BATCH_SIZE=65536", "16 replica(s)"],
-        id="global-batch-of-replicas",
-    ),
-    pytest.param(
-        {"LEARNING_RATE_SCALING": "linear", "GLOBAL_BATCH_SIZE": "65536"},
-        ["LEARNING_RATE_SCALING=linear", "1.024"],
-        id="learning-rate",
-    ),
+    pytest.param({"PER_DEVICE_BATCH_SIZE": "65536", "GRADIENT_ACCUMULATION_STEPS": "16"},
+                 ["1048576", "PER_DEVICE_BATCH_SIZE=65536", "GRADIENT_ACCUMULATION_STEPS=16", "1000000"],
+                 id="global-batch"),
+    pytest.param({"PER_DEVICE_BATCH_SIZE": "65536", "RANK": "0", "WORLD_SIZE": "16", "MASTER_ADDR": "h"},
+                 ["1048576", "PER_DEVICE_BATCH_SIZE=65536", "16 replica(s)"], id="global-batch-of-replicas"),
+    pytest.param({"LEARNING_RATE_SCALING": "linear", "GLOBAL_BATCH_SIZE": "65536"},
+                 ["LEARNING_RATE_SCALING=linear", "1.024"], id="learning-rate"),
 ]
+# fmt: on
 
 
 @pytest.mark.check
@@ -404,10 +335,7 @@ def test_every_setting_has_a_range():
 @pytest.mark.parametrize("field", sorted(OVER_THE_BOUND))
 def test_a_value_past_a_settings_range_is_refused_at_dry_run(tmp_path, field):
     value, bound = OVER_THE_BOUND[field]
-    with pytest.raises(JobError) as refused:
-        dry_run(tmp_path, **{env_name(field): value})
-    message = refused.value.message
-    assert refused.value.code == EXIT_BAD_INPUT and "\n" not in message
+    message = refusal(tmp_path, **{env_name(field): value})
     # The setting as given, its bound, and the flag that sets it too.
     assert message.startswith(f"{env_name(field)}=") and bound in message and flag_name(field) in message, message
 
@@ -415,10 +343,8 @@ def test_a_value_past_a_settings_range_is_refused_at_dry_run(tmp_path, field):
 @pytest.mark.check
 @pytest.mark.parametrize("env, names", DERIVED_OVER_THE_BOUND)
 def test_a_derived_value_past_its_range_is_refused_at_dry_run(tmp_path, env, names):
-    with pytest.raises(JobError) as refused:
-        dry_run(tmp_path, **env)
-    missing = [name for name in names if name not in refused.value.message]
-    assert refused.value.code == EXIT_BAD_INPUT and not missing, refused.value.message
+    message = refusal(tmp_path, **env)
+    assert [name for name in names if name not in message] == [], message
 
 
 @pytest.mark.parametrize(
@@ -514,11 +440,8 @@ def test_a_bad_recipe_is_refused_in_one_line(tmp_path, text, says):
         recipe.write_bytes(text)
     elif text is not None:
         recipe.write_text(text)
-    with pytest.raises(JobError) as refused:
-        dry_run(tmp_path, "--config", str(recipe))
-    message = refused.value.message
-    assert refused.value.code == EXIT_BAD_INPUT and says in message and "\n" not in message, message
-    assert "hf_abcdefghijklmnop" not in message
+    message = refusal(tmp_path, "--config", str(recipe))
+    assert says in message and "hf_abcdefghijklmnop" not in message, message
 
 
 def test_a_bad_recipe_is_one_error_line_from_the_process(tmp_path):
@@ -605,15 +528,9 @@ def test_run_glue_and_trainer_flag_names_resolve_to_the_jobs_settings(tmp_path):
         *("--per-device-batch-size", "16", "--output-dir", str(tmp_path / "out"), "--max-seq-length", "64"),
         *("--seed", "7", "--task", "mnli", "--lora-r", "4", "--hub-private", "false"),
     )["config"]
-    resolved = {name: theirs[name] for name in ("model_name", "learning_rate", "num_epochs", "per_device_batch_size")}
-    assert resolved == {
-        "model_name": "models/tiny",
-        "learning_rate": 2e-5,
-        "num_epochs": 2,
-        "per_device_batch_size": 16,
-    }
-    assert (theirs["output_dir"], theirs["max_seq_length"], theirs["seed"]) == (str(tmp_path / "out"), 64, 7)
-    assert (theirs["task"], theirs["lora_r"], theirs["hub_private"]) == ("mnli", 4, False)
+    names = ("model_name", "learning_rate", "num_epochs", "per_device_batch_size", "output_dir", "max_seq_length")
+    resolved = [theirs[name] for name in (*names, "seed", "task", "lora_r", "hub_private")]
+    assert resolved == ["models/tiny", 2e-5, 2, 16, str(tmp_path / "out"), 64, 7, "mnli", 4, False]
     assert theirs == ours
 
 
@@ -652,10 +569,7 @@ def test_every_flag_is_taken_with_underscores(tmp_path):
     ids=["misspelt", "alias-misspelt", "short", "key=value", "do-train", "bf16", "eval-strategy", "local-rank", "far"],
 )
 def test_an_unknown_flag_is_refused_with_the_flag_meant(tmp_path, args, says):
-    with pytest.raises(JobError) as refused:
-        dry_run(tmp_path, *args)
-    message = refused.value.message
-    assert refused.value.code == EXIT_BAD_INPUT and says in message and "\n" not in message, message
+    assert says in refusal(tmp_path, *args)
 
 
 def test_an_unknown_flag_is_one_error_line_from_the_process(tmp_path):
@@ -676,10 +590,7 @@ def test_an_unknown_flag_is_one_error_line_from_the_process(tmp_path):
 def test_another_yaml_file_of_the_repo_given_as_a_recipe_is_named_as_what_it_is(tmp_path, path, names):
     from tests.support.env import REPO
 
-    with pytest.raises(JobError) as refused:
-        dry_run(tmp_path, "--config", str(REPO / path))
-    message = refused.value.message
-    assert refused.value.code == EXIT_BAD_INPUT and "\n" not in message, message
+    message = refusal(tmp_path, "--config", str(REPO / path))
     assert [name for name in names if name not in message] == [], message
 
 
