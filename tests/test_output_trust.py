@@ -104,23 +104,16 @@ def test_links_planted_in_the_tensorboard_folder_during_the_run_are_never_pushed
     assert_nothing_stolen(hub, secrets)
 
 
-def test_a_linked_rank_log_is_not_appended_to(job_env, hub, secrets, tmp_path):
-    outside = tmp_path / "neighbour" / "notes.txt"
-    outside.write_text("my notes\n")
-    log = run_folder(tmp_path / "out") / "logs" / "rank-0.log"
-    log.parent.mkdir(parents=True)
-    log.symlink_to(outside)
-    assert_refused_as_bad_input({**job_env, **push_settings(hub)}, [], names=[str(log), "symbolic link"], hub=hub)
-    assert outside.read_text() == "my notes\n"
-
-
-def test_a_linked_logs_folder_gets_no_rank_files(job_env, hub, tmp_path):
-    outside = tmp_path / "neighbour" / "logs"
-    outside.mkdir(parents=True)
-    logs = run_folder(tmp_path / "out") / "logs"
-    logs.symlink_to(outside, target_is_directory=True)
-    assert_refused_as_bad_input({**job_env, **push_settings(hub)}, [], names=[str(logs), "symbolic link"], hub=hub)
-    assert list(outside.iterdir()) == []
+@pytest.mark.parametrize("planted", ["logs/rank-0.log", "logs"])
+def test_a_linked_rank_log_or_logs_folder_is_not_written_through(planted, job_env, hub, tmp_path):
+    outside = tmp_path / "neighbour" / "notes"  # a file for the rank log, a folder for logs/
+    outside.parent.mkdir()
+    outside.mkdir() if planted == "logs" else outside.write_text("my notes\n")
+    link = run_folder(tmp_path / "out") / planted
+    link.parent.mkdir(exist_ok=True)
+    link.symlink_to(outside)
+    assert_refused_as_bad_input({**job_env, **push_settings(hub)}, [], names=[str(link), "symbolic link"], hub=hub)
+    assert (list(outside.iterdir()) if planted == "logs" else outside.read_text()) in ([], "my notes\n")
 
 
 @pytest.mark.parametrize("name", ["metrics.json", "run.json"])

@@ -93,13 +93,8 @@ def class_label_pairs(folder: Path) -> Path:
     """STS-B's columns as a save_to_disk copy whose label is CoLA's ClassLabel: classes, not scores."""
     from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
-    features = Features(
-        {
-            "sentence1": Value("string"),
-            "sentence2": Value("string"),
-            "label": ClassLabel(names=["unacceptable", "acceptable"]),
-        }
-    )
+    label = ClassLabel(names=["unacceptable", "acceptable"])
+    features = Features({"sentence1": Value("string"), "sentence2": Value("string"), "label": label})
     rows = {"sentence1": ["a film", "film a"] * 4, "sentence2": ["it is", "is it"] * 4, "label": [1, 0] * 4}
     DatasetDict({s: Dataset.from_dict(rows, features=features) for s in ("train", "validation")}).save_to_disk(folder)
     return folder
@@ -108,11 +103,6 @@ def class_label_pairs(folder: Path) -> Path:
 def not_utf8(tmp: Path, env: dict) -> dict:
     folder = write_files(tmp / "bad-data", {"validation.csv": GOOD_CSV})
     (folder / "train.csv").write_bytes(b"sentence,label\na wonderful film,1\na caf\xe9 film,0\n")  # Latin-1, not UTF-8
-    return {"DATASET_PATH": str(folder)}
-
-
-def torn_saved_dataset(tmp: Path, env: dict) -> dict:
-    folder = write_files(tmp / "saved", {"dataset_dict.json": '{"splits": ["tra'})  # a save_to_disk copy cut short
     return {"DATASET_PATH": str(folder)}
 
 
@@ -149,10 +139,6 @@ def truncated_weights(folder: Path) -> None:
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
 
 
-def empty_weights(folder: Path) -> None:
-    (folder / "model.safetensors").write_bytes(b"")
-
-
 def dangling_weights(folder: Path) -> None:
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors").symlink_to("/nonexistent/blobs/0123abcd")  # a Hub cache snapshot without its blob
@@ -181,9 +167,8 @@ def recorded_run(change: Callable[[dict], None], finished: bool = False, world: 
         out.mkdir(parents=True)
         (out / "run.json").write_text(json.dumps({"format": RUN_RECORD_FORMAT, "identity": identity}))
         if finished:
-            write_files(
-                out / "model", {"adapter_config.json": json.dumps({"base_model_name_or_path": "bert-base-uncased"})}
-            )
+            adapter = {"base_model_name_or_path": "bert-base-uncased"}
+            write_files(out / "model", {"adapter_config.json": json.dumps(adapter)})
             (out / "metrics.json").write_text("{}")
         return {}
 
@@ -518,8 +503,8 @@ MODEL = [
             "classifier, dense, key, query, value"),
     case("weights-truncated", ["MODEL_NAME={MODEL_NAME}", "model.safetensors", "incomplete metadata"],
          setup=model_copy(truncated_weights), row="damaged weights file"),
-    case("weights-empty", ["MODEL_NAME={MODEL_NAME}", "model.safetensors is empty"], setup=model_copy(empty_weights),
-         row="damaged weights file", line=1),
+    case("weights-empty", ["MODEL_NAME={MODEL_NAME}", "model.safetensors is empty"],
+         setup=model_copy(lambda f: (f / "model.safetensors").write_bytes(b"")), row="damaged weights file", line=1),
     case("weights-dangling-link", ["MODEL_NAME={MODEL_NAME}", "model.safetensors", "/nonexistent/blobs/0123abcd"],
          setup=model_copy(dangling_weights), row="damaged weights file", line=2),
     setting("lora-target-not-linear", "LORA_TARGET_MODULES=LayerNorm", row="a LoRA target LoRA cannot adapt"),
@@ -556,7 +541,8 @@ DATA = [
     case("data-not-utf8", ["{DATASET_PATH}/train.csv", "0xe9", "line 3", "iconv"], setup=not_utf8,
          row="data file not UTF-8"),
     case("saved-dataset-torn", ["DATASET_PATH={DATASET_PATH}", "JSONDecodeError", "DatasetDict.save_to_disk"],
-         setup=torn_saved_dataset, row="damaged saved data set"),
+         setup=data_files({"dataset_dict.json": '{"splits": ["tra'}),  # a save_to_disk copy cut short
+         row="damaged saved data set"),
     # the data: columns
     case("text-column-missing-in-data", ["'sentence'", "['text', 'label']", "TEXT_COLUMN"],
          setup=csv_data([("a", 1)], [("b", 0)], header=("text", "label"))),
@@ -564,7 +550,7 @@ DATA = [
          {"TEXT_COLUMN": "text"}, row="missing column"),
     case("text-column-numeric", ["'sentence'", "int64", "TEXT_COLUMN"], setup=csv_data([(1, 1), (2, 0)], [(3, 1)]),
          row="text column that is not text"),
-    case("sentence-empty", ["2 row(s)", "'sentence'", "row 9"], setup=csv_data([* GOOD_ROWS, ("", 1), ("   ", 0)]),
+    case("sentence-empty", ["2 row(s)", "'sentence'", "row 9"], setup=csv_data([*GOOD_ROWS, ("", 1), ("   ", 0)]),
          row="empty or missing sentence"),
     case("label-column-twice", ["{DATASET_PATH}/train.csv", "['sentence', 'label', 'label']"],
          setup=data_files({"train.csv": "sentence,label,label\na film,1,0\n", "validation.csv": GOOD_CSV}),
@@ -577,21 +563,21 @@ DATA = [
          row="a quote that merges rows"),
     # the data: labels
     case("labels-outside-0-1", ["train", "'label'", "[2]", "0 (negative), 1 (positive)", "LABEL_NAMES"],
-         {"LABEL_NAMES": "negative,positive"}, setup=csv_data([* GOOD_ROWS, ("so-so", 2)]),
+         {"LABEL_NAMES": "negative,positive"}, setup=csv_data([*GOOD_ROWS, ("so-so", 2)]),
          row="a label id out of range"),
-    case("labels-of-the-test-split", ["validation", "'label'", "[-1]"], setup=csv_data(GOOD_ROWS, [("a", - 1)]),
+    case("labels-of-the-test-split", ["validation", "'label'", "[-1]"], setup=csv_data(GOOD_ROWS, [("a", -1)]),
          row="a label id out of range", line=1),
     case("label-fractional", ["[0.5]", "'label'", "PROBLEM_TYPE=regression"], {"PROBLEM_TYPE": "classification"},
-         setup=csv_data([* GOOD_ROWS, ("so-so", 0.5)]), row="fractional label under classification"),
+         setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]), row="fractional label under classification"),
     case("label-fraction-with-label-names",
          ["[0.5]", "'label'", "row 9", "LABEL_NAMES=negative,positive", "PROBLEM_TYPE=regression"],
-         {"LABEL_NAMES": "negative,positive"}, setup=csv_data([* GOOD_ROWS, ("so-so", 0.5)]),
+         {"LABEL_NAMES": "negative,positive"}, setup=csv_data([*GOOD_ROWS, ("so-so", 0.5)]),
          row="fractional label under classification", line=1),
     case("label-names-with-regression",
          ["LABEL_NAMES=negative,positive", "PROBLEM_TYPE=regression", "unset LABEL_NAMES"],
          {"LABEL_NAMES": "negative,positive", "PROBLEM_TYPE": "regression"}),
     case("label-nan-among-ids", ["train", "'label'", "'nan'", "row 9", "LABEL_NAMES"],
-         setup=csv_data([* GOOD_ROWS, ("so-so", "nan")]), row="a word among ids"),
+         setup=csv_data([*GOOD_ROWS, ("so-so", "nan")]), row="a word among ids"),
     case("label-names-in-train-ids-in-validation",
          ["'label'", "names in the train split", "ids in the validation split", "LABEL_NAMES"],
          setup=csv_data([("a wonderful film", "positive"), ("a dull film", "negative")] * 4),
@@ -599,7 +585,7 @@ DATA = [
     case("class-labels-with-task-stsb",
          ["'label'", "ClassLabel", "['unacceptable', 'acceptable']", "TASK=stsb", "PROBLEM_TYPE=regression"],
          {"TASK": "stsb"}, setup=files_data(class_label_pairs), row="class labels under a regression `TASK`"),
-    case("label-missing", ["1 row(s)", "'label'"], setup=csv_data([* GOOD_ROWS, ("a dull film", "")]),
+    case("label-missing", ["1 row(s)", "'label'"], setup=csv_data([*GOOD_ROWS, ("a dull film", "")]),
          row="missing label"),
     case("labels-words-not-label-names", ["['bad', 'good']", "LABEL_NAMES ['negative', 'positive']"],
          {"LABEL_NAMES": "negative,positive"},
@@ -749,32 +735,19 @@ def test_a_check_test_cannot_start_the_job(tmp_path):
 # ------------------------------------------------------------------------------- through main.py
 # One refused start per layer: the refusal reaches the console as one `error:` line, exit 2, before a step
 # is trained or anything pushed, whichever part of the job raised it.
-STARTS = [
+# fmt: off
+STARTS = [  # (settings, arguments, setup, what the line names)
     pytest.param({}, ["--bogus-flag", "2"], None, ["--bogus-flag 2", "python main.py --help"], id="settings"),
     pytest.param({}, [], foreign_run, ["OUTPUT_DIR=", "LORA_R: 4 -> 8"], id="output-dir"),
     pytest.param({"PRECISION": "fp16"}, [], None, ["PRECISION=fp16", "CUDA", "PRECISION=auto"], id="numerics"),
-    pytest.param(
-        {"LORA_TARGET_MODULES": "query,vlaue"},
-        [],
-        None,
-        ["LORA_TARGET_MODULES=query,vlaue", "'vlaue'", "(closest: value)"],
-        id="model",
-    ),
-    pytest.param(
-        {},
-        [],
-        files_data(lambda f: write_files(f, {"train.csv": delimited(STRAY_QUOTE), "validation.csv": GOOD_CSV})),
-        ["train.csv line 3", "lines 3-6", ".tsv"],
-        id="data",
-    ),
-    pytest.param(
-        {"HF_TOKEN": "hf_not_the_right_one"},
-        [],
-        None,
-        ["HF_TOKEN", "HTTP 401", "https://huggingface.co/settings/tokens"],
-        id="hub",
-    ),
+    pytest.param({"LORA_TARGET_MODULES": "query,vlaue"}, [], None,
+                 ["LORA_TARGET_MODULES=query,vlaue", "'vlaue'", "(closest: value)"], id="model"),
+    pytest.param({}, [], data_files({"train.csv": delimited(STRAY_QUOTE), "validation.csv": GOOD_CSV}),
+                 ["train.csv line 3", "lines 3-6", ".tsv"], id="data"),
+    pytest.param({"HF_TOKEN": "hf_not_the_right_one"}, [], None,
+                 ["HF_TOKEN", "HTTP 401", "https://huggingface.co/settings/tokens"], id="hub"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("extra, args, setup, names", STARTS)
