@@ -252,59 +252,38 @@ def test_dry_run_shows_the_rates_the_global_batch_gets(tmp_path, world_size, ext
 # One value just past each setting's range: refused at --dry-run (exit 2), one line naming the setting and its
 # range, so nothing --dry-run accepts can overflow later (a thread wait, a timedelta, numpy's seed, a batch).
 PATH = "p" * 4097
-OVER_THE_BOUND = {
-    "int8_threshold": ("1001", "1000"),
-    "early_stopping_patience": ("1001", "1000"),
-    "config_file": (PATH, "4096"),
-    "model_name": (PATH, "4096"),
-    "dataset_name": ("d" * 256, "255"),
-    "dataset_config": ("c" * 256, "255"),
-    "dataset_path": (PATH, "4096"),
-    "train_file": (PATH, "4096"),
-    "validation_file": (PATH, "4096"),
-    "test_file": (PATH, "4096"),
-    "validation_split": ("0.51", "(range: above 0 to 0.5)"),
+# fmt: off
+OVER_THE_BOUND = {  # a table: several settings a line
+    "int8_threshold": ("1001", "1000"), "early_stopping_patience": ("1001", "1000"), "config_file": (PATH, "4096"),
+    "model_name": (PATH, "4096"), "dataset_name": ("d" * 256, "255"), "dataset_config": ("c" * 256, "255"),
+    "dataset_path": (PATH, "4096"), "train_file": (PATH, "4096"), "validation_file": (PATH, "4096"),
+    "test_file": (PATH, "4096"), "validation_split": ("0.51", "(range: above 0 to 0.5)"),
     "max_train_samples": ("1000000001", "(range: 1 to 1000000000)"),
-    "max_eval_samples": ("1000000001", "(range: 1 to 1000000000)"),
-    "text_column": ("t" * 256, "255"),
-    "label_column": ("l" * 256, "255"),
-    "label_columns": (",".join(["c"] * 10001), "10000"),
-    "threshold": ("1", "(range: above 0 to below 1)"),
-    "base_model_id": ("me/" + "b" * 97, "your-name/model-name"),
-    "output_dir": (PATH, "4096"),
-    "run_name": ("r" * 101, "1-100"),
-    "num_epochs": ("1001", "(range: above 0 to 1000)"),
-    "max_steps": ("100000001", "(range: 1 to 100000000)"),
-    "per_device_batch_size": ("65537", "(range: 1 to 65536)"),
+    "max_eval_samples": ("1000000001", "(range: 1 to 1000000000)"), "text_column": ("t" * 256, "255"),
+    "label_column": ("l" * 256, "255"), "label_columns": (",".join(["c"] * 10001), "10000"),
+    "threshold": ("1", "(range: above 0 to below 1)"), "base_model_id": ("me/" + "b" * 97, "your-name/model-name"),
+    "output_dir": (PATH, "4096"), "run_name": ("r" * 101, "1-100"), "num_epochs": ("1001", "(range: above 0 to 1000)"),
+    "max_steps": ("100000001", "(range: 1 to 100000000)"), "per_device_batch_size": ("65537", "(range: 1 to 65536)"),
     "per_device_eval_batch_size": ("100000000000000000000000", "(range: 1 to 65536)"),
     "gradient_accumulation_steps": ("65537", "(range: 1 to 65536)"),
-    "global_batch_size": ("1000001", "(range: 1 to 1000000)"),
-    "learning_rate": ("1", "(range: above 0 to below 1)"),
-    "base_learning_rate": ("1", "(range: above 0 to below 1)"),
-    "weight_decay": ("1", "(range: 0 to below 1)"),
-    "warmup_ratio": ("1", "(range: 0 to below 1)"),
-    "lora_r": ("4097", "(range: 1 to 4096)"),
-    "lora_alpha": ("65537", "(range: 1 to 65536)"),
-    "lora_dropout": ("1", "(range: 0 to below 1)"),
+    "global_batch_size": ("1000001", "(range: 1 to 1000000)"), "learning_rate": ("1", "(range: above 0 to below 1)"),
+    "base_learning_rate": ("1", "(range: above 0 to below 1)"), "weight_decay": ("1", "(range: 0 to below 1)"),
+    "warmup_ratio": ("1", "(range: 0 to below 1)"), "lora_r": ("4097", "(range: 1 to 4096)"),
+    "lora_alpha": ("65537", "(range: 1 to 65536)"), "lora_dropout": ("1", "(range: 0 to below 1)"),
     "lora_target_modules": (",".join(["query"] * 257), "256"),
     "head_learning_rate_ratio": ("1001", "(range: above 0 to 1000)"),
-    "loraplus_lr_ratio": ("1001", "(range: above 0 to 1000)"),
-    "model_dropout": ("1", "less than 1"),
-    "zero_stage": ("4", "(range: 1 to 3)"),
-    "deepspeed_config": (PATH, "4096"),
-    "max_seq_length": ("513", "(range: 8 to 512)"),
-    "dataloader_num_workers": ("257", "(range: 0 to 256)"),
-    "seed": (str(2**32), "(range: 0 to 4294967295)"),
-    "save_steps": ("1000000001", "(range: 1 to 1000000000)"),
-    "save_total_limit": ("1001", "(range: 1 to 1000)"),
-    "rendezvous_timeout": ("100000000000", "(range: 10 to 86400)"),
-    "result_model_id": ("me/" + "m" * 97, "your-name/model-name"),
-    "hub_timeout": ("601", "(range: above 0 to 600)"),
+    "loraplus_lr_ratio": ("1001", "(range: above 0 to 1000)"), "model_dropout": ("1", "less than 1"),
+    "zero_stage": ("4", "(range: 1 to 3)"), "deepspeed_config": (PATH, "4096"),
+    "max_seq_length": ("513", "(range: 8 to 512)"), "dataloader_num_workers": ("257", "(range: 0 to 256)"),
+    "seed": (str(2**32), "(range: 0 to 4294967295)"), "save_steps": ("1000000001", "(range: 1 to 1000000000)"),
+    "save_total_limit": ("1001", "(range: 1 to 1000)"), "rendezvous_timeout": ("100000000000", "(range: 10 to 86400)"),
+    "result_model_id": ("me/" + "m" * 97, "your-name/model-name"), "hub_timeout": ("601", "(range: above 0 to 600)"),
     "push_timeout": ("86401", "(range: above 0 to 86400)"),
     "result_merged_model_id": ("me/" + "m" * 97, "your-name/model-name"),
     "eval_steps": ("1000000001", "(range: 0 to 1000000000)"),
     "logging_steps": ("1000000001", "(range: 1 to 1000000000)"),
 }
+# fmt: on
 # Bounded by their type: a choice among names, a boolean (anything else is refused as it is typed), and
 # LABEL_NAMES, whose count and names its own check holds (tests/test_tasks.py).
 BOUNDED_BY_TYPE = {
@@ -412,22 +391,22 @@ def test_the_sst2_recipe_is_the_defaults(tmp_path):
 @pytest.mark.parametrize(
     "text, says",
     [
-        ("lora_rank: 4\n", "holds lora_rank, which is not a setting (did you mean lora_r?)"),
-        ("hf_token: hf_abcdefghijklmnop\n", "holds hf_token: a secret does not belong in a recipe"),
-        ("HF_TOKEN_PATH: /run/secrets/token\n", "set HF_TOKEN, or HF_TOKEN_PATH to a mounted file"),
-        ("config_file: other.yaml\n", "names another recipe"),
-        ("lora_r: 4\nLORA_R: 8\n", "sets lora_r twice"),
-        ("- lora_r\n- 4\n", "holds a YAML list, not a mapping of settings"),
-        ("lora_r: [4\n", "is not valid YAML at line 2"),
-        ("lora_r: 100000\n", "lora_r: 100000 in CONFIG_FILE="),
-        (b"lora_r: \xe9\n", "is not a text file (not UTF-8)"),
-        (None, "does not exist; point --config or CONFIG_FILE at a YAML file"),
-        ("folder", "is not a regular file (a directory)"),
-        ("fifo", "is not a regular file"),  # at once: a named pipe is never read
-    ],
-    ids=[
-        *("unknown", "token", "token-path", "nested", "twice", "list", "yaml", "value", "binary", "missing", "folder"),
-        "fifo",
+        pytest.param("lora_rank: 4\n", "holds lora_rank, which is not a setting (did you mean lora_r?)", id="unknown"),
+        pytest.param(
+            "hf_token: hf_abcdefghijklmnop\n", "holds hf_token: a secret does not belong in a recipe", id="token"
+        ),
+        pytest.param(
+            "HF_TOKEN_PATH: /run/secrets/token\n", "set HF_TOKEN, or HF_TOKEN_PATH to a mounted file", id="token-path"
+        ),
+        pytest.param("config_file: other.yaml\n", "names another recipe", id="nested"),
+        pytest.param("lora_r: 4\nLORA_R: 8\n", "sets lora_r twice", id="twice"),
+        pytest.param("- lora_r\n- 4\n", "holds a YAML list, not a mapping of settings", id="list"),
+        pytest.param("lora_r: [4\n", "is not valid YAML at line 2", id="yaml"),
+        pytest.param("lora_r: 100000\n", "lora_r: 100000 in CONFIG_FILE=", id="value"),
+        pytest.param(b"lora_r: \xe9\n", "is not a text file (not UTF-8)", id="binary"),
+        pytest.param(None, "does not exist; point --config or CONFIG_FILE at a YAML file", id="missing"),
+        pytest.param("folder", "is not a regular file (a directory)", id="folder"),
+        pytest.param("fifo", "is not a regular file", id="fifo"),  # at once: a named pipe is never read
     ],
 )
 def test_a_bad_recipe_is_refused_in_one_line(tmp_path, text, says):
@@ -556,17 +535,18 @@ def test_every_flag_is_taken_with_underscores(tmp_path):
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--lerning-rate", "2e-5"], "--lerning-rate 2e-5 (did you mean --learning-rate?)"),
-        (["--num_train_epoch", "2"], "(did you mean --num-epochs?)"),  # an alias misspelt: the job's flag
-        (["--epochs", "2"], "(did you mean --num-epochs?)"),
-        (["lora_r=16"], "lora_r=16 (a setting is given as a flag: --lora-r 16)"),
-        (["--do_train"], "this job always trains; leave it out"),
-        (["--bf16"], "use --precision bf16"),
-        (["--eval_strategy", "steps"], "every --eval-steps steps"),  # not --strategy, which is another thing
-        (["--local_rank=0"], "the launcher's LOCAL_RANK says it"),  # not --lora-rank
-        (["--frobnicate"], "unrecognized arguments: --frobnicate; see `python main.py --help`"),  # nothing close
+        pytest.param(["--lerning-rate", "2e-5"], "--lerning-rate 2e-5 (did you mean --learning-rate?)", id="misspelt"),
+        # an alias misspelt: the job's flag
+        pytest.param(["--num_train_epoch", "2"], "(did you mean --num-epochs?)", id="alias-misspelt"),
+        pytest.param(["--epochs", "2"], "(did you mean --num-epochs?)", id="short"),
+        pytest.param(["lora_r=16"], "lora_r=16 (a setting is given as a flag: --lora-r 16)", id="key=value"),
+        pytest.param(["--do_train"], "this job always trains; leave it out", id="do-train"),
+        pytest.param(["--bf16"], "use --precision bf16", id="bf16"),
+        # not --strategy, which is another thing; not --lora-rank
+        pytest.param(["--eval_strategy", "steps"], "every --eval-steps steps", id="eval-strategy"),
+        pytest.param(["--local_rank=0"], "the launcher's LOCAL_RANK says it", id="local-rank"),
+        pytest.param(["--frobnicate"], "unrecognized arguments: --frobnicate; see `python main.py --help`", id="far"),
     ],
-    ids=["misspelt", "alias-misspelt", "short", "key=value", "do-train", "bf16", "eval-strategy", "local-rank", "far"],
 )
 def test_an_unknown_flag_is_refused_with_the_flag_meant(tmp_path, args, says):
     assert says in refusal(tmp_path, *args)
