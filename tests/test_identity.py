@@ -96,46 +96,29 @@ def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int],
     return said
 
 
+# fmt: off
 CHANGES = {  # id -> (settings of the first start, of the second: {**base, **these}; replica counts; what is named)
     "a training setting": ({}, {"lora_r": 16}, (1, 1), "LORA_R: 8 -> 16"),
     # The per-device rule (PER_DEVICE_BATCH_SIZE given): the global batch, and so the run, follows the count.
     "the replica count": ({"per_device_batch_size": 64}, {}, (1, 2), "replica count: 1 -> 2"),
-    "the global batch": (
-        {"per_device_batch_size": 64},
-        {"per_device_batch_size": 32},
-        (1, 1),
-        "PER_DEVICE_BATCH_SIZE: 64 -> 32",
-    ),
+    "the global batch": ({"per_device_batch_size": 64}, {"per_device_batch_size": 32}, (1, 1),
+                         "PER_DEVICE_BATCH_SIZE: 64 -> 32"),
     "the default global batch, rounded for another count": ({}, {}, (2, 3), "global batch: 64 -> 63"),
-    "the ZeRO stage": (
-        {"strategy": "deepspeed", "zero_stage": 2},
-        {"strategy": "deepspeed", "zero_stage": 3},
-        (2, 2),
-        "ZERO_STAGE: 2 -> 3",
-    ),
+    "the ZeRO stage": ({"strategy": "deepspeed", "zero_stage": 2}, {"strategy": "deepspeed", "zero_stage": 3}, (2, 2),
+                       "ZERO_STAGE: 2 -> 3"),
     "the data": ({}, {}, (1, 1), "data files: train.csv added, removed or edited"),  # edited in place (EDITS)
     # The same folder, the same shapes, other weights (EDITS): another base, whatever MODEL_NAME says.
-    "the base model's weights, replaced in place": (
-        {"model_name": "{tmp}/model"},
-        {},
-        (1, 1),
-        "base model: model.safetensors added, removed or edited",
-    ),
-    "the label mapping": (
-        {"label_names": "negative,positive"},
-        {"label_names": "positive,negative"},
-        (1, 1),
-        "LABEL_NAMES: negative,positive -> positive,negative",
-    ),
-    "the DeepSpeed config, edited": (  # WarmupDecayLR -> WarmupLR in the file (EDITS): another schedule
-        {"strategy": "deepspeed", "deepspeed_config": "{tmp}/ds_config.json"},
-        {},
-        (2, 2),
-        "DEEPSPEED_CONFIG: scheduler.type WarmupDecayLR -> WarmupLR",
-    ),
+    "the base model's weights, replaced in place": ({"model_name": "{tmp}/model"}, {}, (1, 1),
+                                                    "base model: model.safetensors added, removed or edited"),
+    "the label mapping": ({"label_names": "negative,positive"}, {"label_names": "positive,negative"}, (1, 1),
+                          "LABEL_NAMES: negative,positive -> positive,negative"),
+    # WarmupDecayLR -> WarmupLR in the file (EDITS): another schedule
+    "the DeepSpeed config, edited": ({"strategy": "deepspeed", "deepspeed_config": "{tmp}/ds_config.json"}, {}, (2, 2),
+                                     "DEEPSPEED_CONFIG: scheduler.type WarmupDecayLR -> WarmupLR"),
     "the epochs, where they decide": ({"num_epochs": 1}, {"num_epochs": 2}, (1, 1), "NUM_EPOCHS: 1.0 -> 2.0"),
     "the learning rate": ({}, {"learning_rate": 0.002}, (1, 1), "learning rates: base 0.001 -> 0.002"),
 }
+# fmt: on
 EDITS = {  # id -> what changes on the volume between the two starts
     "the data": lambda tmp: data_folder(tmp / "data", train="sentence,label\ngood,1\nawful,0\n"),  # one row
     "the base model's weights, replaced in place": lambda tmp: model_folder(tmp / "model", weights=b"\x01" * 64),
@@ -175,6 +158,7 @@ def test_each_change_of_the_identity_is_refused_alike_in_every_place(tmp_path, c
     assert len(fixes) == 1, fixes  # one comparison: the same fix wherever a restart meets it
 
 
+# fmt: off
 ACCEPTED = {  # id -> (first, second, replica counts): one run, whatever changed
     "where it writes and pushes": ({}, {"logging_steps": 1, "hub_private": False, "save_steps": 7}, (1, 1)),
     "the replica count under GLOBAL_BATCH_SIZE": ({"global_batch_size": 64}, {}, (2, 4)),
@@ -185,25 +169,18 @@ ACCEPTED = {  # id -> (first, second, replica counts): one run, whatever changed
     "LEARNING_RATE set to the rate it resolves to": ({}, {"learning_rate": 0.001}, (1, 1)),
     "BASE_LEARNING_RATE beside LEARNING_RATE": ({"learning_rate": 0.002}, {"base_learning_rate": 0.0005}, (1, 1)),
     "PRECISION and QUANTIZATION auto for what auto resolves to": (
-        {"precision": "fp32", "quantization": "none"},
-        {"precision": "auto", "quantization": "auto"},
-        (1, 1),
-    ),
-    "LORA_TARGET_MODULES in another order": (
-        {"lora_target_modules": "query,value"},
-        {"lora_target_modules": "value,query"},
-        (1, 1),
-    ),
+        {"precision": "fp32", "quantization": "none"}, {"precision": "auto", "quantization": "auto"}, (1, 1)),
+    "LORA_TARGET_MODULES in another order": ({"lora_target_modules": "query,value"},
+                                             {"lora_target_modules": "value,query"}, (1, 1)),
     "TASK=sst2 on the same data": ({}, {"task": "sst2"}, (1, 1)),
     "LABEL_NAMES given as the default": ({}, {"label_names": "negative,positive"}, (1, 1)),
     "INT8_THRESHOLD without 8-bit weights": ({"quantization": "none"}, {"int8_threshold": 6.0}, (1, 1)),
     "a notes file beside the data": ({}, {}, (1, 1)),  # train.txt, which the loader does not read (EDITS)
     "the DeepSpeed config's file by another path": (
         {"strategy": "deepspeed", "deepspeed_config": "{tmp}/ds_config.json"},
-        {"deepspeed_config": "{tmp}/copy/../ds_config.json"},
-        (2, 2),
-    ),
+        {"deepspeed_config": "{tmp}/copy/../ds_config.json"}, (2, 2)),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize("change", ACCEPTED, ids=list(ACCEPTED))

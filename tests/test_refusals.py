@@ -37,6 +37,7 @@ from tests.support.harness import start_in_process
 from tests.support.hub_stub import HubStub
 from tests.support.outcomes import assert_refusal, assert_refused_as_bad_input, error_lines
 from tests.support.processes import run_command
+from tests.support.weights import pickled_weights
 from utils.common.errors import EXIT_BAD_INPUT
 from utils.config.plan import build_plan
 from utils.config.sources import load_settings
@@ -144,16 +145,6 @@ def dangling_weights(folder: Path) -> None:
     (folder / "model.safetensors").symlink_to("/nonexistent/blobs/0123abcd")  # a Hub cache snapshot without its blob
 
 
-def foreign_run(tmp: Path, env: dict) -> dict:
-    """OUTPUT_DIR holds the record of a run with LORA_R=4 (its settings resolved as a one-process job resolves them)."""
-    identity = build_plan(load_settings([], environ=env)[0], 1).identity
-    out = Path(env["OUTPUT_DIR"])
-    out.mkdir(parents=True)
-    record = {"format": RUN_RECORD_FORMAT, "identity": {**identity, "lora_r": 4}}  # the job's layout: its run
-    (out / "run.json").write_text(json.dumps(record))
-    return {}
-
-
 def recorded_run(change: Callable[[dict], None], finished: bool = False, world: int = 1, **then: str):
     """OUTPUT_DIR holds the job's run.json of a run whose identity is this start's under the settings `then` on
     `world` replicas, as `change` edits it (the data or base it digested, the label names it trained with);
@@ -173,6 +164,11 @@ def recorded_run(change: Callable[[dict], None], finished: bool = False, world: 
         return {}
 
     return setup
+
+
+def foreign_run(tmp: Path, env: dict) -> dict:
+    """OUTPUT_DIR holds the record of a run with LORA_R=4."""
+    return recorded_run(lambda identity: identity.update(lora_r=4))(tmp, env)
 
 
 def edited(field: str, name: str) -> Callable[[dict], None]:
@@ -235,31 +231,6 @@ def custom_code(folder: Path) -> None:
     config["auto_map"] = {"AutoConfig": "custom_bert.CustomConfig", "AutoModel": "custom_bert.CustomModel"}
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "custom_bert.py").write_text('raise SystemExit("the folder\'s code ran")\n')
-
-
-def pickled(malicious: bool) -> Callable[[Path], None]:
-    """model.safetensors replaced by pytorch_model.bin: a pickle that calls os.system when unpickled without torch's
-    weights-only guard, or the real weights cut in half."""
-
-    def change(folder: Path) -> None:
-        import torch
-        from safetensors.torch import load_file
-
-        weights = load_file(folder / "model.safetensors")
-        (folder / "model.safetensors").unlink()
-        if malicious:
-
-            class Payload:
-                def __reduce__(self):
-                    return os.system, ("exit 3",)
-
-            torch.save({"bert.embeddings.word_embeddings.weight": Payload()}, folder / "pytorch_model.bin")
-        else:
-            torch.save(weights, folder / "pytorch_model.bin")
-            data = (folder / "pytorch_model.bin").read_bytes()
-            (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
-
-    return change
 
 
 def torn_run_record(tmp: Path, env: dict) -> dict:
@@ -510,9 +481,11 @@ MODEL = [
     setting("lora-target-not-linear", "LORA_TARGET_MODULES=LayerNorm", row="a LoRA target LoRA cannot adapt"),
     case("model-with-custom-code", ["MODEL_NAME={MODEL_NAME}", "auto_map"], setup=model_copy(custom_code),
          row="model folder with custom code", where={"/models/custom": "{MODEL_NAME}"}),
-    case("pickled-weights-that-run-code", ["pytorch_model.bin"], setup=model_copy(pickled(malicious=True)),
+    case("pickled-weights-that-run-code", ["pytorch_model.bin"],
+         setup=model_copy(lambda f: pickled_weights(f, "malicious", f / "payload-ran")),
          row="pickled weights that would run code"),
-    case("pickled-weights-damaged", ["pytorch_model.bin"], setup=model_copy(pickled(malicious=False)),
+    case("pickled-weights-damaged", ["pytorch_model.bin"],
+         setup=model_copy(lambda f: pickled_weights(f, "truncated", f / "payload-ran")),
          row="damaged pickled weights"),
 ]
 

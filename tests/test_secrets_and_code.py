@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from tests.support.env import REPO, free_port, push_settings
 from tests.support.outcomes import assert_refused_as_bad_input, assert_token_absent, error_lines
 from tests.support.processes import run_command, run_main
+from tests.support.weights import pickled_weights
 
 PASSWORD = "s3cret-pass-0123"  # alice's password in every URL below
 PROXY_PASSWORD = "pr0xy-pass-4567"
@@ -134,29 +134,6 @@ def test_a_model_folder_with_custom_code_is_refused_without_running_it_or_asking
 
 
 # ------------------------------------------------------------------------------- weights that are not weights
-def pickled_weights(tiny_bert: Path, folder: Path, marker: Path, how: str) -> Path:
-    """The tiny model with its weights as pytorch_model.bin instead of model.safetensors: a pickle that calls
-    os.system when unpickled without torch's weights-only guard, or real weights cut in half."""
-    import torch
-    from safetensors.torch import load_file
-
-    shutil.copytree(tiny_bert, folder)
-    (folder / "model.safetensors").unlink()
-    weights = folder / "pytorch_model.bin"
-    if how == "malicious":
-
-        class Payload:
-            def __reduce__(self):
-                return os.system, (f"touch {marker}",)
-
-        torch.save({"bert.embeddings.word_embeddings.weight": Payload()}, weights)
-    else:
-        torch.save(load_file(tiny_bert / "model.safetensors"), weights)
-        data = weights.read_bytes()
-        weights.write_bytes(data[: len(data) // 2])
-    return folder
-
-
 @pytest.mark.check
 @pytest.mark.parametrize(
     "how, says",
@@ -173,7 +150,7 @@ def test_pickled_weights_that_would_run_code_or_are_damaged_are_refused_in_one_l
     from utils.training.model import check_model
 
     marker = tmp_path / "payload-ran"
-    model = pickled_weights(tiny_bert, tmp_path / "model", marker, how)
+    model = pickled_weights(shutil.copytree(tiny_bert, tmp_path / "model"), how, marker)
     with pytest.raises(JobError) as refused:
         check_model(str(model), max_seq_length=128, lora_r=8)
     error = refused.value.message
