@@ -182,37 +182,6 @@ def test_no_nan_or_infinity_is_written_into_a_record(tmp_path):
 
 
 # ------------------------------------------------------------------------------- a folder that is not a run of the job
-def someones_folder(out: Path) -> dict[str, bytes]:
-    """A folder another tool filled: a Trainer checkpoint with no COMPLETE manifest, a model/ with its weights;
-    its files and their bytes."""
-    checkpoint = out / "checkpoints" / "checkpoint-500"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "optimizer.pt").write_bytes(b"their optimizer state")
-    (out / "model").mkdir()
-    (out / "model" / "model.safetensors").write_bytes(b"their weights")
-    return contents(out)
-
-
-def contents(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-
-
-def test_a_folder_that_is_no_run_of_the_job_is_refused_and_left_untouched(job_env, hub, tmp_path):
-    out = tmp_path / "out"
-    before = someones_folder(out)
-    for args in (["--dry-run"], [], ["--push-only"]):
-        # What it holds, and that a run folder of the job has a .run-folder or run.json: how to tell it apart.
-        names = [f"OUTPUT_DIR={out}", "checkpoints, model", ".run-folder", "run.json"]
-        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), names)
-    assert contents(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoints", "model"]
-    assert hub.commits == [] and hub.count("/api/repos/create") == 0
-
-
-# A run.json another tool writes, and one this job wrote before run.json had a format (the keys every version wrote).
-ANOTHER_TOOLS_RECORD = json.dumps({"tool": "another-trainer", "settings": {"lr": 0.1}})
-LEGACY_RECORD = json.dumps({"run_name": "tiny-r8", "settings": {"lora_r": 8}, "versions": {"torch": "2.13.0"}})
-
-
 def tree(out: Path) -> dict[str, str | None]:
     """Every entry under `out`: a file by the SHA-256 of its bytes, a folder as None, so that a file added,
     removed or rewritten (even a marker, a lock or an empty logs/) shows."""
@@ -220,6 +189,27 @@ def tree(out: Path) -> dict[str, str | None]:
         str(path.relative_to(out)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
         for path in sorted(out.rglob("*"))
     }
+
+
+def test_a_folder_that_is_no_run_of_the_job_is_refused_and_left_untouched(job_env, hub, tmp_path):
+    """A folder another tool filled: a Trainer checkpoint with no COMPLETE manifest, a model/ with its weights."""
+    out = tmp_path / "out"
+    (out / "checkpoints" / "checkpoint-500").mkdir(parents=True)
+    (out / "checkpoints" / "checkpoint-500" / "optimizer.pt").write_bytes(b"their optimizer state")
+    (out / "model").mkdir()
+    (out / "model" / "model.safetensors").write_bytes(b"their weights")
+    before = tree(out)
+    for args in (["--dry-run"], [], ["--push-only"]):
+        # What it holds, and that a run folder of the job has a .run-folder or run.json: how to tell it apart.
+        names = [f"OUTPUT_DIR={out}", "checkpoints, model", ".run-folder", "run.json"]
+        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), names)
+    assert tree(out) == before
+    assert hub.commits == [] and hub.count("/api/repos/create") == 0
+
+
+# A run.json another tool writes, and one this job wrote before run.json had a format (the keys every version wrote).
+ANOTHER_TOOLS_RECORD = json.dumps({"tool": "another-trainer", "settings": {"lr": 0.1}})
+LEGACY_RECORD = json.dumps({"run_name": "tiny-r8", "settings": {"lora_r": 8}, "versions": {"torch": "2.13.0"}})
 
 
 @pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "marked"])

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.support.env import base_env, free_port, rank_env
+from tests.support.env import REPO, base_env, free_port, rank_env
 from tests.support.harness import configured
 from tests.support.outcomes import assert_refusal
 from tests.support.processes import patiently, run_main, start_main
@@ -155,6 +155,9 @@ LAUNCHERS = [  # (environment, the distributed block's DISTRIBUTED values), a ta
           SLURM_JOB_NODELIST="gpu-[01-04,07]"), (6, 2, 8, 1, "gpu-01", 29500, "slurm")),
     (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node7,node9"),
      (0, 0, 2, 0, "node7", 29500, "slurm")),
+    # Four platform replicas, the port left to its default.
+    *((dict(RANK=str(r), WORLD_SIZE="4", NODE_RANK=str(r), MASTER_ADDR="replica-0"),
+       (r, 0, 4, r, "replica-0", 29500, "platform")) for r in range(4)),
     # Half a launcher's variables that one process has anyway: still one process.
     (dict(WORLD_SIZE="1", LOCAL_RANK="0", NODE_RANK="0"), (0, 0, 1, 0, None, None, "single")),
 ]
@@ -199,17 +202,6 @@ def test_slurm_node_list_is_expanded_by_scontrol_where_it_exists(tmp_path):
 @pytest.mark.parametrize("env, expected", LAUNCHERS, ids=[e[-1] + str(i) for i, (_, e) in enumerate(LAUNCHERS)])
 def test_each_launcher_resolves_to_the_right_ranks(tmp_path, env, expected):
     assert dry_run(tmp_path, **env)["distributed"] == dict(zip(DISTRIBUTED, expected, strict=True))
-
-
-@pytest.mark.check
-def test_four_platform_replicas_resolve_to_ranks_0_to_3(tmp_path):
-    seen = [
-        dry_run(tmp_path, RANK=str(r), WORLD_SIZE="4", NODE_RANK=str(r), MASTER_ADDR="replica-0")["distributed"]
-        for r in range(4)
-    ]
-    assert [(d["rank"], d["node_rank"], d["local_rank"], d["master_port"]) for d in seen] == [
-        (r, r, 0, 29500) for r in range(4)
-    ]
 
 
 @pytest.mark.check
@@ -378,8 +370,6 @@ def test_recipe_file_sits_between_the_defaults_and_the_environment(tmp_path):
 
 @pytest.mark.check
 def test_the_sst2_recipe_is_the_defaults(tmp_path):
-    from tests.support.env import REPO
-
     recipe, defaults = dry_run(tmp_path, "--config", str(REPO / "recipes" / "sst2.yaml")), dry_run(tmp_path)
     assert {**recipe["config"], "config_file": None} == defaults["config"]
     # What it trains too: a batch setting written out (even at its default) would switch the global batch from
@@ -466,8 +456,6 @@ def test_help_answers_whatever_hf_token_holds_and_never_shows_it(tmp_path):
 
 @pytest.mark.check
 def test_settings_doc_states_every_range_the_code_holds():
-    from tests.support.env import REPO
-
     doc = (REPO / "docs" / "settings.md").read_text()
     ranges = {env_name(f): describe_range(f).removeprefix(" (range: ").removesuffix(")") for f in FIELDS}
     missing = [f"{name}: {shown}" for name, shown in ranges.items() if shown and f"| `{name}` | {shown} |" not in doc]
@@ -479,8 +467,6 @@ def test_the_shipped_config_maps_start_without_a_token_and_warn_about_nothing(tm
     """Applied as shipped, with no Hub token (the Secret is optional): the job trains and keeps the model on the
     volume; a RESULT_MODEL_ID left in would stop every replica at once (exit 2)."""
     import yaml
-
-    from tests.support.env import REPO
 
     platform = yaml.safe_load((REPO / "config.yaml").read_text())["config_map"]
     kubernetes = yaml.safe_load((REPO / "k8s" / "base" / "configmap.yaml").read_text())["data"]
@@ -568,16 +554,12 @@ def test_an_unknown_flag_is_one_error_line_from_the_process(tmp_path):
     ],
 )
 def test_another_yaml_file_of_the_repo_given_as_a_recipe_is_named_as_what_it_is(tmp_path, path, names):
-    from tests.support.env import REPO
-
     message = refusal(tmp_path, "--config", str(REPO / path))
     assert [name for name in names if name not in message] == [], message
 
 
 @pytest.mark.check
 def test_the_settings_doc_names_every_flag_alias():
-    from tests.support.env import REPO
-
     doc = (REPO / "docs" / "settings.md").read_text()
     missing = [alias for alias in FLAG_ALIASES if f"`--{alias[2:].replace('-', '_')}`" not in doc]
     assert not missing, f"docs/settings.md does not name {missing}"
