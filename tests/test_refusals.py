@@ -645,25 +645,13 @@ def push_env(tmp_path, tiny_bert, sst2_dir, token_hub, monkeypatch) -> dict[str,
 
     monkeypatch.setattr(constants, "ENDPOINT", token_hub.url)  # read from HF_ENDPOINT when huggingface_hub is imported
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    return tiny_run_env(
-        tmp_path,
-        tiny_bert,
-        sst2_dir,
-        HF_HUB_OFFLINE="0",
-        HF_TOKEN=FAKE_TOKEN,
-        RESULT_MODEL_ID=REPO_ID,
-        BASE_MODEL_ID=BASE_ID,
-    )
+    push = dict(HF_HUB_OFFLINE="0", HF_TOKEN=FAKE_TOKEN, RESULT_MODEL_ID=REPO_ID, BASE_MODEL_ID=BASE_ID)
+    return tiny_run_env(tmp_path, tiny_bert, sst2_dir, **push)
 
 
 @pytest.mark.check
 @pytest.mark.parametrize(
-    "refusal",
-    [
-        pytest.param(replace(refusal, layer=layer), id=refusal.id)
-        for layer, refusals in LAYERS.items()
-        for refusal in refusals
-    ],
+    "refusal", [pytest.param(replace(r, layer=k), id=r.id) for k, rs in LAYERS.items() for r in rs]
 )
 def test_refused_by_its_layer_with_the_fix(refusal: Refusal, push_env, monkeypatch, tmp_path):
     env = {**push_env, **(refusal.setup(tmp_path, push_env) if refusal.setup else {}), **refusal.env}

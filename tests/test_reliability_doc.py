@@ -31,7 +31,7 @@ from tests.support.docs import (
     settings_alone,
     shows,
 )
-from tests.support.env import REPO, REPO_ID, base_env
+from tests.support.env import REPO, REPO_ID, base_env, free_port
 from tests.support.harness import configured
 from tests.support.outcomes import error_lines
 from tests.support.processes import run_predict
@@ -417,7 +417,6 @@ def test_the_token_check_that_cannot_reach_the_hub_says_so_as_shown(monkeypatch)
     from huggingface_hub import constants
     from pydantic import SecretStr
 
-    from tests.support.env import free_port
     from utils.publishing.hub import Hub
 
     endpoint = f"http://127.0.0.1:{free_port()}"
@@ -530,7 +529,6 @@ def test_the_missing_rank_0_line_shown_is_the_one_a_rank_prints():
     waits in), its deadline 1 s into the doc's RENDEZVOUS_TIMEOUT=600s."""
     import time
 
-    from tests.support.env import free_port
     from utils.cluster.collectives import _wait_for_rank0
     from utils.config.distributed import DistEnv
 
