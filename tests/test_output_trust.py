@@ -191,43 +191,31 @@ def tree(out: Path) -> dict[str, str | None]:
     }
 
 
-def test_a_folder_that_is_no_run_of_the_job_is_refused_and_left_untouched(job_env, hub, tmp_path):
-    """A folder another tool filled: a Trainer checkpoint with no COMPLETE manifest, a model/ with its weights."""
-    out = tmp_path / "out"
-    (out / "checkpoints" / "checkpoint-500").mkdir(parents=True)
-    (out / "checkpoints" / "checkpoint-500" / "optimizer.pt").write_bytes(b"their optimizer state")
-    (out / "model").mkdir()
-    (out / "model" / "model.safetensors").write_bytes(b"their weights")
-    before = tree(out)
-    for args in (["--dry-run"], [], ["--push-only"]):
-        # What it holds, and that a run folder of the job has a .run-folder or run.json: how to tell it apart.
-        names = [f"OUTPUT_DIR={out}", "checkpoints, model", ".run-folder", "run.json"]
-        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), names)
-    assert tree(out) == before
-    assert hub.commits == [] and hub.count("/api/repos/create") == 0
-
-
 # A run.json another tool writes, and one this job wrote before run.json had a format (the keys every version wrote).
 ANOTHER_TOOLS_RECORD = json.dumps({"tool": "another-trainer", "settings": {"lr": 0.1}})
 LEGACY_RECORD = json.dumps({"run_name": "tiny-r8", "settings": {"lora_r": 8}, "versions": {"torch": "2.13.0"}})
+THEIRS = {"model/notes.txt": "their notes\n", "run.json": ANOTHER_TOOLS_RECORD}
+FOLDERS = {  # id: what the folder holds beside a checkpoint with no COMPLETE manifest, what the refusal names
+    # What it holds, and that a run folder of the job has a .run-folder or run.json: how to tell it apart.
+    "no-run-json": ({"model/model.safetensors": "their weights"}, ["checkpoints, model", ".run-folder", "run.json"]),
+    "unmarked": (THEIRS, ["run.json is not one the job writes", "empty or new folder"]),
+    # the job's marker does not make another tool's record its own
+    "marked": ({**THEIRS, RUN_MARKER: ""}, ["run.json is not one the job writes", "empty or new folder"]),
+}
 
 
-@pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "marked"])
-def test_a_folder_with_another_tools_run_json_is_refused_and_left_byte_identical(marked, job_env, hub, tmp_path):
+@pytest.mark.parametrize("holding", FOLDERS)
+def test_a_folder_another_tool_filled_is_refused_and_left_byte_identical(holding, job_env, hub, tmp_path):
     """A run.json is the job's mark only when it is one the job writes: another tool's file of that name beside its
     checkpoint and notes (seen: exit 0, "removed checkpoint-500: its save never completed", model/notes.txt gone)."""
+    files, names = FOLDERS[holding]
     out = tmp_path / "out"
-    (out / "checkpoints" / "checkpoint-500").mkdir(parents=True)
-    (out / "checkpoints" / "checkpoint-500" / "optimizer.pt").write_bytes(b"their optimizer state")
-    (out / "model").mkdir()
-    (out / "model" / "notes.txt").write_text("their notes\n")
-    (out / "run.json").write_text(ANOTHER_TOOLS_RECORD)
-    if marked:  # the job's marker does not make another tool's record its own
-        (out / RUN_MARKER).write_text("")
+    for name, text in {"checkpoints/checkpoint-500/optimizer.pt": "their optimizer state", **files}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
     before = tree(out)
     for args in (["--dry-run"], [], ["--push-only"]):
-        names = [f"OUTPUT_DIR={out}", "run.json is not one the job writes", "empty or new folder"]
-        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), names)
+        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), [f"OUTPUT_DIR={out}", *names])
         assert tree(out) == before, args
     assert hub.commits == [] and hub.count("/api/repos/create") == 0
 
