@@ -148,17 +148,8 @@ def test_the_defaults_train_the_same_model_on_1_and_2_replicas(tmp_path, tiny_be
     import torch
 
     data = write_fixed_length_data(tmp_path / "data", seed=5, counts=(TRAIN_ROWS, VALIDATION_ROWS))
-    settings = dict(
-        MODEL_NAME=str(tiny_bert),
-        DATASET_PATH=str(data),
-        NUM_EPOCHS=str(EPOCHS),
-        LORA_DROPOUT="0",
-        MODEL_DROPOUT="0",
-        LOGGING_STEPS="1",
-        EVAL_STEPS="1",
-        REPORT_TO="none",
-        RENDEZVOUS_TIMEOUT="120",
-    )
+    settings = dict(MODEL_NAME=str(tiny_bert), DATASET_PATH=str(data), NUM_EPOCHS=str(EPOCHS), REPORT_TO="none")
+    settings |= dict(LORA_DROPOUT="0", MODEL_DROPOUT="0", LOGGING_STEPS="1", EVAL_STEPS="1", RENDEZVOUS_TIMEOUT="120")
     one_out, two_out = tmp_path / "one", tmp_path / "two"
     group, port = Replicas(tmp_path), free_port()
     try:

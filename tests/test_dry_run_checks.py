@@ -24,6 +24,11 @@ MODEL_FIX = (
     "point MODEL_NAME at a folder holding the model's config.json, tokenizer and weights "
     "(e.g. `hf download MODEL --local-dir FOLDER`), or give a Hub id"
 )
+TEXT_FIX = "set TEXT_COLUMN to the right one (TEXT_COLUMN=first,second names a sentence pair)"
+
+
+def no_column(name: str, columns: list[str], fix: str = TEXT_FIX) -> str:
+    return f"error: the train split has no column '{name}' (columns: {columns}); {fix}"
 
 
 def missing_dataset(tmp: Path, env: dict) -> tuple[dict, str]:
@@ -44,26 +49,19 @@ def dataset_is_a_file(tmp: Path, env: dict) -> tuple[dict, str]:
 
 
 def wrong_text_column(tmp: Path, env: dict) -> tuple[dict, str]:
-    return {"TEXT_COLUMN": "review"}, (
-        "error: the train split has no column 'review' (columns: ['sentence', 'label', 'idx']); set TEXT_COLUMN to "
-        "the right one (TEXT_COLUMN=first,second names a sentence pair)"
-    )
+    return {"TEXT_COLUMN": "review"}, no_column("review", ["sentence", "label", "idx"])
 
 
 def wrong_label_column_in_jsonl(tmp: Path, env: dict) -> tuple[dict, str]:
     rows = "".join(json.dumps({"text": "a fine film", "stars": i % 2}) + "\n" for i in range(4))
     folder = write_files(tmp / "jsonl", {"train.jsonl": rows, "validation.jsonl": rows})
-    return {"DATASET_PATH": str(folder), "TEXT_COLUMN": "text"}, (
-        "error: the train split has no column 'label' (columns: ['text', 'stars']); set LABEL_COLUMN to the right one"
-    )
+    line = no_column("label", ["text", "stars"], "set LABEL_COLUMN to the right one")
+    return {"DATASET_PATH": str(folder), "TEXT_COLUMN": "text"}, line
 
 
 def wrong_column_in_saved_dataset(tmp: Path, env: dict) -> tuple[dict, str]:
     folder = saved_dataset(tmp / "saved", ["negative", "positive"])
-    return {"DATASET_PATH": str(folder), "TEXT_COLUMN": "review"}, (
-        "error: the train split has no column 'review' (columns: ['sentence', 'label']); set TEXT_COLUMN to the "
-        "right one (TEXT_COLUMN=first,second names a sentence pair)"
-    )
+    return {"DATASET_PATH": str(folder), "TEXT_COLUMN": "review"}, no_column("review", ["sentence", "label"])
 
 
 def wrong_text_column_in_parquet(tmp: Path, env: dict) -> tuple[dict, str]:
@@ -75,17 +73,14 @@ def wrong_text_column_in_parquet(tmp: Path, env: dict) -> tuple[dict, str]:
     table = pyarrow.table({"premise": ["a fine film", "a dull film"], "label": [1, 0]})
     for split in ("train", "validation"):
         pyarrow.parquet.write_table(table, folder / f"{split}.parquet")
-    return {"DATASET_PATH": str(folder)}, (
-        "error: the train split has no column 'sentence' (columns: ['premise', 'label']); set TEXT_COLUMN to the "
-        "right one (TEXT_COLUMN=first,second names a sentence pair)"
-    )
+    return {"DATASET_PATH": str(folder)}, no_column("sentence", ["premise", "label"])
 
 
 def missing_model(tmp: Path, env: dict) -> tuple[dict, str]:
     path = tmp / "no-such-model"
-    return {"MODEL_NAME": str(path)}, (
-        f"error: MODEL_NAME={path} does not exist (no such folder, and no Hub id); {MODEL_FIX}"
-    )
+    return {
+        "MODEL_NAME": str(path)
+    }, f"error: MODEL_NAME={path} does not exist (no such folder, and no Hub id); {MODEL_FIX}"
 
 
 def model_without_config(tmp: Path, env: dict) -> tuple[dict, str]:

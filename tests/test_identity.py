@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.docs import RELIABILITY_DOC
 from utils.common.errors import JobError
 from utils.config.identity import FIELDS, agreement_refusal, identity_table
 from utils.config.plan import build_plan, with_device
@@ -100,46 +101,29 @@ def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int],
     return said
 
 
+# fmt: off
 CHANGES = {  # id -> (settings of the first start, of the second: {**base, **these}; replica counts; what is named)
     "a training setting": ({}, {"lora_r": 16}, (1, 1), "LORA_R: 8 -> 16"),
     # The per-device rule (PER_DEVICE_BATCH_SIZE given): the global batch, and so the run, follows the count.
     "the replica count": ({"per_device_batch_size": 64}, {}, (1, 2), "replica count: 1 -> 2"),
-    "the global batch": (
-        {"per_device_batch_size": 64},
-        {"per_device_batch_size": 32},
-        (1, 1),
-        "PER_DEVICE_BATCH_SIZE: 64 -> 32",
-    ),
+    "the global batch": ({"per_device_batch_size": 64}, {"per_device_batch_size": 32}, (1, 1),
+                         "PER_DEVICE_BATCH_SIZE: 64 -> 32"),
     "the default global batch, rounded for another count": ({}, {}, (2, 3), "global batch: 64 -> 63"),
-    "the ZeRO stage": (
-        {"strategy": "deepspeed", "zero_stage": 2},
-        {"strategy": "deepspeed", "zero_stage": 3},
-        (2, 2),
-        "ZERO_STAGE: 2 -> 3",
-    ),
+    "the ZeRO stage": ({"strategy": "deepspeed", "zero_stage": 2}, {"strategy": "deepspeed", "zero_stage": 3}, (2, 2),
+                       "ZERO_STAGE: 2 -> 3"),
     "the data": ({}, {}, (1, 1), "data files: train.csv added, removed or edited"),  # edited in place (EDITS)
     # The same folder, the same shapes, other weights (EDITS): another base, whatever MODEL_NAME says.
-    "the base model's weights, replaced in place": (
-        {"model_name": "{tmp}/model"},
-        {},
-        (1, 1),
-        "base model: model.safetensors added, removed or edited",
-    ),
-    "the label mapping": (
-        {"label_names": "negative,positive"},
-        {"label_names": "positive,negative"},
-        (1, 1),
-        "LABEL_NAMES: negative,positive -> positive,negative",
-    ),
-    "the DeepSpeed config, edited": (  # WarmupDecayLR -> WarmupLR in the file (EDITS): another schedule
-        {"strategy": "deepspeed", "deepspeed_config": "{tmp}/ds_config.json"},
-        {},
-        (2, 2),
-        "DEEPSPEED_CONFIG: scheduler.type WarmupDecayLR -> WarmupLR",
-    ),
+    "the base model's weights, replaced in place": ({"model_name": "{tmp}/model"}, {}, (1, 1),
+                                                    "base model: model.safetensors added, removed or edited"),
+    "the label mapping": ({"label_names": "negative,positive"}, {"label_names": "positive,negative"}, (1, 1),
+                          "LABEL_NAMES: negative,positive -> positive,negative"),
+    # WarmupDecayLR -> WarmupLR in the file (EDITS): another schedule
+    "the DeepSpeed config, edited": ({"strategy": "deepspeed", "deepspeed_config": "{tmp}/ds_config.json"}, {}, (2, 2),
+                                     "DEEPSPEED_CONFIG: scheduler.type WarmupDecayLR -> WarmupLR"),
     "the epochs, where they decide": ({"num_epochs": 1}, {"num_epochs": 2}, (1, 1), "NUM_EPOCHS: 1.0 -> 2.0"),
     "the learning rate": ({}, {"learning_rate": 0.002}, (1, 1), "learning rates: base 0.001 -> 0.002"),
 }
+# fmt: on
 EDITS = {  # id -> what changes on the volume between the two starts
     "the data": lambda tmp: data_folder(tmp / "data", train="sentence,label\ngood,1\nawful,0\n"),  # one row
     "the base model's weights, replaced in place": lambda tmp: model_folder(tmp / "model", weights=b"\x01" * 64),
@@ -155,21 +139,23 @@ def volume(tmp: Path) -> dict[str, str]:
     return {"dataset_path": str(data_folder(tmp / "data")), "output_dir": str(tmp / "out")}
 
 
-def given(tmp: Path, values: dict) -> dict:
-    return {
-        name: value.replace("{tmp}", str(tmp)) if isinstance(value, str) else value for name, value in values.items()
-    }
+def compared(tmp: Path, first: dict, second: dict, worlds=(1, 1), change: str = "") -> dict[str, str | None]:
+    """`places` for a start of {**`volume`, **first, **second} on worlds[1] replicas finding the run of {**`volume`,
+    **first} on worlds[0], EDITS[change] made between the two; `{tmp}` in a value stands for `tmp`."""
+
+    def given(values: dict) -> dict:
+        return {name: v.replace("{tmp}", str(tmp)) if isinstance(v, str) else v for name, v in values.items()}
+
+    base, first, second = volume(tmp), given(first), given(second)
+    edit = EDITS.get(change, lambda tmp: None)
+    starts = (Settings(**base, **first), worlds[0]), (Settings(**{**base, **first, **second}), worlds[1])
+    return places(tmp, *starts, lambda: edit(tmp))
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=list(CHANGES))
 def test_each_change_of_the_identity_is_refused_alike_in_every_place(tmp_path, change):
-    first, second, (world_a, world_b), named = CHANGES[change]
-    base, first, second = volume(tmp_path), given(tmp_path, first), given(tmp_path, second)
-    first_start, second_start = (
-        (Settings(**base, **first), world_a),
-        (Settings(**{**base, **first, **second}), world_b),
-    )
-    said = places(tmp_path, first_start, second_start, lambda: EDITS.get(change, lambda tmp: None)(tmp_path))
+    first, second, worlds, named = CHANGES[change]
+    said = compared(tmp_path, first, second, worlds, change)
     assert said.pop("run name"), "another run must get another RUN_NAME"
     for place, message in said.items():
         assert message is not None and named in message, (place, message)
@@ -177,6 +163,7 @@ def test_each_change_of_the_identity_is_refused_alike_in_every_place(tmp_path, c
     assert len(fixes) == 1, fixes  # one comparison: the same fix wherever a restart meets it
 
 
+# fmt: off
 ACCEPTED = {  # id -> (first, second, replica counts): one run, whatever changed
     "where it writes and pushes": ({}, {"logging_steps": 1, "hub_private": False, "save_steps": 7}, (1, 1)),
     "the replica count under GLOBAL_BATCH_SIZE": ({"global_batch_size": 64}, {}, (2, 4)),
@@ -187,40 +174,26 @@ ACCEPTED = {  # id -> (first, second, replica counts): one run, whatever changed
     "LEARNING_RATE set to the rate it resolves to": ({}, {"learning_rate": 0.001}, (1, 1)),
     "BASE_LEARNING_RATE beside LEARNING_RATE": ({"learning_rate": 0.002}, {"base_learning_rate": 0.0005}, (1, 1)),
     "PRECISION and QUANTIZATION auto for what auto resolves to": (
-        {"precision": "fp32", "quantization": "none"},
-        {"precision": "auto", "quantization": "auto"},
-        (1, 1),
-    ),
-    "LORA_TARGET_MODULES in another order": (
-        {"lora_target_modules": "query,value"},
-        {"lora_target_modules": "value,query"},
-        (1, 1),
-    ),
+        {"precision": "fp32", "quantization": "none"}, {"precision": "auto", "quantization": "auto"}, (1, 1)),
+    "LORA_TARGET_MODULES in another order": ({"lora_target_modules": "query,value"},
+                                             {"lora_target_modules": "value,query"}, (1, 1)),
     "TASK=sst2 on the same data": ({}, {"task": "sst2"}, (1, 1)),
     "LABEL_NAMES given as the default": ({}, {"label_names": "negative,positive"}, (1, 1)),
     "INT8_THRESHOLD without 8-bit weights": ({"quantization": "none"}, {"int8_threshold": 6.0}, (1, 1)),
     "a notes file beside the data": ({}, {}, (1, 1)),  # train.txt, which the loader does not read (EDITS)
     "the DeepSpeed config's file by another path": (
         {"strategy": "deepspeed", "deepspeed_config": "{tmp}/ds_config.json"},
-        {"deepspeed_config": "{tmp}/copy/../ds_config.json"},
-        (2, 2),
-    ),
+        {"deepspeed_config": "{tmp}/copy/../ds_config.json"}, (2, 2)),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize("change", ACCEPTED, ids=list(ACCEPTED))
 def test_what_leaves_the_run_alone_is_accepted_alike_in_every_place(tmp_path, change):
-    first, second, (world_a, world_b) = ACCEPTED[change]
-    base, first, second = volume(tmp_path), given(tmp_path, first), given(tmp_path, second)
+    first, second, worlds = ACCEPTED[change]
     (tmp_path / "copy").mkdir()
-    edit = EDITS.get(change, lambda tmp: None)
-    said = places(
-        tmp_path,
-        (Settings(**base, **first), world_a),
-        (Settings(**{**base, **first, **second}), world_b),
-        lambda: edit(tmp_path),
-    )
-    if world_a != world_b:
+    said = compared(tmp_path, first, second, worlds, change)
+    if worlds[0] != worlds[1]:
         # The ranks of one start still agree on their count: a rendezvous of 2 and 4 would never complete.
         assert "replica count: 2 -> 4" in said.pop("rendezvous")
     assert said == dict.fromkeys(said), said
@@ -270,8 +243,7 @@ def test_the_identity_holds_what_its_table_and_the_docs_say(tmp_path):
     lists the table as it is: neither can drift from the key."""
     settings = Settings(**volume(tmp_path))
     assert set(build_plan(settings, 1).identity) - {"version"} == set(FIELDS)
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
-    assert identity_table() in doc, (
+    assert identity_table() in RELIABILITY_DOC.read_text(), (
         "docs/reliability.md's identity table is stale: paste utils/config/identity.identity_table()"
     )
 
@@ -286,14 +258,6 @@ DOCUMENTED = {  # docs/reliability.md's table of refusals: id -> (first start, s
 
 @pytest.mark.parametrize("case", DOCUMENTED, ids=list(DOCUMENTED))
 def test_the_documented_refusals_are_the_ones_the_job_prints(tmp_path, case):
-    first, second = (given(tmp_path, values) for values in DOCUMENTED[case])
-    base = volume(tmp_path)
-    said = places(
-        tmp_path,
-        (Settings(**base, **first), 1),
-        (Settings(**{**base, **first, **second}), 1),
-        lambda: EDITS.get(case, lambda tmp: None)(tmp_path),
-    )
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
-    printed = said["finished run"].replace(f"OUTPUT_DIR={base['output_dir']}", "OUTPUT_DIR=...")
-    assert f"`{printed}`" in doc, printed
+    said = compared(tmp_path, *DOCUMENTED[case], change=case)
+    printed = said["finished run"].replace(f"OUTPUT_DIR={tmp_path / 'out'}", "OUTPUT_DIR=...")
+    assert f"`{printed}`" in RELIABILITY_DOC.read_text(), printed

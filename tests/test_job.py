@@ -42,9 +42,8 @@ def test_one_process_trains_saves_and_the_model_loads_back(finished_run, tiny_be
     assert metrics["eval_accuracy"] > 0.8, metrics  # chance is 0.5 on this balanced synthetic task
     assert metrics["eval_samples"] == 101 and metrics["world_size"] == 1
     assert metrics["train_samples_per_second"] > 0 and metrics["train_runtime"] > 0
-    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= {
-        p.name for p in (out / "model").iterdir()
-    }
+    saved = {p.name for p in (out / "model").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"} <= saved
     # The run was pushed, so its adapter names its base by Hub id: offline, the local base stands in.
     sentences = ["the film is wonderful and moving", "the script is awful and boring"]
     assert classify(out / "model", sentences, base=tiny_bert) == [1, 0]
@@ -69,16 +68,8 @@ def test_dry_run_prints_the_plan_the_run_trained_with(finished_run):
     assert dry.code == 0, dry.stderr[-2000:]
     planned = dry.json()["plan"]
     plan = trained_plan(out)
-    later = {
-        "precision": "auto",
-        "quantization": "auto",
-        "steps": None,
-        "warmup_steps": None,
-        "steps_per_epoch": None,
-        "eval_every": None,
-        "compile": "auto",
-        "capture": "auto",
-    }
+    later = dict.fromkeys(("precision", "quantization", "compile", "capture"), "auto")
+    later |= dict.fromkeys(("steps", "warmup_steps", "steps_per_epoch", "eval_every"))  # None
     assert planned == {**plan, **later}
     # The tiny run: 2,000 rows in 125 batches of 16 an epoch, 2 epochs; LoRA+ trains B at 8x the rate set.
     assert (plan["steps_per_epoch"], plan["steps"], plan["warmup_steps"]) == (125, 250, 15)
@@ -94,13 +85,8 @@ def test_dry_run_prints_the_plan_the_run_trained_with(finished_run):
 def restart_env(finished_run, tmp_path, hub, **extra: str) -> dict[str, str]:
     """The finished run's settings on a copy of its folder, pushing to `hub` (a fresh stand-in, same token)."""
     shutil.copytree(finished_run.out, tmp_path / "out", symlinks=True)
-    return {
-        **finished_run.env,
-        **push_settings(hub),
-        "HF_HOME": str(tmp_path / "hf-home"),
-        "OUTPUT_DIR": str(tmp_path / "out"),
-        **extra,
-    }
+    folders = {"HF_HOME": str(tmp_path / "hf-home"), "OUTPUT_DIR": str(tmp_path / "out")}
+    return {**finished_run.env, **push_settings(hub), **folders, **extra}
 
 
 def test_restart_after_success_does_no_second_training_and_no_second_push(finished_run, hub, tmp_path):

@@ -1,35 +1,20 @@
-"""What the job relies on inside its libraries, beyond their public API, checked on the installed versions.
+"""What the job relies on inside its libraries beyond their public API, checked on the installed versions; a
+failure names the library, its version and what in the job stops working.
 
-Each test names the library and its version when it fails, and what in the job stops working.
+transformers: JobTrainer (utils/training/trainer.py) overrides five private Trainer methods: the two samplers (the
+public route measures every row again, draws each epoch's order from the global RNG and reorders evaluation),
+`_save_checkpoint` (a save a full volume cut short ends every rank alike), `_run_epoch` (a resume at the last step
+trains no step past it) and `_clip_grad_norm` (the trainable weights only). An upgrade that renames them or stops
+calling them would train other batches or fail without a word. Also read: the progress callback's `training_bar`
+(utils/run.py), `_no_split_modules` (FSDP's units) and `_attn_implementation` (the benchmarks).
+pydantic-settings: utils/config/sources.py's `_load_env_vars`, `_build_sources` and `_env_settings_source`.
+huggingface_hub: `utils._http.default_client_factory` (request timeouts); datasets: `_fingerprint` (the tokenized
+cache); accelerate, transformers and peft take a library set to None in sys.modules (utils/cluster/job.py) for not
+installed.
 
-transformers' Trainer: JobTrainer (utils/training/trainer.py) overrides five private methods. `_get_train_sampler` and
-`_get_eval_sampler`: the public route (`train_sampling_strategy="group_by_length"` with a `length` column)
-measures every row again, draws each epoch's order from the global RNG (a resume in epoch 2 or later trains
-other batches) and reorders evaluation. `_save_checkpoint`: a save a full volume cut short must end every rank
-alike. `_run_epoch`: a resume at the last step must train no step past it. `_clip_grad_norm`: clipping over the
-trainable weights only, not a scan of every frozen one each step. A library upgrade can rename those methods, stop calling them, or change what the loaders do around
-them; the job would then train other batches, evaluate reordered rows or fail as a traceback without a word.
-The progress callback's `training_bar` is closed by the job before an error line (utils/run.py), and
-`_no_split_modules` names the blocks FSDP shards (utils/training/strategy.py); `_attn_implementation` is how the
-benchmarks read the attention the model runs.
-
-pydantic-settings: load_settings (utils/config/sources.py) reads any mapping as the environment by overriding
-`EnvSettingsSource._load_env_vars`, builds Settings from its own sources with `Settings(_build_sources=...)`,
-and hands `CliSettingsSource` its environment source (`_env_settings_source`) for `--help`.
-
-huggingface_hub: every Hub request gets a timeout through a client made by `utils._http.default_client_factory`
-(utils/publishing/hub.py). datasets: the tokenized cache is keyed on each split's `_fingerprint` (utils/training/data.py).
-
-accelerate, transformers and peft: a run that does not use DeepSpeed or 8-bit weights leaves those libraries out
-by setting them to None in sys.modules (utils/cluster/job.py), which the three must take for "not installed".
-
-Why these are hand-written: for the tokenized cache, the label mapping, the checkpoint listing, the push's retries
-and deadline, the Hub's Retry-After, the reading and masking of secrets, and utils/cluster/collectives.py's
-rendezvous, heartbeat, watchdog and rank-0-first collectives, a test shows the case the library beside them gets
-wrong (docs/development.md lists them); when the library learns it, the test says so and the job's code can go.
-
-Python's warnings: a library announces such a change with a DeprecationWarning or FutureWarning first;
-the last test checks that one attributed to the job's code fails the job processes the tests start.
+The "hand-written" tests show the case the library beside the job's own code gets wrong (docs/development.md lists
+them); when the library learns it, the test says so and the job's code can go. Last, a deprecation attributed to
+the job's code fails the job processes the tests start.
 """
 
 from __future__ import annotations
@@ -51,7 +36,7 @@ import torch
 from torch.utils.data import SequentialSampler
 from transformers import Trainer
 
-from tests.support.env import base_env, free_port
+from tests.support.env import base_env, free_port, tiny_run_env
 from tests.support.harness import start_in_process
 from tests.support.processes import DEVNULL, PIPE, Popen, run_command, start
 from utils.training.trainer import GlobalOrderSampler, epoch_sampler
@@ -91,9 +76,8 @@ def token_lengths() -> list[int]:
 
 @pytest.fixture
 def trainer(tmp_path, tiny_bert, monkeypatch):
-    """The Trainer the job's own start-up builds (main.main, stopped before the first step) on the tiny model, two
-    epochs, nothing saved or evaluated on the way. Its rows are sentences of the tiny vocabulary's words (one token
-    each) that name their row in their first two words, ROWS of them in both splits."""
+    """The Trainer the job's own start-up builds on the tiny model, two epochs, nothing saved or evaluated on the way;
+    ROWS sentences of the tiny vocabulary's words (a token each) in both splits, each naming its row in two words."""
     vocab = (tiny_bert / "vocab.txt").read_text().split()  # a word's line is its token id
     sentences = [" ".join(vocab[i] for i in row_ids(index, length)) for index, length in enumerate(lengths())]
     data = tmp_path / "data"
@@ -101,20 +85,8 @@ def trainer(tmp_path, tiny_bert, monkeypatch):
     for split in ("train", "validation"):
         rows = "".join(f"{sentence},{index % 2}\n" for index, sentence in enumerate(sentences))
         (data / f"{split}.csv").write_text("sentence,label\n" + rows)
-    env = base_env(
-        tmp_path,
-        MODEL_NAME=str(tiny_bert),
-        DATASET_PATH=str(data),
-        OUTPUT_DIR=str(tmp_path / "out"),
-        PER_DEVICE_BATCH_SIZE=str(BATCH),
-        PER_DEVICE_EVAL_BATCH_SIZE=str(BATCH),
-        NUM_EPOCHS="2",
-        SEED=str(SEED),
-        SAVE_STEPS="10000",
-        EVAL_STEPS="10000",
-        REPORT_TO="none",
-        DATALOADER_NUM_WORKERS="0",
-    )
+    batches = dict(PER_DEVICE_BATCH_SIZE=BATCH, PER_DEVICE_EVAL_BATCH_SIZE=BATCH, SEED=SEED, REPORT_TO="none")
+    env = tiny_run_env(tmp_path, tiny_bert, data, **batches, SAVE_STEPS=10000, EVAL_STEPS=10000)
     start = start_in_process(monkeypatch, env)
     assert start.ready is not None, start.stderr[-3000:]
     return start.ready.trainer
@@ -122,54 +94,34 @@ def trainer(tmp_path, tiny_bert, monkeypatch):
 
 @pytest.mark.check
 def test_the_overridden_private_methods_keep_their_names_and_signatures():
+    run_epoch = (
+        "self model epoch train_dataloader steps_in_epoch num_update_steps_per_epoch trial ignore_keys_for_eval"
+    )
     for name, parameters in (
-        ("_get_train_sampler", ["self", "train_dataset"]),
-        ("_get_eval_sampler", ["self", "eval_dataset"]),
-        ("_save_checkpoint", ["self", "model", "trial"]),
-        ("_clip_grad_norm", ["self", "model"]),
-        (
-            "_run_epoch",
-            [
-                "self",
-                "model",
-                "epoch",
-                "train_dataloader",
-                "steps_in_epoch",
-                "num_update_steps_per_epoch",
-                "trial",
-                "ignore_keys_for_eval",
-                "start_time",
-                "resume_from_checkpoint",
-                "epochs_trained",
-                "steps_trained_in_current_epoch",
-            ],
-        ),
+        ("_get_train_sampler", "self train_dataset"),
+        ("_get_eval_sampler", "self eval_dataset"),
+        ("_save_checkpoint", "self model trial"),
+        ("_clip_grad_norm", "self model"),
+        ("_run_epoch", f"{run_epoch} start_time resume_from_checkpoint epochs_trained steps_trained_in_current_epoch"),
     ):
         method = getattr(Trainer, name, None)
-        assert method is not None, (
-            f"Trainer.{name} is gone: JobTrainer's override is never called (utils/training/trainer.py)"
-        )
-        assert list(inspect.signature(method).parameters) == parameters, (
-            f"Trainer.{name} now takes {inspect.signature(method)}: check JobTrainer's override against it"
-        )
+        assert method is not None, f"Trainer.{name} is gone: JobTrainer's override is never called"
+        signature = inspect.signature(method)
+        assert list(signature.parameters) == parameters.split(), f"Trainer.{name}{signature}: check JobTrainer's"
 
 
 @pytest.mark.check
 def test_the_training_loader_still_asks_the_override_for_its_sampler(trainer):
     loader = trainer.get_train_dataloader()
     sampler = sampler_of(loader)
-    assert isinstance(sampler, GlobalOrderSampler) and epoch_sampler(loader) is sampler, (
-        "get_train_dataloader no longer builds its sampler with _get_train_sampler (or accelerate wraps it "
-        "differently): batches are no longer length-grouped in a resumable order"
-    )
+    # Else batches are no longer length-grouped in a resumable order.
+    assert isinstance(sampler, GlobalOrderSampler) and epoch_sampler(loader) is sampler, "_get_train_sampler unused"
     assert sampler.lengths == token_lengths()  # Arrow's lengths, the ones the library would measure
 
 
 def test_the_evaluation_loader_still_asks_the_override_and_keeps_dataset_order(trainer):
     loader = trainer.get_eval_dataloader()
-    assert isinstance(sampler_of(loader), SequentialSampler), (
-        "get_eval_dataloader no longer builds its sampler with _get_eval_sampler: evaluation is reordered"
-    )
+    assert isinstance(sampler_of(loader), SequentialSampler), "_get_eval_sampler unused: evaluation is reordered"
     seen = [row_index(ids.tolist()) for batch in loader for ids in batch["input_ids"]]
     assert seen == list(range(ROWS))
     predictions = trainer.predict(trainer.eval_dataset)
@@ -213,9 +165,7 @@ def test_the_progress_bar_the_job_closes_is_the_trainers_training_bar(trainer):
     bars = ProgressBar()  # the Trainer's ProgressCallback, as the job adds it where a terminal watches
     bars.on_train_begin(trainer.args, trainer.state, trainer.control)
     assert callable(getattr(getattr(bars, "training_bar", None), "close", None)), (
-        f"transformers {transformers.__version__}: the Trainer's ProgressCallback holds no progress bar as "
-        "`training_bar` after on_train_begin; utils/run.py closes it before an error line, which would now share "
-        "the bar's line"
+        f"transformers {transformers.__version__}: no ProgressCallback.training_bar to close before an error line"
     )
     bars.training_bar.close()
 
@@ -229,10 +179,7 @@ def test_bert_declares_its_block_as_not_to_be_split(tiny_bert):
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
     declared = getattr(model, "_no_split_modules", None) or []
-    assert "BertLayer" in declared, (
-        f"transformers {transformers.__version__}: {type(model).__name__}._no_split_modules is {declared!r}, without "
-        "BertLayer; utils/training/strategy.py wrap_classes picks FSDP's units from it (falling back to every repeated block)"
-    )
+    assert "BertLayer" in declared, f"transformers {transformers.__version__}: FSDP's units: {declared!r}"
     assert wrap_classes(model) == ["BertLayer"]
 
 
@@ -245,11 +192,8 @@ def test_the_attention_asked_for_is_the_one_the_model_runs(tiny_bert):
 
     model = build_model(Settings(model_name=str(tiny_bert)), False, torch.device("cpu"))
     attention = getattr(model.get_base_model().config, "_attn_implementation", None)
-    assert attention == "sdpa", (
-        f"transformers {transformers.__version__}: the model built with attn_implementation='sdpa' reports "
-        f"config._attn_implementation={attention!r}; utils/training/model.py asks for SDPA by name and benchmarks/arms.py "
-        "reads it there"
-    )
+    # utils/training/model.py asks for SDPA by name, and benchmarks/arms.py reads it there.
+    assert attention == "sdpa", f"transformers {transformers.__version__}: asked for sdpa, runs {attention!r}"
 
 
 # ------------------------------------------------------------------------------- pydantic-settings
@@ -264,17 +208,11 @@ def test_the_environment_source_reads_what_load_env_vars_returns(monkeypatch):
 
     where = f"pydantic-settings {pydantic_settings.__version__}"
     hook = getattr(EnvSettingsSource, "_load_env_vars", None)
-    assert hook is not None and list(inspect.signature(hook).parameters) == ["self"], (
-        f"{where}: EnvSettingsSource._load_env_vars is gone or takes other arguments; utils/config/sources.py _Environment "
-        "overrides it to read a mapping instead of os.environ"
-    )
+    assert hook is not None and list(inspect.signature(hook).parameters) == ["self"], f"{where}: _load_env_vars"
     monkeypatch.setenv("NUM_EPOCHS", "7")
     monkeypatch.setenv("LORA_R", "4")
     read = _Environment({"NUM_EPOCHS": "3", "SEED": "   "})()
-    assert read == {"num_epochs": "3"}, (
-        f"{where}: an environment source over {{NUM_EPOCHS: 3, SEED: blank}} with NUM_EPOCHS=7 LORA_R=4 in os.environ "
-        f"read {read}; utils/config/sources.py relies on it reading the mapping alone"
-    )
+    assert read == {"num_epochs": "3"}, f"{where}: read {read}, not the mapping alone"
 
 
 @pytest.mark.check
@@ -288,18 +226,12 @@ def test_settings_are_built_from_exactly_the_sources_given(monkeypatch):
     from utils.config.sources import _Environment
 
     where = f"pydantic-settings {pydantic_settings.__version__}"
-    assert "_build_sources" in inspect.signature(BaseSettings.__init__).parameters, (
-        f"{where}: BaseSettings no longer takes _build_sources; utils/config/sources.py load_settings builds Settings from "
-        "its own flag and environment sources with it"
-    )
+    assert "_build_sources" in inspect.signature(BaseSettings.__init__).parameters, f"{where}: no _build_sources"
     monkeypatch.setenv("LORA_R", "4")
     first, second = _Environment({"NUM_EPOCHS": "2"}), _Environment({"NUM_EPOCHS": "5", "SEED": "7"})
     built = Settings(_build_sources=((first, second), {}))
-    assert (built.num_epochs, built.seed, built.lora_r) == (2, 7, Settings().lora_r), (
-        f"{where}: Settings(_build_sources=((NUM_EPOCHS=2), (NUM_EPOCHS=5, SEED=7))) with LORA_R=4 in os.environ built "
-        f"num_epochs={built.num_epochs} seed={built.seed} lora_r={built.lora_r}; flags must win over the environment "
-        "and nothing else be read"
-    )
+    # The first source wins (flags over the environment), and nothing else is read.
+    assert (built.num_epochs, built.seed, built.lora_r) == (2, 7, Settings().lora_r), f"{where}: {built}"
 
 
 @pytest.mark.check
@@ -313,10 +245,7 @@ def test_the_flag_source_takes_the_environment_source_and_reports_the_flags_give
     from utils.config.sources import _Environment, _parser
 
     where = f"pydantic-settings {pydantic_settings.__version__}"
-    assert "_env_settings_source" in inspect.signature(CliSettingsSource.__init__).parameters, (
-        f"{where}: CliSettingsSource no longer takes _env_settings_source; utils/config/sources.py load_settings passes "
-        "its environment source so --help names the variables"
-    )
+    assert "_env_settings_source" in inspect.signature(CliSettingsSource.__init__).parameters, where
     parser = _parser()
     flags = CliSettingsSource(Settings, root_parser=parser, _env_settings_source=_Environment({}))
     flags(parsed_args=parser.parse_args(["--num-epochs", "3"]))
@@ -336,17 +265,13 @@ def test_hub_requests_get_the_timeout_through_the_default_client_factory():
     try:
         from huggingface_hub.utils._http import default_client_factory
     except ImportError:
-        pytest.fail(
-            f"{where}: utils._http.default_client_factory moved; utils/publishing/hub.py builds its client with it"
-        )
+        pytest.fail(f"{where}: utils._http.default_client_factory moved; utils/publishing/hub.py builds with it")
     hooks = default_client_factory().event_hooks
     try:
         use_request_timeout(7.0)
         session = get_session()
-        assert (session.timeout.read, session.timeout.connect) == (7.0, 7.0), (
-            f"{where}: after use_request_timeout(7) the Hub client's timeout is {session.timeout}; a silent Hub would "
-            "block the token check and the push for ever"
-        )
+        # Else a silent Hub would block the token check and the push for ever.
+        assert (session.timeout.read, session.timeout.connect) == (7.0, 7.0), f"{where}: {session.timeout}"
         assert session.event_hooks == hooks, f"{where}: the client lost the library's own request hooks"
     finally:
         set_client_factory(default_client_factory)
@@ -363,19 +288,14 @@ def test_a_splits_fingerprint_follows_its_data(tmp_path):
 
     where = f"datasets {datasets.__version__}"
     folder = write_files(
-        tmp_path / "data", {"train.csv": delimited(film_rows(8)), "validation.csv": delimited(film_rows(4))}
+        tmp_path / "d", {"train.csv": delimited(film_rows(8)), "validation.csv": delimited(film_rows(4))}
     )
     settings = Settings(dataset_path=str(folder))
     first, again = load_raw(settings), load_raw(settings)
     prints = [getattr(first["train"], "_fingerprint", None), getattr(again["train"], "_fingerprint", None)]
-    assert isinstance(prints[0], str) and prints[0] == prints[1], (
-        f"{where}: the same csv read twice has fingerprints {prints}; utils/training/data.py cache_key would tokenize again "
-        "on every start (or fail)"
-    )
+    assert isinstance(prints[0], str) and prints[0] == prints[1], f"{where}: the same csv read twice: {prints}"
     (folder / "train.csv").write_text(delimited(film_rows(9)))
-    assert load_raw(settings)["train"]._fingerprint != prints[0], (
-        f"{where}: other rows in train.csv kept the fingerprint; the tokenized cache of the old rows would be reused"
-    )
+    assert load_raw(settings)["train"]._fingerprint != prints[0], f"{where}: other rows kept the fingerprint"
 
 
 # ------------------------------------------------------------------------------- why these are hand-written
@@ -401,17 +321,12 @@ def test_the_tokenized_cache_follows_the_tokenizer_where_datasets_cache_does_not
     def encode_with(tokenizer):
         return lambda batch: tokenizer(batch["text"])
 
-    assert raw.map(encode_with(old), batched=True)["train"].cache_files == [], (
-        f"{where}: a map of in-memory rows is now cached on disk; see whether utils/training/data.py tokenize can use it"
-    )
+    assert raw.map(encode_with(old), batched=True)["train"].cache_files == [], f"{where} caches in-memory maps now"
     files = {split: str(tmp_path / "library" / f"{split}.arrow") for split in raw}
     (tmp_path / "library").mkdir()
     raw.map(encode_with(old), batched=True, cache_file_names=files)
     reused = raw.map(encode_with(new), batched=True, cache_file_names=files)
-    assert reused["train"]["input_ids"] != wanted, (
-        f"{where}: a map given cache_file_names now notices another tokenizer; utils/training/data.py tokenize can leave its "
-        "key and reuse to datasets"
-    )
+    assert reused["train"]["input_ids"] != wanted, f"{where}: cache_file_names now notices another tokenizer"
 
     cache = tmp_path / "job"
     tokenize(raw, old, 32, cache)
@@ -423,9 +338,8 @@ def test_the_tokenized_cache_follows_the_tokenizer_where_datasets_cache_does_not
 
 @pytest.mark.check
 def test_a_resume_lists_the_trainers_checkpoints_but_only_complete_ones_where_get_last_checkpoint_does_not(tmp_path):
-    """utils/run_folder/checkpoints.py `_checkpoints`: the folders the Trainer names `PREFIX_CHECKPOINT_DIR`-step,
-    of which the job resumes only from one it marked COMPLETE; transformers' get_last_checkpoint takes the newest,
-    a save a kill cut short (its files there, no COMPLETE manifest) too."""
+    """utils/run_folder/checkpoints.py `_checkpoints`: the Trainer's `PREFIX_CHECKPOINT_DIR`-step folders, resumed
+    only when marked COMPLETE; get_last_checkpoint takes the newest, a save a kill cut short too."""
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
@@ -439,14 +353,9 @@ def test_a_resume_lists_the_trainers_checkpoints_but_only_complete_ones_where_ge
         folder.mkdir(parents=True)
         (folder / "trainer_state.json").write_text("{}")
     (whole / COMPLETE_MARKER).write_text("{}")
-    assert latest_complete_checkpoint(run) == whole, (
-        f"{where}: the Trainer's checkpoint folders are no longer named {PREFIX_CHECKPOINT_DIR}-<step>; "
-        "utils/run_folder/checkpoints.py CHECKPOINT_RE finds none, and a restart would start over"
-    )
-    assert get_last_checkpoint(str(run.checkpoints)) == str(cut_short), (
-        f"{where}: get_last_checkpoint now passes over a checkpoint cut short; see whether "
-        "utils/run_folder/checkpoints.py `_checkpoints` can use it"
-    )
+    # Checkpoints no longer named PREFIX_CHECKPOINT_DIR-<step>: CHECKPOINT_RE finds none, a restart starts over.
+    assert latest_complete_checkpoint(run) == whole, f"{where}: checkpoints named {PREFIX_CHECKPOINT_DIR}-<step>?"
+    assert get_last_checkpoint(str(run.checkpoints)) == str(cut_short), f"{where} passes over one cut short now"
 
 
 def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_hub_does_not(
@@ -489,9 +398,7 @@ def test_the_push_outlasts_a_hub_that_answers_503_or_nothing_where_huggingface_h
     waiting.start()
     with pytest.raises(Deadline):  # the job's deadline ended the wait: the library raises no such thing
         hub_in_process(2).push_files(files, "user/model", True, "upload")
-    assert waiting.is_alive(), (
-        f"{where}: upload_folder now gives up on a silent Hub; see whether the push's `within` (utils/common/threads.py) can go"
-    )
+    assert waiting.is_alive(), f"{where}: upload_folder gives up on a silent Hub now; the push's `within` can go"
 
 
 def test_secrets_in_what_huggingface_hub_raises_are_masked_by_the_job_alone(hub):
@@ -546,9 +453,7 @@ def test_the_hubs_retry_after_as_an_http_date_is_read_by_the_job_alone():
     date = email.utils.formatdate(time.time() + 120, usegmt=True)
     parse = getattr(_http, "_parse_retry_after", None)
     if parse is not None and parse({"Retry-After": date}) is not None:
-        pytest.fail(
-            f"{where} now reads an HTTP-date Retry-After; see whether utils/publishing/hub.py's retry_after can go"
-        )
+        pytest.fail(f"{where} now reads an HTTP-date Retry-After; the job's retry_after can go")
     asked = retry_after(SimpleNamespace(response=SimpleNamespace(headers={"Retry-After": date})))
     assert asked is not None and 100 < asked <= 120
 
@@ -707,10 +612,7 @@ def test_a_store_client_waits_past_its_timeout_for_a_rank_0_not_listening_yet():
         thread.start()
     for thread in tries:
         thread.join()
-    assert len(took) == len(tries) and max(took) > 1.5 * timeout, (
-        f"torch {torch.__version__}: a store client with a {timeout:.0f} s timeout gave up after {sorted(took)} s; "
-        "it keeps to its timeout now, and utils/cluster/collectives.py _wait_for_rank0 can go"
-    )
+    assert len(took) == len(tries) and max(took) > 1.5 * timeout, f"torch {torch.__version__}: {sorted(took)} s"
 
 
 def test_a_taken_port_fails_the_store_with_the_type_of_an_unreachable_rank_0():
@@ -721,15 +623,11 @@ def test_a_taken_port_fails_the_store_with_the_type_of_an_unreachable_rank_0():
         holder.bind(("", 0))
         holder.listen()
         with pytest.raises(torch.distributed.DistError) as taken:
-            torch.distributed.TCPStore(
-                "127.0.0.1", holder.getsockname()[1], None, True, timedelta(seconds=1), wait_for_workers=False
-            )
+            port = holder.getsockname()[1]
+            torch.distributed.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=1), wait_for_workers=False)
     with pytest.raises(torch.distributed.DistError) as unreachable:
         torch.distributed.TCPStore("127.0.0.1", free_port(), None, False, timedelta(seconds=0.1))
-    assert type(taken.value) is type(unreachable.value), (
-        f"torch {torch.__version__}: a taken port now fails with {type(taken.value).__name__}, an unreachable rank 0 "
-        f"with {type(unreachable.value).__name__}; utils/cluster/collectives.py _refuse_port_taken can tell them by type"
-    )
+    assert type(taken.value) is type(unreachable.value), f"torch {torch.__version__} tells them apart by type now"
 
 
 @pytest.mark.integration  # two or three peer processes importing torch each
@@ -742,10 +640,7 @@ def test_a_store_call_to_a_stopped_rank_0_outlives_its_timeout(tmp_path, peers):
         said(proc, "ready")
     peers[0].send_signal(signal.SIGSTOP)
     go(peers[1])
-    assert said(peers[1], "observed")["observed"] == {"returned": False}, (
-        f"torch {torch.__version__}: a store get with a 0.5 s timeout returned within 4 s from a stopped rank 0; "
-        "the store keeps its timeout now and the watchdog can go"
-    )
+    assert said(peers[1], "observed")["observed"] == {"returned": False}, f"torch {torch.__version__} keeps it now"
 
 
 @pytest.mark.integration  # two or three peer processes importing torch each
@@ -756,10 +651,7 @@ def test_gloo_creates_the_group_with_a_peer_started_with_another_world_size(tmp_
     naming WORLD_SIZE (exit 2)."""
     peers += start_peers(tmp_path, "world-size", [2, 3])
     seen = said(peers[0], "observed")["observed"]
-    assert seen in ({"joined": True}, {}), (
-        f"torch {torch.__version__}: init_process_group (1 s timeout) with a peer of another world size: {seen} "
-        "within 4 s; if that is a refusal naming the world size, utils/cluster/collectives.py rendezvous can leave it to torch"
-    )
+    assert seen in ({"joined": True}, {}), f"torch {torch.__version__}: {seen} (a refusal naming the world size?)"
 
 
 @pytest.mark.integration  # two or three peer processes importing torch each
@@ -774,10 +666,7 @@ def test_monitored_barrier_cannot_tell_a_stopped_peer_from_one_waiting_elsewhere
     go(peers[0])
     seen = said(peers[0], "observed")["observed"]
     named = set(re.findall(r"\b[12]\b", seen.get("message", "")))
-    assert seen["failed"] == "RuntimeError" and named == {"1", "2"}, (
-        f"torch {torch.__version__}: monitored_barrier with rank 1 stopped and rank 2 waiting in a barrier: {seen}; "
-        "if it now names the stopped rank alone, it can replace the heartbeat in utils/cluster/collectives.py"
-    )
+    assert seen["failed"] == "RuntimeError" and named == {"1", "2"}, f"torch {torch.__version__}: {seen}"
 
 
 @pytest.mark.integration  # two or three peer processes importing torch each
@@ -793,9 +682,9 @@ def test_accelerates_main_process_first_does_not_carry_rank_0s_refusal(tmp_path,
     go(peers[0])  # rank 1 is on its way into the barrier
     seen = said(peers[1], "observed")["observed"]
     assert peers[0].wait(timeout=60) == 2
+    # Rank 0's reason reaching the others would let main_first use it.
     assert seen["stopped"] is not None and "REFUSED-ON-RANK-0" not in seen.get("message", ""), (
-        f"accelerate {accelerate.__version__}: rank 1 in main_process_first after rank 0 refused: {seen}; if rank 0's "
-        "reason now reaches the others, utils/cluster/collectives.py main_first can use it"
+        f"accelerate {accelerate.__version__}: {seen}"
     )
 
 
@@ -820,9 +709,8 @@ print(json.dumps({
 
 
 def test_a_library_left_out_of_sys_modules_counts_as_not_installed(tmp_path):
-    """A run under DDP or FSDP leaves DeepSpeed out, one without 8-bit weights bitsandbytes (utils/cluster/job.py), by
-    setting them to None in sys.modules. Accelerate, transformers and peft must then take them for not installed
-    and import neither; should one import a library directly instead of asking, every such run fails at start."""
+    """A run leaves DeepSpeed (under DDP or FSDP) and bitsandbytes (without 8-bit weights) out by setting them to None
+    in sys.modules (utils/cluster/job.py): a library that imported one instead of asking would fail every such run."""
     import accelerate
     import peft
     import transformers
@@ -831,28 +719,21 @@ def test_a_library_left_out_of_sys_modules_counts_as_not_installed(tmp_path):
     result = run_command([sys.executable, "-c", LEFT_OUT], env=base_env(tmp_path))
     assert result.returncode == 0, f"{where}: importing the stack without them fails:\n{result.stderr[-3000:]}"
     seen = json.loads(result.stdout.splitlines()[-1])
-    assert seen == {
-        "accelerate deepspeed": False,
-        "accelerate bitsandbytes": False,
-        "transformers bitsandbytes": False,
-        "peft bitsandbytes": False,
-        "loaded": [],
-    }, f"{where}: a library left out is seen as installed or loaded anyway: {seen}"
+    asked = ("accelerate deepspeed", "accelerate bitsandbytes", "transformers bitsandbytes", "peft bitsandbytes")
+    assert seen == {**dict.fromkeys(asked, False), "loaded": []}, f"{where}: one left out is seen or loaded: {seen}"
 
 
 @pytest.mark.parametrize("category", ["DeprecationWarning", "FutureWarning"])
 def test_a_deprecation_in_the_jobs_code_fails_the_job_processes_the_tests_start(tmp_path, category):
-    """pytest.ini makes a deprecation attributed to this repo's code an error in the test process; the job
-    processes (base_env) get the same rule, so an API the job calls going away fails the test that runs it,
-    while one inside a library stays the library's to fix."""
+    """pytest.ini's rule for this process holds in the job processes too (base_env): a deprecation attributed to the
+    job's code fails, one inside a library stays the library's to fix."""
     warn = "import warnings; warnings.warn_explicit('going away', {category}, 'x.py', 1, module={module!r}); print('went on')"
     for module, code, says in [
         ("utils.training.trainer", 1, f"{category}: going away"),
         ("transformers.trainer", 0, "went on"),
     ]:
         result = run_command(
-            [sys.executable, "-c", warn.format(category=category, module=module)],
-            env=base_env(tmp_path),
+            [sys.executable, "-c", warn.format(category=category, module=module)], env=base_env(tmp_path)
         )
         assert result.returncode == code and says in result.stderr + result.stdout, (module, result.stderr)
 

@@ -104,23 +104,16 @@ def test_links_planted_in_the_tensorboard_folder_during_the_run_are_never_pushed
     assert_nothing_stolen(hub, secrets)
 
 
-def test_a_linked_rank_log_is_not_appended_to(job_env, hub, secrets, tmp_path):
-    outside = tmp_path / "neighbour" / "notes.txt"
-    outside.write_text("my notes\n")
-    log = run_folder(tmp_path / "out") / "logs" / "rank-0.log"
-    log.parent.mkdir(parents=True)
-    log.symlink_to(outside)
-    assert_refused_as_bad_input({**job_env, **push_settings(hub)}, [], names=[str(log), "symbolic link"], hub=hub)
-    assert outside.read_text() == "my notes\n"
-
-
-def test_a_linked_logs_folder_gets_no_rank_files(job_env, hub, tmp_path):
-    outside = tmp_path / "neighbour" / "logs"
-    outside.mkdir(parents=True)
-    logs = run_folder(tmp_path / "out") / "logs"
-    logs.symlink_to(outside, target_is_directory=True)
-    assert_refused_as_bad_input({**job_env, **push_settings(hub)}, [], names=[str(logs), "symbolic link"], hub=hub)
-    assert list(outside.iterdir()) == []
+@pytest.mark.parametrize("planted", ["logs/rank-0.log", "logs"])
+def test_a_linked_rank_log_or_logs_folder_is_not_written_through(planted, job_env, hub, tmp_path):
+    outside = tmp_path / "neighbour" / "notes"  # a file for the rank log, a folder for logs/
+    outside.parent.mkdir()
+    outside.mkdir() if planted == "logs" else outside.write_text("my notes\n")
+    link = run_folder(tmp_path / "out") / planted
+    link.parent.mkdir(exist_ok=True)
+    link.symlink_to(outside)
+    assert_refused_as_bad_input({**job_env, **push_settings(hub)}, [], names=[str(link), "symbolic link"], hub=hub)
+    assert (list(outside.iterdir()) if planted == "logs" else outside.read_text()) in ([], "my notes\n")
 
 
 @pytest.mark.parametrize("name", ["metrics.json", "run.json"])
@@ -189,37 +182,6 @@ def test_no_nan_or_infinity_is_written_into_a_record(tmp_path):
 
 
 # ------------------------------------------------------------------------------- a folder that is not a run of the job
-def someones_folder(out: Path) -> dict[str, bytes]:
-    """A folder another tool filled: a Trainer checkpoint with no COMPLETE manifest, a model/ with its weights;
-    its files and their bytes."""
-    checkpoint = out / "checkpoints" / "checkpoint-500"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "optimizer.pt").write_bytes(b"their optimizer state")
-    (out / "model").mkdir()
-    (out / "model" / "model.safetensors").write_bytes(b"their weights")
-    return contents(out)
-
-
-def contents(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-
-
-def test_a_folder_that_is_no_run_of_the_job_is_refused_and_left_untouched(job_env, hub, tmp_path):
-    out = tmp_path / "out"
-    before = someones_folder(out)
-    for args in (["--dry-run"], [], ["--push-only"]):
-        # What it holds, and that a run folder of the job has a .run-folder or run.json: how to tell it apart.
-        names = [f"OUTPUT_DIR={out}", "checkpoints, model", ".run-folder", "run.json"]
-        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), names)
-    assert contents(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoints", "model"]
-    assert hub.commits == [] and hub.count("/api/repos/create") == 0
-
-
-# A run.json another tool writes, and one this job wrote before run.json had a format (the keys every version wrote).
-ANOTHER_TOOLS_RECORD = json.dumps({"tool": "another-trainer", "settings": {"lr": 0.1}})
-LEGACY_RECORD = json.dumps({"run_name": "tiny-r8", "settings": {"lora_r": 8}, "versions": {"torch": "2.13.0"}})
-
-
 def tree(out: Path) -> dict[str, str | None]:
     """Every entry under `out`: a file by the SHA-256 of its bytes, a folder as None, so that a file added,
     removed or rewritten (even a marker, a lock or an empty logs/) shows."""
@@ -229,22 +191,31 @@ def tree(out: Path) -> dict[str, str | None]:
     }
 
 
-@pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "marked"])
-def test_a_folder_with_another_tools_run_json_is_refused_and_left_byte_identical(marked, job_env, hub, tmp_path):
+# A run.json another tool writes, and one this job wrote before run.json had a format (the keys every version wrote).
+ANOTHER_TOOLS_RECORD = json.dumps({"tool": "another-trainer", "settings": {"lr": 0.1}})
+LEGACY_RECORD = json.dumps({"run_name": "tiny-r8", "settings": {"lora_r": 8}, "versions": {"torch": "2.13.0"}})
+THEIRS = {"model/notes.txt": "their notes\n", "run.json": ANOTHER_TOOLS_RECORD}
+FOLDERS = {  # id: what the folder holds beside a checkpoint with no COMPLETE manifest, what the refusal names
+    # What it holds, and that a run folder of the job has a .run-folder or run.json: how to tell it apart.
+    "no-run-json": ({"model/model.safetensors": "their weights"}, ["checkpoints, model", ".run-folder", "run.json"]),
+    "unmarked": (THEIRS, ["run.json is not one the job writes", "empty or new folder"]),
+    # the job's marker does not make another tool's record its own
+    "marked": ({**THEIRS, RUN_MARKER: ""}, ["run.json is not one the job writes", "empty or new folder"]),
+}
+
+
+@pytest.mark.parametrize("holding", FOLDERS)
+def test_a_folder_another_tool_filled_is_refused_and_left_byte_identical(holding, job_env, hub, tmp_path):
     """A run.json is the job's mark only when it is one the job writes: another tool's file of that name beside its
     checkpoint and notes (seen: exit 0, "removed checkpoint-500: its save never completed", model/notes.txt gone)."""
+    files, names = FOLDERS[holding]
     out = tmp_path / "out"
-    (out / "checkpoints" / "checkpoint-500").mkdir(parents=True)
-    (out / "checkpoints" / "checkpoint-500" / "optimizer.pt").write_bytes(b"their optimizer state")
-    (out / "model").mkdir()
-    (out / "model" / "notes.txt").write_text("their notes\n")
-    (out / "run.json").write_text(ANOTHER_TOOLS_RECORD)
-    if marked:  # the job's marker does not make another tool's record its own
-        (out / RUN_MARKER).write_text("")
+    for name, text in {"checkpoints/checkpoint-500/optimizer.pt": "their optimizer state", **files}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
     before = tree(out)
     for args in (["--dry-run"], [], ["--push-only"]):
-        names = [f"OUTPUT_DIR={out}", "run.json is not one the job writes", "empty or new folder"]
-        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), names)
+        assert_refusal(run_main({**job_env, **push_settings(hub)}, *args), [f"OUTPUT_DIR={out}", *names])
         assert tree(out) == before, args
     assert hub.commits == [] and hub.count("/api/repos/create") == 0
 

@@ -153,32 +153,24 @@ def test_model_dropout_values_in_the_dry_run(job_env, value, shown):
 
 
 # ------------------------------------------------------------------------------- values the job derives
+FOUR = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
 @pytest.mark.parametrize(
-    "launch, batch, says",
-    [
-        (
-            {},
-            65_536,  # PER_DEVICE_BATCH_SIZE's bound
-            ["1.024", "65536", "PER_DEVICE_BATCH_SIZE=65536", "1 replica(s)"],
-        ),
-        (
-            {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
-            16_384,
-            ["1.024", "65536", "PER_DEVICE_BATCH_SIZE=16384", "4 replica(s)"],
-        ),
-    ],
+    "launch, batch, world",
+    [({}, 65_536, 1), (FOUR, 16_384, 4)],  # PER_DEVICE_BATCH_SIZE's bound on one replica: a global batch of 65536
     ids=["one-replica", "four-replicas"],
 )
-def test_a_rate_the_batch_rule_resolves_is_checked_like_one_typed_in(job_env, launch, batch, says):
+def test_a_rate_the_batch_rule_resolves_is_checked_like_one_typed_in(job_env, launch, batch, world):
     """LEARNING_RATE_SCALING=linear at a huge global batch resolved to a rate LEARNING_RATE itself refuses, and
     trained a diverged model with exit 0. --dry-run resolves the rate too, so it refuses it as the run would."""
     env = {k: v for k, v in job_env.items() if k != "LEARNING_RATE"}
     env.update(launch, LEARNING_RATE_SCALING="linear", PER_DEVICE_BATCH_SIZE=str(batch))
+    # The rule, the rate and batch it resolved, the setting that refuses it, and the other rules' rates.
+    says = ["1.024", "65536", f"PER_DEVICE_BATCH_SIZE={batch}", f"{world} replica(s)", "LEARNING_RATE"]
     for args in (["--dry-run"], []):
-        result = run_main(env, *args)
-        # The rule, the rate and batch it resolved, the setting that refuses it, and the other rules' rates.
         assert_refusal(
-            result, ["LEARNING_RATE_SCALING=linear", *says, "LEARNING_RATE", "LEARNING_RATE_SCALING=fourth-root"]
+            run_main(env, *args), ["LEARNING_RATE_SCALING=linear", *says, "LEARNING_RATE_SCALING=fourth-root"]
         )
         assert not (Path(env["OUTPUT_DIR"]) / "run.json").exists()
 
@@ -227,15 +219,8 @@ def test_a_global_batch_larger_than_the_training_split_stops_every_replica(tmp_p
     assert wait_all(procs, timeout=240) == [2, 2]
     for stream in replicas.streams:
         text = stream.read_text()
-        names = [
-            "2002 rows",
-            "PER_DEVICE_BATCH_SIZE=1001",
-            "2 replica(s)",
-            "GRADIENT_ACCUMULATION_STEPS=1",
-            "2000",
-            "1000",
-        ]
-        assert_refusal(text, names)
+        names = ["2002 rows", "PER_DEVICE_BATCH_SIZE=1001", "2 replica(s)", "GRADIENT_ACCUMULATION_STEPS=1", "2000"]
+        assert_refusal(text, [*names, "1000"])
     assert not list((tmp_path / "out").glob("checkpoints/checkpoint-*")) and not (tmp_path / "out" / "model").exists()
 
 
@@ -251,11 +236,8 @@ def test_a_shipped_recipe_pins_nothing_that_breaks_another_task(recipe, tmp_path
     for task, spec in GLUE.items():
         env = base_env(tmp_path, TASK=task, OUTPUT_DIR=str(tmp_path / "out"))
         settings = configured(monkeypatch, env, ["--config", str(recipe)])[0]
-        assert (settings.task, settings.dataset_config, settings.text_columns) == (
-            task,
-            spec.dataset_config,
-            spec.text_columns,
-        )
+        seen = (settings.task, settings.dataset_config, settings.text_columns)
+        assert seen == (task, spec.dataset_config, spec.text_columns)
 
 
 @pytest.mark.check

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from tests.support.env import REPO, free_port, push_settings
 from tests.support.outcomes import assert_refused_as_bad_input, assert_token_absent, error_lines
 from tests.support.processes import run_command, run_main
+from tests.support.weights import pickled_weights
 
 PASSWORD = "s3cret-pass-0123"  # alice's password in every URL below
 PROXY_PASSWORD = "pr0xy-pass-4567"
@@ -91,10 +91,8 @@ def custom_code_model(tiny_bert: Path, folder: Path, marker: Path) -> Path:
     shutil.copytree(tiny_bert, folder)
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "custom-bert"  # not one transformers knows: only the folder's code could load it
-    config["auto_map"] = {
-        "AutoConfig": "custom_bert.CustomConfig",
-        "AutoModelForSequenceClassification": "custom_bert.CustomModel",
-    }
+    classes = {"AutoConfig": "CustomConfig", "AutoModelForSequenceClassification": "CustomModel"}
+    config["auto_map"] = {auto: f"custom_bert.{name}" for auto, name in classes.items()}
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "custom_bert.py").write_text(CUSTOM_CODE.format(marker=str(marker)))
     return folder
@@ -134,36 +132,9 @@ def test_a_model_folder_with_custom_code_is_refused_without_running_it_or_asking
 
 
 # ------------------------------------------------------------------------------- weights that are not weights
-def pickled_weights(tiny_bert: Path, folder: Path, marker: Path, how: str) -> Path:
-    """The tiny model with its weights as pytorch_model.bin instead of model.safetensors: a pickle that calls
-    os.system when unpickled without torch's weights-only guard, or real weights cut in half."""
-    import torch
-    from safetensors.torch import load_file
-
-    shutil.copytree(tiny_bert, folder)
-    (folder / "model.safetensors").unlink()
-    weights = folder / "pytorch_model.bin"
-    if how == "malicious":
-
-        class Payload:
-            def __reduce__(self):
-                return os.system, (f"touch {marker}",)
-
-        torch.save({"bert.embeddings.word_embeddings.weight": Payload()}, weights)
-    else:
-        torch.save(load_file(tiny_bert / "model.safetensors"), weights)
-        data = weights.read_bytes()
-        weights.write_bytes(data[: len(data) // 2])
-    return folder
-
-
 @pytest.mark.check
 @pytest.mark.parametrize(
-    "how, says",
-    [
-        ("malicious", "the weights file pytorch_model.bin is a pickle that would run code when loaded"),
-        ("truncated", "the weights file pytorch_model.bin is damaged"),
-    ],
+    "how, says", [("malicious", "is a pickle that would run code when loaded"), ("truncated", "is damaged")]
 )
 def test_pickled_weights_that_would_run_code_or_are_damaged_are_refused_in_one_line(how, says, tiny_bert, tmp_path):
     """The model check the job runs before training (`check_model`, first thing in load_tokenizer), in this
@@ -173,10 +144,10 @@ def test_pickled_weights_that_would_run_code_or_are_damaged_are_refused_in_one_l
     from utils.training.model import check_model
 
     marker = tmp_path / "payload-ran"
-    model = pickled_weights(tiny_bert, tmp_path / "model", marker, how)
+    model = pickled_weights(shutil.copytree(tiny_bert, tmp_path / "model"), how, marker)
     with pytest.raises(JobError) as refused:
         check_model(str(model), max_seq_length=128, lora_r=8)
     error = refused.value.message
     assert refused.value.code == EXIT_BAD_INPUT and "\n" not in error
-    assert says in error and "safetensors" in error and str(model) in error, error
+    assert f"the weights file pytorch_model.bin {says}" in error and "safetensors" in error and str(model) in error
     assert not marker.exists()
