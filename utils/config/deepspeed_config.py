@@ -4,13 +4,13 @@ DEEPSPEED_CONFIG, and checked against the settings at --dry-run, before anything
 What the settings own (OWNED: batches, rate and schedule, clipping, precision) is "auto" in the config, and the
 Trainer fills it in from its TrainingArguments. A user's file may leave such a field "auto", leave it out (the job
 writes "auto": DeepSpeed's defaults would train other numbers), or pin the value the settings resolve to; any other
-value is refused (exit 2), as is every "auto" nothing fills in, so no run trains other numbers than its run.json
-shows. The file's ZeRO stage and offload become ZERO_STAGE and ZERO_OFFLOAD (`deepspeed_overrides`), recorded and
-compared on a resume like any setting.
+value is refused (exit 2), as is every "auto" nothing fills in: what transformers compares with its TrainingArguments
+(HfTrainerDeepSpeedConfig) is compared here, not after the model has loaded. The file's ZeRO stage and offload
+become ZERO_STAGE and ZERO_OFFLOAD (`deepspeed_overrides`), recorded and compared on a resume like any setting.
 
 The job's config has no optimizer or scheduler block: the Trainer builds its own AdamW with the recipe's groups
-(LoRA+, the head's rate) and its warm-up, and hands them to DeepSpeed. That is torch's AdamW (no nvcc at run time),
-or DeepSpeedCPUAdam under ZERO_OFFLOAD, which DeepSpeed compiles once with g++. No torch import here.
+(LoRA+, the head's rate) and its warm-up, and hands them to DeepSpeed (zero_allow_untested_optimizer): torch's
+AdamW (no nvcc at run time), or DeepSpeedCPUAdam under ZERO_OFFLOAD, compiled once with g++. No torch import here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Whether two starts are one run: one key (`run_identity`), one comparison (`check_same_run`).
 
 The key holds what decides the trained model and the order its rows are trained in, each as the run uses it, and
-nothing else: files by their SHA-256 (another spelling of one folder is one run, weights replaced in place another),
-values as the plan resolves them, `auto` precision and quantization once the device is known (`with_numerics`).
+nothing else: files by their SHA-256 (another spelling of one folder is one run, weights replaced in place another;
+a Hub model by its id: asking its revision would put a network call before the first step), values as the plan
+resolves them, `auto` precision and quantization once the device is known (`with_numerics`).
 `FIELDS` names each field; docs/reliability.md lists them (tests/test_identity.py holds the two alike).
 
 run.json and every checkpoint record it, the ranks compare theirs at the rendezvous, a restart compares it with the

@@ -94,10 +94,6 @@ class Plan:
         return {**shown, "rates": self.rates}
 
 
-def replica_counts(global_batch: int) -> list[int]:
-    return [n for n in range(1, global_batch + 1) if global_batch % n == 0]
-
-
 def largest_micro_batch(share: int, cap: int) -> int:
     """The largest micro-batch of at most `cap` rows that divides a replica's `share`: every micro-batch full, so
     each optimizer step averages the same rows with the same weights on any count."""
@@ -152,7 +148,7 @@ def fixed_global_batch(world_size: int, global_batch_size: int | None, per_devic
     total = global_batch_size
     if total is not None:
         if total % world_size:
-            counts = ", ".join(map(str, replica_counts(total)))
+            counts = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0)
             sizes = nearby_global_batches(total, [world_size], per_device_batch_size)
             raise BadInput(
                 f"GLOBAL_BATCH_SIZE={total} cannot be shared by {world_size} replicas; run on one of {counts} "
@@ -173,7 +169,8 @@ def fixed_global_batch(world_size: int, global_batch_size: int | None, per_devic
 
 def batch_warning(plan: BatchPlan, global_batch_size: int | None, per_device_batch_size: int) -> str | None:
     """A warning for the default global batch rounded for this count (a little another model than one GPU's), or
-    for micro-batches far smaller than the cap (`micro_batch_warning`)."""
+    for micro-batches far smaller than PER_DEVICE_BATCH_SIZE allows (997, a prime, on one replica: micro-batches of
+    1): the same model, many times slower."""
     if plan.fixed and global_batch_size is None and plan.global_batch != DEFAULT_GLOBAL_BATCH:
         return (
             f"the global batch is {plan.global_batch} rows, not the default {DEFAULT_GLOBAL_BATCH}: {plan.world_size} "
@@ -181,12 +178,6 @@ def batch_warning(plan: BatchPlan, global_batch_size: int | None, per_device_bat
             f"(its learning rate follows {plan.global_batch}); run on 1, 2, 4 or 8 replicas for the default, or set "
             f"GLOBAL_BATCH_SIZE (e.g. {plan.global_batch}) to make the choice yours"
         )
-    return micro_batch_warning(plan, per_device_batch_size)
-
-
-def micro_batch_warning(plan: BatchPlan, per_device_batch_size: int) -> str | None:
-    """A warning when GLOBAL_BATCH_SIZE leaves this count far smaller micro-batches than PER_DEVICE_BATCH_SIZE
-    allows (997, a prime, on one replica: 997 micro-batches of 1 a step): the same model, many times slower."""
     if not plan.fixed or splits_well(plan.global_batch, [plan.world_size], per_device_batch_size):
         return None
     share = plan.global_batch // plan.world_size

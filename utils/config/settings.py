@@ -444,8 +444,7 @@ class Settings(BaseSettings):
     def _check_label_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if len(value) < 2:
             raise ValueError("name at least two labels, label 0 first, e.g. negative,positive")
-        repeated = sorted({name for name in value if value.count(name) > 1})
-        if repeated:
+        if repeated := sorted({name for name in value if value.count(name) > 1}):
             raise ValueError(
                 f"labels need two different names, e.g. negative,positive ({repeated[0]!r} names more than one)"
             )
