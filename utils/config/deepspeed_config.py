@@ -21,13 +21,11 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from utils.common.errors import BadInput
-
-if TYPE_CHECKING:  # plan.py reads DEEPSPEED_CONFIG with read_deepspeed_config
-    from utils.config.plan import Plan
-    from utils.config.settings import Settings
+from utils.config.plan import Plan
+from utils.config.settings import Settings
 
 DEEPSPEED_PIN = "deepspeed==0.19.8"  # requirements.txt's pin, named in the fix when it is missing
 # The Trainer's defaults, which the job keeps.

@@ -105,9 +105,11 @@ def run_identity(
     deepspeed_file: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The key two starts must share to be one run, JSON-ready. Every field is present (None where the run does not
-    use it), so two identities of this version differ exactly where their runs do. `deepspeed_file`: DEEPSPEED_CONFIG's
-    content, parsed (its spacing and key order are not the run)."""
+    use it), so two identities of this version differ exactly where their runs do. `deepspeed_file`: DEEPSPEED_CONFIG
+    as the settings' load read it (its spacing and key order are not the run); read here when not given."""
     deepspeed = runs_under(settings.strategy, "a DeepSpeed config")
+    if deepspeed and deepspeed_file is None:  # settings built without load_settings (tests, a sweep's check)
+        deepspeed_file = config_content(settings.deepspeed_config)
     regression = settings.problem_type == REGRESSION
     named = "label_names" in settings.model_fields_set  # LABEL_NAMES given (unset: the default names for ids 0/1)
     multi_label = settings.problem_type == MULTI_LABEL
@@ -189,6 +191,18 @@ def readable_digest(path: Path) -> str:
         return sha256_file(path)
     except OSError as exc:
         return f"unreadable ({exc.strerror or type(exc).__name__})"
+
+
+def config_content(path: str | None) -> dict | str | None:
+    """DEEPSPEED_CONFIG parsed; the SHA-256 of its bytes when it is no JSON object (refused before anything runs)."""
+    if path is None:
+        return None
+    file = Path(path).expanduser()
+    try:
+        content = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return sha256_file(file) if file.is_file() else None
+    return content if isinstance(content, dict) else sha256_file(file)
 
 
 def data_digest(

@@ -27,7 +27,6 @@ from typing import Annotated, Any
 from pydantic import TypeAdapter, ValidationError
 
 from utils.common.errors import BadInput
-from utils.config.deepspeed_config import read_deepspeed_config
 from utils.config.identity import run_identity, run_name, with_numerics
 from utils.config.settings import (
     DEFAULT_GLOBAL_BATCH,
@@ -275,7 +274,7 @@ def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
 # ------------------------------------------------------------------------------- building and completing the plan
 def build_plan(settings: Settings, world_size: int, deepspeed_file: dict[str, Any] | None = None) -> Plan:
     """The plan for `world_size` replicas, from the settings alone (no torch); bad input raises JobError.
-    `deepspeed_file`: DEEPSPEED_CONFIG as the settings' load read it (DeepSpeedChoices.file); read here if not given."""
+    `deepspeed_file`: DEEPSPEED_CONFIG as the settings' load read it (DeepSpeedChoices.file), for the identity."""
     batch = plan_batches(
         world_size,
         settings.global_batch_size,
@@ -317,8 +316,6 @@ def build_plan(settings: Settings, world_size: int, deepspeed_file: dict[str, An
     )
     # A fixed global batch where one global order of the rows continues on any replica count (RUNS_UNDER).
     elastic = batch.fixed and runs_under(settings.strategy, "another replica count")
-    if deepspeed and settings.deepspeed_config and deepspeed_file is None:
-        deepspeed_file = read_deepspeed_config(settings.deepspeed_config)
     identity = run_identity(settings, batch.global_batch, world_size, elastic, plan.rates, deepspeed_file)
     name = settings.run_name or run_name(identity, settings.model_name, settings.local_data, settings.dataset_config)
     return replace(plan, identity=identity, run_name=name)
