@@ -739,5 +739,5 @@ def env_name(field: str) -> str:
     return field.upper()  # as the env source matches it (case_sensitive=False, no env_prefix)
 
 
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
+def flag_name(name: str) -> str:
+    return "--" + name.lstrip("-").replace("_", "-")  # as CliSettingsSource makes it (cli_kebab_case); `--a_b` too

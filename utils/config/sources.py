@@ -63,10 +63,6 @@ NO_COUNTERPART = {
 FLAG_CUTOFF = 0.75  # difflib's ratio: --lerning-rate -> --learning-rate 0.97, --epochs -> --num-epochs 0.8
 
 
-def kebab_flag(name: str) -> str:
-    return "--" + name.lstrip("-").replace("_", "-")
-
-
 class Parser(argparse.ArgumentParser):
     """main.py's, predict.py's and sweep.py's: a refused command line is bad input (one `error:` line, exit 2), not a
     usage block. Flags are taken with underscores too, and an unknown one is answered with the closest."""
@@ -100,7 +96,7 @@ class Parser(argparse.ArgumentParser):
                 return normalized + argv[index:]
             if not value_next and arg.startswith("--"):
                 name, equals, value = arg.partition("=")
-                flag = self.aliases.get(kebab_flag(name), kebab_flag(name))
+                flag = self.aliases.get(flag_name(name), flag_name(name))
                 respelt = name not in self._option_string_actions and flag in self._option_string_actions
                 arg = f"{flag}{equals}{value}" if respelt else arg
                 value_next = not equals and arg in takes_value
@@ -113,7 +109,7 @@ class Parser(argparse.ArgumentParser):
         """` (did you mean --flag?)` for an unknown `arg`, or why it has no counterpart, or ''; a bare `name=value`
         (Axolotl's, torchtune's overrides) gets the flag to type."""
         name, equals, value = arg.partition("=")
-        flag = kebab_flag(name)
+        flag = flag_name(name)
         if flag in self.no_counterpart:
             return f" ({name}: {self.no_counterpart[flag]})"
         flags = [known for known in self._option_string_actions if known.startswith("--")]
