@@ -69,7 +69,10 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
     if elastic := elastic_range():
         check_elastic_range(settings, *elastic)
     plan = with_deepspeed(  # DeepSpeed: checked
-        build_plan(settings, dist.world_size), deepspeed.file, settings.deepspeed_config, settings.weight_decay
+        build_plan(settings, dist.world_size, deepspeed.file),
+        deepspeed.file,
+        settings.deepspeed_config,
+        settings.weight_decay,
     )
     check_push_possible(settings, plan.base_model_id)
     check_trackers(settings.report_to)

@@ -1,27 +1,16 @@
-"""STRATEGY=deepspeed: the DeepSpeed config a run uses, built from the settings or read from DEEPSPEED_CONFIG,
-and checked against the settings before anything is loaded.
+"""STRATEGY=deepspeed: the DeepSpeed config a run uses, built from ZERO_STAGE and ZERO_OFFLOAD or read from
+DEEPSPEED_CONFIG, and checked against the settings at --dry-run, before anything is loaded.
 
-What the job's settings own (OWNED) is written "auto" in the config the job builds, and the Trainer fills it in
-from its TrainingArguments: the micro-batch, the accumulation, the global batch, the learning rate and schedule
-(all the plan's, utils/config/plan.py), the clipping, the precision. A user's ds_config.json may leave them "auto",
-leave them out (the job writes "auto" for them: DeepSpeed's own defaults would train other numbers, or fail its
-batch assertion), or pin them to the value the settings resolve to; a value that disagrees is refused (exit 2)
-naming the field and both values, so no run trains with other numbers than its run.json, logs and model card
-show. Every field transformers compares with its TrainingArguments (HfTrainerDeepSpeedConfig.trainer_config_process
-/ _finalize) is compared here at --dry-run, and so is every "auto" nothing fills in, not after the model has loaded.
+What the settings own (OWNED: batches, rate and schedule, clipping, precision) is "auto" in the config, and the
+Trainer fills it in from its TrainingArguments. A user's file may leave such a field "auto", leave it out (the job
+writes "auto": DeepSpeed's defaults would train other numbers), or pin the value the settings resolve to; any other
+value is refused (exit 2), as is every "auto" nothing fills in: what transformers compares with its TrainingArguments
+(HfTrainerDeepSpeedConfig) is compared here, not after the model has loaded. The file's ZeRO stage and offload
+become ZERO_STAGE and ZERO_OFFLOAD (`deepspeed_overrides`), recorded and compared on a resume like any setting.
 
-The ZeRO stage and offload a user's file sets become ZERO_STAGE and ZERO_OFFLOAD (`deepspeed_overrides`, merged
-as the settings are read), so run.json and the checkpoints record what trains and a resume compares it like any
-training setting; a ZERO_STAGE or ZERO_OFFLOAD set to something else beside the file is refused.
-
-The job's config has no "optimizer" and no "scheduler" block: the Trainer then builds its own AdamW, with the
-recipe's parameter groups (LoRA+, the head's rate), and its own warm-up schedule, and hands them to DeepSpeed
-(which the Trainer allows with "zero_allow_untested_optimizer"). On a GPU that is torch's AdamW: nothing to
-compile at run time, so the CUDA runtime image needs no nvcc (DeepSpeed's FusedAdam would). With
-ZERO_OFFLOAD the optimizer steps on the CPU: DeepSpeedCPUAdam (utils/training/trainer.py), a C++ op DeepSpeed compiles
-once into TORCH_EXTENSIONS_DIR with g++ (no nvcc).
-
-No torch import here: `--dry-run` shows the config the run will use in well under a second.
+The job's config has no optimizer or scheduler block: the Trainer builds its own AdamW with the recipe's groups
+(LoRA+, the head's rate) and its warm-up, and hands them to DeepSpeed (zero_allow_untested_optimizer): torch's
+AdamW (no nvcc at run time), or DeepSpeedCPUAdam under ZERO_OFFLOAD, compiled once with g++. No torch import here.
 """
 
 from __future__ import annotations
@@ -39,14 +28,12 @@ from utils.config.plan import Plan
 from utils.config.settings import Settings
 
 DEEPSPEED_PIN = "deepspeed==0.19.8"  # requirements.txt's pin, named in the fix when it is missing
-# The Trainer's defaults for these, which the job keeps (utils/training/trainer.py sets no other).
+# The Trainer's defaults, which the job keeps.
 GRADIENT_CLIPPING = 1.0  # max_grad_norm
 ADAM_BETAS = [0.9, 0.999]  # adam_beta1, adam_beta2
 ADAM_EPSILON = 1e-8
-# The DeepSpeed schedulers that warm up from the job's rate (the others, OneCycle and LRRangeTest, set rates of
-# their own) -> the parameters each takes (DeepSpeed passes the file's params to it as keywords) and, of those,
-# the ones transformers fills in from the run: left out, DeepSpeed's defaults (a 0.001 rate, 1,000 warm-up
-# steps) would train instead.
+# The DeepSpeed schedulers that warm up to the job's rate -> the params each takes (as keywords) and, of those, the
+# ones transformers fills in from the run (left out, DeepSpeed's defaults would train instead).
 SCHEDULERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     kind: (frozenset(f"warmup_num_steps warmup_type last_batch_iteration {taken}".split()), tuple(filled.split()))
     for kind, taken, filled in (
@@ -59,9 +46,7 @@ SCHEDULERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
         ("WarmupCosineLR", "warmup_min_ratio cos_min_ratio total_num_steps", "warmup_num_steps total_num_steps"),
     )
 }
-# The fields the settings decide -> the setting to change (None: a Trainer default the job keeps). The job writes
-# "auto" for the ones a file leaves out (optimizer and scheduler ones only inside such a block), and the Trainer
-# fills them in from the settings.
+# The fields the settings decide -> the setting to change (None: a Trainer default the job keeps).
 OWNED = {
     "train_micro_batch_size_per_gpu": "PER_DEVICE_BATCH_SIZE (or GLOBAL_BATCH_SIZE)",
     "gradient_accumulation_steps": "GRADIENT_ACCUMULATION_STEPS (or GLOBAL_BATCH_SIZE)",
@@ -75,8 +60,7 @@ OWNED = {
     "scheduler.params.warmup_num_steps": "WARMUP_RATIO (or MAX_STEPS)",
     "scheduler.params.total_num_steps": "MAX_STEPS",
 }
-# Other "auto" values someone fills in: the Trainer (these) or Accelerate (the bucket sizes, from the model's
-# hidden size). Any other "auto" would reach DeepSpeed as a string.
+# Other "auto" values the Trainer or Accelerate (the bucket sizes) fill in; any other reaches DeepSpeed as a string.
 FILLED_ELSEWHERE = frozenset(
     "optimizer.params.betas optimizer.params.eps scheduler.params.warmup_min_lr zero_optimization.reduce_bucket_size "
     "zero_optimization.stage3_prefetch_bucket_size zero_optimization.stage3_param_persistence_threshold".split()
@@ -93,8 +77,8 @@ def build_config(zero_stage: int, zero_offload: str) -> dict[str, Any]:
         if offloaded:
             zero[block] = {"device": "cpu", "pin_memory": True}
     if zero_stage == 3:
-        # The adapter is gathered from the shards by the job itself (utils/training/strategy.full_state_dict), trainable
-        # weights only; gathering the whole 16-bit model at every checkpoint would cost the memory ZeRO-3 saves.
+        # The job gathers the trainable weights itself (strategy.full_state_dict); the whole 16-bit model at every
+        # checkpoint would cost the memory ZeRO-3 saves.
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     return {
         **complete_config({}, "the job's config"),  # "auto" for every field the settings own
@@ -105,8 +89,7 @@ def build_config(zero_stage: int, zero_offload: str) -> dict[str, Any]:
 
 
 def read_deepspeed_config(path: str) -> dict[str, Any]:
-    """DEEPSPEED_CONFIG read, parsed and its ZeRO stage and offload checked: the one read of the file, as the settings
-    are read (DeepSpeedChoices); the plan takes this result. A missing, unreadable or non-JSON file is bad input."""
+    """DEEPSPEED_CONFIG parsed, its ZeRO block checked; a missing, unreadable or non-JSON file is bad input."""
     try:
         config = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -158,8 +141,7 @@ def owned_values(plan: Plan, weight_decay: float) -> dict[str, Any]:
 
 
 def check_config(config: Mapping[str, Any], plan: Plan, deepspeed_config: str, weight_decay: float) -> None:
-    """Refuse a user's config (DEEPSPEED_CONFIG's) that pins a value the plan resolves otherwise, or that cannot apply
-    (its ZeRO block was checked as it was read)."""
+    """Refuse DEEPSPEED_CONFIG's config where it pins a value the plan resolves otherwise, or cannot apply."""
     where = f"DEEPSPEED_CONFIG={deepspeed_config}"
     check_pinned(config, plan, deepspeed_config, weight_decay)
     check_scheduler(config, where)
@@ -178,8 +160,8 @@ def check_config(config: Mapping[str, Any], plan: Plan, deepspeed_config: str, w
 
 
 def check_pinned(config: Mapping[str, Any], plan: Plan, deepspeed_config: str, weight_decay: float) -> None:
-    """Refuse a value the file (DEEPSPEED_CONFIG's) pins that the plan resolves otherwise: at --dry-run, and again in
-    Job.start once the precision is known (the rest of the file does not change with the device)."""
+    """Refuse a value DEEPSPEED_CONFIG pins that the plan resolves otherwise: at --dry-run, and again in Job.start
+    once the precision is known."""
     where = f"DEEPSPEED_CONFIG={deepspeed_config}"
     owned = owned_values(plan, weight_decay)
     for field in ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"):
@@ -201,8 +183,7 @@ def check_pinned(config: Mapping[str, Any], plan: Plan, deepspeed_config: str, w
 
 
 def _same(theirs: Any, ours: Any) -> bool:
-    # Equal as transformers compares them (!=): a rate written out with fewer digits than the recipe resolves it
-    # to is another rate, and would fail its check once the model has loaded. A bool is no number here (True == 1).
+    # Equal as transformers compares them (a rate with fewer digits is another rate); a bool is no number here.
     if isinstance(ours, list):
         return isinstance(theirs, list) and len(theirs) == len(ours) and all(map(_same, theirs, ours))
     return isinstance(theirs, (int, float)) and isinstance(theirs, bool) == isinstance(ours, bool) and theirs == ours
@@ -262,8 +243,8 @@ def check_scheduler(config: Mapping[str, Any], where: str) -> None:
 
 
 def complete_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """`config` with "auto" written for the OWNED fields it leaves out, so the Trainer fills them in from the
-    settings (DeepSpeed's own defaults would fail its batch assertion, clip nothing, or warm up to another rate)."""
+    """`config` with "auto" for the OWNED fields it leaves out (optimizer and scheduler ones only inside such a
+    block), so the Trainer fills them in from the settings."""
     for block in ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16"):
         if block in config and not isinstance(config[block], Mapping):
             raise BadInput(
@@ -293,8 +274,7 @@ def with_deepspeed(
     plan: Plan, file: Mapping[str, Any] | None, deepspeed_config: str | None, weight_decay: float
 ) -> Plan:
     """The plan with the DeepSpeed config the run hands the Trainer, for STRATEGY=deepspeed: DEEPSPEED_CONFIG's `file`
-    as DeepSpeedChoices read it, completed and checked against the plan here, and its pins again in Job.start once
-    the precision is known."""
+    as DeepSpeedChoices read it, completed and checked against the plan."""
     if plan.strategy != "deepspeed":
         return plan
     if importlib.util.find_spec("deepspeed") is None:
@@ -322,8 +302,7 @@ def offloads(config: Mapping[str, Any]) -> tuple[bool, bool]:
 
 
 def describe_strategy(plan: Plan, weight_decay: float) -> dict[str, Any]:
-    """--dry-run's view: the strategy, and for deepspeed the plan's config with the plan's values filled in
-    (precision stays "auto" until the hardware is known; the schedule's step counts until the data is)."""
+    """--dry-run's view: the strategy, and for deepspeed the config with the plan's values filled in as known."""
     if plan.deepspeed is None:
         return {"strategy": plan.strategy}
     config = copy.deepcopy(plan.deepspeed)
@@ -354,8 +333,7 @@ def check_launcher(strategy: str, launcher: Mapping[str, object]) -> None:
 
 def launcher_choices(launcher: Mapping[str, object]) -> dict[str, Any]:
     """The settings an `accelerate launch` DeepSpeed config stands for: STRATEGY=deepspeed, and DEEPSPEED_CONFIG, or
-    ZERO_STAGE and ZERO_OFFLOAD. The Trainer then gets the job's config alone (utils/config/distributed.export_env drops
-    the launcher's DeepSpeed variables)."""
+    ZERO_STAGE and ZERO_OFFLOAD (distributed.export_env then drops the launcher's variables)."""
     if not launcher.get("deepspeed"):
         return {}
     if launcher.get("deepspeed_config_file"):
@@ -381,12 +359,12 @@ def launcher_choices(launcher: Mapping[str, object]) -> dict[str, Any]:
 
 
 class DeepSpeedChoices:
-    """load_settings' `overrides` (deepspeed_overrides), keeping the DEEPSPEED_CONFIG it read in `file` for the plan
-    (with_deepspeed): the file is read and checked once, as the settings are read."""
+    """load_settings' `overrides` (deepspeed_overrides), keeping the DEEPSPEED_CONFIG it read in `file` for the
+    plan: the file is read and checked once, as the settings are read."""
 
     def __init__(self, launcher: Mapping[str, object]):
         self.launcher = launcher
-        self.file: dict[str, Any] | None = None  # DEEPSPEED_CONFIG's content, as read_deepspeed_config returned it
+        self.file: dict[str, Any] | None = None
 
     def __call__(self, settings: Settings) -> dict[str, Any]:
         chosen, self.file = deepspeed_overrides(settings, self.launcher)
@@ -397,9 +375,8 @@ def deepspeed_overrides(
     settings: Settings, launcher: Mapping[str, object]
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """What the accelerate config (`launcher_choices`) and then DEEPSPEED_CONFIG's ZeRO stage and offload choose, as
-    settings load_settings merges over the user's: run.json, the identity and the checkpoints record what trains, and
-    a file edited before a restart is refused like any changed setting; one given beside them that differs, exit 2.
-    With the file as read (read_deepspeed_config), None when there is none."""
+    settings load_settings merges over the user's (one given beside them that differs: exit 2), with the file as
+    read (None when there is none)."""
     check_launcher(settings.strategy, launcher)
     chosen = launcher_choices(launcher)
     explicit = settings.model_fields_set

@@ -1,17 +1,8 @@
 """Who this process is in the job, from the launcher's variables: the only module that reads (or sets) them.
 
-Launchers, first match wins (so torchrun inside a Slurm task or a PyTorchJob pod wins):
-
-| source     | recognised by                          | gives                                                   |
-| ---------- | -------------------------------------- | ------------------------------------------------------- |
-| torchrun   | TORCHELASTIC_RUN_ID or LOCAL_WORLD_SIZE | RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, MASTER_*      |
-| deepspeed  | CROSS_RANK and CROSS_SIZE              | RANK, LOCAL_RANK, WORLD_SIZE, CROSS_RANK (node), MASTER_* |
-| pytorchjob | PET_NODE_RANK or PET_NNODES            | RANK = pod index, WORLD_SIZE, MASTER_* (no NODE_RANK)   |
-| platform   | RANK and WORLD_SIZE                    | RANK, WORLD_SIZE, NODE_RANK, LOCAL_RANK (0: 1 GPU each) |
-| slurm      | SLURM_PROCID and SLURM_NTASKS          | SLURM_PROCID/NTASKS/LOCALID/NODEID, first host of the node list |
-| single     | none of the above                      | rank 0 of 1                                             |
-
-No torch here: `--dry-run` uses `detect_env` and must stay fast. The process group is utils/cluster/collectives.py's.
+Launchers, first match wins (docs/launchers.md tabulates what each sets): torchrun (TORCHELASTIC_RUN_ID or
+LOCAL_WORLD_SIZE), deepspeed (CROSS_RANK and CROSS_SIZE), pytorchjob (PET_NODE_RANK or PET_NNODES), platform (RANK
+and WORLD_SIZE), slurm (SLURM_PROCID and SLURM_NTASKS), else single. No torch here: `--dry-run` must stay fast.
 """
 
 from __future__ import annotations
@@ -75,8 +66,8 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
 
 
 def first_host(nodelist: str) -> str:
-    """First host of a Slurm node list ('gpu-[01-04,07],cpu1' -> 'gpu-01'): Slurm's own `scontrol show hostnames`
-    where it is installed, else python-hostlist, a parser kept by a Slurm site (padding, bracket groups, suffixes)."""
+    """First host of a Slurm node list ('gpu-[01-04,07],cpu1' -> 'gpu-01'): `scontrol show hostnames` where it is
+    installed, else python-hostlist (a parser kept by a Slurm site)."""
     nodelist = nodelist.strip()
     if shutil.which("scontrol"):
         try:
@@ -102,8 +93,8 @@ def first_host(nodelist: str) -> str:
 
 
 def _refuse_partial_rank_variables(env: Mapping[str, str]) -> None:
-    """No launcher was recognised, yet some rank variables are set: read as one process, each of N replicas would
-    train alone into the same folder. What one process has anyway (WORLD_SIZE=1, LOCAL_RANK=0, NODE_RANK=0) passes."""
+    """No launcher was recognised, yet rank variables are set: as one process, each of N replicas would train alone
+    into the same folder. What one process has anyway (WORLD_SIZE=1, LOCAL_RANK=0, NODE_RANK=0) passes."""
     value = lambda name: env.get(name, "").strip()  # noqa: E731
     if value("WORLD_SIZE") and value("WORLD_SIZE") != "1" and not value("RANK"):
         raise BadInput(
@@ -177,9 +168,8 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
 
 def elastic_range() -> tuple[range, str] | None:
-    """The replica counts an elastic launcher may restart the job on, and the variable that says so: a
-    PyTorchJob's elasticPolicy gives every pod PET_NNODES=MIN:MAX (torchrun reads it, and its workers inherit
-    it), each node running PET_NPROC_PER_NODE (or torchrun's LOCAL_WORLD_SIZE) processes. None: no range."""
+    """The replica counts an elastic launcher may restart the job on, and the variable that says so: a PyTorchJob's
+    elasticPolicy sets PET_NNODES=MIN:MAX, each node running PET_NPROC_PER_NODE (or LOCAL_WORLD_SIZE) processes."""
     env = os.environ
     nodes = env.get("PET_NNODES", "").strip()
     bounds = re.fullmatch(r"(\d+):(\d+)", nodes)
@@ -192,9 +182,8 @@ def elastic_range() -> tuple[range, str] | None:
 
 
 def launcher_argv(argv: list[str] | None = None) -> list[str]:
-    """The command line without the `--local_rank=N` the `deepspeed` launcher appends (it sets LOCAL_RANK=N
-    as well), so `deepspeed --num_gpus N main.py` runs as written. One that disagrees with LOCAL_RANK, or
-    comes without it, stays and is refused as an unknown flag: it was typed, not added by a launcher."""
+    """The command line without the `--local_rank=N` the `deepspeed` launcher appends beside LOCAL_RANK=N. One that
+    disagrees with LOCAL_RANK, or comes without it, was typed: it stays, and is refused as an unknown flag."""
     args = sys.argv[1:] if argv is None else list(argv)
     local_rank = os.environ.get("LOCAL_RANK", "").strip()
     added = {f"--local_rank={local_rank}", f"--local-rank={local_rank}"} if local_rank else set()
@@ -202,9 +191,8 @@ def launcher_argv(argv: list[str] | None = None) -> list[str]:
 
 
 def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, object]:
-    """Training options a launcher put in the environment: `accelerate launch` exports its config file as
-    ACCELERATE_* variables, which the Trainer would follow over the job's own settings (utils/training/strategy.py
-    refuses the ones that disagree)."""
+    """Training options `accelerate launch` exports from its config file as ACCELERATE_* variables, which the
+    Trainer would follow over the job's own settings (the ones that disagree are refused)."""
     env = os.environ if environ is None else environ
     flag = lambda name: env.get(name, "").strip().lower() in ("1", "true", "yes")  # noqa: E731
     value = lambda name: env.get(name, "").strip().lower() or None  # noqa: E731
@@ -213,8 +201,7 @@ def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, obje
         "fsdp": flag("ACCELERATE_USE_FSDP"),
         "deepspeed": flag("ACCELERATE_USE_DEEPSPEED"),
         "mixed_precision": value("ACCELERATE_MIXED_PRECISION"),
-        # A DEEPSPEED config's deepspeed_config section (launchers/accelerate/deepspeed-zero*.yaml): the
-        # stage and offload devices it asks for, to be compared with ZERO_STAGE and ZERO_OFFLOAD.
+        # A DEEPSPEED config's stage and offload devices (launchers/accelerate/deepspeed-zero*.yaml)
         "zero_stage": int(stage) if stage and stage.isdigit() else stage,
         "offload_optimizer_device": value("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
         "offload_param_device": value("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
@@ -225,9 +212,8 @@ def launcher_options(environ: Mapping[str, str] | None = None) -> dict[str, obje
     }
 
 
-# An accelerate config's DeepSpeed choices, dropped once the settings have adopted them (deepspeed_overrides): the
-# Trainer's DeepSpeed plugin would read them again and refuse them beside the job's config ("When using
-# `deepspeed_config_file`, the following accelerate config variables will be ignored").
+# An accelerate config's DeepSpeed choices, dropped once the settings have adopted them: the Trainer's plugin would
+# refuse them beside the job's config.
 ACCELERATE_DEEPSPEED_VARIABLES = tuple(
     "ACCELERATE_CONFIG_DS_FIELDS ACCELERATE_DEEPSPEED_ZERO_STAGE ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE "
     "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH "

@@ -1,30 +1,13 @@
 """Whether two starts are one run: one key (`run_identity`), one comparison (`check_same_run`).
 
 The key holds what decides the trained model and the order its rows are trained in, each as the run uses it, and
-nothing else (`FIELDS` names each field and what it holds; tests/test_identity.py holds the key and
-docs/reliability.md's list to that table):
+nothing else: files by their SHA-256 (another spelling of one folder is one run, weights replaced in place another;
+a Hub model by its id: asking its revision would put a network call before the first step), values as the plan
+resolves them, `auto` precision and quantization once the device is known (`with_numerics`).
+`FIELDS` names each field; docs/reliability.md lists them (tests/test_identity.py holds the two alike).
 
-- the base model's content (`base_model`): for a local MODEL_NAME folder the SHA-256 of each weights, config and
-  tokenizer file it holds, so the same folder by another spelling (relative, absolute, a trailing slash, a link) is
-  the same run and weights replaced in place are another; for a Hub id, the id (no revision setting exists, and
-  asking the Hub would put a network call before the first step);
-- the data's content (`data`): the SHA-256 of each file the loader reads from DATASET_PATH (the split files of a
-  known suffix, or every file of a save_to_disk folder, or the one file it names), or of TRAIN_FILE and
-  VALIDATION_FILE, never the folder's path; or the Hub data set's names; and which rows of it the run uses
-  (VALIDATION_SPLIT, MAX_TRAIN_SAMPLES, MAX_EVAL_SAMPLES);
-- the label mapping (names in id order), a multi-label problem's 0/1 columns, and whether PROBLEM_TYPE asks for a
-  regression or a multi-label problem (and its THRESHOLD where the scores measured at it choose the saved model);
-- the DeepSpeed config's content under STRATEGY=deepspeed (DEEPSPEED_CONFIG's file, or ZERO_STAGE and ZERO_OFFLOAD);
-- each other training setting as the run resolves it: the learning rates the plan trains at (not whether
-  LEARNING_RATE was given), the epochs only where MAX_STEPS does not decide, LORA_TARGET_MODULES as a set, the
-  precision and the quantization `auto` resolves to once the device is known (`with_numerics`; before, in --dry-run
-  and the run folder's first check, `auto` matches either), INT8_THRESHOLD only for 8-bit weights;
-- the global batch, and the replica count unless the global batch is fixed under DDP (GLOBAL_BATCH_SIZE, or the
-  default 64: one global order of the rows, which any count continues).
-
-run.json and every checkpoint's completion marker record it, the ranks compare theirs at the rendezvous, a restart
-compares it with the run folder's and with the checkpoint it would resume, and RUN_NAME, unless set, is its hash
-(less the fields the device resolves, so --dry-run names the run the training will).
+run.json and every checkpoint record it, the ranks compare theirs at the rendezvous, a restart compares it with the
+run folder's and the checkpoint's, and an unset RUN_NAME is its hash.
 """
 
 from __future__ import annotations
@@ -42,8 +25,7 @@ from utils.config.tasks import MULTI_LABEL, REGRESSION, validation_splits
 
 # Bumped when a field's meaning changes: an identity another version recorded is compared on the fields both hold.
 IDENTITY_VERSION = 2
-# Each field of the identity -> what it holds, in the words the refusal names it by (the settings' own fields are
-# named by their variable). The docs and tests read this table.
+# Each field of the identity -> what it holds, in the words its refusal names it by.
 FIELDS = {
     "base_model": "base model: the SHA-256 of each weights, config and tokenizer file of a local MODEL_NAME, or its Hub id",
     "dataset": "DATASET_NAME/DATASET_CONFIG: the Hub data set (none when DATASET_PATH or TRAIN_FILE is set)",
@@ -106,7 +88,7 @@ UNUSED_AS_NONE = frozenset(
     {"zero_stage", "zero_offload", "deepspeed", "per_device_batch_size", "int8_threshold", "label_names", "epochs"}
     | {"label_columns", "threshold"}
 )
-# What from_pretrained reads of a local model folder: its config, tokenizer and weights files (not a README or notes).
+# What from_pretrained reads of a local model folder (not a README or notes).
 MODEL_FILES = frozenset(
     "config.json tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json vocab.txt vocab.json "
     "merges.txt".split()
@@ -115,12 +97,19 @@ MODEL_SUFFIXES = (".safetensors", ".bin", ".model", ".index.json")  # weights, t
 
 
 def run_identity(
-    settings: Settings, global_batch: int, world_size: int, elastic: bool, rates: dict[str, float]
+    settings: Settings,
+    global_batch: int,
+    world_size: int,
+    elastic: bool,
+    rates: dict[str, float],
+    deepspeed_file: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """The key two starts must share to be one run (JSON-ready: run.json and the checkpoints hold it as is). Every
-    field is always present (None where the run does not use it), so two identities of this version differ exactly
-    where their runs do."""
+    """The key two starts must share to be one run, JSON-ready. Every field is present (None where the run does not
+    use it), so two identities of this version differ exactly where their runs do. `deepspeed_file`: DEEPSPEED_CONFIG
+    as the settings' load read it (its spacing and key order are not the run); read here when not given."""
     deepspeed = runs_under(settings.strategy, "a DeepSpeed config")
+    if deepspeed and deepspeed_file is None:  # settings built without load_settings (tests, a sweep's check)
+        deepspeed_file = config_content(settings.deepspeed_config)
     regression = settings.problem_type == REGRESSION
     named = "label_names" in settings.model_fields_set  # LABEL_NAMES given (unset: the default names for ids 0/1)
     multi_label = settings.problem_type == MULTI_LABEL
@@ -131,13 +120,10 @@ def run_identity(
         base_model=model_digest(settings.model_name),
         dataset=None if settings.local_data else f"{settings.dataset_name}/{settings.dataset_config}",
         data=data_digest(settings.local_data, settings.train_file, settings.validation_file, settings.task),
-        # Unset, the mapping is the data's (a ClassLabel's names, a word column's sorted values) or, on a finished
-        # run, the one it recorded: nothing to compare before the data is read (compared_fields: unset against the
-        # default names for ids 0/1 is no difference).
+        # Unset, the mapping is the data's or a finished run's record: nothing to compare before the data is read.
         label_names=list(settings.label_names) if named and not regression else None,
         label_columns=list(settings.label_columns) if settings.label_columns else None,
-        # The scores LOAD_BEST_MODEL and early stopping compare are measured at it: a restart at another would pick
-        # among checkpoints scored two ways. Otherwise it changes only what is reported.
+        # Where the scores measured at it choose among checkpoints; otherwise it changes only what is reported.
         threshold=settings.threshold if multi_label and choosing else None,
         problem=settings.problem_type if settings.problem_type in (REGRESSION, MULTI_LABEL) else "auto",
         epochs=None if settings.max_steps else settings.num_epochs,
@@ -148,7 +134,7 @@ def run_identity(
         lora_target_modules=sorted(set(settings.lora_target_modules)),
         zero_stage=settings.zero_stage if deepspeed else None,
         zero_offload=settings.zero_offload if deepspeed else None,
-        deepspeed=config_content(settings.deepspeed_config) if deepspeed else None,
+        deepspeed=deepspeed_file if deepspeed else None,
         int8_threshold=None if settings.quantization == "none" or deepspeed else settings.int8_threshold,
     )
     return identity
@@ -159,15 +145,14 @@ def default_label_names() -> list[str]:
 
 
 def with_numerics(identity: dict[str, Any], precision: str, quantization: str) -> dict[str, Any]:
-    """The identity with the precision and quantization `auto` resolved to on this device (utils/config/plan.with_device)."""
+    """The identity with the precision and quantization `auto` resolved to on this device (plan.with_device)."""
     threshold = identity.get("int8_threshold") if quantization == "8bit" else None
     return {**identity, "precision": precision, "quantization": quantization, "int8_threshold": threshold}
 
 
 def run_name(identity: dict[str, Any], model_name: str, local_data: str | None, dataset_config: str) -> str:
-    """The name of a run RUN_NAME leaves unset: the model, the data, the rank and the identity's hash: the same on
-    every replica and after every restart of one run, another for another run. The hash leaves out what the device
-    resolves (DEVICE_RESOLVED), so --dry-run, before the device is known, names the run as the training does."""
+    """The name of a run RUN_NAME leaves unset: the model, the data, the rank and the identity's hash, less what the
+    device resolves (DEVICE_RESOLVED), so --dry-run names the run as the training does."""
     # The folders' own names, links followed: another spelling of one folder is one name.
     model = Path(os.path.realpath(model_name)).name or "model"
     data = Path(os.path.realpath(local_data)).stem if local_data else dataset_config
@@ -183,8 +168,7 @@ def short_digest(value: Any) -> str:
 
 
 def model_digest(model_name: str) -> str | dict[str, str]:
-    """A local folder's weights, config and tokenizer files by name, each by the SHA-256 of its bytes: what
-    from_pretrained reads, whatever the folder is called or wherever it is mounted. A Hub id as it is."""
+    """A local folder's weights, config and tokenizer files by name -> the SHA-256 of their bytes; a Hub id as is."""
     folder = Path(model_name)
     if not folder.is_dir():  # from_pretrained's own test: an existing folder is loaded, anything else is an id
         return model_name
@@ -193,21 +177,16 @@ def model_digest(model_name: str) -> str | dict[str, str]:
 
 
 def base_model_changes(recorded: Any, model_name: str) -> str | None:
-    """`model.safetensors, config.json`: the files of the local folder `model_name` whose bytes differ from
-    `recorded`, the fingerprint model_digest took of the base an adapter was trained on (a file added or removed
-    too); None where they match or nothing can be compared: a Hub id on either side (the identity holds its id
-    alone), or no fingerprint recorded. Every file is hashed once, as the identity hashes it."""
+    """`model.safetensors, config.json`: the files of the local folder `model_name` added, removed or changed since
+    `recorded` (model_digest of the base an adapter was trained on); None where they match or nothing can be
+    compared (a Hub id on either side, no fingerprint recorded)."""
     if not isinstance(recorded, dict) or not Path(model_name).is_dir():
         return None
-    changed = _changed_keys(recorded, model_digest(model_name), values=False)
-    if not changed:
-        return None
-    return ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+    return _first_four(_changed_keys(recorded, model_digest(model_name), values=False)) or None
 
 
 def readable_digest(path: Path) -> str:
-    """sha256_file, or what kept the file from being read (mode 000, a dangling mount): the model's own check, once
-    the model is loaded, refuses such a file with the fix; the identity only has to tell it from a readable one."""
+    """sha256_file, or what kept the file from being read (the model's own load refuses it with the fix)."""
     try:
         return sha256_file(path)
     except OSError as exc:
@@ -215,8 +194,7 @@ def readable_digest(path: Path) -> str:
 
 
 def config_content(path: str | None) -> dict | str | None:
-    """DEEPSPEED_CONFIG's content, parsed (its spacing and key order are not the run); the SHA-256 of its bytes when
-    it is not a JSON object, which utils/config/deepspeed_config.read_deepspeed_config refuses with the fix before anything runs."""
+    """DEEPSPEED_CONFIG parsed; the SHA-256 of its bytes when it is no JSON object (refused before anything runs)."""
     if path is None:
         return None
     file = Path(path).expanduser()
@@ -230,11 +208,9 @@ def config_content(path: str | None) -> dict | str | None:
 def data_digest(
     local_data: str | None, train_file: str | None, validation_file: str | None, task: str | None
 ) -> dict[str, str | None] | None:
-    """SHA-256 of each file the local data is read from: the split files of a DATASET_PATH folder (of a suffix the
-    loader reads, or every file of a save_to_disk folder) by their path in the folder, or the files TRAIN_FILE,
-    VALIDATION_FILE or a DATASET_PATH that is one file name, by their split. The files' bytes, not their dates or
-    the folder's path, so a restored or moved volume is the same data and a notes file beside them changes nothing.
-    None for a Hub data set, which DATASET_NAME and DATASET_CONFIG name."""
+    """SHA-256 of each file the loader reads: a DATASET_PATH folder's split files (every file of a save_to_disk
+    folder) by their path in it, or TRAIN_FILE, VALIDATION_FILE or a DATASET_PATH file by their split; None for a Hub
+    data set. Bytes, not dates or paths: a restored or moved volume is the same data."""
     if not local_data:
         return None
     path = Path(local_data)
@@ -257,13 +233,12 @@ def sha256_file(path: Path) -> str:
 
 
 def compared_fields(theirs: dict, ours: dict) -> set[str]:
-    """The fields two identities are compared on: all of them; with an identity another version of the job recorded
-    (a field's meaning changed, or it is new), those both hold, so an upgrade does not refuse its own runs."""
+    """The fields two identities are compared on: all; with another version's, those both hold, so an upgrade does
+    not refuse its own runs."""
     if theirs.get("version") == ours.get("version"):
         names = set(theirs) | set(ours)
     else:
-        # An older record holds a setting this run leaves out (ZERO_STAGE under DDP, in a run.json's settings) as
-        # given: what this run does not use is no difference.
+        # An older record holds a setting this run does not use (ZERO_STAGE under DDP) as given: no difference.
         unused = {name for name in UNUSED_AS_NONE if ours.get(name) is None}
         names = (set(theirs) & set(ours)) - {"version"} - unused
     # LABEL_NAMES unset against given as the default names: one mapping (ids 0/1 are named so when unset).
@@ -277,8 +252,8 @@ def compared_fields(theirs: dict, ours: dict) -> set[str]:
 
 
 def _changed_keys(was: dict, now: dict, values: bool, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two JSON objects, with both values where `values`:
-    `scheduler.type WarmupDecayLR -> WarmupLR`, `model.safetensors`."""
+    """The dotted keys that differ between two JSON objects (`model.safetensors`), with both values where `values`
+    (`scheduler.type WarmupDecayLR -> WarmupLR`)."""
     keys = []
     for key in sorted(set(was) | set(now), key=str):
         a, b = was.get(key), now.get(key)
@@ -289,26 +264,30 @@ def _changed_keys(was: dict, now: dict, values: bool, prefix: str = "") -> list[
     return keys
 
 
+def _first_four(keys: list[str]) -> str:
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
 def _shown(value: Any) -> str:
     shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
     return shown if len(shown) <= 80 else f"{shown[:77]}..."  # one line, even for a whole block of a config
 
 
+def _differing(theirs: dict, ours: dict, ignore: frozenset[str]) -> set[str]:
+    """The fields that differ; the rates follow the global batch, so where it changed they are not named again."""
+    differing = {name for name in compared_fields(theirs, ours) - ignore if theirs.get(name) != ours.get(name)}
+    return differing - {"rates"} if "global_batch" in differing else differing
+
+
 def identity_changes(theirs: dict, ours: dict, ignore: frozenset[str] = frozenset()) -> list[str]:
-    """`LORA_R: 8 -> 16`, `replica count: 2 -> 4`, `data files: train.csv changed` for each field that differs. The
-    rates follow the global batch: where it changed they are not named again."""
+    """`LORA_R: 8 -> 16`, `replica count: 2 -> 4`, `data files: train.csv changed` for each field that differs."""
     changes = []
-    names = compared_fields(theirs, ours) - ignore
-    differing = {name for name in names if theirs.get(name) != ours.get(name)}
-    if "global_batch" in differing:
-        differing.discard("rates")
-    for name in sorted(differing):
+    for name in sorted(_differing(theirs, ours, ignore)):
         was, now = theirs.get(name), ours.get(name)
         label = FIELDS.get(name, name.upper()).split(":")[0]
         if isinstance(was, dict) and isinstance(now, dict):
             files = name in ("data", "base_model")  # by name: a digest says nothing to a reader
-            keys = _changed_keys(was, now, values=not files)
-            shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            shown = _first_four(_changed_keys(was, now, values=not files))
             changes.append(f"{label}: {shown} added, removed or edited" if files else f"{label}: {shown}")
         else:
             if name == "label_names":  # unset: the default names, or the data's own
@@ -320,11 +299,9 @@ def identity_changes(theirs: dict, ours: dict, ignore: frozenset[str] = frozense
 def check_same_run(theirs: dict, ours: dict, where: str, ignore: frozenset[str] = frozenset()) -> None:
     """Refuse (exit 2) a start whose identity differs from the one `where` recorded, naming each difference and
     the fix: for another replica count, the count to restart with."""
-    changes = identity_changes(theirs, ours, ignore)
-    if not changes:
+    changed = _differing(theirs, ours, ignore)
+    if not changed:
         return
-    names = compared_fields(theirs, ours) - ignore
-    changed = {name for name in names if theirs.get(name) != ours.get(name)}
     count = theirs.get("world_size")
     if "world_size" in changed and count is not None and not changed & {"global_batch_size", *ZERO}:
         if ours.get("strategy") == "deepspeed":
@@ -346,13 +323,12 @@ def check_same_run(theirs: dict, ours: dict, where: str, ignore: frozenset[str] 
     else:
         fix = "restore the old settings to resume"
     raise BadInput(
-        f"{where} holds another run ({'; '.join(changes)}); {fix}, or use a new OUTPUT_DIR to start over",
+        f"{where} holds another run ({'; '.join(identity_changes(theirs, ours, ignore))}); {fix}, or use a new OUTPUT_DIR to start over",
     )
 
 
 def agreement_refusal(rank0: dict, others: dict[int, dict]) -> str | None:
-    """The ranks' agreement (utils/run.agreement: the identity, the replica count, the run name and folder)
-    compared with rank 0's at the rendezvous: None, or the refusal naming each difference and the fix."""
+    """The ranks' agreement (utils/run.agreement) compared with rank 0's: None, or the refusal naming each difference."""
     differ = [
         f"rank {rank}: {', '.join(changes)}"
         for rank, theirs in sorted(others.items())

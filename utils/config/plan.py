@@ -1,45 +1,21 @@
 """The plan: every value a run derives from its settings, computed here once and only read elsewhere.
 
-`build_plan` (main.configure, every rank, no torch) resolves the batches, the learning rates, the steps when
-MAX_STEPS sets them and the strategy; `with_device` (Job.start) and `with_rows` (utils/run.set_up) complete what
-the hardware and the data tell, once each. `--dry-run` prints it, run.json records it completed; the Trainer's
-arguments, the DeepSpeed config, the logs and the model card read it.
+`build_plan` (every rank, no torch) resolves the batches, the learning rates, the strategy and the steps MAX_STEPS
+sets; `with_device` (Job.start) and `with_rows` (utils/run.set_up) complete what the hardware and the data tell.
+`--dry-run` prints it, run.json records it completed; the Trainer's arguments, the DeepSpeed config, the logs and
+the model card read it.
 
-The global batch (rows per optimizer step), one of three rules (`plan_batches`; --dry-run, run.json and the model
-card say which as the batch's `source`):
+The global batch follows one of three rules (`plan_batches`; docs/launchers.md, "The global batch"): GLOBAL_BATCH_SIZE
+on any replica count (a count that cannot share it is refused); by default 64 on any count (one that cannot share
+64 trains its multiple nearest 64, with a warning); PER_DEVICE_BATCH_SIZE x world size x accumulation when
+either is set. Under the first two a replica computes its share in micro-batches of at most PER_DEVICE_BATCH_SIZE.
 
-- GLOBAL_BATCH_SIZE set: that many rows on any replica count. A count that cannot share it in equal parts is
-  refused (exit 2) with the counts that can and the nearest batches this count can share: the user chose the
-  number, so it is never changed.
-- nothing set (the default): 64, one GPU's batch, on any count that divides it (1, 2, 4 and 8: every count
-  config.yaml and k8s/ deploy), so more replicas train the same model faster: 4 replicas take 16 rows each.
-  A count that does not divide 64 (3, 5, 6, 7) trains the multiple of the count nearest 64 (63, 65, 66, 63):
-  equal shares are what make every micro-batch full and every rank's gradient weigh the same, and a refusal
-  would stop a launch the defaults ran before. It is no silent change: the source names it, and the start
-  warns (`batch_warning`). An elastic range is held to one batch for all its counts (`check_elastic_range`).
-- PER_DEVICE_BATCH_SIZE or GRADIENT_ACCUMULATION_STEPS set (GLOBAL_BATCH_SIZE not): PER_DEVICE_BATCH_SIZE x world
-  size x GRADIENT_ACCUMULATION_STEPS, the per-device rule: the global batch follows the replica count, so another
-  count is another run (a restart on another count is refused).
-
-Under the first two the replica count is a deployment detail: a replica computes its share (global batch / world
-size) in micro-batches of at most PER_DEVICE_BATCH_SIZE rows (64 unless set), accumulating as many as it takes.
-With one global order of the rows (utils/training/trainer.py's GlobalOrderSampler) 1, 2 and 4 replicas train the same
-model up to floating-point summation order, and a run can resume on any count that divides the global batch;
-PER_DEVICE_BATCH_SIZE is then a memory cap a restart may lower (set beside GLOBAL_BATCH_SIZE: alone it switches to
-the per-device rule). An elastic launcher (PET_NNODES=2:4) must be able to share the global batch on every count
-of its range, or the job dies after the loss it was made to survive: `check_elastic_range` refuses such a start at
-once.
-
-The learning rate follows the global batch, so one global batch trains at one rate on 1 to 8 replicas:
+The learning rate follows the global batch, tuned at 64 (docs/quality.md: `sqrt` overshot on 4 replicas):
 
     learning_rate = BASE_LEARNING_RATE x (global batch / 64) ** 0.25     (LEARNING_RATE_SCALING=fourth-root)
     loraplus_lr_ratio = 8 x min(1, (64 / global batch) ** 0.5), never below 1
 
-64 is the reference batch (one replica with the defaults), where both were tuned. Adam's update size does not
-grow with the batch, so fewer, larger steps need a larger rate: on real SST-2 on 4 replicas `sqrt` (Malladi et
-al. 2022) overshot, the fourth root and B at 4x came level with one replica (docs/quality.md). Values set by
-hand are used exactly; a rate the rule resolves passes LEARNING_RATE's own bounds. The head trains at
-HEAD_LEARNING_RATE_RATIO x the rate, B at the LoRA+ ratio x (Hayou et al. 2024; utils/config/recipe.optimizer_groups).
+Values set by hand are used exactly; a resolved rate must pass LEARNING_RATE's own bounds.
 """
 
 from __future__ import annotations
@@ -98,18 +74,15 @@ class Plan:
     identity: dict[str, Any] | None = None  # what makes two starts one run (utils/config/identity.py)
     run_name: str | None = None  # RUN_NAME, else derived from the identity
     base_model_id: str | None = None  # the Hub id the adapter and card name as the base (resolve_base_model_id)
-    # The config handed to the Trainer, "auto" where it fills in the values above; --dry-run shows them filled in
-    # (utils/config/deepspeed_config.with_deepspeed).
+    # The config handed to the Trainer, "auto" where it fills in the values above (deepspeed_config.with_deepspeed).
     deepspeed: dict[str, Any] | None = None
-    # TORCH_COMPILE: the fast path (utils/training/trainer.compile_model), a speed switch only; `auto` until the device is known.
+    # TORCH_COMPILE and CUDA_GRAPHS, speed switches only; `auto` until the device is known.
     compile: bool | str = "auto"
-    # CUDA_GRAPHS: the step captured per length bucket (utils/training/step_capture.py), a speed switch only; `auto` until the
-    # device is known.
     capture: bool | str = "auto"
 
     @property
     def rates(self) -> dict[str, float]:
-        """The learning rate of each optimizer group (utils/config/recipe.optimizer_groups)."""
+        """The learning rate of each optimizer group (recipe.optimizer_groups)."""
         rate = self.learning_rate
         return {"base": rate, "head": rate * self.head_ratio, "lora_B": rate * self.loraplus_ratio}
 
@@ -120,13 +93,9 @@ class Plan:
         return {**shown, "rates": self.rates}
 
 
-def replica_counts(global_batch: int) -> list[int]:
-    return [n for n in range(1, global_batch + 1) if global_batch % n == 0]
-
-
 def largest_micro_batch(share: int, cap: int) -> int:
-    """The largest micro-batch of at most `cap` rows that divides a replica's `share`: every micro-batch is
-    full, so each optimizer step averages exactly the same rows with the same weights on any count."""
+    """The largest micro-batch of at most `cap` rows that divides a replica's `share`: every micro-batch full, so
+    each optimizer step averages the same rows with the same weights on any count."""
     divisors = (d for small in range(1, math.isqrt(share) + 1) if share % small == 0 for d in (small, share // small))
     return max(d for d in divisors if d <= cap)
 
@@ -139,8 +108,8 @@ def splits_well(global_batch: int, world_sizes: list[int], cap: int) -> bool:
 
 
 def nearby_global_batches(global_batch: int, world_sizes: list[int], cap: int) -> str:
-    """The nearest global batch below and above `global_batch` that every count in `world_sizes` shares in
-    well-filled micro-batches (`splits_well`), as "992 or 999": what to suggest instead of one that is not."""
+    """The nearest global batches below and above `global_batch` that every count in `world_sizes` shares in
+    well-filled micro-batches (`splits_well`), as "992 or 999": the suggestion instead of one that is not."""
     step = math.lcm(*world_sizes)
     if step > 4 * global_batch:
         return str(step)  # the smallest batch every count shares is far from the one asked for: no search around it
@@ -158,8 +127,8 @@ def plan_batches(
     gradient_accumulation_steps: int,
     follows_replicas: bool,
 ) -> BatchPlan:
-    """The plan for `world_size` replicas under the rule `follows_replicas` (Settings.batch_follows_replicas) names;
-    a replica count that cannot divide GLOBAL_BATCH_SIZE is bad input."""
+    """The batches of `world_size` replicas under the rule `follows_replicas` (Settings.batch_follows_replicas)
+    names; a replica count that cannot divide GLOBAL_BATCH_SIZE is bad input."""
     if follows_replicas:
         micro, accumulation = per_device_batch_size, gradient_accumulation_steps
         source = (
@@ -174,11 +143,11 @@ def plan_batches(
 
 
 def fixed_global_batch(world_size: int, global_batch_size: int | None, per_device_batch_size: int) -> tuple[int, str]:
-    """The global batch `world_size` replicas train when it does not follow the count, and why (the module's rule)."""
+    """The global batch `world_size` replicas train when it does not follow the count, and why."""
     total = global_batch_size
     if total is not None:
         if total % world_size:
-            counts = ", ".join(map(str, replica_counts(total)))
+            counts = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0)
             sizes = nearby_global_batches(total, [world_size], per_device_batch_size)
             raise BadInput(
                 f"GLOBAL_BATCH_SIZE={total} cannot be shared by {world_size} replicas; run on one of {counts} "
@@ -198,8 +167,9 @@ def fixed_global_batch(world_size: int, global_batch_size: int | None, per_devic
 
 
 def batch_warning(plan: BatchPlan, global_batch_size: int | None, per_device_batch_size: int) -> str | None:
-    """A warning for a global batch that is not what the user would expect: the default rounded for this count
-    (another model than one GPU's, a little), or micro-batches far smaller than the cap (`micro_batch_warning`)."""
+    """A warning for the default global batch rounded for this count (a little another model than one GPU's), or
+    for micro-batches far smaller than PER_DEVICE_BATCH_SIZE allows (997, a prime, on one replica: micro-batches of
+    1): the same model, many times slower."""
     if plan.fixed and global_batch_size is None and plan.global_batch != DEFAULT_GLOBAL_BATCH:
         return (
             f"the global batch is {plan.global_batch} rows, not the default {DEFAULT_GLOBAL_BATCH}: {plan.world_size} "
@@ -207,12 +177,6 @@ def batch_warning(plan: BatchPlan, global_batch_size: int | None, per_device_bat
             f"(its learning rate follows {plan.global_batch}); run on 1, 2, 4 or 8 replicas for the default, or set "
             f"GLOBAL_BATCH_SIZE (e.g. {plan.global_batch}) to make the choice yours"
         )
-    return micro_batch_warning(plan, per_device_batch_size)
-
-
-def micro_batch_warning(plan: BatchPlan, per_device_batch_size: int) -> str | None:
-    """A warning when GLOBAL_BATCH_SIZE leaves this count far smaller micro-batches than PER_DEVICE_BATCH_SIZE
-    allows (997, a prime, on one replica: 997 micro-batches of 1 a step): the same model, many times slower."""
     if not plan.fixed or splits_well(plan.global_batch, [plan.world_size], per_device_batch_size):
         return None
     share = plan.global_batch // plan.world_size
@@ -227,8 +191,7 @@ def micro_batch_warning(plan: BatchPlan, per_device_batch_size: int) -> str | No
 
 def check_elastic_range(settings: Settings, counts: range, variable: str) -> None:
     """Refuse (exit 2) an elastic range of replica counts (`variable` as the launcher set it) the global batch
-    cannot follow: one of them reached after a loss would be refused on every restart, and the job would end
-    there instead of going on."""
+    cannot follow: a count reached after a loss would be refused on every restart, ending the job there."""
     if len(counts) < 2:
         return
     cap = settings.per_device_batch_size
@@ -263,8 +226,7 @@ def scaled_learning_rate(base_learning_rate: float, global_batch: int, rule: str
 def resolve_learning_rate(
     batch: BatchPlan, learning_rate: float | None, base_learning_rate: float, learning_rate_scaling: str
 ) -> float:
-    """The rate this job trains at: LEARNING_RATE exactly when the user set it, else the scaling rule's rate,
-    checked against LEARNING_RATE's bounds (a JobError naming the rule, the batch and the fix)."""
+    """LEARNING_RATE exactly when set, else the scaling rule's rate, held to LEARNING_RATE's bounds."""
     if learning_rate is not None:
         return learning_rate
     global_batch = batch.global_batch
@@ -294,8 +256,8 @@ def resolve_loraplus_ratio(loraplus_lr_ratio: float | None, global_batch: int) -
 
 
 def _learning_rate_refusal(rate: float) -> str | None:
-    """Why LEARNING_RATE would refuse `rate` (None: it takes it). The bounds are the field's own, so a rate
-    the rule resolves and a rate typed by hand can never be held to different ones."""
+    """Why LEARNING_RATE would refuse `rate` (None: it takes it): the field's own bounds, so a resolved rate and
+    one typed by hand are held to the same."""
     try:
         TypeAdapter(Annotated[(float, *Settings.model_fields["learning_rate"].metadata)]).validate_python(rate)
     except ValidationError as exc:
@@ -304,15 +266,15 @@ def _learning_rate_refusal(rate: float) -> str | None:
 
 
 def warmup_steps(warmup_ratio: float, total_steps: int) -> int:
-    """Warm-up steps for a run of `total_steps`: WARMUP_RATIO of them rounded up, as the Trainer counts them,
-    but never all of them. A linear warm-up trains its first step at rate 0, so a 1-step run (MAX_STEPS=1,
-    or one step an epoch) whose only step is warm-up would change no weight at all."""
+    """WARMUP_RATIO of `total_steps` rounded up, as the Trainer counts them, but never all: a linear warm-up trains
+    its first step at rate 0, so a 1-step run whose only step is warm-up would change no weight."""
     return max(0, min(math.ceil(total_steps * warmup_ratio), total_steps - 1))
 
 
 # ------------------------------------------------------------------------------- building and completing the plan
-def build_plan(settings: Settings, world_size: int) -> Plan:
-    """The plan for `world_size` replicas, from the settings alone (no torch); bad input raises JobError."""
+def build_plan(settings: Settings, world_size: int, deepspeed_file: dict[str, Any] | None = None) -> Plan:
+    """The plan for `world_size` replicas, from the settings alone (no torch); bad input raises JobError.
+    `deepspeed_file`: DEEPSPEED_CONFIG as the settings' load read it (DeepSpeedChoices.file), for the identity."""
     batch = plan_batches(
         world_size,
         settings.global_batch_size,
@@ -320,8 +282,7 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         settings.gradient_accumulation_steps,
         settings.batch_follows_replicas,
     )
-    # Each factor has its range, but their product (x the replica count) could reach sizes no data set and no
-    # sampler index is made for: held to GLOBAL_BATCH_SIZE's own bound.
+    # Each factor has its range, but their product (x the replica count) is held to GLOBAL_BATCH_SIZE's own bound.
     if batch.global_batch > MAX_GLOBAL_BATCH:
         raise BadInput(
             f"the global batch is {batch.global_batch} rows ({batch.source}), above the "
@@ -353,18 +314,16 @@ def build_plan(settings: Settings, world_size: int) -> Plan:
         capture=settings.cuda_graphs,
         base_model_id=resolve_base_model_id(settings.base_model_id, settings.model_name),
     )
-    # A fixed global batch (GLOBAL_BATCH_SIZE, or the default) under DDP: one global order of the rows, which any
-    # replica count continues (not under DeepSpeed, whose checkpoints hold each rank's partition of the optimizer
-    # state). The rates as this plan trains at them, however they were given.
+    # A fixed global batch where one global order of the rows continues on any replica count (RUNS_UNDER).
     elastic = batch.fixed and runs_under(settings.strategy, "another replica count")
-    identity = run_identity(settings, batch.global_batch, world_size, elastic, plan.rates)
+    identity = run_identity(settings, batch.global_batch, world_size, elastic, plan.rates, deepspeed_file)
     name = settings.run_name or run_name(identity, settings.model_name, settings.local_data, settings.dataset_config)
     return replace(plan, identity=identity, run_name=name)
 
 
 def with_device(plan: Plan, cuda: bool, bf16_supported: bool, gradient_checkpointing: bool) -> Plan:
-    """The plan build_plan made with its `auto` precision, quantization, compile and capture resolved for this
-    hardware; impossible asks are bad input."""
+    """The plan with its `auto` precision, quantization, compile and capture resolved for this hardware;
+    impossible asks are bad input."""
     # auto: 8-bit only where quantized weights run (an explicit 8bit is refused elsewhere).
     quantize = plan.quantization in ("8bit", "4bit") or (
         plan.quantization == "auto"
@@ -407,7 +366,6 @@ def with_device(plan: Plan, cuda: bool, bf16_supported: bool, gradient_checkpoin
         quantization=quantization,
         compile=compiled,
         capture=capture,
-        # What the run trains with is now known: the checkpoints and run.json record it resolved (utils/config/identity.py).
         identity=with_numerics(plan.identity, precision, quantization) if plan.identity is not None else None,
     )
 
@@ -415,9 +373,8 @@ def with_device(plan: Plan, cuda: bool, bf16_supported: bool, gradient_checkpoin
 def with_rows(
     plan: Plan, train_rows: int, gradient_accumulation_steps: int, eval_steps: int | None, warmup_ratio: float
 ) -> Plan:
-    """The plan with the optimizer steps the Trainer will count over `train_rows` training rows, and the
-    warm-up. A global batch larger than the split is bad input: one step would want more rows than exist.
-    Every rank holds the same rows, so every rank reaches the same decision without a collective."""
+    """The plan with the optimizer steps the Trainer will count over `train_rows` rows, and the warm-up. A global
+    batch larger than the split is bad input; every rank holds the same rows, so all decide alike without a collective."""
     batch = plan.batch
     if batch.global_batch > train_rows:
         fitting = train_rows // (batch.world_size * gradient_accumulation_steps)

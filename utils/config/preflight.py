@@ -1,7 +1,5 @@
 """The checks before anything loads that look beyond the settings: a push needs a token and a reachable Hub, a
 tracker its package and, for MLflow, a store that answers. Bad input (exit 2) with the fix, before data and GPU time.
-
-Imports nothing heavy: a tracker's package is imported only when REPORT_TO names it.
 """
 
 from __future__ import annotations
@@ -18,8 +16,8 @@ from utils.config.settings import Settings
 
 
 def check_push_possible(settings: Settings, base_model_id: str | None) -> None:
-    """A push that cannot happen (no token, offline mode, an adapter nobody could load) is bad input now,
-    before any import, data or GPU time. `base_model_id`: the plan's (None: a folder that records no Hub id)."""
+    """A push that cannot happen (no token, offline mode, an adapter nobody could load) is bad input now.
+    `base_model_id`: the plan's (None: a folder that records no Hub id)."""
     repos = {"RESULT_MODEL_ID": settings.result_model_id, "RESULT_MERGED_MODEL_ID": settings.result_merged_model_id}
     pushes = " and ".join(f"{name}={value}" for name, value in repos.items() if value)
     if pushes and settings.hub_token is None:
@@ -44,7 +42,7 @@ TRACKER_PACKAGES = {"mlflow": "mlflow-skinny", "wandb": "wandb", "trackio": "tra
 
 
 def check_trackers(report_to: tuple[str, ...]) -> None:
-    """A tracker REPORT_TO names whose package is missing is bad input now, not a traceback when the Trainer starts."""
+    """A tracker REPORT_TO names whose package is missing is bad input now, not a traceback in the Trainer."""
     import importlib.util
 
     for name in report_to:
@@ -61,11 +59,9 @@ TRACKER_CHECK_SECONDS = 30
 
 
 def check_tracker_uri(report_to: tuple[str, ...], timeout_s: float = TRACKER_CHECK_SECONDS) -> None:
-    """REPORT_TO=mlflow: MLflow accepts MLFLOW_TRACKING_URI and its store answers, within `timeout_s`, like the
-    Hub token before data and model load. Otherwise MLflow refuses it at the Trainer's first log call, after
-    loading, as a traceback (or retries a dead server for minutes). Read-only, so every rank may run it: a
-    server is asked for one experiment (MLflow's public client resolves the store, refusing a scheme it has none
-    for); a database store (sqlite, postgresql, ...) is not opened, since opening it creates and migrates it."""
+    """REPORT_TO=mlflow: MLflow accepts MLFLOW_TRACKING_URI and its store answers within `timeout_s` (else MLflow
+    fails at the Trainer's first log call, after loading). Read-only, so every rank may run it: a server is asked for
+    one experiment; a database store is not opened, since opening it creates and migrates it."""
     if "mlflow" not in report_to:
         return
     import mlflow

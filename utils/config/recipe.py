@@ -1,8 +1,5 @@
-"""The training recipe around the adapter: which weights train at which rate, and the LoRA options.
-
-The rates themselves (the learning rate that follows the global batch, the LoRA+ and head ratios) are the
-plan's (utils/config/plan.py). peft's create_loraplus_optimizer puts the head's weights at 1x and its biases at the
-B rate, which is why the groups are made here. Imports nothing heavy.
+"""The training recipe around the adapter: which weights train at which of the plan's rates, and the LoRA options.
+The groups are made here because peft's create_loraplus_optimizer puts the head's weights at 1x and its biases at B's.
 """
 
 from __future__ import annotations
@@ -17,10 +14,8 @@ HEAD_MODULES = ("classifier", "pre_classifier", "pooler")
 
 
 def optimizer_groups(named_parameters: Iterable, rates: dict[str, float], weight_decay: float) -> list[dict]:
-    """AdamW parameter groups at the plan's `rates`: adapters' B at "lora_B", the head at "head", the rest (A) at "base".
-
-    Biases and LayerNorm weights (1-D tensors) never take weight decay, as in the Trainer's own grouping.
-    """
+    """AdamW parameter groups at the plan's `rates`: adapters' B at "lora_B", the head at "head", the rest (A) at
+    "base"; biases and LayerNorm weights (1-D) take no weight decay, as in the Trainer's own grouping."""
     groups: dict[tuple[str, bool], list] = {}
     for name, param in named_parameters:
         if not param.requires_grad:
@@ -35,8 +30,8 @@ def optimizer_groups(named_parameters: Iterable, rates: dict[str, float], weight
 
 
 def lora_options(module_names: Iterable[str], lora_variant: str, lora_init: str, train_pooler: bool) -> dict:
-    """LoraConfig keyword arguments beyond the adapter's shape: the pooler trained beside the classifier (TRAIN_POOLER),
-    rsLoRA / DoRA (LORA_VARIANT), and the initialisation (LORA_INIT). `module_names`: the model's named_modules() names."""
+    """LoraConfig keyword arguments beyond the adapter's shape (TRAIN_POOLER, LORA_VARIANT, LORA_INIT).
+    `module_names`: the model's named_modules() names."""
     options: dict = {"use_rslora": lora_variant == "rslora", "use_dora": lora_variant == "dora"}
     if lora_init != "default":
         options["init_lora_weights"] = lora_init
@@ -53,9 +48,8 @@ def describe_recipe(settings: Settings, plan: Plan) -> str:
 
 
 def recipe_summary(settings: Settings, loraplus_ratio: float | None, pooler: bool | None = None) -> str:
-    """The options around the adapter that shaped the model, for its card and the rank log: what it takes to train it
-    again. `loraplus_ratio`: the plan's, not the rule. `pooler`: whether the saved adapter trained one (its
-    modules_to_save); None before the model is read, when TRAIN_POOLER can only be a wish (RoBERTa has no pooler)."""
+    """The options around the adapter that shaped the model, for its card and the rank log. `loraplus_ratio`: the
+    plan's. `pooler`: whether the saved adapter trained one; None before the model is read (RoBERTa has none)."""
     parts = [f"warm-up {settings.warmup_ratio:g} of the steps"]
     if loraplus_ratio not in (None, 1):
         parts.append(f"LoRA+ (B at x{loraplus_ratio:g} the rate)")

@@ -1,12 +1,8 @@
-"""Every setting of the job, in one typed model: each field with its default, range and `--help` text, and the rules
-across fields. Where the values come from (recipe, environment, flags) is utils/config/sources.py; the checks that
-look beyond the settings (a token for a push, a tracker's package and server) are utils/config/preflight.py.
+"""Every setting of the job in one typed model: default, range and `--help` text per field, and the rules across
+fields. Where the values come from is sources.py; checks beyond the settings (a push's token, a tracker) preflight.py.
 
-The Hub token is no setting: it is read only from `HF_TOKEN` or the file named by `HF_TOKEN_PATH` (as huggingface_hub
-does), never from a flag, because flags end up in `ps`, shell history and job specs.
-
-This module imports nothing heavy (pydantic and pydantic-settings only): `--help` and `--dry-run`
-must answer in well under a second, before torch or transformers are imported.
+The Hub token is no setting: it comes only from `HF_TOKEN` or `HF_TOKEN_PATH`'s file, never a flag (flags end up in
+`ps`, shell history and job specs). Imports pydantic only: `--help` and `--dry-run` answer before torch loads.
 """
 
 from __future__ import annotations
@@ -24,14 +20,13 @@ from pydantic_settings import BaseSettings, CliSuppress, NoDecode, PydanticBaseS
 from utils.config.tasks import GLUE, GLUE_DATASETS, GLUE_UNTRAINABLE, validation_splits
 
 SHARED_VOLUME = "/pvc-home"  # where the platform, the k8s manifests and the Dockerfile mount the shared volume
-# The repo id grammar the Hub enforces: an optional namespace, then a name of letters, digits, -, _, .
+# The Hub's repo id grammar: an optional namespace, then a name of letters, digits, -, _, .
 REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 # RUN_NAME names a folder under OUTPUT_DIR/tensorboard: no separators, no '..', no hidden names, and
 # short enough for the event files inside it to stay below the 255-byte file-name limit.
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]{0,99}$")
 
-# The ranges of the settings (docs/settings.md): generous, never below a real use, but finite, so that nothing
-# --dry-run accepts can overflow later (a thread wait, a timedelta, numpy's seed, an allocation).
+# The settings' ranges: generous, but finite, so nothing --dry-run accepts overflows later (a wait, a seed, an allocation).
 PATH_MAX = 4096  # Linux's PATH_MAX
 NAME_MAX = 255  # a column, module or Hub name
 MAX_STEPS = 10**8  # optimizer steps: years of steps
@@ -44,16 +39,15 @@ MAX_LABELS = 10_000  # classes a classifier head is given; more is a retrieval p
 MAX_ROWS = 10**9  # rows of a data set: far above any file this job can tokenize in memory
 PathStr = Annotated[str, Field(min_length=1, max_length=PATH_MAX)]
 NameStr = Annotated[str, Field(min_length=1, max_length=NAME_MAX)]
-# A numeric bound sits in the field's type, on the whole of it (`Annotated[float | None, RATE]`): inside a
-# `| None` branch describe_range would not find it.
+# A numeric bound sits on the whole type (`Annotated[float | None, RATE]`): describe_range finds none inside `| None`.
 RATE, FRACTION, RATIO = Field(gt=0, lt=1), Field(ge=0, lt=1), Field(gt=0, le=1000)
 DEVICE_BATCH, STEPS = Field(ge=1, le=MAX_DEVICE_BATCH), Field(ge=1, le=MAX_INTERVAL)
 T = TypeVar("T")
 
-# Rows per optimizer step when no batch setting is given: one GPU's batch, where the recipe was tuned
-# (docs/quality.md), kept on every replica count so that more replicas train the same model faster (utils/config/plan.py).
+# Rows per optimizer step when no batch setting is given: one GPU's batch, where the recipe was tuned, on every
+# replica count (plan.py).
 DEFAULT_GLOBAL_BATCH = 64
-# Either of these given (and GLOBAL_BATCH_SIZE not): the global batch is their product x the replica count.
+# Either given (GLOBAL_BATCH_SIZE not): the global batch is their product x the replica count.
 BATCH_SHAPE = frozenset({"per_device_batch_size", "gradient_accumulation_steps"})
 
 
@@ -61,28 +55,24 @@ def split_commas(value: Any) -> Any:
     return tuple(name.strip() for name in value.split(",") if name.strip()) if isinstance(value, str) else value
 
 
-# Comma-separated in env and flags (`query,value`), not JSON lists (NoDecode). Their defaults are written the same
-# way, so --help shows the format to type; validate_default splits them.
+# Comma-separated in env and flags (`query,value`), not JSON (NoDecode); defaults too, so --help shows the format.
 Names = Annotated[tuple[T, ...], NoDecode, BeforeValidator(split_commas)]
 
 
-# Which STRATEGY runs what, where not every one does: the one table the settings' refusals, the plan's `auto` choices
-# and the run identity (utils/config/plan.py, identity.py) and the FSDP preflight (utils/training/strategy.py) read.
+# Which STRATEGY runs what, where not every one does: the one table the refusals, the plan's `auto` choices, the
+# identity and the FSDP preflight (utils/training/strategy.py) read.
 RUNS_UNDER = {
-    # bitsandbytes' quantized weights survive neither DeepSpeed's casting and sharding nor FSDP's sharding; FSDP's
-    # refusal waits for the device (utils/training/strategy.py), where FSDP on the CPU or one process is said first
+    # bitsandbytes' weights survive neither DeepSpeed's casting nor sharding; FSDP's refusal waits for the device
     "quantized weights": ("ddp",),
     "compiled blocks": ("ddp",),  # the other strategies wrap the model in engines whose compiled graphs are not tested
     "captured step": ("ddp",),  # one rank's whole forward and backward, replayed; the engines keep their own hooks
     "a DeepSpeed config": ("deepspeed",),  # DEEPSPEED_CONFIG, ZERO_STAGE, ZERO_OFFLOAD
-    # one global order of the rows that any replica count continues: DeepSpeed's checkpoints hold each rank's
-    # partition of the optimizer state
+    # one global order of the rows that any count continues; DeepSpeed's checkpoints are partitioned by rank
     "another replica count": ("ddp", "fsdp"),
 }
 
 
 def runs_under(strategy: str, what: str) -> bool:
-    """Whether STRATEGY=`strategy` runs `what` (a row of RUNS_UNDER)."""
     return strategy in RUNS_UNDER[what]
 
 
@@ -99,24 +89,18 @@ class Settings(BaseSettings):
         frozen=True,
         str_strip_whitespace=True,
         allow_inf_nan=False,  # every float is bounded: nan is refused as what it is, not as "less than 1"
-        # the comma-separated defaults below become tuples as any given value does
-        validate_default=True,
-        # MODEL_NAME reaches model_name: env names are the field names upper-cased, with no prefix (the
-        # platform's config_map uses the bare names)
-        case_sensitive=False,
-        # Off: an empty flag (`--result-model-id "$UNSET"`) is refused, not read as unset; a blank
-        # environment variable (a blank config_map entry) is unset: _Environment drops it.
+        validate_default=True,  # the comma-separated defaults become tuples as any given value does
+        case_sensitive=False,  # MODEL_NAME reaches model_name, with no prefix (config_map uses the bare names)
+        # An empty flag (`--result-model-id "$UNSET"`) is refused, not read as unset; a blank variable is unset
+        # (_Environment drops it).
         env_ignore_empty=False,
-        # Read by the CliSettingsSource load_settings builds on its own parser (prog, the refusal of abbreviated
-        # flags and the one-line errors are that parser's).
-        cli_kebab_case=True,
+        cli_kebab_case=True,  # for the CliSettingsSource load_settings builds on its own parser
         cli_show_env_vars=True,
         # booleans take a value (`--hub-private false`), as their env variables do
         cli_implicit_flags=False,
     )
 
-    # --- where the settings come from
-    # Shown once in --help, as --config (sources._parser); --config-file still works, unlisted.
+    # --- where the settings come from (shown in --help as --config; --config-file works, unlisted)
     config_file: CliSuppress[PathStr | None] = Field(
         None,
         description="a YAML recipe of settings by their --dry-run names; env and flags win over it (also --config)",
@@ -423,17 +407,15 @@ class Settings(BaseSettings):
         "wandb, trackio, or none; each reads its own variables (MLFLOW_TRACKING_URI, WANDB_PROJECT, ...)",
     )
 
-    # The Hub token, no setting (never a flag or a recipe key): read once, as load_settings reads the settings, and
-    # kept here so the push, its preflight and --dry-run's "***" ask the same value without reading it again.
-    # Settings built directly (tests, benchmarks) have none.
+    # The Hub token, no setting: read once by load_settings, so the push, its preflight and --dry-run ask the same
+    # value. Settings built directly (tests, benchmarks) have none.
     _hub_token: SecretStr | None = PrivateAttr(None)
 
     @classmethod
     def settings_customise_sources(
         cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, **_: Any
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # `Settings(**values)` is exactly those values and the defaults (the library's env, dotenv and secrets
-        # sources dropped): a test or a benchmark must not pick up the environment it runs in. load_settings
+        # `Settings(**values)` is those values and the defaults, never the environment a test runs in; load_settings
         # passes the environment and flag sources itself.
         return (init_settings,)
 
@@ -462,8 +444,7 @@ class Settings(BaseSettings):
     def _check_label_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if len(value) < 2:
             raise ValueError("name at least two labels, label 0 first, e.g. negative,positive")
-        repeated = sorted({name for name in value if value.count(name) > 1})
-        if repeated:
+        if repeated := sorted({name for name in value if value.count(name) > 1}):
             raise ValueError(
                 f"labels need two different names, e.g. negative,positive ({repeated[0]!r} names more than one)"
             )
@@ -529,7 +510,7 @@ class Settings(BaseSettings):
 
     @property
     def local_data(self) -> str | None:
-        """The local data the run reads (DATASET_PATH or TRAIN_FILE), None for the Hub's data set."""
+        """DATASET_PATH or TRAIN_FILE, None for the Hub's data set."""
         return self.dataset_path or self.train_file
 
     @model_validator(mode="after")
@@ -554,9 +535,10 @@ class Settings(BaseSettings):
                 f"TRAIN_FILE={self.train_file} has no validation rows beside it; set VALIDATION_FILE, or "
                 "VALIDATION_SPLIT=0.1 to hold out a tenth of the training rows"
             )
-        if (self.train_file or self.validation_split is not None) and len(validation_splits(self.task)) > 1:
+        splits = validation_splits(self.task)
+        if (self.train_file or self.validation_split is not None) and len(splits) > 1:
             raise ValueError(
-                f"TASK={self.task} validates on {len(validation_splits(self.task))} splits ({', '.join(validation_splits(self.task))}), "
+                f"TASK={self.task} validates on {len(splits)} splits ({', '.join(splits)}), "
                 "which one file or one fraction cannot give; use DATASET_PATH with a file per split"
             )
         return self
@@ -572,9 +554,8 @@ class Settings(BaseSettings):
 
     @property
     def batch_follows_replicas(self) -> bool:
-        """Whether the global batch is PER_DEVICE_BATCH_SIZE x world size x GRADIENT_ACCUMULATION_STEPS (one of them
-        given, GLOBAL_BATCH_SIZE not): the rule of a user who sized the per-device batch. Otherwise the global batch
-        is fixed whatever the replica count: GLOBAL_BATCH_SIZE, else DEFAULT_GLOBAL_BATCH (utils/config/plan.py)."""
+        """Whether the global batch is PER_DEVICE_BATCH_SIZE x world size x GRADIENT_ACCUMULATION_STEPS (BATCH_SHAPE
+        given, GLOBAL_BATCH_SIZE not); otherwise it is fixed on any replica count (plan.py)."""
         return self.global_batch_size is None and bool(BATCH_SHAPE & self.model_fields_set)
 
     def _refuse_multi_label_conflicts(self) -> None:
@@ -723,7 +704,7 @@ class Settings(BaseSettings):
     # ---------------------------------------------------------------- views
     @property
     def hub_token(self) -> SecretStr | None:
-        """HF_TOKEN (or HF_TOKEN_PATH's file) as load_settings read and checked it; None when neither is set."""
+        """HF_TOKEN (or HF_TOKEN_PATH's file) as load_settings read it; None when neither is set."""
         return self._hub_token
 
     def select(self, concern: type[T]) -> T:
@@ -738,14 +719,9 @@ class Settings(BaseSettings):
 
 
 def resolve_base_model_id(base_model_id: str | None, model_name: str) -> str | None:
-    """The Hub id the base model goes by, so a pushed adapter loads on machines that never saw MODEL_NAME's folder.
-
-    BASE_MODEL_ID when set; MODEL_NAME when it is a Hub id (no local folder of that name); for a local
-    folder, the id it records: a Hub cache snapshot (`.../models--ORG--NAME/snapshots/REV`). A plain
-    folder (`hf download ... --local-dir`, save_pretrained) records none: None. config.json's
-    `_name_or_path` is not trusted: it names what the weights were loaded from before they were saved,
-    which for a fine-tuned checkpoint is another model.
-    """
+    """The Hub id the base model goes by, so a pushed adapter loads elsewhere: BASE_MODEL_ID, MODEL_NAME when a Hub
+    id, or a local Hub cache snapshot's (`.../models--ORG--NAME/snapshots/REV`); None for a plain folder.
+    config.json's `_name_or_path` is not trusted: for a fine-tuned checkpoint it names another model."""
     if base_model_id:
         return base_model_id
     path = Path(model_name).expanduser()
@@ -760,10 +736,8 @@ FIELDS = Settings.model_fields
 
 
 def env_name(field: str) -> str:
-    # the name the env source matches (case_sensitive=False, no env_prefix), as config_map and --help write it
-    return field.upper()
+    return field.upper()  # as the env source matches it (case_sensitive=False, no env_prefix)
 
 
-def flag_name(field: str) -> str:
-    # the flag CliSettingsSource makes of the field (cli_kebab_case=True)
-    return "--" + field.replace("_", "-")
+def flag_name(name: str) -> str:
+    return "--" + name.lstrip("-").replace("_", "-")  # as CliSettingsSource makes it (cli_kebab_case); `--a_b` too

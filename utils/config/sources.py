@@ -1,13 +1,7 @@
-"""Where the settings come from: built-in defaults < recipe file < environment < command-line flags.
-
-The platform's `config_map` arrives as environment variables, so each setting has an UPPER_SNAKE env
-name and a `--kebab-case` flag (utils/config/settings.py names both).
-
-A recipe (`--config FILE.yaml` or CONFIG_FILE) holds settings by their field names; unlike the environment,
-which holds other programs' variables too, anything else in it is refused. A variable that looks like a
-misspelt setting is warned about.
-
-Imports nothing heavy: `--help` and `--dry-run` answer before torch or transformers are imported.
+"""Where the settings come from: built-in defaults < recipe file < environment (the platform's `config_map`) <
+command-line flags. A recipe (`--config FILE.yaml`, CONFIG_FILE) holds settings by their field names and anything
+else in it is refused; the environment holds other programs' variables too, so a misspelt setting there is warned
+about. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -35,9 +29,8 @@ from utils.common.errors import BadInput, JobError
 from utils.common.hub_token import UnfitFile, read_small_text, read_token, refuse_token_in_settings
 from utils.config.settings import FIELDS, PATH_MAX, Settings, env_name, flag_name
 
-# The names run_glue and the HF Trainer (and Axolotl, torchtune) give settings this job has under names of its own:
-# people type them from those tools' commands and READMEs. Each is the job's flag, with dashes or underscores alike
-# (`--learning_rate` is `--learning-rate` for every flag, with no entry here).
+# The names run_glue, the HF Trainer, Axolotl and torchtune give settings this job names otherwise (people type them
+# from those tools' READMEs); underscores are dashes for every flag, with no entry here.
 FLAG_ALIASES = {
     "--model-name-or-path": "--model-name",  # run_glue
     "--task-name": "--task",  # run_glue
@@ -49,8 +42,8 @@ FLAG_ALIASES = {
     "--sequence-len": "--max-seq-length",  # Axolotl
     "--micro-batch-size": "--per-device-batch-size",  # Axolotl
 }
-# run_glue's and the Trainer's flags with no counterpart of that name here: refused with what to do instead, not
-# with a similar name that means something else (--eval-strategy is no --strategy, --local-rank no --lora-rank).
+# Their flags with no counterpart here: refused with what to do instead, not a similar name that means something
+# else (--eval-strategy is no --strategy, --local-rank no --lora-rank).
 NO_COUNTERPART = {
     "--do-train": "this job always trains; leave it out",
     "--do-eval": "this job always evaluates on the validation split(s); leave it out",
@@ -70,16 +63,9 @@ NO_COUNTERPART = {
 FLAG_CUTOFF = 0.75  # difflib's ratio: --lerning-rate -> --learning-rate 0.97, --epochs -> --num-epochs 0.8
 
 
-def kebab_flag(name: str) -> str:
-    """`--name` with dashes, the way the job spells its flags (`--learning_rate` -> `--learning-rate`)."""
-    return "--" + name.lstrip("-").replace("_", "-")
-
-
 class Parser(argparse.ArgumentParser):
-    """main.py's, predict.py's and sweep.py's: a command line argparse refuses is bad input like any other, one `error:` line
-    and exit 2 (JobError), not its usage block. Flags are taken with underscores too (`--text_column`), and an
-    unknown flag is answered with the closest one, as a misspelt environment variable is (main.py's parser also
-    knows FLAG_ALIASES and NO_COUNTERPART)."""
+    """main.py's, predict.py's and sweep.py's: a refused command line is bad input (one `error:` line, exit 2), not a
+    usage block. Flags are taken with underscores too, and an unknown one is answered with the closest."""
 
     aliases: Mapping[str, str] = {}
     no_counterpart: Mapping[str, str] = {}
@@ -87,7 +73,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise BadInput(f"{message}; see `python {self.prog} --help`")
 
-    # argparse's two, on the command line with its flags spelt the parser's way, and a hint for an unknown argument.
     def parse_args(self, args=None, namespace=None):
         return self._parsed(self.parse_known_args, args, namespace)
 
@@ -101,8 +86,8 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
     def normalize(self, argv: list[str]) -> list[str]:
-        """`argv` with each flag that is a known one spelt another way (underscores, an alias; `--flag=value` too)
-        written as the flag: what argparse and the settings source then read. Values and unknown flags stay as typed."""
+        """`argv` with each known flag spelt another way (underscores, an alias; `--flag=value` too) written as the
+        flag. Values and unknown flags stay as typed."""
         takes_value = {flag for flag, action in self._option_string_actions.items() if action.nargs != 0}
         normalized: list[str] = []
         value_next = False  # the argument after a flag that takes one is its value, even one starting with --
@@ -111,7 +96,7 @@ class Parser(argparse.ArgumentParser):
                 return normalized + argv[index:]
             if not value_next and arg.startswith("--"):
                 name, equals, value = arg.partition("=")
-                flag = self.aliases.get(kebab_flag(name), kebab_flag(name))
+                flag = self.aliases.get(flag_name(name), flag_name(name))
                 respelt = name not in self._option_string_actions and flag in self._option_string_actions
                 arg = f"{flag}{equals}{value}" if respelt else arg
                 value_next = not equals and arg in takes_value
@@ -121,10 +106,10 @@ class Parser(argparse.ArgumentParser):
         return normalized
 
     def hint(self, arg: str) -> str:
-        """` (did you mean --flag?)` for an unknown `arg`, or why it has no counterpart, or ''. A bare `name=value`
-        (Axolotl's and torchtune's overrides) gets the flag to type instead."""
+        """` (did you mean --flag?)` for an unknown `arg`, or why it has no counterpart, or ''; a bare `name=value`
+        (Axolotl's, torchtune's overrides) gets the flag to type."""
         name, equals, value = arg.partition("=")
-        flag = kebab_flag(name)
+        flag = flag_name(name)
         if flag in self.no_counterpart:
             return f" ({name}: {self.no_counterpart[flag]})"
         flags = [known for known in self._option_string_actions if known.startswith("--")]
@@ -145,7 +130,7 @@ class _Environment(EnvSettingsSource):
         super().__init__(Settings)
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
-        # A variable holding only blanks is as unset as an empty one (a blank config_map entry).
+        # A blank variable is unset (a blank config_map entry).
         return {name.lower(): value for name, value in self._environ.items() if value.strip()}
 
 
@@ -192,10 +177,8 @@ SECRET_SETTINGS = ("hf_token", "hf_token_path")
 
 
 class _Recipe(YamlConfigSettingsSource):
-    """A recipe (`--config`, CONFIG_FILE): pydantic-settings' YAML source, minus what it lets pass. It skips a file
-    that is missing or not regular and keeps the last of a key given twice; a recipe is the user's own, so each is
-    refused with the fix instead, and it is read without blocking and bounded (a FIFO, /dev/zero). A name that is no
-    setting is the model's refusal (extra="forbid"); load_settings names the closest setting."""
+    """pydantic-settings' YAML source, minus what it lets pass: it skips a missing file and keeps the last of a key
+    given twice, where a recipe is refused with the fix; read without blocking and bounded (a FIFO, /dev/zero)."""
 
     def __init__(self, path: str | None):
         super().__init__(Settings, yaml_file=path)
@@ -275,8 +258,7 @@ class _KeyTwice(Exception):
 
 
 def _unique_key_loader(yaml):
-    """yaml's SafeLoader, refusing a key given twice (LORA_R and lora_r too: the source matches names in any case).
-    PyYAML and the YAML source keep the last without a word, so the value a reader sees first would not be trained."""
+    """yaml's SafeLoader, refusing a key given twice (LORA_R and lora_r too), which PyYAML keeps the last of."""
 
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
@@ -317,9 +299,8 @@ SPELLING_CUTOFF = 0.8  # difflib's ratio: LEARNIG_RATE -> LEARNING_RATE 0.96, LO
 
 
 def find_misspelled_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
-    """(variable, the setting it probably means) for each set variable that is no setting but has the job's
-    names' shape or a close spelling of one. The environment holds other programs' variables too (the
-    platform's config_map, the user's shell), so these are warned about, not refused."""
+    """(variable, the setting it probably means) for each set variable that is no setting but has the job's names'
+    shape or a close spelling of one."""
     settings = [env_name(field) for field in FIELDS]
     found = []
     for name, value in environ.items():
@@ -351,8 +332,7 @@ def is_word_branch(error: dict, field: str) -> bool:
 
 
 def describe_range(field: str) -> str:
-    """` (range: LOW to HIGH)` of a setting with numeric bounds (docs/settings.md lists every range; pydantic's own
-    message already names a text's or a list's longest length), else ''."""
+    """` (range: LOW to HIGH)` of a setting with numeric bounds, else '' (pydantic names a text's longest length)."""
     bounds = [
         (name, getattr(item, name, None)) for item in FIELDS[field].metadata for name in ("ge", "gt", "le", "lt")
     ]
@@ -372,10 +352,8 @@ def load_settings(
     overrides: Callable[[Settings], dict[str, Any]] | None = None,
 ) -> tuple[Settings, argparse.Namespace]:
     """Resolve defaults < recipe file < env < flags and validate; bad values raise JobError with the fix.
-    `overrides`: what the launcher chooses given the user's settings (utils/config/deepspeed_config.deepspeed_overrides),
-    merged over them here, so the settings are read once, as they train.
-
-    Returns the settings and the parsed command line (its `dry_run` and `push_only`)."""
+    `overrides`: what the launcher chooses given the user's settings (deepspeed_config.deepspeed_overrides), merged
+    over them. Returns the settings and the parsed command line (`dry_run`, `push_only`)."""
     environ = os.environ if environ is None else environ
     env = _Environment(environ)
     parser = _parser()
@@ -423,7 +401,6 @@ def _invalid(exc: ValidationError, path: str | None, given: dict[str, dict[str, 
         return _not_a_setting(path, field)
     if field not in FIELDS:  # a check across settings: its message names them and the fix
         return BadInput(reason)
-    # Name the flag, variable or recipe key the bad value came from, as it was typed.
     if field in given["flag"]:
         source, raw = flag_name(field), given["flag"][field]
     elif field in given["env"]:

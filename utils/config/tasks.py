@@ -1,8 +1,6 @@
-"""The GLUE tasks by name (TASK=mnli): where each one's data lives, its columns, labels, problem type, metrics
-and validation splits, in one table. Everything the job does for a task is read from here; a run without
-TASK is the same thing with the columns, labels and problem type it was given (or found in the data).
-
-Imports nothing heavy: settings and `--dry-run` read it before torch.
+"""The GLUE tasks by name (TASK=mnli): each one's data, columns, labels, problem type, metrics and validation
+splits, in one table. A run without TASK is the same with the columns, labels and problem type it was given (or
+found in the data). Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -12,19 +10,16 @@ from pathlib import Path
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
 MULTI_LABEL = "multi_label_classification"  # transformers' own name, which selects its sigmoid and BCE loss
-# What each problem reports, first the metric the Trainer tracks as best (`metric_for_best_model`) when no task
-# names one. F1, precision and recall are the positive class's for two labels and macro averages for more.
-# Multi-label: F1 over every (row, label) decision (micro), the mean of each label's F1 (macro: a rare label counts
-# as much as a common one), and the share of rows whose whole set of labels is right; micro F1 is tracked, as
-# the one that moves with every decision rather than with whole rows.
+# What each problem reports, first the metric tracked as best when no task names one. F1, precision and recall are
+# the positive class's for two labels, macro averages for more. Multi-label: micro F1 (tracked: it moves with every
+# decision), macro F1 (a rare label counts as much as a common one), and the share of rows wholly right.
 METRICS = {
     CLASSIFICATION: ("accuracy", "f1", "precision", "recall", "matthews_correlation"),
     REGRESSION: ("pearson", "spearman", "mse"),
     MULTI_LABEL: ("f1_micro", "f1_macro", "subset_accuracy"),
 }
 LOWER_IS_BETTER = frozenset({"mse"})
-# The `evaluate` module that computes each problem's METRICS: a script kept in utils/training, which `evaluate.load`
-# takes by path (by name it would download one from the Hub).
+# The `evaluate` script computing each problem's METRICS, loaded by path (by name it would come from the Hub).
 TRAINING = Path(__file__).resolve().parents[1] / "training"
 METRIC_MODULES = {
     CLASSIFICATION: str(TRAINING / "classification_metrics.py"),
@@ -94,8 +89,7 @@ def reported_metrics(task: str | None, problem_type: str) -> tuple[str, ...]:
 
 
 def best_metric(task: str | None, problem_type: str) -> str:
-    """The metric trainer_state.json tracks as best (`metric_for_best_model`): the task's first, on its first split.
-    Tracked only: the model kept is the last step's, none is picked on the split whose metrics are reported."""
+    """The metric trainer_state.json tracks as best (`metric_for_best_model`): the task's first, on its first split."""
     name = GLUE[task].metrics[0] if task else METRICS[problem_type][0]
     prefix = eval_prefix(validation_splits(task)[0])
     return f"{prefix}_{name}" if prefix else name
