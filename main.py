@@ -82,8 +82,7 @@ def configure(argv: list[str] | None = None) -> tuple[Settings, DistEnv, argpars
 def dry_run(settings: Settings, dist: DistEnv, plan: Plan, push_only: bool) -> int:
     """`--dry-run`: the run's first local-disk checks, by the same functions, so the same line comes before pods are
     scheduled; then the resolved view on stdout (no network)."""
-    given_names = list(settings.label_names) if "label_names" in settings.model_fields_set else None
-    check_run_dir(settings.output_dir, plan, given_names, settings.base_model_id, push_only=push_only)
+    check_run_dir(settings.output_dir, plan, settings.given_label_names, settings.base_model_id, push_only=push_only)
     check_output_writable(settings.output_dir)
     if not push_only:  # a push of the saved model reads neither the base model nor the data
         check_model_folder(settings.model_name)
@@ -146,8 +145,9 @@ def main(
         # A start refused from here on removes the folder it made, if it left it as made (discard_unused_claim).
         created = not os.path.lexists(settings.output_dir)
         with stage("output"):
-            given_names = list(settings.label_names) if "label_names" in settings.model_fields_set else None
-            run_dir = open_run_dir(settings.output_dir, plan, given_names, settings.base_model_id, args.push_only)
+            run_dir = open_run_dir(
+                settings.output_dir, plan, settings.given_label_names, settings.base_model_id, args.push_only
+            )
 
         from utils.cluster.job import Job, PlanInputs  # torch: a second to import
 

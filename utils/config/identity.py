@@ -111,7 +111,6 @@ def run_identity(
     if deepspeed and deepspeed_file is None:  # settings built without load_settings (tests, a sweep's check)
         deepspeed_file = config_content(settings.deepspeed_config)
     regression = settings.problem_type == REGRESSION
-    named = "label_names" in settings.model_fields_set  # LABEL_NAMES given (unset: the default names for ids 0/1)
     multi_label = settings.problem_type == MULTI_LABEL
     choosing = settings.load_best_model or settings.early_stopping_patience is not None
     identity = {name: getattr(settings, name) for name in AS_GIVEN}
@@ -121,7 +120,7 @@ def run_identity(
         dataset=None if settings.local_data else f"{settings.dataset_name}/{settings.dataset_config}",
         data=data_digest(settings.local_data, settings.train_file, settings.validation_file, settings.task),
         # Unset, the mapping is the data's or a finished run's record: nothing to compare before the data is read.
-        label_names=list(settings.label_names) if named and not regression else None,
+        label_names=list(settings.given_label_names) if settings.given_label_names and not regression else None,
         label_columns=list(settings.label_columns) if settings.label_columns else None,
         # Where the scores measured at it choose among checkpoints; otherwise it changes only what is reported.
         threshold=settings.threshold if multi_label and choosing else None,

@@ -707,6 +707,11 @@ class Settings(BaseSettings):
         """HF_TOKEN (or HF_TOKEN_PATH's file) as load_settings read it; None when neither is set."""
         return self._hub_token
 
+    @property
+    def given_label_names(self) -> tuple[str, ...] | None:
+        """LABEL_NAMES when the user set it; None when unset (the data's names, or a finished run's, then apply)."""
+        return self.label_names if "label_names" in self.model_fields_set else None
+
     def select(self, concern: type[T]) -> T:
         """The fields one concern reads (a dataclass whose fields are named as the settings are), so the code of
         that concern takes what it reads and never the whole Settings."""

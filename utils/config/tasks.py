@@ -97,7 +97,7 @@ def best_metric(task: str | None, problem_type: str) -> str:
 
 def describe_task(settings) -> dict:
     """What `--dry-run` shows: the task as the settings resolve it (labels: from the data when not named)."""
-    problem, named = settings.problem_type, "label_names" in settings.model_fields_set
+    problem, named = settings.problem_type, settings.given_label_names is not None
     kind = problem if problem in (REGRESSION, MULTI_LABEL) else CLASSIFICATION
     labels = f"from the data (two unnamed ids: {','.join(settings.label_names)})"
     if kind == MULTI_LABEL:
