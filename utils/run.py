@@ -47,6 +47,7 @@ from utils.config.local_inputs import check_test_columns, test_split_file
 from utils.config.plan import Plan, batch_warning
 from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
+from utils.config.settings import Settings
 from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, headline
 from utils.publishing.hub import Hub, push_model, save_merged, save_model
 from utils.run_folder.checkpoints import (
@@ -57,11 +58,11 @@ from utils.run_folder.checkpoints import (
 )
 from utils.run_folder.layout import RunDir
 from utils.run_folder.record import write_run_record
-from utils.training.data import label_names_of, load_sst2, problem_type_of
-from utils.training.model import build_model, load_tokenizer, trainable_checksum
+from utils.training.data import DataSettings, DataSource, label_names_of, load_sst2, problem_type_of
+from utils.training.model import ModelChoices, ModelSettings, build_model, load_tokenizer, trainable_checksum
 from utils.training.predictions import PREDICTIONS_FILE, check_test_split, metrics_line, write_test_predictions
 from utils.training.strategy import check_strategy, full_state_dict
-from utils.training.trainer import JobTrainer, build_trainer, compile_record, seconds_since_start
+from utils.training.trainer import JobTrainer, TrainerChoices, build_trainer, compile_record, seconds_since_start
 
 log = logging.getLogger(__name__)
 RANK_LOG_ONLY = {"rank_log_only": True}  # `extra=` of a record the console leaves out
@@ -450,6 +451,20 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     return group
 
 
+def data_source(settings: Settings) -> DataSource:
+    given = settings.model_fields_set
+    return DataSource(
+        **vars(settings.select(DataSettings)),
+        label_names_given="label_names" in given,
+        problem_type_given="problem_type" in given,
+    )
+
+
+def model_choices(settings: Settings) -> ModelChoices:
+    given = "lora_target_modules" in settings.model_fields_set
+    return ModelChoices(**vars(settings.select(ModelSettings)), lora_target_modules_given=given)
+
+
 def set_up(job: Job, group: Collectives) -> Ready:
     """Tokenizer, data, model, the checkpoint to resume from and the Trainer, on every rank; run.json on rank 0."""
     settings, dist = job.settings, job.dist
@@ -458,7 +473,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
         tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     # Rank 0 downloads and tokenizes into the shared cache, the others reuse it.
     with group.main_first(), stage("data"):
-        data = load_sst2(settings, tokenizer, job.out.cache)
+        data = load_sst2(data_source(settings), tokenizer, job.out.cache)
         # The test split is answered after training; its rows and labels are checked now, before any step.
         if (test := test_split_file(settings.dataset_path, settings.test_file)) is not None:
             check_test_columns(test, settings.text_columns)
@@ -471,14 +486,14 @@ def set_up(job: Job, group: Collectives) -> Ready:
     set_seed(settings.seed)
     labels = label_names_of(data)  # the classes the data resolved to (none: regression)
     with group.agreed(), stage("model"):  # a model refused on one rank stops all with its message
-        model = build_model(settings, job.quantize, job.device, labels)
+        model = build_model(model_choices(settings), job.plan.quantization, job.device, labels)
     startup["model"] = seconds_since_start()  # the CUDA context included: the weights are moved to the GPU here
 
     # What each checkpoint records: the run's identity, and the replica counts it trained on (metrics.json, the card).
     identity = job.plan.identity
     checkpoint, segments = group.decide_on_main(lambda: resume_point(job.out, identity, dist.world_size))
     key = {"identity": identity, "segments": segments}
-    trainer = build_trainer(job, model, tokenizer, data, key=key, group=group)
+    trainer = build_trainer(job, model, tokenizer, data, settings.select(TrainerChoices), key=key, group=group)
     trainer.add_callback(LogToRankLog)
     # On the console: the bars where a terminal watches, an evaluation's line (every split but train is evaluated),
     # and no dict per log (the Trainer's ProgressCallback and PrinterCallback print those); the rank log has them.
@@ -678,7 +693,18 @@ def answer_test_split(job: Job) -> None:
     if (job.out.predictions / PREDICTIONS_FILE).is_file():
         log.info("%s already holds the answers to the test split %s", job.out.predictions, test)
         return
-    metrics = write_test_predictions(job.out, job.settings, test)
+    settings = job.settings
+    metrics = write_test_predictions(
+        job.out,
+        test,
+        settings.model_name,
+        settings.label_names,
+        settings.text_columns,
+        settings.label_column,
+        settings.problem_type == MULTI_LABEL,
+        settings.per_device_batch_size,
+        settings.threshold,
+    )
     scored = f"; {metrics_line(metrics, str(test))}" if metrics else " (no labels: no metrics)"
     log.info("answered the test split %s into %s%s", test, job.out.predictions, scored)
 

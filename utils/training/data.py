@@ -13,6 +13,7 @@ import logging
 import math
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -26,7 +27,6 @@ from utils.common.delimited import DIALECTS, FILE_FORMATS, read_records
 from utils.common.errors import BadInput, JobError, first_line, volume_state
 from utils.common.texts import check_texts
 from utils.config.local_inputs import check_carve, check_columns, check_splits, read_splits, split_files
-from utils.config.settings import Settings
 from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, REGRESSION, validation_splits
 from utils.training.multi_label import SEPARATOR, multi_hot_labels
 
@@ -38,6 +38,39 @@ TEXTS, LABEL = ("text", "text_pair"), "labels"
 # `nan` as missing). The delimiter and quoting of each suffix: utils/common/delimited.py.
 CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
 JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The settings the data reads (Settings.select: named as the settings are)."""
+
+    dataset_name: str
+    dataset_config: str
+    dataset_path: str | None
+    train_file: str | None
+    validation_file: str | None
+    validation_split: float | None
+    local_data: str | None
+    task: str | None
+    text_columns: tuple[str, ...]
+    label_column: str
+    label_columns: tuple[str, ...] | None
+    label_source_columns: tuple[str, ...]
+    label_names: tuple[str, ...]
+    problem_type: str
+    max_train_samples: int | None
+    max_eval_samples: int | None
+    max_seq_length: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class DataSource(DataSettings):
+    """The data settings, and whether LABEL_NAMES and PROBLEM_TYPE were given: unset, their defaults decide less
+    (LABEL_NAMES' default names two unnamed ids; a PROBLEM_TYPE that TASK sets does not turn classes into scores)."""
+
+    label_names_given: bool
+    problem_type_given: bool
 
 
 def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
@@ -126,17 +159,17 @@ def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
     )
 
 
-def load_raw(settings: Settings) -> DatasetDict:
+def load_raw(source: DataSettings) -> DatasetDict:
     """The train and validation splits from the local data when set (DATASET_PATH, or TRAIN_FILE and
     VALIDATION_FILE), else from the Hub (TASK=mnli: its two); train alone where VALIDATION_SPLIT carves validation."""
-    splits = read_splits(settings.validation_split, validation_splits(settings.task))
+    splits = read_splits(source.validation_split, validation_splits(source.task))
     if (
         files := split_files(
-            settings.dataset_path,
-            settings.train_file,
-            settings.validation_file,
-            settings.validation_split,
-            validation_splits(settings.task),
+            source.dataset_path,
+            source.train_file,
+            source.validation_file,
+            source.validation_split,
+            validation_splits(source.task),
         )
     ) is not None:
         # One split at a time: loaded together, the validation file was cast to the train file's columns, and
@@ -145,9 +178,9 @@ def load_raw(settings: Settings) -> DatasetDict:
             {split: _load_file(Path(p), split, Path(p).suffix.lower(), files) for split, p in files.items()}
         )
         json_files = {s: p for s, p in files.items() if FILE_FORMATS[Path(p).suffix.lower()] == "json"}
-        _check_json_labels(DatasetDict({s: loaded[s] for s in json_files}), json_files, settings.label_column)
-    elif settings.dataset_path:
-        folder = Path(settings.dataset_path)
+        _check_json_labels(DatasetDict({s: loaded[s] for s in json_files}), json_files, source.label_column)
+    elif source.dataset_path:
+        folder = Path(source.dataset_path)
         try:
             loaded = load_from_disk(str(folder))
         # A torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild.
@@ -157,37 +190,37 @@ def load_raw(settings: Settings) -> DatasetDict:
                 "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
             ) from None
         if isinstance(loaded, DatasetDict):
-            check_carve(loaded, f"DATASET_PATH={folder}", settings.validation_split, validation_splits(settings.task))
+            check_carve(loaded, f"DATASET_PATH={folder}", source.validation_split, validation_splits(source.task))
     else:
         try:
             # No loading script from the Hub runs (datasets 4 and later run none at all; said here so a
             # version that still could never asks or does).
-            loaded = load_dataset(settings.dataset_name, settings.dataset_config, trust_remote_code=False)
+            loaded = load_dataset(source.dataset_name, source.dataset_config, trust_remote_code=False)
         except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
             raise BadInput(
-                f"cannot load DATASET_NAME={settings.dataset_name} DATASET_CONFIG={settings.dataset_config} from the Hub "
+                f"cannot load DATASET_NAME={source.dataset_name} DATASET_CONFIG={source.dataset_config} from the Hub "
                 f"({type(exc).__name__}: {first_line(exc, 160, '')}); check the names, or on an offline cluster set DATASET_PATH to a local copy",
             ) from None
     if not isinstance(loaded, DatasetDict):
-        raise BadInput(f"{settings.dataset_path} holds one Dataset; save a DatasetDict of the splits")
+        raise BadInput(f"{source.dataset_path} holds one Dataset; save a DatasetDict of the splits")
     check_splits(loaded, splits)
-    if settings.validation_split is not None and not settings.local_data:
-        log.info("VALIDATION_SPLIT=%s: the Hub's validation rows are not read", settings.validation_split)
+    if source.validation_split is not None and not source.local_data:
+        log.info("VALIDATION_SPLIT=%s: the Hub's validation rows are not read", source.validation_split)
     return DatasetDict({split: loaded[split] for split in splits})
 
 
-def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
+def check_and_rename(raw: DatasetDict, source: DataSource) -> DatasetDict:
     """Keep the text column(s) and the label under fixed names (`text`, `text_pair`, `labels`); refuse empty splits
     and labels the job cannot train. The labels leave as the ids of a ClassLabel that holds their names (what the
     model's id2label, the metrics and the card read), as float32 scores for regression, or as float32 multi-hot
     vectors for a multi-label problem (utils/training/multi_label.py), their names in the feature (`label_names_of`)."""
-    columns, label = settings.text_columns, settings.label_column
-    multi = settings.problem_type == MULTI_LABEL
-    given = settings.label_names if "label_names" in settings.model_fields_set else None  # LABEL_NAMES, if set
+    columns, label = source.text_columns, source.label_column
+    multi = source.problem_type == MULTI_LABEL
+    given = source.label_names if source.label_names_given else None
     if not multi:
         raw = DatasetDict({split: _numbers_as_numbers(ds, label) for split, ds in raw.items()})
     for split, ds in raw.items():
-        check_columns(split, ds.column_names, columns, settings.label_source_columns)
+        check_columns(split, ds.column_names, columns, source.label_source_columns)
         if len(ds) == 0:
             raise BadInput(f"the {split} split is empty; it needs at least one row")
         for column in columns:
@@ -196,7 +229,7 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
             _check_label_values(ds, split, label)
     _warn_unnamed_text(raw["train"], columns, label)
     if multi:
-        names, vectors = multi_hot_labels(raw, label, settings.label_columns, given)
+        names, vectors = multi_hot_labels(raw, label, source.label_columns, given)
         # The names ride in the id of the vectors' values, which datasets keeps through map, select and
         # save_to_disk: the checked and the cached data say what each position is, as a ClassLabel does.
         feature = datasets.List(datasets.Value("float32", id=json.dumps(names)), length=len(names))
@@ -209,14 +242,15 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
                 for split, ds in raw.items()
             }
         )
-    problem_given = "problem_type" in settings.model_fields_set
-    problem = resolve_problem_type(raw["train"], label, settings.problem_type, problem_given, settings.task, given)
+    problem = resolve_problem_type(
+        raw["train"], label, source.problem_type, source.problem_type_given, source.task, given
+    )
     if problem == REGRESSION:
         feature = datasets.Value("float32")
         labelled = {s: _scores(ds, s, label) for s, ds in raw.items()}
     else:
         _warn_joined_names(raw["train"], label)
-        names = resolve_label_names(raw, label, settings.label_names, given is not None or bool(settings.task))
+        names = resolve_label_names(raw, label, source.label_names, given is not None or bool(source.task))
         feature = datasets.ClassLabel(names=list(names))
         labelled = {s: _labels_as_ids(ds, s, label, names) for s, ds in raw.items()}
     renamed = dict(zip([*columns, label], [*TEXTS[: len(columns)], LABEL], strict=True))
@@ -610,12 +644,12 @@ def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
         return None
 
 
-def load_sst2(settings: Settings, tokenizer, cache_dir: Path) -> DatasetDict:
+def load_sst2(source: DataSource, tokenizer, cache_dir: Path) -> DatasetDict:
     """Train and validation splits, checked and tokenized (columns input_ids, attention_mask, ..., labels)."""
-    raw = check_and_rename(load_raw(settings), settings)
-    raw = carve_validation(raw, settings.validation_split, settings.seed, validation_splits(settings.task)[0])
-    raw = sample_rows(raw, settings.max_train_samples, settings.max_eval_samples, settings.seed)
-    data = tokenize(raw, tokenizer, settings.max_seq_length, cache_dir, settings.text_columns)
+    raw = check_and_rename(load_raw(source), source)
+    raw = carve_validation(raw, source.validation_split, source.seed, validation_splits(source.task)[0])
+    raw = sample_rows(raw, source.max_train_samples, source.max_eval_samples, source.seed)
+    data = tokenize(raw, tokenizer, source.max_seq_length, cache_dir, source.text_columns)
     report_unknown_tokens(data["train"], tokenizer)
     return data
 

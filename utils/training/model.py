@@ -12,6 +12,7 @@ import shutil
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +30,6 @@ from transformers.models.auto.tokenization_auto import get_tokenizer_config
 from utils.common.errors import BadInput, JobError, first_line
 from utils.config.local_inputs import check_model_folder, no_tokenizer
 from utils.config.recipe import lora_options
-from utils.config.settings import Settings
 from utils.config.tasks import MULTI_LABEL
 from utils.run_folder.model_files import INPUTS_NAME, REGRESSION_LABEL, read_label_names
 
@@ -45,6 +45,32 @@ DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dr
 # Every load of a model, tokenizer or config: no code from a model folder or repo runs, and transformers never
 # stops to ask on stdin whether it may (it does when this is left unset).
 NO_REMOTE_CODE = {"trust_remote_code": False}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The settings build_model reads (Settings.select: named as the settings are)."""
+
+    model_name: str
+    model_dropout: float | str
+    label_names: tuple[str, ...]
+    problem_type: str
+    train_pooler: bool
+    gradient_checkpointing: bool
+    int8_threshold: float
+    lora_r: int
+    lora_alpha: int
+    lora_dropout: float
+    lora_target_modules: tuple[str, ...]
+    lora_variant: str
+    lora_init: str
+
+
+@dataclass(frozen=True)
+class ModelChoices(ModelSettings):
+    """The model settings, and whether LORA_TARGET_MODULES was given: unset, the architecture's names (lora_targets)."""
+
+    lora_target_modules_given: bool
 
 
 @contextmanager
@@ -246,44 +272,39 @@ def _base_dropout(model_dropout: float | str, model_name: str, config: Pretraine
 
 
 def build_model(
-    settings: Settings, quantize: bool, device: torch.device, labels: tuple[str, ...] | None = None
+    choices: ModelChoices, quantization: str, device: torch.device, labels: tuple[str, ...] | None = None
 ) -> PeftModel:
-    """AutoModelForSequenceClassification (one output per label, or one score) + LoRA; quantized base weights when
-    `quantize` (the plan's: 4-bit where QUANTIZATION=4bit, else 8-bit)."""
-    with _loading(settings.model_name):
-        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
-    kwargs: dict = {
-        "attn_implementation": attention(config),
-        **_base_dropout(settings.model_dropout, settings.model_name, config),
-    }
+    """AutoModelForSequenceClassification (one output per label, or one score) + LoRA; quantized base weights where
+    the plan's `quantization` is 8bit or 4bit."""
+    name, pooler, quantize = choices.model_name, choices.train_pooler, quantization in ("8bit", "4bit")
+    with _loading(name):
+        config = AutoConfig.from_pretrained(name, **NO_REMOTE_CODE)
+    kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(choices.model_dropout, name, config)}
     if quantize:
-        kwargs |= quantized_loading(settings.quantization, settings.int8_threshold, settings.train_pooler, device)
-    head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
-    with _loading(settings.model_name):
-        multi_label = settings.problem_type == MULTI_LABEL
-        names = settings.label_names if labels is None else labels
-        model = load_base(settings.model_name, names, head, multi_label, **kwargs)
-    if quantize and settings.quantization == "4bit" and device.type == "cpu":
+        kwargs |= quantized_loading(quantization, choices.int8_threshold, pooler, device)
+    head = (CLASSIFIER, "score", *(["pooler"] if pooler else []))  # trained in full, started fresh here
+    with _loading(name):
+        multi_label = choices.problem_type == MULTI_LABEL
+        model = load_base(name, choices.label_names if labels is None else labels, head, multi_label, **kwargs)
+    if quantization == "4bit" and device.type == "cpu":
         # bitsandbytes 0.50 repacks a 4-bit weight for its CPU inference kernel at the first forward without gradients
         # (an evaluation) and leaves it so: the training step after it fails ("a view of a leaf Variable ... in-place").
         for module in model.modules():
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
     if quantize:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
-    targets = lora_targets(
-        settings.lora_target_modules, "lora_target_modules" in settings.model_fields_set, model.config.model_type
-    )
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=choices.gradient_checkpointing)
+    targets = lora_targets(choices.lora_target_modules, choices.lora_target_modules_given, model.config.model_type)
     lora = LoraConfig(
         task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
-        r=settings.lora_r,
-        lora_alpha=settings.lora_alpha,
-        lora_dropout=settings.lora_dropout,
+        r=choices.lora_r,
+        lora_alpha=choices.lora_alpha,
+        lora_dropout=choices.lora_dropout,
         target_modules=list(targets),
         # pooler, rsLoRA/DoRA, init
-        **lora_options(dict(model.named_modules()), settings.lora_variant, settings.lora_init, settings.train_pooler),
+        **lora_options(dict(model.named_modules()), choices.lora_variant, choices.lora_init, pooler),
     )
-    return add_lora(model, lora, targets, settings.model_name, settings.train_pooler)
+    return add_lora(model, lora, targets, name, pooler)
 
 
 def quantized_loading(quantization: str, int8_threshold: float, train_pooler: bool, device: torch.device) -> dict:

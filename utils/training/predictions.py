@@ -399,21 +399,30 @@ def check_test_split(path: Path, text_columns: tuple[str, ...], label_column: st
     return inputs
 
 
-def write_test_predictions(run, settings, path: Path) -> dict | None:
+def write_test_predictions(
+    run,
+    path: Path,
+    model_name: str,
+    label_names: tuple[str, ...],
+    text_columns: tuple[str, ...],
+    label_column: str,
+    multi_label: bool,
+    batch_size: int,
+    threshold: float,
+) -> dict | None:
     """Rank 0, model/ saved: `path` answered by the saved model (on its base, full precision: what predict.py
     serves), written whole or not at all to OUTPUT_DIR/predictions/ (predictions.jsonl, and metrics.json when
-    labelled); the metrics, None when unlabelled."""
+    labelled); the metrics, None when unlabelled. `multi_label`: the head load_pipeline builds, sigmoid scores."""
     from utils.run_folder.layout import replace_dir
     from utils.training.model import load_pipeline  # torch and transformers: only a run with a test split pays them
 
-    inputs = read_inputs(path, list(settings.text_columns), settings.label_column)
-    multi_label = settings.problem_type == MULTI_LABEL  # the head load_pipeline builds, sigmoid scores
-    classifier = load_pipeline(settings.model_name, run.model, settings.label_names, multi_label)
+    inputs = read_inputs(path, list(text_columns), label_column)
+    classifier = load_pipeline(model_name, run.model, label_names, multi_label)
     labels = model_labels(classifier)
     # A multi-label test split is answered, not scored: its labels are lists or several columns (metrics.json has
     # the validation's F1 and subset accuracy).
-    labelled = [] if multi_label else references(inputs, labels, settings.label_column)
-    answers = classify(classifier, inputs.texts, settings.per_device_batch_size, settings.threshold)
+    labelled = [] if multi_label else references(inputs, labels, label_column)
+    answers = classify(classifier, inputs.texts, batch_size, threshold)
     metrics = score_answers(answers, labelled, labels)
     staged = run.make_dir(run.root / ".predictions.partial", fresh=True)
     lines = "".join(json.dumps(row, default=str) + "\n" for row in answer_rows(inputs, answers))

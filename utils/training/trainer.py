@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial, partialmethod
 from pathlib import Path
 
@@ -714,22 +715,46 @@ def problem_of(config) -> str:
 
 
 # ------------------------------------------------------------------------------- building it
-def training_arguments(job: Job, model) -> TrainingArguments:
+@dataclass(frozen=True)
+class TrainerChoices:
+    """The settings the Trainer and its callbacks read (Settings.select: named as the settings are); the rest is
+    the plan's."""
+
+    task: str | None
+    label_column: str
+    class_weights: str
+    threshold: float
+    max_seq_length: int
+    per_device_eval_batch_size: int
+    weight_decay: float
+    gradient_checkpointing: bool
+    logging_steps: int
+    save_steps: int
+    save_total_limit: int
+    load_best_model: bool
+    early_stopping_patience: int | None
+    report_to: tuple[str, ...]
+    seed: int
+    rendezvous_timeout: int
+    dataloader_num_workers: int
+
+
+def training_arguments(job: Job, model, choices: TrainerChoices) -> TrainingArguments:
     """The TrainingArguments the plan (completed with the step count: Job.with_rows) and the settings give."""
-    settings, dist, cuda, plan = job.settings, job.dist, job.cuda, job.plan
+    dist, cuda, plan = job.dist, job.cuda, job.plan
     # Rank 0 reports; TensorBoard is added by build_trainer with its folder under OUTPUT_DIR.
-    trackers = [name for name in settings.report_to if name not in ("tensorboard", "none")]
+    trackers = [name for name in choices.report_to if name not in ("tensorboard", "none")]
     options = dict(
         output_dir=str(job.out.checkpoints),
         run_name=job.plan.run_name,
         per_device_train_batch_size=plan.batch.micro_batch,
-        per_device_eval_batch_size=settings.per_device_eval_batch_size,
+        per_device_eval_batch_size=choices.per_device_eval_batch_size,
         gradient_accumulation_steps=plan.batch.accumulation,
         # The Trainer counts the steps itself; the plan's count must match it (logs/rank-R.json shows both).
         num_train_epochs=plan.num_epochs,
         max_steps=plan.max_steps or -1,
         learning_rate=plan.learning_rate,
-        weight_decay=settings.weight_decay,
+        weight_decay=choices.weight_decay,
         # A count: the plan's never makes every step warm-up (a linear warm-up trains its first step at rate 0).
         warmup_steps=plan.warmup_steps,
         optim="adamw_torch_fused",
@@ -738,21 +763,21 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         # Not `tf32=True`: use_tf32_matmuls sets it through one torch API (pytorch#166387).
         tf32=None,
         # transformers 5's name for gradient checkpointing; the reentrant variant breaks DDP + LoRA (peft #899).
-        activation_checkpointing=settings.gradient_checkpointing,
+        activation_checkpointing=choices.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False},
         # Batches of similar length: little padding (JobTrainer keeps their order reproducible).
         train_sampling_strategy="group_by_length",
-        logging_steps=settings.logging_steps,
+        logging_steps=choices.logging_steps,
         logging_first_step=True,
         # The filter reads every step's loss on the host: one GPU sync per step.
         logging_nan_inf_filter=False,
         report_to=trackers if dist.is_main else "none",
-        seed=settings.seed,
+        seed=choices.seed,
         # Without it, CPU ranks would not form a DDP group but each train alone.
         use_cpu=not cuda,
         ddp_find_unused_parameters=False,
-        ddp_timeout=settings.rendezvous_timeout,
-        dataloader_num_workers=settings.dataloader_num_workers,
+        ddp_timeout=choices.rendezvous_timeout,
+        dataloader_num_workers=choices.dataloader_num_workers,
         dataloader_pin_memory=cuda,
         # Pinned batches copied without waiting for the previous step.
         accelerator_config={"non_blocking": cuda},
@@ -761,10 +786,10 @@ def training_arguments(job: Job, model) -> TrainingArguments:
         log_level_replica="passive",
     )
     # LOAD_BEST_MODEL (or early stopping, which keeps the best): a checkpoint at every evaluation, the candidates.
-    load_best = settings.load_best_model or settings.early_stopping_patience is not None
-    best = best_metric(settings.task, problem_of(model.config))
-    options.update(evaluation_options(plan.eval_every, best, load_best, settings.save_steps))
-    options.update(trainer_options(settings.strategy, model, plan.deepspeed))
+    load_best = choices.load_best_model or choices.early_stopping_patience is not None
+    best = best_metric(choices.task, problem_of(model.config))
+    options.update(evaluation_options(plan.eval_every, best, load_best, choices.save_steps))
+    options.update(trainer_options(job.strategy, model, plan.deepspeed))
     return TrainingArguments(**options)
 
 
@@ -790,41 +815,48 @@ def evaluation_options(eval_every: int, best: str, load_best: bool, save_steps: 
 
 
 def build_trainer(
-    job: Job, model, tokenizer, data, *, key: dict | None = None, group: Collectives | None = None
+    job: Job,
+    model,
+    tokenizer,
+    data,
+    choices: TrainerChoices,
+    *,
+    key: dict | None = None,
+    group: Collectives | None = None,
 ) -> JobTrainer:
     """The job's Trainer over `data` ("train" and "validation"), its callbacks given what they act on.
 
     `key`: what each complete checkpoint records (the run's identity, its segments); by default the plan's identity.
     `group`: the process group from the rendezvous; a single process may leave it out.
     """
-    settings, dist, out = job.settings, job.dist, job.out
+    dist, out = job.dist, job.out
     if group is None and dist.is_distributed:
         raise ValueError(
             "a distributed job passes build_trainer the Collectives of utils.cluster.collectives.rendezvous"
         )
-    group = group or Collectives(dist, settings.rendezvous_timeout)
-    args = training_arguments(job, model)
+    group = group or Collectives(dist, choices.rendezvous_timeout)
+    args = training_arguments(job, model, choices)
     startup = StepClock(args.device)
     callbacks: list[TrainerCallback] = [
         StrategyCheck(job.strategy),
         startup,
         SamplerEpoch(job.plan.steps_per_epoch),
-        Checkpoints(out, group, settings.save_total_limit, key or {"identity": job.plan.identity}, job.preemption),
+        Checkpoints(out, group, choices.save_total_limit, key or {"identity": job.plan.identity}, job.preemption),
     ]
-    if settings.early_stopping_patience is not None:
-        callbacks.append(EarlyStopping(settings.early_stopping_patience))
-    if dist.is_main and "tensorboard" in settings.report_to:
+    if choices.early_stopping_patience is not None:
+        callbacks.append(EarlyStopping(choices.early_stopping_patience))
+    if dist.is_main and "tensorboard" in choices.report_to:
         callbacks.append(RecordedTensorBoard(out, out.tensorboard / job.plan.run_name))
     if job.cuda:
         use_tf32_matmuls()
-    buckets, collator = bucket_collator(tokenizer, data, settings.max_seq_length, takes_4d_mask(model.config))
+    buckets, collator = bucket_collator(tokenizer, data, choices.max_seq_length, takes_4d_mask(model.config))
     if job.plan.precision == "bf16" and not job.quantize and job.strategy == "ddp":
         store_frozen_linears_in_bf16(model)
     if job.compiled:
         compile_model(model, job)
     problem = problem_of(model.config)
     class_weights = loss_class_weights(
-        settings.class_weights, settings.label_column, problem, data["train"], model.config
+        choices.class_weights, choices.label_column, problem, data["train"], model.config
     )
     # `validation` alone, or several (MNLI's matched and mismatched), whose metrics the Trainer prefixes with the name.
     evaluated = {eval_prefix(split): data[split] for split in data if split != "train"}
@@ -837,7 +869,7 @@ def build_trainer(
         processing_class=tokenizer,
         compute_metrics={
             REGRESSION: regression_metrics,
-            MULTI_LABEL: partial(multi_label_metrics, settings.threshold),
+            MULTI_LABEL: partial(multi_label_metrics, choices.threshold),
             CLASSIFICATION: partial(classification_metrics, model.config.num_labels),
         }[problem](),
         callbacks=callbacks,
