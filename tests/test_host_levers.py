@@ -16,13 +16,16 @@ import torch
 from transformers import set_seed
 from utils.config.distributed import DistEnv
 from utils.training.data import load_sst2
+from utils.run import data_source
 from utils.cluster.job import Job, PlanInputs
 from utils.training.model import build_model, load_tokenizer, trainable_checksum
+from utils.run import model_choices
 from utils.run_folder.layout import RunDir
 from utils.config.plan import build_plan
 from utils.cluster.preemption import Preemption
 from utils.config.settings import Settings
 from utils.training.trainer import JobTrainer, build_trainer
+from utils.training.trainer import TrainerChoices
 
 model_dir, data_dir, out = sys.argv[1:]
 single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
@@ -37,10 +40,10 @@ for levers in (False, True):
     run.checkpoints.mkdir(parents=True)
     job = Job.start(settings, settings.select(PlanInputs), single, run, build_plan(settings, 1), preemption=Preemption())
     tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
-    data = load_sst2(settings, tokenizer, run.cache)
+    data = load_sst2(data_source(settings), tokenizer, run.cache)
     job = job.with_rows(len(data["train"]))
     set_seed(settings.seed)
-    model = build_model(settings, False, job.device)
+    model = build_model(model_choices(settings), "none", job.device)
     modes = []  # (gradients on: a training forward, the LoRA dropout's mode)
     dropout = next(m for name, m in model.named_modules() if name.endswith("lora_dropout.default"))
     dropout.register_forward_pre_hook(lambda module, args: modes.append((torch.is_grad_enabled(), module.training)))
@@ -48,7 +51,7 @@ for levers in (False, True):
     base_modes = set()
     base = model.get_base_model().bert.encoder.layer[0].output.dropout
     base.register_forward_pre_hook(lambda module, args: base_modes.add(module.training) if torch.is_grad_enabled() else None)
-    trainer = build_trainer(job, model, tokenizer, data)
+    trainer = build_trainer(job, model, tokenizer, data, job.settings.select(TrainerChoices))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     grad_norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]

@@ -1,18 +1,14 @@
-"""The order of a run, on every rank: join the job, set up, train, save, publish.
+"""The order of a run, on every rank; each phase takes the Job and what the phase before returned:
 
     run(job)
-      join(job, hub, lock)        checks that need no peer (strategy, Hub access, tracker), the rendezvous (the
-                                  same settings on every rank, the OUTPUT_DIR lock), the rank log -> Collectives
+      join(job, hub, lock)        checks that need no peer, the rendezvous, the rank log -> Collectives
       set_up(job, group)          tokenizer, data, model, the checkpoint to resume, the Trainer, run.json -> Ready
       train(job, group, ready)    training (a stop signal checkpoints), evaluation, the final barrier -> Trained
       save(job, group, trained)   rank 0 saves model/ inside the group, the others wait for it; then all leave it
-      publish(job, hub, trained)  rank 0 alone answers the test split (predictions/), merges and pushes; every
-                                  rank writes its record -> exit code
+      publish(job, hub, trained)  rank 0 answers the test split, merges and pushes; every rank writes its record
 
-`job` (utils/cluster/job.py) is what the rank knows from the start; each phase takes it and what the phase before
-returned. `publish_only` is --push-only. The Trainer is utils/training/trainer.py's, the collectives
-utils/cluster/collectives.py's, saving and pushing the model utils/publishing/hub.py's. It branches on `job.dist.is_main`
-(rank 0 writes and pushes) but reads no launcher variable itself.
+It is where the run is assembled: the training code's settings (DataSource, ModelChoices, TrainerChoices) are
+built here from the Settings.
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ from utils.config.local_inputs import check_test_columns, test_split_file
 from utils.config.plan import Plan, batch_warning
 from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
+from utils.config.settings import Settings
 from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, headline
 from utils.publishing.hub import Hub, PushTargets, push_model, save_merged, save_model
 from utils.publishing.model_card import CardFacts
@@ -58,11 +55,11 @@ from utils.run_folder.checkpoints import (
 )
 from utils.run_folder.layout import RunDir
 from utils.run_folder.record import write_run_record
-from utils.training.data import label_names_of, load_sst2, problem_type_of
-from utils.training.model import build_model, load_tokenizer, trainable_checksum
+from utils.training.data import DataSettings, DataSource, label_names_of, load_sst2, problem_type_of
+from utils.training.model import ModelChoices, ModelSettings, build_model, load_tokenizer, trainable_checksum
 from utils.training.predictions import PREDICTIONS_FILE, check_test_split, metrics_line, write_test_predictions
 from utils.training.strategy import check_strategy, full_state_dict
-from utils.training.trainer import JobTrainer, build_trainer, compile_record, seconds_since_start
+from utils.training.trainer import JobTrainer, TrainerChoices, build_trainer, compile_record, seconds_since_start
 
 log = logging.getLogger(__name__)
 RANK_LOG_ONLY = {"rank_log_only": True}  # `extra=` of a record the console leaves out
@@ -70,7 +67,6 @@ CONSOLE_ONLY = {"console_only": True}  # `extra=` of a record the rank log leave
 
 
 def masked(handler: logging.Handler, job: Job) -> logging.Handler:
-    """`handler` with the job's line format and HF_TOKEN masked in every record it writes."""
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{job.dist.rank} %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(MaskingFilter(job.masker))
     return handler
@@ -78,7 +74,7 @@ def masked(handler: logging.Handler, job: Job) -> logging.Handler:
 
 def setup_logging(job: Job) -> None:
     """Only rank 0 talks on the console (warnings from all); the rank log is added once the folder is ours.
-    Progress bars only where a person watches: rank 0 with a terminal on stderr (a pod's log or a CI file gets lines)."""
+    Progress bars only on rank 0 with a terminal on stderr."""
     dist = job.dist
     console = masked(logging.StreamHandler(sys.stderr), job)
     console.setLevel(logging.INFO if dist.is_main else logging.WARNING)
@@ -89,15 +85,12 @@ def setup_logging(job: Job) -> None:
     early = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
     early.addFilter(not_console_only)
     logging.basicConfig(level=logging.WARNING, handlers=[console, masked(early, job)], force=True)
-    # The rank log tells the run's story, ours and the Trainer's (training, evaluations, checkpoints); the libraries'
-    # INFO records (every config.json read in full, weights files, datasets' builder steps, HTTP requests) stay out.
+    # The rank log tells the run's story, ours and the Trainer's; the other libraries' INFO records stay out.
     logging.getLogger("utils").setLevel(logging.INFO)
     logging.getLogger("transformers.trainer").setLevel(logging.INFO if dist.is_main else logging.WARNING)
-    # transformers' records go to our handlers instead of its own.
     transformers.utils.logging.disable_default_handler()
     transformers.utils.logging.enable_propagation()
-    # The Trainer's banners ("***** Running Evaluation *****" at every evaluation, the closing "Do not forget to share
-    # your model"): filtered where they are logged, so neither the console nor the rank log carries them.
+    # The Trainer's banners, filtered where they are logged: neither the console nor the rank log carries them.
     logging.getLogger("transformers.trainer").addFilter(is_not_banner)
     if not shows_progress_bars(dist):
         datasets.disable_progress_bars()
@@ -114,17 +107,16 @@ def shows_progress_bars(dist: DistEnv) -> bool:
 
 
 def is_not_banner(record: logging.LogRecord) -> bool:
-    """False for a line of one of the Trainer's banners: the `***** Running ... *****` heading, the indented
-    `  Num examples = ...` lines under it, and the closing `Training completed. Do not forget to share ...`. A
-    resume's own indented lines (where it continues, which batches it skips) stay: they tell the run's story."""
+    """False for a line of the Trainer's banners (`***** Running ... *****`, the indented lines under it, `Do not
+    forget to share`); a resume's own indented lines stay."""
     message = str(record.msg).lstrip("\n")
     resume = message.startswith(("  Fast-forwarding", "  Continuing training"))
     return resume or not (message.startswith(("***** ", "  ")) or "Do not forget to share" in message)
 
 
 def log_to_file(job: Job) -> None:
-    """Every rank also logs to OUTPUT_DIR/logs/rank-R.log: after the rendezvous and the OUTPUT_DIR lock, so a
-    job refused on a folder in use never writes into the logs of the job that holds it."""
+    """Every rank also logs to logs/rank-R.log, after the OUTPUT_DIR lock: a job refused on a folder in use never
+    writes into the holder's logs."""
     handler = masked(RankLogHandler(job.out, job.out.rank_log(job.dist.rank)), job)
     handler.addFilter(not_console_only)
     root = logging.getLogger()
@@ -136,8 +128,7 @@ def log_to_file(job: Job) -> None:
 
 
 class LogToRankLog(TrainerCallback):
-    """Each loss, learning rate and evaluation the Trainer logs, in the rank log whole; the training loss of each
-    logging step on the console too, one short line (evaluations get theirs: EvaluationLine)."""
+    """Each log of the Trainer in the rank log whole; each training loss on the console too, one short line."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         log.info("step %d: %s", state.global_step, logs, extra=RANK_LOG_ONLY)
@@ -146,21 +137,13 @@ class LogToRankLog(TrainerCallback):
             epoch = f" (epoch {state.epoch:.2f})" if state.epoch is not None else ""
             rate = f", learning rate {logs['learning_rate']:.3g}" if "learning_rate" in logs else ""
             norm = f", grad norm {logs['grad_norm']:.3f}" if isinstance(logs.get("grad_norm"), float) else ""
-            log.info(
-                "step %d/%d%s: loss %.4f%s%s",
-                state.global_step,
-                state.max_steps,
-                epoch,
-                logs["loss"],
-                rate,
-                norm,
-                extra=CONSOLE_ONLY,
-            )
+            said = (state.global_step, state.max_steps, epoch, logs["loss"], rate, norm)
+            log.info("step %d/%d%s: loss %.4f%s%s", *said, extra=CONSOLE_ONLY)
 
 
 class EvaluationLine(TrainerCallback):
-    """One line per evaluation, `step 30/186 (epoch 0.48): eval_accuracy=0.9535 eval_loss=0.1431`: MNLI's two
-    validation splits, which the Trainer evaluates (and reports) one after the other, share the line."""
+    """One line per evaluation, `step 30/186 (epoch 0.48): eval_accuracy=0.9535 eval_loss=0.1431`; MNLI's two
+    validation splits share it."""
 
     def __init__(self, splits: int):
         self.splits, self.seen, self.metrics = splits, 0, {}
@@ -179,11 +162,9 @@ class EvaluationLine(TrainerCallback):
 
 
 class FiniteLoss(TrainerCallback):
-    """A training loss that is NaN or infinite stops the run (exit 2) at the record that shows it, naming the steps:
-    the weights are lost from there on, and training on ended in exit 0 with `"train_loss": NaN` in metrics.json
-    (seen with regression targets of 3.5e20, finite, whose squared error overflows). The Trainer logs the loss
-    averaged over every rank (logging_nan_inf_filter off), so every rank stops at the same record; `check` does the
-    same for the run's mean loss once training ends, which covers the steps after the last record."""
+    """A training loss that is NaN or infinite stops the run (exit 2) at the record that shows it, instead of exit 0
+    with a NaN train_loss; logged averaged over ranks, so every rank stops alike. `check` also takes the run's mean
+    loss once training ends, covering the steps after the last record."""
 
     def __init__(self):
         self.last = 0  # the step of the last finite record: the bad loss is in the steps after it
@@ -207,15 +188,12 @@ class FiniteLoss(TrainerCallback):
 
 
 class ProgressBar(ProgressCallback):
-    """The Trainer's progress bars without the dict of every log it writes under them (the rank log has those)."""
-
     def on_log(self, args, state, control, logs=None, **kwargs):
         pass
 
 
 class RankLogHandler(logging.FileHandler):
-    """A FileHandler that opens its file through RunDir.open: a planted link at logs/ or logs/rank-R.log (or
-    a hard link to a file elsewhere) is refused, never appended to."""
+    """A FileHandler opening through RunDir.open: a planted link is refused, never appended to."""
 
     def __init__(self, run: RunDir, path):
         self.run = run
@@ -225,8 +203,7 @@ class RankLogHandler(logging.FileHandler):
         return self.run.open(Path(self.baseFilename), "a")
 
     def handleError(self, record):
-        # A full or read-only volume fails every record: one warning on the console, not a traceback per line
-        # burying the `error:` line the failure ends with. The console keeps getting the records.
+        # A full or read-only volume fails every record: one warning, not a traceback per line.
         if not getattr(self, "failed", False):
             self.failed = True
             log.warning(
@@ -235,12 +212,9 @@ class RankLogHandler(logging.FileHandler):
 
 
 def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
-    """DeepSpeed's communication set up on the process group the rendezvous created (it reuses an initialised
-    group): before the model is built, so anything DeepSpeed does on the way (ZeRO-3's zero.Init included)
-    sees the whole world, not a world of one."""
+    """DeepSpeed on the rendezvous' process group, before the model is built (ZeRO-3's zero.Init sees the world)."""
     if not td.is_initialized():
-        # One process (ZeRO-Offload on one GPU): a world of one, in memory. Without a group DeepSpeed looks for the
-        # launcher variables, then for MPI (mpi4py), and fails.
+        # One process: a world of one, in memory (without a group DeepSpeed looks for MPI, and fails).
         td.init_process_group("nccl" if cuda else "gloo", store=td.HashStore(), rank=0, world_size=1)
     import deepspeed
 
@@ -248,18 +222,13 @@ def join_deepspeed(dist: DistEnv, cuda: bool) -> None:
 
 
 def agreement_of(plan: Plan, world_size: int, output_dir: str) -> dict:
-    """What every rank of one start must share, compared at the rendezvous (identity.agreement_refusal): the run's
-    identity, its replica count (elastic runs too: one start, one count), its name and folder (OUTPUT_DIR as given)."""
+    """What every rank of one start must share, compared at the rendezvous."""
     return {**plan.identity, "world_size": world_size, "run_name": plan.run_name, "output_dir": output_dir}
 
 
 def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
-    """Rank 0: the checkpoint to resume from (None: start afresh).
-
-    Checkpoints a kill cut short are dropped; one marked complete whose files were damaged since is
-    dropped with a warning, falling back to the previous one; one written by another run (its recorded
-    identity, utils/config/identity.py) is refused (exit 2) with the fix.
-    """
+    """Rank 0: the checkpoint to resume from (None: start afresh). Incomplete or damaged checkpoints are dropped
+    (falling back to the previous one); one of another run is refused."""
     # The newest one first, before anything is removed: a start refused as another run leaves every checkpoint.
     if (newest := latest_complete_checkpoint(run)) is not None and (recorded := checkpoint_identity(newest)):
         check_same_run(recorded, identity, str(run.checkpoints / newest.name))
@@ -276,8 +245,7 @@ def resume_checkpoint(run: RunDir, identity: dict) -> str | None:
 
 
 def checkpoint_identity(checkpoint: Path) -> dict | None:
-    """The identity a complete checkpoint's manifest records; None for one written before identities, or a manifest
-    too damaged to read (`usable_checkpoints` drops that checkpoint)."""
+    """The identity a checkpoint records; None for an older one, or a manifest too damaged to read."""
     try:
         return checkpoint_resume_key(checkpoint).get("identity")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -285,8 +253,8 @@ def checkpoint_identity(checkpoint: Path) -> dict | None:
 
 
 def resume_point(run: RunDir, identity: dict, world_size: int) -> tuple[str | None, list[dict]]:
-    """Rank 0: the checkpoint to resume from (`resume_checkpoint`), and the stretches of the run so far, each a
-    first step and a replica count, this start's last; they travel from checkpoint to checkpoint in its key."""
+    """Rank 0: the checkpoint to resume from, and the run's stretches so far (first step, replica count), this
+    start's last; they travel in each checkpoint's key."""
     checkpoint = resume_checkpoint(run, identity)
     earlier = checkpoint_resume_key(Path(checkpoint)).get("segments", []) if checkpoint else []
     if earlier and earlier[-1]["world_size"] != world_size:
@@ -305,11 +273,6 @@ def close_segments(segments: list[dict], last_step: int) -> list[dict]:
     ]
 
 
-def restart_all(world_size: int) -> str:
-    """What an orchestrator restarts after a preemption: every replica together, or the one process there is."""
-    return f"a restart of all {world_size} replicas" if world_size > 1 else "a restart of the job"
-
-
 def resume_hint(run: RunDir) -> str:
     latest = latest_complete_checkpoint(run)
     return f"the run resumes from {latest.name}" if latest else "no checkpoint is complete yet: the run starts over"
@@ -317,7 +280,7 @@ def resume_hint(run: RunDir) -> str:
 
 @contextmanager
 def progress_bar_closed_on_error(trainer: Trainer):
-    """Close the progress bar before an error leaves training, so the `error:` line after it starts a line of its own."""
+    """Close the progress bar before an error leaves training: the `error:` line starts a line of its own."""
     try:
         yield
     except BaseException:
@@ -330,10 +293,8 @@ def progress_bar_closed_on_error(trainer: Trainer):
 
 @contextmanager
 def tracker_run(job: Job):
-    """One MLflow run for training and the final evaluation. The Trainer's callback ends the run it opened
-    when training ends, and the final evaluation would then log into a second, nameless run; a run that
-    is already open is left to its opener. MLflow reads MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME and
-    MLFLOW_RUN_ID itself."""
+    """One MLflow run for training and the final evaluation, which would otherwise log into a second, nameless run
+    (the Trainer's callback ends the run it opened with training)."""
     if not (job.dist.is_main and "mlflow" in job.settings.report_to):
         yield
         return
@@ -345,8 +306,6 @@ def tracker_run(job: Job):
 
 @dataclass(frozen=True)
 class Ready:
-    """What `set_up` built: the Trainer over the tokenized data, and where training starts."""
-
     trainer: JobTrainer
     checkpoint: str | None  # the checkpoint to resume from; None: from step 1
     key: dict  # the run's identity and its segments so far: recorded in every checkpoint
@@ -360,8 +319,6 @@ class Ready:
 
 @dataclass(frozen=True)
 class Trained:
-    """What `train` returns to `publish`."""
-
     trainer: JobTrainer
     metrics: dict  # metrics.json: training, evaluation, and what actually ran
     record: dict  # logs/rank-R.json: this rank's samples, trainable-weight checksum, time to first step
@@ -369,8 +326,7 @@ class Trained:
 
 
 def run(job: Job, before_training: Callable[[Ready], None] | None = None) -> int:
-    """Train, save and push, on every rank; the exit code. `before_training` is given what `set_up` built (main.py's
-    caller may stop the run there)."""
+    """Train, save and push, on every rank; the exit code. `before_training` is given what `set_up` built."""
     dist = job.dist
     setup_logging(job)
     seen = ", ".join(f"{k}={v}" for k, v in masked_environ().items()) or "none set"
@@ -384,9 +340,8 @@ def run(job: Job, before_training: Callable[[Ready], None] | None = None) -> int
             rate = metrics.get("train_samples_per_second")
             rate = f" train_samples_per_second={rate:.1f}" if isinstance(rate, (int, float)) else ""
             print(f"{headline(metrics)}{rate} model={job.out.model}", flush=True)
-        # Rank 0 finishes what was left (the merge, the push), with the labels, base and run name the run recorded
-        # (metrics.json), whatever this start's settings say; the others are done. Under the folder's lock: two
-        # restarts of an unpushed run both merged into the one staging folder and pushed two commits.
+        # Rank 0 finishes the merge and the push as the run recorded them, under the folder's lock (two restarts of
+        # an unpushed run both pushed).
         if not dist.is_main:
             return EXIT_OK
         with RunLock(job.out):
@@ -410,15 +365,13 @@ def run(job: Job, before_training: Callable[[Ready], None] | None = None) -> int
         log.error("error: %s (exit %d)", exc.message, exc.code, extra=RANK_LOG_ONLY)
         raise
     finally:
-        # On the way out with an error too: a heartbeat or a process group still running when the interpreter
-        # shuts down can turn the exit code the error chose into SIGABRT.
+        # On an error too: a heartbeat or process group alive at shutdown can turn the exit code into SIGABRT.
         if group is not None:
             group.leave()
         lock.release()
 
 
 def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
-    """The checks that need no peer, then the rendezvous: the process group, with the OUTPUT_DIR lock on rank 0."""
     settings, dist = job.settings, job.dist
     export_env(dist, deepspeed=job.strategy == "deepspeed")
     log.info("device %s, weights %s, precision %s", job.device, job.plan.quantization, job.plan.precision)
@@ -451,15 +404,28 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     return group
 
 
+def data_source(settings: Settings) -> DataSource:
+    given = settings.model_fields_set
+    return DataSource(
+        **vars(settings.select(DataSettings)),
+        label_names_given="label_names" in given,
+        problem_type_given="problem_type" in given,
+    )
+
+
+def model_choices(settings: Settings) -> ModelChoices:
+    given = "lora_target_modules" in settings.model_fields_set
+    return ModelChoices(**vars(settings.select(ModelSettings)), lora_target_modules_given=given)
+
+
 def set_up(job: Job, group: Collectives) -> Ready:
-    """Tokenizer, data, model, the checkpoint to resume from and the Trainer, on every rank; run.json on rank 0."""
     settings, dist = job.settings, job.dist
     startup = {"imports_and_rendezvous": seconds_since_start()}
     with stage("model"):
         tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     # Rank 0 downloads and tokenizes into the shared cache, the others reuse it.
     with group.main_first(), stage("data"):
-        data = load_sst2(settings, tokenizer, job.out.cache)
+        data = load_sst2(data_source(settings), tokenizer, job.out.cache)
         # The test split is answered after training; its rows and labels are checked now, before any step.
         if (test := test_split_file(settings.dataset_path, settings.test_file)) is not None:
             check_test_columns(test, settings.text_columns)
@@ -472,25 +438,23 @@ def set_up(job: Job, group: Collectives) -> Ready:
     set_seed(settings.seed)
     labels = label_names_of(data)  # the classes the data resolved to (none: regression)
     with group.agreed(), stage("model"):  # a model refused on one rank stops all with its message
-        model = build_model(settings, job.quantize, job.device, labels)
+        model = build_model(model_choices(settings), job.plan.quantization, job.device, labels)
     startup["model"] = seconds_since_start()  # the CUDA context included: the weights are moved to the GPU here
 
-    # What each checkpoint records: the run's identity, and the replica counts it trained on (metrics.json, the card).
     identity = job.plan.identity
     checkpoint, segments = group.decide_on_main(lambda: resume_point(job.out, identity, dist.world_size))
     key = {"identity": identity, "segments": segments}
-    trainer = build_trainer(job, model, tokenizer, data, key=key, group=group)
+    trainer = build_trainer(job, model, tokenizer, data, settings.select(TrainerChoices), key=key, group=group)
     trainer.add_callback(LogToRankLog)
-    # On the console: the bars where a terminal watches, an evaluation's line (every split but train is evaluated),
-    # and no dict per log (the Trainer's ProgressCallback and PrinterCallback print those); the rank log has them.
+    # On the console: the bars where a terminal watches, a line per evaluation, no dict per log.
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     if shows_progress_bars(dist):
         trainer.add_callback(ProgressBar)
     trainer.add_callback(EvaluationLine(len(data) - 1))
     trainer.add_callback(FiniteLoss())
-    # Only now, with data, model and checkpoint checked: a start refused for bad input leaves no record that
-    # would make the same OUTPUT_DIR refuse the corrected settings as "another run".
+    # Only now, everything checked: a start refused for bad input leaves no record that would refuse the
+    # corrected settings as "another run".
     group.run_on_main(lambda: write_run_record(job.out, settings.as_dict(), job.plan, segments=segments))
     if checkpoint:
         step = checkpoint.rsplit("-", 1)[-1]
@@ -504,7 +468,6 @@ def set_up(job: Job, group: Collectives) -> Ready:
 
 
 def train(job: Job, group: Collectives, ready: Ready) -> Trained:
-    """Training and evaluation, on every rank; the final barrier included."""
     dist, trainer = job.dist, ready.trainer
     with progress_bar_closed_on_error(trainer), tracker_run(job):
         # A stop signal now checkpoints at the next step all ranks agree on.
@@ -513,33 +476,34 @@ def train(job: Job, group: Collectives, ready: Ready) -> Trained:
         signum = group.max_over_ranks(job.preemption.signum)
         if signum:
             what = "SIGTERM" if signum == signal.SIGTERM else "SIGINT (Ctrl-C)"
+            n = dist.world_size
+            restart = f"a restart of all {n} replicas" if n > 1 else "a restart of the job"
             raise Preempted(
-                f"{what} during training, checkpoint saved; {restart_all(dist.world_size)}: {resume_hint(job.out)}",
+                f"{what} during training, checkpoint saved; {restart}: {resume_hint(job.out)}",
                 code=128 + signum,
             )
         with group.agreed():  # the mean loss is each rank's own over the steps after the last record
-            finite_loss(trainer).check(train_result.metrics.get("train_loss"), trainer.state.global_step)
+            check = next(c for c in trainer.callback_handler.callbacks if isinstance(c, FiniteLoss))
+            check.check(train_result.metrics.get("train_loss"), trainer.state.global_step)
         eval_metrics = trainer.evaluate()
         metrics = run_metrics(job, ready, {**train_result.metrics, **eval_metrics})
         # The console has had the final evaluation's line (EvaluationLine).
         log.info("eval %s on %d rows", headline(metrics), ready.validation_rows, extra=RANK_LOG_ONLY)
         trainer.accelerator.wait_for_everyone()
-        # The checksum and the full state dict are collectives when FSDP shards the weights: on every rank,
-        # and before leaving the group.
+        # Collectives when FSDP shards the weights: on every rank, before leaving the group.
         state_dict = full_state_dict(trainer.model, job.strategy)
         record = rank_record(job, ready, state_dict)
     return Trained(trainer, metrics, record, state_dict)
 
 
 def run_metrics(job: Job, ready: Ready, measured: dict) -> dict:
-    """metrics.json: what training and evaluation `measured`, and what actually ran, for the card and predict.py."""
+    """metrics.json: what was `measured`, and what actually ran, for the card and predict.py."""
     trainer, plan, settings = ready.trainer, ready.plan, job.settings
     return {
         **measured,
-        # What actually ran, for the card: the resolved rate and numerics, not `auto`.
         "world_size": job.dist.world_size,
         "global_batch": plan.batch.global_batch,
-        "global_batch_source": plan.batch.source,  # why that batch (utils/config/plan.py), for the card
+        "global_batch_source": plan.batch.source,
         "segments": close_segments(ready.key["segments"], trainer.state.global_step),
         "learning_rate": plan.learning_rate,
         "loraplus_ratio": plan.loraplus_ratio,
@@ -547,14 +511,11 @@ def run_metrics(job: Job, ready: Ready, measured: dict) -> dict:
         "precision": plan.precision,
         "run_name": plan.run_name,
         "base_model_id": plan.base_model_id,  # the Hub id the card and the pushed adapter name
-        # What the model predicts, for the card, id2label.json and predict.py.
         "problem_type": ready.problem_type,
         # Multi-label: the sigmoid score at which a label counts as predicted, in the metrics and predict.py.
         **({"threshold": settings.threshold} if ready.problem_type == MULTI_LABEL else {}),
         "labels": list(ready.labels),
-        # CLASS_WEIGHTS: each class's weight in the loss, by class id.
         **({"class_weights": trainer.class_weights.tolist()} if trainer.class_weights is not None else {}),
-        # LOAD_BEST_MODEL: the checkpoint the Trainer loaded at the end, the model saved and pushed.
         **selected_checkpoint(trainer),
         "data": {
             "train_rows": ready.train_rows,
@@ -565,8 +526,7 @@ def run_metrics(job: Job, ready: Ready, measured: dict) -> dict:
 
 
 def selected_checkpoint(trainer: Trainer) -> dict:
-    """metrics.json's `selected_checkpoint` when the model is the best checkpoint's (LOAD_BEST_MODEL): its step, the
-    metric and score that chose it, the steps trained; nothing when it is the last step's."""
+    """metrics.json's `selected_checkpoint` when LOAD_BEST_MODEL loaded the best checkpoint; else nothing."""
     state, args = trainer.state, trainer.args
     if not (args.load_best_model_at_end and state.best_model_checkpoint):
         return {}
@@ -582,12 +542,8 @@ def selected_checkpoint(trainer: Trainer) -> dict:
     }
 
 
-def finite_loss(trainer: Trainer) -> FiniteLoss:
-    return next(c for c in trainer.callback_handler.callbacks if isinstance(c, FiniteLoss))
-
-
 def rank_record(job: Job, ready: Ready, state_dict: dict) -> dict:
-    """logs/rank-R.json: who this rank was, what it trained and how long each phase took, for tests and benchmarks."""
+    """logs/rank-R.json: who this rank was, what it trained and how long each phase took."""
     dist, trainer, plan = job.dist, ready.trainer, ready.plan
     # Under DeepSpeed accelerate wraps the Trainer's scheduler (DeepSpeed's own, from a config's block, has no base_lrs).
     scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
@@ -598,13 +554,9 @@ def rank_record(job: Job, ready: Ready, state_dict: dict) -> dict:
         "trainable_checksum": trainable_checksum(trainer.model, state_dict if job.strategy == "deepspeed" else None),
         "first_step": trainer.startup.first_step + 1,
         "seconds_to_first_step": trainer.startup.seconds,
-        # Where the time to the first step went: each phase's end (the fast path compiles in the first step).
         "startup": {**(ready.startup or {}), "first_step": trainer.startup.seconds},
-        # The first step's end, and the steady steps after it (evaluations and checkpoints set aside).
         "timing": trainer.startup.record(plan.steps_per_epoch),
-        # TORCH_COMPILE's graphs (None: eager); tests hold them to the length buckets.
         "compile": compile_record() if job.compiled else None,
-        # CUDA_GRAPHS's captured step (None: the eager step): the input shapes prepared and whether as CUDA graphs.
         "capture": trainer.captured.record() if trainer.captured is not None else None,
         # Loaded only for 8-bit weights (Job.leave_unused_libraries_out).
         "bitsandbytes_loaded": sys.modules.get("bitsandbytes") is not None,
@@ -629,9 +581,8 @@ def rank_record(job: Job, ready: Ready, state_dict: dict) -> dict:
 
 
 def save(job: Job, group: Collectives, trained: Trained) -> None:
-    """Rank 0 writes model/ and metrics.json inside the group while the others wait for its outcome: no rank exits 0
-    before model/ is saved (`restartPolicy: ExitCode` would then restart a lost rank 0 alone), rank 0's failure is
-    theirs, and a rank 0 killed or stopped meanwhile is exit 143 on them."""
+    """Rank 0 writes model/ inside the group while the others wait: no rank exits 0 before model/ is saved, and
+    rank 0's failure is theirs."""
     out = job.out
     if not job.dist.is_main:
         log.info("waiting for rank 0 to save %s", out.model)
@@ -655,8 +606,6 @@ def save(job: Job, group: Collectives, trained: Trained) -> None:
 
 
 def publish(job: Job, hub: Hub, trained: Trained) -> int:
-    """Out of the group, model/ saved: rank 0 answers the test split, merges and pushes alone; every rank writes its
-    record. The exit code."""
     dist, out = job.dist, job.out
     code = EXIT_OK
     if dist.is_main:
@@ -664,7 +613,6 @@ def publish(job: Job, hub: Hub, trained: Trained) -> int:
         code = publish_saved(job, hub)
         rate = trained.metrics["train_samples_per_second"]
         print(f"{headline(trained.metrics)} train_samples_per_second={rate:.1f} model={out.model}", flush=True)
-    # What tests and benchmarks read (logs/rank-R.json), and the same in words at the end of the rank's log.
     record = trained.record
     out.write_json(out.rank_record(dist.rank), record)
     said = (dist.rank, record["samples_trained"], record["trainable_checksum"], code, out.model)
@@ -673,21 +621,31 @@ def publish(job: Job, hub: Hub, trained: Trained) -> int:
 
 
 def answer_test_split(job: Job) -> None:
-    """Rank 0, model/ saved (by this start or one before it): the test split (TEST_FILE, or test.* in DATASET_PATH)
-    answered into predictions/ by the saved model, unless a start before wrote them; nothing without a test split."""
+    """Rank 0, model/ saved: the test split answered into predictions/, unless a start before did."""
     if (test := test_split_file(job.settings.dataset_path, job.settings.test_file)) is None:
         return
     if (job.out.predictions / PREDICTIONS_FILE).is_file():
         log.info("%s already holds the answers to the test split %s", job.out.predictions, test)
         return
-    metrics = write_test_predictions(job.out, job.settings, test)
+    settings = job.settings
+    metrics = write_test_predictions(
+        job.out,
+        test,
+        settings.model_name,
+        settings.label_names,
+        settings.text_columns,
+        settings.label_column,
+        settings.problem_type == MULTI_LABEL,
+        settings.per_device_batch_size,
+        settings.threshold,
+    )
     scored = f"; {metrics_line(metrics, str(test))}" if metrics else " (no labels: no metrics)"
     log.info("answered the test split %s into %s%s", test, job.out.predictions, scored)
 
 
 def publish_saved(job: Job, hub: Hub) -> int:
-    """Rank 0, model/ saved (by this start or one before it): merged/ when MERGE_ADAPTER asks for it and it is
-    missing (it is written only after model/ is complete, so one present belongs to this model/), then the push."""
+    """Rank 0, model/ saved: merged/ where MERGE_ADAPTER asks and it is missing (one present is this model's), then
+    the push."""
     settings, card = job.settings, job.settings.select(CardFacts)
     if settings.merge_adapter and not job.out.merged.is_dir():
         save_merged(job.out, card, job.plan, settings.problem_type, settings.result_merged_model_id)
@@ -695,7 +653,6 @@ def publish_saved(job: Job, hub: Hub) -> int:
 
 
 def publish_only(job: Job) -> int:
-    """--push-only: upload an existing model/ (after a failed push) without training."""
     settings, out = job.settings, job.out
     if not job.dist.is_main:
         return EXIT_OK
@@ -705,8 +662,7 @@ def publish_only(job: Job) -> int:
     hub = Hub(settings.hub_token, settings.push_timeout, settings.hub_timeout)
     for repo_id in filter(None, (settings.result_model_id, settings.result_merged_model_id)):
         hub.check_write_access(repo_id)
-    # What is published follows what was trained: the labels, base and run name in the run's metrics.json. Under
-    # the folder's lock, as every start that writes or pushes (a restart publishing the same run is refused meanwhile).
+    # What is published follows the run's metrics.json, under the folder's lock as every start that pushes.
     with RunLock(out):
         log_to_file(job)  # once the lock is this job's: a start refused on a folder in use writes none of its logs
         return publish_saved(job, hub)

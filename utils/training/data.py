@@ -1,10 +1,5 @@
-"""SST-2 (or any sentence/label data set shaped like it): load, check, tokenize once per shared volume.
-
-Both sources, the Hub (`nyu-mll/glue`, `sst2`) and local data (a DATASET_PATH folder or file, or TRAIN_FILE and
-VALIDATION_FILE), go through the same checks and the same tokenization after loading; then VALIDATION_SPLIT and
-MAX_TRAIN_SAMPLES / MAX_EVAL_SAMPLES choose the rows, before tokenizing, so the cache holds only what is trained. Padding is left to the collator: SST-2 sentences
-average ~13 tokens, so padding to MAX_SEQ_LENGTH would make most of each batch padding.
-"""
+"""SST-2 (or any sentence/label data shaped like it), from the Hub or local files: load, check, choose the rows,
+tokenize once per shared volume. Padding is the collator's: SST-2 sentences average ~13 tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +8,7 @@ import logging
 import math
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -26,22 +22,51 @@ from utils.common.delimited import DIALECTS, FILE_FORMATS, read_records
 from utils.common.errors import BadInput, JobError, first_line, volume_state
 from utils.common.texts import check_texts
 from utils.config.local_inputs import check_carve, check_columns, check_splits, read_splits, split_files
-from utils.config.settings import Settings
 from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, REGRESSION, validation_splits
 from utils.training.multi_label import SEPARATOR, multi_hot_labels
 
 log = logging.getLogger(__name__)
 
-# The names after loading; `labels` is what the model's forward takes.
 TEXTS, LABEL = ("text", "text_pair"), "labels"
-# Text is text: only a truly empty cell is missing (pandas would read the sentences `NA`, `null`, `None` and
-# `nan` as missing). The delimiter and quoting of each suffix: utils/common/delimited.py.
+# Only an empty cell is missing (pandas would read the sentences `NA`, `null`, `None` and `nan` as missing).
 CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
 JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
 
 
+@dataclass(frozen=True)
+class DataSettings:
+    """The settings the data reads (Settings.select: named as the settings are)."""
+
+    dataset_name: str
+    dataset_config: str
+    dataset_path: str | None
+    train_file: str | None
+    validation_file: str | None
+    validation_split: float | None
+    local_data: str | None
+    task: str | None
+    text_columns: tuple[str, ...]
+    label_column: str
+    label_columns: tuple[str, ...] | None
+    label_source_columns: tuple[str, ...]
+    label_names: tuple[str, ...]
+    problem_type: str
+    max_train_samples: int | None
+    max_eval_samples: int | None
+    max_seq_length: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class DataSource(DataSettings):
+    """The data settings, and whether LABEL_NAMES and PROBLEM_TYPE were given: their defaults decide less (the names
+    of two unnamed ids; TASK's PROBLEM_TYPE does not turn classes into scores)."""
+
+    label_names_given: bool
+    problem_type_given: bool
+
+
 def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
-    """Which file is not UTF-8, and where: the loader's error names neither."""
     for path in files.values():
         try:
             Path(path).read_bytes().decode("utf-8")
@@ -55,8 +80,8 @@ def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
 
 
 def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) -> None:
-    """A JSON label column must hold one type: `1`, `"1"` and `true` in one file mean different things, and
-    the loader keeps such a column as raw JSON (reading `"1"` back as `1`), so the types are read from the file."""
+    """A JSON label column of mixed types (`1`, `"1"`, `true`) is kept by the loader as raw JSON, `"1"` read back as
+    `1`: the types are read from the file."""
     for split, ds in loaded.items():
         if column in ds.column_names and isinstance(ds.features[column], datasets.Json):
             text = Path(files[split]).read_text(encoding="utf-8-sig")  # JSON Lines, or a JSON array of objects
@@ -77,12 +102,10 @@ def _check_json_labels(loaded: DatasetDict, files: dict[str, str], column: str) 
 
 
 def _load_file(path: Path, split: str, suffix: str, files: dict[str, str]) -> datasets.Dataset:
-    """One split's file, read as the loader reads it; a file it cannot read is refused naming it."""
     fmt, kwargs, records = FILE_FORMATS[suffix], {}, None
     if fmt == "csv":
         kwargs = {**CSV_OPTIONS, "delimiter": DIALECTS[suffix][0], "quoting": DIALECTS[suffix][1]}
-        # The rows as predict.py reads them (utils/common/delimited.py): the loader must read as many. An empty file
-        # counts 0, and the loader's own refusal says so.
+        # The loader must read as many rows as predict.py does (utils/common/delimited.py).
         try:
             with path.open(encoding="utf-8-sig", newline="") as handle:
                 records = sum(1 for _ in read_records(handle, path, suffix)[1])
@@ -126,68 +149,64 @@ def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
     )
 
 
-def load_raw(settings: Settings) -> DatasetDict:
-    """The train and validation splits from the local data when set (DATASET_PATH, or TRAIN_FILE and
-    VALIDATION_FILE), else from the Hub (TASK=mnli: its two); train alone where VALIDATION_SPLIT carves validation."""
-    splits = read_splits(settings.validation_split, validation_splits(settings.task))
+def load_raw(source: DataSettings) -> DatasetDict:
+    """The train and validation splits (TASK=mnli: its two) from the local data, else the Hub; train alone where
+    VALIDATION_SPLIT carves validation."""
+    splits = read_splits(source.validation_split, validation_splits(source.task))
     if (
         files := split_files(
-            settings.dataset_path,
-            settings.train_file,
-            settings.validation_file,
-            settings.validation_split,
-            validation_splits(settings.task),
+            source.dataset_path,
+            source.train_file,
+            source.validation_file,
+            source.validation_split,
+            validation_splits(source.task),
         )
     ) is not None:
-        # One split at a time: loaded together, the validation file was cast to the train file's columns, and
-        # an extra column (unused either way) failed with a CastError naming neither file nor column.
+        # One split at a time: loaded together, an extra column failed a cast naming neither file nor column.
         loaded = DatasetDict(
             {split: _load_file(Path(p), split, Path(p).suffix.lower(), files) for split, p in files.items()}
         )
         json_files = {s: p for s, p in files.items() if FILE_FORMATS[Path(p).suffix.lower()] == "json"}
-        _check_json_labels(DatasetDict({s: loaded[s] for s in json_files}), json_files, settings.label_column)
-    elif settings.dataset_path:
-        folder = Path(settings.dataset_path)
+        _check_json_labels(DatasetDict({s: loaded[s] for s in json_files}), json_files, source.label_column)
+    elif source.dataset_path:
+        folder = Path(source.dataset_path)
         try:
             loaded = load_from_disk(str(folder))
-        # A torn JSON file, a truncated or missing .arrow file: the user's copy, not ours to rebuild.
         except Exception as exc:
             raise BadInput(
                 f"DATASET_PATH={folder} holds a damaged save_to_disk DatasetDict ({type(exc).__name__}: {first_line(exc, 160, '')}); "
                 "write it again with DatasetDict.save_to_disk, or point DATASET_PATH at train/validation files",
             ) from None
         if isinstance(loaded, DatasetDict):
-            check_carve(loaded, f"DATASET_PATH={folder}", settings.validation_split, validation_splits(settings.task))
+            check_carve(loaded, f"DATASET_PATH={folder}", source.validation_split, validation_splits(source.task))
     else:
         try:
-            # No loading script from the Hub runs (datasets 4 and later run none at all; said here so a
-            # version that still could never asks or does).
-            loaded = load_dataset(settings.dataset_name, settings.dataset_config, trust_remote_code=False)
+            # No loading script from the Hub runs (datasets 4 runs none; said for a version that could).
+            loaded = load_dataset(source.dataset_name, source.dataset_config, trust_remote_code=False)
         except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
             raise BadInput(
-                f"cannot load DATASET_NAME={settings.dataset_name} DATASET_CONFIG={settings.dataset_config} from the Hub "
+                f"cannot load DATASET_NAME={source.dataset_name} DATASET_CONFIG={source.dataset_config} from the Hub "
                 f"({type(exc).__name__}: {first_line(exc, 160, '')}); check the names, or on an offline cluster set DATASET_PATH to a local copy",
             ) from None
     if not isinstance(loaded, DatasetDict):
-        raise BadInput(f"{settings.dataset_path} holds one Dataset; save a DatasetDict of the splits")
+        raise BadInput(f"{source.dataset_path} holds one Dataset; save a DatasetDict of the splits")
     check_splits(loaded, splits)
-    if settings.validation_split is not None and not settings.local_data:
-        log.info("VALIDATION_SPLIT=%s: the Hub's validation rows are not read", settings.validation_split)
+    if source.validation_split is not None and not source.local_data:
+        log.info("VALIDATION_SPLIT=%s: the Hub's validation rows are not read", source.validation_split)
     return DatasetDict({split: loaded[split] for split in splits})
 
 
-def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
-    """Keep the text column(s) and the label under fixed names (`text`, `text_pair`, `labels`); refuse empty splits
-    and labels the job cannot train. The labels leave as the ids of a ClassLabel that holds their names (what the
-    model's id2label, the metrics and the card read), as float32 scores for regression, or as float32 multi-hot
-    vectors for a multi-label problem (utils/training/multi_label.py), their names in the feature (`label_names_of`)."""
-    columns, label = settings.text_columns, settings.label_column
-    multi = settings.problem_type == MULTI_LABEL
-    given = settings.label_names if "label_names" in settings.model_fields_set else None  # LABEL_NAMES, if set
+def check_and_rename(raw: DatasetDict, source: DataSource) -> DatasetDict:
+    """The text column(s) and labels as `text`, `text_pair`, `labels`; empty splits and untrainable labels refused.
+    Labels leave as ClassLabel ids with their names, float32 scores (regression) or float32 multi-hot vectors
+    whose names ride in the feature (`label_names_of`)."""
+    columns, label = source.text_columns, source.label_column
+    multi = source.problem_type == MULTI_LABEL
+    given = source.label_names if source.label_names_given else None
     if not multi:
         raw = DatasetDict({split: _numbers_as_numbers(ds, label) for split, ds in raw.items()})
     for split, ds in raw.items():
-        check_columns(split, ds.column_names, columns, settings.label_source_columns)
+        check_columns(split, ds.column_names, columns, source.label_source_columns)
         if len(ds) == 0:
             raise BadInput(f"the {split} split is empty; it needs at least one row")
         for column in columns:
@@ -196,9 +215,8 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
             _check_label_values(ds, split, label)
     _warn_unnamed_text(raw["train"], columns, label)
     if multi:
-        names, vectors = multi_hot_labels(raw, label, settings.label_columns, given)
-        # The names ride in the id of the vectors' values, which datasets keeps through map, select and
-        # save_to_disk: the checked and the cached data say what each position is, as a ClassLabel does.
+        names, vectors = multi_hot_labels(raw, label, source.label_columns, given)
+        # The names ride in the values' id, which datasets keeps through map, select and save_to_disk.
         feature = datasets.List(datasets.Value("float32", id=json.dumps(names)), length=len(names))
         texts = dict(zip(columns, TEXTS, strict=False))
         return DatasetDict(
@@ -209,14 +227,15 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
                 for split, ds in raw.items()
             }
         )
-    problem_given = "problem_type" in settings.model_fields_set
-    problem = resolve_problem_type(raw["train"], label, settings.problem_type, problem_given, settings.task, given)
+    problem = resolve_problem_type(
+        raw["train"], label, source.problem_type, source.problem_type_given, source.task, given
+    )
     if problem == REGRESSION:
         feature = datasets.Value("float32")
         labelled = {s: _scores(ds, s, label) for s, ds in raw.items()}
     else:
         _warn_joined_names(raw["train"], label)
-        names = resolve_label_names(raw, label, settings.label_names, given is not None or bool(settings.task))
+        names = resolve_label_names(raw, label, source.label_names, given is not None or bool(source.task))
         feature = datasets.ClassLabel(names=list(names))
         labelled = {s: _labels_as_ids(ds, s, label, names) for s, ds in raw.items()}
     renamed = dict(zip([*columns, label], [*TEXTS[: len(columns)], LABEL], strict=True))
@@ -234,8 +253,7 @@ def check_and_rename(raw: DatasetDict, settings: Settings) -> DatasetDict:
 
 
 def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
-    """Text the tokenizer can take: a string column, and every row's text as utils/common/texts.py's rule holds it (no row
-    without a sentence, which would train on [CLS] [SEP]; no NUL), the rule predict.py holds its input to."""
+    """A string column, every row held to utils/common/texts.py's rule, as predict.py holds its input."""
     feature = ds.features[column]
     kind = getattr(feature, "dtype", type(feature).__name__)
     if kind not in ("string", "large_string", "null"):
@@ -246,7 +264,6 @@ def _check_text(ds: datasets.Dataset, split: str, column: str) -> None:
 
 
 def _check_label_values(ds: datasets.Dataset, split: str, column: str) -> None:
-    """A label column the job can read: one type, no row without a label."""
     if isinstance(ds.features[column], datasets.Json):
         kinds = sorted({JSON_TYPES.get(type(v), type(v).__name__) for v in ds[column] if v is not None})
         raise BadInput(
@@ -272,10 +289,8 @@ NUMBER = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
 
 
 def _numbers_as_numbers(ds: datasets.Dataset, column: str) -> datasets.Dataset:
-    """A text label column whose every value is a number, read as those numbers (float64), as the csv reader reads
-    the same values: JSON keeps what the file quotes, and the labels "1.0"/"0.0" of a jsonl file trained as two
-    classes named "0.0" and "1.0" where a csv's 1.0/0.0 are the ids 1 and 0 (and "3.5" scores as no regression at
-    all). Digits alone ("0"/"1") are read as ids already (`_digits`)."""
+    """A text label column of numbers read as float64, as a csv's: a jsonl's "1.0"/"0.0" trained as two classes
+    named so where a csv's are the ids 1 and 0. Digits alone are ids already (`_digits`)."""
     if column not in ds.column_names or not _is_text(ds.features[column]):
         return ds  # a missing column: refused below with the fix
     values = ds.unique(column)
@@ -287,8 +302,7 @@ def _numbers_as_numbers(ds: datasets.Dataset, column: str) -> datasets.Dataset:
 
 
 def _warn_unnamed_text(ds: datasets.Dataset, text_columns: tuple[str, ...], label_column: str) -> None:
-    """One text column named while the data holds another (MNLI's hypothesis): training on half of each pair
-    runs, and learns little, without a word. Warned, not refused: the other column may be a note or a source."""
+    """Another text column that no setting names (MNLI's hypothesis): warned, it may be a note."""
     column, used = text_columns[0], {*text_columns, label_column}
     others = [name for name, feature in ds.features.items() if name not in used and _is_text(feature)]
     if others and len(text_columns) == 1:
@@ -299,8 +313,7 @@ def _warn_unnamed_text(ds: datasets.Dataset, text_columns: tuple[str, ...], labe
 
 
 def _warn_joined_names(ds: datasets.Dataset, column: str) -> None:
-    """Text labels joined by `|` (`toxic|insult`), the way a multi-label csv writes them, trained one label a row:
-    each combination becomes a class of its own. Warned, not refused: a class name may hold the character."""
+    """Text labels joined by `|`, as a multi-label csv writes them: warned, a class name may hold it."""
     if not _is_text(ds.features[column]):
         return
     joined = pyarrow.compute.match_substring(ds.with_format("arrow")[column], SEPARATOR)
@@ -329,11 +342,9 @@ def resolve_problem_type(
     task: str | None,
     given_names: tuple[str, ...] | None,
 ) -> str:
-    """PROBLEM_TYPE when set (TASK sets it); auto: regression for a float label column that holds fractions
-    (STS-B's 0-5 scores), else classification (a float column of 0.0/1.0 is a csv export of two classes).
-    LABEL_NAMES given means classes: a fraction is then a bad row, never a reason to train scores. Class labels
-    (a ClassLabel) are trained as scores only when PROBLEM_TYPE=regression is said outright (`problem_type_given`),
-    not by TASK. `given_names`: LABEL_NAMES when set, else None."""
+    """PROBLEM_TYPE when set (TASK sets it); auto: regression for a float column of fractions, else classification.
+    LABEL_NAMES given (`given_names`) means classes; a ClassLabel trains as scores only where PROBLEM_TYPE=regression
+    is given outright, not by TASK."""
     feature = train.features[column]
     named = given_names is not None
     if isinstance(feature, datasets.List | datasets.LargeList):
@@ -379,14 +390,12 @@ def _is_id(value) -> bool:
 
 
 def _not_ids(split: str, ds: datasets.Dataset, column: str, odd: list, fix: str) -> str:
-    """The refusal of labels that are no class ids (fractions, NaN), naming the first row that holds one."""
     row = next(i for i, v in enumerate(ds.with_format("arrow")[column].to_pylist()) if v is not None and not _is_id(v))
     return f"the {split} split has labels {odd[:3]} in '{column}' that are not class ids (the first is row {row + 1}); {fix}"
 
 
 def _scores(ds: datasets.Dataset, split: str, column: str) -> datasets.Dataset:
-    """Regression targets: numbers, none of them NaN or infinite (one NaN makes every loss after it NaN), checked
-    as float32, the dtype they train in: 1e39 is finite in float64 and infinite once cast."""
+    """Regression targets: numbers, finite as float32 (one NaN makes every loss after it NaN)."""
     kind = getattr(ds.features[column], "dtype", type(ds.features[column]).__name__)
     if kind not in ("bool", "int8", "int16", "int32", "int64", "float16", "float32", "float64"):
         raise BadInput(
@@ -412,11 +421,8 @@ def _digits(values) -> bool:
 # Hand-written beside datasets' class_encode_column and align_labels_with_mapping, which tell `Positive ` from
 # `positive` and write a cache beside the data (tests/test_library_contract.py says when they no longer do).
 def resolve_label_names(raw: DatasetDict, column: str, label_names: tuple[str, ...], decided: bool) -> tuple[str, ...]:
-    """The class names in id order. LABEL_NAMES when given (or TASK's), in its order; else the data's: a
-    ClassLabel's names, or a text label column's distinct values over all splits, sorted (case and spaces
-    aside), except that the default names negative/positive keep their order in any case; ids with no names
-    (0/1, "0"/"1"): LABEL_NAMES's default for two, the ids as names for more. `decided`: LABEL_NAMES given, or
-    TASK's names."""
+    """The class names in id order: LABEL_NAMES or TASK's where `decided`; else the data's (a ClassLabel's, or the
+    text labels sorted, the default names in their order); unnamed ids: the default names for two, else the ids."""
     if decided:
         return label_names
     kinds = {split: _label_kind(ds.features[column], ds.unique(column)) for split, ds in raw.items()}
@@ -450,18 +456,14 @@ def resolve_label_names(raw: DatasetDict, column: str, label_names: tuple[str, .
 
 
 def _label_kind(feature, values) -> str:
-    """How a split writes its labels: `names` (a named ClassLabel, words) or `ids` (numbers, booleans, digits)."""
     if isinstance(feature, datasets.ClassLabel):
         return "ids" if feature.names == [str(i) for i in range(len(feature.names))] else "names"
     return "names" if _is_text(feature) and not _digits(values) else "ids"
 
 
 def _labels_as_ids(ds: datasets.Dataset, split: str, column: str, label_names: tuple[str, ...]) -> datasets.Dataset:
-    """Labels as the ids of `label_names`. Where the data names its labels (a ClassLabel, or words), they are
-    mapped by name: a ClassLabel `['positive', 'negative']` trained as it stands would teach the model the
-    opposite of what the card says. Booleans, the floats 0.0/1.0 (a csv column with a blank, a pandas export)
-    and digits written as strings ("0"/"1") are ids; an id out of range, a word that is not a label name or a
-    name it cannot map is refused."""
+    """Labels as ids of `label_names`: named labels mapped by name (a ClassLabel `['positive', 'negative']` as it
+    stands would teach the opposite of the card); booleans, 0.0/1.0 and digit strings are ids."""
     feature = ds.features[column]
     if isinstance(feature, datasets.ClassLabel):
         ds = _class_label_by_name(ds, split, column, feature, label_names)
@@ -484,7 +486,7 @@ def _labels_as_ids(ds: datasets.Dataset, split: str, column: str, label_names: t
 
 
 def _cast_label(ds: datasets.Dataset, column: str, feature) -> datasets.Dataset:
-    """The label column as `feature`, in memory: a cast writes its cache beside the data, in the user's folder."""
+    """In memory: a cast writes its cache beside the data, in the user's folder."""
     if ds.features[column] == feature:
         return ds
     return ds.cast(datasets.Features({**ds.features, column: feature}), keep_in_memory=True)
@@ -495,8 +497,6 @@ def _name_key(name: str) -> str:
 
 
 def _replace_labels(ds: datasets.Dataset, column: str, new_for_old: list[int], old_ids, feature) -> datasets.Dataset:
-    """The column with each old id replaced by `new_for_old[id]`, in memory: a map would write its cache
-    beside the data, in the user's folder."""
     ids = pyarrow.compute.take(pyarrow.array(new_for_old, pyarrow.int64()), old_ids)
     return ds.remove_columns(column).add_column(column, ids.combine_chunks(), feature=feature)
 
@@ -537,8 +537,6 @@ def _text_labels_by_name(ds, split: str, column: str, values: list[str], label_n
 
 
 def cache_key(raw: DatasetDict, tokenizer, max_seq_length: int, text_columns: tuple[str, ...] = ()) -> str:
-    """Tokenized data depends on the tokenizer, the truncation length, the data and which columns are the text
-    (one sentence or a pair): key the cache on all of them."""
     fingerprints = [raw[s]._fingerprint for s in sorted(raw)]
     return Hasher.hash([Hasher.hash(tokenizer), max_seq_length, fingerprints, list(text_columns)])[:16]
 
@@ -546,8 +544,7 @@ def cache_key(raw: DatasetDict, tokenizer, max_seq_length: int, text_columns: tu
 def tokenize(
     raw: DatasetDict, tokenizer, max_seq_length: int, cache_dir: Path, text_columns: tuple[str, ...] = ()
 ) -> DatasetDict:
-    """Tokenize once into `cache_dir` (on the shared volume); later calls and other ranks load it. A pair
-    (`text_pair`) is tokenized as `[CLS] a [SEP] b [SEP]`, the longer of the two truncated first."""
+    """Tokenize once into `cache_dir` (the shared volume); later calls and other ranks load it."""
     target = cache_dir / f"tokenized-{cache_key(raw, tokenizer, max_seq_length, text_columns)}"
     if target.exists() and (cached := _load_cache(target, raw)) is not None:
         log.info("tokenized data found in %s", target)
@@ -558,8 +555,7 @@ def tokenize(
     def encode(batch):
         return tokenizer(*(batch[name] for name in texts), truncation="longest_first", max_length=max_seq_length)
 
-    # In memory: by default datasets writes the map's cache beside the data, and for a save_to_disk
-    # DATASET_PATH that is the user's folder, perhaps read-only. What is kept is saved under cache_dir below.
+    # In memory: the map's cache would go beside the data, the user's folder.
     tokenized = raw.map(encode, batched=True, remove_columns=texts, desc="tokenizing", keep_in_memory=True)
     # Written beside the target, then renamed: a reader never sees half a cache.
     partial = target.with_name(target.name + ".partial")
@@ -567,8 +563,7 @@ def tokenize(
         shutil.rmtree(partial, ignore_errors=True)
         tokenized.save_to_disk(str(partial))
     except Exception as exc:
-        # The cache is derived data and never stops the job: a full or read-only volume, or a cache folder the
-        # job cannot write, costs only the next start's tokenization. Training goes on from the rows in memory.
+        # The cache is derived data and never stops the job.
         if not isinstance(exc, OSError) and volume_state(exc, cache_dir) is None:
             raise
         shutil.rmtree(partial, ignore_errors=True)
@@ -588,11 +583,7 @@ def tokenize(
 
 
 def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
-    """The cached tokenized splits, or None after removing a damaged cache (it is then rebuilt).
-
-    A volume that filled up, a node lost mid-write or a hand edit can leave a torn dataset_dict.json or
-    state.json, or a truncated .arrow file. The cache is derived data: rebuild it, never fail the job.
-    """
+    """The cached tokenized splits, or None after removing a damaged one (torn JSON, truncated .arrow): rebuilt."""
     try:
         cached = load_from_disk(str(target))
         if sorted(cached) != sorted(raw):
@@ -610,21 +601,18 @@ def _load_cache(target: Path, raw: DatasetDict) -> DatasetDict | None:
         return None
 
 
-def load_sst2(settings: Settings, tokenizer, cache_dir: Path) -> DatasetDict:
-    """Train and validation splits, checked and tokenized (columns input_ids, attention_mask, ..., labels)."""
-    raw = check_and_rename(load_raw(settings), settings)
-    raw = carve_validation(raw, settings.validation_split, settings.seed, validation_splits(settings.task)[0])
-    raw = sample_rows(raw, settings.max_train_samples, settings.max_eval_samples, settings.seed)
-    data = tokenize(raw, tokenizer, settings.max_seq_length, cache_dir, settings.text_columns)
+def load_sst2(source: DataSource, tokenizer, cache_dir: Path) -> DatasetDict:
+    raw = check_and_rename(load_raw(source), source)
+    raw = carve_validation(raw, source.validation_split, source.seed, validation_splits(source.task)[0])
+    raw = sample_rows(raw, source.max_train_samples, source.max_eval_samples, source.seed)
+    data = tokenize(raw, tokenizer, source.max_seq_length, cache_dir, source.text_columns)
     report_unknown_tokens(data["train"], tokenizer)
     return data
 
 
 def carve_validation(raw: DatasetDict, fraction: float | None, seed: int, split: str) -> DatasetDict:
-    """`fraction` of the training rows held out as the `split` split, drawn with `seed`: whole rows, and every row of
-    one text (the pair, for a pair task) on the same side. A data set that repeats a sentence (SST-2 counts each
-    phrase once per tree it is in; a csv may hold duplicates) would otherwise score the model on rows it trained
-    on. The held-out share is the fraction rounded up to whole texts, at least one row each side."""
+    """`fraction` of the training rows held out as `split`, drawn with `seed`, every row of one text on the same side
+    (SST-2 repeats phrases: validation would score rows trained on); at least one row each side."""
     if fraction is None:
         return raw
     train = raw["train"]
@@ -656,9 +644,8 @@ def carve_validation(raw: DatasetDict, fraction: float | None, seed: int, split:
 
 
 def sample_rows(raw: DatasetDict, max_train: int | None, max_eval: int | None, seed: int) -> DatasetDict:
-    """At most `max_train` training rows and `max_eval` rows of each validation split, the first after a shuffle
-    with `seed`: a file's first rows are often one class or one source (sorted by label, appended by date), and a
-    quick run on them measures nothing. The rows keep the shuffled order; training shuffles them again anyway."""
+    """At most `max_train` / `max_eval` rows of each split, the first after a shuffle with `seed`: a file's first
+    rows are often one class."""
     limited = {}
     for split, rows in raw.items():
         limit = max_train if split == "train" else max_eval
@@ -669,17 +656,13 @@ def sample_rows(raw: DatasetDict, max_train: int | None, max_eval: int | None, s
     return DatasetDict(limited)
 
 
-# A tokenizer that fits the text leaves well under 1% of its tokens unknown (bert-base-uncased on English reviews:
-# a rare emoji or symbol); at 5% one word in twenty reaches the model as the same [UNK] and what it learns is
-# guesswork (a csv the demo's tiny vocabulary did not cover: 21% unknown, accuracy at chance). Below it, a few
-# names or symbols; above it, a vocabulary that does not cover the data.
+# A fitting tokenizer leaves well under 1% unknown; at 5% one word in twenty is the same [UNK] (a csv the demo's
+# vocabulary did not cover: 21%, accuracy at chance).
 UNKNOWN_TOKENS_WARNING = 0.05
 
 
 def unknown_share(train: datasets.Dataset, tokenizer) -> tuple[int, int] | None:
-    """How many of the training rows' text tokens (special tokens aside: [CLS] and [SEP] would hide a short
-    row's unknown words) are the tokenizer's unknown token, and of how many: counted in Arrow, no Python loop.
-    None for a tokenizer without one (byte-level BPE knows every text)."""
+    """(unknown, text tokens) of the training rows, special tokens aside; None for a tokenizer without [UNK]."""
     unk = tokenizer.unk_token_id
     if unk is None:
         return None
@@ -692,7 +675,6 @@ def unknown_share(train: datasets.Dataset, tokenizer) -> tuple[int, int] | None:
 
 
 def report_unknown_tokens(train: datasets.Dataset, tokenizer) -> None:
-    """Log the unknown token's share of the training text, and warn with the cause and the fix above the bound."""
     if (counts := unknown_share(train, tokenizer)) is None or not counts[1]:
         return
     unknown, total = counts
@@ -709,8 +691,7 @@ def report_unknown_tokens(train: datasets.Dataset, tokenizer) -> None:
 
 
 def problem_type_of(data: DatasetDict) -> str:
-    """What the checked data trains, read from its label feature (check_and_rename decided it, once): multi-hot
-    vectors, class ids or scores."""
+    """What the checked data trains, read from its label feature (check_and_rename decided it)."""
     feature = data["train"].features[LABEL]
     if isinstance(feature, datasets.List):
         return MULTI_LABEL

@@ -12,6 +12,7 @@ import shutil
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,28 +30,49 @@ from transformers.models.auto.tokenization_auto import get_tokenizer_config
 from utils.common.errors import BadInput, JobError, first_line
 from utils.config.local_inputs import check_model_folder, no_tokenizer
 from utils.config.recipe import lora_options
-from utils.config.settings import Settings
 from utils.config.tasks import MULTI_LABEL
 from utils.run_folder.model_files import INPUTS_NAME, REGRESSION_LABEL, read_label_names
 
 log = logging.getLogger(__name__)
 
 CLASSIFIER = "classifier"  # the head of every family here: kept in full precision and trained alongside the adapters
-# LoRA's GLUE targets, the query and value projections, by each architecture's own names when LORA_TARGET_MODULES is
-# not given: peft's table (BERT, RoBERTa, ELECTRA: query,value; DeBERTa-v2/v3: query_proj,value_proj), and these
-# for the families it lacks. ModernBERT fuses query, key and value into one layer, adapted whole.
+# The query and value projections by each architecture's names, for the families peft's table lacks (ModernBERT
+# fuses query, key and value into one layer, adapted whole).
 QUERY_VALUE = {"distilbert": ("q_lin", "v_lin"), "modernbert": ("Wqkv",)}
-# Where model configs keep their dropout: BERT, RoBERTa and DeBERTa use the first two, DistilBERT the last two.
 DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout")
-# Every load of a model, tokenizer or config: no code from a model folder or repo runs, and transformers never
-# stops to ask on stdin whether it may (it does when this is left unset).
+# No code from a model runs, and transformers never asks on stdin whether it may (it does when this is unset).
 NO_REMOTE_CODE = {"trust_remote_code": False}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The settings build_model reads (Settings.select)."""
+
+    model_name: str
+    model_dropout: float | str
+    label_names: tuple[str, ...]
+    problem_type: str
+    train_pooler: bool
+    gradient_checkpointing: bool
+    int8_threshold: float
+    lora_r: int
+    lora_alpha: int
+    lora_dropout: float
+    lora_target_modules: tuple[str, ...]
+    lora_variant: str
+    lora_init: str
+
+
+@dataclass(frozen=True)
+class ModelChoices(ModelSettings):
+    """The model settings, and whether LORA_TARGET_MODULES was given: unset, the architecture's names (lora_targets)."""
+
+    lora_target_modules_given: bool
 
 
 @contextmanager
 def _loading(model_name: str) -> Iterator[None]:
-    """Loading MODEL_NAME (config, tokenizer or weights) fails as one refusal line, never a traceback; a Hub repo's
-    pytorch_model.bin, downloaded only by from_pretrained, included."""
+    """Loading MODEL_NAME fails as one refusal line, never a traceback."""
     try:
         yield
     except pickle.UnpicklingError as exc:
@@ -67,19 +89,16 @@ def load_tokenizer(model_name: str, max_seq_length: int, lora_r: int):
     check_model(model_name, max_seq_length, lora_r)
     with _loading(model_name):
         tokenizer = AutoTokenizer.from_pretrained(model_name, **NO_REMOTE_CODE)
-    # A folder without tokenizer files still loads: a tokenizer that knows only its special tokens,
-    # which turns every word into [UNK] and trains without a word of complaint.
+    # A folder without tokenizer files still loads one that knows only its special tokens: every word [UNK].
     if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
         raise no_tokenizer(model_name)
-    # Saved with model/ and merged/ (tokenizer_config.json): whoever loads the model truncates where training
-    # did, never past its position embeddings; many folders record no length (1e30), which truncates nothing.
+    # Saved with model/ and merged/: whoever loads the model truncates where training did (many folders say 1e30).
     tokenizer.model_max_length = max_seq_length
     return tokenizer
 
 
 def check_model(model_name: str, max_seq_length: int, lora_r: int) -> None:
-    """Before any training step: a local folder without what a model needs (as --dry-run checks it), custom code,
-    weights files that cannot be read, and settings the model cannot take."""
+    """Before any step: a folder without what a model needs, custom code, unreadable weights, settings it cannot take."""
     check_model_folder(model_name)
     refuse_custom_code(model_name)
     folder = Path(model_name)
@@ -104,13 +123,8 @@ def check_model(model_name: str, max_seq_length: int, lora_r: int) -> None:
 
 
 def refuse_custom_code(model_name: str) -> None:
-    """A model whose config.json or tokenizer_config.json maps its classes to Python files of its own (`auto_map`)
-    is refused before anything of it is imported: the job runs only the code it ships with.
-
-    Both files are read as JSON, which runs nothing. Loading with trust_remote_code=False would still take
-    such a model when transformers knows its model_type, silently with transformers' own classes instead
-    of the ones the folder asks for.
-    """
+    """A model whose config.json or tokenizer_config.json has an `auto_map` (Python files of its own) is refused,
+    read as JSON: trust_remote_code=False would still load it silently with transformers' own classes."""
     with _loading(model_name):
         config, _ = PretrainedConfig.get_config_dict(model_name)
         tokenizer_config = get_tokenizer_config(model_name)
@@ -130,9 +144,8 @@ def refuse_custom_code(model_name: str) -> None:
 
 
 def _check_weights_file(model_name: str, path: Path) -> None:
-    """A weights file the loader would report as missing ('No such file') or fail on with a traceback. A pickled
-    one loads only through torch's weights-only unpickler, as transformers loads it, onto the meta device (no
-    tensor data is read): one it refuses (a pickle that would call a function, e.g. os.system) is refused here."""
+    """A weights file the loader would call missing or fail on with a traceback; a pickle is tried with torch's
+    weights-only unpickler on the meta device, as transformers loads it."""
     problem, fix = None, " and make them readable by the job"
     if path.is_symlink() and not path.exists():
         problem = f"is a link to {os.readlink(path)}, which does not exist"
@@ -164,7 +177,6 @@ def _check_weights_file(model_name: str, path: Path) -> None:
 
 
 def _unsafe_weights(model_name: str, name: str, exc: pickle.UnpicklingError) -> JobError:
-    """A pickle torch's weights-only loader refused: it asks to run code (the line naming what it would call)."""
     lines = str(exc).splitlines()
     what = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
     return BadInput(
@@ -175,9 +187,7 @@ def _unsafe_weights(model_name: str, name: str, exc: pickle.UnpicklingError) -> 
 
 
 def label_config(names: Sequence[str], multi_label: bool = False) -> dict:
-    """The classifier's size and label names, so a pipeline over the saved model says 'positive', not 'LABEL_1'.
-    `names`: the class names in id order, `()` or `[score]` for regression (one output trained with MSE);
-    `multi_label`: one sigmoid output per label, trained with binary cross-entropy on multi-hot labels."""
+    """The head's size and label names (a pipeline says 'positive', not 'LABEL_1'); `()` or `[score]`: regression."""
     regression = list(names) in ([], [REGRESSION_LABEL])
     names = [REGRESSION_LABEL] if regression else list(names)
     problem = "regression" if regression else MULTI_LABEL if multi_label else "single_label_classification"
@@ -192,15 +202,9 @@ def label_config(names: Sequence[str], multi_label: bool = False) -> dict:
 def load_base(
     name: str, labels: Sequence[str] | None, restored: Iterable[str], multi_label: bool = False, **kwargs
 ) -> torch.nn.Module:
-    """AutoModelForSequenceClassification of `name` with a head for `labels` (None: the checkpoint's own; a
-    multi-label head where `multi_label`), no code of its own run. OSError or ValueError when the model cannot be
-    loaded.
-
-    A base whose head has another size (a 2-label checkpoint under a 3-class task) gets from_pretrained's leave
-    to start a new one: training trains it from scratch, an adapter restores its own. Only then: a mismatch
-    anywhere else stays an error. transformers' LOAD REPORT is held back when every weight it names missing or
-    resized belongs to a module in `restored` (a head trained in full): its table, with terminal colours, said
-    nothing wrong on every N-class or regression model. A report naming any other weight is shown as it was."""
+    """`name` with a head for `labels` (None: the checkpoint's own). A head of another size starts anew (training
+    trains it, an adapter restores its own). transformers' LOAD REPORT is held back when every weight it names
+    belongs to a module in `restored` (a head trained in full); one naming any other weight is shown."""
     heads = label_config(labels, multi_label) if labels is not None else {}
     if heads and AutoConfig.from_pretrained(name, **NO_REMOTE_CODE).num_labels != heads["num_labels"]:
         heads["ignore_mismatched_sizes"] = True
@@ -228,12 +232,8 @@ def load_base(
 
 
 def _base_dropout(model_dropout: float | str, model_name: str, config: PretrainedConfig) -> dict:
-    """from_pretrained keyword arguments setting the base model's dropout to MODEL_DROPOUT; none for `checkpoint`.
-
-    One epoch of LoRA underfits SST-2 rather than overfits it (docs/quality.md): the base model's own dropout,
-    made for pre-training and full fine-tuning, then only slows what the adapter learns. The adapter keeps
-    its own LORA_DROPOUT.
-    """
+    """The base model's dropout set to MODEL_DROPOUT (none for `checkpoint`): one epoch of LoRA underfits SST-2
+    (docs/quality.md), and the base's own dropout only slows the adapter."""
     if model_dropout == "checkpoint":
         return {}
     dropout = {name: model_dropout for name in DROPOUT_ATTRIBUTES if isinstance(getattr(config, name, None), float)}
@@ -246,57 +246,47 @@ def _base_dropout(model_dropout: float | str, model_name: str, config: Pretraine
 
 
 def build_model(
-    settings: Settings, quantize: bool, device: torch.device, labels: tuple[str, ...] | None = None
+    choices: ModelChoices, quantization: str, device: torch.device, labels: tuple[str, ...] | None = None
 ) -> PeftModel:
-    """AutoModelForSequenceClassification (one output per label, or one score) + LoRA; quantized base weights when
-    `quantize` (the plan's: 4-bit where QUANTIZATION=4bit, else 8-bit)."""
-    with _loading(settings.model_name):
-        config = AutoConfig.from_pretrained(settings.model_name, **NO_REMOTE_CODE)
-    kwargs: dict = {
-        "attn_implementation": attention(config),
-        **_base_dropout(settings.model_dropout, settings.model_name, config),
-    }
+    """AutoModelForSequenceClassification (one output per label, or one score) + LoRA; quantized base weights where
+    the plan's `quantization` is 8bit or 4bit."""
+    name, pooler, quantize = choices.model_name, choices.train_pooler, quantization in ("8bit", "4bit")
+    with _loading(name):
+        config = AutoConfig.from_pretrained(name, **NO_REMOTE_CODE)
+    kwargs: dict = {"attn_implementation": attention(config), **_base_dropout(choices.model_dropout, name, config)}
     if quantize:
-        kwargs |= quantized_loading(settings.quantization, settings.int8_threshold, settings.train_pooler, device)
-    head = (CLASSIFIER, "score", *(["pooler"] if settings.train_pooler else []))  # trained in full, started fresh here
-    with _loading(settings.model_name):
-        multi_label = settings.problem_type == MULTI_LABEL
-        names = settings.label_names if labels is None else labels
-        model = load_base(settings.model_name, names, head, multi_label, **kwargs)
-    if quantize and settings.quantization == "4bit" and device.type == "cpu":
+        kwargs |= quantized_loading(quantization, choices.int8_threshold, pooler, device)
+    head = (CLASSIFIER, "score", *(["pooler"] if pooler else []))  # trained in full, started fresh here
+    with _loading(name):
+        multi_label = choices.problem_type == MULTI_LABEL
+        model = load_base(name, choices.label_names if labels is None else labels, head, multi_label, **kwargs)
+    if quantization == "4bit" and device.type == "cpu":
         # bitsandbytes 0.50 repacks a 4-bit weight for its CPU inference kernel at the first forward without gradients
         # (an evaluation) and leaves it so: the training step after it fails ("a view of a leaf Variable ... in-place").
         for module in model.modules():
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
     if quantize:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.gradient_checkpointing)
-    targets = lora_targets(
-        settings.lora_target_modules, "lora_target_modules" in settings.model_fields_set, model.config.model_type
-    )
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=choices.gradient_checkpointing)
+    targets = lora_targets(choices.lora_target_modules, choices.lora_target_modules_given, model.config.model_type)
     lora = LoraConfig(
         task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
-        r=settings.lora_r,
-        lora_alpha=settings.lora_alpha,
-        lora_dropout=settings.lora_dropout,
+        r=choices.lora_r,
+        lora_alpha=choices.lora_alpha,
+        lora_dropout=choices.lora_dropout,
         target_modules=list(targets),
         # pooler, rsLoRA/DoRA, init
-        **lora_options(dict(model.named_modules()), settings.lora_variant, settings.lora_init, settings.train_pooler),
+        **lora_options(dict(model.named_modules()), choices.lora_variant, choices.lora_init, pooler),
     )
-    return add_lora(model, lora, targets, settings.model_name, settings.train_pooler)
+    return add_lora(model, lora, targets, name, pooler)
 
 
 def quantized_loading(quantization: str, int8_threshold: float, train_pooler: bool, device: torch.device) -> dict:
-    """from_pretrained keyword arguments for quantized base weights, pinned to this rank's device.
-
-    The quantizer would take every Linear, the classifier head too, and LoRA cannot train an int8 or NF4 head: the
-    head is skipped by the quantizer (`llm_int8_skip_modules`, which 4-bit reads too) and saved in full with the
-    adapter.
-    """
+    """from_pretrained arguments for quantized base weights on this rank's device; the head is skipped
+    (`llm_int8_skip_modules`, which 4-bit reads too): LoRA cannot train an int8 or NF4 head."""
     skipped = [CLASSIFIER, *(["pooler.dense"] if train_pooler else [])]
     if quantization == "4bit":
-        # QLoRA's recipe: NF4 weights, their scales quantized too, the matmuls computed in bf16 where the GPU has
-        # it (fp32 on the CPU, where bitsandbytes runs 4-bit too).
+        # QLoRA's recipe: NF4, double quantization, bf16 matmuls where the GPU has it (fp32 on the CPU).
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         compute = torch.bfloat16 if bf16 else torch.float16 if device.type == "cuda" else torch.float32
         config = BitsAndBytesConfig(
@@ -310,21 +300,19 @@ def quantized_loading(quantization: str, int8_threshold: float, train_pooler: bo
         config = BitsAndBytesConfig(
             load_in_8bit=True, llm_int8_skip_modules=skipped, llm_int8_threshold=int8_threshold
         )
-        # bitsandbytes' int8 matmul warns at every call (72 a step) that it casts its bf16 or fp32 input to fp16:
-        # what 8-bit weights do, said once here instead.
+        # bitsandbytes warns of this cast at every int8 matmul (72 a step): said once here instead.
         logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
         log.info(
             "8-bit weights: bitsandbytes casts each int8 matmul's input to fp16 (INT8_THRESHOLD=%g)", int8_threshold
         )
-    # bitsandbytes places the weights itself; pin them to this rank's device, not "auto" across GPUs.
+    # Pinned to this rank's device, not "auto" across GPUs.
     return {"quantization_config": config, "device_map": {"": device.index if device.type == "cuda" else "cpu"}}
 
 
 def add_lora(
     model: torch.nn.Module, lora: LoraConfig, targets: tuple[str, ...], model_name: str, train_pooler: bool
 ) -> PeftModel:
-    """The LoRA adapter `lora` on `model`, every name in `targets` (lora_targets, in their order: peft keeps a set)
-    checked to have given an adapter."""
+    """`lora` on `model`, every name in `targets` checked to have given an adapter."""
     modules = dict(model.named_modules())
     check_target_modules(model_name, modules, adapted=None, targets=targets)
     try:
@@ -348,8 +336,7 @@ def add_lora(
 
 
 def lora_targets(target_modules: tuple[str, ...], given: bool, model_type: str) -> tuple[str, ...]:
-    """The layers LoRA adapts: LORA_TARGET_MODULES when `given`; else the query and value projections by the names
-    of this architecture (BERT's `query,value` matches nothing in DistilBERT or ModernBERT)."""
+    """LORA_TARGET_MODULES when `given`; else the query and value by this architecture's names."""
     if given:
         return target_modules
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
@@ -361,8 +348,7 @@ def lora_targets(target_modules: tuple[str, ...], given: bool, model_type: str) 
 
 
 def attention(config: PretrainedConfig) -> str:
-    """SDPA where the architecture offers it (asked for by name, so a library change cannot silently fall back to
-    materialised score matrices without fused kernels), else the eager attention (DeBERTa-v2/v3 has no SDPA)."""
+    """SDPA where offered, asked for by name so no library change falls back silently; else eager (DeBERTa-v2)."""
     try:
         supports = AutoModelForSequenceClassification._model_mapping[type(config)]._supports_sdpa
     except KeyError:
@@ -373,22 +359,18 @@ def attention(config: PretrainedConfig) -> str:
 
 
 def linear_layer_names(modules: dict[str, torch.nn.Module]) -> list[str]:
-    """The last part of the name of every linear layer: what LORA_TARGET_MODULES names (query, value, dense, ...)."""
     return sorted({name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, torch.nn.Linear)})
 
 
 def matches_target(target: str, names: Iterable[str]) -> bool:
-    """peft's rule for a list of target_modules: a module's whole name, or its end after a dot."""
     return any(name == target or name.endswith(f".{target}") for name in names)
 
 
 def check_target_modules(
     model_name: str, modules: dict[str, torch.nn.Module], adapted: list[str] | None, targets: tuple[str, ...]
 ) -> None:
-    """Every name in `targets` (lora_targets) must match a module of the model (`adapted` None), or an adapted one.
-
-    A typo (`query,vlaue`) would otherwise train `query` alone, exit 0, and record `vlaue` in adapter_config.json.
-    """
+    """Every name in `targets` matches a module (`adapted` None), or an adapted one: a typo (`query,vlaue`) would
+    train `query` alone and exit 0."""
     linear = linear_layer_names(modules)
     problems = []
     for target in targets:
@@ -406,12 +388,8 @@ def check_target_modules(
 
 
 def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> str:
-    """A hash of the trainable weights: identical on every rank when DDP (or FSDP) really synchronised them.
-
-    Under FSDP each weight is a sharded DTensor: it is gathered whole first, a collective, so every rank
-    must call this at the same point, before leaving the process group.
-    """
-    # `weights`: the trainable weights gathered already (DeepSpeed: utils/training/strategy.full_state_dict).
+    """A hash of the trainable weights, the same on every rank when they were synchronised. `weights`: gathered
+    already (DeepSpeed); under FSDP each is gathered here, a collective every rank calls."""
     if weights is None:
         weights = {
             name: param.full_tensor() if hasattr(param, "full_tensor") else param
@@ -426,13 +404,8 @@ def trainable_checksum(model: torch.nn.Module, weights: dict[str, torch.Tensor] 
 
 
 def load_adapted(model_name: str, adapter_dir: Path, labels: Sequence[str], multi_label: bool) -> PeftModel:
-    """The base (MODEL_NAME) in full precision with the adapter in `adapter_dir` on it, the head named by the labels
-    saved beside the adapter (`labels` for a model saved before they were): what is merged, and what answers the
-    test split.
-
-    Full precision whatever training used: merging into 8-bit weights would round the update away, and the test
-    split is answered by the model predict.py serves, not by the quantized one trained.
-    """
+    """The base in full precision (merging into 8-bit would round the update away) with the adapter on it, the
+    head named by the labels saved beside it (`labels` for an older model): what is merged, and what predicts."""
     saved = read_label_names(adapter_dir)
     labels = [saved[index] for index in sorted(saved)] if saved else labels
     with _loading(model_name):
@@ -441,8 +414,7 @@ def load_adapted(model_name: str, adapter_dir: Path, labels: Sequence[str], mult
 
 
 def load_pipeline(model_name: str, adapter_dir: Path, labels: Sequence[str], multi_label: bool):
-    """A text-classification pipeline over `load_adapted`, with the tokenizer saved beside the adapter (its
-    model_max_length: the run's MAX_SEQ_LENGTH), on the GPU when there is one."""
+    """A text-classification pipeline over `load_adapted` and the saved tokenizer, on the GPU when there is one."""
     from transformers import pipeline
 
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE)
@@ -456,8 +428,7 @@ def load_pipeline(model_name: str, adapter_dir: Path, labels: Sequence[str], mul
 
 
 def merge_adapter(model_name: str, adapter_dir: Path, labels: Sequence[str], multi_label: bool, out_dir: Path) -> None:
-    """The base with the adapter in `adapter_dir` merged into its weights (`load_adapted`), saved to `out_dir`
-    (safetensors, tokenizer): servers without peft or bitsandbytes load plain float weights."""
+    """The adapter merged into the base, saved to `out_dir`: plain float weights for servers without peft."""
     merged = load_adapted(model_name, adapter_dir, labels, multi_label).merge_and_unload()
     merged.save_pretrained(out_dir)  # safetensors: transformers 5's only format
     AutoTokenizer.from_pretrained(adapter_dir, **NO_REMOTE_CODE).save_pretrained(out_dir)

@@ -1,17 +1,7 @@
 """Answers for a file of inputs, as predict.py prints them and as the job writes its test split's
-(OUTPUT_DIR/predictions/): one pair of functions for both, so a file answered either way gives the same lines.
-
-- `read_inputs`: the input as training reads DATASET_PATH (.csv and .tsv by utils/common/delimited.py, .json/.jsonl as a
-  JSON array or one object a line, .parquet), or one sentence a line; read within MAX_INPUT_BYTES, each text held
-  to utils/common/texts.py's rule. Every other column of a row is kept, to be carried through.
-- `answer_rows`: one row per input row, in input order: `text` (and `text_pair`), the input's other columns, then
-  the answer, `label` and `score` (a regression: `score` alone). An input column of one of those names is carried
-  as `input_<name>` (a labelled file's own `label` is `input_label`), never overwritten.
-- `score_answers`: where the rows carry labels, the metrics the job reports on validation (its own metric
-  modules: accuracy, F1, precision, recall, Matthews correlation; or Pearson, Spearman, MSE), on the labelled
-  rows; a label of -1 (GLUE's test split) or none is a row without one; no labelled row, no metrics.
-
-Imports nothing heavy until it scores (evaluate): predict.py reads its input before it loads a model.
+(OUTPUT_DIR/predictions/): the same functions for both, so either way gives the same lines. `read_inputs` reads
+as training reads DATASET_PATH; `answer_rows` gives one row per input row, other columns carried through;
+`score_answers` scores the labelled rows with the job's metrics. Imports nothing heavy until it scores.
 """
 
 from __future__ import annotations
@@ -30,22 +20,12 @@ from utils.common.errors import BadInput, first_line
 from utils.common.texts import NUL, check_texts, nul_refusal
 from utils.config.tasks import CLASSIFICATION, METRIC_MODULES, MULTI_LABEL, REGRESSION
 
-# The input is read whole, then held as sentences and their answers: 256 MiB is millions of sentences, and `/dev/zero`
-# or a runaway pipe on standard input stops there instead of at a MemoryError gigabytes later.
+# The input is read whole: 256 MiB is millions of sentences, and `/dev/zero` stops there, not at a MemoryError.
 MAX_INPUT_BYTES = 256 * 2**20
-# Formats by suffix, whatever its case, read as training reads DATASET_PATH (tests/test_predict.py checks both read
-# a file alike). Any other suffix is one sentence a line.
 JSON_SUFFIXES = (".json", ".jsonl")
 TABLE_SUFFIXES = (*DIALECTS, *JSON_SUFFIXES, ".parquet")
 FORMATS = "a .csv, .tsv, .json, .jsonl or .parquet file"
-ANSWER_KEYS = (
-    "text",
-    "text_pair",
-    "label",
-    "score",
-    "labels",
-    "scores",
-)  # what each line says; an input column by these names is renamed
+ANSWER_KEYS = ("text", "text_pair", "label", "score", "labels", "scores")  # an input column so named is renamed
 UNLABELLED = -1  # GLUE's test splits label every row -1: no label
 DEFAULT_THRESHOLD = 0.5  # a logit of 0: for a multi-label model that records no THRESHOLD
 PREDICTIONS_FILE = "predictions.jsonl"  # under OUTPUT_DIR/predictions/, beside metrics.json when labelled
@@ -53,8 +33,8 @@ PREDICTIONS_FILE = "predictions.jsonl"  # under OUTPUT_DIR/predictions/, beside 
 
 @dataclass
 class Inputs:
-    """What `read_inputs` read: the texts in the shape the pipeline takes (a sentence, or `{"text", "text_pair"}`),
-    each row's other columns, the label column's values (None: the file has none) and where each row is."""
+    """What `read_inputs` read: the texts as the pipeline takes them, each row's other columns, the labels (None:
+    no label column) and where each row is."""
 
     texts: list = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
@@ -64,13 +44,12 @@ class Inputs:
 
 
 def is_table(file: Path | None) -> bool:
-    """Whether `file` is read by columns (its suffix, in any case); otherwise one sentence a line."""
     return file is not None and file.suffix.lower() in TABLE_SUFFIXES
 
 
 def read_inputs(file: Path | None, columns: list[str] | None = None, label_column: str | None = None) -> Inputs:
-    """The rows of `file` (standard input when None): `columns` (one, or a pair) of each record of a table file
-    (`is_table`), with `label_column`'s values where it has that column; else one sentence per non-blank line."""
+    """The rows of `file` (None: standard input): `columns` of a table file's records, with `label_column`'s values;
+    else one sentence per non-blank line."""
     if file is None:
         if sys.stdin is None:  # started with standard input closed: nothing to classify
             return Inputs()
@@ -90,8 +69,8 @@ def read_inputs(file: Path | None, columns: list[str] | None = None, label_colum
 
 
 def read_lines(text: str, file: Path | None) -> Inputs:
-    """One sentence per non-blank line, split on `\n` and `\r\n` only: `str.splitlines` also splits on form feed,
-    NEL, U+2028 and other characters a sentence may hold, and would answer one line several times."""
+    """One sentence per non-blank line, split on `\n` only: `str.splitlines` also splits on characters a sentence
+    may hold (form feed, U+2028)."""
     source = str(file) if file else "standard input"
     lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), start=1)]
     kept = [(n, line) for n, line in lines if line.strip()]  # blank lines are no rows (utils/common/texts.py)
@@ -102,8 +81,6 @@ def read_lines(text: str, file: Path | None) -> Inputs:
 
 
 def table_inputs(rows: list[tuple[str, object]], file: Path, columns: list[str], label_column: str | None) -> Inputs:
-    """`columns` of each (place, record) of a table file, checked as training checks a split's text; the record's
-    other columns kept; `label_column`'s values where any record has that column."""
     places = [place for place, _ in rows]
     objects = [record for _, record in rows if isinstance(record, dict)]
     values = []
@@ -140,9 +117,7 @@ def table_inputs(rows: list[tuple[str, object]], file: Path, columns: list[str],
 
 
 def delimited_rows(text: str, file: Path, suffix: str, columns: list[str] | None) -> list[tuple[str, dict]]:
-    """Each record of a .csv or .tsv as a dict by its header, read and refused as training reads the file
-    (utils/common/delimited.py: a column named twice, a quoted field running over lines); a record short of a text column
-    is refused."""
+    """Each record of a .csv or .tsv as a dict by its header, read and refused as training reads it."""
     header, records = read_records(io.StringIO(text, newline=""), file, suffix)
     if header is None:
         return []
@@ -167,8 +142,7 @@ def delimited_rows(text: str, file: Path, suffix: str, columns: list[str] | None
 
 
 def json_rows(text: str, file: Path) -> list[tuple[str, object]]:
-    """Each object of a JSON array, or of each line of JSON lines: training's loader takes either under both
-    suffixes. A string in an array is itself a sentence (training reads it as the column `text`)."""
+    """A JSON array's items, or JSON lines' objects (training takes either under both suffixes)."""
     array = text.lstrip().startswith("[")
 
     def parse(chunk: str, where: str):
@@ -186,7 +160,6 @@ def json_rows(text: str, file: Path) -> list[tuple[str, object]]:
 
 
 def parquet_rows(data: bytes, file: Path) -> list[tuple[str, dict]]:
-    """Each row of a parquet file as a dict, as training's loader reads it."""
     import pyarrow
     import pyarrow.parquet
 
@@ -201,9 +174,8 @@ def parquet_rows(data: bytes, file: Path) -> list[tuple[str, dict]]:
 
 
 def read_file(file: Path) -> bytes:
-    """The bytes of `file`, a regular file within MAX_INPUT_BYTES. Anything else is refused before a byte is read:
-    a device (`/dev/zero` read 5.4 GB before a MemoryError) or a FIFO (no writer: the open blocked for ever; it is
-    opened without waiting for one), a folder; a pipe belongs on standard input, where the bound applies as read."""
+    """The bytes of a regular file within MAX_INPUT_BYTES; a device, FIFO (opened without waiting for a writer) or
+    folder is refused before a byte is read."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -239,8 +211,7 @@ NOT_FILES = (
 
 
 def read_bounded(handle, source: str, size: int = 0) -> bytes:
-    """At most MAX_INPUT_BYTES from `handle` (`size`: what the file says it holds, refused before reading); more is
-    refused naming `source` and the fix: split the input."""
+    """At most MAX_INPUT_BYTES from `handle` (`size`: the file's, refused before reading)."""
     data = b"" if size > MAX_INPUT_BYTES else handle.read(MAX_INPUT_BYTES + 1)
     if size > MAX_INPUT_BYTES or len(data) > MAX_INPUT_BYTES:
         held = f"holds {size / 2**20:.0f} MiB" if size > MAX_INPUT_BYTES else "goes on past that"
@@ -252,8 +223,7 @@ def read_bounded(handle, source: str, size: int = 0) -> bytes:
 
 
 def decode_text(data: bytes, source: str) -> str:
-    """`data` as UTF-8 text (a byte-order mark dropped). Bytes that are not text would reach the tokenizer
-    as replacement characters, or crash it (a TypeError on lone surrogates): refused, naming `source`."""
+    """`data` as UTF-8 (a byte-order mark dropped); other bytes would reach the tokenizer as replacement characters."""
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -265,9 +235,8 @@ def decode_text(data: bytes, source: str) -> str:
 
 # ------------------------------------------------------------------------------- answers
 def classify(classifier, texts: list, batch_size: int, threshold: float | None = None) -> list[dict]:
-    """The pipeline's answer to each text, in order: `{"label", "score"}`, `{"score"}` for a regression model, or
-    for a multi-label model `{"labels", "scores"}`: every label whose sigmoid score is at least `threshold` (None:
-    DEFAULT_THRESHOLD), and each label's score, in id order."""
+    """The answer to each text: `{"label", "score"}`, `{"score"}` (regression), or `{"labels", "scores"}`
+    (multi-label: the labels scoring at least `threshold`, None: DEFAULT_THRESHOLD)."""
     if not texts:  # the pipeline fails on an empty batch
         return []
     config = classifier.model.config
@@ -290,8 +259,7 @@ def classify(classifier, texts: list, batch_size: int, threshold: float | None =
 
 
 def answer_rows(inputs: Inputs, answers: list[dict]) -> list[dict]:
-    """One row per input row: its text (and pair), its other columns (renamed `input_<name>` where a name is one of
-    ANSWER_KEYS), then the answer."""
+    """One row per input row: its text, its other columns (`input_<name>` for ANSWER_KEYS), then the answer."""
     rows = []
     for text, record, answer in zip(inputs.texts, inputs.records, answers, strict=True):
         row = dict(text) if isinstance(text, dict) else {"text": text}
@@ -305,7 +273,6 @@ def answer_rows(inputs: Inputs, answers: list[dict]) -> list[dict]:
 
 
 def model_labels(classifier) -> list[str]:
-    """The class names in id order the model answers with; `[]` for a regression model (one score)."""
     config = classifier.model.config
     if config.problem_type == "regression":
         return []
@@ -313,20 +280,17 @@ def model_labels(classifier) -> list[str]:
 
 
 def is_unlabelled(value) -> bool:
-    """No label: no value, an empty cell, or -1 (GLUE's test splits)."""
     raw = value.strip() if isinstance(value, str) else value
     return raw is None or raw == "" or _number(raw) == UNLABELLED
 
 
 def has_labels(inputs: Inputs) -> bool:
-    """Whether any row of `inputs` carries a label to score against."""
     return inputs.labels is not None and not all(map(is_unlabelled, inputs.labels))
 
 
 def references(inputs: Inputs, labels: list[str], column: str) -> list[tuple[int, float | int]]:
-    """(row index, reference) of each labelled row: a class id (from an id, a digit string or a name, case and
-    spaces aside) for a classifier of `labels`, a score for a regression (`labels` empty). -1, an empty cell and no
-    value are no label; a value that is neither is refused, naming the row."""
+    """(row index, reference) of each labelled row: a class id (from an id or a name) of `labels`, or a score
+    (`labels` empty); a value that is neither is refused."""
     if inputs.labels is None:
         return []
     names = {name.strip().casefold(): index for index, name in enumerate(labels)}
@@ -353,9 +317,7 @@ def references(inputs: Inputs, labels: list[str], column: str) -> list[tuple[int
 
 
 def _number(value) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
+    if isinstance(value, (bool, int, float)):
         return float(value)
     if isinstance(value, str):
         try:
@@ -366,8 +328,7 @@ def _number(value) -> float | None:
 
 
 def score_answers(answers: list[dict], labelled: list[tuple[int, float | int]], labels: list[str]) -> dict | None:
-    """The metrics of the answers to the labelled rows (`references`), and how many rows were scored; None when no
-    row is labelled."""
+    """The metrics of the answers to the labelled rows; None when none is."""
     if not labelled:
         return None
     import evaluate
@@ -385,35 +346,40 @@ def score_answers(answers: list[dict], labelled: list[tuple[int, float | int]], 
 
 
 def metrics_line(metrics: dict, source: str) -> str:
-    """The metrics in one line, as predict.py prints them on stderr."""
     shown = " ".join(f"{name}={value:.4f}" for name, value in metrics.items() if name != "samples")
     return f"metrics on {source} ({metrics['samples']} labelled rows): {shown}"
 
 
 # ------------------------------------------------------------------------------- the job's test split
 def check_test_split(path: Path, text_columns: tuple[str, ...], label_column: str, labels: list[str]) -> Inputs:
-    """The test split read and checked as it will be answered, labels included (`labels`: the class names the data
-    resolved to, `[]` for a regression): at the start, so a bad row is refused before training, not after it."""
+    """The test split checked at the start as it will be answered, so a bad row is refused before training."""
     inputs = read_inputs(path, list(text_columns), label_column)
     references(inputs, labels, label_column)
     return inputs
 
 
-def write_test_predictions(run, settings, path: Path) -> dict | None:
-    """Rank 0, model/ saved: `path` answered by the saved model (on its base, full precision: what predict.py
-    serves), written whole or not at all to OUTPUT_DIR/predictions/ (predictions.jsonl, and metrics.json when
-    labelled); the metrics, None when unlabelled."""
+def write_test_predictions(
+    run,
+    path: Path,
+    model_name: str,
+    label_names: tuple[str, ...],
+    text_columns: tuple[str, ...],
+    label_column: str,
+    multi_label: bool,
+    batch_size: int,
+    threshold: float,
+) -> dict | None:
+    """Rank 0, model/ saved: `path` answered by the saved model as predict.py serves it, written whole or not at all
+    to OUTPUT_DIR/predictions/; the metrics, None when unlabelled."""
     from utils.run_folder.layout import replace_dir
     from utils.training.model import load_pipeline  # torch and transformers: only a run with a test split pays them
 
-    inputs = read_inputs(path, list(settings.text_columns), settings.label_column)
-    multi_label = settings.problem_type == MULTI_LABEL  # the head load_pipeline builds, sigmoid scores
-    classifier = load_pipeline(settings.model_name, run.model, settings.label_names, multi_label)
+    inputs = read_inputs(path, list(text_columns), label_column)
+    classifier = load_pipeline(model_name, run.model, label_names, multi_label)
     labels = model_labels(classifier)
-    # A multi-label test split is answered, not scored: its labels are lists or several columns (metrics.json has
-    # the validation's F1 and subset accuracy).
-    labelled = [] if multi_label else references(inputs, labels, settings.label_column)
-    answers = classify(classifier, inputs.texts, settings.per_device_batch_size, settings.threshold)
+    # A multi-label test split is answered, not scored: its labels are lists or several columns.
+    labelled = [] if multi_label else references(inputs, labels, label_column)
+    answers = classify(classifier, inputs.texts, batch_size, threshold)
     metrics = score_answers(answers, labelled, labels)
     staged = run.make_dir(run.root / ".predictions.partial", fresh=True)
     lines = "".join(json.dumps(row, default=str) + "\n" for row in answer_rows(inputs, answers))
