@@ -131,23 +131,21 @@ def build_job_arm(settings: Settings, cuda: bool):
     from utils.cluster.preemption import Preemption
     from utils.config.distributed import detect_env
     from utils.config.plan import build_plan
-    from utils.run import data_source, model_choices
     from utils.run_folder.record import open_run_dir
-    from utils.training.data import load_sst2
-    from utils.training.model import build_model, load_tokenizer
+    from utils.training.data import DataSource, load_sst2
+    from utils.training.model import ModelChoices, build_model, load_tokenizer
     from utils.training.trainer import TrainerChoices, build_trainer
 
     # One process, planned as main.py plans it; Job.start reads `cuda` from torch too. The stop-signal handler
     # is not installed: a benchmark stops at Ctrl-C.
     plan = build_plan(settings, 1)
-    given_names = list(settings.label_names) if "label_names" in settings.model_fields_set else None
-    run_dir = open_run_dir(settings.output_dir, plan, given_names, settings.base_model_id)
+    run_dir = open_run_dir(settings.output_dir, plan, settings.given_label_names, settings.base_model_id)
     job = Job.start(settings, settings.select(PlanInputs), detect_env({}), run_dir, plan, preemption=Preemption())
     tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
-    data = load_sst2(data_source(settings), tokenizer, job.out.cache)
+    data = load_sst2(settings.select(DataSource), tokenizer, job.out.cache)
     job = job.with_rows(len(data["train"]))
     set_seed(settings.seed)
-    model = build_model(model_choices(settings), job.plan.quantization, job.device)
+    model = build_model(settings.select(ModelChoices), job.plan.quantization, job.device)
     trainer = build_trainer(job, model, tokenizer, data, settings.select(TrainerChoices))
     return trainer, job.quantize, job.plan.precision, job.compiled
 
@@ -157,16 +155,17 @@ def build_original(settings: Settings, cuda: bool):
     import torch
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
 
-    from utils.run import data_source, model_choices
-    from utils.training.data import load_sst2
-    from utils.training.model import build_model, load_tokenizer
+    from utils.training.data import DataSource, load_sst2
+    from utils.training.model import ModelChoices, build_model, load_tokenizer
 
     cache = Path(settings.output_dir) / "cache"
     cache.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
-    data = load_sst2(data_source(settings), tokenizer, cache)
+    data = load_sst2(settings.select(DataSource), tokenizer, cache)
     set_seed(settings.seed)
-    model = build_model(model_choices(settings), "none", torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    model = build_model(
+        settings.select(ModelChoices), "none", torch.device("cuda", 0) if cuda else torch.device("cpu")
+    )
     args = TrainingArguments(
         output_dir=str(Path(settings.output_dir) / "checkpoints"),
         per_device_train_batch_size=settings.per_device_batch_size,

@@ -432,15 +432,14 @@ def full_ft_worker(cfg: dict) -> None:
     )
 
     from utils.config.settings import Settings
-    from utils.run import data_source
-    from utils.training.data import load_sst2
+    from utils.training.data import DataSource, load_sst2
     from utils.training.model import load_tokenizer
     from utils.training.trainer import classification_metrics
 
     out = Path(cfg["out"])
     settings = Settings(model_name=cfg["model"], dataset_path=cfg["data"], seed=cfg["seed"], output_dir=str(out))
     tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
-    data = load_sst2(data_source(settings), tokenizer, out / "cache")
+    data = load_sst2(settings.select(DataSource), tokenizer, out / "cache")
     set_seed(cfg["seed"])
     model = AutoModelForSequenceClassification.from_pretrained(cfg["model"], num_labels=2)
     cuda = torch.cuda.is_available()

@@ -138,12 +138,11 @@ def test_frozen_linears_stored_in_bf16_compute_what_autocast_computed(tiny_bert)
     import torch
 
     from utils.config.settings import Settings
-    from utils.run import model_choices
-    from utils.training.model import build_model
+    from utils.training.model import ModelChoices, build_model
     from utils.training.trainer import store_frozen_linears_in_bf16
 
     settings = Settings(model_name=str(tiny_bert), lora_dropout=0, model_dropout=0)
-    cast_each_step = build_model(model_choices(settings), "none", torch.device("cpu"))
+    cast_each_step = build_model(settings.select(ModelChoices), "none", torch.device("cpu"))
     with torch.no_grad():  # adapters that are not zero, so their gradients flow through the frozen layers
         for name, weight in cast_each_step.named_parameters():
             if "lora_B" in name:

@@ -16,8 +16,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from tests.support.data import SPLIT_SIZES, STRAY_QUOTE, delimited, film_rows, saved_dataset, write_files
 from utils.config.settings import Settings
-from utils.run import data_source
-from utils.training.data import load_sst2
+from utils.training.data import DataSource, load_sst2
 from utils.training.model import load_tokenizer
 
 GLUE_FEATURES = Features(
@@ -47,7 +46,7 @@ def test_glue_shaped_save_to_disk_takes_the_hub_code_path(tmp_path, tokenizer):
     DatasetDict(
         {"train": glue_like(40), "validation": glue_like(9), "test": glue_like(5, labelled=False)}
     ).save_to_disk(tmp_path / "glue")
-    data = load_sst2(data_source(settings_for(tmp_path / "glue")), tokenizer, tmp_path / "cache")
+    data = load_sst2(settings_for(tmp_path / "glue").select(DataSource), tokenizer, tmp_path / "cache")
     assert set(data) == {"train", "validation"}
     assert len(data["train"]) == 40 and len(data["validation"]) == 9
     assert {"input_ids", "attention_mask", "labels"} <= set(data["train"].column_names)
@@ -75,7 +74,7 @@ def test_every_local_format_loads_the_same_rows(tmp_path, tokenizer, suffix):
             frame.to_json(path, orient="records", lines=True)
         else:
             frame.to_csv(path, index=False, sep="\t" if fmt == ".tsv" else ",")
-    data = load_sst2(data_source(settings_for(folder)), tokenizer, tmp_path / "cache")
+    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
     assert (len(data["train"]), len(data["validation"])) == (30, 7)
     assert data["train"]["labels"][:4] == [0, 1, 0, 1]
 
@@ -83,10 +82,10 @@ def test_every_local_format_loads_the_same_rows(tmp_path, tokenizer, suffix):
 @pytest.mark.check
 def test_tokenized_cache_is_reused_and_keyed_on_max_length(tmp_path, tokenizer, sst2_dir):
     cache = tmp_path / "cache"
-    load_sst2(data_source(settings_for(sst2_dir)), tokenizer, cache)
-    load_sst2(data_source(settings_for(sst2_dir)), tokenizer, cache)
+    load_sst2(settings_for(sst2_dir).select(DataSource), tokenizer, cache)
+    load_sst2(settings_for(sst2_dir).select(DataSource), tokenizer, cache)
     assert len(list(cache.glob("tokenized-*"))) == 1  # the second call loaded it
-    load_sst2(data_source(Settings(dataset_path=str(sst2_dir), max_seq_length=32)), tokenizer, cache)
+    load_sst2(Settings(dataset_path=str(sst2_dir), max_seq_length=32).select(DataSource), tokenizer, cache)
     assert len(list(cache.glob("tokenized-*"))) == 2
     assert not list(cache.glob("*.partial"))
 
@@ -100,7 +99,9 @@ def test_custom_column_names(tmp_path, tokenizer):
             folder / f"{split}.csv", index=False
         )
     data = load_sst2(
-        data_source(settings_for(folder, text_column="review", label_column="stars")), tokenizer, tmp_path / "cache"
+        settings_for(folder, text_column="review", label_column="stars").select(DataSource),
+        tokenizer,
+        tmp_path / "cache",
     )
     assert data["train"]["labels"] == [1, 0, 1]
 
@@ -160,10 +161,12 @@ def test_labels_are_mapped_by_the_names_the_data_gives(case, tmp_path, tokenizer
     data = named(tmp_path / "named")
     given = files_of(data)
     with caplog.at_level(logging.INFO, logger="utils.training.data"):
-        mapped = load_sst2(data_source(settings_for(data)), tokenizer, tmp_path / "cache-named")
+        mapped = load_sst2(settings_for(data).select(DataSource), tokenizer, tmp_path / "cache-named")
     assert files_of(data) == given  # nothing written into the user's data folder
     assert logged in caplog.text
-    reference = load_sst2(data_source(settings_for(plain(tmp_path / "plain"))), tokenizer, tmp_path / "cache-plain")
+    reference = load_sst2(
+        settings_for(plain(tmp_path / "plain")).select(DataSource), tokenizer, tmp_path / "cache-plain"
+    )
     assert mapped["train"]["labels"] == [label for _, label in film_rows(8)]
     assert identical(mapped, reference)
 
@@ -178,11 +181,13 @@ def test_a_mix_of_label_types_is_mapped_where_the_settings_say_what_the_labels_a
         {"train.csv": delimited((t, words(y)) for t, y in rows), "validation.csv": delimited(rows)},
     )
     data = load_sst2(
-        data_source(settings_for(mixed, label_names=("negative", "positive"))), tokenizer, tmp_path / "cache"
+        settings_for(mixed, label_names=("negative", "positive")).select(DataSource), tokenizer, tmp_path / "cache"
     )
     assert data["train"]["labels"] == data["validation"]["labels"] == [label for _, label in rows]
     classes = saved_dataset(tmp_path / "classes", ["negative", "positive"])
-    scores = load_sst2(data_source(settings_for(classes, problem_type="regression")), tokenizer, tmp_path / "cache")
+    scores = load_sst2(
+        settings_for(classes, problem_type="regression").select(DataSource), tokenizer, tmp_path / "cache"
+    )
     assert scores["train"].features["labels"] == Value("float32")
     assert scores["train"]["labels"] == [float(label) for _, label in rows]
 
@@ -194,7 +199,7 @@ def test_every_tsv_row_trains_quotes_and_na_included(tmp_path, tokenizer):
     rows = [*STRAY_QUOTE, ("NA", 0), ("null", 1), ("None", 0), ("nan", 1), ("n/a", 0)]
     tsv = delimited(rows, "\t")
     folder = write_files(tmp_path / "data", {"train.tsv": tsv, "validation.tsv": delimited(film_rows(4), "\t")})
-    data = load_sst2(data_source(settings_for(folder)), tokenizer, tmp_path / "cache")
+    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
     assert len(data["train"]) == len(tsv.splitlines()) - 1 == len(rows)  # one row a line after the header
     assert data["train"]["labels"] == [label for _, label in rows]
     ids = [tokenizer(text, truncation=True, max_length=16)["input_ids"] for text, _ in rows]
@@ -212,7 +217,7 @@ def test_float_and_boolean_labels_are_0_and_1(tmp_path, tokenizer):
             "validation.csv": delimited((text, "true" if label else "false") for text, label in rows),
         },
     )
-    data = load_sst2(data_source(settings_for(folder)), tokenizer, tmp_path / "cache")
+    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
     labels = [label for _, label in rows]
     assert data["train"]["labels"] == data["validation"]["labels"] == labels
     assert data["train"].features["labels"].dtype == data["validation"].features["labels"].dtype == "int64"
@@ -251,7 +256,7 @@ def test_labels_read_the_same_from_csv_and_jsonl(labels, settings, tmp_path, tok
         ("jsonl-numbers", ".jsonl", labels),
     ]:
         folder = labelled_files(tmp_path / name, suffix, written)
-        data = load_sst2(data_source(settings_for(folder, **settings)), tokenizer, tmp_path / name / "cache")
+        data = load_sst2(settings_for(folder, **settings).select(DataSource), tokenizer, tmp_path / name / "cache")
         read[name] = (data["train"].features["labels"], data["train"]["labels"], data["validation"]["labels"])
     assert read["jsonl-strings"] == read["csv"] == read["jsonl-numbers"], read
 
@@ -282,19 +287,22 @@ DAMAGE = [
 @pytest.mark.parametrize("damage", [d for _, d in DAMAGE], ids=[name for name, _ in DAMAGE])
 def test_damaged_tokenized_cache_is_rebuilt_with_a_warning(damage, tmp_path, tokenizer, sst2_dir, caplog):
     settings, cache_dir = settings_for(sst2_dir), tmp_path / "cache"
-    first = load_sst2(data_source(settings), tokenizer, tmp_path / "first")
+    first = load_sst2(settings.select(DataSource), tokenizer, tmp_path / "first")
     # A copy is damaged: the splits loaded above map their own files, which must not shrink under them.
     shutil.copytree(tmp_path / "first", cache_dir)
     [cache] = list(cache_dir.glob("tokenized-*"))
     kind = damage(cache)
     with caplog.at_level(logging.WARNING, logger="utils.training.data"):
-        again = load_sst2(data_source(settings), tokenizer, cache_dir)
+        again = load_sst2(settings.select(DataSource), tokenizer, cache_dir)
     [warning] = [record.getMessage() for record in caplog.records if "is damaged" in record.getMessage()]
     assert f"tokenized cache {cache} is damaged ({kind}" in warning and "tokenizing again" in warning
     assert identical(again, first)
     assert (cache / "dataset_dict.json").is_file()  # rebuilt under the same key: the next run loads it
     caplog.clear()
-    assert identical(load_sst2(data_source(settings), tokenizer, cache_dir), first) and "is damaged" not in caplog.text
+    assert (
+        identical(load_sst2(settings.select(DataSource), tokenizer, cache_dir), first)
+        and "is damaged" not in caplog.text
+    )
 
 
 def long_review(words: int) -> str:
@@ -312,7 +320,7 @@ def test_a_field_over_the_csv_modules_128_kib_limit_is_read_and_truncated(tmp_pa
         {f"train{suffix}": delimited(rows, sep), f"validation{suffix}": delimited(film_rows(4), sep)},
     )
     assert (folder / f"train{suffix}").stat().st_size > 200_000
-    data = load_sst2(data_source(settings_for(folder)), tokenizer, tmp_path / "cache")
+    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
     assert data["train"]["labels"] == [label for _, label in rows]
     assert len(data["train"]["input_ids"][0]) == 16  # truncated to MAX_SEQ_LENGTH
 
@@ -356,16 +364,14 @@ EXTRA_COLUMNS = {
 @pytest.mark.parametrize("suffix", EXTRA_COLUMNS)
 def test_columns_the_job_does_not_use_are_ignored_in_either_split(tmp_path, tokenizer, suffix):
     folder = EXTRA_COLUMNS[suffix](tmp_path / "data")
-    data = load_sst2(data_source(settings_for(folder)), tokenizer, tmp_path / "cache")
+    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
     reference = load_sst2(
-        data_source(
-            settings_for(
-                write_files(
-                    tmp_path / "plain",
-                    {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES},
-                )
+        settings_for(
+            write_files(
+                tmp_path / "plain",
+                {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES},
             )
-        ),
+        ).select(DataSource),
         tokenizer,
         tmp_path / "cache-plain",
     )
@@ -384,6 +390,6 @@ def test_a_byte_order_mark_and_crlf_line_ends_read_as_plain_utf8(tmp_path, token
     for name, content in saved.items():
         (folder / name).write_bytes(content)
     plain = write_files(tmp_path / "plain", {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES})
-    data = load_sst2(data_source(settings_for(folder)), tokenizer, tmp_path / "cache")
-    assert identical(data, load_sst2(data_source(settings_for(plain)), tokenizer, tmp_path / "cache-plain"))
+    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
+    assert identical(data, load_sst2(settings_for(plain).select(DataSource), tokenizer, tmp_path / "cache-plain"))
     assert_film_rows(data, tokenizer)

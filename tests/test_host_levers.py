@@ -15,11 +15,9 @@ from pathlib import Path
 import torch
 from transformers import set_seed
 from utils.config.distributed import DistEnv
-from utils.training.data import load_sst2
-from utils.run import data_source
+from utils.training.data import DataSource, load_sst2
 from utils.cluster.job import Job, PlanInputs
-from utils.training.model import build_model, load_tokenizer, trainable_checksum
-from utils.run import model_choices
+from utils.training.model import ModelChoices, build_model, load_tokenizer, trainable_checksum
 from utils.run_folder.layout import RunDir
 from utils.config.plan import build_plan
 from utils.cluster.preemption import Preemption
@@ -40,10 +38,10 @@ for levers in (False, True):
     run.checkpoints.mkdir(parents=True)
     job = Job.start(settings, settings.select(PlanInputs), single, run, build_plan(settings, 1), preemption=Preemption())
     tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
-    data = load_sst2(data_source(settings), tokenizer, run.cache)
+    data = load_sst2(settings.select(DataSource), tokenizer, run.cache)
     job = job.with_rows(len(data["train"]))
     set_seed(settings.seed)
-    model = build_model(model_choices(settings), "none", job.device)
+    model = build_model(settings.select(ModelChoices), "none", job.device)
     modes = []  # (gradients on: a training forward, the LoRA dropout's mode)
     dropout = next(m for name, m in model.named_modules() if name.endswith("lora_dropout.default"))
     dropout.register_forward_pre_hook(lambda module, args: modes.append((torch.is_grad_enabled(), module.training)))

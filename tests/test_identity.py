@@ -71,7 +71,7 @@ def places(tmp: Path, first: tuple[Settings, int], second: tuple[Settings, int],
     if edit:
         edit()
     before_device = build_plan(settings_b, world_b)
-    given_b = list(settings_b.label_names) if "label_names" in settings_b.model_fields_set else None
+    given_b = settings_b.given_label_names
     plan_b = on_device(settings_b, before_device)
     out = tmp / "out"
     out.mkdir()

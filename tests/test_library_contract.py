@@ -188,10 +188,9 @@ def test_the_attention_asked_for_is_the_one_the_model_runs(tiny_bert):
     import transformers
 
     from utils.config.settings import Settings
-    from utils.run import model_choices
-    from utils.training.model import build_model
+    from utils.training.model import ModelChoices, build_model
 
-    model = build_model(model_choices(Settings(model_name=str(tiny_bert))), "none", torch.device("cpu"))
+    model = build_model(Settings(model_name=str(tiny_bert)).select(ModelChoices), "none", torch.device("cpu"))
     attention = getattr(model.get_base_model().config, "_attn_implementation", None)
     # utils/training/model.py asks for SDPA by name, and benchmarks/arms.py reads it there.
     assert attention == "sdpa", f"transformers {transformers.__version__}: asked for sdpa, runs {attention!r}"
@@ -285,19 +284,18 @@ def test_a_splits_fingerprint_follows_its_data(tmp_path):
     every replica and restart, other rows another."""
     from tests.support.data import delimited, film_rows, write_files
     from utils.config.settings import Settings
-    from utils.run import data_source
-    from utils.training.data import load_raw
+    from utils.training.data import DataSource, load_raw
 
     where = f"datasets {datasets.__version__}"
     folder = write_files(
         tmp_path / "d", {"train.csv": delimited(film_rows(8)), "validation.csv": delimited(film_rows(4))}
     )
     settings = Settings(dataset_path=str(folder))
-    first, again = load_raw(data_source(settings)), load_raw(data_source(settings))
+    first, again = load_raw(settings.select(DataSource)), load_raw(settings.select(DataSource))
     prints = [getattr(first["train"], "_fingerprint", None), getattr(again["train"], "_fingerprint", None)]
     assert isinstance(prints[0], str) and prints[0] == prints[1], f"{where}: the same csv read twice: {prints}"
     (folder / "train.csv").write_text(delimited(film_rows(9)))
-    assert load_raw(data_source(settings))["train"]._fingerprint != prints[0], (
+    assert load_raw(settings.select(DataSource))["train"]._fingerprint != prints[0], (
         f"{where}: other rows kept the fingerprint"
     )
 

@@ -337,8 +337,7 @@ def test_joined_names_trained_one_label_a_row_are_warned_about(tmp_path, caplog)
     import logging
 
     from utils.config.settings import Settings
-    from utils.run import data_source
-    from utils.training.data import check_and_rename, load_raw
+    from utils.training.data import DataSource, check_and_rename, load_raw
 
     folder = tmp_path / "data"
     folder.mkdir()
@@ -346,7 +345,7 @@ def test_joined_names_trained_one_label_a_row_are_warned_about(tmp_path, caplog)
         (folder / f"{split}.csv").write_text("sentence,tags\na,praise\nb,blame|praise\nc,blame\n")
     settings = Settings(dataset_path=str(folder), label_column="tags")
     with caplog.at_level(logging.WARNING, logger="utils.training.data"):
-        check_and_rename(load_raw(data_source(settings)), data_source(settings))
+        check_and_rename(load_raw(settings.select(DataSource)), settings.select(DataSource))
     assert "(row 2: 'blame|praise')" in caplog.text and "PROBLEM_TYPE=multi_label_classification" in caplog.text
 
 

@@ -31,11 +31,10 @@ def test_the_projected_gradient_bytes_are_what_the_job_trains(tiny_bert, fields)
 
     from benchmarks.allreduce import lora_grad_bytes
     from utils.config.settings import Settings
-    from utils.run import model_choices
-    from utils.training.model import build_model
+    from utils.training.model import ModelChoices, build_model
 
     settings = Settings(model_name=str(tiny_bert), **fields)
-    model = build_model(model_choices(settings), "none", torch.device("cpu"))
+    model = build_model(settings.select(ModelChoices), "none", torch.device("cpu"))
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     config = AutoConfig.from_pretrained(tiny_bert)
     assert lora_grad_bytes(settings, config.num_hidden_layers, config.hidden_size) == trained

@@ -259,8 +259,7 @@ def test_a_data_file_gives_the_sentences_training_reads_from_it(trained, tmp_pat
     """The same file through training's reader (utils/training/data.py, as DATASET_PATH) and through predict.py: the same
     sentences, in the same order, whatever the case of the suffix."""
     from utils.config.settings import Settings
-    from utils.run import data_source
-    from utils.training.data import load_raw
+    from utils.training.data import DataSource, load_raw
 
     suffix = Path(name).suffix.lower()
     rows = [row for row in ROWS if suffix == ".tsv" or not row[0].startswith('"')]  # a csv quotes its own
@@ -268,7 +267,7 @@ def test_a_data_file_gives_the_sentences_training_reads_from_it(trained, tmp_pat
     data.mkdir()
     for split in ("train", "validation"):
         write_rows(data / f"{split}{suffix}", rows)
-    trained_on = load_raw(data_source(Settings(dataset_path=str(data))))["validation"]["sentence"]
+    trained_on = load_raw(Settings(dataset_path=str(data)).select(DataSource))["validation"]["sentence"]
     shutil.copy(data / f"validation{suffix}", tmp_path / name)
     assert trained_on == [text for text, _ in rows]
     assert predicted_texts(tmp_path, trained / "merged", name) == trained_on
@@ -532,15 +531,14 @@ def test_training_and_predict_refuse_a_nul_in_a_sentence_in_the_same_words(train
     both refuse it now, with the row and the same fix (utils/common/texts.py)."""
     from utils.common.texts import NUL_FIX
     from utils.config.settings import Settings
-    from utils.run import data_source
-    from utils.training.data import check_and_rename, load_raw
+    from utils.training.data import DataSource, check_and_rename, load_raw
 
     data = tmp_path / "data"
     rows = [("a wonderful film", 1), ("a dull\x00film", 0), ("the end", 1)]
     write_files(data, {"train.csv": delimited(rows), "validation.csv": delimited(rows)})
     settings = Settings(dataset_path=str(data))
     with pytest.raises(JobError) as refused:
-        check_and_rename(load_raw(data_source(settings)), data_source(settings))
+        check_and_rename(load_raw(settings.select(DataSource)), settings.select(DataSource))
     assert refused.value.code == 2
     assert refused.value.message == (
         f"the train split has 1 row(s) with a NUL character in 'sentence' (the first is row 2); {NUL_FIX}"
@@ -557,13 +555,12 @@ def test_a_line_of_spaces_in_a_csv_is_skipped_by_training_and_predict_alike(trai
     """A csv line of spaces and tabs is no row to the data loader: training refused the file as a quoting error (the
     csv module counted the line); both skip it now, and read the same sentences."""
     from utils.config.settings import Settings
-    from utils.run import data_source
-    from utils.training.data import check_and_rename, load_raw
+    from utils.training.data import DataSource, check_and_rename, load_raw
 
     text = "sentence,label\na wonderful film,1\n   \t\na dull film,0\n"
     data = write_files(tmp_path / "data", {"train.csv": text, "validation.csv": text})
     settings = Settings(dataset_path=str(data))
-    trained_on = check_and_rename(load_raw(data_source(settings)), data_source(settings))["train"]["text"]
+    trained_on = check_and_rename(load_raw(settings.select(DataSource)), settings.select(DataSource))["train"]["text"]
     assert trained_on == ["a wonderful film", "a dull film"]
     shutil.copy(data / "train.csv", tmp_path / "spaces.csv")
     assert predicted_texts(tmp_path, trained / "merged", "spaces.csv") == trained_on

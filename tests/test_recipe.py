@@ -22,8 +22,7 @@ from tests.support.outcomes import assert_refusal
 from tests.support.processes import run_main, wait_all
 from utils.config.settings import Settings
 from utils.config.tasks import GLUE
-from utils.run import model_choices
-from utils.training.model import build_model
+from utils.training.model import ModelChoices, build_model
 
 RATE = 1e-3
 
@@ -109,12 +108,14 @@ def dropouts(model: torch.nn.Module) -> dict[str, float]:
 @pytest.mark.check
 def test_model_dropout_sets_the_base_models_dropout_and_leaves_the_adapters(tiny_bert):
     kept = build_model(
-        model_choices(Settings(model_name=str(tiny_bert), model_dropout="checkpoint")), "none", torch.device("cpu")
+        Settings(model_name=str(tiny_bert), model_dropout="checkpoint").select(ModelChoices),
+        "none",
+        torch.device("cpu"),
     )
     assert {p for name, p in dropouts(kept).items() if "lora_dropout" not in name} == {0.1}  # the checkpoint's
 
     model = build_model(
-        model_choices(Settings(model_name=str(tiny_bert))), "none", torch.device("cpu")
+        Settings(model_name=str(tiny_bert)).select(ModelChoices), "none", torch.device("cpu")
     )  # the default: 0
     base = {name: p for name, p in dropouts(model).items() if "lora_dropout" not in name}
     adapters = {name: p for name, p in dropouts(model).items() if "lora_dropout" in name}
@@ -135,7 +136,7 @@ def tiny_distilbert(tmp_path_factory):
 @pytest.mark.check
 def test_distilbert_trains_its_pre_classifier_and_takes_model_dropout_by_its_own_names(tiny_distilbert):
     settings = Settings(model_name=str(tiny_distilbert), lora_target_modules="q_lin,v_lin", model_dropout=0.0)
-    model = build_model(model_choices(settings), "none", torch.device("cpu"))
+    model = build_model(settings.select(ModelChoices), "none", torch.device("cpu"))
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert [n for n in trainable if "pre_classifier" in n], (
         "pre_classifier is as new as the classifier; frozen it stays random"
@@ -248,9 +249,8 @@ def test_a_shipped_recipe_pins_nothing_that_breaks_another_task(recipe, tmp_path
 @pytest.mark.check
 def test_relative_paths_in_a_recipe_resolve_against_the_working_directory(tmp_path, monkeypatch, sst2_dir):
     """The documented base (docs/settings.md, Recipe files): the directory the job starts in, not the recipe's."""
-    from utils.run import data_source
     from utils.run_folder.record import open_run_dir
-    from utils.training.data import load_raw
+    from utils.training.data import DataSource, load_raw
 
     shutil.copytree(sst2_dir, tmp_path / "data")
     recipe = write_files(tmp_path / "recipes", {"r.yaml": "dataset_path: data\noutput_dir: out\n"}) / "r.yaml"
@@ -258,6 +258,6 @@ def test_relative_paths_in_a_recipe_resolve_against_the_working_directory(tmp_pa
     monkeypatch.chdir(tmp_path)
     settings, _, _, plan = configured(monkeypatch, base_env(tmp_path), ["--config", str(recipe)])
     rows = len((sst2_dir / "train.csv").read_text().splitlines()) - 1  # one sentence a line, after the header
-    assert load_raw(data_source(settings))["train"].num_rows == rows
+    assert load_raw(settings.select(DataSource))["train"].num_rows == rows
     open_run_dir(settings.output_dir, plan, None, settings.base_model_id)
     assert (tmp_path / "out").is_dir() and not (tmp_path / "recipes" / "out").exists()

@@ -77,12 +77,11 @@ def test_accelerate_config_cannot_change_the_strategy_or_precision_behind_the_se
 
 @pytest.mark.check
 def test_fsdp_units_are_the_repeated_transformer_blocks(tiny_bert):
-    from utils.run import model_choices
-    from utils.training.model import build_model
+    from utils.training.model import ModelChoices, build_model
     from utils.training.strategy import trainer_options, wrap_classes
 
     settings = Settings(model_name=str(tiny_bert), strategy="fsdp")
-    model = build_model(model_choices(settings), "none", torch.device("cpu"))
+    model = build_model(settings.select(ModelChoices), "none", torch.device("cpu"))
     assert wrap_classes(model) == ["BertLayer"]  # not BertEmbeddings: Accelerate shards the input embedding itself
     options = trainer_options(settings.strategy, model)
     assert options["fsdp"] is True and options["fsdp_config"]["version"] == 2

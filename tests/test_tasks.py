@@ -299,11 +299,10 @@ def test_the_evaluation_loss_is_the_whole_splits_on_two_replicas(tmp_path, tiny_
 def checked_data(tmp: Path, tiny_bert: Path, env: dict[str, str]):
     """The settings a start resolves from `env`, then the data checks (`check_and_rename(load_raw(...))`)."""
     from utils.config.sources import load_settings
-    from utils.run import data_source
-    from utils.training.data import check_and_rename, load_raw
+    from utils.training.data import DataSource, check_and_rename, load_raw
 
     settings, _ = load_settings([], {"MODEL_NAME": str(tiny_bert), "OUTPUT_DIR": str(tmp / "out"), **env})
-    return check_and_rename(load_raw(data_source(settings)), data_source(settings))
+    return check_and_rename(load_raw(settings.select(DataSource)), settings.select(DataSource))
 
 
 @pytest.mark.parametrize(

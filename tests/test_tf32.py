@@ -16,10 +16,9 @@ import torch
 
 torch.cuda.get_device_capability = lambda device=None: (9, 0)  # an H100, as the set-up asks torch
 from utils.config.distributed import DistEnv
-from utils.training.data import load_sst2
-from utils.run import data_source, model_choices
+from utils.training.data import DataSource, load_sst2
 from utils.cluster.job import Job, PlanInputs
-from utils.training.model import build_model, load_tokenizer
+from utils.training.model import ModelChoices, build_model, load_tokenizer
 from utils.run_folder.layout import RunDir
 from utils.config.plan import build_plan
 from utils.cluster.preemption import Preemption
@@ -33,9 +32,9 @@ run = RunDir(Path(out))
 run.checkpoints.mkdir(parents=True)
 job = Job.start(settings, settings.select(PlanInputs), single, run, build_plan(settings, 1), preemption=Preemption())
 tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
-data = load_sst2(data_source(settings), tokenizer, run.cache)
+data = load_sst2(settings.select(DataSource), tokenizer, run.cache)
 job = dataclasses.replace(job.with_rows(len(data["train"])), cuda=True)  # the model stays on the CPU
-model = build_model(model_choices(settings), "none", job.device)
+model = build_model(settings.select(ModelChoices), "none", job.device)
 trainer = build_trainer(job, model, tokenizer, data, settings.select(TrainerChoices), key={})
 print(torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, trainer.args.tf32)
 """

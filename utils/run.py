@@ -43,7 +43,6 @@ from utils.config.local_inputs import check_test_columns, test_split_file
 from utils.config.plan import Plan, batch_warning
 from utils.config.preflight import check_tracker_uri
 from utils.config.recipe import describe_recipe
-from utils.config.settings import Settings
 from utils.config.tasks import CLASSIFICATION, MULTI_LABEL, headline
 from utils.publishing.hub import Hub, PushTargets, push_model, save_merged, save_model
 from utils.publishing.model_card import CardFacts
@@ -55,8 +54,8 @@ from utils.run_folder.checkpoints import (
 )
 from utils.run_folder.layout import RunDir
 from utils.run_folder.record import write_run_record
-from utils.training.data import DataSettings, DataSource, label_names_of, load_sst2, problem_type_of
-from utils.training.model import ModelChoices, ModelSettings, build_model, load_tokenizer, trainable_checksum
+from utils.training.data import DataSource, label_names_of, load_sst2, problem_type_of
+from utils.training.model import ModelChoices, build_model, load_tokenizer, trainable_checksum
 from utils.training.predictions import PREDICTIONS_FILE, check_test_split, metrics_line, write_test_predictions
 from utils.training.strategy import check_strategy, full_state_dict
 from utils.training.trainer import JobTrainer, TrainerChoices, build_trainer, compile_record, seconds_since_start
@@ -404,20 +403,6 @@ def join(job: Job, hub: Hub, lock: RunLock) -> Collectives:
     return group
 
 
-def data_source(settings: Settings) -> DataSource:
-    given = settings.model_fields_set
-    return DataSource(
-        **vars(settings.select(DataSettings)),
-        label_names_given="label_names" in given,
-        problem_type_given="problem_type" in given,
-    )
-
-
-def model_choices(settings: Settings) -> ModelChoices:
-    given = "lora_target_modules" in settings.model_fields_set
-    return ModelChoices(**vars(settings.select(ModelSettings)), lora_target_modules_given=given)
-
-
 def set_up(job: Job, group: Collectives) -> Ready:
     settings, dist = job.settings, job.dist
     startup = {"imports_and_rendezvous": seconds_since_start()}
@@ -425,7 +410,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
         tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
     # Rank 0 downloads and tokenizes into the shared cache, the others reuse it.
     with group.main_first(), stage("data"):
-        data = load_sst2(data_source(settings), tokenizer, job.out.cache)
+        data = load_sst2(settings.select(DataSource), tokenizer, job.out.cache)
         # The test split is answered after training; its rows and labels are checked now, before any step.
         if (test := test_split_file(settings.dataset_path, settings.test_file)) is not None:
             check_test_columns(test, settings.text_columns)
@@ -438,7 +423,7 @@ def set_up(job: Job, group: Collectives) -> Ready:
     set_seed(settings.seed)
     labels = label_names_of(data)  # the classes the data resolved to (none: regression)
     with group.agreed(), stage("model"):  # a model refused on one rank stops all with its message
-        model = build_model(model_choices(settings), job.plan.quantization, job.device, labels)
+        model = build_model(settings.select(ModelChoices), job.plan.quantization, job.device, labels)
     startup["model"] = seconds_since_start()  # the CUDA context included: the weights are moved to the GPU here
 
     identity = job.plan.identity

@@ -27,8 +27,11 @@ from transformers import TrainingArguments  # noqa: E402
 
 from utils.common.errors import JobError  # noqa: E402
 from utils.config.settings import Settings  # noqa: E402
-from utils.run import model_choices  # noqa: E402
-from utils.training.model import build_model, trainable_checksum  # noqa: E402
+from utils.training.model import (  # noqa: E402
+    ModelChoices,  # noqa: E402
+    build_model,
+    trainable_checksum,
+)
 from utils.training.strategy import count_fsdp_units, full_state_dict, trainer_options  # noqa: E402
 from utils.training.trainer import StrategyCheck  # noqa: E402
 
@@ -38,7 +41,7 @@ def main(model_dir: str, results: Path) -> None:
     rank = dist.get_rank()
     settings = Settings(model_name=model_dir, strategy="fsdp", output_dir=str(results))
     torch.manual_seed(0)  # the same LoRA init on both ranks, as set_seed does in the job
-    model = build_model(model_choices(settings), "none", torch.device("cpu"))
+    model = build_model(settings.select(ModelChoices), "none", torch.device("cpu"))
     args = TrainingArguments(
         output_dir=str(results / "trainer"),
         use_cpu=True,

@@ -379,7 +379,7 @@ def deepspeed_overrides(
     read (None when there is none)."""
     check_launcher(settings.strategy, launcher)
     chosen = launcher_choices(launcher)
-    explicit = settings.model_fields_set
+    explicit = settings.given
     for name, value in chosen.items():
         if name in explicit and getattr(settings, name) != value:
             raise BadInput(

@@ -708,6 +708,11 @@ class Settings(BaseSettings):
         return self._hub_token
 
     @property
+    def given(self) -> frozenset[str]:
+        """The settings a recipe, the environment or a flag set: where a default decides less than a value given."""
+        return frozenset(self.model_fields_set)
+
+    @property
     def given_label_names(self) -> tuple[str, ...] | None:
         """LABEL_NAMES when the user set it; None when unset (the data's names, or a finished run's, then apply)."""
         return self.label_names if "label_names" in self.model_fields_set else None

@@ -34,8 +34,10 @@ JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", li
 
 
 @dataclass(frozen=True)
-class DataSettings:
-    """The settings the data reads (Settings.select: named as the settings are)."""
+class DataSource:
+    """The settings the data reads (Settings.select: named as the settings are). `given`: LABEL_NAMES' and
+    PROBLEM_TYPE's defaults decide less (the names of two unnamed ids; TASK's PROBLEM_TYPE does not turn classes into
+    scores)."""
 
     dataset_name: str
     dataset_config: str
@@ -55,15 +57,8 @@ class DataSettings:
     max_eval_samples: int | None
     max_seq_length: int
     seed: int
-
-
-@dataclass(frozen=True)
-class DataSource(DataSettings):
-    """The data settings, and whether LABEL_NAMES and PROBLEM_TYPE were given: their defaults decide less (the names
-    of two unnamed ids; TASK's PROBLEM_TYPE does not turn classes into scores)."""
-
-    label_names_given: bool
-    problem_type_given: bool
+    given_label_names: tuple[str, ...] | None
+    given: frozenset[str]
 
 
 def _not_utf8(files: dict[str, str], cause: UnicodeDecodeError) -> str:
@@ -149,7 +144,7 @@ def _unreadable(path: Path, fmt: str, cause: BaseException) -> JobError:
     )
 
 
-def load_raw(source: DataSettings) -> DatasetDict:
+def load_raw(source: DataSource) -> DatasetDict:
     """The train and validation splits (TASK=mnli: its two) from the local data, else the Hub; train alone where
     VALIDATION_SPLIT carves validation."""
     splits = read_splits(source.validation_split, validation_splits(source.task))
@@ -202,7 +197,7 @@ def check_and_rename(raw: DatasetDict, source: DataSource) -> DatasetDict:
     whose names ride in the feature (`label_names_of`)."""
     columns, label = source.text_columns, source.label_column
     multi = source.problem_type == MULTI_LABEL
-    given = source.label_names if source.label_names_given else None
+    given = source.given_label_names
     if not multi:
         raw = DatasetDict({split: _numbers_as_numbers(ds, label) for split, ds in raw.items()})
     for split, ds in raw.items():
@@ -228,7 +223,7 @@ def check_and_rename(raw: DatasetDict, source: DataSource) -> DatasetDict:
             }
         )
     problem = resolve_problem_type(
-        raw["train"], label, source.problem_type, source.problem_type_given, source.task, given
+        raw["train"], label, source.problem_type, "problem_type" in source.given, source.task, given
     )
     if problem == REGRESSION:
         feature = datasets.Value("float32")

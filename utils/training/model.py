@@ -45,8 +45,9 @@ NO_REMOTE_CODE = {"trust_remote_code": False}
 
 
 @dataclass(frozen=True)
-class ModelSettings:
-    """The settings build_model reads (Settings.select)."""
+class ModelChoices:
+    """The settings build_model reads (Settings.select). `given`: LORA_TARGET_MODULES unset means the architecture's
+    names (lora_targets)."""
 
     model_name: str
     model_dropout: float | str
@@ -61,13 +62,7 @@ class ModelSettings:
     lora_target_modules: tuple[str, ...]
     lora_variant: str
     lora_init: str
-
-
-@dataclass(frozen=True)
-class ModelChoices(ModelSettings):
-    """The model settings, and whether LORA_TARGET_MODULES was given: unset, the architecture's names (lora_targets)."""
-
-    lora_target_modules_given: bool
+    given: frozenset[str]
 
 
 @contextmanager
@@ -268,7 +263,9 @@ def build_model(
                 module.support_avx512bf16_for_cpu = False
     if quantize:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=choices.gradient_checkpointing)
-    targets = lora_targets(choices.lora_target_modules, choices.lora_target_modules_given, model.config.model_type)
+    targets = lora_targets(
+        choices.lora_target_modules, "lora_target_modules" in choices.given, model.config.model_type
+    )
     lora = LoraConfig(
         task_type=TaskType.SEQ_CLS,  # marks the classifier head trainable (modules_to_save)
         r=choices.lora_r,
