@@ -148,7 +148,6 @@ def main(
             run_dir = open_run_dir(
                 settings.output_dir, plan, settings.given_label_names, settings.base_model_id, args.push_only
             )
-
         from utils.cluster.job import Job, PlanInputs  # torch: a second to import
 
         with stage("device"):  # the device and numerics

@@ -736,24 +736,14 @@ def build_trainer(
 ) -> JobTrainer:
     """The job's Trainer over `data`. `key`: what each complete checkpoint records (default: the plan's identity);
     `group`: the rendezvous' Collectives, which a single process may leave out."""
-    dist, out = job.dist, job.out
-    if group is None and dist.is_distributed:
+    if group is None and job.dist.is_distributed:
         raise ValueError(
             "a distributed job passes build_trainer the Collectives of utils.cluster.collectives.rendezvous"
         )
-    group = group or Collectives(dist, choices.rendezvous_timeout)
+    group = group or Collectives(job.dist, choices.rendezvous_timeout)
     args = training_arguments(job, model, choices)
     startup = StepClock(args.device)
-    callbacks: list[TrainerCallback] = [
-        StrategyCheck(job.strategy),
-        startup,
-        SamplerEpoch(job.plan.steps_per_epoch),
-        Checkpoints(out, group, choices.save_total_limit, key or {"identity": job.plan.identity}, job.preemption),
-    ]
-    if choices.early_stopping_patience is not None:
-        callbacks.append(EarlyStopping(choices.early_stopping_patience))
-    if dist.is_main and "tensorboard" in choices.report_to:
-        callbacks.append(RecordedTensorBoard(out, out.tensorboard / job.plan.run_name))
+    callbacks = job_callbacks(job, choices, group, startup, key or {"identity": job.plan.identity})
     if job.cuda:
         use_tf32_matmuls()
     buckets, collator = bucket_collator(tokenizer, data, choices.max_seq_length, takes_4d_mask(model.config))
@@ -787,6 +777,22 @@ def build_trainer(
         captured=job.captured,
         class_weights=class_weights.to(args.device) if class_weights is not None else None,
     )
+
+
+def job_callbacks(job: Job, choices: TrainerChoices, group: Collectives, startup: StepClock, key: dict) -> list:
+    """The job's own callbacks, in the order the Trainer calls them."""
+    out = job.out
+    callbacks: list[TrainerCallback] = [
+        StrategyCheck(job.strategy),
+        startup,
+        SamplerEpoch(job.plan.steps_per_epoch),
+        Checkpoints(out, group, choices.save_total_limit, key, job.preemption),
+    ]
+    if choices.early_stopping_patience is not None:
+        callbacks.append(EarlyStopping(choices.early_stopping_patience))
+    if job.dist.is_main and "tensorboard" in choices.report_to:
+        callbacks.append(RecordedTensorBoard(out, out.tensorboard / job.plan.run_name))
+    return callbacks
 
 
 def bucket_collator(tokenizer, data, max_length: int, mask_4d: bool) -> tuple[list[int], partial]:
