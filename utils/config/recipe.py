@@ -5,9 +5,24 @@ The groups are made here because peft's create_loraplus_optimizer puts the head'
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 from utils.config.plan import Plan
 from utils.config.settings import Settings
+
+
+class RecipeOptions(Protocol):
+    """The fields recipe_summary reads, named as the settings are."""
+
+    warmup_ratio: float
+    head_learning_rate_ratio: float
+    train_pooler: bool
+    lora_variant: str
+    lora_init: str
+    weight_decay: float
+    model_dropout: float | str
+    class_weights: str
+
 
 # The task head, trained in full: BERT's classifier and the pooler it reads, DistilBERT's pre_classifier.
 HEAD_MODULES = ("classifier", "pre_classifier", "pooler")
@@ -47,24 +62,25 @@ def describe_recipe(settings: Settings, plan: Plan) -> str:
     return f"learning rate {plan.learning_rate:g} at global batch {plan.batch.global_batch} ({plan.learning_rate_source}); {recipe_summary(settings, plan.loraplus_ratio)}"
 
 
-def recipe_summary(settings: Settings, loraplus_ratio: float | None, pooler: bool | None = None) -> str:
-    """The options around the adapter that shaped the model, for its card and the rank log. `loraplus_ratio`: the
-    plan's. `pooler`: whether the saved adapter trained one; None before the model is read (RoBERTa has none)."""
-    parts = [f"warm-up {settings.warmup_ratio:g} of the steps"]
+def recipe_summary(options: RecipeOptions, loraplus_ratio: float | None, pooler: bool | None = None) -> str:
+    """The options around the adapter that shaped the model, for its card and the rank log (`options`: the settings,
+    or the card's facts). `loraplus_ratio`: the plan's. `pooler`: whether the saved adapter trained one; None before
+    the model is read (RoBERTa has none)."""
+    parts = [f"warm-up {options.warmup_ratio:g} of the steps"]
     if loraplus_ratio not in (None, 1):
         parts.append(f"LoRA+ (B at x{loraplus_ratio:g} the rate)")
-    if settings.head_learning_rate_ratio != 1:
-        parts.append(f"head at x{settings.head_learning_rate_ratio:g} the rate")
-    if pooler or (pooler is None and settings.train_pooler):
+    if options.head_learning_rate_ratio != 1:
+        parts.append(f"head at x{options.head_learning_rate_ratio:g} the rate")
+    if pooler or (pooler is None and options.train_pooler):
         parts.append("pooler trained with the classifier" + (" where the model has one" if pooler is None else ""))
-    if settings.lora_variant != "lora":
-        parts.append(settings.lora_variant)
-    if settings.lora_init != "default":
-        parts.append(f"{settings.lora_init} initialisation")
-    if settings.weight_decay:
-        parts.append(f"weight decay {settings.weight_decay:g}")
-    if settings.model_dropout != "checkpoint":
-        parts.append(f"base-model dropout {settings.model_dropout:g}")
-    if settings.class_weights != "none":
-        parts.append(f"{settings.class_weights} class weights in the loss")
+    if options.lora_variant != "lora":
+        parts.append(options.lora_variant)
+    if options.lora_init != "default":
+        parts.append(f"{options.lora_init} initialisation")
+    if options.weight_decay:
+        parts.append(f"weight decay {options.weight_decay:g}")
+    if options.model_dropout != "checkpoint":
+        parts.append(f"base-model dropout {options.model_dropout:g}")
+    if options.class_weights != "none":
+        parts.append(f"{options.class_weights} class weights in the loss")
     return ", ".join(parts)
