@@ -74,34 +74,22 @@ def config_yaml() -> dict:
     return yaml.safe_load(CONFIG_YAML.read_text())
 
 
+def mappings(node):
+    """Every mapping anywhere in a manifest, outermost first."""
+    if isinstance(node, dict):
+        yield node
+    for child in node.values() if isinstance(node, dict) else node if isinstance(node, list) else ():
+        yield from mappings(child)
+
+
 def walk(node, key: str):
     """Every value stored under `key` anywhere in a manifest."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k == key:
-                yield v
-            yield from walk(v, key)
-    elif isinstance(node, list):
-        for item in node:
-            yield from walk(item, key)
+    return (mapping[key] for mapping in mappings(node) if key in mapping)
 
 
 def pod_specs(doc: dict) -> list[dict]:
     """Every pod spec in a manifest (PyTorchJob replicas, Job template, TrainJob runtime patches)."""
-    found = []
-
-    def visit(node):
-        if isinstance(node, dict):
-            if isinstance(node.get("containers"), list):
-                found.append(node)
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for item in node:
-                visit(item)
-
-    visit(doc)
-    return found
+    return [mapping for mapping in mappings(doc) if isinstance(mapping.get("containers"), list)]
 
 
 def the_one(kind: str) -> dict:
