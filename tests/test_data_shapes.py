@@ -13,7 +13,7 @@ import pytest
 from tests.support.docs import assert_documented
 from tests.support.env import base_env, tiny_run_env, tiny_run_settings
 from tests.support.harness import start_in_process
-from tests.support.outcomes import error_lines
+from tests.support.outcomes import error_lines, succeeded
 from tests.support.processes import run_main, run_predict
 from utils.common.errors import EXIT_BAD_INPUT
 
@@ -85,8 +85,7 @@ def test_one_file_dataset_path_with_a_validation_file_trains_on_the_limits(tmp_p
     out = tmp_path / "out"
     limits = dict(VALIDATION_FILE=sst2_dir / "validation.csv", MAX_TRAIN_SAMPLES=64, MAX_EVAL_SAMPLES=50, NUM_EPOCHS=1)
     settings = tiny_run_settings(tiny_bert, sst2_dir / "train.csv", out, **limits)
-    result = run_main(base_env(tmp_path, **settings))
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(base_env(tmp_path, **settings)))
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["eval_samples"], metrics["data"]["train_rows"]) == (50, 64)
     assert json.loads((out / "logs" / "rank-0.json").read_text())["samples_trained"] == 64  # 4 steps of 16
@@ -102,8 +101,7 @@ def test_train_file_and_validation_file_of_two_formats_train(tmp_path, tiny_bert
     settings = tiny_run_settings(tiny_bert, sst2_dir, out, MAX_STEPS=2)
     del settings["DATASET_PATH"]
     env = base_env(tmp_path, **settings, TRAIN_FILE=str(sst2_dir / "train.csv"), VALIDATION_FILE=str(validation))
-    result = run_main(env)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(env))
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["eval_samples"], metrics["data"]["train_rows"]) == (len(rows), 2000)
 
@@ -115,8 +113,7 @@ def test_a_carved_run_is_one_run_only_with_its_own_fraction(tmp_path, tiny_bert,
     settings = tiny_run_settings(tiny_bert, sst2_dir, out, NUM_EPOCHS=1, VALIDATION_SPLIT="0.05")
     del settings["DATASET_PATH"]
     env = base_env(tmp_path, **settings, TRAIN_FILE=str(train))
-    result = run_main(env)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(env))
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["eval_samples"], metrics["data"]["train_rows"]) == (24, COPIES * TEXTS - 24)
 
@@ -236,8 +233,7 @@ def test_the_test_split_is_answered_once_trained_as_predict_answers_it(tmp_path,
     env = base_env(tmp_path, **tiny_run_settings(tiny_bert, data, out, MAX_STEPS=4))
     dry = run_main(env, "--dry-run", timeout=120)
     assert dry.code == 0 and dry.json()["test_split"] == str(data / "test.csv"), dry.stderr[-3000:]
-    result = run_main(env)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(env))
     lines = prediction_lines(out / "predictions" / "predictions.jsonl")
     carried = [(line["text"], line["idx"], line["input_label"]) for line in lines]
     assert carried == [(row["sentence"], row["idx"], row["label"]) for row in rows]
@@ -247,8 +243,7 @@ def test_the_test_split_is_answered_once_trained_as_predict_answers_it(tmp_path,
     assert (metrics["samples"], metrics["accuracy"]) == (len(rows), round(right / len(rows), 4)), metrics
     assert metrics["file"] == str(data / "test.csv")
 
-    served = run_predict(base_env(tmp_path), out / "model", data / "test.csv", cwd=tmp_path)
-    assert served.code == 0, served.stderr[-3000:]
+    served = succeeded(run_predict(base_env(tmp_path), out / "model", data / "test.csv", cwd=tmp_path))
     assert [json.loads(line) for line in served.stdout.splitlines()] == lines
 
     written = (out / "predictions" / "predictions.jsonl").stat().st_mtime_ns
@@ -268,8 +263,7 @@ def test_a_test_file_given_to_a_finished_run_is_answered_without_metrics_when_un
     test = tmp_path / "test.jsonl"
     texts = [row["sentence"] for row in sst2_rows(sst2_dir, "validation")[:5]]
     test.write_text("".join(json.dumps({"idx": i, "sentence": t, "label": -1}) + "\n" for i, t in enumerate(texts)))
-    again = run_main({**env, "TEST_FILE": str(test)})
-    assert again.code == 0, again.stderr[-3000:]
+    again = succeeded(run_main({**env, "TEST_FILE": str(test)}))
     lines = prediction_lines(out / "predictions" / "predictions.jsonl")
     assert [(line["idx"], line["text"], line["input_label"]) for line in lines] == [
         (i, t, -1) for i, t in enumerate(texts)

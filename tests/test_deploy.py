@@ -32,6 +32,7 @@ from tests.support.deploy import (
 )
 from tests.support.env import FAKE_TOKEN, REPO, pod_env
 from tests.support.harness import configured
+from tests.support.outcomes import succeeded
 from tests.support.processes import run_command, run_main
 from utils.config.distributed import DEFAULT_PORT
 from utils.config.settings import FIELDS, SHARED_VOLUME, env_name
@@ -574,8 +575,7 @@ def test_dry_run_on_a_platform_replica(tmp_path):
     """main.py itself on a worker replica (each replica's resolution: above, in this process), the token masked."""
     world = config_yaml()["replicas"]
     env = platform_env(world - 1, world)
-    result = run_main(pod_env(tmp_path, **env), "--dry-run")
-    assert result.code == 0, result.stderr
+    result = succeeded(run_main(pod_env(tmp_path, **env), "--dry-run"))
     out = result.json()
     assert out["distributed"] == distributed(world - 1, world, "sst2-lora-replica-0", DEFAULT_PORT, "platform")
     assert out["config"]["output_dir"] == shared_output_dir()
@@ -597,8 +597,7 @@ def test_dry_run_in_the_single_gpu_job(tmp_path):
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     env = container_env(container, configmaps)
-    result = run_main(pod_env(tmp_path, **env), "--dry-run", *container.get("args", []))
-    assert result.code == 0, result.stderr
+    result = succeeded(run_main(pod_env(tmp_path, **env), "--dry-run", *container.get("args", [])))
     out = result.json()
     assert out["distributed"]["source"] == "single" and out["distributed"]["world_size"] == 1
     assert out["config"]["quantization"] == "auto"  # 8-bit on the one GPU

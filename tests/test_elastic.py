@@ -18,7 +18,7 @@ from tests.support.data import write_fixed_length_data
 from tests.support.deploy import config_maps, container_env, kustomize
 from tests.support.env import REPO, base_env, free_port, pod_env, push_settings, rank_env
 from tests.support.numerics import LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, adapter_weights, first_divergence
-from tests.support.outcomes import complete_steps, error_lines
+from tests.support.outcomes import complete_steps, error_lines, succeeded
 from tests.support.processes import Popen, Replicas, run_main, start, start_main, wait_all, wait_for, wait_until
 
 GLOBAL_BATCH, MICRO = 16, 4  # 1 replica: 4 micro-batches a step, 2: 2, 4: 1
@@ -230,8 +230,7 @@ def test_a_count_that_cannot_share_the_global_batch_is_refused(tmp_path):
 def test_a_global_batch_that_splits_into_tiny_micro_batches_is_warned_about(tmp_path, tiny_bert, mixed_data):
     """997 rows (a prime) under a cap of 64: micro-batches of 1, many times slower. Warned at --dry-run and in the
     run's log, with the nearby global batches that split well."""
-    plan = run_main(base_env(tmp_path, GLOBAL_BATCH_SIZE=997, PER_DEVICE_BATCH_SIZE=64), "--dry-run")
-    assert plan.code == 0, plan.stderr
+    plan = succeeded(run_main(base_env(tmp_path, GLOBAL_BATCH_SIZE=997, PER_DEVICE_BATCH_SIZE=64), "--dry-run"))
     assert plan.json()["batch"]["micro_batch"] == 1
     [warning] = [line for line in plan.stderr.splitlines() if line.startswith("warning:")]
     assert "GLOBAL_BATCH_SIZE=997 on 1 replica(s)" in warning and "micro-batches of 1" in warning, warning
@@ -239,8 +238,7 @@ def test_a_global_batch_that_splits_into_tiny_micro_batches_is_warned_about(tmp_
     # A real run says it in its log too (13 rows, a prime, under a cap of 8: micro-batches of 1).
     out = tmp_path / "out"
     env = base_env(tmp_path, **settings(tiny_bert, mixed_data, out, GLOBAL_BATCH_SIZE=13, PER_DEVICE_BATCH_SIZE=8))
-    run = run_main({**env, "MAX_STEPS": "1", "EVAL_STEPS": "1000", "SAVE_STEPS": "1000"})
-    assert run.code == 0, run.stderr[-3000:]
+    run = succeeded(run_main({**env, "MAX_STEPS": "1", "EVAL_STEPS": "1000", "SAVE_STEPS": "1000"}))
     assert "GLOBAL_BATCH_SIZE=13 on 1 replica(s) is 13 rows a replica" in run.stderr, run.stderr[-3000:]
     assert json.loads((out / "metrics.json").read_text())["global_batch"] == 13
 
@@ -250,8 +248,7 @@ def test_a_restart_on_another_count_without_a_global_batch_names_the_count(tmp_p
     naming the count and the fix."""
     out = tmp_path / "out"
     env = settings(tiny_bert, mixed_data, out, GLOBAL_BATCH_SIZE="", LEARNING_RATE="", MAX_STEPS=1, EVAL_STEPS=1000)
-    first = run_main(base_env(tmp_path, **env))
-    assert first.code == 0, first.stderr[-3000:]
+    succeeded(run_main(base_env(tmp_path, **env)))
     again = run_main(rank_env(tmp_path, 0, 2, free_port(), **env), "--dry-run")
     assert again.code == 2, again.stderr
     [line] = error_lines(again.stderr)

@@ -17,7 +17,7 @@ import pytest
 from tests.support.deploy import K8S, config_maps, container_env, crd_schema, kustomize, load_manifest, schema_errors
 from tests.support.env import REPO, STEPS, base_env, free_port, job_settings, pod_env
 from tests.support.harness import configured
-from tests.support.outcomes import rank_report
+from tests.support.outcomes import rank_report, succeeded
 from tests.support.processes import (
     ACCELERATE,
     DEVNULL,
@@ -263,8 +263,7 @@ def test_deepspeed_launcher_on_two_nodes_resolves_node_ranks(tmp_path):
     for rank in range(4):
         node, local = divmod(rank, 2)
         env = base_env(tmp_path, RANK=rank, LOCAL_RANK=local, CROSS_RANK=node, STRATEGY="deepspeed", **launcher)
-        result = run_main(env, f"--local_rank={local}", "--dry-run")
-        assert result.code == 0, result.stderr
+        result = succeeded(run_main(env, f"--local_rank={local}", "--dry-run"))
         resolved.append(result.json()["distributed"])
     assert [(d["rank"], d["local_rank"], d["node_rank"]) for d in resolved] == [(r, r % 2, r // 2) for r in range(4)]
     assert {(d["source"], d["world_size"], d["master_addr"]) for d in resolved} == {("deepspeed", 4, "worker-0")}
@@ -285,8 +284,7 @@ def test_slurm_tasks_of_a_2_node_x_4_gpu_allocation_resolve_to_ranks_0_to_7(tmp_
         allocation = dict(SLURM_NTASKS=8, SLURM_NNODES=2, SLURM_NTASKS_PER_NODE=4, SLURM_JOB_ID=731)
         allocation |= dict(SLURM_PROCID=task, SLURM_LOCALID=task % 4, SLURM_NODEID=task // 4)
         env = base_env(tmp_path, SLURM_JOB_NODELIST="gpu-node-[07-08]", **allocation)
-        result = run_main(env, "--dry-run")
-        assert result.code == 0, result.stderr
+        result = succeeded(run_main(env, "--dry-run"))
         resolved.append(result.json()["distributed"])
     assert [(d["rank"], d["local_rank"], d["node_rank"]) for d in resolved] == [(t, t % 4, t // 4) for t in range(8)]
     assert {(d["world_size"], d["master_addr"], d["master_port"], d["source"]) for d in resolved} == {
@@ -618,8 +616,7 @@ def test_deepspeed_pytorchjob_pods_resolve_to_ranks_under_zero3(tmp_path):
         container = spec["template"]["spec"]["containers"][0]
         operator = dict(MASTER_ADDR="sst2-lora-deepspeed-master-0", MASTER_PORT=23456, RANK=rank, WORLD_SIZE=world)
         operator |= dict(PET_NODE_RANK=rank, PET_NNODES=world, PET_NPROC_PER_NODE=job["spec"]["nprocPerNode"])
-        result = run_main(pod_env(tmp_path, **(container_env(container, shared) | operator)), "--dry-run")
-        assert result.code == 0, result.stderr
+        result = succeeded(run_main(pod_env(tmp_path, **(container_env(container, shared) | operator)), "--dry-run"))
         resolved.append(result.json())
     assert [(a["distributed"]["rank"], a["distributed"]["source"]) for a in resolved] == [
         (r, "pytorchjob") for r in range(world)

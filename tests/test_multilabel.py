@@ -16,7 +16,7 @@ import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
 from tests.support.env import REPO, base_env, tiny_run_settings
-from tests.support.outcomes import assert_refusal
+from tests.support.outcomes import assert_refusal, succeeded
 from tests.support.processes import run_command, run_main, run_predict, wait_all
 
 NAMES = ("blame", "motion", "praise")  # sorted: the order the data's names take without LABEL_NAMES
@@ -78,8 +78,7 @@ def multi_env(tmp: Path, tiny_bert: Path, data: Path | dict, **extra) -> dict[st
 
 
 def trained(tmp: Path, env: dict[str, str]) -> dict:
-    result = run_main(env)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(env))
     return json.loads((tmp / "out" / "metrics.json").read_text())
 
 
@@ -175,8 +174,7 @@ def test_predict_prints_every_label_above_the_threshold(lists_run, folder):
     tmp = lists_run[0]
     sentences = list(rows(random.Random(21), 12))
     stdin = "".join(f"{s}\n" for s, _ in sentences)
-    result = run_predict(base_env(tmp), tmp / "out" / folder, stdin=stdin, cwd=tmp)
-    assert result.code == 0, result.stderr[-3000:]
+    result = succeeded(run_predict(base_env(tmp), tmp / "out" / folder, stdin=stdin, cwd=tmp))
     predicted = [json.loads(line) for line in result.stdout.splitlines()]
     assert [p["text"] for p in predicted] == [s for s, _ in sentences]
     for p in predicted:
@@ -185,8 +183,7 @@ def test_predict_prints_every_label_above_the_threshold(lists_run, folder):
     right = sum(p["labels"] == labels for p, (_, labels) in zip(predicted, sentences, strict=True))
     assert right >= 10, predicted  # the run's subset accuracy, roughly
     # A lower threshold never predicts fewer labels.
-    low = run_predict(base_env(tmp), tmp / "out" / folder, "--threshold", "0.05", stdin=stdin, cwd=tmp)
-    assert low.code == 0, low.stderr[-3000:]
+    low = succeeded(run_predict(base_env(tmp), tmp / "out" / folder, "--threshold", "0.05", stdin=stdin, cwd=tmp))
     for p, q in zip(predicted, map(json.loads, low.stdout.splitlines()), strict=True):
         assert set(p["labels"]) <= set(q["labels"]) and q["labels"] == [n for n in NAMES if q["scores"][n] >= 0.05]
 
@@ -221,8 +218,9 @@ def test_the_cards_python_gives_the_scores_predict_prints(lists_run, folder):
     result = run_command([sys.executable, "-c", script, json.dumps(sentences)], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     answers = json.loads(result.stdout.splitlines()[-1])
-    printed = run_predict(base_env(tmp), tmp / "out" / folder, stdin="".join(f"{s}\n" for s in sentences), cwd=tmp)
-    assert printed.code == 0, printed.stderr[-3000:]
+    printed = succeeded(
+        run_predict(base_env(tmp), tmp / "out" / folder, stdin="".join(f"{s}\n" for s in sentences), cwd=tmp)
+    )
     for answer, line in zip(answers, printed.stdout.splitlines(), strict=True):
         scores = {entry["label"]: entry["score"] for entry in answer}
         assert scores == pytest.approx(json.loads(line)["scores"], abs=2e-4)
@@ -230,16 +228,14 @@ def test_the_cards_python_gives_the_scores_predict_prints(lists_run, folder):
 
 def test_predict_takes_the_threshold_the_model_was_trained_with(columns_run):
     tmp = columns_run[0]
-    result = run_predict(base_env(tmp), tmp / "out" / "model", stdin="the plot is good bad it\n", cwd=tmp)
-    assert result.code == 0, result.stderr[-3000:]
+    result = succeeded(run_predict(base_env(tmp), tmp / "out" / "model", stdin="the plot is good bad it\n", cwd=tmp))
     [p] = [json.loads(line) for line in result.stdout.splitlines()]
     assert p["labels"] == [name for name in NAMES if p["scores"][name] >= 0.4]
 
 
 def test_predict_refuses_a_threshold_for_a_single_label_model(tmp_path, tiny_bert, sst2_dir):
     settings = tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", MAX_STEPS=2, REPORT_TO="none")
-    result = run_main(base_env(tmp_path, **settings))
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(base_env(tmp_path, **settings)))
     refused = run_predict(base_env(tmp_path), tmp_path / "out" / "model", "--threshold", "0.3", stdin="a good film\n")
     assert refused.stdout == ""
     assert_refusal(refused, ["--threshold 0.3", "drop --threshold"])
@@ -249,8 +245,7 @@ def test_predict_refuses_a_threshold_for_a_single_label_model(tmp_path, tiny_ber
 def test_dry_run_shows_the_problem_type_and_threshold(tmp_path, tiny_bert):
     data = write_columns(tmp_path / "data", train=8, validation=4)
     env = multi_env(tmp_path, tiny_bert, data, LABEL_COLUMNS=",".join(NAMES), THRESHOLD="0.3")
-    shown = run_main(env, "--dry-run")
-    assert shown.code == 0, shown.stderr
+    shown = succeeded(run_main(env, "--dry-run"))
     task = shown.json()["task"]
     assert task["problem_type"] == "multi_label_classification" and task["threshold"] == 0.3
     assert task["label_names"] == list(NAMES) and task["label_columns"] == list(NAMES)
@@ -342,8 +337,7 @@ def test_the_step_on_static_buffers_trains_as_the_eager_step(tmp_path, tiny_bert
     for captured in ("true", "false"):
         out = tmp_path / f"out-{captured}"
         extra = dict(OUTPUT_DIR=out, MAX_STEPS=4, LOGGING_STEPS=1, LORA_DROPOUT=0, CUDA_GRAPHS=captured)
-        result = run_main(multi_env(tmp_path, tiny_bert, data, **extra))
-        assert result.code == 0, result.stderr[-3000:]
+        succeeded(run_main(multi_env(tmp_path, tiny_bert, data, **extra)))
         state = json.loads((out / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
         losses[captured] = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
     assert len(losses["true"]) == 4 and losses["true"] == pytest.approx(losses["false"], rel=1e-6), losses

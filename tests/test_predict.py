@@ -20,7 +20,7 @@ from scripts.make_demo_assets import write_tiny_bert
 from tests.support.data import STRAY_QUOTE, delimited, write_files
 from tests.support.docs import assert_documented
 from tests.support.env import BASE_ID, LABELS, MAX_SEQ_LENGTH, MERGED_ID, REPO, REPO_ID, base_env
-from tests.support.outcomes import assert_refusal, error_lines
+from tests.support.outcomes import assert_refusal, error_lines, succeeded
 from tests.support.processes import PIPE, CompletedProcess, Result, run_command, run_predict, start
 from utils.common.errors import JobError
 
@@ -390,8 +390,7 @@ def test_a_reader_that_stops_reading_ends_it_without_a_traceback(trained, tmp_pa
 
 def test_a_base_model_is_served_with_a_warning_that_its_head_is_untrained(trained, tiny_bert, tmp_path):
     """A base folder as MODEL answers with one warning that its head is untrained; the merged model gets none."""
-    base = run_predict(base_env(tmp_path), tiny_bert, stdin="a wonderful film\n")
-    assert base.code == 0, base.stderr[-2000:]
+    base = succeeded(run_predict(base_env(tmp_path), tiny_bert, stdin="a wonderful film\n"))
     assert [json.loads(line)["label"] for line in base.stdout.splitlines()] in (["LABEL_0"], ["LABEL_1"])
     warnings = [line for line in base.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "LABEL_0, LABEL_1 (transformers' defaults)" in warnings[0], base.stderr[-2000:]

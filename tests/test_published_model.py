@@ -19,7 +19,7 @@ import yaml
 
 from tests.support.env import BASE_ID, LABELS, MERGED_ID, REPO, REPO_ID, base_env, push_settings
 from tests.support.hub_stub import HubStub
-from tests.support.outcomes import assert_refusal, assert_token_absent, error_lines, rank_record
+from tests.support.outcomes import assert_refusal, assert_token_absent, error_lines, rank_record, succeeded
 from tests.support.processes import Result, run_command, run_main, run_predict
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
@@ -296,8 +296,7 @@ def test_a_finished_run_publishes_the_label_names_it_was_trained_with(finished_r
     assert not (out / "merged").exists() and hub.commits == []
 
     env.pop("LABEL_NAMES")  # the default names now: the recorded ones are published
-    pushed = run_main(env, "--push-only")
-    assert pushed.code == 0, pushed.stderr[-3000:]
+    succeeded(run_main(env, "--push-only"))
     recorded = {"0": LABELS[0], "1": LABELS[1]}
     assert json.loads((out / "merged" / "config.json").read_text())["id2label"] == recorded
     adapter = commit(hub, AGAIN_ID)
@@ -313,8 +312,7 @@ def unpushed_run(job_env, tmp_path, sst2_dir, tiny_bert) -> dict[str, str]:
     data = shutil.copytree(sst2_dir, tmp_path / "data")
     env = {**job_env, "DATASET_PATH": str(data), "MAX_STEPS": "2", "MODEL_NAME": os.path.relpath(tiny_bert, REPO)}
     env.pop("NUM_EPOCHS")
-    first = run_main(env)
-    assert first.code == 0, first.stderr[-3000:]
+    succeeded(run_main(env))
     return env
 
 
@@ -330,8 +328,7 @@ def test_push_only_with_base_model_id_pushes_an_adapter_that_names_the_base_the_
     answers = run_predict(base_env(tmp_path), out / "model", stdin="\n".join(SENTENCES), cwd=tmp_path)
     assert answers.code == 0 and len(answers.stdout.splitlines()) == len(SENTENCES), answers.stderr[-3000:]
     for args, repo in ((["--push-only"], REPO_ID), ([], AGAIN_ID)):
-        result = run_main({**unpushed_run, **push_settings(hub), "RESULT_MODEL_ID": repo}, *args)
-        assert result.code == 0, result.stderr[-3000:]
+        succeeded(run_main({**unpushed_run, **push_settings(hub), "RESULT_MODEL_ID": repo}, *args))
         files = commit(hub, repo)
         assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == BASE_ID
         assert front_matter(files["README.md"].decode())["base_model"] == BASE_ID
@@ -365,8 +362,7 @@ def test_a_finished_run_is_finished_only_for_the_data_it_was_trained_on(unpushed
             "restore the data it was trained on",
         ]
         assert_refusal(result, names)
-    pushed = run_main({**unpushed_run, **push_settings(hub)}, "--push-only")
-    assert pushed.code == 0, pushed.stderr[-3000:]
+    succeeded(run_main({**unpushed_run, **push_settings(hub)}, "--push-only"))
     train.write_bytes(original)  # restored as it was
     again = run_main(unpushed_run)
     assert again.code == 0 and "already holds a finished run" in again.stderr

@@ -21,7 +21,7 @@ import yaml
 from scripts.make_demo_assets import write_dataset, write_pair_dataset
 from tests.support.deploy import K8S, SCHEMAS, crd_schema, load_manifest, schema_errors, strict
 from tests.support.env import FAKE_TOKEN, MERGED_ID, REPO, REPO_ID, base_env, push_settings
-from tests.support.outcomes import assert_refusal
+from tests.support.outcomes import assert_refusal, succeeded
 from tests.support.processes import STDOUT, Result, run_command, run_script, start, wait_until
 from utils.config.tasks import headline
 
@@ -156,8 +156,7 @@ def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep):
     before = (grid_sweep.out / "summary.csv").read_text()
     for name in ("summary.csv", "summary.md", "summary.png"):
         (grid_sweep.out / name).unlink()
-    result = run_sweep(grid_sweep.env, grid_sweep.spec, "--summarize")
-    assert result.code == 0, result.stderr
+    result = succeeded(run_sweep(grid_sweep.env, grid_sweep.spec, "--summarize"))
     assert (grid_sweep.out / "summary.csv").read_text() == before
     assert (grid_sweep.out / "summary.png").is_file() and "| 1 | trial-" in result.stdout
     # an array task run again for a finished trial leaves it as it is
@@ -190,8 +189,7 @@ def test_another_sweep_is_refused_on_a_sweeps_folder(grid_sweep, tmp_path):
     assert snapshot(out) == kept
     assert study_states(out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
     # a variable the job reads but that trains nothing (main.py resumes under it) is the same sweep
-    result = run_sweep({**grid_sweep.env, "HUB_TIMEOUT": "30"}, grid_sweep.spec, "--summarize")
-    assert result.code == 0, result.stderr
+    result = succeeded(run_sweep({**grid_sweep.env, "HUB_TIMEOUT": "30"}, grid_sweep.spec, "--summarize"))
 
 
 @pytest.mark.integration
@@ -224,8 +222,7 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
     finished = out / "trial-000"
     kept = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (finished / "metrics.json", finished / "trial.log")}
 
-    second = run_sweep(env, spec)
-    assert second.code == 0, second.stderr[-3000:]
+    second = succeeded(run_sweep(env, spec))
     assert "sweep: trial-001 was left running by a stopped sweep; running it again" in second.stdout
     assert "1 trial(s) already complete" in second.stdout
     assert "sweep: start trial-000" not in second.stdout
@@ -759,8 +756,7 @@ def test_the_docs_mnli_sweep_runs_as_written(tmp_path, tiny_bert):
     spec.write_text(DOC_SPECS[0])
     data = write_pair_dataset(tmp_path / "mnli", "mnli", train_rows=64, validation_rows=24)
     env = base_env(tmp_path, MODEL_NAME=str(tiny_bert), DATASET_PATH=str(data), MAX_STEPS="2", REPORT_TO="none")
-    result = run_script("sweep.py", env, spec, cwd=tmp_path, timeout=600)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_script("sweep.py", env, spec, cwd=tmp_path, timeout=600))
     out = tmp_path / "output" / "sweeps" / "mnli-lr"
     rows = read_csv(out / "summary.csv")
     assert [(r["trial"], r["learning_rate"], r["status"]) for r in rows] == [

@@ -17,7 +17,7 @@ import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, SUBJECTS, VERBS
 from tests.support.env import REPO, base_env, tiny_run_env
-from tests.support.outcomes import assert_refusal, rank_record
+from tests.support.outcomes import assert_refusal, rank_record, succeeded
 from tests.support.processes import run_command, run_main, run_predict, train_one_and_two, wait_all
 
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/support/env.tiny_run_settings)
@@ -273,8 +273,7 @@ def test_a_hub_config_the_task_cannot_train_is_refused_at_dry_run(env, names, tm
 
 
 def test_dry_run_shows_the_resolved_task(tmp_path):
-    shown = run_main(base_env(tmp_path, TASK="stsb"), "--dry-run")
-    assert shown.code == 0, shown.stderr
+    shown = succeeded(run_main(base_env(tmp_path, TASK="stsb"), "--dry-run"))
     task = shown.json()["task"]
     assert task["text_columns"] == ["sentence1", "sentence2"] and task["problem_type"] == "regression"
     assert task["metrics"] == ["pearson", "spearman", "mse"] and task["metric_for_best_model"] == "pearson"
@@ -316,8 +315,7 @@ def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
 
 # ------------------------------------------------------------------------------- predict.py
 def predictions(tmp: Path, *args, stdin: str = "") -> list[dict]:
-    result = run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp)
-    assert result.code == 0, result.stderr[-3000:]
+    result = succeeded(run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp))
     assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
     return [json.loads(line) for line in result.stdout.splitlines()]
 
