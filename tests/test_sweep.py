@@ -189,7 +189,7 @@ def test_another_sweep_is_refused_on_a_sweeps_folder(grid_sweep, tmp_path):
     assert snapshot(out) == kept
     assert study_states(out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
     # a variable the job reads but that trains nothing (main.py resumes under it) is the same sweep
-    result = succeeded(run_sweep({**grid_sweep.env, "HUB_TIMEOUT": "30"}, grid_sweep.spec, "--summarize"))
+    succeeded(run_sweep({**grid_sweep.env, "HUB_TIMEOUT": "30"}, grid_sweep.spec, "--summarize"))
 
 
 @pytest.mark.integration
