@@ -27,13 +27,11 @@ BATCH = 4  # rows per replica per step: 8 steps an epoch of the fixed-length dat
 TRAIN_ROWS, VALIDATION_ROWS = 64, 32
 STEPS = TRAIN_ROWS // (2 * BATCH)
 SAVE_EVERY = 4
-# The ZeRO-3 run checkpoints twice as often: its 8 steps then leave room for a stop and, after the restart, a
-# kill, each after a checkpoint and before the end, so the fault test's runs can take it as their reference.
+# ZeRO-3 checkpoints twice as often: room in its 8 steps for a stop and a kill, each after a checkpoint.
 ZERO3_SAVE_EVERY = 2
 OFFLINE = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # a user's shell, offline
-# Measured on 2 CPU cores (fp32, gloo), 8 steps, against DDP: see LOSS_RTOL's note below the table in
-# docs/reliability.md. The tolerances sit a few times above what was measured; a rate x2 moves step 2's loss
-# by ~1e-2 (relative) and the weights by up to 0.3.
+# A few times what was measured against DDP on 2 CPU cores (docs/reliability.md, LOSS_RTOL's note); a rate x2
+# moves step 2's loss by ~1e-2 (relative) and the weights by up to 0.3.
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 # test id -> (ZERO_STAGE, ZERO_OFFLOAD)
@@ -245,8 +243,7 @@ def test_zero3_stopped_then_killed_after_checkpoints_resumes_to_the_uninterrupte
     records = [rank_record(out, rank) for rank in (0, 1)]
     assert [r["first_step"] for r in records] == [resumed_from + 1] * 2
 
-    # Bit for bit: the fp32 weights, the optimizer state (each rank's shard), the scheduler, the RNG and the
-    # data position all come back from the ZeRO-3 checkpoints exactly (docs/reliability.md), twice over.
+    # Bit for bit: weights, optimizer shards, scheduler, RNG and data position come back exactly, twice over.
     theirs = rank_record(zero3_run, 0)["trainable_checksum"]
     assert [r["trainable_checksum"] for r in records] == [theirs, theirs]
     weights, reference_weights = adapter_weights(out), adapter_weights(zero3_run)
@@ -361,8 +358,7 @@ REFUSED = {
         file(stage(3, offload_param=CPU)),
         ["zero_optimization.offload_param", "offload_optimizer", "ZERO_OFFLOAD=optimizer+parameters"],
     ),
-    # What transformers compares with its TrainingArguments only once the model has loaded: the step counts
-    # (trainer_config_finalize), and the optimizer's betas and epsilon.
+    # What transformers compares with its TrainingArguments only once the model has loaded.
     "pinned-warmup-without-max-steps": (
         file(scheduler("WarmupLR", warmup_num_steps=100)),
         ["scheduler.params.warmup_num_steps: 100", "MAX_STEPS"],
@@ -408,9 +404,8 @@ REFUSED = {
 }
 
 
-# One refusal from each place that refuses (the settings, the accelerate config, reading the file, checking it)
-# runs as `main.py --dry-run`, for what the process prints and its exit code; the rest go through
-# main.configure in this process, the same function the process runs first.
+# One refusal from each place that refuses runs as `main.py --dry-run` (what it prints, its exit code); the rest
+# go through main.configure in this process, which the process runs first.
 END_TO_END = {"8bit", "accelerate-fsdp", "not-json", "pinned-rate", "pinned-warmup-without-max-steps"}
 
 
@@ -453,20 +448,17 @@ def test_dry_run_shows_the_deepspeed_config_the_run_uses(tmp_path, job_env, monk
     assert config["zero_optimization"]["stage"] == 3
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
-    # What the settings own, resolved: 16 rows a step on one process, the tiny run's rate; precision waits
-    # for the hardware.
+    # What the settings own, resolved; precision waits for the hardware.
     batches = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
     assert [config[key] for key in batches] == [16, 1, 16]
     assert config["gradient_clipping"] == 1.0 and config["bf16"] == {"enabled": "auto"}
     assert "optimizer" not in config  # the job's AdamW, with its per-group rates
 
-    # What --dry-run prints under "strategy" and "deepspeed" is main.configure's strategy, which the cases
-    # below read in this process.
+    # --dry-run prints main.configure's strategy, which the cases below read in this process.
     *_, strategy = configured_dry_run(monkeypatch, job_env, **zero3)
     assert strategy == {"strategy": shown["strategy"], "deepspeed": config}
 
-    # A user's file: its own values kept, what it leaves out of the job's completed, "auto" filled in, the stage
-    # and offload the file's, and ZERO_STAGE and ZERO_OFFLOAD saying so (run.json records them).
+    # A user's file: its values kept, the rest the job's, "auto" filled in, ZERO_STAGE and ZERO_OFFLOAD the file's.
     path = ds_file(tmp_path, {**stage(1), "train_batch_size": "auto", "gradient_clipping": 1.0})
     settings, _, _, shown = configured_dry_run(monkeypatch, job_env, **file(path))
     completed = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1}
@@ -482,8 +474,7 @@ def test_dry_run_shows_the_deepspeed_config_the_run_uses(tmp_path, job_env, monk
     from utils.config.plan import build_plan
 
     assert build_plan(settings, 1).identity["zero_stage"] == 1  # the run identity records what trains
-    # A scheduler and an optimizer block: what the Trainer fills in from the run completed, the step counts
-    # left "auto" until the data set's size is known, and ZERO_STAGE/ZERO_OFFLOAD agreeing with the file accepted.
+    # Scheduler and optimizer blocks completed from the run (step counts "auto" until the data is known).
     config = {**stage(3, offload_optimizer=CPU), "optimizer": adamw()["optimizer"]}
     path = ds_file(
         tmp_path,

@@ -158,9 +158,8 @@ def test_silent_hub_at_the_token_check_fails_both_replicas_with_one_line_and_no_
         for proc in procs:
             proc.kill()
     assert codes == [2, 2]
-    # How long each rank's check took, by the job's own clock: from its first failed attempt (HUB_TIMEOUT=2 s into
-    # the check) to its error line (the stream's last write). Imports and shutdown, which a busy machine stretches
-    # tenfold, are not the check's; a check that ignored its bound would run to the 120 s of TOKEN_CHECK_SECONDS.
+    # Each rank's check by the job's own clock, from its first failed attempt (2 s in) to its error line (the
+    # stream's last write): not imports and shutdown; one that ignored its bound would run to 120 s.
     allowance = 2 * slowness()  # logging the failure and printing the line
     for rank in (0, 1):
         stream = tmp_path / f"rank{rank}.txt"
@@ -202,8 +201,7 @@ def test_replicas_with_different_settings_all_stop_with_exit_2_naming_them(repli
     replicas.started += procs
     assert wait_all(procs, timeout=120) == [2, 2]
     for rank in (0, 1):
-        # The identity's words: the rates follow the global batch, which the replica count changed, so the batch and
-        # the count are what rank 1 is refused for (the rate it was given differently is named once they agree).
+        # The rates follow the global batch, which the count changed: the batch and the count are named first.
         names = ["rank 1: ", "global batch: 32 -> 48", "replica count: 2 -> 3"]
         assert_refusal((tmp_path / f"rank{rank}.txt").read_text(), names)
     assert not list(out.glob("checkpoints/checkpoint-*")) and not (out / "run.json").exists()
@@ -230,8 +228,7 @@ def test_sigterm_while_waiting_in_the_rendezvous_exits_143_within_seconds(tmp_pa
         assert proc.wait(timeout=120) == 143  # RENDEZVOUS_TIMEOUT=300 would end the wait otherwise
     finally:
         proc.kill()
-    # The handler cannot run in native code: the watcher ends the process after its grace, which its line names,
-    # well inside the 30 s an orchestrator gives before SIGKILL.
+    # The watcher ends it after its grace, which its line names, inside an orchestrator's 30 s before SIGKILL.
     text = log.read_text()
     assert f"preempted: SIGTERM and no exit within {STOP_GRACE[False]:.0f} s" in text, text[-3000:]
     assert STOP_GRACE[False] < 30
@@ -352,8 +349,7 @@ def test_sigint_checkpoints_where_it_stops_and_a_resume_refuses_another_shape_or
         (data / "train.csv").write_bytes(original)
     assert_refusal(changed, [f"OUTPUT_DIR={out}", "data files: train.csv added, removed or edited"])
 
-    # The checkpoints after the SIGINT one damaged after they were marked complete: the SIGINT one is used,
-    # with a warning for each.
+    # The checkpoints after the SIGINT one damaged once complete: each dropped with a warning.
     damaged = [step for step in complete_steps(out) if step > stopped]
     assert damaged, complete_steps(out)
     for step in damaged:
