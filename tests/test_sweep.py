@@ -692,11 +692,8 @@ def test_metrics_are_the_tasks_own_and_checked_before_any_trial(tmp_path, capsys
 
     mnli = yaml.safe_load(planned("mnli", "accuracy", backend="katib").stdout)
     assert schema_errors(katib_schema(), mnli) == []
-    assert mnli["spec"]["objective"] == {
-        "type": "maximize",
-        "objectiveMetricName": "eval_matched_accuracy",
-        "additionalMetricNames": ["eval_mismatched_accuracy"],
-    }
+    objective = {"objectiveMetricName": "eval_matched_accuracy", "additionalMetricNames": ["eval_mismatched_accuracy"]}
+    assert mnli["spec"]["objective"] == {"type": "maximize", **objective}
     # the collector's pattern reads both from the line the job prints (utils/config/tasks.headline)
     line = headline({"eval_matched_accuracy": 0.71, "eval_mismatched_accuracy": 0.69, "eval_matched_f1": 0.7})
     (pattern,) = mnli["spec"]["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
@@ -897,12 +894,9 @@ def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys
     }
     assert (body["maxTrialCount"], body["parallelTrialCount"]) == (6, 3)
     assert body["objective"] == {"type": "maximize", "objectiveMetricName": "eval_accuracy"}
+    rate = {"min": "1e-05", "max": "0.001", "distribution": "logUniform"}
     assert body["parameters"] == [
-        {
-            "name": "learning_rate",
-            "parameterType": "double",
-            "feasibleSpace": {"min": "1e-05", "max": "0.001", "distribution": "logUniform"},
-        },
+        {"name": "learning_rate", "parameterType": "double", "feasibleSpace": rate},
         {"name": "lora_r", "parameterType": "categorical", "feasibleSpace": {"list": ["8", "16"]}},
         {"name": "max_steps", "parameterType": "int", "feasibleSpace": {"min": "10", "max": "50"}},
     ]
@@ -925,17 +919,11 @@ def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys
         original = copy.deepcopy(deployed["spec"]["pytorchReplicaSpecs"][role])
         original["template"]["spec"]["containers"][0].pop("env")
         assert pod == original
-        assert env == {
-            "HF_TOKEN": None,  # still from the Secret
-            "NUM_EPOCHS": "2",
-            "LEARNING_RATE": "${trialParameters.learning_rate}",
-            "LORA_R": "${trialParameters.lora_r}",
-            "MAX_STEPS": "${trialParameters.max_steps}",
-            "OUTPUT_DIR": "/pvc-home/sweeps/sst2/${trialSpec.Name}",
-            "RUN_NAME": "${trialSpec.Name}",
-            "RESULT_MODEL_ID": "me/bert-sst2-${trialSpec.Name}",
-            "RESULT_MERGED_MODEL_ID": "",  # blank over the ConfigMap's: the job reads it as unset
-        }
+        # HF_TOKEN still from the Secret; RESULT_MERGED_MODEL_ID blank over the ConfigMap's: the job reads it as unset
+        drawn = {name.upper(): f"${{trialParameters.{name}}}" for name in ("learning_rate", "lora_r", "max_steps")}
+        trial = {"OUTPUT_DIR": "/pvc-home/sweeps/sst2/${trialSpec.Name}", "RUN_NAME": "${trialSpec.Name}"}
+        pushes = {"RESULT_MODEL_ID": "me/bert-sst2-${trialSpec.Name}", "RESULT_MERGED_MODEL_ID": ""}
+        assert env == {"HF_TOKEN": None, "NUM_EPOCHS": "2", **drawn, **trial, **pushes}
     assert body["trialTemplate"]["primaryPodLabels"] == {"training.kubeflow.org/job-role": "master"}
     referenced = {m.group(1) for m in re.finditer(r"\$\{trialParameters\.(\w+)\}", json.dumps(job))}
     declared = {p["name"] for p in body["trialTemplate"]["trialParameters"]}
