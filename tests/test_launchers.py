@@ -105,15 +105,10 @@ def launched_environments(tmp_path: Path, config: Path, *args: str, machines: in
     return [json.loads((out / f"env-{rank}.json").read_text()) for rank in range(2)]
 
 
-@pytest.mark.parametrize(
-    "name, machines, same_as",
-    [
-        ("multi-gpu.yaml", 1, {}),
-        ("multi-node.yaml", 2, {}),
-        ("deepspeed-zero2.yaml", 1, {"STRATEGY": "deepspeed", "ZERO_STAGE": "2"}),
-        ("deepspeed-zero3.yaml", 1, {"STRATEGY": "deepspeed", "ZERO_STAGE": "3"}),
-    ],
-)
+ZERO = [(f"deepspeed-zero{n}.yaml", 1, {"STRATEGY": "deepspeed", "ZERO_STAGE": str(n)}) for n in (2, 3)]
+
+
+@pytest.mark.parametrize("name, machines, same_as", [("multi-gpu.yaml", 1, {}), ("multi-node.yaml", 2, {}), *ZERO])
 def test_an_accelerate_config_launches_and_leaves_training_to_the_job(name, machines, same_as, tmp_path, monkeypatch):
     """Each config of launchers/accelerate/, launched: its processes get their ranks and resolve the settings they
     would without it (a DeepSpeed config: with STRATEGY and ZERO_STAGE set), under every PRECISION."""
@@ -194,9 +189,8 @@ def test_accelerate_launch_with_a_deepspeed_config_resolves_the_strategy_and_ran
     assert code == 0, stderr
     assert [(a["distributed"]["rank"], a["distributed"]["local_rank"]) for a in answers] == [(0, 0), (1, 1)]
     assert {(a["distributed"]["source"], a["distributed"]["world_size"]) for a in answers} == {("torchrun", 2)}
-    assert {(a["config"]["strategy"], a["config"]["zero_stage"], a["config"]["zero_offload"]) for a in answers} == {
-        ("deepspeed", stage, "none")
-    }
+    configs = {(a["config"]["strategy"], a["config"]["zero_stage"], a["config"]["zero_offload"]) for a in answers}
+    assert configs == {("deepspeed", stage, "none")}
 
     # A ZERO_STAGE that says otherwise: refused on every rank, naming both, before anything loads.
     other = 1 if stage != 1 else 2
@@ -449,7 +443,7 @@ def shared_config_maps() -> dict[str, dict[str, str]]:
 
 
 def run_pods(command: list[str], pod_envs: list[dict[str, str]], tmp_path: Path) -> list[list[dict]]:
-    """Start one shell per pod (torchrun inside), concurrently; return each pod's --dry-run answers by local rank."""
+    """Start one shell per pod (torchrun inside), concurrently; the --dry-run answers, by pod then local rank."""
     bin_dir = str(Path(sys.executable).parent)  # torchrun
     procs = []
     for pod, env in enumerate(pod_envs):
@@ -467,7 +461,7 @@ def run_pods(command: list[str], pod_envs: list[dict[str, str]], tmp_path: Path)
         files = sorted(
             (tmp_path / f"pod-{pod}").glob("*/attempt_0/*/stdout.log"), key=lambda path: int(path.parent.name)
         )
-        answers.append([json.loads(path.read_text()) for path in files])
+        answers += [json.loads(path.read_text()) for path in files]
     return answers
 
 
@@ -506,21 +500,15 @@ def test_pytorchjob_pods_run_torchrun_and_every_process_gets_its_own_rank(tmp_pa
         for pod in range(pods)
     ]
     answers = run_pods(pod_command(container, ["--dry-run"]), pod_envs, tmp_path)
-    resolved = [
-        (d["rank"], d["local_rank"], d["node_rank"], d["world_size"])
-        for pod in answers
-        for d in (a["distributed"] for a in pod)
-    ]
+    configs, ranks = [a["config"] for a in answers], [a["distributed"] for a in answers]
+    resolved = [(d["rank"], d["local_rank"], d["node_rank"], d["world_size"]) for d in ranks]
     assert resolved == [(p * nproc + local, local, p, pods * nproc) for p in range(pods) for local in range(nproc)]
-    assert {(a["distributed"]["source"], a["distributed"]["master_port"]) for pod in answers for a in pod} == {
-        ("torchrun", port)
-    }
+    assert {(d["source"], d["master_port"]) for d in ranks} == {("torchrun", port)}
     # Its own run folder, and the shared settings: a folder holds one run (the 4-replica job uses another).
     settings = shared["sst2-lora-settings"]
     own = container_env(container, shared)["OUTPUT_DIR"]
-    assert {a["config"]["output_dir"] for pod in answers for a in pod} == {own} != {settings["OUTPUT_DIR"]}
-    assert {a["config"]["model_name"] for pod in answers for a in pod} == {settings["MODEL_NAME"]}
-    assert {a["config"]["hf_token"] for pod in answers for a in pod} == {"***"}
+    assert {c["output_dir"] for c in configs} == {own} != {settings["OUTPUT_DIR"]}
+    assert {(c["model_name"], c["hf_token"]) for c in configs} == {(settings["MODEL_NAME"], "***")}
 
     # The same pod environment without torchrun (the image's default command) is refused, not mis-ranked.
     refused = run_main(pod_envs[1], "--dry-run")
@@ -581,13 +569,12 @@ def test_trainjob_nodes_resolve_from_trainer_v2_pet_variables(tmp_path):
     pet = dict(PET_NNODES=nodes, PET_NPROC_PER_NODE=nproc, PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port)
     pod_envs = [pod_env(tmp_path, **env, **pet, PET_NODE_RANK=node) for node in range(nodes)]
     answers = run_pods(pod_command(trainer, ["--dry-run", *trainer.get("args", [])]), pod_envs, tmp_path)
-    resolved = [
+    ranks = [
         (d["rank"], d["local_rank"], d["node_rank"], d["world_size"], d["master_port"])
-        for pod in answers
-        for d in (a["distributed"] for a in pod)
+        for d in (a["distributed"] for a in answers)
     ]
-    assert resolved == [(n, 0, n, nodes, port) for n in range(nodes)]
-    configs = [a["config"] for pod in answers for a in pod]
+    assert ranks == [(n, 0, n, nodes, port) for n in range(nodes)]
+    configs = [a["config"] for a in answers]
     assert {c["output_dir"] for c in configs} == {env["OUTPUT_DIR"]} and {c["hf_token"] for c in configs} == {"***"}
     # The shared settings arrive key by key (a TrainJob has no envFrom): every key of the ConfigMap, resolved.
     shared = shared_config_maps()["sst2-lora-settings"]
