@@ -8,14 +8,14 @@ import csv
 import json
 import random
 import re
-import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
-from tests.support.env import REPO, base_env, tiny_run_settings
+from tests.support.commands import readme_predict_command, runnable
+from tests.support.env import base_env, tiny_run_settings
 from tests.support.outcomes import assert_refusal, succeeded
 from tests.support.processes import run_command, run_main, run_predict, wait_all
 
@@ -190,18 +190,11 @@ def test_predict_prints_every_label_above_the_threshold(lists_run, folder):
 
 def test_the_readmes_multi_label_predict_command_runs_as_written(lists_run):
     tmp = lists_run[0]
-    lines = (REPO / "README.md").read_text().splitlines()
-    [command] = [
-        line.split(" #")[0].strip() for line in lines if line.startswith("python predict.py") and "--threshold" in line
-    ]
+    command = readme_predict_command("--threshold")
     cut = float(command.split("--threshold")[1].split()[0])
     sentences = [s for s, _ in rows(random.Random(22), 6)]
     (tmp / "comments.txt").write_text("".join(f"{s}\n" for s in sentences))
-    command = command.replace("OUTPUT_DIR", str(tmp / "out"))
-    command = command.replace(
-        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
-    )
-    result = run_command(["bash", "-c", command], env=base_env(tmp), cwd=tmp)
+    result = run_command(["bash", "-c", runnable(command, tmp / "out")], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     predicted = [json.loads(line) for line in result.stdout.splitlines()]
     assert [p["text"] for p in predicted] == sentences

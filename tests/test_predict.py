@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import write_tiny_bert
+from tests.support.commands import runnable
 from tests.support.data import STRAY_QUOTE, delimited, write_files
 from tests.support.docs import assert_documented
 from tests.support.env import BASE_ID, LABELS, MAX_SEQ_LENGTH, MERGED_ID, REPO, REPO_ID, base_env
@@ -144,11 +145,8 @@ def run_as_written(command: str, cwd: Path, out: Path, base: Path, hub) -> Compl
     hub.serve(BASE_ID, base)  # the base the adapter names, as the Hub serves it
     hub.serve(REPO_ID, out / "model")  # the repos the run pushed, which its model cards name
     hub.serve(MERGED_ID, out / "merged")
-    command = command.replace("OUTPUT_DIR", str(out)).replace("/pvc-home/models/bert-base-uncased", str(base))
+    command = runnable(command, out).replace("/pvc-home/models/bert-base-uncased", str(base))
     command = re.sub(r"(?<![\w/.-])bert-base-uncased(?![\w/.-])", str(base), command)
-    command = command.replace(
-        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
-    )
     env = base_env(cwd, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0")
     return run_command(["bash", "-c", command], env=env, cwd=cwd, timeout=180, text=False)
 

@@ -9,14 +9,14 @@ import json
 import math
 import random
 import re
-import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, SUBJECTS, VERBS
-from tests.support.env import REPO, base_env, tiny_run_env
+from tests.support.commands import readme_predict_command, runnable
+from tests.support.env import base_env, tiny_run_env
 from tests.support.outcomes import assert_refusal, rank_record, succeeded
 from tests.support.processes import run_command, run_main, run_predict, train_one_and_two, wait_all
 
@@ -322,11 +322,7 @@ def predictions(tmp: Path, *args, stdin: str = "") -> list[dict]:
 
 def run_as_written(command: str, tmp: Path) -> list[dict]:
     """A documented `python predict.py` command run in `tmp` (OUTPUT_DIR: the run's); its answers."""
-    command = command.replace("OUTPUT_DIR", str(tmp / "out"))
-    command = command.replace(
-        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
-    )
-    result = run_command(["bash", "-c", command], env=base_env(tmp), cwd=tmp)
+    result = run_command(["bash", "-c", runnable(command, tmp / "out")], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
     return [json.loads(line) for line in result.stdout.splitlines()]
@@ -334,13 +330,7 @@ def run_as_written(command: str, tmp: Path) -> list[dict]:
 
 def readme_predictions(tmp: Path, columns: str) -> list[dict]:
     """The README's `predict.py` command for these columns, run as written in `tmp` (OUTPUT_DIR: the run's)."""
-    lines = (REPO / "README.md").read_text().splitlines()
-    [command] = [
-        line.split(" #")[0].strip()
-        for line in lines
-        if line.startswith("python predict.py") and f"--text-column {columns}" in line
-    ]
-    return run_as_written(command, tmp)
+    return run_as_written(readme_predict_command(f"--text-column {columns}"), tmp)
 
 
 def card_answers(tmp: Path, inputs: list) -> list[dict]:
