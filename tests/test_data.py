@@ -1,8 +1,5 @@
-"""The data path, in this process through `load_sst2` (what the run calls on rank 0): a DatasetDict shaped
-exactly like GLUE sst2 (what a Hub load returns), every local file format, the tokenized cache (reused, and
-rebuilt when damaged), labels mapped by the names the data gives them, and every row of a file trained. What
-the Trainer is given is checked whole: the same table means the same training. Data that is refused is in
-tests/test_refusals.py's table."""
+"""The data path through `load_sst2` in this process: GLUE-shaped and every local format, the tokenized cache, labels
+mapped by name, every row of a file trained; what the Trainer is given is checked whole (refusals: test_refusals)."""
 
 from __future__ import annotations
 
@@ -36,17 +33,21 @@ def tokenizer(tiny_bert):
     return load_tokenizer(str(tiny_bert), max_seq_length=128, lora_r=8)
 
 
-def settings_for(path, **extra) -> Settings:
-    return Settings(dataset_path=str(path), max_seq_length=16, **extra)
+def source_for(path, **extra) -> DataSource:
+    return Settings(dataset_path=str(path), max_seq_length=16, **extra).select(DataSource)
+
+
+def plain_films(folder: Path) -> Path:
+    """SPLIT_SIZES' `film_rows` as train.csv and validation.csv, labelled 0/1: what other forms must load as."""
+    return write_files(folder, {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES})
 
 
 @pytest.mark.check
 def test_glue_shaped_save_to_disk_takes_the_hub_code_path(tmp_path, tokenizer):
     # train/validation/test with GLUE's columns; the test split is unlabelled (-1) and must be ignored.
-    DatasetDict(
-        {"train": glue_like(40), "validation": glue_like(9), "test": glue_like(5, labelled=False)}
-    ).save_to_disk(tmp_path / "glue")
-    data = load_sst2(settings_for(tmp_path / "glue").select(DataSource), tokenizer, tmp_path / "cache")
+    splits = {"train": glue_like(40), "validation": glue_like(9), "test": glue_like(5, labelled=False)}
+    DatasetDict(splits).save_to_disk(tmp_path / "glue")
+    data = load_sst2(source_for(tmp_path / "glue"), tokenizer, tmp_path / "cache")
     assert set(data) == {"train", "validation"}
     assert len(data["train"]) == 40 and len(data["validation"]) == 9
     assert {"input_ids", "attention_mask", "labels"} <= set(data["train"].column_names)
@@ -74,7 +75,7 @@ def test_every_local_format_loads_the_same_rows(tmp_path, tokenizer, suffix):
             frame.to_json(path, orient="records", lines=True)
         else:
             frame.to_csv(path, index=False, sep="\t" if fmt == ".tsv" else ",")
-    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
+    data = load_sst2(source_for(folder), tokenizer, tmp_path / "cache")
     assert (len(data["train"]), len(data["validation"])) == (30, 7)
     assert data["train"]["labels"][:4] == [0, 1, 0, 1]
 
@@ -82,8 +83,8 @@ def test_every_local_format_loads_the_same_rows(tmp_path, tokenizer, suffix):
 @pytest.mark.check
 def test_tokenized_cache_is_reused_and_keyed_on_max_length(tmp_path, tokenizer, sst2_dir):
     cache = tmp_path / "cache"
-    load_sst2(settings_for(sst2_dir).select(DataSource), tokenizer, cache)
-    load_sst2(settings_for(sst2_dir).select(DataSource), tokenizer, cache)
+    load_sst2(source_for(sst2_dir), tokenizer, cache)
+    load_sst2(source_for(sst2_dir), tokenizer, cache)
     assert len(list(cache.glob("tokenized-*"))) == 1  # the second call loaded it
     load_sst2(Settings(dataset_path=str(sst2_dir), max_seq_length=32).select(DataSource), tokenizer, cache)
     assert len(list(cache.glob("tokenized-*"))) == 2
@@ -98,17 +99,12 @@ def test_custom_column_names(tmp_path, tokenizer):
         pd.DataFrame({"review": ["good", "bad", "great"], "stars": [1, 0, 1]}).to_csv(
             folder / f"{split}.csv", index=False
         )
-    data = load_sst2(
-        settings_for(folder, text_column="review", label_column="stars").select(DataSource),
-        tokenizer,
-        tmp_path / "cache",
-    )
+    data = load_sst2(source_for(folder, text_column="review", label_column="stars"), tokenizer, tmp_path / "cache")
     assert data["train"]["labels"] == [1, 0, 1]
 
 
 def arrow_table(dataset):
-    """What the Trainer is given of a split, whole: every column, its type and every row (what the run's
-    content digest hashes too)."""
+    """What the Trainer is given of a split, whole: every column, its type and every row."""
     return dataset.with_format("arrow")[:].combine_chunks()
 
 
@@ -117,8 +113,7 @@ def identical(data, reference) -> bool:
 
 
 def assert_film_rows(data, tokenizer) -> None:
-    """The splits hold SPLIT_SIZES' `film_rows`, in order: each sentence's tokens and its label.
-    A comparison of two loads alone would also pass were both empty or both wrong."""
+    """The splits hold SPLIT_SIZES' `film_rows` in order (two loads alike could both be empty or wrong)."""
     for split, count in SPLIT_SIZES:
         rows = film_rows(count)
         assert list(data[split]["labels"]) == [label for _, label in rows], split
@@ -143,9 +138,9 @@ NAMED_LABELS = {
     ),
     "labels-as-words": (
         lambda folder: write_files(
-            folder, {f"{split}.csv": delimited((t, words(y)) for t, y in film_rows(n)) for split, n in SPLIT_SIZES}
+            folder, {f"{s}.csv": delimited((t, words(y)) for t, y in film_rows(n)) for s, n in SPLIT_SIZES}
         ),
-        lambda folder: write_files(folder, {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES}),
+        plain_films,
         "labels are words; mapped by name to LABEL_NAMES ['negative', 'positive']",
     ),
 }
@@ -154,52 +149,42 @@ NAMED_LABELS = {
 @pytest.mark.check
 @pytest.mark.parametrize("case", NAMED_LABELS)
 def test_labels_are_mapped_by_the_names_the_data_gives(case, tmp_path, tokenizer, caplog):
-    """The same sentences with the same meaning, once named in another order (or as words), once as 0/1 in
-    LABEL_NAMES' order: the job hands the Trainer identical tables (columns, types, rows), so both runs train
-    alike, step for step."""
+    """The same rows named in another order (or as words), and as 0/1 in LABEL_NAMES' order: identical tables."""
     named, plain, logged = NAMED_LABELS[case]
     data = named(tmp_path / "named")
     given = files_of(data)
     with caplog.at_level(logging.INFO, logger="utils.training.data"):
-        mapped = load_sst2(settings_for(data).select(DataSource), tokenizer, tmp_path / "cache-named")
+        mapped = load_sst2(source_for(data), tokenizer, tmp_path / "cache-named")
     assert files_of(data) == given  # nothing written into the user's data folder
     assert logged in caplog.text
-    reference = load_sst2(
-        settings_for(plain(tmp_path / "plain")).select(DataSource), tokenizer, tmp_path / "cache-plain"
-    )
+    reference = load_sst2(source_for(plain(tmp_path / "plain")), tokenizer, tmp_path / "cache-plain")
     assert mapped["train"]["labels"] == [label for _, label in film_rows(8)]
     assert identical(mapped, reference)
 
 
 @pytest.mark.check
 def test_a_mix_of_label_types_is_mapped_where_the_settings_say_what_the_labels_are(tmp_path, tokenizer):
-    """Names in one split and ids in the other train once LABEL_NAMES says which id each name is (without it they
-    are refused: tests/test_refusals.py); class labels train as scores once PROBLEM_TYPE=regression is said."""
+    """Names in one split and ids in the other train once LABEL_NAMES says which id each name is; class labels
+    train as scores under PROBLEM_TYPE=regression."""
     rows = film_rows(8)
     mixed = write_files(
-        tmp_path / "mixed",
-        {"train.csv": delimited((t, words(y)) for t, y in rows), "validation.csv": delimited(rows)},
+        tmp_path / "mixed", {"train.csv": delimited((t, words(y)) for t, y in rows), "validation.csv": delimited(rows)}
     )
-    data = load_sst2(
-        settings_for(mixed, label_names=("negative", "positive")).select(DataSource), tokenizer, tmp_path / "cache"
-    )
+    data = load_sst2(source_for(mixed, label_names=("negative", "positive")), tokenizer, tmp_path / "cache")
     assert data["train"]["labels"] == data["validation"]["labels"] == [label for _, label in rows]
     classes = saved_dataset(tmp_path / "classes", ["negative", "positive"])
-    scores = load_sst2(
-        settings_for(classes, problem_type="regression").select(DataSource), tokenizer, tmp_path / "cache"
-    )
+    scores = load_sst2(source_for(classes, problem_type="regression"), tokenizer, tmp_path / "cache")
     assert scores["train"].features["labels"] == Value("float32")
     assert scores["train"]["labels"] == [float(label) for _, label in rows]
 
 
 @pytest.mark.check
 def test_every_tsv_row_trains_quotes_and_na_included(tmp_path, tokenizer):
-    """SST-2's TSV is unquoted text: a sentence opening with a quote is a sentence, not the start of a field
-    that swallows the rows after it; `NA`, `null`, `None` and `nan` are sentences, not missing values."""
+    """SST-2's TSV is unquoted: a sentence opening with a quote is a sentence; `NA`, `null`, `None`, `nan` too."""
     rows = [*STRAY_QUOTE, ("NA", 0), ("null", 1), ("None", 0), ("nan", 1), ("n/a", 0)]
     tsv = delimited(rows, "\t")
     folder = write_files(tmp_path / "data", {"train.tsv": tsv, "validation.tsv": delimited(film_rows(4), "\t")})
-    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
+    data = load_sst2(source_for(folder), tokenizer, tmp_path / "cache")
     assert len(data["train"]) == len(tsv.splitlines()) - 1 == len(rows)  # one row a line after the header
     assert data["train"]["labels"] == [label for _, label in rows]
     ids = [tokenizer(text, truncation=True, max_length=16)["input_ids"] for text, _ in rows]
@@ -210,22 +195,17 @@ def test_every_tsv_row_trains_quotes_and_na_included(tmp_path, tokenizer):
 def test_float_and_boolean_labels_are_0_and_1(tmp_path, tokenizer):
     """0.0/1.0 (a csv label column with a blank filled in, a pandas export) and true/false are the two classes."""
     rows = film_rows(8)
-    folder = write_files(
-        tmp_path / "data",
-        {
-            "train.csv": delimited((text, f"{label:.1f}") for text, label in rows),
-            "validation.csv": delimited((text, "true" if label else "false") for text, label in rows),
-        },
-    )
-    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
+    train = delimited((text, f"{label:.1f}") for text, label in rows)
+    validation = delimited((text, "true" if label else "false") for text, label in rows)
+    folder = write_files(tmp_path / "data", {"train.csv": train, "validation.csv": validation})
+    data = load_sst2(source_for(folder), tokenizer, tmp_path / "cache")
     labels = [label for _, label in rows]
     assert data["train"]["labels"] == data["validation"]["labels"] == labels
     assert data["train"].features["labels"].dtype == data["validation"].features["labels"].dtype == "int64"
 
 
 def labelled_files(folder: Path, suffix: str, labels: list[str]) -> Path:
-    """train and validation files of `film_rows` sentences with `labels` written as given: bare in a csv, as
-    written (a quoted string, a number) in jsonl."""
+    """train and validation files of `film_rows` sentences with `labels` as given: bare in a csv, as written in jsonl."""
     texts = [text for text, _ in film_rows(len(labels))]
     if suffix == ".csv":
         text = delimited(zip(texts, labels, strict=True))
@@ -234,29 +214,27 @@ def labelled_files(folder: Path, suffix: str, labels: list[str]) -> Path:
     return write_files(folder, {f"train{suffix}": text, f"validation{suffix}": text})
 
 
+LABEL_FORMS = {
+    "zero-one-floats": (["0.0", "1.0"], {}),
+    "digit-and-float": (["0", "1.0"], {}),
+    "scores": (["0.5", "3.25", "-1e1"], {}),
+    "named-ids": (["1.0", "0.0"], {"label_names": "a,b"}),
+}
+
+
 @pytest.mark.check
-@pytest.mark.parametrize(
-    "labels, settings",
-    [
-        (["0.0", "1.0"], {}),
-        (["0", "1.0"], {}),
-        (["0.5", "3.25", "-1e1"], {}),
-        (["1.0", "0.0"], {"label_names": "a,b"}),
-    ],
-    ids=["zero-one-floats", "digit-and-float", "scores", "named-ids"],
-)
+@pytest.mark.parametrize("labels, settings", LABEL_FORMS.values(), ids=LABEL_FORMS)
 def test_labels_read_the_same_from_csv_and_jsonl(labels, settings, tmp_path, tokenizer):
-    """A csv's 1.0/0.0 and a jsonl file's "1.0"/"0.0" (or its 1.0/0.0) are the same labels: the ids 1 and 0 of the
-    same classes, or the same scores (seen: the quoted ones trained as two classes named "0.0" and "1.0")."""
-    labels = labels * 4
-    read = {}
-    for name, suffix, written in [
+    """A csv's 1.0/0.0 and a jsonl file's "1.0"/"0.0" (or 1.0/0.0) are the same labels, or the same scores."""
+    labels, read = labels * 4, {}
+    forms = [
         ("csv", ".csv", labels),
-        ("jsonl-strings", ".jsonl", [f'"{label}"' for label in labels]),
+        ("jsonl-strings", ".jsonl", [f'"{y}"' for y in labels]),
         ("jsonl-numbers", ".jsonl", labels),
-    ]:
+    ]
+    for name, suffix, written in forms:
         folder = labelled_files(tmp_path / name, suffix, written)
-        data = load_sst2(settings_for(folder, **settings).select(DataSource), tokenizer, tmp_path / name / "cache")
+        data = load_sst2(source_for(folder, **settings), tokenizer, tmp_path / name / "cache")
         read[name] = (data["train"].features["labels"], data["train"]["labels"], data["validation"]["labels"])
     assert read["jsonl-strings"] == read["csv"] == read["jsonl-numbers"], read
 
@@ -286,23 +264,20 @@ DAMAGE = [
 @pytest.mark.check
 @pytest.mark.parametrize("damage", [d for _, d in DAMAGE], ids=[name for name, _ in DAMAGE])
 def test_damaged_tokenized_cache_is_rebuilt_with_a_warning(damage, tmp_path, tokenizer, sst2_dir, caplog):
-    settings, cache_dir = settings_for(sst2_dir), tmp_path / "cache"
-    first = load_sst2(settings.select(DataSource), tokenizer, tmp_path / "first")
+    source, cache_dir = source_for(sst2_dir), tmp_path / "cache"
+    first = load_sst2(source, tokenizer, tmp_path / "first")
     # A copy is damaged: the splits loaded above map their own files, which must not shrink under them.
     shutil.copytree(tmp_path / "first", cache_dir)
     [cache] = list(cache_dir.glob("tokenized-*"))
     kind = damage(cache)
     with caplog.at_level(logging.WARNING, logger="utils.training.data"):
-        again = load_sst2(settings.select(DataSource), tokenizer, cache_dir)
+        again = load_sst2(source, tokenizer, cache_dir)
     [warning] = [record.getMessage() for record in caplog.records if "is damaged" in record.getMessage()]
     assert f"tokenized cache {cache} is damaged ({kind}" in warning and "tokenizing again" in warning
     assert identical(again, first)
     assert (cache / "dataset_dict.json").is_file()  # rebuilt under the same key: the next run loads it
     caplog.clear()
-    assert (
-        identical(load_sst2(settings.select(DataSource), tokenizer, cache_dir), first)
-        and "is damaged" not in caplog.text
-    )
+    assert identical(load_sst2(source, tokenizer, cache_dir), first) and "is damaged" not in caplog.text
 
 
 def long_review(words: int) -> str:
@@ -320,17 +295,28 @@ def test_a_field_over_the_csv_modules_128_kib_limit_is_read_and_truncated(tmp_pa
         {f"train{suffix}": delimited(rows, sep), f"validation{suffix}": delimited(film_rows(4), sep)},
     )
     assert (folder / f"train{suffix}").stat().st_size > 200_000
-    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
+    data = load_sst2(source_for(folder), tokenizer, tmp_path / "cache")
     assert data["train"]["labels"] == [label for _, label in rows]
     assert len(data["train"]["input_ids"][0]) == 16  # truncated to MAX_SEQ_LENGTH
 
 
+def parquet_splits(folder: Path) -> Path:
+    """train.parquet, and validation.parquet with a nested column of its own."""
+    folder.mkdir()
+    frames = {split: pd.DataFrame(film_rows(n), columns=["sentence", "label"]) for split, n in SPLIT_SIZES}
+    frames["validation"]["meta"] = [{"source": "web", "score": i} for i in range(4)]
+    for split, frame in frames.items():
+        frame.to_parquet(folder / f"{split}.parquet")
+    return folder
+
+
+train_csv = "sentence,label,idx\n" + "".join(f"{t},{y},{i}\n" for i, (t, y) in enumerate(film_rows(8)))
 EXTRA_COLUMNS = {
     # each split's own unused columns, other in each file: loaded together, validation was cast to train's columns
     ".csv": lambda folder: write_files(
         folder,
         {
-            "train.csv": "sentence,label,idx\n" + "".join(f"{t},{y},{i}\n" for i, (t, y) in enumerate(film_rows(8))),
+            "train.csv": train_csv,
             "validation.csv": "sentence,label,source\n" + "".join(f"{t},{y},web\n" for t, y in film_rows(4)),
         },
     ),
@@ -343,20 +329,7 @@ EXTRA_COLUMNS = {
             ),
         },
     ),
-    ".parquet": lambda folder: (
-        folder.mkdir()
-        or pd.DataFrame({"sentence": [t for t, _ in film_rows(8)], "label": [y for _, y in film_rows(8)]}).to_parquet(
-            folder / "train.parquet"
-        )
-        or pd.DataFrame(
-            {
-                "sentence": [t for t, _ in film_rows(4)],
-                "label": [y for _, y in film_rows(4)],
-                "meta": [{"source": "web", "score": i} for i in range(4)],  # a nested column
-            }
-        ).to_parquet(folder / "validation.parquet")
-        or folder
-    ),
+    ".parquet": parquet_splits,
 }
 
 
@@ -364,17 +337,8 @@ EXTRA_COLUMNS = {
 @pytest.mark.parametrize("suffix", EXTRA_COLUMNS)
 def test_columns_the_job_does_not_use_are_ignored_in_either_split(tmp_path, tokenizer, suffix):
     folder = EXTRA_COLUMNS[suffix](tmp_path / "data")
-    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
-    reference = load_sst2(
-        settings_for(
-            write_files(
-                tmp_path / "plain",
-                {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES},
-            )
-        ).select(DataSource),
-        tokenizer,
-        tmp_path / "cache-plain",
-    )
+    data = load_sst2(source_for(folder), tokenizer, tmp_path / "cache")
+    reference = load_sst2(source_for(plain_films(tmp_path / "plain")), tokenizer, tmp_path / "cache-plain")
     assert identical(data, reference)
     assert_film_rows(data, tokenizer)
 
@@ -382,14 +346,13 @@ def test_columns_the_job_does_not_use_are_ignored_in_either_split(tmp_path, toke
 @pytest.mark.check
 def test_a_byte_order_mark_and_crlf_line_ends_read_as_plain_utf8(tmp_path, tokenizer):
     """What Excel and Windows editors save: `\\ufeff` before the header, `\\r\\n` after every line."""
-    saved = {
-        f"{split}.csv": ("\ufeff" + delimited(film_rows(n)).replace("\n", "\r\n")).encode() for split, n in SPLIT_SIZES
-    }
+    plain = plain_films(tmp_path / "plain")
     folder = tmp_path / "windows"
     folder.mkdir()
-    for name, content in saved.items():
-        (folder / name).write_bytes(content)
-    plain = write_files(tmp_path / "plain", {f"{split}.csv": delimited(film_rows(n)) for split, n in SPLIT_SIZES})
-    data = load_sst2(settings_for(folder).select(DataSource), tokenizer, tmp_path / "cache")
-    assert identical(data, load_sst2(settings_for(plain).select(DataSource), tokenizer, tmp_path / "cache-plain"))
+    for split, _ in SPLIT_SIZES:
+        (folder / f"{split}.csv").write_bytes(
+            ("\ufeff" + (plain / f"{split}.csv").read_text().replace("\n", "\r\n")).encode()
+        )
+    data = load_sst2(source_for(folder), tokenizer, tmp_path / "cache")
+    assert identical(data, load_sst2(source_for(plain), tokenizer, tmp_path / "cache-plain"))
     assert_film_rows(data, tokenizer)

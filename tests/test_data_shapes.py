@@ -1,7 +1,5 @@
-"""Your own data in the shapes people have it: DATASET_PATH as one file, TRAIN_FILE and VALIDATION_FILE, a
-validation split carved from the training rows (VALIDATION_SPLIT), and MAX_TRAIN_SAMPLES / MAX_EVAL_SAMPLES for a
-quick run. Each through the real entry point: the start-up in this process up to the first training step (`check`),
-or `python main.py` in a process for a whole run and its files."""
+"""Your own data in the shapes people have it (one file, TRAIN_FILE/VALIDATION_FILE, VALIDATION_SPLIT, MAX_*_SAMPLES),
+through the real entry point: the start-up in this process (`check`), or `python main.py` for a whole run."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ import pytest
 from tests.support.docs import assert_documented
 from tests.support.env import base_env, tiny_run_env, tiny_run_settings
 from tests.support.harness import start_in_process
-from tests.support.outcomes import error_lines
+from tests.support.outcomes import error_lines, succeeded
 from tests.support.processes import run_main, run_predict
 from utils.common.errors import EXIT_BAD_INPUT
 
@@ -28,8 +26,7 @@ def sst2_rows(sst2_dir: Path, split: str = "train") -> list[dict]:
 
 
 def repeated_rows(folder: Path, sst2_dir: Path) -> Path:
-    """train.csv of TEXTS distinct sentences, each COPIES times, the copies far apart (as a data set that repeats
-    a phrase in several places holds them)."""
+    """train.csv of TEXTS distinct sentences, each COPIES times, the copies far apart."""
     distinct = list({row["sentence"]: row for row in sst2_rows(sst2_dir)}.values())[:TEXTS]
     folder.mkdir()
     path = folder / "train.csv"
@@ -86,17 +83,9 @@ def test_max_samples_limit_the_rows_drawn_with_the_seed(monkeypatch, tmp_path, t
 
 def test_one_file_dataset_path_with_a_validation_file_trains_on_the_limits(tmp_path, tiny_bert, sst2_dir):
     out = tmp_path / "out"
-    settings = tiny_run_settings(
-        tiny_bert,
-        sst2_dir / "train.csv",
-        out,
-        VALIDATION_FILE=sst2_dir / "validation.csv",
-        MAX_TRAIN_SAMPLES=64,
-        MAX_EVAL_SAMPLES=50,
-        NUM_EPOCHS=1,
-    )
-    result = run_main(base_env(tmp_path, **settings))
-    assert result.code == 0, result.stderr[-3000:]
+    limits = dict(VALIDATION_FILE=sst2_dir / "validation.csv", MAX_TRAIN_SAMPLES=64, MAX_EVAL_SAMPLES=50, NUM_EPOCHS=1)
+    settings = tiny_run_settings(tiny_bert, sst2_dir / "train.csv", out, **limits)
+    succeeded(run_main(base_env(tmp_path, **settings)))
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["eval_samples"], metrics["data"]["train_rows"]) == (50, 64)
     assert json.loads((out / "logs" / "rank-0.json").read_text())["samples_trained"] == 64  # 4 steps of 16
@@ -112,22 +101,19 @@ def test_train_file_and_validation_file_of_two_formats_train(tmp_path, tiny_bert
     settings = tiny_run_settings(tiny_bert, sst2_dir, out, MAX_STEPS=2)
     del settings["DATASET_PATH"]
     env = base_env(tmp_path, **settings, TRAIN_FILE=str(sst2_dir / "train.csv"), VALIDATION_FILE=str(validation))
-    result = run_main(env)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(env))
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["eval_samples"], metrics["data"]["train_rows"]) == (len(rows), 2000)
 
 
 def test_a_carved_run_is_one_run_only_with_its_own_fraction(tmp_path, tiny_bert, sst2_dir):
-    """VALIDATION_SPLIT trains, counts the carved rows in metrics.json, and is part of the run's identity: the
-    same OUTPUT_DIR with another fraction is refused, --dry-run as the run would."""
+    """VALIDATION_SPLIT trains and is part of the run's identity: another fraction on the folder is refused."""
     train = repeated_rows(tmp_path / "data", sst2_dir)
     out = tmp_path / "out"
     settings = tiny_run_settings(tiny_bert, sst2_dir, out, NUM_EPOCHS=1, VALIDATION_SPLIT="0.05")
     del settings["DATASET_PATH"]
     env = base_env(tmp_path, **settings, TRAIN_FILE=str(train))
-    result = run_main(env)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(env))
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["eval_samples"], metrics["data"]["train_rows"]) == (24, COPIES * TEXTS - 24)
 
@@ -146,11 +132,8 @@ def both_sources(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
 
 
 def split_beside_a_file(tmp: Path, sst2_dir: Path) -> tuple[dict, str]:
-    return {
-        "DATASET_PATH": str(sst2_dir / "train.csv"),
-        "VALIDATION_FILE": str(sst2_dir / "validation.csv"),
-        "VALIDATION_SPLIT": "0.1",
-    }, (
+    file = {"DATASET_PATH": str(sst2_dir / "train.csv"), "VALIDATION_FILE": str(sst2_dir / "validation.csv")}
+    return {**file, "VALIDATION_SPLIT": "0.1"}, (
         f"error: VALIDATION_SPLIT=0.1 carves validation rows out of the training rows, and "
         f"VALIDATION_FILE={sst2_dir / 'validation.csv'} gives them; unset one of them"
     )
@@ -237,9 +220,8 @@ def prediction_lines(path: Path) -> list[dict]:
 
 
 def test_the_test_split_is_answered_once_trained_as_predict_answers_it(tmp_path, tiny_bert, sst2_dir):
-    """test.csv beside train and validation (its own column order): --dry-run names it; rank 0 answers it once
-    model/ is saved, one line per row in order with the row's other columns carried through, and the metrics of
-    its labels; the same lines predict.py prints for the file from model/; a restart of the finished run leaves them."""
+    """test.csv beside train and validation: --dry-run names it; rank 0 answers it once model/ is saved (a line a
+    row, other columns carried, its labels' metrics), as predict.py does; a restart leaves the answers."""
     data = tmp_path / "data"
     shutil.copytree(sst2_dir, data)
     rows = sst2_rows(sst2_dir, "validation")[:30]
@@ -251,20 +233,17 @@ def test_the_test_split_is_answered_once_trained_as_predict_answers_it(tmp_path,
     env = base_env(tmp_path, **tiny_run_settings(tiny_bert, data, out, MAX_STEPS=4))
     dry = run_main(env, "--dry-run", timeout=120)
     assert dry.code == 0 and dry.json()["test_split"] == str(data / "test.csv"), dry.stderr[-3000:]
-    result = run_main(env)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(env))
     lines = prediction_lines(out / "predictions" / "predictions.jsonl")
-    assert [(line["text"], line["idx"], line["input_label"]) for line in lines] == [
-        (row["sentence"], row["idx"], row["label"]) for row in rows
-    ]
+    carried = [(line["text"], line["idx"], line["input_label"]) for line in lines]
+    assert carried == [(row["sentence"], row["idx"], row["label"]) for row in rows]
     assert all(line["label"] in ("negative", "positive") and 0.5 <= line["score"] <= 1 for line in lines), lines
     metrics = json.loads((out / "predictions" / "metrics.json").read_text())
     right = sum(line["label"] == ("negative", "positive")[int(line["input_label"])] for line in lines)
     assert (metrics["samples"], metrics["accuracy"]) == (len(rows), round(right / len(rows), 4)), metrics
     assert metrics["file"] == str(data / "test.csv")
 
-    served = run_predict(base_env(tmp_path), out / "model", data / "test.csv", cwd=tmp_path)
-    assert served.code == 0, served.stderr[-3000:]
+    served = succeeded(run_predict(base_env(tmp_path), out / "model", data / "test.csv", cwd=tmp_path))
     assert [json.loads(line) for line in served.stdout.splitlines()] == lines
 
     written = (out / "predictions" / "predictions.jsonl").stat().st_mtime_ns
@@ -276,8 +255,7 @@ def test_the_test_split_is_answered_once_trained_as_predict_answers_it(tmp_path,
 def test_a_test_file_given_to_a_finished_run_is_answered_without_metrics_when_unlabelled(
     tmp_path, tiny_bert, sst2_dir
 ):
-    """A run without a test split writes no predictions/; TEST_FILE given to the finished run (GLUE's test split:
-    every label -1) is answered by the restart, and with no labelled row it has no metrics."""
+    """No test split, no predictions/; TEST_FILE of -1 labels given to the finished run: answered, no metrics."""
     out = tmp_path / "out"
     env = base_env(tmp_path, **tiny_run_settings(tiny_bert, sst2_dir, out, MAX_STEPS=2))
     first = run_main(env)
@@ -285,8 +263,7 @@ def test_a_test_file_given_to_a_finished_run_is_answered_without_metrics_when_un
     test = tmp_path / "test.jsonl"
     texts = [row["sentence"] for row in sst2_rows(sst2_dir, "validation")[:5]]
     test.write_text("".join(json.dumps({"idx": i, "sentence": t, "label": -1}) + "\n" for i, t in enumerate(texts)))
-    again = run_main({**env, "TEST_FILE": str(test)})
-    assert again.code == 0, again.stderr[-3000:]
+    again = succeeded(run_main({**env, "TEST_FILE": str(test)}))
     lines = prediction_lines(out / "predictions" / "predictions.jsonl")
     assert [(line["idx"], line["text"], line["input_label"]) for line in lines] == [
         (i, t, -1) for i, t in enumerate(texts)
@@ -296,8 +273,7 @@ def test_a_test_file_given_to_a_finished_run_is_answered_without_metrics_when_un
 
 
 def test_a_bad_test_row_is_refused_before_training(tmp_path, tiny_bert, sst2_dir):
-    """A test row without text is refused at the start, with the words training uses for its own rows, before a
-    step is trained: not after the run's hours."""
+    """A test row without text is refused at the start, in training's words, not after the run's hours."""
     test = tmp_path / "test.csv"
     test.write_text("sentence,label\na wonderful film,1\n ,0\n")
     out = tmp_path / "out"

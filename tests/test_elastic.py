@@ -1,11 +1,6 @@
-"""GLOBAL_BATCH_SIZE: the replica count is a deployment detail. 1, 2 and 4 replicas at one global batch train
-the same model, and a run checkpointed on 2 replicas continues on 1 or on 4.
-
-Unlike tests/test_ddp_numerics.py, the sentences here have many lengths and the training split is not a
-multiple of the global batch: the one global order (utils/training/trainer.py GlobalOrderSampler) must make step k's
-rows the same on every count by itself, and leave the same remainder out of each epoch. Dropout is off, so
-nothing random is drawn during training (each rank draws its own dropout masks).
-"""
+"""GLOBAL_BATCH_SIZE: 1, 2 and 4 replicas at one global batch train the same model, and a run checkpointed on 2
+continues on 1 or 4. The sentences have many lengths and the split is no multiple of the global batch: the one
+global order (GlobalOrderSampler) alone makes step k's rows the same on every count. Dropout is off."""
 
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ from tests.support.data import write_fixed_length_data
 from tests.support.deploy import config_maps, container_env, kustomize
 from tests.support.env import REPO, base_env, free_port, pod_env, push_settings, rank_env
 from tests.support.numerics import LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, adapter_weights, first_divergence
-from tests.support.outcomes import complete_steps, error_lines
+from tests.support.outcomes import complete_steps, error_lines, succeeded
 from tests.support.processes import Popen, Replicas, run_main, start, start_main, wait_all, wait_for, wait_until
 
 GLOBAL_BATCH, MICRO = 16, 4  # 1 replica: 4 micro-batches a step, 2: 2, 4: 1
@@ -36,30 +31,15 @@ EPOCHS_ELASTIC = 10  # the elastic torchrun run: 40 steps, a node lost after the
 
 def write_mixed_length_data(folder: Path) -> Path:
     """Sentences of 4 to 14 words from the tiny model's vocabulary, labelled by their adjective."""
-    return write_fixed_length_data(
-        folder, seed=3, counts=(TRAIN_ROWS, VALIDATION_ROWS), extra_words=lambda rng: rng.randint(0, 10)
-    )
+    counts = (TRAIN_ROWS, VALIDATION_ROWS)
+    return write_fixed_length_data(folder, seed=3, counts=counts, extra_words=lambda rng: rng.randint(0, 10))
 
 
 def settings(tiny_bert: Path, data: Path, out: Path, **extra) -> dict[str, str]:
-    values = dict(
-        MODEL_NAME=tiny_bert,
-        DATASET_PATH=data,
-        OUTPUT_DIR=out,
-        NUM_EPOCHS=EPOCHS,
-        GLOBAL_BATCH_SIZE=GLOBAL_BATCH,
-        PER_DEVICE_BATCH_SIZE=MICRO,
-        LEARNING_RATE="3e-3",
-        LORA_DROPOUT=0,
-        MODEL_DROPOUT=0,
-        LOGGING_STEPS=1,
-        EVAL_STEPS=1,
-        PER_DEVICE_EVAL_BATCH_SIZE=8,
-        SAVE_STEPS=2,
-        SAVE_TOTAL_LIMIT=10,
-        REPORT_TO="none",
-        RENDEZVOUS_TIMEOUT=120,
-    )
+    values = dict(MODEL_NAME=tiny_bert, DATASET_PATH=data, OUTPUT_DIR=out, NUM_EPOCHS=EPOCHS, LEARNING_RATE="3e-3")
+    values |= dict(GLOBAL_BATCH_SIZE=GLOBAL_BATCH, PER_DEVICE_BATCH_SIZE=MICRO, LORA_DROPOUT=0, MODEL_DROPOUT=0)
+    values |= dict(LOGGING_STEPS=1, EVAL_STEPS=1, PER_DEVICE_EVAL_BATCH_SIZE=8, SAVE_STEPS=2, SAVE_TOTAL_LIMIT=10)
+    values |= dict(REPORT_TO="none", RENDEZVOUS_TIMEOUT=120)
     return {k: str(v) for k, v in {**values, **extra}.items()}
 
 
@@ -76,10 +56,8 @@ def start_replicas(tmp: Path, world: int, env: dict[str, str], tag: str, group: 
 
 def curves(out: Path) -> dict[str, dict[int, float]]:
     history = json.loads((out / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
-    return {
-        key: {entry["step"]: entry[key] for entry in history["log_history"] if key in entry}
-        for key in ("loss", "eval_loss", "learning_rate")
-    }
+    entries = history["log_history"]
+    return {key: {e["step"]: e[key] for e in entries if key in e} for key in ("loss", "eval_loss", "learning_rate")}
 
 
 def samples_trained(out: Path) -> int:
@@ -95,11 +73,10 @@ def differences(reference: Path, other: Path, name: str) -> list[str]:
         if where := first_divergence(one[key], two[key], rtol):
             problems.append(f"{name}: {key} {where}")
     weights_one, weights_two = adapter_weights(reference), adapter_weights(other)
-    far = [
-        key
-        for key in weights_one
-        if not torch.allclose(weights_one[key], weights_two[key], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
-    ]
+    close = {
+        k: torch.allclose(weights_one[k], weights_two[k], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL) for k in weights_one
+    }
+    far = [key for key, near in close.items() if not near]
     if far:
         problems.append(f"{name}: {len(far)} adapter tensors differ, e.g. {far[0]}")
     return problems
@@ -116,17 +93,13 @@ def replica_processes(procs: list[Popen]) -> list[psutil.Process]:
 
 
 def freeze(procs: list[Popen]) -> None:
-    """SIGSTOP every replica (and any child) and wait until each is stopped: from then on nothing of theirs
-    reaches the disk, so their OUTPUT_DIR holds exactly what a SIGKILL at this instant would leave."""
+    """SIGSTOP every replica (and child) and wait until each is stopped: OUTPUT_DIR then holds what a SIGKILL now
+    would leave."""
     stopped = replica_processes(procs)
     for process in stopped:
         process.send_signal(signal.SIGSTOP)
-    wait_until(
-        lambda: all(process.status() == psutil.STATUS_STOPPED for process in stopped),
-        "stop of every replica after SIGSTOP",
-        timeout=30,
-        every=0.01,
-    )
+    what = "stop of every replica after SIGSTOP"
+    wait_until(lambda: all(p.status() == psutil.STATUS_STOPPED for p in stopped), what, timeout=30, every=0.01)
 
 
 def thaw(procs: list[Popen]) -> None:
@@ -143,13 +116,8 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_bert, mixed_data) -> Runs:
     """The same run, uninterrupted, on 1, 2 and 4 replicas, and the 2-replica run's OUTPUT_DIR as a kill after its
-    first complete checkpoint leaves it (read only: copy it).
-
-    That copy is taken from the uninterrupted 2-replica run itself, both replicas stopped (SIGSTOP) while it is
-    made: a stopped process writes nothing more, so the copy is byte for byte what SIGKILL at that instant would
-    have left (checkpoints, a partial later one, the lock of a process about to be gone, the rank logs), and a
-    second 2-replica start, only to be killed there, is not needed. Its checkpoint is also exactly the state the
-    uninterrupted reference went on from."""
+    first complete checkpoint leaves it (read only): copied while both replicas are stopped (SIGSTOP), so byte
+    for byte what SIGKILL then would have left, without a second 2-replica start to kill."""
     tmp = tmp_path_factory.mktemp("one-global-batch")
     group = Replicas(tmp)
     outs = {world: tmp / f"out-{world}" for world in (1, 2, 4)}
@@ -206,10 +174,8 @@ def test_one_global_batch_trains_the_same_model_on_1_2_and_4_replicas(one_run_on
 def test_a_two_replica_run_continues_on_another_count(
     tmp_path, tiny_bert, mixed_data, one_run_on_each_count, checkpointed_on_two, new_world, cap
 ):
-    """Killed after its first complete checkpoint on 2 replicas, restarted on `new_world`: it resumes there,
-    trains every remaining row once, and its curve after the restart is the uninterrupted run's. Under
-    GLOBAL_BATCH_SIZE, PER_DEVICE_BATCH_SIZE only caps the micro-batch: a restart may lower it (as after an
-    out-of-memory) and each step still averages the same rows (1 replica at cap 2: 8 micro-batches of 2)."""
+    """Killed after its first checkpoint on 2 replicas, restarted on `new_world`: it trains every remaining row once
+    and follows the uninterrupted curve. PER_DEVICE_BATCH_SIZE only caps the micro-batch: a restart may lower it."""
     reference, out = one_run_on_each_count[2], tmp_path / "resumed"
     shutil.copytree(checkpointed_on_two, out, symlinks=True)
     group = Replicas(tmp_path)
@@ -233,10 +199,11 @@ def test_a_two_replica_run_continues_on_another_count(
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == new_world and metrics["global_batch"] == GLOBAL_BATCH
     # Which replica count trained which steps: in metrics.json, run.json and the model card.
-    assert metrics["segments"] == [
+    segments = [
         {"steps": [1, resumed_at], "world_size": 2},
         {"steps": [resumed_at + 1, STEPS], "world_size": new_world},
     ]
+    assert metrics["segments"] == segments
     record = json.loads((out / "run.json").read_text())
     assert record["plan"]["batch"]["global_batch"] == GLOBAL_BATCH
     assert [s["world_size"] for s in record["segments"]] == [2, new_world]
@@ -255,21 +222,15 @@ def test_a_count_that_cannot_share_the_global_batch_is_refused(tmp_path):
     assert "1, 2, 4, 8, 16" in result.stderr
     plan = run_main(base_env(tmp_path, GLOBAL_BATCH_SIZE=GLOBAL_BATCH, PER_DEVICE_BATCH_SIZE=3), "--dry-run")
     assert "warning:" not in plan.stderr, plan.stderr  # micro-batches of 2 under a cap of 3: no row to spare
-    assert plan.json()["batch"] == {
-        "global_batch": 16,
-        "micro_batch": 2,  # the largest share of 16 rows that fits 3 and leaves every micro-batch full
-        "accumulation": 8,
-        "world_size": 1,
-        "fixed": True,
-        "source": "GLOBAL_BATCH_SIZE=16, on any replica count",
-    }
+    # micro_batch: the largest share of 16 rows that fits 3 and leaves every micro-batch full
+    fixed = {"fixed": True, "source": "GLOBAL_BATCH_SIZE=16, on any replica count"}
+    assert plan.json()["batch"] == {"global_batch": 16, "micro_batch": 2, "accumulation": 8, "world_size": 1, **fixed}
 
 
 def test_a_global_batch_that_splits_into_tiny_micro_batches_is_warned_about(tmp_path, tiny_bert, mixed_data):
-    """997 rows (a prime) on one replica under a cap of 64: 997 micro-batches of 1 a step, the same model many
-    times slower. Warned at --dry-run and in the run's log, with the nearby global batches that split well."""
-    plan = run_main(base_env(tmp_path, GLOBAL_BATCH_SIZE=997, PER_DEVICE_BATCH_SIZE=64), "--dry-run")
-    assert plan.code == 0, plan.stderr
+    """997 rows (a prime) under a cap of 64: micro-batches of 1, many times slower. Warned at --dry-run and in the
+    run's log, with the nearby global batches that split well."""
+    plan = succeeded(run_main(base_env(tmp_path, GLOBAL_BATCH_SIZE=997, PER_DEVICE_BATCH_SIZE=64), "--dry-run"))
     assert plan.json()["batch"]["micro_batch"] == 1
     [warning] = [line for line in plan.stderr.splitlines() if line.startswith("warning:")]
     assert "GLOBAL_BATCH_SIZE=997 on 1 replica(s)" in warning and "micro-batches of 1" in warning, warning
@@ -277,25 +238,22 @@ def test_a_global_batch_that_splits_into_tiny_micro_batches_is_warned_about(tmp_
     # A real run says it in its log too (13 rows, a prime, under a cap of 8: micro-batches of 1).
     out = tmp_path / "out"
     env = base_env(tmp_path, **settings(tiny_bert, mixed_data, out, GLOBAL_BATCH_SIZE=13, PER_DEVICE_BATCH_SIZE=8))
-    run = run_main({**env, "MAX_STEPS": "1", "EVAL_STEPS": "1000", "SAVE_STEPS": "1000"})
-    assert run.code == 0, run.stderr[-3000:]
+    run = succeeded(run_main({**env, "MAX_STEPS": "1", "EVAL_STEPS": "1000", "SAVE_STEPS": "1000"}))
     assert "GLOBAL_BATCH_SIZE=13 on 1 replica(s) is 13 rows a replica" in run.stderr, run.stderr[-3000:]
     assert json.loads((out / "metrics.json").read_text())["global_batch"] == 13
 
 
 def test_a_restart_on_another_count_without_a_global_batch_names_the_count(tmp_path, tiny_bert, mixed_data):
-    """Without GLOBAL_BATCH_SIZE the global batch, and so the learning rate the recipe resolves, follows the replica
-    count: a restart on another count is refused naming the count and the fix, not "other training settings"."""
+    """Without GLOBAL_BATCH_SIZE the global batch (and rate) follows the count: a restart on another is refused
+    naming the count and the fix."""
     out = tmp_path / "out"
     env = settings(tiny_bert, mixed_data, out, GLOBAL_BATCH_SIZE="", LEARNING_RATE="", MAX_STEPS=1, EVAL_STEPS=1000)
-    first = run_main(base_env(tmp_path, **env))
-    assert first.code == 0, first.stderr[-3000:]
+    succeeded(run_main(base_env(tmp_path, **env)))
     again = run_main(rank_env(tmp_path, 0, 2, free_port(), **env), "--dry-run")
     assert again.code == 2, again.stderr
     [line] = error_lines(again.stderr)
-    assert line.startswith(
-        f"error: OUTPUT_DIR={out} holds another run (global batch: {MICRO} -> {2 * MICRO}; replica count: 1 -> 2); "
-    ), line
+    differs = f"(global batch: {MICRO} -> {2 * MICRO}; replica count: 1 -> 2); "
+    assert line.startswith(f"error: OUTPUT_DIR={out} holds another run {differs}"), line
     assert (
         "learning rate" in line and "restart with 1 replica(s) to resume" in line and "set GLOBAL_BATCH_SIZE" in line
     )
@@ -315,27 +273,13 @@ def kill_tree(proc: Popen) -> None:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert, hub):
-    """`torchrun --nnodes 1:2` with the c10d rendezvous, two agents ("nodes") on this machine. The second agent
-    is killed with its worker after the first checkpoint, as a lost node would be: the first agent's worker
-    sees its peer gone (exit 143), the agent re-forms the group on the one node left, and the job resumes
-    there at the same global batch, finishes and publishes one model."""
+    """`torchrun --nnodes 1:2`, two agents here: the second killed with its worker after the first checkpoint, the
+    first re-forms the group alone, resumes at the same global batch, finishes and publishes one model."""
     data = write_mixed_length_data(tmp_path / "data")
     out = tmp_path / "out"
-    env = base_env(
-        tmp_path,
-        **settings(
-            tiny_bert,
-            data,
-            out,
-            NUM_EPOCHS=EPOCHS_ELASTIC,
-            SAVE_STEPS=5,
-            SAVE_TOTAL_LIMIT=2,
-            EVAL_STEPS=1000,  # the final evaluation only
-            LOGGING_STEPS=10,
-            RENDEZVOUS_TIMEOUT=60,
-        ),
-        **push_settings(hub),
-    )
+    # EVAL_STEPS: the final evaluation only
+    longer = dict(NUM_EPOCHS=EPOCHS_ELASTIC, SAVE_STEPS=5, SAVE_TOTAL_LIMIT=2, EVAL_STEPS=1000, LOGGING_STEPS=10)
+    env = base_env(tmp_path, **settings(tiny_bert, data, out, RENDEZVOUS_TIMEOUT=60, **longer), **push_settings(hub))
     port = free_port()
     torchrun = [str(Path(sys.executable).with_name("torchrun"))]
 
@@ -345,14 +289,13 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
         # last_call_timeout: how long a round that has fewer than 2 nodes waits for more. The first round ends
         # as soon as the second agent joins (its imports take seconds even on a loaded machine: 15 s leaves room);
         # the one after the loss waits all of it for a node that never comes.
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test"]
+        rendezvous.append(f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=15,join_timeout=120")
         return [
             *torchrun,
             "--nnodes=1:2",
             "--nproc-per-node=1",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=elastic-test",
-            f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=15,join_timeout=120",
+            *rendezvous,
             "--max-restarts=3",
             "--monitor-interval=1",
             "main.py",
@@ -362,15 +305,7 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
     agents = []
     try:
         for log, is_host in zip(logs, (True, False), strict=True):
-            agents.append(
-                start(
-                    agent(is_host),
-                    env=env,
-                    cwd=REPO,
-                    log=log,
-                    start_new_session=True,
-                )
-            )
+            agents.append(start(agent(is_host), env=env, cwd=REPO, log=log, start_new_session=True))
         # The kill lands within 50 ms of the first checkpoint (step 5), 35 steps before the end.
         wait_until(lambda: complete_steps(out), "first checkpoint", agents, timeout=600)
         kill_tree(agents[1])  # the node and its worker, at once
@@ -384,36 +319,27 @@ def test_elastic_torchrun_finishes_on_the_node_that_is_left(tmp_path, tiny_bert,
     assert metrics["world_size"] == 1 and metrics["global_batch"] == GLOBAL_BATCH, metrics
     assert "resuming a run checkpointed on 2 replica(s) on 1" in logs[0].read_text()
     [first, then] = metrics["segments"]
-    assert (
-        first["world_size"] == 2 and then["world_size"] == 1 and then["steps"][1] == EPOCHS_ELASTIC * STEPS_PER_EPOCH
-    )
+    assert (first["world_size"], then["world_size"], then["steps"][1]) == (2, 1, EPOCHS_ELASTIC * STEPS_PER_EPOCH)
     assert len([c for c in hub.commits if c["repo"] == push_settings(hub)["RESULT_MODEL_ID"]]) == 1
     assert (out / "model" / "adapter_model.safetensors").is_file()
 
 
 def test_the_elastic_pytorchjob_trains_one_global_batch_on_every_count_it_allows(tmp_path):
-    """What a pod of k8s/elastic resolves (torchrun's variables over the manifest's environment, with the
-    PET_NNODES=MIN:MAX the operator derives from its elasticPolicy): the same global batch and rate on every pod
-    count from minReplicas to maxReplicas, each in full micro-batches; and the same pod with a global batch one
-    count in the range cannot share is refused at once, on a count that could, naming the one that cannot."""
+    """A pod of k8s/elastic (PET_NNODES=MIN:MAX from its elasticPolicy): the same global batch and rate on every
+    count in the range, in full micro-batches; a global batch one count cannot share is refused on any count."""
     docs = kustomize(REPO / "k8s" / "elastic")
     [job] = [doc for doc in docs if doc["kind"] == "PyTorchJob"]
     policy = job["spec"]["elasticPolicy"]
     assert policy["rdzvBackend"] == "c10d" and set(job["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
     [container] = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     low, high = policy["minReplicas"], policy["maxReplicas"]
-    env = container_env(container, config_maps(docs)) | {
-        "PET_NNODES": f"{low}:{high}",
-        "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
-    }
+    pet = {"PET_NNODES": f"{low}:{high}", "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"]}
+    env = container_env(container, config_maps(docs)) | pet
 
     def dry_run(world: int, **extra):
-        torchrun = dict(
-            RANK=0, LOCAL_RANK=0, WORLD_SIZE=world, LOCAL_WORLD_SIZE=1, TORCHELASTIC_RUN_ID="job", GROUP_RANK=0
-        )
-        return run_main(
-            pod_env(tmp_path, **{**env, **extra}, **torchrun, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500), "--dry-run"
-        )
+        torchrun = dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=world, LOCAL_WORLD_SIZE=1, TORCHELASTIC_RUN_ID="job")
+        torchrun |= dict(GROUP_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500)
+        return run_main(pod_env(tmp_path, **{**env, **extra}, **torchrun), "--dry-run")
 
     resolved = {}
     for world in range(low, high + 1):

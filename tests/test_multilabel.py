@@ -1,10 +1,6 @@
-"""PROBLEM_TYPE=multi_label_classification through the real entry point: any number of labels per row, written as a
-list of names (a JSON list, or `|`-separated in a csv cell) or as 0/1 columns (LABEL_COLUMNS).
-
-The tiny model learns three labels from words its vocabulary holds, each present or not in a row independently:
-`praise` (a positive adjective), `blame` (a negative one) and `motion` (one of three verbs), so a row has none, one,
-two or all three. Each run is one real `main.py`, shared through module fixtures; the refusals run a start too.
-"""
+"""PROBLEM_TYPE=multi_label_classification through the real entry point, labels as lists of names (JSON, or `|` in a
+csv cell) or 0/1 columns (LABEL_COLUMNS). The tiny model learns `praise` (a positive adjective), `blame` (a negative
+one) and `motion` (one of three verbs), each independently present; one real `main.py` run per module fixture."""
 
 from __future__ import annotations
 
@@ -12,15 +8,15 @@ import csv
 import json
 import random
 import re
-import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, VERBS
-from tests.support.env import REPO, base_env, tiny_run_settings
-from tests.support.outcomes import assert_refusal
+from tests.support.commands import readme_predict_command, runnable
+from tests.support.env import base_env, tiny_run_settings
+from tests.support.outcomes import assert_refusal, succeeded
 from tests.support.processes import run_command, run_main, run_predict, wait_all
 
 NAMES = ("blame", "motion", "praise")  # sorted: the order the data's names take without LABEL_NAMES
@@ -40,8 +36,7 @@ def rows(rng: random.Random, count: int):
 
 
 def write_lists(folder: Path, train: int = 480, validation: int = 60) -> dict[str, Path]:
-    """The list form: train.jsonl with JSON lists, validation.csv with `|`-separated names (both readers); the
-    settings naming the two files."""
+    """The settings naming train.jsonl (JSON lists) and validation.csv (`|`-separated names), written."""
     rng = random.Random(7)
     folder.mkdir(parents=True)
     (folder / "train.jsonl").write_text(
@@ -55,8 +50,7 @@ def write_lists(folder: Path, train: int = 480, validation: int = 60) -> dict[st
 
 
 def write_columns(folder: Path, train: int = 480, validation: int = 60, odd=None) -> Path:
-    """The 0/1 columns form, in csv files, of the rows `write_lists` writes; `odd`: (row, column, value) written
-    over one training cell."""
+    """`write_lists`' rows as 0/1 columns in csv files; `odd`: (row, column, value) written over one training cell."""
     rng = random.Random(7)
     folder.mkdir(parents=True)
     for split, count in (("train", train), ("validation", validation)):
@@ -72,16 +66,10 @@ def write_columns(folder: Path, train: int = 480, validation: int = 60, odd=None
 
 def multi_settings(tmp: Path, tiny_bert: Path, data: Path | dict, **extra) -> dict[str, str]:
     """The settings of a run on `data`: a DATASET_PATH, or the settings naming its files (`write_lists`)."""
-    settings = dict(
-        MODEL_NAME=tiny_bert,
-        **(data if isinstance(data, dict) else {"DATASET_PATH": data}),
-        OUTPUT_DIR=tmp / "out",
-        PROBLEM_TYPE="multi_label_classification",
-        LEARNING_RATE=RATE,
-        NUM_EPOCHS=10,  # each label learned by then (6 epochs: micro F1 0.84, the three not all learned)
-        PER_DEVICE_BATCH_SIZE=16,
-        REPORT_TO="none",
-    )
+    files = data if isinstance(data, dict) else {"DATASET_PATH": data}
+    settings = dict(MODEL_NAME=tiny_bert, **files, OUTPUT_DIR=tmp / "out", PROBLEM_TYPE="multi_label_classification")
+    # NUM_EPOCHS: each label learned by then (6 epochs: micro F1 0.84, the three not all learned)
+    settings |= dict(LEARNING_RATE=RATE, NUM_EPOCHS=10, PER_DEVICE_BATCH_SIZE=16, REPORT_TO="none")
     return {k: str(v) for k, v in {**settings, **extra}.items()}
 
 
@@ -90,8 +78,7 @@ def multi_env(tmp: Path, tiny_bert: Path, data: Path | dict, **extra) -> dict[st
 
 
 def trained(tmp: Path, env: dict[str, str]) -> dict:
-    result = run_main(env)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(env))
     return json.loads((tmp / "out" / "metrics.json").read_text())
 
 
@@ -118,10 +105,11 @@ def test_the_metric_counts_every_decision_each_label_and_whole_rows():
     # Row 0: label 0 right, label 2 predicted wrongly; row 1 exact; row 2: label 1 predicted wrongly; row 3: label 2
     # missed. TP 3 (label 0 twice, label 1 once), FP 2, FN 1: micro F1 = 6 / 9. Per label F1: 1, 2/3 (TP 1, FP 1),
     # 0 (FP 1, FN 1): macro 5/9. One row of four exactly right.
-    scores = evaluate.load(METRIC_MODULES[MULTI_LABEL]).compute(
-        predictions=[[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 0]],
-        references=[[1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 1]],
+    predictions, references = (
+        [[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 0]],
+        [[1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 1]],
     )
+    scores = evaluate.load(METRIC_MODULES[MULTI_LABEL]).compute(predictions=predictions, references=references)
     assert scores == pytest.approx({"f1_micro": 6 / 9, "f1_macro": 5 / 9, "subset_accuracy": 0.25})
 
 
@@ -141,8 +129,7 @@ def test_the_threshold_decides_what_counts_as_predicted():
 
 
 def test_a_length_bucket_leaves_the_multi_hot_labels_whole():
-    """The GPU paths' warm-up batches (compiled or captured step) pad each tensor of the sequence's length to a
-    bucket: 16 labels in a batch of 16 tokens are labels still."""
+    """The GPU paths' warm-up batches pad tensors of the sequence's length: 16 labels in 16 tokens stay labels."""
     import torch
 
     from utils.training.trainer import bucket_batch
@@ -187,8 +174,7 @@ def test_predict_prints_every_label_above_the_threshold(lists_run, folder):
     tmp = lists_run[0]
     sentences = list(rows(random.Random(21), 12))
     stdin = "".join(f"{s}\n" for s, _ in sentences)
-    result = run_predict(base_env(tmp), tmp / "out" / folder, stdin=stdin, cwd=tmp)
-    assert result.code == 0, result.stderr[-3000:]
+    result = succeeded(run_predict(base_env(tmp), tmp / "out" / folder, stdin=stdin, cwd=tmp))
     predicted = [json.loads(line) for line in result.stdout.splitlines()]
     assert [p["text"] for p in predicted] == [s for s, _ in sentences]
     for p in predicted:
@@ -197,26 +183,18 @@ def test_predict_prints_every_label_above_the_threshold(lists_run, folder):
     right = sum(p["labels"] == labels for p, (_, labels) in zip(predicted, sentences, strict=True))
     assert right >= 10, predicted  # the run's subset accuracy, roughly
     # A lower threshold never predicts fewer labels.
-    low = run_predict(base_env(tmp), tmp / "out" / folder, "--threshold", "0.05", stdin=stdin, cwd=tmp)
-    assert low.code == 0, low.stderr[-3000:]
+    low = succeeded(run_predict(base_env(tmp), tmp / "out" / folder, "--threshold", "0.05", stdin=stdin, cwd=tmp))
     for p, q in zip(predicted, map(json.loads, low.stdout.splitlines()), strict=True):
         assert set(p["labels"]) <= set(q["labels"]) and q["labels"] == [n for n in NAMES if q["scores"][n] >= 0.05]
 
 
 def test_the_readmes_multi_label_predict_command_runs_as_written(lists_run):
     tmp = lists_run[0]
-    [command] = [
-        line.split(" #")[0].strip()
-        for line in (REPO / "README.md").read_text().splitlines()
-        if line.startswith("python predict.py") and "--threshold" in line
-    ]
+    command = readme_predict_command("--threshold")
     cut = float(command.split("--threshold")[1].split()[0])
     sentences = [s for s, _ in rows(random.Random(22), 6)]
     (tmp / "comments.txt").write_text("".join(f"{s}\n" for s in sentences))
-    command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
-        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
-    )
-    result = run_command(["bash", "-c", command], env=base_env(tmp), cwd=tmp)
+    result = run_command(["bash", "-c", runnable(command, tmp / "out")], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     predicted = [json.loads(line) for line in result.stdout.splitlines()]
     assert [p["text"] for p in predicted] == sentences
@@ -230,15 +208,12 @@ def test_the_cards_python_gives_the_scores_predict_prints(lists_run, folder):
     sentences = [s for s, _ in rows(random.Random(23), 4)]
     [code] = re.findall(r"```python\n(.*?)```", (tmp / "out" / folder / "README.md").read_text(), re.S)
     script = code + "\nimport json, sys\nprint(json.dumps(classifier(json.loads(sys.argv[1]))))"
-    result = run_command(
-        [sys.executable, "-c", script, json.dumps(sentences)],
-        env=base_env(tmp),
-        cwd=tmp,
-    )
+    result = run_command([sys.executable, "-c", script, json.dumps(sentences)], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     answers = json.loads(result.stdout.splitlines()[-1])
-    printed = run_predict(base_env(tmp), tmp / "out" / folder, stdin="".join(f"{s}\n" for s in sentences), cwd=tmp)
-    assert printed.code == 0, printed.stderr[-3000:]
+    printed = succeeded(
+        run_predict(base_env(tmp), tmp / "out" / folder, stdin="".join(f"{s}\n" for s in sentences), cwd=tmp)
+    )
     for answer, line in zip(answers, printed.stdout.splitlines(), strict=True):
         scores = {entry["label"]: entry["score"] for entry in answer}
         assert scores == pytest.approx(json.loads(line)["scores"], abs=2e-4)
@@ -246,16 +221,14 @@ def test_the_cards_python_gives_the_scores_predict_prints(lists_run, folder):
 
 def test_predict_takes_the_threshold_the_model_was_trained_with(columns_run):
     tmp = columns_run[0]
-    result = run_predict(base_env(tmp), tmp / "out" / "model", stdin="the plot is good bad it\n", cwd=tmp)
-    assert result.code == 0, result.stderr[-3000:]
+    result = succeeded(run_predict(base_env(tmp), tmp / "out" / "model", stdin="the plot is good bad it\n", cwd=tmp))
     [p] = [json.loads(line) for line in result.stdout.splitlines()]
     assert p["labels"] == [name for name in NAMES if p["scores"][name] >= 0.4]
 
 
 def test_predict_refuses_a_threshold_for_a_single_label_model(tmp_path, tiny_bert, sst2_dir):
     settings = tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", MAX_STEPS=2, REPORT_TO="none")
-    result = run_main(base_env(tmp_path, **settings))
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_main(base_env(tmp_path, **settings)))
     refused = run_predict(base_env(tmp_path), tmp_path / "out" / "model", "--threshold", "0.3", stdin="a good film\n")
     assert refused.stdout == ""
     assert_refusal(refused, ["--threshold 0.3", "drop --threshold"])
@@ -265,8 +238,7 @@ def test_predict_refuses_a_threshold_for_a_single_label_model(tmp_path, tiny_ber
 def test_dry_run_shows_the_problem_type_and_threshold(tmp_path, tiny_bert):
     data = write_columns(tmp_path / "data", train=8, validation=4)
     env = multi_env(tmp_path, tiny_bert, data, LABEL_COLUMNS=",".join(NAMES), THRESHOLD="0.3")
-    shown = run_main(env, "--dry-run")
-    assert shown.code == 0, shown.stderr
+    shown = succeeded(run_main(env, "--dry-run"))
     task = shown.json()["task"]
     assert task["problem_type"] == "multi_label_classification" and task["threshold"] == 0.3
     assert task["label_names"] == list(NAMES) and task["label_columns"] == list(NAMES)
@@ -280,18 +252,17 @@ def test_dry_run_shows_the_problem_type_and_threshold(tmp_path, tiny_bert):
 
 
 # ------------------------------------------------------------------------------- refusals
-@pytest.mark.parametrize(
-    "extra, names",
-    [
-        ({"CLASS_WEIGHTS": "balanced"}, ["CLASS_WEIGHTS=balanced", "unset CLASS_WEIGHTS"]),
-        ({"PROBLEM_TYPE": "auto"}, ["LABEL_COLUMNS=", "PROBLEM_TYPE=multi_label_classification"]),
-        ({"LABEL_COLUMNS": "blame"}, ["LABEL_COLUMNS=blame", "at least two"]),
-        ({"LABEL_COLUMNS": "blame,nope"}, ["'nope'", "LABEL_COLUMNS"]),
-        ({"LABEL_NAMES": "a,b,c"}, ["LABEL_NAMES=a,b,c", "unset LABEL_NAMES"]),
-        ({"THRESHOLD": "1"}, ["THRESHOLD=1", "range"]),
-    ],
-    ids=["class weights", "no problem type", "one column", "a missing column", "names beside columns", "threshold 1"],
-)
+BAD_COMBINATIONS = {
+    "class weights": ({"CLASS_WEIGHTS": "balanced"}, ["CLASS_WEIGHTS=balanced", "unset CLASS_WEIGHTS"]),
+    "no problem type": ({"PROBLEM_TYPE": "auto"}, ["LABEL_COLUMNS=", "PROBLEM_TYPE=multi_label_classification"]),
+    "one column": ({"LABEL_COLUMNS": "blame"}, ["LABEL_COLUMNS=blame", "at least two"]),
+    "a missing column": ({"LABEL_COLUMNS": "blame,nope"}, ["'nope'", "LABEL_COLUMNS"]),
+    "names beside columns": ({"LABEL_NAMES": "a,b,c"}, ["LABEL_NAMES=a,b,c", "unset LABEL_NAMES"]),
+    "threshold 1": ({"THRESHOLD": "1"}, ["THRESHOLD=1", "range"]),
+}
+
+
+@pytest.mark.parametrize("extra, names", BAD_COMBINATIONS.values(), ids=BAD_COMBINATIONS)
 def test_a_bad_combination_is_refused_at_dry_run(tmp_path, tiny_bert, extra, names):
     data = write_columns(tmp_path / "data", train=8, validation=4)
     env = multi_env(tmp_path, tiny_bert, data, **{"LABEL_COLUMNS": ",".join(NAMES), **extra})
@@ -299,10 +270,8 @@ def test_a_bad_combination_is_refused_at_dry_run(tmp_path, tiny_bert, extra, nam
 
 
 def test_a_threshold_without_a_multi_label_problem_is_refused(tmp_path, sst2_dir):
-    assert_refusal(
-        run_main(base_env(tmp_path, DATASET_PATH=sst2_dir, THRESHOLD="0.3"), "--dry-run"),
-        ["THRESHOLD=0.3", "PROBLEM_TYPE=multi_label_classification"],
-    )
+    refused = run_main(base_env(tmp_path, DATASET_PATH=sst2_dir, THRESHOLD="0.3"), "--dry-run")
+    assert_refusal(refused, ["THRESHOLD=0.3", "PROBLEM_TYPE=multi_label_classification"])
 
 
 def refused_start(tmp: Path, env: dict[str, str], names: list[str]) -> None:
@@ -355,15 +324,13 @@ def test_class_ids_in_the_label_column_are_refused(tmp_path, tiny_bert, sst2_dir
 
 
 def test_the_step_on_static_buffers_trains_as_the_eager_step(tmp_path, tiny_bert):
-    """CUDA_GRAPHS=true on the CPU runs the captured step's code on its static buffers (float multi-hot labels
-    among them): the same losses, step by step, as the eager step."""
+    """CUDA_GRAPHS=true on the CPU runs the captured step's code on its static buffers: the eager step's losses."""
     data = write_lists(tmp_path / "data", train=96, validation=8)
     losses = {}
     for captured in ("true", "false"):
         out = tmp_path / f"out-{captured}"
         extra = dict(OUTPUT_DIR=out, MAX_STEPS=4, LOGGING_STEPS=1, LORA_DROPOUT=0, CUDA_GRAPHS=captured)
-        result = run_main(multi_env(tmp_path, tiny_bert, data, **extra))
-        assert result.code == 0, result.stderr[-3000:]
+        succeeded(run_main(multi_env(tmp_path, tiny_bert, data, **extra)))
         state = json.loads((out / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
         losses[captured] = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
     assert len(losses["true"]) == 4 and losses["true"] == pytest.approx(losses["false"], rel=1e-6), losses
@@ -374,15 +341,8 @@ def test_the_step_on_static_buffers_trains_as_the_eager_step(tmp_path, tiny_bert
 def test_two_replicas_train_and_evaluate_the_whole_split(tmp_path, tiny_bert, replicas):
     """Gloo DDP on two ranks: the multi-hot labels are gathered from both (61 rows: one rank's last batch uneven)."""
     data = write_columns(tmp_path / "data", train=64, validation=61)
-    settings = multi_settings(
-        tmp_path,
-        tiny_bert,
-        data,
-        LABEL_COLUMNS=",".join(NAMES),
-        MAX_STEPS=4,
-        PER_DEVICE_BATCH_SIZE=8,
-        RENDEZVOUS_TIMEOUT=120,
-    )
+    extra = dict(LABEL_COLUMNS=",".join(NAMES), MAX_STEPS=4, PER_DEVICE_BATCH_SIZE=8, RENDEZVOUS_TIMEOUT=120)
+    settings = multi_settings(tmp_path, tiny_bert, data, **extra)
     wait_all(replicas.start("ddp", settings), logs=lambda: replicas.streams)
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert (metrics["world_size"], metrics["eval_samples"]) == (2, 61)

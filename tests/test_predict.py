@@ -1,6 +1,5 @@
-"""predict.py as a user runs it: the suite's one finished tiny run (`finished_run` in tests/conftest.py: a real
-main.py process, adapter and merged export, pushed to the local Hub stand-in), then the real predict.py process on no input, bytes that are not text, a sentence longer than the model takes, and
-every `python predict.py` command the README, docs/, predict.py's own help and the model card show."""
+"""predict.py as a user runs it, on the suite's one finished run (`finished_run`): odd inputs, bad arguments, and
+every `python predict.py` command the README, docs/, predict.py's help and the model card show."""
 
 from __future__ import annotations
 
@@ -18,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from scripts.make_demo_assets import write_tiny_bert
+from tests.support.commands import runnable
 from tests.support.data import STRAY_QUOTE, delimited, write_files
 from tests.support.docs import assert_documented
 from tests.support.env import BASE_ID, LABELS, MAX_SEQ_LENGTH, MERGED_ID, REPO, REPO_ID, base_env
-from tests.support.outcomes import assert_refusal, error_lines
+from tests.support.outcomes import assert_refusal, error_lines, succeeded
 from tests.support.processes import PIPE, CompletedProcess, Result, run_command, run_predict, start
 from utils.common.errors import JobError
 
@@ -32,25 +32,17 @@ HUB_REPO = "your-name/bert-sst2-lora"  # the docs' example repo id, served by th
 
 @pytest.fixture
 def trained(finished_run) -> Path:
-    """OUTPUT_DIR of the shared finished run, with model/ and merged/ (read only). It was pushed, so the adapter
-    names its base by Hub id (BASE_ID): offline, predict.py is given the local base with --base-model."""
+    """OUTPUT_DIR of the shared finished run (read only); its adapter names its base by Hub id (BASE_ID)."""
     return finished_run.out
 
 
 def predict(cwd: Path, *args: str, stdin: bytes = b"", **env: str) -> CompletedProcess:
-    return run_command(
-        [sys.executable, str(REPO / "predict.py"), *map(str, args)],
-        input=stdin,
-        env=base_env(cwd, **env),
-        cwd=cwd,
-        timeout=180,
-        text=False,
-    )
+    argv = [sys.executable, str(REPO / "predict.py"), *map(str, args)]
+    return run_command(argv, input=stdin, env=base_env(cwd, **env), cwd=cwd, timeout=180, text=False)
 
 
 def is_prediction(line: dict) -> bool:
-    """One answer: its text, a label of the model's, a score, and otherwise only the input's other columns (carried
-    through: in these inputs, `id`, `idx` and a labelled file's own label as `input_label`)."""
+    """One answer: its text, a label of the model's, a score, and only the input's other columns carried through."""
     carried = set(line) - {"text", "label", "score"}
     return carried <= {"id", "idx", "input_label"} and line["label"] in LABELS and 0.5 <= line["score"] <= 1
 
@@ -118,16 +110,14 @@ def test_a_sentence_longer_than_the_model_takes_is_truncated(trained, tiny_bert,
 
 
 def documented_commands() -> list[str]:
-    """Every `python predict.py ...` command in README.md, docs/*.md and predict.py's docstring (its --help),
-    without its trailing comment."""
+    """Every `python predict.py ...` command in README.md, docs/*.md and predict.py's --help, without its comment."""
     texts = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     docstring = ast.get_docstring(ast.parse((REPO / "predict.py").read_text()))
     commands = []
     for text in [path.read_text() for path in texts] + [docstring]:
         for line in text.splitlines():
-            spans = re.findall(r"`([^`]*python predict\.py[^`]*)`", line) or (
-                [line] if "python predict.py" in line else []
-            )
+            spans = re.findall(r"`([^`]*python predict\.py[^`]*)`", line)
+            spans = spans or ([line] if "python predict.py" in line else [])
             commands += [re.split(r"\s+#\s", span)[0].strip() for span in spans if not span.lstrip().startswith("#")]
     return list(dict.fromkeys(commands))
 
@@ -135,9 +125,7 @@ def documented_commands() -> list[str]:
 # Sentence-pair commands (`--text-column premise,hypothesis`) need a pair model: tests/test_tasks.py runs them as
 # written; multi-label ones (`--threshold`) a multi-label model: tests/test_multilabel.py.
 DOCUMENTED = [
-    command
-    for command in documented_commands()
-    if not re.search(r"--text-column \S+,\S+", command) and "--threshold" not in command
+    c for c in documented_commands() if not re.search(r"--text-column \S+,\S+", c) and "--threshold" not in c
 ]
 
 
@@ -148,10 +136,8 @@ def test_the_docs_show_predict_commands():
 
 
 def run_as_written(command: str, cwd: Path, out: Path, base: Path, hub) -> CompletedProcess:
-    """`command` in bash, as a user would paste it, in a folder holding sentences.txt, reviews.csv and
-    sentences.jsonl. Offline, the placeholders become local paths: OUTPUT_DIR the finished run, the base
-    model's Hub id (or a copy of it on the volume) the tiny model folder. A Hub repo id cannot be reached
-    from here: the local Hub stand-in serves the run's adapter under HUB_REPO, so that form runs as written too."""
+    """`command` pasted into bash beside sentences.txt, reviews.csv and sentences.jsonl: OUTPUT_DIR is the finished
+    run, the base's Hub id (or volume copy) the tiny model; the Hub stand-in serves the run under HUB_REPO."""
     (cwd / "sentences.txt").write_text("\n".join(SENTENCES) + "\n")
     (cwd / "sentences.jsonl").write_text("".join(json.dumps({"sentence": s, "label": 1}) + "\n" for s in SENTENCES))
     (cwd / "reviews.csv").write_text('id,review\n1,a wonderful film\n2,"a dull, tedious mess"\n')
@@ -159,18 +145,10 @@ def run_as_written(command: str, cwd: Path, out: Path, base: Path, hub) -> Compl
     hub.serve(BASE_ID, base)  # the base the adapter names, as the Hub serves it
     hub.serve(REPO_ID, out / "model")  # the repos the run pushed, which its model cards name
     hub.serve(MERGED_ID, out / "merged")
-    command = command.replace("OUTPUT_DIR", str(out)).replace("/pvc-home/models/bert-base-uncased", str(base))
+    command = runnable(command, out).replace("/pvc-home/models/bert-base-uncased", str(base))
     command = re.sub(r"(?<![\w/.-])bert-base-uncased(?![\w/.-])", str(base), command)
-    command = command.replace(
-        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
-    )
-    return run_command(
-        ["bash", "-c", command],
-        env=base_env(cwd, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0"),
-        cwd=cwd,
-        timeout=180,
-        text=False,
-    )
+    env = base_env(cwd, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0")
+    return run_command(["bash", "-c", command], env=env, cwd=cwd, timeout=180, text=False)
 
 
 def expected_texts(command: str) -> list[str]:
@@ -199,13 +177,8 @@ def test_the_model_cards_predict_command_runs_as_written(trained, tiny_bert, tmp
 # ------------------------------------------------------------------------------- input read as training reads it
 # Sentences holding what `str.splitlines` splits on (form feed, vertical tab, NEL, U+2028, the file separators)
 # and what quoted reading merges (a sentence opening with `"`): one answer each, in order.
-ODD_LINES = [
-    "a\x0cwonderful film",
-    "the cast\u2028is superb",
-    "a dull\x85tedious mess",
-    "the film\x0bis flat\x1cand\x1dlong\x1e",
-    "the end\u2029of it",
-]
+ODD_LINES = ["a\x0cwonderful film", "the cast\u2028is superb", "a dull\x85tedious mess"]
+ODD_LINES += ["the film\x0bis flat\x1cand\x1dlong\x1e", "the end\u2029of it"]
 ROWS = [*STRAY_QUOTE, *((text, index % 2) for index, text in enumerate(ODD_LINES))]
 
 
@@ -227,9 +200,8 @@ def test_each_line_is_one_answer_split_on_newlines_only(trained, tmp_path, sourc
 
 
 def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
-    """`rows` (sentence, label) as a user writes them in `path`'s format: tsv unquoted, csv by csv.writer,
-    .json a JSON array and .jsonl one object a line (non-ASCII characters as they are, not escaped), parquet by
-    pyarrow."""
+    """`rows` (sentence, label) as a user writes `path`'s format: tsv unquoted, csv by csv.writer, .json an array
+    and .jsonl a line each (non-ASCII unescaped), parquet by pyarrow."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow
@@ -246,9 +218,8 @@ def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
     else:
         objects = [{"sentence": text, "label": label} for text, label in rows]
         lines = [json.dumps(objects, ensure_ascii=False)] if suffix == ".json" else objects
-        path.write_text(
-            "".join((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n" for line in lines)
-        )
+        texts = [line if isinstance(line, str) else json.dumps(line, ensure_ascii=False) for line in lines]
+        path.write_text("".join(text + "\n" for text in texts))
     return path
 
 
@@ -256,8 +227,7 @@ def write_rows(path: Path, rows: list[tuple[str, int]]) -> Path:
     "name", ["VALIDATION.TSV", "Validation.Csv", "validation.JSON", "validation.JsonL", "validation.Parquet"]
 )
 def test_a_data_file_gives_the_sentences_training_reads_from_it(trained, tmp_path, name):
-    """The same file through training's reader (utils/training/data.py, as DATASET_PATH) and through predict.py: the same
-    sentences, in the same order, whatever the case of the suffix."""
+    """The same file through training's reader and predict.py: the same sentences, in order, whatever the suffix's case."""
     from utils.config.settings import Settings
     from utils.training.data import DataSource, load_raw
 
@@ -303,75 +273,59 @@ BAD_FILES = {
 }
 
 
-@pytest.mark.parametrize(
-    "args, names",
-    [
-        (["--batch-size", "0"], ["--batch-size: 0", "1 to 1024"]),
-        (["--batch-size", "-8"], ["--batch-size: -8", "1 to 1024"]),
-        (["--batch-size", "1000000000000"], ["--batch-size: 1000000000000", "1 to 1024"]),
-        (["--batch-size", "8.5"], ["--batch-size: '8.5'", "1 to 1024"]),
-        (["missing.txt"], ["missing.txt", "No such file or directory", "UTF-8"]),
-        (["."], [". is a folder", "regular file"]),
-        (["no-column.csv"], ["no-column.csv", "'sentence'", "['text', 'label']", "--text-column"]),
-        (["header-only.csv", "--text-column", "review"], ["header-only.csv", "'review'"]),
-        (["open-quote.csv"], ["open-quote.csv line 2", "lines 2-3"]),
-        (["short-row.tsv"], ["short-row.tsv line 3", "1 field(s)", "'sentence' (column 2)"]),
-        (["no-text.json"], ["no-text.json item 2", "'sentence'", "3"]),
-        (["not-json.jsonl"], ["not-json.jsonl line 2", "JSON"]),
-        (["reviews.txt", "--text-column", "review"], ["--text-column review", "reviews.txt"]),
-        (["--text-column", "review"], ["--text-column review", "standard input"]),
-        (["reviews.txt", "--base-model", "tiny-bert"], ["--base-model", "merged"]),
-        # What training refuses (utils/training/data.py), refused here too
-        (["twice.csv"], ["twice.csv", "'sentence' 2 times", "['sentence', 'sentence', 'label']"]),
-        (["empty.tsv"], ["empty.tsv has 1 row(s)", "empty or missing 'sentence'", "line 3", "fill in or remove"]),
-        (["empty.jsonl"], ["empty.jsonl has 1 row(s)", "empty or missing 'sentence'", "line 2"]),
-        (
-            ["pairs.csv", "--text-column", "premise,hypothesis"],
-            ["one sentence a row", "sentence", "premise,hypothesis"],
-        ),
-    ],
-    ids=[
-        "batch size 0",
-        "negative batch size",
-        "huge batch size",
-        "fractional batch size",
-        "missing file",
-        "a folder as FILE",
-        "no such column",
-        "no such column, no rows",
-        "a quote open over lines",
-        "a row short of the column",
-        "a JSON item without text",
-        "a line that is not JSON",
-        "a column of a text file",
-        "a column of standard input",
-        "a base for a merged model",
-        "a column named twice",
-        "an empty sentence in a column",
-        "an empty sentence in JSON",
-        "a pair for a one-sentence model",
-    ],
-)
+# id -> (the arguments after MODEL, what the error line names)
+BAD_ARGUMENTS = {
+    "batch size 0": ("--batch-size 0", ["--batch-size: 0", "1 to 1024"]),
+    "negative batch size": ("--batch-size -8", ["--batch-size: -8", "1 to 1024"]),
+    "huge batch size": ("--batch-size 1000000000000", ["--batch-size: 1000000000000", "1 to 1024"]),
+    "fractional batch size": ("--batch-size 8.5", ["--batch-size: '8.5'", "1 to 1024"]),
+    "missing file": ("missing.txt", ["missing.txt", "No such file or directory", "UTF-8"]),
+    "a folder as FILE": (".", [". is a folder", "regular file"]),
+    "no such column": ("no-column.csv", ["no-column.csv", "'sentence'", "['text', 'label']", "--text-column"]),
+    "no such column, no rows": ("header-only.csv --text-column review", ["header-only.csv", "'review'"]),
+    "a quote open over lines": ("open-quote.csv", ["open-quote.csv line 2", "lines 2-3"]),
+    "a row short of the column": ("short-row.tsv", ["short-row.tsv line 3", "1 field(s)", "'sentence' (column 2)"]),
+    "a JSON item without text": ("no-text.json", ["no-text.json item 2", "'sentence'", "3"]),
+    "a line that is not JSON": ("not-json.jsonl", ["not-json.jsonl line 2", "JSON"]),
+    "a column of a text file": ("reviews.txt --text-column review", ["--text-column review", "reviews.txt"]),
+    "a column of standard input": ("--text-column review", ["--text-column review", "standard input"]),
+    "a base for a merged model": ("reviews.txt --base-model tiny-bert", ["--base-model", "merged"]),
+    # What training refuses (utils/training/data.py), refused here too
+    "a column named twice": ("twice.csv", ["twice.csv", "'sentence' 2 times", "['sentence', 'sentence', 'label']"]),
+    "an empty sentence in a column": (
+        "empty.tsv",
+        ["empty.tsv has 1 row(s)", "empty or missing 'sentence'", "line 3", "fill in or remove"],
+    ),
+    "an empty sentence in JSON": (
+        "empty.jsonl",
+        ["empty.jsonl has 1 row(s)", "empty or missing 'sentence'", "line 2"],
+    ),
+    "a pair for a one-sentence model": (
+        "pairs.csv --text-column premise,hypothesis",
+        ["one sentence a row", "sentence", "premise,hypothesis"],
+    ),
+}
+
+
+@pytest.mark.parametrize("args, names", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS)
 def test_each_bad_argument_is_one_error_line_and_exit_2(trained, tmp_path, args, names):
     write_files(tmp_path / "in", BAD_FILES)
-    result = run_predict(base_env(tmp_path), trained / "merged", *args, cwd=tmp_path / "in")
+    result = run_predict(base_env(tmp_path), trained / "merged", *args.split(), cwd=tmp_path / "in")
     assert result.stdout == "", result.stderr[-3000:]
     assert_refusal(result, names)
 
 
 @pytest.mark.parametrize("kind", ["a device", "a FIFO", "a file over the bound", "a device on standard input"])
 def test_an_input_that_is_no_bounded_file_is_refused_at_once(kind, tiny_bert, tmp_path):
-    """FILE is a regular file, or the sentences come on standard input; either is read within MAX_INPUT_BYTES (seen:
-    /dev/zero read 5.4 GB before a MemoryError, a FIFO without a writer blocked for ever). Refused before the model
-    loads: one error line, exit 2, within seconds."""
+    """FILE is a regular file or standard input, read within MAX_INPUT_BYTES (/dev/zero ran to a MemoryError, a FIFO
+    blocked for ever): refused before the model loads, in one line."""
     from utils.training.predictions import MAX_INPUT_BYTES
 
     env, limit = base_env(tmp_path), f"{MAX_INPUT_BYTES // 2**20} MiB"
     if kind == "a device on standard input":
         with open("/dev/zero", "rb") as zeros:
-            proc = run_command(
-                [sys.executable, REPO / "predict.py", tiny_bert], stdin=zeros, env=env, timeout=120, text=False
-            )
+            argv = [sys.executable, REPO / "predict.py", tiny_bert]
+            proc = run_command(argv, stdin=zeros, env=env, timeout=120, text=False)
         assert proc.stdout == b""
         assert_refusal(
             Result(proc.returncode, "", proc.stderr.decode()), ["standard input goes on past", limit, "split"]
@@ -403,8 +357,8 @@ def test_an_input_that_is_no_bounded_file_is_refused_at_once(kind, tiny_bert, tm
 def test_a_base_of_another_shape_than_the_adapters_is_one_error_line(
     trained, tiny_bert, sst2_dir, tmp_path, shape, names
 ):
-    """The adapter (trained on the 64-wide, 2-layer tiny BERT) on another base: one line naming the base it was
-    trained on and the fix, instead of peft's traceback (narrower) or answers from layers never adapted (deeper)."""
+    """The adapter on another base: one line naming the base it was trained on and the fix, not peft's traceback
+    (narrower) or answers from layers never adapted (deeper)."""
     other = write_tiny_bert(tmp_path / "other-bert", sst2_dir, **shape)
     (tmp_path / "sentences.txt").write_text("a wonderful film\n")
     result = run_predict(base_env(tmp_path), trained / "model", "sentences.txt", "--base-model", other, cwd=tmp_path)
@@ -421,16 +375,10 @@ def test_the_adapter_on_its_own_base_answers(trained, tiny_bert, tmp_path):
 
 
 def test_a_reader_that_stops_reading_ends_it_without_a_traceback(trained, tmp_path):
-    """`predict.py ... | head -1`: the answers left (more than a pipe holds) find no reader; exit 141 as a Unix tool
-    ended by SIGPIPE, and nothing on stderr but the libraries' progress."""
+    """`predict.py ... | head -1`: exit 141 as a Unix tool ended by SIGPIPE, no traceback."""
     (tmp_path / "sentences.txt").write_text("".join(f"a wonderful film {i}\n" for i in range(3000)))
-    proc = start(
-        [sys.executable, str(REPO / "predict.py"), str(trained / "merged"), "sentences.txt"],
-        stdout=PIPE,
-        stderr=PIPE,
-        env=base_env(tmp_path),
-        cwd=tmp_path,
-    )
+    argv = [sys.executable, str(REPO / "predict.py"), str(trained / "merged"), "sentences.txt"]
+    proc = start(argv, stdout=PIPE, stderr=PIPE, env=base_env(tmp_path), cwd=tmp_path)
     first = json.loads(proc.stdout.readline())
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
@@ -439,10 +387,8 @@ def test_a_reader_that_stops_reading_ends_it_without_a_traceback(trained, tmp_pa
 
 
 def test_a_base_model_is_served_with_a_warning_that_its_head_is_untrained(trained, tiny_bert, tmp_path):
-    """A base folder given as MODEL (its labels transformers' LABEL_0, LABEL_1, no record of this job's run) answers,
-    with one warning that its head is untrained; the job's merged model, which names its labels, gets none."""
-    base = run_predict(base_env(tmp_path), tiny_bert, stdin="a wonderful film\n")
-    assert base.code == 0, base.stderr[-2000:]
+    """A base folder as MODEL answers with one warning that its head is untrained; the merged model gets none."""
+    base = succeeded(run_predict(base_env(tmp_path), tiny_bert, stdin="a wonderful film\n"))
     assert [json.loads(line)["label"] for line in base.stdout.splitlines()] in (["LABEL_0"], ["LABEL_1"])
     warnings = [line for line in base.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "LABEL_0, LABEL_1 (transformers' defaults)" in warnings[0], base.stderr[-2000:]
@@ -462,24 +408,21 @@ def metric_lines(stderr: str) -> list[str]:
 
 
 def test_a_labelled_file_keeps_its_columns_and_gets_the_runs_metrics(trained, sst2_dir, tmp_path):
-    """The run's own validation.csv (sentence, label, idx): each line carries idx and the file's label (as
-    input_label) beside the answer; the metrics of the answers print on stderr and go to --metrics, and they are
-    the run's: its eval_accuracy on the same rows, within one row (the merged model answers in full precision)."""
+    """The run's validation.csv: each answer carries idx and input_label; the metrics print on stderr and go to
+    --metrics, and are the run's eval_accuracy within one row."""
     with open(sst2_dir / "validation.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     shutil.copy(sst2_dir / "validation.csv", tmp_path / "validation.csv")
     lines, result = predict_lines(tmp_path, trained / "merged", "validation.csv", "--metrics", "metrics.json")
-    assert [(line["text"], line["input_label"], line["idx"]) for line in lines] == [
-        (row["sentence"], row["label"], row["idx"]) for row in rows
-    ]
+    carried = [(line["text"], line["input_label"], line["idx"]) for line in lines]
+    assert carried == [(row["sentence"], row["label"], row["idx"]) for row in rows]
     assert all(is_prediction(line) for line in lines), lines
     right = sum(line["label"] == LABELS[int(line["input_label"])] for line in lines)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["samples"] == len(rows) and metrics["accuracy"] == round(right / len(rows), 4), metrics
     assert set(metrics) == {"accuracy", "f1", "precision", "recall", "matthews_correlation", "samples"}
-    assert abs(metrics["accuracy"] - json.loads((trained / "metrics.json").read_text())["eval_accuracy"]) <= 1 / len(
-        rows
-    )
+    run_accuracy = json.loads((trained / "metrics.json").read_text())["eval_accuracy"]
+    assert abs(metrics["accuracy"] - run_accuracy) <= 1 / len(rows)
     [line] = metric_lines(result.stderr)
     assert line.startswith(
         f"metrics on validation.csv ({len(rows)} labelled rows): accuracy={metrics['accuracy']:.4f}"
@@ -487,8 +430,7 @@ def test_a_labelled_file_keeps_its_columns_and_gets_the_runs_metrics(trained, ss
 
 
 def test_the_columns_default_to_those_the_model_records(trained, tmp_path):
-    """inputs.json beside the model names its text and label columns: a file of those columns needs no option; a
-    label of -1 (GLUE's test split) is no label; a model recording none reads `sentence`, as before."""
+    """inputs.json names the text and label columns, so no option is needed; -1 is no label; without it: `sentence`."""
     model = tmp_path / "model"
     shutil.copytree(trained / "merged", model)
     (model / "inputs.json").write_text(json.dumps({"text_columns": ["review"], "label_column": "verdict"}))
@@ -527,8 +469,7 @@ def test_an_unlabelled_file_gets_no_metrics_and_a_bad_label_is_refused(trained, 
 
 # ------------------------------------------------------------------------------- one text rule, training's and this
 def test_training_and_predict_refuse_a_nul_in_a_sentence_in_the_same_words(trained, tmp_path):
-    """A NUL inside a sentence: training trained on it (the tokenizer drops it) while predict.py refused the file;
-    both refuse it now, with the row and the same fix (utils/common/texts.py)."""
+    """A NUL inside a sentence: training and predict.py both refuse it, with the row and the same fix."""
     from utils.common.texts import NUL_FIX
     from utils.config.settings import Settings
     from utils.training.data import DataSource, check_and_rename, load_raw
@@ -540,9 +481,8 @@ def test_training_and_predict_refuse_a_nul_in_a_sentence_in_the_same_words(train
     with pytest.raises(JobError) as refused:
         check_and_rename(load_raw(settings.select(DataSource)), settings.select(DataSource))
     assert refused.value.code == 2
-    assert refused.value.message == (
-        f"the train split has 1 row(s) with a NUL character in 'sentence' (the first is row 2); {NUL_FIX}"
-    )
+    message = f"the train split has 1 row(s) with a NUL character in 'sentence' (the first is row 2); {NUL_FIX}"
+    assert refused.value.message == message
     assert_documented("a NUL in a sentence", refused.value.message)
     shutil.copy(data / "validation.csv", tmp_path / "nul.csv")
     result = run_predict(base_env(tmp_path), trained / "merged", "nul.csv", cwd=tmp_path)
@@ -552,8 +492,7 @@ def test_training_and_predict_refuse_a_nul_in_a_sentence_in_the_same_words(train
 
 
 def test_a_line_of_spaces_in_a_csv_is_skipped_by_training_and_predict_alike(trained, tmp_path):
-    """A csv line of spaces and tabs is no row to the data loader: training refused the file as a quoting error (the
-    csv module counted the line); both skip it now, and read the same sentences."""
+    """A csv line of spaces and tabs is no row: training and predict.py skip it and read the same sentences."""
     from utils.config.settings import Settings
     from utils.training.data import DataSource, check_and_rename, load_raw
 

@@ -1,7 +1,5 @@
-"""The published model, as a user of the Hub repo meets it: the suite's one finished run (`finished_run` in
-tests/conftest.py: real process, tiny BERT, local Hub stand-in, an adapter push, a merged export and its push,
-label names, the first pushes refused and sent again by --push-only); then what was pushed, the card, the
-labels, the merged weights and predict.py (MLflow: tests/test_tracking.py, against a real server)."""
+"""The published model as a user of the Hub repo meets it, from the suite's one finished run (`finished_run`: its
+first pushes refused, sent again by --push-only): what was pushed, the card, the labels, merged weights, predict.py."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import yaml
 
 from tests.support.env import BASE_ID, LABELS, MERGED_ID, REPO, REPO_ID, base_env, push_settings
 from tests.support.hub_stub import HubStub
-from tests.support.outcomes import assert_refusal, assert_token_absent, error_lines, rank_record
+from tests.support.outcomes import assert_refusal, assert_token_absent, error_lines, rank_record, succeeded
 from tests.support.processes import Result, run_command, run_main, run_predict
 
 SENTENCES = ["a wonderful , moving film", "a dull and tedious mess", "the cast is superb"]
@@ -45,28 +43,16 @@ def test_push_sends_the_whole_artifact_in_one_commit_and_a_retry_sends_the_same(
     assert json.loads((out / "run.json").read_text())["pushed"]["repo_id"] == REPO_ID
     files = commit(hub, REPO_ID)
     run_name = json.loads((out / "run.json").read_text())["run_name"]
-    assert {
-        "adapter_model.safetensors",
-        "adapter_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "README.md",
-        "training_curves.png",
-        "id2label.json",
-        "metrics.json",
-        "run.json",
-    } <= set(files)
+    sent = "adapter_model.safetensors adapter_config.json tokenizer.json tokenizer_config.json README.md"
+    assert {*sent.split(), "training_curves.png", "id2label.json", "metrics.json", "run.json"} <= set(files)
     events = [path for path in files if path.startswith(f"runs/{run_name}/") and "tfevents" in path]
     assert events, sorted(files)  # what the Hub's training-metrics tab reads
     assert files["training_curves.png"].startswith(b"\x89PNG")
     assert json.loads(files["metrics.json"]) == json.loads((out / "metrics.json").read_text())
     assert json.loads(files["run.json"])["settings"]["hf_token"] == "***"
     # The set the refused first push would have sent is the set --push-only sent: the volume's files.
-    assert set(files) == {str(p.relative_to(out / "model")) for p in (out / "model").iterdir()} | {
-        "metrics.json",
-        "run.json",
-        *events,
-    }
+    on_volume = {str(p.relative_to(out / "model")) for p in (out / "model").iterdir()}
+    assert set(files) == on_volume | {"metrics.json", "run.json", *events}
     # Outputs, checkpoints, logs, HF_HOME and both runs' captured stdout and stderr, and every pushed file.
     assert_token_absent(hub.token, [tmp], hub)
 
@@ -85,25 +71,21 @@ def test_card_is_validated_names_the_repo_and_holds_every_metric(finished_run):
     meta = front_matter(card)
     [result] = meta["model-index"][0]["results"]
     metrics = json.loads((out / "metrics.json").read_text())
+    names = ("accuracy", "f1", "precision", "recall", "matthews_correlation")
     assert {m["type"]: m["value"] for m in result["metrics"]} == {
-        name: round(metrics[f"eval_{name}"], 4)
-        for name in ("accuracy", "f1", "precision", "recall", "matthews_correlation")
+        name: round(metrics[f"eval_{name}"], 4) for name in names
     }
     # local data is not passed off as GLUE from the Hub
     assert result["dataset"]["type"] == "local" and "datasets" not in meta
     assert f'model="{REPO_ID}"' in card and "path/to" not in card  # refreshed at push time with the real repo id
     assert "![Training loss and validation accuracy](training_curves.png)" in card
-    assert (
-        f"local data ({metrics['data']['train_rows']} training and {metrics['data']['validation_rows']} validation rows"
-        in card
-    )
+    data = metrics["data"]
+    assert f"local data ({data['train_rows']} training and {data['validation_rows']} validation rows" in card
     # What actually ran, not `auto`.
     assert "| precision | fp32 |" in card and "| quantization | none |" in card and "| learning rate | 0.003 |" in card
     assert "| global batch | 16 rows a step (" in card and "| world size (replicas) | 1 |" in card
-    assert (
-        "| recipe | warm-up 0.06 of the steps, LoRA+ (B at x8 the rate), pooler trained with the classifier, base-model dropout 0 |"
-        in card
-    )
+    recipe = "warm-up 0.06 of the steps, LoRA+ (B at x8 the rate), pooler trained with the classifier"
+    assert f"| recipe | {recipe}, base-model dropout 0 |" in card
     # Each table renders as one: no blank line between its header and its last row.
     for header, last in (
         ("| metric (validation split", "| matthews_correlation |"),
@@ -136,8 +118,7 @@ def test_the_rank_log_holds_the_settings_each_logged_loss_the_evaluation_and_the
     assert shown == record["identity"] and {"base_model", "lora_r", "seed", "global_batch", "data"} <= set(shown)
     assert all(shown[name] == record["settings"][name] for name in ("lora_r", "seed"))
     logged = [
-        (int(step), ast.literal_eval(values))
-        for step, values in re.findall(r" utils\.run: step (\d+): (\{.*\})$", log, re.M)
+        (int(step), ast.literal_eval(v)) for step, v in re.findall(r" utils\.run: step (\d+): (\{.*\})$", log, re.M)
     ]
     last = max(out.glob("checkpoints/checkpoint-*"), key=lambda path: int(path.name.rsplit("-", 1)[1]))
     history = json.loads((last / "trainer_state.json").read_text())["log_history"]
@@ -146,9 +127,10 @@ def test_the_rank_log_holds_the_settings_each_logged_loss_the_evaluation_and_the
     evaluations = [values for _, values in logged if "eval_accuracy" in values]
     assert len(evaluations) == len(history) - len(losses) + 1  # the evaluations during training, and the final one
     metrics = json.loads((out / "metrics.json").read_text())
-    assert {key: evaluations[-1][key] for key in ("eval_accuracy", "eval_loss")} == {
-        key: metrics[key] for key in ("eval_accuracy", "eval_loss")
-    }
+    assert [evaluations[-1][key] for key in ("eval_accuracy", "eval_loss")] == [
+        metrics["eval_accuracy"],
+        metrics["eval_loss"],
+    ]
     # No library's INFO records (transformers' config and weights dumps, datasets' builder steps) but the Trainer's.
     sources = {name for name in re.findall(r"^\S+ \S+ rank0 (?:INFO|DEBUG) (\S+):", log, re.M)}
     assert {name for name in sources if not name.startswith("utils.")} == {"transformers.trainer"}, sources
@@ -157,9 +139,8 @@ def test_the_rank_log_holds_the_settings_each_logged_loss_the_evaluation_and_the
     assert "'loss': " not in console.stdout + console.stderr and not re.search(
         r"utils\.run: step \d+:", console.stderr
     )
-    assert len(re.findall(r"utils\.run: step \d+/\d+ \(epoch [\d.]+\): eval_accuracy=", console.stderr)) == len(
-        evaluations
-    )
+    evaluated = re.findall(r"utils\.run: step \d+/\d+ \(epoch [\d.]+\): eval_accuracy=", console.stderr)
+    assert len(evaluated) == len(evaluations)
     # The outcome: the exit code the first start ended with (the Hub refused the push) and where the model is.
     [outcome] = [line for line in log.splitlines() if rank_record(out, 0)["trainable_checksum"] in line]
     assert f"exit {finished_run.first.code}" in outcome and str(out / "model") in outcome
@@ -220,9 +201,8 @@ def test_predict_prints_labels_by_name_for_adapter_and_merged_folders(finished_r
 
 
 def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(finished_run, hub, tmp_path, tiny_bert):
-    """The adapter from its repo (its base from the base's repo), and the merged model from its own, through a Hub
-    stand-in serving exactly what was pushed, with an empty cache: AutoPeftModel as the card says, and predict.py
-    with the labels by name."""
+    """The adapter (its base from the base's repo) and the merged model from a Hub serving exactly what was pushed,
+    with an empty cache: AutoPeftModel as the card says, and predict.py with the labels by name."""
     out = finished_run.out
     hub.serve(BASE_ID, tiny_bert)
     for repo in (REPO_ID, MERGED_ID):
@@ -234,10 +214,7 @@ def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(finished_r
         "print(m.peft_config['default'].base_model_name_or_path)"
     )
     loaded = run_command(
-        [sys.executable, "-c", script],
-        env=base_env(tmp_path, **elsewhere),
-        cwd=tmp_path,
-        timeout=180,
+        [sys.executable, "-c", script], env=base_env(tmp_path, **elsewhere), cwd=tmp_path, timeout=180
     )
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert loaded.stdout.strip().splitlines()[-1] == BASE_ID
@@ -246,9 +223,8 @@ def test_the_pushed_repos_load_on_a_machine_that_never_saw_the_volume(finished_r
         result = predict(tmp_path, repo, **elsewhere)
         assert result.code == 0, result.stderr[-2000:]
         answers = [json.loads(line) for line in result.stdout.splitlines()]
-        assert [a["label"] for a in answers] == [a["label"] for a in local] and {a["label"] for a in answers} <= set(
-            LABELS
-        )
+        assert [a["label"] for a in answers] == [a["label"] for a in local]
+        assert {a["label"] for a in answers} <= set(LABELS)
         assert [a["score"] for a in answers] == pytest.approx([a["score"] for a in local], abs=1e-3)
     assert hub.count(f"/{BASE_ID}/resolve/") > 0  # the base really came from its Hub repo
 
@@ -293,9 +269,8 @@ def test_labels_and_trackers_are_checked_as_settings(job_env):
     assert_refusal(both, ["REPORT_TO=none,mlflow"])
     merged_push = run_main({**job_env, "RESULT_MERGED_MODEL_ID": MERGED_ID}, "--dry-run")
     assert_refusal(merged_push, [f"RESULT_MERGED_MODEL_ID={MERGED_ID}", "MERGE_ADAPTER=true"])
-    dry = run_main({**job_env, "REPORT_TO": "tensorboard, mlflow", "LABEL_NAMES": "bad,good"}, "--dry-run").json()[
-        "config"
-    ]
+    dry = run_main({**job_env, "REPORT_TO": "tensorboard, mlflow", "LABEL_NAMES": "bad,good"}, "--dry-run").json()
+    dry = dry["config"]
     assert dry["report_to"] == ["tensorboard", "mlflow"] and dry["label_names"] == ["bad", "good"]
     assert re.fullmatch(r"[a-z0-9-]+-lora-r8-[0-9a-f]{8}", dry["run_name"])
 
@@ -305,19 +280,13 @@ AGAIN_ID, MERGED_AGAIN_ID = "tester/sst2-lora-again", "tester/sst2-merged-again"
 
 
 def test_a_finished_run_publishes_the_label_names_it_was_trained_with(finished_run, hub, tmp_path):
-    """On a finished run, LABEL_NAMES that contradict the label mapping it was trained with (its identity) are
-    refused (--dry-run, a restart, --push-only), and without them merged/, the card and the push carry the
-    recorded ones."""
+    """LABEL_NAMES against a finished run's trained mapping are refused (--dry-run, a restart, --push-only); without
+    them merged/, the card and the push carry the recorded ones."""
     out = tmp_path / "out"
     shutil.copytree(finished_run.out, out, symlinks=True)
     shutil.rmtree(out / "merged")  # as a run stopped before the merge: the restart writes it
-    env = {
-        **finished_run.env,
-        **push_settings(hub),
-        "OUTPUT_DIR": str(out),
-        "RESULT_MODEL_ID": AGAIN_ID,
-        "RESULT_MERGED_MODEL_ID": MERGED_AGAIN_ID,
-    }
+    env = {**finished_run.env, **push_settings(hub), "OUTPUT_DIR": str(out)}
+    env |= {"RESULT_MODEL_ID": AGAIN_ID, "RESULT_MERGED_MODEL_ID": MERGED_AGAIN_ID}
     flipped = ",".join(reversed(LABELS))
     for args in (["--dry-run"], [], ["--push-only"]):
         result = run_main(env, *args, "--merge-adapter", "true", "--label-names", flipped)
@@ -327,36 +296,31 @@ def test_a_finished_run_publishes_the_label_names_it_was_trained_with(finished_r
     assert not (out / "merged").exists() and hub.commits == []
 
     env.pop("LABEL_NAMES")  # the default names now: the recorded ones are published
-    pushed = run_main(env, "--push-only")
-    assert pushed.code == 0, pushed.stderr[-3000:]
+    succeeded(run_main(env, "--push-only"))
     recorded = {"0": LABELS[0], "1": LABELS[1]}
     assert json.loads((out / "merged" / "config.json").read_text())["id2label"] == recorded
     adapter = commit(hub, AGAIN_ID)
     assert json.loads(adapter["id2label.json"]) == recorded
-    assert (
-        f""""id2label": {{0: '{LABELS[0]}', 1: '{LABELS[1]}'}}""" in adapter["README.md"].decode()
-    )  # the usage snippet
+    snippet = f""""id2label": {{0: '{LABELS[0]}', 1: '{LABELS[1]}'}}"""
+    assert snippet in adapter["README.md"].decode()  # the usage snippet
     assert json.loads(commit(hub, MERGED_AGAIN_ID)["config.json"])["id2label"] == recorded
 
 
 @pytest.fixture
 def unpushed_run(job_env, tmp_path, sst2_dir, tiny_bert) -> dict[str, str]:
-    """A short run trained from the local tiny model with no push and no BASE_MODEL_ID (the air-gapped flow), on
-    its own copy of the data; its environment. MODEL_NAME is relative to the folder main.py starts in."""
+    """The environment of a short air-gapped run (no push, no BASE_MODEL_ID, MODEL_NAME relative) on its own data."""
     data = shutil.copytree(sst2_dir, tmp_path / "data")
     env = {**job_env, "DATASET_PATH": str(data), "MAX_STEPS": "2", "MODEL_NAME": os.path.relpath(tiny_bert, REPO)}
     env.pop("NUM_EPOCHS")
-    first = run_main(env)
-    assert first.code == 0, first.stderr[-3000:]
+    succeeded(run_main(env))
     return env
 
 
 def test_push_only_with_base_model_id_pushes_an_adapter_that_names_the_base_the_card_names(
     unpushed_run, hub, tmp_path, tiny_bert
 ):
-    """Trained from a local folder, the adapter on the volume names that folder (predict.py on the cluster loads
-    it); --push-only and a restart that pushes the finished run send an adapter_config.json naming BASE_MODEL_ID,
-    the base the card names, so the pushed adapter loads off the cluster."""
+    """The adapter on the volume names its local base folder; --push-only and a pushing restart send one naming
+    BASE_MODEL_ID, the base the card names, so it loads off the cluster."""
     out = tmp_path / "out"
     on_volume = json.loads((out / "model" / "adapter_config.json").read_text())
     assert on_volume["base_model_name_or_path"] == str(tiny_bert)  # the relative MODEL_NAME, made absolute
@@ -364,8 +328,7 @@ def test_push_only_with_base_model_id_pushes_an_adapter_that_names_the_base_the_
     answers = run_predict(base_env(tmp_path), out / "model", stdin="\n".join(SENTENCES), cwd=tmp_path)
     assert answers.code == 0 and len(answers.stdout.splitlines()) == len(SENTENCES), answers.stderr[-3000:]
     for args, repo in ((["--push-only"], REPO_ID), ([], AGAIN_ID)):
-        result = run_main({**unpushed_run, **push_settings(hub), "RESULT_MODEL_ID": repo}, *args)
-        assert result.code == 0, result.stderr[-3000:]
+        succeeded(run_main({**unpushed_run, **push_settings(hub), "RESULT_MODEL_ID": repo}, *args))
         files = commit(hub, repo)
         assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == BASE_ID
         assert front_matter(files["README.md"].decode())["base_model"] == BASE_ID
@@ -376,17 +339,15 @@ def test_push_only_with_base_model_id_pushes_an_adapter_that_names_the_base_the_
     shutil.copytree(out, recorded, symlinks=True)
     config = recorded / "model" / "adapter_config.json"
     config.write_text(json.dumps({**on_volume, "base_model_name_or_path": BASE_ID}))
-    other = run_main(
-        {**unpushed_run, **push_settings(hub), "OUTPUT_DIR": str(recorded), "BASE_MODEL_ID": "tester/other-bert"},
-        "--push-only",
-    )
+    other_base = {"OUTPUT_DIR": str(recorded), "BASE_MODEL_ID": "tester/other-bert"}
+    other = run_main({**unpushed_run, **push_settings(hub), **other_base}, "--push-only")
     assert_refusal(other, ["BASE_MODEL_ID=tester/other-bert", f"OUTPUT_DIR={recorded}", BASE_ID])
     assert len(hub.commits) == 2
 
 
 def test_a_finished_run_is_finished_only_for_the_data_it_was_trained_on(unpushed_run, hub, tmp_path):
-    """Labels changed in the training file since the run finished: a rerun (and --dry-run) is refused with the
-    fix instead of answering 'already holds a finished run'; --push-only still publishes what the volume holds."""
+    """Labels changed in the training file since the run finished: a rerun is refused with the fix, not 'already
+    holds a finished run'; --push-only still publishes what the volume holds."""
     train = Path(unpushed_run["DATASET_PATH"]) / "train.csv"
     original = train.read_bytes()
     rows = list(csv.reader(io.StringIO(original.decode())))
@@ -401,17 +362,15 @@ def test_a_finished_run_is_finished_only_for_the_data_it_was_trained_on(unpushed
             "restore the data it was trained on",
         ]
         assert_refusal(result, names)
-    pushed = run_main({**unpushed_run, **push_settings(hub)}, "--push-only")
-    assert pushed.code == 0, pushed.stderr[-3000:]
+    succeeded(run_main({**unpushed_run, **push_settings(hub)}, "--push-only"))
     train.write_bytes(original)  # restored as it was
     again = run_main(unpushed_run)
     assert again.code == 0 and "already holds a finished run" in again.stderr
 
 
 def test_every_file_and_folder_the_job_writes_follows_the_umask(job_env, tmp_path):
-    """The volume is shared: under umask 027 (the group reads, others nothing) every file the job leaves is 0640
-    and every folder 0750, the weights too (safetensors writes 0600 whatever the umask): the model, the merged
-    model and a checkpoint, readable by a teammate or by predict.py run as another user of the group."""
+    """The volume is shared: under umask 027 every file the job leaves is 0640 and every folder 0750, the weights
+    too (safetensors writes 0600 whatever the umask)."""
     env = {**job_env, "MAX_STEPS": "2", "SAVE_STEPS": "1", "MERGE_ADAPTER": "true", "EVAL_STEPS": "1"}
     env.pop("NUM_EPOCHS", None)
     command = f"umask 027 && exec {shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'main.py'))}"
@@ -421,9 +380,8 @@ def test_every_file_and_folder_the_job_writes_follows_the_umask(job_env, tmp_pat
     written = [out, *out.rglob("*")]
     assert {"model.safetensors", "adapter_model.safetensors"} <= {path.name for path in written}
     assert any(path.parent.name.startswith("checkpoint-") and path.suffix == ".safetensors" for path in written)
+    modes = {path: path.stat().st_mode & 0o777 for path in written if not path.is_symlink()}
     wrong = {
-        str(path.relative_to(out)): oct(path.stat().st_mode & 0o777)
-        for path in written
-        if not path.is_symlink() and path.stat().st_mode & 0o777 != (0o750 if path.is_dir() else 0o640)
+        str(p.relative_to(out)): oct(mode) for p, mode in modes.items() if mode != (0o750 if p.is_dir() else 0o640)
     }
     assert not wrong, f"not as umask 027 gives them: {wrong}"

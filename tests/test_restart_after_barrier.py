@@ -1,10 +1,6 @@
-"""A replica lost after the final barrier, and the restart Kubeflow's `restartPolicy: ExitCode` performs.
-
-The manifests (k8s/) restart only the pods that exited with 128 or more; a pod that exited 0 stays completed.
-So a rank that exits 0 before rank 0 has saved model/ strands a restarted rank 0. Each test here kills (or stops)
-one replica at a real moment after the final barrier; the kills restart exactly the replicas the policy restarts
-and check that the run then finishes: model/ and metrics.json on the volume, exit 0, one push.
-"""
+"""A replica lost after the final barrier, and the restart `restartPolicy: ExitCode` performs (only pods that exited
+128 or more): each test kills or stops one replica at a real moment, restarts what the policy restarts, and checks
+that the run then finishes (model/ and metrics.json on the volume, exit 0, one push)."""
 
 from __future__ import annotations
 
@@ -109,10 +105,8 @@ def test_rank0_stopped_while_writing_model_is_143_on_rank_1_within_its_bounds(
     procs[0].send_signal(signal.SIGSTOP)  # alive but silent (a frozen node): no connection closes
     stopped_at, busy = time.time(), slowness()
     assert patiently(procs[1].wait, 120) == 143
-    # The wait for rank 0 is a collective (RENDEZVOUS_TIMEOUT), then the heartbeat probe, whose store call to a
-    # stopped rank 0 outlives its own timeout, is ended by the watchdog; when: rank 1's error line, its stream's last
-    # write (the watchdog's line goes to stderr alone), not its exit. The allowance (idle-machine seconds) is for
-    # writing it on a busy machine.
+    # The collective's RENDEZVOUS_TIMEOUT, then the heartbeat probe, ended by the watchdog; when: rank 1's error
+    # line (its stream's last write), not its exit, with an allowance for writing it on a busy machine.
     waited = (tmp_path / "first-rank1.txt").stat().st_mtime - stopped_at
     bound = TIMEOUT + PROBE_SECONDS + BEAT_CALL_SECONDS + WATCHDOG_GRACE + 5 * max(busy, slowness())
     assert waited <= bound, f"rank 1 waited {waited:.1f} s"
@@ -155,16 +149,15 @@ def test_rank1_killed_while_waiting_for_the_model_is_finished_by_restarting_it_a
     settings = {**training_settings(tiny_bert, small_data, out, NUM_EPOCHS=1), **push_settings(hub)}
     port = free_port()  # a restarted pod comes back at the same MASTER_PORT
     procs = [
-        start_main(rank_env(tmp_path, rank, 2, port, **settings), log=tmp_path / f"first-rank{rank}.txt")
-        for rank in (0, 1)
+        start_main(rank_env(tmp_path, r, 2, port, **settings), log=tmp_path / f"first-rank{r}.txt") for r in (0, 1)
     ]
     replicas.started += procs
     rank1_log = out / "logs" / "rank-1.log"
-    poll_until(
-        lambda: rank1_log.exists() and "waiting for rank 0 to save" in rank1_log.read_text(),
-        procs,
-        "rank 1 waiting for model/",
-    )
+
+    def waiting() -> bool:
+        return rank1_log.exists() and "waiting for rank 0 to save" in rank1_log.read_text()
+
+    poll_until(waiting, procs, "rank 1 waiting for model/")
     procs[1].kill()
     # Restarted at once, as the operator does, while rank 0 may still be writing model/.
     procs[1].wait()
@@ -200,9 +193,8 @@ print("met")
 
 @pytest.mark.parametrize("outcome", ["finishes", "never"])
 def test_a_restarted_rank_waiting_at_the_rendezvous_exits_as_the_run_did(tmp_path, outcome):
-    """A rank restarted while rank 0 saves model/ (a slow volume) waits at the rendezvous for a rank 0 that will not
-    come back to it. Once the run is finished (metrics.json written), it exits 0 at once, as the run did; a run that
-    does not finish still fails it at RENDEZVOUS_TIMEOUT (exit 1: nothing to restart into)."""
+    """A rank restarted while rank 0 saves model/ waits at the rendezvous for a rank 0 that will not come: once
+    metrics.json is written it exits 0, as the run did; a run that never finishes fails it at the timeout (exit 1)."""
     timeout = 12
     proc = run_code(
         WAITING_RANK, base_env(tmp_path), free_port(), tmp_path / "metrics.json", timeout, outcome, timeout=120

@@ -1,11 +1,5 @@
-"""sweep.py: a spec's trials run as ordinary runs of main.py (real processes, the tiny model, a few steps each),
-the summary built from the trial folders, a killed sweep resumed without rerunning a finished trial, a failed
-trial recorded while the others go on, refusals before any trial starts, and the Slurm array and the Katib
-Experiment rendered and validated (the Experiment against Katib's API definitions, its trial against the
-PyTorchJob CRD). The job's rules hold for the sweep too: it claims only an empty folder or its own, one spec is
-one sweep (a resume, --summarize and --run-trial refuse another's folder), no trial pushes unless `push:` says
-(the Hub stand-in sees every request), metrics are the task's own, SIGTERM and Ctrl-C stop it after its trial is
-told, the token is masked, and docs/sweeps.md's examples run as written."""
+"""sweep.py: trials as ordinary runs of main.py (the tiny model, a few steps), summaries, resumes, refusals before
+any trial, the Slurm array and the Katib Experiment rendered and validated, and docs/sweeps.md's examples."""
 
 from __future__ import annotations
 
@@ -27,7 +21,7 @@ import yaml
 from scripts.make_demo_assets import write_dataset, write_pair_dataset
 from tests.support.deploy import K8S, SCHEMAS, crd_schema, load_manifest, schema_errors, strict
 from tests.support.env import FAKE_TOKEN, MERGED_ID, REPO, REPO_ID, base_env, push_settings
-from tests.support.outcomes import assert_refusal
+from tests.support.outcomes import assert_refusal, succeeded
 from tests.support.processes import STDOUT, Result, run_command, run_script, start, wait_until
 from utils.config.tasks import headline
 
@@ -93,8 +87,7 @@ class GridSweep:
 
 @pytest.fixture(scope="module")
 def grid_sweep(tmp_path_factory, sweep_data) -> GridSweep:
-    """A 2x2 grid (learning_rate x lora_r) run locally, ranked by the evaluation loss. RESULT_MODEL_ID is set in
-    the sweep's environment: a trial that inherited it would be refused (a push under HF_HUB_OFFLINE)."""
+    """A 2x2 grid ranked by eval loss; RESULT_MODEL_ID in the shell, which a trial must not inherit."""
     tmp = tmp_path_factory.mktemp("grid-sweep")
     out = tmp / "sweep"
     spec = write_spec(
@@ -127,12 +120,7 @@ def test_grid_sweep_runs_each_trial_as_the_job_and_summarizes(grid_sweep):
     rows = read_csv(out / "summary.csv")
     assert [r["trial"] for r in rows] == names
     assert list(rows[0]) == ["trial", "learning_rate", "lora_r", "status", "loss"]
-    assert [(r["learning_rate"], r["lora_r"]) for r in rows] == [
-        ("0.001", "4"),
-        ("0.001", "8"),
-        ("0.01", "4"),
-        ("0.01", "8"),
-    ]
+    assert [(r["learning_rate"], r["lora_r"]) for r in rows] == [(lr, r) for lr in ("0.001", "0.01") for r in "48"]
     for row in rows:
         folder = out / row["trial"]
         metrics = json.loads((folder / "metrics.json").read_text())
@@ -168,8 +156,7 @@ def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep):
     before = (grid_sweep.out / "summary.csv").read_text()
     for name in ("summary.csv", "summary.md", "summary.png"):
         (grid_sweep.out / name).unlink()
-    result = run_sweep(grid_sweep.env, grid_sweep.spec, "--summarize")
-    assert result.code == 0, result.stderr
+    result = succeeded(run_sweep(grid_sweep.env, grid_sweep.spec, "--summarize"))
     assert (grid_sweep.out / "summary.csv").read_text() == before
     assert (grid_sweep.out / "summary.png").is_file() and "| 1 | trial-" in result.stdout
     # an array task run again for a finished trial leaves it as it is
@@ -182,9 +169,8 @@ def test_summarize_rebuilds_the_summary_from_the_trial_folders(grid_sweep):
 
 @pytest.mark.integration
 def test_another_sweep_is_refused_on_a_sweeps_folder(grid_sweep, tmp_path):
-    """One spec, one sweep: a changed grid, fixed setting, or setting variable of the shell (which the trials
-    inherit) makes other trials, so a resume, --summarize and --run-trial (each Slurm array task) refuse the
-    folder, untouched, rather than show trial-000's result under values it was not trained with."""
+    """A changed grid, fixed setting or shell setting variable is another sweep: resume, --summarize and
+    --run-trial refuse the folder, untouched."""
     out = grid_sweep.out
     kept = snapshot(out)
     spec = yaml.safe_load(grid_sweep.spec.read_text())
@@ -203,15 +189,13 @@ def test_another_sweep_is_refused_on_a_sweeps_folder(grid_sweep, tmp_path):
     assert snapshot(out) == kept
     assert study_states(out / "study.db") == [(f"trial-00{i}", "COMPLETE") for i in range(4)]
     # a variable the job reads but that trains nothing (main.py resumes under it) is the same sweep
-    result = run_sweep({**grid_sweep.env, "HUB_TIMEOUT": "30"}, grid_sweep.spec, "--summarize")
-    assert result.code == 0, result.stderr
+    succeeded(run_sweep({**grid_sweep.env, "HUB_TIMEOUT": "30"}, grid_sweep.spec, "--summarize"))
 
 
 @pytest.mark.integration
 def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep_data):
-    """SIGKILL once trial-000 is complete and trial-001 has started; the rerun keeps trial-000 as it is, reruns
-    trial-001 in its folder, and records trial-002 (a module name the model lacks: main.py exits 2) as failed
-    while trial-003 still runs."""
+    """SIGKILL during trial-001; the rerun keeps trial-000, reruns trial-001, records trial-002 (a module the model
+    lacks: exit 2) as failed and still runs trial-003."""
     out = tmp_path / "sweep"
     spec = write_spec(
         tmp_path,
@@ -238,8 +222,7 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
     finished = out / "trial-000"
     kept = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (finished / "metrics.json", finished / "trial.log")}
 
-    second = run_sweep(env, spec)
-    assert second.code == 0, second.stderr[-3000:]
+    second = succeeded(run_sweep(env, spec))
     assert "sweep: trial-001 was left running by a stopped sweep; running it again" in second.stdout
     assert "1 trial(s) already complete" in second.stdout
     assert "sweep: start trial-000" not in second.stdout
@@ -250,12 +233,9 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
     assert [s for n, s in states if n == "trial-001"] == ["FAIL", "COMPLETE"]  # the killed run, then the rerun
     assert [s for n, s in states if n == "trial-002"] == ["FAIL"]
     rows = {r["trial"]: r for r in read_csv(out / "summary.csv")}
-    assert {name: r["status"] for name, r in rows.items()} == {
-        "trial-000": "complete",
-        "trial-001": "complete",
-        "trial-002": "failed",
-        "trial-003": "complete",
-    }
+    assert [(n, r["status"]) for n, r in rows.items()] == [
+        (f"trial-00{i}", status) for i, status in enumerate(("complete", "complete", "failed", "complete"))
+    ]
     assert rows["trial-002"]["accuracy"] == ""
     assert re.search(r"^sweep: end trial-002: failed \(exit 2; see .*trial-002/trial\.log\)$", second.stdout, re.M)
     failed_log = (out / "trial-002" / "trial.log").read_text()
@@ -270,9 +250,8 @@ def test_killed_sweep_resumes_without_rerunning_a_finished_trial(tmp_path, sweep
 
 @pytest.mark.integration
 def test_a_grid_grown_in_its_first_list_extends_the_sweep(tmp_path, sweep_data):
-    """docs/sweeps.md: a grid grown in its first list keeps the trials it had and adds the new ones. The study records
-    each trial's settings beside it, not as Optuna parameters, whose value space may not change (it was
-    `CategoricalDistribution does not support dynamic value space`, exit 1, after sweep.json was rewritten)."""
+    """docs/sweeps.md: a grown first list keeps the trials it had (Optuna parameters' value space may not change: the
+    study records each trial's settings beside it instead)."""
     out = tmp_path / "sweep"
     env = base_env(tmp_path)
     first = run_sweep(
@@ -296,10 +275,8 @@ def test_a_grid_grown_in_its_first_list_extends_the_sweep(tmp_path, sweep_data):
 
 @pytest.mark.integration
 def test_trials_push_only_where_the_spec_says_and_a_failed_push_is_a_failed_trial(tmp_path, sweep_data, hub):
-    """RESULT_MODEL_ID and RESULT_MERGED_MODEL_ID in the shell reach no trial (each would push over the last);
-    `push: OWNER/NAME` is where each trial pushes. The Hub stand-in refuses the commits: each trial trains, writes
-    metrics.json with the metric and exits 3, so it is failed, never complete, and the sweep, in which no trial
-    completed, exits non-zero."""
+    """The shell's RESULT_*MODEL_ID reach no trial; `push:` is where each pushes. The Hub refuses the commits: each
+    trial writes metrics.json and exits 3, so it failed, and the sweep, with none complete, exits 1."""
     hub.fail("commit", 400, 400)
     out = tmp_path / "sweep"
     env = base_env(tmp_path, **push_settings(hub), RESULT_MERGED_MODEL_ID=MERGED_ID, MERGE_ADAPTER="true")
@@ -326,8 +303,8 @@ def test_trials_push_only_where_the_spec_says_and_a_failed_push_is_a_failed_tria
 
 @pytest.mark.integration
 def test_sigterm_and_ctrl_c_stop_the_sweep_once_the_running_trial_is_told(tmp_path, sweep_data):
-    """A stopped sweep tells its running trial (which checkpoints and exits 143, or 130 after Ctrl-C), starts no
-    other, and exits with the same code after one line; run again, it resumes the trial."""
+    """The running trial is told (checkpoints, exits 143 or 130), no other starts, the sweep exits the same after one
+    line; run again, it resumes the trial."""
     out = tmp_path / "sweep"
     settings = {**sweep_data, "MAX_STEPS": "1000000", "SAVE_STEPS": "1000000"}  # trains until told to stop
     spec = write_spec(tmp_path, "stop", settings=settings, grid={"lora_r": [4, 8]}, output_dir=str(out))
@@ -364,6 +341,11 @@ def test_sigterm_and_ctrl_c_stop_the_sweep_once_the_running_trial_is_told(tmp_pa
 
 
 # ------------------------------------------------------------------------------- refusals
+def random(**space) -> dict:
+    """A random search of `space` in place of the grid."""
+    return {"grid": None, "random": space, "trials": 2}
+
+
 # Each refusal by what it must name: the spec's key, the value, what to use instead.
 REFUSALS = [
     ({"settings": {"learning_rat": 1}}, ["settings", "learning_rat", "learning_rate"]),
@@ -380,35 +362,23 @@ REFUSALS = [
     ({"parallel": True}, ["parallel=True", "valid integer", "1 to 1000"]),  # strict: `true` is no count
     # a count past any sweep's trials: accepted once, it was a MemoryError after the folder was claimed
     ({"parallel": 1000000000000}, ["parallel=1000000000000", "1 to 1000"]),
+    (random(learning_rate={"low": 1e-3, "high": 1e-4}), ["random.learning_rate", "low=0.001", "high=0.0001"]),
+    (random(learning_rate={"low": 0, "high": 1e-3, "log": True}), ["random.learning_rate", "log", "low=0;"]),
     (
-        {"grid": None, "random": {"learning_rate": {"low": 1e-3, "high": 1e-4}}, "trials": 2},
-        ["random.learning_rate", "low=0.001", "high=0.0001"],
-    ),
-    (
-        {"grid": None, "random": {"learning_rate": {"low": 0, "high": 1e-3, "log": True}}, "trials": 2},
-        ["random.learning_rate", "log", "low=0;"],
-    ),
-    (
-        {"grid": None, "random": {"lora_r": {"low": 1.2, "high": 1.8, "type": "int"}}, "trials": 2},
+        random(lora_r={"low": 1.2, "high": 1.8, "type": "int"}),
         ["random.lora_r", "whole numbers", "low=1.2", "type: float"],
     ),
-    (
-        {"grid": None, "random": {"lora_r": {"low": 0.5, "high": 8, "log": True, "type": "int"}}, "trials": 2},
-        ["random.lora_r", "low=0.5"],
-    ),
+    (random(lora_r={"low": 0.5, "high": 8, "log": True, "type": "int"}), ["random.lora_r", "low=0.5"]),
     # .nan passes every order check and .inf overflows the draw: each was a traceback
     (
-        {"grid": None, "random": {"learning_rate": {"low": float("nan"), "high": 1e-3}}, "trials": 2},
+        random(learning_rate={"low": float("nan"), "high": 1e-3}),
         ["random.learning_rate.low", "nan is not a finite number"],
     ),
     (
-        {"grid": None, "random": {"learning_rate": {"low": 1e-5, "high": float("inf")}}, "trials": 2},
+        random(learning_rate={"low": 1e-5, "high": float("inf")}),
         ["random.learning_rate.high", "inf is not a finite number"],
     ),
-    (
-        {"grid": None, "random": {"lora_r": {"low": 1, "high": 10**400}}, "trials": 2},
-        ["random.lora_r.high", "(401 digits) is not a finite number"],
-    ),
+    (random(lora_r={"low": 1, "high": 10**400}), ["random.lora_r.high", "(401 digits) is not a finite number"]),
     ({"grid": None, "random": {"lora_r": [4, 8]}}, ["trials: N", "trials=None"]),
     ({"grid": None, "random": {"lora_r": [4, 8]}, "trials": 100000000}, ["trials=100000000", "1 to 1000"]),
     ({"seed": "abc"}, ["seed='abc'", "seed: 0"]),
@@ -452,9 +422,8 @@ ALIAS_BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
 
 @pytest.mark.check
 def test_a_spec_says_each_key_once_and_writes_its_values_out(tmp_path, capsys, sweep_data):
-    """A key given twice (`grid:` twice, `lora_r` beside `LORA_R`) is refused as the job's recipe reader refuses it:
-    YAML keeps the last without a word. An alias is refused where it stands: nested ones made a 28 MB error line
-    after 16 s. One line each, exit 2, nothing claimed."""
+    """A key given twice (YAML keeps the last silently) and an alias (nested ones made a 28 MB error line) are
+    refused in one line, nothing claimed."""
     out = tmp_path / "sweep"
     head = f"output_dir: {out}\nsettings:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in sweep_data.items())
     cases = {
@@ -477,8 +446,8 @@ def test_a_spec_says_each_key_once_and_writes_its_values_out(tmp_path, capsys, s
 
 @pytest.mark.check
 def test_what_is_not_a_spec_or_a_place_to_write_is_refused_in_one_line(tmp_path, capsys, sweep_data):
-    """A folder, binary bytes or a FIFO (which would wait for a writer for ever) as the spec; output_dir a file;
-    -o a folder; --summarize on a Katib sweep, whose trial folders Katib names: one error: line each, exit 2."""
+    """A folder, binary bytes or a FIFO (read, it waits for ever) as the spec; output_dir a file; -o a folder;
+    --summarize on a Katib sweep: one error: line each."""
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)
     (tmp_path / "binary.yaml").write_bytes(b"grid: {lora_r: [4]}\n\xff\xfe")
@@ -501,20 +470,15 @@ def test_what_is_not_a_spec_or_a_place_to_write_is_refused_in_one_line(tmp_path,
 @pytest.mark.check
 def test_grid_values_stay_the_text_they_are_written_as(tmp_path, capsys, sweep_data):
     """ "001" and "1" are two run names; only the exponent form YAML 1.1 misses (1e-3) is read as a number."""
-    spec = write_spec(
-        tmp_path,
-        "names",
-        settings=sweep_data,
-        grid={"run_name": ["001", "1"], "learning_rate": ["1e-3"]},
-        output_dir=str(tmp_path / "out"),
-    )
+    grid = {"run_name": ["001", "1"], "learning_rate": ["1e-3"]}
+    spec = write_spec(tmp_path, "names", settings=sweep_data, grid=grid, output_dir=str(tmp_path / "out"))
     trials = sweep_in_process(capsys, spec, "--dry-run").json()["trials"]
     assert [(t["settings"]["RUN_NAME"], t["params"]["learning_rate"]) for t in trials] == [("001", 1e-3), ("1", 1e-3)]
 
 
 def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_data):
-    """A folder another tool wrote (a checkpoint, a model, notes) is refused whole and left as it was, as main.py
-    refuses one; the sweep's own folder (sweep.json) still refuses a trial folder it did not make."""
+    """Another tool's folder is refused and left as it was, as main.py refuses one; so is a trial folder the sweep
+    did not make."""
     out = tmp_path / "sweep"
     planted = {
         out / "trial-000" / "checkpoints" / "checkpoint-500" / "optimizer.pt": b"theirs",
@@ -557,8 +521,7 @@ def test_a_sweep_claims_only_an_empty_folder_or_its_own(tmp_path, capsys, sweep_
 
 
 def test_a_link_planted_at_the_sweeps_lock_is_refused_not_written_through(tmp_path, capsys, sweep_data):
-    """The local sweep's lock file is opened as the job opens its own (utils/run_folder/layout.py): a link a
-    neighbour planted at .sweep.lock is refused before any trial, the file it points to left as it was."""
+    """.sweep.lock is opened as the job opens its own lock: a planted link is refused, its target untouched."""
     out = tmp_path / "sweep"
     out.mkdir()
     theirs = tmp_path / "notes.txt"
@@ -572,11 +535,9 @@ def test_a_link_planted_at_the_sweeps_lock_is_refused_not_written_through(tmp_pa
 
 @pytest.mark.check
 def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, monkeypatch, sweep_data):
-    """The sweep's identity is the job's identity of each trial plus the space its draws come from: a recipe edited
-    in what it trains (the spec's `config:` or the shell's CONFIG_FILE) is another sweep, a variable the job reads
-    but trains nothing by (HUB_TIMEOUT) is not; more random draws of one space are the same sweep, extended, draws
-    of another space are not. A Hub repo in a recipe would have every trial push over the last: refused, as push:
-    is the spec's."""
+    """A sweep is each trial's job identity plus its draws' space: a recipe edited in what it trains (`config:` or
+    the shell's CONFIG_FILE) is another sweep, HUB_TIMEOUT is not; more draws of one space extend it. A Hub repo
+    in a recipe is refused (push: is the spec's)."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("lora_alpha: 16\n")
     out = tmp_path / "out"
@@ -630,9 +591,8 @@ def test_the_recipe_and_its_content_belong_to_the_sweep(tmp_path, capsys, monkey
 
 @pytest.mark.check
 def test_a_state_file_the_sweep_cannot_read_is_refused_before_the_folder_is_claimed(tmp_path, capsys, sweep_data):
-    """A sweep.json of another shape (`{}`, a list, wrong types, not JSON) and a torn or garbage study.db: one line
-    naming the file and the fix, exit 2, the folder byte for byte as it was, sweep.json not rewritten even for a
-    spec that would extend it (a grid grown in its first list)."""
+    """A malformed sweep.json or a torn or garbage study.db: one line naming the file and the fix, the folder as it
+    was, even for a spec that would extend the sweep."""
     out = tmp_path / "sweep"
     spec = write_spec(tmp_path, "state", settings=sweep_data, grid={"lora_r": [4]}, output_dir=str(out))
     assert sweep_in_process(capsys, spec, "--summarize").code == 0
@@ -668,22 +628,15 @@ def test_a_state_file_the_sweep_cannot_read_is_refused_before_the_folder_is_clai
 
 @pytest.mark.check
 def test_a_push_the_job_would_refuse_is_refused_before_the_first_trial(tmp_path, capsys, monkeypatch, sweep_data):
-    """`push:` without a token, with HF_HUB_OFFLINE, or from a local base folder that records no Hub id (no
-    BASE_MODEL_ID): each trial's job refuses it (exit 2) after the sweep started; the sweep refuses it once, first,
-    in the job's words, as --dry-run does, nothing claimed. Katib's trials read the token from the cluster."""
+    """`push:` without a token, under HF_HUB_OFFLINE, or of a local base without BASE_MODEL_ID: refused once, in the
+    job's words, nothing claimed (Katib's trials read the token from the cluster)."""
     out = tmp_path / "sweep"
     for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE", "BASE_MODEL_ID"):
         monkeypatch.delenv(name, raising=False)
 
     def pushing(**settings) -> Path:
-        return write_spec(
-            tmp_path,
-            "push",
-            settings={**sweep_data, **settings},
-            grid={"lora_r": [4, 8]},
-            push="tester/sweep",
-            output_dir=str(out),
-        )
+        keys = {"settings": {**sweep_data, **settings}, "grid": {"lora_r": [4, 8]}, "output_dir": str(out)}
+        return write_spec(tmp_path, "push", push="tester/sweep", **keys)
 
     for args in ([], ["--dry-run"]):
         refusal = ["push: tester/sweep (trial-000)", "no token is set", "HF_TOKEN", "push: false"]
@@ -699,10 +652,8 @@ def test_a_push_the_job_would_refuse_is_refused_before_the_first_trial(tmp_path,
     monkeypatch.delenv("HF_HUB_OFFLINE")
     planned = sweep_in_process(capsys, pushing(base_model_id="bert-base-uncased"), "--dry-run")
     assert planned.code == 0, planned.stderr
-    assert [t["settings"]["RESULT_MODEL_ID"] for t in planned.json()["trials"]] == [
-        "tester/sweep-trial-000",
-        "tester/sweep-trial-001",
-    ]
+    pushes = [t["settings"]["RESULT_MODEL_ID"] for t in planned.json()["trials"]]
+    assert pushes == ["tester/sweep-trial-000", "tester/sweep-trial-001"]
     monkeypatch.delenv("HF_TOKEN")
     katib = write_spec(tmp_path, "katib", grid={"lora_r": [4]}, push="me/x", backend="katib", output_dir="/pvc-home/s")
     assert sweep_in_process(capsys, katib).code == 0
@@ -717,8 +668,8 @@ def test_the_token_is_masked_in_what_the_sweep_prints(tmp_path, sweep_data):
 
 @pytest.mark.check
 def test_metrics_are_the_tasks_own_and_checked_before_any_trial(tmp_path, capsys):
-    """What a spec may rank by is what the task's metrics.json holds; on MNLI `accuracy` means the matched split's
-    (the metric the job tracks as best). Katib's objective is the metric as the job's last stdout line names it."""
+    """A spec ranks by what the task's metrics.json holds (on MNLI `accuracy` is the matched split's); Katib's
+    objective is the metric as the job's last stdout line names it."""
 
     def planned(task: str, metric: str, **spec) -> Result:
         path = write_spec(
@@ -741,11 +692,8 @@ def test_metrics_are_the_tasks_own_and_checked_before_any_trial(tmp_path, capsys
 
     mnli = yaml.safe_load(planned("mnli", "accuracy", backend="katib").stdout)
     assert schema_errors(katib_schema(), mnli) == []
-    assert mnli["spec"]["objective"] == {
-        "type": "maximize",
-        "objectiveMetricName": "eval_matched_accuracy",
-        "additionalMetricNames": ["eval_mismatched_accuracy"],
-    }
+    objective = {"objectiveMetricName": "eval_matched_accuracy", "additionalMetricNames": ["eval_mismatched_accuracy"]}
+    assert mnli["spec"]["objective"] == {"type": "maximize", **objective}
     # the collector's pattern reads both from the line the job prints (utils/config/tasks.headline)
     line = headline({"eval_matched_accuracy": 0.71, "eval_mismatched_accuracy": 0.69, "eval_matched_f1": 0.7})
     (pattern,) = mnli["spec"]["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
@@ -757,18 +705,12 @@ def test_metrics_are_the_tasks_own_and_checked_before_any_trial(tmp_path, capsys
 
 @pytest.mark.check
 def test_random_search_draws_the_same_trials_in_range(tmp_path, capsys, sweep_data):
-    spec = write_spec(
-        tmp_path,
-        "random",
-        settings=sweep_data,
-        random={
-            "learning_rate": {"low": "1e-5", "high": 1.0e-2, "log": True},
-            "lora_r": [4, 8],
-            "seed": {"low": 1, "high": 99},
-        },
-        trials=6,
-        output_dir=str(tmp_path / "sweep"),
-    )
+    space = {
+        "learning_rate": {"low": "1e-5", "high": 1.0e-2, "log": True},
+        "lora_r": [4, 8],
+        "seed": {"low": 1, "high": 99},
+    }
+    spec = write_spec(tmp_path, "random", settings=sweep_data, random=space, trials=6, output_dir=str(tmp_path / "s"))
     first = sweep_in_process(capsys, spec, "--dry-run")
     again = sweep_in_process(capsys, spec, "--dry-run")
     assert first.code == 0, first.stderr
@@ -789,8 +731,7 @@ EXAMPLE_SPECS = sorted((REPO / "examples" / "sweeps").glob("*.yaml"))
 
 @pytest.mark.check
 def test_every_example_spec_plans_as_written(tmp_path, capsys, monkeypatch):
-    """Each spec of docs/sweeps.md and examples/sweeps/, as written, from the checkout (their relative paths'
-    base): planned, its metric found in its task's metrics.json, nothing written."""
+    """Each spec of docs/sweeps.md and examples/sweeps/, run from the checkout, plans, its metric the task's."""
     assert len(DOC_SPECS) == 3 and len(EXAMPLE_SPECS) == 4
     monkeypatch.chdir(REPO)
     for index, text in enumerate(DOC_SPECS):
@@ -806,15 +747,13 @@ def test_every_example_spec_plans_as_written(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.integration
 def test_the_docs_mnli_sweep_runs_as_written(tmp_path, tiny_bert):
-    """docs/sweeps.md's first spec, byte for byte, on MNLI-shaped pairs: the tiny model, small data and a few
-    steps come from the shell (which the job reads under the spec's settings), `recipes/` from the checkout."""
+    """docs/sweeps.md's first spec as written on MNLI-shaped pairs; the tiny model and data come from the shell."""
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
     spec = tmp_path / "mnli-lr.yaml"
     spec.write_text(DOC_SPECS[0])
     data = write_pair_dataset(tmp_path / "mnli", "mnli", train_rows=64, validation_rows=24)
     env = base_env(tmp_path, MODEL_NAME=str(tiny_bert), DATASET_PATH=str(data), MAX_STEPS="2", REPORT_TO="none")
-    result = run_script("sweep.py", env, spec, cwd=tmp_path, timeout=600)
-    assert result.code == 0, result.stderr[-3000:]
+    succeeded(run_script("sweep.py", env, spec, cwd=tmp_path, timeout=600))
     out = tmp_path / "output" / "sweeps" / "mnli-lr"
     rows = read_csv(out / "summary.csv")
     assert [(r["trial"], r["learning_rate"], r["status"]) for r in rows] == [
@@ -867,19 +806,15 @@ def test_slurm_backend_renders_one_array_whose_indexes_are_the_trials(tmp_path, 
         task = sweep_in_process(capsys, spec, "--run-trial", str(index), "--dry-run").json()
         assert task == trial
         assert task["settings"]["OUTPUT_DIR"] == str(out / f"trial-00{index}")
-    assert [t["params"] for t in planned[:2]] == [
-        {"learning_rate": 1e-4, "lora_r": 4},
-        {"learning_rate": 1e-4, "lora_r": 8},
-    ]
+    assert [t["params"] for t in planned[:2]] == [{"learning_rate": 1e-4, "lora_r": r} for r in (4, 8)]
     beyond = sweep_in_process(capsys, spec, "--run-trial", "6")
     assert beyond.code == 2 and "the sweep has trials 0..5" in beyond.stderr
 
 
 @pytest.mark.check
 def test_values_rendered_into_the_slurm_script_are_quoted_or_refused(tmp_path, capsys, sweep_data):
-    """A newline in the spec's name, slurm.partition, slurm.time or a path would end its #SBATCH or comment line and
-    start a shell line of the user's choosing in the job script: refused in one line, nothing written. A space or a
-    `$(...)` in the name stays one word, quoted as sbatch and bash read it."""
+    """A newline in the name, slurm.partition, slurm.time or a path would start a shell line of the user's choosing:
+    refused, nothing written. A space or `$(...)` in the name stays one quoted word."""
     out = tmp_path / "sweep"
 
     def spec(stem: str, **keys) -> Path:
@@ -908,8 +843,7 @@ def test_values_rendered_into_the_slurm_script_are_quoted_or_refused(tmp_path, c
 
 # ------------------------------------------------------------------------------- katib backend
 def katib_schema() -> dict:
-    """Katib's Experiment as its API defines it (the CRD itself accepts anything), unknown fields made errors;
-    the Kubernetes types it embeds (ObjectMeta, the trial's unstructured job) left open: checked on their own."""
+    """Katib's Experiment as its API defines it, unknown fields errors; the Kubernetes types it embeds left open."""
     text = KATIB_API.read_text()
     definitions = json.loads(text)["definitions"]
     for name in set(re.findall(r'"#/definitions/([^"]+)"', text)) | set(definitions):
@@ -942,21 +876,11 @@ def check_katib_enums(experiment: dict) -> list[str]:
 
 @pytest.mark.integration
 def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys, grid_sweep):
+    space = {"learning_rate": {"low": 1.0e-5, "high": 1.0e-3, "log": True}, "lora_r": [8, 16]}
+    space["max_steps"] = {"low": 10, "high": 50}
+    keys = {"settings": {"num_epochs": 2}, "random": space, "trials": 6, "parallel": 3, "backend": "katib"}
     spec = write_spec(
-        tmp_path,
-        "katib",
-        name="sst2-sweep",
-        settings={"num_epochs": 2},
-        random={
-            "learning_rate": {"low": 1.0e-5, "high": 1.0e-3, "log": True},
-            "lora_r": [8, 16],
-            "max_steps": {"low": 10, "high": 50},
-        },
-        trials=6,
-        parallel=3,
-        backend="katib",
-        push="me/bert-sst2",
-        output_dir="/pvc-home/sweeps/sst2",
+        tmp_path, "katib", name="sst2-sweep", push="me/bert-sst2", output_dir="/pvc-home/sweeps/sst2", **keys
     )
     result = sweep_in_process(capsys, spec, "-o", tmp_path / "experiment.yaml")
     assert result.code == 0, result.stderr
@@ -970,12 +894,9 @@ def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys
     }
     assert (body["maxTrialCount"], body["parallelTrialCount"]) == (6, 3)
     assert body["objective"] == {"type": "maximize", "objectiveMetricName": "eval_accuracy"}
+    rate = {"min": "1e-05", "max": "0.001", "distribution": "logUniform"}
     assert body["parameters"] == [
-        {
-            "name": "learning_rate",
-            "parameterType": "double",
-            "feasibleSpace": {"min": "1e-05", "max": "0.001", "distribution": "logUniform"},
-        },
+        {"name": "learning_rate", "parameterType": "double", "feasibleSpace": rate},
         {"name": "lora_r", "parameterType": "categorical", "feasibleSpace": {"list": ["8", "16"]}},
         {"name": "max_steps", "parameterType": "int", "feasibleSpace": {"min": "10", "max": "50"}},
     ]
@@ -983,10 +904,8 @@ def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys
     trial = grid_sweep.out / "trial-000"
     final = FINAL_LINE.search((trial / "trial.log").read_text()).group(0)
     (pattern,) = body["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
-    found = dict((name, value) for name, value in re.findall(pattern, final))
-    assert float(found["eval_accuracy"]) == pytest.approx(
-        json.loads((trial / "metrics.json").read_text())["eval_accuracy"], abs=1e-4
-    )
+    found = float(dict(re.findall(pattern, final))["eval_accuracy"])
+    assert found == pytest.approx(json.loads((trial / "metrics.json").read_text())["eval_accuracy"], abs=1e-4)
 
     # the trial is the deployed PyTorchJob: valid against its CRD, the same pods but for the settings and command
     job = body["trialTemplate"]["trialSpec"]
@@ -1000,24 +919,15 @@ def test_katib_experiment_is_valid_and_runs_the_jobs_pytorchjob(tmp_path, capsys
         original = copy.deepcopy(deployed["spec"]["pytorchReplicaSpecs"][role])
         original["template"]["spec"]["containers"][0].pop("env")
         assert pod == original
-        assert env == {
-            "HF_TOKEN": None,  # still from the Secret
-            "NUM_EPOCHS": "2",
-            "LEARNING_RATE": "${trialParameters.learning_rate}",
-            "LORA_R": "${trialParameters.lora_r}",
-            "MAX_STEPS": "${trialParameters.max_steps}",
-            "OUTPUT_DIR": "/pvc-home/sweeps/sst2/${trialSpec.Name}",
-            "RUN_NAME": "${trialSpec.Name}",
-            "RESULT_MODEL_ID": "me/bert-sst2-${trialSpec.Name}",
-            "RESULT_MERGED_MODEL_ID": "",  # blank over the ConfigMap's: the job reads it as unset
-        }
+        # HF_TOKEN still from the Secret; RESULT_MERGED_MODEL_ID blank over the ConfigMap's: the job reads it as unset
+        drawn = {name.upper(): f"${{trialParameters.{name}}}" for name in ("learning_rate", "lora_r", "max_steps")}
+        trial = {"OUTPUT_DIR": "/pvc-home/sweeps/sst2/${trialSpec.Name}", "RUN_NAME": "${trialSpec.Name}"}
+        pushes = {"RESULT_MODEL_ID": "me/bert-sst2-${trialSpec.Name}", "RESULT_MERGED_MODEL_ID": ""}
+        assert env == {"HF_TOKEN": None, "NUM_EPOCHS": "2", **drawn, **trial, **pushes}
     assert body["trialTemplate"]["primaryPodLabels"] == {"training.kubeflow.org/job-role": "master"}
     referenced = {m.group(1) for m in re.finditer(r"\$\{trialParameters\.(\w+)\}", json.dumps(job))}
-    assert (
-        referenced
-        == {p["name"] for p in body["trialTemplate"]["trialParameters"]}
-        == {p["name"] for p in body["parameters"]}
-    )
+    declared = {p["name"] for p in body["trialTemplate"]["trialParameters"]}
+    assert referenced == declared == {p["name"] for p in body["parameters"]}
 
 
 @pytest.mark.check
@@ -1026,9 +936,8 @@ def test_katib_schema_check_catches_an_unknown_field(tmp_path):
     experiment["spec"]["objective"]["objectiveMetric"] = "eval_accuracy"
     experiment["spec"]["parameters"][0]["feasibleSpace"]["min"] = 1e-5
     errors = schema_errors(katib_schema(), experiment)
-    assert any("objectiveMetric" in e for e in errors) and any("1e-05 is not of type 'string'" in e for e in errors), (
-        errors
-    )
+    assert any("objectiveMetric" in e for e in errors), errors
+    assert any("1e-05 is not of type 'string'" in e for e in errors), errors
 
 
 @pytest.mark.check

@@ -1,11 +1,6 @@
-"""Tasks other than SST-2: N classes, sentence pairs, regression and the GLUE tasks by name (TASK).
-
-Each shape is learned by the tiny model from data written here, shaped like the GLUE task it stands for
-and learnable from words the tiny vocabulary holds: MNLI-shaped pairs whose hypothesis word decides the
-class, STS-B-shaped pairs scored by how many of the second sentence's adjectives are positive, CoLA-shaped
-sentences in their order or scrambled. Each run is one real `main.py`, shared by the tests through module
-fixtures; the refusals are in-process, calling what a start calls.
-"""
+"""Tasks other than SST-2 (N classes, pairs, regression, GLUE tasks by TASK), each learned by the tiny model from
+data shaped like its GLUE task: MNLI pairs whose hypothesis word decides the class, STS-B pairs scored by their
+positive adjectives, CoLA sentences in order or scrambled. One real `main.py` run each, shared by module fixtures."""
 
 from __future__ import annotations
 
@@ -14,15 +9,15 @@ import json
 import math
 import random
 import re
-import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.make_demo_assets import FILLER, NEGATIVE, NOUNS, POSITIVE, SUBJECTS, VERBS
-from tests.support.env import REPO, base_env, tiny_run_env
-from tests.support.outcomes import assert_refusal, rank_record
+from tests.support.commands import readme_predict_command, runnable
+from tests.support.env import base_env, tiny_run_env
+from tests.support.outcomes import assert_refusal, rank_record, succeeded
 from tests.support.processes import run_command, run_main, run_predict, train_one_and_two, wait_all
 
 RATE = "3e-3"  # a tiny randomly initialised model needs a high rate (as tests/support/env.tiny_run_settings)
@@ -54,9 +49,7 @@ def mnli_rows(rng: random.Random, count: int, names: bool = False):
 MNLI_SPLITS = ("validation_matched", "validation_mismatched")
 
 
-def write_mnli(
-    folder: Path, train: int = 480, validation: int = 90, names: bool = False, splits: tuple[str, ...] = MNLI_SPLITS
-) -> Path:
+def write_mnli(folder: Path, train: int = 480, validation: int = 90, names: bool = False, splits=MNLI_SPLITS) -> Path:
     """MNLI's local copy: train plus validation_matched and validation_mismatched (or `splits`)."""
     rng = random.Random(3)
     header = ["premise", "hypothesis", "label"]
@@ -70,9 +63,8 @@ def stsb_rows(rng: random.Random, count: int):
     """sentence1, sentence2, a 0-5 score: 5 x the share of sentence2's four adjectives (of six) that are positive."""
     for _ in range(count):
         positive = rng.randint(0, 4)
-        adjectives = [rng.choice(POSITIVE[:3]) for _ in range(positive)] + [
-            rng.choice(NEGATIVE[:3]) for _ in range(4 - positive)
-        ]
+        adjectives = [rng.choice(POSITIVE[:3]) for _ in range(positive)]
+        adjectives += [rng.choice(NEGATIVE[:3]) for _ in range(4 - positive)]
         rng.shuffle(adjectives)
         yield premise(rng), " and ".join(adjectives), 5 * positive / 4
 
@@ -91,47 +83,40 @@ def cola_rows(rng: random.Random, count: int):
         yield " ".join(words), label
 
 
-def trained(tmp: Path, env: dict[str, str]) -> tuple[dict, object]:
-    result = run_main(env)
+def trained(tmp: Path, tiny_bert: Path, data: Path, task: str) -> tuple[Path, dict, object]:
+    """(tmp, metrics, result) of a two-epoch run of `task` on `data`."""
+    result = run_main(
+        tiny_run_env(tmp, tiny_bert, data, REPORT_TO="none", TASK=task, NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8)
+    )
     assert result.code == 0, result.stderr[-3000:]
-    return json.loads((tmp / "out" / "metrics.json").read_text()), result
+    return tmp, json.loads((tmp / "out" / "metrics.json").read_text()), result
+
+
+def write_splits(data: Path, header: list[str], rows, counts: tuple[int, int] = (320, 60)) -> Path:
+    """train.csv and validation.csv of `counts` rows each from `rows(count)`."""
+    for split, count in zip(("train", "validation"), counts, strict=True):
+        write_csv(data / f"{split}.csv", header, rows(count))
+    return data
 
 
 @pytest.fixture(scope="module")
 def mnli_run(tmp_path_factory, tiny_bert):
     tmp = tmp_path_factory.mktemp("mnli")
-    data = write_mnli(tmp / "data", train=320, validation=60)
-    return tmp, *trained(
-        tmp, tiny_run_env(tmp, tiny_bert, data, REPORT_TO="none", TASK="mnli", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8)
-    )
+    return trained(tmp, tiny_bert, write_mnli(tmp / "data", train=320, validation=60), "mnli")
 
 
 @pytest.fixture(scope="module")
 def stsb_run(tmp_path_factory, tiny_bert):
-    tmp = tmp_path_factory.mktemp("stsb")
-    rng = random.Random(4)
-    header = ["sentence1", "sentence2", "label"]
-    write_csv(tmp / "data" / "train.csv", header, stsb_rows(rng, 320))
-    write_csv(tmp / "data" / "validation.csv", header, stsb_rows(rng, 60))
-    return tmp, *trained(
-        tmp,
-        tiny_run_env(
-            tmp, tiny_bert, tmp / "data", REPORT_TO="none", TASK="stsb", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8
-        ),
-    )
+    tmp, rng = tmp_path_factory.mktemp("stsb"), random.Random(4)
+    data = write_splits(tmp / "data", ["sentence1", "sentence2", "label"], lambda n: stsb_rows(rng, n))
+    return trained(tmp, tiny_bert, data, "stsb")
 
 
 @pytest.fixture(scope="module")
 def cola_run(tmp_path_factory, tiny_bert):
-    tmp = tmp_path_factory.mktemp("cola")
-    rng = random.Random(5)
-    write_csv(tmp / "data" / "train.csv", ["sentence", "label"], cola_rows(rng, 320))
-    write_csv(tmp / "data" / "validation.csv", ["sentence", "label"], cola_rows(rng, 60))
-    return tmp, *trained(
-        tmp,
-        tiny_run_env(
-            tmp, tiny_bert, tmp / "data", REPORT_TO="none", TASK="cola", NUM_EPOCHS=2, PER_DEVICE_BATCH_SIZE=8
-        ),
+    tmp, rng = tmp_path_factory.mktemp("cola"), random.Random(5)
+    return trained(
+        tmp, tiny_bert, write_splits(tmp / "data", ["sentence", "label"], lambda n: cola_rows(rng, n)), "cola"
     )
 
 
@@ -163,10 +148,8 @@ def test_mnli_shaped_pairs_learn_three_classes_on_both_validation_splits(mnli_ru
 
 @pytest.mark.parametrize("huge_rows", ["every other row", "one row"])
 def test_a_loss_that_overflows_stops_the_run_naming_the_steps(huge_rows, tiny_bert, tmp_path):
-    """Regression targets of 3.5e20 are finite, and their squared error is not (seen: exit 0 with "train_loss": NaN in
-    metrics.json). The run stops with exit 2 naming the steps, at the loss record that shows it (every step is one
-    with LOGGING_STEPS=1) or, where the steps after the last record hold it (the first step is recorded, then none
-    before step 10), once training ends; no metrics.json or model is written."""
+    """Targets of 3.5e20 are finite, their squared error is not: exit 2 naming the steps, at the loss record that
+    shows it or, after the last record, once training ends; no metrics.json or model."""
     rng = random.Random(6)
     every = huge_rows == "every other row"
     huge = (lambda i: i % 2 == 1) if every else (lambda i: i == 40)
@@ -206,14 +189,8 @@ def test_cola_shaped_task_reports_matthews_correlation(cola_run):
 
 def test_a_resume_with_another_task_is_refused(mnli_run, tiny_bert):
     tmp, _, _ = mnli_run
-    env = tiny_run_env(
-        tmp,
-        tiny_bert,
-        tmp / "data",
-        REPORT_TO="none",
-        TEXT_COLUMN="premise",
-        LABEL_NAMES="entailment,neutral,contradiction",
-    )
+    other = {"TEXT_COLUMN": "premise", "LABEL_NAMES": "entailment,neutral,contradiction"}
+    env = tiny_run_env(tmp, tiny_bert, tmp / "data", REPORT_TO="none", **other)
     result = run_main(env, "--dry-run")
     assert_refusal(result, [f"OUTPUT_DIR={env['OUTPUT_DIR']}", " -> "])  # the folder, and what changed in it
 
@@ -223,35 +200,23 @@ BATCH, STEPS = 4, 8
 
 
 def curve(out: Path) -> dict[str, dict[int, float]]:
-    history = json.loads((out / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())[
-        "log_history"
-    ]
+    state = json.loads((out / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    history = state["log_history"]
     return {key: {e["step"]: e[key] for e in history if key in e} for key in ("loss", "eval_loss")}
 
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_three_class_pairs_on_two_replicas_equal_one_process(tmp_path, tiny_bert):
-    """As tests/test_ddp_numerics.py for SST-2: one process at batch 2B against two replicas at B, on pairs of
-    one token length with three classes named by the data (no TASK, no LABEL_NAMES)."""
+    """As tests/test_ddp_numerics.py: one process at batch 2B against two replicas at B, on pairs with three classes
+    named by the data."""
     import torch
     from safetensors.torch import load_file
 
     data = write_mnli(tmp_path / "data", train=2 * BATCH * STEPS, validation=16, names=True, splits=("validation",))
-    settings = dict(
-        MODEL_NAME=tiny_bert,
-        DATASET_PATH=data,
-        TEXT_COLUMN="premise,hypothesis",
-        NUM_EPOCHS=1,
-        LEARNING_RATE=RATE,
-        LORA_DROPOUT=0,
-        MODEL_DROPOUT=0,
-        EVAL_STEPS=4,
-        LOGGING_STEPS=1,
-        PER_DEVICE_EVAL_BATCH_SIZE=8,
-        REPORT_TO="none",
-        RENDEZVOUS_TIMEOUT=120,
-    )
+    settings = dict(MODEL_NAME=tiny_bert, DATASET_PATH=data, TEXT_COLUMN="premise,hypothesis", NUM_EPOCHS=1)
+    settings |= dict(LEARNING_RATE=RATE, LORA_DROPOUT=0, MODEL_DROPOUT=0, EVAL_STEPS=4, LOGGING_STEPS=1)
+    settings |= dict(PER_DEVICE_EVAL_BATCH_SIZE=8, REPORT_TO="none", RENDEZVOUS_TIMEOUT=120)
     one_out, two_out = train_one_and_two(tmp_path, settings, BATCH)
     assert [rank_record(two_out, r)["samples_trained"] for r in (0, 1)] == [BATCH * STEPS] * 2
     metrics = [json.loads((out / "metrics.json").read_text()) for out in (one_out, two_out)]
@@ -271,24 +236,13 @@ def test_three_class_pairs_on_two_replicas_equal_one_process(tmp_path, tiny_bert
 
 @pytest.mark.slow
 def test_the_evaluation_loss_is_the_whole_splits_on_two_replicas(tmp_path, tiny_bert, replicas):
-    """A regression on two replicas whose last evaluation batch is uneven (15 rows, 4 a batch on each rank): the
-    sampler repeats a row to even out the ranks, and eval_loss is still the MSE over the 15 rows, as on one process."""
+    """Regression on two replicas, the last evaluation batch uneven (15 rows, 4 a batch a rank): eval_loss is still
+    the MSE over the 15 rows."""
     rng = random.Random(6)
-    header = ["sentence1", "sentence2", "label"]
-    write_csv(tmp_path / "data" / "train.csv", header, stsb_rows(rng, 32))
-    write_csv(tmp_path / "data" / "validation.csv", header, stsb_rows(rng, 15))
-    settings = dict(
-        MODEL_NAME=str(tiny_bert),
-        DATASET_PATH=str(tmp_path / "data"),
-        OUTPUT_DIR=str(tmp_path / "out"),
-        TASK="stsb",
-        MAX_STEPS="2",
-        PER_DEVICE_BATCH_SIZE="4",
-        PER_DEVICE_EVAL_BATCH_SIZE="4",
-        LEARNING_RATE=RATE,
-        REPORT_TO="none",
-        RENDEZVOUS_TIMEOUT="120",
-    )
+    data = write_splits(tmp_path / "data", ["sentence1", "sentence2", "label"], lambda n: stsb_rows(rng, n), (32, 15))
+    settings = dict(MODEL_NAME=str(tiny_bert), DATASET_PATH=str(data), OUTPUT_DIR=str(tmp_path / "out"), TASK="stsb")
+    settings |= dict(MAX_STEPS="2", PER_DEVICE_BATCH_SIZE="4", PER_DEVICE_EVAL_BATCH_SIZE="4", LEARNING_RATE=RATE)
+    settings |= dict(REPORT_TO="none", RENDEZVOUS_TIMEOUT="120")
     wait_all(replicas.start("ddp", settings), logs=lambda: replicas.streams)
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert (metrics["world_size"], metrics["eval_samples"]) == (2, 15)
@@ -305,47 +259,40 @@ def checked_data(tmp: Path, tiny_bert: Path, env: dict[str, str]):
     return check_and_rename(load_raw(settings.select(DataSource)), settings.select(DataSource))
 
 
-@pytest.mark.parametrize(
-    "env, names",
-    [
-        ({"DATASET_CONFIG": "mnli_matched"}, ["DATASET_CONFIG=mnli_matched", "nyu-mll/glue"]),
-        ({"TASK": "mnli", "DATASET_CONFIG": "qnli"}, ["TASK=mnli", "DATASET_CONFIG=mnli", "qnli"]),
-    ],
-)
+HUB_CONFIGS = [
+    ({"DATASET_CONFIG": "mnli_matched"}, ["DATASET_CONFIG=mnli_matched", "nyu-mll/glue"]),
+    ({"TASK": "mnli", "DATASET_CONFIG": "qnli"}, ["TASK=mnli", "DATASET_CONFIG=mnli", "qnli"]),
+]
+
+
+@pytest.mark.parametrize("env, names", HUB_CONFIGS)
 def test_a_hub_config_the_task_cannot_train_is_refused_at_dry_run(env, names, tmp_path):
-    """From the Hub (no DATASET_PATH): refused before any download. The other task refusals are rows of
-    tests/test_refusals.py."""
+    """From the Hub (no DATASET_PATH): refused before any download (other task refusals: tests/test_refusals.py)."""
     result = run_main(base_env(tmp_path, **env), "--dry-run")
     assert_refusal(result, names)
 
 
 def test_dry_run_shows_the_resolved_task(tmp_path):
-    shown = run_main(base_env(tmp_path, TASK="stsb"), "--dry-run")
-    assert shown.code == 0, shown.stderr
+    shown = succeeded(run_main(base_env(tmp_path, TASK="stsb"), "--dry-run"))
     task = shown.json()["task"]
     assert task["text_columns"] == ["sentence1", "sentence2"] and task["problem_type"] == "regression"
     assert task["metrics"] == ["pearson", "spearman", "mse"] and task["metric_for_best_model"] == "pearson"
     assert shown.json()["config"]["dataset_config"] == "stsb"
     names = run_main(base_env(tmp_path, LABEL_NAMES='["low", "mid", "high"]'), "--dry-run").json()
-    assert names["config"]["label_names"] == ["low", "mid", "high"] and names["task"]["label_names"] == [
-        "low",
-        "mid",
-        "high",
-    ]
+    assert names["config"]["label_names"] == names["task"]["label_names"] == ["low", "mid", "high"]
 
 
 @pytest.mark.check
 def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
-    """N classes from a text label column (sorted), digits written as strings as ids, LABEL_NAMES' order, and
-    the warning for a second text column no setting names."""
+    """N classes from a text label column (sorted), digit strings as ids, LABEL_NAMES' order, and the warning for a
+    second text column no setting names."""
     import logging
 
     from utils.training.data import label_names_of
 
     data = tmp_path / "words"
     rows = [("a", "high"), ("b", "low"), ("c", "mid"), ("d", "low")]
-    write_csv(data / "train.csv", ["sentence", "label"], rows)
-    write_csv(data / "validation.csv", ["sentence", "label"], rows)
+    write_splits(data, ["sentence", "label"], lambda _: rows)
     found = checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(data)})
     assert label_names_of(found) == ("high", "low", "mid") and found["train"]["labels"] == [0, 1, 2, 1]
     named = checked_data(tmp_path, tiny_bert, {"DATASET_PATH": str(data), "LABEL_NAMES": "low,mid,high"})
@@ -368,18 +315,14 @@ def test_labels_from_the_data(tmp_path, tiny_bert, caplog):
 
 # ------------------------------------------------------------------------------- predict.py
 def predictions(tmp: Path, *args, stdin: str = "") -> list[dict]:
-    result = run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp)
-    assert result.code == 0, result.stderr[-3000:]
+    result = succeeded(run_predict(base_env(tmp), tmp / "out" / "model", *args, stdin=stdin, cwd=tmp))
     assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 def run_as_written(command: str, tmp: Path) -> list[dict]:
     """A documented `python predict.py` command run in `tmp` (OUTPUT_DIR: the run's); its answers."""
-    command = command.replace("OUTPUT_DIR", str(tmp / "out")).replace(
-        "python predict.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'predict.py'))}"
-    )
-    result = run_command(["bash", "-c", command], env=base_env(tmp), cwd=tmp)
+    result = run_command(["bash", "-c", runnable(command, tmp / "out")], env=base_env(tmp), cwd=tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LOAD REPORT" not in result.stderr  # a base's head of another size: the adapter restores its own
     return [json.loads(line) for line in result.stdout.splitlines()]
@@ -387,12 +330,7 @@ def run_as_written(command: str, tmp: Path) -> list[dict]:
 
 def readme_predictions(tmp: Path, columns: str) -> list[dict]:
     """The README's `predict.py` command for these columns, run as written in `tmp` (OUTPUT_DIR: the run's)."""
-    [command] = [
-        line.split(" #")[0].strip()
-        for line in (REPO / "README.md").read_text().splitlines()
-        if line.startswith("python predict.py") and f"--text-column {columns}" in line
-    ]
-    return run_as_written(command, tmp)
+    return run_as_written(readme_predict_command(f"--text-column {columns}"), tmp)
 
 
 def card_answers(tmp: Path, inputs: list) -> list[dict]:
@@ -417,19 +355,22 @@ def test_predict_labels_mnli_shaped_pairs(mnli_run):
     assert right / len(rows) > 0.8, predicted
 
 
-@pytest.mark.parametrize(
-    "args, stdin, names",
-    [
-        ([], "the film is good\n", ["takes sentence pairs", "premise,hypothesis", "one text a row"]),
-        (["pairs.csv", "--text-column", "premise"], "", ["takes sentence pairs", "--text-column premise"]),
-        (
-            ["pairs.csv", "--text-column", "premise,hypothesis"],
-            "",
-            ["pairs.csv has 1 row(s)", "empty or missing 'hypothesis'", "line 3"],
-        ),
-    ],
-    ids=["one text on stdin", "one column of a file", "an empty second text"],
-)
+PAIR_REFUSALS = {
+    "one text on stdin": ([], "the film is good\n", ["takes sentence pairs", "premise,hypothesis", "one text a row"]),
+    "one column of a file": (
+        ["pairs.csv", "--text-column", "premise"],
+        "",
+        ["takes sentence pairs", "--text-column premise"],
+    ),
+    "an empty second text": (
+        ["pairs.csv", "--text-column", "premise,hypothesis"],
+        "",
+        ["pairs.csv has 1 row(s)", "empty or missing 'hypothesis'", "line 3"],
+    ),
+}
+
+
+@pytest.mark.parametrize("args, stdin, names", PAIR_REFUSALS.values(), ids=PAIR_REFUSALS)
 def test_predict_refuses_for_a_pair_model_what_training_refuses(mnli_run, args, stdin, names):
     tmp = mnli_run[0]
     (tmp / "pairs.csv").write_text("premise,hypothesis\nthe film,it is good\nthe film, \n")
@@ -470,9 +411,8 @@ def test_predict_labels_cola_shaped_sentences(cola_run, tiny_bert):
     assert [p["text"] for p in predicted] == [sentence for sentence, _ in rows]
     # The run is not right on every sentence (MCC > 0.2), so the answer predict.py must give is the adapter's own:
     # each sentence's class by name in id order, and its probability.
-    model = PeftModel.from_pretrained(
-        AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=2), tmp / "out" / "model"
-    ).eval()
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=2)
+    model = PeftModel.from_pretrained(base, tmp / "out" / "model").eval()
     tokenizer = AutoTokenizer.from_pretrained(tmp / "out" / "model")
     with torch.no_grad():
         probabilities = model(**tokenizer([s for s, _ in rows], return_tensors="pt", padding=True)).logits.softmax(-1)
@@ -496,6 +436,4 @@ def test_the_tokenized_cache_is_keyed_on_the_text_columns(tmp_path, tiny_bert):
         data = tokenize(raw, tokenizer, 48, tmp_path / "cache", tuple(columns.split(",")))
         lengths[columns] = [len(ids) for ids in data["train"]["input_ids"]]
     assert len(list((tmp_path / "cache").glob("tokenized-*"))) == 2
-    assert all(
-        pair == single + 5 for single, pair in zip(lengths["premise"], lengths["premise,hypothesis"], strict=True)
-    )
+    assert [pair - 5 for pair in lengths["premise,hypothesis"]] == lengths["premise"]

@@ -1,13 +1,6 @@
-"""OUTPUT_DIR's volume failing under a running job: full (ENOSPC) during a checkpoint save or while the
-tokenized cache is written, and turning read-only mid-run. Real volumes mounted for the test (a tmpfs of a
-few MiB, an ext4 image), real processes; each ends as one `error:` line with exit 2 on every rank, no
-traceback, and the checkpoints that were complete before the fault intact (or, for the cache, a warning
-and a finished run).
-
-A read-only remount (`mount -o remount,ro`) of a volume the job writes to is refused by the kernel (EBUSY:
-the job holds its rank log open for writing), so the fault is made the way volumes really turn read-only
-under a job: ext4 mounted `errors=remount-ro` meets a file-system error (its `trigger_fs_error` switch).
-"""
+"""OUTPUT_DIR's volume failing under a running job (a real tmpfs or ext4 image): full during a save or the cache
+write, or turning read-only (ext4 `errors=remount-ro` and its `trigger_fs_error`: a remount,ro is EBUSY under a
+job). One `error:` line, exit 2 on every rank, the checkpoints complete before the fault intact."""
 
 from __future__ import annotations
 
@@ -164,8 +157,8 @@ def test_a_volume_turning_read_only_mid_run_is_one_line_exit_2(tmp_path, tiny_be
 
 @pytest.mark.check
 def test_an_io_error_on_a_failed_volume_is_told_read_only_whatever_statvfs_says(tmp_path):
-    """The write in flight when ext4 fails gets EIO, not EROFS; the job then asks the volume. Since Linux 6.9 a
-    failed ext4 refuses writes but statvfs does not flag it read-only: what the volume refuses decides."""
+    """The write in flight when ext4 fails gets EIO; since Linux 6.9 statvfs does not say read-only: what the volume
+    refuses decides."""
     with failing_ext4(tmp_path) as (out, trigger):
         # Healthy, the volume takes new files: an EIO alone is not a volume state.
         assert volume_state(OSError(errno.EIO, "Input/output error"), out) is None

@@ -123,3 +123,9 @@ def rank_report(out: Path, world: int) -> list[dict]:
         }
         for record in (rank_record(out, rank) for rank in range(world))
     ]
+
+
+def succeeded(result: Result) -> Result:
+    """`result`, checked to have exited 0 (the tail of its stderr shown when not)."""
+    assert result.code == 0, result.stderr[-3000:]
+    return result
