@@ -1,8 +1,6 @@
-"""The fixtures and pytest hooks the tests share: a tiny BERT and small SST-2-shaped data built here, the local Hub
-stand-in, an MLflow tracking server, the suite's one finished run, replicas killed at the end, and the order files
-run in. Everything is offline and runs on the CPU (tests/test_gpu.py aside). The helpers live in tests/support/, by
-concern (environments, processes, the in-process start, outcomes, docs, deployment, data, numerics); test modules
-import them from there, never from another test module."""
+"""The fixtures and hooks the tests share (the tiny BERT and data, the Hub stand-in, an MLflow server, the suite's one
+finished run, replicas killed at the end, the order files run in), offline and on the CPU (tests/test_gpu.py aside).
+Helpers live in tests/support/, by concern; test modules import them from there, never from one another."""
 
 from __future__ import annotations
 

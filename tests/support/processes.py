@@ -203,11 +203,7 @@ def patiently(wait: Callable[[float], T], timeout: float) -> T:
                 raise
 
 
-def wait_all(
-    procs: list[Popen],
-    logs: list[Path] | Callable[[], list[Path]] | None = None,
-    timeout: float = 300,
-) -> list[int]:
+def wait_all(procs: list[Popen], logs: list[Path] | Callable[[], list[Path]] | None = None, timeout=300) -> list[int]:
     """Wait for every process and return the exit codes; any still running at the end is killed. With `logs`
     (the paths, or a function listing them once the processes are over): fail unless every code is 0, showing
     the tail of each log. `timeout` is in idle-machine seconds (`patiently`)."""
@@ -219,21 +215,12 @@ def wait_all(
                 proc.kill()
     if logs is not None and codes != [0] * len(procs):
         logs = logs() if callable(logs) else logs
-        pytest.fail(
-            f"exit codes {codes}\n"
-            + "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
-        )
+        tails = "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
+        pytest.fail(f"exit codes {codes}\n{tails}")
     return codes
 
 
-def wait_until(
-    condition: Callable[[], object],
-    what: str,
-    procs: list[Popen] | tuple = (),
-    timeout: float = 300,
-    log: Path | None = None,
-    every: float = 0.05,
-):
+def wait_until(condition: Callable[[], object], what: str, procs=(), timeout=300, log: Path | None = None, every=0.05):
     """Poll `condition()` every `every` s until it returns something true, and return that. Fail as soon as one
     of `procs` has exited, or once `timeout` idle-machine seconds have passed (stretched as `patiently` does),
     saying which `what` never came (and `log`'s tail)."""
@@ -244,9 +231,7 @@ def wait_until(
         overdue = elapsed > limit and elapsed > (limit := stretched(timeout, limit))
         if ended or overdue:
             tail = f"\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
-            pytest.fail(
-                f"exit codes {ended} before {what}{tail}" if ended else f"no {what} within {limit:.0f} s{tail}"
-            )
+            pytest.fail((f"exit codes {ended} before {what}" if ended else f"no {what} within {limit:.0f} s") + tail)
         time.sleep(every)
     return value
 
