@@ -56,17 +56,15 @@ def modernbert(vocab: int, ids: dict):
     )
 
 
-# The family, its config, and the layers the adapter must adapt there: the query and value projections.
+# The family, its config, the layers the adapter must adapt there (the query and value projections), and whether it
+# has a pooler module (the others' classifier reads the first token's hidden state).
 FAMILIES = {
-    "roberta": (roberta, ["query", "value"]),
-    "deberta-v2": (deberta_v3, ["query_proj", "value_proj"]),
-    "electra": (electra, ["query", "value"]),
-    "distilbert": (distilbert, ["q_lin", "v_lin"]),
-    "modernbert": (modernbert, ["Wqkv"]),
+    "roberta": (roberta, ["query", "value"], False),
+    "deberta-v2": (deberta_v3, ["query_proj", "value_proj"], True),
+    "electra": (electra, ["query", "value"], False),
+    "distilbert": (distilbert, ["q_lin", "v_lin"], False),
+    "modernbert": (modernbert, ["Wqkv"], False),
 }
-
-# Families whose classifier reads the first token's hidden state with no pooler module of its own.
-NO_POOLER = {"roberta", "electra", "distilbert", "modernbert"}
 
 
 def tiny_model(folder: Path, family: str, tiny_bert: Path) -> Path:
@@ -90,7 +88,7 @@ def test_each_family_trains_with_the_defaults_and_serves_with_predict(family, ti
     settings = dict(MAX_STEPS=4, PER_DEVICE_BATCH_SIZE=8, LEARNING_RATE="3e-3", REPORT_TO="none")
     result = run_main(base_env(tmp_path, MODEL_NAME=model, DATASET_PATH=sst2_dir, OUTPUT_DIR=out, **settings))
     assert result.code == 0, result.stderr[-3000:]
-    targets = FAMILIES[family][1]
+    _, targets, has_pooler = FAMILIES[family]
     adapter = json.loads((out / "model" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == sorted(targets)
     assert "eval_accuracy" in json.loads((out / "metrics.json").read_text())
@@ -98,7 +96,7 @@ def test_each_family_trains_with_the_defaults_and_serves_with_predict(family, ti
     assert f"on {', '.join(sorted(targets))} |" in card  # the layers the adapter adapts, as trained
     # TRAIN_POOLER (a default) is a wish: the card and the log say what the model had, not what was asked
     pooler = "pooler" in (adapter.get("modules_to_save") or [])
-    assert pooler == (family not in NO_POOLER)
+    assert pooler == has_pooler
     assert ("pooler trained with the classifier" in card) == pooler, card
     log = (out / "logs" / "rank-0.log").read_text()
     assert ("has no pooler (its classifier reads the first token)" in log) == (not pooler), log[-3000:]
