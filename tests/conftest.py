@@ -1,8 +1,6 @@
-"""The fixtures and pytest hooks the tests share: a tiny BERT and small SST-2-shaped data built here, the local Hub
-stand-in, an MLflow tracking server, the suite's one finished run, replicas killed at the end, and the order files
-run in. Everything is offline and runs on the CPU (tests/test_gpu.py aside). The helpers live in tests/support/, by
-concern (environments, processes, the in-process start, outcomes, docs, deployment, data, numerics); test modules
-import them from there, never from another test module."""
+"""The fixtures and hooks the tests share (the tiny BERT and data, the Hub stand-in, an MLflow server, the suite's one
+finished run, replicas killed at the end, the order files run in), offline and on the CPU (tests/test_gpu.py aside).
+Helpers live in tests/support/, by concern; test modules import them from there, never from one another."""
 
 from __future__ import annotations
 
@@ -37,24 +35,13 @@ from tests.support.processes import (  # noqa: E402
 
 # `make test` hands whole files to its workers in collection order (`--no-loadscope-reorder`): the longest go
 # first, so that no worker is left alone with one at the end. xdist's own order, most tests first, started the
-# image build (one test, minutes) last. The rest follow in their usual order; `--durations` shows what is long.
-LONGEST_FIRST = (
-    "test_container.py",  # one test of minutes (the image build): handed out last, it ran alone at the end
-    "test_deepspeed.py",
-    "test_faults.py",
-    "test_launchers.py",
-    "test_reliability.py",
-    "test_elastic.py",
-    "test_sweep.py",  # nine trials of the tiny model, a killed sweep resumed
-    "test_tasks.py",
-    "test_performance.py",
-    "test_determinism.py",
-    "test_tracking.py",
-    "test_predict.py",
-    "test_secrets_and_code.py",
-    "test_published_model.py",
-    "test_restart_after_barrier.py",
-)
+# image build (test_container.py: one test of minutes) last, and it ran alone at the end. test_sweep.py runs nine
+# trials and resumes a killed sweep. The rest follow in their usual order; `--durations` shows what is long.
+LONGEST_FIRST = [
+    f"test_{name}.py"
+    for name in "container deepspeed faults launchers reliability elastic sweep tasks performance determinism tracking"
+    " predict secrets_and_code published_model restart_after_barrier".split()
+]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -90,10 +77,7 @@ def pytest_runtest_setup(item: pytest.Item):
         return (yield)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item):
-    with python_starts_refused(item):
-        return (yield)
+pytest_runtest_call = pytest_runtest_setup
 
 
 @pytest.fixture(scope="session")
@@ -138,8 +122,6 @@ def hub_in_process(hub, monkeypatch):
 
 # The full mlflow, in a venv of its own (the Makefile makes it): the job's venv has the image's client alone.
 MLFLOW_SERVER = Path(sys.prefix) / "mlflow-server" / "bin" / "mlflow"
-
-
 MLFLOW_START_SECONDS = 120  # the first start creates and migrates the sqlite database
 
 
@@ -159,15 +141,15 @@ def mlflow_server(tmp_path_factory) -> TrackingServer:
     log = store / "server.log"
     server = start_mlflow_server(MLFLOW_SERVER, store, port, log)
     url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                return answer.status == 200
+        except OSError:
+            return False
+
     try:
-
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
-                    return answer.status == 200
-            except OSError:
-                return False
-
         wait_until(healthy, "answer from the mlflow server", [server], MLFLOW_START_SECONDS, log, every=0.5)
         yield TrackingServer(url, store)
     finally:

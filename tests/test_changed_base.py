@@ -1,8 +1,6 @@
-"""An adapter goes on the base it was trained on, and only on it: model/base_model.json records the base's fingerprint
-(the run identity's SHA-256 of each weights, config and tokenizer file of a local MODEL_NAME), and the merge
-(MERGE_ADAPTER) and predict.py refuse a base folder whose files changed since, naming it and the fix; another copy
-of the same bytes is the same base. Real processes on the tiny BERT: one run whose base is replaced while it trains,
-then restarts and predict.py on its adapter."""
+"""An adapter goes on the base it was trained on, and only on it: model/base_model.json records the SHA-256 of each
+weights, config and tokenizer file of a local MODEL_NAME, and the merge and predict.py refuse a base whose files
+changed since, naming it and the fix; another copy of the same bytes is the same base."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ SENTENCES = "a wonderful film\na dull film\n"
 
 
 def other_weights(folder: Path, staged: Path) -> Path:
-    """`folder`'s model.safetensors with each weight moved by 0.01 (other values, the same shapes), written to
-    `staged`: moved over the original (os.replace, a new file, as a copy over it or a download makes), it replaces
-    the base's weights at once, while a job that loaded the old ones keeps what it read."""
+    """`folder`'s model.safetensors with each weight moved by 0.01 (the same shapes), written to `staged`: moved over
+    the original (a new file, as a copy or a download makes), it replaces them while a job keeps what it read."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(folder / "model.safetensors")
@@ -46,8 +43,7 @@ class BaseReplaced:
 
 @pytest.fixture(scope="module")
 def base_replaced(tmp_path_factory, tiny_bert, sst2_dir) -> BaseReplaced:
-    """A run with MERGE_ADAPTER whose base's weights are replaced once the run has loaded them: it trains and saves
-    the adapter on the weights it loaded, and its merge meets the new ones."""
+    """A run with MERGE_ADAPTER whose base's weights are replaced once it loaded them: its merge meets the new ones."""
     tmp = tmp_path_factory.mktemp("base-replaced")
     base = shutil.copytree(tiny_bert, tmp / "base")
     settings = tiny_run_settings(base, sst2_dir, tmp / "out", MAX_STEPS=20, MERGE_ADAPTER="true")
@@ -72,9 +68,8 @@ def test_the_merge_refuses_a_base_replaced_since_the_adapter_was_trained(base_re
     assert recorded["model.safetensors"] == hashlib.sha256(base_replaced.original).hexdigest()
     assert set(recorded) >= {"config.json", "vocab.txt"}
     # The run saved its model, then refused the merge: nothing staged or merged.
-    line = assert_refusal(
-        base_replaced.first, [f"MODEL_NAME={base}", "model.safetensors", "base_model.json", "restore"]
-    )
+    names = [f"MODEL_NAME={base}", "model.safetensors", "base_model.json", "restore"]
+    line = assert_refusal(base_replaced.first, names)
     assert_documented("base model replaced while a run trained", line.removeprefix("error: "))
     assert (out / "model" / "adapter_model.safetensors").is_file() and (out / "metrics.json").is_file()
     assert not (out / "merged").exists() and not (out / ".merged.partial").exists()

@@ -45,9 +45,8 @@ def test_balanced_class_weights_are_logged_recorded_and_carded(tmp_path, tiny_be
     assert result.code == 0, result.stderr[-3000:]
     out = tmp_path / "out"
     assert json.loads((out / "metrics.json").read_text())["class_weights"] == pytest.approx(EXPECTED, rel=1e-6)
-    assert (
-        "class weights (balanced) in the loss: negative 5.000, positive 0.556" in (out / "logs/rank-0.log").read_text()
-    )
+    log = (out / "logs/rank-0.log").read_text()
+    assert "class weights (balanced) in the loss: negative 5.000, positive 0.556" in log
     assert "balanced class weights in the loss" in (out / "model" / "README.md").read_text()
 
 

@@ -1,12 +1,7 @@
-"""The fast path (TORCH_COMPILE, docs/performance.md): a speed switch only, the same model as the eager path.
-
-One `main.py` run of the tiny model with TORCH_COMPILE=true and one with TORCH_COMPILE=false, side by side, the
-defaults otherwise (the default length buckets, LoRA dropout on): both train on the same rows padded to the same
-lengths at every step, so every logged loss and the eval accuracy must agree, and the compiled run's records
-must show one graph per length bucket, built before the first step. The DDP check runs apart, dropout off as in
-tests/test_ddp_numerics.py. Inductor compiles for tens of seconds a graph on 2 cores: the runs are few and
-short, the file `integration`.
-"""
+"""The fast path (TORCH_COMPILE, docs/performance.md): a speed switch only, the same model as the eager path. A run
+with TORCH_COMPILE=true and one with false, the defaults otherwise (length buckets, LoRA dropout on), see the same
+padded rows at every step: every loss and the eval accuracy agree, and the compiled run builds one graph per bucket
+before its first step. Inductor takes tens of seconds a graph on 2 cores: the runs are few and short."""
 
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ from tests.support.data import write_fixed_length_data
 from tests.support.env import base_env, tiny_run_settings
 from tests.support.numerics import step_losses
 from tests.support.outcomes import rank_record
-from tests.support.processes import Replicas, run_main, start_main, wait_all
+from tests.support.processes import run_main, start_main, train_one_and_two, wait_all
 
 pytestmark = pytest.mark.integration
 
@@ -33,19 +28,15 @@ COMPILE_TIMEOUT = 1500  # seconds a compiling run may take on 2 busy cores
 
 @pytest.fixture(scope="module")
 def compiled_and_eager(tmp_path_factory, tiny_bert, sst2_dir) -> dict[str, Path]:
-    """The same run with TORCH_COMPILE=true and false, the defaults otherwise; their OUTPUT_DIRs."""
     tmp = tmp_path_factory.mktemp("compile")
     settings = tiny_run_settings(tiny_bert, sst2_dir, tmp / "out", MAX_STEPS=STEPS, LOGGING_STEPS=1, SAVE_STEPS=STEPS)
-    outs = {"compiled": tmp / "compiled", "eager": tmp / "eager"}
-    procs = [
-        start_main(
-            base_env(tmp, **{**settings, "OUTPUT_DIR": outs[arm], "TORCH_COMPILE": str(arm == "compiled").lower()}),
-            log=tmp / f"{arm}.txt",
-        )
-        for arm in outs
-    ]
-    codes = wait_all(procs, timeout=COMPILE_TIMEOUT)
-    assert codes == [0, 0], [(tmp / f"{arm}.txt").read_text()[-3000:] for arm in outs]
+    outs = {arm: tmp / arm for arm in ("compiled", "eager")}
+    env = {
+        arm: base_env(tmp, **{**settings, "OUTPUT_DIR": out, "TORCH_COMPILE": str(arm == "compiled").lower()})
+        for arm, out in outs.items()
+    }
+    logs = [tmp / f"{arm}.txt" for arm in outs]
+    wait_all([start_main(env[arm], log=log) for arm, log in zip(outs, logs, strict=True)], logs, COMPILE_TIMEOUT)
     return outs
 
 
@@ -95,35 +86,16 @@ def test_compiled_run_builds_one_graph_per_bucket_before_its_first_step(compiled
 
 
 def test_two_compiled_replicas_train_as_one_process(tmp_path, tiny_bert, sst2_dir):
-    """DDP on the fast path: one process at batch 16 and two replicas at 8, the same losses and adapter. Whole
-    global batches in one global order (the fast path's sampler) give every step the same rows in both runs;
-    dropout is off, so nothing random differs between one process and two."""
+    """DDP on the fast path: one process at batch 16 and two replicas at 8 see the same rows at every step (whole
+    global batches in one order), dropout off: the same losses and adapter."""
     settings = tiny_run_settings(
-        tiny_bert,
-        sst2_dir,
-        tmp_path / "unused",
-        MAX_STEPS=8,
-        LOGGING_STEPS=1,
-        SAVE_STEPS=8,
+        *(tiny_bert, sst2_dir, tmp_path / "unused"),
+        **dict(MAX_STEPS=8, LOGGING_STEPS=1, SAVE_STEPS=8, MODEL_DROPOUT="0", LORA_DROPOUT="0", TORCH_COMPILE="true"),
         MAX_SEQ_LENGTH=32,  # two buckets, 16 and 32: two graphs per process
-        MODEL_DROPOUT="0",
-        LORA_DROPOUT="0",
-        TORCH_COMPILE="true",
         TORCHINDUCTOR_CACHE_DIR=tmp_path / "inductor",  # the replicas' graphs are compiled once
     )
     settings.pop("NUM_EPOCHS")
-    one, two = tmp_path / "one", tmp_path / "two"
-    group = Replicas(tmp_path)
-    try:  # tests/support's train_one_and_two, with time for the compiles on a loaded machine
-        procs = group.start("ddp", {**settings, "OUTPUT_DIR": str(two), "PER_DEVICE_BATCH_SIZE": "8"})
-        single = run_main(
-            base_env(tmp_path, **{**settings, "OUTPUT_DIR": one, "PER_DEVICE_BATCH_SIZE": 16}), timeout=COMPILE_TIMEOUT
-        )
-        codes = wait_all(procs, timeout=COMPILE_TIMEOUT)
-    finally:
-        group.cleanup()
-    assert single.code == 0, single.stderr[-3000:]
-    assert codes == [0, 0], [(tmp_path / f"ddp-rank{r}.txt").read_text()[-3000:] for r in (0, 1)]
+    one, two = train_one_and_two(tmp_path, settings, 8, timeout=COMPILE_TIMEOUT)
     assert step_losses(two) == pytest.approx(step_losses(one), rel=1e-5)
     records = [rank_record(one, 0), rank_record(two, 0), rank_record(two, 1)]
     assert [r["compile"]["graphs"] for r in records] == [2, 2, 2]

@@ -1,7 +1,6 @@
-"""The image for real: scripts/container_smoke.sh builds the Dockerfile on a CPU stand-in base (no
-Docker engine or registry here) and runs the job in it as the platform does: the image's non-root
-user, read-only root filesystem, tmpfs /tmp, no network, a host folder as the shared volume; then DeepSpeed
-ZeRO-2 on 2 ranks in the same image."""
+"""The image for real: scripts/container_smoke.sh builds the Dockerfile on a CPU stand-in base and runs the job in it
+as the platform does (non-root user, read-only root, tmpfs /tmp, no network, a host folder as the shared volume),
+then DeepSpeed ZeRO-2 on 2 ranks in the same image."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""DDP against one process, number for number: the same seed, data and learning rate, one `main.py` at batch 2B
-against two `main.py` replicas at batch B each, give the same loss curve and the same trained adapter.
+"""DDP against one process, number for number: one `main.py` at batch 2B and two replicas at B each, the same seed,
+data and rate, give the same loss curve and adapter. As torchtune's recipe tests compare losses: a rate scaled by the
+world size, or gradients summed instead of averaged, fools every "the ranks agree" check and fails this one.
 
-As torchtune's recipe tests compare logged losses: a rate scaled by the world size, or gradients summed
-instead of averaged, passes every "the ranks agree" check (both ranks are wrong the same way) and fails this.
-
-Batches are comparable by construction: every sentence tokenises to the same length, so the length-grouped
-sampler keeps its seeded permutation as is, and Accelerate gives rank r the batches r, r+2, ... of it; global
-step k then sees the same 2B rows in both runs. The test checks rather than trusts this: one token length over
-the data, step 1's training loss (taken before any update, so it depends on the rows alone) equal in both runs,
-and an evaluation after every step, where a step on other rows would show. Dropout is off (LORA_DROPOUT and
-MODEL_DROPOUT), so nothing random is drawn during training.
-"""
+Every sentence tokenises to one length, so the length-grouped sampler keeps its seeded order and rank r takes
+batches r, r+2, ...: step k sees the same 2B rows in both runs. Checked, not trusted: one token length, step 1's loss
+(before any update) equal, an evaluation after every step. Dropout is off: nothing random is drawn in training."""
 
 from __future__ import annotations
 
@@ -63,19 +57,9 @@ def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
 
     data = write_fixed_length_data(tmp_path / "data", counts=(TRAIN_ROWS, VALIDATION_ROWS))
     assert len(token_lengths(tiny_bert, data)) == 1, "every sentence must tokenise to one length, or batches regroup"
-    settings = dict(
-        MODEL_NAME=tiny_bert,
-        DATASET_PATH=data,
-        NUM_EPOCHS=EPOCHS,
-        LEARNING_RATE=RATE,
-        LORA_DROPOUT=0,
-        MODEL_DROPOUT=0,
-        EVAL_STEPS=1,
-        LOGGING_STEPS=1,
-        PER_DEVICE_EVAL_BATCH_SIZE=VALIDATION_ROWS // 2,
-        REPORT_TO="none",
-        RENDEZVOUS_TIMEOUT=120,
-    )
+    settings = dict(MODEL_NAME=tiny_bert, DATASET_PATH=data, NUM_EPOCHS=EPOCHS, LEARNING_RATE=RATE, REPORT_TO="none")
+    settings |= dict(LORA_DROPOUT=0, MODEL_DROPOUT=0, EVAL_STEPS=1, LOGGING_STEPS=1, RENDEZVOUS_TIMEOUT=120)
+    settings["PER_DEVICE_EVAL_BATCH_SIZE"] = VALIDATION_ROWS // 2
     one_out, two_out = train_one_and_two(tmp_path, settings, BATCH)
 
     # The same rows, in the same steps: every step of both runs trained 2B rows, split evenly between the ranks.
@@ -91,9 +75,7 @@ def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
     one, two = loss_curve(one_out), loss_curve(two_out)
     every_step = list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
     # The last step is checkpointed before it is evaluated (by the final evaluation, metrics.json's).
-    assert sorted(one["loss"]) == every_step and sorted(one["eval_loss"]) == every_step[:-1], (
-        "a training and an eval loss every step"
-    )
+    assert (sorted(one["loss"]), sorted(one["eval_loss"])) == (every_step, every_step[:-1]), "a loss every step"
 
     problems = []
     for run, name in ((one_out, "1 process"), (two_out, "2 replicas")):
@@ -118,6 +100,5 @@ def test_two_replicas_match_one_process_at_twice_the_batch(tmp_path, tiny_bert):
             f"atol {WEIGHT_ATOL:g}; the most, {worst}, by up to {differ[worst][0]:.3g} "
             f"(its 1-process values reach {differ[worst][1]:.3g})"
         )
-    assert not problems, "two replicas at batch B did not train what one process at batch 2B trains:\n" + "\n".join(
-        problems
-    )
+    failed = "two replicas at batch B did not train what one process at batch 2B trains:\n"
+    assert not problems, failed + "\n".join(problems)

@@ -17,26 +17,12 @@ from tests.support.processes import run_main, start_main, wait_until
 def test_evaluation_logging_and_checkpoint_cadence_leave_the_trained_weights_alone(job_env, tmp_path):
     """Each evaluation's data loader draws its seed from the global RNG: without a forked RNG every evaluation
     shifted the dropout masks of every later step, so EVAL_STEPS (free to change on a restart) changed the model."""
-    busy = job_settings(
-        job_env,
-        OUTPUT_DIR=str(tmp_path / "busy"),
-        EVAL_STEPS="1",
-        SAVE_STEPS="1",
-        SAVE_TOTAL_LIMIT="1",
-        LOGGING_STEPS="1",
-        REPORT_TO="tensorboard",
-    )
-    quiet = job_settings(
-        job_env,
-        OUTPUT_DIR=str(tmp_path / "quiet"),
-        EVAL_STEPS="0",
-        SAVE_STEPS="100",
-        SAVE_TOTAL_LIMIT="3",
-        LOGGING_STEPS="100",
-        REPORT_TO="none",
-    )
-    for env in (busy, quiet):
-        result = run_main(env)
+    cadences = {
+        "busy": dict(EVAL_STEPS="1", SAVE_STEPS="1", SAVE_TOTAL_LIMIT="1", LOGGING_STEPS="1", REPORT_TO="tensorboard"),
+        "quiet": dict(EVAL_STEPS="0", SAVE_STEPS="100", SAVE_TOTAL_LIMIT="3", LOGGING_STEPS="100", REPORT_TO="none"),
+    }
+    for name, cadence in cadences.items():
+        result = run_main(job_settings(job_env, OUTPUT_DIR=str(tmp_path / name), **cadence))
         assert result.code == 0, result.stderr[-3000:]
     busy_log = (tmp_path / "busy" / "logs" / "rank-0.log").read_text()
     quiet_log = (tmp_path / "quiet" / "logs" / "rank-0.log").read_text()
@@ -59,15 +45,9 @@ def test_a_run_killed_in_its_final_evaluation_resumes_at_its_last_step_and_only_
     shutil.copy(Path(job_env["DATASET_PATH"]) / "train.csv", data / "train.csv")
     # 2,000 rows a row at a time: seconds of evaluation, so the kill lands inside it.
     shutil.copy(data / "train.csv", data / "validation.csv")
-    env = job_settings(
-        job_env,
-        DATASET_PATH=str(data),
-        MAX_STEPS="5",
-        EVAL_STEPS="5",  # the last step is an evaluation step too
-        SAVE_STEPS="3",
-        SAVE_TOTAL_LIMIT="1",
-        PER_DEVICE_EVAL_BATCH_SIZE="1",
-    )
+    # The last step (5) is an evaluation step too.
+    cadence = dict(MAX_STEPS="5", EVAL_STEPS="5", SAVE_STEPS="3", SAVE_TOTAL_LIMIT="1", PER_DEVICE_EVAL_BATCH_SIZE="1")
+    env = job_settings(job_env, DATASET_PATH=str(data), **cadence)
     out = Path(env["OUTPUT_DIR"])
     proc = start_main(env, log=tmp_path / "first.txt")
     try:

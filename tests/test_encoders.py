@@ -1,10 +1,6 @@
-"""Encoders other than BERT, with the job's defaults: RoBERTa, DeBERTa-v2/v3, ELECTRA, DistilBERT and ModernBERT.
-
-Each is a tiny randomly initialised model of its family, built here with the tiny BERT's tokenizer (the job never
-asks which tokenizer a model came with), trained by the real `main.py` without LORA_TARGET_MODULES, then served by
-`predict.py` from the folder the run saved. The adapter's layers follow the architecture (peft's table, and the
-job's for the families peft lacks) and the attention falls back to eager where the family offers no SDPA.
-"""
+"""Encoders other than BERT with the job's defaults: RoBERTa, DeBERTa-v2/v3, ELECTRA, DistilBERT and ModernBERT, each
+tiny and random with the tiny BERT's tokenizer, trained by `main.py` without LORA_TARGET_MODULES, then served by
+`predict.py`. The adapter's layers follow the architecture; the attention falls back to eager where SDPA is missing."""
 
 from __future__ import annotations
 
@@ -32,16 +28,9 @@ def deberta_v3(vocab: int, ids: dict):
     from transformers import DebertaV2Config
 
     # DeBERTa-v3's shape: relative positions only, no absolute position embeddings.
+    shape = dict(max_position_embeddings=512, position_biased_input=False, type_vocab_size=0, position_buckets=32)
     return DebertaV2Config(
-        vocab_size=vocab,
-        max_position_embeddings=512,
-        relative_attention=True,
-        position_buckets=32,
-        pos_att_type=["p2c", "c2p"],
-        position_biased_input=False,
-        type_vocab_size=0,
-        **ids,
-        **WIDTH,
+        vocab_size=vocab, relative_attention=True, pos_att_type=["p2c", "c2p"], **shape, **ids, **WIDTH
     )
 
 
@@ -54,47 +43,37 @@ def electra(vocab: int, ids: dict):
 def distilbert(vocab: int, ids: dict):
     from transformers import DistilBertConfig
 
-    return DistilBertConfig(
-        vocab_size=vocab, dim=32, n_layers=1, n_heads=2, hidden_dim=64, pad_token_id=ids["pad_token_id"]
-    )
+    width = dict(dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    return DistilBertConfig(vocab_size=vocab, pad_token_id=ids["pad_token_id"], **width)
 
 
 def modernbert(vocab: int, ids: dict):
     from transformers import ModernBertConfig
 
+    ids = {**ids, "cls_token_id": ids["bos_token_id"], "sep_token_id": ids["eos_token_id"]}
     return ModernBertConfig(
-        vocab_size=vocab,
-        max_position_embeddings=512,
-        global_attn_every_n_layers=1,
-        cls_token_id=ids["bos_token_id"],
-        sep_token_id=ids["eos_token_id"],
-        **ids,
-        **WIDTH,
+        vocab_size=vocab, max_position_embeddings=512, global_attn_every_n_layers=1, **ids, **WIDTH
     )
 
 
-# The family, its config, and the layers the adapter must adapt there: the query and value projections.
+# The family, its config, the layers the adapter must adapt there (the query and value projections), and whether it
+# has a pooler module (the others' classifier reads the first token's hidden state).
 FAMILIES = {
-    "roberta": (roberta, ["query", "value"]),
-    "deberta-v2": (deberta_v3, ["query_proj", "value_proj"]),
-    "electra": (electra, ["query", "value"]),
-    "distilbert": (distilbert, ["q_lin", "v_lin"]),
-    "modernbert": (modernbert, ["Wqkv"]),
+    "roberta": (roberta, ["query", "value"], False),
+    "deberta-v2": (deberta_v3, ["query_proj", "value_proj"], True),
+    "electra": (electra, ["query", "value"], False),
+    "distilbert": (distilbert, ["q_lin", "v_lin"], False),
+    "modernbert": (modernbert, ["Wqkv"], False),
 }
-
-# Families whose classifier reads the first token's hidden state with no pooler module of its own.
-NO_POOLER = {"roberta", "electra", "distilbert", "modernbert"}
 
 
 def tiny_model(folder: Path, family: str, tiny_bert: Path) -> Path:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
-    ids = {
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.cls_token_id,
-        "eos_token_id": tokenizer.sep_token_id,
-    }
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id
+    )
     config = FAMILIES[family][0](len(tokenizer), ids)
     config.num_labels = 2
     AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
@@ -106,19 +85,10 @@ def tiny_model(folder: Path, family: str, tiny_bert: Path) -> Path:
 def test_each_family_trains_with_the_defaults_and_serves_with_predict(family, tiny_bert, sst2_dir, tmp_path):
     model = tiny_model(tmp_path / family, family, tiny_bert)
     out = tmp_path / "out"
-    env = base_env(
-        tmp_path,
-        MODEL_NAME=str(model),
-        DATASET_PATH=str(sst2_dir),
-        OUTPUT_DIR=str(out),
-        MAX_STEPS="4",
-        PER_DEVICE_BATCH_SIZE="8",
-        LEARNING_RATE="3e-3",
-        REPORT_TO="none",
-    )
-    result = run_main(env)
+    settings = dict(MAX_STEPS=4, PER_DEVICE_BATCH_SIZE=8, LEARNING_RATE="3e-3", REPORT_TO="none")
+    result = run_main(base_env(tmp_path, MODEL_NAME=model, DATASET_PATH=sst2_dir, OUTPUT_DIR=out, **settings))
     assert result.code == 0, result.stderr[-3000:]
-    targets = FAMILIES[family][1]
+    _, targets, has_pooler = FAMILIES[family]
     adapter = json.loads((out / "model" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == sorted(targets)
     assert "eval_accuracy" in json.loads((out / "metrics.json").read_text())
@@ -126,7 +96,7 @@ def test_each_family_trains_with_the_defaults_and_serves_with_predict(family, ti
     assert f"on {', '.join(sorted(targets))} |" in card  # the layers the adapter adapts, as trained
     # TRAIN_POOLER (a default) is a wish: the card and the log say what the model had, not what was asked
     pooler = "pooler" in (adapter.get("modules_to_save") or [])
-    assert pooler == (family not in NO_POOLER)
+    assert pooler == has_pooler
     assert ("pooler trained with the classifier" in card) == pooler, card
     log = (out / "logs" / "rank-0.log").read_text()
     assert ("has no pooler (its classifier reads the first token)" in log) == (not pooler), log[-3000:]

@@ -1,11 +1,6 @@
-"""What a newcomer meets first: `make demo` for each bundled task, offline, and what a run shows.
-
-The demo for a pair task (TASK=mnli, TASK=stsb) runs through the Makefile as a user types it, into a folder of
-the test's own: it keeps its model and output under its task's name, beside the other tasks' demos, trains,
-writes the task's metrics, and its console is one line per evaluation and a final line (no progress bars
-without a terminal, no dict per log); the rank log holds none of the Trainer's banners.
-A run on a terminal (a pseudo-terminal here) draws the progress bars.
-"""
+"""What a newcomer meets first: `make demo` for each pair task (TASK=mnli, TASK=stsb), offline, through the Makefile
+into the test's own folder, beside the other tasks' demos: its metrics, one console line per evaluation and a final
+line (no bars without a terminal, no dict per log, no Trainer banners). A run on a (pseudo-)terminal draws bars."""
 
 from __future__ import annotations
 
@@ -31,21 +26,8 @@ TASKS = {
 def make_demo(tmp, task: str) -> CompletedProcess:
     """`make demo TASK=task`, as the README gives it, with its outputs under `tmp` and this interpreter's venv."""
     venv = sys.prefix  # the venv this test runs in is the demo's: -o, never rebuilt from here
-    return run_command(
-        [
-            "make",
-            "-o",
-            f"{venv}/.job",
-            "demo",
-            f"VENV={venv}",
-            f"PY={sys.executable}",
-            f"TASK={task}",
-            f"DEMO={tmp / 'demo'}",
-        ],
-        cwd=REPO,
-        env=base_env(tmp),
-        timeout=600,
-    )
+    command = ["make", "-o", f"{venv}/.job", "demo", f"VENV={venv}", f"PY={sys.executable}", f"TASK={task}"]
+    return run_command([*command, f"DEMO={tmp / 'demo'}"], cwd=REPO, env=base_env(tmp), timeout=600)
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

@@ -1,12 +1,7 @@
-"""scripts/gpu_checks.sh, the one call a GPU machine gets (docs/performance.md), run here as its smoke run.
-
-The GPU figures can only be taken on a lent GPU, in one call of minutes: a script broken since its last run would
-waste that call. `GPU_CHECKS_SMOKE=1` runs every default part on the CPU with the tiny model and a few rows (the
-captured step runs its function without a graph there; bitsandbytes' 8-bit runs here, so its arms must pass too);
-this holds that every part succeeds and writes every field gpu.json promises, from what each part really ran. The
-arms and fields are written here, not read from the script under test. Timings on a shared CI machine mean
-nothing: none is compared to a bound.
-"""
+"""scripts/gpu_checks.sh (docs/performance.md) as its smoke run: a lent GPU's one call of minutes must not be wasted
+on a broken script. `GPU_CHECKS_SMOKE=1` runs every default part on the CPU with the tiny model and a few rows (the
+capture without a graph, bitsandbytes' 8-bit on its CPU kernels); every part must succeed and write every field
+gpu.json promises (written here, not read from the script). No timing is compared to a bound."""
 
 from __future__ import annotations
 
@@ -22,72 +17,36 @@ from tests.support.processes import run_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-# The whole jobs (main.py) and the step arms (benchmarks/captured_step.py) of the default parts.
+# The whole jobs (main.py) and the step arms (benchmarks/captured_step.py) of the default parts, each step arm with
+# its batch (the smoke run's is 16).
 JOB_ARMS = {"job-bf16", "job-8bit"}
-STEP_ARMS = {
-    "eager-bf16": 16,
-    "captured-bf16": 16,
-    "eager-8bit": 16,
-    "captured-8bit": 16,
-    "eager-8bit-threshold-6": 16,
-    "captured-bf16-b16": 16,
-    "eager-bf16-b16": 16,
-    "captured-bf16-b256": 256,
-    "captured-compiled-bf16": 16,
-}  # each with its batch (the smoke run's is 16)
-FIELDS = {
-    "compile_s",
-    "steady_epoch_s",
-    "steady_step_ms",
-    "samples_per_s",
-    "job_cold_s",
-    "job_warm_s",
-    "first_step_done_cold_s",
-    "first_step_done_warm_s",
-    "epoch_measured",
-    "steps",
-    "steps_per_epoch",
-    "eval_accuracy",
-    "final_loss",
-    "loss_curve",
-    "graphs",
-    "recompiles",
-    "graph_breaks",
-    "cudagraphs",
-    "cudagraph_skips",
-    "precision",
-    "quantization",
-    "bitsandbytes_loaded",
-    "peak_memory_mib",
-}
+STEP_ARMS = dict.fromkeys(
+    "eager-bf16 captured-bf16 eager-8bit captured-8bit eager-8bit-threshold-6 captured-bf16-b16 eager-bf16-b16"
+    " captured-compiled-bf16".split(),
+    16,
+) | {"captured-bf16-b256": 256}
+FIELDS = set(
+    "compile_s steady_epoch_s steady_step_ms samples_per_s job_cold_s job_warm_s first_step_done_cold_s"
+    " first_step_done_warm_s epoch_measured steps steps_per_epoch eval_accuracy final_loss loss_curve graphs"
+    " recompiles graph_breaks cudagraphs cudagraph_skips precision quantization bitsandbytes_loaded"
+    " peak_memory_mib".split()
+)
 STEPS_PER_EPOCH = 512 // 16  # the smoke run's rows and batch
 
 
 def test_the_gpu_checks_run_every_part_to_its_end_on_the_cpu(tmp_path):
     results = tmp_path / "results"
     env = base_env(tmp_path, GPU_CHECKS_SMOKE="1", PYTHON=sys.executable, TMPDIR=str(tmp_path))  # its work dir too
-    proc = run_command(
-        ["bash", "scripts/gpu_checks.sh", str(results)],
-        env=env,
-        cwd=REPO,
-        timeout=2400,  # the smoke run's own clock, 4x the GPU call's, and the start
-    )
+    # The timeout: the smoke run's own clock, 4x the GPU call's, and the start.
+    proc = run_command(["bash", "scripts/gpu_checks.sh", str(results)], env=env, cwd=REPO, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     report = json.loads((results / "gpu.json").read_text())
     assert report["failed"] == []
     assert (report["device"], report["smoke"], report["rows"]) == ("cpu", True, 512)
     # The versions come first, one line a package.
     versions = (results / "gpu.txt").read_text().splitlines()
-    assert [line.split()[0] for line in versions] == [
-        "torch",
-        "transformers",
-        "peft",
-        "accelerate",
-        "datasets",
-        "pyarrow",
-        "bitsandbytes",
-        "evaluate",
-    ]
+    packages = "torch transformers peft accelerate datasets pyarrow bitsandbytes evaluate"
+    assert [line.split()[0] for line in versions] == packages.split()
     # Few files: what a lent machine sends back is limited; every part's log in the archive.
     assert {path.name for path in results.iterdir()} == {"gpu.json", "gpu.txt", "gpu_checks.log", "logs.tar.gz"}
     with tarfile.open(results / "logs.tar.gz") as archive:
@@ -127,11 +86,7 @@ def test_the_gpu_checks_run_every_part_to_its_end_on_the_cpu(tmp_path):
         assert set(arm) >= FIELDS, (name, FIELDS - set(arm))
         assert "error" not in arm, (name, arm.get("error"))
         assert arm["steady_step_ms"] > 0 and arm["samples_per_s"] > 0, name
-        assert (arm["epoch_measured"], arm["steps"], arm["steps_per_epoch"]) == (
-            True,
-            STEPS_PER_EPOCH,
-            STEPS_PER_EPOCH,
-        )
+        assert (arm["epoch_measured"], arm["steps"], arm["steps_per_epoch"]) == (True, *[STEPS_PER_EPOCH] * 2)
         assert arm["steady_epoch_s"] == pytest.approx(arm["steady_step_ms"] * STEPS_PER_EPOCH / 1000, abs=2e-3), name
         assert arm["job_cold_s"] > arm["first_step_done_cold_s"] > 0, name
         assert math.isfinite(arm["final_loss"]) and 0 <= arm["eval_accuracy"] <= 1, name

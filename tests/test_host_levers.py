@@ -11,22 +11,13 @@ from tests.support.processes import run_code
 
 SCRIPT = """
 import json, sys
-from pathlib import Path
 import torch
-from transformers import set_seed
-from utils.config.distributed import DistEnv
-from utils.training.data import DataSource, load_sst2
-from utils.cluster.job import Job, PlanInputs
-from utils.training.model import ModelChoices, build_model, load_tokenizer, trainable_checksum
-from utils.run_folder.layout import RunDir
-from utils.config.plan import build_plan
-from utils.cluster.preemption import Preemption
+from benchmarks.arms import build_job_arm
 from utils.config.settings import Settings
-from utils.training.trainer import JobTrainer, build_trainer
-from utils.training.trainer import TrainerChoices
+from utils.training.model import trainable_checksum
+from utils.training.trainer import JobTrainer
 
 model_dir, data_dir, out = sys.argv[1:]
-single = DistEnv(rank=0, local_rank=0, world_size=1, node_rank=0, master_addr=None, master_port=None, source="single")
 result = {}
 for levers in (False, True):
     JobTrainer.host_levers = levers
@@ -34,14 +25,8 @@ for levers in (False, True):
         model_name=model_dir, dataset_path=data_dir, output_dir=f"{out}/{levers}", report_to=("none",), max_steps=8,
         eval_steps=2, logging_steps=1, save_steps=1000, per_device_batch_size=16, learning_rate=1e-3,
     )
-    run = RunDir(Path(settings.output_dir))
-    run.checkpoints.mkdir(parents=True)
-    job = Job.start(settings, settings.select(PlanInputs), single, run, build_plan(settings, 1), preemption=Preemption())
-    tokenizer = load_tokenizer(settings.model_name, settings.max_seq_length, settings.lora_r)
-    data = load_sst2(settings.select(DataSource), tokenizer, run.cache)
-    job = job.with_rows(len(data["train"]))
-    set_seed(settings.seed)
-    model = build_model(settings.select(ModelChoices), "none", job.device)
+    trainer, *_ = build_job_arm(settings, cuda=False)  # as utils/run.py builds it
+    model = trainer.model
     modes = []  # (gradients on: a training forward, the LoRA dropout's mode)
     dropout = next(m for name, m in model.named_modules() if name.endswith("lora_dropout.default"))
     dropout.register_forward_pre_hook(lambda module, args: modes.append((torch.is_grad_enabled(), module.training)))
@@ -49,16 +34,14 @@ for levers in (False, True):
     base_modes = set()
     base = model.get_base_model().bert.encoder.layer[0].output.dropout
     base.register_forward_pre_hook(lambda module, args: base_modes.add(module.training) if torch.is_grad_enabled() else None)
-    trainer = build_trainer(job, model, tokenizer, data, job.settings.select(TrainerChoices))
     trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    grad_norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    history = trainer.state.log_history
     result[str(levers)] = {
-        "losses": losses, "grad_norms": grad_norms, "flos": trainer.state.total_flos,
-        "checksum": trainable_checksum(trainer.model), "modes": sorted(set(modes)),
-        "evaluations": sum(1 for entry in trainer.state.log_history if "eval_loss" in entry),
-        "patched": "zero_grad" in vars(trainer.model_wrapped),
-        "base_modes": sorted(base_modes),
+        "losses": [entry["loss"] for entry in history if "loss" in entry],
+        "grad_norms": [entry["grad_norm"] for entry in history if "grad_norm" in entry],
+        "flos": trainer.state.total_flos, "checksum": trainable_checksum(trainer.model), "modes": sorted(set(modes)),
+        "evaluations": sum(1 for entry in history if "eval_loss" in entry),
+        "patched": "zero_grad" in vars(trainer.model_wrapped), "base_modes": sorted(base_modes),
     }
 print(json.dumps(result))
 """

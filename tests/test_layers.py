@@ -40,9 +40,8 @@ def imports(path: Path) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    return {
-        module_name(path): imports(path) for path in sorted((REPO / "utils").rglob("*.py")) if path.stem != "__init__"
-    }
+    modules = [path for path in sorted((REPO / "utils").rglob("*.py")) if path.stem != "__init__"]
+    return {module_name(path): imports(path) for path in modules}
 
 
 @pytest.mark.check

@@ -1,7 +1,6 @@
-"""The metrics a run reports, on cases worked by hand: the expected values below were computed on paper from the
-confusion matrix or the ranks (shown beside each), not by the formulas of utils/training/classification_metrics.py and
-utils/training/regression_metrics.py. They go through the compute_metrics the Trainer is given (utils/training/trainer.py), logits
-and all, so argmax, the label count and the offline metric modules are checked together."""
+"""The metrics a run reports, on cases worked by hand (on paper, from the confusion matrix or the ranks shown beside
+each), through the compute_metrics the Trainer is given (utils/training/trainer.py), logits and all: argmax, the label
+count and the offline metric modules are checked together."""
 
 from __future__ import annotations
 
@@ -63,15 +62,9 @@ def test_three_classes_one_never_predicted_are_macro_averaged():
 
 def test_a_classifier_predicting_one_class_scores_zero_not_nan():
     scores = scored(classification_metrics(2), [0, 0, 0, 0], [1, 0, 1, 0], 2)
-    assert scores == {
-        "accuracy": 0.5,
-        "precision": 0.0,
-        "recall": 0.0,
-        "f1": 0.0,
-        "matthews_correlation": 0.0,
-        "samples": 4,
-        "loss": pytest.approx(1.548587351573742, rel=1e-6),  # log(1 + e^-3) + 3 * 2/4
-    }
+    zero = dict.fromkeys(["precision", "recall", "f1", "matthews_correlation"], 0.0)
+    loss = pytest.approx(1.548587351573742, rel=1e-6)  # log(1 + e^-3) + 3 * 2/4
+    assert scores == {"accuracy": 0.5, **zero, "samples": 4, "loss": loss}
 
 
 def test_regression_pearson_spearman_with_ties_and_mse():

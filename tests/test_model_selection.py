@@ -26,9 +26,8 @@ def evaluations(out: Path) -> dict[int, float]:
 
 
 def test_the_saved_model_is_the_best_checkpoint_s(tmp_path, tiny_bert, sst2_dir):
-    settings = tiny_run_settings(
-        tiny_bert, sst2_dir, tmp_path / "out", MAX_STEPS=30, EVAL_STEPS=5, SAVE_TOTAL_LIMIT=1, LOAD_BEST_MODEL="true"
-    )
+    extra = dict(MAX_STEPS=30, EVAL_STEPS=5, SAVE_TOTAL_LIMIT=1, LOAD_BEST_MODEL="true")
+    settings = tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "out", **extra)
     settings.pop("NUM_EPOCHS")
     result = run_main(base_env(tmp_path, **settings))
     assert result.code == 0, result.stderr[-3000:]
@@ -50,17 +49,10 @@ def test_the_saved_model_is_the_best_checkpoint_s(tmp_path, tiny_bert, sst2_dir)
 
 
 def test_early_stopping_stops_where_a_restarted_run_stops(tmp_path, tiny_bert, sst2_dir):
-    settings = tiny_run_settings(
-        tiny_bert,
-        sst2_dir,
-        tmp_path / "unused",
-        MAX_STEPS=120,
-        EVAL_STEPS=4,
-        SAVE_TOTAL_LIMIT=1,
-        EARLY_STOPPING_PATIENCE=2,
-        MODEL_DROPOUT=0,
-        LORA_DROPOUT=0,
+    extra = dict(
+        MAX_STEPS=120, EVAL_STEPS=4, SAVE_TOTAL_LIMIT=1, EARLY_STOPPING_PATIENCE=2, MODEL_DROPOUT=0, LORA_DROPOUT=0
     )
+    settings = tiny_run_settings(tiny_bert, sst2_dir, tmp_path / "unused", **extra)
     settings.pop("NUM_EPOCHS")
     whole = tmp_path / "whole"
     result = run_main(base_env(tmp_path, **{**settings, "OUTPUT_DIR": str(whole)}))

@@ -1,8 +1,6 @@
-"""TF32 through one torch API only (utils/training/trainer.use_tf32_matmuls). transformers' `TrainingArguments(tf32=True)` sets
-torch's new `fp32_precision`; once both APIs have been used, torch's legacy getters raise, and inductor calls one
-of them while it builds every GPU graph (pytorch#166387): the fast path would die at its first compile. The job's
-Trainer is built here for a CUDA plan (an H100's compute capability, as the set-up asks torch for it) in a process
-of its own, and both getters must still answer, with TF32 on."""
+"""TF32 through one torch API only (utils/training/trainer.use_tf32_matmuls): `TrainingArguments(tf32=True)` sets the
+new `fp32_precision`, after which torch's legacy getters raise, and inductor calls one for every GPU graph
+(pytorch#166387). The job's Trainer, built for a CUDA plan (an H100's capability), must leave both getters working."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""MLflow as users run it: a real tracking server (`mlflow server`, sqlite backend, a free port) that a
-two-replica job reports to, then what the server holds, read back with MlflowClient; and a tracking URI
-MLflow refuses, stopped before data and model load like a bad Hub token: once end to end, and every way of
-refusing in this process, against the check main.py runs (a silent server given 2 s, not the job's 30).
-MLflow 3 deprecates the file store, so it is not the tested path."""
+"""MLflow as users run it: a real tracking server (sqlite, a free port) a two-replica job reports to, read back with
+MlflowClient; and a tracking URI MLflow refuses, stopped before data and model load: once end to end, and every way
+of refusing in this process (a silent server given 2 s, not the job's 30). MLflow 3 deprecates the file store."""
 
 from __future__ import annotations
 
@@ -59,7 +57,6 @@ def test_two_replicas_report_one_run_to_a_real_tracking_server_and_no_secret(
 
 
 def test_a_tracking_uri_mlflow_refuses_stops_the_job_before_loading(job_env, hub):
-    """End to end: the job process is refused with one masked `error:` line before any data is tokenized."""
     uri = f"http://alice:{URL_SECRET}@127.0.0.1:{free_port()}"  # nothing listens there
     env = {**job_env, "REPORT_TO": "mlflow", "MLFLOW_TRACKING_URI": uri}
     masked = uri.replace(URL_SECRET, "***")
@@ -79,28 +76,22 @@ def silent_server():
 
 
 TRACKER_CHECK_TEST_SECONDS = 2  # the bound the check is given here; the job's own is TRACKER_CHECK_SECONDS
+UNSUPPORTED, MASKED = "htp://mlflow.example:5000", "MLFLOW_TRACKING_URI=http://alice:***@"  # MASKED: URL_SECRET's
 
 
 @pytest.mark.check
 @pytest.mark.parametrize(
     "uri, says",
     [
-        (
-            "htp://mlflow.example:5000",
-            "MLflow has no tracking store for MLFLOW_TRACKING_URI=htp://mlflow.example:5000",
-        ),
+        (UNSUPPORTED, f"MLflow has no tracking store for MLFLOW_TRACKING_URI={UNSUPPORTED}"),
         ("http://", "names no host"),
-        (
-            f"http://alice:{URL_SECRET}@127.0.0.1:{{port}}",
-            "no tracking server answers at MLFLOW_TRACKING_URI=http://alice:***@",
-        ),
+        (f"http://alice:{URL_SECRET}@127.0.0.1:{{port}}", f"no tracking server answers at {MASKED}"),
         ("{silent}", f"did not answer within {TRACKER_CHECK_TEST_SECONDS} s"),
     ],
     ids=["unsupported-scheme", "no-host", "nothing-listening", "never-answers"],
 )
 def test_tracking_uris_mlflow_cannot_use_are_bad_input_with_the_fix(monkeypatch, silent_server, uri, says):
-    """The check main.py runs before loading (`check_tracker_uri`), in this process: one case per way MLflow
-    refuses a URI, each a JobError with exit 2, the fix, and the password in the URI masked."""
+    """`check_tracker_uri`, which main.py runs before loading: a JobError, exit 2, the fix, the password masked."""
     from utils.common.errors import EXIT_BAD_INPUT, JobError
     from utils.config.preflight import check_tracker_uri
 

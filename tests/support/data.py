@@ -58,23 +58,15 @@ def saved_dataset(folder: Path, names: list[str], label_of=lambda label: label) 
     from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
     features = Features({"sentence": Value("string"), "label": ClassLabel(names=names)})
-    splits = {
-        split: Dataset.from_dict(
-            {"sentence": [text for text, _ in film_rows(n)], "label": [label_of(y) for _, y in film_rows(n)]},
-            features=features,
-        )
-        for split, n in SPLIT_SIZES
-    }
+
+    def columns(n: int) -> dict[str, list]:
+        return {"sentence": [text for text, _ in film_rows(n)], "label": [label_of(y) for _, y in film_rows(n)]}
+
+    splits = {split: Dataset.from_dict(columns(n), features=features) for split, n in SPLIT_SIZES}
     DatasetDict(splits).save_to_disk(folder)
     return folder
 
 
 # Line 3 opens a quote, line 6 closes one: read as quoted csv, lines 3-6 would be one row, without a word.
-STRAY_QUOTE = [
-    ("a good film", 1),
-    ('"a dull start', 0),
-    ("more of it", 1),
-    ("not much", 0),
-    ('he said "fine" twice', 1),
-    ("the end", 1),
-]
+STRAY_QUOTE = [("a good film", 1), ('"a dull start', 0), ("more of it", 1), ("not much", 0)]
+STRAY_QUOTE += [('he said "fine" twice', 1), ("the end", 1)]

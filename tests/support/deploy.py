@@ -15,26 +15,20 @@ import yaml
 from tests.support.env import FAKE_TOKEN, REPO
 
 K8S = REPO / "k8s"
-
-
 DOCKERFILE = REPO / "Dockerfile"
-
-
 SCHEMAS = REPO / "tests" / "schemas"  # the Kubeflow CRDs, vendored (their source in the README beside them)
 
 
 @cache
 def dockerfile() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) in order, continuation lines joined and comments dropped."""
-    lines, current = [], ""
-    for raw in DOCKERFILE.read_text().splitlines():
-        stripped = raw.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        current += " " + stripped.removesuffix("\\").strip() if current else stripped.removesuffix("\\").strip()
-        if not stripped.endswith("\\"):
-            lines.append(current)
-            current = ""
+    lines, parts = [], []
+    for stripped in (raw.strip() for raw in DOCKERFILE.read_text().splitlines()):
+        if stripped and not stripped.startswith("#"):
+            parts.append(stripped.removesuffix("\\").strip())
+            if not stripped.endswith("\\"):
+                lines.append(" ".join(parts))
+                parts = []
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
 
 
@@ -66,9 +60,8 @@ def shared_output_dir() -> str:
 
 
 def yaml_docs(path: Path) -> list[dict]:
-    return [
-        doc for doc in yaml.load_all(path.read_text(), Loader=yaml.CSafeLoader) if doc
-    ]  # libyaml: the vendored CRDs (2 MB) took 10 s
+    # libyaml: the vendored CRDs (2 MB) took 10 s in Python.
+    return [doc for doc in yaml.load_all(path.read_text(), Loader=yaml.CSafeLoader) if doc]
 
 
 def load_manifest(path: Path) -> dict:
@@ -115,12 +108,8 @@ def strict(schema):
     """An openAPIV3Schema with unknown fields made errors, as the API server's pruning would drop them silently."""
     if isinstance(schema, dict):
         schema = {key: strict(value) for key, value in schema.items()}
-        if (
-            "properties" in schema
-            and "additionalProperties" not in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields")
-        ):
-            schema["additionalProperties"] = False
+        if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema.setdefault("additionalProperties", False)
         return schema
     if isinstance(schema, list):
         return [strict(item) for item in schema]
@@ -136,10 +125,8 @@ def crd_schemas() -> dict[tuple[str, str], dict]:
             if crd.get("kind") != "CustomResourceDefinition":
                 continue
             for version in crd["spec"]["versions"]:
-                api = f"{crd['spec']['group']}/{version['name']}"
-                found[(api, crd["spec"]["names"]["kind"])] = strict(
-                    copy.deepcopy(version["schema"]["openAPIV3Schema"])
-                )
+                key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+                found[key] = strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
     return found
 
 

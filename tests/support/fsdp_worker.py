@@ -42,12 +42,8 @@ def main(model_dir: str, results: Path) -> None:
     settings = Settings(model_name=model_dir, strategy="fsdp", output_dir=str(results))
     torch.manual_seed(0)  # the same LoRA init on both ranks, as set_seed does in the job
     model = build_model(settings.select(ModelChoices), "none", torch.device("cpu"))
-    args = TrainingArguments(
-        output_dir=str(results / "trainer"),
-        use_cpu=True,
-        report_to="none",
-        **trainer_options(settings.strategy, model),
-    )
+    options = trainer_options(settings.strategy, model)
+    args = TrainingArguments(output_dir=str(results / "trainer"), use_cpu=True, report_to="none", **options)
 
     refused = None
     try:  # before sharding: the check must stop a plain model
@@ -57,14 +53,9 @@ def main(model_dir: str, results: Path) -> None:
 
     # What Accelerator.prepare does for FSDP2 on GPUs; the stand-in carries only what it reads.
     plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
-    accelerator = types.SimpleNamespace(
-        state=types.SimpleNamespace(fsdp_plugin=plugin),
-        mixed_precision="no",
-        is_main_process=rank == 0,
-        device=torch.device("cpu"),
-        torch_device_mesh=None,
-        parallelism_config=None,
-    )
+    state = types.SimpleNamespace(fsdp_plugin=plugin)
+    cpu = dict(device=torch.device("cpu"), torch_device_mesh=None, parallelism_config=None, mixed_precision="no")
+    accelerator = types.SimpleNamespace(state=state, is_main_process=rank == 0, **cpu)
     model = fsdp2_prepare_model(accelerator, model)
     StrategyCheck("fsdp").on_train_begin(args, None, None, model=model)  # must not raise now
 
@@ -72,11 +63,11 @@ def main(model_dir: str, results: Path) -> None:
     optimizer = torch.optim.AdamW(trainable, lr=1e-2, fused=True)  # the job's optim="adamw_torch_fused"
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own batches, as DDP/FSDP samplers give
     for _ in range(3):
-        ids = torch.randint(5, 60, (8, 12), generator=generator)
-        loss = model(
-            input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.randint(0, 2, (8,), generator=generator)
-        ).loss
-        loss.backward()
+        ids, labels = (
+            torch.randint(5, 60, (8, 12), generator=generator),
+            torch.randint(0, 2, (8,), generator=generator),
+        )
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 

@@ -11,16 +11,20 @@ from dataclasses import dataclass
 from tests.support.outcomes import error_lines
 
 
+def exactly(monkeypatch, env: dict[str, str]) -> None:
+    """This process's environment made exactly `env` for the test (monkeypatch restores it)."""
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+
+
 def configured(monkeypatch, env: dict[str, str], argv: list[str] | None = None):
     """What main.py resolves before torch (`main.configure`: settings, ranks, the plan) in a process whose
     environment is exactly `env`; bad input raises JobError."""
     from main import configure
 
-    for name in list(os.environ):
-        if name not in env:
-            monkeypatch.delenv(name)
-    for name, value in env.items():
-        monkeypatch.setenv(name, str(value))
+    exactly(monkeypatch, env)
     return configure(list(argv or []))
 
 
@@ -56,11 +60,7 @@ def start_in_process(monkeypatch, env: dict[str, str], argv: list[str] | tuple =
     import main
     from utils.cluster.preemption import Preemption
 
-    for name in list(os.environ):
-        if name not in env:
-            monkeypatch.delenv(name)
-    for name, value in env.items():
-        monkeypatch.setenv(name, str(value))
+    exactly(monkeypatch, env)
     refusals = []
 
     def stop(ready):

@@ -16,6 +16,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+ROUTES = {"/api/whoami-v2": "whoami", "/api/repos/create": "create", "/api/validate-yaml": "validate-yaml"}
+
 
 @dataclass
 class HubStub:
@@ -75,29 +77,21 @@ class HubStub:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def _body(self) -> bytes:
-                length = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(length) if length else b""
+            def _empty(self, status: int, headers: dict):
+                self.send_response(status)
+                for key, value in {**headers, "Content-Length": "0"}.items():
+                    self.send_header(key, value)
+                self.end_headers()
 
             def _authorized(self) -> bool:
                 ok = self.headers.get("Authorization") == f"Bearer {stub.token}"
-                if not ok:
-                    stub.bad_auth += 1
+                stub.bad_auth += not ok
                 return ok
 
             def _route(self) -> str:
                 path = self.path.split("?")[0]
-                if path == "/api/whoami-v2":
-                    return "whoami"
-                if path == "/api/repos/create":
-                    return "create"
-                if "/preupload/" in path:
-                    return "preupload"
-                if "/commit/" in path:
-                    return "commit"
-                if path == "/api/validate-yaml":
-                    return "validate-yaml"
-                return "other"
+                inside = [route for route in ("preupload", "commit") if f"/{route}/" in path]
+                return ROUTES.get(path) or (inside or ["other"])[0]
 
             def _maybe_fail(self, route: str) -> bool:
                 stub.attempts.append((time.monotonic(), route))
@@ -121,10 +115,7 @@ class HubStub:
                 files = stub.repo_files(repo)
                 content = None if files is None else files.get(path)
                 if content is None:
-                    self.send_response(404)
-                    self.send_header("X-Error-Code", "RepoNotFound" if files is None else "EntryNotFound")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    self._empty(404, {"X-Error-Code": "RepoNotFound" if files is None else "EntryNotFound"})
                     return True
                 self.send_response(200)
                 self.send_header("ETag", f'"{hashlib.sha256(content).hexdigest()}"')
@@ -137,11 +128,8 @@ class HubStub:
 
             def do_HEAD(self):
                 stub.requests.append(("HEAD", self.path))
-                if self._download(with_body=False):
-                    return
-                self.send_response(404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                if not self._download(with_body=False):
+                    self._empty(404, {})
 
             def do_GET(self):
                 stub.requests.append(("GET", self.path))
@@ -154,15 +142,14 @@ class HubStub:
                     if not self._authorized():
                         return self._send(401, {"error": "Invalid credentials in Authorization header"})
                     access = {"role": stub.role}
+                    scoped = [{"entity": {"type": "user", "name": "tester"}, "permissions": stub.scopes}]
                     if stub.role == "fineGrained":
-                        access["fineGrained"] = {
-                            "scoped": [{"entity": {"type": "user", "name": "tester"}, "permissions": stub.scopes}]
-                        }
+                        access["fineGrained"] = {"scoped": scoped}
                     return self._send(200, {"name": "tester", "type": "user", "auth": {"accessToken": access}})
                 self._send(404, {"error": "not found"})
 
             def do_POST(self):
-                body = self._body()
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 stub.requests.append(("POST", self.path))
                 route = self._route()
                 if self._maybe_fail(route):
@@ -179,26 +166,16 @@ class HubStub:
                     return self._send(200, {"url": f"http://{self.headers['Host']}/{name}", "name": name})
                 if route == "preupload":
                     files = json.loads(body)["files"]
-                    return self._send(
-                        200,
-                        {
-                            "files": [
-                                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
-                            ]
-                        },
-                    )
+                    modes = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
+                    return self._send(200, {"files": modes})
                 if route == "commit":
                     repo = self.path.split("/api/models/")[1].split("/commit/")[0]
-                    files = {}
-                    for line in body.decode().splitlines():
-                        item = json.loads(line)
-                        if item["key"] == "file":
-                            files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                    items = [json.loads(line) for line in body.decode().splitlines()]
+                    added = [item["value"] for item in items if item["key"] == "file"]
+                    files = {file["path"]: base64.b64decode(file["content"]) for file in added}
                     stub.commits.append({"repo": repo, "files": files})
-                    return self._send(
-                        200,
-                        {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/abc123", "commitOid": "abc123"},
-                    )
+                    url = f"http://{self.headers['Host']}/{repo}/commit/abc123"
+                    return self._send(200, {"commitUrl": url, "commitOid": "abc123"})
                 self._send(404, {"error": "not found"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -10,8 +10,6 @@ from pathlib import Path
 # relative, adapter weights within 3.4e-7 absolute (values up to 0.17). The tolerances sit a few times above that;
 # a rate x2 moves step 2's eval loss by 1e-2 (relative) and the weights by up to 0.3.
 LOSS_RTOL = 1e-6
-
-
 WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-6
 
 
@@ -28,14 +26,10 @@ def first_divergence(one: dict[int, float], two: dict[int, float], rtol: float) 
         a, b = one[step], two[step]
         if abs(a - b) > rtol * max(abs(a), abs(b)):
             later = ", ".join(f"{s}: {one[s]:.6g} vs {two[s]:.6g}" for s in sorted(one) if s > step)
+            why = " (before any update: other rows, other initial weights or another loss scale)" if step == 1 else ""
             return (
                 f"first differs at step {step}: {a:.8g} (1 process) vs {b:.8g} (2 replicas), "
-                f"relative difference {abs(a - b) / max(abs(a), abs(b)):.2e} > {rtol:g}"
-                + (
-                    " (before any update: other rows, other initial weights or another loss scale)"
-                    if step == 1
-                    else ""
-                )
+                f"relative difference {abs(a - b) / max(abs(a), abs(b)):.2e} > {rtol:g}{why}"
                 + (f"; later: {later}" if later else "")
             )
     return None

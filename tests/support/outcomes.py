@@ -27,14 +27,9 @@ def trained_plan(out: Path, ranks=(0,)) -> dict:
     warm-up, each optimizer group's rate and the precision each Trainer read back at the end of training
     (logs/rank-R.json's `trained_with`)."""
     plan = json.loads((out / "run.json").read_text())["plan"]
-    planned = {
-        "micro_batch": plan["batch"]["micro_batch"],
-        "accumulation": plan["batch"]["accumulation"],
-        "steps": plan["steps"],
-        "warmup_steps": plan["warmup_steps"],
-        "rates": sorted(set(plan["rates"].values())),
-        "precision": plan["precision"],
-    }
+    planned = {key: plan["batch"][key] for key in ("micro_batch", "accumulation")}
+    planned |= {key: plan[key] for key in ("steps", "warmup_steps", "precision")}
+    planned["rates"] = sorted(set(plan["rates"].values()))
     for rank in ranks:
         assert rank_record(out, rank)["trained_with"] == planned, f"rank {rank} trained otherwise than planned"
     return plan
@@ -92,16 +87,8 @@ def assert_token_absent(token: str, roots: list[Path], hub: HubStub | None = Non
     needle = token.encode()
     files = [path for root in roots for path in root.rglob("*") if path.is_file()]
     names = " ".join(path.name for path in files)
-    for kind in (
-        "events.out.tfevents",
-        "optimizer.pt",
-        "rng_state",
-        "training_args.bin",
-        "rank-0.log",
-        "run.json",
-        "metrics.json",
-        "README.md",
-    ):
+    kinds = "events.out.tfevents optimizer.pt rng_state training_args.bin rank-0.log run.json metrics.json README.md"
+    for kind in kinds.split():
         assert kind in names, f"nothing like {kind} was searched"  # the search really covered a run's outputs
     leaks = [str(path) for path in files if needle in path.read_bytes()]
     if hub is not None:
@@ -111,17 +98,10 @@ def assert_token_absent(token: str, roots: list[Path], hub: HubStub | None = Non
 
 def rank_report(out: Path, world: int) -> list[dict]:
     """Per rank, from its logs/rank-R.json: who it was (rank, world, local rank, node, launcher) and what it trained."""
+    names = dict(rank="rank", world="world_size", local_rank="local_rank", node="node_rank", source="source")
+    names |= dict(samples="samples_trained", checksum="trainable_checksum")
     return [
-        {
-            "rank": record["rank"],
-            "world": record["world_size"],
-            "local_rank": record["local_rank"],
-            "node": record["node_rank"],
-            "source": record["source"],
-            "samples": record["samples_trained"],
-            "checksum": record["trainable_checksum"],
-        }
-        for record in (rank_record(out, rank) for rank in range(world))
+        {name: record[key] for name, key in names.items()} for record in map(rank_record, [out] * world, range(world))
     ]
 
 

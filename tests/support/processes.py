@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import pty
+import shutil
 import signal
 import struct
 import subprocess
@@ -15,7 +16,7 @@ import termios
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,15 +56,8 @@ def run_python(
     argv: list[str], env: dict[str, str], stdin: str | None = None, cwd: Path = REPO, *, timeout: float
 ) -> Result:
     """`python argv...`, waited for `timeout` idle-machine seconds (`patiently`), killed past them."""
-    proc = subprocess.Popen(
-        [sys.executable, *argv],
-        stdin=None if stdin is None else PIPE,
-        stdout=PIPE,
-        stderr=PIPE,
-        env=env,
-        cwd=cwd,
-        text=True,
-    )
+    pipes = dict(stdin=None if stdin is None else PIPE, stdout=PIPE, stderr=PIPE)
+    proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, text=True, **pipes)
     unsent = [stdin]
 
     def communicate(seconds: float) -> tuple[str, str]:
@@ -97,23 +91,13 @@ def start_main_on_terminal(env: dict[str, str], log: Path, columns: int = 100) -
     sees: the job draws progress bars there), copied to `log` as it comes; `.copied` is the copy's thread."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))  # a new one has no width
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "main.py")], env=env, cwd=REPO, stdout=follower, stderr=follower
-    )
+    proc = subprocess.Popen([sys.executable, REPO / "main.py"], env=env, cwd=REPO, stdout=follower, stderr=follower)
     os.close(follower)
 
     def copy() -> None:
-        with open(log, "wb") as out:
-            while True:
-                try:
-                    chunk = os.read(leader, 65536)
-                except OSError:  # EIO: the job closed the terminal
-                    break
-                if not chunk:
-                    break
-                out.write(chunk)
-                out.flush()
-        os.close(leader)
+        with open(leader, "rb", buffering=0) as terminal, open(log, "wb", buffering=0) as out:
+            with suppress(OSError):  # EIO: the job closed the terminal
+                shutil.copyfileobj(terminal, out, 65536)
 
     proc.copied = threading.Thread(target=copy, daemon=True)
     proc.copied.start()
@@ -123,9 +107,7 @@ def start_main_on_terminal(env: dict[str, str], log: Path, columns: int = 100) -
 def start_main(env: dict[str, str], *args: str, log: Path | None = None) -> Popen:
     """Start `python main.py` without waiting (for multi-rank runs); output goes to `log`."""
     out = open(log, "w") if log else DEVNULL
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "main.py"), *args], env=env, cwd=REPO, stdout=out, stderr=STDOUT
-    )
+    return subprocess.Popen([sys.executable, REPO / "main.py", *args], env=env, cwd=REPO, stdout=out, stderr=STDOUT)
 
 
 # `make check` is one process, fast because nothing it runs imports the training stack again: a test marked
@@ -150,12 +132,9 @@ class Replicas:
         self.tmp, self.started, self.streams = tmp, [], []
 
     def start(self, tag: str, settings: dict[str, str], world: int = 2, ranks=(0, 1)) -> list[Popen]:
-        port = free_port()
-        procs = []
-        for rank in ranks:
-            stream = self.tmp / f"{tag}-rank{rank}.txt"
-            procs.append(start_main(rank_env(self.tmp, rank, world, port, **settings), log=stream))
-            self.streams.append(stream)
+        port, streams = free_port(), {rank: self.tmp / f"{tag}-rank{rank}.txt" for rank in ranks}
+        procs = [start_main(rank_env(self.tmp, rank, world, port, **settings), log=streams[rank]) for rank in ranks]
+        self.streams += streams.values()
         self.started += procs
         return procs
 
@@ -167,17 +146,18 @@ class Replicas:
                 proc.wait()
 
 
-def train_one_and_two(tmp: Path, settings: dict, batch: int) -> tuple[Path, Path]:
+def train_one_and_two(tmp: Path, settings: dict, batch: int, timeout: float = 300) -> tuple[Path, Path]:
     """The same settings trained by one process at batch 2B and by two replicas at B each (DDP on gloo): the
     comparison every task and strategy is held to. Returns the two OUTPUT_DIRs (one process, two replicas);
-    both runs must succeed."""
+    both runs must succeed within `timeout` idle-machine seconds."""
     one_out, two_out = tmp / "one", tmp / "two"
     settings = {k: str(v) for k, v in settings.items()}
     group = Replicas(tmp)
     try:
         procs = group.start("ddp", {**settings, "OUTPUT_DIR": str(two_out), "PER_DEVICE_BATCH_SIZE": str(batch)})
-        single = run_main(base_env(tmp, **settings, OUTPUT_DIR=one_out, PER_DEVICE_BATCH_SIZE=2 * batch))
-        codes = wait_all(procs)
+        one = {**settings, "OUTPUT_DIR": one_out, "PER_DEVICE_BATCH_SIZE": 2 * batch}
+        single = run_main(base_env(tmp, **one), timeout=timeout)
+        codes = wait_all(procs, timeout=timeout)
     finally:
         group.cleanup()
     assert single.code == 0, single.stderr[-3000:]
@@ -190,18 +170,13 @@ def train_one_and_two(tmp: Path, settings: dict, batch: int) -> tuple[Path, Path
 # which it does. Only the allowance is scaled, by `slowness()` measured in the test: on 2 cores at load 8 the work
 # takes about four times as long, and a job that really hangs still fails the bound.
 IDLE_CALIBRATION_S = 0.045  # the workload below on an idle core of the 2-core machine these bounds were set on
-
-
 MOST_SLOWNESS = 8.0  # the most a bound is stretched: load 16 on 2 cores; a hang still ends within 8x its bound
-
-
 T = TypeVar("T")
 
 
 def slowness() -> float:
-    """How many times slower than idle this machine runs Python now: at least 1, about 4 at load 8 on 2 cores.
-    The median of three timings of a fixed pure-Python workload (what imports and logging are made of), against its
-    idle time; it takes about 0.15 s on an idle machine."""
+    """How many times slower than idle this machine runs Python now (at least 1): the median of three timings of a
+    pure-Python workload (what imports and logging are made of) against its idle time; about 0.15 s when idle."""
     took = []
     for _ in range(3):
         start = time.perf_counter()
@@ -217,9 +192,8 @@ def stretched(timeout: float, limit: float) -> float:
 
 
 def patiently(wait: Callable[[float], T], timeout: float) -> T:
-    """`wait(seconds)` (a Popen's wait or communicate) for `timeout` idle-machine seconds: when they run out, it
-    waits on for as long as the slowness measured then stretches them, then lets TimeoutExpired through. A wait
-    for a process that really hangs still fails; one for a process that is only slow on a loaded machine does not."""
+    """`wait(seconds)` (a Popen's wait or communicate) for `timeout` idle-machine seconds, stretched by the slowness
+    measured when they run out, then TimeoutExpired: a hang still fails, a process only slow on a loaded one not."""
     start, limit = time.monotonic(), timeout
     while True:
         try:
@@ -229,11 +203,7 @@ def patiently(wait: Callable[[float], T], timeout: float) -> T:
                 raise
 
 
-def wait_all(
-    procs: list[Popen],
-    logs: list[Path] | Callable[[], list[Path]] | None = None,
-    timeout: float = 300,
-) -> list[int]:
+def wait_all(procs: list[Popen], logs: list[Path] | Callable[[], list[Path]] | None = None, timeout=300) -> list[int]:
     """Wait for every process and return the exit codes; any still running at the end is killed. With `logs`
     (the paths, or a function listing them once the processes are over): fail unless every code is 0, showing
     the tail of each log. `timeout` is in idle-machine seconds (`patiently`)."""
@@ -245,21 +215,12 @@ def wait_all(
                 proc.kill()
     if logs is not None and codes != [0] * len(procs):
         logs = logs() if callable(logs) else logs
-        pytest.fail(
-            f"exit codes {codes}\n"
-            + "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
-        )
+        tails = "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
+        pytest.fail(f"exit codes {codes}\n{tails}")
     return codes
 
 
-def wait_until(
-    condition: Callable[[], object],
-    what: str,
-    procs: list[Popen] | tuple = (),
-    timeout: float = 300,
-    log: Path | None = None,
-    every: float = 0.05,
-):
+def wait_until(condition: Callable[[], object], what: str, procs=(), timeout=300, log: Path | None = None, every=0.05):
     """Poll `condition()` every `every` s until it returns something true, and return that. Fail as soon as one
     of `procs` has exited, or once `timeout` idle-machine seconds have passed (stretched as `patiently` does),
     saying which `what` never came (and `log`'s tail)."""
@@ -270,9 +231,7 @@ def wait_until(
         overdue = elapsed > limit and elapsed > (limit := stretched(timeout, limit))
         if ended or overdue:
             tail = f"\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
-            pytest.fail(
-                f"exit codes {ended} before {what}{tail}" if ended else f"no {what} within {limit:.0f} s{tail}"
-            )
+            pytest.fail((f"exit codes {ended} before {what}" if ended else f"no {what} within {limit:.0f} s") + tail)
         time.sleep(every)
     return value
 
@@ -283,8 +242,6 @@ def wait_for(path: Path, procs: list[Popen], timeout: float = 300) -> None:
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
@@ -299,13 +256,10 @@ def start(cmd: list, env: dict[str, str] | None = None, log: Path | None = None,
 def start_mlflow_server(mlflow: Path, store: Path, port: int, log: Path) -> Popen:
     """`mlflow server` as users run it (sqlite backend in `store`, `port`), output to `log`, in a process group of
     its own: `stop_process_group` ends its workers with it."""
+    command = [mlflow, "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--host", "127.0.0.1"]
+    command += ["--default-artifact-root", store / "artifacts", "--port", str(port), "--workers", "1"]
     return subprocess.Popen(
-        [
-            *(str(mlflow), "server"),
-            *("--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}"),
-            *("--default-artifact-root", str(store / "artifacts")),
-            *("--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
-        ],
+        command,
         stdout=open(log, "w"),
         stderr=STDOUT,
         # No job runner: its queue consumers (MLflow's own background jobs) take seconds of CPU and serve no run.
