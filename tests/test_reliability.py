@@ -396,3 +396,34 @@ def test_hub_retries_honour_retry_after_and_stop_at_the_bound(hub, hub_in_proces
     with pytest.raises(HfHubHTTPError):
         hub_in_process(60).push_files(files, REPO_ID, True, "upload")
     assert hub.count("/api/repos/create") == before + 1  # permanent: no retry
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("choosing", [False, True], ids=["curve-only", "choosing-the-checkpoint"])
+def test_a_stop_at_an_evaluation_step_evaluates_first_only_where_evaluations_choose(tmp_path, choosing):
+    """A stop signal at an evaluation step: where the evaluation only draws the curve, the grace period goes to the
+    checkpoint; under LOAD_BEST_MODEL or EARLY_STOPPING_PATIENCE it chooses the checkpoint and the stop, and a resume
+    never evaluates that step again (a restarted run stopped 4 steps later than the whole run), so it runs first."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from utils.cluster.collectives import Collectives
+    from utils.cluster.preemption import Preemption
+    from utils.config.distributed import DistEnv
+    from utils.run_folder.layout import RunDir
+    from utils.training.trainer import Checkpoints
+
+    single = DistEnv(0, 0, 1, 0, None, None, "single")
+    run = RunDir(tmp_path)
+    run.checkpoints.mkdir()
+    preemption = Preemption()
+    preemption.signum = signal.SIGTERM
+    callback = Checkpoints(run, Collectives(single, 60), 1, {}, preemption)
+    args = TrainingArguments(
+        output_dir=str(run.checkpoints), use_cpu=True, report_to="none", eval_strategy="steps", eval_steps=4,
+        save_steps=4, load_best_model_at_end=choosing, metric_for_best_model="accuracy",
+    )  # fmt: skip
+    control = TrainerControl(should_evaluate=True)
+    callback.on_step_end(args, TrainerState(global_step=8, max_steps=120), control)
+    assert control.should_save and control.should_training_stop
+    assert control.should_evaluate is choosing
+    assert (run.checkpoints / "checkpoint-8").is_dir()

@@ -432,8 +432,9 @@ class Checkpoints(TrainerCallback):
             self.preemption.follow(signum)
             log.warning(f"{SIGNALS.get(signum, signum)}: saving a checkpoint at step {state.global_step} and stopping")
             control.should_save = control.should_training_stop = True
-            # The grace period goes to the checkpoint: the Trainer would evaluate first on an evaluation step.
-            control.should_evaluate = False
+            # The grace period goes to the checkpoint (the Trainer would evaluate first on an evaluation step),
+            # unless evaluations choose the checkpoint and the stop: a resume never evaluates that step again.
+            control.should_evaluate = control.should_evaluate and args.load_best_model_at_end
         if state.global_step >= state.max_steps and not args.load_best_model_at_end:
             # The Trainer evaluates before the last save: an evaluation out of memory there lost every step since
             # the last checkpoint. The final evaluation after training gives the curve its last point.
