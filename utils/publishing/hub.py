@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -92,13 +92,11 @@ def retry_after(exc: BaseException) -> float | None:
     value = headers.get("Retry-After") if headers is not None else None
     if not value:
         return None
-    try:
+    with suppress(ValueError):
         return max(0.0, float(value))
-    except ValueError:
-        try:
-            return max(0.0, (email.utils.parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
-        except (TypeError, ValueError):
-            return None
+    with suppress(TypeError, ValueError):
+        return max(0.0, (email.utils.parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
+    return None
 
 
 _backoff = wait_random_exponential(multiplier=1, max=60)  # 1 s, 2 s, 4 s ... with full jitter, capped at a minute
@@ -228,7 +226,6 @@ class Hub:
         return within(self._max_retry_seconds, push, "hub-call")
 
 
-# ------------------------------------------------------------------------------- saving
 def save_model(
     run: RunDir,
     card: CardFacts,
@@ -286,7 +283,6 @@ def _replace_with(run: RunDir, staged: Path, folder: Path) -> None:
     record_written(run, folder.name, [f"{folder.name}/{name}" for name in files], replace=True)
 
 
-# ------------------------------------------------------------------------------- pushing
 PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what was pushed where
 
 
@@ -344,16 +340,14 @@ def push_model(run: RunDir, card: CardFacts, plan: Plan, targets: PushTargets, h
         # The card again, now naming the repo it is pushed to (after --push-only too).
         written = write_model_card(folder, card, plan, metrics, repo_id, merged=merged)
         sent = {} if merged else adapter_config_for_hub(run, published_base(metrics, plan))
+
+        def open_file(path: Path, sent=sent) -> BinaryIO:  # not following a link: what was checked is what is sent
+            return io.BytesIO(sent[path]) if path in sent else run.open(path, "rb")
+
         log.info("pushing %s to %s", folder, repo_id)
         try:
             url = hub.push_files(
-                files,
-                repo_id,
-                targets.hub_private,
-                f"Upload {metrics['run_name']}",
-                card=written,
-                # Read through descriptors opened without following a link: what was checked is what is sent.
-                open_file=lambda path, sent=sent: io.BytesIO(sent[path]) if path in sent else run.open(path, "rb"),
+                files, repo_id, targets.hub_private, f"Upload {metrics['run_name']}", written, open_file
             )
         except JobError:  # a file planted since the check above: refused, not a failed push to retry
             raise

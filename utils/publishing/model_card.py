@@ -4,6 +4,7 @@ the repo id) from metrics.json and the settings, so a `--push-only` after a rest
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,10 +208,8 @@ def usage_snippet(repo_or_path: str, labels: list[str], pair: bool, merged: bool
 def adapter_config(folder: Path) -> dict:
     """adapter_config.json as peft saved it (a merged folder's: model/'s beside it); {} if none."""
     for config in (folder / "adapter_config.json", folder.parent / "model" / "adapter_config.json"):
-        try:
+        with suppress(OSError, ValueError):
             return json.loads(config.read_text())
-        except (OSError, ValueError):
-            continue
     return {}
 
 

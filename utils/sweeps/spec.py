@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -43,8 +44,7 @@ from utils.config.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval
 from utils.config.tasks import validation_splits as task_splits
 from utils.run_folder.layout import RunDir
 
-# Each trial is a training run, and Slurm's default MaxArraySize (1001) takes array indexes 0-1000: a bigger
-# sweep is a typo (trials: 100000000) or a grid nobody means to pay for.
+# Slurm's default MaxArraySize (1001) takes array indexes 0-1000; more trials are a typo or a grid nobody would pay for.
 MAX_TRIALS = 1000
 SPEC_MAX_BYTES = 1 << 20  # a spec is a page of YAML; more is the wrong file (and /dev/zero never ends)
 # A trial pushes only where the spec's `push:` says, never to these from the shell or the recipe (each over the last).
@@ -118,11 +118,9 @@ Values = Annotated[list, Field(min_length=1), AfterValidator(swept_values)]
 
 def finite(value):
     """.nan passes every order check (it compares false); .inf and an int past a float's range overflow the draw."""
-    try:
+    with suppress(OverflowError):  # an int too large for a float
         if math.isfinite(value):
             return value
-    except OverflowError:  # an int too large for a float
-        pass
     shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(repr(value))} digits)"
     raise ValueError(f"{shown} is not a finite number; give each bound as a number, e.g. low: 1.0e-5")
 
@@ -319,14 +317,10 @@ class Spec:
 
     def trial_env(self, trial: Trial) -> dict[str, str]:
         """The settings one trial runs with, as the environment of its `python main.py` (or Katib's template)."""
-        env = dict(self.settings)
-        if self.config:
-            env["CONFIG_FILE"] = self.config
-        env.update(as_environment(trial.params))
-        env["OUTPUT_DIR"] = str(self.output_dir / trial.name)
-        if self.push:
-            env["RESULT_MODEL_ID"] = f"{self.push}-{trial.name}"
-        return env
+        config = {"CONFIG_FILE": self.config} if self.config else {}
+        push = {"RESULT_MODEL_ID": f"{self.push}-{trial.name}"} if self.push else {}
+        trial_env = {**as_environment(trial.params), "OUTPUT_DIR": str(self.output_dir / trial.name), **push}
+        return {**self.settings, **config, **trial_env}
 
 
 FILE_KEYS = [name for name, field in Spec.__pydantic_fields__.items() if field.init is not False]
@@ -427,9 +421,7 @@ def draw_random(spec: Spec) -> list[dict]:
 def job_environment(spec: Spec, trial: Trial) -> dict[str, str]:
     """One trial's `python main.py` environment (checked, identified and run alike): this shell's less the Hub repos,
     with the trial's settings over it."""
-    env = {name: value for name, value in os.environ.items() if name not in HUB_DESTINATIONS}
-    env.update(spec.trial_env(trial))
-    return env
+    return {**{k: v for k, v in os.environ.items() if k not in HUB_DESTINATIONS}, **spec.trial_env(trial)}
 
 
 @dataclass(frozen=True)
@@ -486,11 +478,8 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
 def sweep_identity(spec: Spec, trials: dict[str, dict], recipe: str | None) -> dict:
     """What makes two runs of a spec one sweep (sweep.json): the job's identity of each trial (a setting the job
     ignores changes no trial), a random search's space and seed (more trials extend it), the recipe's path and digest."""
-    space = (
-        {"random": {name: setting_space(values) for name, values in spec.random.items()}, "seed": spec.seed}
-        if spec.random
-        else {"grid": {name: [*map(setting_value, values)] for name, values in spec.grid.items()}}
-    )
+    swept = {name: setting_space(values) for name, values in (spec.random or spec.grid).items()}
+    space = {"random": swept, "seed": spec.seed} if spec.random else {"grid": swept}
     # read by the job's recipe reader in check_trials: a regular file of a page at most
     digest = recipe and sha256_file(Path(recipe).expanduser())
     identity = {"trials": trials, "space": space, "recipe": recipe and {"path": recipe, "sha256": digest}}
@@ -573,15 +562,15 @@ def read_sweep_record(record: Path) -> dict:
     except (OSError, UnfitFile, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else exc
         raise refused(f"{record} cannot be read ({why}); {UNREADABLE}") from None
-    if isinstance(theirs, dict) and isinstance(theirs.get("trials"), dict) and "space" not in theirs:
+    trials = theirs.get("trials") if isinstance(theirs, dict) else None
+    if isinstance(trials, dict) and "space" not in theirs:
         raise refused(
             f"{record} was written by an earlier sweep.py (it records each trial's variables, not the job's identity "
             "of each); finish that sweep with the version that made it, or give this spec a new output_dir"
         )
     if not (
-        isinstance(theirs, dict)
-        and isinstance(theirs.get("trials"), dict)
-        and all(isinstance(trial, dict) for trial in theirs["trials"].values())
+        isinstance(trials, dict)
+        and all(isinstance(trial, dict) for trial in trials.values())
         and isinstance(theirs.get("space"), dict)
         and isinstance(theirs.get("recipe", ...), dict | None)
     ):
