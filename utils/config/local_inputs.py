@@ -27,20 +27,11 @@ def _listing(folder: Path) -> str:
     return ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
 
 
-def is_local_model(model_name: str) -> bool:
-    """Whether MODEL_NAME means a folder: one exists by that name, or the name cannot be a Hub id."""
-    return (
-        Path(model_name).expanduser().exists()
-        or model_name.startswith(("/", ".", "~"))
-        or not REPO_ID_PATTERN.match(model_name)
-    )
-
-
 def check_model_folder(model_name: str) -> None:
-    """A local MODEL_NAME is a folder with a config.json that parses and a tokenizer's files."""
-    if not is_local_model(model_name):
-        return
+    """A local MODEL_NAME (a folder by that name, or a name no Hub id can be) holds a config.json and a tokenizer."""
     folder = Path(model_name).expanduser()
+    if not (folder.exists() or model_name.startswith(("/", ".", "~")) or not REPO_ID_PATTERN.match(model_name)):
+        return
     if not folder.exists():
         raise BadInput(f"MODEL_NAME={model_name} does not exist (no such folder, and no Hub id); {MODEL_FIX}")
     if not folder.is_dir():
@@ -124,9 +115,7 @@ def check_carve(
     present: Iterable[str], where: str, validation_split: float | None, validation: tuple[str, ...]
 ) -> None:
     """VALIDATION_SPLIT carves only where the data has no validation rows of its own (dropped without a word else)."""
-    if validation_split is None:
-        return
-    if given := sorted(split for split in present if split in validation):
+    if validation_split is not None and (given := sorted(split for split in present if split in validation)):
         raise BadInput(
             f"VALIDATION_SPLIT={validation_split} carves validation rows out of the training rows, and "
             f"{where} holds {', '.join(given)} rows already; unset VALIDATION_SPLIT, or remove the validation rows",

@@ -78,15 +78,11 @@ def is_run_folder(run: RunDir) -> bool:
 
 
 def _record_problem(run: RunDir, marked: bool) -> str | None:
-    """Why run.json is not this job's (None: it is). Unmarked, one with other hard links is someone else's (marked,
-    RunDir.open refuses it as a planted link)."""
+    """Why run.json is not this job's (None: it is): its `format`, or the keys every version wrote. Unmarked, one with
+    other hard links is someone else's (marked, RunDir.open refuses it as a planted link)."""
     if not marked and os.lstat(run.run_record).st_nlink > 1:
         return "it is a file with other hard links"
-    return foreign_record(run.read_json(run.run_record))
-
-
-def foreign_record(record: dict) -> str | None:
-    """Why a run.json is not one this job wrote (None: it is): its `format`, or the keys every version wrote."""
+    record = run.read_json(run.run_record)
     if "format" in record:
         fmt = record["format"]
         good = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt >= RUN_RECORD_FORMAT

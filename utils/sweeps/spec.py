@@ -497,22 +497,16 @@ def metric_of(metric: str, task: str | None, problem_type: str) -> tuple[str, tu
     problems = (problem_type,) if problem_type != "auto" else (CLASSIFICATION, REGRESSION)
     splits = task_splits(task)
     reported = [name for problem in problems for name in reported_metrics(task, problem)]
-    names = tuple(dict.fromkeys([*reported, *(f"{p}_loss" if p else "loss" for p in map(eval_prefix, splits))]))
-    first = eval_prefix(splits[0])
-    for name in (metric, f"{first}_{metric}" if first else metric):
-        if name in names:
-            return name, names, on_each_split(name, splits)
+    prefixes = [eval_prefix(split) for split in splits]
+    names = tuple(dict.fromkeys([*reported, *(f"{p}_loss" if p else "loss" for p in prefixes)]))
+    for name in (metric, f"{prefixes[0]}_{metric}" if prefixes[0] else metric):
+        if name in names:  # on every split: MNLI's matched_accuracy is also eval_mismatched_accuracy
+            base = next((name.removeprefix(f"{p}_") for p in prefixes if p and name.startswith(f"{p}_")), name)
+            return name, names, tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes)
     close = difflib.get_close_matches(metric, names, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     kind = f"TASK={task}" if task else f"PROBLEM_TYPE={problem_type}"
     raise refused(f"metric={metric!r} is not a metric the trials write ({kind}){hint}; use one of {', '.join(names)}")
-
-
-def on_each_split(key: str, splits: tuple[str, ...]) -> tuple[str, ...]:
-    """MNLI's `matched_accuracy` -> eval_matched_accuracy, eval_mismatched_accuracy: the metric on every split."""
-    prefixes = [eval_prefix(split) for split in splits]
-    base = next((key.removeprefix(f"{p}_") for p in prefixes if p and key.startswith(f"{p}_")), key)
-    return tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes)
 
 
 def describe(trial: Trial) -> str:
