@@ -230,7 +230,6 @@ class Spec:
     # Each runs a process: a larger count than a sweep's trials is a typo that would exhaust memory.
     parallel: int = Field(1, ge=1, le=MAX_TRIALS, description=f"give how many trials run at once, 1 to {MAX_TRIALS}")
     backend: Literal["local", "slurm", "katib"] = Field("local", description="use one of local, slurm, katib")
-    # the Hub repo trials push to as <repo>-<trial>; None: no trial pushes
     push: str | bool | None = Field(
         False, description="write push: OWNER/NAME (trial-003 pushes to OWNER/NAME-trial-003) or push: false"
     )
