@@ -248,14 +248,8 @@ def write_model_card(
         "train runtime": f"{metrics['train_runtime']:.0f} s" if "train_runtime" in metrics else "?",
         "run name": metrics.get("run_name"),
     }
-    if selected := metrics.get("selected_checkpoint"):  # chosen on the metrics' own split: they flatter it a little
-        patience = card.early_stopping_patience
-        stopping = f", early stopping after {patience} evaluations without a better score" if patience else ""
-        training["model selection"] = (
-            f"the checkpoint of step {selected['step']} of {selected['steps_trained']}, the best "
-            f"{selected['metric']} ({selected['score']:.4f}) on the validation split (LOAD_BEST_MODEL"
-            f"{stopping}); the metrics above are on the same split"
-        )
+    if selected := metrics.get("selected_checkpoint"):
+        training["model selection"] = model_selection(selected, card.early_stopping_patience)
     written = ModelCard.from_template(
         card_metadata(metrics, base_id, merged, hub_dataset, card.dataset_config, card.task),
         template_str=CARD_TEMPLATE,
@@ -303,6 +297,16 @@ def card_metadata(
             )
             for name in card_metrics(metrics)
         ],
+    )
+
+
+def model_selection(selected: dict, early_stopping_patience: int | None) -> str:
+    """Chosen on the split the card's metrics are measured on: they flatter it a little."""
+    stopping = f", early stopping after {early_stopping_patience} evaluations without a better score"
+    return (
+        f"the checkpoint of step {selected['step']} of {selected['steps_trained']}, the best "
+        f"{selected['metric']} ({selected['score']:.4f}) on the validation split (LOAD_BEST_MODEL"
+        f"{stopping if early_stopping_patience else ''}); the metrics above are on the same split"
     )
 
 
