@@ -1,8 +1,5 @@
-"""What a rank knows once it has started: one frozen object, built once, read by every phase of the run.
-
-main.py resolves the settings, the ranks and the plan without torch (`main.configure`); `Job.start` adds the device
-and completes the plan with the numerics the hardware allows (utils/config/plan.with_device).
-"""
+"""What a rank knows once it has started, read by every phase of the run: main.py resolves the settings, the ranks
+and the plan without torch; `Job.start` adds the device and the numerics the hardware allows."""
 
 from __future__ import annotations
 
@@ -31,7 +28,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """The settings that complete the plan once the device (Job.start) and the training rows (Job.with_rows) are known."""
+    """The settings that complete the plan once the device and the training rows are known."""
 
     gradient_checkpointing: bool
     deepspeed_config: str | None
@@ -97,7 +94,7 @@ class Job:
         return self.plan.capture is True
 
     def leave_unused_libraries_out(self) -> None:
-        """`leave_out` what the plan does not use; before transformers is imported."""
+        """Before transformers is imported."""
         unused = {"deepspeed": self.strategy != "deepspeed", "bitsandbytes": not self.quantize}
         leave_out(*(name for name, left_out in unused.items() if left_out))
         if self.strategy == "deepspeed" and not self.cuda:  # else DeepSpeed probes for a GPU and warns it found none
@@ -105,10 +102,7 @@ class Job:
 
 
 def leave_out(*libraries: str) -> None:
-    """Make installed libraries this process will not use look not installed (None in sys.modules: an import fails,
-    `importlib.util.find_spec` says missing, as Accelerate, transformers and peft ask; tests/test_library_contract.py).
-    Installed, the stack imports them anyway: Accelerate imports DeepSpeed (and MLflow) to recognise its engine, peft
-    imports bitsandbytes, which torch.compiles wrappers as it loads: about 2 s of CPU a start, and their notices in the
-    log."""
+    """Make installed libraries this process will not use look not installed (None in sys.modules: `find_spec` says
+    missing), else Accelerate imports DeepSpeed and peft bitsandbytes anyway: about 2 s of CPU a start, and notices."""
     for name in libraries:
         sys.modules.setdefault(name, None)

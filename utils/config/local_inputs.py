@@ -1,7 +1,5 @@
 """What a start can check on the local disk without torch, datasets or the network: a MODEL_NAME folder, the local
-data, its split files and their columns. `--dry-run` and the run call the same functions, so a mistake found early is
-refused with the line the run would print. A Hub id is left to the run: checking it needs the network.
-"""
+data, its split files and their columns; `--dry-run` and the run call the same functions, so refuse with one line."""
 
 from __future__ import annotations
 
@@ -17,15 +15,8 @@ from utils.config.tasks import validation_splits
 
 # The files a tokenizer is built from (WordPiece, BPE, SentencePiece): a folder without any of them loads a
 # tokenizer that knows only its special tokens.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "vocab.txt",
-    "vocab.json",
-    "tokenizer.model",
-    "spiece.model",
-    "spm.model",
-    "sentencepiece.bpe.model",
-)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "spm.model")
+TOKENIZER_FILES += ("sentencepiece.bpe.model",)
 MODEL_FIX = (
     "point MODEL_NAME at a folder holding the model's config.json, tokenizer and weights "
     "(e.g. `hf download MODEL --local-dir FOLDER`), or give a Hub id"
@@ -36,20 +27,11 @@ def _listing(folder: Path) -> str:
     return ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
 
 
-def is_local_model(model_name: str) -> bool:
-    """Whether MODEL_NAME means a folder: one exists by that name, or the name cannot be a Hub id."""
-    return (
-        Path(model_name).expanduser().exists()
-        or model_name.startswith(("/", ".", "~"))
-        or not REPO_ID_PATTERN.match(model_name)
-    )
-
-
 def check_model_folder(model_name: str) -> None:
-    """A local MODEL_NAME is a folder with a config.json that parses and a tokenizer's files."""
-    if not is_local_model(model_name):
-        return
+    """A local MODEL_NAME (a folder by that name, or a name no Hub id can be) holds a config.json and a tokenizer."""
     folder = Path(model_name).expanduser()
+    if not (folder.exists() or model_name.startswith(("/", ".", "~")) or not REPO_ID_PATTERN.match(model_name)):
+        return
     if not folder.exists():
         raise BadInput(f"MODEL_NAME={model_name} does not exist (no such folder, and no Hub id); {MODEL_FIX}")
     if not folder.is_dir():
@@ -77,16 +59,6 @@ def no_tokenizer(model_name: str) -> JobError:
         "be [UNK]; save the base model's tokenizer into it (tokenizer.json or vocab.txt, tokenizer_config.json: "
         "AutoTokenizer.from_pretrained(base).save_pretrained(folder))",
     )
-
-
-def check_dataset_path(dataset_path: str) -> Path:
-    path = Path(dataset_path)
-    if not path.exists():
-        raise BadInput(
-            f"DATASET_PATH={dataset_path} does not exist; point it at the data's folder (train and validation files, "
-            "or a save_to_disk DatasetDict), or unset it to load DATASET_NAME from the Hub",
-        )
-    return path
 
 
 def check_data_file(setting: str, path: Path, split: str) -> str:
@@ -135,19 +107,15 @@ def local_files(folder: Path, splits: tuple[str, ...]) -> dict[str, str]:
 
 
 def read_splits(validation_split: float | None, validation: tuple[str, ...]) -> tuple[str, ...]:
-    """The splits read from the data: train and the task's validation split(s), or train alone when VALIDATION_SPLIT
-    carves the validation rows out of it."""
+    """train and the task's validation split(s), or train alone when VALIDATION_SPLIT carves the validation rows."""
     return ("train",) if validation_split is not None else ("train", *validation)
 
 
 def check_carve(
     present: Iterable[str], where: str, validation_split: float | None, validation: tuple[str, ...]
 ) -> None:
-    """VALIDATION_SPLIT carves only where the data has no validation rows of its own (those would be dropped without a
-    word). For DATASET_PATH only: the Hub data set's validation split is not the user's to remove."""
-    if validation_split is None:
-        return
-    if given := sorted(split for split in present if split in validation):
+    """VALIDATION_SPLIT carves only where the data has no validation rows of its own (dropped without a word else)."""
+    if validation_split is not None and (given := sorted(split for split in present if split in validation)):
         raise BadInput(
             f"VALIDATION_SPLIT={validation_split} carves validation rows out of the training rows, and "
             f"{where} holds {', '.join(given)} rows already; unset VALIDATION_SPLIT, or remove the validation rows",
@@ -161,14 +129,18 @@ def split_files(
     validation_split: float | None,
     validation: tuple[str, ...],
 ) -> dict[str, str] | None:
-    """Each split's data file, checked: TRAIN_FILE (or a DATASET_PATH file) with VALIDATION_FILE (the first validation
-    split's rows) unless VALIDATION_SPLIT carves, or a DATASET_PATH folder's split files. None for the Hub's data set
-    or a save_to_disk folder (read by `datasets`, checked by check_splits)."""
+    """Each split's data file, checked: TRAIN_FILE (or a DATASET_PATH file) with VALIDATION_FILE, or a DATASET_PATH
+    folder's split files. None for the Hub's data set or a save_to_disk folder (checked by check_splits)."""
     if train_file:
         train = ("TRAIN_FILE", train_file)
     elif not dataset_path:
         return None
-    elif check_dataset_path(dataset_path).is_file():
+    elif not Path(dataset_path).exists():
+        raise BadInput(
+            f"DATASET_PATH={dataset_path} does not exist; point it at the data's folder (train and validation files, "
+            "or a save_to_disk DatasetDict), or unset it to load DATASET_NAME from the Hub",
+        )
+    elif Path(dataset_path).is_file():
         if validation_file is None and validation_split is None:
             raise BadInput(
                 f"DATASET_PATH={dataset_path} is one file, the training rows; set VALIDATION_FILE to the "
@@ -195,8 +167,7 @@ def split_files(
 
 
 def test_split_file(dataset_path: str | None, test_file: str | None) -> Path | None:
-    """The test split's file, checked: TEST_FILE, or the one `test.*` file of a DATASET_PATH folder; None where there
-    is none. Its rows are answered once the model is trained (utils/training/predictions.py)."""
+    """The test split's file, checked: TEST_FILE, or the one `test.*` file of a DATASET_PATH folder; None if none."""
     folder = Path(dataset_path) if dataset_path else None
     found = data_files(folder, ("test",)) if folder and folder.is_dir() else []
     if test_file and found:
@@ -215,18 +186,16 @@ def test_split_file(dataset_path: str | None, test_file: str | None) -> Path | N
 
 
 def check_test_columns(path: Path, text_columns: tuple[str, ...]) -> None:
-    """The test split's file has the text column(s) (its label column is optional: without it, no metrics)."""
-    if (names := file_columns(path, text_columns)) is not None:
-        for column in text_columns:
-            if column not in names:
-                raise BadInput(
-                    f"the test split ({path}) has no column '{column}' (columns: {names}); give it the text column(s) "
-                    f"the run trains on ({','.join(text_columns)}), or move it away to train without answering it",
-                )
+    """The test split's file has the text column(s); its label column is optional (without it, no metrics)."""
+    names = file_columns(path, text_columns)
+    if missing := [column for column in text_columns if names is not None and column not in names]:
+        raise BadInput(
+            f"the test split ({path}) has no column '{missing[0]}' (columns: {names}); give it the text column(s) "
+            f"the run trains on ({','.join(text_columns)}), or move it away to train without answering it",
+        )
 
 
 def check_splits(present: Iterable[str], splits: tuple[str, ...]) -> None:
-    """A save_to_disk DatasetDict (or the Hub's data set) holds every split the run trains and validates on."""
     if missing := [split for split in splits if split not in present]:
         raise BadInput(f"the data set has no {missing} split (it has {sorted(present)}); provide it")
 
@@ -234,7 +203,7 @@ def check_splits(present: Iterable[str], splits: tuple[str, ...]) -> None:
 def check_columns(
     split: str, column_names: list[str], text_columns: tuple[str, ...], label_columns: tuple[str, ...]
 ) -> None:
-    """The split has the text column(s) and the label column(s) (LABEL_COLUMNS: a multi-label problem's 0/1 columns)."""
+    """The split has the text and label column(s) (LABEL_COLUMNS: a multi-label problem's 0/1 columns)."""
     label_setting = "LABEL_COLUMNS" if len(label_columns) > 1 else "LABEL_COLUMN"
     for setting, column in [
         *(("TEXT_COLUMN", column) for column in text_columns),
@@ -249,8 +218,7 @@ def check_columns(
 
 def file_columns(path: Path, needed: Iterable[str]) -> list[str] | None:
     """The columns the loader will read from one split's file, in order: a csv/tsv header, the first JSON record's keys
-    (all records' keys when a needed one is missing), a parquet schema. None when the file cannot be read so cheaply:
-    the run's loader refuses it, naming what is wrong."""
+    (all records' when a needed one is missing), a parquet schema. None where the run's loader will say what is wrong."""
     suffix = path.suffix.lower()
     try:
         if FILE_FORMATS[suffix] == "csv":
@@ -283,8 +251,7 @@ def file_columns(path: Path, needed: Iterable[str]) -> list[str] | None:
 
 
 def saved_columns(folder: Path) -> dict[str, list[str] | None] | None:
-    """A save_to_disk DatasetDict's splits and their columns, from its JSON files (None where unreadable: the run's
-    loader names the damage)."""
+    """A save_to_disk DatasetDict's splits and columns (None where unreadable: the run's loader names the damage)."""
     try:
         splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -301,7 +268,7 @@ def saved_columns(folder: Path) -> dict[str, list[str] | None] | None:
 
 @dataclass(frozen=True)
 class LocalData:
-    """The settings that name the local data and the columns read from it (Settings.select builds it)."""
+    """The local data and its columns (Settings.select builds it)."""
 
     dataset_path: str | None
     train_file: str | None
@@ -314,8 +281,8 @@ class LocalData:
 
 
 def check_dataset(data: LocalData) -> None:
-    """What --dry-run checks of the local data, by the functions the run's loader calls (utils/training/data.py): each
-    split's file (or the DatasetDict's splits) and the columns named; the test split's file and text columns."""
+    """What --dry-run checks of the local data, by the functions the run's loader calls: each split's file (or the
+    DatasetDict's splits) and the columns named; the test split's file and text columns."""
     text_columns, label_columns = data.text_columns, data.label_source_columns
     dataset_path, carve, validation = data.dataset_path, data.validation_split, validation_splits(data.task)
     if (test := test_split_file(dataset_path, data.test_file)) is not None:

@@ -1,10 +1,8 @@
-"""The model's way out: model/ (and merged/) saved on the volume, each whole or not at all, and the Hub client that
-checks the token and pushes each once (run.json records the push, so a restart or `--push-only` never repeats it).
+"""model/ (and merged/) saved on the volume, each whole or not at all, and pushed once each (run.json records it).
 
 huggingface_hub does not retry `create_repo` or a commit on HTTP 503: transient failures (5xx, 429, dropped
-connections, timeouts) are retried here with jittered backoff, bounded in total time; permanent ones fail at once.
-The token is passed explicitly and never formatted into a message.
-"""
+connections, timeouts) are retried here with jittered backoff, within one deadline. The token is never formatted into a
+message."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -61,8 +59,7 @@ CONNECT_SECONDS = 10
 
 
 def use_request_timeout(seconds: float) -> None:
-    """A connect and read timeout on every request huggingface_hub makes (its client has none: a Hub that accepts the
-    connection and never answers would block a call for ever)."""
+    """A timeout on every huggingface_hub request: its client has none, and a silent Hub would block for ever."""
     from huggingface_hub import set_client_factory
     from huggingface_hub.utils._http import default_client_factory
 
@@ -89,32 +86,28 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def retry_after(exc: BaseException) -> float | None:
-    """Seconds the Hub asked us to wait (429/503 `Retry-After`: seconds or an HTTP date), if it did. huggingface_hub's
-    own parser (private) reads whole seconds only."""
+    """The Hub's `Retry-After` in seconds (given as seconds or an HTTP date; huggingface_hub's parser reads only the
+    first)."""
     headers = getattr(getattr(exc, "response", None), "headers", None)
     value = headers.get("Retry-After") if headers is not None else None
     if not value:
         return None
-    try:
+    with suppress(ValueError):
         return max(0.0, float(value))
-    except ValueError:
-        try:
-            return max(0.0, (email.utils.parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
-        except (TypeError, ValueError):
-            return None
+    with suppress(TypeError, ValueError):
+        return max(0.0, (email.utils.parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
+    return None
 
 
 _backoff = wait_random_exponential(multiplier=1, max=60)  # 1 s, 2 s, 4 s ... with full jitter, capped at a minute
 
 
-def _wait(state: RetryCallState) -> float:
-    """Exponential back-off with jitter, but never sooner than the Hub's Retry-After."""
+def _wait(state: RetryCallState) -> float:  # never sooner than the Hub's Retry-After
     asked = retry_after(state.outcome.exception()) if state.outcome and state.outcome.failed else None
     return max(asked or 0.0, _backoff(state))
 
 
-def unresolved(exc: BaseException | None) -> bool:
-    """Whether `exc` (or what it wraps) is a host name that did not resolve."""
+def unresolved(exc: BaseException | None) -> bool:  # `exc`, or what it wraps, is a host name that did not resolve
     while exc is not None:
         if isinstance(exc, socket.gaierror):
             return True
@@ -141,7 +134,7 @@ def _retrying(deadline: float, token: SecretStr | None):
 
 
 def describe(exc: BaseException, token: SecretStr | None = None) -> str:
-    """A one-line account of a Hub failure, with the token (should any message echo it) masked."""
+    """A one-line account of a Hub failure, the token masked should a message echo it."""
     status = _status(exc)
     if status in (401, 403):
         return f"the Hub refused HF_TOKEN (HTTP {status}); create a token with write access at https://huggingface.co/settings/tokens and set HF_TOKEN"
@@ -160,8 +153,7 @@ class Hub:
         self._max_retry_seconds = max_retry_seconds
 
     def check_write_access(self, repo_id: str) -> str:
-        """Fail before any GPU time, within TOKEN_CHECK_SECONDS, when the token is wrong or read-only, or the Hub
-        does not answer (a push without a token: utils/config/preflight.check_push_possible, before this)."""
+        """Fail before any GPU time when the token is wrong or read-only, or the Hub does not answer."""
         seconds = min(TOKEN_CHECK_SECONDS, self._max_retry_seconds)
         try:
             me = within(seconds, _retrying(time.monotonic() + seconds, self._token)(self._api.whoami), "hub-call")
@@ -207,9 +199,8 @@ class Hub:
         card: ModelCard | None = None,
         open_file: Callable[[Path], BinaryIO] | None = None,
     ) -> str:
-        """create_repo, the card's metadata checked by the Hub, then every file in one commit (`files`: path in the
-        repo -> local file, read through `open_file` when given); each call retried, all within one deadline. Returns
-        the commit URL."""
+        """create_repo, the Hub's check of the card, then `files` (path in the repo -> local file, read through
+        `open_file`) in one commit; each call retried, all within one deadline. Returns the commit URL."""
         deadline = time.monotonic() + self._max_retry_seconds
         retrying = _retrying(deadline, self._token)
 
@@ -235,7 +226,6 @@ class Hub:
         return within(self._max_retry_seconds, push, "hub-call")
 
 
-# ------------------------------------------------------------------------------- saving
 def save_model(
     run: RunDir,
     card: CardFacts,
@@ -248,8 +238,7 @@ def save_model(
     repo_id: str | None,
 ):
     """Write model/ (adapter, tokenizer, label names, base fingerprint, training curves, card) and metrics.json.
-    `state_dict`: the gathered weights of a sharded model; None: the model's own. `base_fingerprint`: the run
-    identity's (utils/config/identity.model_digest). `repo_id`: RESULT_MODEL_ID, which the card names."""
+    `state_dict`: a sharded model's gathered weights (None: the model's own)."""
     staged = run.make_dir(run.root / ".model.partial", fresh=True)
     model = trainer.model
     # The adapter names its base by Hub id, so it loads anywhere; else by the folder's absolute path, so predict.py
@@ -268,8 +257,7 @@ def save_model(
 
 
 def save_merged(run: RunDir, card: CardFacts, plan: Plan, problem_type: str, repo_id: str | None) -> None:
-    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision. `repo_id`:
-    RESULT_MERGED_MODEL_ID, which the card names."""
+    """MERGE_ADAPTER: merged/, the base with model/'s adapter merged in, full precision."""
     from utils.training.model import merge_adapter  # seconds to import; the Hub client alone needs none of it
 
     # The base at MODEL_NAME may have been replaced since the adapter was trained, and the same shapes would load.
@@ -289,36 +277,33 @@ def save_merged(run: RunDir, card: CardFacts, plan: Plan, problem_type: str, rep
 
 
 def _replace_with(run: RunDir, staged: Path, folder: Path) -> None:
-    """`folder` replaced whole by `staged`, its files recorded: a push of it sends only what was just written."""
+    """`folder` replaced by `staged`, its files recorded: a push sends only what was just written."""
     files = run.files_in(staged)
     replace_dir(staged, folder)
     record_written(run, folder.name, [f"{folder.name}/{name}" for name in files], replace=True)
 
 
-# ------------------------------------------------------------------------------- pushing
 PUSH_RECORD = {False: "pushed", True: "pushed_merged"}  # run.json keys: what was pushed where
 
 
 def files_to_push(run: RunDir, metrics: dict, folder: Path) -> dict[str, Path]:
-    """Path in the repo -> file on the volume: `folder`'s files, metrics.json, the masked run.json, and this run's
-    TensorBoard events (the Hub's training-metrics tab); those the job recorded writing, never what a walk finds."""
+    """Path in the repo -> file: `folder`'s, metrics.json, the masked run.json and this run's TensorBoard events (the
+    Hub's training-metrics tab); those the job recorded writing, never what a walk finds."""
     recorded = written_files(run, folder.name)
     if recorded is None:  # a model saved before the job recorded its files: the folder as written, links refused
         recorded = [folder / name for name in run.files_in(folder)]
     files = {str(path.relative_to(folder)): path for path in recorded}
     files |= {"metrics.json": run.metrics, "run.json": run.run_record}
     events = run.tensorboard / metrics["run_name"]
-    files |= {
+    return files | {
         f"runs/{metrics['run_name']}/{path.relative_to(events)}": path
         for path in written_files(run, "tensorboard") or []
         if path.parent == events
     }
-    return files
 
 
 def adapter_config_for_hub(run: RunDir, base: str | None) -> dict[Path, bytes]:
-    """model/adapter_config.json as pushed, when it must differ from the volume's: one trained from a local folder
-    names that folder as its base, which loads only on the cluster; the pushed copy names `base`, the card's Hub id."""
+    """model/adapter_config.json as pushed where it names a local base folder: the pushed copy names `base`."""
     path = run.model / "adapter_config.json"
     config = run.read_json(path) or {}
     if not base or config.get("base_model_name_or_path") in (None, base):
@@ -340,8 +325,7 @@ class PushTargets:
 
 
 def push_model(run: RunDir, card: CardFacts, plan: Plan, targets: PushTargets, hub: Hub) -> int:
-    """Push model/ to RESULT_MODEL_ID (and merged/ to RESULT_MERGED_MODEL_ID) unless already pushed; exit 3
-    if a push fails after retries (the model stays on the volume)."""
+    """Push model/ (and merged/) unless already pushed; exit 3 if a push fails after retries."""
     code = EXIT_OK
     metrics = run.read_json(run.metrics) or {}
     for merged, repo_id in ((False, targets.result_model_id), (True, targets.result_merged_model_id)):
@@ -356,16 +340,14 @@ def push_model(run: RunDir, card: CardFacts, plan: Plan, targets: PushTargets, h
         # The card again, now naming the repo it is pushed to (after --push-only too).
         written = write_model_card(folder, card, plan, metrics, repo_id, merged=merged)
         sent = {} if merged else adapter_config_for_hub(run, published_base(metrics, plan))
+
+        def open_file(path: Path, sent=sent) -> BinaryIO:  # not following a link: what was checked is what is sent
+            return io.BytesIO(sent[path]) if path in sent else run.open(path, "rb")
+
         log.info("pushing %s to %s", folder, repo_id)
         try:
             url = hub.push_files(
-                files,
-                repo_id,
-                targets.hub_private,
-                f"Upload {metrics['run_name']}",
-                card=written,
-                # Read through descriptors opened without following a link: what was checked is what is sent.
-                open_file=lambda path, sent=sent: io.BytesIO(sent[path]) if path in sent else run.open(path, "rb"),
+                files, repo_id, targets.hub_private, f"Upload {metrics['run_name']}", written, open_file
             )
         except JobError:  # a file planted since the check above: refused, not a failed push to retry
             raise

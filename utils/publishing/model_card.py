@@ -1,12 +1,10 @@
-"""The model card (README.md), its training-curve plot and the label names: what a user of the pushed model reads.
-
-Written when the model is saved and again at push time, with the real repo id, from what the run left on the volume
-(metrics.json) and the settings, so a `--push-only` after a restart writes the same card.
-"""
+"""The model card (README.md), its training-curve plot and the label names, written at save and again at push (with
+the repo id) from metrics.json and the settings, so a `--push-only` after a restart writes the same card."""
 
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +54,7 @@ prints one JSON line per {{ row }}.
 
 @dataclass(frozen=True)
 class CardFacts:
-    """The settings the card and the label files read (Settings.select builds it; the last eight are recipe_summary's).
-    What the plan derives (the base's Hub id, the rate, the steps) is read from the plan."""
+    """The card's and label files' settings (Settings.select builds it; the last eight are recipe_summary's)."""
 
     model_name: str
     output_dir: str
@@ -87,22 +84,21 @@ class CardFacts:
 
 
 def published_base(metrics: dict, plan: Plan) -> str | None:
-    """The Hub id the base goes by: the one the run trained from (metrics.json), else the plan's (BASE_MODEL_ID or
-    the id MODEL_NAME's folder records now: a run trained from a plain folder is published once the id is given)."""
+    """The base's Hub id: the one the run trained from (metrics.json), else the plan's (a run trained from a plain
+    folder is published once BASE_MODEL_ID is given)."""
     return metrics.get("base_model_id") or plan.base_model_id
 
 
 def run_labels(metrics: dict, label_names: tuple[str, ...]) -> list[str]:
-    """The class names in id order the run trained with (metrics.json), `[]` for regression; LABEL_NAMES for a run
-    recorded before the labels were."""
+    """The class names in id order (`[]` for regression); LABEL_NAMES for a run recorded before the labels were."""
     return list(metrics.get("labels", label_names))
 
 
 def write_label_names(
     folder: Path, metrics: dict, label_names: tuple[str, ...], text_columns: tuple[str, ...], label_column: str
 ) -> None:
-    """id2label.json beside an adapter (the names predict.py and the card's snippet give the label ids; `score` for a
-    regression), and inputs.json: what one input is and where its label is, so predict.py reads what training read."""
+    """id2label.json (`score` for a regression) and inputs.json beside an adapter: predict.py reads what training
+    read."""
     names = run_labels(metrics, label_names) or [REGRESSION_LABEL]
     (folder / LABELS_NAME).write_text(json.dumps(dict(enumerate(names)), indent=2) + "\n")
     inputs = {"text_columns": list(text_columns), "label_column": label_column}
@@ -112,8 +108,7 @@ def write_label_names(
 
 
 def plot_training_curves(log_history: list[dict], path: Path) -> bool:
-    """Training loss and the validation curve (CURVE_METRICS) against the optimizer step, as a PNG; False when nothing
-    was logged."""
+    """Training loss and the validation curve against the optimizer step, as a PNG; False when nothing was logged."""
     losses = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
     logged = {key for entry in log_history for key in entry}
     curve = next((key for key in CURVE_METRICS if key in logged), "eval_accuracy")
@@ -142,8 +137,6 @@ def plot_training_curves(log_history: list[dict], path: Path) -> bool:
 
 
 def data_source(metrics: dict, hub_dataset: str | None, dataset_config: str) -> str:
-    """Where the rows came from: the Hub data set (`hub_dataset`, None for local data), or local data's counts and
-    fingerprint."""
     data = metrics.get("data", {})
     if hub_dataset is None:
         return f"local data ({data.get('train_rows', '?')} training and {data.get('validation_rows', '?')} validation rows, fingerprint {data.get('fingerprint', '?')})"
@@ -151,7 +144,6 @@ def data_source(metrics: dict, hub_dataset: str | None, dataset_config: str) -> 
 
 
 def task_summary(metrics: dict, labels: list[str], pair: bool, task_name: str | None, label_column: str) -> str:
-    """What the model does, in words: `binary sentiment classification (negative / positive)` for SST-2."""
     pairs = "sentence-pair " if pair else ""
     task = f"GLUE {task_name.upper()}: " if task_name else ""
     if not labels:
@@ -167,7 +159,7 @@ def task_summary(metrics: dict, labels: list[str], pair: bool, task_name: str | 
 
 
 def card_metrics(metrics: dict) -> list[str]:
-    """The evaluation metrics metrics.json holds, less `eval_`: `accuracy`, or `matched_accuracy` per MNLI split."""
+    """`accuracy`, or `matched_accuracy` per MNLI split: metrics.json's evaluation metrics less `eval_`."""
     return [
         key.removeprefix("eval_")
         for key in metrics
@@ -176,8 +168,8 @@ def card_metrics(metrics: dict) -> list[str]:
 
 
 def usage_snippet(repo_or_path: str, labels: list[str], pair: bool, merged: bool, metrics: dict) -> str:
-    """The card's Python for this model; for an adapter with what the base's config does not know: the label names,
-    and a regression's `problem_type`, without which the pipeline answers with a sigmoid of the score."""
+    """The card's Python; an adapter's passes the label names and a regression's `problem_type` (else the pipeline
+    answers with a sigmoid of the score)."""
     example = (
         '{"text": "A man is playing a guitar.", "text_pair": "A person plays music."}'
         if pair
@@ -216,17 +208,9 @@ def usage_snippet(repo_or_path: str, labels: list[str], pair: bool, merged: bool
 def adapter_config(folder: Path) -> dict:
     """adapter_config.json as peft saved it (a merged folder's: model/'s beside it); {} if none."""
     for config in (folder / "adapter_config.json", folder.parent / "model" / "adapter_config.json"):
-        try:
+        with suppress(OSError, ValueError):
             return json.loads(config.read_text())
-        except (OSError, ValueError):
-            continue
     return {}
-
-
-def trained_targets(folder: Path, lora_target_modules: tuple[str, ...]) -> list[str]:
-    """The layers the adapter adapts, as its adapter_config.json records them (LORA_TARGET_MODULES may be unset)."""
-    targets = adapter_config(folder).get("target_modules")
-    return sorted(targets) if isinstance(targets, list) else list(lora_target_modules)
 
 
 def write_model_card(
@@ -240,16 +224,21 @@ def write_model_card(
     pair = len(card.text_columns) == 2
     labels = run_labels(metrics, card.label_names)
     hub_dataset = None if card.local_data else card.dataset_name
+    adapter = adapter_config(folder)
+    # The layers as the adapter records them: LORA_TARGET_MODULES may be unset.
+    targets = adapter.get("target_modules")
+    targets = sorted(targets) if isinstance(targets, list) else list(card.lora_target_modules)
+    rows, source = metrics.get("global_batch", "?"), metrics.get("global_batch_source")
     # The Training table: what the run trained with, as it resolved it (metrics.json) where it recorded it.
     training = {
         "base model": base_id or card.model_name,
-        "adapter": f"LoRA r={card.lora_r}, alpha={card.lora_alpha}, dropout {card.lora_dropout:g}, on {', '.join(trained_targets(folder, card.lora_target_modules))}",
+        "adapter": f"LoRA r={card.lora_r}, alpha={card.lora_alpha}, dropout {card.lora_dropout:g}, on {', '.join(targets)}",
         "recipe": recipe_summary(
-            card, metrics.get("loraplus_ratio"), "pooler" in (adapter_config(folder).get("modules_to_save") or [])
+            card, metrics.get("loraplus_ratio"), "pooler" in (adapter.get("modules_to_save") or [])
         ),
         "epochs": f"{plan.num_epochs:g}" if plan.max_steps is None else f"{plan.max_steps} steps",
         "learning rate": f"{metrics.get('learning_rate', plan.learning_rate):g}",
-        "global batch": global_batch(metrics),
+        "global batch": f"{rows} rows a step ({source})" if source else str(rows),
         "world size (replicas)": replica_counts(metrics),
         "precision": metrics.get("precision", "?"),
         "quantization": metrics.get("quantization", "?"),
@@ -286,7 +275,7 @@ def write_model_card(
 def card_metadata(
     metrics: dict, base_id: str | None, merged: bool, hub_dataset: str | None, dataset_config: str, task: str | None
 ) -> ModelCardData:
-    """The card's YAML header: the base model, the tags, and the validation metrics the Hub shows (model-index)."""
+    """The card's YAML header: the base model, the tags, the validation metrics the Hub shows (model-index)."""
     hub_data = hub_dataset is not None
     sentiment = ["sentiment-analysis"] if dataset_config == "sst2" and not task else []
     return ModelCardData(
@@ -312,8 +301,7 @@ def card_metadata(
 
 
 def model_selection(selected: dict, early_stopping_patience: int | None) -> str:
-    """The Training table's row for a run that kept its best checkpoint, chosen on the split the metrics above are
-    measured on (they flatter it a little)."""
+    """Chosen on the split the card's metrics are measured on: they flatter it a little."""
     stopping = f", early stopping after {early_stopping_patience} evaluations without a better score"
     return (
         f"the checkpoint of step {selected['step']} of {selected['steps_trained']}, the best "
@@ -322,14 +310,8 @@ def model_selection(selected: dict, early_stopping_patience: int | None) -> str:
     )
 
 
-def global_batch(metrics: dict) -> str:
-    """The rows each optimizer step averaged, and why."""
-    rows, source = metrics.get("global_batch", "?"), metrics.get("global_batch_source")
-    return f"{rows} rows a step ({source})" if source else str(rows)
-
-
 def replica_counts(metrics: dict) -> str:
-    """The replica count, or for a run resumed on another count which trained which steps: "steps 1-120 on 4, ..."."""
+    """The replica count, or for a run resumed on another count: "steps 1-120 on 4, ..."."""
     segments = metrics.get("segments") or []
     if len({segment["world_size"] for segment in segments}) < 2:
         return str(metrics.get("world_size", "?"))

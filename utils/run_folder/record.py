@@ -1,5 +1,5 @@
-"""The run record (OUTPUT_DIR/run.json) and the claim on the folder: whether OUTPUT_DIR is the job's, and holds
-this run (its identity, utils/config/identity.py) or a finished run these settings agree with."""
+"""The run record (OUTPUT_DIR/run.json) and the claim on the folder: OUTPUT_DIR is the job's, and holds this run or
+a finished run these settings agree with."""
 
 from __future__ import annotations
 
@@ -18,15 +18,14 @@ from utils.run_folder.layout import LOCK_NAME, RunDir, not_writable
 from utils.run_folder.model_files import LABELS_NAME
 
 PACKAGES = ("torch", "transformers", "datasets", "accelerate", "peft", "bitsandbytes", "evaluate", "huggingface-hub")
-# Written first into a folder the job claims: the job deletes and replaces files in its run folder (unfinished
-# checkpoints, model/), so it works only in a folder it created or found empty.
+# Written first into a folder the job claims: it deletes and replaces files there, so it works only in a folder it
+# created or found empty.
 RUN_MARKER = ".run-folder"
 # What the job makes before its first record, all empty: the skeleton of a run killed that early before RUN_MARKER.
 SKELETON = frozenset({"logs", "checkpoints", "cache", LOCK_NAME})
 # A fresh file system's own folder at the root of a volume mounted as OUTPUT_DIR.
 NOT_CONTENT = frozenset({"lost+found"})
-# run.json's layout, in every run.json the job writes: another tool's run.json marks no run folder of this job's.
-# Records from before the key are told by the keys every version wrote (RECORD_KEYS); a newer layout is refused.
+# run.json's layout, in every run.json the job writes; older records are told by the keys every version wrote.
 RUN_RECORD_FORMAT = 2
 RECORD_KEYS = {"run_name": str, "settings": dict, "versions": dict}
 
@@ -34,17 +33,21 @@ RECORD_KEYS = {"run_name": str, "settings": dict, "versions": dict}
 def check_run_dir(
     output_dir: str, plan: Plan, label_names: list[str] | None, base_model_id: str | None, push_only: bool = False
 ) -> RunDir:
-    """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link, or holds another run; a
-    finished run also with other label names (LABEL_NAMES where given, else None) or base model. `push_only` publishes
-    what the volume holds: the replica count, global batch and data are not its to check. Writes nothing."""
+    """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link or another run, or a finished
+    run with other label names or base model. Writes nothing."""
     run = RunDir(Path(output_dir).resolve())
     # First: a link in someone else's folder is theirs, not a link planted in ours.
     refuse_foreign(run, output_dir)
     run.check_planted()
     record = run.read_json(run.run_record) if run.root.is_dir() else None
     if record is not None:
-        check_record_format(run, record)
+        if record.get("format", RUN_RECORD_FORMAT) > RUN_RECORD_FORMAT:
+            raise BadInput(
+                f"{run.run_record} was written by a newer version of the job (format {record['format']}; this version "
+                f"reads up to {RUN_RECORD_FORMAT}); run that version on this folder, or set OUTPUT_DIR to a new folder",
+            )
         theirs, unrecorded = recorded_identity(record, plan.identity)
+        # --push-only publishes what the volume holds: the replica count, global batch and data are not its to check.
         ignore = frozenset({"world_size", "global_batch", "data"}) if push_only else frozenset()
         if run.is_finished() and plan.identity.get("label_names") is None:
             # A finished run restarted without LABEL_NAMES publishes the names it recorded (check_finished_run).
@@ -58,8 +61,8 @@ def check_run_dir(
 
 
 def is_run_folder(run: RunDir) -> bool:
-    """Whether OUTPUT_DIR is new, empty, or a run folder of this job: its RUN_MARKER or run.json, or the empty skeleton
-    a start killed before either leaves. A run.json not the job's makes the folder someone else's, marker or not."""
+    """Whether OUTPUT_DIR is new, empty, or the job's: its RUN_MARKER or run.json, or the empty SKELETON. A run.json
+    not the job's makes the folder someone else's, marker or not."""
     try:
         names = {entry.name for entry in os.scandir(run.root)} - NOT_CONTENT
     except (FileNotFoundError, NotADirectoryError):  # open_run_dir creates it, or says why it cannot
@@ -75,16 +78,11 @@ def is_run_folder(run: RunDir) -> bool:
 
 
 def _record_problem(run: RunDir, marked: bool) -> str | None:
-    """Why the file run.json is not this job's record (None: it is). Unmarked, one with other hard links is someone
-    else's (in a marked folder, RunDir.open refuses it as a planted link)."""
+    """Why run.json is not this job's (None: it is): its `format`, or the keys every version wrote. Unmarked, one with
+    other hard links is someone else's (marked, RunDir.open refuses it as a planted link)."""
     if not marked and os.lstat(run.run_record).st_nlink > 1:
         return "it is a file with other hard links"
-    return foreign_record(run.read_json(run.run_record))
-
-
-def foreign_record(record: dict) -> str | None:
-    """Why `record`, a run.json, is not one this job wrote (None: it is): its `format`, or the keys every version of
-    the job wrote."""
+    record = run.read_json(run.run_record)
     if "format" in record:
         fmt = record["format"]
         good = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt >= RUN_RECORD_FORMAT
@@ -93,18 +91,8 @@ def foreign_record(record: dict) -> str | None:
     return f"it has no {', '.join(missing)}" if missing else None
 
 
-def check_record_format(run: RunDir, record: dict) -> None:
-    """A run.json of a newer version of the job is refused: what it records is not this version's to read."""
-    if record.get("format", RUN_RECORD_FORMAT) > RUN_RECORD_FORMAT:
-        raise BadInput(
-            f"{run.run_record} was written by a newer version of the job (format {record['format']}; this version "
-            f"reads up to {RUN_RECORD_FORMAT}); run that version on this folder, or set OUTPUT_DIR to a new folder",
-        )
-
-
 def recorded_identity(record: dict, identity: dict) -> tuple[dict, frozenset[str]]:
-    """What run.json says its run was (its identity, or for an older run the training settings it recorded), and the
-    fields of `identity` it does not record (left out of the comparison)."""
+    """run.json's identity (an older run's: its recorded settings), and the fields of `identity` it does not record."""
     if isinstance(record.get("identity"), dict):
         return record["identity"], frozenset()
     recorded = record.get("training_settings")
@@ -114,21 +102,18 @@ def recorded_identity(record: dict, identity: dict) -> tuple[dict, frozenset[str
 
 
 def _is_regular(path: Path) -> bool:
-    try:
+    with suppress(OSError):
         return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
+    return False
 
 
 def _is_empty_folder(path: Path) -> bool:
-    try:
+    with suppress(OSError):
         return stat.S_ISDIR(os.lstat(path).st_mode) and not os.listdir(path)
-    except OSError:
-        return False
+    return False
 
 
 def refuse_foreign(run: RunDir, output_dir: str | Path) -> None:
-    """A non-empty OUTPUT_DIR that is not a run of this job is refused, untouched: the job deletes and replaces files."""
     if is_run_folder(run):
         return
     names = sorted(set(os.listdir(run.root)) - NOT_CONTENT)
@@ -151,8 +136,8 @@ def claim_run_dir(run: RunDir) -> None:
 
 
 def discard_unused_claim(run: RunDir) -> None:
-    """Remove OUTPUT_DIR, created by a start that was refused, when it holds only what `open_run_dir` made. The
-    folders go first and only while empty: never a folder left unmarked with content (the next start's refusal)."""
+    """Remove OUTPUT_DIR after a refused start when it holds only what `open_run_dir` made; the folders first and only
+    while empty: never a folder left unmarked with content."""
     with suppress(OSError):
         names = set(os.listdir(run.root))
         if not names <= {RUN_MARKER, *(SKELETON - {LOCK_NAME})}:
@@ -164,8 +149,7 @@ def discard_unused_claim(run: RunDir) -> None:
 
 
 def check_finished_run(run: RunDir, output_dir: str, label_names: list[str] | None, base_model_id: str | None) -> None:
-    """What a finished run publishes comes from its own records: a setting given now (`label_names`: None where
-    LABEL_NAMES is unset) that contradicts them is refused."""
+    """A finished run publishes what it recorded: a setting given now that contradicts it is refused."""
     names = run.read_json(run.model / LABELS_NAME)
     recorded = tuple(name for _, name in sorted((int(i), name) for i, name in names.items())) if names else None
     if recorded and label_names is not None and tuple(label_names) != recorded:
@@ -204,13 +188,13 @@ def open_run_dir(
 
 
 def write_run_record(run: RunDir, as_given: dict, plan: Plan, **extra) -> None:
-    """run.json: the settings as given (Settings.as_dict), the completed plan, its identity, the package versions."""
+    """run.json: the settings as given, the completed plan, its identity, the package versions."""
     versions = dict.fromkeys(PACKAGES)  # None: not installed
     for name in PACKAGES:
         with suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
-    settings_and_plan = dict(settings=as_given, plan=plan.as_dict(), identity=plan.identity)
-    update_run_record(run, run_name=plan.run_name, **settings_and_plan, versions=versions, **extra)
+    plan_fields = dict(plan=plan.as_dict(), identity=plan.identity)
+    update_run_record(run, run_name=plan.run_name, settings=as_given, **plan_fields, versions=versions, **extra)
 
 
 def update_run_record(run: RunDir, **fields) -> None:
@@ -219,10 +203,10 @@ def update_run_record(run: RunDir, **fields) -> None:
 
 def record_written(run: RunDir, what: str, paths: list[str], replace: bool = False) -> None:
     """Add files the job wrote (relative to the root) to what a push may send (run.json `written`)."""
-    record = run.read_json(run.run_record) or {}
-    written = record.setdefault("written", {})
-    written[what] = sorted(set(paths) | (set() if replace else set(written.get(what, []))))
-    run.write_json(run.run_record, {**record, "format": RUN_RECORD_FORMAT})
+    written = (run.read_json(run.run_record) or {}).get("written", {})
+    update_run_record(
+        run, written={**written, what: sorted(set(paths) | set([] if replace else written.get(what, [])))}
+    )
 
 
 def written_files(run: RunDir, what: str) -> list[Path] | None:

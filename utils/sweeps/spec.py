@@ -1,8 +1,7 @@
 """A sweep's spec (SPEC.yaml) and its trials: read, checked against the job's own settings, planned.
 
-Every trial is planned before the first starts, the same way on every backend (a grid's product in the spec's order,
-or `trials` draws of Optuna's RandomSampler seeded with `seed`), so trial-003 is the same settings whether the local
-runner, a Slurm array index or `--dry-run` names it.
+Every trial is planned before the first starts, alike on every backend (a grid's product in the spec's order, or seeded
+random draws), so trial-003 is the same settings whether the local runner, a Slurm array index or `--dry-run` names it.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import json
 import math
 import os
 import re
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -44,8 +44,7 @@ from utils.config.tasks import CLASSIFICATION, LOWER_IS_BETTER, REGRESSION, eval
 from utils.config.tasks import validation_splits as task_splits
 from utils.run_folder.layout import RunDir
 
-# Each trial is a training run, and Slurm's default MaxArraySize (1001) takes array indexes 0-1000: a bigger
-# sweep is a typo (trials: 100000000) or a grid nobody means to pay for.
+# Slurm's default MaxArraySize (1001) takes array indexes 0-1000; more trials are a typo or a grid nobody would pay for.
 MAX_TRIALS = 1000
 SPEC_MAX_BYTES = 1 << 20  # a spec is a page of YAML; more is the wrong file (and /dev/zero never ends)
 # A trial pushes only where the spec's `push:` says, never to these from the shell or the recipe (each over the last).
@@ -118,13 +117,10 @@ Values = Annotated[list, Field(min_length=1), AfterValidator(swept_values)]
 
 
 def finite(value):
-    """A range's bound the sampler can draw between: .nan passes every order check (it compares false), .inf and an
-    int past a float's range overflow the draw."""
-    try:
+    """.nan passes every order check (it compares false); .inf and an int past a float's range overflow the draw."""
+    with suppress(OverflowError):  # an int too large for a float
         if math.isfinite(value):
             return value
-    except OverflowError:  # an int too large for a float
-        pass
     shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(repr(value))} digits)"
     raise ValueError(f"{shown} is not a finite number; give each bound as a number, e.g. low: 1.0e-5")
 
@@ -209,9 +205,8 @@ class Trial:
 
 @pydantic_dataclass(config=ConfigDict(extra="forbid", strict=True))
 class Spec:
-    """A sweep spec: its keys, each strictly of its type (`true` is no count, `"8"` no number), each description the
-    fix its refusal names; the rules across keys in `_rules`. The fields without init are set by read_spec (`path`)
-    and check_trials (the metric's names in metrics.json)."""
+    """A spec's keys, each strictly of its type (`true` is no count, `"8"` no number), each description the fix its
+    refusal names; the rules across keys in `_rules`. read_spec and check_trials set the fields without init."""
 
     output_dir: Path = Field(description="set it to the folder for the trials and the summary")
     name: str | None = Field(None, min_length=1, description="name the sweep, e.g. name: lr-rank")
@@ -235,7 +230,6 @@ class Spec:
     # Each runs a process: a larger count than a sweep's trials is a typo that would exhaust memory.
     parallel: int = Field(1, ge=1, le=MAX_TRIALS, description=f"give how many trials run at once, 1 to {MAX_TRIALS}")
     backend: Literal["local", "slurm", "katib"] = Field("local", description="use one of local, slurm, katib")
-    # the Hub repo trials push to as <repo>-<trial>; None: no trial pushes
     push: str | bool | None = Field(
         False, description="write push: OWNER/NAME (trial-003 pushes to OWNER/NAME-trial-003) or push: false"
     )
@@ -245,7 +239,7 @@ class Spec:
     )
     katib: dict = Field(default_factory=dict, description="katib: takes no keys")
     path: Path = Field(Path("SPEC.yaml"), init=False)
-    metric_key: str = Field("eval_accuracy", init=False)  # where metrics.json holds `metric` (check_trials)
+    metric_key: str = Field("eval_accuracy", init=False)  # where metrics.json holds `metric`
     metric_keys: tuple[str, ...] = Field((), init=False)  # every metric metrics.json holds for it, as eval_<name>
     metric_splits: tuple[str, ...] = Field((), init=False)  # the metric on each validation split (MNLI's two)
 
@@ -322,14 +316,10 @@ class Spec:
 
     def trial_env(self, trial: Trial) -> dict[str, str]:
         """The settings one trial runs with, as the environment of its `python main.py` (or Katib's template)."""
-        env = dict(self.settings)
-        if self.config:
-            env["CONFIG_FILE"] = self.config
-        env.update(as_environment(trial.params))
-        env["OUTPUT_DIR"] = str(self.output_dir / trial.name)
-        if self.push:
-            env["RESULT_MODEL_ID"] = f"{self.push}-{trial.name}"
-        return env
+        config = {"CONFIG_FILE": self.config} if self.config else {}
+        push = {"RESULT_MODEL_ID": f"{self.push}-{trial.name}"} if self.push else {}
+        trial_env = {**as_environment(trial.params), "OUTPUT_DIR": str(self.output_dir / trial.name), **push}
+        return {**self.settings, **config, **trial_env}
 
 
 FILE_KEYS = [name for name, field in Spec.__pydantic_fields__.items() if field.init is not False]
@@ -358,9 +348,8 @@ class _Alias(Exception):
 
 
 class SpecLoader(_unique_key_loader(yaml)):  # one rule for a key given twice, in the recipe and in the spec
-    """The recipe reader's loader (a key given twice, `lora_r` beside `LORA_R` too, is refused: YAML keeps the last
-    without a word), refusing aliases as well. A spec is a page written out; nested aliases make a few hundred bytes
-    millions of values (a "billion laughs"), which a check then walks and an error message quotes whole."""
+    """The recipe reader's loader, refusing aliases too: nested ones make a few hundred bytes millions of values (a
+    "billion laughs"), which a check then walks and an error message quotes whole."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -370,7 +359,6 @@ class SpecLoader(_unique_key_loader(yaml)):  # one rule for a key given twice, i
 
 
 def read_spec(path: Path) -> Spec:
-    """Read and check a spec; everything wrong with it is a JobError (exit 2) that says the fix."""
     try:
         raw = yaml.load(read_small_text(path, SPEC_MAX_BYTES), Loader=SpecLoader)
     except (OSError, UnfitFile) as exc:
@@ -406,22 +394,17 @@ def plan_trials(spec: Spec) -> list[Trial]:
     return [Trial(i, f"trial-{i:0{width}d}", params) for i, params in enumerate(points)]
 
 
-def distributions(spec: Spec) -> dict:
+def draw_random(spec: Spec) -> list[dict]:
+    import optuna
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    return {
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    spaces = {
         name: (IntDistribution if space.type == "int" else FloatDistribution)(space.low, space.high, log=space.log)
         if isinstance(space, Range)
         else CategoricalDistribution(space)
-        for name, space in {**spec.grid, **spec.random}.items()
+        for name, space in spec.random.items()
     }
-
-
-def draw_random(spec: Spec) -> list[dict]:
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    spaces = distributions(spec)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=spec.seed))
     points = []
     for _ in range(spec.trials or 0):
@@ -435,18 +418,16 @@ def draw_random(spec: Spec) -> list[dict]:
 
 
 def job_environment(spec: Spec, trial: Trial) -> dict[str, str]:
-    """The environment of one trial's `python main.py` (checked, identified and run alike): this shell's less the Hub
-    repos, with the trial's settings over it."""
-    env = {name: value for name, value in os.environ.items() if name not in HUB_DESTINATIONS}
-    env.update(spec.trial_env(trial))
-    return env
+    """One trial's `python main.py` environment (checked, identified and run alike): this shell's less the Hub repos,
+    with the trial's settings over it."""
+    return {**{k: v for k, v in os.environ.items() if k not in HUB_DESTINATIONS}, **spec.trial_env(trial)}
 
 
 @dataclass(frozen=True)
 class Resolved:
     """What the sweep reads of a trial's resolved settings (Settings.select builds it)."""
 
-    config_file: str | None  # the spec's `config:` or the shell's CONFIG_FILE: the same for every trial
+    config_file: str | None
     result_model_id: str | None
     result_merged_model_id: str | None
     task: str | None
@@ -454,10 +435,9 @@ class Resolved:
 
 
 def check_trials(spec: Spec, trials: list[Trial]) -> dict:
-    """Resolve each trial's settings and plan with the job's own code, as its main.py will, so a bad value, a Hub repo
-    from the recipe, a push the job would refuse (no token, a local base without BASE_MODEL_ID) or a metric
-    metrics.json will not hold stops the sweep before any trial starts; set `spec.metric_key`.
-    Returns the sweep's identity (`sweep_identity`) for `check_sweep_dir`."""
+    """Resolve each trial's settings and plan as its main.py will, so a bad value, a Hub repo from the recipe, a push
+    the job would refuse or a metric metrics.json will not hold stops the sweep before any trial starts; set
+    `spec.metric_key`. Returns the sweep's identity for `check_sweep_dir`."""
     found: dict[str, dict] = {}
     keys: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     recipe = None
@@ -465,8 +445,7 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
         env = {k: v for k, v in job_environment(spec, trial).items() if k.lower() in FIELDS}
         try:
             settings, _ = load_settings([], environ=env)
-            # each trial is a one-process run of the job (locally, and as a Slurm array task)
-            plan = build_plan(settings, 1)
+            plan = build_plan(settings, 1)  # each trial is a one-process run (locally, and as a Slurm array task)
             found[trial.name] = plan.identity
         except JobError as exc:
             raise refused(f"{trial.name} ({describe(trial)}): {exc.message}") from None
@@ -496,15 +475,10 @@ def check_trials(spec: Spec, trials: list[Trial]) -> dict:
 
 
 def sweep_identity(spec: Spec, trials: dict[str, dict], recipe: str | None) -> dict:
-    """What makes two runs of a spec one sweep, as sweep.json records it: the job's identity of each trial (so a
-    setting the job ignores, such as HUB_TIMEOUT, changes no trial), a random search's space and seed (more trials
-    extend it; a grid's trials are its space), and the recipe's path and digest (what it decides is in each trial's
-    identity)."""
-    space = (
-        {"random": {name: setting_space(values) for name, values in spec.random.items()}, "seed": spec.seed}
-        if spec.random
-        else {"grid": {name: [*map(setting_value, values)] for name, values in spec.grid.items()}}
-    )
+    """What makes two runs of a spec one sweep (sweep.json): the job's identity of each trial (a setting the job
+    ignores changes no trial), a random search's space and seed (more trials extend it), the recipe's path and digest."""
+    swept = {name: setting_space(values) for name, values in (spec.random or spec.grid).items()}
+    space = {"random": swept, "seed": spec.seed} if spec.random else {"grid": swept}
     # read by the job's recipe reader in check_trials: a regular file of a page at most
     digest = recipe and sha256_file(Path(recipe).expanduser())
     identity = {"trials": trials, "space": space, "recipe": recipe and {"path": recipe, "sha256": digest}}
@@ -516,29 +490,22 @@ def setting_space(space) -> list | dict:
 
 
 def metric_of(metric: str, task: str | None, problem_type: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    """The spec's `metric` as metrics.json names it (less `eval_`), every name metrics.json holds (the metrics the run
-    reports, its loss on each validation split), and the metric's key on each split. Without a split, on MNLI,
-    `metric` is the first split's (`accuracy` is `matched_accuracy`): the metric the job tracks as best. Without TASK
-    or PROBLEM_TYPE the data decides classification or regression: either's metrics may be named."""
+    """The spec's `metric` as metrics.json names it (less `eval_`), every name metrics.json holds, and the metric's key
+    on each split. On MNLI a metric without a split is the first split's, as the job tracks it. Without TASK or
+    PROBLEM_TYPE the data decides classification or regression: either's metrics may be named."""
     problems = (problem_type,) if problem_type != "auto" else (CLASSIFICATION, REGRESSION)
     splits = task_splits(task)
     reported = [name for problem in problems for name in reported_metrics(task, problem)]
-    names = tuple(dict.fromkeys([*reported, *(f"{p}_loss" if p else "loss" for p in map(eval_prefix, splits))]))
-    first = eval_prefix(splits[0])
-    for name in (metric, f"{first}_{metric}" if first else metric):
-        if name in names:
-            return name, names, on_each_split(name, splits)
+    prefixes = [eval_prefix(split) for split in splits]
+    names = tuple(dict.fromkeys([*reported, *(f"{p}_loss" if p else "loss" for p in prefixes)]))
+    for name in (metric, f"{prefixes[0]}_{metric}" if prefixes[0] else metric):
+        if name in names:  # on every split: MNLI's matched_accuracy is also eval_mismatched_accuracy
+            base = next((name.removeprefix(f"{p}_") for p in prefixes if p and name.startswith(f"{p}_")), name)
+            return name, names, tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes)
     close = difflib.get_close_matches(metric, names, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     kind = f"TASK={task}" if task else f"PROBLEM_TYPE={problem_type}"
     raise refused(f"metric={metric!r} is not a metric the trials write ({kind}){hint}; use one of {', '.join(names)}")
-
-
-def on_each_split(key: str, splits: tuple[str, ...]) -> tuple[str, ...]:
-    """MNLI's `matched_accuracy` -> eval_matched_accuracy, eval_mismatched_accuracy: the metric on every split."""
-    prefixes = [eval_prefix(split) for split in splits]
-    base = next((key.removeprefix(f"{p}_") for p in prefixes if p and key.startswith(f"{p}_")), key)
-    return tuple(f"eval_{p}_{base}" if p else f"eval_{base}" for p in prefixes)
 
 
 def describe(trial: Trial) -> str:
@@ -546,7 +513,7 @@ def describe(trial: Trial) -> str:
 
 
 def trial_metric(spec: Spec, folder: Path) -> float | None:
-    """The sweep's metric from the metrics.json in a trial's folder (as `spec.metric_key` names it), if it is a number."""
+    """The sweep's metric from a trial's metrics.json, if it is a number."""
     path = folder / "metrics.json"
     value = json.loads(path.read_text()).get(spec.metric_key) if path.exists() else None
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
@@ -555,10 +522,8 @@ def trial_metric(spec: Spec, folder: Path) -> float | None:
 
 
 def check_sweep_dir(spec: Spec, identity: dict) -> dict | None:
-    """Whether output_dir may be this sweep's: a new or empty folder, or this same sweep's (the same recipe and, for
-    every trial both name, the same identity), so no result shows under values it was not trained with. Writes
-    nothing: returns the record `claim_sweep_dir` writes (None: the folder's stands), so a refusal in between leaves
-    the folder as it was."""
+    """Refuse an output_dir that is not new, empty or this same sweep's, so no result shows under values it was not
+    trained with. Writes nothing: returns the record `claim_sweep_dir` writes (None: the folder's stands)."""
     out = spec.output_dir
     record = out / SWEEP_RECORD
     if record.is_file():
@@ -584,22 +549,21 @@ UNREADABLE = "restore the sweep.json the sweep wrote, or give this spec a new ou
 
 
 def read_sweep_record(record: Path) -> dict:
-    """sweep.json as `sweep_identity` made it, or refused: a record of another shape was not this sweep's, or was
-    edited."""
+    """sweep.json as `sweep_identity` made it; another shape was not this sweep's, or was edited."""
     try:
         theirs = json.loads(read_small_text(record, SWEEP_RECORD_MAX_BYTES))
     except (OSError, UnfitFile, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else exc
         raise refused(f"{record} cannot be read ({why}); {UNREADABLE}") from None
-    if isinstance(theirs, dict) and isinstance(theirs.get("trials"), dict) and "space" not in theirs:
+    trials = theirs.get("trials") if isinstance(theirs, dict) else None
+    if isinstance(trials, dict) and "space" not in theirs:
         raise refused(
             f"{record} was written by an earlier sweep.py (it records each trial's variables, not the job's identity "
             "of each); finish that sweep with the version that made it, or give this spec a new output_dir"
         )
     if not (
-        isinstance(theirs, dict)
-        and isinstance(theirs.get("trials"), dict)
-        and all(isinstance(trial, dict) for trial in theirs["trials"].values())
+        isinstance(trials, dict)
+        and all(isinstance(trial, dict) for trial in trials.values())
         and isinstance(theirs.get("space"), dict)
         and isinstance(theirs.get("recipe", ...), dict | None)
     ):
@@ -611,7 +575,6 @@ def read_sweep_record(record: Path) -> dict:
 
 
 def claim_sweep_dir(spec: Spec, record: dict | None) -> None:
-    """Write `check_sweep_dir`'s record: the folder is this sweep's from then on."""
     if record is None:
         return
     try:
@@ -624,8 +587,7 @@ def claim_sweep_dir(spec: Spec, record: dict | None) -> None:
 
 
 def identity_change(theirs: dict, ours: dict) -> str | None:
-    """The first difference between a sweep's recorded identity and this spec's, in the job's words for a trial
-    (`LORA_DROPOUT: 0.1 -> 0.3`); None: the same sweep, perhaps extended."""
+    """The first difference between the recorded sweep and this spec (`LORA_DROPOUT: 0.1 -> 0.3`); None: the same."""
     if "random" in ours["space"] and theirs["space"] != ours["space"]:  # more draws of another space: another sweep
         was, now = theirs["space"], ours["space"]
         if "random" not in was:
