@@ -31,7 +31,11 @@ RECORD_KEYS = {"run_name": str, "settings": dict, "versions": dict}
 
 
 def check_run_dir(
-    output_dir: str, plan: Plan, label_names: list[str] | None, base_model_id: str | None, push_only: bool = False
+    output_dir: str,
+    plan: Plan,
+    label_names: tuple[str, ...] | None,
+    base_model_id: str | None,
+    push_only: bool = False,
 ) -> RunDir:
     """Refuse an OUTPUT_DIR that is not a run folder of this job, holds a planted link or another run, or a finished
     run with other label names or base model. Writes nothing."""
@@ -148,7 +152,9 @@ def discard_unused_claim(run: RunDir) -> None:
         run.root.rmdir()
 
 
-def check_finished_run(run: RunDir, output_dir: str, label_names: list[str] | None, base_model_id: str | None) -> None:
+def check_finished_run(
+    run: RunDir, output_dir: str, label_names: tuple[str, ...] | None, base_model_id: str | None
+) -> None:
     """A finished run publishes what it recorded: a setting given now that contradicts it is refused."""
     names = run.read_json(run.model / LABELS_NAME)
     recorded = tuple(name for _, name in sorted((int(i), name) for i, name in names.items())) if names else None
@@ -170,7 +176,11 @@ def check_finished_run(run: RunDir, output_dir: str, label_names: list[str] | No
 
 
 def open_run_dir(
-    output_dir: str, plan: Plan, label_names: list[str] | None, base_model_id: str | None, push_only: bool = False
+    output_dir: str,
+    plan: Plan,
+    label_names: tuple[str, ...] | None,
+    base_model_id: str | None,
+    push_only: bool = False,
 ) -> RunDir:
     """Create OUTPUT_DIR's folders, claimed as this job's, after refusing one `check_run_dir` refuses."""
     run = check_run_dir(output_dir, plan, label_names, base_model_id, push_only)
