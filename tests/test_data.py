@@ -356,3 +356,21 @@ def test_a_byte_order_mark_and_crlf_line_ends_read_as_plain_utf8(tmp_path, token
     data = load_sst2(source_for(folder), tokenizer, tmp_path / "cache")
     assert identical(data, load_sst2(source_for(plain), tokenizer, tmp_path / "cache-plain"))
     assert_film_rows(data, tokenizer)
+
+
+@pytest.mark.check
+def test_a_local_load_asks_the_network_nothing(tmp_path, tokenizer, monkeypatch):
+    """datasets counts a download of its csv module on the Hub at each load unless told not to: on a cluster that
+    sets no offline variable and reaches no network, a DNS lookup and a 3 s timeout a file (seen: 5 s a load here)."""
+    import datasets.load
+
+    asked = []
+
+    def session():
+        asked.append("network")
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets.load, "get_session", session)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # no HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set
+    data = load_sst2(source_for(plain_films(tmp_path / "data")), tokenizer, tmp_path / "cache")
+    assert len(data["train"]) and asked == []

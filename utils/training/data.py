@@ -31,6 +31,9 @@ TEXTS, LABEL = ("text", "text_pair"), "labels"
 # Only an empty cell is missing (pandas would read the sentences `NA`, `null`, `None` and `nan` as missing).
 CSV_OPTIONS = {"keep_default_na": False, "na_values": [""]}
 JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+# datasets counts a download of its csv/json/parquet module on the Hub at every load unless told not to: where no
+# offline variable is set and no network is reached (an air-gapped cluster), a DNS lookup and a 3 s timeout a file.
+datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
 
 
 @dataclass(frozen=True)
