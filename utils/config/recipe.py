@@ -5,14 +5,15 @@ The groups are made here because peft's create_loraplus_optimizer puts the head'
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from dataclasses import dataclass
 
 from utils.config.plan import Plan
 from utils.config.settings import Settings
 
 
-class RecipeOptions(Protocol):
-    """The fields recipe_summary reads, named as the settings are."""
+@dataclass(frozen=True)
+class RecipeOptions:
+    """The settings recipe_summary reads (Settings.select builds it; the card's facts extend it)."""
 
     warmup_ratio: float
     head_learning_rate_ratio: float
@@ -59,13 +60,12 @@ def lora_options(module_names: Iterable[str], lora_variant: str, lora_init: str,
 
 def describe_recipe(settings: Settings, plan: Plan) -> str:
     """One log line: the rate used, where it came from, and the options around the adapter (recipe_summary)."""
-    return f"learning rate {plan.learning_rate:g} at global batch {plan.batch.global_batch} ({plan.learning_rate_source}); {recipe_summary(settings, plan.loraplus_ratio)}"
+    return f"learning rate {plan.learning_rate:g} at global batch {plan.batch.global_batch} ({plan.learning_rate_source}); {recipe_summary(settings.select(RecipeOptions), plan.loraplus_ratio)}"
 
 
 def recipe_summary(options: RecipeOptions, loraplus_ratio: float | None, pooler: bool | None = None) -> str:
-    """The options around the adapter that shaped the model, for its card and the rank log (`options`: the settings,
-    or the card's facts). `loraplus_ratio`: the plan's. `pooler`: whether the saved adapter trained one; None before
-    the model is read (RoBERTa has none)."""
+    """The options around the adapter that shaped the model, for its card and the rank log. `loraplus_ratio`: the
+    plan's. `pooler`: whether the saved adapter trained one; None before the model is read (RoBERTa has none)."""
     parts = [f"warm-up {options.warmup_ratio:g} of the steps"]
     if loraplus_ratio not in (None, 1):
         parts.append(f"LoRA+ (B at x{loraplus_ratio:g} the rate)")

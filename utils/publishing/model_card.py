@@ -11,7 +11,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from utils.config.plan import Plan
-from utils.config.recipe import recipe_summary
+from utils.config.recipe import RecipeOptions, recipe_summary
 from utils.config.tasks import MULTI_LABEL
 from utils.run_folder.model_files import INPUTS_NAME, LABELS_NAME, REGRESSION_LABEL
 
@@ -53,8 +53,8 @@ prints one JSON line per {{ row }}.
 
 
 @dataclass(frozen=True)
-class CardFacts:
-    """The card's and label files' settings (Settings.select builds it; the last eight are recipe_summary's)."""
+class CardFacts(RecipeOptions):
+    """The card's and label files' settings, and the recipe's (Settings.select builds it)."""
 
     model_name: str
     output_dir: str
@@ -73,14 +73,6 @@ class CardFacts:
     max_seq_length: int
     seed: int
     early_stopping_patience: int | None
-    warmup_ratio: float
-    head_learning_rate_ratio: float
-    train_pooler: bool
-    lora_variant: str
-    lora_init: str
-    weight_decay: float
-    model_dropout: float | str
-    class_weights: str
 
 
 def published_base(metrics: dict, plan: Plan) -> str | None:
